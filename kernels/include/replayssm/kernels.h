@@ -1,0 +1,230 @@
+/* replayssm kernels: the C ABI.
+ *
+ * What this is for: the numerics of one linear-attention layer (Gated DeltaNet = GDN, Kimi
+ * Delta Attention = KDA) for a batch of requests whose recurrent states live in a pool of
+ * slots. The math is ../../../docs/math-and-abi.md (and DESIGN §1); every backend matches it.
+ *
+ * Ownership: the caller owns every buffer. Nothing here allocates device memory, keeps a
+ * pointer past the call, or synchronizes the stream. On the CPU backend every pointer is a
+ * host pointer and `stream` must be NULL; on the CUDA backend every tensor and index array is
+ * device memory and work is enqueued on `stream` (NULL = the legacy default stream).
+ *
+ * Thread safety: every function may be called concurrently from several threads as long as
+ * the calls touch disjoint slots (or only read the same ones). The error message is
+ * thread-local.
+ *
+ * Errors: every function returns an rssm_status. On any error nothing was written (arguments
+ * are checked before any work starts) and rssm_last_error() says which field was wrong, what
+ * was expected and what came. The CUDA backend validates host-visible fields; values inside
+ * device arrays (slot indices, cursors) cannot be read without a sync, so there the kernels
+ * treat an out-of-range slot index as padding and clamp cursors to [0, L] instead (no
+ * out-of-bounds access, documented as undefined results). The CPU backend checks them too.
+ *
+ * Shapes use: B rows, H qk-heads, HV v-heads (HV % H == 0, v-head h reads qk-head
+ * h / (HV / H)), K key dim, V value dim, L ring length, S the number of slots in a pool.
+ * Strides are in elements; 0 means dense.
+ */
+#ifndef REPLAYSSM_KERNELS_H_
+#define REPLAYSSM_KERNELS_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RSSM_ABI_VERSION 1
+#define RSSM_MAX_HEAD_DIM 256 /* K and V: multiples of 16 in [16, 256] */
+#define RSSM_MAX_RING_LEN 64  /* L in [1, 64] */
+
+typedef enum rssm_status {
+  RSSM_OK = 0,
+  RSSM_ERR_INVALID_ARGUMENT = 1, /* a field is out of range, null, or inconsistent */
+  RSSM_ERR_UNSUPPORTED = 2,      /* valid, but the backend is not built or has no device */
+  RSSM_ERR_DEVICE = 3,           /* a CUDA call or kernel launch failed */
+} rssm_status;
+
+typedef enum rssm_dtype {
+  RSSM_DTYPE_F32 = 0,
+  RSSM_DTYPE_BF16 = 1,
+  RSSM_DTYPE_F16 = 2,
+} rssm_dtype;
+
+typedef enum rssm_gate {
+  RSSM_GATE_GDN = 0, /* g is one scalar per v-head */
+  RSSM_GATE_KDA = 1, /* g is one value per v-head and key channel */
+} rssm_gate;
+
+typedef enum rssm_backend {
+  RSSM_BACKEND_CPU = 0,
+  RSSM_BACKEND_CUDA = 1,
+} rssm_backend;
+
+/* Enum-valued fields are int32_t (not the enum types) so that the struct layout is fixed
+ * across compilers and a bad value from a caller is a checked error, not undefined behaviour. */
+
+/* The shape of one layer and the dtypes of its state and activations. */
+typedef struct rssm_layer_shape {
+  int32_t gate; /* rssm_gate */
+  int32_t num_qk_heads; /* H  >= 1 */
+  int32_t num_v_heads;  /* HV, a multiple of H */
+  int32_t head_k;       /* K, multiple of 16, <= 256 */
+  int32_t head_v;       /* V, multiple of 16, <= 256 */
+  int32_t ring_len;     /* L in [1, 64] */
+  int32_t state_dtype; /* rssm_dtype: checkpoint and ring d, k (ring g is always fp32) */
+  int32_t act_dtype;   /* rssm_dtype: mixed_qkv, a, b and the outputs */
+} rssm_layer_shape;
+
+/* Per-layer learned parameters (device memory on CUDA), fp32. */
+typedef struct rssm_layer_params {
+  const float* a_log;   /* [HV] */
+  const float* dt_bias; /* GDN [HV], KDA [HV, K] */
+  float scale;          /* q multiplier, usually K^-1/2 */
+  int32_t use_qk_l2norm; /* 0 or 1 */
+} rssm_layer_params;
+
+/* One layer's state for a pool of S slots. Slot s's tensors start at base + s * stride. */
+typedef struct rssm_state_pool {
+  void* checkpoint;  /* [S, HV, V, K] state dtype (the full state S0 of the checkpoint) */
+  void* ring_d;      /* [S, HV, L, V] state dtype: d_j = beta (v - S'k) of record j */
+  void* ring_k;      /* [S, H, L, K]  state dtype: the (normalized) key of record j */
+  float* ring_g;     /* GDN [S, HV, L], KDA [S, HV, L, K]: log-decay g_j of record j */
+  int64_t num_slots; /* S >= 1 */
+  int64_t checkpoint_slot_stride; /* >= HV*V*K, 0 = dense */
+  int64_t ring_d_slot_stride;     /* >= HV*L*V, 0 = dense */
+  int64_t ring_k_slot_stride;     /* >= H*L*K, 0 = dense */
+  int64_t ring_g_slot_stride;     /* >= HV*L (GDN) or HV*L*K (KDA), 0 = dense */
+} rssm_state_pool;
+
+/* Per-token activations, act dtype. N tokens: B for decode, B*T for verify (row-major in
+ * (row, draft)), the sum of lengths for prefill. */
+typedef struct rssm_token_inputs {
+  const void* mixed_qkv; /* [N, 2*H*K + HV*V]: q [H,K] | k [H,K] | v [HV,V] */
+  const void* a;         /* GDN [N, HV], KDA [N, HV, K] */
+  const void* b;         /* [N, HV] */
+  int64_t qkv_token_stride; /* 0 = dense */
+  int64_t a_token_stride;   /* 0 = dense */
+  int64_t b_token_stride;   /* 0 = dense */
+} rssm_token_inputs;
+
+/* Outputs o = S_new q, act dtype: [N, HV, V]. */
+typedef struct rssm_token_outputs {
+  void* o;
+  int64_t token_stride; /* >= HV*V, 0 = dense */
+} rssm_token_outputs;
+
+/* Common to every call. */
+typedef struct rssm_launch {
+  int32_t backend; /* rssm_backend */
+  void* stream; /* cudaStream_t on CUDA, NULL on CPU */
+} rssm_launch;
+
+/* 1. Replay decode step. Row r (slot s = slot_idx[r], cursor w = write_pos[r] in [0, L])
+ * reads S0 and records 0..w-1 of slot s and writes o[r]. Then:
+ *   if w + 1 >= L or force_fold[r]: checkpoint <- fold(S0, records 0..w-1, this token's
+ *       record); the caller sets the cursor to 0;
+ *   else: this token's record is written at ring index w; the caller sets the cursor to w+1.
+ * The kernel never writes cursors. slot_idx[r] == -1 marks a padding row: o[r] = 0 and no
+ * state is read or written. Slots of a call must be distinct. */
+typedef struct rssm_decode_args {
+  rssm_launch launch;
+  rssm_layer_shape shape;
+  rssm_layer_params params;
+  rssm_state_pool pool;
+  int32_t batch;              /* B >= 0 */
+  const int32_t* slot_idx;    /* [B], -1 = padding */
+  const int32_t* write_pos;   /* [B] in [0, L]; ignored (may be NULL) by the baseline */
+  const uint8_t* force_fold;  /* [B] 0/1, or NULL = none; ignored by the baseline */
+  rssm_token_inputs in;       /* N = B */
+  rssm_token_outputs out;     /* N = B */
+} rssm_decode_args;
+
+rssm_status rssm_replay_decode(const rssm_decode_args* args);
+
+/* 2. Baseline decode step: the checkpoint of slot s IS the full state; it is read, advanced
+ * by one token and written back (ring and cursors unused). Same arithmetic order as a replay
+ * step that folds at w = 0, so the two agree bit for bit there. */
+rssm_status rssm_baseline_decode(const rssm_decode_args* args);
+
+/* 3. Fold (materialize): for each listed slot, checkpoint <- logical state of (S0, records
+ * 0..w-1). The caller sets the cursors to 0. w == 0 leaves the checkpoint unchanged, so fold
+ * is idempotent. slot_idx[i] == -1 is skipped. */
+typedef struct rssm_fold_args {
+  rssm_launch launch;
+  rssm_layer_shape shape;
+  rssm_state_pool pool;
+  int32_t count;            /* n >= 0 */
+  const int32_t* slot_idx;  /* [n] */
+  const int32_t* write_pos; /* [n] in [0, L] */
+} rssm_fold_args;
+
+rssm_status rssm_fold(const rssm_fold_args* args);
+
+/* 4. Prefill: row r runs the plain recurrence over its tokens cu_seqlens[r]..cu_seqlens[r+1]
+ * starting from zero (initial == NULL or initial[r] == 0) or from the logical state of its
+ * slot at cursor write_pos[r] (initial[r] == 1), writes the final state to the checkpoint
+ * (the caller sets the cursor to 0) and, when out.o != NULL, the per-token outputs. The state
+ * is carried in fp32 across the tokens and rounded to the state dtype once, at the end. */
+typedef struct rssm_prefill_args {
+  rssm_launch launch;
+  rssm_layer_shape shape;
+  rssm_layer_params params;
+  rssm_state_pool pool;
+  int32_t batch;             /* B >= 0 */
+  const int32_t* slot_idx;   /* [B], -1 = padding (its tokens are skipped, outputs zeroed) */
+  const int32_t* cu_seqlens; /* [B+1], non-decreasing, cu_seqlens[0] == 0, N = cu_seqlens[B] */
+  const uint8_t* initial;    /* [B] 0/1 or NULL = all start from zero */
+  const int32_t* write_pos;  /* [B] cursor of each slot; needed only where initial[r] == 1 */
+  int32_t max_seqlen;        /* >= max length of a row (a launch hint for CUDA) */
+  rssm_token_inputs in;      /* N tokens */
+  rssm_token_outputs out;    /* N tokens, or o == NULL for no outputs */
+} rssm_prefill_args;
+
+rssm_status rssm_prefill(const rssm_prefill_args* args);
+
+/* 5. Speculative verify: row r scores T draft tokens (inputs and outputs in (r, t) order)
+ * output-only from S0 and records 0..w-1; draft t's output equals what a replay decode step
+ * at cursor w+t would give after drafts 0..t-1. The drafts' records are appended at ring
+ * indices w..w+T-1 and NOTHING is folded, so accepting n drafts is "cursor += n" and
+ * rejecting costs nothing. Rule: w + T <= L for every row (the caller folds first when a
+ * row lacks room; the cache does this). A cursor may then equal L: the next decode step
+ * folds. */
+typedef struct rssm_verify_args {
+  rssm_launch launch;
+  rssm_layer_shape shape;
+  rssm_layer_params params;
+  rssm_state_pool pool;
+  int32_t batch;            /* B >= 0 */
+  int32_t num_draft;        /* T in [1, L] */
+  const int32_t* slot_idx;  /* [B], -1 = padding */
+  const int32_t* write_pos; /* [B], w + T <= L */
+  rssm_token_inputs in;     /* N = B*T */
+  rssm_token_outputs out;   /* N = B*T */
+} rssm_verify_args;
+
+rssm_status rssm_verify(const rssm_verify_args* args);
+
+/* Helpers. */
+const char* rssm_status_name(rssm_status status);
+const char* rssm_dtype_name(int32_t dtype); /* "unknown" for an unknown dtype */
+size_t rssm_dtype_size(int32_t dtype);      /* 0 for an unknown dtype */
+/* The message of the last failed call on this thread ("" when none). */
+const char* rssm_last_error(void);
+/* 1 when the backend is built and (CUDA) a device is visible, else 0. */
+int rssm_backend_available(int32_t backend);
+/* Validates a shape; RSSM_OK or RSSM_ERR_INVALID_ARGUMENT with the message set. */
+rssm_status rssm_check_shape(const rssm_layer_shape* shape);
+/* Dense element counts per slot of one layer's tensors, and the bytes one slot of one layer
+ * costs (checkpoint + ring d, k, g): what capacity planning counts. 0 for an invalid shape. */
+int64_t rssm_checkpoint_elems(const rssm_layer_shape* shape);
+int64_t rssm_ring_d_elems(const rssm_layer_shape* shape);
+int64_t rssm_ring_k_elems(const rssm_layer_shape* shape);
+int64_t rssm_ring_g_elems(const rssm_layer_shape* shape);
+int64_t rssm_slot_layer_bytes(const rssm_layer_shape* shape);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* REPLAYSSM_KERNELS_H_ */

@@ -1,0 +1,385 @@
+// The C ABI front: validates every argument before any work starts, resolves default
+// strides, and dispatches to the backend. Error text: "<function>: <field>: expected <what>,
+// got <value>".
+#include <cstdio>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+#include "backend.h"
+#include "replayssm/kernels.h"
+
+namespace replayssm::kernels {
+namespace {
+
+thread_local std::string g_last_error;
+
+// Collects the first failure of a validation pass.
+class Check {
+ public:
+  explicit Check(const char* function) : function_(function) {}
+
+  bool ok() const { return ok_; }
+
+  // Records "field: expected ..., got ..." unless a failure is already recorded.
+  void Fail(const std::string& field, const std::string& expected, const std::string& got) {
+    if (!ok_) return;
+    ok_ = false;
+    SetLastError(std::string(function_) + ": " + field + ": expected " + expected + ", got " +
+                 got);
+  }
+  void NotNull(const void* p, const std::string& field) {
+    if (p == nullptr) Fail(field, "a non-null pointer", "NULL");
+  }
+  void Range(int64_t v, int64_t lo, int64_t hi, const std::string& field) {
+    if (v < lo || v > hi) {
+      Fail(field, "a value in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]",
+           std::to_string(v));
+    }
+  }
+  // A stride of 0 becomes `dense`; a non-zero stride must be at least `dense`.
+  void Stride(int64_t* stride, int64_t dense, const std::string& field) {
+    if (*stride == 0) {
+      *stride = dense;
+    } else if (*stride < dense) {
+      Fail(field, "0 (dense) or >= " + std::to_string(dense), std::to_string(*stride));
+    }
+  }
+  rssm_status status() const { return ok_ ? RSSM_OK : RSSM_ERR_INVALID_ARGUMENT; }
+
+ private:
+  const char* function_;
+  bool ok_ = true;
+};
+
+bool ValidDtype(int32_t d) {
+  return d == RSSM_DTYPE_F32 || d == RSSM_DTYPE_BF16 || d == RSSM_DTYPE_F16;
+}
+
+void CheckShape(Check& c, const rssm_layer_shape& s) {
+  if (s.gate != RSSM_GATE_GDN && s.gate != RSSM_GATE_KDA) {
+    c.Fail("shape.gate", "RSSM_GATE_GDN (0) or RSSM_GATE_KDA (1)", std::to_string(s.gate));
+  }
+  c.Range(s.num_qk_heads, 1, 1 << 16, "shape.num_qk_heads");
+  c.Range(s.num_v_heads, 1, 1 << 16, "shape.num_v_heads");
+  if (c.ok() && s.num_v_heads % s.num_qk_heads != 0) {
+    c.Fail("shape.num_v_heads", "a multiple of num_qk_heads (" +
+           std::to_string(s.num_qk_heads) + ")", std::to_string(s.num_v_heads));
+  }
+  for (auto [v, name] : {std::pair{s.head_k, "shape.head_k"}, {s.head_v, "shape.head_v"}}) {
+    if (v < 16 || v > RSSM_MAX_HEAD_DIM || v % 16 != 0) {
+      c.Fail(name, "a multiple of 16 in [16, 256]", std::to_string(v));
+    }
+  }
+  c.Range(s.ring_len, 1, RSSM_MAX_RING_LEN, "shape.ring_len");
+  if (!ValidDtype(s.state_dtype)) {
+    c.Fail("shape.state_dtype", "F32 (0), BF16 (1) or F16 (2)", std::to_string(s.state_dtype));
+  }
+  if (!ValidDtype(s.act_dtype)) {
+    c.Fail("shape.act_dtype", "F32 (0), BF16 (1) or F16 (2)", std::to_string(s.act_dtype));
+  }
+}
+
+void CheckLaunch(Check& c, const rssm_launch& l) {
+  if (l.backend == RSSM_BACKEND_CPU) {
+    if (l.stream != nullptr) c.Fail("launch.stream", "NULL on the CPU backend", "a stream");
+  } else if (l.backend != RSSM_BACKEND_CUDA) {
+    c.Fail("launch.backend", "RSSM_BACKEND_CPU (0) or RSSM_BACKEND_CUDA (1)",
+           std::to_string(l.backend));
+  }
+}
+
+void CheckParams(Check& c, const rssm_layer_params& p) {
+  c.NotNull(p.a_log, "params.a_log");
+  c.NotNull(p.dt_bias, "params.dt_bias");
+  if (p.use_qk_l2norm != 0 && p.use_qk_l2norm != 1) {
+    c.Fail("params.use_qk_l2norm", "0 or 1", std::to_string(p.use_qk_l2norm));
+  }
+  if (!(p.scale == p.scale)) c.Fail("params.scale", "a number", "NaN");
+}
+
+void CheckPool(Check& c, rssm_state_pool& p, const rssm_layer_shape& s, bool ring) {
+  c.NotNull(p.checkpoint, "pool.checkpoint");
+  if (p.num_slots < 1) c.Fail("pool.num_slots", ">= 1", std::to_string(p.num_slots));
+  if (!c.ok()) return;
+  c.Stride(&p.checkpoint_slot_stride, rssm_checkpoint_elems(&s), "pool.checkpoint_slot_stride");
+  if (!ring) return;
+  c.NotNull(p.ring_d, "pool.ring_d");
+  c.NotNull(p.ring_k, "pool.ring_k");
+  c.NotNull(p.ring_g, "pool.ring_g");
+  c.Stride(&p.ring_d_slot_stride, rssm_ring_d_elems(&s), "pool.ring_d_slot_stride");
+  c.Stride(&p.ring_k_slot_stride, rssm_ring_k_elems(&s), "pool.ring_k_slot_stride");
+  c.Stride(&p.ring_g_slot_stride, rssm_ring_g_elems(&s), "pool.ring_g_slot_stride");
+}
+
+void CheckInputs(Check& c, rssm_token_inputs& in, const rssm_layer_shape& s) {
+  c.NotNull(in.mixed_qkv, "in.mixed_qkv");
+  c.NotNull(in.a, "in.a");
+  c.NotNull(in.b, "in.b");
+  const int64_t qkv = 2LL * s.num_qk_heads * s.head_k + int64_t{s.num_v_heads} * s.head_v;
+  const int64_t a = s.gate == RSSM_GATE_KDA ? int64_t{s.num_v_heads} * s.head_k : s.num_v_heads;
+  c.Stride(&in.qkv_token_stride, qkv, "in.qkv_token_stride");
+  c.Stride(&in.a_token_stride, a, "in.a_token_stride");
+  c.Stride(&in.b_token_stride, s.num_v_heads, "in.b_token_stride");
+}
+
+void CheckOutputs(Check& c, rssm_token_outputs& out, const rssm_layer_shape& s, bool optional) {
+  if (!optional) c.NotNull(out.o, "out.o");
+  c.Stride(&out.token_stride, int64_t{s.num_v_heads} * s.head_v, "out.token_stride");
+}
+
+// CPU only: the index arrays are host memory, so their values are checked as well.
+void CheckSlots(Check& c, const int32_t* slot_idx, int32_t n, int64_t num_slots) {
+  std::unordered_set<int32_t> seen;
+  for (int32_t i = 0; i < n && c.ok(); ++i) {
+    const std::string field = "slot_idx[" + std::to_string(i) + "]";
+    c.Range(slot_idx[i], -1, num_slots - 1, field);
+    if (c.ok() && slot_idx[i] >= 0 && !seen.insert(slot_idx[i]).second) {
+      c.Fail(field, "a slot not already used by another row of this call",
+             "duplicate slot " + std::to_string(slot_idx[i]));
+    }
+  }
+}
+
+void CheckCursors(Check& c, const int32_t* slot_idx, const int32_t* write_pos, int32_t n,
+                  int32_t max_pos, const char* rule) {
+  for (int32_t i = 0; i < n && c.ok(); ++i) {
+    if (slot_idx[i] < 0) continue;
+    if (write_pos[i] < 0 || write_pos[i] > max_pos) {
+      c.Fail("write_pos[" + std::to_string(i) + "]", std::string(rule) + " = [0, " +
+             std::to_string(max_pos) + "]", std::to_string(write_pos[i]));
+    }
+  }
+}
+
+bool IsCpu(const rssm_launch& l) { return l.backend == RSSM_BACKEND_CPU; }
+
+rssm_status Finish(const Check& c) {
+  if (c.ok()) g_last_error.clear();
+  return c.status();
+}
+
+rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn) {
+  Check c(fn);
+  if (in == nullptr) {
+    c.Fail("args", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  rssm_decode_args a = *in;
+  CheckLaunch(c, a.launch);
+  CheckShape(c, a.shape);
+  if (!c.ok()) return Finish(c);
+  CheckParams(c, a.params);
+  CheckPool(c, a.pool, a.shape, !baseline);
+  c.Range(a.batch, 0, 1 << 24, "batch");
+  if (!c.ok() || a.batch == 0) return Finish(c);
+  c.NotNull(a.slot_idx, "slot_idx");
+  if (!baseline) c.NotNull(a.write_pos, "write_pos");
+  CheckInputs(c, a.in, a.shape);
+  CheckOutputs(c, a.out, a.shape, false);
+  if (c.ok() && IsCpu(a.launch)) {
+    CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
+    if (!baseline) CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len, "[0, L]");
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  if (IsCpu(a.launch)) return baseline ? cpu::BaselineDecode(a) : cpu::ReplayDecode(a);
+  return baseline ? cuda::BaselineDecode(a) : cuda::ReplayDecode(a);
+}
+
+}  // namespace
+
+void SetLastError(std::string message) { g_last_error = std::move(message); }
+
+}  // namespace replayssm::kernels
+
+using namespace replayssm::kernels;  // NOLINT: the C ABI below is a thin shell
+
+extern "C" {
+
+rssm_status rssm_replay_decode(const rssm_decode_args* args) {
+  return Decode(args, false, "rssm_replay_decode");
+}
+
+rssm_status rssm_baseline_decode(const rssm_decode_args* args) {
+  return Decode(args, true, "rssm_baseline_decode");
+}
+
+rssm_status rssm_fold(const rssm_fold_args* in) {
+  Check c("rssm_fold");
+  if (in == nullptr) {
+    c.Fail("args", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  rssm_fold_args a = *in;
+  CheckLaunch(c, a.launch);
+  CheckShape(c, a.shape);
+  if (!c.ok()) return Finish(c);
+  CheckPool(c, a.pool, a.shape, true);
+  c.Range(a.count, 0, 1 << 24, "count");
+  if (!c.ok() || a.count == 0) return Finish(c);
+  c.NotNull(a.slot_idx, "slot_idx");
+  c.NotNull(a.write_pos, "write_pos");
+  if (c.ok() && IsCpu(a.launch)) {
+    CheckSlots(c, a.slot_idx, a.count, a.pool.num_slots);
+    CheckCursors(c, a.slot_idx, a.write_pos, a.count, a.shape.ring_len, "[0, L]");
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  return IsCpu(a.launch) ? cpu::Fold(a) : cuda::Fold(a);
+}
+
+rssm_status rssm_prefill(const rssm_prefill_args* in) {
+  Check c("rssm_prefill");
+  if (in == nullptr) {
+    c.Fail("args", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  rssm_prefill_args a = *in;
+  CheckLaunch(c, a.launch);
+  CheckShape(c, a.shape);
+  if (!c.ok()) return Finish(c);
+  CheckParams(c, a.params);
+  CheckPool(c, a.pool, a.shape, true);
+  c.Range(a.batch, 0, 1 << 24, "batch");
+  if (!c.ok() || a.batch == 0) return Finish(c);
+  c.NotNull(a.slot_idx, "slot_idx");
+  c.NotNull(a.cu_seqlens, "cu_seqlens");
+  if (a.initial != nullptr) c.NotNull(a.write_pos, "write_pos (required with initial)");
+  c.Range(a.max_seqlen, 0, int64_t{1} << 30, "max_seqlen");
+  CheckInputs(c, a.in, a.shape);
+  CheckOutputs(c, a.out, a.shape, true);
+  if (c.ok() && IsCpu(a.launch)) {
+    CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
+    if (a.cu_seqlens[0] != 0) c.Fail("cu_seqlens[0]", "0", std::to_string(a.cu_seqlens[0]));
+    for (int32_t r = 0; r < a.batch && c.ok(); ++r) {
+      const int64_t len = int64_t{a.cu_seqlens[r + 1]} - a.cu_seqlens[r];
+      c.Range(len, 0, a.max_seqlen, "cu_seqlens[" + std::to_string(r + 1) + "] - cu_seqlens[" +
+              std::to_string(r) + "] (row length, at most max_seqlen)");
+      if (a.initial != nullptr && a.initial[r] && a.slot_idx[r] >= 0) {
+        c.Range(a.write_pos[r], 0, a.shape.ring_len, "write_pos[" + std::to_string(r) + "]");
+      }
+    }
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  return IsCpu(a.launch) ? cpu::Prefill(a) : cuda::Prefill(a);
+}
+
+rssm_status rssm_verify(const rssm_verify_args* in) {
+  Check c("rssm_verify");
+  if (in == nullptr) {
+    c.Fail("args", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  rssm_verify_args a = *in;
+  CheckLaunch(c, a.launch);
+  CheckShape(c, a.shape);
+  if (!c.ok()) return Finish(c);
+  CheckParams(c, a.params);
+  CheckPool(c, a.pool, a.shape, true);
+  c.Range(a.num_draft, 1, a.shape.ring_len, "num_draft (T, at most ring_len)");
+  c.Range(a.batch, 0, 1 << 24, "batch");
+  if (!c.ok() || a.batch == 0) return Finish(c);
+  c.NotNull(a.slot_idx, "slot_idx");
+  c.NotNull(a.write_pos, "write_pos");
+  CheckInputs(c, a.in, a.shape);
+  CheckOutputs(c, a.out, a.shape, false);
+  if (c.ok() && IsCpu(a.launch)) {
+    CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
+    CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len - a.num_draft,
+                 "room for T drafts: w + T <= L, w in");
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  return IsCpu(a.launch) ? cpu::Verify(a) : cuda::Verify(a);
+}
+
+const char* rssm_status_name(rssm_status status) {
+  switch (status) {
+    case RSSM_OK: return "OK";
+    case RSSM_ERR_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case RSSM_ERR_UNSUPPORTED: return "UNSUPPORTED";
+    case RSSM_ERR_DEVICE: return "DEVICE";
+  }
+  return "UNKNOWN";
+}
+
+const char* rssm_dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case RSSM_DTYPE_F32: return "f32";
+    case RSSM_DTYPE_BF16: return "bf16";
+    case RSSM_DTYPE_F16: return "f16";
+  }
+  return "unknown";
+}
+
+size_t rssm_dtype_size(int32_t dtype) {
+  switch (dtype) {
+    case RSSM_DTYPE_F32: return 4;
+    case RSSM_DTYPE_BF16:
+    case RSSM_DTYPE_F16: return 2;
+  }
+  return 0;
+}
+
+const char* rssm_last_error(void) { return g_last_error.c_str(); }
+
+int rssm_backend_available(int32_t backend) {
+  if (backend == RSSM_BACKEND_CPU) return 1;
+  if (backend == RSSM_BACKEND_CUDA) return cuda::Available() ? 1 : 0;
+  return 0;
+}
+
+rssm_status rssm_check_shape(const rssm_layer_shape* shape) {
+  Check c("rssm_check_shape");
+  if (shape == nullptr) {
+    c.Fail("shape", "a non-null pointer", "NULL");
+  } else {
+    CheckShape(c, *shape);
+  }
+  return Finish(c);
+}
+
+int64_t rssm_checkpoint_elems(const rssm_layer_shape* s) {
+  return int64_t{s->num_v_heads} * s->head_v * s->head_k;
+}
+int64_t rssm_ring_d_elems(const rssm_layer_shape* s) {
+  return int64_t{s->num_v_heads} * s->ring_len * s->head_v;
+}
+int64_t rssm_ring_k_elems(const rssm_layer_shape* s) {
+  return int64_t{s->num_qk_heads} * s->ring_len * s->head_k;
+}
+int64_t rssm_ring_g_elems(const rssm_layer_shape* s) {
+  const int64_t per = s->gate == RSSM_GATE_KDA ? s->head_k : 1;
+  return int64_t{s->num_v_heads} * s->ring_len * per;
+}
+
+int64_t rssm_slot_layer_bytes(const rssm_layer_shape* s) {
+  if (s == nullptr) return 0;
+  Check c("rssm_slot_layer_bytes");
+  CheckShape(c, *s);
+  if (!c.ok()) return 0;
+  const int64_t es = static_cast<int64_t>(rssm_dtype_size(s->state_dtype));
+  return es * (rssm_checkpoint_elems(s) + rssm_ring_d_elems(s) + rssm_ring_k_elems(s)) +
+         4 * rssm_ring_g_elems(s);
+}
+
+}  // extern "C"
+
+#ifndef REPLAYSSM_WITH_CUDA
+namespace replayssm::kernels::cuda {
+namespace {
+rssm_status NotBuilt() {
+  SetLastError("the CUDA backend is not built into this library (configure with REPLAYSSM_CUDA=ON)");
+  return RSSM_ERR_UNSUPPORTED;
+}
+}  // namespace
+bool Available() { return false; }
+rssm_status ReplayDecode(const rssm_decode_args&) { return NotBuilt(); }
+rssm_status BaselineDecode(const rssm_decode_args&) { return NotBuilt(); }
+rssm_status Fold(const rssm_fold_args&) { return NotBuilt(); }
+rssm_status Prefill(const rssm_prefill_args&) { return NotBuilt(); }
+rssm_status Verify(const rssm_verify_args&) { return NotBuilt(); }
+}  // namespace replayssm::kernels::cuda
+#endif

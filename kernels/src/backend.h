@@ -1,0 +1,38 @@
+// Internal interface between the C ABI front (api.cc: validation, dispatch, error text) and
+// the backends. Every function here receives arguments that api.cc has already validated
+// (dims, dtypes, non-null pointers, strides resolved to non-zero values; on CPU also the
+// values inside the index arrays). Backends report device failures through SetLastError.
+#ifndef REPLAYSSM_KERNELS_SRC_BACKEND_H_
+#define REPLAYSSM_KERNELS_SRC_BACKEND_H_
+
+#include <string>
+
+#include "replayssm/kernels.h"
+
+namespace replayssm::kernels {
+
+// Sets the thread-local message returned by rssm_last_error().
+void SetLastError(std::string message);
+
+namespace cpu {
+rssm_status ReplayDecode(const rssm_decode_args& args);
+rssm_status BaselineDecode(const rssm_decode_args& args);
+rssm_status Fold(const rssm_fold_args& args);
+rssm_status Prefill(const rssm_prefill_args& args);
+rssm_status Verify(const rssm_verify_args& args);
+}  // namespace cpu
+
+namespace cuda {
+// Defined in kernels/cuda/ when built with REPLAYSSM_WITH_CUDA; otherwise stubs in api.cc
+// answer RSSM_ERR_UNSUPPORTED.
+bool Available();
+rssm_status ReplayDecode(const rssm_decode_args& args);
+rssm_status BaselineDecode(const rssm_decode_args& args);
+rssm_status Fold(const rssm_fold_args& args);
+rssm_status Prefill(const rssm_prefill_args& args);
+rssm_status Verify(const rssm_verify_args& args);
+}  // namespace cuda
+
+}  // namespace replayssm::kernels
+
+#endif  // REPLAYSSM_KERNELS_SRC_BACKEND_H_

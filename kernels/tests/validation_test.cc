@@ -1,0 +1,202 @@
+// Bad parameters return a clear error naming the field, and touch nothing.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "harness.h"
+
+namespace replayssm::kernels::testing {
+namespace {
+
+class Validation : public ::testing::Test {
+ protected:
+  Validation() : rng_(7), layer_(MakeConfig(), 4, rng_), tok_(layer_, 8, rng_) {
+    for (int s = 0; s < 4; ++s) layer_.RandomCheckpoint(s, rng_);
+    out_ = Buffer(RSSM_DTYPE_BF16, 8LL * 4 * 32);
+    out_.FillNaN();
+  }
+  static Config MakeConfig() {
+    Config c;
+    c.h = 2;
+    c.hv = 4;
+    c.k = 32;
+    c.v = 32;
+    c.l = 4;
+    return c;
+  }
+  rssm_decode_args Decode() {
+    rssm_decode_args a{};
+    a.launch = {RSSM_BACKEND_CPU, nullptr};
+    a.shape = layer_.shape;
+    a.params = layer_.Params();
+    a.pool = layer_.Pool();
+    a.batch = 2;
+    a.slot_idx = slots_;
+    a.write_pos = pos_;
+    a.in = tok_.Inputs();
+    a.out = {out_.data(), 0};
+    return a;
+  }
+  // Calls fn and expects INVALID_ARGUMENT with `field` in the message, and no byte changed.
+  void ExpectRejected(const std::function<rssm_status()>& fn, const std::string& field) {
+    const auto cp = layer_.checkpoint.bytes(), rd = layer_.ring_d.bytes(), rk = layer_.ring_k.bytes();
+    const auto rg = layer_.ring_g;
+    const auto out = out_.bytes();
+    EXPECT_EQ(fn(), RSSM_ERR_INVALID_ARGUMENT) << field;
+    const std::string msg = rssm_last_error();
+    EXPECT_NE(msg.find(field), std::string::npos) << "message '" << msg << "' lacks " << field;
+    EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("got"), std::string::npos) << msg;
+    EXPECT_EQ(layer_.checkpoint.bytes(), cp);
+    EXPECT_EQ(layer_.ring_d.bytes(), rd);
+    EXPECT_EQ(layer_.ring_k.bytes(), rk);
+    EXPECT_EQ(0, std::memcmp(layer_.ring_g.data(), rg.data(), rg.size() * 4));
+    EXPECT_EQ(out_.bytes(), out);
+  }
+  void ExpectDecodeRejected(const std::function<void(rssm_decode_args&)>& mutate,
+                            const std::string& field) {
+    rssm_decode_args a = Decode();
+    mutate(a);
+    ExpectRejected([&] { return rssm_replay_decode(&a); }, field);
+    ExpectRejected([&] { return rssm_baseline_decode(&a); }, field);
+  }
+
+  std::mt19937_64 rng_;
+  Layer layer_;
+  Tokens tok_;
+  Buffer out_;
+  int32_t slots_[2] = {1, 3};
+  int32_t pos_[2] = {0, 2};
+};
+
+TEST_F(Validation, ValidCallSucceeds) {
+  rssm_decode_args a = Decode();
+  EXPECT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
+  EXPECT_STREQ(rssm_last_error(), "");
+}
+
+TEST_F(Validation, BadShapesAreRejected) {
+  ExpectDecodeRejected([](auto& a) { a.shape.head_k = 0; }, "shape.head_k");
+  ExpectDecodeRejected([](auto& a) { a.shape.head_k = 40; }, "shape.head_k");
+  ExpectDecodeRejected([](auto& a) { a.shape.head_v = 272; }, "shape.head_v");
+  ExpectDecodeRejected([](auto& a) { a.shape.num_v_heads = 3; }, "shape.num_v_heads");
+  ExpectDecodeRejected([](auto& a) { a.shape.num_qk_heads = 0; }, "shape.num_qk_heads");
+  ExpectDecodeRejected([](auto& a) { a.shape.ring_len = 0; }, "shape.ring_len");
+  ExpectDecodeRejected([](auto& a) { a.shape.ring_len = 65; }, "shape.ring_len");
+  ExpectDecodeRejected([](auto& a) { a.shape.state_dtype = 9; },
+                       "shape.state_dtype");
+  ExpectDecodeRejected([](auto& a) { a.shape.act_dtype = -1; },
+                       "shape.act_dtype");
+  ExpectDecodeRejected([](auto& a) { a.shape.gate = 2; }, "shape.gate");
+}
+
+TEST_F(Validation, NullPointersAreRejected) {
+  ExpectDecodeRejected([](auto& a) { a.pool.checkpoint = nullptr; }, "pool.checkpoint");
+  ExpectDecodeRejected([](auto& a) { a.in.mixed_qkv = nullptr; }, "in.mixed_qkv");
+  ExpectDecodeRejected([](auto& a) { a.in.b = nullptr; }, "in.b");
+  ExpectDecodeRejected([](auto& a) { a.out.o = nullptr; }, "out.o");
+  ExpectDecodeRejected([](auto& a) { a.slot_idx = nullptr; }, "slot_idx");
+  ExpectDecodeRejected([](auto& a) { a.params.a_log = nullptr; }, "params.a_log");
+  rssm_decode_args a = Decode();
+  a.pool.ring_d = nullptr;  // the baseline needs no ring; replay does
+  ExpectRejected([&] { return rssm_replay_decode(&a); }, "pool.ring_d");
+  a = Decode();
+  a.write_pos = nullptr;
+  ExpectRejected([&] { return rssm_replay_decode(&a); }, "write_pos");
+  ExpectRejected([] { return rssm_replay_decode(nullptr); }, "args");
+}
+
+TEST_F(Validation, BadIndicesAndStridesAreRejected) {
+  ExpectDecodeRejected([](auto& a) { a.batch = -1; }, "batch");
+  ExpectDecodeRejected([](auto& a) { a.pool.checkpoint_slot_stride = 5; },
+                       "pool.checkpoint_slot_stride");
+  ExpectDecodeRejected([](auto& a) { a.in.qkv_token_stride = 7; }, "in.qkv_token_stride");
+  ExpectDecodeRejected([](auto& a) { a.out.token_stride = 1; }, "out.token_stride");
+  slots_[1] = 4;  // the pool has 4 slots
+  ExpectDecodeRejected([](auto&) {}, "slot_idx[1]");
+  slots_[1] = 1;  // the same slot twice
+  ExpectDecodeRejected([](auto&) {}, "slot_idx[1]");
+  slots_[1] = 3;
+  pos_[0] = 5;  // L = 4
+  rssm_decode_args a = Decode();
+  ExpectRejected([&] { return rssm_replay_decode(&a); }, "write_pos[0]");
+  pos_[0] = 0;
+  a.launch.stream = &a;  // the CPU backend takes no stream
+  ExpectRejected([&] { return rssm_replay_decode(&a); }, "launch.stream");
+  a = Decode();
+  a.launch.backend = 5;
+  ExpectRejected([&] { return rssm_replay_decode(&a); }, "launch.backend");
+}
+
+TEST_F(Validation, VerifyNeedsRoomForEveryDraft) {
+  rssm_verify_args v{};
+  v.launch = {RSSM_BACKEND_CPU, nullptr};
+  v.shape = layer_.shape;
+  v.params = layer_.Params();
+  v.pool = layer_.Pool();
+  v.batch = 2;
+  v.num_draft = 3;  // row 1 sits at w = 2, L = 4: 2 + 3 > 4
+  v.slot_idx = slots_;
+  v.write_pos = pos_;
+  v.in = tok_.Inputs();
+  v.out = {out_.data(), 0};
+  ExpectRejected([&] { return rssm_verify(&v); }, "write_pos[1]");
+  v.num_draft = 5;
+  ExpectRejected([&] { return rssm_verify(&v); }, "num_draft");
+  v.num_draft = 2;
+  EXPECT_EQ(rssm_verify(&v), RSSM_OK) << rssm_last_error();
+}
+
+TEST_F(Validation, PrefillChecksLengths) {
+  const int32_t cu_bad[3] = {0, 5, 3};
+  rssm_prefill_args p{};
+  p.launch = {RSSM_BACKEND_CPU, nullptr};
+  p.shape = layer_.shape;
+  p.params = layer_.Params();
+  p.pool = layer_.Pool();
+  p.batch = 2;
+  p.slot_idx = slots_;
+  p.cu_seqlens = cu_bad;
+  p.max_seqlen = 8;
+  p.in = tok_.Inputs();
+  p.out = {out_.data(), 0};
+  ExpectRejected([&] { return rssm_prefill(&p); }, "cu_seqlens[2]");
+  const int32_t cu_long[3] = {0, 5, 8};
+  p.cu_seqlens = cu_long;
+  p.max_seqlen = 4;
+  ExpectRejected([&] { return rssm_prefill(&p); }, "cu_seqlens[1]");
+  const uint8_t initial[2] = {1, 1};
+  p.max_seqlen = 8;
+  p.initial = initial;
+  ExpectRejected([&] { return rssm_prefill(&p); }, "write_pos");
+}
+
+TEST_F(Validation, FoldChecksCursors) {
+  const int32_t slots[1] = {2}, bad[1] = {-1};
+  rssm_fold_args f{{RSSM_BACKEND_CPU, nullptr}, layer_.shape, layer_.Pool(), 1, slots, bad};
+  ExpectRejected([&] { return rssm_fold(&f); }, "write_pos[0]");
+}
+
+TEST_F(Validation, CudaWithoutTheBackendIsUnsupported) {
+  if (rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "a GPU is present";
+  rssm_decode_args a = Decode();
+  a.launch.backend = RSSM_BACKEND_CUDA;
+  EXPECT_EQ(rssm_replay_decode(&a), RSSM_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(rssm_last_error()).find("CUDA"), std::string::npos);
+}
+
+TEST(Helpers, SlotBytesCountCheckpointAndRing) {
+  const rssm_layer_shape s{RSSM_GATE_GDN, 16, 32, 128, 128, 16, RSSM_DTYPE_F32, RSSM_DTYPE_BF16};
+  // 32*128*128*4 + (32*16*128 + 16*16*128)*4 + 32*16*4
+  EXPECT_EQ(rssm_slot_layer_bytes(&s), 2097152 + 393216 + 2048);
+  rssm_layer_shape bad = s;
+  bad.head_k = 20;
+  EXPECT_EQ(rssm_slot_layer_bytes(&bad), 0);
+  EXPECT_EQ(rssm_check_shape(&bad), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(rssm_check_shape(&s), RSSM_OK);
+}
+
+}  // namespace
+}  // namespace replayssm::kernels::testing
