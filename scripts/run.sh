@@ -6,10 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-preset=default
-[ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null || preset=cpu
+# The CUDA backend is built only where a GPU can run it; elsewhere the CPU backend serves.
+preset=cpu
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then preset=cuda; fi
 cmake --preset "$preset" >/dev/null
 cmake --build --preset "$preset" --target replayssm-kernels-demo
-dir=build
-[ "$preset" = cpu ] && dir=build-cpu
-exec "./$dir/kernels/replayssm-kernels-demo"
+exec "./build-$preset/kernels/replayssm-kernels-demo"
