@@ -200,3 +200,28 @@ TEST(Helpers, SlotBytesCountCheckpointAndRing) {
 
 }  // namespace
 }  // namespace replayssm::kernels::testing
+
+namespace replayssm::kernels::testing {
+namespace {
+
+TEST(Memory, CpuAllocCopySetFree) {
+  void* a = nullptr;
+  void* b = nullptr;
+  ASSERT_EQ(rssm_alloc(RSSM_BACKEND_CPU, 1000, &a), RSSM_OK);
+  ASSERT_EQ(rssm_alloc(RSSM_BACKEND_CPU, 1000, &b), RSSM_OK);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 64, 0u);
+  const rssm_launch cpu{RSSM_BACKEND_CPU, nullptr};
+  ASSERT_EQ(rssm_memset(&cpu, a, 7, 1000), RSSM_OK);
+  ASSERT_EQ(rssm_memcpy(&cpu, b, a, 1000, RSSM_COPY_DEVICE_TO_DEVICE), RSSM_OK);
+  ASSERT_EQ(rssm_synchronize(&cpu), RSSM_OK);
+  EXPECT_EQ(static_cast<unsigned char*>(b)[999], 7);
+  EXPECT_EQ(rssm_memcpy(&cpu, b, a, 10, 3), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("kind"), std::string::npos);
+  EXPECT_EQ(rssm_alloc(9, 10, &a), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(a, nullptr);
+  EXPECT_EQ(rssm_free(RSSM_BACKEND_CPU, b), RSSM_OK);
+  EXPECT_EQ(rssm_free(RSSM_BACKEND_CPU, nullptr), RSSM_OK);
+}
+
+}  // namespace
+}  // namespace replayssm::kernels::testing

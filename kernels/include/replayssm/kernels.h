@@ -205,6 +205,23 @@ typedef struct rssm_verify_args {
 
 rssm_status rssm_verify(const rssm_verify_args* args);
 
+/* Memory of a backend, so that layers above never call a device runtime themselves: host
+ * memory (64-byte aligned) on CPU, device memory on CUDA (cudaMalloc: call it outside hot
+ * paths). Copies and memsets are ordered on launch->stream; rssm_synchronize waits for it.
+ * On CPU they run at once. The kinds say where the source and destination live. */
+typedef enum rssm_copy_kind {
+  RSSM_COPY_HOST_TO_DEVICE = 0,
+  RSSM_COPY_DEVICE_TO_HOST = 1,
+  RSSM_COPY_DEVICE_TO_DEVICE = 2,
+} rssm_copy_kind;
+
+rssm_status rssm_alloc(int32_t backend, size_t bytes, void** out);
+rssm_status rssm_free(int32_t backend, void* ptr); /* NULL is a no-op */
+rssm_status rssm_memcpy(const rssm_launch* launch, void* dst, const void* src, size_t bytes,
+                        int32_t kind /* rssm_copy_kind */);
+rssm_status rssm_memset(const rssm_launch* launch, void* dst, int32_t value, size_t bytes);
+rssm_status rssm_synchronize(const rssm_launch* launch);
+
 /* Helpers. */
 const char* rssm_status_name(rssm_status status);
 const char* rssm_dtype_name(int32_t dtype); /* "unknown" for an unknown dtype */

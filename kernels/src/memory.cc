@@ -1,0 +1,140 @@
+// rssm_alloc / free / memcpy / memset / synchronize: the CPU side here, the CUDA side through
+// the CUDA runtime when built with it.
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "backend.h"
+#include "replayssm/kernels.h"
+
+#ifdef REPLAYSSM_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace replayssm::kernels {
+namespace {
+
+rssm_status Invalid(const std::string& fn, const std::string& what) {
+  SetLastError(fn + ": " + what);
+  return RSSM_ERR_INVALID_ARGUMENT;
+}
+
+bool KnownBackend(int32_t b) { return b == RSSM_BACKEND_CPU || b == RSSM_BACKEND_CUDA; }
+
+#ifdef REPLAYSSM_WITH_CUDA
+rssm_status CudaCheck(cudaError_t e, const char* fn) {
+  if (e == cudaSuccess) return RSSM_OK;
+  SetLastError(std::string(fn) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+  return RSSM_ERR_DEVICE;
+}
+#else
+rssm_status NoCuda(const char* fn) {
+  SetLastError(std::string(fn) + ": the CUDA backend is not built into this library");
+  return RSSM_ERR_UNSUPPORTED;
+}
+#endif
+
+}  // namespace
+}  // namespace replayssm::kernels
+
+using namespace replayssm::kernels;  // NOLINT: the C ABI below is a thin shell
+
+extern "C" {
+
+rssm_status rssm_alloc(int32_t backend, size_t bytes, void** out) {
+  if (out == nullptr) return Invalid("rssm_alloc", "out: expected a non-null pointer, got NULL");
+  *out = nullptr;
+  if (!KnownBackend(backend)) {
+    return Invalid("rssm_alloc", "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+  }
+  if (bytes == 0) return RSSM_OK;
+  if (backend == RSSM_BACKEND_CPU) {
+    *out = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (*out == nullptr) {
+      SetLastError("rssm_alloc: out of host memory for " + std::to_string(bytes) + " bytes");
+      return RSSM_ERR_DEVICE;
+    }
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaMalloc(out, bytes), "rssm_alloc");
+#else
+  return NoCuda("rssm_alloc");
+#endif
+}
+
+rssm_status rssm_free(int32_t backend, void* ptr) {
+  if (!KnownBackend(backend)) {
+    return Invalid("rssm_free", "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+  }
+  if (ptr == nullptr) return RSSM_OK;
+  if (backend == RSSM_BACKEND_CPU) {
+    std::free(ptr);
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaFree(ptr), "rssm_free");
+#else
+  return NoCuda("rssm_free");
+#endif
+}
+
+rssm_status rssm_memcpy(const rssm_launch* launch, void* dst, const void* src, size_t bytes,
+                        int32_t kind) {
+  if (launch == nullptr || !KnownBackend(launch->backend)) {
+    return Invalid("rssm_memcpy", "launch: expected a CPU or CUDA launch");
+  }
+  if (kind < RSSM_COPY_HOST_TO_DEVICE || kind > RSSM_COPY_DEVICE_TO_DEVICE) {
+    return Invalid("rssm_memcpy", "kind: expected 0..2, got " + std::to_string(kind));
+  }
+  if (bytes == 0) return RSSM_OK;
+  if (dst == nullptr || src == nullptr) {
+    return Invalid("rssm_memcpy", "dst/src: expected non-null pointers, got NULL");
+  }
+  if (launch->backend == RSSM_BACKEND_CPU) {
+    std::memmove(dst, src, bytes);
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  const cudaMemcpyKind k = kind == RSSM_COPY_HOST_TO_DEVICE   ? cudaMemcpyHostToDevice
+                           : kind == RSSM_COPY_DEVICE_TO_HOST ? cudaMemcpyDeviceToHost
+                                                              : cudaMemcpyDeviceToDevice;
+  return CudaCheck(cudaMemcpyAsync(dst, src, bytes, k, static_cast<cudaStream_t>(launch->stream)),
+                   "rssm_memcpy");
+#else
+  return NoCuda("rssm_memcpy");
+#endif
+}
+
+rssm_status rssm_memset(const rssm_launch* launch, void* dst, int32_t value, size_t bytes) {
+  if (launch == nullptr || !KnownBackend(launch->backend)) {
+    return Invalid("rssm_memset", "launch: expected a CPU or CUDA launch");
+  }
+  if (bytes == 0) return RSSM_OK;
+  if (dst == nullptr) return Invalid("rssm_memset", "dst: expected a non-null pointer, got NULL");
+  if (launch->backend == RSSM_BACKEND_CPU) {
+    std::memset(dst, value, bytes);
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(launch->stream)),
+                   "rssm_memset");
+#else
+  return NoCuda("rssm_memset");
+#endif
+}
+
+rssm_status rssm_synchronize(const rssm_launch* launch) {
+  if (launch == nullptr || !KnownBackend(launch->backend)) {
+    return Invalid("rssm_synchronize", "launch: expected a CPU or CUDA launch");
+  }
+  if (launch->backend == RSSM_BACKEND_CPU) return RSSM_OK;
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaStreamSynchronize(static_cast<cudaStream_t>(launch->stream)),
+                   "rssm_synchronize");
+#else
+  return NoCuda("rssm_synchronize");
+#endif
+}
+
+}  // extern "C"
