@@ -7,7 +7,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 PKGS=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
-  libabsl-dev libucx-dev ucx-utils
+  libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
   curl

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "../src/dtype.h"
+#include "reference.h"
 
 namespace replayssm::kernels::testing {
 
@@ -189,50 +190,16 @@ void Tokens::CopyTokenTo(int i, Tokens& dst, int j) const {
 void Reference::Step(std::vector<double>& st, const Tokens& tok, int i,
                      std::vector<double>& o) const {
   const Config& c = layer->cfg;
-  const int group = c.hv / c.h;
-  const int64_t qkv_w = 2LL * c.h * c.k + int64_t{c.hv} * c.v;
-  const int per_g = c.gate == RSSM_GATE_KDA ? c.k : 1;
+  auto token_of = [i](const Buffer& buf, int n) {
+    std::vector<float> v(buf.size() / n);
+    for (size_t e = 0; e < v.size(); ++e) v[e] = buf.Get(i * static_cast<int64_t>(v.size()) + e);
+    return v;
+  };
+  const std::vector<float> qkv = token_of(tok.qkv, tok.n), a = token_of(tok.a, tok.n),
+                           b = token_of(tok.b, tok.n);
   o.assign(int64_t{c.hv} * c.v, 0.0);
-  for (int h = 0; h < c.hv; ++h) {
-    const int hq = h / group;
-    std::vector<double> q(c.k), k(c.k), alpha(c.k);
-    for (int x = 0; x < c.k; ++x) {
-      q[x] = tok.qkv.Get(i * qkv_w + int64_t{hq} * c.k + x);
-      k[x] = tok.qkv.Get(i * qkv_w + int64_t{c.h + hq} * c.k + x);
-    }
-    if (c.l2norm) {
-      for (auto* vec : {&q, &k}) {
-        double ss = 1e-6;
-        for (double x : *vec) ss += x * x;
-        for (double& x : *vec) x /= std::sqrt(ss);
-      }
-    }
-    for (double& x : q) x *= layer->scale;
-    for (int x = 0; x < c.k; ++x) {
-      const int gi = per_g > 1 ? x : 0;
-      const double a = tok.a.Get(i * int64_t{c.hv} * per_g + int64_t{h} * per_g + gi);
-      const double z = a + layer->dt_bias[h * per_g + gi];
-      const double softplus = z > 20.0 ? z : std::log1p(std::exp(z));
-      alpha[x] = std::exp(-std::exp(static_cast<double>(layer->a_log[h])) * softplus);
-    }
-    const double beta = 1.0 / (1.0 + std::exp(-static_cast<double>(tok.b.Get(int64_t{i} * c.hv + h))));
-    for (int vi = 0; vi < c.v; ++vi) {
-      double* row = &st[(int64_t{h} * c.v + vi) * c.k];
-      double sk = 0.0;
-      for (int x = 0; x < c.k; ++x) {
-        row[x] *= alpha[x];
-        sk += row[x] * k[x];
-      }
-      const double vv = tok.qkv.Get(i * qkv_w + 2LL * c.h * c.k + int64_t{h} * c.v + vi);
-      const double d = beta * (vv - sk);
-      double sq = 0.0;
-      for (int x = 0; x < c.k; ++x) {
-        row[x] += d * k[x];
-        sq += row[x] * q[x];
-      }
-      o[int64_t{h} * c.v + vi] = sq;
-    }
-  }
+  ReferenceStep(layer->shape, layer->a_log.data(), layer->dt_bias.data(), layer->scale, c.l2norm,
+                qkv.data(), a.data(), b.data(), st.data(), o.data());
 }
 
 double RelErr(const std::vector<double>& x, const std::vector<double>& ref) {

@@ -1,0 +1,329 @@
+// replayssm-bench kernels: the decode kernels of the CUDA backend on the DESIGN §5 shape
+// (HV=32, H=16, K=V=128, L=16, bf16 activations), state fp32 and bf16, GDN and KDA,
+// B in {1, 16, 64, 128, 256}: baseline decode, replay decode, verify of T=4 drafts.
+//
+// Method: the pool holds several slot sets (the data is several times the 60 MB L2); step i
+// uses set i % nsets, and every row's cursor advances each time its slot is used, spread over
+// 0..L-1 across rows and sets (folds included, as in serving). 64 steps are captured into a
+// CUDA graph through the public C ABI and replayed; the median of the replays is reported.
+// The device copy bandwidth (D2D memcpy, read + write counted) is measured in the same run.
+//
+// Counted bytes per step (state and ring traffic only): baseline = read + write the state;
+// replay = read S0 + the w records read (d, k per qk-head, g) + the record written, or the
+// S0 write when the row folds; verify = read S0 + w records + T records written.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "replayssm/kernels.h"
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                 \
+  do {                                                                                \
+    cudaError_t e_ = (x);                                                             \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+#define CHECK_RSSM(x)                                                                        \
+  do {                                                                                       \
+    rssm_status s_ = (x);                                                                    \
+    if (s_ != RSSM_OK) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, rssm_last_error());     \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+constexpr int kH = 16, kHV = 32, kK = 128, kV = 128, kL = 16, kDraft = 4;
+constexpr int kStepsPerGraph = 64;
+constexpr int kReplays = 7;
+constexpr double kPoolBytes = 1.5e9;  // >= 25x the L2
+
+__device__ uint32_t Hash(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+// Uniform in [lo, hi), stored as fp32 / bf16 by `bytes_per` (4 or 2).
+__global__ void FillRandom(void* p, int64_t n, int bytes_per, float lo, float hi, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float u = (Hash(seed * 0x9e3779b97f4a7c15ULL + i) >> 8) * (1.f / 16777216.f);
+    const float x = lo + (hi - lo) * u;
+    if (bytes_per == 4) {
+      static_cast<float*>(p)[i] = x;
+    } else {
+      uint32_t b;
+      std::memcpy(&b, &x, 4);
+      static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+    }
+  }
+}
+void Fill(void* p, int64_t n, int bytes_per, float lo, float hi, uint64_t seed) {
+  FillRandom<<<1024, 256>>>(p, n, bytes_per, lo, hi, seed);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+double CopyBandwidth() {
+  const size_t bytes = size_t{1} << 30;
+  void *a, *b;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int i = 0; i < 12; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float t;
+    CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    if (i >= 2) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  return 2.0 * bytes / (ms[ms.size() / 2] * 1e-3);
+}
+
+enum Op { kBaseline = 0, kReplay = 1, kVerify = 2 };
+const char* OpName(Op op) { return op == kBaseline ? "baseline" : op == kReplay ? "replay" : "verify4"; }
+
+struct Result {
+  std::string gate, state, op;
+  int batch;
+  double us, bytes, gbps, pct, speedup;
+};
+
+// One (gate, state dtype, B): a pool, inputs, and the three operations timed.
+class Bench {
+ public:
+  Bench(rssm_gate gate, rssm_dtype st, int batch, double copy_bw)
+      : gate_(gate), st_(st), B_(batch), copy_bw_(copy_bw) {
+    shape_ = rssm_layer_shape{gate, kH, kHV, kK, kV, kL, st, RSSM_DTYPE_BF16};
+    ts_ = static_cast<int>(rssm_dtype_size(st));
+    per_g_ = gate == RSSM_GATE_KDA ? kK : 1;
+    const double slot_bytes = static_cast<double>(rssm_slot_layer_bytes(&shape_));
+    nsets_ = std::max(2, static_cast<int>(std::ceil(kPoolBytes / (slot_bytes * B_))));
+    slots_ = int64_t{nsets_} * B_;
+    Alloc(&ckpt_, slots_ * rssm_checkpoint_elems(&shape_) * ts_);
+    Alloc(&rd_, slots_ * rssm_ring_d_elems(&shape_) * ts_);
+    Alloc(&rk_, slots_ * rssm_ring_k_elems(&shape_) * ts_);
+    Alloc(&rg_, slots_ * rssm_ring_g_elems(&shape_) * 4);
+    Fill(ckpt_, slots_ * rssm_checkpoint_elems(&shape_), ts_, -0.3f, 0.3f, 1);
+    Fill(rd_, slots_ * rssm_ring_d_elems(&shape_), ts_, -0.3f, 0.3f, 2);
+    Fill(rk_, slots_ * rssm_ring_k_elems(&shape_), ts_, -0.1f, 0.1f, 3);
+    Fill(rg_, slots_ * rssm_ring_g_elems(&shape_), 4, -0.5f, -0.01f, 4);
+    Alloc(&a_log_, kHV * 4);
+    Alloc(&dt_bias_, kHV * per_g_ * 4);
+    Fill(a_log_, kHV, 4, -0.25f, 0.5f, 5);
+    Fill(dt_bias_, kHV * per_g_, 4, -1.f, 1.f, 6);
+    const int64_t n_tok = int64_t{B_} * kDraft;
+    Alloc(&qkv_, n_tok * (2 * kH * kK + kHV * kV) * 2);
+    Alloc(&a_, n_tok * kHV * per_g_ * 2);
+    Alloc(&b_, n_tok * kHV * 2);
+    Alloc(&o_, n_tok * kHV * kV * 2);
+    Fill(qkv_, n_tok * (2 * kH * kK + kHV * kV), 2, -1.f, 1.f, 7);
+    Fill(a_, n_tok * kHV * per_g_, 2, -2.f, 2.f, 8);
+    Fill(b_, n_tok * kHV, 2, -2.f, 2.f, 9);
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  ~Bench() {
+    for (void* p : allocs_) cudaFree(p);
+    cudaStreamDestroy(stream_);
+  }
+
+  // Median µs per step and the mean counted bytes per step of `op`.
+  void Run(Op op, double* us, double* bytes) {
+    const int window = op == kVerify ? kL - kDraft + 1 : kL;
+    std::vector<int32_t> slot(int64_t{kStepsPerGraph} * B_), pos(slot.size());
+    double total = 0;
+    for (int i = 0; i < kStepsPerGraph; ++i) {
+      const int set = i % nsets_, use = i / nsets_;
+      for (int r = 0; r < B_; ++r) {
+        const int64_t k = int64_t{i} * B_ + r;
+        slot[k] = set * B_ + r;
+        pos[k] = (r + set + use) % window;
+        total += Bytes(op, pos[k]);
+      }
+    }
+    *bytes = total / kStepsPerGraph;
+    int32_t *dslot, *dpos;
+    Alloc(reinterpret_cast<void**>(&dslot), slot.size() * 4);
+    Alloc(reinterpret_cast<void**>(&dpos), pos.size() * 4);
+    CHECK_CUDA(cudaMemcpy(dslot, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+    auto launch = [&](int i) {
+      const rssm_launch l{RSSM_BACKEND_CUDA, stream_};
+      const rssm_layer_params params{static_cast<float*>(a_log_), static_cast<float*>(dt_bias_),
+                                     0.0883883f, 1};
+      const rssm_state_pool pool{ckpt_, rd_, rk_, static_cast<float*>(rg_), slots_, 0, 0, 0, 0};
+      const rssm_token_inputs in{qkv_, a_, b_, 0, 0, 0};
+      const rssm_token_outputs out{o_, 0};
+      if (op == kVerify) {
+        rssm_verify_args v{l, shape_, params, pool, B_, kDraft, dslot + int64_t{i} * B_,
+                           dpos + int64_t{i} * B_, in, out};
+        CHECK_RSSM(rssm_verify(&v));
+      } else {
+        rssm_decode_args d{l, shape_, params, pool, B_, dslot + int64_t{i} * B_,
+                           dpos + int64_t{i} * B_, nullptr, in, out};
+        CHECK_RSSM(op == kReplay ? rssm_replay_decode(&d) : rssm_baseline_decode(&d));
+      }
+    };
+    for (int i = 0; i < kStepsPerGraph; ++i) launch(i);  // warm-up, outside the graph
+    CHECK_CUDA(cudaStreamSynchronize(stream_));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < kStepsPerGraph; ++i) launch(i);
+    CHECK_CUDA(cudaStreamEndCapture(stream_, &graph));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    std::vector<float> ms;
+    CHECK_CUDA(cudaGraphLaunch(exec, stream_));
+    for (int k = 0; k < kReplays; ++k) {
+      CHECK_CUDA(cudaEventRecord(e0, stream_));
+      CHECK_CUDA(cudaGraphLaunch(exec, stream_));
+      CHECK_CUDA(cudaEventRecord(e1, stream_));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float t;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    *us = ms[ms.size() / 2] * 1e3 / kStepsPerGraph;
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    CHECK_CUDA(cudaEventDestroy(e0));
+    CHECK_CUDA(cudaEventDestroy(e1));
+  }
+
+ private:
+  void Alloc(void** p, int64_t bytes) {
+    CHECK_CUDA(cudaMalloc(p, static_cast<size_t>(bytes)));
+    allocs_.push_back(*p);
+  }
+  // Counted bytes of one row (all heads) at cursor w.
+  double Bytes(Op op, int w) const {
+    const double state = double{kHV} * kV * kK * ts_;
+    const double rec_d = double{kHV} * kV * ts_, rec_k = double{kH} * kK * ts_,
+                 rec_g = double{kHV} * per_g_ * 4;
+    const double rec = rec_d + rec_k + rec_g;
+    if (op == kBaseline) return 2 * state;
+    if (op == kVerify) return state + w * rec + kDraft * rec;
+    const bool fold = w + 1 >= kL;
+    return state + w * rec + (fold ? state : rec);
+  }
+
+  rssm_gate gate_;
+  rssm_dtype st_;
+  int B_;
+  double copy_bw_;
+  rssm_layer_shape shape_{};
+  int ts_ = 4, per_g_ = 1, nsets_ = 2;
+  int64_t slots_ = 0;
+  void *ckpt_ = nullptr, *rd_ = nullptr, *rk_ = nullptr, *rg_ = nullptr;
+  void *a_log_ = nullptr, *dt_bias_ = nullptr, *qkv_ = nullptr, *a_ = nullptr, *b_ = nullptr,
+       *o_ = nullptr;
+  std::vector<void*> allocs_;
+  cudaStream_t stream_{};
+};
+
+int Kernels(const char* json_path) {
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) {
+    std::fprintf(stderr, "replayssm-bench: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const double copy_bw = CopyBandwidth();
+  std::printf("device: %s, %d SMs, L2 %.0f MB; copy bandwidth %.1f GB/s (read+write)\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9);
+  std::vector<Result> results;
+  const int batches[] = {1, 16, 64, 128, 256};
+  std::printf("%-4s %-5s %-9s %5s %10s %12s %9s %7s %8s\n", "gate", "state", "op", "B",
+              "us/step", "bytes/step", "GB/s", "%copy", "speedup");
+  for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+    for (rssm_dtype st : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16}) {
+      for (int B : batches) {
+        Bench bench(gate, st, B, copy_bw);
+        double base_us = 0;
+        for (Op op : {kBaseline, kReplay, kVerify}) {
+          Result r;
+          r.gate = gate == RSSM_GATE_GDN ? "GDN" : "KDA";
+          r.state = rssm_dtype_name(st);
+          r.op = OpName(op);
+          r.batch = B;
+          bench.Run(op, &r.us, &r.bytes);
+          r.gbps = r.bytes / (r.us * 1e-6) / 1e9;
+          r.pct = 100.0 * r.gbps * 1e9 / copy_bw;
+          if (op == kBaseline) base_us = r.us;
+          // replay: baseline time / replay time; verify: 4 baseline steps / one verify.
+          r.speedup = op == kBaseline ? 1.0 : op == kReplay ? base_us / r.us : kDraft * base_us / r.us;
+          std::printf("%-4s %-5s %-9s %5d %10.2f %12.0f %9.1f %6.1f%% %7.2fx\n", r.gate.c_str(),
+                      r.state.c_str(), r.op.c_str(), B, r.us, r.bytes, r.gbps, r.pct, r.speedup);
+          std::fflush(stdout);
+          results.push_back(r);
+        }
+      }
+    }
+  }
+  if (json_path != nullptr) {
+    FILE* f = std::fopen(json_path, "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "replayssm-bench: cannot write %s\n", json_path);
+      return 1;
+    }
+    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"copy_bandwidth_gbps\": %.1f,\n", prop.name,
+                 copy_bw / 1e9);
+    std::fprintf(f, "  \"shape\": {\"H\": %d, \"HV\": %d, \"K\": %d, \"V\": %d, \"L\": %d, "
+                 "\"act\": \"bf16\", \"verify_T\": %d},\n  \"results\": [\n", kH, kHV, kK, kV, kL,
+                 kDraft);
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::fprintf(f,
+                   "    {\"gate\": \"%s\", \"state\": \"%s\", \"op\": \"%s\", \"batch\": %d, "
+                   "\"us_per_step\": %.3f, \"bytes_per_step\": %.0f, \"gbps\": %.1f, "
+                   "\"pct_copy_bw\": %.1f, \"speedup_vs_baseline\": %.3f}%s\n",
+                   r.gate.c_str(), r.state.c_str(), r.op.c_str(), r.batch, r.us, r.bytes, r.gbps,
+                   r.pct, r.speedup, i + 1 < results.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json = nullptr;
+  std::string cmd = argc > 1 ? argv[1] : "";
+  for (int i = 2; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+  }
+  if (cmd != "kernels") {
+    std::fprintf(stderr, "usage: replayssm-bench kernels [--json PATH]\n");
+    return 2;
+  }
+  return Kernels(json);
+}

@@ -1,0 +1,150 @@
+// StateCache: the domain layer between the kernels and the service. It owns the recurrent
+// state of every request on one backend (CPU or CUDA, through the kernel C ABI only; it
+// never branches on which): a pool of slots (checkpoint + replay ring + cursors for every
+// linear-attention layer), the decode forward protocol, prefill, import/export, speculative
+// verify/accept, and a radix prefix cache of folded snapshots that shares the same pool.
+//
+// Invariants
+//  - A slot's cursor (write_pos) and seq_len advance once per forward, for all layers.
+//  - A state leaves a slot (copy-on-write into another slot, donation, export, transfer)
+//    only through one guarded function that folds it first (write_pos == 0), or refuses.
+//  - A failed or abandoned call leaves every slot as it was.
+//  - Slot ids are generation-checked: a freed or reused slot is never reachable through an
+//    old id.
+//
+// Thread safety: every method is thread-safe. Forwards and verifies on disjoint slots run
+// concurrently; a slot already in an open forward is refused (FAILED_PRECONDITION).
+#ifndef REPLAYSSM_CACHE_STATE_CACHE_H_
+#define REPLAYSSM_CACHE_STATE_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "replayssm/cache/model.h"
+
+namespace replayssm::cache {
+
+// An opaque slot id: (generation << 32) | index. 0 is never a valid slot; in a forward's
+// rows it marks a padding row.
+using SlotId = uint64_t;
+inline constexpr SlotId kPaddingSlot = 0;
+
+struct CacheOptions {
+  int32_t backend = RSSM_BACKEND_CPU;     // where the state lives and kernels run
+  int64_t memory_budget_bytes = 1LL << 30;  // slots (ring included) + snapshots
+  int32_t track_interval = 64;  // snapshot every this many tokens in decode; 0 = never
+  int32_t max_batch = 256;      // rows per forward / verify
+  int32_t max_prefill_tokens = 1 << 16;  // tokens per prefill call
+};
+
+// One layer's activations and outputs for N tokens, in host memory, dense, act dtype.
+struct LayerIo {
+  const void* mixed_qkv = nullptr;  // [N, 2*H*K + HV*V]
+  const void* a = nullptr;          // [N, HV] (GDN) or [N, HV, K] (KDA)
+  const void* b = nullptr;          // [N, HV]
+  void* out = nullptr;              // [N, HV, V]; may be null for prefill
+};
+
+struct SlotInfo {
+  int64_t seq_len = 0;    // tokens applied to the state
+  int32_t write_pos = 0;  // records in the ring since the checkpoint
+  int32_t pending_drafts = 0;  // drafts verified and not yet accepted/rejected
+};
+
+struct CacheStats {
+  int64_t slots_total = 0, slots_live = 0, slots_snapshot = 0, slots_free = 0;
+  int64_t folds_ring_full = 0, folds_track = 0, folds_materialize = 0;
+  int64_t snapshot_hits = 0, snapshot_misses = 0, snapshot_evictions = 0;
+  int64_t snapshots_taken = 0, donations = 0;
+  int64_t guard_calls = 0, invariant_refusals = 0;
+  int64_t forwards_committed = 0, forwards_abandoned = 0;
+};
+
+// A decode forward over a batch of rows: RunLayer once per layer (any order), then Commit.
+// Destroying it without Commit abandons it: no cursor moves, no state changes.
+// Not thread-safe itself (one driver at a time); different forwards may run concurrently.
+class Forward {
+ public:
+  virtual ~Forward() = default;
+  virtual int32_t batch() const = 0;
+  // Runs layer `layer` for every row: io holds N = batch() tokens.
+  virtual absl::Status RunLayer(int32_t layer, const LayerIo& io) = 0;
+  // Advances every row's cursor and seq_len once, folds rows at track boundaries and
+  // snapshots them. FAILED_PRECONDITION unless every layer ran exactly once.
+  virtual absl::Status Commit() = 0;
+};
+
+struct DecodeRow {
+  SlotId slot = kPaddingSlot;  // kPaddingSlot = padding row
+  int32_t token_id = 0;        // the token this step consumes (keys the prefix cache)
+};
+
+struct ExportedState {
+  int64_t seq_len = 0;
+  std::vector<int32_t> tokens;                   // [seq_len]
+  std::vector<std::vector<uint8_t>> checkpoints;  // [layers][HV*V*K in the state dtype]
+};
+
+class StateCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<StateCache>> Create(ModelSpec model,
+                                                            CacheOptions options);
+  virtual ~StateCache() = default;
+
+  virtual const ModelSpec& model() const = 0;
+  virtual const CacheOptions& options() const = 0;
+  virtual int64_t capacity() const = 0;  // slots the budget holds
+  virtual CacheStats stats() const = 0;
+
+  // A fresh slot at seq_len 0 with a zero state. RESOURCE_EXHAUSTED when no slot is free
+  // even after evicting every unreferenced snapshot.
+  virtual absl::StatusOr<SlotId> Allocate() = 0;
+  // A slot that starts from the longest snapshot whose key is a prefix of `tokens` (copy-on-
+  // write; write_pos 0, seq_len = matched), or a fresh one when none matches.
+  struct PrefixAllocation {
+    SlotId slot = kPaddingSlot;
+    int64_t matched = 0;
+  };
+  virtual absl::StatusOr<PrefixAllocation> AllocateFromPrefix(
+      absl::Span<const int32_t> tokens) = 0;
+  virtual absl::Status Free(SlotId slot) = 0;
+  virtual absl::StatusOr<SlotInfo> Info(SlotId slot) const = 0;
+
+  // Runs `tokens.size()` tokens through every layer from the slot's current state.
+  // layers.size() == num_layers; each io holds N = tokens.size() tokens (out may be null).
+  virtual absl::Status Prefill(SlotId slot, absl::Span<const int32_t> tokens,
+                               absl::Span<const LayerIo> layers) = 0;
+
+  // Replaces the slot's state: checkpoints[l] is layer l's [HV, V, K] in the state dtype;
+  // the slot's seq_len becomes tokens.size().
+  virtual absl::Status Import(SlotId slot, absl::Span<const int32_t> tokens,
+                              absl::Span<const absl::Span<const uint8_t>> checkpoints) = 0;
+  // The slot's full state, folded first (the guarded path).
+  virtual absl::StatusOr<ExportedState> Export(SlotId slot) = 0;
+
+  virtual absl::StatusOr<std::unique_ptr<Forward>> BeginForward(
+      absl::Span<const DecodeRow> rows) = 0;
+
+  // Speculative decoding: T drafts per row (draft_tokens [B*T], io N = B*T tokens in
+  // (row, draft) order). Rows without room for T records are folded first. Outputs only;
+  // the drafts wait for Accept.
+  virtual absl::Status Verify(absl::Span<const SlotId> slots, int32_t num_draft,
+                              absl::Span<const int32_t> draft_tokens,
+                              absl::Span<const LayerIo> layers) = 0;
+  // Keeps the first n drafts of the last Verify (cursor += n, seq_len += n); 0 rejects all.
+  virtual absl::Status Accept(SlotId slot, int32_t n) = 0;
+
+  // Length of the longest snapshot key that is a prefix of `tokens` (0 = none).
+  virtual int64_t MatchPrefix(absl::Span<const int32_t> tokens) const = 0;
+  // A finished request: fold it and keep its state as a snapshot keyed by all its tokens.
+  // The slot id is released (it is the caller's no more).
+  virtual absl::Status Donate(SlotId slot) = 0;
+};
+
+}  // namespace replayssm::cache
+
+#endif  // REPLAYSSM_CACHE_STATE_CACHE_H_

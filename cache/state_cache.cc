@@ -1,0 +1,937 @@
+// StateCache implementation. Design notes: docs/cache.md.
+//
+// Fold policy (DESIGN §2, design (b)): decode and verify kernels never fold. A row whose ring
+// cannot take the step's record is folded for all layers by rssm_fold BEFORE the forward's
+// first layer runs; a fold does not change the logical state, so it is committed at once and
+// an abandoned forward leaves nothing half-done (its ring appends sit past the cursor,
+// invisible). Rows that reach a track boundary are folded after Commit advanced the cursors,
+// then snapshotted. The price: a folding row's checkpoint is read once more than with a fold
+// fused into the decode kernel (about 1/(L-1) more checkpoint reads); that buys abandonment
+// safety without a spare-buffer table.
+#include <algorithm>
+#include <atomic>
+#include <list>
+#include <unordered_set>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "radix_tree.h"
+#include "replayssm/cache/state_cache.h"
+#include "slot_pool.h"
+
+namespace replayssm::cache {
+namespace {
+
+enum class Kind { kFree, kLive, kSnapshot };
+
+struct Slot {
+  Kind kind = Kind::kFree;
+  uint32_t generation = 1;
+  int32_t write_pos = 0;
+  int64_t seq_len = 0;
+  std::vector<int32_t> tokens;  // live: the history; snapshot: its key. size() == seq_len
+  bool busy = false;            // in a forward, verify, prefill, copy or export
+  bool broken = false;          // a device error left its state unknown
+  int32_t pending = 0;          // drafts verified, awaiting Accept
+  std::vector<int32_t> drafts;
+  int32_t refs = 0;  // snapshots: copies in progress
+  std::list<int32_t>::iterator lru;
+};
+
+SlotId MakeId(int32_t index, uint32_t generation) {
+  return (static_cast<uint64_t>(generation) << 32) | static_cast<uint32_t>(index);
+}
+
+std::string IdString(SlotId id) { return absl::StrCat("0x", absl::Hex(id)); }
+
+class StateCacheImpl;
+
+class ForwardImpl final : public Forward {
+ public:
+  ForwardImpl(StateCacheImpl* cache, std::vector<int32_t> index, std::vector<int32_t> tokens,
+              std::vector<int32_t> write_pos, std::unique_ptr<Staging> staging);
+  ~ForwardImpl() override;
+  int32_t batch() const override { return static_cast<int32_t>(index_.size()); }
+  absl::Status RunLayer(int32_t layer, const LayerIo& io) override;
+  absl::Status Commit() override;
+
+ private:
+  StateCacheImpl* cache_;
+  std::vector<int32_t> index_;  // -1 = padding
+  std::vector<int32_t> tokens_;
+  std::vector<int32_t> write_pos_;
+  std::unique_ptr<Staging> staging_;
+  std::vector<bool> done_;
+  bool finished_ = false;
+};
+
+class StateCacheImpl final : public StateCache {
+ public:
+  StateCacheImpl(ModelSpec model, CacheOptions options, std::unique_ptr<SlotPool> pool)
+      : model_(std::move(model)), options_(options), pool_(std::move(pool)) {
+    slots_.resize(pool_->num_slots());
+    for (int64_t i = pool_->num_slots() - 1; i >= 0; --i) free_.push_back(static_cast<int32_t>(i));
+  }
+
+  const ModelSpec& model() const override { return model_; }
+  const CacheOptions& options() const override { return options_; }
+  int64_t capacity() const override { return pool_->num_slots(); }
+
+  CacheStats stats() const override {
+    absl::MutexLock lock(&mu_);
+    CacheStats s = stats_;
+    s.slots_total = capacity();
+    s.slots_free = static_cast<int64_t>(free_.size());
+    s.slots_snapshot = radix_.size();
+    s.slots_live = s.slots_total - s.slots_free - s.slots_snapshot;
+    return s;
+  }
+
+  absl::StatusOr<SlotId> Allocate() override {
+    int32_t index;
+    {
+      absl::MutexLock lock(&mu_);
+      absl::StatusOr<int32_t> i = TakeFreeLocked();
+      if (!i.ok()) return i.status();
+      index = *i;
+      StartLiveLocked(index, {});
+    }
+    absl::Status s = pool_->ZeroCheckpoints(index);
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {
+      ReleaseLocked(index);
+      return s;
+    }
+    slots_[index].busy = false;
+    return MakeId(index, slots_[index].generation);
+  }
+
+  absl::StatusOr<PrefixAllocation> AllocateFromPrefix(absl::Span<const int32_t> tokens) override {
+    int32_t src, index;
+    RadixTree::Match m;
+    {
+      absl::MutexLock lock(&mu_);
+      m = radix_.LongestPrefix(tokens);
+      if (m.length == 0) {
+        ++stats_.snapshot_misses;
+      } else {
+        src = m.value;
+        ++slots_[src].refs;  // pins the snapshot while it is copied
+        TouchLocked(src);
+      }
+    }
+    if (m.length == 0) {
+      absl::StatusOr<SlotId> id = Allocate();
+      if (!id.ok()) return id.status();
+      return PrefixAllocation{*id, 0};
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      absl::StatusOr<int32_t> i = TakeFreeLocked();
+      if (!i.ok()) {
+        --slots_[src].refs;
+        return i.status();
+      }
+      index = *i;
+      StartLiveLocked(index, std::vector<int32_t>(tokens.begin(), tokens.begin() + m.length));
+    }
+    absl::Status s = Materialize(src, "copy-on-write from a snapshot");
+    if (s.ok()) s = pool_->CopyCheckpoints(index, src);
+    absl::MutexLock lock(&mu_);
+    --slots_[src].refs;
+    if (!s.ok()) {
+      ReleaseLocked(index);
+      return s;
+    }
+    ++stats_.snapshot_hits;
+    slots_[index].busy = false;
+    return PrefixAllocation{MakeId(index, slots_[index].generation), m.length};
+  }
+
+  absl::Status Free(SlotId id) override {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = LookupLocked(id, "slot", /*allow_broken=*/true);
+    if (!i.ok()) return i.status();
+    if (slots_[*i].busy) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("slot: ", IdString(id), " is in an open operation; finish it first"));
+    }
+    ReleaseLocked(*i);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<SlotInfo> Info(SlotId id) const override {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = LookupLocked(id, "slot", /*allow_broken=*/true);
+    if (!i.ok()) return i.status();
+    const Slot& s = slots_[*i];
+    return SlotInfo{s.seq_len, s.write_pos, s.pending};
+  }
+
+  absl::Status Prefill(SlotId id, absl::Span<const int32_t> tokens,
+                       absl::Span<const LayerIo> layers) override;
+  absl::Status Import(SlotId id, absl::Span<const int32_t> tokens,
+                      absl::Span<const absl::Span<const uint8_t>> checkpoints) override;
+  absl::StatusOr<ExportedState> Export(SlotId id) override;
+  absl::StatusOr<std::unique_ptr<Forward>> BeginForward(absl::Span<const DecodeRow> rows) override;
+  absl::Status Verify(absl::Span<const SlotId> ids, int32_t num_draft,
+                      absl::Span<const int32_t> draft_tokens,
+                      absl::Span<const LayerIo> layers) override;
+  absl::Status Accept(SlotId id, int32_t n) override;
+
+  int64_t MatchPrefix(absl::Span<const int32_t> tokens) const override {
+    absl::MutexLock lock(&mu_);
+    return radix_.LongestPrefix(tokens).length;
+  }
+
+  absl::Status Donate(SlotId id) override;
+
+  // --- used by ForwardImpl ---
+  SlotPool& pool() { return *pool_; }
+  void EndForward(const std::vector<int32_t>& index, const std::vector<int32_t>& tokens,
+                  bool commit);
+  absl::Status AfterAdvance(const std::vector<int32_t>& index);
+  void ReturnStaging(std::unique_ptr<Staging> s) {
+    absl::MutexLock lock(&mu_);
+    staging_.push_back(std::move(s));
+  }
+
+ private:
+  std::unique_ptr<Staging> TakeStaging() {
+    absl::MutexLock lock(&mu_);
+    if (staging_.empty()) return std::make_unique<Staging>();
+    std::unique_ptr<Staging> s = std::move(staging_.back());
+    staging_.pop_back();
+    return s;
+  }
+
+  // The live slot behind `id`, or NOT_FOUND. `field` names the request field in errors.
+  absl::StatusOr<int32_t> LookupLocked(SlotId id, const std::string& field,
+                                       bool allow_broken = false) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const uint64_t index = id & 0xffffffffULL;
+    const uint32_t gen = static_cast<uint32_t>(id >> 32);
+    if (id == kPaddingSlot || index >= slots_.size() || slots_[index].generation != gen ||
+        slots_[index].kind != Kind::kLive) {
+      return absl::NotFoundError(absl::StrCat(field, ": expected a live slot id, got ",
+                                              IdString(id), " (unknown, freed or donated)"));
+    }
+    if (slots_[index].broken && !allow_broken) {
+      return absl::DataLossError(absl::StrCat(field, ": slot ", IdString(id),
+                                              " lost its state in a device error; free it"));
+    }
+    return static_cast<int32_t>(index);
+  }
+
+  // Marks a live slot busy for an operation; refuses a slot that is busy or has drafts.
+  absl::StatusOr<int32_t> AcquireLocked(SlotId id, const std::string& field, bool allow_pending)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<int32_t> i = LookupLocked(id, field);
+    if (!i.ok()) return i;
+    Slot& s = slots_[*i];
+    if (s.busy) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field, ": slot ", IdString(id), " is in another open operation"));
+    }
+    if (!allow_pending && s.pending > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": slot ", IdString(id), " has ", s.pending,
+          " verified drafts: Accept them (n may be 0) first"));
+    }
+    s.busy = true;
+    return i;
+  }
+
+  // A free slot, evicting the least recently used unreferenced snapshot when none is free.
+  absl::StatusOr<int32_t> TakeFreeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (free_.empty()) {
+      for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+        Slot& s = slots_[*it];
+        if (s.refs > 0 || s.busy) continue;
+        const int32_t victim = *it;
+        radix_.Erase(s.tokens);
+        lru_.erase(s.lru);
+        ++stats_.snapshot_evictions;
+        s = Slot{Kind::kFree, s.generation + 1};
+        free_.push_back(victim);
+        break;
+      }
+    }
+    if (free_.empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "no free slot: all ", slots_.size(), " slots (", model_.SlotBytes(),
+          " bytes each) are live or pinned snapshots; free slots or raise --memory-budget"));
+    }
+    const int32_t index = free_.back();
+    free_.pop_back();
+    return index;
+  }
+
+  void StartLiveLocked(int32_t index, std::vector<int32_t> tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Slot& s = slots_[index];
+    s.kind = Kind::kLive;
+    s.write_pos = 0;
+    s.seq_len = static_cast<int64_t>(tokens.size());
+    s.tokens = std::move(tokens);
+    s.busy = true;
+    s.broken = false;
+    s.pending = 0;
+    s.drafts.clear();
+  }
+
+  // Returns a live slot to the free list; its id stops working.
+  void ReleaseLocked(int32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    slots_[index] = Slot{Kind::kFree, slots_[index].generation + 1};
+    free_.push_back(index);
+  }
+
+  void TouchLocked(int32_t snapshot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    lru_.splice(lru_.begin(), lru_, slots_[snapshot].lru);
+  }
+
+  // Folds rows[i] (busy, owned by the caller) whose cursor is past `max_pos`; resets them.
+  absl::Status FoldRows(const std::vector<int32_t>& rows, int32_t max_pos, int64_t CacheStats::*counter);
+
+  // THE guard: the only path by which a state leaves a slot (copy-on-write, snapshot,
+  // donation, export, transfer). The caller holds the slot (busy, or a pinned snapshot). It
+  // folds the slot when write_pos != 0, so what leaves is the whole state, and refuses a slot
+  // whose verified drafts are not yet accepted or rejected.
+  absl::Status Materialize(int32_t index, const char* purpose);
+
+  // Copies a folded slot's state into a new snapshot keyed by its tokens (skipped when that
+  // key is cached already or no slot can be had).
+  absl::Status TakeSnapshot(int32_t index);
+
+  const ModelSpec model_;
+  const CacheOptions options_;
+  std::unique_ptr<SlotPool> pool_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);
+  std::list<int32_t> lru_ ABSL_GUARDED_BY(mu_);  // snapshots, most recent first
+  RadixTree radix_ ABSL_GUARDED_BY(mu_);
+  CacheStats stats_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Staging>> staging_ ABSL_GUARDED_BY(mu_);
+
+  friend class ForwardImpl;
+};
+
+absl::Status StateCacheImpl::Materialize(int32_t index, const char* purpose) {
+  int32_t w;
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.guard_calls;
+    const Slot& s = slots_[index];
+    if (s.pending > 0) {
+      ++stats_.invariant_refusals;
+      return absl::FailedPreconditionError(absl::StrCat(
+          purpose, ": the slot has ", s.pending,
+          " verified drafts that are neither accepted nor rejected; Accept first"));
+    }
+    w = s.write_pos;
+  }
+  if (w == 0) return absl::OkStatus();
+  std::unique_ptr<Staging> staging = TakeStaging();
+  const int32_t one[1] = {index}, pos[1] = {w};
+  absl::Status st = pool_->Fold(one, pos, *staging);
+  ReturnStaging(std::move(staging));
+  absl::MutexLock lock(&mu_);
+  if (!st.ok()) {
+    slots_[index].broken = true;
+    return st;
+  }
+  slots_[index].write_pos = 0;
+  ++stats_.folds_materialize;
+  return absl::OkStatus();
+}
+
+absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t max_pos,
+                                      int64_t CacheStats::*counter) {
+  std::vector<int32_t> fold_idx, fold_pos;
+  {
+    absl::MutexLock lock(&mu_);
+    for (int32_t i : rows) {
+      if (i >= 0 && slots_[i].write_pos > max_pos) {
+        fold_idx.push_back(i);
+        fold_pos.push_back(slots_[i].write_pos);
+      }
+    }
+  }
+  if (fold_idx.empty()) return absl::OkStatus();
+  std::unique_ptr<Staging> staging = TakeStaging();
+  absl::Status st = pool_->Fold(fold_idx, fold_pos, *staging);
+  ReturnStaging(std::move(staging));
+  absl::MutexLock lock(&mu_);
+  for (int32_t i : fold_idx) {
+    if (!st.ok()) {
+      slots_[i].broken = true;
+      continue;
+    }
+    slots_[i].write_pos = 0;
+    ++(stats_.*counter);
+  }
+  return st;
+}
+
+absl::Status StateCacheImpl::TakeSnapshot(int32_t index) {
+  absl::Status st = Materialize(index, "snapshot");
+  if (!st.ok()) return st;
+  int32_t snap;
+  {
+    absl::MutexLock lock(&mu_);
+    const Slot& s = slots_[index];
+    if (radix_.Find(s.tokens) >= 0) {
+      TouchLocked(radix_.Find(s.tokens));
+      return absl::OkStatus();
+    }
+    absl::StatusOr<int32_t> i = TakeFreeLocked();
+    if (!i.ok()) return absl::OkStatus();  // no room: a snapshot is an optimization
+    snap = *i;
+    Slot& d = slots_[snap];
+    d.kind = Kind::kSnapshot;
+    d.busy = true;
+    d.seq_len = s.seq_len;
+    d.tokens = s.tokens;
+  }
+  st = pool_->CopyCheckpoints(snap, index);
+  absl::MutexLock lock(&mu_);
+  Slot& d = slots_[snap];
+  if (!st.ok() || !radix_.Insert(d.tokens, snap)) {
+    slots_[snap] = Slot{Kind::kFree, d.generation + 1};
+    free_.push_back(snap);
+    return st;
+  }
+  d.busy = false;
+  lru_.push_front(snap);
+  d.lru = lru_.begin();
+  ++stats_.snapshots_taken;
+  return absl::OkStatus();
+}
+
+absl::Status CheckIo(const ModelSpec& m, absl::Span<const LayerIo> layers, bool need_out) {
+  if (static_cast<int32_t>(layers.size()) != m.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layers: expected ", m.num_layers,
+                                                   " layers of inputs, got ", layers.size()));
+  }
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerIo& io = layers[l];
+    if (io.mixed_qkv == nullptr || io.a == nullptr || io.b == nullptr ||
+        (need_out && io.out == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layers[", l, "]: expected mixed_qkv, a, b", need_out ? " and out" : "",
+                       " buffers, got a missing one"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Uploads n tokens of io into staging.
+absl::Status UploadInputs(int32_t backend, const ModelSpec& m, const LayerIo& io, int64_t n,
+                          Staging& st) {
+  const size_t es = rssm_dtype_size(m.shape.act_dtype);
+  absl::Status s = EnqueueCopy(backend, st.qkv.data(), io.mixed_qkv, n * m.QkvWidth() * es, RSSM_COPY_HOST_TO_DEVICE);
+  if (s.ok()) s = EnqueueCopy(backend, st.a.data(), io.a, n * m.AWidth() * es, RSSM_COPY_HOST_TO_DEVICE);
+  if (s.ok()) s = EnqueueCopy(backend, st.b.data(), io.b, n * m.BWidth() * es, RSSM_COPY_HOST_TO_DEVICE);
+  return s;
+}
+
+absl::Status DownloadOutputs(int32_t backend, const ModelSpec& m, const LayerIo& io, int64_t n,
+                             Staging& st) {
+  absl::Status s = absl::OkStatus();
+  if (io.out != nullptr) {
+    const size_t bytes = n * m.OutWidth() * rssm_dtype_size(m.shape.act_dtype);
+    s = EnqueueCopy(backend, io.out, st.out.data(), bytes, RSSM_COPY_DEVICE_TO_HOST);
+  }
+  if (!s.ok()) return s;
+  return Synchronize(backend);
+}
+
+rssm_token_inputs StagedInputs(const Staging& st) {
+  return rssm_token_inputs{st.qkv.data(), st.a.data(), st.b.data(), 0, 0, 0};
+}
+
+absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens,
+                                     absl::Span<const LayerIo> layers) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  absl::Status st = T > 0 ? CheckIo(model_, layers, false) : absl::OkStatus();  // 0: a no-op
+  if (!st.ok()) return st;
+  if (T > options_.max_prefill_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ",
+                                                   options_.max_prefill_tokens, " tokens, got ", T));
+  }
+  int32_t index, w;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", false);
+    if (!i.ok()) return i.status();
+    index = *i;
+    w = slots_[index].write_pos;
+    if (T == 0) {
+      slots_[index].busy = false;
+      return absl::OkStatus();
+    }
+  }
+  std::unique_ptr<Staging> stg = TakeStaging();
+  const int32_t backend = options_.backend;
+  const int32_t cu[2] = {0, static_cast<int32_t>(T)};
+  const uint8_t initial = 1;
+  st = stg->Reserve(backend, model_, T, 1);
+  if (st.ok()) st = EnqueueCopy(backend, stg->slot_idx.data(), &index, 4, RSSM_COPY_HOST_TO_DEVICE);
+  if (st.ok()) st = EnqueueCopy(backend, stg->write_pos.data(), &w, 4, RSSM_COPY_HOST_TO_DEVICE);
+  if (st.ok()) st = EnqueueCopy(backend, stg->cu.data(), cu, 8, RSSM_COPY_HOST_TO_DEVICE);
+  if (st.ok()) st = EnqueueCopy(backend, stg->flags.data(), &initial, 1, RSSM_COPY_HOST_TO_DEVICE);
+  bool touched = false;
+  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
+    st = UploadInputs(backend, model_, layers[l], T, *stg);
+    if (!st.ok()) break;
+    rssm_prefill_args a{};
+    a.launch = {backend, nullptr};
+    a.shape = model_.shape;
+    a.params = pool_->LayerParams(l);
+    a.pool = pool_->LayerPool(l);
+    a.batch = 1;
+    a.slot_idx = stg->slot_idx.as<const int32_t>();
+    a.cu_seqlens = stg->cu.as<const int32_t>();
+    a.initial = stg->flags.as<const uint8_t>();
+    a.write_pos = stg->write_pos.as<const int32_t>();
+    a.max_seqlen = static_cast<int32_t>(T);
+    a.in = StagedInputs(*stg);
+    a.out = {layers[l].out != nullptr ? stg->out.data() : nullptr, 0};
+    touched = true;
+    st = KernelStatus(rssm_prefill(&a), "prefill");
+    if (st.ok()) st = DownloadOutputs(backend, model_, layers[l], T, *stg);
+  }
+  ReturnStaging(std::move(stg));
+  bool snapshot = false;
+  {
+    absl::MutexLock lock(&mu_);
+    Slot& s = slots_[index];
+    if (!st.ok()) {
+      s.broken = touched;  // some layers may hold the new state already
+      s.busy = false;
+      return st;
+    }
+    s.write_pos = 0;
+    s.seq_len += T;
+    s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
+    snapshot = options_.track_interval > 0 && s.seq_len % options_.track_interval == 0;
+  }
+  if (snapshot) st = TakeSnapshot(index);
+  absl::MutexLock lock(&mu_);
+  slots_[index].busy = false;
+  return st;
+}
+
+absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
+                                    absl::Span<const absl::Span<const uint8_t>> checkpoints) {
+  if (static_cast<int32_t>(checkpoints.size()) != model_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", model_.num_layers,
+                                                   " layers, got ", checkpoints.size()));
+  }
+  for (size_t l = 0; l < checkpoints.size(); ++l) {
+    if (checkpoints[l].size() != pool_->CheckpointBytes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoints[", l, "]: expected ", pool_->CheckpointBytes(),
+                       " bytes ([HV, V, K] in ", rssm_dtype_name(model_.shape.state_dtype),
+                       "), got ", checkpoints[l].size()));
+    }
+  }
+  int32_t index;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", false);
+    if (!i.ok()) return i.status();
+    index = *i;
+  }
+  absl::Status st = absl::OkStatus();
+  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
+    st = pool_->WriteCheckpoint(index, l, checkpoints[l].data());
+  }
+  absl::MutexLock lock(&mu_);
+  Slot& s = slots_[index];
+  s.busy = false;
+  if (!st.ok()) {
+    s.broken = true;
+    return st;
+  }
+  s.write_pos = 0;
+  s.seq_len = static_cast<int64_t>(tokens.size());
+  s.tokens.assign(tokens.begin(), tokens.end());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
+  int32_t index;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
+    if (!i.ok()) return i.status();
+    index = *i;
+  }
+  ExportedState out;
+  absl::Status st = Materialize(index, "export");
+  out.checkpoints.resize(model_.num_layers);
+  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
+    out.checkpoints[l].resize(pool_->CheckpointBytes());
+    st = pool_->ReadCheckpoint(index, l, out.checkpoints[l].data());
+  }
+  absl::MutexLock lock(&mu_);
+  Slot& s = slots_[index];
+  s.busy = false;
+  if (!st.ok()) return st;
+  out.seq_len = s.seq_len;
+  out.tokens = s.tokens;
+  return out;
+}
+
+absl::Status StateCacheImpl::Donate(SlotId id) {
+  int32_t index;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
+    if (!i.ok()) return i.status();
+    index = *i;
+  }
+  absl::Status st = Materialize(index, "donate");
+  absl::MutexLock lock(&mu_);
+  Slot& s = slots_[index];
+  if (!st.ok()) {
+    s.busy = false;
+    return st;
+  }
+  ++stats_.donations;
+  if (s.seq_len == 0 || radix_.Find(s.tokens) >= 0) {  // nothing new to keep
+    if (s.seq_len > 0) TouchLocked(radix_.Find(s.tokens));
+    ReleaseLocked(index);
+    return absl::OkStatus();
+  }
+  s.kind = Kind::kSnapshot;
+  s.generation += 1;  // the request's id stops working
+  s.busy = false;
+  radix_.Insert(s.tokens, index);
+  lru_.push_front(index);
+  s.lru = lru_.begin();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginForward(
+    absl::Span<const DecodeRow> rows) {
+  if (rows.empty() || static_cast<int64_t>(rows.size()) > options_.max_batch) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: expected 1 to ", options_.max_batch,
+                                                   " rows, got ", rows.size()));
+  }
+  std::vector<int32_t> index(rows.size(), -1), tokens(rows.size(), 0);
+  {
+    absl::MutexLock lock(&mu_);
+    std::unordered_set<SlotId> seen;
+    absl::Status st = absl::OkStatus();
+    size_t r = 0;
+    for (; r < rows.size(); ++r) {
+      tokens[r] = rows[r].token_id;
+      if (rows[r].slot == kPaddingSlot) continue;
+      const std::string field = absl::StrCat("rows[", r, "].slot");
+      if (!seen.insert(rows[r].slot).second) {
+        st = absl::InvalidArgumentError(absl::StrCat(field, ": expected a slot not already in this batch, got ",
+                                                     IdString(rows[r].slot), " twice"));
+        break;
+      }
+      absl::StatusOr<int32_t> i = AcquireLocked(rows[r].slot, field, false);
+      if (!i.ok()) {
+        st = i.status();
+        break;
+      }
+      index[r] = *i;
+    }
+    if (!st.ok()) {  // nothing happened: release what was taken
+      for (size_t j = 0; j < r; ++j) {
+        if (index[j] >= 0) slots_[index[j]].busy = false;
+      }
+      return st;
+    }
+  }
+  // A ring that cannot take this step's record is folded now (committed; see the top).
+  absl::Status st = FoldRows(index, model_.shape.ring_len - 2, &CacheStats::folds_ring_full);
+  std::vector<int32_t> write_pos(rows.size(), 0);
+  std::unique_ptr<Staging> stg = TakeStaging();
+  if (st.ok()) {
+    absl::MutexLock lock(&mu_);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (index[r] >= 0) write_pos[r] = slots_[index[r]].write_pos;
+    }
+  }
+  const int32_t backend = options_.backend;
+  const int64_t B = static_cast<int64_t>(rows.size());
+  if (st.ok()) st = stg->Reserve(backend, model_, B, B);
+  if (st.ok()) st = EnqueueCopy(backend, stg->slot_idx.data(), index.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
+  if (st.ok()) st = EnqueueCopy(backend, stg->write_pos.data(), write_pos.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
+  if (!st.ok()) {
+    ReturnStaging(std::move(stg));
+    EndForward(index, tokens, false);
+    return st;
+  }
+  return std::unique_ptr<Forward>(new ForwardImpl(this, std::move(index), std::move(tokens),
+                                                  std::move(write_pos), std::move(stg)));
+}
+
+void StateCacheImpl::EndForward(const std::vector<int32_t>& index,
+                                const std::vector<int32_t>& tokens, bool commit) {
+  absl::MutexLock lock(&mu_);
+  for (size_t r = 0; r < index.size(); ++r) {
+    if (index[r] < 0) continue;
+    Slot& s = slots_[index[r]];
+    if (commit) {
+      s.write_pos += 1;
+      s.seq_len += 1;
+      s.tokens.push_back(tokens[r]);
+    } else {
+      s.busy = false;
+    }
+  }
+  if (commit) {
+    ++stats_.forwards_committed;
+  } else {
+    ++stats_.forwards_abandoned;
+  }
+}
+
+// After cursors advanced (commit, accept): fold and snapshot the rows at a track boundary,
+// then release every row.
+absl::Status StateCacheImpl::AfterAdvance(const std::vector<int32_t>& index) {
+  std::vector<int32_t> boundary;
+  if (options_.track_interval > 0) {
+    absl::MutexLock lock(&mu_);
+    for (int32_t i : index) {
+      if (i >= 0 && slots_[i].seq_len % options_.track_interval == 0) boundary.push_back(i);
+    }
+  }
+  absl::Status st = FoldRows(boundary, 0, &CacheStats::folds_track);
+  for (int32_t i : boundary) {
+    if (!st.ok()) break;
+    st = TakeSnapshot(i);
+  }
+  absl::MutexLock lock(&mu_);
+  for (int32_t i : index) {
+    if (i >= 0) slots_[i].busy = false;
+  }
+  return st;
+}
+
+absl::Status StateCacheImpl::Verify(absl::Span<const SlotId> ids, int32_t num_draft,
+                                    absl::Span<const int32_t> draft_tokens,
+                                    absl::Span<const LayerIo> layers) {
+  const int32_t L = model_.shape.ring_len;
+  if (num_draft < 1 || num_draft > L) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_draft: expected 1 to ", L, " (the ring length), got ", num_draft));
+  }
+  const int64_t B = static_cast<int64_t>(ids.size());
+  if (B < 1 || B > options_.max_batch) {
+    return absl::InvalidArgumentError(absl::StrCat("slots: expected 1 to ", options_.max_batch,
+                                                   " rows, got ", B));
+  }
+  if (static_cast<int64_t>(draft_tokens.size()) != B * num_draft) {
+    return absl::InvalidArgumentError(absl::StrCat("draft_tokens: expected ", B * num_draft,
+                                                   " (rows x num_draft), got ", draft_tokens.size()));
+  }
+  absl::Status st = CheckIo(model_, layers, true);
+  if (!st.ok()) return st;
+  std::vector<int32_t> index(B, -1);
+  {
+    absl::MutexLock lock(&mu_);
+    std::unordered_set<SlotId> seen;
+    int64_t r = 0;
+    for (; r < B && st.ok(); ++r) {
+      if (ids[r] == kPaddingSlot) continue;
+      const std::string field = absl::StrCat("slots[", r, "]");
+      if (!seen.insert(ids[r]).second) {
+        st = absl::InvalidArgumentError(absl::StrCat(field, ": expected a slot not already in this batch, got ",
+                                                     IdString(ids[r]), " twice"));
+        break;
+      }
+      absl::StatusOr<int32_t> i = AcquireLocked(ids[r], field, /*allow_pending=*/true);
+      if (!i.ok()) {
+        st = i.status();
+        break;
+      }
+      index[r] = *i;
+      slots_[*i].pending = 0;  // a new verify replaces drafts not yet accepted
+      slots_[*i].drafts.clear();
+    }
+    if (!st.ok()) {
+      for (int64_t j = 0; j < B; ++j) {
+        if (index[j] >= 0) slots_[index[j]].busy = false;
+      }
+      return st;
+    }
+  }
+  // Fold-before-verify: a row needs room for num_draft records.
+  st = FoldRows(index, L - num_draft, &CacheStats::folds_ring_full);
+  std::vector<int32_t> write_pos(B, 0);
+  {
+    absl::MutexLock lock(&mu_);
+    for (int64_t r = 0; r < B; ++r) {
+      if (index[r] >= 0) write_pos[r] = slots_[index[r]].write_pos;
+    }
+  }
+  std::unique_ptr<Staging> stg = TakeStaging();
+  const int32_t backend = options_.backend;
+  if (st.ok()) st = stg->Reserve(backend, model_, B * num_draft, B);
+  if (st.ok()) st = EnqueueCopy(backend, stg->slot_idx.data(), index.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
+  if (st.ok()) st = EnqueueCopy(backend, stg->write_pos.data(), write_pos.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
+  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
+    st = UploadInputs(backend, model_, layers[l], B * num_draft, *stg);
+    if (!st.ok()) break;
+    rssm_verify_args a{};
+    a.launch = {backend, nullptr};
+    a.shape = model_.shape;
+    a.params = pool_->LayerParams(l);
+    a.pool = pool_->LayerPool(l);
+    a.batch = static_cast<int32_t>(B);
+    a.num_draft = num_draft;
+    a.slot_idx = stg->slot_idx.as<const int32_t>();
+    a.write_pos = stg->write_pos.as<const int32_t>();
+    a.in = StagedInputs(*stg);
+    a.out = {stg->out.data(), 0};
+    st = KernelStatus(rssm_verify(&a), "verify");
+    if (st.ok()) st = DownloadOutputs(backend, model_, layers[l], B * num_draft, *stg);
+  }
+  ReturnStaging(std::move(stg));
+  absl::MutexLock lock(&mu_);
+  for (int64_t r = 0; r < B; ++r) {
+    if (index[r] < 0) continue;
+    Slot& s = slots_[index[r]];
+    s.busy = false;
+    if (!st.ok()) continue;  // appends past the cursor are invisible: nothing to undo
+    s.pending = num_draft;
+    s.drafts.assign(draft_tokens.begin() + r * num_draft, draft_tokens.begin() + (r + 1) * num_draft);
+  }
+  return st;
+}
+
+absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
+  int32_t index;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
+    if (!i.ok()) return i.status();
+    index = *i;
+    Slot& s = slots_[index];
+    if (n < 0 || n > s.pending) {
+      s.busy = false;
+      return absl::InvalidArgumentError(absl::StrCat("n: expected 0 to ", s.pending,
+                                                     " (the drafts verified), got ", n));
+    }
+    s.write_pos += n;
+    s.seq_len += n;
+    s.tokens.insert(s.tokens.end(), s.drafts.begin(), s.drafts.begin() + n);
+    s.pending = 0;
+    s.drafts.clear();
+    if (n == 0) {
+      s.busy = false;
+      return absl::OkStatus();
+    }
+  }
+  return AfterAdvance({index});
+}
+
+ForwardImpl::ForwardImpl(StateCacheImpl* cache, std::vector<int32_t> index,
+                         std::vector<int32_t> tokens, std::vector<int32_t> write_pos,
+                         std::unique_ptr<Staging> staging)
+    : cache_(cache),
+      index_(std::move(index)),
+      tokens_(std::move(tokens)),
+      write_pos_(std::move(write_pos)),
+      staging_(std::move(staging)),
+      done_(cache->model().num_layers, false) {}
+
+ForwardImpl::~ForwardImpl() {
+  if (staging_ != nullptr) cache_->ReturnStaging(std::move(staging_));
+  if (!finished_) cache_->EndForward(index_, tokens_, false);
+}
+
+absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
+  const ModelSpec& m = cache_->model();
+  if (finished_) return absl::FailedPreconditionError("forward: already committed");
+  if (layer < 0 || layer >= m.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: expected 0 to ", m.num_layers - 1, ", got ", layer));
+  }
+  if (done_[layer]) {
+    return absl::FailedPreconditionError(absl::StrCat("layer: layer ", layer, " already ran in this forward"));
+  }
+  if (io.mixed_qkv == nullptr || io.a == nullptr || io.b == nullptr || io.out == nullptr) {
+    return absl::InvalidArgumentError("io: expected mixed_qkv, a, b and out buffers, got a missing one");
+  }
+  const int32_t backend = cache_->options().backend;
+  const int64_t B = batch();
+  absl::Status st = UploadInputs(backend, m, io, B, *staging_);
+  if (!st.ok()) return st;
+  rssm_decode_args a{};
+  a.launch = {backend, nullptr};
+  a.shape = m.shape;
+  a.params = cache_->pool().LayerParams(layer);
+  a.pool = cache_->pool().LayerPool(layer);
+  a.batch = static_cast<int32_t>(B);
+  a.slot_idx = staging_->slot_idx.as<const int32_t>();
+  a.write_pos = staging_->write_pos.as<const int32_t>();
+  a.force_fold = nullptr;  // never folds: every row has room (BeginForward)
+  a.in = StagedInputs(*staging_);
+  a.out = {staging_->out.data(), 0};
+  st = KernelStatus(rssm_replay_decode(&a), "decode");
+  if (st.ok()) st = DownloadOutputs(backend, m, io, B, *staging_);
+  if (st.ok()) done_[layer] = true;
+  return st;
+}
+
+absl::Status ForwardImpl::Commit() {
+  if (finished_) return absl::FailedPreconditionError("forward: already committed");
+  for (size_t l = 0; l < done_.size(); ++l) {
+    if (!done_[l]) {
+      return absl::FailedPreconditionError(absl::StrCat("commit: layer ", l, " has not run"));
+    }
+  }
+  finished_ = true;
+  cache_->ReturnStaging(std::move(staging_));
+  cache_->EndForward(index_, tokens_, true);
+  return cache_->AfterAdvance(index_);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
+                                                               CacheOptions options) {
+  if (rssm_check_shape(&model.shape) != RSSM_OK) {
+    return absl::InvalidArgumentError(absl::StrCat("model.", rssm_last_error()));
+  }
+  if (model.shape.ring_len < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ring_len: expected >= 2 (the cache keeps decode kernels from folding, so a ring holds "
+        "L-1 decode records), got ", model.shape.ring_len));
+  }
+  if (model.num_layers < 1 || static_cast<int32_t>(model.layers.size()) != model.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("model.layers: expected ", model.num_layers,
+                                                   " layers of parameters, got ", model.layers.size()));
+  }
+  if (!rssm_backend_available(options.backend)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "backend: ", options.backend == RSSM_BACKEND_CUDA ? "CUDA" : "unknown",
+        " is not available in this build or on this machine"));
+  }
+  if (options.max_batch < 1 || options.track_interval < 0 || options.max_prefill_tokens < 1) {
+    return absl::InvalidArgumentError("options: max_batch and max_prefill_tokens must be >= 1 and track_interval >= 0");
+  }
+  const int64_t slot_bytes = model.SlotBytes();
+  const int64_t n = options.memory_budget_bytes / slot_bytes;
+  if (n < 1) {
+    return absl::ResourceExhaustedError(absl::StrCat("memory_budget: expected at least one slot (",
+                                                     slot_bytes, " bytes), got ", options.memory_budget_bytes));
+  }
+  if (n > 0x7fffffff) return absl::InvalidArgumentError("memory_budget: more than 2^31 slots");
+  absl::StatusOr<std::unique_ptr<SlotPool>> pool = SlotPool::Create(model, options.backend, n);
+  if (!pool.ok()) return pool.status();
+  return std::unique_ptr<StateCache>(new StateCacheImpl(std::move(model), options, std::move(*pool)));
+}
+
+}  // namespace replayssm::cache

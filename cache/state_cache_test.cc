@@ -1,0 +1,337 @@
+// StateCache behaviour: ids, forwards (commit, abandon, refusal), prefill, verify/accept,
+// the multi-turn prefix hit, capacity and eviction, the guard on every path out of a slot,
+// and bad input that changes nothing.
+#include "replayssm/cache/state_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "test_model.h"
+
+namespace replayssm::cache {
+namespace {
+
+using testing::Batch;
+using testing::Oracle;
+using testing::Tok;
+
+constexpr double kOutTol = 1e-4;    // fp32 state and activations against fp64
+constexpr double kStateTol = 1e-4;
+
+class CacheTest : public ::testing::Test {
+ protected:
+  void Make(int64_t slots, int32_t track = 0, int32_t ring = 4) {
+    absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, ring);
+    ASSERT_TRUE(m.ok()) << m.status();
+    m->num_layers = 2;
+    m->layers.resize(2);
+    CacheOptions o;
+    o.memory_budget_bytes = slots * m->SlotBytes();
+    o.track_interval = track;
+    absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    cache_ = std::move(*c);
+    oracle_ = std::make_unique<Oracle>(cache_->model());
+  }
+
+  // One decode step of each (slot, token); checks the outputs against the oracle states.
+  void Step(const std::vector<SlotId>& slots, std::vector<std::vector<int32_t>*> hist,
+            std::vector<Oracle::State*> ref, int32_t token) {
+    std::vector<DecodeRow> rows;
+    std::vector<Tok> toks;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      rows.push_back({slots[i], token});
+      toks.push_back({token, static_cast<int64_t>(hist[i]->size())});
+    }
+    Batch batch = oracle_->MakeBatch(toks);
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward(rows);
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (int l = 0; l < cache_->model().num_layers; ++l) {
+      ASSERT_TRUE((*f)->RunLayer(l, batch.io[l]).ok());
+    }
+    ASSERT_TRUE((*f)->Commit().ok());
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const Oracle::Outputs want = oracle_->Step(*ref[i], toks[i]);
+      for (int l = 0; l < cache_->model().num_layers; ++l) {
+        EXPECT_LE(testing::RelErr(batch.Output(cache_->model(), l, i), want[l]), kOutTol);
+      }
+      hist[i]->push_back(token);
+    }
+  }
+
+  void Prefill(SlotId slot, std::vector<int32_t>& hist, Oracle::State& ref,
+               const std::vector<int32_t>& tokens) {
+    std::vector<Tok> toks;
+    for (int32_t t : tokens) toks.push_back({t, static_cast<int64_t>(hist.size() + toks.size())});
+    Batch batch = oracle_->MakeBatch(toks);
+    ASSERT_TRUE(cache_->Prefill(slot, tokens, batch.io).ok());
+    for (size_t i = 0; i < toks.size(); ++i) {
+      const Oracle::Outputs want = oracle_->Step(ref, toks[i]);
+      for (int l = 0; l < cache_->model().num_layers; ++l) {
+        EXPECT_LE(testing::RelErr(batch.Output(cache_->model(), l, i), want[l]), kOutTol);
+      }
+      hist.push_back(tokens[i]);
+    }
+  }
+
+  void ExpectState(SlotId slot, const Oracle::State& ref) {
+    absl::StatusOr<ExportedState> e = cache_->Export(slot);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_LE(testing::RelErr(oracle_->FromExport(*e), ref), kStateTol);
+  }
+
+  std::unique_ptr<StateCache> cache_;
+  std::unique_ptr<Oracle> oracle_;
+};
+
+TEST_F(CacheTest, FreedSlotIdsNeverWorkAgain) {
+  Make(2);
+  const SlotId a = *cache_->Allocate();
+  ASSERT_TRUE(cache_->Free(a).ok());
+  EXPECT_EQ(cache_->Free(a).code(), absl::StatusCode::kNotFound);
+  const SlotId b = *cache_->Allocate();  // reuses the memory of a
+  EXPECT_NE(a, b);
+  EXPECT_EQ(cache_->Info(a).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(cache_->Info(b).ok());
+  EXPECT_EQ(cache_->Info(kPaddingSlot).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CacheTest, DecodeAcrossFoldsMatchesTheReference) {
+  Make(3, /*track=*/0, /*ring=*/4);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  std::vector<int32_t> ha, hb;
+  Oracle::State ra = oracle_->Zero(), rb = oracle_->Zero();
+  Prefill(a, ha, ra, {5, 6, 7});
+  for (int step = 0; step < 11; ++step) {
+    Step({a, b}, {&ha, &hb}, {&ra, &rb}, 100 + step);
+    EXPECT_EQ(cache_->Info(a)->seq_len, 4 + step);
+    EXPECT_LT(cache_->Info(a)->write_pos, 4) << "decode keeps room in the ring";
+  }
+  EXPECT_GT(cache_->stats().folds_ring_full, 0);
+  ExpectState(a, ra);
+  ExpectState(b, rb);
+}
+
+TEST_F(CacheTest, AbandonedForwardChangesNothing) {
+  Make(2, 0, 4);
+  const SlotId a = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {1, 2});
+  Step({a}, {&h}, {&r}, 3);
+  Step({a}, {&h}, {&r}, 4);  // w = 2
+  const SlotInfo before = *cache_->Info(a);
+  {
+    Batch batch = oracle_->MakeBatch({{9, 4}});
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 9}});
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE((*f)->RunLayer(0, batch.io[0]).ok());  // layer 1 never runs
+  }
+  EXPECT_EQ(cache_->Info(a)->seq_len, before.seq_len);
+  EXPECT_EQ(cache_->Info(a)->write_pos, before.write_pos);
+  EXPECT_EQ(cache_->stats().forwards_abandoned, 1);
+  Step({a}, {&h}, {&r}, 5);  // the abandoned token left no trace
+  ExpectState(a, r);
+}
+
+TEST_F(CacheTest, ASlotInTwoForwardsIsRefused) {
+  Make(2);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 1}});
+  ASSERT_TRUE(f.ok());
+  absl::StatusOr<std::unique_ptr<Forward>> g = cache_->BeginForward({{b, 1}, {a, 1}});
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(g.status().message().find("rows[1].slot"), std::string::npos) << g.status();
+  absl::StatusOr<std::unique_ptr<Forward>> h = cache_->BeginForward({{b, 1}});
+  EXPECT_TRUE(h.ok()) << "b was released when the second forward was refused";
+  EXPECT_EQ(cache_->Free(a).code(), absl::StatusCode::kFailedPrecondition)
+      << "a slot in an open forward cannot be freed";
+}
+
+TEST_F(CacheTest, SecondTurnRestoresTheStateAfterAllOfTurnOne) {
+  Make(4, /*track=*/4, /*ring=*/4);
+  const SlotId a = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {11, 12, 13, 14, 15});                    // the prompt
+  for (int t = 0; t < 6; ++t) Step({a}, {&h}, {&r}, 20 + t);  // the response: seq_len 11
+  ASSERT_TRUE(cache_->Donate(a).ok());
+  EXPECT_EQ(cache_->Info(a).status().code(), absl::StatusCode::kNotFound);
+  std::vector<int32_t> turn2 = h;
+  turn2.insert(turn2.end(), {30, 31});
+  EXPECT_EQ(cache_->MatchPrefix(turn2), 11) << "the donation is keyed by all 11 tokens";
+  absl::StatusOr<StateCache::PrefixAllocation> p = cache_->AllocateFromPrefix(turn2);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->matched, 11);
+  EXPECT_EQ(cache_->Info(p->slot)->seq_len, 11);
+  ExpectState(p->slot, oracle_->Run(h, 11));
+  // A prefix that stops at a track boundary inside turn 1 hits that snapshot.
+  std::vector<int32_t> other(h.begin(), h.begin() + 8);
+  other.push_back(99);
+  EXPECT_EQ(cache_->MatchPrefix(other), 8);
+  absl::StatusOr<StateCache::PrefixAllocation> q = cache_->AllocateFromPrefix(other);
+  ASSERT_TRUE(q.ok());
+  ExpectState(q->slot, oracle_->Run(h, 8));
+}
+
+TEST_F(CacheTest, SnapshotsAreEvictedBeforeLiveSlotsAreRefused) {
+  Make(3, 0, 4);
+  EXPECT_EQ(cache_->capacity(), 3);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate(), c = *cache_->Allocate();
+  EXPECT_EQ(cache_->Allocate().status().code(), absl::StatusCode::kResourceExhausted);
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {1, 2, 3});
+  ASSERT_TRUE(cache_->Donate(a).ok());  // a becomes a snapshot: still no free slot
+  EXPECT_EQ(cache_->stats().slots_snapshot, 1);
+  absl::StatusOr<SlotId> d = cache_->Allocate();
+  ASSERT_TRUE(d.ok()) << "the snapshot is evicted for a live slot";
+  EXPECT_EQ(cache_->stats().snapshot_evictions, 1);
+  EXPECT_EQ(cache_->MatchPrefix(h), 0);
+  const absl::Status full = cache_->Allocate().status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("no free slot"), std::string::npos);
+  EXPECT_TRUE(cache_->Info(b).ok());
+  EXPECT_TRUE(cache_->Info(c).ok());
+}
+
+TEST_F(CacheTest, EveryPathOutOfASlotGoesThroughTheGuard) {
+  Make(6, /*track=*/3, /*ring=*/4);
+  const SlotId a = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {1});
+  auto guarded = [&](const char* what, const std::function<void()>& op) {
+    const int64_t before = cache_->stats().guard_calls;
+    op();
+    EXPECT_GT(cache_->stats().guard_calls, before) << what << " bypassed the guard";
+  };
+  guarded("a snapshot at a track boundary", [&] {
+    Step({a}, {&h}, {&r}, 2);
+    Step({a}, {&h}, {&r}, 3);  // seq_len 3: folded and snapshotted
+  });
+  EXPECT_EQ(cache_->stats().snapshots_taken, 1);
+  guarded("export", [&] { ASSERT_TRUE(cache_->Export(a).ok()); });
+  guarded("copy-on-write from a snapshot",
+          [&] { ASSERT_EQ(cache_->AllocateFromPrefix(h)->matched, 3); });
+  Step({a}, {&h}, {&r}, 4);  // w = 1: what leaves now must be folded first
+  EXPECT_EQ(cache_->Info(a)->write_pos, 1);
+  guarded("export of an unfolded slot", [&] {
+    absl::StatusOr<ExportedState> e = cache_->Export(a);
+    ASSERT_TRUE(e.ok());
+    EXPECT_EQ(e->seq_len, 4);
+    EXPECT_LE(testing::RelErr(oracle_->FromExport(*e), r), kStateTol);
+  });
+  EXPECT_EQ(cache_->Info(a)->write_pos, 0) << "export materialized";
+  // Drafts awaiting Accept: the guard refuses, and nothing changes.
+  Batch drafts = oracle_->MakeBatch({{50, 4}, {51, 5}});
+  ASSERT_TRUE(cache_->Verify({a}, 2, {50, 51}, drafts.io).ok());
+  const int64_t refusals = cache_->stats().invariant_refusals;
+  EXPECT_EQ(cache_->Export(a).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache_->Donate(a).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache_->stats().invariant_refusals, refusals + 2);
+  EXPECT_EQ(cache_->Info(a)->pending_drafts, 2);
+  ASSERT_TRUE(cache_->Accept(a, 0).ok());
+  guarded("donation", [&] { ASSERT_TRUE(cache_->Donate(a).ok()); });
+}
+
+TEST_F(CacheTest, VerifyThenAcceptMatchesTheReference) {
+  Make(3, 0, /*ring=*/6);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  std::vector<int32_t> ha, hb;
+  Oracle::State ra = oracle_->Zero(), rb = oracle_->Zero();
+  Prefill(a, ha, ra, {1, 2, 3});
+  Step({a, b}, {&ha, &hb}, {&ra, &rb}, 7);
+  Step({a, b}, {&ha, &hb}, {&ra, &rb}, 8);  // w = 2: T = 6 needs a fold first
+  for (int32_t accept : {4, 0, 6}) {
+    SCOPED_TRACE(accept);
+    constexpr int kT = 6;
+    std::vector<int32_t> drafts;
+    std::vector<Tok> toks;
+    for (int r = 0; r < 2; ++r) {
+      const int64_t start = r == 0 ? ha.size() : hb.size();
+      for (int t = 0; t < kT; ++t) {
+        drafts.push_back(40 + 10 * r + t);
+        toks.push_back({40 + 10 * r + t, start + t});
+      }
+    }
+    Batch batch = oracle_->MakeBatch(toks);
+    ASSERT_TRUE(cache_->Verify({a, b}, kT, drafts, batch.io).ok());
+    for (int r = 0; r < 2; ++r) {
+      Oracle::State s = r == 0 ? ra : rb;
+      for (int t = 0; t < kT; ++t) {
+        const Oracle::Outputs want = oracle_->Step(s, toks[r * kT + t]);
+        for (int l = 0; l < 2; ++l) {
+          EXPECT_LE(testing::RelErr(batch.Output(cache_->model(), l, r * kT + t), want[l]), kOutTol);
+        }
+        if (t < accept) (r == 0 ? ra : rb) = s;
+      }
+    }
+    ASSERT_TRUE(cache_->Accept(a, accept).ok());
+    ASSERT_TRUE(cache_->Accept(b, accept).ok());
+    for (int t = 0; t < accept; ++t) {
+      ha.push_back(drafts[t]);
+      hb.push_back(drafts[kT + t]);
+    }
+    EXPECT_EQ(cache_->Info(a)->seq_len, static_cast<int64_t>(ha.size()));
+    Step({a, b}, {&ha, &hb}, {&ra, &rb}, 9);  // decoding goes on from the accepted state
+  }
+  ExpectState(a, ra);
+  ExpectState(b, rb);
+}
+
+TEST_F(CacheTest, BadInputIsRefusedAndChangesNothing) {
+  Make(3, 0, 4);
+  const SlotId a = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {1, 2});
+  Step({a}, {&h}, {&r}, 3);
+  const SlotInfo info = *cache_->Info(a);
+  Batch one = oracle_->MakeBatch({{4, 3}});
+  std::vector<LayerIo> short_io(one.io.begin(), one.io.begin() + 1);
+  EXPECT_EQ(cache_->Prefill(a, {4}, short_io).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Verify({a}, 5, {1, 2, 3, 4, 5}, one.io).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Verify({a}, 1, {1, 2}, one.io).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Accept(a, 1).code(), absl::StatusCode::kInvalidArgument) << "nothing verified";
+  EXPECT_EQ(cache_->BeginForward({{a, 1}, {a, 2}}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->BeginForward({}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->BeginForward({{a + 1, 1}}).status().code(), absl::StatusCode::kNotFound);
+  const std::vector<uint8_t> wrong(7);
+  const std::vector<absl::Span<const uint8_t>> cps = {wrong, wrong};
+  const absl::Status imp = cache_->Import(a, {1}, cps);
+  EXPECT_EQ(imp.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(imp.message().find("checkpoints[0]"), std::string::npos) << imp;
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 4}});
+    ASSERT_TRUE(f.ok());
+    EXPECT_EQ((*f)->RunLayer(2, one.io[0]).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*f)->Commit().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(cache_->Info(a)->seq_len, info.seq_len);
+  EXPECT_EQ(cache_->Info(a)->write_pos, info.write_pos);
+  ExpectState(a, r);
+}
+
+TEST_F(CacheTest, ImportThenDecodeContinuesTheExportedRequest) {
+  Make(3, 0, 4);
+  const SlotId a = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {1, 2, 3});
+  Step({a}, {&h}, {&r}, 4);
+  absl::StatusOr<ExportedState> e = cache_->Export(a);
+  ASSERT_TRUE(e.ok());
+  const SlotId b = *cache_->Allocate();
+  std::vector<absl::Span<const uint8_t>> cps(e->checkpoints.begin(), e->checkpoints.end());
+  ASSERT_TRUE(cache_->Import(b, e->tokens, cps).ok());
+  EXPECT_EQ(cache_->Info(b)->seq_len, 4);
+  std::vector<int32_t> hb = h;
+  Oracle::State rb = r;
+  Step({a, b}, {&h, &hb}, {&r, &rb}, 5);
+  ExpectState(b, rb);
+}
+
+}  // namespace
+}  // namespace replayssm::cache

@@ -1,0 +1,154 @@
+#include "test_model.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "../kernels/src/dtype.h"
+#include "reference.h"
+
+namespace replayssm::cache::testing {
+namespace {
+
+using kernels::Bf16;
+using kernels::F16;
+
+float RoundAct(int32_t dtype, float x) {
+  if (dtype == RSSM_DTYPE_BF16) return kernels::RoundTo<Bf16>(x);
+  if (dtype == RSSM_DTYPE_F16) return kernels::RoundTo<F16>(x);
+  return x;
+}
+
+void Store(int32_t dtype, float x, uint8_t* dst) {
+  if (dtype == RSSM_DTYPE_BF16) {
+    const Bf16 v = kernels::FromFloat<Bf16>(x);
+    std::memcpy(dst, &v.bits, 2);
+  } else if (dtype == RSSM_DTYPE_F16) {
+    const F16 v = kernels::FromFloat<F16>(x);
+    std::memcpy(dst, &v.bits, 2);
+  } else {
+    std::memcpy(dst, &x, 4);
+  }
+}
+
+double Load(int32_t dtype, const uint8_t* src) {
+  if (dtype == RSSM_DTYPE_BF16) {
+    Bf16 v;
+    std::memcpy(&v.bits, src, 2);
+    return kernels::ToFloat(v);
+  }
+  if (dtype == RSSM_DTYPE_F16) {
+    F16 v;
+    std::memcpy(&v.bits, src, 2);
+    return kernels::ToFloat(v);
+  }
+  float f;
+  std::memcpy(&f, src, 4);
+  return f;
+}
+
+}  // namespace
+
+void Oracle::Inputs(Tok t, int layer, std::vector<float>& qkv, std::vector<float>& a,
+                    std::vector<float>& b) const {
+  std::mt19937_64 rng((static_cast<uint64_t>(t.id) * 0x9E3779B97F4A7C15ULL) ^
+                      (static_cast<uint64_t>(t.pos) << 20) ^ static_cast<uint64_t>(layer));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int32_t dt = m_.shape.act_dtype;
+  qkv.resize(m_.QkvWidth());
+  a.resize(m_.AWidth());
+  b.resize(m_.BWidth());
+  for (float& x : qkv) x = RoundAct(dt, nd(rng));
+  for (float& x : a) x = RoundAct(dt, nd(rng));
+  for (float& x : b) x = RoundAct(dt, nd(rng));
+}
+
+Batch Oracle::MakeBatch(const std::vector<Tok>& toks) const {
+  const int32_t dt = m_.shape.act_dtype;
+  const size_t es = rssm_dtype_size(dt);
+  const int64_t n = static_cast<int64_t>(toks.size());
+  Batch batch;
+  batch.qkv.resize(m_.num_layers);
+  batch.a.resize(m_.num_layers);
+  batch.b.resize(m_.num_layers);
+  batch.out.resize(m_.num_layers);
+  std::vector<float> qkv, a, b;
+  for (int l = 0; l < m_.num_layers; ++l) {
+    batch.qkv[l].resize(n * m_.QkvWidth() * es);
+    batch.a[l].resize(n * m_.AWidth() * es);
+    batch.b[l].resize(n * m_.BWidth() * es);
+    batch.out[l].assign(n * m_.OutWidth() * es, 0xff);  // poison: NaN in every dtype
+    for (int64_t i = 0; i < n; ++i) {
+      Inputs(toks[i], l, qkv, a, b);
+      for (size_t e = 0; e < qkv.size(); ++e) Store(dt, qkv[e], &batch.qkv[l][(i * qkv.size() + e) * es]);
+      for (size_t e = 0; e < a.size(); ++e) Store(dt, a[e], &batch.a[l][(i * a.size() + e) * es]);
+      for (size_t e = 0; e < b.size(); ++e) Store(dt, b[e], &batch.b[l][(i * b.size() + e) * es]);
+    }
+  }
+  for (int l = 0; l < m_.num_layers; ++l) {
+    batch.io.push_back(LayerIo{batch.qkv[l].data(), batch.a[l].data(), batch.b[l].data(),
+                               batch.out[l].data()});
+  }
+  return batch;
+}
+
+std::vector<double> Batch::Output(const ModelSpec& m, int layer, int64_t i) const {
+  const int32_t dt = m.shape.act_dtype;
+  const size_t es = rssm_dtype_size(dt);
+  std::vector<double> o(m.OutWidth());
+  for (size_t e = 0; e < o.size(); ++e) o[e] = Load(dt, &out[layer][(i * o.size() + e) * es]);
+  return o;
+}
+
+Oracle::State Oracle::Zero() const {
+  return State(m_.num_layers, std::vector<double>(rssm_checkpoint_elems(&m_.shape), 0.0));
+}
+
+Oracle::Outputs Oracle::Step(State& s, Tok t) const {
+  Outputs out(m_.num_layers, std::vector<double>(m_.OutWidth()));
+  std::vector<float> qkv, a, b;
+  for (int l = 0; l < m_.num_layers; ++l) {
+    Inputs(t, l, qkv, a, b);
+    const LayerParams& p = m_.layers[l];
+    kernels::testing::ReferenceStep(m_.shape, p.a_log.data(), p.dt_bias.data(), p.scale,
+                                    p.use_qk_l2norm, qkv.data(), a.data(), b.data(),
+                                    s[l].data(), out[l].data());
+  }
+  return out;
+}
+
+Oracle::State Oracle::Run(const std::vector<int32_t>& tokens, int64_t n) const {
+  State s = Zero();
+  for (int64_t i = 0; i < n; ++i) Step(s, Tok{tokens[i], i});
+  return s;
+}
+
+Oracle::State Oracle::FromExport(const ExportedState& e) const {
+  State s = Zero();
+  const int32_t dt = m_.shape.state_dtype;
+  const size_t es = rssm_dtype_size(dt);
+  for (int l = 0; l < m_.num_layers; ++l) {
+    for (size_t i = 0; i < s[l].size(); ++i) s[l][i] = Load(dt, &e.checkpoints[l][i * es]);
+  }
+  return s;
+}
+
+double RelErr(const std::vector<double>& x, const std::vector<double>& ref) {
+  return RelErr(std::vector<std::vector<double>>{x}, std::vector<std::vector<double>>{ref});
+}
+
+double RelErr(const std::vector<std::vector<double>>& x,
+              const std::vector<std::vector<double>>& ref) {
+  double num = 0.0, den = 0.0;
+  for (size_t l = 0; l < x.size(); ++l) {
+    for (size_t i = 0; i < x[l].size(); ++i) {
+      if (std::isnan(x[l][i]) || std::isnan(ref[l][i])) return std::numeric_limits<double>::quiet_NaN();
+      num += (x[l][i] - ref[l][i]) * (x[l][i] - ref[l][i]);
+      den += ref[l][i] * ref[l][i];
+    }
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+}  // namespace replayssm::cache::testing

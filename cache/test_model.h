@@ -1,0 +1,58 @@
+// For cache tests: deterministic per-token activations (a function of token id, position and
+// layer, so a state depends only on its token sequence and prefixes can be shared) and the
+// fp64 reference state of any token sequence.
+#ifndef REPLAYSSM_CACHE_TEST_MODEL_H_
+#define REPLAYSSM_CACHE_TEST_MODEL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "replayssm/cache/model.h"
+#include "replayssm/cache/state_cache.h"
+
+namespace replayssm::cache::testing {
+
+// A token as the cache sees it: its id and its position in the request.
+struct Tok {
+  int32_t id;
+  int64_t pos;
+};
+
+// Host buffers for N tokens of every layer, and the LayerIo views over them.
+struct Batch {
+  std::vector<std::vector<uint8_t>> qkv, a, b, out;  // [layers]
+  std::vector<LayerIo> io;                            // [layers]
+  // Output of token i in layer l, as fp64.
+  std::vector<double> Output(const ModelSpec& m, int layer, int64_t i) const;
+};
+
+class Oracle {
+ public:
+  using State = std::vector<std::vector<double>>;  // [layers][HV*V*K]
+  using Outputs = std::vector<std::vector<double>>;  // [layers][HV*V]
+
+  explicit Oracle(const ModelSpec& m) : m_(m) {}
+  Batch MakeBatch(const std::vector<Tok>& toks) const;
+  State Zero() const;
+  // Advances s by one token; returns its outputs.
+  Outputs Step(State& s, Tok t) const;
+  // The state after tokens[0..n) from zero.
+  State Run(const std::vector<int32_t>& tokens, int64_t n) const;
+  // The state held in exported checkpoints, as fp64.
+  State FromExport(const ExportedState& e) const;
+  const ModelSpec& model() const { return m_; }
+
+ private:
+  // Token t's fp32 inputs for layer l (values already rounded to the act dtype).
+  void Inputs(Tok t, int layer, std::vector<float>& qkv, std::vector<float>& a,
+              std::vector<float>& b) const;
+  const ModelSpec& m_;
+};
+
+// ‖x − ref‖ / ‖ref‖ over all layers (NaN if any value is NaN).
+double RelErr(const std::vector<std::vector<double>>& x, const std::vector<std::vector<double>>& ref);
+double RelErr(const std::vector<double>& x, const std::vector<double>& ref);
+
+}  // namespace replayssm::cache::testing
+
+#endif  // REPLAYSSM_CACHE_TEST_MODEL_H_

@@ -1,0 +1,154 @@
+// Device helpers shared by the CUDA kernels: dtype conversion, 16-byte chunk loads/stores of
+// the state, activation loads by runtime dtype, warp reductions, and the register-tile
+// geometry of one CTA (TileCfg).
+#ifndef REPLAYSSM_KERNELS_CUDA_COMMON_CUH_
+#define REPLAYSSM_KERNELS_CUDA_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace replayssm::kernels::cuda {
+
+// ---- scalar conversions -------------------------------------------------------------------
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+
+// x rounded to T and back: what a stored value reads as.
+template <typename T>
+__device__ __forceinline__ float RoundTo(float x) { return ToF(FromF<T>(x)); }
+
+// Activation dtypes are a runtime switch (activations are a few hundred bytes per head).
+enum ActDtype : int { kActF32 = 0, kActBf16 = 1, kActF16 = 2 };
+
+__device__ __forceinline__ float LoadAct(const void* base, int64_t i, int dt) {
+  if (dt == kActF32) return static_cast<const float*>(base)[i];
+  if (dt == kActBf16) return ToF(static_cast<const __nv_bfloat16*>(base)[i]);
+  return ToF(static_cast<const __half*>(base)[i]);
+}
+__device__ __forceinline__ void StoreAct(void* base, int64_t i, int dt, float x) {
+  if (dt == kActF32) {
+    static_cast<float*>(base)[i] = x;
+  } else if (dt == kActBf16) {
+    static_cast<__nv_bfloat16*>(base)[i] = FromF<__nv_bfloat16>(x);
+  } else {
+    static_cast<__half*>(base)[i] = FromF<__half>(x);
+  }
+}
+
+// ---- 16-byte chunks of the state ------------------------------------------------------------
+// A chunk is 16 bytes: E = 16 / sizeof(T) consecutive key channels of one state row.
+template <typename T>
+struct Chunk {
+  static constexpr int kE = 16 / sizeof(T);
+  uint4 raw;
+  __device__ __forceinline__ float Get(int e) const {
+    const T* p = reinterpret_cast<const T*>(&raw);
+    return ToF(p[e]);
+  }
+  __device__ __forceinline__ void Set(int e, float x) {
+    T* p = reinterpret_cast<T*>(&raw);
+    p[e] = FromF<T>(x);
+  }
+};
+
+// Streaming (evict-first) 16-byte load, or E scalar loads where the address is not 16-byte
+// aligned (a caller's slot stride need not be a multiple of 16 bytes).
+template <typename T>
+__device__ __forceinline__ Chunk<T> LoadChunk(const T* p, bool aligned) {
+  Chunk<T> c;
+  if (aligned) {
+    c.raw = __ldcs(reinterpret_cast<const uint4*>(p));
+  } else {
+    T* d = reinterpret_cast<T*>(&c.raw);
+#pragma unroll
+    for (int e = 0; e < Chunk<T>::kE; ++e) d[e] = p[e];
+  }
+  return c;
+}
+template <typename T>
+__device__ __forceinline__ void StoreChunk(T* p, const Chunk<T>& c, bool aligned) {
+  if (aligned) {
+    __stcs(reinterpret_cast<uint4*>(p), c.raw);
+  } else {
+    const T* s = reinterpret_cast<const T*>(&c.raw);
+#pragma unroll
+    for (int e = 0; e < Chunk<T>::kE; ++e) p[e] = s[e];
+  }
+}
+
+// ---- reductions -----------------------------------------------------------------------------
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int s = 16; s >= 1; s >>= 1) x += __shfl_xor_sync(0xffffffffu, x, s);
+  return x;
+}
+
+// Reduces N values per lane across aligned groups of G lanes (N, G powers of two) with the
+// transposed butterfly: each step halves the values a lane carries, so N values cost
+// N-1 shuffles instead of N*log2(G). On return v[0..max(N/G,1)) hold totals; value v[i] of
+// lane l is the total of index (l % G) * (N / G) + i when N >= G, else (l % G) / (G / N).
+template <int N, int S>
+struct TransposeReduce {
+  static __device__ __forceinline__ void Run(float* v, int lane) {
+    if constexpr (S >= 1) {
+      if constexpr (N > 1) {
+        const bool upper = (lane & S) != 0;
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+          const float send = upper ? v[i] : v[i + N / 2];
+          const float keep = upper ? v[i + N / 2] : v[i];
+          v[i] = keep + __shfl_xor_sync(0xffffffffu, send, S);
+        }
+        TransposeReduce<N / 2, S / 2>::Run(v, lane);
+      } else {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], S);
+        TransposeReduce<1, S / 2>::Run(v, lane);
+      }
+    }
+  }
+};
+
+// ---- gates ----------------------------------------------------------------------------------
+__device__ __forceinline__ float Softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// ---- register tile geometry -----------------------------------------------------------------
+// One CTA of kThreads threads holds a tile of VT state rows x KMAX key channels in registers.
+// A row is NCH 16-byte chunks, spread over G lanes (CPL chunks each); a warp covers RPW rows
+// per pass and a thread R rows, so R * CPL 16-byte loads per thread are in flight at once.
+template <typename T, int KMAX>
+struct TileCfg {
+  static constexpr int kThreads = 128;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int E = 16 / sizeof(T);
+  static constexpr int NCH = KMAX / E;
+  static constexpr int G = NCH < 32 ? NCH : 32;
+  static constexpr int CPL = NCH / G;
+  static constexpr int RPW = 32 / G;
+  static constexpr int R = CPL >= 8 ? 1 : 8 / CPL;
+  static constexpr int VT = R * kWarps * RPW;
+  // Row of the tile held in slot i by warp `warp`, lane `lane`.
+  static __device__ __forceinline__ int Row(int i, int warp, int lane) {
+    return (i * kWarps + warp) * RPW + lane / G;
+  }
+  // First key channel of chunk ch held by lane `lane`.
+  static __device__ __forceinline__ int Chan(int ch, int lane) { return (ch * G + lane % G) * E; }
+};
+
+}  // namespace replayssm::kernels::cuda
+
+#endif  // REPLAYSSM_KERNELS_CUDA_COMMON_CUH_

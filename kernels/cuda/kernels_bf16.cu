@@ -1,0 +1,14 @@
+// Explicit instantiations of the step and prefill kernels for bf16 state (one file per state
+// dtype, so they compile in parallel).
+#include "launch.cuh"
+
+namespace replayssm::kernels::cuda {
+
+cudaError_t LaunchStepBf16(StepParams p, cudaStream_t stream) {
+  return LaunchStepFor<__nv_bfloat16>(p, stream);
+}
+cudaError_t LaunchPrefillBf16(PrefillParams p, cudaStream_t stream) {
+  return LaunchPrefillFor<__nv_bfloat16>(p, stream);
+}
+
+}  // namespace replayssm::kernels::cuda

@@ -1,0 +1,215 @@
+// Replay decode, baseline decode and speculative verify: one kernel.
+//
+// Grid: one CTA per (row r, v-head h, V-tile of VT state rows), flattened with the V-tile
+// fastest so the CTAs that share a qk-head's k ring run together. A CTA:
+//   1. reads slot and cursor, then issues all loads of its S0 tile [VT, K] into registers
+//      (16-byte streaming loads) before anything else, so the DRAM stream overlaps steps 2-4;
+//   2. loads records 0..w-1 (k, g, d of its rows) and the token(s) into shared memory;
+//   3. per token: weights W_j∘k_j and A (thread per key channel), u_j, p_j (warp per record);
+//   4. contracts the register tile with A∘k and A∘q (TC tokens at once), reduces over the
+//      lanes of each row (transposed butterfly) and finishes d, o per row (thread per row);
+//   5. folds in registers and writes the new S0 tile, or appends the record.
+// Baseline = replay with w = 0 that always folds: same instantiation, same arithmetic.
+// Verify = T tokens from the same registers: S0 is read once for all drafts; the drafts'
+// records (rounded as stored) feed the later drafts, and nothing is folded.
+#ifndef REPLAYSSM_KERNELS_CUDA_STEP_KERNEL_CUH_
+#define REPLAYSSM_KERNELS_CUDA_STEP_KERNEL_CUH_
+
+#include "head_ops.cuh"
+
+namespace replayssm::kernels::cuda {
+
+template <typename T, int KMAX, int TC>
+__global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : 3) StepKernel(const __grid_constant__ StepParams p) {
+  using Cfg = TileCfg<T, KMAX>;
+  constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
+  extern __shared__ float4 smem4[];
+  float* s = reinterpret_cast<float*>(smem4);
+  const LayerDesc& ly = p.ly;
+  const SmemLayout& sm = p.sm;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int64_t bid = blockIdx.x;
+  const int vt = static_cast<int>(bid % p.num_vtiles);
+  bid /= p.num_vtiles;
+  const int h = static_cast<int>(bid % ly.HV);
+  const int r = static_cast<int>(bid / ly.HV);
+  const int v0 = vt * VT;
+  const int K = ly.K, V = ly.V, L = ly.L, T_ = p.num_draft;
+  const int64_t tok0 = int64_t{r} * T_;
+  const int64_t slot = p.slot_idx[r];
+
+  if (slot < 0 || slot >= ly.num_slots) {  // padding row: zero outputs, touch no state
+    for (int i = tid; i < T_ * VT; i += kThreads) {
+      const int t = i / VT, row = i % VT;
+      if (v0 + row < V) {
+        StoreAct(ly.o, (tok0 + t) * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype, 0.f);
+      }
+    }
+    return;
+  }
+  int w = 0;
+  bool fold = true;
+  if (p.mode != kModeBaseline) {
+    w = min(max(p.write_pos[r], 0), L);
+    if (p.mode == kModeVerify) {
+      w = min(w, L - T_);  // w + T <= L keeps every append inside the ring
+      fold = false;
+    } else {
+      fold = w + 1 >= L || (p.force_fold != nullptr && p.force_fold[r] != 0);
+    }
+  }
+
+  // 1. S0 tile into registers.
+  T* s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + (int64_t{h} * V + v0) * K;
+  const bool aligned = (reinterpret_cast<uintptr_t>(s0) & 15) == 0;
+  Chunk<T> st[R][CPL];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int row = Cfg::Row(i, warp, lane);
+#pragma unroll
+    for (int ch = 0; ch < CPL; ++ch) {
+      const int c = Cfg::Chan(ch, lane);
+      if (v0 + row < V && c < K) {
+        st[i][ch] = LoadChunk(s0 + int64_t{row} * K + c, aligned);
+      } else {
+        st[i][ch].raw = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+
+  // 2. Records.
+  if (w > 0) LoadRecords<T>(ly, sm, s, slot, h, w, v0, VT);
+  const bool k_writer = (h % ly.group) == 0 && vt == 0;
+  const int hq = h / ly.group;
+
+  for (int c0 = 0; c0 < T_; c0 += TC) {
+    const int nt = min(TC, T_ - c0);
+    for (int t = 0; t < nt; ++t) LoadToken(ly, sm, s, tok0 + c0 + t, h, t, w + c0 + t, v0, VT);
+    __syncthreads();
+    NormalizeTokens<T>(ly, sm, s, nt, w + c0);
+    // Appended records' k and g (written once per qk-head group / per head).
+    if (!fold && vt == 0) {
+      for (int i = tid; i < nt * K; i += kThreads) {
+        const int t = i / K, c = i % K, P = w + c0 + t;
+        if (k_writer) {
+          T* rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + (int64_t{hq} * L + P) * K;
+          rk[c] = FromF<T>(s[sm.ks + i]);
+        }
+        float* rg = ly.ring_g + slot * ly.g_stride;
+        if (ly.kda) {
+          rg[(int64_t{h} * L + P) * K + c] = s[sm.gext + P * K + c];
+        } else if (c == 0) {
+          rg[int64_t{h} * L + P] = s[sm.gext + P];
+        }
+      }
+    }
+    __syncthreads();
+    // 3. Weights and record dots, token by token (kw is reused).
+    for (int t = 0; t < nt; ++t) {
+      const int P = w + c0 + t;
+      Weights(ly, sm, s, P, t, false, true);
+      __syncthreads();
+      RecordDots(ly, sm, s, P, t);
+      if (t + 1 < nt) __syncthreads();
+    }
+    // 4. Contraction of the register tile with A∘k, A∘q of the chunk's tokens.
+    float acc[TC * R * 2];
+#pragma unroll
+    for (int i = 0; i < TC * R * 2; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int ch = 0; ch < CPL; ++ch) {
+      const int c = Cfg::Chan(ch, lane);
+      if (c >= K) continue;
+#pragma unroll
+      for (int t = 0; t < TC; ++t) {
+        float kav[E], qav[E];
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+          const float4 x = *reinterpret_cast<const float4*>(s + sm.ka + t * K + c + e);
+          const float4 y = *reinterpret_cast<const float4*>(s + sm.qa + t * K + c + e);
+          kav[e] = x.x, kav[e + 1] = x.y, kav[e + 2] = x.z, kav[e + 3] = x.w;
+          qav[e] = y.x, qav[e + 1] = y.y, qav[e + 2] = y.z, qav[e + 3] = y.w;
+        }
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            const float x = st[i][ch].Get(e);
+            acc[(t * R + i) * 2] += x * kav[e];
+            acc[(t * R + i) * 2 + 1] += x * qav[e];
+          }
+        }
+      }
+    }
+    ReduceToSmem<Cfg, TC>(acc, sm, s);
+    __syncthreads();
+    // Per row: ring terms, d, o; the draft's d as stored feeds the next drafts.
+    if (tid < VT) {
+      const int row = tid;
+      const bool valid = v0 + row < V;
+      for (int t = 0; t < nt; ++t) {
+        const int P = w + c0 + t;
+        float sk = s[sm.skq + (t * VT + row) * 2];
+        float sq = s[sm.skq + (t * VT + row) * 2 + 1];
+        const float* u = s + sm.u + t * (L + 1);
+        const float* pq = s + sm.pp + t * (L + 1);
+        for (int j = 0; j < P; ++j) {
+          const float dj = s[sm.dext + j * VT + row];
+          sk += dj * u[j];
+          sq += dj * pq[j];
+        }
+        const float d = s[sm.beta + t] * (s[sm.vs + t * VT + row] - sk);
+        const float o = sq + d * s[sm.kq + t];
+        const T dr = FromF<T>(d);
+        s[sm.dext + P * VT + row] = ToF(dr);
+        s[sm.dcur + row] = d;
+        if (valid) {
+          StoreAct(ly.o, (tok0 + c0 + t) * ly.o_stride + int64_t{h} * V + v0 + row,
+                   ly.act_dtype, o);
+          if (!fold) {
+            T* rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + (int64_t{h} * L + P) * V;
+            rd[v0 + row] = dr;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (!fold) return;
+
+  // 5. Fold (decode only: T == 1, token 0): S0·A + Σ_j d_j (W_j∘k_j) + d k, from registers.
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int row = Cfg::Row(i, warp, lane);
+    if (v0 + row >= V) continue;
+    const float dt = s[sm.dcur + row];
+#pragma unroll
+    for (int ch = 0; ch < CPL; ++ch) {
+      const int c = Cfg::Chan(ch, lane);
+      if (c >= K) continue;
+      float a[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) a[e] = st[i][ch].Get(e) * s[sm.avec + c + e];
+      for (int j = 0; j < w; ++j) {
+        const float dj = s[sm.dext + j * VT + row];
+        const float* kw = s + sm.kw + j * K + c;
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+          const float4 x = *reinterpret_cast<const float4*>(kw + e);
+          a[e] += dj * x.x;
+          a[e + 1] += dj * x.y;
+          a[e + 2] += dj * x.z;
+          a[e + 3] += dj * x.w;
+        }
+      }
+      Chunk<T> out;
+#pragma unroll
+      for (int e = 0; e < E; ++e) out.Set(e, a[e] + dt * s[sm.ks + c + e]);
+      StoreChunk(s0 + int64_t{row} * K + c, out, aligned);
+    }
+  }
+}
+
+}  // namespace replayssm::kernels::cuda
+
+#endif  // REPLAYSSM_KERNELS_CUDA_STEP_KERNEL_CUH_

@@ -1,0 +1,537 @@
+// The CUDA backend against the CPU backend (the reference): the same fresh random inputs go
+// through rssm_* with RSSM_BACKEND_CPU on a host pool and RSSM_BACKEND_CUDA on a device copy
+// of it; outputs (poisoned with NaN first, so an unwritten element fails) and the whole pool
+// (checkpoints and rings, NaN where nothing was ever written) must agree within the harness's
+// dtype-based tolerances. Needs a GPU: run on the device machine.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tests/harness.h"
+
+namespace replayssm::kernels::testing {
+namespace {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+// A device buffer holding a copy of host bytes.
+class DevBuf {
+ public:
+  DevBuf() = default;
+  explicit DevBuf(size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0 && cudaMalloc(&p_, bytes_) != cudaSuccess) p_ = nullptr;
+  }
+  DevBuf(const void* host, size_t bytes) : DevBuf(bytes) { Upload(host); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DevBuf() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  void Upload(const void* host) {
+    if (bytes_ > 0) cudaMemcpy(p_, host, bytes_, cudaMemcpyHostToDevice);
+  }
+  void Download(void* host) const {
+    if (bytes_ > 0) cudaMemcpy(host, p_, bytes_, cudaMemcpyDeviceToHost);
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+DevBuf ToDevice(const std::vector<T>& v) {
+  return DevBuf(v.data(), v.size() * sizeof(T));
+}
+DevBuf ToDevice(const Buffer& b) { return DevBuf(b.data(), b.bytes().size()); }
+
+// The device twin of a host Layer: its pool and parameters in device memory.
+struct DevLayer {
+  explicit DevLayer(const Layer& l)
+      : cp(ToDevice(l.checkpoint)),
+        rd(ToDevice(l.ring_d)),
+        rk(ToDevice(l.ring_k)),
+        rg(ToDevice(l.ring_g)),
+        a_log(ToDevice(l.a_log)),
+        dt_bias(ToDevice(l.dt_bias)) {}
+  rssm_state_pool Pool(Layer& host) const {
+    rssm_state_pool p = host.Pool();
+    p.checkpoint = cp.get();
+    p.ring_d = rd.get();
+    p.ring_k = rk.get();
+    p.ring_g = rg.as<float>();
+    return p;
+  }
+  rssm_layer_params Params(const Layer& host) const {
+    rssm_layer_params p = host.Params();
+    p.a_log = a_log.as<float>();
+    p.dt_bias = dt_bias.as<float>();
+    return p;
+  }
+  // Replaces the host pool by the device one (to compare, or to resynchronize the twins).
+  void DownloadInto(Layer& host) const {
+    cp.Download(host.checkpoint.data());
+    rd.Download(host.ring_d.data());
+    rk.Download(host.ring_k.data());
+    rg.Download(host.ring_g.data());
+  }
+  void UploadFrom(const Layer& host) {
+    cp.Upload(host.checkpoint.data());
+    rd.Upload(host.ring_d.data());
+    rk.Upload(host.ring_k.data());
+    rg.Upload(host.ring_g.data());
+  }
+  DevBuf cp, rd, rk, rg, a_log, dt_bias;
+};
+
+// Device copies of a batch's activations.
+struct DevTokens {
+  explicit DevTokens(const Tokens& t) : qkv(ToDevice(t.qkv)), a(ToDevice(t.a)), b(ToDevice(t.b)) {}
+  rssm_token_inputs Inputs() const { return rssm_token_inputs{qkv.get(), a.get(), b.get(), 0, 0, 0}; }
+  DevBuf qkv, a, b;
+};
+
+// Relative L2 distance of two buffers of one dtype, elementwise over entries where the
+// reference is not NaN; an entry that is NaN in exactly one of them counts as a failure.
+struct Diff {
+  double rel = 0.0;
+  int64_t nan_mismatch = 0;
+  int64_t first_bad = -1;
+};
+Diff Compare(const Buffer& got, const Buffer& ref) {
+  Diff d;
+  double num = 0.0, den = 0.0;
+  for (int64_t i = 0; i < ref.size(); ++i) {
+    const double r = ref.Get(i), g = got.Get(i);
+    if (std::isnan(r) || std::isnan(g)) {
+      if (std::isnan(r) != std::isnan(g)) {
+        if (d.first_bad < 0) d.first_bad = i;
+        ++d.nan_mismatch;
+      }
+      continue;
+    }
+    num += (g - r) * (g - r);
+    den += r * r;
+  }
+  d.rel = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+  return d;
+}
+Buffer FromFloats(const std::vector<float>& v) {
+  Buffer b(RSSM_DTYPE_F32, static_cast<int64_t>(v.size()));
+  std::memcpy(b.data(), v.data(), v.size() * 4);
+  return b;
+}
+
+void ExpectClose(const Buffer& got, const Buffer& ref, double tol, const std::string& what) {
+  const Diff d = Compare(got, ref);
+  EXPECT_EQ(d.nan_mismatch, 0) << what << ": NaN in one backend only, first at " << d.first_bad
+                               << " (cuda " << got.Get(d.first_bad < 0 ? 0 : d.first_bad)
+                               << ", cpu " << ref.Get(d.first_bad < 0 ? 0 : d.first_bad) << ")";
+  EXPECT_LE(d.rel, tol) << what;
+}
+
+// Compares the device pool with the host pool, then copies the host pool to the device so
+// that the next step starts from identical states (errors never compound across steps).
+void ComparePools(Layer& host, DevLayer& dev, const std::string& what) {
+  Layer got = host;  // same shape and strides; contents replaced below
+  dev.DownloadInto(got);
+  const double tol = StateTolerance(host.cfg.state_dtype);
+  ExpectClose(got.checkpoint, host.checkpoint, tol, what + " checkpoint");
+  ExpectClose(got.ring_d, host.ring_d, tol, what + " ring_d");
+  ExpectClose(got.ring_k, host.ring_k, tol, what + " ring_k");
+  ExpectClose(FromFloats(got.ring_g), FromFloats(host.ring_g), 1e-5, what + " ring_g");
+  dev.UploadFrom(host);
+}
+
+void CompareOutputs(const Buffer& got, const Buffer& ref, const Config& c, const std::string& what) {
+  for (int64_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got.Get(i))) {
+      ADD_FAILURE() << what << ": output element " << i << " not written";
+      return;
+    }
+  }
+  ExpectClose(got, ref, OutputTolerance(c.state_dtype, c.act_dtype), what + " output");
+}
+
+struct Request {
+  int slot;
+  int w = 0;
+};
+
+// One configuration: >= 3L + 2 replay steps with advancing cursors, forced folds and padding
+// rows; then fold of some rows, verify of T drafts, and a prefill (some rows from their slot).
+void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1) {
+  SCOPED_TRACE("config " + cfg.Name() + " seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int num_slots = num_requests + 2;
+  Layer host(cfg, num_slots, rng);
+  std::vector<Request> reqs;
+  for (int i = 0; i < num_requests; ++i) {
+    host.RandomCheckpoint(i + 1, rng);
+    reqs.push_back(Request{i + 1});
+  }
+  DevLayer dev(host);
+  ASSERT_NE(dev.cp.get(), nullptr);
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  const int nsteps = steps > 0 ? steps : 3 * cfg.l + 2;
+  auto make_rows = [&]() {
+    std::vector<int> rows;
+    for (int r = 0; r < num_requests; ++r) {
+      if (coin(rng) > 0.1) rows.push_back(r);
+    }
+    rows.push_back(-1);
+    std::shuffle(rows.begin(), rows.end(), rng);
+    return rows;
+  };
+  for (int step = 0; step < nsteps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const std::vector<int> rows = make_rows();
+    const int B = static_cast<int>(rows.size());
+    Tokens tok(host, B, rng);
+    std::vector<int32_t> slot_idx(B), write_pos(B);
+    std::vector<uint8_t> force(B);
+    for (int i = 0; i < B; ++i) {
+      slot_idx[i] = rows[i] < 0 ? -1 : reqs[rows[i]].slot;
+      write_pos[i] = rows[i] < 0 ? 0 : reqs[rows[i]].w;
+      force[i] = coin(rng) < 0.1 ? 1 : 0;
+    }
+    const int64_t out_n = int64_t{B} * cfg.hv * cfg.v;
+    Buffer out_cpu(cfg.act_dtype, out_n), out_gpu(cfg.act_dtype, out_n);
+    out_cpu.FillNaN();
+    out_gpu.FillNaN();
+    DevTokens dtok(tok);
+    DevBuf dslot = ToDevice(slot_idx), dpos = ToDevice(write_pos), dforce = ToDevice(force);
+    DevBuf dout = ToDevice(out_gpu);
+    rssm_decode_args a{};
+    a.launch = {RSSM_BACKEND_CPU, nullptr};
+    a.shape = host.shape;
+    a.params = host.Params();
+    a.pool = host.Pool();
+    a.batch = B;
+    a.slot_idx = slot_idx.data();
+    a.write_pos = write_pos.data();
+    a.force_fold = force.data();
+    a.in = tok.Inputs();
+    a.out = rssm_token_outputs{out_cpu.data(), 0};
+    ASSERT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
+    a.launch = {RSSM_BACKEND_CUDA, nullptr};
+    a.params = dev.Params(host);
+    a.pool = dev.Pool(host);
+    a.slot_idx = dslot.as<int32_t>();
+    a.write_pos = dpos.as<int32_t>();
+    a.force_fold = dforce.as<uint8_t>();
+    a.in = dtok.Inputs();
+    a.out = rssm_token_outputs{dout.get(), 0};
+    ASSERT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
+    CUDA_OK(cudaDeviceSynchronize());
+    dout.Download(out_gpu.data());
+    CompareOutputs(out_gpu, out_cpu, cfg, "replay");
+    ComparePools(host, dev, "replay");
+    if (::testing::Test::HasFailure()) return;
+    for (int i = 0; i < B; ++i) {
+      if (rows[i] < 0) continue;
+      Request& r = reqs[rows[i]];
+      r.w = (r.w + 1 >= cfg.l || force[i]) ? 0 : r.w + 1;
+    }
+  }
+
+  // Verify: T drafts; rows without room are folded first (through both backends' fold).
+  const int T = 1 + static_cast<int>(coin(rng) * std::min(cfg.l, 4));
+  {
+    std::vector<int32_t> fslot, fpos;
+    for (Request& r : reqs) {
+      if (r.w + T > cfg.l || coin(rng) < 0.2) {
+        fslot.push_back(r.slot);
+        fpos.push_back(r.w);
+        r.w = 0;
+      }
+    }
+    fslot.push_back(-1);
+    fpos.push_back(0);
+    rssm_fold_args f{};
+    f.launch = {RSSM_BACKEND_CPU, nullptr};
+    f.shape = host.shape;
+    f.pool = host.Pool();
+    f.count = static_cast<int32_t>(fslot.size());
+    f.slot_idx = fslot.data();
+    f.write_pos = fpos.data();
+    ASSERT_EQ(rssm_fold(&f), RSSM_OK) << rssm_last_error();
+    DevBuf dslot = ToDevice(fslot), dpos = ToDevice(fpos);
+    f.launch = {RSSM_BACKEND_CUDA, nullptr};
+    f.pool = dev.Pool(host);
+    f.slot_idx = dslot.as<int32_t>();
+    f.write_pos = dpos.as<int32_t>();
+    ASSERT_EQ(rssm_fold(&f), RSSM_OK) << rssm_last_error();
+    CUDA_OK(cudaDeviceSynchronize());
+    ComparePools(host, dev, "fold");
+  }
+  {
+    const std::vector<int> rows = make_rows();
+    const int B = static_cast<int>(rows.size());
+    Tokens tok(host, B * T, rng);
+    std::vector<int32_t> slot_idx(B), write_pos(B);
+    for (int i = 0; i < B; ++i) {
+      slot_idx[i] = rows[i] < 0 ? -1 : reqs[rows[i]].slot;
+      write_pos[i] = rows[i] < 0 ? 0 : reqs[rows[i]].w;
+    }
+    const int64_t out_n = int64_t{B} * T * cfg.hv * cfg.v;
+    Buffer out_cpu(cfg.act_dtype, out_n), out_gpu(cfg.act_dtype, out_n);
+    out_cpu.FillNaN();
+    out_gpu.FillNaN();
+    DevTokens dtok(tok);
+    DevBuf dslot = ToDevice(slot_idx), dpos = ToDevice(write_pos), dout = ToDevice(out_gpu);
+    rssm_verify_args v{};
+    v.launch = {RSSM_BACKEND_CPU, nullptr};
+    v.shape = host.shape;
+    v.params = host.Params();
+    v.pool = host.Pool();
+    v.batch = B;
+    v.num_draft = T;
+    v.slot_idx = slot_idx.data();
+    v.write_pos = write_pos.data();
+    v.in = tok.Inputs();
+    v.out = rssm_token_outputs{out_cpu.data(), 0};
+    ASSERT_EQ(rssm_verify(&v), RSSM_OK) << rssm_last_error();
+    v.launch = {RSSM_BACKEND_CUDA, nullptr};
+    v.params = dev.Params(host);
+    v.pool = dev.Pool(host);
+    v.slot_idx = dslot.as<int32_t>();
+    v.write_pos = dpos.as<int32_t>();
+    v.in = dtok.Inputs();
+    v.out = rssm_token_outputs{dout.get(), 0};
+    ASSERT_EQ(rssm_verify(&v), RSSM_OK) << rssm_last_error();
+    CUDA_OK(cudaDeviceSynchronize());
+    dout.Download(out_gpu.data());
+    CompareOutputs(out_gpu, out_cpu, cfg, "verify T=" + std::to_string(T));
+    ComparePools(host, dev, "verify");
+    // Accept a random number of drafts.
+    for (int i = 0; i < B; ++i) {
+      if (rows[i] >= 0) reqs[rows[i]].w += static_cast<int>(coin(rng) * (T + 1));
+    }
+  }
+  {
+    // Prefill: varlen rows (some empty), some from their slot's logical state, a padding row.
+    const std::vector<int> rows = make_rows();
+    const int B = static_cast<int>(rows.size());
+    std::vector<int32_t> slot_idx(B), write_pos(B), cu(B + 1, 0);
+    std::vector<uint8_t> initial(B);
+    int max_len = 0;
+    for (int i = 0; i < B; ++i) {
+      slot_idx[i] = rows[i] < 0 ? -1 : reqs[rows[i]].slot;
+      write_pos[i] = rows[i] < 0 ? 0 : reqs[rows[i]].w;
+      initial[i] = coin(rng) < 0.5 ? 1 : 0;
+      const int len = static_cast<int>(coin(rng) * 7);
+      cu[i + 1] = cu[i] + len;
+      max_len = std::max(max_len, len);
+    }
+    const int N = std::max(cu[B], 1);
+    Tokens tok(host, N, rng);
+    const int64_t out_n = int64_t{N} * cfg.hv * cfg.v;
+    Buffer out_cpu(cfg.act_dtype, out_n), out_gpu(cfg.act_dtype, out_n);
+    out_cpu.FillNaN();
+    out_gpu.FillNaN();
+    DevTokens dtok(tok);
+    DevBuf dslot = ToDevice(slot_idx), dpos = ToDevice(write_pos), dcu = ToDevice(cu),
+           dinit = ToDevice(initial), dout = ToDevice(out_gpu);
+    rssm_prefill_args p{};
+    p.launch = {RSSM_BACKEND_CPU, nullptr};
+    p.shape = host.shape;
+    p.params = host.Params();
+    p.pool = host.Pool();
+    p.batch = B;
+    p.slot_idx = slot_idx.data();
+    p.cu_seqlens = cu.data();
+    p.initial = initial.data();
+    p.write_pos = write_pos.data();
+    p.max_seqlen = max_len;
+    p.in = tok.Inputs();
+    p.out = rssm_token_outputs{out_cpu.data(), 0};
+    ASSERT_EQ(rssm_prefill(&p), RSSM_OK) << rssm_last_error();
+    p.launch = {RSSM_BACKEND_CUDA, nullptr};
+    p.params = dev.Params(host);
+    p.pool = dev.Pool(host);
+    p.slot_idx = dslot.as<int32_t>();
+    p.cu_seqlens = dcu.as<int32_t>();
+    p.initial = dinit.as<uint8_t>();
+    p.write_pos = dpos.as<int32_t>();
+    p.in = dtok.Inputs();
+    p.out = rssm_token_outputs{dout.get(), 0};
+    ASSERT_EQ(rssm_prefill(&p), RSSM_OK) << rssm_last_error();
+    CUDA_OK(cudaDeviceSynchronize());
+    dout.Download(out_gpu.data());
+    if (cu[B] > 0) CompareOutputs(out_gpu, out_cpu, cfg, "prefill");
+    ComparePools(host, dev, "prefill");
+  }
+}
+
+bool HaveGpu() { return rssm_backend_available(RSSM_BACKEND_CUDA) == 1; }
+
+const rssm_dtype kDtypes[] = {RSSM_DTYPE_F32, RSSM_DTYPE_BF16, RSSM_DTYPE_F16};
+
+// Every gate x state dtype x act dtype, each with shapes rotated through the GQA ratios,
+// ring lengths and head dims so that every value of each appears many times.
+TEST(CudaKernels, SweepMatchesCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  const int ratios[] = {1, 2, 4};
+  const int ls[] = {1, 2, 8, 16, 64};
+  const int dims[] = {16, 64, 128, 96};
+  int i = 0;
+  for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+    for (rssm_dtype st : kDtypes) {
+      for (rssm_dtype act : kDtypes) {
+        for (int rep = 0; rep < 3; ++rep, ++i) {
+          Config c;
+          c.gate = gate;
+          c.state_dtype = st;
+          c.act_dtype = act;
+          c.h = 2;
+          c.hv = 2 * ratios[i % 3];
+          c.l = ls[(i / 3 + i) % 5];
+          c.k = dims[i % 4];
+          c.v = dims[(i / 4 + i) % 4];
+          c.l2norm = (i % 7) != 3;
+          c.slot_pad = (i % 5 == 2) ? 3 : 0;  // unaligned slots: the scalar fallback
+          const int steps = c.l == 64 ? 40 : -1;
+          RunCase(c, 3 + i % 3, 1000 + i, steps);
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// The benchmark shape at large batch.
+TEST(CudaKernels, LargeShapesMatchCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    rssm_gate gate;
+    rssm_dtype st;
+    int b;
+  };
+  const Case cases[] = {{RSSM_GATE_GDN, RSSM_DTYPE_F32, 256},
+                        {RSSM_GATE_KDA, RSSM_DTYPE_BF16, 128},
+                        {RSSM_GATE_GDN, RSSM_DTYPE_BF16, 64},
+                        {RSSM_GATE_KDA, RSSM_DTYPE_F32, 64}};
+  int i = 0;
+  for (const Case& k : cases) {
+    Config c;
+    c.gate = k.gate;
+    c.state_dtype = k.st;
+    c.act_dtype = RSSM_DTYPE_BF16;
+    c.h = 16;
+    c.hv = 32;
+    c.k = c.v = 128;
+    c.l = 16;
+    RunCase(c, k.b, 77 + i++, k.b >= 128 ? 8 : 18);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// L = 1: every replay step folds at w = 0, which must be the baseline bit for bit.
+TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  for (rssm_dtype st : kDtypes) {
+    for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+      Config c;
+      c.gate = gate;
+      c.state_dtype = st;
+      c.act_dtype = RSSM_DTYPE_BF16;
+      c.h = 4;
+      c.hv = 8;
+      c.k = c.v = 128;
+      c.l = 1;
+      SCOPED_TRACE(c.Name());
+      std::mt19937_64 rng(4242);
+      const int B = 16;
+      Layer host(c, B, rng);
+      for (int s = 0; s < B; ++s) host.RandomCheckpoint(s, rng);
+      DevLayer replay(host), baseline(host);
+      std::vector<int32_t> slots(B), pos(B, 0);
+      for (int s = 0; s < B; ++s) slots[s] = s;
+      DevBuf dslot = ToDevice(slots), dpos = ToDevice(pos);
+      for (int step = 0; step < 5; ++step) {
+        Tokens tok(host, B, rng);
+        DevTokens dtok(tok);
+        const int64_t out_n = int64_t{B} * c.hv * c.v;
+        Buffer o1(c.act_dtype, out_n), o2(c.act_dtype, out_n);
+        DevBuf d1(out_n * rssm_dtype_size(c.act_dtype)), d2(out_n * rssm_dtype_size(c.act_dtype));
+        rssm_decode_args a{};
+        a.launch = {RSSM_BACKEND_CUDA, nullptr};
+        a.shape = host.shape;
+        a.params = replay.Params(host);
+        a.batch = B;
+        a.slot_idx = dslot.as<int32_t>();
+        a.write_pos = dpos.as<int32_t>();
+        a.in = dtok.Inputs();
+        a.pool = replay.Pool(host);
+        a.out = rssm_token_outputs{d1.get(), 0};
+        ASSERT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
+        a.pool = baseline.Pool(host);
+        a.out = rssm_token_outputs{d2.get(), 0};
+        ASSERT_EQ(rssm_baseline_decode(&a), RSSM_OK) << rssm_last_error();
+        CUDA_OK(cudaDeviceSynchronize());
+        d1.Download(o1.data());
+        d2.Download(o2.data());
+        ASSERT_EQ(o1.bytes(), o2.bytes()) << "outputs differ at step " << step;
+        Layer s1 = host, s2 = host;
+        replay.DownloadInto(s1);
+        baseline.DownloadInto(s2);
+        ASSERT_EQ(s1.checkpoint.bytes(), s2.checkpoint.bytes()) << "states differ at step " << step;
+      }
+    }
+  }
+}
+
+// Out-of-range slot indices are padding and out-of-range cursors are clamped: no fault.
+TEST(CudaKernels, BadDeviceIndicesAreHarmless) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  Config c;
+  c.l = 8;
+  std::mt19937_64 rng(9);
+  Layer host(c, 4, rng);
+  for (int s = 0; s < 4; ++s) host.RandomCheckpoint(s, rng);
+  DevLayer dev(host);
+  const int B = 4;
+  std::vector<int32_t> slots = {7, -5, 1, 2}, pos = {0, 3, 99, -4};
+  DevBuf dslot = ToDevice(slots), dpos = ToDevice(pos);
+  Tokens tok(host, B, rng);
+  DevTokens dtok(tok);
+  const int64_t out_n = int64_t{B} * c.hv * c.v;
+  DevBuf dout(out_n * rssm_dtype_size(c.act_dtype));
+  rssm_decode_args a{};
+  a.launch = {RSSM_BACKEND_CUDA, nullptr};
+  a.shape = host.shape;
+  a.params = dev.Params(host);
+  a.pool = dev.Pool(host);
+  a.batch = B;
+  a.slot_idx = dslot.as<int32_t>();
+  a.write_pos = dpos.as<int32_t>();
+  a.in = dtok.Inputs();
+  a.out = rssm_token_outputs{dout.get(), 0};
+  ASSERT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
+  CUDA_OK(cudaDeviceSynchronize());
+  Buffer out(c.act_dtype, out_n);
+  dout.Download(out.data());
+  for (int64_t i = 0; i < int64_t{2} * c.hv * c.v; ++i) ASSERT_EQ(out.Get(i), 0.f);
+}
+
+}  // namespace
+}  // namespace replayssm::kernels::testing

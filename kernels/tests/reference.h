@@ -1,0 +1,19 @@
+// The fp64 reference of one step of the plain recurrence (DESIGN §1), written independently
+// of the code under test. Shared by the kernel tests and the cache tests.
+#ifndef REPLAYSSM_KERNELS_TESTS_REFERENCE_H_
+#define REPLAYSSM_KERNELS_TESTS_REFERENCE_H_
+
+#include "replayssm/kernels.h"
+
+namespace replayssm::kernels::testing {
+
+// Advances state [HV, V, K] by one token and writes o [HV, V]. The token's inputs are fp32
+// values (already rounded to the activation dtype): qkv [2*H*K + HV*V], a [HV] or [HV, K],
+// b [HV]. a_log [HV], dt_bias [HV] or [HV, K].
+void ReferenceStep(const rssm_layer_shape& shape, const float* a_log, const float* dt_bias,
+                   double scale, bool l2norm, const float* qkv, const float* a, const float* b,
+                   double* state, double* o);
+
+}  // namespace replayssm::kernels::testing
+
+#endif  // REPLAYSSM_KERNELS_TESTS_REFERENCE_H_
