@@ -46,6 +46,7 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
   m->num_layers = 2;
   m->layers = SeededParams(m->shape, 2, seed);
   CacheOptions o;
+  o.backend = testing::TestBackend();
   o.memory_budget_bytes = 10 * m->SlotBytes();
   o.track_interval = 5;
   auto cache = std::move(*StateCache::Create(*m, o));

@@ -27,6 +27,7 @@ class CacheTest : public ::testing::Test {
     m->num_layers = 2;
     m->layers.resize(2);
     CacheOptions o;
+    o.backend = testing::TestBackend();
     o.memory_budget_bytes = slots * m->SlotBytes();
     o.track_interval = track;
     absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);

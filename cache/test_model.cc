@@ -1,7 +1,9 @@
 #include "test_model.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <random>
 
@@ -132,6 +134,11 @@ Oracle::State Oracle::FromExport(const ExportedState& e) const {
     for (size_t i = 0; i < s[l].size(); ++i) s[l][i] = Load(dt, &e.checkpoints[l][i * es]);
   }
   return s;
+}
+
+int32_t TestBackend() {
+  const char* env = std::getenv("REPLAYSSM_TEST_BACKEND");
+  return env != nullptr && std::string(env) == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
 }
 
 double RelErr(const std::vector<double>& x, const std::vector<double>& ref) {

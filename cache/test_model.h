@@ -49,6 +49,10 @@ class Oracle {
   const ModelSpec& m_;
 };
 
+// The backend the cache tests run on: CPU, or CUDA when REPLAYSSM_TEST_BACKEND=cuda (the
+// same suite runs on the H200 through the device tool).
+int32_t TestBackend();
+
 // ‖x − ref‖ / ‖ref‖ over all layers (NaN if any value is NaN).
 double RelErr(const std::vector<std::vector<double>>& x, const std::vector<std::vector<double>>& ref);
 double RelErr(const std::vector<double>& x, const std::vector<double>& ref);
