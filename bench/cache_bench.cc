@@ -2,14 +2,15 @@
 // kernel calls for the same work (issue 4).
 //
 //   replayssm-bench-cache [--model qwen3-next-80b-a3b] [--backend cuda|cpu] [--batch 1,64,256]
-//                         [--steps N] [--json PATH]
+//                         [--steps N] [--rounds R] [--json PATH]
 //
 // Both paths do, per step and per layer: copy the layer's inputs host -> device, one replay
 // decode launch, copy the outputs device -> host, synchronize; every ring-full row is folded
 // before the step. The cache path adds what the cache layer itself costs: id lookups and the
 // busy/cursor bookkeeping under its mutex, staging buffers, validation, commit and
 // fold/snapshot policy. Rows start with cursors spread over 0..L-2 and advance every step.
-// Throughput is rows·layers per second; overhead = cache time / bare time - 1.
+// Throughput is rows·layers per second; overhead = cache time / bare time - 1, each the
+// median over R alternating rounds of N steps.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -193,7 +194,7 @@ double TimeBare(const ModelSpec& m, int32_t backend, int batch, const HostIo& io
 int Run(int argc, char** argv) {
   std::string model_name = "qwen3-next-80b-a3b", backend_name = "cuda", batches = "1,64,256";
   const char* json = nullptr;
-  int steps = 20;
+  int steps = 20, rounds = 5;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
@@ -201,9 +202,10 @@ int Run(int argc, char** argv) {
     else if (arg == "--backend") backend_name = next();
     else if (arg == "--batch") batches = next();
     else if (arg == "--steps") steps = std::atoi(next().c_str());
+    else if (arg == "--rounds") rounds = std::max(1, std::atoi(next().c_str()));
     else if (arg == "--json") json = argv[++i];
     else {
-      std::fprintf(stderr, "usage: replayssm-bench-cache [--model M] [--backend cuda|cpu] [--batch 1,64] [--steps N] [--json PATH]\n");
+      std::fprintf(stderr, "usage: replayssm-bench-cache [--model M] [--backend cuda|cpu] [--batch 1,64] [--steps N] [--rounds R] [--json PATH]\n");
       return 2;
     }
   }
@@ -219,7 +221,7 @@ int Run(int argc, char** argv) {
     int batch = 0;
     if (!absl::SimpleAtoi(part, &batch) || batch < 1) return 2;
     const HostIo io(*m, batch, 7);
-    double cache_t;
+    double cache_t, bare_t;
     {
       CacheOptions o;
       o.backend = backend;
@@ -240,9 +242,18 @@ int Run(int argc, char** argv) {
           CHECK_OK((*f)->Commit());
         }
       }
-      cache_t = TimeCache(**cache, slots, io, steps);
+      // Alternate the two paths in rounds and keep each one's median: the machine's noise
+      // then hits both alike.
+      std::vector<double> ct, bt;
+      for (int round = 0; round < rounds; ++round) {
+        ct.push_back(TimeCache(**cache, slots, io, steps));
+        bt.push_back(TimeBare(*m, backend, batch, io, steps));
+      }
+      std::sort(ct.begin(), ct.end());
+      std::sort(bt.begin(), bt.end());
+      cache_t = ct[rounds / 2];
+      bare_t = bt[rounds / 2];
     }
-    const double bare_t = TimeBare(*m, backend, batch, io, steps);
     results.push_back({batch, cache_t * 1e6, bare_t * 1e6, cache_t / bare_t - 1.0});
     const Result& r = results.back();
     std::printf("B=%-4d cache %9.1f us/step  bare %9.1f us/step  overhead %+6.2f%%  (%.3g rows*layers/s)\n",
@@ -252,8 +263,8 @@ int Run(int argc, char** argv) {
   if (json != nullptr) {
     FILE* f = std::fopen(json, "w");
     if (f == nullptr) return 1;
-    std::fprintf(f, "{\"model\": \"%s\", \"backend\": \"%s\", \"steps\": %d, \"results\": [", m->name.c_str(),
-                 backend_name.c_str(), steps);
+    std::fprintf(f, "{\"model\": \"%s\", \"backend\": \"%s\", \"steps\": %d, \"rounds\": %d, \"results\": [",
+                 m->name.c_str(), backend_name.c_str(), steps, rounds);
     for (size_t i = 0; i < results.size(); ++i) {
       std::fprintf(f, "%s{\"batch\": %d, \"cache_us\": %.2f, \"bare_us\": %.2f, \"overhead\": %.4f}",
                    i ? ", " : "", results[i].batch, results[i].cache_us, results[i].bare_us, results[i].overhead);
