@@ -5,6 +5,7 @@
 #define REPLAYSSM_KERNELS_TESTS_HARNESS_H_
 
 #include <cstdint>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -59,6 +60,8 @@ struct Config {
   int64_t slot_pad = 0;  // extra elements between slots, to exercise strides
   std::string Name() const;
 };
+// Prints a Config by name in test output (instead of its bytes).
+inline void PrintTo(const Config& c, std::ostream* os) { *os << c.Name(); }
 
 // One layer: shape, parameters, and a pool of slots in host memory (ring poisoned with NaN).
 struct Layer {

@@ -1,0 +1,76 @@
+// UcxTransport: the UCX (ucp) data plane of slot transfers between instances. One ucp
+// context and worker per process, a progress thread, registration of receive buffers
+// (memory map + packed rkey), and a chunked one-sided put into a peer's registered buffer
+// completed by a flush. The control plane (reserve, commit, abort, leases) is gRPC and lives
+// in the service. Transports and their tuning come from UCX's own environment variables
+// (UCX_TLS, UCX_NET_DEVICES, ...); nothing here overrides them.
+//
+// Thread safety: every method is thread-safe (the worker runs in UCS_THREAD_MODE_MULTI).
+#ifndef REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
+#define REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace replayssm::transfer {
+
+class UcxTransport {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create();
+  ~UcxTransport();
+  UcxTransport(const UcxTransport&) = delete;
+  UcxTransport& operator=(const UcxTransport&) = delete;
+
+  // This worker's address, to hand to a peer over the control channel.
+  const std::string& address() const { return address_; }
+  // Whether the UCX loaded at run time can put from/to CUDA device memory directly.
+  bool cuda_memory() const { return cuda_memory_; }
+
+  // A registered receive buffer: peers put into [addr, addr + size) with `rkey`.
+  class Region {
+   public:
+    ~Region();
+    uint64_t addr() const { return reinterpret_cast<uint64_t>(base_); }
+    size_t size() const { return size_; }
+    const std::string& rkey() const { return rkey_; }
+
+   private:
+    friend class UcxTransport;
+    Region() = default;
+    void* context_ = nullptr;  // ucp_context_h
+    void* memh_ = nullptr;     // ucp_mem_h
+    void* base_ = nullptr;
+    size_t size_ = 0;
+    std::string rkey_;
+  };
+  absl::StatusOr<std::unique_ptr<Region>> Register(void* addr, size_t size);
+
+  // Puts local[0, size) into the peer's region at remote_addr in chunks of `chunk` bytes
+  // (several in flight), then flushes, so the bytes are in the peer's memory on return.
+  absl::Status Put(const std::string& peer_address, const void* local, size_t size,
+                   uint64_t remote_addr, const std::string& rkey, size_t chunk,
+                   absl::Duration timeout);
+
+ private:
+  UcxTransport() = default;
+  void ProgressLoop();
+
+  void* context_ = nullptr;  // ucp_context_h
+  void* worker_ = nullptr;   // ucp_worker_h
+  std::string address_;
+  bool cuda_memory_ = false;
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+};
+
+}  // namespace replayssm::transfer
+
+#endif  // REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
