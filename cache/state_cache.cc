@@ -108,7 +108,7 @@ class StateCacheImpl final : public StateCache {
   }
 
   absl::StatusOr<PrefixAllocation> AllocateFromPrefix(absl::Span<const int32_t> tokens) override {
-    int32_t src, index;
+    int32_t src = -1, index = -1;
     RadixTree::Match m;
     {
       absl::MutexLock lock(&mu_);
@@ -379,7 +379,7 @@ absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t 
 absl::Status StateCacheImpl::TakeSnapshot(int32_t index) {
   absl::Status st = Materialize(index, "snapshot");
   if (!st.ok()) return st;
-  int32_t snap;
+  int32_t snap = -1;
   {
     absl::MutexLock lock(&mu_);
     const Slot& s = slots_[index];
@@ -462,7 +462,7 @@ absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens
     return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ",
                                                    options_.max_prefill_tokens, " tokens, got ", T));
   }
-  int32_t index, w;
+  int32_t index = -1, w = 0;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", false);
@@ -539,7 +539,7 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
                        "), got ", checkpoints[l].size()));
     }
   }
-  int32_t index;
+  int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", false);
@@ -564,7 +564,7 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
 }
 
 absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
-  int32_t index;
+  int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
@@ -588,7 +588,7 @@ absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
 }
 
 absl::Status StateCacheImpl::Donate(SlotId id) {
-  int32_t index;
+  int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
@@ -812,7 +812,7 @@ absl::Status StateCacheImpl::Verify(absl::Span<const SlotId> ids, int32_t num_dr
 }
 
 absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
-  int32_t index;
+  int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
