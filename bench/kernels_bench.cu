@@ -264,7 +264,17 @@ int Kernels(const char* json_path) {
               "us/step", "bytes/step", "GB/s", "%copy", "speedup");
   for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
     for (rssm_dtype st : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16}) {
+      // REPLAYSSM_BENCH_STATE=f32|bf16 restricts the run to one state dtype (quick A/B runs).
+      const char* only = std::getenv("REPLAYSSM_BENCH_STATE");
+      if (only != nullptr && std::strcmp(only, rssm_dtype_name(st)) != 0) continue;
       for (int B : batches) {
+        // REPLAYSSM_BENCH_B=n and REPLAYSSM_BENCH_GATE=GDN|KDA restrict the run likewise.
+        const char* only_b = std::getenv("REPLAYSSM_BENCH_B");
+        if (only_b != nullptr && std::atoi(only_b) != B) continue;
+        const char* only_g = std::getenv("REPLAYSSM_BENCH_GATE");
+        if (only_g != nullptr && std::strcmp(only_g, gate == RSSM_GATE_GDN ? "GDN" : "KDA") != 0) {
+          continue;
+        }
         Bench bench(gate, st, B, copy_bw);
         double base_us = 0;
         for (Op op : {kBaseline, kReplay, kVerify}) {

@@ -9,6 +9,12 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+// Threads per CTA of every kernel (128 or 256). 256 (v4): each CTA covers twice the state
+// rows, so the per-CTA chain (token, records, weights, record dots) is paid once per 2x bytes.
+#ifndef RSSM_CTA_THREADS
+#define RSSM_CTA_THREADS 256
+#endif
+
 namespace replayssm::kernels::cuda {
 
 // ---- scalar conversions -------------------------------------------------------------------
@@ -132,7 +138,7 @@ __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)
 // per pass and a thread R rows, so R * CPL 16-byte loads per thread are in flight at once.
 template <typename T, int KMAX>
 struct TileCfg {
-  static constexpr int kThreads = 128;
+  static constexpr int kThreads = RSSM_CTA_THREADS;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int E = 16 / sizeof(T);
   static constexpr int NCH = KMAX / E;

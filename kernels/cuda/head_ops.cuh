@@ -9,35 +9,66 @@
 
 namespace replayssm::kernels::cuda {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = RSSM_CTA_THREADS;
 constexpr int kWarps = kThreads / 32;
 // CTAs per SM the step kernel is register-budgeted for: the step is latency-bound, so more
 // resident CTAs keep more S0 bytes in flight (NOTES.md).
+// (6 x 128 or 3 x 256 threads: 80 registers; verify 3 x 128 or 2 x 256: 128 registers.)
 #ifndef RSSM_STEP_MIN_BLOCKS
-#define RSSM_STEP_MIN_BLOCKS 6
+#define RSSM_STEP_MIN_BLOCKS (768 / RSSM_CTA_THREADS)
 #endif
 constexpr int kStepMinBlocks = RSSM_STEP_MIN_BLOCKS;
+constexpr int kVerifyMinBlocks = RSSM_CTA_THREADS == 128 ? 3 : 2;
 
 // Records 0..w-1 of (slot, h) into shared memory: k [w, K], g [w, Kg], d [w, VT] (tile rows).
+// Copies n elements global -> shared (fp32), kU loads in flight per thread before the first
+// store: a load cannot pass an earlier shared store through a generic pointer, so a plain
+// load/store loop would pay one memory round trip per iteration.
+constexpr int kLoadBatch = 8;
+template <typename T>
+__device__ __forceinline__ void CopyToSmem(float* dst, const T* src, int n) {
+  for (int i0 = threadIdx.x; i0 < n; i0 += kThreads * kLoadBatch) {
+    T v[kLoadBatch];
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i < n) v[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i < n) dst[i] = ToF(v[u]);
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void LoadRecords(const LayerDesc& ly, const SmemLayout& sm, float* s,
                                             int64_t slot, int h, int w, int v0, int VT) {
   const int K = ly.K, L = ly.L, V = ly.V;
   const int hq = h / ly.group;
   const T* rk = static_cast<const T*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
-  for (int i = threadIdx.x; i < w * K; i += kThreads) s[sm.kext + i] = ToF(rk[i]);
   const float* rg = ly.ring_g + slot * ly.g_stride;
-  if (ly.kda) {
-    rg += int64_t{h} * L * K;
-    for (int i = threadIdx.x; i < w * K; i += kThreads) s[sm.gext + i] = rg[i];
-  } else {
-    rg += int64_t{h} * L;
-    for (int i = threadIdx.x; i < w; i += kThreads) s[sm.gext + i] = rg[i];
-  }
   const T* rd = static_cast<const T*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V + v0;
-  for (int i = threadIdx.x; i < w * VT; i += kThreads) {
-    const int j = i / VT, row = i % VT;
-    s[sm.dext + i] = v0 + row < V ? ToF(rd[int64_t{j} * V + row]) : 0.f;
+  // d rows first (VT-wide rows at stride V), batched like CopyToSmem.
+  for (int i0 = threadIdx.x; i0 < w * VT; i0 += kThreads * kLoadBatch) {
+    T v[kLoadBatch];
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int i = i0 + u * kThreads, j = i / VT, row = i % VT;
+      if (i < w * VT && v0 + row < V) v[u] = rd[int64_t{j} * V + row];
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int i = i0 + u * kThreads, row = i % VT;
+      if (i < w * VT) s[sm.dext + i] = v0 + row < V ? ToF(v[u]) : 0.f;
+    }
+  }
+  CopyToSmem<T>(s + sm.kext, rk, w * K);
+  if (ly.kda) {
+    CopyToSmem<float>(s + sm.gext, rg + int64_t{h} * L * K, w * K);
+  } else {
+    CopyToSmem<float>(s + sm.gext, rg + int64_t{h} * L, w);
   }
 }
 
@@ -45,31 +76,51 @@ __device__ __forceinline__ void LoadRecords(const LayerDesc& ly, const SmemLayou
 // beta. Normalization follows in NormalizeToken after a barrier.
 __device__ __forceinline__ void LoadToken(const LayerDesc& ly, const SmemLayout& sm, float* s,
                                           int64_t n, int h, int t, int P, int v0, int VT) {
-  const int K = ly.K, V = ly.V, H = ly.H;
+  // Every load first, then the stores (K <= 2 * kThreads, VT <= kThreads): one round trip.
+  const int K = ly.K, V = ly.V, H = ly.H, tid = threadIdx.x;
   const int hq = h / ly.group;
   const int64_t row = n * ly.qkv_stride;
-  for (int c = threadIdx.x; c < K; c += kThreads) {
-    s[sm.qs + t * K + c] = LoadAct(ly.qkv, row + int64_t{hq} * K + c, ly.act_dtype);
-    s[sm.ks + t * K + c] = LoadAct(ly.qkv, row + int64_t{H + hq} * K + c, ly.act_dtype);
-  }
-  for (int r = threadIdx.x; r < VT; r += kThreads) {
-    s[sm.vs + t * VT + r] =
-        v0 + r < V ? LoadAct(ly.qkv, row + 2LL * H * K + int64_t{h} * V + v0 + r, ly.act_dtype)
-                   : 0.f;
-  }
-  const float decay = -expf(ly.a_log[h]);
-  if (ly.kda) {
-    for (int c = threadIdx.x; c < K; c += kThreads) {
-      const int64_t i = int64_t{h} * K + c;
-      s[sm.gext + P * K + c] =
-          decay * Softplus(LoadAct(ly.a, n * ly.a_stride + i, ly.act_dtype) + ly.dt_bias[i]);
+  const bool kda = ly.kda != 0;
+  float qv[2] = {0.f, 0.f}, kv[2] = {0.f, 0.f}, av[2] = {0.f, 0.f}, dv[2] = {0.f, 0.f};
+  float vv = 0.f, ga = 0.f, gd = 0.f, bb = 0.f;
+  const float alog = ly.a_log[h];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int c = tid + u * kThreads;
+    if (c < K) {
+      qv[u] = LoadAct(ly.qkv, row + int64_t{hq} * K + c, ly.act_dtype);
+      kv[u] = LoadAct(ly.qkv, row + int64_t{H + hq} * K + c, ly.act_dtype);
+      if (kda) {
+        const int64_t i = int64_t{h} * K + c;
+        av[u] = LoadAct(ly.a, n * ly.a_stride + i, ly.act_dtype);
+        dv[u] = ly.dt_bias[i];
+      }
     }
-  } else if (threadIdx.x == 0) {
-    s[sm.gext + P] =
-        decay * Softplus(LoadAct(ly.a, n * ly.a_stride + h, ly.act_dtype) + ly.dt_bias[h]);
   }
-  if (threadIdx.x == 0) {
-    s[sm.beta + t] = Sigmoid(LoadAct(ly.b, n * ly.b_stride + h, ly.act_dtype));
+  if (tid < VT && v0 + tid < V) {
+    vv = LoadAct(ly.qkv, row + 2LL * H * K + int64_t{h} * V + v0 + tid, ly.act_dtype);
+  }
+  if (tid == 0) {
+    if (!kda) {
+      ga = LoadAct(ly.a, n * ly.a_stride + h, ly.act_dtype);
+      gd = ly.dt_bias[h];
+    }
+    bb = LoadAct(ly.b, n * ly.b_stride + h, ly.act_dtype);
+  }
+  const float decay = -expf(alog);
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int c = tid + u * kThreads;
+    if (c < K) {
+      s[sm.qs + t * K + c] = qv[u];
+      s[sm.ks + t * K + c] = kv[u];
+      if (kda) s[sm.gext + P * K + c] = decay * Softplus(av[u] + dv[u]);
+    }
+  }
+  if (tid < VT) s[sm.vs + t * VT + tid] = vv;
+  if (tid == 0) {
+    if (!kda) s[sm.gext + P] = decay * Softplus(ga + gd);
+    s[sm.beta + t] = Sigmoid(bb);
   }
 }
 
@@ -147,18 +198,40 @@ __device__ __forceinline__ void RecordDots(const LayerDesc& ly, const SmemLayout
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* k = s + sm.ks + t * K;
   const float* q = s + sm.qs + t * K;
-  for (int j = warp; j < P; j += kWarps) {
-    const float* kw = s + sm.kw + j * K;
-    float su = 0.f, sp = 0.f;
+  // 4 records per warp at once: 8 independent butterflies interleave their shuffles (each
+  // value is summed in the same order as one WarpSum of the lane partials).
+  constexpr int NB = 4;
+  for (int j0 = warp * NB; j0 < P; j0 += kWarps * NB) {
+    float su[NB], sp[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) su[b] = sp[b] = 0.f;
     for (int c = lane; c < K; c += 32) {
-      su += kw[c] * k[c];
-      sp += kw[c] * q[c];
+      const float kc = k[c], qc = q[c];
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        if (j0 + b < P) {
+          const float x = s[sm.kw + (j0 + b) * K + c];
+          su[b] += x * kc;
+          sp[b] += x * qc;
+        }
+      }
     }
-    su = WarpSum(su);
-    sp = WarpSum(sp);
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) {
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        su[b] += __shfl_xor_sync(0xffffffffu, su[b], m);
+        sp[b] += __shfl_xor_sync(0xffffffffu, sp[b], m);
+      }
+    }
     if (lane == 0) {
-      s[sm.u + t * L1 + j] = su;
-      s[sm.pp + t * L1 + j] = sp;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        if (j0 + b < P) {
+          s[sm.u + t * L1 + j0 + b] = su[b];
+          s[sm.pp + t * L1 + j0 + b] = sp[b];
+        }
+      }
     }
   }
 }

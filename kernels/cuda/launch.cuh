@@ -4,12 +4,21 @@
 #ifndef REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 #define REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "pipe_kernel.cuh"
 #include "prefill_kernel.cuh"
 #include "step_kernel.cuh"
 
 namespace replayssm::kernels::cuda {
 
-constexpr int kVerifyTokensPerPass = 4;  // TC of verify: 4 drafts per pass over the registers
+constexpr int kVerifyTokensPerPass = 4;
+// Shared-memory stages of the pipelined kernel (REPLAYSSM_CUDA_PIPE_STAGES overrides).
+constexpr int kPipeStagesBaseline = 2;
+constexpr int kPipeStagesReplay = 2;  // TC of verify: 4 drafts per pass over the registers
 
 // Raises a kernel's dynamic shared-memory limit when a launch needs more than 48 KB. Cheap and
 // idempotent (no stream work), so it is simply called before such a launch.
@@ -42,9 +51,123 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Kernel choice for the step: StepKernel (step_kernel.cuh) unless the environment says
+// REPLAYSSM_CUDA_STEP=pipe (the pipelined kernel, pipe_kernel.cuh: slower on the H200 as
+// measured, NOTES.md v3; kept for A/B timing and tested); REPLAYSSM_CUDA_MAX_CTAS=n caps its
+// persistent grid (tests use it so that every CTA walks several items).
+inline bool UseLegacyStep() {
+  static const bool legacy = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_STEP");
+    return e == nullptr || std::strcmp(e, "pipe") != 0;
+  }();
+  return legacy;
+}
+inline int64_t MaxCtasOverride() {
+  static const int64_t n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_MAX_CTAS");
+    return e != nullptr ? std::atoll(e) : 0LL;
+  }();
+  return n;
+}
+
+inline int StagesOverride() {
+  static const int n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_PIPE_STAGES");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  return n;
+}
+inline bool Verbose() {
+  static const bool v = std::getenv("REPLAYSSM_CUDA_VERBOSE") != nullptr;
+  return v;
+}
+
+inline bool Aligned16(const void* ptr, int64_t stride_elems, size_t elem) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0 && (stride_elems * int64_t(elem)) % 16 == 0;
+}
+
+// The pipelined kernel's preconditions: K fits one 128-wide tile, and every bulk copy source
+// is 16-byte aligned (pointers, slot strides; row offsets are multiples of 32 bytes because
+// K, V are multiples of 16).
+template <typename T>
+bool PipeEligible(const StepParams& p) {
+  const LayerDesc& ly = p.ly;
+  if (UseLegacyStep() || ly.K > 128) return false;
+  const int64_t ck = ly.ckpt_stride != 0 ? ly.ckpt_stride : int64_t{ly.HV} * ly.V * ly.K;
+  const int64_t ds = ly.d_stride != 0 ? ly.d_stride : int64_t{ly.HV} * ly.L * ly.V;
+  const int64_t ks = ly.k_stride != 0 ? ly.k_stride : int64_t{ly.H} * ly.L * ly.K;
+  const int64_t gs = ly.g_stride != 0 ? ly.g_stride : int64_t{ly.HV} * ly.L * (ly.kda ? ly.K : 1);
+  if (!Aligned16(ly.ckpt, ck, sizeof(T)) || !Aligned16(ly.ring_d, ds, sizeof(T)) ||
+      !Aligned16(ly.ring_k, ks, sizeof(T))) {
+    return false;
+  }
+  if (!Aligned16(ly.ring_g, gs, sizeof(float))) return false;
+  if (!ly.kda && ly.L % 4 != 0) return false;  // GDN g rows are copied in 16-byte units
+  return true;
+}
+
+template <typename T, int TC>
+cudaError_t LaunchPipeT(StepParams p, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  using Cfg = TileCfg<T, 128>;
+  constexpr int VT = Cfg::VT;
+  p.num_vtiles = (p.ly.V + VT - 1) / VT;
+  // The baseline reads no records: its scratch and stages hold no ring rows.
+  const int K = p.ly.K, L = p.mode == kModeBaseline ? 0 : p.ly.L;
+  p.sm = SmemLayout::Make(K, L, VT, TC, p.ly.kda != 0);
+  p.st_rk = VT * K * int(sizeof(T));
+  p.st_rd = p.st_rk + L * K * int(sizeof(T));
+  p.st_rg = p.st_rd + L * VT * int(sizeof(T));
+  p.stage_bytes = p.st_rg + L * (p.ly.kda ? K : 1) * 4;
+  p.stage_bytes = (p.stage_bytes + 15) & ~15;
+  int ns = p.mode == kModeBaseline ? kPipeStagesBaseline : kPipeStagesReplay;
+  if (StagesOverride() >= 2) ns = StagesOverride();
+  p.num_stages = std::min(std::max(ns, 2), kPipeMaxStages);
+  p.num_items = int64_t{p.batch} * p.ly.HV * p.num_vtiles;
+  int dev = 0, sms = 0, per_sm = 0, smem_max = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  e = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  auto need = [&](int ns) {
+    return kPipeHeader + size_t(p.sm.total) * sizeof(float) + size_t(ns) * size_t(p.stage_bytes);
+  };
+  while (p.num_stages > 2 && need(p.num_stages) > size_t(smem_max)) --p.num_stages;
+  if (need(p.num_stages) > size_t(smem_max)) return cudaSuccess;  // does not fit: StepKernel
+  const size_t bytes = need(p.num_stages);
+  auto kernel = PipeStepKernel<T, TC>;
+  e = AllowSmem(kernel, bytes);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           int(cudaSharedmemCarveoutMaxShared));
+  if (e != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, bytes)) !=
+      cudaSuccess) {
+    return e;
+  }
+  int64_t ctas = std::min<int64_t>(p.num_items, int64_t{std::max(per_sm, 1)} * sms);
+  if (MaxCtasOverride() > 0) ctas = std::min(ctas, MaxCtasOverride());
+  if (ctas <= 0) return cudaErrorInvalidConfiguration;
+  if (Verbose()) {
+    std::fprintf(stderr, "pipe: mode %d TC %d stages %d smem %zu B, %d CTAs/SM, grid %lld, items %lld\n",
+                 int(p.mode), TC, p.num_stages, bytes, per_sm, (long long)ctas,
+                 (long long)p.num_items);
+  }
+  kernel<<<dim3(static_cast<unsigned>(ctas)), kThreads, bytes, stream>>>(p);
+  *launched = true;
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t LaunchStepFor(StepParams p, cudaStream_t stream) {
   const bool verify = p.mode == kModeVerify;
+  if (PipeEligible<T>(p)) {
+    bool launched = false;
+    const cudaError_t e = verify ? LaunchPipeT<T, kVerifyTokensPerPass>(p, stream, &launched)
+                                 : LaunchPipeT<T, 1>(p, stream, &launched);
+    if (e != cudaSuccess || launched) return e;
+  }
   if (p.ly.K <= 128) {
     return verify ? LaunchStepT<T, 128, kVerifyTokensPerPass>(p, stream)
                   : LaunchStepT<T, 128, 1>(p, stream);

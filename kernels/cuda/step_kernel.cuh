@@ -20,7 +20,7 @@
 namespace replayssm::kernels::cuda {
 
 template <typename T, int KMAX, int TC>
-__global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : 3) StepKernel(const __grid_constant__ StepParams p) {
+__global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMinBlocks) StepKernel(const __grid_constant__ StepParams p) {
   using Cfg = TileCfg<T, KMAX>;
   constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
   extern __shared__ float4 smem4[];
