@@ -1,0 +1,186 @@
+// Slot transfers between two caches in one process over real UCX, with an in-process peer
+// that can fail on purpose.
+#include "transfer.h"
+
+#include <gtest/gtest.h>
+
+#include "test_model.h"
+
+namespace replayssm::transfer {
+namespace {
+
+using cache::SlotId;
+using cache::StateCache;
+
+std::unique_ptr<StateCache> MakeCache(const char* preset, int32_t layers) {
+  absl::StatusOr<cache::ModelSpec> m = cache::ModelPreset(preset, RSSM_DTYPE_F32, 4);
+  EXPECT_TRUE(m.ok());
+  m->num_layers = layers;
+  m->layers.resize(layers);
+  cache::CacheOptions o;
+  o.memory_budget_bytes = 4 * m->SlotBytes();
+  return std::move(*StateCache::Create(*m, o));
+}
+
+// Calls the receiver directly; `fail_commit` makes Commit fail as if the peer died after the
+// bytes were put; `fail_abort` as if it stayed dead.
+class DirectPeer : public Peer {
+ public:
+  explicit DirectPeer(Receiver* r) : r_(r) {}
+  absl::StatusOr<Reservation> Reserve(const std::string& id, const StateFormat& f,
+                                      int64_t seq_len) override {
+    return r_->Reserve(id, f, seq_len);
+  }
+  absl::StatusOr<SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
+                                uint64_t checksum) override {
+    if (fail_commit) return absl::UnavailableError("peer: connection reset");
+    return r_->Commit(id, tokens, checksum);
+  }
+  absl::Status Abort(const std::string& id) override {
+    if (fail_abort) return absl::UnavailableError("peer: connection reset");
+    return r_->Abort(id);
+  }
+  bool fail_commit = false, fail_abort = false;
+
+ private:
+  Receiver* r_;
+};
+
+class TransferTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    a_ = MakeCache("tiny-gdn", 2);
+    b_ = MakeCache("tiny-gdn", 2);
+    ucx_a_ = std::move(*UcxTransport::Create());
+    ucx_b_ = std::move(*UcxTransport::Create());
+    oracle_ = std::make_unique<cache::testing::Oracle>(a_->model());
+  }
+  // A slot on A with a prefill and `steps` decode steps (ring not empty when steps % 3 != 0).
+  SlotId Prepare(int steps) {
+    const SlotId s = *a_->Allocate();
+    cache::testing::Batch p = oracle_->MakeBatch({{1, 0}, {2, 1}, {3, 2}});
+    EXPECT_TRUE(a_->Prefill(s, {1, 2, 3}, p.io).ok());
+    for (int t = 0; t < steps; ++t) Step(*a_, s, 10 + t, 3 + t);
+    return s;
+  }
+  std::vector<std::vector<uint8_t>> Step(StateCache& c, SlotId s, int32_t tok, int64_t pos) {
+    cache::testing::Batch b = oracle_->MakeBatch({{tok, pos}});
+    auto f = c.BeginForward({{s, tok}});
+    EXPECT_TRUE(f.ok()) << f.status();
+    for (int l = 0; l < c.model().num_layers; ++l) EXPECT_TRUE((*f)->RunLayer(l, b.io[l]).ok());
+    EXPECT_TRUE((*f)->Commit().ok());
+    return b.out;
+  }
+  std::unique_ptr<StateCache> a_, b_;
+  std::unique_ptr<UcxTransport> ucx_a_, ucx_b_;
+  std::unique_ptr<cache::testing::Oracle> oracle_;
+};
+
+TEST_F(TransferTest, ReceiverGetsTheMaterializedStateAndDecodesIdentically) {
+  const SlotId s = Prepare(2);
+  ASSERT_EQ(a_->Info(s)->write_pos, 2) << "the ring is not empty: the transfer must fold it";
+  Receiver rx(b_.get(), ucx_b_.get(), {});
+  DirectPeer peer(&rx);
+  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t1", {.keep_source = true});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->seq_len, 5);
+  EXPECT_EQ(a_->Info(s)->write_pos, 0) << "the sender materialized";
+  EXPECT_EQ(b_->Info(r->remote_slot)->seq_len, 5);
+  EXPECT_EQ(b_->Info(r->remote_slot)->write_pos, 0);
+  absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
+  ASSERT_TRUE(ea.ok() && eb.ok());
+  EXPECT_EQ(ea->checkpoints, eb->checkpoints) << "B holds A's logical state, bit for bit";
+  EXPECT_EQ(ea->tokens, eb->tokens);
+  EXPECT_EQ(Step(*a_, s, 42, 5), Step(*b_, r->remote_slot, 42, 5)) << "decode continues alike";
+  EXPECT_EQ(rx.open(), 0);
+}
+
+TEST_F(TransferTest, SourceIsFreedUnlessKept) {
+  const SlotId s = Prepare(1);
+  Receiver rx(b_.get(), ucx_b_.get(), {});
+  DirectPeer peer(&rx);
+  ASSERT_TRUE(Send(*a_, *ucx_a_, peer, s, "t2", {}).ok());
+  EXPECT_EQ(a_->Info(s).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
+  auto kda = MakeCache("tiny-kda", 2);
+  Receiver rx(kda.get(), ucx_b_.get(), {});
+  DirectPeer peer(&rx);
+  const SlotId s = Prepare(2);
+  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t3", {});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("format.gate"), std::string::npos) << r.status();
+  EXPECT_EQ(kda->stats().slots_live, 0);
+  EXPECT_TRUE(a_->Info(s).ok()) << "the source is untouched";
+  auto other = MakeCache("tiny-gdn", 3);
+  Receiver rx3(other.get(), ucx_b_.get(), {});
+  DirectPeer peer3(&rx3);
+  EXPECT_EQ(Send(*a_, *ucx_a_, peer3, s, "t3b", {}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(TransferTest, CorruptedPayloadIsRefusedAndNothingLeaks) {
+  const SlotId s = Prepare(2);
+  Receiver rx(b_.get(), ucx_b_.get(), {});
+  rx.CorruptNextPayloadForTest();
+  DirectPeer peer(&rx);
+  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t4", {});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_EQ(rx.open(), 0);
+  EXPECT_EQ(b_->stats().slots_live, 0) << "the reserved slot went back";
+  EXPECT_EQ(a_->Info(s)->seq_len, 5) << "the source is untouched and still usable";
+  Step(*a_, s, 7, 5);
+  ASSERT_TRUE(Send(*a_, *ucx_a_, peer, s, "t4-retry", {}).ok()) << "a new attempt succeeds";
+}
+
+TEST_F(TransferTest, PeerDyingAfterThePutLeavesTheSourceAndTheLeaseCleansUp) {
+  const SlotId s = Prepare(2);
+  Receiver rx(b_.get(), ucx_b_.get(), {.lease = absl::Milliseconds(50)});
+  DirectPeer peer(&rx);
+  peer.fail_commit = peer.fail_abort = true;
+  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t5", {});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(a_->Info(s).ok());
+  EXPECT_EQ(rx.open(), 1) << "the abort did not reach the peer";
+  absl::SleepFor(absl::Milliseconds(80));
+  EXPECT_EQ(rx.ExpireLeases(), 1);
+  EXPECT_EQ(b_->stats().slots_live, 0);
+  EXPECT_EQ(rx.Commit("t5", {1, 2, 3, 10, 11}, 0).status().code(), absl::StatusCode::kNotFound)
+      << "a late commit finds no reservation";
+}
+
+TEST_F(TransferTest, RetriesAreSafe) {
+  const SlotId s = Prepare(0);
+  Receiver rx(b_.get(), ucx_b_.get(), {});
+  const StateFormat f = StateFormat::Of(a_->model());
+  absl::StatusOr<Reservation> r1 = rx.Reserve("t6", f, 3), r2 = rx.Reserve("t6", f, 3);
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  EXPECT_EQ(r1->remote_addr, r2->remote_addr);
+  EXPECT_EQ(rx.open(), 1);
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  std::vector<uint8_t> payload;
+  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+  ASSERT_TRUE(ucx_a_->Put(r1->worker_address, payload.data(), payload.size(), r1->remote_addr,
+                          r1->rkey, 1 << 20, absl::Seconds(10)).ok());
+  const uint64_t sum = Checksum(payload.data(), payload.size());
+  absl::StatusOr<SlotId> c1 = rx.Commit("t6", e->tokens, sum), c2 = rx.Commit("t6", e->tokens, sum);
+  ASSERT_TRUE(c1.ok() && c2.ok());
+  EXPECT_EQ(*c1, *c2);
+  EXPECT_EQ(b_->stats().slots_live, 1);
+  EXPECT_EQ(rx.Reserve("t6", f, 3).status().code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST(StateFormat, BytesAndChecksum) {
+  auto m = cache::ModelPreset("qwen3-next-80b-a3b");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(StateFormat::Of(*m).Bytes(), 36LL * 32 * 128 * 128 * 4);
+  std::vector<uint8_t> x(1000, 1);
+  const uint64_t c = Checksum(x.data(), x.size());
+  x[517] ^= 1;
+  EXPECT_NE(Checksum(x.data(), x.size()), c);
+  EXPECT_NE(Checksum(x.data(), 999), Checksum(x.data(), 1000));
+}
+
+}  // namespace
+}  // namespace replayssm::transfer
