@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <ostream>
 #include <random>
 
 #include "replayssm/cache/state_cache.h"
@@ -31,8 +32,18 @@ struct Params {
   uint64_t seed;
   int ops;
 };
+void PrintTo(const Params& p, std::ostream* os) {
+  *os << (p.gate_preset ? "kda" : "gdn") << " state " << rssm_dtype_name(p.state_dtype) << " seed "
+      << p.seed << ", " << p.ops << " ops";
+}
 
 class ModelBased : public ::testing::TestWithParam<Params> {};
+
+std::string ParamName(const ::testing::TestParamInfo<Params>& info) {
+  const Params& p = info.param;
+  return std::string(p.gate_preset ? "kda" : "gdn") + "_s" + rssm_dtype_name(p.state_dtype) +
+         "_seed" + std::to_string(p.seed);
+}
 
 TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
   const Params p = GetParam();
@@ -190,7 +201,8 @@ INSTANTIATE_TEST_SUITE_P(Seeds, ModelBased,
                          ::testing::Values(Params{RSSM_DTYPE_F32, 0, 1, 3000},
                                            Params{RSSM_DTYPE_F32, 1, 2, 3000},
                                            Params{RSSM_DTYPE_BF16, 0, 3, 800},
-                                           Params{RSSM_DTYPE_F16, 1, 4, 800}));
+                                           Params{RSSM_DTYPE_F16, 1, 4, 800}),
+                         ParamName);
 
 }  // namespace
 }  // namespace replayssm::cache

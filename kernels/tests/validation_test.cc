@@ -217,8 +217,11 @@ TEST(Memory, CpuAllocCopySetFree) {
   EXPECT_EQ(static_cast<unsigned char*>(b)[999], 7);
   EXPECT_EQ(rssm_memcpy(&cpu, b, a, 10, 3), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("kind"), std::string::npos);
-  EXPECT_EQ(rssm_alloc(9, 10, &a), RSSM_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(a, nullptr);
+  int placeholder = 0;
+  void* bad = &placeholder;
+  EXPECT_EQ(rssm_alloc(9, 10, &bad), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bad, nullptr);
+  EXPECT_EQ(rssm_free(RSSM_BACKEND_CPU, a), RSSM_OK);
   EXPECT_EQ(rssm_free(RSSM_BACKEND_CPU, b), RSSM_OK);
   EXPECT_EQ(rssm_free(RSSM_BACKEND_CPU, nullptr), RSSM_OK);
 }
