@@ -174,6 +174,8 @@ class StateCacheImpl final : public StateCache {
   absl::Status Import(SlotId id, absl::Span<const int32_t> tokens,
                       absl::Span<const absl::Span<const uint8_t>> checkpoints) override;
   absl::StatusOr<ExportedState> Export(SlotId id) override;
+  absl::StatusOr<int64_t> ExportTo(SlotId id, absl::Span<uint8_t> dst,
+                                   std::vector<int32_t>* tokens) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginForward(absl::Span<const DecodeRow> rows) override;
   absl::Status Verify(absl::Span<const SlotId> ids, int32_t num_draft,
                       absl::Span<const int32_t> draft_tokens,
@@ -564,6 +566,25 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
 }
 
 absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
+  ExportedState out;
+  std::vector<uint8_t> all(model_.num_layers * pool_->CheckpointBytes());
+  absl::StatusOr<int64_t> seq_len = ExportTo(id, absl::MakeSpan(all), &out.tokens);
+  if (!seq_len.ok()) return seq_len.status();
+  out.seq_len = *seq_len;
+  const size_t per = pool_->CheckpointBytes();
+  for (int32_t l = 0; l < model_.num_layers; ++l) {
+    out.checkpoints.emplace_back(all.begin() + l * per, all.begin() + (l + 1) * per);
+  }
+  return out;
+}
+
+absl::StatusOr<int64_t> StateCacheImpl::ExportTo(SlotId id, absl::Span<uint8_t> dst,
+                                                 std::vector<int32_t>* tokens) {
+  const size_t per = pool_->CheckpointBytes();
+  if (dst.size() != model_.num_layers * per) {
+    return absl::InvalidArgumentError(absl::StrCat("dst: expected ", model_.num_layers * per,
+                                                   " bytes (all layers' checkpoints), got ", dst.size()));
+  }
   int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
@@ -571,20 +592,16 @@ absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
     if (!i.ok()) return i.status();
     index = *i;
   }
-  ExportedState out;
   absl::Status st = Materialize(index, "export");
-  out.checkpoints.resize(model_.num_layers);
   for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
-    out.checkpoints[l].resize(pool_->CheckpointBytes());
-    st = pool_->ReadCheckpoint(index, l, out.checkpoints[l].data());
+    st = pool_->ReadCheckpoint(index, l, dst.data() + l * per);
   }
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
   s.busy = false;
   if (!st.ok()) return st;
-  out.seq_len = s.seq_len;
-  out.tokens = s.tokens;
-  return out;
+  if (tokens != nullptr) *tokens = s.tokens;
+  return s.seq_len;
 }
 
 absl::Status StateCacheImpl::Donate(SlotId id) {

@@ -93,7 +93,23 @@ Receiver::~Receiver() {
 
 void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
   cache_->Free(it->second.slot).IgnoreError();  // a reservation's slot is never live
+  ReturnBufferLocked(std::move(it->second.buffer));
   pending_.erase(it);
+}
+
+absl::StatusOr<std::unique_ptr<Receiver::Buffer>> Receiver::TakeBufferLocked() {
+  if (!spare_.empty()) {
+    std::unique_ptr<Buffer> b = std::move(spare_.back());
+    spare_.pop_back();
+    return b;
+  }
+  return ucx_->Allocate(static_cast<size_t>(format_.Bytes()));
+}
+
+void Receiver::ReturnBufferLocked(std::unique_ptr<Buffer> b) {
+  if (b != nullptr && static_cast<int32_t>(spare_.size()) < options_.max_open) {
+    spare_.push_back(std::move(b));
+  }
 }
 
 int Receiver::ExpireLeases() {
@@ -129,8 +145,8 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
   ExpireLeases();
   absl::MutexLock lock(&mu_);
   if (auto it = pending_.find(transfer_id); it != pending_.end()) {  // a retried Reserve
-    return Reservation{ucx_->address(), it->second.region->addr(), it->second.region->rkey(),
-                       format_.Bytes()};
+    const UcxTransport::Region& region = *it->second.buffer;
+    return Reservation{ucx_->address(), region.addr(), region.rkey(), format_.Bytes()};
   }
   if (committed_.count(transfer_id)) {
     return absl::AlreadyExistsError(absl::StrCat("transfer_id: ", transfer_id, " is committed"));
@@ -144,16 +160,14 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
   Pending p;
   p.slot = *slot;
   p.seq_len = seq_len;
-  p.buffer.assign(static_cast<size_t>(format_.Bytes()), 0);
   p.expires = absl::Now() + options_.lease;
-  absl::StatusOr<std::unique_ptr<UcxTransport::Region>> region =
-      ucx_->Register(p.buffer.data(), p.buffer.size());
-  if (!region.ok()) {
+  absl::StatusOr<std::unique_ptr<Buffer>> buffer = TakeBufferLocked();
+  if (!buffer.ok()) {
     cache_->Free(p.slot).IgnoreError();
-    return region.status();
+    return buffer.status();
   }
-  p.region = std::move(*region);
-  Reservation r{ucx_->address(), p.region->addr(), p.region->rkey(), format_.Bytes()};
+  p.buffer = std::move(*buffer);
+  Reservation r{ucx_->address(), p.buffer->addr(), p.buffer->rkey(), format_.Bytes()};
   pending_.emplace(transfer_id, std::move(p));
   return r;
 }
@@ -171,32 +185,33 @@ absl::StatusOr<cache::SlotId> Receiver::Commit(const std::string& transfer_id,
                                               " has no open reservation (expired or aborted)"));
     }
     p = std::move(it->second);
-    pending_.erase(it);
-    if (corrupt_next_ && !p.buffer.empty()) {
-      p.buffer[p.buffer.size() / 2] ^= 0x5a;
+    pending_.erase(it);  // no retried Reserve hands this buffer out while it is checked
+    if (corrupt_next_) {
+      p.buffer->data()[p.buffer->size() / 2] ^= 0x5a;
       corrupt_next_ = false;
     }
   }
-  p.region.reset();  // no more puts into the buffer
+  const absl::Span<const uint8_t> bytes(p.buffer->data(), p.buffer->size());
   absl::Status st = absl::OkStatus();
   if (static_cast<int64_t>(tokens.size()) != p.seq_len) {
     st = absl::FailedPreconditionError(absl::StrCat("tokens: expected ", p.seq_len,
                                                     " (the reserved seq_len), got ", tokens.size()));
-  } else if (Checksum(p.buffer.data(), p.buffer.size()) != checksum) {
+  } else if (Checksum(bytes.data(), bytes.size()) != checksum) {
     st = absl::DataLossError("checksum: the received state does not match the sender's; "
                              "the transfer is aborted");
   }
   std::vector<absl::Span<const uint8_t>> layers;
-  const size_t per = p.buffer.size() / format_.num_layers;
+  const size_t per = bytes.size() / format_.num_layers;
   for (int32_t l = 0; st.ok() && l < format_.num_layers; ++l) {
-    layers.emplace_back(p.buffer.data() + l * per, per);
+    layers.emplace_back(bytes.data() + l * per, per);
   }
   if (st.ok()) st = cache_->Import(p.slot, tokens, layers);
+  absl::MutexLock lock(&mu_);
+  ReturnBufferLocked(std::move(p.buffer));
   if (!st.ok()) {
     cache_->Free(p.slot).IgnoreError();
     return st;
   }
-  absl::MutexLock lock(&mu_);
   if (committed_.size() > 4096) committed_.clear();  // a bounded memory of retries
   committed_[transfer_id] = p.slot;
   return p.slot;
@@ -209,39 +224,50 @@ absl::Status Receiver::Abort(const std::string& transfer_id) {
   return absl::OkStatus();  // aborting twice, or after expiry, is fine
 }
 
-absl::StatusOr<SendResult> Send(cache::StateCache& cache, UcxTransport& ucx, Peer& peer,
-                                cache::SlotId slot, const std::string& transfer_id,
-                                const SendOptions& options) {
-  const auto t0 = std::chrono::steady_clock::now();
+absl::StatusOr<SendResult> Sender::Send(Peer& peer, cache::SlotId slot,
+                                        const std::string& transfer_id,
+                                        const SendOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  absl::MutexLock lock(&mu_);
+  SendResult out;
+  auto lap = [t = Clock::now()]() mutable {
+    const auto now = Clock::now();
+    const double s = std::chrono::duration<double>(now - t).count();
+    t = now;
+    return s;
+  };
+  const StateFormat format = StateFormat::Of(cache_->model());
+  payload_.resize(static_cast<size_t>(format.Bytes()));
+  std::vector<int32_t> tokens;
   // The guarded path: folds the slot (write_pos -> 0) or refuses; never a raw read.
-  absl::StatusOr<cache::ExportedState> state = cache.Export(slot);
-  if (!state.ok()) return state.status();
-  std::vector<uint8_t> payload;
-  for (const auto& layer : state->checkpoints) payload.insert(payload.end(), layer.begin(), layer.end());
-  const StateFormat format = StateFormat::Of(cache.model());
-  absl::StatusOr<Reservation> r = peer.Reserve(transfer_id, format, state->seq_len);
+  absl::StatusOr<int64_t> seq_len = cache_->ExportTo(slot, absl::MakeSpan(payload_), &tokens);
+  if (!seq_len.ok()) return seq_len.status();
+  const uint64_t checksum = Checksum(payload_.data(), payload_.size());
+  out.export_seconds = lap();
+  absl::StatusOr<Reservation> r = peer.Reserve(transfer_id, format, *seq_len);
   if (!r.ok()) return r.status();
-  absl::Status st = r->bytes == static_cast<int64_t>(payload.size())
+  out.reserve_seconds = lap();
+  absl::Status st = r->bytes == static_cast<int64_t>(payload_.size())
                         ? absl::OkStatus()
                         : absl::FailedPreconditionError(absl::StrCat(
-                              "reservation.bytes: expected ", payload.size(), ", got ", r->bytes));
+                              "reservation.bytes: expected ", payload_.size(), ", got ", r->bytes));
   if (st.ok()) {
-    st = ucx.Put(r->worker_address, payload.data(), payload.size(), r->remote_addr, r->rkey,
-                 options.chunk_bytes, options.timeout);
+    st = ucx_->Put(r->worker_address, payload_.data(), payload_.size(), r->remote_addr, r->rkey,
+                   options.chunk_bytes, options.timeout);
   }
-  absl::StatusOr<cache::SlotId> remote = st.ok() ? peer.Commit(transfer_id, state->tokens,
-                                                               Checksum(payload.data(), payload.size()))
-                                                 : absl::StatusOr<cache::SlotId>(st);
+  out.put_seconds = lap();
+  absl::StatusOr<cache::SlotId> remote =
+      st.ok() ? peer.Commit(transfer_id, tokens, checksum) : absl::StatusOr<cache::SlotId>(st);
+  out.commit_seconds = lap();
   if (!remote.ok()) {
     peer.Abort(transfer_id).IgnoreError();  // best effort; the lease covers a dead peer
     return remote.status();
   }
-  if (!options.keep_source) cache.Free(slot).IgnoreError();
-  SendResult out;
+  if (!options.keep_source) cache_->Free(slot).IgnoreError();
   out.remote_slot = *remote;
-  out.bytes = static_cast<int64_t>(payload.size());
-  out.seq_len = state->seq_len;
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.bytes = static_cast<int64_t>(payload_.size());
+  out.seq_len = *seq_len;
+  out.seconds = out.export_seconds + out.reserve_seconds + out.put_seconds + out.commit_seconds;
   return out;
 }
 

@@ -80,14 +80,18 @@ class Receiver {
   void CorruptNextPayloadForTest() { corrupt_next_ = true; }
 
  private:
+  // A registered receive buffer; kept for reuse, since fresh pages and registration cost
+  // more than the copy itself.
+  using Buffer = UcxTransport::Region;  // allocated by UCX (see UcxTransport::Allocate)
   struct Pending {
     cache::SlotId slot = cache::kPaddingSlot;
     int64_t seq_len = 0;
-    std::vector<uint8_t> buffer;
-    std::unique_ptr<UcxTransport::Region> region;
+    std::unique_ptr<Buffer> buffer;
     absl::Time expires;
   };
   void DropLocked(std::map<std::string, Pending>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::unique_ptr<Buffer>> TakeBufferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReturnBufferLocked(std::unique_ptr<Buffer> b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   cache::StateCache* const cache_;
   UcxTransport* const ucx_;
@@ -96,6 +100,7 @@ class Receiver {
   mutable absl::Mutex mu_;
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, cache::SlotId> committed_ ABSL_GUARDED_BY(mu_);  // recent, for retries
+  std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);
   bool corrupt_next_ = false;
 };
 
@@ -121,14 +126,26 @@ struct SendResult {
   cache::SlotId remote_slot = cache::kPaddingSlot;
   int64_t bytes = 0;
   int64_t seq_len = 0;
-  double seconds = 0;
+  double seconds = 0;  // all of it; the phases below add up to about this
+  double export_seconds = 0, reserve_seconds = 0, put_seconds = 0, commit_seconds = 0;
 };
 
-// Moves `slot` to `peer`. On any failure the peer's reservation is aborted (or left to its
-// lease) and the local slot is as it was (export only folds, which keeps its logical state).
-absl::StatusOr<SendResult> Send(cache::StateCache& cache, UcxTransport& ucx, Peer& peer,
-                                cache::SlotId slot, const std::string& transfer_id,
-                                const SendOptions& options);
+// The sending side: moves a slot to a peer. On any failure the peer's reservation is
+// aborted (or left to its lease) and the local slot is as it was (export only folds, which
+// keeps its logical state). Sends through one Sender run one at a time (it reuses its
+// payload buffer); use several Senders for parallel transfers.
+class Sender {
+ public:
+  Sender(cache::StateCache* cache, UcxTransport* ucx) : cache_(cache), ucx_(ucx) {}
+  absl::StatusOr<SendResult> Send(Peer& peer, cache::SlotId slot, const std::string& transfer_id,
+                                  const SendOptions& options);
+
+ private:
+  cache::StateCache* const cache_;
+  UcxTransport* const ucx_;
+  absl::Mutex mu_;
+  std::vector<uint8_t> payload_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace replayssm::transfer
 

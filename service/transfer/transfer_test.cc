@@ -81,7 +81,7 @@ TEST_F(TransferTest, ReceiverGetsTheMaterializedStateAndDecodesIdentically) {
   ASSERT_EQ(a_->Info(s)->write_pos, 2) << "the ring is not empty: the transfer must fold it";
   Receiver rx(b_.get(), ucx_b_.get(), {});
   DirectPeer peer(&rx);
-  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t1", {.keep_source = true});
+  absl::StatusOr<SendResult> r = Sender(a_.get(), ucx_a_.get()).Send(peer, s, "t1", {.keep_source = true});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->seq_len, 5);
   EXPECT_EQ(a_->Info(s)->write_pos, 0) << "the sender materialized";
@@ -99,7 +99,7 @@ TEST_F(TransferTest, SourceIsFreedUnlessKept) {
   const SlotId s = Prepare(1);
   Receiver rx(b_.get(), ucx_b_.get(), {});
   DirectPeer peer(&rx);
-  ASSERT_TRUE(Send(*a_, *ucx_a_, peer, s, "t2", {}).ok());
+  ASSERT_TRUE(Sender(a_.get(), ucx_a_.get()).Send(peer, s, "t2", {}).ok());
   EXPECT_EQ(a_->Info(s).status().code(), absl::StatusCode::kNotFound);
 }
 
@@ -108,7 +108,7 @@ TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
   Receiver rx(kda.get(), ucx_b_.get(), {});
   DirectPeer peer(&rx);
   const SlotId s = Prepare(2);
-  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t3", {});
+  absl::StatusOr<SendResult> r = Sender(a_.get(), ucx_a_.get()).Send(peer, s, "t3", {});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(r.status().message().find("format.gate"), std::string::npos) << r.status();
   EXPECT_EQ(kda->stats().slots_live, 0);
@@ -116,7 +116,7 @@ TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
   auto other = MakeCache("tiny-gdn", 3);
   Receiver rx3(other.get(), ucx_b_.get(), {});
   DirectPeer peer3(&rx3);
-  EXPECT_EQ(Send(*a_, *ucx_a_, peer3, s, "t3b", {}).status().code(),
+  EXPECT_EQ(Sender(a_.get(), ucx_a_.get()).Send(peer3, s, "t3b", {}).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
@@ -125,13 +125,13 @@ TEST_F(TransferTest, CorruptedPayloadIsRefusedAndNothingLeaks) {
   Receiver rx(b_.get(), ucx_b_.get(), {});
   rx.CorruptNextPayloadForTest();
   DirectPeer peer(&rx);
-  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t4", {});
+  absl::StatusOr<SendResult> r = Sender(a_.get(), ucx_a_.get()).Send(peer, s, "t4", {});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
   EXPECT_EQ(rx.open(), 0);
   EXPECT_EQ(b_->stats().slots_live, 0) << "the reserved slot went back";
   EXPECT_EQ(a_->Info(s)->seq_len, 5) << "the source is untouched and still usable";
   Step(*a_, s, 7, 5);
-  ASSERT_TRUE(Send(*a_, *ucx_a_, peer, s, "t4-retry", {}).ok()) << "a new attempt succeeds";
+  ASSERT_TRUE(Sender(a_.get(), ucx_a_.get()).Send(peer, s, "t4-retry", {}).ok()) << "a new attempt succeeds";
 }
 
 TEST_F(TransferTest, PeerDyingAfterThePutLeavesTheSourceAndTheLeaseCleansUp) {
@@ -139,7 +139,7 @@ TEST_F(TransferTest, PeerDyingAfterThePutLeavesTheSourceAndTheLeaseCleansUp) {
   Receiver rx(b_.get(), ucx_b_.get(), {.lease = absl::Milliseconds(50)});
   DirectPeer peer(&rx);
   peer.fail_commit = peer.fail_abort = true;
-  absl::StatusOr<SendResult> r = Send(*a_, *ucx_a_, peer, s, "t5", {});
+  absl::StatusOr<SendResult> r = Sender(a_.get(), ucx_a_.get()).Send(peer, s, "t5", {});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(a_->Info(s).ok());
   EXPECT_EQ(rx.open(), 1) << "the abort did not reach the peer";

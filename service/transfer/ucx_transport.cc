@@ -16,24 +16,6 @@ absl::Status UcsError(ucs_status_t s, const char* what) {
 
 ucp_worker_h Worker(void* w) { return static_cast<ucp_worker_h>(w); }
 
-// Waits for a non-blocking request (or an immediate status) with the progress thread
-// driving it; frees the request.
-absl::Status Wait(ucs_status_ptr_t req, const char* what, absl::Time deadline) {
-  if (req == nullptr) return absl::OkStatus();
-  if (UCS_PTR_IS_ERR(req)) return UcsError(UCS_PTR_STATUS(req), what);
-  ucs_status_t s;
-  while ((s = ucp_request_check_status(req)) == UCS_INPROGRESS) {
-    if (absl::Now() > deadline) {
-      ucp_request_cancel(nullptr, req);  // the worker argument is unused by UCX 1.13
-      ucp_request_free(req);
-      return absl::DeadlineExceededError(absl::StrCat("ucx: ", what, ": timed out"));
-    }
-    std::this_thread::yield();
-  }
-  ucp_request_free(req);
-  return s == UCS_OK ? absl::OkStatus() : UcsError(s, what);
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create() {
@@ -42,7 +24,7 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create() {
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError(s, "read config");
   ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA;
   params.mt_workers_shared = 1;
   ucp_context_h context = nullptr;
@@ -57,7 +39,7 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create() {
   }
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_MULTI;
+  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   ucp_worker_h worker = nullptr;
   s = ucp_worker_create(context, &wparams, &worker);
   if (s != UCS_OK) return UcsError(s, "create worker");
@@ -75,14 +57,34 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create() {
 UcxTransport::~UcxTransport() {
   stop_ = true;
   if (progress_.joinable()) progress_.join();
+  for (auto& [key, rkey] : rkeys_) ucp_rkey_destroy(static_cast<ucp_rkey_h>(rkey));
+  for (auto& [addr, ep] : eps_) {
+    ucp_request_param_t cp{};
+    cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    Wait(ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep), &cp), "close", absl::Now() + absl::Seconds(1))
+        .IgnoreError();
+  }
   if (worker_ != nullptr) ucp_worker_destroy(Worker(worker_));
   if (context_ != nullptr) ucp_cleanup(static_cast<ucp_context_h>(context_));
 }
 
+// Spins while there is work (a transfer's software-emulated RMA needs the target to
+// progress too) and for a couple of milliseconds after the last event, then naps, so an
+// idle server costs little CPU and a busy one loses no time to sleeping.
 void UcxTransport::ProgressLoop() {
+  using Clock = std::chrono::steady_clock;
+  auto last_event = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
-    if (ucp_worker_progress(Worker(worker_)) == 0) {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    unsigned events;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      events = ucp_worker_progress(Worker(worker_));
+    }
+    if (events != 0) {
+      last_event = Clock::now();
+    } else if (Clock::now() - last_event > std::chrono::milliseconds(2)) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
 }
@@ -119,6 +121,103 @@ absl::StatusOr<std::unique_ptr<UcxTransport::Region>> UcxTransport::Register(voi
   return r;
 }
 
+absl::StatusOr<std::unique_ptr<UcxTransport::Region>> UcxTransport::Allocate(size_t size) {
+  if (size == 0) return absl::InvalidArgumentError("ucx allocate: expected a non-empty size");
+  std::unique_ptr<Region> r(new Region());
+  r->context_ = context_;
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.address = nullptr;
+  mp.length = size;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t s = ucp_mem_map(static_cast<ucp_context_h>(context_), &mp, &memh);
+  if (s != UCS_OK) return UcsError(s, "mem_map(allocate)");
+  r->memh_ = memh;
+  ucp_mem_attr_t attr{};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  s = ucp_mem_query(memh, &attr);
+  if (s != UCS_OK) return UcsError(s, "mem_query");
+  r->base_ = attr.address;
+  r->size_ = size;
+  void* packed = nullptr;
+  size_t packed_len = 0;
+  s = ucp_rkey_pack(static_cast<ucp_context_h>(context_), memh, &packed, &packed_len);
+  if (s != UCS_OK) return UcsError(s, "rkey_pack");
+  r->rkey_.assign(static_cast<const char*>(packed), packed_len);
+  ucp_rkey_buffer_release(packed);
+  return r;
+}
+
+absl::Status UcxTransport::Wait(void* request, const char* what, absl::Time deadline) {
+  ucs_status_ptr_t req = request;
+  if (req == nullptr) return absl::OkStatus();
+  if (UCS_PTR_IS_ERR(req)) return UcsError(UCS_PTR_STATUS(req), what);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const ucs_status_t s = ucp_request_check_status(req);
+      if (s != UCS_INPROGRESS) {
+        ucp_request_free(req);
+        return s == UCS_OK ? absl::OkStatus() : UcsError(s, what);
+      }
+      if (absl::Now() > deadline) {
+        ucp_request_cancel(Worker(worker_), req);
+        ucp_request_free(req);
+        return absl::DeadlineExceededError(absl::StrCat("ucx: ", what, ": timed out"));
+      }
+    }
+    std::this_thread::yield();
+  }
+}
+
+absl::StatusOr<std::pair<void*, void*>> UcxTransport::EndpointAndKeyLocked(
+    const std::string& peer_address, const std::string& rkey) {
+  auto ep_it = eps_.find(peer_address);
+  if (ep_it == eps_.end()) {
+    if (eps_.size() >= 64) return absl::ResourceExhaustedError("ucx: 64 peers are cached");
+    // No peer error-handling mode: in UCX 1.13 it rules out the shared-memory transports
+    // (the transfer then crawls over TCP loopback). A dead peer is caught by the deadline.
+    ucp_ep_params_t ep_params{};
+    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    ep_params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
+    ucp_ep_h ep = nullptr;
+    const ucs_status_t s = ucp_ep_create(Worker(worker_), &ep_params, &ep);
+    if (s != UCS_OK) return UcsError(s, "ep_create");
+    ep_it = eps_.emplace(peer_address, ep).first;
+  }
+  const auto key = std::make_pair(peer_address, rkey);
+  auto rk_it = rkeys_.find(key);
+  if (rk_it == rkeys_.end()) {
+    ucp_rkey_h remote_key = nullptr;
+    const ucs_status_t s =
+        ucp_ep_rkey_unpack(static_cast<ucp_ep_h>(ep_it->second), rkey.data(), &remote_key);
+    if (s != UCS_OK) return UcsError(s, "rkey_unpack");
+    rk_it = rkeys_.emplace(key, remote_key).first;
+  }
+  return std::make_pair(ep_it->second, rk_it->second);
+}
+
+void UcxTransport::ForgetPeerLocked(const std::string& peer_address) {
+  for (auto it = rkeys_.begin(); it != rkeys_.end();) {
+    if (it->first.first == peer_address) {
+      ucp_rkey_destroy(static_cast<ucp_rkey_h>(it->second));
+      it = rkeys_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  auto ep = eps_.find(peer_address);
+  if (ep == eps_.end()) return;
+  ucp_request_param_t cp{};
+  cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t req = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep->second), &cp);
+  if (req != nullptr && !UCS_PTR_IS_ERR(req)) ucp_request_free(req);  // completes on its own
+  eps_.erase(ep);
+}
+
 absl::Status UcxTransport::Put(const std::string& peer_address, const void* local, size_t size,
                                uint64_t remote_addr, const std::string& rkey, size_t chunk,
                                absl::Duration timeout) {
@@ -127,28 +226,29 @@ absl::Status UcxTransport::Put(const std::string& peer_address, const void* loca
   }
   if (chunk == 0) chunk = size;
   const absl::Time deadline = absl::Now() + timeout;
-  ucp_ep_params_t ep_params{};
-  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  ep_params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
-  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ucp_ep_h ep = nullptr;
-  ucs_status_t s = ucp_ep_create(Worker(worker_), &ep_params, &ep);
-  if (s != UCS_OK) return UcsError(s, "ep_create");
-  ucp_rkey_h remote_key = nullptr;
-  s = ucp_ep_rkey_unpack(ep, rkey.data(), &remote_key);
-  absl::Status st = s == UCS_OK ? absl::OkStatus() : UcsError(s, "rkey_unpack");
   constexpr size_t kInFlight = 8;  // chunks outstanding before waiting on the oldest
   std::vector<ucs_status_ptr_t> pending;
+  absl::Status st = absl::OkStatus();
   const char* src = static_cast<const char*>(local);
+  ucp_ep_h ep = nullptr;
   for (size_t off = 0; st.ok() && off < size; off += chunk) {
-    ucp_request_param_t rp{};
-    ucs_status_ptr_t req = ucp_put_nbx(ep, src + off, std::min(chunk, size - off),
-                                       remote_addr + off, remote_key, &rp);
-    if (UCS_PTR_IS_ERR(req)) {
-      st = UcsError(UCS_PTR_STATUS(req), "put");
-      break;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      absl::StatusOr<std::pair<void*, void*>> er = EndpointAndKeyLocked(peer_address, rkey);
+      if (!er.ok()) {
+        st = er.status();
+        break;
+      }
+      ep = static_cast<ucp_ep_h>(er->first);
+      ucp_request_param_t rp{};
+      ucs_status_ptr_t req = ucp_put_nbx(ep, src + off, std::min(chunk, size - off),
+                                         remote_addr + off, static_cast<ucp_rkey_h>(er->second), &rp);
+      if (UCS_PTR_IS_ERR(req)) {
+        st = UcsError(UCS_PTR_STATUS(req), "put");
+        break;
+      }
+      if (req != nullptr) pending.push_back(req);
     }
-    if (req != nullptr) pending.push_back(req);
     if (pending.size() >= kInFlight) {
       st = Wait(pending.front(), "put", deadline);
       pending.erase(pending.begin());
@@ -158,16 +258,20 @@ absl::Status UcxTransport::Put(const std::string& peer_address, const void* loca
     const absl::Status w = Wait(req, "put", deadline);
     if (st.ok()) st = w;
   }
-  if (st.ok()) {
-    ucp_request_param_t rp{};
-    st = Wait(ucp_ep_flush_nbx(ep, &rp), "flush", deadline);
+  if (st.ok() && ep != nullptr) {
+    ucs_status_ptr_t req;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ucp_request_param_t rp{};
+      req = ucp_ep_flush_nbx(ep, &rp);
+    }
+    st = Wait(req, "flush", deadline);
   }
-  if (remote_key != nullptr) ucp_rkey_destroy(remote_key);
-  ucp_request_param_t cp{};
-  cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  cp.flags = st.ok() ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
-  const absl::Status closed = Wait(ucp_ep_close_nbx(ep, &cp), "close", deadline + absl::Seconds(1));
-  return st.ok() ? closed : st;
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ForgetPeerLocked(peer_address);  // the next transfer starts from a fresh endpoint
+  }
+  return st;
 }
 
 }  // namespace replayssm::transfer

@@ -5,16 +5,20 @@
 // in the service. Transports and their tuning come from UCX's own environment variables
 // (UCX_TLS, UCX_NET_DEVICES, ...); nothing here overrides them.
 //
-// Thread safety: every method is thread-safe (the worker runs in UCS_THREAD_MODE_MULTI).
+// Thread safety: every method is thread-safe. The worker runs in UCS_THREAD_MODE_SERIALIZED
+// behind mu_ (the multi-threaded mode rules out the shared-memory transports in UCX 1.13).
 #ifndef REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
 #define REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -39,6 +43,7 @@ class UcxTransport {
    public:
     ~Region();
     uint64_t addr() const { return reinterpret_cast<uint64_t>(base_); }
+    uint8_t* data() const { return static_cast<uint8_t*>(base_); }
     size_t size() const { return size_; }
     const std::string& rkey() const { return rkey_; }
 
@@ -52,6 +57,10 @@ class UcxTransport {
     std::string rkey_;
   };
   absl::StatusOr<std::unique_ptr<Region>> Register(void* addr, size_t size);
+  // Memory that UCX allocates and registers itself (freed with the region). Prefer it for
+  // receive buffers: shared-memory transports can map it into the sender directly, where a
+  // buffer of ours would be reached through software-emulated RMA (active messages).
+  absl::StatusOr<std::unique_ptr<Region>> Allocate(size_t size);
 
   // Puts local[0, size) into the peer's region at remote_addr in chunks of `chunk` bytes
   // (several in flight), then flushes, so the bytes are in the peer's memory on return.
@@ -62,6 +71,14 @@ class UcxTransport {
  private:
   UcxTransport() = default;
   void ProgressLoop();
+  // Waits for a request with the progress thread driving it; frees it.
+  absl::Status Wait(void* request, const char* what, absl::Time deadline);
+  // A cached endpoint to `peer_address` and the rkey unpacked on it: mapping a peer's region
+  // (shared memory: attach and first-touch faults) costs more than a put, so both are kept
+  // for the next transfer to the same buffer. Requires mu_.
+  absl::StatusOr<std::pair<void*, void*>> EndpointAndKeyLocked(const std::string& peer_address,
+                                                               const std::string& rkey);
+  void ForgetPeerLocked(const std::string& peer_address);
 
   void* context_ = nullptr;  // ucp_context_h
   void* worker_ = nullptr;   // ucp_worker_h
@@ -69,6 +86,9 @@ class UcxTransport {
   bool cuda_memory_ = false;
   std::atomic<bool> stop_{false};
   std::thread progress_;
+  std::mutex mu_;                                  // every call on worker_ after Create
+  std::map<std::string, void*> eps_;               // peer address -> ucp_ep_h
+  std::map<std::pair<std::string, std::string>, void*> rkeys_;  // (peer, packed) -> ucp_rkey_h
 };
 
 }  // namespace replayssm::transfer

@@ -125,6 +125,11 @@ class StateCache {
                               absl::Span<const absl::Span<const uint8_t>> checkpoints) = 0;
   // The slot's full state, folded first (the guarded path).
   virtual absl::StatusOr<ExportedState> Export(SlotId slot) = 0;
+  // The same into a caller's buffer (reused across transfers): layer l's checkpoint at
+  // dst[l * bytes_per_layer]; dst.size() must be num_layers * bytes_per_layer. Fills
+  // `tokens` and returns seq_len.
+  virtual absl::StatusOr<int64_t> ExportTo(SlotId slot, absl::Span<uint8_t> dst,
+                                           std::vector<int32_t>* tokens) = 0;
 
   virtual absl::StatusOr<std::unique_ptr<Forward>> BeginForward(
       absl::Span<const DecodeRow> rows) = 0;

@@ -1,0 +1,317 @@
+// replayssm-bench-transfer: slots of a model shape moved from instance A to instance B
+// (two processes on this host) over UCX, next to `ucx_perftest -t ucp_put_bw` with the same
+// transport selection and message size, in the same run.
+//
+//   replayssm-bench-transfer [--model qwen3-next-80b-a3b] [--state-dtype f32|bf16]
+//                            [--backend cpu|cuda] [--slots N] [--chunk BYTES] [--json PATH]
+//
+// B is a forked child with its own StateCache, UcxTransport and transfer::Receiver; the
+// control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
+// timed is the transfer itself: A exports through the cache's guard (device -> host on
+// CUDA), puts the bytes, B verifies the checksum and imports (host -> device on CUDA).
+// Reported: per-slot latency (median), GB/s over the payload, the put alone, and the
+// ucx_perftest figure for the put's message size.
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "replayssm/cache/state_cache.h"
+#include "transfer.h"
+#include "ucx_transport.h"
+
+namespace replayssm::transfer {
+namespace {
+
+#define CHECK_OK(x)                                                                    \
+  do {                                                                                 \
+    const absl::Status s_ = (x);                                                       \
+    if (!s_.ok()) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str());   \
+      std::_Exit(1);                                                                   \
+    }                                                                                  \
+  } while (0)
+
+// Length-prefixed byte messages over a socket.
+void SendMsg(int fd, const std::string& m) {
+  const uint64_t n = m.size();
+  if (write(fd, &n, 8) != 8 || write(fd, m.data(), n) != static_cast<ssize_t>(n)) std::_Exit(3);
+}
+std::string RecvMsg(int fd) {
+  uint64_t n = 0;
+  if (read(fd, &n, 8) != 8) return "";
+  std::string m(n, '\0');
+  for (size_t got = 0; got < n;) {
+    const ssize_t r = read(fd, m.data() + got, n - got);
+    if (r <= 0) std::_Exit(4);
+    got += static_cast<size_t>(r);
+  }
+  return m;
+}
+template <typename T>
+void Put(std::string& s, const T& v) {
+  s.append(reinterpret_cast<const char*>(&v), sizeof(v));
+}
+template <typename T>
+T Take(const std::string& s, size_t& off) {
+  T v;
+  std::memcpy(&v, s.data() + off, sizeof(v));
+  off += sizeof(v);
+  return v;
+}
+void PutStr(std::string& s, const std::string& v) {
+  Put<uint64_t>(s, v.size());
+  s += v;
+}
+std::string TakeStr(const std::string& s, size_t& off) {
+  const uint64_t n = Take<uint64_t>(s, off);
+  std::string v = s.substr(off, n);
+  off += n;
+  return v;
+}
+
+// A's view of B: each call is one message and one reply on the socket.
+class SocketPeer : public Peer {
+ public:
+  explicit SocketPeer(int fd) : fd_(fd) {}
+  absl::StatusOr<Reservation> Reserve(const std::string& id, const StateFormat& f,
+                                      int64_t seq_len) override {
+    std::string m = "R";
+    PutStr(m, id);
+    Put(m, f);
+    Put(m, seq_len);
+    SendMsg(fd_, m);
+    const std::string r = RecvMsg(fd_);
+    size_t off = 1;
+    if (r.empty() || r[0] != 'K') return absl::InternalError("reserve failed: " + r);
+    Reservation out;
+    out.worker_address = TakeStr(r, off);
+    out.rkey = TakeStr(r, off);
+    out.remote_addr = Take<uint64_t>(r, off);
+    out.bytes = Take<int64_t>(r, off);
+    return out;
+  }
+  absl::StatusOr<cache::SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
+                                       uint64_t checksum) override {
+    std::string m = "C";
+    PutStr(m, id);
+    PutStr(m, std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 4));
+    Put(m, checksum);
+    SendMsg(fd_, m);
+    const std::string r = RecvMsg(fd_);
+    size_t off = 1;
+    if (r.empty() || r[0] != 'K') return absl::InternalError("commit failed: " + r);
+    return Take<uint64_t>(r, off);
+  }
+  absl::Status Abort(const std::string& id) override {
+    std::string m = "A";
+    PutStr(m, id);
+    SendMsg(fd_, m);
+    RecvMsg(fd_);
+    return absl::OkStatus();
+  }
+  void FreeRemote(cache::SlotId slot) {
+    std::string m = "F";
+    Put(m, slot);
+    SendMsg(fd_, m);
+    RecvMsg(fd_);
+  }
+
+ private:
+  int fd_;
+};
+
+void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx) {
+  Receiver rx(&cache, &ucx, {});
+  for (std::string m = RecvMsg(fd); !m.empty(); m = RecvMsg(fd)) {
+    size_t off = 1;
+    std::string reply = "K";
+    if (m[0] == 'R') {
+      const std::string id = TakeStr(m, off);
+      const StateFormat f = Take<StateFormat>(m, off);
+      const int64_t seq_len = Take<int64_t>(m, off);
+      absl::StatusOr<Reservation> r = rx.Reserve(id, f, seq_len);
+      if (!r.ok()) {
+        reply = "E" + r.status().ToString();
+      } else {
+        PutStr(reply, r->worker_address);
+        PutStr(reply, r->rkey);
+        Put(reply, r->remote_addr);
+        Put(reply, r->bytes);
+      }
+    } else if (m[0] == 'C') {
+      const std::string id = TakeStr(m, off);
+      const std::string tok = TakeStr(m, off);
+      const uint64_t sum = Take<uint64_t>(m, off);
+      std::vector<int32_t> tokens(tok.size() / 4);
+      std::memcpy(tokens.data(), tok.data(), tok.size());
+      absl::StatusOr<cache::SlotId> s = rx.Commit(id, tokens, sum);
+      if (!s.ok()) reply = "E" + s.status().ToString();
+      else Put(reply, *s);
+    } else if (m[0] == 'A') {
+      rx.Abort(TakeStr(m, off)).IgnoreError();
+    } else if (m[0] == 'F') {
+      cache.Free(Take<uint64_t>(m, off)).IgnoreError();
+    }
+    SendMsg(fd, reply);
+  }
+}
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// ucx_perftest ucp_put_bw at `size` bytes between two processes on loopback: MB/s.
+double PerftestMBs(size_t size, int iters) {
+  const int port = 20000 + static_cast<int>(getpid() % 20000);
+  const std::string args = " -t ucp_put_bw -s " + std::to_string(size) + " -n " +
+                           std::to_string(iters) + " -w 3 -p " + std::to_string(port);
+  const std::string server = "ucx_perftest" + args + " >/dev/null 2>&1 &";
+  if (std::system(server.c_str()) != 0) return -1;
+  usleep(500000);
+  FILE* p = popen(("ucx_perftest 127.0.0.1" + args + " 2>&1").c_str(), "r");
+  if (p == nullptr) return -1;
+  char line[512];
+  double mbs = -1;
+  while (std::fgets(line, sizeof(line), p) != nullptr) {
+    if (std::strncmp(line, "Final:", 6) == 0) {
+      double it, p50, avg, overall, bw_avg, bw_overall;
+      if (std::sscanf(line + 6, "%lf %lf %lf %lf %lf %lf", &it, &p50, &avg, &overall, &bw_avg,
+                      &bw_overall) == 6) {
+        mbs = bw_overall;
+      }
+    }
+  }
+  pclose(p);
+  return mbs;
+}
+
+int Run(int argc, char** argv) {
+  std::string model = "qwen3-next-80b-a3b", dtype = "f32", backend_name = "cpu";
+  const char* json = nullptr;
+  int slots = 8;
+  size_t chunk = 4 << 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
+    if (a == "--model") model = next();
+    else if (a == "--state-dtype") dtype = next();
+    else if (a == "--backend") backend_name = next();
+    else if (a == "--slots") slots = std::atoi(next().c_str());
+    else if (a == "--chunk") chunk = std::strtoull(next().c_str(), nullptr, 10);
+    else if (a == "--json") json = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: replayssm-bench-transfer [--model M] [--state-dtype f32|bf16] "
+                           "[--backend cpu|cuda] [--slots N] [--chunk BYTES] [--json PATH]\n");
+      return 2;
+    }
+  }
+  const int32_t sd = dtype == "bf16" ? RSSM_DTYPE_BF16 : RSSM_DTYPE_F32;
+  const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
+  absl::StatusOr<cache::ModelSpec> m = cache::ModelPreset(model, sd);
+  CHECK_OK(m.status());
+  cache::CacheOptions o;
+  o.backend = backend;
+  o.memory_budget_bytes = 3 * m->SlotBytes();
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return 1;
+  const pid_t child = fork();
+  if (child == 0) {  // instance B
+    close(sv[0]);
+    auto cache = cache::StateCache::Create(*m, o);
+    CHECK_OK(cache.status());
+    auto ucx = UcxTransport::Create();
+    CHECK_OK(ucx.status());
+    ServeReceiver(sv[1], **cache, **ucx);
+    std::_Exit(0);
+  }
+  close(sv[1]);
+  auto cache = cache::StateCache::Create(*m, o);
+  CHECK_OK(cache.status());
+  auto ucx = UcxTransport::Create();
+  CHECK_OK(ucx.status());
+  SocketPeer peer(sv[0]);
+  Sender sender(cache->get(), ucx->get());
+  const StateFormat format = StateFormat::Of(*m);
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> layer(format.Bytes() / m->num_layers);
+  std::vector<double> total, put_only;
+  for (int i = 0; i < slots + 1; ++i) {  // the first one warms up
+    absl::StatusOr<cache::SlotId> s = (*cache)->Allocate();
+    CHECK_OK(s.status());
+    for (auto& b : layer) b = static_cast<uint8_t>(rng() & 0x3f);  // finite, never zeros
+    std::vector<absl::Span<const uint8_t>> cps(m->num_layers, absl::MakeConstSpan(layer));
+    std::vector<int32_t> tokens(100 + i, 7);
+    CHECK_OK((*cache)->Import(*s, tokens, cps));
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<SendResult> r = sender.Send(peer, *s, "x" + std::to_string(i), {.chunk_bytes = chunk});
+    const double t = Seconds(t0);
+    CHECK_OK(r.status());
+    peer.FreeRemote(r->remote_slot);
+    if (i > 0) total.push_back(t);
+    if (i > 0 && std::getenv("REPLAYSSM_BENCH_VERBOSE") != nullptr) {
+      std::printf("  slot %d: export %.1f ms, reserve %.1f ms, put %.1f ms, commit %.1f ms\n", i,
+                  1e3 * r->export_seconds, 1e3 * r->reserve_seconds, 1e3 * r->put_seconds,
+                  1e3 * r->commit_seconds);
+    }
+  }
+  // The put alone, for the breakdown: A's payload into a reservation on B, aborted after.
+  {
+    std::vector<uint8_t> payload(format.Bytes(), 1);
+    for (int i = 0; i < slots; ++i) {
+      absl::StatusOr<Reservation> r = peer.Reserve("p" + std::to_string(i), format, 0);
+      CHECK_OK(r.status());
+      const auto t0 = std::chrono::steady_clock::now();
+      CHECK_OK((*ucx)->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
+                           r->rkey, chunk, absl::Seconds(60)));
+      put_only.push_back(Seconds(t0));
+      CHECK_OK(peer.Abort("p" + std::to_string(i)));
+    }
+  }
+  close(sv[0]);
+  waitpid(child, nullptr, 0);
+  std::sort(total.begin(), total.end());
+  std::sort(put_only.begin(), put_only.end());
+  const double bytes = static_cast<double>(format.Bytes());
+  const double t_med = total[total.size() / 2], p_med = put_only[put_only.size() / 2];
+  const double perf_chunk = PerftestMBs(chunk, 50);
+  const double perf_slot = PerftestMBs(static_cast<size_t>(bytes), 10);
+  std::printf("transfer bench: %s, state %s, backend %s, %.1f MB per slot, %d slots, chunk %zu\n",
+              m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes / 1e6, slots, chunk);
+  std::printf("  per slot (export+put+commit/import): median %.2f ms = %.2f GB/s\n", t_med * 1e3,
+              bytes / t_med / 1e9);
+  std::printf("  put alone:                           median %.2f ms = %.2f GB/s\n", p_med * 1e3,
+              bytes / p_med / 1e9);
+  std::printf("  ucx_perftest ucp_put_bw: %.2f GB/s at %zu B, %.2f GB/s at %.0f B\n",
+              perf_chunk / 1e3, chunk, perf_slot / 1e3, bytes);
+  const double ref = std::max(perf_chunk, perf_slot) / 1e3;
+  std::printf("  put / ucx_perftest: %.0f%%   whole transfer / ucx_perftest: %.0f%%\n",
+              100 * bytes / p_med / 1e9 / ref, 100 * bytes / t_med / 1e9 / ref);
+  if (json != nullptr) {
+    FILE* f = std::fopen(json, "w");
+    if (f == nullptr) return 1;
+    std::fprintf(f,
+                 "{\"model\": \"%s\", \"state\": \"%s\", \"backend\": \"%s\", \"slot_bytes\": %.0f, "
+                 "\"slots\": %d, \"chunk\": %zu, \"transfer_ms\": %.3f, \"transfer_gbs\": %.3f, "
+                 "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"perftest_chunk_gbs\": %.3f, "
+                 "\"perftest_slot_gbs\": %.3f}\n",
+                 m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes, slots, chunk,
+                 t_med * 1e3, bytes / t_med / 1e9, p_med * 1e3, bytes / p_med / 1e9,
+                 perf_chunk / 1e3, perf_slot / 1e3);
+    std::fclose(f);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace replayssm::transfer
+
+int main(int argc, char** argv) { return replayssm::transfer::Run(argc, argv); }
