@@ -270,7 +270,17 @@ int Kernels(const char* json_path) {
       for (int B : batches) {
         // REPLAYSSM_BENCH_B=n and REPLAYSSM_BENCH_GATE=GDN|KDA restrict the run likewise.
         const char* only_b = std::getenv("REPLAYSSM_BENCH_B");
-        if (only_b != nullptr && std::atoi(only_b) != B) continue;
+        // (a comma-separated list selects several: REPLAYSSM_BENCH_B=1,64,256)
+        if (only_b != nullptr) {
+          bool hit = false;
+          for (const char* c = only_b; *c != 0;) {
+            if (std::atoi(c) == B) hit = true;
+            const char* comma = std::strchr(c, ',');
+            if (comma == nullptr) break;
+            c = comma + 1;
+          }
+          if (!hit) continue;
+        }
         const char* only_g = std::getenv("REPLAYSSM_BENCH_GATE");
         if (only_g != nullptr && std::strcmp(only_g, gate == RSSM_GATE_GDN ? "GDN" : "KDA") != 0) {
           continue;

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "replayssm/cache/state_cache.h"
 #include "transfer.h"
 #include "ucx_transport.h"
@@ -140,7 +141,7 @@ void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx) {
       const int64_t seq_len = Take<int64_t>(m, off);
       absl::StatusOr<Reservation> r = rx.Reserve(id, f, seq_len);
       if (!r.ok()) {
-        reply = "E" + r.status().ToString();
+        reply = absl::StrCat("E", r.status().ToString());
       } else {
         PutStr(reply, r->worker_address);
         PutStr(reply, r->rkey);
@@ -154,7 +155,7 @@ void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx) {
       std::vector<int32_t> tokens(tok.size() / 4);
       std::memcpy(tokens.data(), tok.data(), tok.size());
       absl::StatusOr<cache::SlotId> s = rx.Commit(id, tokens, sum);
-      if (!s.ok()) reply = "E" + s.status().ToString();
+      if (!s.ok()) reply = absl::StrCat("E", s.status().ToString());
       else Put(reply, *s);
     } else if (m[0] == 'A') {
       rx.Abort(TakeStr(m, off)).IgnoreError();

@@ -1,7 +1,10 @@
 // The CUDA backend of kernels/src/backend.h: maps the (already validated) C ABI arguments
 // onto kernel params, dispatches on the state dtype, launches on the caller's stream and
-// reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No allocation, no
-// synchronization.
+// reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No synchronization.
+// One allocation exception (v5 step, kernels/cuda/NOTES.md): the pre-pass workspace of a
+// (device, stream) is grown by cudaMalloc the first time a decode/verify call needs more than
+// any earlier call on that stream (never inside a stream capture: such a call runs the v4b
+// kernels instead, which need no workspace).
 #include <string>
 
 #include "../src/backend.h"

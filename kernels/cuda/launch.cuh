@@ -1,6 +1,7 @@
 // Host launchers (templated on the state type): pick the register tile (KMAX 128 or 256) and
 // the tokens per pass (TC: 1 for decode, 4 for verify), size shared memory, launch on the
-// caller's stream and return the launch status. No allocation, no synchronization.
+// caller's stream and return the launch status. No synchronization; the v5 step
+// (stream_kernel.cuh) takes its workspace from StepWorkspace (workspace.cu), which may grow it.
 #ifndef REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 #define REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 
@@ -12,6 +13,7 @@
 #include "pipe_kernel.cuh"
 #include "prefill_kernel.cuh"
 #include "step_kernel.cuh"
+#include "stream_kernel.cuh"
 
 namespace replayssm::kernels::cuda {
 
@@ -55,12 +57,54 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
 // REPLAYSSM_CUDA_STEP=pipe (the pipelined kernel, pipe_kernel.cuh: slower on the H200 as
 // measured, NOTES.md v3; kept for A/B timing and tested); REPLAYSSM_CUDA_MAX_CTAS=n caps its
 // persistent grid (tests use it so that every CTA walks several items).
-inline bool UseLegacyStep() {
-  static const bool legacy = [] {
+// REPLAYSSM_CUDA_STEP: unset = the default (UseStream below), "legacy" = StepKernel (v4b),
+// "pipe" = the pipelined kernel, "stream" = the pre-pass + streaming kernel (v5).
+enum StepKind { kStepLegacy = 0, kStepPipe = 1, kStepStream = 2 };
+inline StepKind StepChoice() {
+  static const StepKind k = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_STEP");
-    return e == nullptr || std::strcmp(e, "pipe") != 0;
+    if (e == nullptr) return kStepLegacy;
+    if (std::strcmp(e, "pipe") == 0) return kStepPipe;
+    if (std::strcmp(e, "stream") == 0) return kStepStream;
+    return kStepLegacy;
   }();
-  return legacy;
+  return k;
+}
+inline bool UseLegacyStep() { return StepChoice() != kStepPipe; }
+
+// The default (no REPLAYSSM_CUDA_STEP): v5 for fp32 state at B >= REPLAYSSM_CUDA_STREAM_MIN_B
+// (default 64), StepKernel (v4b) otherwise: measured on the H200 (bench/results/
+// kernels-h200-2026-11-30-v4.md), v5 wins there and loses at B = 1 (two launches) and for
+// 16-bit state decode. The rule depends only on (state dtype, B), so the baseline, replay and
+// verify calls of one batch run the same path (L = 1 bit identity, verify == decode).
+inline int64_t StreamMinBatch() {
+  static const int64_t n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_STREAM_MIN_B");
+    return e != nullptr ? std::atoll(e) : 64LL;
+  }();
+  return n;
+}
+// REPLAYSSM_CUDA_PDL=1: launch the streaming kernel with programmatic dependent launch so
+// that its S0 loads overlap the pre-pass (opt-in: measured in v4.md).
+inline bool UsePdl() {
+  static const bool on = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_PDL");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return on;
+}
+inline int PrepassMinBlocks() {
+  static const int n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_PREPASS_MINB");
+    const int v = e != nullptr ? std::atoi(e) : kPrepassDefaultMinBlocks;
+    return v == 3 || v == 8 ? v : 5;
+  }();
+  return n;
+}
+inline bool UseStream(const StepParams& p, size_t state_bytes) {
+  static const bool forced = std::getenv("REPLAYSSM_CUDA_STEP") != nullptr;
+  if (forced) return StepChoice() == kStepStream;
+  return state_bytes == 4 && p.batch >= StreamMinBatch();
 }
 inline int64_t MaxCtasOverride() {
   static const int64_t n = [] {
@@ -159,9 +203,74 @@ cudaError_t LaunchPipeT(StepParams p, cudaStream_t stream, bool* launched) {
   return cudaGetLastError();
 }
 
+template <typename T, int KMAX, int TC>
+cudaError_t LaunchStreamT(const StepParams& sp, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  using Cfg = TileCfg<T, KMAX>;
+  StreamParams p{};
+  p.ly = sp.ly;
+  p.batch = sp.batch;
+  p.num_draft = sp.num_draft;
+  p.mode = sp.mode;
+  p.slot_idx = sp.slot_idx;
+  p.write_pos = sp.write_pos;
+  p.force_fold = sp.force_fold;
+  p.num_vtiles = (p.ly.V + Cfg::VT - 1) / Cfg::VT;
+  p.wl = WsLayout::Make(p.ly.K, p.ly.L, p.num_draft, p.mode != kModeVerify);
+  p.sm = StreamSmem::Make(p.ly.L, Cfg::VT, TC);
+  const int64_t items = int64_t{p.batch} * p.ly.HV;
+  cudaError_t e = StepWorkspace(stream, size_t(items) * p.wl.stride * sizeof(float), &p.ws);
+  if (e != cudaSuccess) return e;
+  if (p.ws == nullptr) return cudaSuccess;  // cannot grow inside a capture: StepKernel
+  dim3 grid;
+  e = Grid(p.batch, p.ly.HV, p.num_vtiles, &grid);
+  if (e != cudaSuccess) return e;
+  const size_t bytes = size_t(p.sm.total) * sizeof(float);
+  e = AllowSmem(StreamKernel<T, KMAX, TC>, bytes);
+  if (e != cudaSuccess) return e;
+  const unsigned pre = static_cast<unsigned>((items + kPrepassWarps - 1) / kPrepassWarps);
+  switch ((p.ly.K <= 128 ? 100 : 200) + PrepassMinBlocks()) {
+    case 103: PrepassKernel<T, 4, 3><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
+    case 108: PrepassKernel<T, 4, 8><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
+    case 105: PrepassKernel<T, 4, 5><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
+    default: PrepassKernel<T, 8, 3><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
+  }
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if (UsePdl()) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = bytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    e = cudaLaunchKernelEx(&cfg, StreamKernel<T, KMAX, TC>, p);
+  } else {
+    StreamKernel<T, KMAX, TC><<<grid, kThreads, bytes, stream>>>(p);
+    e = cudaGetLastError();
+  }
+  *launched = e == cudaSuccess;
+  return e;
+}
+
 template <typename T>
 cudaError_t LaunchStepFor(StepParams p, cudaStream_t stream) {
   const bool verify = p.mode == kModeVerify;
+  if (UseStream(p, sizeof(T))) {
+    bool launched = false;
+    cudaError_t e;
+    if (p.ly.K <= 128) {
+      e = verify ? LaunchStreamT<T, 128, kVerifyTokensPerPass>(p, stream, &launched)
+                 : LaunchStreamT<T, 128, 1>(p, stream, &launched);
+    } else {
+      e = verify ? LaunchStreamT<T, 256, kVerifyTokensPerPass>(p, stream, &launched)
+                 : LaunchStreamT<T, 256, 1>(p, stream, &launched);
+    }
+    if (e != cudaSuccess || launched) return e;
+  }
   if (PipeEligible<T>(p)) {
     bool launched = false;
     const cudaError_t e = verify ? LaunchPipeT<T, kVerifyTokensPerPass>(p, stream, &launched)

@@ -101,6 +101,78 @@ struct PrefillParams {
   SmemLayout sm;
 };
 
+// v5 (stream_kernel.cuh): pre-pass + streaming kernel. Workspace of the pre-pass, per (row,
+// v-head), offsets in floats (multiples of 4) inside a record of `stride` floats.
+struct WsLayout {
+  int beta, kq;    // [T]
+  int ka, qa;      // [T, K]   A_t∘k_t, A_t∘q_t
+  int u, pp;       // [T, L+1] (W_j∘k_j)·k_t, (W_j∘k_j)·q_t for j < w + t
+  int krec, gd;    // [T, K]   drafts' k as stored, drafts' g per channel (verify chaining)
+  int avec, kcur;  // [K]      A and the unrounded k of the token (fold)
+  int kw;          // [L, K]   W_j∘k_j (written only by rows that fold; decode only)
+  int stride;
+  static WsLayout Make(int K, int L, int T, bool with_fold) {
+    WsLayout w;
+    int o = 0;
+    auto take = [&o](int n) { const int at = o; o += (n + 3) & ~3; return at; };
+    w.beta = take(T);
+    w.kq = take(T);
+    w.ka = take(T * K);
+    w.qa = take(T * K);
+    w.u = take(T * (L + 1));
+    w.pp = take(T * (L + 1));
+    w.krec = take(T * K);
+    w.gd = take(T * K);
+    w.avec = take(with_fold ? K : 0);
+    w.kcur = take(with_fold ? K : 0);
+    w.kw = take(with_fold ? L * K : 0);
+    w.stride = o;
+    return w;
+  }
+};
+
+// Shared memory of one streaming CTA (floats, multiples of 4).
+struct StreamSmem {
+  int dext;        // [(L+1), VT] records' d of the tile rows, then the drafts' d (rounded)
+  int u, pp;       // [TC, L+1]
+  int vs;          // [TC, VT]
+  int skq;         // [TC, VT, 2]
+  int dcur;        // [VT]
+  int beta, kq;    // [TC]
+  int total;
+  static StreamSmem Make(int L, int VT, int TC) {
+    StreamSmem s;
+    int o = 0;
+    auto take = [&o](int n) { const int at = o; o += (n + 3) & ~3; return at; };
+    s.dext = take((L + 1) * VT);
+    s.u = take(TC * (L + 1));
+    s.pp = take(TC * (L + 1));
+    s.vs = take(TC * VT);
+    s.skq = take(TC * VT * 2);
+    s.dcur = take(VT);
+    s.beta = take(TC);
+    s.kq = take(TC);
+    s.total = o;
+    return s;
+  }
+};
+
+struct StreamParams {
+  LayerDesc ly;
+  int32_t batch, num_draft, mode, num_vtiles;
+  const int32_t* slot_idx;
+  const int32_t* write_pos;
+  const uint8_t* force_fold;
+  float* ws;  // [batch * HV, wl.stride]
+  WsLayout wl;
+  StreamSmem sm;
+};
+
+// The workspace of the v5 step on (current device, stream): at least `bytes`, grown on demand
+// (cudaMalloc outside stream capture, under a mutex). *out = nullptr when it is too small and
+// cannot grow now (the stream is capturing): the caller falls back to StepKernel.
+cudaError_t StepWorkspace(cudaStream_t stream, size_t bytes, float** out);
+
 // Launchers: plan the grid, launch on `stream`, return the launch status. state_dtype is the
 // rssm_dtype of the state; kmax the register tile width (128 or 256).
 cudaError_t LaunchStep(StepParams p, int state_dtype, cudaStream_t stream);
