@@ -11,7 +11,11 @@ PKGS=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
   curl
+  prometheus python3
 )
+# deploy/ checks (ctest -R deploy): node + npm for `npm ci` of deploy/tools. Machines whose
+# nodejs comes with its own npm (NodeSource) must not get Debian's npm, which conflicts.
+if ! command -v npm >/dev/null 2>&1; then PKGS+=(nodejs npm); fi
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

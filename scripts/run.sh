@@ -1,14 +1,52 @@
 #!/usr/bin/env bash
-# The README's main job: install what is needed, build, and run the main program.
-# Until replayssm-server exists (issue 5) the main program is replayssm-kernels-demo, which
-# prints what this build will serve (backends, the tiny-gdn demo model, bytes per slot) and
-# self-checks replay decode against the baseline on the CPU backend.
+# The README's main job: install what is needed, build, start replayssm-server with the
+# tiny-gdn demo model (CUDA where a GPU is present, else the embedded CPU backend), run the
+# demo scheduler against it (`replayssm-cli demo`: prefill, batched decode, a prefix hit,
+# every output checked against the CPU reference), and leave the server running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 # The CUDA backend is built only where a GPU can run it; elsewhere the CPU backend serves.
 preset=cpu
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then preset=cuda; fi
-cmake --preset "$preset" >/dev/null
-cmake --build --preset "$preset" --target replayssm-kernels-demo
-exec "./build-$preset/kernels/replayssm-kernels-demo"
+cmake --preset "$preset" -DREPLAYSSM_SERVICE=ON >/dev/null
+cmake --build --preset "$preset" --target replayssm-server replayssm-cli
+
+build="build-$preset"
+grpc_address=${REPLAYSSM_GRPC_ADDRESS:-127.0.0.1:50051}
+metrics_address=${REPLAYSSM_METRICS_ADDRESS:-127.0.0.1:9400}
+pidfile="$build/replayssm-server.pid"
+log="$build/replayssm-server.log"
+ready="$build/replayssm-server.ready"
+
+# A server this script started before is stopped (gracefully) first.
+if [[ -f "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+  kill -TERM "$(cat "$pidfile")"
+  for _ in $(seq 100); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
+fi
+rm -f "$ready"
+nohup "./$build/service/replayssm-server" --model tiny-gdn --device auto \
+  --grpc-address "$grpc_address" --metrics-address "$metrics_address" \
+  --ready-file "$ready" >"$log" 2>&1 &
+echo $! >"$pidfile"
+for _ in $(seq 300); do [[ -f "$ready" ]] && break; sleep 0.1; done
+if [[ ! -f "$ready" ]]; then
+  echo "replayssm-server did not start; its log ($log):" >&2
+  cat "$log" >&2
+  exit 1
+fi
+cat "$log"
+
+"./$build/client/replayssm-cli" --address "$grpc_address" demo
+
+cat <<MSG
+
+replayssm-server is running (pid $(cat "$pidfile"), log $log):
+  gRPC      $grpc_address   (replayssm.v1.ReplaySsm, grpc.health.v1, reflection)
+  metrics   http://$metrics_address/metrics
+Try:   ./$build/client/replayssm-cli --address $grpc_address info
+       ./$build/client/replayssm-cli --address $grpc_address stats
+       curl -s http://$metrics_address/metrics | grep ^replayssm_
+Stop:  kill -TERM $(cat "$pidfile")    (drains open forwards, then exits)
+API:   docs/api.md
+MSG

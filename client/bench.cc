@@ -1,0 +1,86 @@
+#include "replayssm/client/bench.h"
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "replayssm/client/client.h"
+#include "replayssm/client/tensor.h"
+
+namespace replayssm::client {
+
+namespace {
+
+// One client thread: allocates its slots, then runs forwards until `stop`; the latencies of
+// forwards that started after `measure_from` are kept.
+absl::Status Worker(const std::string& address, const DecodeBenchOptions& options,
+                    const v1::ModelInfo& model, int worker, absl::Time measure_from,
+                    absl::Time stop, std::vector<double>* latencies_us) {
+  auto client = Client::Connect(address);
+  std::vector<v1::DecodeRow> rows(options.batch);
+  for (int32_t r = 0; r < options.batch; ++r) {
+    auto slot = client->Allocate();
+    if (!slot.ok()) return slot.status();
+    rows[r].set_slot(slot->slot());
+  }
+  const std::vector<v1::LayerInput> layers = SyntheticLayers(model, options.batch, worker + 1);
+  v1::DecodeRequest unary;
+  for (const v1::DecodeRow& row : rows) *unary.add_rows() = row;
+  for (const v1::LayerInput& l : layers) *unary.add_layers() = l;
+  auto stream = client->OpenStream();
+  for (int32_t step = 0;; ++step) {
+    const absl::Time t0 = absl::Now();
+    if (t0 >= stop) break;
+    for (v1::DecodeRow& row : rows) row.set_token_id(step);
+    absl::Status s =
+        options.unary ? client->Decode(unary).status() : stream->Forward(rows, layers).status();
+    if (!s.ok()) return s;
+    if (t0 >= measure_from) latencies_us->push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  }
+  absl::Status s = stream->Finish();
+  for (const v1::DecodeRow& row : rows) client->Free(row.slot()).IgnoreError();
+  return s;
+}
+
+double Percentile(std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()));
+  return sorted[i];
+}
+
+}  // namespace
+
+absl::StatusOr<DecodeBenchResult> RunDecodeBench(const std::string& address,
+                                                 const DecodeBenchOptions& options) {
+  auto info = Client::Connect(address)->Info();
+  if (!info.ok()) return info.status();
+  const absl::Time measure_from = absl::Now() + options.warmup;
+  const absl::Time stop = measure_from + options.duration;
+  std::vector<std::vector<double>> latencies(options.concurrency);
+  std::vector<absl::Status> status(options.concurrency);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < options.concurrency; ++w) {
+    threads.emplace_back([&, w] {
+      status[w] = Worker(address, options, info->model(), w, measure_from, stop, &latencies[w]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  std::vector<double> all;
+  for (int w = 0; w < options.concurrency; ++w) {
+    if (!status[w].ok()) return status[w];
+    all.insert(all.end(), latencies[w].begin(), latencies[w].end());
+  }
+  std::sort(all.begin(), all.end());
+  DecodeBenchResult r;
+  r.forwards = static_cast<int64_t>(all.size());
+  r.forwards_per_second = static_cast<double>(all.size()) / absl::ToDoubleSeconds(options.duration);
+  r.p50_us = Percentile(all, 0.50);
+  r.p99_us = Percentile(all, 0.99);
+  double sum = 0;
+  for (double x : all) sum += x;
+  r.mean_us = all.empty() ? 0 : sum / static_cast<double>(all.size());
+  return r;
+}
+
+}  // namespace replayssm::client

@@ -1,0 +1,255 @@
+#include "replayssm/client/client.h"
+
+#include <algorithm>
+#include <limits>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+
+namespace replayssm::client {
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+std::string NewRequestId() {
+  thread_local std::mt19937_64 rng(std::random_device{}() ^
+                                   static_cast<uint64_t>(absl::GetCurrentTimeNanos()));
+  return absl::StrFormat("%016x%016x", rng(), rng());
+}
+
+namespace {
+
+std::string OrNew(std::string id) { return id.empty() ? NewRequestId() : id; }
+
+}  // namespace
+
+// ---- ForwardStream ----
+
+ForwardStream::ForwardStream(
+    std::unique_ptr<grpc::ClientContext> context,
+    std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
+        stream)
+    : context_(std::move(context)), stream_(std::move(stream)) {}
+
+ForwardStream::~ForwardStream() { Finish().IgnoreError(); }
+
+absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::RoundTrip(
+    const v1::DecodeStreamRequest& request) {
+  if (finished_) return final_.ok() ? absl::FailedPreconditionError("stream closed") : final_;
+  v1::DecodeStreamResponse response;
+  if (stream_->Write(request) && stream_->Read(&response)) return response;
+  finished_ = true;
+  final_ = FromGrpc(stream_->Finish());
+  if (final_.ok()) final_ = absl::UnavailableError("decode stream ended by the server");
+  return final_;
+}
+
+absl::StatusOr<v1::DecodeBegun> ForwardStream::Begin(const std::vector<v1::DecodeRow>& rows,
+                                                     std::string request_id) {
+  v1::DecodeStreamRequest req;
+  req.mutable_begin()->set_request_id(OrNew(std::move(request_id)));
+  req.mutable_begin()->mutable_rows()->Assign(rows.begin(), rows.end());
+  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
+  if (!resp.ok()) return resp.status();
+  return resp->begun();
+}
+
+absl::StatusOr<v1::LayerOutput> ForwardStream::RunLayer(const v1::LayerInput& input) {
+  v1::DecodeStreamRequest req;
+  *req.mutable_layer() = input;
+  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
+  if (!resp.ok()) return resp.status();
+  return resp->layer();
+}
+
+absl::StatusOr<v1::DecodeCommitted> ForwardStream::Commit() {
+  v1::DecodeStreamRequest req;
+  req.mutable_commit();
+  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
+  if (!resp.ok()) return resp.status();
+  return resp->committed();
+}
+
+absl::StatusOr<v1::DecodeResponse> ForwardStream::Forward(const std::vector<v1::DecodeRow>& rows,
+                                                          absl::Span<const v1::LayerInput> layers,
+                                                          std::string request_id) {
+  absl::StatusOr<v1::DecodeBegun> begun = Begin(rows, std::move(request_id));
+  if (!begun.ok()) return begun.status();
+  v1::DecodeResponse out;
+  for (const v1::LayerInput& in : layers) {
+    absl::StatusOr<v1::LayerOutput> o = RunLayer(in);
+    if (!o.ok()) return o.status();
+    *out.add_layers() = *std::move(o);
+  }
+  absl::StatusOr<v1::DecodeCommitted> committed = Commit();
+  if (!committed.ok()) return committed.status();
+  *out.mutable_rows() = committed->rows();
+  return out;
+}
+
+absl::Status ForwardStream::Finish() {
+  if (finished_) return final_;
+  finished_ = true;
+  stream_->WritesDone();
+  v1::DecodeStreamResponse ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  final_ = FromGrpc(stream_->Finish());
+  return final_;
+}
+
+// ---- Client ----
+
+std::unique_ptr<Client> Client::Connect(const std::string& address, int64_t max_message_bytes) {
+  grpc::ChannelArguments args;
+  const int limit =
+      static_cast<int>(std::min<int64_t>(max_message_bytes, std::numeric_limits<int>::max()));
+  args.SetMaxReceiveMessageSize(limit);
+  args.SetMaxSendMessageSize(limit);
+  return std::make_unique<Client>(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel)
+    : channel_(std::move(channel)),
+      stub_(v1::ReplaySsm::NewStub(channel_)),
+      health_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+bool Client::WaitForConnected(absl::Duration timeout) {
+  return channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+  return context;
+}
+
+template <typename Resp, typename F>
+absl::StatusOr<Resp> Client::Call(F&& rpc) {
+  std::unique_ptr<grpc::ClientContext> context = NewContext();
+  Resp resp;
+  absl::Status s = FromGrpc(rpc(context.get(), &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::GetInfoResponse> Client::Info() {
+  return Call<v1::GetInfoResponse>(
+      [&](auto* c, auto* r) { return stub_->GetInfo(c, v1::GetInfoRequest(), r); });
+}
+
+absl::StatusOr<v1::GetStatsResponse> Client::Stats() {
+  return Call<v1::GetStatsResponse>(
+      [&](auto* c, auto* r) { return stub_->GetStats(c, v1::GetStatsRequest(), r); });
+}
+
+absl::StatusOr<v1::AllocateResponse> Client::Allocate(std::string request_id) {
+  v1::AllocateRequest req;
+  req.set_request_id(OrNew(std::move(request_id)));
+  return Call<v1::AllocateResponse>([&](auto* c, auto* r) { return stub_->Allocate(c, req, r); });
+}
+
+absl::StatusOr<v1::AllocateResponse> Client::AllocateFromPrefix(absl::Span<const int32_t> tokens,
+                                                                std::string request_id) {
+  v1::AllocateRequest req;
+  req.set_request_id(OrNew(std::move(request_id)));
+  req.set_from_prefix(true);
+  req.mutable_prefix_tokens()->Assign(tokens.begin(), tokens.end());
+  return Call<v1::AllocateResponse>([&](auto* c, auto* r) { return stub_->Allocate(c, req, r); });
+}
+
+absl::Status Client::Free(uint64_t slot, std::string request_id) {
+  v1::FreeRequest req;
+  req.set_request_id(OrNew(std::move(request_id)));
+  req.set_slot(slot);
+  return Call<v1::FreeResponse>([&](auto* c, auto* r) { return stub_->Free(c, req, r); }).status();
+}
+
+absl::StatusOr<v1::SlotState> Client::GetSlot(uint64_t slot) {
+  v1::GetSlotRequest req;
+  req.set_slot(slot);
+  auto resp =
+      Call<v1::GetSlotResponse>([&](auto* c, auto* r) { return stub_->GetSlot(c, req, r); });
+  if (!resp.ok()) return resp.status();
+  return resp->state();
+}
+
+absl::StatusOr<v1::SlotState> Client::Import(v1::ImportRequest request) {
+  if (request.request_id().empty()) request.set_request_id(NewRequestId());
+  auto resp =
+      Call<v1::ImportResponse>([&](auto* c, auto* r) { return stub_->Import(c, request, r); });
+  if (!resp.ok()) return resp.status();
+  return resp->state();
+}
+
+absl::StatusOr<v1::ExportResponse> Client::Export(uint64_t slot) {
+  v1::ExportRequest req;
+  req.set_slot(slot);
+  return Call<v1::ExportResponse>([&](auto* c, auto* r) { return stub_->Export(c, req, r); });
+}
+
+absl::StatusOr<v1::PrefillResponse> Client::Prefill(v1::PrefillRequest request) {
+  if (request.request_id().empty()) request.set_request_id(NewRequestId());
+  return Call<v1::PrefillResponse>([&](auto* c, auto* r) { return stub_->Prefill(c, request, r); });
+}
+
+absl::StatusOr<v1::DecodeResponse> Client::Decode(v1::DecodeRequest request) {
+  if (request.request_id().empty()) request.set_request_id(NewRequestId());
+  return Call<v1::DecodeResponse>([&](auto* c, auto* r) { return stub_->Decode(c, request, r); });
+}
+
+absl::StatusOr<v1::VerifyResponse> Client::Verify(v1::VerifyRequest request) {
+  if (request.request_id().empty()) request.set_request_id(NewRequestId());
+  return Call<v1::VerifyResponse>([&](auto* c, auto* r) { return stub_->Verify(c, request, r); });
+}
+
+absl::StatusOr<v1::SlotState> Client::Accept(uint64_t slot, int32_t num_accepted,
+                                             std::string request_id) {
+  v1::AcceptRequest req;
+  req.set_request_id(OrNew(std::move(request_id)));
+  req.set_slot(slot);
+  req.set_num_accepted(num_accepted);
+  auto resp = Call<v1::AcceptResponse>([&](auto* c, auto* r) { return stub_->Accept(c, req, r); });
+  if (!resp.ok()) return resp.status();
+  return resp->state();
+}
+
+absl::StatusOr<int64_t> Client::MatchPrefix(absl::Span<const int32_t> tokens) {
+  v1::MatchPrefixRequest req;
+  req.mutable_tokens()->Assign(tokens.begin(), tokens.end());
+  auto resp = Call<v1::MatchPrefixResponse>(
+      [&](auto* c, auto* r) { return stub_->MatchPrefix(c, req, r); });
+  if (!resp.ok()) return resp.status();
+  return resp->matched();
+}
+
+absl::Status Client::Donate(uint64_t slot, std::string request_id) {
+  v1::DonateRequest req;
+  req.set_request_id(OrNew(std::move(request_id)));
+  req.set_slot(slot);
+  return Call<v1::DonateResponse>([&](auto* c, auto* r) { return stub_->Donate(c, req, r); })
+      .status();
+}
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health(
+    const std::string& service) {
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  auto resp = Call<grpc::health::v1::HealthCheckResponse>(
+      [&](auto* c, auto* r) { return health_->Check(c, req, r); });
+  if (!resp.ok()) return resp.status();
+  return resp->status();
+}
+
+std::unique_ptr<ForwardStream> Client::OpenStream() {
+  auto context = std::make_unique<grpc::ClientContext>();
+  auto stream = stub_->DecodeStream(context.get());
+  return std::make_unique<ForwardStream>(std::move(context), std::move(stream));
+}
+
+}  // namespace replayssm::client

@@ -1,0 +1,210 @@
+#include "replayssm/client/demo.h"
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "replayssm/client/reference.h"
+#include "replayssm/client/tensor.h"
+
+namespace replayssm::client {
+
+namespace {
+
+struct Request {
+  uint64_t slot = 0;
+  int32_t seq = -1;  // reference sequence
+  std::vector<int32_t> tokens;
+};
+
+class Demo {
+ public:
+  Demo(Client& client, const DemoOptions& options, std::ostream& log)
+      : client_(client), options_(options), log_(log) {}
+
+  absl::StatusOr<DemoReport> Run();
+
+ private:
+  absl::Status Check(const v1::Tensor& got, const v1::Tensor& want, const std::string& what);
+  absl::Status Prefill(Request& r, const std::vector<int32_t>& tokens);
+  absl::Status DecodeSteps(std::vector<Request*> batch, int32_t steps);
+  absl::Status CheckState(const Request& r);
+  std::vector<int32_t> RandomTokens(int n) {
+    std::vector<int32_t> t(n);
+    for (int32_t& x : t) x = static_cast<int32_t>(rng_() % 32000);
+    return t;
+  }
+
+  Client& client_;
+  DemoOptions options_;
+  std::ostream& log_;
+  v1::GetInfoResponse info_;
+  std::unique_ptr<CpuReference> ref_;
+  std::unique_ptr<ForwardStream> stream_;
+  std::mt19937_64 rng_;
+  double tol_ = 0;
+  DemoReport report_;
+};
+
+absl::Status Demo::Check(const v1::Tensor& got, const v1::Tensor& want, const std::string& what) {
+  std::string why;
+  if (!AllClose(got, want, tol_, tol_, &why)) {
+    return absl::DataLossError(absl::StrCat(what, ": differs from the CPU reference: ", why));
+  }
+  ++report_.outputs_checked;
+  return absl::OkStatus();
+}
+
+absl::Status Demo::Prefill(Request& r, const std::vector<int32_t>& tokens) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<v1::LayerInput> layers = SyntheticLayers(info_.model(), n, rng_());
+  v1::PrefillRequest req;
+  req.set_slot(r.slot);
+  req.mutable_tokens()->Assign(tokens.begin(), tokens.end());
+  for (const v1::LayerInput& l : layers) *req.add_layers() = l;
+  req.set_return_outputs(true);
+  absl::StatusOr<v1::PrefillResponse> resp = client_.Prefill(req);
+  if (!resp.ok()) return resp.status();
+  absl::StatusOr<std::vector<v1::Tensor>> want = ref_->Prefill(r.seq, layers);
+  if (!want.ok()) return want.status();
+  for (int l = 0; l < info_.model().num_layers(); ++l) {
+    absl::Status s = Check(resp->layers(l).out(), (*want)[l], absl::StrCat("prefill layer ", l));
+    if (!s.ok()) return s;
+  }
+  r.tokens.insert(r.tokens.end(), tokens.begin(), tokens.end());
+  return absl::OkStatus();
+}
+
+absl::Status Demo::DecodeSteps(std::vector<Request*> batch, int32_t steps) {
+  for (int32_t step = 0; step < steps; ++step) {
+    std::vector<v1::DecodeRow> rows;
+    std::vector<int32_t> seqs;
+    for (Request* r : batch) {
+      v1::DecodeRow row;
+      row.set_slot(r->slot);
+      row.set_token_id(static_cast<int32_t>(rng_() % 32000));
+      rows.push_back(row);
+      seqs.push_back(r->seq);
+    }
+    std::vector<v1::LayerInput> layers =
+        SyntheticLayers(info_.model(), static_cast<int64_t>(rows.size()), rng_());
+    absl::StatusOr<v1::DecodeResponse> got = stream_->Forward(rows, layers);
+    if (!got.ok()) return got.status();
+    absl::StatusOr<std::vector<v1::Tensor>> want = ref_->Decode(seqs, layers);
+    if (!want.ok()) return want.status();
+    for (int l = 0; l < info_.model().num_layers(); ++l) {
+      absl::Status s =
+          Check(got->layers(l).out(), (*want)[l], absl::StrCat("decode step ", step, " layer ", l));
+      if (!s.ok()) return s;
+    }
+    for (size_t i = 0; i < batch.size(); ++i) batch[i]->tokens.push_back(rows[i].token_id());
+    ++report_.forwards;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Demo::CheckState(const Request& r) {
+  absl::StatusOr<v1::ExportResponse> state = client_.Export(r.slot);
+  if (!state.ok()) return state.status();
+  if (state->seq_len() != static_cast<int64_t>(r.tokens.size())) {
+    return absl::DataLossError(
+        absl::StrCat("export: seq_len ", state->seq_len(), ", expected ", r.tokens.size()));
+  }
+  for (int l = 0; l < info_.model().num_layers(); ++l) {
+    const std::vector<float> want = ref_->State(r.seq, l);
+    const v1::Tensor want_t = MakeTensor(v1::DTYPE_F32, {static_cast<int64_t>(want.size())}, want);
+    v1::Tensor got = state->checkpoints(l);
+    got.clear_shape();
+    got.add_shape(static_cast<int64_t>(want.size()));
+    // The state holds sums over all tokens: a looser bound than one output.
+    absl::Status s = Check(got, want_t, absl::StrCat("exported state layer ", l));
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DemoReport> Demo::Run() {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::GetInfoResponse> info = client_.Info();
+  if (!info.ok()) return info.status();
+  info_ = *info;
+  const v1::ModelInfo& m = info_.model();
+  tol_ =
+      std::max(OutputTolerance(m.act_dtype()),
+               OutputTolerance(m.state_dtype() == v1::DTYPE_F32 ? m.act_dtype() : v1::DTYPE_BF16));
+  rng_.seed(options_.seed != 0 ? options_.seed
+                               : static_cast<uint64_t>(absl::GetCurrentTimeNanos()));
+  auto ref = CpuReference::Create(m, options_.requests + 1);
+  if (!ref.ok()) return ref.status();
+  ref_ = *std::move(ref);
+  stream_ = client_.OpenStream();
+  log_ << "demo: model " << m.name() << " (" << m.num_layers() << " layers, H=" << m.num_qk_heads()
+       << " HV=" << m.num_v_heads() << " K=" << m.head_k() << " V=" << m.head_v()
+       << " L=" << m.ring_len() << ") on " << info_.backend() << "\n";
+
+  std::vector<Request> requests(options_.requests);
+  for (int32_t i = 0; i < options_.requests; ++i) {
+    const std::vector<int32_t> prompt = RandomTokens(8 + 3 * i);
+    absl::StatusOr<v1::AllocateResponse> a = client_.AllocateFromPrefix(prompt);
+    if (!a.ok()) return a.status();
+    absl::StatusOr<int32_t> seq = ref_->NewSequence();
+    if (!seq.ok()) return seq.status();
+    requests[i].slot = a->slot();
+    requests[i].seq = *seq;
+    absl::Status s = Prefill(requests[i], prompt);
+    if (!s.ok()) return s;
+  }
+  const int32_t steps = options_.steps > 0 ? options_.steps
+                        : info_.track_interval() > 0 && info_.track_interval() <= 256
+                            ? info_.track_interval() + 8
+                            : 40;
+  std::vector<Request*> batch;
+  for (Request& r : requests) batch.push_back(&r);
+  absl::Status s = DecodeSteps(batch, steps);
+  if (!s.ok()) return s;
+  s = CheckState(requests[0]);
+  if (!s.ok()) return s;
+  log_ << "demo: turn 1: " << options_.requests << " requests prefilled, " << steps
+       << " batched decode forwards, outputs match the CPU reference\n";
+
+  // Turn 2: the first request finishes and is donated; its follow-up hits the prefix cache.
+  for (Request& r : requests) {
+    s = client_.Donate(r.slot);
+    if (!s.ok()) return s;
+  }
+  Request& first = requests[0];
+  const std::vector<int32_t> followup = RandomTokens(4);
+  std::vector<int32_t> all = first.tokens;
+  all.insert(all.end(), followup.begin(), followup.end());
+  absl::StatusOr<v1::AllocateResponse> a = client_.AllocateFromPrefix(all);
+  if (!a.ok()) return a.status();
+  report_.prefix_matched = a->matched();
+  report_.prefix_expected = static_cast<int64_t>(first.tokens.size());
+  if (a->matched() != report_.prefix_expected) {
+    return absl::DataLossError(absl::StrCat("turn 2: prefix hit of ", a->matched(),
+                                            " tokens, expected ", report_.prefix_expected));
+  }
+  first.slot = a->slot();
+  s = Prefill(first, followup);
+  if (s.ok()) s = DecodeSteps({&first}, options_.turn2_steps);
+  if (s.ok()) s = CheckState(first);
+  if (s.ok()) s = client_.Free(first.slot);
+  if (s.ok()) s = stream_->Finish();
+  if (!s.ok()) return s;
+  report_.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  log_ << "demo: turn 2: prefix hit " << report_.prefix_matched << "/" << report_.prefix_expected
+       << " tokens, " << followup.size() << " new tokens prefilled, " << options_.turn2_steps
+       << " decode forwards, outputs and state match\n";
+  return report_;
+}
+
+}  // namespace
+
+absl::StatusOr<DemoReport> RunDemo(Client& client, const DemoOptions& options, std::ostream& log) {
+  return Demo(client, options, log).Run();
+}
+
+}  // namespace replayssm::client

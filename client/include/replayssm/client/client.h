@@ -1,0 +1,108 @@
+// The C++ client of replayssm.v1: typed wrappers over the gRPC stubs that return
+// absl::Status / StatusOr (the server's gRPC code carried over), fill a fresh request id into
+// every mutating call that has none, and a stream helper for decode forwards.
+//
+// Thread safety: a Client may be shared by threads (each call has its own context); a
+// ForwardStream is driven by one thread at a time.
+#ifndef REPLAYSSM_CLIENT_CLIENT_H_
+#define REPLAYSSM_CLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "replayssm/v1/replayssm.grpc.pb.h"
+
+namespace replayssm::client {
+
+// grpc::Status -> absl::Status with the same code and message.
+absl::Status FromGrpc(const grpc::Status& status);
+// A random 128-bit id, hex.
+std::string NewRequestId();
+
+// One decode stream: forwards one after another (Begin, RunLayer per layer, Commit). After
+// an error the stream is dead (the server ended it and abandoned the open forward); Finish
+// reports the server's status.
+class ForwardStream {
+ public:
+  ForwardStream(
+      std::unique_ptr<grpc::ClientContext> context,
+      std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
+          stream);
+  ~ForwardStream();
+
+  absl::StatusOr<v1::DecodeBegun> Begin(const std::vector<v1::DecodeRow>& rows,
+                                        std::string request_id = "");
+  absl::StatusOr<v1::LayerOutput> RunLayer(const v1::LayerInput& input);
+  absl::StatusOr<v1::DecodeCommitted> Commit();
+  // A whole forward: Begin, every layer in order, Commit.
+  absl::StatusOr<v1::DecodeResponse> Forward(const std::vector<v1::DecodeRow>& rows,
+                                             absl::Span<const v1::LayerInput> layers,
+                                             std::string request_id = "");
+  // Closes the stream (an open forward is abandoned) and returns the server's status.
+  absl::Status Finish();
+
+ private:
+  absl::StatusOr<v1::DecodeStreamResponse> RoundTrip(const v1::DecodeStreamRequest& request);
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
+      stream_;
+  bool finished_ = false;
+  absl::Status final_;
+};
+
+class Client {
+ public:
+  // `address` host:port; insecure channel; messages up to `max_message_bytes` each way.
+  static std::unique_ptr<Client> Connect(const std::string& address,
+                                         int64_t max_message_bytes = int64_t{256} << 20);
+  explicit Client(std::shared_ptr<grpc::Channel> channel);
+
+  void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
+  // Waits until the channel is connected (true) or the deadline passes.
+  bool WaitForConnected(absl::Duration timeout);
+
+  absl::StatusOr<v1::GetInfoResponse> Info();
+  absl::StatusOr<v1::GetStatsResponse> Stats();
+  absl::StatusOr<v1::AllocateResponse> Allocate(std::string request_id = "");
+  absl::StatusOr<v1::AllocateResponse> AllocateFromPrefix(absl::Span<const int32_t> tokens,
+                                                          std::string request_id = "");
+  absl::Status Free(uint64_t slot, std::string request_id = "");
+  absl::StatusOr<v1::SlotState> GetSlot(uint64_t slot);
+  absl::StatusOr<v1::SlotState> Import(v1::ImportRequest request);
+  absl::StatusOr<v1::ExportResponse> Export(uint64_t slot);
+  absl::StatusOr<v1::PrefillResponse> Prefill(v1::PrefillRequest request);
+  absl::StatusOr<v1::DecodeResponse> Decode(v1::DecodeRequest request);
+  absl::StatusOr<v1::VerifyResponse> Verify(v1::VerifyRequest request);
+  absl::StatusOr<v1::SlotState> Accept(uint64_t slot, int32_t num_accepted,
+                                       std::string request_id = "");
+  absl::StatusOr<int64_t> MatchPrefix(absl::Span<const int32_t> tokens);
+  absl::Status Donate(uint64_t slot, std::string request_id = "");
+  // grpc.health.v1 Check; `service` "" = the whole server.
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
+      const std::string& service = "");
+
+  std::unique_ptr<ForwardStream> OpenStream();
+
+ private:
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+  template <typename Resp, typename F>
+  absl::StatusOr<Resp> Call(F&& rpc);
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::ReplaySsm::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  absl::Duration timeout_ = absl::Seconds(60);
+};
+
+}  // namespace replayssm::client
+
+#endif  // REPLAYSSM_CLIENT_CLIENT_H_

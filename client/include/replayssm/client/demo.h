@@ -1,0 +1,36 @@
+// The demo scheduler behind `replayssm-cli demo`: a few requests are prefilled, decoded
+// together in batched forwards over the decode stream, donated, and a second turn of the
+// first request hits the prefix cache; every output (and the final state) is checked against
+// CpuReference. Used by the CLI, scripts/run.sh and the integration tests.
+#ifndef REPLAYSSM_CLIENT_DEMO_H_
+#define REPLAYSSM_CLIENT_DEMO_H_
+
+#include <cstdint>
+#include <ostream>
+
+#include "absl/status/statusor.h"
+#include "replayssm/client/client.h"
+
+namespace replayssm::client {
+
+struct DemoOptions {
+  int32_t requests = 3;     // concurrent requests in turn 1
+  int32_t steps = 0;        // decode steps in turn 1; 0 = track_interval + 8 (crosses a snapshot)
+  int32_t turn2_steps = 8;  // decode steps after the prefix hit
+  uint64_t seed = 0;        // 0 = from the clock (prompts differ between runs)
+};
+
+struct DemoReport {
+  int64_t forwards = 0;         // decode forwards committed
+  int64_t outputs_checked = 0;  // layer outputs compared with the reference
+  int64_t prefix_matched = 0;   // tokens the second turn found in the prefix cache
+  int64_t prefix_expected = 0;
+  double seconds = 0;
+};
+
+// Fails (with the first mismatch) when an output differs from the reference.
+absl::StatusOr<DemoReport> RunDemo(Client& client, const DemoOptions& options, std::ostream& log);
+
+}  // namespace replayssm::client
+
+#endif  // REPLAYSSM_CLIENT_DEMO_H_

@@ -1,0 +1,163 @@
+#include "replayssm/client/reference.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "replayssm/client/tensor.h"
+
+namespace replayssm::client {
+
+namespace {
+
+int32_t RssmDtype(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return RSSM_DTYPE_BF16;
+    case v1::DTYPE_F16:
+      return RSSM_DTYPE_F16;
+    default:
+      return RSSM_DTYPE_F32;
+  }
+}
+
+absl::Status KernelError(rssm_status s) {
+  return absl::InternalError(
+      absl::StrCat("reference kernel: ", rssm_status_name(s), ": ", rssm_last_error()));
+}
+
+rssm_token_inputs Inputs(const v1::LayerInput& in) {
+  rssm_token_inputs t{};
+  t.mixed_qkv = in.mixed_qkv().data().data();
+  t.a = in.a().data().data();
+  t.b = in.b().data().data();
+  return t;
+}
+
+v1::Tensor OutputTensor(const v1::ModelInfo& m, int64_t n) {
+  v1::Tensor t;
+  t.set_dtype(m.act_dtype());
+  t.add_shape(n);
+  t.add_shape(m.num_v_heads());
+  t.add_shape(m.head_v());
+  t.mutable_data()->assign(n * m.num_v_heads() * m.head_v() * DtypeSize(m.act_dtype()), '\0');
+  return t;
+}
+
+}  // namespace
+
+CpuReference::CpuReference(const v1::ModelInfo& model, int32_t capacity)
+    : model_(model), capacity_(capacity), used_(capacity, false) {
+  shape_.gate = model.gate() == v1::GATE_KDA ? RSSM_GATE_KDA : RSSM_GATE_GDN;
+  shape_.num_qk_heads = model.num_qk_heads();
+  shape_.num_v_heads = model.num_v_heads();
+  shape_.head_k = model.head_k();
+  shape_.head_v = model.head_v();
+  shape_.ring_len = 1;
+  shape_.state_dtype = RSSM_DTYPE_F32;
+  shape_.act_dtype = RssmDtype(model.act_dtype());
+  layers_.resize(model.num_layers());
+  for (int32_t l = 0; l < model.num_layers(); ++l) {
+    Layer& L = layers_[l];
+    const v1::LayerParams& p = model.layer_params(l);
+    L.a_log.assign(p.a_log().begin(), p.a_log().end());
+    L.dt_bias.assign(p.dt_bias().begin(), p.dt_bias().end());
+    L.params = {L.a_log.data(), L.dt_bias.data(), p.scale(), p.use_qk_l2norm() ? 1 : 0};
+    L.state.assign(rssm_checkpoint_elems(&shape_) * capacity, 0.0f);
+    L.ring_d.assign(rssm_ring_d_elems(&shape_) * capacity, 0.0f);
+    L.ring_k.assign(rssm_ring_k_elems(&shape_) * capacity, 0.0f);
+    L.ring_g.assign(rssm_ring_g_elems(&shape_) * capacity, 0.0f);
+    L.pool = {
+        L.state.data(), L.ring_d.data(), L.ring_k.data(), L.ring_g.data(), capacity, 0, 0, 0, 0};
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CpuReference>> CpuReference::Create(const v1::ModelInfo& model,
+                                                                   int32_t capacity) {
+  if (model.layer_params_size() != model.num_layers() || capacity < 1) {
+    return absl::InvalidArgumentError("reference: model info lacks layer parameters");
+  }
+  std::unique_ptr<CpuReference> ref(new CpuReference(model, capacity));
+  if (rssm_check_shape(&ref->shape_) != RSSM_OK) return KernelError(RSSM_ERR_INVALID_ARGUMENT);
+  return ref;
+}
+
+absl::StatusOr<int32_t> CpuReference::NewSequence() {
+  auto it = std::find(used_.begin(), used_.end(), false);
+  if (it == used_.end()) return absl::ResourceExhaustedError("reference: no free sequence");
+  const int32_t seq = static_cast<int32_t>(it - used_.begin());
+  used_[seq] = true;
+  const int64_t n = rssm_checkpoint_elems(&shape_);
+  for (Layer& L : layers_) std::fill_n(L.state.begin() + seq * n, n, 0.0f);
+  return seq;
+}
+
+absl::StatusOr<int32_t> CpuReference::Fork(int32_t seq) {
+  absl::StatusOr<int32_t> copy = NewSequence();
+  if (!copy.ok()) return copy;
+  const int64_t n = rssm_checkpoint_elems(&shape_);
+  for (Layer& L : layers_) {
+    std::copy_n(L.state.begin() + seq * n, n, L.state.begin() + *copy * n);
+  }
+  return copy;
+}
+
+void CpuReference::Release(int32_t seq) {
+  if (seq >= 0 && seq < capacity_) used_[seq] = false;
+}
+
+std::vector<float> CpuReference::State(int32_t seq, int32_t layer) const {
+  const int64_t n = rssm_checkpoint_elems(&shape_);
+  const auto begin = layers_[layer].state.begin() + seq * n;
+  return std::vector<float>(begin, begin + n);
+}
+
+absl::StatusOr<std::vector<v1::Tensor>> CpuReference::Prefill(
+    int32_t seq, absl::Span<const v1::LayerInput> layers) {
+  const int64_t n = layers.empty() ? 0 : layers[0].mixed_qkv().shape(0);
+  const int32_t cu[2] = {0, static_cast<int32_t>(n)};
+  const uint8_t initial = 1;
+  const int32_t write_pos = 0;
+  std::vector<v1::Tensor> outs;
+  for (int32_t l = 0; l < model_.num_layers(); ++l) {
+    outs.push_back(OutputTensor(model_, n));
+    rssm_prefill_args args{};
+    args.launch = {RSSM_BACKEND_CPU, nullptr};
+    args.shape = shape_;
+    args.params = layers_[l].params;
+    args.pool = layers_[l].pool;
+    args.batch = 1;
+    args.slot_idx = &seq;
+    args.cu_seqlens = cu;
+    args.initial = &initial;
+    args.write_pos = &write_pos;
+    args.max_seqlen = static_cast<int32_t>(n);
+    args.in = Inputs(layers[l]);
+    args.out = {outs.back().mutable_data()->data(), 0};
+    const rssm_status s = rssm_prefill(&args);
+    if (s != RSSM_OK) return KernelError(s);
+  }
+  return outs;
+}
+
+absl::StatusOr<std::vector<v1::Tensor>> CpuReference::Decode(
+    absl::Span<const int32_t> seqs, absl::Span<const v1::LayerInput> layers) {
+  std::vector<v1::Tensor> outs;
+  for (int32_t l = 0; l < model_.num_layers(); ++l) {
+    outs.push_back(OutputTensor(model_, static_cast<int64_t>(seqs.size())));
+    rssm_decode_args args{};
+    args.launch = {RSSM_BACKEND_CPU, nullptr};
+    args.shape = shape_;
+    args.params = layers_[l].params;
+    args.pool = layers_[l].pool;
+    args.batch = static_cast<int32_t>(seqs.size());
+    args.slot_idx = seqs.data();
+    args.in = Inputs(layers[l]);
+    args.out = {outs.back().mutable_data()->data(), 0};
+    const rssm_status s = rssm_baseline_decode(&args);
+    if (s != RSSM_OK) return KernelError(s);
+  }
+  return outs;
+}
+
+}  // namespace replayssm::client

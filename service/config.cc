@@ -1,0 +1,196 @@
+#include "service/config.h"
+
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+
+namespace replayssm::service {
+
+namespace {
+
+using Setter = std::function<absl::Status(ServerFlags&, const std::string&)>;
+
+struct Flag {
+  const char* name;
+  const char* help;
+  Setter set;
+};
+
+template <typename T>
+Setter Int(T ServerOptions::*field) {
+  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
+    int64_t x = 0;
+    if (!absl::SimpleAtoi(v, &x)) return absl::InvalidArgumentError("expected an integer");
+    f.options.*field = static_cast<T>(x);
+    return absl::OkStatus();
+  };
+}
+
+Setter Bytes(int64_t ServerOptions::*field) {
+  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
+    absl::StatusOr<int64_t> x = ParseBytes(v);
+    if (!x.ok()) return x.status();
+    f.options.*field = *x;
+    return absl::OkStatus();
+  };
+}
+
+Setter Str(std::string ServerOptions::*field) {
+  return [field](ServerFlags& f, const std::string& v) {
+    f.options.*field = v;
+    return absl::OkStatus();
+  };
+}
+
+const std::vector<Flag>& Flags() {
+  static const std::vector<Flag> kFlags = {
+      {"grpc-address", "gRPC listen address (port 0 = any free port) [127.0.0.1:50051]",
+       Str(&ServerOptions::grpc_address)},
+      {"metrics-address", "Prometheus /metrics listen address, empty = off [127.0.0.1:9400]",
+       Str(&ServerOptions::metrics_address)},
+      {"model",
+       "preset (tiny-gdn, tiny-kda, qwen3-next-80b-a3b, kimi-linear-48b-a3b) or a HF config.json",
+       Str(&ServerOptions::model)},
+      {"device", "auto | cpu | cuda | cuda:N [auto]", Str(&ServerOptions::device)},
+      {"memory-budget", "bytes for slots and snapshots, e.g. 512M, 4G [1G]",
+       Bytes(&ServerOptions::memory_budget_bytes)},
+      {"ring-length", "replay ring length L, 1..64 (0 = the preset's)",
+       Int(&ServerOptions::ring_length)},
+      {"track-interval", "snapshot every N decoded tokens, 0 = never [64]",
+       Int(&ServerOptions::track_interval)},
+      {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)", Str(&ServerOptions::state_dtype)},
+      {"max-batch", "rows per decode / verify [256]", Int(&ServerOptions::max_batch)},
+      {"max-prefill-tokens", "tokens per prefill call [65536]",
+       Int(&ServerOptions::max_prefill_tokens)},
+      {"max-message-bytes", "largest request accepted [64M]",
+       Bytes(&ServerOptions::max_message_bytes)},
+      {"dedup-entries", "request ids remembered for retries [4096]",
+       Int(&ServerOptions::dedup_entries)},
+      {"dedup-bytes", "bytes of remembered replies [256M]", Bytes(&ServerOptions::dedup_bytes)},
+      {"drain-timeout", "seconds to wait for open forwards on SIGTERM [30]",
+       [](ServerFlags& f, const std::string& v) -> absl::Status {
+         double s = 0;
+         if (!absl::SimpleAtod(v, &s) || s < 0) {
+           return absl::InvalidArgumentError("expected seconds >= 0");
+         }
+         f.options.drain_timeout = absl::Seconds(s);
+         return absl::OkStatus();
+       }},
+      {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
+       [](ServerFlags& f, const std::string& v) {
+         f.ready_file = v;
+         return absl::OkStatus();
+       }},
+  };
+  return kFlags;
+}
+
+absl::Status Set(ServerFlags& flags, const std::string& name, const std::string& value,
+                 absl::string_view where) {
+  for (const Flag& f : Flags()) {
+    if (name != f.name) continue;
+    absl::Status s = f.set(flags, value);
+    if (s.ok()) return s;
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "--", name, "=", value, ": ", s.message()));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(where, "unknown flag --", name));
+}
+
+absl::Status ApplyConfigFile(ServerFlags& flags, const std::string& path,
+                             const std::map<std::string, std::string>& command_line) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("--config ", path, ": cannot open"));
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    const std::string uncommented = line.substr(0, line.find('#'));
+    const absl::string_view text = absl::StripAsciiWhitespace(uncommented);
+    if (text.empty()) continue;
+    const size_t eq = text.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": expected name = value"));
+    }
+    const std::string name(absl::StripAsciiWhitespace(text.substr(0, eq)));
+    const std::string value(absl::StripAsciiWhitespace(text.substr(eq + 1)));
+    if (command_line.contains(name)) continue;
+    absl::Status s = Set(flags, name, value, absl::StrCat(path, ":", n, ": "));
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> ParseBytes(absl::string_view text) {
+  const std::string upper = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));
+  absl::string_view t = upper;
+  absl::ConsumeSuffix(&t, "IB") || absl::ConsumeSuffix(&t, "B");
+  int64_t unit = 1;
+  if (!t.empty()) {
+    const size_t p = absl::string_view("KMGT").find(t.back());
+    if (p != absl::string_view::npos) {
+      unit = int64_t{1} << (10 * (p + 1));
+      t.remove_suffix(1);
+    }
+  }
+  int64_t value = 0;
+  if (!absl::SimpleAtoi(t, &value) || value < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("expected bytes like 512M, got ", text));
+  }
+  return value * unit;
+}
+
+absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv) {
+  std::map<std::string, std::string> given;
+  std::string config;
+  ServerFlags flags;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      flags.help = true;
+      return flags;
+    }
+    if (!absl::ConsumePrefix(&arg, "--")) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument ", arg));
+    }
+    std::string name(arg), value;
+    const size_t eq = arg.find('=');
+    if (eq != absl::string_view::npos) {
+      name = std::string(arg.substr(0, eq));
+      value = std::string(arg.substr(eq + 1));
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": missing value"));
+    }
+    if (name == "config") {
+      config = value;
+      continue;
+    }
+    absl::Status s = Set(flags, name, value, "");
+    if (!s.ok()) return s;
+    given[name] = value;
+  }
+  if (!config.empty()) {
+    absl::Status s = ApplyConfigFile(flags, config, given);
+    if (!s.ok()) return s;
+  }
+  return flags;
+}
+
+std::string ServerUsage() {
+  std::string usage =
+      "usage: replayssm-server [--name=value ...] [--config FILE]\n"
+      "  --config FILE  `name = value` lines with the flag names below\n";
+  for (const Flag& f : Flags()) absl::StrAppend(&usage, "  --", f.name, "  ", f.help, "\n");
+  return usage;
+}
+
+}  // namespace replayssm::service

@@ -1,0 +1,78 @@
+#include "service/config.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace replayssm::service {
+namespace {
+
+absl::StatusOr<ServerFlags> Parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "replayssm-server");
+  return ParseServerFlags(static_cast<int>(args.size()), args.data());
+}
+
+TEST(ServerFlags, DefaultsMatchTheIssue) {
+  auto f = Parse({});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->options.grpc_address, "127.0.0.1:50051");
+  EXPECT_EQ(f->options.metrics_address, "127.0.0.1:9400");
+  EXPECT_EQ(f->options.device, "auto");
+}
+
+TEST(ServerFlags, BothSpellingsAndByteSuffixesParse) {
+  auto f = Parse({"--grpc-address=0.0.0.0:1234", "--memory-budget", "512M", "--ring-length=16",
+                  "--max-message-bytes=2GiB", "--drain-timeout=1.5"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->options.grpc_address, "0.0.0.0:1234");
+  EXPECT_EQ(f->options.memory_budget_bytes, int64_t{512} << 20);
+  EXPECT_EQ(f->options.ring_length, 16);
+  EXPECT_EQ(f->options.max_message_bytes, int64_t{2} << 30);
+  EXPECT_EQ(f->options.drain_timeout, absl::Milliseconds(1500));
+}
+
+TEST(ServerFlags, UnknownFlagsAndBadValuesNameTheFlag) {
+  auto unknown = Parse({"--grpc_address=x"});
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("grpc_address"), std::string::npos);
+  auto bad = Parse({"--memory-budget=lots"});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--memory-budget"), std::string::npos);
+  EXPECT_FALSE(Parse({"--model"}).ok());  // no value
+}
+
+TEST(ServerFlags, ConfigFileSetsFlagsAndTheCommandLineWins) {
+  const std::string path = ::testing::TempDir() + "/replayssm-config-test.conf";
+  {
+    std::ofstream out(path);
+    out << "# a comment\nmodel = tiny-kda\n  track-interval=32  # trailing\n"
+           "grpc-address = 127.0.0.1:7000\n\n";
+  }
+  auto f = Parse({"--grpc-address=127.0.0.1:9000", "--config", path.c_str()});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->options.model, "tiny-kda");
+  EXPECT_EQ(f->options.track_interval, 32);
+  EXPECT_EQ(f->options.grpc_address, "127.0.0.1:9000");
+  {
+    std::ofstream out(path);
+    out << "no-such-flag = 1\n";
+  }
+  auto bad = Parse({"--config", path.c_str()});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find(":1:"), std::string::npos) << bad.status();
+  std::remove(path.c_str());
+}
+
+TEST(ParseBytes, AcceptsPlainAndBinaryUnitsOnly) {
+  EXPECT_EQ(*ParseBytes("1024"), 1024);
+  EXPECT_EQ(*ParseBytes("4k"), 4096);
+  EXPECT_EQ(*ParseBytes("1G"), int64_t{1} << 30);
+  EXPECT_EQ(*ParseBytes("3MiB"), int64_t{3} << 20);
+  EXPECT_FALSE(ParseBytes("-1").ok());
+  EXPECT_FALSE(ParseBytes("1X").ok());
+  EXPECT_FALSE(ParseBytes("").ok());
+}
+
+}  // namespace
+}  // namespace replayssm::service

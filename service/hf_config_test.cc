@@ -1,0 +1,76 @@
+#include "service/hf_config.h"
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+
+namespace replayssm::service {
+namespace {
+
+bool SameShape(const rssm_layer_shape& a, const rssm_layer_shape& b) {
+  return std::memcmp(&a, &b, sizeof(a)) == 0;
+}
+
+TEST(HfConfig, Qwen3NextConfigGivesThePresetShape) {
+  const std::string json = R"({"model_type": "qwen3_next", "num_hidden_layers": 48,
+      "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+      "linear_key_head_dim": 128, "linear_value_head_dim": 128, "torch_dtype": "bfloat16"})";
+  auto m = ModelFromHfConfigJson(json, "qwen3-next/config.json", -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto preset = cache::ModelPreset("qwen3-next-80b-a3b");
+  ASSERT_TRUE(preset.ok());
+  EXPECT_EQ(m->num_layers, preset->num_layers);
+  EXPECT_TRUE(SameShape(m->shape, preset->shape));
+  EXPECT_EQ(m->layers[3].a_log, preset->layers[3].a_log);
+  EXPECT_TRUE(m->params_from_seed);
+}
+
+TEST(HfConfig, LayerTypesCountTheLinearAttentionLayers) {
+  const std::string json = R"({"layer_types": ["linear_attention", "linear_attention",
+      "full_attention", "linear_attention"], "linear_num_key_heads": 2,
+      "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 64,
+      "dtype": "float32"})";
+  auto m = ModelFromHfConfigJson(json, "c.json", RSSM_DTYPE_BF16, 8);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->num_layers, 3);
+  EXPECT_EQ(m->shape.head_v, 64);
+  EXPECT_EQ(m->shape.ring_len, 8);
+  EXPECT_EQ(m->shape.state_dtype, RSSM_DTYPE_BF16);
+  EXPECT_EQ(m->shape.act_dtype, RSSM_DTYPE_F32);
+}
+
+TEST(HfConfig, KimiLinearConfigGivesThePresetShape) {
+  std::string kda = "[";
+  for (int i = 0; i < 20; ++i) {
+    if (i > 0) kda += ",";
+    kda += std::to_string(i);
+  }
+  const std::string json = R"({"model_type": "kimi_linear", "num_hidden_layers": 27,
+      "torch_dtype": "bfloat16", "linear_attn_config": {"num_heads": 32, "head_dim": 128,
+      "short_conv_kernel_size": 4, "kda_layers": )" +
+                           kda + "]}}";
+  auto m = ModelFromHfConfigJson(json, "kimi/config.json", -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto preset = cache::ModelPreset("kimi-linear-48b-a3b");
+  ASSERT_TRUE(preset.ok());
+  EXPECT_EQ(m->num_layers, preset->num_layers);
+  EXPECT_TRUE(SameShape(m->shape, preset->shape));
+}
+
+TEST(HfConfig, AConfigWithoutLinearAttentionOrWithAMissingKeyIsRefused) {
+  auto dense = ModelFromHfConfigJson(R"({"num_hidden_layers": 32})", "llama.json", -1, 0);
+  EXPECT_EQ(dense.status().code(), absl::StatusCode::kInvalidArgument);
+  auto missing = ModelFromHfConfigJson(
+      R"({"linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+          "num_hidden_layers": 4})",
+      "c.json", -1, 0);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("linear_num_key_heads"), std::string::npos)
+      << missing.status();
+  EXPECT_FALSE(ModelFromHfConfigJson("not json", "c.json", -1, 0).ok());
+  EXPECT_EQ(ModelFromHfConfigFile("/nonexistent/config.json", -1, 0).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace replayssm::service

@@ -1,0 +1,74 @@
+// replayssm-server: serves replayssm.v1 over gRPC for one model. SIGTERM/SIGINT drain: new
+// forwards are refused with UNAVAILABLE (health NOT_SERVING), open ones finish, then exit 0.
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "service/config.h"
+#include "service/server.h"
+
+namespace {
+
+// Blocks SIGTERM/SIGINT in this thread and every thread started after it, so that only the
+// sigwait below sees them (no async-signal-safety concerns).
+sigset_t BlockStopSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return set;
+}
+
+bool WriteReadyFile(const std::string& path, const replayssm::service::Server& server) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << "grpc=" << server.grpc_address() << "\nmetrics=" << server.metrics_address() << "\n";
+    if (!out) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const sigset_t stop_signals = BlockStopSignals();
+  absl::StatusOr<replayssm::service::ServerFlags> flags =
+      replayssm::service::ParseServerFlags(argc, argv);
+  if (!flags.ok()) {
+    std::fprintf(stderr, "replayssm-server: %s\n%s", flags.status().ToString().c_str(),
+                 replayssm::service::ServerUsage().c_str());
+    return 2;
+  }
+  if (flags->help) {
+    std::printf("%s", replayssm::service::ServerUsage().c_str());
+    return 0;
+  }
+  auto server = replayssm::service::Server::Start(flags->options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "replayssm-server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  const std::string metrics =
+      (*server)->metrics_address().empty()
+          ? "off"
+          : absl::StrCat("http://", (*server)->metrics_address(), "/metrics");
+  std::printf("replayssm-server: model %s on %s; gRPC %s; metrics %s\n",
+              (*server)->model_name().c_str(), (*server)->backend_name().c_str(),
+              (*server)->grpc_address().c_str(), metrics.c_str());
+  std::fflush(stdout);
+  if (!flags->ready_file.empty() && !WriteReadyFile(flags->ready_file, **server)) {
+    std::fprintf(stderr, "replayssm-server: cannot write %s\n", flags->ready_file.c_str());
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::printf("replayssm-server: signal %d: draining\n", sig);
+  std::fflush(stdout);
+  (*server)->Drain();
+  std::printf("replayssm-server: stopped\n");
+  return 0;
+}

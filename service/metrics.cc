@@ -1,0 +1,177 @@
+#include "service/metrics.h"
+
+#include <string>
+#include <utility>
+
+#include "prometheus/metric_family.h"
+
+namespace replayssm::service {
+
+namespace {
+
+// Latency buckets from 50 us to ~3 s (a decode forward on a tiny CPU model is ~100 us; a
+// large prefill can take seconds).
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  return {5e-5,   1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+          2.5e-2, 5e-2, 0.1,    0.25, 0.5,  1.0,    2.5};
+}
+
+prometheus::Histogram::BucketBoundaries BatchBuckets() {
+  return {1, 2, 4, 8, 16, 32, 64, 128, 256};
+}
+
+std::string CodeName(grpc::StatusCode code) {
+  static const char* const kNames[] = {"OK",
+                                       "CANCELLED",
+                                       "UNKNOWN",
+                                       "INVALID_ARGUMENT",
+                                       "DEADLINE_EXCEEDED",
+                                       "NOT_FOUND",
+                                       "ALREADY_EXISTS",
+                                       "PERMISSION_DENIED",
+                                       "RESOURCE_EXHAUSTED",
+                                       "FAILED_PRECONDITION",
+                                       "ABORTED",
+                                       "OUT_OF_RANGE",
+                                       "UNIMPLEMENTED",
+                                       "INTERNAL",
+                                       "UNAVAILABLE",
+                                       "DATA_LOSS",
+                                       "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return (i >= 0 && i <= 16) ? kNames[i] : "UNKNOWN";
+}
+
+prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
+  prometheus::MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = type;
+  return f;
+}
+
+void AddSample(prometheus::MetricFamily& f, double value,
+               std::vector<prometheus::ClientMetric::Label> labels = {}) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  if (f.type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f.metric.push_back(std::move(m));
+}
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      rpcs_(prometheus::BuildCounter()
+                .Name("replayssm_rpcs_total")
+                .Help("RPCs finished, by method and gRPC status code")
+                .Register(*registry_)),
+      forward_seconds_(prometheus::BuildHistogram()
+                           .Name("replayssm_forward_duration_seconds")
+                           .Help("Decode forward latency, begin to commit")
+                           .Register(*registry_)
+                           .Add({}, LatencyBuckets())),
+      forward_batch_(prometheus::BuildHistogram()
+                         .Name("replayssm_forward_batch_size")
+                         .Help("Rows per committed decode forward")
+                         .Register(*registry_)
+                         .Add({}, BatchBuckets())),
+      kernel_seconds_(prometheus::BuildHistogram()
+                          .Name("replayssm_kernel_duration_seconds")
+                          .Help("Time in cache calls that run kernels (kernel + staging)")
+                          .Register(*registry_)),
+      received_bytes_(prometheus::BuildCounter()
+                          .Name("replayssm_tensor_received_bytes_total")
+                          .Help("Tensor payload bytes received in requests")
+                          .Register(*registry_)
+                          .Add({})),
+      sent_bytes_(prometheus::BuildCounter()
+                      .Name("replayssm_tensor_sent_bytes_total")
+                      .Help("Tensor payload bytes sent in replies")
+                      .Register(*registry_)
+                      .Add({})),
+      dedup_replays_(prometheus::BuildCounter()
+                         .Name("replayssm_dedup_replays_total")
+                         .Help("Retried requests answered from the request-id log")
+                         .Register(*registry_)
+                         .Add({})) {}
+
+void Metrics::CountRpc(absl::string_view method, grpc::StatusCode code) {
+  rpcs_.Add({{"method", std::string(method)}, {"code", CodeName(code)}}).Increment();
+}
+
+void Metrics::ObserveForward(double seconds, int32_t batch) {
+  forward_seconds_.Observe(seconds);
+  forward_batch_.Observe(batch);
+}
+
+void Metrics::ObserveKernel(absl::string_view op, double seconds) {
+  kernel_seconds_.Add({{"op", std::string(op)}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::AddBytes(int64_t received, int64_t sent) {
+  received_bytes_.Increment(static_cast<double>(received));
+  sent_bytes_.Increment(static_cast<double>(sent));
+}
+
+void Metrics::CountDedupReplay() { dedup_replays_.Increment(); }
+
+CacheCollector::CacheCollector(const cache::StateCache* cache,
+                               std::function<ServiceGauges()> gauges)
+    : cache_(cache), gauges_(std::move(gauges)) {}
+
+std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
+  using prometheus::MetricType;
+  const cache::CacheStats s = cache_->stats();
+  const ServiceGauges g = gauges_();
+  std::vector<prometheus::MetricFamily> out;
+
+  auto slots = Family("replayssm_slots", "Slots by state", MetricType::Gauge);
+  AddSample(slots, s.slots_live, {{"state", "live"}});
+  AddSample(slots, s.slots_snapshot, {{"state", "snapshot"}});
+  AddSample(slots, s.slots_free, {{"state", "free"}});
+  out.push_back(std::move(slots));
+  auto capacity = Family("replayssm_slots_capacity", "Slots the budget holds", MetricType::Gauge);
+  AddSample(capacity, s.slots_total);
+  out.push_back(std::move(capacity));
+
+  auto folds = Family("replayssm_folds_total", "Checkpoint folds by reason", MetricType::Counter);
+  AddSample(folds, s.folds_ring_full, {{"reason", "ring_full"}});
+  AddSample(folds, s.folds_track, {{"reason", "track"}});
+  AddSample(folds, s.folds_materialize, {{"reason", "materialize"}});
+  out.push_back(std::move(folds));
+
+  const std::pair<const char*, int64_t> counters[] = {
+      {"replayssm_snapshot_hits_total", s.snapshot_hits},
+      {"replayssm_snapshot_misses_total", s.snapshot_misses},
+      {"replayssm_snapshot_evictions_total", s.snapshot_evictions},
+      {"replayssm_snapshots_taken_total", s.snapshots_taken},
+      {"replayssm_donations_total", s.donations},
+      {"replayssm_guarded_exits_total", s.guard_calls},
+      {"replayssm_invariant_refusals_total", s.invariant_refusals},
+  };
+  for (const auto& [name, value] : counters) {
+    auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);
+    AddSample(f, value);
+    out.push_back(std::move(f));
+  }
+  auto forwards =
+      Family("replayssm_forwards_total", "Decode forwards by outcome", MetricType::Counter);
+  AddSample(forwards, s.forwards_committed, {{"outcome", "committed"}});
+  AddSample(forwards, s.forwards_abandoned, {{"outcome", "abandoned"}});
+  out.push_back(std::move(forwards));
+
+  auto open = Family("replayssm_open_forwards", "Forwards in progress", MetricType::Gauge);
+  AddSample(open, g.open_forwards);
+  out.push_back(std::move(open));
+  auto draining = Family("replayssm_draining", "1 while the server drains", MetricType::Gauge);
+  AddSample(draining, g.draining ? 1 : 0);
+  out.push_back(std::move(draining));
+  return out;
+}
+
+}  // namespace replayssm::service

@@ -1,0 +1,346 @@
+#include "service/operations.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "service/decode_session.h"
+#include "service/status_map.h"
+#include "service/tensors.h"
+
+namespace replayssm::service {
+
+namespace {
+
+constexpr char kVersion[] = "0.1.0";
+
+absl::Status Draining() { return absl::UnavailableError("server is draining: no new work"); }
+
+v1::Gate ToWireGate(int32_t gate) { return gate == RSSM_GATE_KDA ? v1::GATE_KDA : v1::GATE_GDN; }
+
+std::vector<int32_t> Tokens(const google::protobuf::RepeatedField<int32_t>& tokens) {
+  return std::vector<int32_t>(tokens.begin(), tokens.end());
+}
+
+// Times a cache call that runs kernels.
+template <typename F>
+absl::Status Timed(Metrics* metrics, absl::string_view op, F&& f) {
+  const absl::Time t0 = absl::Now();
+  absl::Status s = f();
+  metrics->ObserveKernel(op, absl::ToDoubleSeconds(absl::Now() - t0));
+  return s;
+}
+
+}  // namespace
+
+absl::Status Operations::Once(absl::string_view method, const std::string& request_id,
+                              const google::protobuf::Message& key, google::protobuf::Message* resp,
+                              absl::FunctionRef<absl::Status()> apply) {
+  if (request_id.empty()) return FieldError("request_id", "a non-empty id", "\"\"");
+  RequestLog::Claim claim =
+      ctx_->requests->Begin(method, request_id, Fingerprint(key.SerializeAsString()));
+  switch (claim.outcome) {
+    case RequestLog::Outcome::kNew:
+      break;
+    case RequestLog::Outcome::kReplay:
+      ctx_->metrics->CountDedupReplay();
+      resp->ParseFromString(claim.reply);
+      return absl::OkStatus();
+    case RequestLog::Outcome::kInFlight:
+      return absl::AbortedError("request_id: the same request is still in flight");
+    case RequestLog::Outcome::kMismatch:
+      return FieldError("request_id", "a new id or a retry of the same request",
+                        "an id already used for a different request");
+    case RequestLog::Outcome::kNotRetained:
+      return absl::AlreadyExistsError("request_id: applied; its reply was too large to keep");
+  }
+  absl::Status s = apply();
+  if (s.ok()) {
+    ctx_->requests->Complete(method, request_id, resp->SerializeAsString());
+  } else {
+    ctx_->requests->Release(method, request_id);
+  }
+  return s;
+}
+
+absl::Status Operations::SlotStateOf(uint64_t handle, v1::SlotState* state) const {
+  absl::StatusOr<cache::SlotInfo> info = ctx_->cache->Info(ctx_->slots.FromWire(handle));
+  if (!info.ok()) return info.status();
+  state->set_slot(handle);
+  state->set_seq_len(info->seq_len);
+  state->set_write_pos(info->write_pos);
+  state->set_pending_drafts(info->pending_drafts);
+  return absl::OkStatus();
+}
+
+absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  v1::ModelInfo* info = resp->mutable_model();
+  info->set_name(m.name);
+  info->set_num_layers(m.num_layers);
+  info->set_gate(ToWireGate(m.shape.gate));
+  info->set_num_qk_heads(m.shape.num_qk_heads);
+  info->set_num_v_heads(m.shape.num_v_heads);
+  info->set_head_k(m.shape.head_k);
+  info->set_head_v(m.shape.head_v);
+  info->set_ring_len(m.shape.ring_len);
+  info->set_state_dtype(ToWireDtype(m.shape.state_dtype));
+  info->set_act_dtype(ToWireDtype(m.shape.act_dtype));
+  info->set_params_from_seed(m.params_from_seed);
+  for (const cache::LayerParams& p : m.layers) {
+    v1::LayerParams* w = info->add_layer_params();
+    w->mutable_a_log()->Assign(p.a_log.begin(), p.a_log.end());
+    w->mutable_dt_bias()->Assign(p.dt_bias.begin(), p.dt_bias.end());
+    w->set_scale(p.scale);
+    w->set_use_qk_l2norm(p.use_qk_l2norm);
+  }
+  const cache::CacheOptions& o = ctx_->cache->options();
+  resp->set_backend(ctx_->backend_name);
+  resp->set_capacity_slots(ctx_->cache->capacity());
+  resp->set_slot_bytes(m.SlotBytes());
+  resp->set_memory_budget_bytes(o.memory_budget_bytes);
+  resp->set_track_interval(o.track_interval);
+  resp->set_max_batch(ctx_->limits.max_batch);
+  resp->set_max_prefill_tokens(ctx_->limits.max_prefill_tokens);
+  resp->set_max_message_bytes(ctx_->limits.max_message_bytes);
+  resp->set_dedup_window(ctx_->requests->max_entries());
+  resp->set_version(kVersion);
+  return absl::OkStatus();
+}
+
+absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
+  const cache::CacheStats s = ctx_->cache->stats();
+  resp->set_slots_total(s.slots_total);
+  resp->set_slots_live(s.slots_live);
+  resp->set_slots_snapshot(s.slots_snapshot);
+  resp->set_slots_free(s.slots_free);
+  resp->set_folds_ring_full(s.folds_ring_full);
+  resp->set_folds_track(s.folds_track);
+  resp->set_folds_materialize(s.folds_materialize);
+  resp->set_snapshot_hits(s.snapshot_hits);
+  resp->set_snapshot_misses(s.snapshot_misses);
+  resp->set_snapshot_evictions(s.snapshot_evictions);
+  resp->set_snapshots_taken(s.snapshots_taken);
+  resp->set_donations(s.donations);
+  resp->set_invariant_refusals(s.invariant_refusals);
+  resp->set_forwards_committed(s.forwards_committed);
+  resp->set_forwards_abandoned(s.forwards_abandoned);
+  resp->set_open_forwards(ctx_->gate->open());
+  resp->set_draining(ctx_->gate->draining());
+  return absl::OkStatus();
+}
+
+absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateResponse* resp) {
+  if (ctx_->gate->draining()) return Draining();
+  if (!req.from_prefix() && req.prefix_tokens_size() > 0) {
+    return FieldError("prefix_tokens", "empty unless from_prefix",
+                      absl::StrCat(req.prefix_tokens_size(), " tokens"));
+  }
+  return Once("Allocate", req.request_id(), req, resp, [&]() -> absl::Status {
+    if (!req.from_prefix()) {
+      absl::StatusOr<cache::SlotId> slot = ctx_->cache->Allocate();
+      if (!slot.ok()) return slot.status();
+      resp->set_slot(ctx_->slots.ToWire(*slot));
+      return absl::OkStatus();
+    }
+    absl::StatusOr<cache::StateCache::PrefixAllocation> a =
+        ctx_->cache->AllocateFromPrefix(Tokens(req.prefix_tokens()));
+    if (!a.ok()) return a.status();
+    resp->set_slot(ctx_->slots.ToWire(a->slot));
+    resp->set_matched(a->matched);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Operations::Free(const v1::FreeRequest& req, v1::FreeResponse* resp) {
+  return Once("Free", req.request_id(), req, resp,
+              [&] { return ctx_->cache->Free(ctx_->slots.FromWire(req.slot())); });
+}
+
+absl::Status Operations::GetSlot(const v1::GetSlotRequest& req, v1::GetSlotResponse* resp) const {
+  return SlotStateOf(req.slot(), resp->mutable_state());
+}
+
+absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse* resp) {
+  if (ctx_->gate->draining()) return Draining();
+  const cache::ModelSpec& m = ctx_->cache->model();
+  if (req.checkpoints_size() != m.num_layers) {
+    return FieldError("checkpoints", absl::StrCat(m.num_layers, " layers"),
+                      absl::StrCat(req.checkpoints_size()));
+  }
+  std::vector<absl::Span<const uint8_t>> checkpoints;
+  for (int l = 0; l < req.checkpoints_size(); ++l) {
+    const v1::Tensor& t = req.checkpoints(l);
+    absl::Status s = CheckTensor(t, absl::StrCat("checkpoints[", l, "]"), m.shape.state_dtype,
+                                 CheckpointShape(m));
+    if (!s.ok()) return s;
+    checkpoints.emplace_back(reinterpret_cast<const uint8_t*>(t.data().data()), t.data().size());
+  }
+  v1::ImportRequest key;
+  key.set_slot(req.slot());
+  *key.mutable_tokens() = req.tokens();
+  return Once("Import", req.request_id(), key, resp, [&]() -> absl::Status {
+    absl::Status s =
+        ctx_->cache->Import(ctx_->slots.FromWire(req.slot()), Tokens(req.tokens()), checkpoints);
+    if (!s.ok()) return s;
+    return SlotStateOf(req.slot(), resp->mutable_state());
+  });
+}
+
+absl::Status Operations::Export(const v1::ExportRequest& req, v1::ExportResponse* resp) {
+  absl::StatusOr<cache::ExportedState> state =
+      ctx_->cache->Export(ctx_->slots.FromWire(req.slot()));
+  if (!state.ok()) return state.status();
+  const cache::ModelSpec& m = ctx_->cache->model();
+  resp->set_seq_len(state->seq_len);
+  resp->mutable_tokens()->Assign(state->tokens.begin(), state->tokens.end());
+  int64_t sent = 0;
+  for (const std::vector<uint8_t>& c : state->checkpoints) {
+    v1::Tensor* t = resp->add_checkpoints();
+    t->set_dtype(ToWireDtype(m.shape.state_dtype));
+    for (int64_t d : CheckpointShape(m)) t->add_shape(d);
+    t->set_data(c.data(), c.size());
+    sent += static_cast<int64_t>(c.size());
+  }
+  ctx_->metrics->AddBytes(0, sent);
+  return absl::OkStatus();
+}
+
+absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp) {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  const int64_t n = req.tokens_size();
+  if (n < 1 || n > ctx_->limits.max_prefill_tokens) {
+    return FieldError("tokens", absl::StrCat("1..", ctx_->limits.max_prefill_tokens, " tokens"),
+                      absl::StrCat(n));
+  }
+  absl::Status s = CheckAllLayers(req.layers(), m, n);
+  if (!s.ok()) return s;
+  ForwardGate::Ticket ticket;
+  s = ctx_->gate->Enter(&ticket);
+  if (!s.ok()) return s;
+  v1::PrefillRequest key;
+  key.set_slot(req.slot());
+  *key.mutable_tokens() = req.tokens();
+  key.set_return_outputs(req.return_outputs());
+  return Once("Prefill", req.request_id(), key, resp, [&]() -> absl::Status {
+    std::vector<cache::LayerIo> io;
+    for (const v1::LayerInput& in : req.layers()) {
+      io.push_back(LayerView(in, m, n, req.return_outputs() ? resp->add_layers() : nullptr));
+    }
+    absl::Status st = Timed(ctx_->metrics, "prefill", [&] {
+      return ctx_->cache->Prefill(ctx_->slots.FromWire(req.slot()), Tokens(req.tokens()), io);
+    });
+    if (!st.ok()) return st;
+    int64_t sent = 0;
+    for (const v1::LayerOutput& o : resp->layers()) sent += o.out().data().size();
+    ctx_->metrics->AddBytes(PayloadBytes(req.layers()), sent);
+    return SlotStateOf(req.slot(), resp->mutable_state());
+  });
+}
+
+absl::Status Operations::Decode(const v1::DecodeRequest& req, v1::DecodeResponse* resp) {
+  absl::Status s = CheckRows(req.rows(), ctx_->limits);
+  if (s.ok()) s = CheckAllLayers(req.layers(), ctx_->cache->model(), req.rows_size());
+  if (!s.ok()) return s;
+  DecodeSession session(ctx_);
+  v1::DecodeBegin begin;
+  begin.set_request_id(req.request_id());
+  *begin.mutable_rows() = req.rows();
+  v1::DecodeBegun begun;
+  s = session.Begin(begin, &begun);
+  for (int l = 0; s.ok() && l < req.layers_size(); ++l) {
+    s = session.RunLayer(req.layers(l), resp->add_layers());
+  }
+  v1::DecodeCommitted committed;
+  if (s.ok()) s = session.Commit(&committed);
+  if (!s.ok()) return s;
+  resp->mutable_rows()->Swap(committed.mutable_rows());
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Every field of a verify request against the model and the limits.
+absl::Status CheckVerify(const v1::VerifyRequest& req, const cache::ModelSpec& m,
+                         const ServiceLimits& limits) {
+  const int64_t b = req.slots_size();
+  if (b < 1 || b > limits.max_batch) {
+    return FieldError("slots", absl::StrCat("1..", limits.max_batch, " slots"), absl::StrCat(b));
+  }
+  absl::flat_hash_set<uint64_t> seen;
+  for (int i = 0; i < req.slots_size(); ++i) {
+    if (req.slots(i) == 0 || !seen.insert(req.slots(i)).second) {
+      return FieldError(absl::StrCat("slots[", i, "]"), "a distinct non-zero slot",
+                        absl::StrCat(req.slots(i)));
+    }
+  }
+  if (req.num_draft() < 1 || req.num_draft() > m.shape.ring_len) {
+    return FieldError("num_draft", absl::StrCat("1..", m.shape.ring_len),
+                      absl::StrCat(req.num_draft()));
+  }
+  const int64_t n = b * req.num_draft();
+  if (req.draft_tokens_size() != n) {
+    return FieldError("draft_tokens", absl::StrCat(n, " tokens (slots x num_draft)"),
+                      absl::StrCat(req.draft_tokens_size()));
+  }
+  return CheckAllLayers(req.layers(), m, n);
+}
+
+}  // namespace
+
+absl::Status Operations::Verify(const v1::VerifyRequest& req, v1::VerifyResponse* resp) {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  absl::Status s = CheckVerify(req, m, ctx_->limits);
+  if (!s.ok()) return s;
+  const int64_t n = int64_t{req.slots_size()} * req.num_draft();
+  ForwardGate::Ticket ticket;
+  s = ctx_->gate->Enter(&ticket);
+  if (!s.ok()) return s;
+  v1::VerifyRequest key;
+  *key.mutable_slots() = req.slots();
+  key.set_num_draft(req.num_draft());
+  *key.mutable_draft_tokens() = req.draft_tokens();
+  return Once("Verify", req.request_id(), key, resp, [&]() -> absl::Status {
+    std::vector<cache::SlotId> slots;
+    for (uint64_t h : req.slots()) slots.push_back(ctx_->slots.FromWire(h));
+    std::vector<cache::LayerIo> io;
+    for (const v1::LayerInput& in : req.layers())
+      io.push_back(LayerView(in, m, n, resp->add_layers()));
+    absl::Status st = Timed(ctx_->metrics, "verify", [&] {
+      return ctx_->cache->Verify(slots, req.num_draft(), Tokens(req.draft_tokens()), io);
+    });
+    if (!st.ok()) return st;
+    int64_t sent = 0;
+    for (const v1::LayerOutput& o : resp->layers()) sent += o.out().data().size();
+    ctx_->metrics->AddBytes(PayloadBytes(req.layers()), sent);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Operations::Accept(const v1::AcceptRequest& req, v1::AcceptResponse* resp) {
+  const int32_t l = ctx_->cache->model().shape.ring_len;
+  if (req.num_accepted() < 0 || req.num_accepted() > l) {
+    return FieldError("num_accepted", absl::StrCat("0..", l), absl::StrCat(req.num_accepted()));
+  }
+  return Once("Accept", req.request_id(), req, resp, [&]() -> absl::Status {
+    absl::Status s = ctx_->cache->Accept(ctx_->slots.FromWire(req.slot()), req.num_accepted());
+    if (!s.ok()) return s;
+    return SlotStateOf(req.slot(), resp->mutable_state());
+  });
+}
+
+absl::Status Operations::MatchPrefix(const v1::MatchPrefixRequest& req,
+                                     v1::MatchPrefixResponse* resp) const {
+  resp->set_matched(ctx_->cache->MatchPrefix(Tokens(req.tokens())));
+  return absl::OkStatus();
+}
+
+absl::Status Operations::Donate(const v1::DonateRequest& req, v1::DonateResponse* resp) {
+  return Once("Donate", req.request_id(), req, resp,
+              [&] { return ctx_->cache->Donate(ctx_->slots.FromWire(req.slot())); });
+}
+
+}  // namespace replayssm::service

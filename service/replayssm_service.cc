@@ -1,0 +1,153 @@
+#include "service/replayssm_service.h"
+
+#include "service/decode_session.h"
+#include "service/status_map.h"
+
+namespace replayssm::service {
+
+namespace {
+
+// One decode stream: reads a message, lets the session handle it, writes the answer, reads
+// the next. A closed stream or an error before Commit abandons the open forward (the
+// session's destructor).
+class DecodeStreamReactor final
+    : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
+ public:
+  explicit DecodeStreamReactor(const ServiceContext* ctx) : ctx_(ctx), session_(ctx) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return Done(absl::OkStatus());  // the client closed its side
+    response_.Clear();
+    absl::Status s = Handle();
+    if (!s.ok()) return Done(s);
+    StartWrite(&response_);
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) return Done(absl::CancelledError("decode stream: write failed"));
+    StartRead(&request_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Handle() {
+    switch (request_.msg_case()) {
+      case v1::DecodeStreamRequest::kBegin:
+        return session_.Begin(request_.begin(), response_.mutable_begun());
+      case v1::DecodeStreamRequest::kLayer:
+        return session_.RunLayer(request_.layer(), response_.mutable_layer());
+      case v1::DecodeStreamRequest::kCommit:
+        return session_.Commit(response_.mutable_committed());
+      default:
+        return absl::InvalidArgumentError("msg: expected begin, layer or commit, got none");
+    }
+  }
+  void Done(const absl::Status& status) {
+    session_.Abandon();
+    ctx_->metrics->CountRpc("DecodeStream", ToGrpcStatus(status).error_code());
+    Finish(ToGrpcStatus(status));
+  }
+
+  const ServiceContext* ctx_;
+  DecodeSession session_;
+  v1::DecodeStreamRequest request_;
+  v1::DecodeStreamResponse response_;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* ReplaySsmService::Reply(grpc::CallbackServerContext* c,
+                                                  absl::string_view method,
+                                                  const absl::Status& status) {
+  const grpc::Status g = ToGrpcStatus(status);
+  ctx_->metrics->CountRpc(method, g.error_code());
+  grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
+  reactor->Finish(g);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::GetInfo(grpc::CallbackServerContext* c,
+                                                    const v1::GetInfoRequest*,
+                                                    v1::GetInfoResponse* resp) {
+  return Reply(c, "GetInfo", ops_.GetInfo(resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::GetStats(grpc::CallbackServerContext* c,
+                                                     const v1::GetStatsRequest*,
+                                                     v1::GetStatsResponse* resp) {
+  return Reply(c, "GetStats", ops_.GetStats(resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Allocate(grpc::CallbackServerContext* c,
+                                                     const v1::AllocateRequest* req,
+                                                     v1::AllocateResponse* resp) {
+  return Reply(c, "Allocate", ops_.Allocate(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Free(grpc::CallbackServerContext* c,
+                                                 const v1::FreeRequest* req,
+                                                 v1::FreeResponse* resp) {
+  return Reply(c, "Free", ops_.Free(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::GetSlot(grpc::CallbackServerContext* c,
+                                                    const v1::GetSlotRequest* req,
+                                                    v1::GetSlotResponse* resp) {
+  return Reply(c, "GetSlot", ops_.GetSlot(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Import(grpc::CallbackServerContext* c,
+                                                   const v1::ImportRequest* req,
+                                                   v1::ImportResponse* resp) {
+  return Reply(c, "Import", ops_.Import(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Export(grpc::CallbackServerContext* c,
+                                                   const v1::ExportRequest* req,
+                                                   v1::ExportResponse* resp) {
+  return Reply(c, "Export", ops_.Export(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Prefill(grpc::CallbackServerContext* c,
+                                                    const v1::PrefillRequest* req,
+                                                    v1::PrefillResponse* resp) {
+  return Reply(c, "Prefill", ops_.Prefill(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Decode(grpc::CallbackServerContext* c,
+                                                   const v1::DecodeRequest* req,
+                                                   v1::DecodeResponse* resp) {
+  return Reply(c, "Decode", ops_.Decode(*req, resp));
+}
+
+grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>*
+ReplaySsmService::DecodeStream(grpc::CallbackServerContext*) {
+  return new DecodeStreamReactor(ctx_);
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Verify(grpc::CallbackServerContext* c,
+                                                   const v1::VerifyRequest* req,
+                                                   v1::VerifyResponse* resp) {
+  return Reply(c, "Verify", ops_.Verify(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Accept(grpc::CallbackServerContext* c,
+                                                   const v1::AcceptRequest* req,
+                                                   v1::AcceptResponse* resp) {
+  return Reply(c, "Accept", ops_.Accept(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::MatchPrefix(grpc::CallbackServerContext* c,
+                                                        const v1::MatchPrefixRequest* req,
+                                                        v1::MatchPrefixResponse* resp) {
+  return Reply(c, "MatchPrefix", ops_.MatchPrefix(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::Donate(grpc::CallbackServerContext* c,
+                                                   const v1::DonateRequest* req,
+                                                   v1::DonateResponse* resp) {
+  return Reply(c, "Donate", ops_.Donate(*req, resp));
+}
+
+}  // namespace replayssm::service

@@ -1,0 +1,75 @@
+// RequestLog: at-most-once application of mutating calls. Each (method, request_id) that was
+// applied keeps its serialized reply, so that a retry after a lost reply gets the original
+// result instead of applying the call twice. Bounded: least recently used ids are forgotten
+// beyond `max_entries` or `max_bytes` of stored replies (the dedup window).
+//
+// Protocol: Begin() an id before applying; then Complete() with the reply on success or
+// Release() on failure (a failed call changed nothing, so its retry must run again).
+//
+// Thread safety: all methods are thread-safe.
+#ifndef REPLAYSSM_SERVICE_REQUEST_LOG_H_
+#define REPLAYSSM_SERVICE_REQUEST_LOG_H_
+
+#include <cstdint>
+#include <list>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace replayssm::service {
+
+// A fingerprint of the request's identifying fields (serialized), to detect a reused id.
+uint64_t Fingerprint(absl::string_view bytes);
+
+class RequestLog {
+ public:
+  enum class Outcome {
+    kNew,          // claimed: the caller applies the call
+    kReplay,       // applied before: `reply` holds the original reply
+    kInFlight,     // the same id is being applied right now
+    kMismatch,     // the id was used for a different request
+    kNotRetained,  // applied before, but the reply was too large to keep
+  };
+  struct Claim {
+    Outcome outcome = Outcome::kNew;
+    std::string reply;
+  };
+
+  RequestLog(int64_t max_entries, int64_t max_bytes);
+
+  Claim Begin(absl::string_view method, absl::string_view request_id, uint64_t fingerprint);
+  void Complete(absl::string_view method, absl::string_view request_id, std::string reply);
+  // Applied, but the reply is not kept (the caller knew it would exceed max_bytes()): a
+  // retry is answered kNotRetained instead of being applied again.
+  void CompleteWithoutReply(absl::string_view method, absl::string_view request_id);
+  void Release(absl::string_view method, absl::string_view request_id);
+
+  int64_t max_entries() const { return max_entries_; }
+  int64_t max_bytes() const { return max_bytes_; }
+
+ private:
+  struct Entry {
+    bool done = false;
+    bool retained = true;
+    uint64_t fingerprint = 0;
+    std::string reply;
+    std::list<std::string>::iterator lru;  // position in lru_ (done entries only)
+  };
+  void CompleteLocked(const std::string& key, std::string reply, bool retained)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  void EvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+
+  const int64_t max_entries_;
+  const int64_t max_bytes_;
+  absl::Mutex mutex_;
+  absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mutex_);
+  std::list<std::string> lru_ ABSL_GUARDED_BY(mutex_);  // done keys, most recent first
+  int64_t bytes_ ABSL_GUARDED_BY(mutex_) = 0;
+};
+
+}  // namespace replayssm::service
+
+#endif  // REPLAYSSM_SERVICE_REQUEST_LOG_H_

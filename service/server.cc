@@ -1,0 +1,198 @@
+#include "service/server.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <exception>
+#include <limits>
+#include <random>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+#include "replayssm/cache/model.h"
+#include "replayssm/cache/state_cache.h"
+#include "service/hf_config.h"
+#include "service/metrics.h"
+#include "service/replayssm_service.h"
+#include "service/request_log.h"
+#include "service/service_context.h"
+
+namespace replayssm::service {
+
+namespace {
+
+constexpr char kServiceName[] = "replayssm.v1.ReplaySsm";
+
+struct Device {
+  int32_t backend = RSSM_BACKEND_CPU;
+  std::string name = "cpu";
+};
+
+// auto: CUDA when a device is visible, else the CPU backend. cuda:N selects device N by
+// restricting CUDA_VISIBLE_DEVICES before the backend initializes (the kernel ABI has no
+// device argument; the service knows nothing of CUDA).
+absl::StatusOr<Device> ResolveDevice(const std::string& device) {
+  if (device == "cpu") return Device{};
+  if (device == "auto") {
+    if (rssm_backend_available(RSSM_BACKEND_CUDA)) return Device{RSSM_BACKEND_CUDA, "cuda:0"};
+    return Device{};
+  }
+  if (device == "cuda" || absl::StartsWith(device, "cuda:")) {
+    int index = 0;
+    if (device != "cuda" && !absl::SimpleAtoi(device.substr(5), &index)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--device: expected auto, cpu, cuda or cuda:N, got ", device));
+    }
+    if (index != 0) setenv("CUDA_VISIBLE_DEVICES", absl::StrCat(index).c_str(), 1);
+    if (!rssm_backend_available(RSSM_BACKEND_CUDA)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--device ", device, ": the CUDA backend is not built or no GPU"));
+    }
+    return Device{RSSM_BACKEND_CUDA, absl::StrCat("cuda:", index)};
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--device: expected auto, cpu, cuda or cuda:N, got ", device));
+}
+
+absl::StatusOr<int32_t> ParseStateDtype(const std::string& name) {
+  if (name.empty()) return -1;
+  if (name == "f32" || name == "fp32" || name == "float32") return RSSM_DTYPE_F32;
+  if (name == "bf16" || name == "bfloat16") return RSSM_DTYPE_BF16;
+  if (name == "f16" || name == "fp16" || name == "float16") return RSSM_DTYPE_F16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--state-dtype: expected f32, bf16 or f16, got ", name));
+}
+
+absl::StatusOr<cache::ModelSpec> LoadModel(const ServerOptions& o) {
+  absl::StatusOr<int32_t> dtype = ParseStateDtype(o.state_dtype);
+  if (!dtype.ok()) return dtype.status();
+  if (absl::EndsWith(o.model, ".json")) {
+    return ModelFromHfConfigFile(o.model, *dtype, o.ring_length);
+  }
+  return cache::ModelPreset(o.model, *dtype, o.ring_length);
+}
+
+std::string HostOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+class ServerImpl final : public Server {
+ public:
+  ServerImpl(const ServerOptions& options, Device device, std::unique_ptr<cache::StateCache> cache)
+      : options_(options),
+        device_(std::move(device)),
+        cache_(std::move(cache)),
+        requests_(options.dedup_entries, options.dedup_bytes) {
+    ctx_.cache = cache_.get();
+    ctx_.requests = &requests_;
+    ctx_.metrics = &metrics_;
+    ctx_.gate = &gate_;
+    ctx_.slots = SlotCodec(static_cast<uint32_t>(std::random_device{}()));
+    ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes};
+    ctx_.backend_name = device_.name;
+    service_ = std::make_unique<ReplaySsmService>(&ctx_);
+  }
+
+  ~ServerImpl() override {
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+  }
+
+  absl::Status Listen() {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(
+        std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
+    builder.SetMaxSendMessageSize(-1);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr || port == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("--grpc-address ", options_.grpc_address, ": cannot listen"));
+    }
+    grpc_address_ = absl::StrCat(HostOf(options_.grpc_address), ":", port);
+    server_->GetHealthCheckService()->SetServingStatus(true);
+    server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+    return options_.metrics_address.empty() ? absl::OkStatus() : ExposeMetrics();
+  }
+
+  std::string grpc_address() const override { return grpc_address_; }
+  std::string metrics_address() const override { return metrics_address_; }
+  std::string backend_name() const override { return device_.name; }
+  std::string model_name() const override { return cache_->model().name; }
+
+  void Drain() override {
+    gate_.Drain();
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+    gate_.WaitIdle(options_.drain_timeout);
+    // Open forwards are done; idle streams and calls in flight get a short grace period.
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    server_->Wait();
+  }
+
+ private:
+  absl::Status ExposeMetrics() {
+    try {
+      exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("--metrics-address ", options_.metrics_address,
+                                                 ": cannot listen: ", e.what()));
+    }
+    collector_ = std::make_shared<CacheCollector>(cache_.get(), [this] {
+      return ServiceGauges{gate_.open(), gate_.draining()};
+    });
+    exposer_->RegisterCollectable(metrics_.registry());
+    exposer_->RegisterCollectable(collector_);
+    const std::vector<int> ports = exposer_->GetListeningPorts();
+    metrics_address_ =
+        absl::StrCat(HostOf(options_.metrics_address), ":", ports.empty() ? 0 : ports.front());
+    return absl::OkStatus();
+  }
+
+  const ServerOptions options_;
+  const Device device_;
+  std::unique_ptr<cache::StateCache> cache_;
+  RequestLog requests_;
+  Metrics metrics_;
+  ForwardGate gate_;
+  ServiceContext ctx_;
+  std::unique_ptr<ReplaySsmService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<CacheCollector> collector_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string grpc_address_;
+  std::string metrics_address_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  absl::StatusOr<Device> device = ResolveDevice(options.device);
+  if (!device.ok()) return device.status();
+  absl::StatusOr<cache::ModelSpec> model = LoadModel(options);
+  if (!model.ok()) return model.status();
+  cache::CacheOptions cache_options;
+  cache_options.backend = device->backend;
+  cache_options.memory_budget_bytes = options.memory_budget_bytes;
+  cache_options.track_interval = options.track_interval;
+  cache_options.max_batch = options.max_batch;
+  cache_options.max_prefill_tokens = options.max_prefill_tokens;
+  absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =
+      cache::StateCache::Create(*std::move(model), cache_options);
+  if (!cache.ok()) return cache.status();
+  auto server = std::make_unique<ServerImpl>(options, *std::move(device), *std::move(cache));
+  absl::Status s = server->Listen();
+  if (!s.ok()) return s;
+  return std::unique_ptr<Server>(std::move(server));
+}
+
+}  // namespace replayssm::service

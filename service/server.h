@@ -1,0 +1,52 @@
+// Server: wires options -> StateCache -> the gRPC service (+ grpc.health.v1, reflection) ->
+// the Prometheus /metrics endpoint, and stops gracefully: Drain() refuses new forwards with
+// UNAVAILABLE and reports NOT_SERVING, waits for the open ones, then shuts the server down.
+//
+// Thread safety: Drain() and Wait() may be called from any thread, once each.
+#ifndef REPLAYSSM_SERVICE_SERVER_H_
+#define REPLAYSSM_SERVICE_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace replayssm::service {
+
+struct ServerOptions {
+  std::string grpc_address = "127.0.0.1:50051";    // port 0 picks a free port
+  std::string metrics_address = "127.0.0.1:9400";  // "" = no /metrics endpoint
+  std::string model = "tiny-gdn";                  // a preset name (ModelPresetNames())
+  std::string device = "auto";                     // auto | cpu | cuda | cuda:N
+  int64_t memory_budget_bytes = int64_t{1} << 30;  // slots + snapshots
+  int32_t ring_length = 0;                         // L; 0 = the preset's
+  int32_t track_interval = 64;  // snapshot every this many decoded tokens; 0 = never
+  std::string state_dtype;      // f32 | bf16 | f16; "" = the preset's
+  int32_t max_batch = 256;      // rows per decode / verify
+  int32_t max_prefill_tokens = 1 << 16;
+  int64_t max_message_bytes = int64_t{64} << 20;     // larger requests: RESOURCE_EXHAUSTED
+  int64_t dedup_entries = 4096;                      // request ids remembered ...
+  int64_t dedup_bytes = int64_t{256} << 20;          // ... and their replies' bytes at most
+  absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this
+};
+
+class Server {
+ public:
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  virtual ~Server() = default;
+
+  virtual std::string grpc_address() const = 0;     // host:port actually bound
+  virtual std::string metrics_address() const = 0;  // host:port, "" when disabled
+  virtual std::string backend_name() const = 0;     // "cpu", "cuda:0"
+  virtual std::string model_name() const = 0;
+
+  // Refuse new forwards, report NOT_SERVING, wait for open forwards (up to the drain
+  // timeout), then stop serving. Returns when the gRPC server is shut down.
+  virtual void Drain() = 0;
+};
+
+}  // namespace replayssm::service
+
+#endif  // REPLAYSSM_SERVICE_SERVER_H_

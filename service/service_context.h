@@ -1,0 +1,115 @@
+// What every handler of one server shares: the cache, the request-id log, the metrics, the
+// drain gate and the slot-handle codec. Owned by the Server; handlers hold a pointer.
+#ifndef REPLAYSSM_SERVICE_SERVICE_CONTEXT_H_
+#define REPLAYSSM_SERVICE_SERVICE_CONTEXT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "replayssm/cache/state_cache.h"
+#include "service/metrics.h"
+#include "service/request_log.h"
+
+namespace replayssm::service {
+
+// Slot handles on the wire are the cache's ids with the generation half XORed with a random
+// per-instance salt: a handle from another server instance (or a made-up one) maps to a
+// generation the cache has never issued, so it is NOT_FOUND instead of silently addressing
+// someone else's slot. 0 stays 0 (padding); a real id never maps to 0 (salt's top bit set).
+class SlotCodec {
+ public:
+  explicit SlotCodec(uint32_t salt) : salt_(static_cast<uint64_t>(salt | 0x80000000u) << 32) {}
+  uint64_t ToWire(cache::SlotId id) const { return id == 0 ? 0 : id ^ salt_; }
+  cache::SlotId FromWire(uint64_t handle) const { return handle == 0 ? 0 : handle ^ salt_; }
+
+ private:
+  uint64_t salt_;
+};
+
+// Counts open forwards (decode, verify, prefill) and refuses new ones once draining.
+// Thread-safe.
+class ForwardGate {
+ public:
+  // An open forward; leaving its scope closes it.
+  class Ticket {
+   public:
+    Ticket() = default;
+    explicit Ticket(ForwardGate* gate) : gate_(gate) {}
+    Ticket(Ticket&& o) noexcept : gate_(o.gate_) { o.gate_ = nullptr; }
+    Ticket& operator=(Ticket&& o) noexcept {
+      Reset();
+      gate_ = o.gate_;
+      o.gate_ = nullptr;
+      return *this;
+    }
+    ~Ticket() { Reset(); }
+    void Reset() {
+      if (gate_ != nullptr) gate_->Leave();
+      gate_ = nullptr;
+    }
+
+   private:
+    ForwardGate* gate_ = nullptr;
+  };
+
+  // UNAVAILABLE when draining.
+  absl::Status Enter(Ticket* ticket) {
+    absl::MutexLock lock(&mutex_);
+    if (draining_) return absl::UnavailableError("server is draining: no new forwards");
+    ++open_;
+    *ticket = Ticket(this);
+    return absl::OkStatus();
+  }
+  void Drain() {
+    absl::MutexLock lock(&mutex_);
+    draining_ = true;
+  }
+  bool draining() const {
+    absl::MutexLock lock(&mutex_);
+    return draining_;
+  }
+  int64_t open() const {
+    absl::MutexLock lock(&mutex_);
+    return open_;
+  }
+  // True when no forward is open (before the timeout).
+  bool WaitIdle(absl::Duration timeout) {
+    absl::MutexLock lock(&mutex_);
+    return mutex_.AwaitWithTimeout(absl::Condition(
+                                       +[](int64_t* open) { return *open == 0; }, &open_),
+                                   timeout);
+  }
+
+ private:
+  void Leave() {
+    absl::MutexLock lock(&mutex_);
+    --open_;
+  }
+  mutable absl::Mutex mutex_;
+  bool draining_ ABSL_GUARDED_BY(mutex_) = false;
+  int64_t open_ ABSL_GUARDED_BY(mutex_) = 0;
+};
+
+struct ServiceLimits {
+  int32_t max_batch = 256;
+  int32_t max_prefill_tokens = 1 << 16;
+  int64_t max_message_bytes = 64 << 20;
+};
+
+struct ServiceContext {
+  cache::StateCache* cache = nullptr;
+  RequestLog* requests = nullptr;
+  Metrics* metrics = nullptr;
+  ForwardGate* gate = nullptr;
+  SlotCodec slots{0};
+  ServiceLimits limits;
+  std::string backend_name;  // "cpu", "cuda:0"
+};
+
+}  // namespace replayssm::service
+
+#endif  // REPLAYSSM_SERVICE_SERVICE_CONTEXT_H_

@@ -1,0 +1,22 @@
+// The one place where a domain status (absl::Status from the cache and the service's own
+// validation) becomes a gRPC status. Handlers never build a grpc::Status themselves.
+#ifndef REPLAYSSM_SERVICE_STATUS_MAP_H_
+#define REPLAYSSM_SERVICE_STATUS_MAP_H_
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/support/status.h"
+
+namespace replayssm::service {
+
+// absl code -> grpc::StatusCode (the numeric values agree by design; the switch makes the
+// mapping explicit and total). The message is kept as is.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// "<field>: expected <expected>, got <got>" as INVALID_ARGUMENT: the format every validation
+// error uses, so clients and tests can rely on it.
+absl::Status FieldError(absl::string_view field, absl::string_view expected, absl::string_view got);
+
+}  // namespace replayssm::service
+
+#endif  // REPLAYSSM_SERVICE_STATUS_MAP_H_

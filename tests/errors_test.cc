@@ -1,0 +1,258 @@
+// Every bad-input class gets its gRPC code, names the field, and changes nothing (the slot's
+// exported state and seq_len are compared before and after).
+#include <functional>
+
+#include "service_fixture.h"
+
+namespace replayssm::testing {
+namespace {
+
+constexpr int kMaxBatch = 4;
+
+class ErrorsTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--max-batch=4", "--max-message-bytes=1M",
+            "--memory-budget=725000"};  // ~8 tiny-gdn slots
+  }
+
+  void SetUp() override {
+    ServiceTest::SetUp();
+    if (HasFatalFailure()) return;
+    stub_ = v1::ReplaySsm::NewStub(
+        grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+    slot_ = NewSlot();
+    seq_ = *ref_->NewSequence();
+    Prefill(slot_, seq_, 5);
+    DecodeStep({slot_}, {seq_});
+    DecodeStep({slot_}, {seq_});
+  }
+
+  // Sends a decode through the raw stub (so that no field is filled in for us).
+  grpc::Status RawDecode(const v1::DecodeRequest& req) {
+    grpc::ClientContext ctx;
+    v1::DecodeResponse resp;
+    return stub_->Decode(&ctx, req, &resp);
+  }
+
+  v1::DecodeRequest Valid(const std::vector<uint64_t>& slots) {
+    v1::DecodeRequest req = DecodeRequest(slots, Layers(static_cast<int64_t>(slots.size())));
+    req.set_request_id(client::NewRequestId());
+    return req;
+  }
+
+  std::unique_ptr<v1::ReplaySsm::Stub> stub_;
+  uint64_t slot_ = 0;
+  int32_t seq_ = -1;
+};
+
+struct BadDecode {
+  const char* name;
+  std::function<void(v1::DecodeRequest&, uint64_t slot)> mutate;
+  grpc::StatusCode code;
+  const char* field;  // must appear in the message
+  int rows = 1;       // rows of the valid request before the mutation (all the test slot)
+};
+
+TEST_F(ErrorsTest, EveryBadDecodeFieldReturnsItsCodeAndChangesNothing) {
+  const int last = num_layers() - 1;
+  const uint64_t freed = NewSlot();
+  ASSERT_TRUE(client_->Free(freed).ok());
+  const std::vector<BadDecode> cases = {
+      {"wrong dtype",
+       [](auto& r, auto) { r.mutable_layers(0)->mutable_mixed_qkv()->set_dtype(v1::DTYPE_BF16); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[0].mixed_qkv.dtype"},
+      {"unspecified dtype",
+       [](auto& r, auto) { r.mutable_layers(1)->mutable_b()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[1].b.dtype"},
+      {"wrong shape",
+       [](auto& r, auto) {
+         auto* a = r.mutable_layers(1)->mutable_a();
+         a->set_shape(1, a->shape(1) + 1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[1].a.shape"},
+      {"short data",
+       [](auto& r, auto) { r.mutable_layers(0)->mutable_b()->mutable_data()->resize(2); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[0].b.data"},
+      {"layer index", [last](auto& r, auto) { r.mutable_layers(last)->set_layer(last + 5); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer"},
+      {"missing layer", [](auto& r, auto) { r.mutable_layers()->RemoveLast(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers"},
+      {"batch too large",
+       [](auto& r, auto) {
+         for (int i = 0; i < kMaxBatch; ++i) r.add_rows();
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "rows"},
+      {"duplicate slot", [](auto&, auto) {}, grpc::StatusCode::INVALID_ARGUMENT, "rows[1].slot", 2},
+      {"empty request id", [](auto& r, auto) { r.clear_request_id(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "request_id"},
+      {"no rows", [](auto& r, auto) { r.clear_rows(); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "rows"},
+      {"unknown slot",
+       [](auto& r, auto s) { r.mutable_rows(0)->set_slot(s ^ (uint64_t{0x5a5a} << 40)); },
+       grpc::StatusCode::NOT_FOUND, "slot"},
+      {"freed slot", [freed](auto& r, auto) { r.mutable_rows(0)->set_slot(freed); },
+       grpc::StatusCode::NOT_FOUND, "slot"},
+  };
+  const std::string before = Observe(slot_);
+  for (const BadDecode& c : cases) {
+    v1::DecodeRequest req = Valid(std::vector<uint64_t>(c.rows, slot_));
+    c.mutate(req, slot_);
+    const grpc::Status s = RawDecode(req);
+    EXPECT_EQ(s.error_code(), c.code) << c.name << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(c.field), std::string::npos)
+        << c.name << ": " << s.error_message();
+    EXPECT_EQ(Observe(slot_), before) << c.name << " changed the slot";
+  }
+  DecodeStep({slot_}, {seq_});  // the slot still works and still matches the reference
+}
+
+TEST_F(ErrorsTest, AForeignSlotFromAnotherServerIsNotFound) {
+  auto other = ServerProcess::Start({});
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto other_client = Client::Connect((*other)->grpc_address());
+  auto foreign = other_client->Allocate();
+  ASSERT_TRUE(foreign.ok());
+  const std::string before = Observe(slot_);
+  v1::DecodeRequest req = Valid({slot_, foreign->slot()});
+  EXPECT_EQ(RawDecode(req).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(client_->Free(foreign->slot()).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Observe(slot_), before);
+}
+
+TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
+  const std::string before = Observe(slot_);
+  v1::PrefillRequest prefill;
+  prefill.set_slot(slot_);
+  prefill.add_tokens(1);
+  prefill.add_tokens(2);
+  for (const auto& l : Layers(3)) *prefill.add_layers() = l;  // 3 tokens of inputs for 2
+  auto p = client_->Prefill(prefill);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("layers[0].mixed_qkv.shape"), std::string::npos)
+      << p.status();
+  prefill.clear_tokens();
+  EXPECT_EQ(client_->Prefill(prefill).status().code(), absl::StatusCode::kInvalidArgument);
+
+  auto exported = client_->Export(slot_);
+  ASSERT_TRUE(exported.ok());
+  v1::ImportRequest imp;
+  imp.set_slot(slot_);
+  *imp.mutable_checkpoints() = exported->checkpoints();
+  imp.mutable_checkpoints(0)->set_shape(0, 1);
+  auto i = client_->Import(imp);
+  EXPECT_EQ(i.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(i.status().message().find("checkpoints[0].shape"), std::string::npos) << i.status();
+  imp.mutable_checkpoints()->RemoveLast();
+  EXPECT_EQ(client_->Import(imp).status().code(), absl::StatusCode::kInvalidArgument);
+
+  v1::VerifyRequest verify;
+  verify.add_slots(slot_);
+  verify.set_num_draft(model().ring_len() + 1);
+  for (int d = 0; d < model().ring_len() + 1; ++d) verify.add_draft_tokens(d);
+  for (const auto& l : Layers(model().ring_len() + 1)) *verify.add_layers() = l;
+  auto v = client_->Verify(verify);
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(v.status().message().find("num_draft"), std::string::npos) << v.status();
+
+  EXPECT_EQ(client_->Accept(slot_, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Observe(slot_), before);
+}
+
+TEST_F(ErrorsTest, ExportWithUnacceptedDraftsIsRefusedAsAnInvariant) {
+  v1::VerifyRequest verify;
+  verify.add_slots(slot_);
+  verify.set_num_draft(2);
+  verify.add_draft_tokens(1);
+  verify.add_draft_tokens(2);
+  for (const auto& l : Layers(2)) *verify.add_layers() = l;
+  ASSERT_TRUE(client_->Verify(verify).ok());
+  const int64_t refusals = client_->Stats()->invariant_refusals();
+  EXPECT_EQ(client_->Export(slot_).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client_->Donate(slot_).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_GE(client_->Stats()->invariant_refusals(), refusals + 1);
+  ASSERT_TRUE(client_->Accept(slot_, 0).ok());  // reject all: back to where it was
+  DecodeStep({slot_}, {seq_});
+}
+
+TEST_F(ErrorsTest, ASlotInAnOpenForwardIsRefusedAndAnAbandonedForwardChangesNothing) {
+  const std::string before = Observe(slot_);
+  auto stream = client_->OpenStream();
+  std::vector<v1::DecodeRow> rows(1);
+  rows[0].set_slot(slot_);
+  ASSERT_TRUE(stream->Begin(rows).ok());
+  auto layers = Layers(1);
+  ASSERT_TRUE(stream->RunLayer(layers[0]).ok());
+  EXPECT_EQ(client_->Decode(DecodeRequest({slot_}, Layers(1))).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto early = stream->Commit();  // not every layer ran
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
+  stream->Finish().IgnoreError();  // the server abandoned the forward
+  EXPECT_EQ(Observe(slot_), before);
+  DecodeStep({slot_}, {seq_});
+}
+
+TEST_F(ErrorsTest, ClosingAStreamMidForwardAbandonsItAndChangesNothing) {
+  const std::string before = Observe(slot_);
+  const int64_t abandoned = client_->Stats()->forwards_abandoned();
+  auto stream = client_->OpenStream();
+  std::vector<v1::DecodeRow> rows(1);
+  rows[0].set_slot(slot_);
+  ASSERT_TRUE(stream->Begin(rows).ok());
+  auto layers = Layers(1);
+  for (int l = 0; l < num_layers(); ++l) ASSERT_TRUE(stream->RunLayer(layers[l]).ok());
+  EXPECT_TRUE(stream->Finish().ok());  // every layer ran, but no commit
+  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(client_->Stats()->forwards_abandoned(), abandoned + 1);
+  DecodeStep({slot_}, {seq_});
+}
+
+TEST_F(ErrorsTest, ALayerTwiceInOneForwardIsAFailedPrecondition) {
+  auto stream = client_->OpenStream();
+  std::vector<v1::DecodeRow> rows(1);
+  rows[0].set_slot(slot_);
+  ASSERT_TRUE(stream->Begin(rows).ok());
+  auto layers = Layers(1);
+  ASSERT_TRUE(stream->RunLayer(layers[0]).ok());
+  auto again = stream->RunLayer(layers[0]);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+}
+
+TEST_F(ErrorsTest, StreamLayerWithoutBeginIsAFailedPrecondition) {
+  auto stream = client_->OpenStream();
+  auto out = stream->RunLayer(Layers(1)[0]);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition) << out.status();
+}
+
+TEST_F(ErrorsTest, AllocationBeyondCapacityIsResourceExhaustedAndFreeingMakesRoom) {
+  std::vector<uint64_t> slots;
+  absl::Status last;
+  for (int i = 0; i < 64; ++i) {
+    auto a = client_->Allocate();
+    if (!a.ok()) {
+      last = a.status();
+      break;
+    }
+    slots.push_back(a->slot());
+  }
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+  EXPECT_EQ(static_cast<int64_t>(slots.size()) + 1, info_.capacity_slots());  // +1: slot_
+  ASSERT_FALSE(slots.empty());
+  ASSERT_TRUE(client_->Free(slots.back()).ok());
+  EXPECT_TRUE(client_->Allocate().ok());
+}
+
+TEST_F(ErrorsTest, AMessageOverTheLimitIsResourceExhausted) {
+  const std::string before = Observe(slot_);
+  v1::PrefillRequest prefill;
+  prefill.set_slot(slot_);
+  const int n = 400;  // ~4 KiB per token over all layers of tiny-gdn: > 1 MiB
+  for (int i = 0; i < n; ++i) prefill.add_tokens(i);
+  for (const auto& l : Layers(n)) *prefill.add_layers() = l;
+  ASSERT_GT(prefill.ByteSizeLong(), size_t{1} << 20);
+  EXPECT_EQ(client_->Prefill(prefill).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Observe(slot_), before);
+}
+
+}  // namespace
+}  // namespace replayssm::testing

@@ -1,0 +1,193 @@
+// Retries by request id, concurrent clients, graceful drain and the /metrics endpoint.
+#include <signal.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "service_fixture.h"
+
+namespace replayssm::testing {
+namespace {
+
+using LifecycleTest = ServiceTest;
+using Health = grpc::health::v1::HealthCheckResponse;
+
+TEST_F(LifecycleTest, RetriedDecodeReturnsTheOriginalOutputsAndAdvancesOnce) {
+  const uint64_t a = NewSlot();
+  const int32_t sa = *ref_->NewSequence();
+  Prefill(a, sa, 4);
+  auto layers = Layers(1);
+  v1::DecodeRequest req = DecodeRequest({a}, layers);
+  req.set_request_id("decode-retry-1");
+  auto first = client_->Decode(req);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = client_->Decode(req);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(first->SerializeAsString(), second->SerializeAsString());
+  EXPECT_EQ(client_->GetSlot(a)->seq_len(), 5);
+  // The stream form shares the id space: a replay, not a second application.
+  auto stream = client_->OpenStream();
+  auto replay = stream->Forward({req.rows(0)}, layers, "decode-retry-1");
+  ASSERT_TRUE(replay.ok()) << replay.status();
+  EXPECT_EQ(replay->layers(0).out().data(), first->layers(0).out().data());
+  EXPECT_EQ(client_->GetSlot(a)->seq_len(), 5);
+  // The reference applied it once too: the next step still matches.
+  ASSERT_TRUE(ref_->Decode({sa}, layers).ok());
+  DecodeStep({a}, {sa});
+  // The same id for different rows is a client bug.
+  v1::DecodeRequest other = DecodeRequest({a}, layers);
+  other.mutable_rows(0)->set_token_id(999);
+  other.set_request_id("decode-retry-1");
+  EXPECT_EQ(client_->Decode(other).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(LifecycleTest, RetriedAllocateAndFreeAreAppliedOnce) {
+  const int64_t live = client_->Stats()->slots_live();
+  auto a1 = client_->Allocate("alloc-1");
+  auto a2 = client_->Allocate("alloc-1");
+  ASSERT_TRUE(a1.ok() && a2.ok());
+  EXPECT_EQ(a1->slot(), a2->slot());
+  EXPECT_EQ(client_->Stats()->slots_live(), live + 1);
+  EXPECT_TRUE(client_->Free(a1->slot(), "free-1").ok());
+  EXPECT_TRUE(client_->Free(a1->slot(), "free-1").ok());  // the retry is not NOT_FOUND
+  EXPECT_EQ(client_->Free(a1->slot(), "free-2").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Stats()->slots_live(), live);
+}
+
+class SmallDedupTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override { return {"--dedup-bytes=1K"}; }
+};
+
+TEST_F(SmallDedupTest, ARetryWhoseOutputsWereTooLargeToKeepIsNotAppliedTwice) {
+  const uint64_t a = NewSlot();
+  v1::DecodeRequest req = DecodeRequest({a}, Layers(1));  // > 1 KiB of outputs
+  req.set_request_id("too-large-to-keep");
+  ASSERT_TRUE(client_->Decode(req).ok());
+  EXPECT_EQ(client_->Decode(req).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client_->GetSlot(a)->seq_len(), 1);
+  auto again = client_->Allocate("small-reply");  // small replies are still kept
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(client_->Allocate("small-reply")->slot(), again->slot());
+}
+
+TEST_F(LifecycleTest, ConcurrentClientsOnDisjointSlotsAllMatchTheReference) {
+  constexpr int kClients = 4, kSteps = 12;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      auto client = Client::Connect(server_->grpc_address());
+      auto ref = CpuReference::Create(model(), 1);
+      auto slot = client->Allocate();
+      if (!ref.ok() || !slot.ok()) return void(++failures);
+      const int32_t seq = *(*ref)->NewSequence();
+      auto stream = client->OpenStream();
+      for (int step = 0; step < kSteps; ++step) {
+        auto layers = client::SyntheticLayers(model(), 1, 1000 * c + step);
+        std::vector<v1::DecodeRow> rows(1);
+        rows[0].set_slot(slot->slot());
+        auto got = stream->Forward(rows, layers);
+        auto want = (*ref)->Decode({seq}, layers);
+        if (!got.ok() || !want.ok()) return void(++failures);
+        for (int l = 0; l < num_layers(); ++l) {
+          if (!client::AllClose(got->layers(l).out(), (*want)[l], tol(), tol(), nullptr)) {
+            ++failures;
+          }
+        }
+      }
+      if (!stream->Finish().ok()) ++failures;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(client_->Stats()->forwards_committed(), kClients * kSteps);
+}
+
+TEST_F(LifecycleTest, DrainReportsNotServingRefusesNewForwardsAndFinishesOpenOnes) {
+  const uint64_t a = NewSlot(), b = NewSlot();
+  auto stream = client_->OpenStream();
+  std::vector<v1::DecodeRow> rows(1);
+  rows[0].set_slot(a);
+  auto layers = Layers(1);
+  ASSERT_TRUE(stream->Begin(rows).ok());
+  ASSERT_TRUE(stream->RunLayer(layers[0]).ok());
+
+  server_->Signal(SIGTERM);
+  absl::StatusOr<Health::ServingStatus> health;
+  for (int i = 0; i < 500; ++i) {
+    health = client_->Health();
+    if (health.ok() && *health == Health::NOT_SERVING) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, Health::NOT_SERVING);
+  EXPECT_EQ(client_->Decode(DecodeRequest({b}, Layers(1))).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client_->Allocate().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(client_->Stats()->draining());
+  // The open forward finishes normally.
+  for (int l = 1; l < num_layers(); ++l) ASSERT_TRUE(stream->RunLayer(layers[l]).ok());
+  auto committed = stream->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->rows(0).seq_len(), 1);
+  stream->Finish().IgnoreError();
+  auto exit = server_->WaitExit(absl::Seconds(20));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, 0);
+}
+
+TEST_F(LifecycleTest, MetricsCountWhatWasDone) {
+  const uint64_t a = NewSlot(), b = NewSlot();
+  const int32_t sa = *ref_->NewSequence(), sb = *ref_->NewSequence();
+  constexpr int kUnary = 5, kStream = 3;
+  for (int i = 0; i < kUnary; ++i) DecodeStep({a, b}, {sa, sb});
+  auto stream = client_->OpenStream();
+  for (int i = 0; i < kStream; ++i) {
+    std::vector<v1::DecodeRow> rows(1);
+    rows[0].set_slot(a);
+    ASSERT_TRUE(stream->Forward(rows, Layers(1)).ok());
+  }
+  ASSERT_TRUE(stream->Finish().ok());
+  v1::DecodeRequest bad = DecodeRequest({a}, Layers(1));
+  bad.mutable_layers(0)->mutable_a()->set_dtype(v1::DTYPE_F16);
+  ASSERT_EQ(client_->Decode(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(client_->Free(b).ok());
+
+  auto text = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::string& m = *text;
+  EXPECT_EQ(Sample(m, R"(replayssm_rpcs_total{code="OK",method="Decode"})"), kUnary);
+  EXPECT_EQ(Sample(m, R"(replayssm_rpcs_total{code="INVALID_ARGUMENT",method="Decode"})"), 1);
+  EXPECT_EQ(Sample(m, R"(replayssm_rpcs_total{code="OK",method="DecodeStream"})"), 1);
+  EXPECT_EQ(Sample(m, R"(replayssm_rpcs_total{code="OK",method="Allocate"})"), 2);
+  EXPECT_EQ(Sample(m, R"(replayssm_rpcs_total{code="OK",method="Free"})"), 1);
+  EXPECT_EQ(Sample(m, "replayssm_forward_duration_seconds_count"), kUnary + kStream);
+  EXPECT_EQ(Sample(m, "replayssm_forward_batch_size_sum"), 2 * kUnary + kStream);
+  EXPECT_EQ(Sample(m, R"(replayssm_forwards_total{outcome="committed"})"), kUnary + kStream);
+  EXPECT_EQ(Sample(m, R"(replayssm_kernel_duration_seconds_count{op="run_layer"})"),
+            (kUnary + kStream) * num_layers());
+  EXPECT_EQ(Sample(m, R"(replayssm_slots{state="live"})"), 1);
+  EXPECT_EQ(Sample(m, "replayssm_slots_capacity"), info_.capacity_slots());
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(Sample(m, R"(replayssm_folds_total{reason="ring_full"})"), stats->folds_ring_full());
+  EXPECT_EQ(Sample(m, "replayssm_snapshot_hits_total"), stats->snapshot_hits());
+  EXPECT_EQ(Sample(m, "replayssm_invariant_refusals_total"), stats->invariant_refusals());
+  const int64_t act = static_cast<int64_t>(client::DtypeSize(model().act_dtype()));
+  const int64_t a_width = model().gate() == v1::GATE_KDA ? model().num_v_heads() * model().head_k()
+                                                         : model().num_v_heads();
+  const int64_t in_per_row =
+      act * num_layers() *
+      (2 * model().num_qk_heads() * model().head_k() + model().num_v_heads() * model().head_v() +
+       a_width + model().num_v_heads());
+  const int64_t out_per_row = act * num_layers() * model().num_v_heads() * model().head_v();
+  const int64_t rows = 2 * kUnary + kStream;  // the refused request counts nothing
+  EXPECT_EQ(Sample(m, "replayssm_tensor_received_bytes_total"), in_per_row * rows);
+  EXPECT_EQ(Sample(m, "replayssm_tensor_sent_bytes_total"), out_per_row * rows);
+}
+
+}  // namespace
+}  // namespace replayssm::testing

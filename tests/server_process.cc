@@ -1,0 +1,150 @@
+#include "server_process.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+namespace replayssm::testing {
+
+namespace {
+
+bool ReadReady(const std::string& path, std::string* grpc, std::string* metrics) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "grpc=")) *grpc = line.substr(5);
+    if (absl::StartsWith(line, "metrics=")) *metrics = line.substr(8);
+  }
+  return !grpc->empty();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
+    std::vector<std::string> flags) {
+  auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
+  char dir[] = "/tmp/replayssm-test-XXXXXX";
+  if (mkdtemp(dir) == nullptr) return absl::InternalError("mkdtemp failed");
+  p->dir_ = dir;
+  const std::string ready = p->dir_ + "/ready";
+  std::vector<std::string> args = {REPLAYSSM_SERVER_BINARY,
+                                   "--model=tiny-gdn",
+                                   "--device=cpu",
+                                   "--grpc-address=127.0.0.1:0",
+                                   "--metrics-address=127.0.0.1:0",
+                                   "--ready-file=" + ready};
+  args.insert(args.end(), flags.begin(), flags.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const std::string log = p->dir_ + "/server.log";
+  p->pid_ = fork();
+  if (p->pid_ < 0) return absl::InternalError("fork failed");
+  if (p->pid_ == 0) {
+    FILE* f = std::freopen(log.c_str(), "w", stdout);
+    (void)f;
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline) {
+    if (ReadReady(ready, &p->grpc_address_, &p->metrics_address_)) return p;
+    int status = 0;
+    if (waitpid(p->pid_, &status, WNOHANG) == p->pid_) {
+      p->pid_ = -1;
+      return absl::InternalError(absl::StrCat("replayssm-server exited early: status ", status));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return absl::DeadlineExceededError("replayssm-server did not become ready");
+}
+
+ServerProcess::~ServerProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  if (!dir_.empty()) {
+    std::remove((dir_ + "/ready").c_str());
+    std::remove((dir_ + "/server.log").c_str());
+    rmdir(dir_.c_str());
+  }
+}
+
+void ServerProcess::Signal(int sig) {
+  if (pid_ > 0) kill(pid_, sig);
+}
+
+absl::StatusOr<int> ServerProcess::WaitExit(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (pid_ > 0 && absl::Now() < deadline) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return absl::DeadlineExceededError("server still running");
+}
+
+absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path) {
+  std::vector<std::string> hp = absl::StrSplit(address, ':');
+  int port = 0;
+  if (hp.size() != 2 || !absl::SimpleAtoi(hp[1], &port)) {
+    return absl::InvalidArgumentError(address);
+  }
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, hp[0].c_str(), &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("connect ", address));
+  }
+  const std::string req =
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", address, "\r\nConnection: close\r\n\r\n");
+  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return absl::UnavailableError("write");
+  }
+  std::string response;
+  char buf[8192];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) response.append(buf, n);
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  if (!absl::StartsWith(response, "HTTP/1.") || body == std::string::npos) {
+    return absl::DataLossError("not an HTTP response");
+  }
+  return response.substr(body + 4);
+}
+
+double Sample(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = -1;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
+}
+
+}  // namespace replayssm::testing

@@ -1,0 +1,47 @@
+// Test support: the real replayssm-server binary started as a child process on free loopback
+// ports (port 0; the server writes the bound addresses to a ready file), a plain HTTP GET for
+// scraping /metrics, and a reader for one sample of the Prometheus text format.
+#ifndef REPLAYSSM_TESTS_SERVER_PROCESS_H_
+#define REPLAYSSM_TESTS_SERVER_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace replayssm::testing {
+
+class ServerProcess {
+ public:
+  // Starts replayssm-server --model tiny-gdn --device cpu plus `flags`, waits until serving.
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(std::vector<std::string> flags);
+  ~ServerProcess();  // SIGKILL if still running
+
+  const std::string& grpc_address() const { return grpc_address_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+
+  void Signal(int sig);
+  // The exit status (WEXITSTATUS), or an error when it did not exit within `timeout`.
+  absl::StatusOr<int> WaitExit(absl::Duration timeout);
+
+ private:
+  pid_t pid_ = -1;
+  std::string dir_;
+  std::string grpc_address_;
+  std::string metrics_address_;
+};
+
+// GET http://address/path over a plain socket; the body.
+absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path);
+
+// The value of the sample `series` (e.g. `replayssm_rpcs_total{code="OK",method="Decode"}`)
+// in Prometheus text; -1 when absent.
+double Sample(const std::string& text, const std::string& series);
+
+}  // namespace replayssm::testing
+
+#endif  // REPLAYSSM_TESTS_SERVER_PROCESS_H_
