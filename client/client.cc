@@ -117,7 +117,8 @@ std::unique_ptr<Client> Client::Connect(const std::string& address, int64_t max_
 Client::Client(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)),
       stub_(v1::ReplaySsm::NewStub(channel_)),
-      health_(grpc::health::v1::Health::NewStub(channel_)) {}
+      health_(grpc::health::v1::Health::NewStub(channel_)),
+      transfer_(v1::SlotTransfer::NewStub(channel_)) {}
 
 bool Client::WaitForConnected(absl::Duration timeout) {
   return channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout));
@@ -234,6 +235,19 @@ absl::Status Client::Donate(uint64_t slot, std::string request_id) {
   req.set_slot(slot);
   return Call<v1::DonateResponse>([&](auto* c, auto* r) { return stub_->Donate(c, req, r); })
       .status();
+}
+
+absl::StatusOr<v1::TransferSlotResponse> Client::TransferSlot(uint64_t slot,
+                                                             const std::string& peer_address,
+                                                             bool keep_source,
+                                                             std::string request_id) {
+  v1::TransferSlotRequest req;
+  req.set_request_id(OrNew(std::move(request_id)));
+  req.set_slot(slot);
+  req.set_peer_address(peer_address);
+  req.set_keep_source(keep_source);
+  return Call<v1::TransferSlotResponse>(
+      [&](auto* c, auto* r) { return transfer_->TransferSlot(c, req, r); });
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health(

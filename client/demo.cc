@@ -23,7 +23,7 @@ struct Request {
 class Demo {
  public:
   Demo(Client& client, const DemoOptions& options, std::ostream& log)
-      : client_(client), options_(options), log_(log) {}
+      : client_(&client), options_(options), log_(log) {}
 
   absl::StatusOr<DemoReport> Run();
 
@@ -32,13 +32,15 @@ class Demo {
   absl::Status Prefill(Request& r, const std::vector<int32_t>& tokens);
   absl::Status DecodeSteps(std::vector<Request*> batch, int32_t steps);
   absl::Status CheckState(const Request& r);
+  absl::Status HandOff(std::vector<Request>& requests);
   std::vector<int32_t> RandomTokens(int n) {
     std::vector<int32_t> t(n);
     for (int32_t& x : t) x = static_cast<int32_t>(rng_() % 32000);
     return t;
   }
 
-  Client& client_;
+  Client* client_;  // the prefill server; the decode server after a disaggregated hand-off
+  std::unique_ptr<Client> decode_client_;
   DemoOptions options_;
   std::ostream& log_;
   v1::GetInfoResponse info_;
@@ -66,7 +68,7 @@ absl::Status Demo::Prefill(Request& r, const std::vector<int32_t>& tokens) {
   req.mutable_tokens()->Assign(tokens.begin(), tokens.end());
   for (const v1::LayerInput& l : layers) *req.add_layers() = l;
   req.set_return_outputs(true);
-  absl::StatusOr<v1::PrefillResponse> resp = client_.Prefill(req);
+  absl::StatusOr<v1::PrefillResponse> resp = client_->Prefill(req);
   if (!resp.ok()) return resp.status();
   absl::StatusOr<std::vector<v1::Tensor>> want = ref_->Prefill(r.seq, layers);
   if (!want.ok()) return want.status();
@@ -107,7 +109,7 @@ absl::Status Demo::DecodeSteps(std::vector<Request*> batch, int32_t steps) {
 }
 
 absl::Status Demo::CheckState(const Request& r) {
-  absl::StatusOr<v1::ExportResponse> state = client_.Export(r.slot);
+  absl::StatusOr<v1::ExportResponse> state = client_->Export(r.slot);
   if (!state.ok()) return state.status();
   if (state->seq_len() != static_cast<int64_t>(r.tokens.size())) {
     return absl::DataLossError(
@@ -126,9 +128,34 @@ absl::Status Demo::CheckState(const Request& r) {
   return absl::OkStatus();
 }
 
+// Disaggregation: every prefilled request moves to the decode server over UCX, which then
+// serves the rest of the demo (its outputs are checked against the same reference).
+absl::Status Demo::HandOff(std::vector<Request>& requests) {
+  decode_client_ = Client::Connect(options_.decode_address);
+  int64_t bytes = 0;
+  for (Request& r : requests) {
+    absl::StatusOr<v1::TransferSlotResponse> t =
+        client_->TransferSlot(r.slot, options_.decode_address, /*keep_source=*/false);
+    if (!t.ok()) return t.status();
+    if (t->seq_len() != static_cast<int64_t>(r.tokens.size())) {
+      return absl::DataLossError(absl::StrCat("transfer: seq_len ", t->seq_len(), ", expected ",
+                                              r.tokens.size()));
+    }
+    r.slot = t->remote_slot();
+    bytes += t->bytes();
+  }
+  absl::Status s = stream_->Finish();
+  if (!s.ok()) return s;
+  client_ = decode_client_.get();
+  stream_ = client_->OpenStream();
+  log_ << "demo: moved " << requests.size() << " prefilled requests (" << bytes
+       << " state bytes) to the decode server " << options_.decode_address << " over UCX\n";
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DemoReport> Demo::Run() {
   const absl::Time start = absl::Now();
-  absl::StatusOr<v1::GetInfoResponse> info = client_.Info();
+  absl::StatusOr<v1::GetInfoResponse> info = client_->Info();
   if (!info.ok()) return info.status();
   info_ = *info;
   const v1::ModelInfo& m = info_.model();
@@ -140,7 +167,7 @@ absl::StatusOr<DemoReport> Demo::Run() {
   auto ref = CpuReference::Create(m, options_.requests + 1);
   if (!ref.ok()) return ref.status();
   ref_ = *std::move(ref);
-  stream_ = client_.OpenStream();
+  stream_ = client_->OpenStream();
   log_ << "demo: model " << m.name() << " (" << m.num_layers() << " layers, H=" << m.num_qk_heads()
        << " HV=" << m.num_v_heads() << " K=" << m.head_k() << " V=" << m.head_v()
        << " L=" << m.ring_len() << ") on " << info_.backend() << "\n";
@@ -148,7 +175,7 @@ absl::StatusOr<DemoReport> Demo::Run() {
   std::vector<Request> requests(options_.requests);
   for (int32_t i = 0; i < options_.requests; ++i) {
     const std::vector<int32_t> prompt = RandomTokens(8 + 3 * i);
-    absl::StatusOr<v1::AllocateResponse> a = client_.AllocateFromPrefix(prompt);
+    absl::StatusOr<v1::AllocateResponse> a = client_->AllocateFromPrefix(prompt);
     if (!a.ok()) return a.status();
     absl::StatusOr<int32_t> seq = ref_->NewSequence();
     if (!seq.ok()) return seq.status();
@@ -156,6 +183,10 @@ absl::StatusOr<DemoReport> Demo::Run() {
     requests[i].seq = *seq;
     absl::Status s = Prefill(requests[i], prompt);
     if (!s.ok()) return s;
+  }
+  if (!options_.decode_address.empty()) {
+    absl::Status h = HandOff(requests);
+    if (!h.ok()) return h;
   }
   const int32_t steps = options_.steps > 0 ? options_.steps
                         : info_.track_interval() > 0 && info_.track_interval() <= 256
@@ -172,14 +203,14 @@ absl::StatusOr<DemoReport> Demo::Run() {
 
   // Turn 2: the first request finishes and is donated; its follow-up hits the prefix cache.
   for (Request& r : requests) {
-    s = client_.Donate(r.slot);
+    s = client_->Donate(r.slot);
     if (!s.ok()) return s;
   }
   Request& first = requests[0];
   const std::vector<int32_t> followup = RandomTokens(4);
   std::vector<int32_t> all = first.tokens;
   all.insert(all.end(), followup.begin(), followup.end());
-  absl::StatusOr<v1::AllocateResponse> a = client_.AllocateFromPrefix(all);
+  absl::StatusOr<v1::AllocateResponse> a = client_->AllocateFromPrefix(all);
   if (!a.ok()) return a.status();
   report_.prefix_matched = a->matched();
   report_.prefix_expected = static_cast<int64_t>(first.tokens.size());
@@ -191,7 +222,7 @@ absl::StatusOr<DemoReport> Demo::Run() {
   s = Prefill(first, followup);
   if (s.ok()) s = DecodeSteps({&first}, options_.turn2_steps);
   if (s.ok()) s = CheckState(first);
-  if (s.ok()) s = client_.Free(first.slot);
+  if (s.ok()) s = client_->Free(first.slot);
   if (s.ok()) s = stream_->Finish();
   if (!s.ok()) return s;
   report_.seconds = absl::ToDoubleSeconds(absl::Now() - start);

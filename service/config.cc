@@ -42,6 +42,15 @@ Setter Bytes(int64_t ServerOptions::*field) {
   };
 }
 
+Setter Seconds(absl::Duration ServerOptions::*field) {
+  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
+    double s = 0;
+    if (!absl::SimpleAtod(v, &s) || s < 0) return absl::InvalidArgumentError("expected seconds >= 0");
+    f.options.*field = absl::Seconds(s);
+    return absl::OkStatus();
+  };
+}
+
 Setter Str(std::string ServerOptions::*field) {
   return [field](ServerFlags& f, const std::string& v) {
     f.options.*field = v;
@@ -75,14 +84,15 @@ const std::vector<Flag>& Flags() {
        Int(&ServerOptions::dedup_entries)},
       {"dedup-bytes", "bytes of remembered replies [256M]", Bytes(&ServerOptions::dedup_bytes)},
       {"drain-timeout", "seconds to wait for open forwards on SIGTERM [30]",
-       [](ServerFlags& f, const std::string& v) -> absl::Status {
-         double s = 0;
-         if (!absl::SimpleAtod(v, &s) || s < 0) {
-           return absl::InvalidArgumentError("expected seconds >= 0");
-         }
-         f.options.drain_timeout = absl::Seconds(s);
-         return absl::OkStatus();
-       }},
+       Seconds(&ServerOptions::drain_timeout)},
+      {"transfer-chunk-bytes", "UCX put granularity of slot transfers [4M]",
+       Bytes(&ServerOptions::transfer_chunk_bytes)},
+      {"transfer-timeout", "seconds an outgoing slot transfer may take [30]",
+       Seconds(&ServerOptions::transfer_timeout)},
+      {"transfer-lease", "seconds an incoming transfer's reservation lives uncommitted [30]",
+       Seconds(&ServerOptions::transfer_lease)},
+      {"transfer-fault", "tests only: corrupt | exit-before-commit | exit-after-put",
+       Str(&ServerOptions::transfer_fault)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        [](ServerFlags& f, const std::string& v) {
          f.ready_file = v;

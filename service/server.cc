@@ -19,6 +19,7 @@
 #include "service/hf_config.h"
 #include "service/metrics.h"
 #include "service/replayssm_service.h"
+#include "service/transfer_service.h"
 #include "service/request_log.h"
 #include "service/service_context.h"
 
@@ -99,6 +100,19 @@ class ServerImpl final : public Server {
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
   }
 
+  // The SlotTransfer service (UCX worker, receiver, sender); fails when UCX cannot start.
+  absl::Status StartTransfers() {
+    TransferOptions t;
+    t.chunk_bytes = static_cast<size_t>(options_.transfer_chunk_bytes);
+    t.timeout = options_.transfer_timeout;
+    t.lease = options_.transfer_lease;
+    t.fault = options_.transfer_fault;
+    absl::StatusOr<std::unique_ptr<TransferService>> ts = TransferService::Create(&ctx_, t);
+    if (!ts.ok()) return ts.status();
+    transfers_ = std::move(*ts);
+    return absl::OkStatus();
+  }
+
   ~ServerImpl() override {
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
   }
@@ -113,6 +127,7 @@ class ServerImpl final : public Server {
         std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(service_.get());
+    builder.RegisterService(transfers_.get());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port == 0) {
       return absl::UnavailableError(
@@ -166,6 +181,7 @@ class ServerImpl final : public Server {
   ForwardGate gate_;
   ServiceContext ctx_;
   std::unique_ptr<ReplaySsmService> service_;
+  std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<CacheCollector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
@@ -190,7 +206,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       cache::StateCache::Create(*std::move(model), cache_options);
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), *std::move(cache));
-  absl::Status s = server->Listen();
+  absl::Status s = server->StartTransfers();
+  if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;
   return std::unique_ptr<Server>(std::move(server));
 }

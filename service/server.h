@@ -30,6 +30,11 @@ struct ServerOptions {
   int64_t dedup_entries = 4096;                      // request ids remembered ...
   int64_t dedup_bytes = int64_t{256} << 20;          // ... and their replies' bytes at most
   absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this
+  // Slot transfers to and from peers (replayssm.v1.SlotTransfer over UCX; docs/transfer.md).
+  int64_t transfer_chunk_bytes = int64_t{4} << 20;    // UCX put granularity
+  absl::Duration transfer_timeout = absl::Seconds(30);  // one outgoing transfer at most
+  absl::Duration transfer_lease = absl::Seconds(30);    // an uncommitted reservation at most
+  std::string transfer_fault;  // tests only: corrupt | exit-before-commit | exit-after-put
 };
 
 class Server {

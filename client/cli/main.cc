@@ -1,6 +1,6 @@
 // replayssm-cli: talk to a replayssm-server.
 //   replayssm-cli [--address HOST:PORT] info | stats | health | alloc [TOKEN...] |
-//                 free SLOT | demo [--requests N] [--steps N] [--seed N]
+//                 free SLOT | transfer SLOT PEER [--keep] | demo [--requests N] [--steps N] [--seed N]
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -23,9 +23,13 @@ constexpr char kUsage[] =
     "  health               grpc.health.v1 status of the server\n"
     "  alloc [TOKEN...]     allocate a slot (from the longest matching prefix when tokens)\n"
     "  free SLOT            free a slot\n"
-    "  demo [--requests N] [--steps N] [--seed N]\n"
+    "  transfer SLOT PEER [--keep]\n"
+    "                       move a slot to the server at PEER (host:port) over UCX; prints\n"
+    "                       its handle there; --keep leaves the source slot in place\n"
+    "  demo [--requests N] [--steps N] [--seed N] [--disaggregated DECODE_HOST:PORT]\n"
     "                       prefill, batched decode, prefix hit; checked against the CPU\n"
-    "                       reference; exits 1 on a mismatch\n"
+    "                       reference; exits 1 on a mismatch. --disaggregated: prefill here,\n"
+    "                       move the requests to DECODE_HOST:PORT over UCX, decode there\n"
     "  bench [--concurrency N] [--batch N] [--seconds S] [--unary]\n"
     "                       closed-loop decode forwards: forwards/s, p50/p99 latency\n"
     "The address defaults to 127.0.0.1:50051 (or $REPLAYSSM_ADDRESS).\n";
@@ -56,6 +60,10 @@ int Info(Client& c) {
 int Demo(Client& c, const std::vector<std::string>& args) {
   replayssm::client::DemoOptions options;
   for (size_t i = 0; i + 1 < args.size(); i += 2) {
+    if (args[i] == "--disaggregated") {  // --disaggregated DECODE_SERVER
+      options.decode_address = args[i + 1];
+      continue;
+    }
     int64_t v = 0;
     if (!absl::SimpleAtoi(args[i + 1], &v)) return Fail(absl::InvalidArgumentError(args[i + 1]));
     if (args[i] == "--requests")
@@ -131,6 +139,12 @@ int Run(Client& c, const std::string& cmd, const std::vector<std::string>& args)
     if (!absl::SimpleAtoi(args[0], &slot)) return Fail(absl::InvalidArgumentError(args[0]));
     absl::Status s = c.Free(slot);
     return s.ok() ? 0 : Fail(s);
+  }
+  if (cmd == "transfer" && (args.size() == 2 || (args.size() == 3 && args[2] == "--keep"))) {
+    uint64_t slot = 0;
+    if (!absl::SimpleAtoi(args[0], &slot)) return Fail(absl::InvalidArgumentError(args[0]));
+    auto r = c.TransferSlot(slot, args[1], args.size() == 3);
+    return r.ok() ? PrintJson(*r) : Fail(r.status());
   }
   if (cmd == "demo") return Demo(c, args);
   std::fprintf(stderr, "%s", kUsage);

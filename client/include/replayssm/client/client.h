@@ -19,6 +19,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "replayssm/v1/replayssm.grpc.pb.h"
+#include "replayssm/v1/transfer.grpc.pb.h"
 
 namespace replayssm::client {
 
@@ -86,6 +87,12 @@ class Client {
                                        std::string request_id = "");
   absl::StatusOr<int64_t> MatchPrefix(absl::Span<const int32_t> tokens);
   absl::Status Donate(uint64_t slot, std::string request_id = "");
+  // Moves `slot` to the server at `peer_address` over UCX (SlotTransfer.TransferSlot); the
+  // reply carries the slot's handle on the peer.
+  absl::StatusOr<v1::TransferSlotResponse> TransferSlot(uint64_t slot,
+                                                        const std::string& peer_address,
+                                                        bool keep_source,
+                                                        std::string request_id = "");
   // grpc.health.v1 Check; `service` "" = the whole server.
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service = "");
@@ -100,6 +107,7 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ReplaySsm::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  std::unique_ptr<v1::SlotTransfer::Stub> transfer_;
   absl::Duration timeout_ = absl::Seconds(60);
 };
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "replayssm/client/client.h"
@@ -18,6 +19,9 @@ struct DemoOptions {
   int32_t steps = 0;        // decode steps in turn 1; 0 = track_interval + 8 (crosses a snapshot)
   int32_t turn2_steps = 8;  // decode steps after the prefix hit
   uint64_t seed = 0;        // 0 = from the clock (prompts differ between runs)
+  // Disaggregated: prefill on the client's server, then move every request to this server
+  // (host:port) with SlotTransfer and decode there. "" = one server does everything.
+  std::string decode_address;
 };
 
 struct DemoReport {

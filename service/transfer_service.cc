@@ -1,0 +1,242 @@
+#include "service/transfer_service.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/gauge.h"
+#include "service/status_map.h"
+
+namespace replayssm::service {
+namespace {
+
+v1::StateFormat ToProto(const transfer::StateFormat& f) {
+  v1::StateFormat p;
+  p.set_num_layers(f.num_layers);
+  p.set_gate(f.gate);
+  p.set_num_qk_heads(f.num_qk_heads);
+  p.set_num_v_heads(f.num_v_heads);
+  p.set_head_k(f.head_k);
+  p.set_head_v(f.head_v);
+  p.set_state_dtype(f.state_dtype);
+  p.set_params_hash(f.params_hash);
+  return p;
+}
+
+transfer::StateFormat FromProto(const v1::StateFormat& p) {
+  transfer::StateFormat f;
+  f.num_layers = p.num_layers();
+  f.gate = p.gate();
+  f.num_qk_heads = p.num_qk_heads();
+  f.num_v_heads = p.num_v_heads();
+  f.head_k = p.head_k();
+  f.head_v = p.head_v();
+  f.state_dtype = p.state_dtype();
+  f.params_hash = p.params_hash();
+  return f;
+}
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat("peer ", what, ": ", s.error_message()));
+}
+
+// The sender's view of the receiving server, over its SlotTransfer service.
+class GrpcPeer final : public transfer::Peer {
+ public:
+  GrpcPeer(const std::string& address, absl::Duration timeout)
+      : stub_(v1::SlotTransfer::NewStub(
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
+        timeout_(timeout) {}
+
+  absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
+                                                const transfer::StateFormat& format,
+                                                int64_t seq_len) override {
+    v1::ReserveTransferRequest req;
+    req.set_transfer_id(id);
+    *req.mutable_format() = ToProto(format);
+    req.set_seq_len(seq_len);
+    v1::ReserveTransferResponse resp;
+    grpc::ClientContext c;
+    Deadline(c);
+    absl::Status st = FromGrpc(stub_->ReserveTransfer(&c, req, &resp), "ReserveTransfer");
+    if (!st.ok()) return st;
+    return transfer::Reservation{resp.worker_address(), resp.remote_addr(), resp.rkey(),
+                                 resp.bytes()};
+  }
+  absl::StatusOr<cache::SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
+                                       uint64_t checksum) override {
+    v1::CommitTransferRequest req;
+    req.set_transfer_id(id);
+    req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    req.set_checksum(checksum);
+    v1::CommitTransferResponse resp;
+    grpc::ClientContext c;
+    Deadline(c);
+    absl::Status st = FromGrpc(stub_->CommitTransfer(&c, req, &resp), "CommitTransfer");
+    if (!st.ok()) return st;
+    return resp.slot();  // the peer's wire handle
+  }
+  absl::Status Abort(const std::string& id) override {
+    v1::AbortTransferRequest req;
+    req.set_transfer_id(id);
+    v1::AbortTransferResponse resp;
+    grpc::ClientContext c;
+    Deadline(c);
+    return FromGrpc(stub_->AbortTransfer(&c, req, &resp), "AbortTransfer");
+  }
+
+ private:
+  void Deadline(grpc::ClientContext& c) const { c.set_deadline(absl::ToChronoTime(absl::Now() + timeout_)); }
+  std::unique_ptr<v1::SlotTransfer::Stub> stub_;
+  absl::Duration timeout_;
+};
+
+// Ends the process as a crash would (no cleanup): fault injection for the tests.
+[[noreturn]] void Die() { _exit(86); }
+
+}  // namespace
+
+TransferService::TransferService(const ServiceContext* ctx, TransferOptions options)
+    : ctx_(ctx), options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const ServiceContext* ctx,
+                                                                         TransferOptions options) {
+  std::unique_ptr<TransferService> s(new TransferService(ctx, std::move(options)));
+  absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> ucx = transfer::UcxTransport::Create();
+  if (!ucx.ok()) return ucx.status();
+  s->ucx_ = std::move(*ucx);
+  s->receiver_ = std::make_unique<transfer::Receiver>(
+      ctx->cache, s->ucx_.get(), transfer::ReceiverOptions{s->options_.lease, s->options_.max_open});
+  if (s->options_.fault == "corrupt") s->receiver_->CorruptNextPayloadForTest();
+  s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, s->ucx_.get());
+  prometheus::Registry& r = *ctx->metrics->registry();
+  s->failures_ = &prometheus::BuildCounter()
+                      .Name("replayssm_transfer_failures_total")
+                      .Help("Slot transfers that failed, by reason (the gRPC code name).")
+                      .Register(r);
+  s->bytes_ = &prometheus::BuildCounter()
+                   .Name("replayssm_transfer_bytes_total")
+                   .Help("State bytes sent to peers by completed slot transfers.")
+                   .Register(r)
+                   .Add({});
+  s->seconds_ = &prometheus::BuildHistogram()
+                     .Name("replayssm_transfer_duration_seconds")
+                     .Help("Wall time of completed outgoing slot transfers.")
+                     .Register(r)
+                     .Add({}, prometheus::Histogram::BucketBoundaries{
+                                  0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+  s->open_ = &prometheus::BuildGauge()
+                  .Name("replayssm_transfer_reservations")
+                  .Help("Incoming transfers reserved and not yet committed, aborted or expired.")
+                  .Register(r)
+                  .Add({});
+  TransferService* self = s.get();
+  s->janitor_ = std::thread([self] {
+    while (!self->stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+      self->receiver_->ExpireLeases();
+      self->open_->Set(self->receiver_->open());
+    }
+  });
+  return s;
+}
+
+TransferService::~TransferService() {
+  stop_.Notify();
+  if (janitor_.joinable()) janitor_.join();
+}
+
+grpc::ServerUnaryReactor* TransferService::Reply(grpc::CallbackServerContext* c,
+                                                 absl::string_view method,
+                                                 const absl::Status& status) {
+  const grpc::Status g = ToGrpcStatus(status);
+  ctx_->metrics->CountRpc(method, g.error_code());
+  open_->Set(receiver_->open());
+  grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
+  reactor->Finish(g);
+  return reactor;
+}
+
+void TransferService::CountFailure(const absl::Status& status) {
+  failures_->Add({{"reason", std::string(absl::StatusCodeToString(status.code()))}}).Increment();
+}
+
+grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerContext* c,
+                                                        const v1::TransferSlotRequest* req,
+                                                        v1::TransferSlotResponse* resp) {
+  if (req->request_id().empty() || req->peer_address().empty() || req->slot() == 0) {
+    return Reply(c, "TransferSlot",
+                 absl::InvalidArgumentError("request_id, slot and peer_address: expected all "
+                                            "three set, got a missing one"));
+  }
+  GrpcPeer grpc_peer(req->peer_address(), options_.timeout);
+  // Fault injection: the sender "dies" between the put and the commit.
+  struct DyingPeer final : transfer::Peer {
+    transfer::Peer* inner;
+    absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
+                                                  const transfer::StateFormat& f,
+                                                  int64_t n) override {
+      return inner->Reserve(id, f, n);
+    }
+    absl::StatusOr<cache::SlotId> Commit(const std::string&, const std::vector<int32_t>&,
+                                         uint64_t) override {
+      Die();
+    }
+    absl::Status Abort(const std::string& id) override { return inner->Abort(id); }
+  } dying;
+  dying.inner = &grpc_peer;
+  transfer::Peer& peer = options_.fault == "exit-after-put" ? static_cast<transfer::Peer&>(dying)
+                                                            : grpc_peer;
+  absl::StatusOr<transfer::SendResult> r = sender_->Send(
+      peer, ctx_->slots.FromWire(req->slot()), req->request_id(),
+      transfer::SendOptions{req->keep_source(), options_.chunk_bytes, options_.timeout});
+  if (!r.ok()) {
+    CountFailure(r.status());
+    return Reply(c, "TransferSlot", r.status());
+  }
+  bytes_->Increment(static_cast<double>(r->bytes));
+  seconds_->Observe(r->seconds);
+  resp->set_remote_slot(r->remote_slot);
+  resp->set_seq_len(r->seq_len);
+  resp->set_bytes(r->bytes);
+  resp->set_seconds(r->seconds);
+  return Reply(c, "TransferSlot", absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerContext* c,
+                                                           const v1::ReserveTransferRequest* req,
+                                                           v1::ReserveTransferResponse* resp) {
+  absl::StatusOr<transfer::Reservation> r =
+      receiver_->Reserve(req->transfer_id(), FromProto(req->format()), req->seq_len());
+  if (!r.ok()) {
+    CountFailure(r.status());
+    return Reply(c, "ReserveTransfer", r.status());
+  }
+  resp->set_worker_address(r->worker_address);
+  resp->set_remote_addr(r->remote_addr);
+  resp->set_rkey(r->rkey);
+  resp->set_bytes(r->bytes);
+  return Reply(c, "ReserveTransfer", absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
+                                                          const v1::CommitTransferRequest* req,
+                                                          v1::CommitTransferResponse* resp) {
+  if (options_.fault == "exit-before-commit") Die();
+  const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
+  absl::StatusOr<cache::SlotId> slot = receiver_->Commit(req->transfer_id(), tokens, req->checksum());
+  if (!slot.ok()) {
+    CountFailure(slot.status());
+    return Reply(c, "CommitTransfer", slot.status());
+  }
+  resp->set_slot(ctx_->slots.ToWire(*slot));
+  return Reply(c, "CommitTransfer", absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerContext* c,
+                                                         const v1::AbortTransferRequest* req,
+                                                         v1::AbortTransferResponse*) {
+  return Reply(c, "AbortTransfer", receiver_->Abort(req->transfer_id()));
+}
+
+}  // namespace replayssm::service

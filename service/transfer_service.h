@@ -1,0 +1,74 @@
+// The gRPC face of replayssm.v1.SlotTransfer: a thin shell over transfer::Sender and
+// transfer::Receiver (service/transfer/), with a gRPC Peer for the sender's side, lease
+// expiry in the background, and the transfer metrics (bytes, seconds, failures by reason).
+#ifndef REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
+#define REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "prometheus/counter.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "replayssm/v1/transfer.grpc.pb.h"
+#include "service/service_context.h"
+#include "transfer.h"
+
+namespace replayssm::service {
+
+struct TransferOptions {
+  size_t chunk_bytes = 4 << 20;                 // UCX put granularity
+  absl::Duration timeout = absl::Seconds(30);   // a whole transfer, sender side
+  absl::Duration lease = absl::Seconds(30);     // an uncommitted reservation, receiver side
+  int32_t max_open = 16;                        // concurrent reservations
+  // Test-only fault injection: "" (none), "corrupt" (receiver flips a payload byte),
+  // "exit-before-commit" (receiver exits when asked to commit), "exit-after-put" (sender
+  // exits after the put, before the commit).
+  std::string fault;
+};
+
+class TransferService final : public v1::SlotTransfer::CallbackService {
+ public:
+  static absl::StatusOr<std::unique_ptr<TransferService>> Create(const ServiceContext* ctx,
+                                                                 TransferOptions options);
+  ~TransferService() override;
+
+  grpc::ServerUnaryReactor* TransferSlot(grpc::CallbackServerContext* c,
+                                         const v1::TransferSlotRequest* req,
+                                         v1::TransferSlotResponse* resp) override;
+  grpc::ServerUnaryReactor* ReserveTransfer(grpc::CallbackServerContext* c,
+                                            const v1::ReserveTransferRequest* req,
+                                            v1::ReserveTransferResponse* resp) override;
+  grpc::ServerUnaryReactor* CommitTransfer(grpc::CallbackServerContext* c,
+                                           const v1::CommitTransferRequest* req,
+                                           v1::CommitTransferResponse* resp) override;
+  grpc::ServerUnaryReactor* AbortTransfer(grpc::CallbackServerContext* c,
+                                          const v1::AbortTransferRequest* req,
+                                          v1::AbortTransferResponse* resp) override;
+
+ private:
+  TransferService(const ServiceContext* ctx, TransferOptions options);
+  grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, absl::string_view method,
+                                  const absl::Status& status);
+  void CountFailure(const absl::Status& status);
+
+  const ServiceContext* ctx_;
+  const TransferOptions options_;
+  std::unique_ptr<transfer::UcxTransport> ucx_;
+  std::unique_ptr<transfer::Receiver> receiver_;
+  std::unique_ptr<transfer::Sender> sender_;
+  prometheus::Family<prometheus::Counter>* failures_ = nullptr;
+  prometheus::Counter* bytes_ = nullptr;
+  prometheus::Histogram* seconds_ = nullptr;
+  prometheus::Gauge* open_ = nullptr;
+  absl::Notification stop_;
+  std::thread janitor_;  // expires leases
+};
+
+}  // namespace replayssm::service
+
+#endif  // REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
