@@ -1,11 +1,13 @@
 #include "service/hf_config.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "service/safetensors.h"
 #include "service/status_map.h"
 
 namespace replayssm::service {
@@ -128,7 +130,13 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigFile(const std::string& path, 
   if (!in) return absl::NotFoundError(absl::StrCat("--model ", path, ": cannot open"));
   std::stringstream json;
   json << in.rdbuf();
-  return ModelFromHfConfigJson(json.str(), path, state_dtype, ring_len);
+  absl::StatusOr<cache::ModelSpec> m = ModelFromHfConfigJson(json.str(), path, state_dtype, ring_len);
+  if (!m.ok()) return m;
+  // A_log / dt_bias from the checkpoint beside config.json, when there is one.
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  absl::StatusOr<bool> loaded = LoadLayerParams(dir.empty() ? "." : dir, &*m);
+  if (!loaded.ok()) return loaded.status();
+  return m;
 }
 
 }  // namespace replayssm::service

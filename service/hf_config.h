@@ -3,8 +3,9 @@
 // `linear_value_head_dim`, and `layer_types` or `full_attention_interval`) and Kimi-Linear
 // style KDA (`linear_attn_config`: `num_heads`, `head_dim`, `kda_layers`), optionally under
 // `text_config`. Activation dtype from `torch_dtype`/`dtype` (bf16 when absent); state dtype
-// fp32 and ring length 16 unless overridden. Layer parameters come from the fixed seed
-// (params_from_seed = true): reading A_log/dt_bias from safetensors is not implemented.
+// fp32 and ring length 16 unless overridden. Layer parameters: ModelFromHfConfigFile reads
+// A_log/dt_bias from the *.safetensors beside config.json (safetensors.h) when there are
+// any; otherwise (and always for ModelFromHfConfigJson) from a fixed seed (params_from_seed).
 #ifndef REPLAYSSM_SERVICE_HF_CONFIG_H_
 #define REPLAYSSM_SERVICE_HF_CONFIG_H_
 

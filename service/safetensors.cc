@@ -1,0 +1,160 @@
+#include "service/safetensors.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace replayssm::service {
+namespace {
+
+struct TensorRef {
+  std::string file;
+  std::string name;
+  std::string dtype;
+  int64_t numel = 0;
+  uint64_t begin = 0, end = 0;  // absolute file offsets
+};
+
+// name -> tensor, for every A_log / dt_bias of a numbered layer in one file.
+absl::Status ScanFile(const std::string& path, std::map<int, TensorRef>* a_log,
+                      std::map<int, TensorRef>* dt_bias) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t header_len = 0;
+  if (!in.read(reinterpret_cast<char*>(&header_len), 8) || header_len > (uint64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a safetensors file"));
+  }
+  std::string header(header_len, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(header_len))) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": truncated safetensors header"));
+  }
+  google::protobuf::Struct root;
+  if (!google::protobuf::util::JsonStringToMessage(header, &root).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": the safetensors header is not JSON"));
+  }
+  static const std::regex kName(R"(layers\.(\d+)\..*\.(A_log|dt_bias)$)");
+  for (const auto& [name, value] : root.fields()) {
+    std::smatch m;
+    if (!std::regex_search(name, m, kName)) continue;
+    const auto& f = value.struct_value().fields();
+    if (!f.count("dtype") || !f.count("shape") || !f.count("data_offsets")) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": incomplete entry"));
+    }
+    TensorRef t;
+    t.file = path;
+    t.name = name;
+    t.dtype = f.at("dtype").string_value();
+    t.numel = 1;
+    for (const auto& d : f.at("shape").list_value().values()) t.numel *= static_cast<int64_t>(d.number_value());
+    const auto& off = f.at("data_offsets").list_value().values();
+    if (off.size() != 2) return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": bad data_offsets"));
+    t.begin = 8 + header_len + static_cast<uint64_t>(off[0].number_value());
+    t.end = 8 + header_len + static_cast<uint64_t>(off[1].number_value());
+    (m[2] == "A_log" ? *a_log : *dt_bias)[std::stoi(m[1])] = t;
+  }
+  return absl::OkStatus();
+}
+
+float HalfToFloat(uint16_t h, bool bf16) {
+  if (bf16) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {  // subnormal or zero: exact in fp32
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+absl::StatusOr<std::vector<float>> Read(const TensorRef& t, int64_t want, const std::string& what) {
+  if (t.numel != want) {
+    return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": expected ", want,
+                                                   " elements (", what, "), got ", t.numel));
+  }
+  const size_t es = t.dtype == "F32" ? 4 : (t.dtype == "BF16" || t.dtype == "F16") ? 2 : 0;
+  if (es == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(t.file, ": ", t.name, ": expected dtype F32, BF16 or F16, got ", t.dtype));
+  }
+  if (t.end - t.begin != es * static_cast<uint64_t>(want)) {
+    return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": data size mismatch"));
+  }
+  std::ifstream in(t.file, std::ios::binary);
+  std::vector<char> raw(t.end - t.begin);
+  in.seekg(static_cast<std::streamoff>(t.begin));
+  if (!in.read(raw.data(), static_cast<std::streamsize>(raw.size()))) {
+    return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": truncated data"));
+  }
+  std::vector<float> out(want);
+  for (int64_t i = 0; i < want; ++i) {
+    if (es == 4) {
+      std::memcpy(&out[i], &raw[i * 4], 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &raw[i * 2], 2);
+      out[i] = HalfToFloat(h, t.dtype == "BF16");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m) {
+  std::map<int, TensorRef> a_log, dt_bias;
+  std::error_code ec;
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+  }
+  for (const std::string& f : files) {
+    absl::Status s = ScanFile(f, &a_log, &dt_bias);
+    if (!s.ok()) return s;
+  }
+  if (a_log.empty() && dt_bias.empty()) return false;
+  if (static_cast<int32_t>(a_log.size()) != m->num_layers || a_log.size() != dt_bias.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, ": expected A_log and dt_bias for ", m->num_layers,
+        " linear-attention layers, got ", a_log.size(), " A_log and ", dt_bias.size(), " dt_bias"));
+  }
+  const int64_t hv = m->shape.num_v_heads;
+  const int64_t dt = m->shape.gate == RSSM_GATE_KDA ? hv * m->shape.head_k : hv;
+  std::vector<cache::LayerParams> layers = m->layers;
+  auto a = a_log.begin();
+  auto d = dt_bias.begin();
+  for (int32_t l = 0; l < m->num_layers; ++l, ++a, ++d) {
+    if (a->first != d->first) {
+      return absl::InvalidArgumentError(absl::StrCat(dir, ": layer ", a->first,
+                                                     " has A_log but its dt_bias is missing"));
+    }
+    absl::StatusOr<std::vector<float>> av = Read(a->second, hv, "HV");
+    if (!av.ok()) return av.status();
+    absl::StatusOr<std::vector<float>> dv = Read(d->second, dt, dt == hv ? "HV" : "HV*K");
+    if (!dv.ok()) return dv.status();
+    layers[l].a_log = *std::move(av);
+    layers[l].dt_bias = *std::move(dv);
+  }
+  m->layers = std::move(layers);
+  m->params_from_seed = false;
+  return true;
+}
+
+}  // namespace replayssm::service

@@ -1,0 +1,106 @@
+#include "service/safetensors.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "service/hf_config.h"
+
+namespace replayssm::service {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Writes a safetensors file with the given fp32 tensors (and one bf16 tensor when asked).
+void WriteSafetensors(const fs::path& path, const std::vector<std::pair<std::string, std::vector<float>>>& t,
+                      bool bf16_first = false) {
+  std::string header = "{";
+  std::string data;
+  for (size_t i = 0; i < t.size(); ++i) {
+    const bool bf16 = bf16_first && i == 0;
+    const size_t begin = data.size();
+    for (float v : t[i].second) {
+      uint32_t u;
+      std::memcpy(&u, &v, 4);
+      if (bf16) {
+        const uint16_t h = static_cast<uint16_t>(u >> 16);
+        data.append(reinterpret_cast<const char*>(&h), 2);
+      } else {
+        data.append(reinterpret_cast<const char*>(&v), 4);
+      }
+    }
+    absl::StrAppend(&header, i ? "," : "", "\"", t[i].first, "\":{\"dtype\":\"", bf16 ? "BF16" : "F32",
+                    "\",\"shape\":[", t[i].second.size(), "],\"data_offsets\":[", begin, ",",
+                    data.size(), "]}");
+  }
+  header += "}";
+  std::ofstream out(path, std::ios::binary);
+  const uint64_t n = header.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << header << data;
+}
+
+class Safetensors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / absl::StrCat("rssm-st-", getpid(), "-", counter_++);
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "config.json") << R"({"layer_types": ["linear_attention",
+        "full_attention", "linear_attention"], "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16})";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+  static inline int counter_ = 0;
+};
+
+TEST_F(Safetensors, ParametersComeFromTheCheckpointBesideConfigJson) {
+  WriteSafetensors(dir_ / "model-00001.safetensors",
+                   {{"model.layers.0.linear_attn.A_log", {0.5f, -1.0f}},
+                    {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}},
+                    {"model.layers.0.mlp.weight", {9, 9, 9}}},
+                   /*bf16_first=*/true);
+  WriteSafetensors(dir_ / "model-00002.safetensors",
+                   {{"model.layers.2.linear_attn.A_log", {1.5f, 3.0f}},
+                    {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}}});
+  auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->params_from_seed);
+  ASSERT_EQ(m->num_layers, 2);
+  EXPECT_EQ(m->layers[0].a_log, (std::vector<float>{0.5f, -1.0f}));  // from bf16, exact
+  EXPECT_EQ(m->layers[0].dt_bias, (std::vector<float>{0.25f, 2.0f}));
+  EXPECT_EQ(m->layers[1].a_log, (std::vector<float>{1.5f, 3.0f}));
+  EXPECT_EQ(m->layers[1].dt_bias, (std::vector<float>{-0.5f, 0.125f}));
+}
+
+TEST_F(Safetensors, NoCheckpointKeepsTheSeed) {
+  auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(m->params_from_seed);
+}
+
+TEST_F(Safetensors, TensorsThatDoNotFitAreRefusedByName) {
+  WriteSafetensors(dir_ / "model.safetensors",
+                   {{"model.layers.0.linear_attn.A_log", {0.5f, -1.0f, 7.0f}},
+                    {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}},
+                    {"model.layers.2.linear_attn.A_log", {1.5f, 3.0f}},
+                    {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}}});
+  auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("model.layers.0.linear_attn.A_log: expected 2"),
+            std::string::npos)
+      << m.status();
+  WriteSafetensors(dir_ / "model.safetensors",
+                   {{"model.layers.0.linear_attn.A_log", {0.5f, -1.0f}},
+                    {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}}});
+  m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  EXPECT_NE(m.status().message().find("expected A_log and dt_bias for 2"), std::string::npos)
+      << m.status();
+}
+
+}  // namespace
+}  // namespace replayssm::service
