@@ -4,9 +4,12 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <regex>
+#include <optional>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -21,6 +24,23 @@ struct TensorRef {
   int64_t numel = 0;
   uint64_t begin = 0, end = 0;  // absolute file offsets
 };
+
+// For a name like `model.layers.12.linear_attn.A_log`: the layer (12) and whether it is
+// A_log (true) or dt_bias (false); nullopt for any other tensor.
+std::optional<std::pair<int, bool>> MatchParam(const std::string& name) {
+  const bool a_log = absl::EndsWith(name, ".A_log");
+  if (!a_log && !absl::EndsWith(name, ".dt_bias")) return std::nullopt;
+  const size_t at = name.find("layers.");
+  if (at == std::string::npos) return std::nullopt;
+  size_t i = at + 7, digits = 0;
+  int layer = 0;
+  while (i < name.size() && absl::ascii_isdigit(name[i]) && digits < 6) {
+    layer = layer * 10 + (name[i++] - '0');
+    ++digits;
+  }
+  if (digits == 0 || i >= name.size() || name[i] != '.') return std::nullopt;
+  return std::make_pair(layer, a_log);
+}
 
 // name -> tensor, for every A_log / dt_bias of a numbered layer in one file.
 absl::Status ScanFile(const std::string& path, std::map<int, TensorRef>* a_log,
@@ -38,10 +58,9 @@ absl::Status ScanFile(const std::string& path, std::map<int, TensorRef>* a_log,
   if (!google::protobuf::util::JsonStringToMessage(header, &root).ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": the safetensors header is not JSON"));
   }
-  static const std::regex kName(R"(layers\.(\d+)\..*\.(A_log|dt_bias)$)");
   for (const auto& [name, value] : root.fields()) {
-    std::smatch m;
-    if (!std::regex_search(name, m, kName)) continue;
+    const std::optional<std::pair<int, bool>> m = MatchParam(name);
+    if (!m) continue;
     const auto& f = value.struct_value().fields();
     if (!f.count("dtype") || !f.count("shape") || !f.count("data_offsets")) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": incomplete entry"));
@@ -56,7 +75,7 @@ absl::Status ScanFile(const std::string& path, std::map<int, TensorRef>* a_log,
     if (off.size() != 2) return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": bad data_offsets"));
     t.begin = 8 + header_len + static_cast<uint64_t>(off[0].number_value());
     t.end = 8 + header_len + static_cast<uint64_t>(off[1].number_value());
-    (m[2] == "A_log" ? *a_log : *dt_bias)[std::stoi(m[1])] = t;
+    (m->second ? *a_log : *dt_bias)[m->first] = t;
   }
   return absl::OkStatus();
 }
