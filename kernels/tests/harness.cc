@@ -153,6 +153,22 @@ std::vector<uint8_t> Layer::SlotBytes(int s) const {
   return out;
 }
 
+rssm_decode_args Layer::DecodeArgs(int32_t batch, const int32_t* slots, const int32_t* write_pos,
+                                   const Tokens& tok, Buffer& out, const uint8_t* force_fold) {
+  rssm_decode_args a{};
+  a.launch = {RSSM_BACKEND_CPU, nullptr};
+  a.shape = shape;
+  a.params = Params();
+  a.pool = Pool();
+  a.batch = batch;
+  a.slot_idx = slots;
+  a.write_pos = write_pos;
+  a.force_fold = force_fold;
+  a.in = tok.Inputs();
+  a.out = {out.data(), 0};
+  return a;
+}
+
 Tokens::Tokens(const Layer& layer, int count, std::mt19937_64& rng) : n(count) {
   const Config& c = layer.cfg;
   const int64_t qkv_w = 2LL * c.h * c.k + int64_t{c.hv} * c.v;

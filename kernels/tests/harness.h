@@ -63,6 +63,8 @@ struct Config {
 // Prints a Config by name in test output (instead of its bytes).
 inline void PrintTo(const Config& c, std::ostream* os) { *os << c.Name(); }
 
+struct Tokens;
+
 // One layer: shape, parameters, and a pool of slots in host memory (ring poisoned with NaN).
 struct Layer {
   Layer(const Config& c, int num_slots, std::mt19937_64& rng);
@@ -87,6 +89,11 @@ struct Layer {
   std::vector<double> CheckpointState(int s) const;
   // Bytes of slot s in all four tensors (to prove untouched slots stay untouched).
   std::vector<uint8_t> SlotBytes(int s) const;
+  // Decode arguments on the CPU backend over this layer's pool: `batch` rows with the given
+  // slot indices and cursors (may be null for the baseline), inputs `tok`, outputs `out`.
+  rssm_decode_args DecodeArgs(int32_t batch, const int32_t* slots, const int32_t* write_pos,
+                              const Tokens& tok, Buffer& out,
+                              const uint8_t* force_fold = nullptr);
 };
 
 // Activations for n tokens, already rounded to the act dtype; row-major per token.

@@ -18,18 +18,8 @@ struct Call {
 
   rssm_decode_args Decode(const std::vector<int32_t>& slots, const std::vector<int32_t>& w,
                           const Tokens& tok, Buffer& out, const uint8_t* force = nullptr) {
-    rssm_decode_args a{};
-    a.launch = {RSSM_BACKEND_CPU, nullptr};
-    a.shape = layer.shape;
-    a.params = layer.Params();
-    a.pool = layer.Pool();
-    a.batch = static_cast<int32_t>(slots.size());
-    a.slot_idx = slots.data();
-    a.write_pos = w.data();
-    a.force_fold = force;
-    a.in = tok.Inputs();
-    a.out = {out.data(), 0};
-    return a;
+    return layer.DecodeArgs(static_cast<int32_t>(slots.size()), slots.data(), w.data(), tok, out,
+                            force);
   }
 };
 
@@ -180,7 +170,8 @@ TEST(Properties, PrefillEqualsSingleSteps) {
         Tokens one_tok(steps, 1, rng);
         tok.CopyTokenTo(t, one_tok, 0);
         Buffer o(c.act_dtype, int64_t{c.hv} * c.v);
-        rssm_decode_args a = Call(steps).Decode(one, {0}, one_tok, o);
+        const std::vector<int32_t> w0 = {0};  // outlives the args that point at it
+        rssm_decode_args a = Call(steps).Decode(one, w0, one_tok, o);
         ASSERT_EQ(rssm_baseline_decode(&a), RSSM_OK);
         std::vector<uint8_t> expect(o.bytes().size());
         std::memcpy(expect.data(), static_cast<const char*>(out.data()) + t * expect.size(), expect.size());

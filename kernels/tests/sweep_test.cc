@@ -71,17 +71,8 @@ void RunReplayCase(const Config& cfg, int num_requests, uint64_t seed, Stats* wo
     for (int s = 0; s < num_slots; ++s) before[s] = layer.SlotBytes(s);
     Buffer out(cfg.act_dtype, int64_t{B} * cfg.hv * cfg.v);
     out.FillNaN();
-    rssm_decode_args args{};
-    args.launch = {RSSM_BACKEND_CPU, nullptr};
-    args.shape = layer.shape;
-    args.params = layer.Params();
-    args.pool = layer.Pool();
-    args.batch = B;
-    args.slot_idx = slot_idx.data();
-    args.write_pos = write_pos.data();
-    args.force_fold = force.data();
-    args.in = tok.Inputs();
-    args.out = {out.data(), 0};
+    rssm_decode_args args =
+        layer.DecodeArgs(B, slot_idx.data(), write_pos.data(), tok, out, force.data());
     ASSERT_EQ(rssm_replay_decode(&args), RSSM_OK) << rssm_last_error();
     std::vector<bool> in_batch(num_slots, false);
     for (int i = 0; i < B; ++i) {

@@ -26,19 +26,7 @@ class Validation : public ::testing::Test {
     c.l = 4;
     return c;
   }
-  rssm_decode_args Decode() {
-    rssm_decode_args a{};
-    a.launch = {RSSM_BACKEND_CPU, nullptr};
-    a.shape = layer_.shape;
-    a.params = layer_.Params();
-    a.pool = layer_.Pool();
-    a.batch = 2;
-    a.slot_idx = slots_;
-    a.write_pos = pos_;
-    a.in = tok_.Inputs();
-    a.out = {out_.data(), 0};
-    return a;
-  }
+  rssm_decode_args Decode() { return layer_.DecodeArgs(2, slots_, pos_, tok_, out_); }
   // Calls fn and expects INVALID_ARGUMENT with `field` in the message, and no byte changed.
   void ExpectRejected(const std::function<rssm_status()>& fn, const std::string& field) {
     const auto cp = layer_.checkpoint.bytes(), rd = layer_.ring_d.bytes(), rk = layer_.ring_k.bytes();
