@@ -137,4 +137,73 @@ rssm_status rssm_synchronize(const rssm_launch* launch) {
 #endif
 }
 
+rssm_status rssm_alloc_host(int32_t backend, size_t bytes, void** out) {
+  if (out == nullptr) {
+    return Invalid("rssm_alloc_host", "out: expected a non-null pointer, got NULL");
+  }
+  *out = nullptr;
+  if (!KnownBackend(backend)) {
+    return Invalid("rssm_alloc_host",
+                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+  }
+  if (bytes == 0) return RSSM_OK;
+  if (backend == RSSM_BACKEND_CPU) return rssm_alloc(backend, bytes, out);
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaHostAlloc(out, bytes, cudaHostAllocPortable), "rssm_alloc_host");
+#else
+  return NoCuda("rssm_alloc_host");
+#endif
+}
+
+rssm_status rssm_free_host(int32_t backend, void* ptr) {
+  if (!KnownBackend(backend)) {
+    return Invalid("rssm_free_host",
+                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+  }
+  if (ptr == nullptr) return RSSM_OK;
+  if (backend == RSSM_BACKEND_CPU) return rssm_free(backend, ptr);
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaFreeHost(ptr), "rssm_free_host");
+#else
+  return NoCuda("rssm_free_host");
+#endif
+}
+
+rssm_status rssm_stream_create(int32_t backend, void** out) {
+  if (out == nullptr) {
+    return Invalid("rssm_stream_create", "out: expected a non-null pointer, got NULL");
+  }
+  *out = nullptr;
+  if (!KnownBackend(backend)) {
+    return Invalid("rssm_stream_create",
+                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+  }
+  if (backend == RSSM_BACKEND_CPU) return RSSM_OK;
+#ifdef REPLAYSSM_WITH_CUDA
+  cudaStream_t s = nullptr;
+  const rssm_status st =
+      CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rssm_stream_create");
+  if (st == RSSM_OK) *out = s;
+  return st;
+#else
+  return NoCuda("rssm_stream_create");
+#endif
+}
+
+rssm_status rssm_stream_destroy(int32_t backend, void* stream) {
+  if (!KnownBackend(backend)) {
+    return Invalid("rssm_stream_destroy",
+                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+  }
+  if (stream == nullptr) return RSSM_OK;
+  if (backend == RSSM_BACKEND_CPU) {
+    return Invalid("rssm_stream_destroy", "stream: expected NULL on the CPU backend, got a pointer");
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "rssm_stream_destroy");
+#else
+  return NoCuda("rssm_stream_destroy");
+#endif
+}
+
 }  // extern "C"

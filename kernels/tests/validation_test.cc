@@ -214,5 +214,29 @@ TEST(Memory, CpuAllocCopySetFree) {
   EXPECT_EQ(rssm_free(RSSM_BACKEND_CPU, nullptr), RSSM_OK);
 }
 
+TEST(Memory, CpuHostMemoryAndStreams) {
+  void* h = nullptr;
+  ASSERT_EQ(rssm_alloc_host(RSSM_BACKEND_CPU, 100, &h), RSSM_OK);
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(h) % 64, 0u);
+  static_cast<unsigned char*>(h)[99] = 3;
+  EXPECT_EQ(rssm_free_host(RSSM_BACKEND_CPU, h), RSSM_OK);
+  EXPECT_EQ(rssm_free_host(RSSM_BACKEND_CPU, nullptr), RSSM_OK);
+  int placeholder = 0;
+  void* bad = &placeholder;
+  EXPECT_EQ(rssm_alloc_host(5, 10, &bad), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bad, nullptr);
+  EXPECT_NE(std::string(rssm_last_error()).find("backend"), std::string::npos);
+  EXPECT_EQ(rssm_alloc_host(RSSM_BACKEND_CPU, 10, nullptr), RSSM_ERR_INVALID_ARGUMENT);
+  // CPU streams are NULL: work runs at once.
+  void* s = &placeholder;
+  ASSERT_EQ(rssm_stream_create(RSSM_BACKEND_CPU, &s), RSSM_OK);
+  EXPECT_EQ(s, nullptr);
+  EXPECT_EQ(rssm_stream_destroy(RSSM_BACKEND_CPU, nullptr), RSSM_OK);
+  EXPECT_EQ(rssm_stream_destroy(RSSM_BACKEND_CPU, &placeholder), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("stream"), std::string::npos);
+  EXPECT_EQ(rssm_stream_create(7, &s), RSSM_ERR_INVALID_ARGUMENT);
+}
+
 }  // namespace
 }  // namespace replayssm::kernels::testing

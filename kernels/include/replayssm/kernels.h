@@ -227,6 +227,20 @@ rssm_status rssm_memcpy(const rssm_launch* launch, void* dst, const void* src, s
 rssm_status rssm_memset(const rssm_launch* launch, void* dst, int32_t value, size_t bytes);
 rssm_status rssm_synchronize(const rssm_launch* launch);
 
+/* Host staging memory for copies to and from a backend: page-locked (cudaHostAlloc, portable)
+ * on CUDA, so that rssm_memcpy from or to it is a true asynchronous DMA on the stream; plain
+ * 64-byte aligned host memory on CPU. Allocation is slow (pins pages): keep and reuse it. */
+rssm_status rssm_alloc_host(int32_t backend, size_t bytes, void** out);
+rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
+
+/* Streams, so that callers can run independent work (one forward, one transfer) concurrently
+ * without touching a device runtime. CUDA: a non-blocking stream (does not synchronize with
+ * the legacy default stream). CPU: *out = NULL (CPU work runs at once; NULL is the only
+ * CPU stream). Destroying NULL is a no-op. A stream is destroyed only when nothing is queued
+ * on it any more (synchronize first). */
+rssm_status rssm_stream_create(int32_t backend, void** out);
+rssm_status rssm_stream_destroy(int32_t backend, void* stream);
+
 /* Helpers. */
 const char* rssm_status_name(rssm_status status);
 const char* rssm_dtype_name(int32_t dtype); /* "unknown" for an unknown dtype */
