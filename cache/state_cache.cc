@@ -176,6 +176,10 @@ class StateCacheImpl final : public StateCache {
   absl::StatusOr<ExportedState> Export(SlotId id) override;
   absl::StatusOr<int64_t> ExportTo(SlotId id, absl::Span<uint8_t> dst,
                                    std::vector<int32_t>* tokens) override;
+  absl::StatusOr<int64_t> WithCheckpoints(
+      SlotId id, CheckpointAccess access,
+      const std::function<absl::Status(const CheckpointMemory&)>& fn,
+      std::vector<int32_t>* tokens) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginForward(absl::Span<const DecodeRow> rows) override;
   absl::Status Verify(absl::Span<const SlotId> ids, int32_t num_draft,
                       absl::Span<const int32_t> draft_tokens,
@@ -601,6 +605,46 @@ absl::StatusOr<int64_t> StateCacheImpl::ExportTo(SlotId id, absl::Span<uint8_t> 
   s.busy = false;
   if (!st.ok()) return st;
   if (tokens != nullptr) *tokens = s.tokens;
+  return s.seq_len;
+}
+
+absl::StatusOr<int64_t> StateCacheImpl::WithCheckpoints(
+    SlotId id, CheckpointAccess access,
+    const std::function<absl::Status(const CheckpointMemory&)>& fn,
+    std::vector<int32_t>* tokens) {
+  const bool out = access == CheckpointAccess::kExport;
+  if (tokens == nullptr) {
+    return absl::InvalidArgumentError("tokens: expected a non-null vector, got NULL");
+  }
+  int32_t index = -1;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/out);
+    if (!i.ok()) return i.status();
+    index = *i;
+  }
+  CheckpointMemory m{options_.backend, pool_->CheckpointBytes(), {}};
+  for (int32_t l = 0; l < model_.num_layers; ++l) {
+    m.layers.push_back(static_cast<char*>(pool_->LayerPool(l).checkpoint) +
+                       static_cast<size_t>(index) * m.bytes_per_layer);
+  }
+  absl::Status st = absl::OkStatus();
+  if (out) st = Materialize(index, "export");
+  if (st.ok()) st = fn(m);
+  absl::MutexLock lock(&mu_);
+  Slot& s = slots_[index];
+  s.busy = false;
+  if (!st.ok()) {
+    s.broken = s.broken || !out;  // an import may have written part of the state
+    return st;
+  }
+  if (out) {
+    *tokens = s.tokens;
+  } else {
+    s.write_pos = 0;
+    s.seq_len = static_cast<int64_t>(tokens->size());
+    s.tokens = *tokens;
+  }
   return s.seq_len;
 }
 

@@ -250,6 +250,21 @@ absl::StatusOr<v1::TransferSlotResponse> Client::TransferSlot(uint64_t slot,
       [&](auto* c, auto* r) { return transfer_->TransferSlot(c, req, r); });
 }
 
+absl::StatusOr<v1::PullSlotResponse> Client::PullSlot(uint64_t slot,
+                                                     const std::string& peer_address,
+                                                     bool keep_source,
+                                                     const std::string& self_address,
+                                                     std::string request_id) {
+  v1::PullSlotRequest req;
+  req.set_request_id(OrNew(std::move(request_id)));
+  req.set_slot(slot);
+  req.set_peer_address(peer_address);
+  req.set_keep_source(keep_source);
+  req.set_self_address(self_address);
+  return Call<v1::PullSlotResponse>(
+      [&](auto* c, auto* r) { return transfer_->PullSlot(c, req, r); });
+}
+
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health(
     const std::string& service) {
   grpc::health::v1::HealthCheckRequest req;

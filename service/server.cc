@@ -134,6 +134,7 @@ class ServerImpl final : public Server {
           absl::StrCat("--grpc-address ", options_.grpc_address, ": cannot listen"));
     }
     grpc_address_ = absl::StrCat(HostOf(options_.grpc_address), ":", port);
+    transfers_->set_self_address(grpc_address_);  // PullSlot's default self_address
     server_->GetHealthCheckService()->SetServingStatus(true);
     server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
     return options_.metrics_address.empty() ? absl::OkStatus() : ExposeMetrics();

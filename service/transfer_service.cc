@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <thread>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "prometheus/gauge.h"
 #include "service/status_map.h"
@@ -51,18 +54,19 @@ class GrpcPeer final : public transfer::Peer {
 
   absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
                                                 const transfer::StateFormat& format,
-                                                int64_t seq_len) override {
+                                                int64_t seq_len, uint32_t checksum_version) override {
     v1::ReserveTransferRequest req;
     req.set_transfer_id(id);
     *req.mutable_format() = ToProto(format);
     req.set_seq_len(seq_len);
+    req.set_checksum_version(checksum_version);
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
     Deadline(c);
     absl::Status st = FromGrpc(stub_->ReserveTransfer(&c, req, &resp), "ReserveTransfer");
     if (!st.ok()) return st;
     return transfer::Reservation{resp.worker_address(), resp.remote_addr(), resp.rkey(),
-                                 resp.bytes()};
+                                 resp.bytes(), resp.doorbell_addr()};
   }
   absl::StatusOr<cache::SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
                                        uint64_t checksum) override {
@@ -92,6 +96,18 @@ class GrpcPeer final : public transfer::Peer {
   absl::Duration timeout_;
 };
 
+// The fields both transfer forms need: INVALID_ARGUMENT naming the first one missing.
+absl::Status RequireSet(const std::string& request_id, uint64_t slot, const std::string& peer) {
+  const char* missing = request_id.empty() ? "request_id"
+                        : slot == 0        ? "slot"
+                        : peer.empty()     ? "peer_address"
+                                           : nullptr;
+  if (missing == nullptr) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(missing, ": expected it set (request_id, slot and peer_address all are), got ",
+                   slot == 0 && missing[0] == 's' ? "0" : "\"\""));
+}
+
 // Ends the process as a crash would (no cleanup): fault injection for the tests.
 [[noreturn]] void Die() { _exit(86); }
 
@@ -107,7 +123,8 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
   if (!ucx.ok()) return ucx.status();
   s->ucx_ = std::move(*ucx);
   s->receiver_ = std::make_unique<transfer::Receiver>(
-      ctx->cache, s->ucx_.get(), transfer::ReceiverOptions{s->options_.lease, s->options_.max_open});
+      ctx->cache, s->ucx_.get(),
+      transfer::ReceiverOptions{s->options_.lease, s->options_.max_open, s->options_.chunk_bytes});
   if (s->options_.fault == "corrupt") s->receiver_->CorruptNextPayloadForTest();
   s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, s->ucx_.get());
   prometheus::Registry& r = *ctx->metrics->registry();
@@ -142,6 +159,7 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
 }
 
 TransferService::~TransferService() {
+  while (pulls_.load() > 0) absl::SleepFor(absl::Milliseconds(5));  // detached PullSlot waits
   stop_.Notify();
   if (janitor_.joinable()) janitor_.join();
 }
@@ -164,19 +182,18 @@ void TransferService::CountFailure(const absl::Status& status) {
 grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerContext* c,
                                                         const v1::TransferSlotRequest* req,
                                                         v1::TransferSlotResponse* resp) {
-  if (req->request_id().empty() || req->peer_address().empty() || req->slot() == 0) {
-    return Reply(c, "TransferSlot",
-                 absl::InvalidArgumentError("request_id, slot and peer_address: expected all "
-                                            "three set, got a missing one"));
+  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+      !st.ok()) {
+    return Reply(c, "TransferSlot", st);
   }
   GrpcPeer grpc_peer(req->peer_address(), options_.timeout);
   // Fault injection: the sender "dies" between the put and the commit.
   struct DyingPeer final : transfer::Peer {
     transfer::Peer* inner;
     absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
-                                                  const transfer::StateFormat& f,
-                                                  int64_t n) override {
-      return inner->Reserve(id, f, n);
+                                                  const transfer::StateFormat& f, int64_t n,
+                                                  uint32_t version) override {
+      return inner->Reserve(id, f, n, version);
     }
     absl::StatusOr<cache::SlotId> Commit(const std::string&, const std::vector<int32_t>&,
                                          uint64_t) override {
@@ -203,11 +220,77 @@ grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerCont
   return Reply(c, "TransferSlot", absl::OkStatus());
 }
 
+void TransferService::set_self_address(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  self_address_ = address;
+}
+
+namespace {
+
+bool WildcardHost(absl::string_view address) {
+  return absl::StartsWith(address, "0.0.0.0:") || absl::StartsWith(address, "[::]:") ||
+         absl::StartsWith(address, ":");
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext* c,
+                                                    const v1::PullSlotRequest* req,
+                                                    v1::PullSlotResponse* resp) {
+  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+      !st.ok()) {
+    return Reply(c, "PullSlot", st);
+  }
+  std::string self = req->self_address();
+  if (self.empty()) {
+    absl::MutexLock lock(&mu_);
+    self = self_address_;
+  }
+  if (self.empty() || WildcardHost(self)) {
+    return Reply(c, "PullSlot",
+                 absl::InvalidArgumentError(absl::StrCat(
+                     "self_address: expected this server's address as the peer reaches it "
+                     "(host:port), got \"", req->self_address(), "\" and this server listens on \"",
+                     self, "\"")));
+  }
+  // The peer calls back into this server (Reserve, Commit) while this call waits: the wait
+  // runs on a thread of its own, not on one of gRPC's callback threads.
+  grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
+  v1::TransferSlotRequest push;
+  push.set_request_id(req->request_id());
+  push.set_slot(req->slot());
+  push.set_peer_address(self);
+  push.set_keep_source(req->keep_source());
+  pulls_.fetch_add(1);
+  std::thread([this, reactor, resp, push, peer = req->peer_address()] {
+    auto stub = v1::SlotTransfer::NewStub(
+        grpc::CreateChannel(peer, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext cc;
+    cc.set_deadline(absl::ToChronoTime(absl::Now() + 2 * options_.timeout));
+    v1::TransferSlotResponse r;
+    absl::Status st = FromGrpc(stub->TransferSlot(&cc, push, &r), "TransferSlot");
+    if (st.ok()) {
+      resp->set_slot(r.remote_slot());  // the sender's reply names the slot on this server
+      resp->set_seq_len(r.seq_len());
+      resp->set_bytes(r.bytes());
+      resp->set_seconds(r.seconds());
+    } else {
+      CountFailure(st);
+    }
+    const grpc::Status g = ToGrpcStatus(st);
+    ctx_->metrics->CountRpc("PullSlot", g.error_code());
+    reactor->Finish(g);
+    pulls_.fetch_sub(1);
+  }).detach();
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerContext* c,
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
   absl::StatusOr<transfer::Reservation> r =
-      receiver_->Reserve(req->transfer_id(), FromProto(req->format()), req->seq_len());
+      receiver_->Reserve(req->transfer_id(), FromProto(req->format()), req->seq_len(),
+                         req->checksum_version());
   if (!r.ok()) {
     CountFailure(r.status());
     return Reply(c, "ReserveTransfer", r.status());
@@ -216,6 +299,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   resp->set_remote_addr(r->remote_addr);
   resp->set_rkey(r->rkey);
   resp->set_bytes(r->bytes);
+  resp->set_doorbell_addr(r->doorbell_addr);
   return Reply(c, "ReserveTransfer", absl::OkStatus());
 }
 

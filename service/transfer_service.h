@@ -4,10 +4,12 @@
 #ifndef REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
 #define REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
@@ -36,10 +38,16 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   static absl::StatusOr<std::unique_ptr<TransferService>> Create(const ServiceContext* ctx,
                                                                  TransferOptions options);
   ~TransferService() override;
+  // This server's gRPC address (host:port bound), the default for PullSlot's self_address.
+  void set_self_address(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
 
   grpc::ServerUnaryReactor* TransferSlot(grpc::CallbackServerContext* c,
                                          const v1::TransferSlotRequest* req,
                                          v1::TransferSlotResponse* resp) override;
+  // The receiver's pull form: asks the peer's TransferSlot to push its slot here.
+  grpc::ServerUnaryReactor* PullSlot(grpc::CallbackServerContext* c,
+                                     const v1::PullSlotRequest* req,
+                                     v1::PullSlotResponse* resp) override;
   grpc::ServerUnaryReactor* ReserveTransfer(grpc::CallbackServerContext* c,
                                             const v1::ReserveTransferRequest* req,
                                             v1::ReserveTransferResponse* resp) override;
@@ -65,6 +73,9 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   prometheus::Counter* bytes_ = nullptr;
   prometheus::Histogram* seconds_ = nullptr;
   prometheus::Gauge* open_ = nullptr;
+  absl::Mutex mu_;
+  std::string self_address_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> pulls_{0};  // PullSlot calls in flight (each on its own thread)
   absl::Notification stop_;
   std::thread janitor_;  // expires leases
 };

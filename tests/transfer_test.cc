@@ -1,7 +1,8 @@
 // Slot transfers between two real replayssm-server processes over UCX (issue 6): prefill on
 // A, transfer to B, decode on B exactly as on A; a shape mismatch refused before any byte
 // moves; the receiver dying before the commit, the sender dying after the put, a corrupted
-// payload — each leaves A's slot as it was and B with nothing leaked.
+// payload — each leaves A's slot as it was and B with nothing leaked. The pull form (B asks A
+// to send) with the same outcomes.
 #include <chrono>
 #include <sstream>
 #include <thread>
@@ -128,6 +129,38 @@ TEST_F(TransferTest, CorruptedPayloadIsRefused) {
   EXPECT_EQ(Metric(*b, "replayssm_transfer_failures_total{reason=\"DATA_LOSS\"}"), 1);
   auto retry = client_->TransferSlot(s, b->grpc_address(), true);  // the next one is clean
   EXPECT_TRUE(retry.ok()) << retry.status();
+}
+
+TEST_F(TransferTest, PullFormBringsThePeersSlotHere) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  const uint64_t s = PreparedSlot();  // on A; B pulls it
+  auto pulled = cb->PullSlot(s, server_->grpc_address(), /*keep_source=*/true);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->seq_len(), 7);
+  EXPECT_EQ(client_->GetSlot(s)->write_pos(), 0) << "the sender folded before sending";
+  auto on_b = cb->GetSlot(pulled->slot());
+  ASSERT_TRUE(on_b.ok()) << on_b.status();
+  EXPECT_EQ(on_b->seq_len(), 7);
+  auto ea = client_->Export(s), eb = cb->Export(pulled->slot());
+  ASSERT_TRUE(ea.ok() && eb.ok());
+  EXPECT_EQ(ea->SerializeAsString(), eb->SerializeAsString()) << "B holds A's logical state";
+  // Failures change nothing: a slot A does not have, a sender that is not there.
+  auto missing = cb->PullSlot(s ^ 0x1234, server_->grpc_address(), false);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  auto dead = cb->PullSlot(s, "127.0.0.1:1", false);
+  EXPECT_EQ(dead.status().code(), absl::StatusCode::kUnavailable) << dead.status();
+  auto bad = cb->PullSlot(s, server_->grpc_address(), false, "0.0.0.0:5");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("self_address"), std::string::npos) << bad.status();
+  EXPECT_EQ(cb->Stats()->slots_live(), 1) << "only the pulled slot";
+  EXPECT_TRUE(client_->GetSlot(s).ok()) << "the source is still there";
+  // Without keep_source the sender's slot is released.
+  auto moved = cb->PullSlot(s, server_->grpc_address(), /*keep_source=*/false);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cb->Stats()->slots_live(), 2);
 }
 
 TEST_F(TransferTest, DisaggregatedDemoPrefillsHereAndDecodesThere) {

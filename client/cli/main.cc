@@ -1,6 +1,7 @@
 // replayssm-cli: talk to a replayssm-server.
 //   replayssm-cli [--address HOST:PORT] info | stats | health | alloc [TOKEN...] |
-//                 free SLOT | transfer SLOT PEER [--keep] | demo [--requests N] [--steps N] [--seed N]
+//                 free SLOT | transfer SLOT PEER [--keep] |
+//                 pull SLOT PEER [--keep] [--self HOST:PORT] | demo [--requests N] [--steps N] [--seed N]
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -26,6 +27,10 @@ constexpr char kUsage[] =
     "  transfer SLOT PEER [--keep]\n"
     "                       move a slot to the server at PEER (host:port) over UCX; prints\n"
     "                       its handle there; --keep leaves the source slot in place\n"
+    "  pull SLOT PEER [--keep] [--self HOST:PORT]\n"
+    "                       the receiver's form: this server asks PEER to move its slot SLOT\n"
+    "                       here; prints the slot's handle here. --self: this server's\n"
+    "                       address as PEER reaches it (default: the address it listens on)\n"
     "  demo [--requests N] [--steps N] [--seed N] [--disaggregated DECODE_HOST:PORT]\n"
     "                       prefill, batched decode, prefix hit; checked against the CPU\n"
     "                       reference; exits 1 on a mismatch. --disaggregated: prefill here,\n"
@@ -144,6 +149,25 @@ int Run(Client& c, const std::string& cmd, const std::vector<std::string>& args)
     uint64_t slot = 0;
     if (!absl::SimpleAtoi(args[0], &slot)) return Fail(absl::InvalidArgumentError(args[0]));
     auto r = c.TransferSlot(slot, args[1], args.size() == 3);
+    return r.ok() ? PrintJson(*r) : Fail(r.status());
+  }
+  if (cmd == "pull" && args.size() >= 2) {
+    uint64_t slot = 0;
+    if (!absl::SimpleAtoi(args[0], &slot)) {
+      return Fail(absl::InvalidArgumentError("SLOT: expected a slot handle (a number), got " + args[0]));
+    }
+    bool keep = false;
+    std::string self;
+    for (size_t i = 2; i < args.size(); ++i) {
+      if (args[i] == "--keep") {
+        keep = true;
+      } else if (args[i] == "--self" && i + 1 < args.size()) {
+        self = args[++i];
+      } else {
+        return Fail(absl::InvalidArgumentError("pull: expected --keep or --self HOST:PORT, got " + args[i]));
+      }
+    }
+    auto r = c.PullSlot(slot, args[1], keep, self);
     return r.ok() ? PrintJson(*r) : Fail(r.status());
   }
   if (cmd == "demo") return Demo(c, args);

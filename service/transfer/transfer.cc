@@ -1,7 +1,9 @@
 #include "transfer.h"
 
 #include <chrono>
+#include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -15,13 +17,9 @@ uint64_t Mix(uint64_t h, uint64_t v) {
   return h ^ (h >> 32);
 }
 
-uint64_t HashFloats(uint64_t h, const std::vector<float>& v) {
-  return Mix(Checksum(v.data(), v.size() * sizeof(float)), h);
-}
-
-}  // namespace
-
-uint64_t Checksum(const void* data, size_t size) {
+// The layer parameters' hash keeps the first checksum's definition (version 1), so that the
+// format hash of a model does not change with the payload checksum.
+uint64_t HashBytesV1(const void* data, size_t size) {
   const auto* p = static_cast<const uint8_t*>(data);
   uint64_t lane[4] = {1, 2, 3, 4};
   size_t i = 0;
@@ -36,6 +34,12 @@ uint64_t Checksum(const void* data, size_t size) {
   for (; i < size; ++i) h = Mix(h, p[i]);
   return Mix(h, size);
 }
+
+uint64_t HashFloats(uint64_t h, const std::vector<float>& v) {
+  return Mix(HashBytesV1(v.data(), v.size() * sizeof(float)), h);
+}
+
+}  // namespace
 
 StateFormat StateFormat::Of(const cache::ModelSpec& m) {
   StateFormat f;
@@ -83,16 +87,67 @@ absl::Status StateFormat::CheckCompatible(const StateFormat& s) const {
   return absl::OkStatus();
 }
 
+// A registered receive buffer: host memory allocated by UCX (payload, then the doorbell on
+// its own cache line), or device memory registered as is (device-direct). Pooled: fresh
+// pages, registration and pinned staging cost more than a transfer's copies.
+struct Receiver::Buffer {
+  std::unique_ptr<UcxTransport::Region> region;
+  int32_t backend = RSSM_BACKEND_CPU;
+  void* device = nullptr;  // owned (rssm_alloc) when device-direct
+  size_t payload = 0;
+  StagingRing ring;  // host-staged import: pinned buffers + streams
+  ~Buffer() {
+    region.reset();
+    if (device != nullptr) rssm_free(backend, device);
+  }
+  static size_t DoorbellOffset(size_t payload) { return (payload + 63) & ~size_t{63}; }
+  const uint8_t* data() const { return region->data(); }
+  uint8_t* mutable_data() { return region->data(); }
+  uint64_t* doorbell() {
+    return device != nullptr ? nullptr
+                             : reinterpret_cast<uint64_t*>(region->data() + DoorbellOffset(payload));
+  }
+};
+
+// The hand-over between a reservation's import thread and Commit / Abort.
+struct Receiver::Importer {
+  absl::Mutex mu;
+  bool commit ABSL_GUARDED_BY(mu) = false;
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  std::vector<int32_t> tokens ABSL_GUARDED_BY(mu);
+  uint64_t checksum ABSL_GUARDED_BY(mu) = 0;
+  std::atomic<bool> ended{false};  // commit or stop: the thread stops waiting for bytes
+  absl::Status result;             // set by the thread before it ends
+  std::thread thread;
+};
+
 Receiver::Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions options)
-    : cache_(cache), ucx_(ucx), options_(options), format_(StateFormat::Of(cache->model())) {}
+    : cache_(cache),
+      ucx_(ucx),
+      options_(options),
+      format_(StateFormat::Of(cache->model())),
+      path_(options.force_path.value_or(
+          SelectDataPath(cache->options().backend, ucx->cuda_memory()))) {}
 
 Receiver::~Receiver() {
   absl::MutexLock lock(&mu_);
   while (!pending_.empty()) DropLocked(pending_.begin());
 }
 
+void Receiver::Finish(Pending& p, bool abort) {
+  if (p.importer != nullptr) {
+    if (abort) {
+      absl::MutexLock lock(&p.importer->mu);
+      p.importer->stop = true;
+      p.importer->ended = true;
+    }
+    if (p.importer->thread.joinable()) p.importer->thread.join();
+  }
+  if (abort) cache_->Free(p.slot).IgnoreError();  // a reservation's slot is never live
+}
+
 void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
-  cache_->Free(it->second.slot).IgnoreError();  // a reservation's slot is never live
+  Finish(it->second, /*abort=*/true);
   ReturnBufferLocked(std::move(it->second.buffer));
   pending_.erase(it);
 }
@@ -103,7 +158,24 @@ absl::StatusOr<std::unique_ptr<Receiver::Buffer>> Receiver::TakeBufferLocked() {
     spare_.pop_back();
     return b;
   }
-  return ucx_->Allocate(static_cast<size_t>(format_.Bytes()));
+  auto b = std::make_unique<Buffer>();
+  b->payload = static_cast<size_t>(format_.Bytes());
+  b->backend = cache_->options().backend;
+  if (path_ == DataPath::kDeviceDirect) {
+    if (rssm_alloc(b->backend, b->payload, &b->device) != RSSM_OK) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("transfer: device receive buffer: ", rssm_last_error()));
+    }
+    absl::StatusOr<std::unique_ptr<UcxTransport::Region>> r = ucx_->Register(b->device, b->payload);
+    if (!r.ok()) return r.status();
+    b->region = std::move(*r);
+    return b;
+  }
+  absl::StatusOr<std::unique_ptr<UcxTransport::Region>> r =
+      ucx_->Allocate(Buffer::DoorbellOffset(b->payload) + 64);
+  if (!r.ok()) return r.status();
+  b->region = std::move(*r);
+  return b;
 }
 
 void Receiver::ReturnBufferLocked(std::unique_ptr<Buffer> b) {
@@ -133,20 +205,31 @@ int Receiver::open() const {
 }
 
 absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
-                                              const StateFormat& format, int64_t seq_len) {
+                                              const StateFormat& format, int64_t seq_len,
+                                              uint32_t checksum_version) {
   if (transfer_id.empty()) {
     return absl::InvalidArgumentError("transfer_id: expected a non-empty id, got \"\"");
   }
   if (seq_len < 0) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len: expected >= 0, got ", seq_len));
   }
+  if (checksum_version != kChecksumVersion && checksum_version != kChecksumNone) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checksum_version: expected ", kChecksumVersion, " (or ", kChecksumNone,
+        " from a device-direct sender), got ", checksum_version,
+        checksum_version == 0 ? " (a sender from before the chunked protocol: upgrade it)" : ""));
+  }
   absl::Status st = format_.CheckCompatible(format);  // before any byte moves
   if (!st.ok()) return st;
   ExpireLeases();
   absl::MutexLock lock(&mu_);
+  auto reservation = [this](Buffer& b) {
+    uint64_t* bell = b.doorbell();
+    return Reservation{ucx_->address(), b.region->addr(), b.region->rkey(), format_.Bytes(),
+                       bell == nullptr ? 0 : reinterpret_cast<uint64_t>(bell)};
+  };
   if (auto it = pending_.find(transfer_id); it != pending_.end()) {  // a retried Reserve
-    const UcxTransport::Region& region = *it->second.buffer;
-    return Reservation{ucx_->address(), region.addr(), region.rkey(), format_.Bytes()};
+    return reservation(*it->second.buffer);
   }
   if (committed_.count(transfer_id)) {
     return absl::AlreadyExistsError(absl::StrCat("transfer_id: ", transfer_id, " is committed"));
@@ -160,6 +243,7 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
   Pending p;
   p.slot = *slot;
   p.seq_len = seq_len;
+  p.checksum_version = checksum_version;
   p.expires = absl::Now() + options_.lease;
   absl::StatusOr<std::unique_ptr<Buffer>> buffer = TakeBufferLocked();
   if (!buffer.ok()) {
@@ -167,9 +251,123 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
     return buffer.status();
   }
   p.buffer = std::move(*buffer);
-  Reservation r{ucx_->address(), p.buffer->addr(), p.buffer->rkey(), format_.Bytes()};
+  if (uint64_t* bell = p.buffer->doorbell()) __atomic_store_n(bell, 0, __ATOMIC_RELEASE);
+  StartImporter(p);
+  Reservation r = reservation(*p.buffer);
   pending_.emplace(transfer_id, std::move(p));
   return r;
+}
+
+void Receiver::StartImporter(Pending& p) {
+  p.importer = std::make_unique<Importer>();
+  Importer* in = p.importer.get();
+  Buffer* buf = p.buffer.get();
+  const cache::SlotId slot = p.slot;
+  const uint32_t version = p.checksum_version;
+  in->thread = std::thread([this, in, buf, slot, version] {
+    std::vector<int32_t> tokens;
+    absl::StatusOr<int64_t> r = cache_->WithCheckpoints(
+        slot, cache::StateCache::CheckpointAccess::kImport,
+        [&](const cache::StateCache::CheckpointMemory& m) {
+          absl::Status st = path_ == DataPath::kDeviceDirect ? ImportDirect(*buf, *in, m)
+                                                             : ImportChunks(*buf, *in, m, version);
+          if (!st.ok()) return st;
+          absl::MutexLock lock(&in->mu);  // ImportChunks returned: the commit has come
+          tokens = in->tokens;
+          return absl::OkStatus();
+        },
+        &tokens);
+    in->result = r.status();
+  });
+}
+
+absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
+                                    const cache::StateCache::CheckpointMemory& m,
+                                    uint32_t version) {
+  const size_t total = buf.payload;
+  const bool staged = path_ == DataPath::kHostStaged;
+  const size_t chunk = std::min(options_.chunk_bytes, m.bytes_per_layer);
+  if (staged) {
+    absl::Status st = buf.ring.Ensure(m.backend, 2, chunk);
+    if (!st.ok()) return st;
+  }
+  Checksummer sum;
+  const uint64_t* bell = buf.doorbell();
+  size_t done = 0, pieces = 0;
+  int idle = 0;
+  while (done < total) {
+    const size_t landed = std::min<size_t>(__atomic_load_n(bell, __ATOMIC_ACQUIRE), total);
+    if (landed > done) {
+      for (const Piece& p : SplitRange(done, landed, m.bytes_per_layer, chunk)) {
+        uint8_t* src = buf.mutable_data() + p.offset;
+        if (p.offset <= total / 2 && total / 2 < p.offset + p.size && corrupt_next_.exchange(false)) {
+          src[total / 2 - p.offset] ^= 0x5a;  // fault injection: damaged in flight
+        }
+        uint8_t* dst = static_cast<uint8_t*>(m.layers[p.layer]) + p.layer_offset;
+        if (!staged) {
+          sum.CopyAndUpdate(dst, src, p.size);
+          continue;
+        }
+        const int32_t k = static_cast<int32_t>(pieces++ % 2);
+        absl::Status st = buf.ring.Sync(k);  // its previous host -> device copy is done
+        if (!st.ok()) return st;
+        sum.CopyAndUpdate(buf.ring.buffer(k), src, p.size);
+        st = buf.ring.Copy(k, dst, buf.ring.buffer(k), p.size, RSSM_COPY_HOST_TO_DEVICE);
+        if (!st.ok()) return st;
+      }
+      done = landed;
+      idle = 0;
+      continue;
+    }
+    if (in.ended.load(std::memory_order_acquire)) {
+      // A commit comes after the sender's flush: every byte is here, or never will be.
+      if (__atomic_load_n(bell, __ATOMIC_ACQUIRE) > done) continue;
+      return absl::DataLossError(absl::StrCat("payload: ", done, " of ", total,
+                                              " bytes arrived before the commit or abort"));
+    }
+    if (++idle < 256) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  for (int32_t k = 0; staged && k < buf.ring.count(); ++k) {
+    absl::Status st = buf.ring.Sync(k);
+    if (!st.ok()) return st;
+  }
+  absl::MutexLock lock(&in.mu);
+  in.mu.Await(absl::Condition(
+      +[](Importer* i) ABSL_NO_THREAD_SAFETY_ANALYSIS { return i->commit || i->stop; }, &in));
+  if (in.stop) return absl::AbortedError("transfer: aborted");
+  if (version == kChecksumVersion && sum.Digest() != in.checksum) {
+    return absl::DataLossError(
+        "checksum: the received state does not match the sender's; the transfer is aborted");
+  }
+  return absl::OkStatus();
+}
+
+// Device-direct: the bytes are in device memory already; after the commit they are copied
+// into the slot device to device. Device memory cannot be hashed on the host, so the
+// checksum is not verified on this path (the transport's own integrity checks hold).
+absl::Status Receiver::ImportDirect(Buffer& buf, Importer& in,
+                                    const cache::StateCache::CheckpointMemory& m) {
+  {
+    absl::MutexLock lock(&in.mu);
+    in.mu.Await(absl::Condition(
+        +[](Importer* i) ABSL_NO_THREAD_SAFETY_ANALYSIS { return i->commit || i->stop; }, &in));
+    if (in.stop) return absl::AbortedError("transfer: aborted");
+  }
+  const rssm_launch l{m.backend, nullptr};
+  for (size_t layer = 0; layer < m.layers.size(); ++layer) {
+    if (rssm_memcpy(&l, m.layers[layer], static_cast<uint8_t*>(buf.device) + layer * m.bytes_per_layer,
+                    m.bytes_per_layer, RSSM_COPY_DEVICE_TO_DEVICE) != RSSM_OK) {
+      return absl::InternalError(absl::StrCat("transfer: import: ", rssm_last_error()));
+    }
+  }
+  if (rssm_synchronize(&l) != RSSM_OK) {
+    return absl::InternalError(absl::StrCat("transfer: import: ", rssm_last_error()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<cache::SlotId> Receiver::Commit(const std::string& transfer_id,
@@ -184,28 +382,24 @@ absl::StatusOr<cache::SlotId> Receiver::Commit(const std::string& transfer_id,
       return absl::NotFoundError(absl::StrCat("transfer_id: ", transfer_id,
                                               " has no open reservation (expired or aborted)"));
     }
-    p = std::move(it->second);
-    pending_.erase(it);  // no retried Reserve hands this buffer out while it is checked
-    if (corrupt_next_) {
-      p.buffer->data()[p.buffer->size() / 2] ^= 0x5a;
-      corrupt_next_ = false;
+    if (static_cast<int64_t>(tokens.size()) != it->second.seq_len) {
+      const int64_t want = it->second.seq_len;
+      DropLocked(it);
+      return absl::FailedPreconditionError(absl::StrCat("tokens: expected ", want,
+                                                        " (the reserved seq_len), got ", tokens.size()));
     }
+    p = std::move(it->second);
+    pending_.erase(it);  // no retried Reserve or expiry touches it while it is checked
   }
-  const absl::Span<const uint8_t> bytes(p.buffer->data(), p.buffer->size());
-  absl::Status st = absl::OkStatus();
-  if (static_cast<int64_t>(tokens.size()) != p.seq_len) {
-    st = absl::FailedPreconditionError(absl::StrCat("tokens: expected ", p.seq_len,
-                                                    " (the reserved seq_len), got ", tokens.size()));
-  } else if (Checksum(bytes.data(), bytes.size()) != checksum) {
-    st = absl::DataLossError("checksum: the received state does not match the sender's; "
-                             "the transfer is aborted");
+  {
+    absl::MutexLock lock(&p.importer->mu);
+    p.importer->tokens = tokens;
+    p.importer->checksum = checksum;
+    p.importer->commit = true;
+    p.importer->ended = true;
   }
-  std::vector<absl::Span<const uint8_t>> layers;
-  const size_t per = bytes.size() / format_.num_layers;
-  for (int32_t l = 0; st.ok() && l < format_.num_layers; ++l) {
-    layers.emplace_back(bytes.data() + l * per, per);
-  }
-  if (st.ok()) st = cache_->Import(p.slot, tokens, layers);
+  Finish(p, /*abort=*/false);
+  const absl::Status st = p.importer->result;
   absl::MutexLock lock(&mu_);
   ReturnBufferLocked(std::move(p.buffer));
   if (!st.ok()) {
@@ -224,50 +418,129 @@ absl::Status Receiver::Abort(const std::string& transfer_id) {
   return absl::OkStatus();  // aborting twice, or after expiry, is fine
 }
 
-absl::StatusOr<SendResult> Sender::Send(Peer& peer, cache::SlotId slot,
-                                        const std::string& transfer_id,
-                                        const SendOptions& options) {
+absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemory& m,
+                            const std::string& transfer_id, int64_t seq_len, DataPath path,
+                            const SendOptions& options, SendResult& out, bool* reserved,
+                            uint64_t* checksum) {
   using Clock = std::chrono::steady_clock;
-  absl::MutexLock lock(&mu_);
-  SendResult out;
-  auto lap = [t = Clock::now()]() mutable {
+  auto t = Clock::now();
+  auto lap = [&t] {
     const auto now = Clock::now();
     const double s = std::chrono::duration<double>(now - t).count();
     t = now;
     return s;
   };
   const StateFormat format = StateFormat::Of(cache_->model());
-  payload_.resize(static_cast<size_t>(format.Bytes()));
-  std::vector<int32_t> tokens;
-  // The guarded path: folds the slot (write_pos -> 0) or refuses; never a raw read.
-  absl::StatusOr<int64_t> seq_len = cache_->ExportTo(slot, absl::MakeSpan(payload_), &tokens);
-  if (!seq_len.ok()) return seq_len.status();
-  const uint64_t checksum = Checksum(payload_.data(), payload_.size());
-  out.export_seconds = lap();
-  absl::StatusOr<Reservation> r = peer.Reserve(transfer_id, format, *seq_len);
-  if (!r.ok()) return r.status();
+  const bool hashed = path != DataPath::kDeviceDirect;
+  absl::StatusOr<Reservation> r =
+      peer.Reserve(transfer_id, format, seq_len, hashed ? kChecksumVersion : kChecksumNone);
   out.reserve_seconds = lap();
-  absl::Status st = r->bytes == static_cast<int64_t>(payload_.size())
-                        ? absl::OkStatus()
-                        : absl::FailedPreconditionError(absl::StrCat(
-                              "reservation.bytes: expected ", payload_.size(), ", got ", r->bytes));
-  if (st.ok()) {
-    st = ucx_->Put(r->worker_address, payload_.data(), payload_.size(), r->remote_addr, r->rkey,
-                   options.chunk_bytes, options.timeout);
+  if (!r.ok()) return r.status();
+  *reserved = true;
+  if (r->bytes != format.Bytes()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("reservation.bytes: expected ", format.Bytes(), ", got ", r->bytes));
   }
+  absl::StatusOr<std::unique_ptr<UcxTransport::PutStream>> stream =
+      ucx_->OpenPutStream(r->worker_address, r->rkey, options.timeout);
+  if (!stream.ok()) return stream.status();
+  UcxTransport::PutStream& put = **stream;
+  const size_t chunk = std::min(options.chunk_bytes == 0 ? size_t{4 << 20} : options.chunk_bytes,
+                                m.bytes_per_layer);
+  const std::vector<Piece> pieces = SplitPayload(format.num_layers, m.bytes_per_layer, chunk);
+  auto source = [&](const Piece& p) {
+    return static_cast<const uint8_t*>(m.layers[p.layer]) + p.layer_offset;
+  };
+  HashWorker hasher;  // declared after `put`: destroyed first, so it stops reading first
+  // Puts piece i from `src` and rings the doorbell; the ticket of the put.
+  auto send = [&](size_t i, const uint8_t* src) -> absl::StatusOr<uint64_t> {
+    const Piece& p = pieces[i];
+    absl::StatusOr<uint64_t> ticket = put.Write(src, p.size, r->remote_addr + p.offset);
+    if (!ticket.ok() || r->doorbell_addr == 0) return ticket;
+    absl::Status st = put.Signal(r->doorbell_addr, p.offset + p.size);
+    if (!st.ok()) return st;
+    return ticket;
+  };
+  if (path != DataPath::kHostStaged) {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      if (hashed) hasher.Submit(source(pieces[i]), pieces[i].size);
+      absl::StatusOr<uint64_t> ticket = send(i, source(pieces[i]));
+      if (!ticket.ok()) return ticket.status();
+    }
+  } else {
+    constexpr int32_t kRing = 4;  // staging buffers: copy ahead while earlier chunks are put
+    absl::Status st = ring_.Ensure(m.backend, kRing, chunk);
+    if (!st.ok()) return st;
+    uint64_t put_ticket[kRing] = {}, hash_ticket[kRing] = {};
+    auto stage = [&](size_t i) {
+      const int32_t k = static_cast<int32_t>(i % kRing);
+      absl::Status s = put.WaitFor(put_ticket[k]);  // the buffer's last put and hash are done
+      hasher.WaitFor(hash_ticket[k]);
+      if (s.ok()) s = ring_.Copy(k, ring_.buffer(k), source(pieces[i]), pieces[i].size,
+                                 RSSM_COPY_DEVICE_TO_HOST);
+      return s;
+    };
+    if (!pieces.empty()) st = stage(0);
+    for (size_t i = 0; st.ok() && i < pieces.size(); ++i) {
+      const int32_t k = static_cast<int32_t>(i % kRing);
+      if (i + 1 < pieces.size()) st = stage(i + 1);  // overlaps this chunk's put
+      if (st.ok()) st = ring_.Sync(k);
+      if (!st.ok()) break;
+      hash_ticket[k] = hasher.Submit(ring_.buffer(k), pieces[i].size);
+      absl::StatusOr<uint64_t> ticket = send(i, ring_.buffer(k));
+      if (!ticket.ok()) st = ticket.status();
+      else put_ticket[k] = *ticket;
+    }
+    if (!st.ok()) return st;
+  }
+  absl::Status st = put.Finish();
+  if (!st.ok()) return st;
+  *checksum = hasher.Finish();
   out.put_seconds = lap();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SendResult> Sender::Send(Peer& peer, cache::SlotId slot,
+                                        const std::string& transfer_id,
+                                        const SendOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  absl::MutexLock lock(&mu_);
+  const auto t0 = Clock::now();
+  SendResult out;
+  out.path = options.force_path.value_or(
+      SelectDataPath(cache_->options().backend, ucx_->cuda_memory()));
+  absl::StatusOr<cache::SlotInfo> info = cache_->Info(slot);
+  if (!info.ok()) return info.status();
+  const int64_t seq_len = info->seq_len;
+  uint64_t checksum = 0;
+  bool reserved = false;
+  std::vector<int32_t> tokens;
+  // The guarded path: folds the slot (write_pos -> 0) or refuses, then streams its memory.
+  absl::StatusOr<int64_t> exported = cache_->WithCheckpoints(
+      slot, cache::StateCache::CheckpointAccess::kExport,
+      [&](const cache::StateCache::CheckpointMemory& m) {
+        out.export_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+        return PutAll(peer, m, transfer_id, seq_len, out.path, options, out, &reserved, &checksum);
+      },
+      &tokens);
+  absl::Status st = exported.status();
+  if (st.ok() && *exported != seq_len) {
+    st = absl::FailedPreconditionError(absl::StrCat(
+        "slot: seq_len changed from ", seq_len, " to ", *exported, " while it was being sent"));
+  }
+  const auto t1 = Clock::now();
   absl::StatusOr<cache::SlotId> remote =
       st.ok() ? peer.Commit(transfer_id, tokens, checksum) : absl::StatusOr<cache::SlotId>(st);
-  out.commit_seconds = lap();
+  out.commit_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   if (!remote.ok()) {
-    peer.Abort(transfer_id).IgnoreError();  // best effort; the lease covers a dead peer
+    if (reserved) peer.Abort(transfer_id).IgnoreError();  // best effort; the lease covers a dead peer
     return remote.status();
   }
   if (!options.keep_source) cache_->Free(slot).IgnoreError();
   out.remote_slot = *remote;
-  out.bytes = static_cast<int64_t>(payload_.size());
-  out.seq_len = *seq_len;
-  out.seconds = out.export_seconds + out.reserve_seconds + out.put_seconds + out.commit_seconds;
+  out.bytes = StateFormat::Of(cache_->model()).Bytes();
+  out.seq_len = seq_len;
+  out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return out;
 }
 

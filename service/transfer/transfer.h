@@ -1,20 +1,22 @@
 // Slot transfer between instances (prefill/decode disaggregation), minus the wire: the
 // receiver's reservations with leases, the sender's export → put → commit sequence, and the
-// checks between them. gRPC carries the control messages (service/), UCX the bytes
-// (ucx_transport.h); both sides talk to their peer through the Peer interface, so tests can
-// swap in an in-process peer and inject faults.
+// checks between them, pipelined chunk by chunk (pipeline.h). gRPC carries the control
+// messages (service/), UCX the bytes (ucx_transport.h); both sides talk to their peer through
+// the Peer interface, so tests can swap in an in-process peer and inject faults.
 //
-// The invariant (DESIGN §2): a state leaves a slot only fully flushed. The sender exports
-// through the cache's guard (it folds, write_pos -> 0) and never reads a slot's memory
-// itself; the receiver's slot starts with write_pos 0 and the sender's seq_len, checked.
+// The invariant (DESIGN §2): a state leaves a slot only fully flushed. The sender reads a
+// slot's memory only inside the cache's guard (StateCache::WithCheckpoints, which folds
+// first: write_pos -> 0); the receiver's slot starts with write_pos 0 and the sender's seq_len, checked.
 //
 // Thread safety: both classes are thread-safe.
 #ifndef REPLAYSSM_SERVICE_TRANSFER_TRANSFER_H_
 #define REPLAYSSM_SERVICE_TRANSFER_TRANSFER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +25,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
+#include "checksum.h"
+#include "pipeline.h"
 #include "ucx_transport.h"
 
 namespace replayssm::transfer {
@@ -42,66 +46,85 @@ struct StateFormat {
   absl::Status CheckCompatible(const StateFormat& sender) const;
 };
 
-// 64-bit checksum of the payload (four interleaved multiply-xorshift lanes; not crypto).
-uint64_t Checksum(const void* data, size_t size);
-
 // The receiver's answer to Reserve: where to put the bytes.
 struct Reservation {
   std::string worker_address;  // UCX worker of the receiver
-  uint64_t remote_addr = 0;
+  uint64_t remote_addr = 0;    // the payload, layer-major
   std::string rkey;
   int64_t bytes = 0;
+  // Where the sender writes, after each chunk (fenced), how many payload bytes have landed,
+  // so the receiver imports chunk by chunk while the rest is in flight; 0 = no doorbell
+  // (a device-direct receiver imports at the commit).
+  uint64_t doorbell_addr = 0;
 };
 
 struct ReceiverOptions {
   absl::Duration lease = absl::Seconds(30);  // a reservation not committed by then is dropped
   int32_t max_open = 16;                     // concurrent reservations
+  size_t chunk_bytes = 4 << 20;              // import granularity (and staging buffer size)
+  // Tests only: forces a path (e.g. the host-staged one on the CPU backend).
+  std::optional<DataPath> force_path;
 };
 
-// The receiving side: holds reservations (a slot, a registered host buffer) until Commit,
-// Abort or lease expiry; commits are idempotent by transfer id.
+// The receiving side: holds reservations (a slot, a registered receive buffer, an importer
+// thread that moves each landed chunk into the slot and hashes it) until Commit, Abort or
+// lease expiry; commits are idempotent by transfer id. The reserved slot is written before
+// the commit but is nobody's until then: a failed or abandoned transfer frees it.
 class Receiver {
  public:
   Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions options);
   ~Receiver();
 
+  // checksum_version: what the sender computes (kChecksumVersion, or 0 for a device-direct
+  // sender that cannot hash device memory).
   absl::StatusOr<Reservation> Reserve(const std::string& transfer_id, const StateFormat& format,
-                                      int64_t seq_len);
-  // Verifies the payload's checksum and seq_len, imports it into the reserved slot and makes
-  // it live. A retry of a committed id returns the same slot.
+                                      int64_t seq_len, uint32_t checksum_version);
+  // Waits for the import of every byte, verifies the checksum and seq_len and makes the slot
+  // live. A retry of a committed id returns the same slot.
   absl::StatusOr<cache::SlotId> Commit(const std::string& transfer_id,
                                        const std::vector<int32_t>& tokens, uint64_t checksum);
   absl::Status Abort(const std::string& transfer_id);
   // Drops reservations past their lease (also done on every Reserve); returns how many.
   int ExpireLeases();
   int open() const;
+  DataPath path() const { return path_; }
 
-  // For tests: flips a byte of the next committed payload before it is verified.
+  // For tests: flips a byte of the next payload as it lands, before it is hashed.
   void CorruptNextPayloadForTest() { corrupt_next_ = true; }
 
  private:
-  // A registered receive buffer; kept for reuse, since fresh pages and registration cost
-  // more than the copy itself.
-  using Buffer = UcxTransport::Region;  // allocated by UCX (see UcxTransport::Allocate)
+  struct Buffer;    // a registered receive buffer (host, UCX-allocated; or device)
+  struct Importer;  // one reservation's import thread and its hand-over with Commit
   struct Pending {
     cache::SlotId slot = cache::kPaddingSlot;
     int64_t seq_len = 0;
+    uint32_t checksum_version = 0;
     std::unique_ptr<Buffer> buffer;
+    std::unique_ptr<Importer> importer;
     absl::Time expires;
   };
   void DropLocked(std::map<std::string, Pending>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::unique_ptr<Buffer>> TakeBufferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReturnBufferLocked(std::unique_ptr<Buffer> b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartImporter(Pending& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The import thread's work inside the cache's guard: consume chunks as the doorbell says
+  // they landed, then wait for the commit and verify.
+  absl::Status ImportChunks(Buffer& buf, Importer& in, const cache::StateCache::CheckpointMemory& m,
+                            uint32_t checksum_version);
+  absl::Status ImportDirect(Buffer& buf, Importer& in, const cache::StateCache::CheckpointMemory& m);
+  // Ends a pending's importer (abort) and frees its slot; the buffer goes back to the pool.
+  void Finish(Pending& p, bool abort);
 
   cache::StateCache* const cache_;
   UcxTransport* const ucx_;
   const ReceiverOptions options_;
   const StateFormat format_;
+  const DataPath path_;
   mutable absl::Mutex mu_;
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, cache::SlotId> committed_ ABSL_GUARDED_BY(mu_);  // recent, for retries
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);
-  bool corrupt_next_ = false;
+  std::atomic<bool> corrupt_next_{false};
 };
 
 // How a sender reaches its peer's Receiver (gRPC in the service, direct calls in tests).
@@ -109,7 +132,8 @@ class Peer {
  public:
   virtual ~Peer() = default;
   virtual absl::StatusOr<Reservation> Reserve(const std::string& transfer_id,
-                                              const StateFormat& format, int64_t seq_len) = 0;
+                                              const StateFormat& format, int64_t seq_len,
+                                              uint32_t checksum_version) = 0;
   virtual absl::StatusOr<cache::SlotId> Commit(const std::string& transfer_id,
                                                const std::vector<int32_t>& tokens,
                                                uint64_t checksum) = 0;
@@ -118,22 +142,29 @@ class Peer {
 
 struct SendOptions {
   bool keep_source = false;       // false: the sender's slot is freed after the commit
-  size_t chunk_bytes = 4 << 20;   // UCX put granularity
+  size_t chunk_bytes = 4 << 20;   // UCX put granularity (and staging buffer size)
   absl::Duration timeout = absl::Seconds(30);
+  std::optional<DataPath> force_path;  // tests only
 };
 
 struct SendResult {
   cache::SlotId remote_slot = cache::kPaddingSlot;
   int64_t bytes = 0;
   int64_t seq_len = 0;
+  DataPath path = DataPath::kHostDirect;
   double seconds = 0;  // all of it; the phases below add up to about this
+  // export: the fold (materialize); reserve: the peer's reservation; put: the pipelined
+  // stage + hash + put + flush; commit: the peer's wait for its last chunks, verify, commit.
   double export_seconds = 0, reserve_seconds = 0, put_seconds = 0, commit_seconds = 0;
 };
 
-// The sending side: moves a slot to a peer. On any failure the peer's reservation is
-// aborted (or left to its lease) and the local slot is as it was (export only folds, which
-// keeps its logical state). Sends through one Sender run one at a time (it reuses its
-// payload buffer); use several Senders for parallel transfers.
+// The sending side: moves a slot to a peer. The slot is held (busy) from the fold to the end
+// of the put: chunks go straight from its memory (CPU; CUDA with a CUDA-capable UCX) or
+// through a ring of pinned staging buffers (device -> host of chunk i+1 while chunk i is put)
+// and are hashed beside the puts. On any failure the peer's reservation is aborted (or left
+// to its lease) and the local slot is as it was (export only folds, which keeps its logical
+// state). Sends through one Sender run one at a time (it reuses its staging ring); use
+// several Senders for parallel transfers.
 class Sender {
  public:
   Sender(cache::StateCache* cache, UcxTransport* ucx) : cache_(cache), ucx_(ucx) {}
@@ -141,10 +172,18 @@ class Sender {
                                   const SendOptions& options);
 
  private:
+  // Inside the cache's guard: reserves on the peer (*reserved = true once it did) and puts
+  // every chunk; fills out's reserve/put times and *checksum.
+  absl::Status PutAll(Peer& peer, const cache::StateCache::CheckpointMemory& m,
+                      const std::string& transfer_id, int64_t seq_len, DataPath path,
+                      const SendOptions& options, SendResult& out, bool* reserved,
+                      uint64_t* checksum)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   cache::StateCache* const cache_;
   UcxTransport* const ucx_;
   absl::Mutex mu_;
-  std::vector<uint8_t> payload_ ABSL_GUARDED_BY(mu_);
+  StagingRing ring_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace replayssm::transfer

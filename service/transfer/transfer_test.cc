@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
 #include "test_model.h"
 
 namespace replayssm::transfer {
@@ -28,8 +32,8 @@ class DirectPeer : public Peer {
  public:
   explicit DirectPeer(Receiver* r) : r_(r) {}
   absl::StatusOr<Reservation> Reserve(const std::string& id, const StateFormat& f,
-                                      int64_t seq_len) override {
-    return r_->Reserve(id, f, seq_len);
+                                      int64_t seq_len, uint32_t version) override {
+    return r_->Reserve(id, f, seq_len, version);
   }
   absl::StatusOr<SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
                                 uint64_t checksum) override {
@@ -70,6 +74,12 @@ class TransferTest : public ::testing::Test {
     for (int l = 0; l < c.model().num_layers; ++l) EXPECT_TRUE((*f)->RunLayer(l, b.io[l]).ok());
     EXPECT_TRUE((*f)->Commit().ok());
     return b.out;
+  }
+  // What a sender does after its puts: tells the receiver how many bytes have landed.
+  void RingDoorbell(const Reservation& r, uint64_t landed) {
+    ASSERT_NE(r.doorbell_addr, 0u);
+    ASSERT_TRUE(ucx_a_->Put(r.worker_address, &landed, sizeof(landed), r.doorbell_addr, r.rkey, 0,
+                            absl::Seconds(10)).ok());
   }
   std::unique_ptr<StateCache> a_, b_;
   std::unique_ptr<UcxTransport> ucx_a_, ucx_b_;
@@ -154,7 +164,8 @@ TEST_F(TransferTest, RetriesAreSafe) {
   const SlotId s = Prepare(0);
   Receiver rx(b_.get(), ucx_b_.get(), {});
   const StateFormat f = StateFormat::Of(a_->model());
-  absl::StatusOr<Reservation> r1 = rx.Reserve("t6", f, 3), r2 = rx.Reserve("t6", f, 3);
+  absl::StatusOr<Reservation> r1 = rx.Reserve("t6", f, 3, kChecksumVersion),
+                              r2 = rx.Reserve("t6", f, 3, kChecksumVersion);
   ASSERT_TRUE(r1.ok() && r2.ok());
   EXPECT_EQ(r1->remote_addr, r2->remote_addr);
   EXPECT_EQ(rx.open(), 1);
@@ -163,12 +174,122 @@ TEST_F(TransferTest, RetriesAreSafe) {
   for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
   ASSERT_TRUE(ucx_a_->Put(r1->worker_address, payload.data(), payload.size(), r1->remote_addr,
                           r1->rkey, 1 << 20, absl::Seconds(10)).ok());
+  RingDoorbell(*r1, payload.size());
   const uint64_t sum = Checksum(payload.data(), payload.size());
   absl::StatusOr<SlotId> c1 = rx.Commit("t6", e->tokens, sum), c2 = rx.Commit("t6", e->tokens, sum);
   ASSERT_TRUE(c1.ok() && c2.ok());
   EXPECT_EQ(*c1, *c2);
   EXPECT_EQ(b_->stats().slots_live, 1);
-  EXPECT_EQ(rx.Reserve("t6", f, 3).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(rx.Reserve("t6", f, 3, kChecksumVersion).status().code(),
+            absl::StatusCode::kAlreadyExists);
+}
+
+TEST_F(TransferTest, HostStagedPipelineMovesTheSameBytes) {
+  // The staging ring (pinned buffers, streams, copy ahead) on both sides, forced on the CPU
+  // backend; a chunk that splits layers unevenly and is not a multiple of 64 bytes.
+  const SlotId s = Prepare(2);
+  Receiver rx(b_.get(), ucx_b_.get(),
+              {.chunk_bytes = 1000, .force_path = DataPath::kHostStaged});
+  DirectPeer peer(&rx);
+  Sender sender(a_.get(), ucx_a_.get());
+  for (size_t chunk : {size_t{1000}, size_t{4096}, size_t{1} << 30}) {
+    absl::StatusOr<SendResult> r = sender.Send(
+        peer, s, absl::StrCat("staged-", chunk),
+        {.keep_source = true, .chunk_bytes = chunk, .force_path = DataPath::kHostStaged});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->path, DataPath::kHostStaged);
+    absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
+    ASSERT_TRUE(ea.ok() && eb.ok());
+    EXPECT_EQ(ea->checkpoints, eb->checkpoints) << "chunk " << chunk;
+    ASSERT_TRUE(b_->Free(r->remote_slot).ok());
+  }
+  EXPECT_EQ(rx.open(), 0);
+}
+
+TEST_F(TransferTest, CommitBeforeEveryByteLandedIsDataLoss) {
+  Receiver rx(b_.get(), ucx_b_.get(), {});
+  const StateFormat f = StateFormat::Of(a_->model());
+  absl::StatusOr<Reservation> r = rx.Reserve("half", f, 0, kChecksumVersion);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<uint8_t> payload(static_cast<size_t>(f.Bytes()), 3);
+  ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size() / 2, r->remote_addr,
+                          r->rkey, 0, absl::Seconds(10)).ok());
+  RingDoorbell(*r, payload.size() / 2);
+  absl::StatusOr<SlotId> c = rx.Commit("half", {}, Checksum(payload.data(), payload.size()));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << c.status();
+  EXPECT_NE(c.status().message().find("of " + std::to_string(payload.size()) + " bytes"),
+            std::string::npos) << c.status();
+  EXPECT_EQ(rx.open(), 0);
+  EXPECT_EQ(b_->stats().slots_live, 0) << "the reserved slot went back";
+}
+
+TEST_F(TransferTest, AnUnknownChecksumVersionIsRefusedBeforeAnyByteMoves) {
+  Receiver rx(b_.get(), ucx_b_.get(), {});
+  absl::StatusOr<Reservation> r = rx.Reserve("v0", StateFormat::Of(a_->model()), 0, 0);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("checksum_version: expected 2"), std::string::npos)
+      << r.status();
+  EXPECT_EQ(rx.open(), 0);
+  EXPECT_EQ(b_->stats().slots_live, 0);
+}
+
+TEST(DataPath, FollowsTheBackendAndTheUcxCudaCapability) {
+  EXPECT_EQ(SelectDataPath(RSSM_BACKEND_CPU, false), DataPath::kHostDirect);
+  EXPECT_EQ(SelectDataPath(RSSM_BACKEND_CPU, true), DataPath::kHostDirect)
+      << "host memory never needs CUDA support";
+  EXPECT_EQ(SelectDataPath(RSSM_BACKEND_CUDA, false), DataPath::kHostStaged);
+  EXPECT_EQ(SelectDataPath(RSSM_BACKEND_CUDA, true), DataPath::kDeviceDirect);
+  // The capability as the transport reports it, faked both ways.
+  auto ucx = UcxTransport::Create();
+  ASSERT_TRUE(ucx.ok());
+  (*ucx)->OverrideCudaMemoryForTest(true);
+  EXPECT_EQ(SelectDataPath(RSSM_BACKEND_CUDA, (*ucx)->cuda_memory()), DataPath::kDeviceDirect);
+  (*ucx)->OverrideCudaMemoryForTest(false);
+  EXPECT_EQ(SelectDataPath(RSSM_BACKEND_CUDA, (*ucx)->cuda_memory()), DataPath::kHostStaged);
+  auto cache = MakeCache("tiny-gdn", 2);
+  (*ucx)->OverrideCudaMemoryForTest(true);
+  Receiver rx(cache.get(), ucx->get(), {});
+  EXPECT_EQ(rx.path(), DataPath::kHostDirect) << "a CPU-backend receiver stays on host memory";
+  EXPECT_STREQ(DataPathName(DataPath::kHostStaged), "host-staged");
+}
+
+TEST(SplitPayload, ChunksCoverThePayloadAndNeverCrossALayer) {
+  const std::vector<Piece> p = SplitPayload(3, 1000, 384);
+  size_t next = 0;
+  for (const Piece& x : p) {
+    EXPECT_EQ(x.offset, next);
+    EXPECT_EQ(x.offset, x.layer * 1000 + x.layer_offset);
+    EXPECT_LE(x.layer_offset + x.size, 1000u);
+    EXPECT_LE(x.size, 384u);
+    next += x.size;
+  }
+  EXPECT_EQ(next, 3000u);
+  EXPECT_EQ(p.size(), 9u);  // 384 + 384 + 232 per layer
+  EXPECT_EQ(SplitRange(900, 1100, 1000, 384).size(), 2u) << "split at the layer boundary";
+}
+
+TEST(Checksum, ChunkByChunkEqualsOneShotForAnySplit) {
+  std::vector<uint8_t> x(100003);
+  std::mt19937 rng(9);
+  for (auto& b : x) b = static_cast<uint8_t>(rng());
+  const uint64_t whole = Checksum(x.data(), x.size());
+  for (size_t step : {1, 7, 63, 64, 65, 4096, 99999}) {
+    Checksummer c, copied;
+    std::vector<uint8_t> dst(x.size());
+    for (size_t off = 0; off < x.size(); off += step) {
+      const size_t n = std::min(step, x.size() - off);
+      c.Update(x.data() + off, n);
+      copied.CopyAndUpdate(dst.data() + off, x.data() + off, n);
+    }
+    EXPECT_EQ(c.Digest(), whole) << "step " << step;
+    EXPECT_EQ(copied.Digest(), whole) << "step " << step;
+    EXPECT_EQ(dst, x);
+  }
+  for (size_t i : {size_t{0}, size_t{63}, size_t{64}, size_t{50000}, x.size() - 1}) {
+    x[i] ^= 0x10;
+    EXPECT_NE(Checksum(x.data(), x.size()), whole) << "a flipped bit at " << i;
+    x[i] ^= 0x10;
+  }
 }
 
 TEST(StateFormat, BytesAndChecksum) {

@@ -218,60 +218,124 @@ void UcxTransport::ForgetPeerLocked(const std::string& peer_address) {
   eps_.erase(ep);
 }
 
+absl::StatusOr<std::unique_ptr<UcxTransport::PutStream>> UcxTransport::OpenPutStream(
+    const std::string& peer_address, const std::string& rkey, absl::Duration timeout) {
+  if (peer_address.empty() || rkey.empty()) {
+    return absl::InvalidArgumentError("ucx put: expected a peer address and an rkey, got an empty one");
+  }
+  std::unique_ptr<PutStream> p(new PutStream());
+  p->ucx_ = this;
+  p->peer_ = peer_address;
+  p->deadline_ = absl::Now() + timeout;
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::StatusOr<std::pair<void*, void*>> er = EndpointAndKeyLocked(peer_address, rkey);
+  if (!er.ok()) return er.status();
+  p->ep_ = er->first;
+  p->rkey_ = er->second;
+  return p;
+}
+
+UcxTransport::PutStream::~PutStream() {
+  if (finished_) return;
+  std::lock_guard<std::mutex> lock(ucx_->mu_);
+  for (auto& [ticket, req] : pending_) {
+    ucp_request_cancel(Worker(ucx_->worker_), req);
+    ucp_request_free(req);
+  }
+  ucx_->ForgetPeerLocked(peer_);  // the next transfer starts from a fresh endpoint
+}
+
+absl::Status UcxTransport::PutStream::WaitOldest() {
+  const auto [ticket, req] = pending_.front();
+  pending_.pop_front();
+  absl::Status st = ucx_->Wait(req, "put", deadline_);
+  if (!st.ok()) failed_ = true;
+  completed_ = std::max(completed_, ticket);
+  return st;
+}
+
+absl::StatusOr<uint64_t> UcxTransport::PutStream::Write(const void* local, size_t size,
+                                                         uint64_t remote_addr) {
+  constexpr size_t kInFlight = 8;  // puts outstanding before waiting on the oldest
+  if (failed_ || finished_) return absl::FailedPreconditionError("ucx put: the stream is closed");
+  const uint64_t ticket = ++issued_;
+  ucs_status_ptr_t req;
+  {
+    std::lock_guard<std::mutex> lock(ucx_->mu_);
+    ucp_request_param_t rp{};
+    req = ucp_put_nbx(static_cast<ucp_ep_h>(ep_), local, size, remote_addr,
+                      static_cast<ucp_rkey_h>(rkey_), &rp);
+  }
+  if (UCS_PTR_IS_ERR(req)) {
+    failed_ = true;
+    return UcsError(UCS_PTR_STATUS(req), "put");
+  }
+  if (req == nullptr) {
+    if (pending_.empty()) completed_ = ticket;
+  } else {
+    pending_.emplace_back(ticket, req);
+  }
+  while (pending_.size() > kInFlight) {
+    absl::Status st = WaitOldest();
+    if (!st.ok()) return st;
+  }
+  return ticket;
+}
+
+absl::Status UcxTransport::PutStream::Signal(uint64_t remote_addr, uint64_t value) {
+  {
+    std::lock_guard<std::mutex> lock(ucx_->mu_);
+    const ucs_status_t s = ucp_worker_fence(Worker(ucx_->worker_));
+    if (s != UCS_OK) {
+      failed_ = true;
+      return UcsError(s, "fence");
+    }
+  }
+  signals_.push_back(value);
+  if (signals_.size() > 64 && pending_.empty()) signals_.erase(signals_.begin(), signals_.end() - 1);
+  return Write(&signals_.back(), sizeof(uint64_t), remote_addr).status();
+}
+
+absl::Status UcxTransport::PutStream::WaitFor(uint64_t ticket) {
+  while (completed_ < ticket && !pending_.empty()) {
+    absl::Status st = WaitOldest();
+    if (!st.ok()) return st;
+  }
+  if (pending_.empty()) completed_ = issued_;
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::PutStream::Finish() {
+  absl::Status st = WaitFor(issued_);
+  if (!st.ok()) return st;
+  ucs_status_ptr_t req;
+  {
+    std::lock_guard<std::mutex> lock(ucx_->mu_);
+    ucp_request_param_t rp{};
+    req = ucp_ep_flush_nbx(static_cast<ucp_ep_h>(ep_), &rp);
+  }
+  st = ucx_->Wait(req, "flush", deadline_);
+  if (!st.ok()) {
+    failed_ = true;
+    return st;
+  }
+  finished_ = true;
+  return absl::OkStatus();
+}
+
 absl::Status UcxTransport::Put(const std::string& peer_address, const void* local, size_t size,
                                uint64_t remote_addr, const std::string& rkey, size_t chunk,
                                absl::Duration timeout) {
-  if (peer_address.empty() || rkey.empty()) {
-    return absl::InvalidArgumentError("ucx put: expected a peer address and an rkey");
-  }
+  absl::StatusOr<std::unique_ptr<PutStream>> stream = OpenPutStream(peer_address, rkey, timeout);
+  if (!stream.ok()) return stream.status();
   if (chunk == 0) chunk = size;
-  const absl::Time deadline = absl::Now() + timeout;
-  constexpr size_t kInFlight = 8;  // chunks outstanding before waiting on the oldest
-  std::vector<ucs_status_ptr_t> pending;
-  absl::Status st = absl::OkStatus();
   const char* src = static_cast<const char*>(local);
-  ucp_ep_h ep = nullptr;
-  for (size_t off = 0; st.ok() && off < size; off += chunk) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      absl::StatusOr<std::pair<void*, void*>> er = EndpointAndKeyLocked(peer_address, rkey);
-      if (!er.ok()) {
-        st = er.status();
-        break;
-      }
-      ep = static_cast<ucp_ep_h>(er->first);
-      ucp_request_param_t rp{};
-      ucs_status_ptr_t req = ucp_put_nbx(ep, src + off, std::min(chunk, size - off),
-                                         remote_addr + off, static_cast<ucp_rkey_h>(er->second), &rp);
-      if (UCS_PTR_IS_ERR(req)) {
-        st = UcsError(UCS_PTR_STATUS(req), "put");
-        break;
-      }
-      if (req != nullptr) pending.push_back(req);
-    }
-    if (pending.size() >= kInFlight) {
-      st = Wait(pending.front(), "put", deadline);
-      pending.erase(pending.begin());
-    }
+  for (size_t off = 0; off < size; off += chunk) {
+    absl::StatusOr<uint64_t> t = (*stream)->Write(src + off, std::min(chunk, size - off),
+                                                  remote_addr + off);
+    if (!t.ok()) return t.status();
   }
-  for (ucs_status_ptr_t req : pending) {
-    const absl::Status w = Wait(req, "put", deadline);
-    if (st.ok()) st = w;
-  }
-  if (st.ok() && ep != nullptr) {
-    ucs_status_ptr_t req;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ucp_request_param_t rp{};
-      req = ucp_ep_flush_nbx(ep, &rp);
-    }
-    st = Wait(req, "flush", deadline);
-  }
-  if (!st.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ForgetPeerLocked(peer_address);  // the next transfer starts from a fresh endpoint
-  }
-  return st;
+  return (*stream)->Finish();
 }
 
 }  // namespace replayssm::transfer

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,8 +36,11 @@ class UcxTransport {
 
   // This worker's address, to hand to a peer over the control channel.
   const std::string& address() const { return address_; }
-  // Whether the UCX loaded at run time can put from/to CUDA device memory directly.
+  // Whether the UCX loaded at run time can put from/to CUDA device memory directly
+  // (ucp_context_query: memory_types contains UCS_MEMORY_TYPE_CUDA).
   bool cuda_memory() const { return cuda_memory_; }
+  // For tests of the path selection: pretend the capability is (not) there.
+  void OverrideCudaMemoryForTest(bool on) { cuda_memory_ = on; }
 
   // A registered receive buffer: peers put into [addr, addr + size) with `rkey`.
   class Region {
@@ -61,6 +65,42 @@ class UcxTransport {
   // receive buffers: shared-memory transports can map it into the sender directly, where a
   // buffer of ours would be reached through software-emulated RMA (active messages).
   absl::StatusOr<std::unique_ptr<Region>> Allocate(size_t size);
+
+  // One transfer's puts into one registered region of one peer, issued as the data becomes
+  // ready (a pipeline: stage chunk i+1 while chunk i is put). Not thread-safe itself; one
+  // stream per transfer. Destroying it without Finish (a failed transfer) cancels what is
+  // outstanding and forgets the peer's endpoint.
+  class PutStream {
+   public:
+    ~PutStream();
+    // Issues a put of local[0, size) to remote_addr (at most kInFlight outstanding; waits on
+    // the oldest beyond). `local` must stay valid until WaitFor(the returned ticket).
+    absl::StatusOr<uint64_t> Write(const void* local, size_t size, uint64_t remote_addr);
+    // Writes `value` (8 bytes) to remote_addr after every earlier Write has landed (a fence):
+    // the receiver's doorbell, so it can consume the bytes as they arrive.
+    absl::Status Signal(uint64_t remote_addr, uint64_t value);
+    // Waits until the puts up to `ticket` completed locally (their source may be reused).
+    absl::Status WaitFor(uint64_t ticket);
+    // Waits for everything and flushes: the bytes are in the peer's memory on return.
+    absl::Status Finish();
+
+   private:
+    friend class UcxTransport;
+    PutStream() = default;
+    absl::Status WaitOldest();
+    UcxTransport* ucx_ = nullptr;
+    std::string peer_;
+    void* ep_ = nullptr;    // ucp_ep_h
+    void* rkey_ = nullptr;  // ucp_rkey_h
+    absl::Time deadline_;
+    uint64_t issued_ = 0, completed_ = 0;           // tickets
+    std::deque<std::pair<uint64_t, void*>> pending_;  // (ticket, request)
+    std::deque<uint64_t> signals_;                    // sources of Signal's puts, kept alive
+    bool failed_ = false, finished_ = false;
+  };
+  absl::StatusOr<std::unique_ptr<PutStream>> OpenPutStream(const std::string& peer_address,
+                                                           const std::string& rkey,
+                                                           absl::Duration timeout);
 
   // Puts local[0, size) into the peer's region at remote_addr in chunks of `chunk` bytes
   // (several in flight), then flushes, so the bytes are in the peer's memory on return.

@@ -18,6 +18,7 @@
 #define REPLAYSSM_CACHE_STATE_CACHE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -130,6 +131,27 @@ class StateCache {
   // `tokens` and returns seq_len.
   virtual absl::StatusOr<int64_t> ExportTo(SlotId slot, absl::Span<uint8_t> dst,
                                            std::vector<int32_t>* tokens) = 0;
+
+  // Direct access to a slot's checkpoints in backend memory, for bulk movers (slot transfer)
+  // that stream them in chunks instead of copying the whole state through a host buffer.
+  // The slot is held (busy) while `fn` runs; `fn` must not call back into the cache, and the
+  // pointers are valid only inside it.
+  //  - kExport: the guarded path, as ExportTo: folds first (write_pos -> 0) or refuses; fn
+  //    only reads. *tokens = the slot's tokens; returns seq_len.
+  //  - kImport: fn writes every layer's checkpoint (nothing else may read the slot until it
+  //    returns). On OK the slot's state is what fn wrote, its tokens are *tokens as fn left
+  //    them (fn may fill them), write_pos 0; returns the new seq_len. On failure the slot is
+  //    marked broken (free it).
+  enum class CheckpointAccess { kExport, kImport };
+  struct CheckpointMemory {
+    int32_t backend = RSSM_BACKEND_CPU;  // where `layers` live (see rssm_memcpy)
+    size_t bytes_per_layer = 0;          // [HV, V, K] in the state dtype
+    std::vector<void*> layers;           // [num_layers]
+  };
+  virtual absl::StatusOr<int64_t> WithCheckpoints(
+      SlotId slot, CheckpointAccess access,
+      const std::function<absl::Status(const CheckpointMemory&)>& fn,
+      std::vector<int32_t>* tokens) = 0;
 
   virtual absl::StatusOr<std::unique_ptr<Forward>> BeginForward(
       absl::Span<const DecodeRow> rows) = 0;

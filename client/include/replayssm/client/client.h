@@ -93,6 +93,13 @@ class Client {
                                                         const std::string& peer_address,
                                                         bool keep_source,
                                                         std::string request_id = "");
+  // The receiver's form: this server asks the server at `peer_address` to move its slot
+  // `slot` here (SlotTransfer.PullSlot); the reply carries the slot's handle on this server.
+  // self_address: this server's address as the peer reaches it ("" = its listen address).
+  absl::StatusOr<v1::PullSlotResponse> PullSlot(uint64_t slot, const std::string& peer_address,
+                                                bool keep_source,
+                                                const std::string& self_address = "",
+                                                std::string request_id = "");
   // grpc.health.v1 Check; `service` "" = the whole server.
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service = "");

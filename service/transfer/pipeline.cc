@@ -1,0 +1,148 @@
+#include "pipeline.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace replayssm::transfer {
+namespace {
+
+absl::Status Kernel(rssm_status s, const char* what) {
+  if (s == RSSM_OK) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("transfer staging: ", what, ": ", rssm_last_error()));
+}
+
+}  // namespace
+
+DataPath SelectDataPath(int32_t backend, bool ucx_cuda_memory) {
+  if (backend == RSSM_BACKEND_CPU) return DataPath::kHostDirect;
+  return ucx_cuda_memory ? DataPath::kDeviceDirect : DataPath::kHostStaged;
+}
+
+const char* DataPathName(DataPath p) {
+  switch (p) {
+    case DataPath::kHostDirect:
+      return "host-direct";
+    case DataPath::kDeviceDirect:
+      return "device-direct";
+    case DataPath::kHostStaged:
+      return "host-staged";
+  }
+  return "unknown";
+}
+
+std::vector<Piece> SplitRange(size_t begin, size_t end, size_t bytes_per_layer, size_t chunk) {
+  std::vector<Piece> out;
+  if (chunk == 0) chunk = bytes_per_layer;
+  for (size_t off = begin; off < end;) {
+    Piece p;
+    p.layer = static_cast<int32_t>(off / bytes_per_layer);
+    p.layer_offset = off % bytes_per_layer;
+    p.offset = off;
+    p.size = std::min({chunk, end - off, bytes_per_layer - p.layer_offset});
+    out.push_back(p);
+    off += p.size;
+  }
+  return out;
+}
+
+std::vector<Piece> SplitPayload(int32_t num_layers, size_t bytes_per_layer, size_t chunk) {
+  return SplitRange(0, static_cast<size_t>(num_layers) * bytes_per_layer, bytes_per_layer, chunk);
+}
+
+StagingRing::~StagingRing() { Release(); }
+
+void StagingRing::Release() {
+  for (void* b : buffers_) rssm_free_host(backend_, b);
+  for (void* s : streams_) rssm_stream_destroy(backend_, s);
+  buffers_.clear();
+  streams_.clear();
+  bytes_ = 0;
+}
+
+absl::Status StagingRing::Ensure(int32_t backend, int32_t count, size_t bytes) {
+  if (backend == backend_ && count == this->count() && bytes == bytes_) return absl::OkStatus();
+  Release();
+  backend_ = backend;
+  for (int32_t i = 0; i < count; ++i) {
+    void* b = nullptr;
+    void* s = nullptr;
+    absl::Status st = Kernel(rssm_alloc_host(backend, bytes, &b), "alloc_host");
+    if (st.ok()) st = Kernel(rssm_stream_create(backend, &s), "stream_create");
+    if (b != nullptr) buffers_.push_back(b);
+    if (!st.ok()) {
+      Release();
+      return st;
+    }
+    streams_.push_back(s);
+  }
+  bytes_ = bytes;
+  return absl::OkStatus();
+}
+
+absl::Status StagingRing::Copy(int32_t i, void* dst, const void* src, size_t bytes,
+                               int32_t kind) {
+  const rssm_launch l{backend_, streams_[i]};
+  return Kernel(rssm_memcpy(&l, dst, src, bytes, kind), "copy");
+}
+
+absl::Status StagingRing::Sync(int32_t i) {
+  const rssm_launch l{backend_, streams_[i]};
+  return Kernel(rssm_synchronize(&l), "synchronize");
+}
+
+HashWorker::HashWorker() : thread_([this] { Loop(); }) {}
+
+HashWorker::~HashWorker() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void HashWorker::Loop() {
+  for (;;) {
+    std::pair<const void*, size_t> job;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](HashWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->stop_ || !w->queue_.empty(); },
+          this));
+      if (queue_.empty()) return;  // stopping
+      job = queue_.front();
+    }
+    sum_.Update(job.first, job.second);
+    absl::MutexLock lock(&mu_);
+    queue_.pop_front();
+    ++done_;
+  }
+}
+
+uint64_t HashWorker::Submit(const void* data, size_t size) {
+  absl::MutexLock lock(&mu_);
+  queue_.emplace_back(data, size);
+  return ++submitted_;
+}
+
+void HashWorker::WaitFor(uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  struct Arg {
+    HashWorker* w;
+    uint64_t t;
+  } arg{this, ticket};
+  mu_.Await(absl::Condition(
+      +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->w->done_ >= a->t; }, &arg));
+}
+
+uint64_t HashWorker::Finish() {
+  uint64_t n;
+  {
+    absl::MutexLock lock(&mu_);
+    n = submitted_;
+  }
+  WaitFor(n);
+  return sum_.Digest();
+}
+
+}  // namespace replayssm::transfer
