@@ -26,37 +26,10 @@ absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(int32_t backend, size_t byte
   return b;
 }
 
-absl::Status EnqueueCopy(int32_t backend, void* dst, const void* src, size_t bytes,
-                         int32_t kind) {
-  const rssm_launch l{backend, nullptr};
-  return KernelStatus(rssm_memcpy(&l, dst, src, bytes, kind), "copy");
-}
-
-namespace {
-absl::Status Copy(int32_t backend, void* dst, const void* src, size_t bytes, int32_t kind) {
-  absl::Status s = EnqueueCopy(backend, dst, src, bytes, kind);
-  if (!s.ok()) return s;
-  return Synchronize(backend);
-}
-}  // namespace
-
 absl::Status CopyToDevice(int32_t backend, void* dst, const void* src, size_t bytes) {
-  return Copy(backend, dst, src, bytes, RSSM_COPY_HOST_TO_DEVICE);
-}
-absl::Status CopyToHost(int32_t backend, void* dst, const void* src, size_t bytes) {
-  return Copy(backend, dst, src, bytes, RSSM_COPY_DEVICE_TO_HOST);
-}
-absl::Status CopyOnDevice(int32_t backend, void* dst, const void* src, size_t bytes) {
-  return Copy(backend, dst, src, bytes, RSSM_COPY_DEVICE_TO_DEVICE);
-}
-absl::Status ZeroOnDevice(int32_t backend, void* dst, size_t bytes) {
   const rssm_launch l{backend, nullptr};
-  absl::Status s = KernelStatus(rssm_memset(&l, dst, 0, bytes), "zero");
+  absl::Status s = KernelStatus(rssm_memcpy(&l, dst, src, bytes, RSSM_COPY_HOST_TO_DEVICE), "copy");
   if (!s.ok()) return s;
-  return KernelStatus(rssm_synchronize(&l), "zero");
-}
-absl::Status Synchronize(int32_t backend) {
-  const rssm_launch l{backend, nullptr};
   return KernelStatus(rssm_synchronize(&l), "synchronize");
 }
 

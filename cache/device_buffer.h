@@ -52,15 +52,9 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-// Enqueues a copy on the default stream (kind: rssm_copy_kind); Synchronize waits for it.
-absl::Status EnqueueCopy(int32_t backend, void* dst, const void* src, size_t bytes, int32_t kind);
-
-// Copies between host and backend memory on the default stream and waits for them.
+// Copies host memory into backend memory on the default stream and waits: for setup only
+// (operations use their lane, lane.h).
 absl::Status CopyToDevice(int32_t backend, void* dst, const void* src, size_t bytes);
-absl::Status CopyToHost(int32_t backend, void* dst, const void* src, size_t bytes);
-absl::Status CopyOnDevice(int32_t backend, void* dst, const void* src, size_t bytes);
-absl::Status ZeroOnDevice(int32_t backend, void* dst, size_t bytes);
-absl::Status Synchronize(int32_t backend);
 
 }  // namespace replayssm::cache
 

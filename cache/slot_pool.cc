@@ -3,33 +3,6 @@
 #include "absl/strings/str_cat.h"
 
 namespace replayssm::cache {
-namespace {
-
-absl::Status Grow(DeviceBuffer& buf, int32_t backend, size_t bytes) {
-  if (buf.size() >= bytes) return absl::OkStatus();
-  absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(backend, bytes);
-  if (!b.ok()) return b.status();
-  buf = std::move(*b);
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status Staging::Reserve(int32_t backend, const ModelSpec& m, int64_t tokens, int64_t rows) {
-  const size_t es = rssm_dtype_size(m.shape.act_dtype);
-  for (auto [buf, bytes] : {std::pair{&qkv, tokens * m.QkvWidth() * es},
-                            {&a, tokens * m.AWidth() * es},
-                            {&b, tokens * m.BWidth() * es},
-                            {&out, tokens * m.OutWidth() * es},
-                            {&slot_idx, rows * 4},
-                            {&write_pos, rows * 4},
-                            {&cu, (rows + 1) * 4},
-                            {&flags, rows}}) {
-    absl::Status s = Grow(*buf, backend, static_cast<size_t>(bytes));
-    if (!s.ok()) return s;
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<std::unique_ptr<SlotPool>> SlotPool::Create(const ModelSpec& model,
                                                            int32_t backend, int64_t num_slots) {
@@ -81,45 +54,48 @@ void* SlotPool::CheckpointPtr(int32_t slot, int32_t layer) const {
 }
 
 absl::Status SlotPool::Fold(absl::Span<const int32_t> slots, absl::Span<const int32_t> write_pos,
-                            Staging& staging) {
+                            Lane& lane) {
   if (slots.empty()) return absl::OkStatus();
-  absl::Status s = staging.Reserve(backend_, model_, 0, static_cast<int64_t>(slots.size()));
-  if (s.ok()) s = EnqueueCopy(backend_, staging.slot_idx.data(), slots.data(), slots.size() * 4, RSSM_COPY_HOST_TO_DEVICE);
-  if (s.ok()) s = EnqueueCopy(backend_, staging.write_pos.data(), write_pos.data(), write_pos.size() * 4, RSSM_COPY_HOST_TO_DEVICE);
-  for (int32_t l = 0; s.ok() && l < model_.num_layers; ++l) {
-    const rssm_fold_args f{{backend_, nullptr}, model_.shape, LayerPool(l),
-                           static_cast<int32_t>(slots.size()), staging.slot_idx.as<const int32_t>(),
-                           staging.write_pos.as<const int32_t>()};
-    s = KernelStatus(rssm_fold(&f), "fold");
+  const int64_t n = static_cast<int64_t>(slots.size());
+  Scratch& s = lane.scratch;
+  absl::Status st = s.Reserve(backend_, model_, 0, n);
+  if (st.ok()) st = lane.Upload(s.fold_idx.data(), slots.data(), n * 4);
+  if (st.ok()) st = lane.Upload(s.fold_pos.data(), write_pos.data(), n * 4);
+  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
+    const rssm_fold_args f{lane.Launch(), model_.shape, LayerPool(l), static_cast<int32_t>(n),
+                           s.fold_idx.as<const int32_t>(), s.fold_pos.as<const int32_t>()};
+    st = KernelStatus(rssm_fold(&f), "fold");
   }
-  if (!s.ok()) return s;
-  return Synchronize(backend_);
+  return st;
 }
 
-absl::Status SlotPool::CopyCheckpoints(int32_t dst, int32_t src) {
+absl::Status SlotPool::CopyCheckpoints(int32_t dst, int32_t src, Lane& lane) {
   for (int32_t l = 0; l < model_.num_layers; ++l) {
-    absl::Status s = EnqueueCopy(backend_, CheckpointPtr(dst, l), CheckpointPtr(src, l),
-                                 CheckpointBytes(), RSSM_COPY_DEVICE_TO_DEVICE);
+    const rssm_launch launch = lane.Launch();
+    absl::Status s = KernelStatus(rssm_memcpy(&launch, CheckpointPtr(dst, l), CheckpointPtr(src, l),
+                                              CheckpointBytes(), RSSM_COPY_DEVICE_TO_DEVICE),
+                                  "copy checkpoint");
     if (!s.ok()) return s;
   }
-  return Synchronize(backend_);
+  return absl::OkStatus();
 }
 
-absl::Status SlotPool::ZeroCheckpoints(int32_t slot) {
+absl::Status SlotPool::ZeroCheckpoints(int32_t slot, Lane& lane) {
   for (int32_t l = 0; l < model_.num_layers; ++l) {
-    const rssm_launch launch{backend_, nullptr};
-    absl::Status s = KernelStatus(rssm_memset(&launch, CheckpointPtr(slot, l), 0, CheckpointBytes()), "zero");
+    const rssm_launch launch = lane.Launch();
+    absl::Status s = KernelStatus(rssm_memset(&launch, CheckpointPtr(slot, l), 0, CheckpointBytes()),
+                                  "zero checkpoint");
     if (!s.ok()) return s;
   }
-  return Synchronize(backend_);
+  return absl::OkStatus();
 }
 
-absl::Status SlotPool::ReadCheckpoint(int32_t slot, int32_t layer, void* host) const {
-  return CopyToHost(backend_, host, CheckpointPtr(slot, layer), CheckpointBytes());
+absl::Status SlotPool::ReadCheckpoint(int32_t slot, int32_t layer, void* host, Lane& lane) const {
+  return lane.Download(host, CheckpointPtr(slot, layer), CheckpointBytes());
 }
 
-absl::Status SlotPool::WriteCheckpoint(int32_t slot, int32_t layer, const void* host) {
-  return CopyToDevice(backend_, CheckpointPtr(slot, layer), host, CheckpointBytes());
+absl::Status SlotPool::WriteCheckpoint(int32_t slot, int32_t layer, const void* host, Lane& lane) {
+  return lane.Upload(CheckpointPtr(slot, layer), host, CheckpointBytes());
 }
 
 }  // namespace replayssm::cache

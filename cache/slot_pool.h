@@ -1,8 +1,10 @@
 // SlotPool: the backend memory of N slots for every layer of a model (checkpoint and ring
 // d, k, g), and the kernel calls that act on whole slots across all layers (fold, copy,
 // zero, read, write). It knows nothing of ids, cursors or snapshots: StateCache does.
+// Every call only queues its work on the caller's lane; the caller synchronizes the lane
+// when it needs the result (Lane::Synchronize).
 //
-// Thread safety: calls on disjoint slots may run concurrently.
+// Thread safety: calls on disjoint slots may run concurrently (on different lanes).
 #ifndef REPLAYSSM_CACHE_SLOT_POOL_H_
 #define REPLAYSSM_CACHE_SLOT_POOL_H_
 
@@ -13,17 +15,10 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "device_buffer.h"
+#include "lane.h"
 #include "replayssm/cache/model.h"
 
 namespace replayssm::cache {
-
-// Backend-side scratch for one call: inputs, outputs and index arrays, grown on demand.
-struct Staging {
-  DeviceBuffer qkv, a, b, out;          // act dtype, [tokens, width]
-  DeviceBuffer slot_idx, write_pos, cu;  // int32
-  DeviceBuffer flags;                    // uint8
-  absl::Status Reserve(int32_t backend, const ModelSpec& m, int64_t tokens, int64_t rows);
-};
 
 class SlotPool {
  public:
@@ -38,13 +33,16 @@ class SlotPool {
   size_t CheckpointBytes() const;  // one layer of one slot
 
   // Folds slots[i] at cursor write_pos[i] in every layer (the caller resets the cursors).
+  // Uses the lane's scratch fold_idx/fold_pos.
   absl::Status Fold(absl::Span<const int32_t> slots, absl::Span<const int32_t> write_pos,
-                    Staging& staging);
+                    Lane& lane);
   // dst's checkpoints <- src's (all layers). src must be folded (write_pos 0).
-  absl::Status CopyCheckpoints(int32_t dst, int32_t src);
-  absl::Status ZeroCheckpoints(int32_t slot);
-  absl::Status ReadCheckpoint(int32_t slot, int32_t layer, void* host) const;
-  absl::Status WriteCheckpoint(int32_t slot, int32_t layer, const void* host);
+  absl::Status CopyCheckpoints(int32_t dst, int32_t src, Lane& lane);
+  absl::Status ZeroCheckpoints(int32_t slot, Lane& lane);
+  // Host memory of one layer's checkpoint: filled when the lane is synchronized (read), free
+  // to reuse when the call returns (write).
+  absl::Status ReadCheckpoint(int32_t slot, int32_t layer, void* host, Lane& lane) const;
+  absl::Status WriteCheckpoint(int32_t slot, int32_t layer, const void* host, Lane& lane);
 
  private:
   SlotPool(const ModelSpec& model, int32_t backend, int64_t num_slots)

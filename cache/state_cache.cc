@@ -8,6 +8,12 @@
 // then snapshotted. The price: a folding row's checkpoint is read once more than with a fold
 // fused into the decode kernel (about 1/(L-1) more checkpoint reads); that buys abandonment
 // safety without a spare-buffer table.
+//
+// Streams (lane.h): every operation runs on a lane of its own (stream + pinned staging +
+// scratch) and waits for it only where results must be seen: a host-memory decode layer's
+// outputs, the end of every operation but a forward's layers, and before any slot is
+// released. A fold queued ahead of a forward's layers is booked at once (cursor 0) and
+// confirmed by the next wait; a device error there marks its rows broken.
 #include <algorithm>
 #include <atomic>
 #include <list>
@@ -49,19 +55,24 @@ class StateCacheImpl;
 
 class ForwardImpl final : public Forward {
  public:
+  // Takes over rows the cache marked busy; `Start` must run before anything else.
   ForwardImpl(StateCacheImpl* cache, std::vector<int32_t> index, std::vector<int32_t> tokens,
-              std::vector<int32_t> write_pos, std::unique_ptr<Staging> staging);
+              LanePool::Lease lane);
   ~ForwardImpl() override;
+  // Folds the rows whose ring is full and uploads the rows' slots and cursors (queued only).
+  absl::Status Start();
   int32_t batch() const override { return static_cast<int32_t>(index_.size()); }
   absl::Status RunLayer(int32_t layer, const LayerIo& io) override;
+  absl::Status Synchronize() override;
+  void* stream() const override { return lane_ ? lane_->stream() : nullptr; }
   absl::Status Commit() override;
 
  private:
   StateCacheImpl* cache_;
   std::vector<int32_t> index_;  // -1 = padding
   std::vector<int32_t> tokens_;
-  std::vector<int32_t> write_pos_;
-  std::unique_ptr<Staging> staging_;
+  LanePool::Lease lane_;
+  std::vector<int32_t> unconfirmed_folds_;  // queued by Start, not yet waited for
   std::vector<bool> done_;
   bool finished_ = false;
 };
@@ -69,7 +80,10 @@ class ForwardImpl final : public Forward {
 class StateCacheImpl final : public StateCache {
  public:
   StateCacheImpl(ModelSpec model, CacheOptions options, std::unique_ptr<SlotPool> pool)
-      : model_(std::move(model)), options_(options), pool_(std::move(pool)) {
+      : model_(std::move(model)),
+        options_(options),
+        pool_(std::move(pool)),
+        lanes_(options_.backend, LaneHostBytes(model_, options_.max_batch)) {
     slots_.resize(pool_->num_slots());
     for (int64_t i = pool_->num_slots() - 1; i >= 0; --i) free_.push_back(static_cast<int32_t>(i));
   }
@@ -85,6 +99,7 @@ class StateCacheImpl final : public StateCache {
     s.slots_free = static_cast<int64_t>(free_.size());
     s.slots_snapshot = radix_.size();
     s.slots_live = s.slots_total - s.slots_free - s.slots_snapshot;
+    s.lanes = lanes_.size();
     return s;
   }
 
@@ -97,7 +112,7 @@ class StateCacheImpl final : public StateCache {
       index = *i;
       StartLiveLocked(index, {});
     }
-    absl::Status s = pool_->ZeroCheckpoints(index);
+    absl::Status s = OnLane([&](Lane& lane) { return pool_->ZeroCheckpoints(index, lane); });
     absl::MutexLock lock(&mu_);
     if (!s.ok()) {
       ReleaseLocked(index);
@@ -136,8 +151,10 @@ class StateCacheImpl final : public StateCache {
       index = *i;
       StartLiveLocked(index, std::vector<int32_t>(tokens.begin(), tokens.begin() + m.length));
     }
-    absl::Status s = Materialize(src, "copy-on-write from a snapshot");
-    if (s.ok()) s = pool_->CopyCheckpoints(index, src);
+    absl::Status s = OnLane([&](Lane& lane) {
+      absl::Status st = Materialize(src, "copy-on-write from a snapshot", lane);
+      return st.ok() ? pool_->CopyCheckpoints(index, src, lane) : st;
+    });
     absl::MutexLock lock(&mu_);
     --slots_[src].refs;
     if (!s.ok()) {
@@ -193,23 +210,44 @@ class StateCacheImpl final : public StateCache {
 
   absl::Status Donate(SlotId id) override;
 
+  // Makes the first lane, so that a cache that cannot get one fails at Create.
+  absl::Status WarmLanes() { return lanes_.Take().status(); }
+
   // --- used by ForwardImpl ---
   SlotPool& pool() { return *pool_; }
   void EndForward(const std::vector<int32_t>& index, const std::vector<int32_t>& tokens,
                   bool commit);
-  absl::Status AfterAdvance(const std::vector<int32_t>& index);
-  void ReturnStaging(std::unique_ptr<Staging> s) {
+  // After cursors advanced (commit, accept): folds and snapshots the rows at a track
+  // boundary, waits for the lane, then releases every row.
+  absl::Status AfterAdvance(const std::vector<int32_t>& index, Lane& lane);
+  // Folds rows[i] (busy, owned by the caller) whose cursor is past `max_pos`: queued on the
+  // lane and booked at once (cursor 0, `counter`); the caller waits for the lane and on an
+  // error calls MarkBroken(*folded). A fold that cannot be queued marks its rows broken.
+  absl::Status FoldRows(const std::vector<int32_t>& rows, int32_t max_pos,
+                        int64_t CacheStats::*counter, Lane& lane, std::vector<int32_t>* folded);
+  // The cursors of busy slots (0 for padding rows, index -1).
+  std::vector<int32_t> Cursors(const std::vector<int32_t>& index) const {
+    std::vector<int32_t> w(index.size(), 0);
     absl::MutexLock lock(&mu_);
-    staging_.push_back(std::move(s));
+    for (size_t r = 0; r < index.size(); ++r) {
+      if (index[r] >= 0) w[r] = slots_[index[r]].write_pos;
+    }
+    return w;
+  }
+  void MarkBroken(const std::vector<int32_t>& rows) {
+    absl::MutexLock lock(&mu_);
+    for (int32_t i : rows) slots_[i].broken = true;
   }
 
  private:
-  std::unique_ptr<Staging> TakeStaging() {
-    absl::MutexLock lock(&mu_);
-    if (staging_.empty()) return std::make_unique<Staging>();
-    std::unique_ptr<Staging> s = std::move(staging_.back());
-    staging_.pop_back();
-    return s;
+  // Runs `work(lane)` on a lane of its own and waits for it.
+  template <typename F>
+  absl::Status OnLane(F&& work) {
+    absl::StatusOr<LanePool::Lease> lane = lanes_.Take();
+    if (!lane.ok()) return lane.status();
+    absl::Status s = work(**lane);
+    absl::Status w = (*lane)->Synchronize();
+    return s.ok() ? w : s;
   }
 
   // The live slot behind `id`, or NOT_FOUND. `field` names the request field in errors.
@@ -297,18 +335,15 @@ class StateCacheImpl final : public StateCache {
     lru_.splice(lru_.begin(), lru_, slots_[snapshot].lru);
   }
 
-  // Folds rows[i] (busy, owned by the caller) whose cursor is past `max_pos`; resets them.
-  absl::Status FoldRows(const std::vector<int32_t>& rows, int32_t max_pos, int64_t CacheStats::*counter);
-
   // THE guard: the only path by which a state leaves a slot (copy-on-write, snapshot,
   // donation, export, transfer). The caller holds the slot (busy, or a pinned snapshot). It
   // folds the slot when write_pos != 0, so what leaves is the whole state, and refuses a slot
-  // whose verified drafts are not yet accepted or rejected.
-  absl::Status Materialize(int32_t index, const char* purpose);
+  // whose verified drafts are not yet accepted or rejected. It waits for its fold.
+  absl::Status Materialize(int32_t index, const char* purpose, Lane& lane);
 
   // Copies a folded slot's state into a new snapshot keyed by its tokens (skipped when that
-  // key is cached already or no slot can be had).
-  absl::Status TakeSnapshot(int32_t index);
+  // key is cached already or no slot can be had). Waits for the copy.
+  absl::Status TakeSnapshot(int32_t index, Lane& lane);
 
   const ModelSpec model_;
   const CacheOptions options_;
@@ -320,12 +355,12 @@ class StateCacheImpl final : public StateCache {
   std::list<int32_t> lru_ ABSL_GUARDED_BY(mu_);  // snapshots, most recent first
   RadixTree radix_ ABSL_GUARDED_BY(mu_);
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<Staging>> staging_ ABSL_GUARDED_BY(mu_);
+  LanePool lanes_;  // one lane per operation in flight
 
   friend class ForwardImpl;
 };
 
-absl::Status StateCacheImpl::Materialize(int32_t index, const char* purpose) {
+absl::Status StateCacheImpl::Materialize(int32_t index, const char* purpose, Lane& lane) {
   int32_t w;
   {
     absl::MutexLock lock(&mu_);
@@ -340,10 +375,10 @@ absl::Status StateCacheImpl::Materialize(int32_t index, const char* purpose) {
     w = s.write_pos;
   }
   if (w == 0) return absl::OkStatus();
-  std::unique_ptr<Staging> staging = TakeStaging();
   const int32_t one[1] = {index}, pos[1] = {w};
-  absl::Status st = pool_->Fold(one, pos, *staging);
-  ReturnStaging(std::move(staging));
+  absl::Status st = pool_->Fold(one, pos, lane);
+  absl::Status done = lane.Synchronize();
+  if (st.ok()) st = done;
   absl::MutexLock lock(&mu_);
   if (!st.ok()) {
     slots_[index].broken = true;
@@ -355,23 +390,23 @@ absl::Status StateCacheImpl::Materialize(int32_t index, const char* purpose) {
 }
 
 absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t max_pos,
-                                      int64_t CacheStats::*counter) {
-  std::vector<int32_t> fold_idx, fold_pos;
+                                      int64_t CacheStats::*counter, Lane& lane,
+                                      std::vector<int32_t>* folded) {
+  std::vector<int32_t> fold_pos;
+  folded->clear();
   {
     absl::MutexLock lock(&mu_);
     for (int32_t i : rows) {
       if (i >= 0 && slots_[i].write_pos > max_pos) {
-        fold_idx.push_back(i);
+        folded->push_back(i);
         fold_pos.push_back(slots_[i].write_pos);
       }
     }
   }
-  if (fold_idx.empty()) return absl::OkStatus();
-  std::unique_ptr<Staging> staging = TakeStaging();
-  absl::Status st = pool_->Fold(fold_idx, fold_pos, *staging);
-  ReturnStaging(std::move(staging));
+  if (folded->empty()) return absl::OkStatus();
+  absl::Status st = pool_->Fold(*folded, fold_pos, lane);
   absl::MutexLock lock(&mu_);
-  for (int32_t i : fold_idx) {
+  for (int32_t i : *folded) {
     if (!st.ok()) {
       slots_[i].broken = true;
       continue;
@@ -382,8 +417,8 @@ absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t 
   return st;
 }
 
-absl::Status StateCacheImpl::TakeSnapshot(int32_t index) {
-  absl::Status st = Materialize(index, "snapshot");
+absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
+  absl::Status st = Materialize(index, "snapshot", lane);
   if (!st.ok()) return st;
   int32_t snap = -1;
   {
@@ -402,7 +437,9 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index) {
     d.seq_len = s.seq_len;
     d.tokens = s.tokens;
   }
-  st = pool_->CopyCheckpoints(snap, index);
+  st = pool_->CopyCheckpoints(snap, index, lane);
+  absl::Status done = lane.Synchronize();
+  if (st.ok()) st = done;
   absl::MutexLock lock(&mu_);
   Slot& d = slots_[snap];
   if (!st.ok() || !radix_.Insert(d.tokens, snap)) {
@@ -417,46 +454,69 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index) {
   return absl::OkStatus();
 }
 
+// One layer's buffers (shapes are the caller's contract: the service checks them).
+absl::Status CheckLayerIo(const LayerIo& io, const std::string& field, bool need_out) {
+  if (io.mixed_qkv == nullptr || io.a == nullptr || io.b == nullptr ||
+      (need_out && io.out == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected mixed_qkv, a, b",
+                                                   need_out ? " and out" : "",
+                                                   " buffers, got a missing one"));
+  }
+  if (io.memory != IoMemory::kHost && io.memory != IoMemory::kBackend) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".memory: expected kHost or kBackend, got ",
+                                                   static_cast<int32_t>(io.memory)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckIo(const ModelSpec& m, absl::Span<const LayerIo> layers, bool need_out) {
   if (static_cast<int32_t>(layers.size()) != m.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layers: expected ", m.num_layers,
                                                    " layers of inputs, got ", layers.size()));
   }
   for (size_t l = 0; l < layers.size(); ++l) {
-    const LayerIo& io = layers[l];
-    if (io.mixed_qkv == nullptr || io.a == nullptr || io.b == nullptr ||
-        (need_out && io.out == nullptr)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layers[", l, "]: expected mixed_qkv, a, b", need_out ? " and out" : "",
-                       " buffers, got a missing one"));
-    }
+    absl::Status s = CheckLayerIo(layers[l], absl::StrCat("layers[", l, "]"), need_out);
+    if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-// Uploads n tokens of io into staging.
-absl::Status UploadInputs(int32_t backend, const ModelSpec& m, const LayerIo& io, int64_t n,
-                          Staging& st) {
-  const size_t es = rssm_dtype_size(m.shape.act_dtype);
-  absl::Status s = EnqueueCopy(backend, st.qkv.data(), io.mixed_qkv, n * m.QkvWidth() * es, RSSM_COPY_HOST_TO_DEVICE);
-  if (s.ok()) s = EnqueueCopy(backend, st.a.data(), io.a, n * m.AWidth() * es, RSSM_COPY_HOST_TO_DEVICE);
-  if (s.ok()) s = EnqueueCopy(backend, st.b.data(), io.b, n * m.BWidth() * es, RSSM_COPY_HOST_TO_DEVICE);
-  return s;
-}
-
-absl::Status DownloadOutputs(int32_t backend, const ModelSpec& m, const LayerIo& io, int64_t n,
-                             Staging& st) {
-  absl::Status s = absl::OkStatus();
-  if (io.out != nullptr) {
-    const size_t bytes = n * m.OutWidth() * rssm_dtype_size(m.shape.act_dtype);
-    s = EnqueueCopy(backend, io.out, st.out.data(), bytes, RSSM_COPY_DEVICE_TO_HOST);
+// Tokens of activations a lane's scratch must hold for n tokens of these layers: host
+// memory is staged there, backend memory is used in place.
+int64_t ScratchTokens(absl::Span<const LayerIo> layers, int64_t n) {
+  for (const LayerIo& io : layers) {
+    if (io.memory == IoMemory::kHost) return n;
   }
-  if (!s.ok()) return s;
-  return Synchronize(backend);
+  return 0;
 }
 
-rssm_token_inputs StagedInputs(const Staging& st) {
-  return rssm_token_inputs{st.qkv.data(), st.a.data(), st.b.data(), 0, 0, 0};
+// The kernel's view of n tokens of io's inputs: io's own buffers when they are backend
+// memory, else the lane's scratch, into which they are uploaded (queued).
+absl::StatusOr<rssm_token_inputs> StageInputs(Lane& lane, const ModelSpec& m, const LayerIo& io,
+                                              int64_t n) {
+  if (io.memory == IoMemory::kBackend) return rssm_token_inputs{io.mixed_qkv, io.a, io.b, 0, 0, 0};
+  const size_t es = rssm_dtype_size(m.shape.act_dtype);
+  Scratch& s = lane.scratch;
+  absl::Status st = lane.Upload(s.qkv.data(), io.mixed_qkv, n * m.QkvWidth() * es);
+  if (st.ok()) st = lane.Upload(s.a.data(), io.a, n * m.AWidth() * es);
+  if (st.ok()) st = lane.Upload(s.b.data(), io.b, n * m.BWidth() * es);
+  if (!st.ok()) return st;
+  return rssm_token_inputs{s.qkv.data(), s.a.data(), s.b.data(), 0, 0, 0};
+}
+
+// Where the kernel writes io's outputs: io.out itself (backend memory), the lane's scratch
+// (host memory: StageOutputs copies them on), or nowhere (NULL).
+rssm_token_outputs OutputTarget(Lane& lane, const LayerIo& io) {
+  if (io.out == nullptr || io.memory == IoMemory::kBackend) return {io.out, 0};
+  return {lane.scratch.out.data(), 0};
+}
+
+// Queues the copy of n tokens of outputs into io.out when it is host memory: it is there
+// once the lane has been waited for.
+absl::Status StageOutputs(Lane& lane, const ModelSpec& m, const LayerIo& io, int64_t n) {
+  if (io.out == nullptr || io.memory == IoMemory::kBackend) return absl::OkStatus();
+  const size_t bytes = n * m.OutWidth() * rssm_dtype_size(m.shape.act_dtype);
+  return lane.Download(io.out, lane.scratch.out.data(), bytes);
 }
 
 absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens,
@@ -480,37 +540,38 @@ absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens
       return absl::OkStatus();
     }
   }
-  std::unique_ptr<Staging> stg = TakeStaging();
-  const int32_t backend = options_.backend;
-  const int32_t cu[2] = {0, static_cast<int32_t>(T)};
-  const uint8_t initial = 1;
-  st = stg->Reserve(backend, model_, T, 1);
-  if (st.ok()) st = EnqueueCopy(backend, stg->slot_idx.data(), &index, 4, RSSM_COPY_HOST_TO_DEVICE);
-  if (st.ok()) st = EnqueueCopy(backend, stg->write_pos.data(), &w, 4, RSSM_COPY_HOST_TO_DEVICE);
-  if (st.ok()) st = EnqueueCopy(backend, stg->cu.data(), cu, 8, RSSM_COPY_HOST_TO_DEVICE);
-  if (st.ok()) st = EnqueueCopy(backend, stg->flags.data(), &initial, 1, RSSM_COPY_HOST_TO_DEVICE);
   bool touched = false;
-  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
-    st = UploadInputs(backend, model_, layers[l], T, *stg);
-    if (!st.ok()) break;
-    rssm_prefill_args a{};
-    a.launch = {backend, nullptr};
-    a.shape = model_.shape;
-    a.params = pool_->LayerParams(l);
-    a.pool = pool_->LayerPool(l);
-    a.batch = 1;
-    a.slot_idx = stg->slot_idx.as<const int32_t>();
-    a.cu_seqlens = stg->cu.as<const int32_t>();
-    a.initial = stg->flags.as<const uint8_t>();
-    a.write_pos = stg->write_pos.as<const int32_t>();
-    a.max_seqlen = static_cast<int32_t>(T);
-    a.in = StagedInputs(*stg);
-    a.out = {layers[l].out != nullptr ? stg->out.data() : nullptr, 0};
-    touched = true;
-    st = KernelStatus(rssm_prefill(&a), "prefill");
-    if (st.ok()) st = DownloadOutputs(backend, model_, layers[l], T, *stg);
-  }
-  ReturnStaging(std::move(stg));
+  st = OnLane([&](Lane& lane) {
+    Scratch& s = lane.scratch;
+    const int32_t cu[2] = {0, static_cast<int32_t>(T)};
+    const uint8_t initial = 1;
+    absl::Status r = s.Reserve(options_.backend, model_, ScratchTokens(layers, T), 1);
+    if (r.ok()) r = lane.Upload(s.slot_idx.data(), &index, 4);
+    if (r.ok()) r = lane.Upload(s.write_pos.data(), &w, 4);
+    if (r.ok()) r = lane.Upload(s.cu.data(), cu, 8);
+    if (r.ok()) r = lane.Upload(s.flags.data(), &initial, 1);
+    for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
+      absl::StatusOr<rssm_token_inputs> in = StageInputs(lane, model_, layers[l], T);
+      if (!in.ok()) return in.status();
+      rssm_prefill_args a{};
+      a.launch = lane.Launch();
+      a.shape = model_.shape;
+      a.params = pool_->LayerParams(l);
+      a.pool = pool_->LayerPool(l);
+      a.batch = 1;
+      a.slot_idx = s.slot_idx.as<const int32_t>();
+      a.cu_seqlens = s.cu.as<const int32_t>();
+      a.initial = s.flags.as<const uint8_t>();
+      a.write_pos = s.write_pos.as<const int32_t>();
+      a.max_seqlen = static_cast<int32_t>(T);
+      a.in = *in;
+      a.out = OutputTarget(lane, layers[l]);
+      touched = true;
+      r = KernelStatus(rssm_prefill(&a), "prefill");
+      if (r.ok()) r = StageOutputs(lane, model_, layers[l], T);
+    }
+    return r;
+  });
   bool snapshot = false;
   {
     absl::MutexLock lock(&mu_);
@@ -525,7 +586,7 @@ absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens
     s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
     snapshot = options_.track_interval > 0 && s.seq_len % options_.track_interval == 0;
   }
-  if (snapshot) st = TakeSnapshot(index);
+  if (snapshot) st = OnLane([&](Lane& lane) { return TakeSnapshot(index, lane); });
   absl::MutexLock lock(&mu_);
   slots_[index].busy = false;
   return st;
@@ -552,10 +613,13 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
     if (!i.ok()) return i.status();
     index = *i;
   }
-  absl::Status st = absl::OkStatus();
-  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
-    st = pool_->WriteCheckpoint(index, l, checkpoints[l].data());
-  }
+  absl::Status st = OnLane([&](Lane& lane) {
+    absl::Status r = absl::OkStatus();
+    for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
+      r = pool_->WriteCheckpoint(index, l, checkpoints[l].data(), lane);
+    }
+    return r;
+  });
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
   s.busy = false;
@@ -596,10 +660,13 @@ absl::StatusOr<int64_t> StateCacheImpl::ExportTo(SlotId id, absl::Span<uint8_t> 
     if (!i.ok()) return i.status();
     index = *i;
   }
-  absl::Status st = Materialize(index, "export");
-  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
-    st = pool_->ReadCheckpoint(index, l, dst.data() + l * per);
-  }
+  absl::Status st = OnLane([&](Lane& lane) {
+    absl::Status r = Materialize(index, "export", lane);
+    for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
+      r = pool_->ReadCheckpoint(index, l, dst.data() + l * per, lane);
+    }
+    return r;
+  });
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
   s.busy = false;
@@ -629,7 +696,7 @@ absl::StatusOr<int64_t> StateCacheImpl::WithCheckpoints(
                        static_cast<size_t>(index) * m.bytes_per_layer);
   }
   absl::Status st = absl::OkStatus();
-  if (out) st = Materialize(index, "export");
+  if (out) st = OnLane([&](Lane& lane) { return Materialize(index, "export", lane); });
   if (st.ok()) st = fn(m);
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
@@ -656,7 +723,7 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
     if (!i.ok()) return i.status();
     index = *i;
   }
-  absl::Status st = Materialize(index, "donate");
+  absl::Status st = OnLane([&](Lane& lane) { return Materialize(index, "donate", lane); });
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
   if (!st.ok()) {
@@ -693,13 +760,12 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginForward(
     for (; r < rows.size(); ++r) {
       tokens[r] = rows[r].token_id;
       if (rows[r].slot == kPaddingSlot) continue;
-      const std::string field = absl::StrCat("rows[", r, "].slot");
       if (!seen.insert(rows[r].slot).second) {
-        st = absl::InvalidArgumentError(absl::StrCat(field, ": expected a slot not already in this batch, got ",
+        st = absl::InvalidArgumentError(absl::StrCat("rows[", r, "].slot: expected a slot not already in this batch, got ",
                                                      IdString(rows[r].slot), " twice"));
         break;
       }
-      absl::StatusOr<int32_t> i = AcquireLocked(rows[r].slot, field, false);
+      absl::StatusOr<int32_t> i = AcquireLocked(rows[r].slot, absl::StrCat("rows[", r, "].slot"), false);
       if (!i.ok()) {
         st = i.status();
         break;
@@ -713,28 +779,16 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginForward(
       return st;
     }
   }
-  // A ring that cannot take this step's record is folded now (committed; see the top).
-  absl::Status st = FoldRows(index, model_.shape.ring_len - 2, &CacheStats::folds_ring_full);
-  std::vector<int32_t> write_pos(rows.size(), 0);
-  std::unique_ptr<Staging> stg = TakeStaging();
-  if (st.ok()) {
-    absl::MutexLock lock(&mu_);
-    for (size_t r = 0; r < rows.size(); ++r) {
-      if (index[r] >= 0) write_pos[r] = slots_[index[r]].write_pos;
-    }
-  }
-  const int32_t backend = options_.backend;
-  const int64_t B = static_cast<int64_t>(rows.size());
-  if (st.ok()) st = stg->Reserve(backend, model_, B, B);
-  if (st.ok()) st = EnqueueCopy(backend, stg->slot_idx.data(), index.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
-  if (st.ok()) st = EnqueueCopy(backend, stg->write_pos.data(), write_pos.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
-  if (!st.ok()) {
-    ReturnStaging(std::move(stg));
+  absl::StatusOr<LanePool::Lease> lane = lanes_.Take();
+  if (!lane.ok()) {
     EndForward(index, tokens, false);
-    return st;
+    return lane.status();
   }
-  return std::unique_ptr<Forward>(new ForwardImpl(this, std::move(index), std::move(tokens),
-                                                  std::move(write_pos), std::move(stg)));
+  // From here on the forward owns the rows: destroying it on an error abandons it.
+  auto f = std::make_unique<ForwardImpl>(this, std::move(index), std::move(tokens), *std::move(lane));
+  absl::Status st = f->Start();
+  if (!st.ok()) return st;
+  return std::unique_ptr<Forward>(std::move(f));
 }
 
 void StateCacheImpl::EndForward(const std::vector<int32_t>& index,
@@ -758,20 +812,23 @@ void StateCacheImpl::EndForward(const std::vector<int32_t>& index,
   }
 }
 
-// After cursors advanced (commit, accept): fold and snapshot the rows at a track boundary,
-// then release every row.
-absl::Status StateCacheImpl::AfterAdvance(const std::vector<int32_t>& index) {
-  std::vector<int32_t> boundary;
+absl::Status StateCacheImpl::AfterAdvance(const std::vector<int32_t>& index, Lane& lane) {
+  std::vector<int32_t> boundary, folded;
   if (options_.track_interval > 0) {
     absl::MutexLock lock(&mu_);
     for (int32_t i : index) {
       if (i >= 0 && slots_[i].seq_len % options_.track_interval == 0) boundary.push_back(i);
     }
   }
-  absl::Status st = FoldRows(boundary, 0, &CacheStats::folds_track);
+  absl::Status st = FoldRows(boundary, 0, &CacheStats::folds_track, lane, &folded);
+  const absl::Status done = lane.Synchronize();
+  if (st.ok() && !done.ok()) {
+    MarkBroken(folded);
+    st = done;
+  }
   for (int32_t i : boundary) {
     if (!st.ok()) break;
-    st = TakeSnapshot(i);
+    st = TakeSnapshot(i, lane);
   }
   absl::MutexLock lock(&mu_);
   for (int32_t i : index) {
@@ -828,38 +885,38 @@ absl::Status StateCacheImpl::Verify(absl::Span<const SlotId> ids, int32_t num_dr
       return st;
     }
   }
-  // Fold-before-verify: a row needs room for num_draft records.
-  st = FoldRows(index, L - num_draft, &CacheStats::folds_ring_full);
-  std::vector<int32_t> write_pos(B, 0);
-  {
-    absl::MutexLock lock(&mu_);
-    for (int64_t r = 0; r < B; ++r) {
-      if (index[r] >= 0) write_pos[r] = slots_[index[r]].write_pos;
+  const int64_t N = B * num_draft;
+  std::vector<int32_t> folded;
+  st = OnLane([&](Lane& lane) {
+    // Fold-before-verify: a row needs room for num_draft records.
+    absl::Status r = FoldRows(index, L - num_draft, &CacheStats::folds_ring_full, lane, &folded);
+    if (!r.ok()) return r;
+    const std::vector<int32_t> write_pos = Cursors(index);
+    Scratch& s = lane.scratch;
+    r = s.Reserve(options_.backend, model_, ScratchTokens(layers, N), B);
+    if (r.ok()) r = lane.Upload(s.slot_idx.data(), index.data(), B * 4);
+    if (r.ok()) r = lane.Upload(s.write_pos.data(), write_pos.data(), B * 4);
+    for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
+      absl::StatusOr<rssm_token_inputs> in = StageInputs(lane, model_, layers[l], N);
+      if (!in.ok()) return in.status();
+      rssm_verify_args a{};
+      a.launch = lane.Launch();
+      a.shape = model_.shape;
+      a.params = pool_->LayerParams(l);
+      a.pool = pool_->LayerPool(l);
+      a.batch = static_cast<int32_t>(B);
+      a.num_draft = num_draft;
+      a.slot_idx = s.slot_idx.as<const int32_t>();
+      a.write_pos = s.write_pos.as<const int32_t>();
+      a.in = *in;
+      a.out = OutputTarget(lane, layers[l]);
+      r = KernelStatus(rssm_verify(&a), "verify");
+      if (r.ok()) r = StageOutputs(lane, model_, layers[l], N);
     }
-  }
-  std::unique_ptr<Staging> stg = TakeStaging();
-  const int32_t backend = options_.backend;
-  if (st.ok()) st = stg->Reserve(backend, model_, B * num_draft, B);
-  if (st.ok()) st = EnqueueCopy(backend, stg->slot_idx.data(), index.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
-  if (st.ok()) st = EnqueueCopy(backend, stg->write_pos.data(), write_pos.data(), B * 4, RSSM_COPY_HOST_TO_DEVICE);
-  for (int32_t l = 0; st.ok() && l < model_.num_layers; ++l) {
-    st = UploadInputs(backend, model_, layers[l], B * num_draft, *stg);
-    if (!st.ok()) break;
-    rssm_verify_args a{};
-    a.launch = {backend, nullptr};
-    a.shape = model_.shape;
-    a.params = pool_->LayerParams(l);
-    a.pool = pool_->LayerPool(l);
-    a.batch = static_cast<int32_t>(B);
-    a.num_draft = num_draft;
-    a.slot_idx = stg->slot_idx.as<const int32_t>();
-    a.write_pos = stg->write_pos.as<const int32_t>();
-    a.in = StagedInputs(*stg);
-    a.out = {stg->out.data(), 0};
-    st = KernelStatus(rssm_verify(&a), "verify");
-    if (st.ok()) st = DownloadOutputs(backend, model_, layers[l], B * num_draft, *stg);
-  }
-  ReturnStaging(std::move(stg));
+    const absl::Status done = lane.Synchronize();
+    if (!done.ok()) MarkBroken(folded);  // the folds may not have completed
+    return r.ok() ? done : r;
+  });
   absl::MutexLock lock(&mu_);
   for (int64_t r = 0; r < B; ++r) {
     if (index[r] < 0) continue;
@@ -874,6 +931,8 @@ absl::Status StateCacheImpl::Verify(absl::Span<const SlotId> ids, int32_t num_dr
 
 absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
   int32_t index = -1;
+  absl::StatusOr<LanePool::Lease> lane = lanes_.Take();  // before anything moves
+  if (!lane.ok()) return lane.status();
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
@@ -895,22 +954,48 @@ absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
       return absl::OkStatus();
     }
   }
-  return AfterAdvance({index});
+  return AfterAdvance({index}, **lane);
 }
 
 ForwardImpl::ForwardImpl(StateCacheImpl* cache, std::vector<int32_t> index,
-                         std::vector<int32_t> tokens, std::vector<int32_t> write_pos,
-                         std::unique_ptr<Staging> staging)
+                         std::vector<int32_t> tokens, LanePool::Lease lane)
     : cache_(cache),
       index_(std::move(index)),
       tokens_(std::move(tokens)),
-      write_pos_(std::move(write_pos)),
-      staging_(std::move(staging)),
+      lane_(std::move(lane)),
       done_(cache->model().num_layers, false) {}
 
 ForwardImpl::~ForwardImpl() {
-  if (staging_ != nullptr) cache_->ReturnStaging(std::move(staging_));
-  if (!finished_) cache_->EndForward(index_, tokens_, false);
+  if (finished_) return;
+  // Abandoned: wait for what was queued (ring appends past the cursors, and the scratch the
+  // lane is about to lend out again) before the rows are released.
+  (void)Synchronize();
+  lane_.reset();
+  cache_->EndForward(index_, tokens_, false);
+}
+
+absl::Status ForwardImpl::Start() {
+  const ModelSpec& m = cache_->model();
+  Lane& lane = *lane_;
+  // A ring that cannot take this step's record is folded now (committed; see the top).
+  absl::Status st = cache_->FoldRows(index_, m.shape.ring_len - 2, &CacheStats::folds_ring_full,
+                                     lane, &unconfirmed_folds_);
+  if (!st.ok()) return st;
+  const std::vector<int32_t> write_pos = cache_->Cursors(index_);
+  const int64_t B = batch();
+  Scratch& s = lane.scratch;
+  st = s.Reserve(cache_->options().backend, m, B, B);
+  if (st.ok()) st = lane.Upload(s.slot_idx.data(), index_.data(), B * 4);
+  if (st.ok()) st = lane.Upload(s.write_pos.data(), write_pos.data(), B * 4);
+  return st;
+}
+
+absl::Status ForwardImpl::Synchronize() {
+  if (!lane_) return absl::OkStatus();
+  absl::Status st = lane_->Synchronize();
+  if (!st.ok()) cache_->MarkBroken(unconfirmed_folds_);
+  unconfirmed_folds_.clear();
+  return st;
 }
 
 absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
@@ -922,26 +1007,28 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   if (done_[layer]) {
     return absl::FailedPreconditionError(absl::StrCat("layer: layer ", layer, " already ran in this forward"));
   }
-  if (io.mixed_qkv == nullptr || io.a == nullptr || io.b == nullptr || io.out == nullptr) {
-    return absl::InvalidArgumentError("io: expected mixed_qkv, a, b and out buffers, got a missing one");
-  }
-  const int32_t backend = cache_->options().backend;
-  const int64_t B = batch();
-  absl::Status st = UploadInputs(backend, m, io, B, *staging_);
+  absl::Status st = CheckLayerIo(io, "io", /*need_out=*/true);
   if (!st.ok()) return st;
+  const int64_t B = batch();
+  Lane& lane = *lane_;
+  absl::StatusOr<rssm_token_inputs> in = StageInputs(lane, m, io, B);
+  if (!in.ok()) return in.status();
   rssm_decode_args a{};
-  a.launch = {backend, nullptr};
+  a.launch = lane.Launch();
   a.shape = m.shape;
   a.params = cache_->pool().LayerParams(layer);
   a.pool = cache_->pool().LayerPool(layer);
   a.batch = static_cast<int32_t>(B);
-  a.slot_idx = staging_->slot_idx.as<const int32_t>();
-  a.write_pos = staging_->write_pos.as<const int32_t>();
-  a.force_fold = nullptr;  // never folds: every row has room (BeginForward)
-  a.in = StagedInputs(*staging_);
-  a.out = {staging_->out.data(), 0};
+  a.slot_idx = lane.scratch.slot_idx.as<const int32_t>();
+  a.write_pos = lane.scratch.write_pos.as<const int32_t>();
+  a.force_fold = nullptr;  // never folds: every row has room (Start)
+  a.in = *in;
+  a.out = OutputTarget(lane, io);
   st = KernelStatus(rssm_replay_decode(&a), "decode");
-  if (st.ok()) st = DownloadOutputs(backend, m, io, B, *staging_);
+  if (st.ok() && io.memory == IoMemory::kHost) {  // the caller reads io.out on return
+    st = StageOutputs(lane, m, io, B);
+    if (st.ok()) st = Synchronize();
+  }
   if (st.ok()) done_[layer] = true;
   return st;
 }
@@ -953,10 +1040,13 @@ absl::Status ForwardImpl::Commit() {
       return absl::FailedPreconditionError(absl::StrCat("commit: layer ", l, " has not run"));
     }
   }
+  absl::Status st = Synchronize();  // the layers' device work is done before cursors move
+  if (!st.ok()) return st;
   finished_ = true;
-  cache_->ReturnStaging(std::move(staging_));
   cache_->EndForward(index_, tokens_, true);
-  return cache_->AfterAdvance(index_);
+  st = cache_->AfterAdvance(index_, *lane_);
+  lane_.reset();
+  return st;
 }
 
 }  // namespace
@@ -992,7 +1082,10 @@ absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
   if (n > 0x7fffffff) return absl::InvalidArgumentError("memory_budget: more than 2^31 slots");
   absl::StatusOr<std::unique_ptr<SlotPool>> pool = SlotPool::Create(model, options.backend, n);
   if (!pool.ok()) return pool.status();
-  return std::unique_ptr<StateCache>(new StateCacheImpl(std::move(model), options, std::move(*pool)));
+  auto cache = std::make_unique<StateCacheImpl>(std::move(model), options, std::move(*pool));
+  absl::Status st = cache->WarmLanes();
+  if (!st.ok()) return st;
+  return std::unique_ptr<StateCache>(std::move(cache));
 }
 
 }  // namespace replayssm::cache

@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <thread>
 
 #include "test_model.h"
 
 namespace replayssm::cache {
 namespace {
 
+using testing::BackendBatch;
 using testing::Batch;
 using testing::Oracle;
 using testing::Tok;
@@ -37,8 +39,10 @@ class CacheTest : public ::testing::Test {
   }
 
   // One decode step of each (slot, token); checks the outputs against the oracle states.
+  // With IoMemory::kBackend the activations are in backend memory and the outputs are read
+  // back after Commit (which waits for the queued layers).
   void Step(const std::vector<SlotId>& slots, std::vector<std::vector<int32_t>*> hist,
-            std::vector<Oracle::State*> ref, int32_t token) {
+            std::vector<Oracle::State*> ref, int32_t token, IoMemory memory = IoMemory::kHost) {
     std::vector<DecodeRow> rows;
     std::vector<Tok> toks;
     for (size_t i = 0; i < slots.size(); ++i) {
@@ -46,12 +50,15 @@ class CacheTest : public ::testing::Test {
       toks.push_back({token, static_cast<int64_t>(hist[i]->size())});
     }
     Batch batch = oracle_->MakeBatch(toks);
+    std::unique_ptr<BackendBatch> dev;
+    if (memory == IoMemory::kBackend) dev = std::make_unique<BackendBatch>(cache_->options().backend, batch);
     absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward(rows);
     ASSERT_TRUE(f.ok()) << f.status();
     for (int l = 0; l < cache_->model().num_layers; ++l) {
-      ASSERT_TRUE((*f)->RunLayer(l, batch.io[l]).ok());
+      ASSERT_TRUE((*f)->RunLayer(l, dev ? dev->io[l] : batch.io[l]).ok());
     }
     ASSERT_TRUE((*f)->Commit().ok());
+    if (dev) dev->CopyOutputsTo(batch);
     for (size_t i = 0; i < slots.size(); ++i) {
       const Oracle::Outputs want = oracle_->Step(*ref[i], toks[i]);
       for (int l = 0; l < cache_->model().num_layers; ++l) {
@@ -136,6 +143,70 @@ TEST_F(CacheTest, AbandonedForwardChangesNothing) {
   ExpectState(a, r);
 }
 
+TEST_F(CacheTest, ForwardOnBackendMemoryMatchesTheReference) {
+  Make(4, /*track=*/5, /*ring=*/4);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  std::vector<int32_t> ha, hb;
+  Oracle::State ra = oracle_->Zero(), rb = oracle_->Zero();
+  Prefill(a, ha, ra, {5, 6, 7});
+  for (int step = 0; step < 11; ++step) {  // folds and track snapshots on both kinds
+    Step({a, b}, {&ha, &hb}, {&ra, &rb}, 100 + step,
+         step % 2 == 0 ? IoMemory::kBackend : IoMemory::kHost);
+  }
+  EXPECT_GT(cache_->stats().folds_ring_full, 0);
+  EXPECT_GT(cache_->stats().snapshots_taken, 0);
+  {  // abandoned while its layer is only queued: changes nothing
+    Batch batch = oracle_->MakeBatch({{9, static_cast<int64_t>(ha.size())}});
+    BackendBatch dev(cache_->options().backend, batch);
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 9}});
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE((*f)->RunLayer(0, dev.io[0]).ok());
+  }
+  EXPECT_EQ(cache_->stats().forwards_abandoned, 1);
+  // Verify from backend memory.
+  Batch drafts = oracle_->MakeBatch({{60, static_cast<int64_t>(ha.size())},
+                                     {61, static_cast<int64_t>(ha.size()) + 1}});
+  BackendBatch dev(cache_->options().backend, drafts);
+  ASSERT_TRUE(cache_->Verify({a}, 2, {60, 61}, dev.io).ok());
+  dev.CopyOutputsTo(drafts);
+  Oracle::State s = ra;
+  for (int t = 0; t < 2; ++t) {
+    const Oracle::Outputs want = oracle_->Step(s, {60 + t, static_cast<int64_t>(ha.size()) + t});
+    for (int l = 0; l < 2; ++l) {
+      EXPECT_LE(testing::RelErr(drafts.Output(cache_->model(), l, t), want[l]), kOutTol);
+    }
+    if (t == 0) ra = s;
+  }
+  ASSERT_TRUE(cache_->Accept(a, 1).ok());
+  ha.push_back(60);
+  Step({a, b}, {&ha, &hb}, {&ra, &rb}, 200, IoMemory::kBackend);
+  ExpectState(a, ra);
+  ExpectState(b, rb);
+  EXPECT_EQ(cache_->stats().lanes, 1) << "one operation at a time reuses one lane";
+}
+
+TEST_F(CacheTest, ConcurrentForwardsOnDisjointSlotsMatchTheReference) {
+  Make(4, /*track=*/0, /*ring=*/4);
+  constexpr int kThreads = 2, kSteps = 12;
+  std::vector<SlotId> slot(kThreads);
+  std::vector<std::vector<int32_t>> hist(kThreads);
+  std::vector<Oracle::State> ref(kThreads, oracle_->Zero());
+  for (int t = 0; t < kThreads; ++t) slot[t] = *cache_->Allocate();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int step = 0; step < kSteps; ++step) {
+        Step({slot[t]}, {&hist[t]}, {&ref[t]}, 10 * t + step,
+             (step + t) % 2 == 0 ? IoMemory::kBackend : IoMemory::kHost);
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(cache_->stats().forwards_committed, kThreads * kSteps);
+  EXPECT_LE(cache_->stats().lanes, kThreads) << "a lane per operation in flight, no more";
+  for (int t = 0; t < kThreads; ++t) ExpectState(slot[t], ref[t]);
+}
+
 TEST_F(CacheTest, ASlotInTwoForwardsIsRefused) {
   Make(2);
   const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
@@ -146,6 +217,8 @@ TEST_F(CacheTest, ASlotInTwoForwardsIsRefused) {
   EXPECT_NE(g.status().message().find("rows[1].slot"), std::string::npos) << g.status();
   absl::StatusOr<std::unique_ptr<Forward>> h = cache_->BeginForward({{b, 1}});
   EXPECT_TRUE(h.ok()) << "b was released when the second forward was refused";
+  EXPECT_NE((*f).get(), nullptr);
+  EXPECT_EQ(cache_->stats().lanes, 2) << "two forwards in flight, each on a lane of its own";
   EXPECT_EQ(cache_->Free(a).code(), absl::StatusCode::kFailedPrecondition)
       << "a slot in an open forward cannot be freed";
 }

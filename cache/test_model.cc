@@ -1,6 +1,7 @@
 #include "test_model.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -134,6 +135,42 @@ Oracle::State Oracle::FromExport(const ExportedState& e) const {
     for (size_t i = 0; i < s[l].size(); ++i) s[l][i] = Load(dt, &e.checkpoints[l][i * es]);
   }
   return s;
+}
+
+BackendBatch::BackendBatch(int32_t b, const Batch& host) : backend(b) {
+  const rssm_launch l{backend, nullptr};
+  auto copy_of = [&](const std::vector<uint8_t>& v) {
+    void* p = nullptr;
+    if (rssm_alloc(backend, v.size(), &p) != RSSM_OK ||
+        rssm_memcpy(&l, p, v.data(), v.size(), RSSM_COPY_HOST_TO_DEVICE) != RSSM_OK) {
+      std::fprintf(stderr, "BackendBatch: %s\n", rssm_last_error());
+      std::abort();
+    }
+    buffers.push_back(p);
+    return p;
+  };
+  for (size_t i = 0; i < host.io.size(); ++i) {
+    LayerIo io;
+    io.mixed_qkv = copy_of(host.qkv[i]);
+    io.a = copy_of(host.a[i]);
+    io.b = copy_of(host.b[i]);
+    io.out = copy_of(host.out[i]);
+    io.memory = IoMemory::kBackend;
+    this->io.push_back(io);
+  }
+  rssm_synchronize(&l);
+}
+
+BackendBatch::~BackendBatch() {
+  for (void* p : buffers) rssm_free(backend, p);
+}
+
+void BackendBatch::CopyOutputsTo(Batch& host) const {
+  const rssm_launch l{backend, nullptr};
+  for (size_t i = 0; i < io.size(); ++i) {
+    rssm_memcpy(&l, host.out[i].data(), io[i].out, host.out[i].size(), RSSM_COPY_DEVICE_TO_HOST);
+  }
+  rssm_synchronize(&l);
 }
 
 int32_t TestBackend() {

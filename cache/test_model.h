@@ -26,6 +26,21 @@ struct Batch {
   std::vector<double> Output(const ModelSpec& m, int layer, int64_t i) const;
 };
 
+// A Batch copied into backend memory (device memory on CUDA): io views it as
+// IoMemory::kBackend. Copies wait for themselves (the legacy stream + a synchronize).
+struct BackendBatch {
+  BackendBatch(int32_t backend, const Batch& host);
+  ~BackendBatch();
+  BackendBatch(const BackendBatch&) = delete;
+  BackendBatch& operator=(const BackendBatch&) = delete;
+  // host.out <- the outputs (once the work writing them is done).
+  void CopyOutputsTo(Batch& host) const;
+
+  int32_t backend;
+  std::vector<void*> buffers;  // every allocation, freed by the destructor
+  std::vector<LayerIo> io;     // [layers]
+};
+
 class Oracle {
  public:
   using State = std::vector<std::vector<double>>;  // [layers][HV*V*K]

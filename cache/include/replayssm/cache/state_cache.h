@@ -13,7 +13,9 @@
 //    old id.
 //
 // Thread safety: every method is thread-safe. Forwards and verifies on disjoint slots run
-// concurrently; a slot already in an open forward is refused (FAILED_PRECONDITION).
+// concurrently (each operation on its own stream); a slot already in an open forward is
+// refused (FAILED_PRECONDITION). Every operation but a Forward has finished its device work
+// when it returns.
 #ifndef REPLAYSSM_CACHE_STATE_CACHE_H_
 #define REPLAYSSM_CACHE_STATE_CACHE_H_
 
@@ -42,12 +44,23 @@ struct CacheOptions {
   int32_t max_prefill_tokens = 1 << 16;  // tokens per prefill call
 };
 
-// One layer's activations and outputs for N tokens, in host memory, dense, act dtype.
+// Where the buffers of a LayerIo live.
+enum class IoMemory : int32_t {
+  // Ordinary host memory (e.g. a gRPC message): copied through the cache's pinned staging.
+  kHost = 0,
+  // The backend's own memory (device memory on CUDA, host memory on CPU), for co-located
+  // callers: used in place, no copies. Work on it is queued on the operation's stream (see
+  // Forward::RunLayer); the inputs must stay unchanged until that work is done.
+  kBackend = 1,
+};
+
+// One layer's activations and outputs for N tokens, dense, act dtype.
 struct LayerIo {
   const void* mixed_qkv = nullptr;  // [N, 2*H*K + HV*V]
   const void* a = nullptr;          // [N, HV] (GDN) or [N, HV, K] (KDA)
   const void* b = nullptr;          // [N, HV]
   void* out = nullptr;              // [N, HV, V]; may be null for prefill
+  IoMemory memory = IoMemory::kHost;  // where all four live
 };
 
 struct SlotInfo {
@@ -63,19 +76,33 @@ struct CacheStats {
   int64_t snapshots_taken = 0, donations = 0;
   int64_t guard_calls = 0, invariant_refusals = 0;
   int64_t forwards_committed = 0, forwards_abandoned = 0;
+  int64_t lanes = 0;  // streams with pinned staging: the most operations that ever ran at once
 };
 
 // A decode forward over a batch of rows: RunLayer once per layer (any order), then Commit.
 // Destroying it without Commit abandons it: no cursor moves, no state changes.
+// Each forward queues its work on a stream of its own (one of a pool the cache owns), so
+// forwards on disjoint slots overlap on the device. It waits for that stream only where a
+// caller must see results: a host-memory RunLayer (its outputs), Synchronize, Commit and
+// abandonment (before its slots are released).
 // Not thread-safe itself (one driver at a time); different forwards may run concurrently.
 class Forward {
  public:
   virtual ~Forward() = default;
   virtual int32_t batch() const = 0;
-  // Runs layer `layer` for every row: io holds N = batch() tokens.
+  // Runs layer `layer` for every row: io holds N = batch() tokens. With host memory it
+  // returns once io.out is filled. With backend memory it only queues the layer: io.out is
+  // written once Synchronize (or Commit) returns, and before any work the caller queues on
+  // stream() after this call.
   virtual absl::Status RunLayer(int32_t layer, const LayerIo& io) = 0;
-  // Advances every row's cursor and seq_len once, folds rows at track boundaries and
-  // snapshots them. FAILED_PRECONDITION unless every layer ran exactly once.
+  // Waits for every layer queued so far.
+  virtual absl::Status Synchronize() = 0;
+  // The stream this forward's work is queued on (rssm_launch.stream: a cudaStream_t on CUDA,
+  // NULL on CPU), valid until Commit or destruction.
+  virtual void* stream() const = 0;
+  // Waits for the queued layers, advances every row's cursor and seq_len once, folds rows at
+  // track boundaries and snapshots them. FAILED_PRECONDITION unless every layer ran exactly
+  // once; a device error leaves the forward uncommitted (destroying it abandons it).
   virtual absl::Status Commit() = 0;
 };
 

@@ -1,0 +1,139 @@
+// Lane: what one cache operation needs to drive the backend: a stream of its own, a pinned
+// host staging buffer for copies to and from ordinary host memory, and backend scratch for
+// the operation's activations and index arrays. StateCache keeps a free list of lanes (as
+// many as operations ever ran at once), so steady-state operations allocate nothing and
+// operations on disjoint slots overlap on the device.
+//
+// Ordering: everything queued on a lane runs in order on its stream. Host memory passed to
+// Upload may be reused as soon as Upload returns (it was copied into pinned memory); host
+// memory passed to Download is filled when Synchronize returns OK. Nothing synchronizes
+// except Synchronize (and Upload/Download when the pinned buffer is full: then they wait for
+// what is queued before reusing it, so any size works).
+//
+// Thread safety: none; a lane is used by one operation (one thread at a time). It is
+// returned to the cache only when idle (synchronized).
+#ifndef REPLAYSSM_CACHE_LANE_H_
+#define REPLAYSSM_CACHE_LANE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "device_buffer.h"
+#include "replayssm/cache/model.h"
+
+namespace replayssm::cache {
+
+// Backend-side scratch of one operation: inputs, outputs and index arrays, grown on demand.
+struct Scratch {
+  DeviceBuffer qkv, a, b, out;          // act dtype, [tokens, width]
+  DeviceBuffer slot_idx, write_pos, cu;  // int32: the operation's rows
+  DeviceBuffer fold_idx, fold_pos;       // int32: the rows a fold before it acts on
+  DeviceBuffer flags;                    // uint8
+  absl::Status Reserve(int32_t backend, const ModelSpec& m, int64_t tokens, int64_t rows);
+};
+
+class Lane {
+ public:
+  // A lane whose pinned staging holds `host_bytes` (copies larger than that are chunked).
+  static absl::StatusOr<std::unique_ptr<Lane>> Create(int32_t backend, size_t host_bytes);
+  ~Lane();  // waits for queued work, then releases the stream and the pinned memory
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+
+  int32_t backend() const { return backend_; }
+  void* stream() const { return stream_; }  // NULL on CPU
+  // The launch for work about to be queued on this lane (the lane then counts as busy).
+  rssm_launch Launch() {
+    queued_ = true;
+    return rssm_launch{backend_, stream_};
+  }
+
+  // Queues a copy of `bytes` of host memory at src into backend memory at dst.
+  absl::Status Upload(void* dst, const void* src, size_t bytes);
+  // Queues a copy of `bytes` of backend memory at src into host memory at dst; dst holds them
+  // once Synchronize returns OK.
+  absl::Status Download(void* dst, const void* src, size_t bytes);
+  // Waits for everything queued (free when nothing was queued since the last call), then
+  // completes the downloads. On an error the downloads' destinations are undefined.
+  absl::Status Synchronize();
+  bool idle() const { return !queued_ && downloads_.empty(); }
+
+  Scratch scratch;
+
+ private:
+  Lane(int32_t backend, void* stream, void* host, size_t host_bytes)
+      : backend_(backend), stream_(stream), host_(host), host_bytes_(host_bytes) {}
+  // A free region of the pinned buffer of up to `want` bytes (at least 1), waiting for the
+  // queued copies when the buffer is full. *got is its size.
+  absl::StatusOr<char*> Take(size_t want, size_t* got);
+
+  struct PendingDownload {
+    void* dst;
+    const char* staged;
+    size_t bytes;
+  };
+  const int32_t backend_;
+  void* const stream_;
+  void* const host_;  // pinned (rssm_alloc_host)
+  const size_t host_bytes_;
+  size_t host_used_ = 0;  // bytes of host_ taken since the last Synchronize
+  bool queued_ = false;   // work queued since the last Synchronize
+  std::vector<PendingDownload> downloads_;
+};
+
+// A free list of lanes. Take gives an idle lane, a new one when none is free (lanes are never
+// dropped before the pool, so their number is the most operations that ever ran at once);
+// the lease gives it back when destroyed, waiting for its queued work first.
+// Thread safety: Take and the leases' destruction are thread-safe.
+class LanePool {
+ public:
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& o) noexcept { *this = std::move(o); }
+    Lease& operator=(Lease&& o) noexcept {
+      if (this != &o) {
+        reset();
+        pool_ = std::exchange(o.pool_, nullptr);
+        lane_ = std::move(o.lane_);
+      }
+      return *this;
+    }
+    ~Lease() { reset(); }
+    Lane& operator*() const { return *lane_; }
+    Lane* operator->() const { return lane_.get(); }
+    explicit operator bool() const { return lane_ != nullptr; }
+    void reset();  // gives the lane back now
+
+   private:
+    friend class LanePool;
+    LanePool* pool_ = nullptr;
+    std::unique_ptr<Lane> lane_;
+  };
+
+  LanePool(int32_t backend, size_t host_bytes) : backend_(backend), host_bytes_(host_bytes) {}
+  absl::StatusOr<Lease> Take();
+  int64_t size() const;  // lanes made so far
+
+ private:
+  const int32_t backend_;
+  const size_t host_bytes_;
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Lane>> free_ ABSL_GUARDED_BY(mu_);
+  int64_t made_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Pinned staging a lane of `model` needs so that one decode layer of `max_batch` rows and its
+// index arrays never wait for a full buffer.
+size_t LaneHostBytes(const ModelSpec& model, int64_t max_batch);
+
+}  // namespace replayssm::cache
+
+#endif  // REPLAYSSM_CACHE_LANE_H_
