@@ -14,6 +14,7 @@
 #include "prefill_kernel.cuh"
 #include "step_kernel.cuh"
 #include "stream_kernel.cuh"
+#include "warp_kernel.cuh"
 
 namespace replayssm::kernels::cuda {
 
@@ -59,11 +60,13 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
 // persistent grid (tests use it so that every CTA walks several items).
 // REPLAYSSM_CUDA_STEP: unset = the default (UseStream below), "legacy" = StepKernel (v4b),
 // "pipe" = the pipelined kernel, "stream" = the pre-pass + streaming kernel (v5).
-enum StepKind { kStepLegacy = 0, kStepPipe = 1, kStepStream = 2 };
+// "warp" = the v6 warp-streaming kernel (warp_kernel.cuh). Unset: the default rule below.
+enum StepKind { kStepDefault = -1, kStepLegacy = 0, kStepPipe = 1, kStepStream = 2, kStepWarp = 3 };
 inline StepKind StepChoice() {
   static const StepKind k = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_STEP");
-    if (e == nullptr) return kStepLegacy;
+    if (e == nullptr) return kStepDefault;
+    if (std::strcmp(e, "warp") == 0) return kStepWarp;
     if (std::strcmp(e, "pipe") == 0) return kStepPipe;
     if (std::strcmp(e, "stream") == 0) return kStepStream;
     return kStepLegacy;
@@ -101,10 +104,28 @@ inline int PrepassMinBlocks() {
   }();
   return n;
 }
+// The default (no REPLAYSSM_CUDA_STEP), measured on the H200 in one call
+// (bench/results/kernels-h200-2026-11-30-v6.md): B >= REPLAYSSM_CUDA_STREAM_MIN_B (64):
+// fp32 state -> v5 (pre-pass + streaming: fastest replay and verify), 16-bit state -> v6 warp
+// kernel (replay -7..-28%, verify -4..-11%, baseline -42..-73% against v4b/v5 there);
+// smaller batches -> v4b. A function of (state dtype, B) only, so the baseline, replay and
+// verify calls of one batch share a path (L = 1 bit identity).
 inline bool UseStream(const StepParams& p, size_t state_bytes) {
-  static const bool forced = std::getenv("REPLAYSSM_CUDA_STEP") != nullptr;
-  if (forced) return StepChoice() == kStepStream;
-  return state_bytes == 4 && p.batch >= StreamMinBatch();
+  if (StepChoice() == kStepDefault) return state_bytes == 4 && p.batch >= StreamMinBatch();
+  return StepChoice() == kStepStream;
+}
+inline bool UseWarp(const StepParams& p, size_t state_bytes) {
+  if (StepChoice() == kStepDefault) return state_bytes == 2 && p.batch >= StreamMinBatch();
+  return StepChoice() == kStepWarp;
+}
+// Rows per warp item of the v6 warp kernel (REPLAYSSM_CUDA_VC: 16..256, multiple of 16).
+inline int WarpChunkRows() {
+  static const int n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_VC");
+    const int v = e != nullptr ? std::atoi(e) : 0;
+    return v >= 16 && v <= 256 && v % 16 == 0 ? v : 0;  // 0: by batch size
+  }();
+  return n;
 }
 inline int64_t MaxCtasOverride() {
   static const int64_t n = [] {
@@ -256,9 +277,95 @@ cudaError_t LaunchStreamT(const StepParams& sp, cudaStream_t stream, bool* launc
   return e;
 }
 
+// v6 (warp_kernel.cuh): one warp per (row, v-head, chunk of vc rows), 4 per CTA unless a
+// warp's shared memory (records' k and g, dots) allows fewer.
+template <typename T, int TT, int KC, int SB>
+cudaError_t LaunchWarpT(const StepParams& sp, cudaStream_t stream) {
+  constexpr int RB = WarpRows<T, TT, KC, SB>();
+  WarpParams p{};
+  p.ly = sp.ly;
+  p.batch = sp.batch;
+  p.num_draft = sp.num_draft;
+  p.mode = sp.mode;
+  p.slot_idx = sp.slot_idx;
+  p.write_pos = sp.write_pos;
+  p.force_fold = sp.force_fold;
+  const LayerDesc& ly = p.ly;
+  // Rows per warp: 64 when the batch fills the GPU (~2k warps in flight), fewer for small
+  // batches so that more warps share a head (latency-bound there); REPLAYSSM_CUDA_VC forces.
+  int vc = WarpChunkRows();
+  if (vc == 0) {
+    const int64_t rows = int64_t{p.batch} * ly.HV * ly.V;
+    vc = rows >= 64LL * 2048 ? 64 : rows >= 32LL * 2048 ? 32 : 16;
+  }
+  p.vc = std::min(vc, (ly.V + 15) / 16 * 16);
+  p.nchunk = (ly.V + p.vc - 1) / p.vc;
+  const WarpSmem ws = WarpSmem::Make(ly.K, ly.L, ly.kda != 0, TT, p.num_draft, p.vc, RB, KC,
+                                     int(sizeof(T)));
+  p.smem_per_warp = ws.total;
+  p.off_gs = ws.gs;
+  p.off_u = ws.u;
+  p.off_p = ws.p;
+  p.off_dd = ws.dd;
+  p.off_vs = ws.vs;
+  p.off_st = ws.stages;
+  p.stage_floats = ws.stage_floats;
+  auto vec = [](const void* ptr, int64_t stride, int64_t row, int width_bytes, size_t elem) {
+    const int64_t g = std::min(width_bytes, 16);
+    return (reinterpret_cast<uintptr_t>(ptr) % g) == 0 && (stride * int64_t(elem)) % g == 0 &&
+           (row * int64_t(elem)) % g == 0 && width_bytes % g == 0;
+  };
+  p.vec_s0 = vec(ly.ckpt, ly.ckpt_stride, ly.K, KC * int(sizeof(T)), sizeof(T)) ? 1 : 0;
+  p.vec_k = vec(ly.ring_k, ly.k_stride, ly.K, KC * int(sizeof(T)), sizeof(T)) ? 1 : 0;
+  p.vec_d = vec(ly.ring_d, ly.d_stride, ly.V, RB * int(sizeof(T)), sizeof(T)) ? 1 : 0;
+  int dev = 0, smem_max = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  e = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  const size_t per_warp = size_t(ws.total) * sizeof(float);
+  p.wpb = static_cast<int32_t>(std::min<size_t>(kWarpCtaThreads / 32, size_t(smem_max) / per_warp));
+  if (p.wpb < 1) return cudaErrorInvalidConfiguration;
+  const int64_t items = int64_t{p.batch} * ly.HV * p.nchunk;
+  const int64_t ctas = (items + p.wpb - 1) / p.wpb;
+  if (ctas <= 0 || ctas > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const size_t bytes = per_warp * p.wpb;
+  auto kernel = WarpStepKernel<T, TT, KC, SB>;
+  e = AllowSmem(kernel, bytes);
+  if (e != cudaSuccess) return e;
+  if (Verbose()) {
+    std::fprintf(stderr, "warp: mode %d T %d RB %d vc %d wpb %d smem %zu B, CTAs %lld\n",
+                 int(p.mode), p.num_draft, RB, p.vc, p.wpb, bytes, (long long)ctas);
+  }
+  kernel<<<dim3(static_cast<unsigned>(ctas)), p.wpb * 32, bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// S0 bytes per lane per batch of the decode instantiation (REPLAYSSM_CUDA_SLICE=64|128).
+inline int WarpSliceBytes() {
+  static const int n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_SLICE");
+    return e != nullptr && std::atoi(e) == 128 ? 128 : 64;
+  }();
+  return n;
+}
+
+template <typename T>
+cudaError_t LaunchWarpFor(const StepParams& p, cudaStream_t stream) {
+  const bool verify = p.mode == kModeVerify;
+  const bool wide = WarpSliceBytes() == 128;
+  if (p.ly.K <= 128) {
+    if (verify) return LaunchWarpT<T, kVerifyTokensPerPass, 4, 64>(p, stream);
+    return wide ? LaunchWarpT<T, 1, 4, 128>(p, stream) : LaunchWarpT<T, 1, 4, 64>(p, stream);
+  }
+  if (verify) return LaunchWarpT<T, kVerifyTokensPerPass, 8, 64>(p, stream);
+  return wide ? LaunchWarpT<T, 1, 8, 128>(p, stream) : LaunchWarpT<T, 1, 8, 64>(p, stream);
+}
+
 template <typename T>
 cudaError_t LaunchStepFor(StepParams p, cudaStream_t stream) {
   const bool verify = p.mode == kModeVerify;
+  if (UseWarp(p, sizeof(T))) return LaunchWarpFor<T>(p, stream);
   if (UseStream(p, sizeof(T))) {
     bool launched = false;
     cudaError_t e;
