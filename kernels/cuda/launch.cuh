@@ -300,16 +300,13 @@ cudaError_t LaunchWarpT(const StepParams& sp, cudaStream_t stream) {
   }
   p.vc = std::min(vc, (ly.V + 15) / 16 * 16);
   p.nchunk = (ly.V + p.vc - 1) / p.vc;
-  const WarpSmem ws = WarpSmem::Make(ly.K, ly.L, ly.kda != 0, TT, p.num_draft, p.vc, RB, KC,
-                                     int(sizeof(T)));
+  const WarpSmem ws = WarpSmem::Make(ly.K, ly.L, ly.kda != 0, TT, p.num_draft, p.vc);
   p.smem_per_warp = ws.total;
   p.off_gs = ws.gs;
   p.off_u = ws.u;
   p.off_p = ws.p;
   p.off_dd = ws.dd;
   p.off_vs = ws.vs;
-  p.off_st = ws.stages;
-  p.stage_floats = ws.stage_floats;
   auto vec = [](const void* ptr, int64_t stride, int64_t row, int width_bytes, size_t elem) {
     const int64_t g = std::min(width_bytes, 16);
     return (reinterpret_cast<uintptr_t>(ptr) % g) == 0 && (stride * int64_t(elem)) % g == 0 &&

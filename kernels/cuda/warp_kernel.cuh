@@ -79,28 +79,6 @@ __device__ __forceinline__ void LoadSlice(Slice<T, N>& s, const T* p, bool vec) 
   for (int e = 0; e < N; ++e) d[e] = p[e];
 }
 
-// Reads N elements of T that this thread staged in shared memory (16-byte aligned slices).
-template <typename T, int N>
-__device__ __forceinline__ void ReadShared(Slice<T, N>& s, const T* p) {
-  constexpr int B = Slice<T, N>::kBytes;
-  if constexpr (B % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 16; ++i) {
-      const uint4 x = reinterpret_cast<const uint4*>(p)[i];
-      s.w[4 * i] = x.x, s.w[4 * i + 1] = x.y, s.w[4 * i + 2] = x.z, s.w[4 * i + 3] = x.w;
-    }
-  } else if constexpr (B % 8 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 8; ++i) {
-      const uint2 x = reinterpret_cast<const uint2*>(p)[i];
-      s.w[2 * i] = x.x, s.w[2 * i + 1] = x.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < s.kWords; ++i) s.w[i] = reinterpret_cast<const uint32_t*>(p)[i];
-  }
-}
-
 template <typename T, int N>
 __device__ __forceinline__ void StoreSlice(T* p, const Slice<T, N>& s, bool vec) {
   constexpr int B = Slice<T, N>::kBytes;
@@ -126,58 +104,6 @@ __device__ __forceinline__ void StoreSlice(T* p, const Slice<T, N>& s, bool vec)
 }
 
 
-// ---- asynchronous global -> shared copies (cp.async, sm_80+) ---------------------------------
-template <int BYTES>
-__device__ __forceinline__ void CpAsync(void* smem, const void* gmem) {
-  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(gmem), "n"(BYTES)
-                 : "memory");
-  }
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Copies the N elements at p into shared memory at d (same thread reads them back): cp.async
-// in 16/8/4-byte pieces when `vec`, else plain loads and stores (visible to the thread at once).
-template <typename T, int N>
-__device__ __forceinline__ void StageSlice(T* d, const T* p, bool vec) {
-  constexpr int B = N * int(sizeof(T));
-  if (vec) {
-    if constexpr (B % 16 == 0) {
-#pragma unroll
-      for (int i = 0; i < B / 16; ++i) CpAsync<16>(reinterpret_cast<char*>(d) + 16 * i, reinterpret_cast<const char*>(p) + 16 * i);
-      return;
-    } else if constexpr (B % 8 == 0) {
-#pragma unroll
-      for (int i = 0; i < B / 8; ++i) CpAsync<8>(reinterpret_cast<char*>(d) + 8 * i, reinterpret_cast<const char*>(p) + 8 * i);
-      return;
-    } else if constexpr (B % 4 == 0) {
-#pragma unroll
-      for (int i = 0; i < B / 4; ++i) CpAsync<4>(reinterpret_cast<char*>(d) + 4 * i, reinterpret_cast<const char*>(p) + 4 * i);
-      return;
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < N; ++e) d[e] = p[e];
-}
-
-// RSSM_WARP_ASYNC=1: the batches stream through shared-memory stages by cp.async
-// (kWarpStages in flight per warp); 0 (default, measured faster on the H200: NOTES.md v6):
-// the next batch is loaded into registers while the current one is reduced and finished.
-#ifndef RSSM_WARP_ASYNC
-#define RSSM_WARP_ASYNC 0
-#endif
-// Batches in flight per warp (shared-memory stages of the cp.async pipeline).
-#ifndef RSSM_WARP_STAGES
-#define RSSM_WARP_STAGES 4
-#endif
-constexpr int kWarpStages = RSSM_WARP_STAGES;
-
 // Records per transposed butterfly in the prologue's record dots (2 values each, <= 16).
 #ifndef RSSM_WARP_DOT_GROUP
 #define RSSM_WARP_DOT_GROUP 8
@@ -200,7 +126,7 @@ struct WarpParams {
   int32_t nchunk;   // ceil(V / vc)
   int32_t wpb;      // warps (items) per CTA
   int32_t smem_per_warp;                // floats
-  int32_t off_gs, off_u, off_p, off_dd, off_vs, off_st, stage_floats;  // floats; ks at 0
+  int32_t off_gs, off_u, off_p, off_dd, off_vs;  // floats; ks at 0
   int32_t vec_s0;   // S0 row slices are aligned for vector loads
   int32_t vec_d;    // ring d row slices likewise
   int32_t vec_k;    // ring k row slices likewise
@@ -212,12 +138,10 @@ struct WarpParams {
 // Shared memory of one warp (floats): ks [L][K] records' k as stored (for a folding decode,
 // overwritten in place by W_j∘k_j), gs [L][Kg] records' g, us/ps [TT][L] record dots,
 // dd [T][vc] drafts' d of earlier passes (verify with T > TT only).
-// vs [TT][vc] the tokens' v of the chunk rows (per pass); stages: kWarpStages x (S0 slices
-// [RB][32 lanes][KC] | ring d slices [32 lanes][RB]) in the state dtype (stage_floats each).
+// vs [TT][vc] the tokens' v of the chunk rows (per pass).
 struct WarpSmem {
-  int gs, u, p, dd, vs, stages, stage_floats, total;
-  static WarpSmem Make(int K, int L, bool kda, int TT, int T, int vc, int rb, int kc,
-                       int elem_bytes) {
+  int gs, u, p, dd, vs, total;
+  static WarpSmem Make(int K, int L, bool kda, int TT, int T, int vc) {
     WarpSmem s;
     int o = 0;
     auto take = [&o](int n) { const int at = o; o += (n + 3) & ~3; return at; };
@@ -227,8 +151,6 @@ struct WarpSmem {
     s.p = take(TT * L);
     s.dd = take(T > TT ? T * vc : 0);
     s.vs = take(TT * vc);
-    s.stage_floats = RSSM_WARP_ASYNC ? (32 * rb * (kc + 1) * elem_bytes / 4 + 3) & ~3 : 0;
-    s.stages = take(kWarpStages * s.stage_floats);
     s.total = o;
     return s;
   }
@@ -253,7 +175,6 @@ __global__ void __launch_bounds__(kWarpCtaThreads, TT == 1 ? RSSM_WARP_MINB : RS
   float* const ps = ks + p.off_p;
   float* const dds = ks + p.off_dd;
   float* const vsm = ks + p.off_vs;
-  float* const stg = ks + p.off_st;
 
   const int chunk = static_cast<int>(item % p.nchunk);
   const int h = static_cast<int>((item / p.nchunk) % ly.HV);
@@ -297,27 +218,12 @@ __global__ void __launch_bounds__(kWarpCtaThreads, TT == 1 ? RSSM_WARP_MINB : RS
   float* const rg = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * (kda ? K : 1);
   const bool vec_s0 = p.vec_s0 != 0, vec_d = p.vec_d != 0, vec_k = p.vec_k != 0;
 
-  // The batches of the chunk stream through kWarpStages shared-memory stages by cp.async:
-  // stage of batch b = b % kWarpStages; each lane copies and later reads only its own slices
-  // (its KC channels of the RB rows, and record j = lane's d of those rows).
+  // Batch b (RB rows) is loaded into registers while batch b - 1 is reduced and finished
+  // (a cp.async variant with shared-memory stages measured slower: NOTES.md v6b).
   const int nbatch = (vend - v0) / RB;
-  auto issue_batch = [&](int b) {
-    if (b < nbatch) {
-      const int b0 = v0 + b * RB;
-      T* st_s = reinterpret_cast<T*>(stg + (b % kWarpStages) * p.stage_floats);
-      if (has_c) {
-#pragma unroll
-        for (int i = 0; i < RB; ++i) {
-          StageSlice<T, KC>(st_s + (i * 32 + lane) * KC, s0 + int64_t(b0 + i) * K, vec_s0);
-        }
-      }
-      if (lane < w) StageSlice<T, RB>(st_s + 32 * RB * KC + lane * RB, rd + int64_t{lane} * V + b0, vec_d);
-    }
-    CpAsyncCommit();  // one group per batch index, empty or not: the wait counts stay exact
-  };
   Slice<T, KC> st[RB];
   Slice<T, RB> dn;
-  auto load_regs = [&](int b) {  // batch b straight into registers (RSSM_WARP_ASYNC == 0)
+  auto load_regs = [&](int b) {
     if (b >= nbatch) return;
     const int b0 = v0 + b * RB;
 #pragma unroll
@@ -334,23 +240,6 @@ __global__ void __launch_bounds__(kWarpCtaThreads, TT == 1 ? RSSM_WARP_MINB : RS
       dn.Zero();
     }
   };
-  auto read_batch = [&](int b) {
-    const T* st_s = reinterpret_cast<const T*>(stg + (b % kWarpStages) * p.stage_floats);
-#pragma unroll
-    for (int i = 0; i < RB; ++i) {
-      if (has_c) {
-        ReadShared(st[i], st_s + (i * 32 + lane) * KC);
-      } else {
-        st[i].Zero();
-      }
-    }
-    if (lane < w) {
-      ReadShared(dn, st_s + 32 * RB * KC + lane * RB);
-    } else {
-      dn.Zero();
-    }
-  };
-
   const float decay = -expf(ly.a_log[h]);
   // Records 0..w-1 (k and g as stored) into the warp's shared memory; each lane writes and
   // later reads only its own key channels, except GDN's scalar g (shared: a __syncwarp).
@@ -397,12 +286,7 @@ __global__ void __launch_bounds__(kWarpCtaThreads, TT == 1 ? RSSM_WARP_MINB : RS
   #pragma unroll 1
   for (int pass0 = 0; pass0 < T_; pass0 += TT) {
     const int nt = min(TT, T_ - pass0);
-#if RSSM_WARP_ASYNC
-#pragma unroll 1
-    for (int b = 0; b < kWarpStages; ++b) issue_batch(b);
-#else
     load_regs(0);
-#endif
     {  // the pass's tokens' v for the chunk rows (read in the finish by the row's lanes)
       const int nr = vend - v0;
 #pragma unroll
@@ -565,10 +449,6 @@ __global__ void __launch_bounds__(kWarpCtaThreads, TT == 1 ? RSSM_WARP_MINB : RS
     #pragma unroll 1
     for (int b = 0; b < nbatch; ++b) {
       const int b0 = v0 + b * RB;
-#if RSSM_WARP_ASYNC
-      CpAsyncWait<kWarpStages - 1>();  // batch b has landed
-      read_batch(b);
-#endif
       float acc[NV];
 #pragma unroll
       for (int i = 0; i < NV; ++i) acc[i] = 0.f;
@@ -611,11 +491,7 @@ __global__ void __launch_bounds__(kWarpCtaThreads, TT == 1 ? RSSM_WARP_MINB : RS
       float vcur[TT];
 #pragma unroll
       for (int t = 0; t < TT; ++t) vcur[t] = vsm[t * p.vc + (b0 - v0) + row_l];
-#if RSSM_WARP_ASYNC
-      issue_batch(b + kWarpStages);  // this stage is in registers now: refill it
-#else
       if (!fold) load_regs(b + 1);  // S0 is not needed after the contraction
-#endif
 
       TransposeReduce<NV, 16>::Run(acc, lane);
       float dd[TT], dcur = 0.f;
@@ -680,9 +556,7 @@ __global__ void __launch_bounds__(kWarpCtaThreads, TT == 1 ? RSSM_WARP_MINB : RS
           for (int e = 0; e < KC; ++e) st[i].Set(e, out[i][e] + di[i] * kn0[e]);
           if (has_c) StoreSlice(s0 + int64_t(b0 + i) * K, st[i], vec_s0);
         }
-#if !RSSM_WARP_ASYNC
         load_regs(b + 1);
-#endif
       }
     }
     __syncwarp();
