@@ -39,6 +39,7 @@ struct Slot {
   std::vector<int32_t> tokens;  // live: the history; snapshot: its key. size() == seq_len
   bool busy = false;            // in a forward, verify, prefill, copy or export
   bool broken = false;          // a device error left its state unknown
+  bool awaiting_import = false;  // AllocateForImport: stale bytes until a kImport succeeds
   int32_t pending = 0;          // drafts verified, awaiting Accept
   std::vector<int32_t> drafts;
   int32_t refs = 0;  // snapshots: copies in progress
@@ -120,6 +121,17 @@ class StateCacheImpl final : public StateCache {
     }
     slots_[index].busy = false;
     return MakeId(index, slots_[index].generation);
+  }
+
+  absl::StatusOr<SlotId> AllocateForImport() override {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = TakeFreeLocked();
+    if (!i.ok()) return i.status();
+    StartLiveLocked(*i, {});
+    Slot& s = slots_[*i];
+    s.busy = false;
+    s.awaiting_import = true;  // no memset: WithCheckpoints(kImport) writes every byte
+    return MakeId(*i, s.generation);
   }
 
   absl::StatusOr<PrefixAllocation> AllocateFromPrefix(absl::Span<const int32_t> tokens) override {
@@ -268,12 +280,18 @@ class StateCacheImpl final : public StateCache {
     return static_cast<int32_t>(index);
   }
 
-  // Marks a live slot busy for an operation; refuses a slot that is busy or has drafts.
-  absl::StatusOr<int32_t> AcquireLocked(SlotId id, const std::string& field, bool allow_pending)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Marks a live slot busy for an operation; refuses a slot that is busy or has drafts, and
+  // one awaiting its import (AllocateForImport) unless this is that import.
+  absl::StatusOr<int32_t> AcquireLocked(SlotId id, const std::string& field, bool allow_pending,
+                                        bool import = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::StatusOr<int32_t> i = LookupLocked(id, field);
     if (!i.ok()) return i;
     Slot& s = slots_[*i];
+    if (s.awaiting_import && !import) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": slot ", IdString(id), " was allocated for an import that has not completed "
+          "(it holds no state yet); expected a slot with a state, got one awaiting its import"));
+    }
     if (s.busy) {
       return absl::FailedPreconditionError(
           absl::StrCat(field, ": slot ", IdString(id), " is in another open operation"));
@@ -321,6 +339,7 @@ class StateCacheImpl final : public StateCache {
     s.tokens = std::move(tokens);
     s.busy = true;
     s.broken = false;
+    s.awaiting_import = false;
     s.pending = 0;
     s.drafts.clear();
   }
@@ -686,7 +705,7 @@ absl::StatusOr<int64_t> StateCacheImpl::WithCheckpoints(
   int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
-    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/out);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/out, /*import=*/!out);
     if (!i.ok()) return i.status();
     index = *i;
   }
@@ -711,6 +730,7 @@ absl::StatusOr<int64_t> StateCacheImpl::WithCheckpoints(
     s.write_pos = 0;
     s.seq_len = static_cast<int64_t>(tokens->size());
     s.tokens = *tokens;
+    s.awaiting_import = false;  // every checkpoint byte is the import's now
   }
   return s.seq_len;
 }

@@ -407,5 +407,83 @@ TEST_F(CacheTest, ImportThenDecodeContinuesTheExportedRequest) {
   ExpectState(b, rb);
 }
 
+TEST_F(CacheTest, ASlotAllocatedForImportIsUnusableUntilItsImportSucceeds) {
+  Make(1);
+  const SlotId a = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {1, 2, 3});
+  absl::StatusOr<ExportedState> e = cache_->Export(a);
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_TRUE(cache_->Free(a).ok());
+  // Until its import succeeds: refused as awaiting it; after a failed one, as broken.
+  bool failed_import = false;
+  auto refused = [&](const absl::Status& st, const char* what) {
+    EXPECT_EQ(st.code(), failed_import ? absl::StatusCode::kDataLoss
+                                       : absl::StatusCode::kFailedPrecondition)
+        << what << ": " << st;
+    EXPECT_NE(st.message().find(failed_import ? "lost its state" : "allocated for an import"),
+              std::string::npos) << what << ": " << st;
+  };
+  auto refuses_all_but_import = [&](SlotId s) {
+    EXPECT_EQ(cache_->Info(s)->seq_len, 0);
+    refused(cache_->Export(s).status(), "export");
+    refused(cache_->BeginForward({{s, 4}}).status(), "forward");
+    refused(cache_->Donate(s), "donate");
+    std::vector<int32_t> t;
+    refused(cache_->WithCheckpoints(
+                s, StateCache::CheckpointAccess::kExport,
+                [](const StateCache::CheckpointMemory&) { return absl::OkStatus(); }, &t)
+                .status(),
+            "export through the guard");
+    Batch p = oracle_->MakeBatch({{4, 0}});
+    refused(cache_->Prefill(s, {4}, p.io), "prefill");
+  };
+  // The import sees the stale bytes (no memset) and replaces them all; `fail` stops it after
+  // the first layer's check.
+  const size_t per = e->checkpoints[0].size();
+  auto import = [&](SlotId s, bool fail) {
+    std::vector<int32_t> tokens;
+    return cache_->WithCheckpoints(
+        s, StateCache::CheckpointAccess::kImport,
+        [&](const StateCache::CheckpointMemory& m) {
+          const rssm_launch l{m.backend, nullptr};
+          std::vector<uint8_t> stale(per);
+          for (size_t layer = 0; layer < m.layers.size(); ++layer) {
+            EXPECT_EQ(rssm_memcpy(&l, stale.data(), m.layers[layer], per, RSSM_COPY_DEVICE_TO_HOST),
+                      RSSM_OK);
+            EXPECT_EQ(rssm_synchronize(&l), RSSM_OK);
+            EXPECT_EQ(stale, e->checkpoints[layer]) << "layer " << layer << " was zeroed";
+            if (fail) return absl::DataLossError("checksum: injected");
+            EXPECT_EQ(rssm_memcpy(&l, m.layers[layer], e->checkpoints[layer].data(), per,
+                                  RSSM_COPY_HOST_TO_DEVICE),
+                      RSSM_OK);
+          }
+          EXPECT_EQ(rssm_synchronize(&l), RSSM_OK);
+          tokens = e->tokens;
+          return absl::OkStatus();
+        },
+        &tokens);
+  };
+  const SlotId b = *cache_->AllocateForImport();  // the only slot: a's memory, not zeroed
+  refuses_all_but_import(b);
+  EXPECT_EQ(import(b, /*fail=*/true).status().code(), absl::StatusCode::kDataLoss);
+  failed_import = true;
+  refuses_all_but_import(b);
+  ASSERT_TRUE(cache_->Free(b).ok()) << "a failed import's slot can be freed";
+  failed_import = false;
+
+  const SlotId c = *cache_->AllocateForImport();
+  refuses_all_but_import(c);
+  absl::StatusOr<int64_t> imported = import(c, /*fail=*/false);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(*imported, 3);
+  ExpectState(c, r);  // usable now: the imported state
+  std::vector<int32_t> hc = h;
+  Step({c}, {&hc}, {&r}, 4);
+  ASSERT_TRUE(cache_->Free(c).ok());
+  EXPECT_EQ(cache_->Info(*cache_->Allocate())->seq_len, 0) << "a plain allocation is untouched";
+}
+
 }  // namespace
 }  // namespace replayssm::cache

@@ -131,6 +131,12 @@ class StateCache {
   // A fresh slot at seq_len 0 with a zero state. RESOURCE_EXHAUSTED when no slot is free
   // even after evicting every unreferenced snapshot.
   virtual absl::StatusOr<SlotId> Allocate() = 0;
+  // A fresh slot for a bulk mover that is about to write every checkpoint byte through
+  // WithCheckpoints(kImport) (slot transfer): the checkpoints are NOT zeroed (they hold
+  // whatever the slot held last), so until such an import succeeds the slot refuses every
+  // other use with FAILED_PRECONDITION; only that import, Info and Free take it. A failed
+  // import leaves it so (and broken): free it. Saves Allocate's memset of a whole slot.
+  virtual absl::StatusOr<SlotId> AllocateForImport() = 0;
   // A slot that starts from the longest snapshot whose key is a prefix of `tokens` (copy-on-
   // write; write_pos 0, seq_len = matched), or a fresh one when none matches.
   struct PrefixAllocation {
