@@ -4,12 +4,15 @@
 //
 // Thread safety: StagingRing is used by one transfer at a time (its owner's lock);
 // HashWorker's methods may be called from one producer thread while its own thread hashes.
+// TaskPool is thread-safe; one of its Batches is used by one thread at a time.
 #ifndef REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 #define REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -17,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "checksum.h"
 #include "replayssm/cache/state_cache.h"
 
@@ -85,6 +89,50 @@ class HashWorker {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   Checksummer sum_;  // only the worker thread touches it until Finish
   std::thread thread_;
+};
+
+// Threads that run short tasks (a receiver's copies of landed chunks) in submission order,
+// several at once. Work is submitted through a Batch, one per user (an import): its tasks are
+// numbered 0, 1, ... and its destructor waits for every one of them, so nothing a task
+// touches (a slot, a staging buffer) is written after its import has ended.
+class TaskPool {
+ public:
+  explicit TaskPool(int32_t threads);  // at least one thread
+  ~TaskPool();                         // runs what is queued, then joins
+  TaskPool(const TaskPool&) = delete;
+  TaskPool& operator=(const TaskPool&) = delete;
+  int32_t threads() const { return static_cast<int32_t>(threads_.size()); }
+
+  class Batch {
+   public:
+    explicit Batch(TaskPool* pool) : pool_(pool) {}
+    ~Batch();  // waits for every task submitted
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+    // Queues fn (it may run at once on another thread); returns its number.
+    size_t Submit(std::function<absl::Status()> fn);
+    // Waits up to `timeout` for task i: true and *status = its result once it ran.
+    bool WaitFor(size_t i, absl::Duration timeout, absl::Status* status);
+
+   private:
+    // Shared with the queued tasks, so that the last one to finish (not the destructor that
+    // it wakes) releases the mutex for good.
+    struct State {
+      absl::Mutex mu;
+      std::deque<absl::Status> results ABSL_GUARDED_BY(mu);  // [submitted]
+      std::deque<bool> done ABSL_GUARDED_BY(mu);             // [submitted]
+      size_t running ABSL_GUARDED_BY(mu) = 0;                // submitted, not done
+    };
+    TaskPool* const pool_;
+    const std::shared_ptr<State> state_ = std::make_shared<State>();
+  };
+
+ private:
+  void Loop();
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace replayssm::transfer

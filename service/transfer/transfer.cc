@@ -10,6 +10,11 @@
 namespace replayssm::transfer {
 namespace {
 
+// Landed chunks between the start of their copy and the end of their hash on a receiver (and
+// pinned staging buffers per host-staged receive buffer): enough for import_threads copies
+// and the hash to run at once.
+constexpr int32_t kImportDepth = 6;
+
 uint64_t Mix(uint64_t h, uint64_t v) {
   h ^= v * 0x9E3779B97F4A7C15ULL;
   h ^= h >> 29;
@@ -127,7 +132,14 @@ Receiver::Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions 
       options_(options),
       format_(StateFormat::Of(cache->model())),
       path_(options.force_path.value_or(
-          SelectDataPath(cache->options().backend, ucx->cuda_memory()))) {}
+          SelectDataPath(cache->options().backend, ucx->cuda_memory()))),
+      copiers_(options.import_threads) {}
+
+cache::SlotId Receiver::ReservedSlotForTest(const std::string& transfer_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = pending_.find(transfer_id);
+  return it == pending_.end() ? cache::kPaddingSlot : it->second.slot;
+}
 
 Receiver::~Receiver() {
   absl::MutexLock lock(&mu_);
@@ -238,7 +250,9 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
     return absl::ResourceExhaustedError(absl::StrCat("transfers: ", options_.max_open,
                                                      " reservations are open already"));
   }
-  absl::StatusOr<cache::SlotId> slot = cache_->Allocate();
+  // Not zeroed: the import writes every byte, and the cache refuses the slot to anything but
+  // that import until it succeeded (at the commit).
+  absl::StatusOr<cache::SlotId> slot = cache_->AllocateForImport();
   if (!slot.ok()) return slot.status();
   Pending p;
   p.slot = *slot;
@@ -288,41 +302,79 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
   const bool staged = path_ == DataPath::kHostStaged;
   const size_t chunk = std::min(options_.chunk_bytes, m.bytes_per_layer);
   if (staged) {
-    absl::Status st = buf.ring.Ensure(m.backend, 2, chunk);
+    absl::Status st = buf.ring.Ensure(m.backend, kImportDepth, chunk);
     if (!st.ok()) return st;
   }
+  // Piece i is copied by a pool thread into its destination (the slot, or pinned buffer
+  // i % kImportDepth followed by a host -> device copy on that buffer's stream), then hashed
+  // here, in order, from that destination: what is hashed is what the slot gets, whatever
+  // happens to the receive buffer meanwhile. At most kImportDepth pieces are between the two.
+  std::vector<Piece> pieces;
+  auto target = [&](const Piece& p) { return static_cast<uint8_t*>(m.layers[p.layer]) + p.layer_offset; };
+  auto hashed_from = [&](size_t i) -> const uint8_t* {
+    return staged ? buf.ring.buffer(static_cast<int32_t>(i % kImportDepth)) : target(pieces[i]);
+  };
+  auto copy = [&](size_t i) -> std::function<absl::Status()> {
+    const Piece p = pieces[i];
+    const uint8_t* src = buf.data() + p.offset;
+    if (!staged) {
+      return [src, dst = target(p), n = p.size] {
+        std::memcpy(dst, src, n);
+        return absl::OkStatus();
+      };
+    }
+    return [&ring = buf.ring, k = static_cast<int32_t>(i % kImportDepth), src, dst = target(p),
+            n = p.size] {
+      absl::Status st = ring.Sync(k);  // the last host -> device copy from buffer k is done
+      if (!st.ok()) return st;
+      std::memcpy(ring.buffer(k), src, n);
+      return ring.Copy(k, dst, ring.buffer(k), n, RSSM_COPY_HOST_TO_DEVICE);
+    };
+  };
   Checksummer sum;
   const uint64_t* bell = buf.doorbell();
-  size_t done = 0, pieces = 0;
+  size_t landed = 0, submitted = 0, hashed = 0;
   int idle = 0;
-  while (done < total) {
-    const size_t landed = std::min<size_t>(__atomic_load_n(bell, __ATOMIC_ACQUIRE), total);
-    if (landed > done) {
-      for (const Piece& p : SplitRange(done, landed, m.bytes_per_layer, chunk)) {
+  // On every way out, first (declared last) every copy task has ended, then every host ->
+  // device copy they queued: nothing writes into the slot once it may be freed.
+  struct DrainStreams {
+    StagingRing* ring;
+    ~DrainStreams() {
+      for (int32_t k = 0; ring != nullptr && k < ring->count(); ++k) ring->Sync(k).IgnoreError();
+    }
+  } drain{staged ? &buf.ring : nullptr};
+  TaskPool::Batch copies(&copiers_);
+  while (landed < total || hashed < pieces.size()) {
+    const size_t now = std::min<size_t>(__atomic_load_n(bell, __ATOMIC_ACQUIRE), total);
+    if (now > landed) {
+      for (const Piece& p : SplitRange(landed, now, m.bytes_per_layer, chunk)) {
         uint8_t* src = buf.mutable_data() + p.offset;
         if (p.offset <= total / 2 && total / 2 < p.offset + p.size && corrupt_next_.exchange(false)) {
           src[total / 2 - p.offset] ^= 0x5a;  // fault injection: damaged in flight
         }
-        uint8_t* dst = static_cast<uint8_t*>(m.layers[p.layer]) + p.layer_offset;
-        if (!staged) {
-          sum.CopyAndUpdate(dst, src, p.size);
-          continue;
-        }
-        const int32_t k = static_cast<int32_t>(pieces++ % 2);
-        absl::Status st = buf.ring.Sync(k);  // its previous host -> device copy is done
-        if (!st.ok()) return st;
-        sum.CopyAndUpdate(buf.ring.buffer(k), src, p.size);
-        st = buf.ring.Copy(k, dst, buf.ring.buffer(k), p.size, RSSM_COPY_HOST_TO_DEVICE);
-        if (!st.ok()) return st;
+        pieces.push_back(p);
       }
-      done = landed;
+      landed = now;
+    }
+    bool progress = false;
+    for (; submitted < pieces.size() && submitted < hashed + kImportDepth; ++submitted) {
+      copies.Submit(copy(submitted));
+      progress = true;
+    }
+    absl::Status st;
+    if (hashed < submitted &&
+        copies.WaitFor(hashed, progress ? absl::ZeroDuration() : absl::Microseconds(50), &st)) {
+      if (!st.ok()) return st;
+      sum.Update(hashed_from(hashed), pieces[hashed].size);
+      ++hashed;
       idle = 0;
       continue;
     }
+    if (progress || hashed < submitted) continue;
     if (in.ended.load(std::memory_order_acquire)) {
       // A commit comes after the sender's flush: every byte is here, or never will be.
-      if (__atomic_load_n(bell, __ATOMIC_ACQUIRE) > done) continue;
-      return absl::DataLossError(absl::StrCat("payload: ", done, " of ", total,
+      if (__atomic_load_n(bell, __ATOMIC_ACQUIRE) > landed) continue;
+      return absl::DataLossError(absl::StrCat("payload: ", landed, " of ", total,
                                               " bytes arrived before the commit or abort"));
     }
     if (++idle < 256) {

@@ -62,14 +62,20 @@ struct ReceiverOptions {
   absl::Duration lease = absl::Seconds(30);  // a reservation not committed by then is dropped
   int32_t max_open = 16;                     // concurrent reservations
   size_t chunk_bytes = 4 << 20;              // import granularity (and staging buffer size)
+  // Threads that copy landed chunks into the slot (CPU) or pinned staging (CUDA), several at
+  // once, while the import thread hashes them in order: one thread doing both fell behind
+  // the puts (the import's tail at the commit). Shared by all reservations.
+  int32_t import_threads = 4;
   // Tests only: forces a path (e.g. the host-staged one on the CPU backend).
   std::optional<DataPath> force_path;
 };
 
 // The receiving side: holds reservations (a slot, a registered receive buffer, an importer
-// thread that moves each landed chunk into the slot and hashes it) until Commit, Abort or
-// lease expiry; commits are idempotent by transfer id. The reserved slot is written before
-// the commit but is nobody's until then: a failed or abandoned transfer frees it.
+// thread that has each landed chunk copied into the slot and hashes it) until Commit, Abort
+// or lease expiry; commits are idempotent by transfer id. The reserved slot is allocated
+// without zeroing (StateCache::AllocateForImport: the import writes every byte) and written
+// before the commit, but it is nobody's until then (the cache refuses it to anything but the
+// import): a failed or abandoned transfer frees it.
 class Receiver {
  public:
   Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions options);
@@ -91,6 +97,8 @@ class Receiver {
 
   // For tests: flips a byte of the next payload as it lands, before it is hashed.
   void CorruptNextPayloadForTest() { corrupt_next_ = true; }
+  // For tests: the slot reserved for an open transfer (kPaddingSlot when none).
+  cache::SlotId ReservedSlotForTest(const std::string& transfer_id) const;
 
  private:
   struct Buffer;    // a registered receive buffer (host, UCX-allocated; or device)
@@ -125,6 +133,7 @@ class Receiver {
   std::map<std::string, cache::SlotId> committed_ ABSL_GUARDED_BY(mu_);  // recent, for retries
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> corrupt_next_{false};
+  TaskPool copiers_;  // options_.import_threads; idle between imports
 };
 
 // How a sender reaches its peer's Receiver (gRPC in the service, direct calls in tests).

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -231,6 +232,145 @@ TEST_F(TransferTest, AnUnknownChecksumVersionIsRefusedBeforeAnyByteMoves) {
       << r.status();
   EXPECT_EQ(rx.open(), 0);
   EXPECT_EQ(b_->stats().slots_live, 0);
+}
+
+// Fills every slot of `c` with a non-zero state and frees them again: whatever is allocated
+// next holds stale bytes unless something overwrites them.
+void DirtyEverySlot(StateCache& c) {
+  std::vector<SlotId> slots;
+  for (absl::StatusOr<SlotId> s = c.Allocate(); s.ok(); s = c.Allocate()) slots.push_back(*s);
+  const size_t per = static_cast<size_t>(StateFormat::Of(c.model()).Bytes()) / c.model().num_layers;
+  std::vector<uint8_t> junk(per, 0x3c);
+  std::vector<absl::Span<const uint8_t>> cps(c.model().num_layers, absl::MakeConstSpan(junk));
+  for (SlotId s : slots) {
+    EXPECT_TRUE(c.Import(s, {9, 9}, cps).ok());
+    EXPECT_TRUE(c.Free(s).ok());
+  }
+}
+
+TEST_F(TransferTest, TheReservedSlotIsNobodysUntilTheCommitAndKeepsNoStaleByte) {
+  DirtyEverySlot(*b_);
+  const SlotId s = Prepare(0);
+  Receiver rx(b_.get(), ucx_b_.get(), {.chunk_bytes = 512});
+  const StateFormat f = StateFormat::Of(a_->model());
+  absl::StatusOr<Reservation> r = rx.Reserve("fresh", f, 3, kChecksumVersion);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const SlotId reserved = rx.ReservedSlotForTest("fresh");
+  ASSERT_NE(reserved, cache::kPaddingSlot);
+  // Allocated for the import, not zeroed: the cache refuses it to anyone else.
+  for (const absl::Status& st : {b_->Export(reserved).status(), b_->Donate(reserved),
+                                 b_->BeginForward({{reserved, 1}}).status()}) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("allocated for an import"), std::string::npos) << st;
+  }
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  ASSERT_TRUE(e.ok());
+  std::vector<uint8_t> payload;
+  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+  ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
+                          r->rkey, 1000, absl::Seconds(10)).ok());
+  RingDoorbell(*r, payload.size());
+  absl::StatusOr<SlotId> c = rx.Commit("fresh", e->tokens, Checksum(payload.data(), payload.size()));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(*c, reserved);
+  absl::StatusOr<cache::ExportedState> eb = b_->Export(*c);
+  ASSERT_TRUE(eb.ok()) << eb.status();
+  EXPECT_EQ(eb->checkpoints, e->checkpoints) << "every stale byte was overwritten";
+  EXPECT_EQ(Step(*a_, s, 42, 3), Step(*b_, *c, 42, 3));
+}
+
+TEST_F(TransferTest, TheReservedSlotIsFreedOnAbortExpiryAndChecksumMismatch) {
+  Receiver rx(b_.get(), ucx_b_.get(), {.lease = absl::Milliseconds(50), .import_threads = 2});
+  const StateFormat f = StateFormat::Of(a_->model());
+  std::vector<uint8_t> payload(static_cast<size_t>(f.Bytes()), 5);
+  auto reserve_and_put = [&](const std::string& id) {
+    absl::StatusOr<Reservation> r = rx.Reserve(id, f, 0, kChecksumVersion);
+    EXPECT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
+                            r->rkey, 256, absl::Seconds(10)).ok());
+    RingDoorbell(*r, payload.size());  // the import's copies may still be running below
+    return rx.ReservedSlotForTest(id);
+  };
+  const SlotId aborted = reserve_and_put("abort");
+  ASSERT_TRUE(rx.Abort("abort").ok());
+  EXPECT_EQ(b_->Info(aborted).status().code(), absl::StatusCode::kNotFound);
+  const SlotId expired = reserve_and_put("expire");
+  absl::SleepFor(absl::Milliseconds(80));
+  EXPECT_EQ(rx.ExpireLeases(), 1);
+  EXPECT_EQ(b_->Info(expired).status().code(), absl::StatusCode::kNotFound);
+  const SlotId mismatched = reserve_and_put("mismatch");
+  EXPECT_EQ(rx.Commit("mismatch", {}, 12345).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(b_->Info(mismatched).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(rx.open(), 0);
+  EXPECT_EQ(b_->stats().slots_live, 0);
+  reserve_and_put("ok");
+  EXPECT_TRUE(rx.Commit("ok", {}, Checksum(payload.data(), payload.size())).ok())
+      << "the slots came back usable";
+}
+
+TEST_F(TransferTest, ParallelImportCopiesMoveTheSameBytesOnBothHostPaths) {
+  // Many small, uneven chunks, several copier threads, both host paths; then a corrupted
+  // payload, which the in-order hash of what was copied must still catch.
+  const SlotId s = Prepare(2);
+  Sender sender(a_.get(), ucx_a_.get());
+  for (DataPath path : {DataPath::kHostDirect, DataPath::kHostStaged}) {
+    for (int32_t threads : {1, 3}) {
+      Receiver rx(b_.get(), ucx_b_.get(),
+                  {.chunk_bytes = 200, .import_threads = threads, .force_path = path});
+      DirectPeer peer(&rx);
+      const std::string id = absl::StrCat("par-", DataPathName(path), "-", threads);
+      absl::StatusOr<SendResult> r = sender.Send(
+          peer, s, id, {.keep_source = true, .chunk_bytes = 328, .force_path = path});
+      ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+      absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
+      ASSERT_TRUE(ea.ok() && eb.ok());
+      EXPECT_EQ(ea->checkpoints, eb->checkpoints) << id;
+      ASSERT_TRUE(b_->Free(r->remote_slot).ok());
+      rx.CorruptNextPayloadForTest();
+      EXPECT_EQ(sender.Send(peer, s, id + "-bad", {.keep_source = true, .chunk_bytes = 328,
+                                                   .force_path = path})
+                    .status()
+                    .code(),
+                absl::StatusCode::kDataLoss)
+          << id;
+      EXPECT_EQ(b_->stats().slots_live, 0) << id;
+    }
+  }
+}
+
+TEST(TaskPool, RunsTasksAtOnceAndABatchWaitsForAllOfThem) {
+  TaskPool pool(2);
+  std::atomic<int> started{0}, finished{0};
+  {
+    TaskPool::Batch batch(&pool);
+    for (int i = 0; i < 2; ++i) {
+      batch.Submit([&] {
+        ++started;
+        // Both tasks run at once, or this one gives up.
+        for (int t = 0; t < 5000 && started.load() < 2; ++t) absl::SleepFor(absl::Milliseconds(1));
+        absl::SleepFor(absl::Milliseconds(20));
+        ++finished;
+        return started.load() == 2 ? absl::OkStatus() : absl::InternalError("ran alone");
+      });
+    }
+    const size_t last = batch.Submit([] { return absl::DataLossError("third"); });
+    absl::Status st;
+    ASSERT_TRUE(batch.WaitFor(0, absl::Seconds(10), &st));
+    EXPECT_TRUE(st.ok()) << st;
+    ASSERT_TRUE(batch.WaitFor(last, absl::Seconds(10), &st));
+    EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  }
+  EXPECT_EQ(finished.load(), 2);
+  std::atomic<bool> done{false};
+  {
+    TaskPool::Batch batch(&pool);
+    batch.Submit([&] {
+      absl::SleepFor(absl::Milliseconds(50));
+      done = true;
+      return absl::OkStatus();
+    });
+  }  // the batch ends only after its task
+  EXPECT_TRUE(done.load());
 }
 
 TEST(DataPath, FollowsTheBackendAndTheUcxCudaCapability) {
