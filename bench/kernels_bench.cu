@@ -288,6 +288,9 @@ int Kernels(const char* json_path) {
         Bench bench(gate, st, B, copy_bw);
         double base_us = 0;
         for (Op op : {kBaseline, kReplay, kVerify}) {
+          // REPLAYSSM_BENCH_OP=baseline|replay|verify4: one op only (profiler runs).
+          const char* only_op = std::getenv("REPLAYSSM_BENCH_OP");
+          if (only_op != nullptr && std::strcmp(only_op, OpName(op)) != 0) continue;
           Result r;
           r.gate = gate == RSSM_GATE_GDN ? "GDN" : "KDA";
           r.state = rssm_dtype_name(st);

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "bulk_kernel.cuh"
 #include "pipe_kernel.cuh"
 #include "prefill_kernel.cuh"
 #include "step_kernel.cuh"
@@ -60,13 +61,17 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
 // persistent grid (tests use it so that every CTA walks several items).
 // REPLAYSSM_CUDA_STEP: unset = the default (UseStream below), "legacy" = StepKernel (v4b),
 // "pipe" = the pipelined kernel, "stream" = the pre-pass + streaming kernel (v5).
-// "warp" = the v6 warp-streaming kernel (warp_kernel.cuh). Unset: the default rule below.
-enum StepKind { kStepDefault = -1, kStepLegacy = 0, kStepPipe = 1, kStepStream = 2, kStepWarp = 3 };
+// "warp" = the v6 warp-streaming kernel (warp_kernel.cuh), "bulk" = the v7 bulk-staged warp
+// kernel (bulk_kernel.cuh). Unset: the default rule below.
+enum StepKind {
+  kStepDefault = -1, kStepLegacy = 0, kStepPipe = 1, kStepStream = 2, kStepWarp = 3, kStepBulk = 4
+};
 inline StepKind StepChoice() {
   static const StepKind k = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_STEP");
     if (e == nullptr) return kStepDefault;
     if (std::strcmp(e, "warp") == 0) return kStepWarp;
+    if (std::strcmp(e, "bulk") == 0) return kStepBulk;
     if (std::strcmp(e, "pipe") == 0) return kStepPipe;
     if (std::strcmp(e, "stream") == 0) return kStepStream;
     return kStepLegacy;
@@ -338,6 +343,151 @@ cudaError_t LaunchWarpT(const StepParams& sp, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// v7 (bulk_kernel.cuh): REPLAYSSM_CUDA_RPW (16..64, multiple of 16), REPLAYSSM_CUDA_NW (1..4)
+// and REPLAYSSM_CUDA_NS (1..8) force the rows per warp, warps per CTA and S0 stages per warp;
+// unset = chosen by LaunchBulkT.
+inline int EnvInt(const char* name, int lo, int hi) {
+  const char* e = std::getenv(name);
+  const int v = e != nullptr ? std::atoi(e) : 0;
+  return v >= lo && v <= hi ? v : 0;
+}
+inline int BulkRowsOverride() {
+  static const int n = [] {
+    const int v = EnvInt("REPLAYSSM_CUDA_RPW", 16, 64);
+    return v % 16 == 0 ? v : 0;
+  }();
+  return n;
+}
+// REPLAYSSM_CUDA_BULK: which pieces may use the bulk copy engine (bits: 1 S0, 2 ring d,
+// 4 ring k, 8 ring g; default 15); the others take the kernel's plain-load path.
+inline int BulkMask() {
+  static const int n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_BULK");
+    return e != nullptr ? std::atoi(e) & 15 : 15;
+  }();
+  return n;
+}
+inline int BulkStagesOverride() {
+  static const int n = EnvInt("REPLAYSSM_CUDA_NS", 1, kBulkMaxStages);
+  return n;
+}
+inline int BulkWarpsOverride() {
+  static const int n = EnvInt("REPLAYSSM_CUDA_NW", 1, kBulkMaxWarps);
+  return n;
+}
+
+// One CTA per (row, v-head, chunk of nw * rpw rows). Shrinks the stages, then nw, until the
+// layout fits; *launched stays false when nothing fits (the caller falls back).
+template <typename T, int TT, int KC, int RB>
+cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  BulkParams p{};
+  p.ly = sp.ly;
+  p.batch = sp.batch;
+  p.num_draft = sp.num_draft;
+  p.mode = sp.mode;
+  p.slot_idx = sp.slot_idx;
+  p.write_pos = sp.write_pos;
+  p.force_fold = sp.force_fold;
+  const LayerDesc& ly = p.ly;
+  constexpr int sz = int(sizeof(T));
+  p.lr = p.mode == kModeBaseline ? 0 : ly.L;
+  int dev = 0, sms = 0, smem_max = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) !=
+      cudaSuccess) {
+    return e;
+  }
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) {
+    return e;
+  }
+  // Rows per warp: a CTA covers a whole head (the prologue once per (row, head)) when the
+  // grid still fills the GPU, else 16 (more CTAs for small batches); S0 streams through
+  // ns stages of RB rows per warp.
+  const int vpad = (ly.V + 15) / 16 * 16;
+  int nw = BulkWarpsOverride() != 0 ? BulkWarpsOverride() : kBulkMaxWarps;
+  auto per_warp = [&](int n) { return ((ly.V + n - 1) / n + 15) / 16 * 16; };
+  int rpw = BulkRowsOverride();
+  if (rpw == 0) {
+    rpw = int64_t{p.batch} * ly.HV >= 2LL * sms ? per_warp(nw) : 16;
+    if (BulkWarpsOverride() == 0 && rpw == 16) {
+      auto ctas = [&](int n) {
+        return int64_t{p.batch} * ly.HV * ((ly.V + n * 16 - 1) / (n * 16));
+      };
+      while (nw > 1 && ctas(nw) < 2LL * sms) nw /= 2;
+    }
+  }
+  rpw = std::min(rpw, vpad);
+  int ns = BulkStagesOverride() != 0 ? BulkStagesOverride() : 2;
+  ns = std::min(ns, (rpw + RB - 1) / RB);
+  BulkSmem sm;
+  for (;;) {
+    sm = BulkSmem::Make(ly.K, ly.L, p.lr, ly.kda != 0, p.num_draft, TT, nw, rpw, ns, RB, sz,
+                        p.mode != kModeVerify);
+    if (sm.total <= smem_max) break;
+    if (ns > 1) {
+      --ns;
+    } else if (nw > 1) {
+      nw /= 2;
+    } else {
+      return cudaSuccess;  // does not fit: the caller's fallback runs
+    }
+  }
+  p.nw = nw;
+  p.rpw = rpw;
+  p.ns = ns;
+  p.nchunk = (ly.V + nw * rpw - 1) / (nw * rpw);
+  p.o_s0 = sm.s0, p.o_d = sm.d, p.o_kr = sm.kr, p.o_kw = sm.kw, p.o_g = sm.g;
+  p.o_tq = sm.tq, p.o_tk = sm.tk, p.o_tg = sm.tg, p.o_ka = sm.ka, p.o_qa = sm.qa;
+  p.o_av = sm.av, p.o_vs = sm.vs, p.o_u = sm.u, p.o_p = sm.p, p.o_sc = sm.sc, p.o_dd = sm.dd;
+  const int64_t ck = ly.ckpt_stride != 0 ? ly.ckpt_stride : int64_t{ly.HV} * ly.V * ly.K;
+  const int64_t ds = ly.d_stride != 0 ? ly.d_stride : int64_t{ly.HV} * ly.L * ly.V;
+  const int64_t ks = ly.k_stride != 0 ? ly.k_stride : int64_t{ly.H} * ly.L * ly.K;
+  const int64_t gs = ly.g_stride != 0 ? ly.g_stride : int64_t{ly.HV} * ly.L * (ly.kda ? ly.K : 1);
+  const int mask = BulkMask();
+  p.vec_s0 = Aligned16(ly.ckpt, ck, sz) ? 1 : 0;
+  p.bulk_s0 = p.vec_s0 != 0 && (mask & 1) != 0 ? 1 : 0;
+  p.bulk_d = Aligned16(ly.ring_d, ds, sz) && (mask & 2) != 0 ? 1 : 0;
+  p.bulk_k = Aligned16(ly.ring_k, ks, sz) && (mask & 4) != 0 ? 1 : 0;
+  // (GDN's g row goes in 16-byte units: only when every row starts 16-byte aligned)
+  p.bulk_g = Aligned16(ly.ring_g, gs, 4) && (ly.kda || ly.L % 4 == 0) && (mask & 8) != 0 ? 1 : 0;
+  p.dstride = DStride(nw * rpw, sz);
+  const int64_t items = int64_t{p.batch} * ly.HV * p.nchunk;
+  if (items <= 0 || items > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const size_t bytes = size_t(sm.total);
+  auto kernel = BulkStepKernel<T, TT, KC, RB>;
+  if ((e = AllowSmem(kernel, bytes)) != cudaSuccess) return e;
+  if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                int(cudaSharedmemCarveoutMaxShared))) != cudaSuccess) {
+    return e;
+  }
+  if (Verbose()) {
+    int per_sm = 0;
+    (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, nw * 32, bytes);
+    std::fprintf(stderr,
+                 "bulk: mode %d T %d RB %d rpw %d ns %d nw %d nchunk %d smem %zu B, %d CTAs/SM, "
+                 "grid %lld, bulk s0/d/k/g %d%d%d%d\n",
+                 int(p.mode), p.num_draft, RB, rpw, ns, nw, p.nchunk, bytes, per_sm,
+                 (long long)items, p.bulk_s0, p.bulk_d, p.bulk_k, p.bulk_g);
+  }
+  kernel<<<dim3(static_cast<unsigned>(items)), nw * 32, bytes, stream>>>(p);
+  e = cudaGetLastError();
+  *launched = e == cudaSuccess;
+  return e;
+}
+
+template <typename T>
+cudaError_t LaunchBulkFor(const StepParams& p, cudaStream_t stream, bool* launched) {
+  const bool verify = p.mode == kModeVerify;
+  if (p.ly.K <= 128) {
+    return verify ? LaunchBulkT<T, kVerifyTokensPerPass, 4, 4>(p, stream, launched)
+                  : LaunchBulkT<T, 1, 4, 8>(p, stream, launched);
+  }
+  return verify ? LaunchBulkT<T, kVerifyTokensPerPass, 8, 2>(p, stream, launched)
+                : LaunchBulkT<T, 1, 8, 8>(p, stream, launched);
+}
+
 // S0 bytes per lane per batch of the decode instantiation (REPLAYSSM_CUDA_SLICE=64|128).
 inline int WarpSliceBytes() {
   static const int n = [] {
@@ -362,6 +512,11 @@ cudaError_t LaunchWarpFor(const StepParams& p, cudaStream_t stream) {
 template <typename T>
 cudaError_t LaunchStepFor(StepParams p, cudaStream_t stream) {
   const bool verify = p.mode == kModeVerify;
+  if (StepChoice() == kStepBulk) {
+    bool launched = false;
+    const cudaError_t e = LaunchBulkFor<T>(p, stream, &launched);
+    if (e != cudaSuccess || launched) return e;
+  }
   if (UseWarp(p, sizeof(T))) return LaunchWarpFor<T>(p, stream);
   if (UseStream(p, sizeof(T))) {
     bool launched = false;

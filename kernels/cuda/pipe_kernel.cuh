@@ -24,50 +24,13 @@
 #ifndef REPLAYSSM_KERNELS_CUDA_PIPE_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_PIPE_KERNEL_CUH_
 
+#include "async_copy.cuh"
 #include "head_ops.cuh"
 
 namespace replayssm::kernels::cuda {
 
 constexpr int kPipeMaxStages = 8;
 constexpr int kPipeHeader = kPipeMaxStages * 8 + kPipeMaxStages * 16;  // mbarriers, metadata
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void MbarFenceInit() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(SmemAddr(bar)), "r"(parity)
-        : "memory");
-  } while (!ok);
-}
-// Bulk copy global -> shared of `bytes` (multiple of 16, both addresses 16-byte aligned).
-__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes,
-                                         uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(bar))
-      : "memory");
-}
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 // Raw activation bits (no conversion, so the load does not stall until the value is used).
 __device__ __forceinline__ uint32_t LoadActRaw(const void* base, int64_t i, int dt) {

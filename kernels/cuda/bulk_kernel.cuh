@@ -1,0 +1,600 @@
+// v7: the bulk-staged warp step (replay decode, baseline decode, speculative verify).
+//
+// Why (NOTES.md, v6): the v6 warp kernel spends few instructions per byte, but each warp holds
+// one batch of S0 rows in registers, so ~32 KB per SM are in flight and replay reads stall
+// near 2 TB/s. Here the bytes never pass through registers on their way in: the first thing
+// a CTA does is hand the bulk copy engine (cp.async.bulk, completing on an mbarrier per batch)
+// its whole S0 tile, the ring d of the tile rows, the ring k records and (KDA) the ring g
+// records, so every byte the CTA needs is in flight while it computes the token's chain.
+//
+// One CTA per (row r, v-head h, chunk of nw * rpw state rows); warp w owns rpw of the rows.
+// The prologue is two global round trips, whatever the ring holds (v7a had four: metadata,
+// then tokens, then records, each waiting for the one before):
+//   1. all threads: the row's slot and cursor AND the tokens' q, k, gates, beta, v (into
+//      shared memory) — nothing here needs the slot;
+//   2. each warp's lane 0 initializes its mbarriers and issues its S0 batches (RB rows each,
+//      contiguous, L2 evict-first); warp 0 issues the records' k and g (contiguous [w, K] /
+//      [w, Kg]) and, lane j, record j's d for the CTA's rows, all on one mbarrier;
+//   3. a warp per draft (while those bytes fly): norms, k·q, the draft's k for later drafts,
+//      ring appends;
+//   4. the record dots, 8 records per unit, units spread over the warps: the weights in the
+//      CPU order (a unit first sums the gates of the records above it), W_j∘k_j kept for the
+//      fold, A∘k and A∘q by the unit that reaches record 0;
+//   5. each warp, per batch of RB rows (once its mbarrier says the bytes landed): the
+//      contraction S0·(A∘k), S0·(A∘q) plus the ring terms d_j[row]·u_j (lane j holds record
+//      j) in the same per-lane partials, one transposed butterfly, the per-row finish, and a
+//      folding row's new checkpoint written from the tile in shared memory.
+// Three CTA barriers, all in the prologue; the rows run without any.
+// Baseline = replay at w = 0 that always folds (the same instantiation: bit-identical at L = 1).
+// Verify: TT drafts per pass over a batch; passes re-read the batch from shared memory.
+// Requirements (the launcher checks; else the plain loads below run instead of bulk copies):
+// 16-byte aligned sources (pointers, slot strides). K, V multiples of 16, rpw a multiple of 16.
+#ifndef REPLAYSSM_KERNELS_CUDA_BULK_KERNEL_CUH_
+#define REPLAYSSM_KERNELS_CUDA_BULK_KERNEL_CUH_
+
+#include "async_copy.cuh"
+#include "warp_kernel.cuh"
+
+namespace replayssm::kernels::cuda {
+
+constexpr int kBulkMaxWarps = 4;
+constexpr int kBulkMaxStages = 8;  // S0 stages per warp (an mbarrier each)
+constexpr int kBulkBars = kBulkMaxWarps * kBulkMaxStages + 1;
+
+struct BulkParams {
+  LayerDesc ly;
+  int32_t batch, num_draft, mode;
+  int32_t nw;      // warps per CTA (1..4)
+  int32_t rpw;     // state rows per warp (multiple of 16)
+  int32_t ns;      // S0 stages per warp (RB rows each, <= kBulkMaxStages), refilled as consumed
+  int32_t nchunk;  // ceil(V / (nw * rpw))
+  int32_t lr;      // ring records the layout holds (L; 0 for the baseline)
+  int32_t dstride; // elements per ring d row of a warp in shared memory (rpw + 16 bytes)
+  // Shared-memory offsets in bytes (multiples of 16); the mbarriers sit at 0.
+  int32_t o_s0, o_d, o_kr, o_kw, o_g, o_tq, o_tk, o_tg, o_ka, o_qa, o_av, o_vs, o_u, o_p, o_sc,
+      o_dd;
+  int32_t bulk_s0, bulk_d, bulk_k, bulk_g;  // sources aligned for the bulk copy engine
+  int32_t vec_s0;                           // the fold's 16/8-byte stores are aligned
+  const int32_t* slot_idx;
+  const int32_t* write_pos;
+  const uint8_t* force_fold;
+};
+
+// Ring d rows of a CTA in shared memory: its rows + 16 bytes, so that lanes reading their
+// record's row (16-byte loads, lane j at record j) hit distinct banks.
+__host__ __device__ constexpr int DStride(int rpw, int state_bytes) { return rpw + 16 / state_bytes; }
+
+// The layout of one CTA's shared memory (bytes). T_ drafts, TT per pass.
+struct BulkSmem {
+  int32_t s0, d, kr, kw, g, tq, tk, tg, ka, qa, av, vs, u, p, sc, dd, total;
+  static BulkSmem Make(int K, int L, int lr, bool kda, int T, int TT, int nw, int rpw, int ns,
+                       int rb, int state_bytes, bool fold_capable) {
+    BulkSmem s;
+    int o = kBulkBars * 8;
+    auto take = [&o](int64_t bytes) {
+      o = (o + 15) & ~15;
+      const int at = o;
+      o += static_cast<int>(bytes);
+      return at;
+    };
+    const int kg = kda ? K : 1, rows = nw * rpw;
+    s.s0 = take(int64_t{nw} * ns * rb * K * state_bytes);
+    s.d = take(int64_t{lr} * DStride(rows, state_bytes) * state_bytes);
+    s.kr = take(int64_t{lr} * K * state_bytes);
+    // W_j∘k_j of a folding decode: in place over the fp32 records, else its own array.
+    s.kw = fold_capable ? (state_bytes == 4 ? s.kr : take(int64_t{lr} * K * 4)) : s.kr;
+    s.g = take(int64_t{lr} * kg * 4);
+    s.tq = take(int64_t{T} * K * 4);
+    s.tk = take(int64_t{T} * K * 4);
+    s.tg = take(int64_t{T} * kg * 4);
+    s.ka = take(int64_t{T} * K * 4);
+    s.qa = take(int64_t{T} * K * 4);
+    s.av = take(int64_t{K} * 4);
+    s.vs = take(int64_t{T} * rows * 4);
+    s.u = take(int64_t{T} * L * 4);
+    s.p = take(int64_t{T} * L * 4);
+    s.sc = take(int64_t{2} * T * 4);
+    s.dd = take(T > TT ? int64_t{T} * rows * 4 : 0);
+    s.total = (o + 15) & ~15;
+    return s;
+  }
+};
+
+// N elements of T from shared memory at p (aligned to the slice's width, at most 16 bytes).
+template <typename T, int N>
+__device__ __forceinline__ void LoadSmemSlice(Slice<T, N>& s, const T* p) {
+  constexpr int B = Slice<T, N>::kBytes;
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i) {
+      const uint4 x = reinterpret_cast<const uint4*>(p)[i];
+      s.w[4 * i] = x.x, s.w[4 * i + 1] = x.y, s.w[4 * i + 2] = x.z, s.w[4 * i + 3] = x.w;
+    }
+  } else if constexpr (B % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < B / 8; ++i) {
+      const uint2 x = reinterpret_cast<const uint2*>(p)[i];
+      s.w[2 * i] = x.x, s.w[2 * i + 1] = x.y;
+    }
+  } else {
+    T* d = reinterpret_cast<T*>(s.w);
+#pragma unroll
+    for (int e = 0; e < N; ++e) d[e] = p[e];
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void StoreSmemSlice(T* p, const Slice<T, N>& s) {
+  constexpr int B = Slice<T, N>::kBytes;
+  static_assert(B % 16 == 0, "16-byte slices only");
+#pragma unroll
+  for (int i = 0; i < B / 16; ++i) {
+    reinterpret_cast<uint4*>(p)[i] = make_uint4(s.w[4 * i], s.w[4 * i + 1], s.w[4 * i + 2], s.w[4 * i + 3]);
+  }
+}
+
+template <typename T, int TT, int KC, int RB>
+__global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
+    BulkStepKernel(const __grid_constant__ BulkParams p) {
+  constexpr int NV = 2 * TT * RB;  // values per transposed butterfly (<= 32)
+  static_assert(NV <= 32, "2 * TT * RB values must fit one butterfly");
+  constexpr int SPREAD = 32 / NV;
+  constexpr int G = 4;  // records per unit of the record dots (up to 4 units for L = 16)
+  extern __shared__ __align__(128) unsigned char smem[];
+  const LayerDesc& ly = p.ly;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tid = threadIdx.x, nthr = blockDim.x, nw = p.nw;
+  const int64_t item = blockIdx.x;
+  const int chunk = static_cast<int>(item % p.nchunk);
+  const int h = static_cast<int>((item / p.nchunk) % ly.HV);
+  const int r = static_cast<int>(item / (int64_t{p.nchunk} * ly.HV));
+  const int K = ly.K, V = ly.V, L = ly.L, H = ly.H, T_ = p.num_draft, rpw = p.rpw;
+  const bool kda = ly.kda != 0;
+  const int kg = kda ? K : 1;
+  const int hq = h / ly.group;
+  const int rows = nw * rpw;  // row capacity of the CTA (vs, dd strides)
+  const int v0 = chunk * rows;
+  const int vend = min(V, v0 + rows);
+  const int wv0 = v0 + warp * rpw;  // the warp's first row
+  const int wrows = max(0, min(vend - wv0, rpw));
+  const int nb = wrows / RB;
+  const int64_t tok0 = int64_t{r} * T_;
+  const int c0 = lane * KC;
+  const bool has_c = c0 < K;
+  const int row_l = lane % RB;
+  const int nrow = vend - v0;  // the CTA's rows
+  // ---- 1. the loads that need nothing: the row's metadata, the tokens, the gates -----------
+  // (one round trip: the slot is not used until the tokens are stored)
+  const int slot_i = p.slot_idx[r];
+  const int wraw = p.mode != kModeBaseline ? p.write_pos[r] : 0;
+  const int ffold = p.mode == kModeReplay && p.force_fold != nullptr ? p.force_fold[r] : 0;
+  float* const tq = reinterpret_cast<float*>(smem + p.o_tq);                     // [T][K]
+  float* const tk = reinterpret_cast<float*>(smem + p.o_tk);
+  float* const tg = reinterpret_cast<float*>(smem + p.o_tg);                     // [T][kg]
+  float* const vsm = reinterpret_cast<float*>(smem + p.o_vs);                    // [T][rows]
+  float* const betas = reinterpret_cast<float*>(smem + p.o_sc);                  // [T]
+  float* const kqs = betas + T_;                                                 // [T]
+  {
+    const float decay = -expf(ly.a_log[h]);
+#pragma unroll 2
+    for (int i = tid; i < T_ * K; i += nthr) {
+      const int t = i / K, c = i - t * K;
+      const int64_t n = tok0 + t, row = n * ly.qkv_stride;
+      const float q = LoadAct(ly.qkv, row + int64_t{hq} * K + c, ly.act_dtype);
+      const float k = LoadAct(ly.qkv, row + int64_t{H + hq} * K + c, ly.act_dtype);
+      if (kda) {
+        const int64_t gi = int64_t{h} * K + c;
+        tg[i] = decay * Softplus(LoadAct(ly.a, n * ly.a_stride + gi, ly.act_dtype) + ly.dt_bias[gi]);
+      }
+      tq[i] = q;
+      tk[i] = k;
+    }
+    for (int t = tid; t < T_; t += nthr) {
+      const int64_t n = tok0 + t;
+      if (!kda) {
+        tg[t] = decay * Softplus(LoadAct(ly.a, n * ly.a_stride + h, ly.act_dtype) + ly.dt_bias[h]);
+      }
+      betas[t] = Sigmoid(LoadAct(ly.b, n * ly.b_stride + h, ly.act_dtype));
+    }
+#pragma unroll 2
+    for (int i = tid; i < T_ * nrow; i += nthr) {
+      const int t = i / nrow, v = i - t * nrow;
+      vsm[t * rows + v] = LoadAct(
+          ly.qkv, (tok0 + t) * ly.qkv_stride + 2LL * H * K + int64_t{h} * V + v0 + v, ly.act_dtype);
+    }
+  }
+
+  if (slot_i < 0 || slot_i >= ly.num_slots) {  // padding row (CTA-uniform): zero outputs
+    for (int t = 0; t < T_; ++t) {
+      for (int v = v0 + tid; v < vend; v += nthr) {
+        StoreAct(ly.o, (tok0 + t) * ly.o_stride + int64_t{h} * V + v, ly.act_dtype, 0.f);
+      }
+    }
+    return;
+  }
+  const int64_t slot = slot_i;
+  int w = 0;
+  bool fold = true;
+  if (p.mode != kModeBaseline) {
+    w = min(max(wraw, 0), L);
+    if (p.mode == kModeVerify) {
+      w = max(min(w, L - T_), 0);  // w + T <= L keeps every append inside the ring
+      fold = false;
+    } else {
+      fold = w + 1 >= L || ffold != 0;
+    }
+  }
+
+  T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + int64_t{h} * V * K;
+  T* const rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
+  T* const rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
+  float* const rg = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * kg;
+
+  uint64_t* const wbar = reinterpret_cast<uint64_t*>(smem) + warp * kBulkMaxStages;
+  uint64_t* const rbar = reinterpret_cast<uint64_t*>(smem) + kBulkMaxWarps * kBulkMaxStages;
+  const int dst = p.dstride;  // ring d row stride in shared memory (rows + 16 bytes)
+  const int ns = p.ns, nst = min(ns, nb);  // stages, stages in use
+  T* const s0s = reinterpret_cast<T*>(smem + p.o_s0) + int64_t{warp} * ns * RB * K;  // [ns][RB][K]
+  T* const dsc = reinterpret_cast<T*>(smem + p.o_d);  // [j][dst]: the CTA's rows of record j
+  T* const ds = dsc + warp * rpw;                      // the warp's columns
+  T* const krs = reinterpret_cast<T*>(smem + p.o_kr);                            // [L][K]
+  float* const kws = reinterpret_cast<float*>(smem + p.o_kw);                    // [L][K]
+  float* const gs = reinterpret_cast<float*>(smem + p.o_g);                      // [L][kg]
+  float* const kas = reinterpret_cast<float*>(smem + p.o_ka);                    // [T][K]
+  float* const qas = reinterpret_cast<float*>(smem + p.o_qa);
+  float* const avs = reinterpret_cast<float*>(smem + p.o_av);                    // [K]
+  float* const us = reinterpret_cast<float*>(smem + p.o_u);                      // [T][L]
+  float* const ps = reinterpret_cast<float*>(smem + p.o_p);
+  float* const dds = reinterpret_cast<float*>(smem + p.o_dd);                    // [T][rows]
+  const bool bs0 = p.bulk_s0 != 0, bd = p.bulk_d != 0 && w > 0;
+  const bool bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
+  // GDN's g row is copied in 16-byte units (the launcher allows it only when L % 4 == 0).
+  const int gbytes = kda ? w * K * 4 : ((w + 3) & ~3) * 4;
+
+  // ---- 2. every byte of the CTA's state in flight (one more round trip) ---------------------
+  if (lane == 0) {
+    if (bs0) {
+      for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
+    }
+    if (warp == 0 && (bk || bg || bd)) MbarInit(rbar, 1);
+    MbarFenceInit();
+  }
+  __syncwarp();
+  if (lane == 0) {
+    const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
+    if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
+      for (int b = 0; b < nst; ++b) {
+        MbarExpectTx(wbar + b, bb);
+        BulkLoadStream(s0s + int64_t{b} * RB * K, s0 + int64_t(wv0 + b * RB) * K, bb, wbar + b);
+      }
+    }
+    if (warp == 0 && (bk || bg || bd)) {
+      const uint32_t kb = bk ? static_cast<uint32_t>(w * K * sizeof(T)) : 0u;
+      const uint32_t gb = bg ? static_cast<uint32_t>(gbytes) : 0u;
+      const uint32_t db = bd ? static_cast<uint32_t>(w * nrow * sizeof(T)) : 0u;
+      MbarExpectTx(rbar, kb + gb + db);
+      if (bk) BulkLoad(krs, rk, kb, rbar);
+      if (bg) BulkLoad(gs, rg, gb, rbar);
+    }
+  }
+  __syncwarp();
+  if (bd && warp == 0) {  // record j's d for the CTA's rows: one copy per record
+    for (int j = lane; j < w; j += 32) {
+      BulkLoad(dsc + j * dst, rd + int64_t{j} * V + v0, static_cast<uint32_t>(nrow * sizeof(T)),
+               rbar);
+    }
+  }
+  // Plain copies where the bulk engine cannot go (unaligned slots, odd GDN ring lengths).
+  if (!bd) {
+    for (int i = tid; i < w * nrow; i += nthr) {
+      const int j = i / nrow, v = i % nrow;
+      dsc[j * dst + v] = rd[int64_t{j} * V + v0 + v];
+    }
+  }
+  if (!bk) {
+    for (int i = tid; i < w * K; i += nthr) krs[i] = rk[i];
+  }
+  if (!bg) {
+    for (int i = tid; i < w * kg; i += nthr) gs[i] = rg[i];
+  }
+  __syncthreads();
+
+  // ---- 3. a warp per draft: norms, k·q, the draft's record, ring appends ----------------------
+  for (int t = warp; t < T_; t += nw) {
+    float q[KC], k[KC];
+#pragma unroll
+    for (int e = 0; e < KC; ++e) {
+      q[e] = has_c ? tq[t * K + c0 + e] : 0.f;
+      k[e] = has_c ? tk[t * K + c0 + e] : 0.f;
+    }
+    if (ly.l2norm) {
+      float sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += k[e] * k[e];
+      sq = WarpSum(sq);
+      sk = WarpSum(sk);
+      const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+#pragma unroll
+      for (int e = 0; e < KC; ++e) q[e] *= iq, k[e] *= ik;
+    }
+    float dkq = 0.f;
+#pragma unroll
+    for (int e = 0; e < KC; ++e) {
+      q[e] *= ly.scale;
+      dkq += k[e] * q[e];
+    }
+    const float kq = WarpSum(dkq);
+    if (lane == 0) kqs[t] = kq;
+    const int P = w + t;
+    if (has_c) {
+#pragma unroll
+      for (int e = 0; e < KC; ++e) tq[t * K + c0 + e] = q[e], tk[t * K + c0 + e] = k[e];
+      if (T_ > 1 && P < L) {  // later drafts read this draft's k as stored (rows >= w)
+#pragma unroll
+        for (int e = 0; e < KC; ++e) krs[P * K + c0 + e] = FromF<T>(k[e]);
+      }
+    }
+    if (!fold && chunk == 0 && P < L) {  // append k (once per qk-head group) and g
+      if (has_c) {
+        if (h % ly.group == 0) {
+          T* kd = rk + int64_t{P} * K + c0;
+#pragma unroll
+          for (int e = 0; e < KC; ++e) kd[e] = FromF<T>(k[e]);
+        }
+        if (kda) {
+#pragma unroll
+          for (int e = 0; e < KC; ++e) rg[int64_t{P} * K + c0 + e] = tg[t * K + c0 + e];
+        }
+      }
+      if (!kda && lane == 0) rg[P] = tg[t];
+    }
+  }
+  __syncthreads();
+
+  // ---- 4. record dots in units of G records, spread over the warps ---------------------------
+  // Record i's gate: the ring's (i < w) or the draft's (verify: i = w + t).
+  if (bk || bg || bd) MbarWait(rbar, 0);
+  auto gate = [&](int i, int e) {
+    return i < w ? (kda ? gs[i * K + c0 + e] : gs[i]) : (kda ? tg[(i - w) * K + c0 + e] : tg[i - w]);
+  };
+  {
+    const bool keep_kw = fold && TT == 1;  // a folding decode keeps W_j∘k_j for the fold
+    int u = 0;
+    for (int t = 0; t < T_; ++t) {
+      const int P = w + t;
+      const int nblk = max(1, (P + G - 1) / G);
+      for (int bi = 0; bi < nblk; ++bi, ++u) {
+        if (u % nw != warp) continue;
+        const int jtop = P - 1 - bi * G;  // the unit's highest record
+        float q[KC], k[KC], acc[KC];
+#pragma unroll
+        for (int e = 0; e < KC; ++e) {
+          q[e] = has_c ? tq[t * K + c0 + e] : 0.f;
+          k[e] = has_c ? tk[t * K + c0 + e] : 0.f;
+          acc[e] = kda ? (has_c ? tg[t * K + c0 + e] : 0.f) : tg[t];
+        }
+        // Weights from the top record down (the CPU order): acc = g_P + Σ_{i>j} g_i.
+        for (int i = P - 1; i > jtop; --i) {
+#pragma unroll
+          for (int e = 0; e < KC; ++e) acc[e] += (kda && !has_c) ? 0.f : gate(i, e);
+        }
+        if (jtop >= 0) {
+          float v[2 * G];
+#pragma unroll
+          for (int jj = 0; jj < G; ++jj) {
+            const int j = jtop - jj;
+            float su = 0.f, sp = 0.f;
+            if (j >= 0 && has_c) {
+              const float gj = kda ? 0.f : gate(j, 0);
+              const float wj = kda ? 0.f : expf(acc[0]);  // GDN: one weight per record
+              Slice<T, KC> kr;
+              LoadSmemSlice(kr, krs + j * K + c0);
+              Slice<float, KC> kw;
+#pragma unroll
+              for (int e = 0; e < KC; ++e) {
+                const float x = (kda ? expf(acc[e]) : wj) * kr.Get(e);
+                su += x * k[e];
+                sp += x * q[e];
+                kw.Set(e, x);
+                acc[e] += kda ? gate(j, e) : gj;
+              }
+              if (keep_kw) StoreSmemSlice(kws + j * K + c0, kw);
+            } else if (j >= 0 && !kda) {
+              const float gj = gate(j, 0);
+#pragma unroll
+              for (int e = 0; e < KC; ++e) acc[e] += gj;
+            }
+            v[jj] = su;
+            v[G + jj] = sp;
+          }
+          TransposeReduce<2 * G, 16>::Run(v, lane);
+          constexpr int kSpread = 32 / (2 * G);
+          const int i = lane / kSpread;
+          const int j = jtop - (i % G);
+          if (lane % kSpread == 0 && j >= 0) (i < G ? us : ps)[t * L + j] = v[0];
+        }
+        if (jtop < G) {  // the unit that reached record 0: acc is the whole decay
+          if (has_c) {
+#pragma unroll
+            for (int e = 0; e < KC; ++e) {
+              const float A = expf(acc[e]);
+              kas[t * K + c0 + e] = A * k[e];
+              qas[t * K + c0 + e] = A * q[e];
+              if (t == 0) avs[c0 + e] = A;
+            }
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- 5. the warp's rows, RB at a time (no CTA barrier from here on) ------------------------
+  if (nb == 0) return;
+  float ka[TT][KC], qa[TT][KC], ur[TT], pr[TT], kn0[KC], av[KC];
+  auto load_pass = [&](int pass0) {
+    const int nt = min(TT, T_ - pass0);
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      const bool on = t < nt;
+#pragma unroll
+      for (int e = 0; e < KC; ++e) {
+        ka[t][e] = on && has_c ? kas[(pass0 + t) * K + c0 + e] : 0.f;
+        qa[t][e] = on && has_c ? qas[(pass0 + t) * K + c0 + e] : 0.f;
+      }
+      ur[t] = on && lane < w ? us[(pass0 + t) * L + lane] : 0.f;
+      pr[t] = on && lane < w ? ps[(pass0 + t) * L + lane] : 0.f;
+    }
+  };
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    kn0[e] = fold && has_c ? tk[c0 + e] : 0.f;
+    av[e] = fold && has_c ? avs[c0 + e] : 0.f;
+  }
+  const bool one_pass = T_ <= TT;
+  if (one_pass) load_pass(0);
+  const bool vec_s0 = p.vec_s0 != 0;
+
+  #pragma unroll 1
+  for (int b = 0; b < nb; ++b) {
+    const int rb0 = b * RB;  // the batch's first row within the warp
+    T* const stage = s0s + (b % ns) * RB * K;
+    if (bs0) {
+      MbarWait(wbar + b % ns, (b / ns) & 1);
+    } else {  // plain copy of the batch (unaligned slots)
+      __syncwarp();
+      for (int i = lane; i < RB * K; i += 32) stage[i] = s0[int64_t(wv0 + rb0) * K + i];
+      __syncwarp();
+    }
+    const T* const st = stage + c0;
+    float dcur = 0.f;
+    #pragma unroll 1
+    for (int pass0 = 0; pass0 < T_; pass0 += TT) {
+      const int nt = min(TT, T_ - pass0);
+      if (!one_pass) load_pass(pass0);
+      float acc[NV];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) acc[i] = 0.f;
+      if (has_c) {
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+          Slice<T, KC> x;
+          LoadSmemSlice(x, st + i * K);
+#pragma unroll
+          for (int e = 0; e < KC; ++e) {
+            const float s = x.Get(e);
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              acc[(t * RB + i) * 2] += s * ka[t][e];
+              acc[(t * RB + i) * 2 + 1] += s * qa[t][e];
+            }
+          }
+        }
+      }
+      if (lane < w) {  // ring terms of record j = lane
+        Slice<T, RB> dl;
+        LoadSmemSlice(dl, ds + lane * dst + rb0);
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+          const float x = dl.Get(i);
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            acc[(t * RB + i) * 2] += x * ur[t];
+            acc[(t * RB + i) * 2 + 1] += x * pr[t];
+          }
+        }
+      }
+      for (int j = lane + 32; j < w; j += 32) {  // rings longer than 32 records
+        Slice<T, RB> d2;
+        LoadSmemSlice(d2, ds + j * dst + rb0);
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            if (t < nt) {
+              acc[(t * RB + i) * 2] += d2.Get(i) * us[(pass0 + t) * L + j];
+              acc[(t * RB + i) * 2 + 1] += d2.Get(i) * ps[(pass0 + t) * L + j];
+            }
+          }
+        }
+      }
+      float vcur[TT];
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        vcur[t] = t < nt ? vsm[(pass0 + t) * rows + (wv0 - v0) + rb0 + row_l] : 0.f;
+      }
+      TransposeReduce<NV, 16>::Run(acc, lane);
+      float dd[TT];
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        float sk = __shfl_sync(0xffffffffu, acc[0], ((t * RB + row_l) * 2) * SPREAD);
+        float sq = __shfl_sync(0xffffffffu, acc[0], ((t * RB + row_l) * 2 + 1) * SPREAD);
+        dd[t] = 0.f;
+        if (t < nt) {
+          const int tg_ = pass0 + t;  // the draft's index
+          const int P = w + tg_;
+          for (int t2 = 0; t2 < pass0; ++t2) {  // drafts of earlier passes
+            const float x = dds[t2 * rows + (wv0 - v0) + rb0 + row_l];
+            sk += x * us[tg_ * L + w + t2];
+            sq += x * ps[tg_ * L + w + t2];
+          }
+#pragma unroll
+          for (int t2 = 0; t2 < TT; ++t2) {  // drafts of this pass
+            if (t2 < t) {
+              sk += dd[t2] * us[tg_ * L + w + pass0 + t2];
+              sq += dd[t2] * ps[tg_ * L + w + pass0 + t2];
+            }
+          }
+          const float d = betas[tg_] * (vcur[t] - sk);
+          const T dr = FromF<T>(d);
+          dd[t] = ToF(dr);
+          dcur = d;
+          const float o = sq + d * kqs[tg_];
+          if (lane < RB) {
+            const int v = wv0 + rb0 + row_l;
+            StoreAct(ly.o, (tok0 + tg_) * ly.o_stride + int64_t{h} * V + v, ly.act_dtype, o);
+            if (!fold) rd[int64_t{P} * V + v] = dr;
+            if (!one_pass) dds[tg_ * rows + (v - v0)] = dd[t];
+          }
+        }
+      }
+      if (!one_pass) __syncwarp();  // the next pass reads this pass's dds
+    }
+    if (fold) {  // decode only (TT == 1): the new checkpoint of the batch rows
+#pragma unroll 1
+      for (int i = 0; i < RB; ++i) {
+        const float di = __shfl_sync(0xffffffffu, dcur, i);  // unrounded d of row i
+        if (!has_c) continue;
+        Slice<T, KC> x;
+        LoadSmemSlice(x, st + i * K);
+        float out[KC];
+#pragma unroll
+        for (int e = 0; e < KC; ++e) out[e] = x.Get(e) * av[e];
+#pragma unroll 4
+        for (int j = 0; j < w; ++j) {
+          const float dj = ToF(ds[j * dst + rb0 + i]);
+          Slice<float, KC> kw;
+          LoadSmemSlice(kw, kws + j * K + c0);
+#pragma unroll
+          for (int e = 0; e < KC; ++e) out[e] += dj * kw.Get(e);
+        }
+#pragma unroll
+        for (int e = 0; e < KC; ++e) x.Set(e, out[e] + di * kn0[e]);
+        StoreSlice(s0 + int64_t(wv0 + rb0 + i) * K + c0, x, vec_s0);
+      }
+    }
+    if (bs0 && b + ns < nb) {  // refill the stage with batch b + ns
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) {
+        FenceProxyAsync();  // ... and ordered before the bulk engine's writes
+        const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
+        MbarExpectTx(wbar + b % ns, bb);
+        BulkLoadStream(stage, s0 + int64_t(wv0 + rb0 + ns * RB) * K, bb, wbar + b % ns);
+      }
+    }
+  }
+}
+
+}  // namespace replayssm::kernels::cuda
+
+#endif  // REPLAYSSM_KERNELS_CUDA_BULK_KERNEL_CUH_
