@@ -4,7 +4,7 @@
 //
 //   replayssm-bench-transfer [--model qwen3-next-80b-a3b] [--state-dtype f32|bf16]
 //                            [--backend cpu|cuda] [--slots N] [--chunk BYTES]
-//                            [--import-threads N] [--json PATH]
+//                            [--import-threads N] [--put-lanes N] [--json PATH]
 //
 // B is a forked child with its own StateCache, UcxTransport and transfer::Receiver; the
 // control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
@@ -20,6 +20,13 @@
 // staging overhead (whole move over bare put), and ucx_perftest ucp_put_bw at the chunk size
 // (the size of each of our puts) and at the slot size, with the whole move's ratio to both
 // against the target (>= 80%).
+// --put-lanes N (an experiment, not the transfer's path): the bare put again, its bytes split
+// into N contiguous ranges put at once by N threads, each through a UcxTransport (context,
+// worker, endpoint) of its own — whether one sender thread's copy into the peer's memory is
+// what caps the put (on loopback UCX puts by memcpy into the peer's mapped segment, inline).
+// --put-thp (an experiment): the bare put once more from a source on transparent huge pages
+// (madvise), as ucx_perftest's UCX-allocated source is where THP is "madvise".
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,8 +36,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -220,6 +229,8 @@ int Run(int argc, char** argv) {
   int slots = 8;
   size_t chunk = 4 << 20;
   int32_t import_threads = ReceiverOptions{}.import_threads;
+  int put_lanes = 1;
+  bool put_thp = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
@@ -229,11 +240,13 @@ int Run(int argc, char** argv) {
     else if (a == "--slots") slots = std::atoi(next().c_str());
     else if (a == "--chunk") chunk = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--import-threads") import_threads = std::atoi(next().c_str());
+    else if (a == "--put-lanes") put_lanes = std::max(1, std::atoi(next().c_str()));
+    else if (a == "--put-thp") put_thp = true;
     else if (a == "--json") json = argv[++i];
     else {
       std::fprintf(stderr, "usage: replayssm-bench-transfer [--model M] [--state-dtype f32|bf16] "
                            "[--backend cpu|cuda] [--slots N] [--chunk BYTES] "
-                           "[--import-threads N] [--json PATH]\n");
+                           "[--import-threads N] [--put-lanes N] [--put-thp] [--json PATH]\n");
       return 2;
     }
   }
@@ -308,6 +321,60 @@ int Run(int argc, char** argv) {
       CHECK_OK(peer.Abort("p" + std::to_string(i)));
     }
   }
+  // The bare put from a source on transparent huge pages (an experiment).
+  std::vector<double> put_thp_t;
+  if (put_thp) {
+    constexpr size_t kHuge = 2 << 20;
+    const size_t n = (format.Bytes() + kHuge - 1) / kHuge * kHuge;
+    uint8_t* src = static_cast<uint8_t*>(std::aligned_alloc(kHuge, n));
+    if (src == nullptr) return 1;
+    madvise(src, n, MADV_HUGEPAGE);
+    std::memset(src, 1, n);
+    for (int i = 0; i < slots; ++i) {
+      absl::StatusOr<Reservation> r =
+          peer.Reserve("h" + std::to_string(i), format, 0, kChecksumVersion);
+      CHECK_OK(r.status());
+      const auto t0 = std::chrono::steady_clock::now();
+      CHECK_OK((*ucx)->Put(r->worker_address, src, format.Bytes(), r->remote_addr, r->rkey,
+                           chunk, absl::Seconds(60)));
+      put_thp_t.push_back(Seconds(t0));
+      CHECK_OK(peer.Abort("h" + std::to_string(i)));
+    }
+    std::free(src);
+  }
+  // The bare put over put_lanes threads and transports at once (an experiment).
+  std::vector<double> put_lanes_t;
+  if (put_lanes > 1) {
+    std::vector<uint8_t> payload(format.Bytes(), 1);
+    std::vector<std::unique_ptr<UcxTransport>> lanes;
+    for (int k = 0; k < put_lanes; ++k) {
+      auto t = UcxTransport::Create();
+      CHECK_OK(t.status());
+      lanes.push_back(std::move(*t));
+    }
+    const size_t n = payload.size(), per = (n / put_lanes + 63) & ~size_t{63};
+    for (int i = 0; i < slots + 1; ++i) {  // the first one maps the peer's segment per lane
+      absl::StatusOr<Reservation> r =
+          peer.Reserve("l" + std::to_string(i), format, 0, kChecksumVersion);
+      CHECK_OK(r.status());
+      std::vector<absl::Status> st(put_lanes);
+      std::vector<std::thread> th;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int k = 0; k < put_lanes; ++k) {
+        th.emplace_back([&, k] {
+          const size_t b = std::min(n, k * per), e = std::min(n, b + per);
+          if (e > b) {
+            st[k] = lanes[k]->Put(r->worker_address, payload.data() + b, e - b,
+                                  r->remote_addr + b, r->rkey, chunk, absl::Seconds(60));
+          }
+        });
+      }
+      for (auto& t : th) t.join();
+      if (i > 0) put_lanes_t.push_back(Seconds(t0));
+      for (const absl::Status& s : st) CHECK_OK(s);
+      CHECK_OK(peer.Abort("l" + std::to_string(i)));
+    }
+  }
   close(sv[0]);
   waitpid(child, nullptr, 0);
   const double bytes = static_cast<double>(format.Bytes());
@@ -329,6 +396,14 @@ int Run(int argc, char** argv) {
               Median(reserve) * 1e3, Median(put) * 1e3, Median(commit) * 1e3);
   std::printf("  bare put of a host buffer:                              median %.2f ms = %.2f GB/s\n",
               p_med * 1e3, bytes / p_med / 1e9);
+  if (put_thp) {
+    std::printf("  bare put from a THP source (an experiment):            median %.2f ms = %.2f GB/s\n",
+                Median(put_thp_t) * 1e3, bytes / Median(put_thp_t) / 1e9);
+  }
+  if (put_lanes > 1) {
+    std::printf("  bare put over %d lanes (threads + transports, an experiment): median %.2f ms = %.2f GB/s\n",
+                put_lanes, Median(put_lanes_t) * 1e3, bytes / Median(put_lanes_t) / 1e9);
+  }
   std::printf("  staging overhead (whole move over bare put): %+.0f%%\n", 100 * (t_med / p_med - 1));
   std::printf("  ucx_perftest ucp_put_bw (same transport selection, this run): %.2f GB/s at %zu B "
               "(our chunk: the size of each put), %.2f GB/s at %.0f B (one put of a whole slot)\n",
@@ -349,11 +424,13 @@ int Run(int argc, char** argv) {
                  "\"stage_hash_put_ms\": %.3f, \"commit_ms\": %.3f, "
                  "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"perftest_chunk_gbs\": %.3f, "
                  "\"perftest_slot_gbs\": %.3f, \"of_perftest_chunk\": %.3f, "
-                 "\"of_perftest_slot\": %.3f, \"target\": %.2f, \"path\": \"%s\"}\n",
+                 "\"of_perftest_slot\": %.3f, \"target\": %.2f, \"path\": \"%s\", "
+                 "\"put_lanes\": %d, \"put_lanes_ms\": %.3f}\n",
                  m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes, slots, chunk,
                  import_threads, t_med * 1e3, whole, Median(fold) * 1e3, Median(reserve) * 1e3,
                  Median(put) * 1e3, Median(commit) * 1e3, p_med * 1e3, bytes / p_med / 1e9,
-                 perf_chunk, perf_slot, of_chunk, of_slot, kTarget, path);
+                 perf_chunk, perf_slot, of_chunk, of_slot, kTarget, path, put_lanes,
+                 put_lanes > 1 ? Median(put_lanes_t) * 1e3 : p_med * 1e3);
     std::fclose(f);
   }
   return 0;
