@@ -1,5 +1,5 @@
 // Shared-memory mbarriers and the bulk copy engine (cp.async.bulk, sm_90): the helpers of the
-// kernels that stage state in shared memory (pipe_kernel.cuh, bulk_kernel.cuh).
+// kernels that stage state in shared memory (bulk_kernel.cuh).
 #ifndef REPLAYSSM_KERNELS_CUDA_ASYNC_COPY_CUH_
 #define REPLAYSSM_KERNELS_CUDA_ASYNC_COPY_CUH_
 

@@ -33,7 +33,8 @@
 #define REPLAYSSM_KERNELS_CUDA_BULK_KERNEL_CUH_
 
 #include "async_copy.cuh"
-#include "warp_kernel.cuh"
+#include "common.cuh"
+#include "params.h"
 
 namespace replayssm::kernels::cuda {
 
@@ -99,6 +100,46 @@ struct BulkSmem {
     return s;
   }
 };
+
+// N consecutive elements of T kept raw in registers (converted on use).
+template <typename T, int N>
+struct Slice {
+  static constexpr int kBytes = N * int(sizeof(T));
+  static constexpr int kWords = (kBytes + 3) / 4;
+  uint32_t w[kWords];
+  __device__ __forceinline__ float Get(int e) const { return ToF(reinterpret_cast<const T*>(w)[e]); }
+  __device__ __forceinline__ void Set(int e, float x) { reinterpret_cast<T*>(w)[e] = FromF<T>(x); }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0u;
+  }
+};
+
+// Stores a slice to global memory: 16/8-byte streaming stores when `vec` (p aligned to the
+// slice's width), else element by element.
+template <typename T, int N>
+__device__ __forceinline__ void StoreSlice(T* p, const Slice<T, N>& s, bool vec) {
+  constexpr int B = Slice<T, N>::kBytes;
+  if (vec) {
+    if constexpr (B % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < B / 16; ++i) {
+        __stcs(reinterpret_cast<uint4*>(p) + i,
+               make_uint4(s.w[4 * i], s.w[4 * i + 1], s.w[4 * i + 2], s.w[4 * i + 3]));
+      }
+      return;
+    } else if constexpr (B % 8 == 0) {
+#pragma unroll
+      for (int i = 0; i < B / 8; ++i) {
+        __stcs(reinterpret_cast<uint2*>(p) + i, make_uint2(s.w[2 * i], s.w[2 * i + 1]));
+      }
+      return;
+    }
+  }
+  const T* d = reinterpret_cast<const T*>(s.w);
+#pragma unroll
+  for (int e = 0; e < N; ++e) p[e] = d[e];
+}
 
 // N elements of T from shared memory at p (aligned to the slice's width, at most 16 bytes).
 template <typename T, int N>

@@ -11,18 +11,13 @@
 #include <cstring>
 
 #include "bulk_kernel.cuh"
-#include "pipe_kernel.cuh"
 #include "prefill_kernel.cuh"
 #include "step_kernel.cuh"
 #include "stream_kernel.cuh"
-#include "warp_kernel.cuh"
 
 namespace replayssm::kernels::cuda {
 
 constexpr int kVerifyTokensPerPass = 4;
-// Shared-memory stages of the pipelined kernel (REPLAYSSM_CUDA_PIPE_STAGES overrides).
-constexpr int kPipeStagesBaseline = 2;
-constexpr int kPipeStagesReplay = 2;  // TC of verify: 4 drafts per pass over the registers
 
 // Raises a kernel's dynamic shared-memory limit when a launch needs more than 48 KB. Cheap and
 // idempotent (no stream work), so it is simply called before such a launch.
@@ -55,36 +50,23 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Kernel choice for the step: StepKernel (step_kernel.cuh) unless the environment says
-// REPLAYSSM_CUDA_STEP=pipe (the pipelined kernel, pipe_kernel.cuh: slower on the H200 as
-// measured, NOTES.md v3; kept for A/B timing and tested); REPLAYSSM_CUDA_MAX_CTAS=n caps its
-// persistent grid (tests use it so that every CTA walks several items).
-// REPLAYSSM_CUDA_STEP: unset = the default (UseStream below), "legacy" = StepKernel (v4b),
-// "pipe" = the pipelined kernel, "stream" = the pre-pass + streaming kernel (v5).
-// "warp" = the v6 warp-streaming kernel (warp_kernel.cuh), "bulk" = the v7 bulk-staged warp
-// kernel (bulk_kernel.cuh). Unset: the default rule below.
-enum StepKind {
-  kStepDefault = -1, kStepLegacy = 0, kStepPipe = 1, kStepStream = 2, kStepWarp = 3, kStepBulk = 4
-};
+// REPLAYSSM_CUDA_STEP forces one step kernel for every call: "legacy" = StepKernel (v4b,
+// step_kernel.cuh), "stream" = the pre-pass + streaming kernel (v5, stream_kernel.cuh),
+// "bulk" = the bulk-staged warp kernel (v7, bulk_kernel.cuh). Unset: StepPath below.
+enum StepKind { kStepDefault = -1, kStepLegacy = 0, kStepStream = 2, kStepBulk = 4 };
 inline StepKind StepChoice() {
   static const StepKind k = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_STEP");
     if (e == nullptr) return kStepDefault;
-    if (std::strcmp(e, "warp") == 0) return kStepWarp;
     if (std::strcmp(e, "bulk") == 0) return kStepBulk;
-    if (std::strcmp(e, "pipe") == 0) return kStepPipe;
     if (std::strcmp(e, "stream") == 0) return kStepStream;
     return kStepLegacy;
   }();
   return k;
 }
-inline bool UseLegacyStep() { return StepChoice() != kStepPipe; }
 
-// The default (no REPLAYSSM_CUDA_STEP): v5 for fp32 state at B >= REPLAYSSM_CUDA_STREAM_MIN_B
-// (default 64), StepKernel (v4b) otherwise: measured on the H200 (bench/results/
-// kernels-h200-2026-11-30-v4.md), v5 wins there and loses at B = 1 (two launches) and for
-// 16-bit state decode. The rule depends only on (state dtype, B), so the baseline, replay and
-// verify calls of one batch run the same path (L = 1 bit identity, verify == decode).
+// Batch thresholds of the default rule (StepPath): REPLAYSSM_CUDA_STREAM_MIN_B (64) and
+// REPLAYSSM_CUDA_BULK_MIN_B (16).
 inline int64_t StreamMinBatch() {
   static const int64_t n = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_STREAM_MIN_B");
@@ -101,6 +83,13 @@ inline bool UsePdl() {
   }();
   return on;
 }
+inline int64_t BulkMinBatch() {
+  static const int64_t n = [] {
+    const char* e = std::getenv("REPLAYSSM_CUDA_BULK_MIN_B");
+    return e != nullptr ? std::atoll(e) : 16LL;
+  }();
+  return n;
+}
 inline int PrepassMinBlocks() {
   static const int n = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_PREPASS_MINB");
@@ -109,43 +98,28 @@ inline int PrepassMinBlocks() {
   }();
   return n;
 }
-// The default (no REPLAYSSM_CUDA_STEP), measured on the H200 in one call
-// (bench/results/kernels-h200-2026-11-30-v6.md): B >= REPLAYSSM_CUDA_STREAM_MIN_B (64):
-// fp32 state -> v5 (pre-pass + streaming: fastest replay and verify), 16-bit state -> v6 warp
-// kernel (replay -7..-28%, verify -4..-11%, baseline -42..-73% against v4b/v5 there);
-// smaller batches -> v4b. A function of (state dtype, B) only, so the baseline, replay and
-// verify calls of one batch share a path (L = 1 bit identity).
-inline bool UseStream(const StepParams& p, size_t state_bytes) {
-  if (StepChoice() == kStepDefault) return state_bytes == 4 && p.batch >= StreamMinBatch();
-  return StepChoice() == kStepStream;
-}
-inline bool UseWarp(const StepParams& p, size_t state_bytes) {
-  if (StepChoice() == kStepDefault) return state_bytes == 2 && p.batch >= StreamMinBatch();
-  return StepChoice() == kStepWarp;
-}
-// Rows per warp item of the v6 warp kernel (REPLAYSSM_CUDA_VC: 16..256, multiple of 16).
-inline int WarpChunkRows() {
-  static const int n = [] {
-    const char* e = std::getenv("REPLAYSSM_CUDA_VC");
-    const int v = e != nullptr ? std::atoi(e) : 0;
-    return v >= 16 && v <= 256 && v % 16 == 0 ? v : 0;  // 0: by batch size
-  }();
-  return n;
-}
-inline int64_t MaxCtasOverride() {
-  static const int64_t n = [] {
-    const char* e = std::getenv("REPLAYSSM_CUDA_MAX_CTAS");
-    return e != nullptr ? std::atoll(e) : 0LL;
-  }();
-  return n;
-}
-
-inline int StagesOverride() {
-  static const int n = [] {
-    const char* e = std::getenv("REPLAYSSM_CUDA_PIPE_STAGES");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-  return n;
+// The default (no REPLAYSSM_CUDA_STEP), measured on the H200 in one call against every
+// candidate (bench/results/kernels-h200-2026-11-30-v7.md):
+//   decode (baseline and replay): B >= 16 -> v7 (every gate and state dtype: baseline
+//     -15..-50%, replay -6..-41% against the previous rule); B < 16 -> v4b (v7 loses at B = 1);
+//   verify: fp32 state, B >= 64 -> v5 (v7 is 5..14% slower there), 16 <= B < 64 -> v7;
+//     16-bit state, B >= 64 -> v7, B < 64 -> v4b.
+// Baseline and replay of one batch always share a path (the L = 1 bit identity).
+enum StepPathKind { kPathLegacy, kPathStream, kPathBulk };
+inline StepPathKind StepPath(const StepParams& p, size_t state_bytes) {
+  switch (StepChoice()) {
+    case kStepLegacy: return kPathLegacy;
+    case kStepStream: return kPathStream;
+    case kStepBulk: return kPathBulk;
+    case kStepDefault: break;
+  }
+  if (p.mode != kModeVerify) return p.batch >= BulkMinBatch() ? kPathBulk : kPathLegacy;
+  if (state_bytes == 4) {
+    return p.batch >= StreamMinBatch() ? kPathStream
+           : p.batch >= BulkMinBatch() ? kPathBulk
+                                       : kPathLegacy;
+  }
+  return p.batch >= StreamMinBatch() ? kPathBulk : kPathLegacy;
 }
 inline bool Verbose() {
   static const bool v = std::getenv("REPLAYSSM_CUDA_VERBOSE") != nullptr;
@@ -154,79 +128,6 @@ inline bool Verbose() {
 
 inline bool Aligned16(const void* ptr, int64_t stride_elems, size_t elem) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0 && (stride_elems * int64_t(elem)) % 16 == 0;
-}
-
-// The pipelined kernel's preconditions: K fits one 128-wide tile, and every bulk copy source
-// is 16-byte aligned (pointers, slot strides; row offsets are multiples of 32 bytes because
-// K, V are multiples of 16).
-template <typename T>
-bool PipeEligible(const StepParams& p) {
-  const LayerDesc& ly = p.ly;
-  if (UseLegacyStep() || ly.K > 128) return false;
-  const int64_t ck = ly.ckpt_stride != 0 ? ly.ckpt_stride : int64_t{ly.HV} * ly.V * ly.K;
-  const int64_t ds = ly.d_stride != 0 ? ly.d_stride : int64_t{ly.HV} * ly.L * ly.V;
-  const int64_t ks = ly.k_stride != 0 ? ly.k_stride : int64_t{ly.H} * ly.L * ly.K;
-  const int64_t gs = ly.g_stride != 0 ? ly.g_stride : int64_t{ly.HV} * ly.L * (ly.kda ? ly.K : 1);
-  if (!Aligned16(ly.ckpt, ck, sizeof(T)) || !Aligned16(ly.ring_d, ds, sizeof(T)) ||
-      !Aligned16(ly.ring_k, ks, sizeof(T))) {
-    return false;
-  }
-  if (!Aligned16(ly.ring_g, gs, sizeof(float))) return false;
-  if (!ly.kda && ly.L % 4 != 0) return false;  // GDN g rows are copied in 16-byte units
-  return true;
-}
-
-template <typename T, int TC>
-cudaError_t LaunchPipeT(StepParams p, cudaStream_t stream, bool* launched) {
-  *launched = false;
-  using Cfg = TileCfg<T, 128>;
-  constexpr int VT = Cfg::VT;
-  p.num_vtiles = (p.ly.V + VT - 1) / VT;
-  // The baseline reads no records: its scratch and stages hold no ring rows.
-  const int K = p.ly.K, L = p.mode == kModeBaseline ? 0 : p.ly.L;
-  p.sm = SmemLayout::Make(K, L, VT, TC, p.ly.kda != 0);
-  p.st_rk = VT * K * int(sizeof(T));
-  p.st_rd = p.st_rk + L * K * int(sizeof(T));
-  p.st_rg = p.st_rd + L * VT * int(sizeof(T));
-  p.stage_bytes = p.st_rg + L * (p.ly.kda ? K : 1) * 4;
-  p.stage_bytes = (p.stage_bytes + 15) & ~15;
-  int ns = p.mode == kModeBaseline ? kPipeStagesBaseline : kPipeStagesReplay;
-  if (StagesOverride() >= 2) ns = StagesOverride();
-  p.num_stages = std::min(std::max(ns, 2), kPipeMaxStages);
-  p.num_items = int64_t{p.batch} * p.ly.HV * p.num_vtiles;
-  int dev = 0, sms = 0, per_sm = 0, smem_max = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  e = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e != cudaSuccess) return e;
-  auto need = [&](int ns) {
-    return kPipeHeader + size_t(p.sm.total) * sizeof(float) + size_t(ns) * size_t(p.stage_bytes);
-  };
-  while (p.num_stages > 2 && need(p.num_stages) > size_t(smem_max)) --p.num_stages;
-  if (need(p.num_stages) > size_t(smem_max)) return cudaSuccess;  // does not fit: StepKernel
-  const size_t bytes = need(p.num_stages);
-  auto kernel = PipeStepKernel<T, TC>;
-  e = AllowSmem(kernel, bytes);
-  if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           int(cudaSharedmemCarveoutMaxShared));
-  if (e != cudaSuccess) return e;
-  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, bytes)) !=
-      cudaSuccess) {
-    return e;
-  }
-  int64_t ctas = std::min<int64_t>(p.num_items, int64_t{std::max(per_sm, 1)} * sms);
-  if (MaxCtasOverride() > 0) ctas = std::min(ctas, MaxCtasOverride());
-  if (ctas <= 0) return cudaErrorInvalidConfiguration;
-  if (Verbose()) {
-    std::fprintf(stderr, "pipe: mode %d TC %d stages %d smem %zu B, %d CTAs/SM, grid %lld, items %lld\n",
-                 int(p.mode), TC, p.num_stages, bytes, per_sm, (long long)ctas,
-                 (long long)p.num_items);
-  }
-  kernel<<<dim3(static_cast<unsigned>(ctas)), kThreads, bytes, stream>>>(p);
-  *launched = true;
-  return cudaGetLastError();
 }
 
 template <typename T, int KMAX, int TC>
@@ -280,67 +181,6 @@ cudaError_t LaunchStreamT(const StepParams& sp, cudaStream_t stream, bool* launc
   }
   *launched = e == cudaSuccess;
   return e;
-}
-
-// v6 (warp_kernel.cuh): one warp per (row, v-head, chunk of vc rows), 4 per CTA unless a
-// warp's shared memory (records' k and g, dots) allows fewer.
-template <typename T, int TT, int KC, int SB>
-cudaError_t LaunchWarpT(const StepParams& sp, cudaStream_t stream) {
-  constexpr int RB = WarpRows<T, TT, KC, SB>();
-  WarpParams p{};
-  p.ly = sp.ly;
-  p.batch = sp.batch;
-  p.num_draft = sp.num_draft;
-  p.mode = sp.mode;
-  p.slot_idx = sp.slot_idx;
-  p.write_pos = sp.write_pos;
-  p.force_fold = sp.force_fold;
-  const LayerDesc& ly = p.ly;
-  // Rows per warp: 64 when the batch fills the GPU (~2k warps in flight), fewer for small
-  // batches so that more warps share a head (latency-bound there); REPLAYSSM_CUDA_VC forces.
-  int vc = WarpChunkRows();
-  if (vc == 0) {
-    const int64_t rows = int64_t{p.batch} * ly.HV * ly.V;
-    vc = rows >= 64LL * 2048 ? 64 : rows >= 32LL * 2048 ? 32 : 16;
-  }
-  p.vc = std::min(vc, (ly.V + 15) / 16 * 16);
-  p.nchunk = (ly.V + p.vc - 1) / p.vc;
-  const WarpSmem ws = WarpSmem::Make(ly.K, ly.L, ly.kda != 0, TT, p.num_draft, p.vc);
-  p.smem_per_warp = ws.total;
-  p.off_gs = ws.gs;
-  p.off_u = ws.u;
-  p.off_p = ws.p;
-  p.off_dd = ws.dd;
-  p.off_vs = ws.vs;
-  auto vec = [](const void* ptr, int64_t stride, int64_t row, int width_bytes, size_t elem) {
-    const int64_t g = std::min(width_bytes, 16);
-    return (reinterpret_cast<uintptr_t>(ptr) % g) == 0 && (stride * int64_t(elem)) % g == 0 &&
-           (row * int64_t(elem)) % g == 0 && width_bytes % g == 0;
-  };
-  p.vec_s0 = vec(ly.ckpt, ly.ckpt_stride, ly.K, KC * int(sizeof(T)), sizeof(T)) ? 1 : 0;
-  p.vec_k = vec(ly.ring_k, ly.k_stride, ly.K, KC * int(sizeof(T)), sizeof(T)) ? 1 : 0;
-  p.vec_d = vec(ly.ring_d, ly.d_stride, ly.V, RB * int(sizeof(T)), sizeof(T)) ? 1 : 0;
-  int dev = 0, smem_max = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  e = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e != cudaSuccess) return e;
-  const size_t per_warp = size_t(ws.total) * sizeof(float);
-  p.wpb = static_cast<int32_t>(std::min<size_t>(kWarpCtaThreads / 32, size_t(smem_max) / per_warp));
-  if (p.wpb < 1) return cudaErrorInvalidConfiguration;
-  const int64_t items = int64_t{p.batch} * ly.HV * p.nchunk;
-  const int64_t ctas = (items + p.wpb - 1) / p.wpb;
-  if (ctas <= 0 || ctas > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  const size_t bytes = per_warp * p.wpb;
-  auto kernel = WarpStepKernel<T, TT, KC, SB>;
-  e = AllowSmem(kernel, bytes);
-  if (e != cudaSuccess) return e;
-  if (Verbose()) {
-    std::fprintf(stderr, "warp: mode %d T %d RB %d vc %d wpb %d smem %zu B, CTAs %lld\n",
-                 int(p.mode), p.num_draft, RB, p.vc, p.wpb, bytes, (long long)ctas);
-  }
-  kernel<<<dim3(static_cast<unsigned>(ctas)), p.wpb * 32, bytes, stream>>>(p);
-  return cudaGetLastError();
 }
 
 // v7 (bulk_kernel.cuh): REPLAYSSM_CUDA_RPW (16..64, multiple of 16), REPLAYSSM_CUDA_NW (1..4)
@@ -488,37 +328,16 @@ cudaError_t LaunchBulkFor(const StepParams& p, cudaStream_t stream, bool* launch
                 : LaunchBulkT<T, 1, 8, 8>(p, stream, launched);
 }
 
-// S0 bytes per lane per batch of the decode instantiation (REPLAYSSM_CUDA_SLICE=64|128).
-inline int WarpSliceBytes() {
-  static const int n = [] {
-    const char* e = std::getenv("REPLAYSSM_CUDA_SLICE");
-    return e != nullptr && std::atoi(e) == 128 ? 128 : 64;
-  }();
-  return n;
-}
-
-template <typename T>
-cudaError_t LaunchWarpFor(const StepParams& p, cudaStream_t stream) {
-  const bool verify = p.mode == kModeVerify;
-  const bool wide = WarpSliceBytes() == 128;
-  if (p.ly.K <= 128) {
-    if (verify) return LaunchWarpT<T, kVerifyTokensPerPass, 4, 64>(p, stream);
-    return wide ? LaunchWarpT<T, 1, 4, 128>(p, stream) : LaunchWarpT<T, 1, 4, 64>(p, stream);
-  }
-  if (verify) return LaunchWarpT<T, kVerifyTokensPerPass, 8, 64>(p, stream);
-  return wide ? LaunchWarpT<T, 1, 8, 128>(p, stream) : LaunchWarpT<T, 1, 8, 64>(p, stream);
-}
-
 template <typename T>
 cudaError_t LaunchStepFor(StepParams p, cudaStream_t stream) {
   const bool verify = p.mode == kModeVerify;
-  if (StepChoice() == kStepBulk) {
+  const StepPathKind path = StepPath(p, sizeof(T));
+  if (path == kPathBulk) {
     bool launched = false;
     const cudaError_t e = LaunchBulkFor<T>(p, stream, &launched);
-    if (e != cudaSuccess || launched) return e;
+    if (e != cudaSuccess || launched) return e;  // else: does not fit, StepKernel
   }
-  if (UseWarp(p, sizeof(T))) return LaunchWarpFor<T>(p, stream);
-  if (UseStream(p, sizeof(T))) {
+  if (path == kPathStream) {
     bool launched = false;
     cudaError_t e;
     if (p.ly.K <= 128) {
@@ -528,13 +347,7 @@ cudaError_t LaunchStepFor(StepParams p, cudaStream_t stream) {
       e = verify ? LaunchStreamT<T, 256, kVerifyTokensPerPass>(p, stream, &launched)
                  : LaunchStreamT<T, 256, 1>(p, stream, &launched);
     }
-    if (e != cudaSuccess || launched) return e;
-  }
-  if (PipeEligible<T>(p)) {
-    bool launched = false;
-    const cudaError_t e = verify ? LaunchPipeT<T, kVerifyTokensPerPass>(p, stream, &launched)
-                                 : LaunchPipeT<T, 1>(p, stream, &launched);
-    if (e != cudaSuccess || launched) return e;
+    if (e != cudaSuccess || launched) return e;  // else: inside a capture, StepKernel
   }
   if (p.ly.K <= 128) {
     return verify ? LaunchStepT<T, 128, kVerifyTokensPerPass>(p, stream)

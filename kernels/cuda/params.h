@@ -82,11 +82,6 @@ struct StepParams {
   const int32_t* write_pos;   // [B] (null for the baseline)
   const uint8_t* force_fold;  // [B] or null
   SmemLayout sm;
-  // Pipelined kernel only (pipe_kernel.cuh): work items = batch * HV * num_vtiles, and the
-  // byte offsets inside one prefetch stage (tile | ring k | ring d | ring g (KDA)).
-  int64_t num_items;
-  int32_t stage_bytes, st_rk, st_rd, st_rg;
-  int32_t num_stages;  // shared-memory stages (2..8): num_stages - 1 items are in flight
 };
 
 struct PrefillParams {
