@@ -52,8 +52,8 @@ struct BulkParams {
   int32_t lr;      // ring records the layout holds (L; 0 for the baseline)
   int32_t dstride; // elements per ring d row of a warp in shared memory (rpw + 16 bytes)
   // Shared-memory offsets in bytes (multiples of 16); the mbarriers sit at 0.
-  int32_t o_s0, o_d, o_kr, o_kw, o_g, o_tq, o_tk, o_tg, o_ka, o_qa, o_av, o_vs, o_u, o_p, o_sc,
-      o_dd;
+  int32_t o_s0, o_d, o_kr, o_kw, o_g, o_tq, o_tk, o_tg, o_ka, o_qa, o_av, o_kn, o_vs, o_u, o_p,
+      o_sc, o_dd;
   int32_t bulk_s0, bulk_d, bulk_k, bulk_g;  // sources aligned for the bulk copy engine
   int32_t vec_s0;                           // the fold's 16/8-byte stores are aligned
   const int32_t* slot_idx;
@@ -67,7 +67,7 @@ __host__ __device__ constexpr int DStride(int rpw, int state_bytes) { return rpw
 
 // The layout of one CTA's shared memory (bytes). T_ drafts, TT per pass.
 struct BulkSmem {
-  int32_t s0, d, kr, kw, g, tq, tk, tg, ka, qa, av, vs, u, p, sc, dd, total;
+  int32_t s0, d, kr, kw, g, tq, tk, tg, ka, qa, av, kn, vs, u, p, sc, dd, total;
   static BulkSmem Make(int K, int L, int lr, bool kda, int T, int TT, int nw, int rpw, int ns,
                        int rb, int state_bytes, bool fold_capable) {
     BulkSmem s;
@@ -91,6 +91,7 @@ struct BulkSmem {
     s.ka = take(int64_t{T} * K * 4);
     s.qa = take(int64_t{T} * K * 4);
     s.av = take(int64_t{K} * 4);
+    s.kn = take(int64_t{K} * 4);
     s.vs = take(int64_t{T} * rows * 4);
     s.u = take(int64_t{T} * L * 4);
     s.p = take(int64_t{T} * L * 4);
@@ -174,8 +175,8 @@ __device__ __forceinline__ void StoreSmemSlice(T* p, const Slice<T, N>& s) {
   }
 }
 
-template <typename T, int TT, int KC, int RB>
-__global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
+template <typename T, int TT, int KC, int RB, bool KDA>
+__global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
     BulkStepKernel(const __grid_constant__ BulkParams p) {
   constexpr int NV = 2 * TT * RB;  // values per transposed butterfly (<= 32)
   static_assert(NV <= 32, "2 * TT * RB values must fit one butterfly");
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
   const int h = static_cast<int>((item / p.nchunk) % ly.HV);
   const int r = static_cast<int>(item / (int64_t{p.nchunk} * ly.HV));
   const int K = ly.K, V = ly.V, L = ly.L, H = ly.H, T_ = p.num_draft, rpw = p.rpw;
-  const bool kda = ly.kda != 0;
+  constexpr bool kda = KDA;
   const int kg = kda ? K : 1;
   const int hq = h / ly.group;
   const int rows = nw * rpw;  // row capacity of the CTA (vs, dd strides)
@@ -217,18 +218,22 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
   float* const kqs = betas + T_;                                                 // [T]
   {
     const float decay = -expf(ly.a_log[h]);
-#pragma unroll 2
-    for (int i = tid; i < T_ * K; i += nthr) {
-      const int t = i / K, c = i - t * K;
+    for (int t = 0; t < T_; ++t) {
       const int64_t n = tok0 + t, row = n * ly.qkv_stride;
-      const float q = LoadAct(ly.qkv, row + int64_t{hq} * K + c, ly.act_dtype);
-      const float k = LoadAct(ly.qkv, row + int64_t{H + hq} * K + c, ly.act_dtype);
-      if (kda) {
-        const int64_t gi = int64_t{h} * K + c;
-        tg[i] = decay * Softplus(LoadAct(ly.a, n * ly.a_stride + gi, ly.act_dtype) + ly.dt_bias[gi]);
+      for (int c = tid; c < K; c += nthr) {
+        const float q = LoadAct(ly.qkv, row + int64_t{hq} * K + c, ly.act_dtype);
+        const float k = LoadAct(ly.qkv, row + int64_t{H + hq} * K + c, ly.act_dtype);
+        if constexpr (KDA) {
+          const int64_t gi = int64_t{h} * K + c;
+          tg[t * K + c] =
+              decay * Softplus(LoadAct(ly.a, n * ly.a_stride + gi, ly.act_dtype) + ly.dt_bias[gi]);
+        }
+        tq[t * K + c] = q;
+        tk[t * K + c] = k;
       }
-      tq[i] = q;
-      tk[i] = k;
+      for (int v = tid; v < nrow; v += nthr) {
+        vsm[t * rows + v] = LoadAct(ly.qkv, row + 2LL * H * K + int64_t{h} * V + v0 + v, ly.act_dtype);
+      }
     }
     for (int t = tid; t < T_; t += nthr) {
       const int64_t n = tok0 + t;
@@ -236,12 +241,6 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
         tg[t] = decay * Softplus(LoadAct(ly.a, n * ly.a_stride + h, ly.act_dtype) + ly.dt_bias[h]);
       }
       betas[t] = Sigmoid(LoadAct(ly.b, n * ly.b_stride + h, ly.act_dtype));
-    }
-#pragma unroll 2
-    for (int i = tid; i < T_ * nrow; i += nthr) {
-      const int t = i / nrow, v = i - t * nrow;
-      vsm[t * rows + v] = LoadAct(
-          ly.qkv, (tok0 + t) * ly.qkv_stride + 2LL * H * K + int64_t{h} * V + v0 + v, ly.act_dtype);
     }
   }
 
@@ -284,6 +283,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
   float* const kas = reinterpret_cast<float*>(smem + p.o_ka);                    // [T][K]
   float* const qas = reinterpret_cast<float*>(smem + p.o_qa);
   float* const avs = reinterpret_cast<float*>(smem + p.o_av);                    // [K]
+  float* const kns = reinterpret_cast<float*>(smem + p.o_kn);                    // [K]
   float* const us = reinterpret_cast<float*>(smem + p.o_u);                      // [T][L]
   float* const ps = reinterpret_cast<float*>(smem + p.o_p);
   float* const dds = reinterpret_cast<float*>(smem + p.o_dd);                    // [T][rows]
@@ -340,131 +340,172 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
   }
   __syncthreads();
 
-  // ---- 3. a warp per draft: norms, k·q, the draft's record, ring appends ----------------------
-  for (int t = warp; t < T_; t += nw) {
-    float q[KC], k[KC];
+  // ---- 3/4. norms and k·q, ring appends, record dots ------------------------------------------
+  // Draft t's q, k normalized (q scaled) in registers (the lane's channels); returns k·q.
+  auto norm_draft = [&](int t, float (&q)[KC], float (&kk)[KC]) {
 #pragma unroll
     for (int e = 0; e < KC; ++e) {
       q[e] = has_c ? tq[t * K + c0 + e] : 0.f;
-      k[e] = has_c ? tk[t * K + c0 + e] : 0.f;
+      kk[e] = has_c ? tk[t * K + c0 + e] : 0.f;
     }
     if (ly.l2norm) {
       float sq = 0.f, sk = 0.f;
 #pragma unroll
-      for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += k[e] * k[e];
+      for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += kk[e] * kk[e];
       sq = WarpSum(sq);
       sk = WarpSum(sk);
       const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
 #pragma unroll
-      for (int e = 0; e < KC; ++e) q[e] *= iq, k[e] *= ik;
+      for (int e = 0; e < KC; ++e) q[e] *= iq, kk[e] *= ik;
     }
     float dkq = 0.f;
 #pragma unroll
     for (int e = 0; e < KC; ++e) {
       q[e] *= ly.scale;
-      dkq += k[e] * q[e];
+      dkq += kk[e] * q[e];
     }
-    const float kq = WarpSum(dkq);
-    if (lane == 0) kqs[t] = kq;
-    const int P = w + t;
-    if (has_c) {
-#pragma unroll
-      for (int e = 0; e < KC; ++e) tq[t * K + c0 + e] = q[e], tk[t * K + c0 + e] = k[e];
-      if (T_ > 1 && P < L) {  // later drafts read this draft's k as stored (rows >= w)
-#pragma unroll
-        for (int e = 0; e < KC; ++e) krs[P * K + c0 + e] = FromF<T>(k[e]);
-      }
-    }
-    if (!fold && chunk == 0 && P < L) {  // append k (once per qk-head group) and g
-      if (has_c) {
-        if (h % ly.group == 0) {
-          T* kd = rk + int64_t{P} * K + c0;
-#pragma unroll
-          for (int e = 0; e < KC; ++e) kd[e] = FromF<T>(k[e]);
-        }
-        if (kda) {
-#pragma unroll
-          for (int e = 0; e < KC; ++e) rg[int64_t{P} * K + c0 + e] = tg[t * K + c0 + e];
-        }
-      }
-      if (!kda && lane == 0) rg[P] = tg[t];
-    }
-  }
-  __syncthreads();
-
-  // ---- 4. record dots in units of G records, spread over the warps ---------------------------
-  // Record i's gate: the ring's (i < w) or the draft's (verify: i = w + t).
-  if (bk || bg || bd) MbarWait(rbar, 0);
-  auto gate = [&](int i, int e) {
-    return i < w ? (kda ? gs[i * K + c0 + e] : gs[i]) : (kda ? tg[(i - w) * K + c0 + e] : tg[i - w]);
+    return WarpSum(dkq);
   };
-  {
-    const bool keep_kw = fold && TT == 1;  // a folding decode keeps W_j∘k_j for the fold
+  // Appends draft t's k (once per qk-head group) and g to the ring (a decode that does not
+  // fold, and verify).
+  auto append = [&](int t, const float (&kk)[KC]) {
+    const int P = w + t;
+    if (fold || chunk != 0 || P >= L) return;
+    if (has_c) {
+      if (h % ly.group == 0) {
+        T* kd = rk + int64_t{P} * K + c0;
+#pragma unroll
+        for (int e = 0; e < KC; ++e) kd[e] = FromF<T>(kk[e]);
+      }
+      if constexpr (KDA) {
+#pragma unroll
+        for (int e = 0; e < KC; ++e) rg[int64_t{P} * K + c0 + e] = tg[t * K + c0 + e];
+      }
+    }
+    if (!KDA && lane == 0) rg[P] = tg[t];
+  };
+  // Record i's gate: the ring's (i < w) or the draft's (verify: i = w + t).
+  auto gate = [&](int i, int e) {
+    if constexpr (KDA) return i < w ? gs[i * K + c0 + e] : tg[(i - w) * K + c0 + e];
+    return i < w ? gs[i] : tg[i - w];
+  };
+  const bool keep_kw = fold && TT == 1;  // a folding decode keeps W_j∘k_j for the fold
+  // Unit bi of draft t: records P-1-bi*G down to P-bi*G-G; the weights from the top record
+  // down (the CPU order): acc = g_P + Σ_{i>j} g_i; the unit that reaches record 0 writes A∘k,
+  // A∘q (and A for the fold).
+  auto unit = [&](int t, int bi, const float (&q)[KC], const float (&kk)[KC]) {
+    const int P = w + t;
+    const int jtop = P - 1 - bi * G;
+    float acc[KC];
+#pragma unroll
+    for (int e = 0; e < KC; ++e) acc[e] = KDA ? (has_c ? tg[t * K + c0 + e] : 0.f) : tg[t];
+    for (int i = P - 1; i > jtop; --i) {
+      if constexpr (KDA) {
+        if (has_c) {
+#pragma unroll
+          for (int e = 0; e < KC; ++e) acc[e] += gate(i, e);
+        }
+      } else {
+        const float gi = gate(i, 0);
+#pragma unroll
+        for (int e = 0; e < KC; ++e) acc[e] += gi;
+      }
+    }
+    if (jtop >= 0) {
+      float v[2 * G];
+#pragma unroll
+      for (int jj = 0; jj < G; ++jj) {
+        const int j = jtop - jj;
+        float su = 0.f, sp = 0.f;
+        if (j >= 0) {
+          if (has_c) {
+            const float gj = KDA ? 0.f : gate(j, 0);
+            const float wj = KDA ? 0.f : expf(acc[0]);  // GDN: one weight per record
+            Slice<T, KC> kr;
+            LoadSmemSlice(kr, krs + j * K + c0);
+            Slice<float, KC> kw;
+#pragma unroll
+            for (int e = 0; e < KC; ++e) {
+              const float x = (KDA ? expf(acc[e]) : wj) * kr.Get(e);
+              su += x * kk[e];
+              sp += x * q[e];
+              kw.Set(e, x);
+              acc[e] += KDA ? gate(j, e) : gj;
+            }
+            if (keep_kw) StoreSmemSlice(kws + j * K + c0, kw);
+          } else if (!KDA) {
+            const float gj = gate(j, 0);
+#pragma unroll
+            for (int e = 0; e < KC; ++e) acc[e] += gj;
+          }
+        }
+        v[jj] = su;
+        v[G + jj] = sp;
+      }
+      TransposeReduce<2 * G, 16>::Run(v, lane);
+      constexpr int kSpread = 32 / (2 * G);
+      const int i = lane / kSpread;
+      const int j = jtop - (i % G);
+      if (lane % kSpread == 0 && j >= 0) (i < G ? us : ps)[t * L + j] = v[0];
+    }
+    if (jtop < G && has_c) {  // the unit that reached record 0: acc is the whole decay
+#pragma unroll
+      for (int e = 0; e < KC; ++e) {
+        const float A = expf(acc[e]);
+        kas[t * K + c0 + e] = A * kk[e];
+        qas[t * K + c0 + e] = A * q[e];
+        if (t == 0) avs[c0 + e] = A;
+      }
+    }
+  };
+  if constexpr (TT == 1) {
+    // Decode: every warp normalizes the token itself (no barrier between the norms and the
+    // dots); warp 0 keeps k·q, the normalized k (fold) and appends.
+    float q[KC], kk[KC];
+    const float kq = norm_draft(0, q, kk);
+    if (warp == 0) {
+      if (lane == 0) kqs[0] = kq;
+      if (has_c) {
+#pragma unroll
+        for (int e = 0; e < KC; ++e) kns[c0 + e] = kk[e];
+      }
+      append(0, kk);
+    }
+    if (bk || bg || bd) MbarWait(rbar, 0);
+    const int nblk = max(1, (w + G - 1) / G);
+    for (int bi = warp; bi < nblk; bi += nw) unit(0, bi, q, kk);
+  } else {
+    // Verify: a warp per draft (norms, the draft's k as stored for the later drafts, appends),
+    // then the units of every draft spread over the warps.
+    for (int t = warp; t < T_; t += nw) {
+      float q[KC], kk[KC];
+      const float kq = norm_draft(t, q, kk);
+      if (lane == 0) kqs[t] = kq;
+      const int P = w + t;
+      if (has_c) {
+#pragma unroll
+        for (int e = 0; e < KC; ++e) tq[t * K + c0 + e] = q[e], tk[t * K + c0 + e] = kk[e];
+        if (P < L) {
+#pragma unroll
+          for (int e = 0; e < KC; ++e) krs[P * K + c0 + e] = FromF<T>(kk[e]);
+        }
+      }
+      append(t, kk);
+    }
+    __syncthreads();
+    if (bk || bg || bd) MbarWait(rbar, 0);
     int u = 0;
     for (int t = 0; t < T_; ++t) {
-      const int P = w + t;
-      const int nblk = max(1, (P + G - 1) / G);
+      const int nblk = max(1, (w + t + G - 1) / G);
       for (int bi = 0; bi < nblk; ++bi, ++u) {
         if (u % nw != warp) continue;
-        const int jtop = P - 1 - bi * G;  // the unit's highest record
-        float q[KC], k[KC], acc[KC];
+        float q[KC], kk[KC];
 #pragma unroll
         for (int e = 0; e < KC; ++e) {
           q[e] = has_c ? tq[t * K + c0 + e] : 0.f;
-          k[e] = has_c ? tk[t * K + c0 + e] : 0.f;
-          acc[e] = kda ? (has_c ? tg[t * K + c0 + e] : 0.f) : tg[t];
+          kk[e] = has_c ? tk[t * K + c0 + e] : 0.f;
         }
-        // Weights from the top record down (the CPU order): acc = g_P + Σ_{i>j} g_i.
-        for (int i = P - 1; i > jtop; --i) {
-#pragma unroll
-          for (int e = 0; e < KC; ++e) acc[e] += (kda && !has_c) ? 0.f : gate(i, e);
-        }
-        if (jtop >= 0) {
-          float v[2 * G];
-#pragma unroll
-          for (int jj = 0; jj < G; ++jj) {
-            const int j = jtop - jj;
-            float su = 0.f, sp = 0.f;
-            if (j >= 0 && has_c) {
-              const float gj = kda ? 0.f : gate(j, 0);
-              const float wj = kda ? 0.f : expf(acc[0]);  // GDN: one weight per record
-              Slice<T, KC> kr;
-              LoadSmemSlice(kr, krs + j * K + c0);
-              Slice<float, KC> kw;
-#pragma unroll
-              for (int e = 0; e < KC; ++e) {
-                const float x = (kda ? expf(acc[e]) : wj) * kr.Get(e);
-                su += x * k[e];
-                sp += x * q[e];
-                kw.Set(e, x);
-                acc[e] += kda ? gate(j, e) : gj;
-              }
-              if (keep_kw) StoreSmemSlice(kws + j * K + c0, kw);
-            } else if (j >= 0 && !kda) {
-              const float gj = gate(j, 0);
-#pragma unroll
-              for (int e = 0; e < KC; ++e) acc[e] += gj;
-            }
-            v[jj] = su;
-            v[G + jj] = sp;
-          }
-          TransposeReduce<2 * G, 16>::Run(v, lane);
-          constexpr int kSpread = 32 / (2 * G);
-          const int i = lane / kSpread;
-          const int j = jtop - (i % G);
-          if (lane % kSpread == 0 && j >= 0) (i < G ? us : ps)[t * L + j] = v[0];
-        }
-        if (jtop < G) {  // the unit that reached record 0: acc is the whole decay
-          if (has_c) {
-#pragma unroll
-            for (int e = 0; e < KC; ++e) {
-              const float A = expf(acc[e]);
-              kas[t * K + c0 + e] = A * k[e];
-              qas[t * K + c0 + e] = A * q[e];
-              if (t == 0) avs[c0 + e] = A;
-            }
-          }
-        }
+        unit(t, bi, q, kk);
       }
     }
   }
@@ -489,7 +530,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 4 : 3)
   };
 #pragma unroll
   for (int e = 0; e < KC; ++e) {
-    kn0[e] = fold && has_c ? tk[c0 + e] : 0.f;
+    kn0[e] = fold && has_c ? kns[c0 + e] : 0.f;
     av[e] = fold && has_c ? avs[c0 + e] : 0.f;
   }
   const bool one_pass = T_ <= TT;

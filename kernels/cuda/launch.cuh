@@ -218,7 +218,7 @@ inline int BulkWarpsOverride() {
 
 // One CTA per (row, v-head, chunk of nw * rpw rows). Shrinks the stages, then nw, until the
 // layout fits; *launched stays false when nothing fits (the caller falls back).
-template <typename T, int TT, int KC, int RB>
+template <typename T, int TT, int KC, int RB, bool KDA>
 cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launched) {
   *launched = false;
   BulkParams p{};
@@ -280,7 +280,7 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   p.nchunk = (ly.V + nw * rpw - 1) / (nw * rpw);
   p.o_s0 = sm.s0, p.o_d = sm.d, p.o_kr = sm.kr, p.o_kw = sm.kw, p.o_g = sm.g;
   p.o_tq = sm.tq, p.o_tk = sm.tk, p.o_tg = sm.tg, p.o_ka = sm.ka, p.o_qa = sm.qa;
-  p.o_av = sm.av, p.o_vs = sm.vs, p.o_u = sm.u, p.o_p = sm.p, p.o_sc = sm.sc, p.o_dd = sm.dd;
+  p.o_av = sm.av, p.o_kn = sm.kn, p.o_vs = sm.vs, p.o_u = sm.u, p.o_p = sm.p, p.o_sc = sm.sc, p.o_dd = sm.dd;
   const int64_t ck = ly.ckpt_stride != 0 ? ly.ckpt_stride : int64_t{ly.HV} * ly.V * ly.K;
   const int64_t ds = ly.d_stride != 0 ? ly.d_stride : int64_t{ly.HV} * ly.L * ly.V;
   const int64_t ks = ly.k_stride != 0 ? ly.k_stride : int64_t{ly.H} * ly.L * ly.K;
@@ -296,7 +296,7 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   const int64_t items = int64_t{p.batch} * ly.HV * p.nchunk;
   if (items <= 0 || items > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   const size_t bytes = size_t(sm.total);
-  auto kernel = BulkStepKernel<T, TT, KC, RB>;
+  auto kernel = BulkStepKernel<T, TT, KC, RB, KDA>;
   if ((e = AllowSmem(kernel, bytes)) != cudaSuccess) return e;
   if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                 int(cudaSharedmemCarveoutMaxShared))) != cudaSuccess) {
@@ -317,15 +317,22 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   return e;
 }
 
-template <typename T>
-cudaError_t LaunchBulkFor(const StepParams& p, cudaStream_t stream, bool* launched) {
+template <typename T, bool KDA>
+cudaError_t LaunchBulkGate(const StepParams& p, cudaStream_t stream, bool* launched) {
   const bool verify = p.mode == kModeVerify;
   if (p.ly.K <= 128) {
-    return verify ? LaunchBulkT<T, kVerifyTokensPerPass, 4, 4>(p, stream, launched)
-                  : LaunchBulkT<T, 1, 4, 8>(p, stream, launched);
+    return verify ? LaunchBulkT<T, kVerifyTokensPerPass, 4, 4, KDA>(p, stream, launched)
+                  : LaunchBulkT<T, 1, 4, 8, KDA>(p, stream, launched);
   }
-  return verify ? LaunchBulkT<T, kVerifyTokensPerPass, 8, 2>(p, stream, launched)
-                : LaunchBulkT<T, 1, 8, 8>(p, stream, launched);
+  return verify ? LaunchBulkT<T, kVerifyTokensPerPass, 8, 2, KDA>(p, stream, launched)
+                : LaunchBulkT<T, 1, 8, 8, KDA>(p, stream, launched);
+}
+
+// The gate kind is a template parameter of v7 (the record-dot units' weights differ).
+template <typename T>
+cudaError_t LaunchBulkFor(const StepParams& p, cudaStream_t stream, bool* launched) {
+  return p.ly.kda != 0 ? LaunchBulkGate<T, true>(p, stream, launched)
+                       : LaunchBulkGate<T, false>(p, stream, launched);
 }
 
 template <typename T>
