@@ -1,34 +1,36 @@
 // v7: the bulk-staged warp step (replay decode, baseline decode, speculative verify).
 //
-// Why (NOTES.md, v6): the v6 warp kernel spends few instructions per byte, but each warp holds
-// one batch of S0 rows in registers, so ~32 KB per SM are in flight and replay reads stall
-// near 2 TB/s. Here the bytes never pass through registers on their way in: the first thing
-// a CTA does is hand the bulk copy engine (cp.async.bulk, completing on an mbarrier per batch)
-// its whole S0 tile, the ring d of the tile rows, the ring k records and (KDA) the ring g
-// records, so every byte the CTA needs is in flight while it computes the token's chain.
+// Why (NOTES.md, v6): the v6 warp kernel spent few instructions per byte, but each warp held
+// one batch of S0 rows in registers, so ~32 KB per SM were in flight and replay reads stalled
+// near 2 TB/s. Here the bytes never pass through registers on their way in: the bulk copy
+// engine (cp.async.bulk, completing on mbarriers) fetches S0 into shared-memory stages and the
+// records into shared memory, so the bytes are in flight while the CTA computes the token.
 //
-// One CTA per (row r, v-head h, chunk of nw * rpw state rows); warp w owns rpw of the rows.
-// The prologue is two global round trips, whatever the ring holds (v7a had four: metadata,
-// then tokens, then records, each waiting for the one before):
+// One CTA of nw warps per (row r, v-head h, chunk of nw * rpw state rows: the whole head unless
+// the batch is small); warp w owns rpw rows, streamed through ns stages of RB rows.
+// The prologue is two global round trips whatever the ring holds:
 //   1. all threads: the row's slot and cursor AND the tokens' q, k, gates, beta, v (into
 //      shared memory) — nothing here needs the slot;
-//   2. each warp's lane 0 initializes its mbarriers and issues its S0 batches (RB rows each,
-//      contiguous, L2 evict-first); warp 0 issues the records' k and g (contiguous [w, K] /
-//      [w, Kg]) and, lane j, record j's d for the CTA's rows, all on one mbarrier;
-//   3. a warp per draft (while those bytes fly): norms, k·q, the draft's k for later drafts,
-//      ring appends;
-//   4. the record dots, 8 records per unit, units spread over the warps: the weights in the
-//      CPU order (a unit first sums the gates of the records above it), W_j∘k_j kept for the
-//      fold, A∘k and A∘q by the unit that reaches record 0;
-//   5. each warp, per batch of RB rows (once its mbarrier says the bytes landed): the
+//   2. each warp's lane 0 issues its first ns S0 batches (contiguous rows, L2 evict-first);
+//      warp 0 issues the records' k and g (contiguous [w, K] / [w, Kg]) and, lane j, record
+//      j's d for the CTA's rows, all on one mbarrier;
+//   3. (while those bytes fly) norms and k·q: decode — every warp for itself, warp 0 appends
+//      to the ring; verify — a warp per draft, which also keeps the draft's k for the later
+//      drafts, then a CTA barrier;
+//   4. the record dots in units of 4 records spread over the warps: the weights in the CPU
+//      order (a unit first sums the gates of the records above it), W_j∘k_j kept for the fold,
+//      A∘k and A∘q by the unit that reaches record 0;
+//   5. each warp, per batch of RB rows (once its stage's mbarrier says the bytes landed): the
 //      contraction S0·(A∘k), S0·(A∘q) plus the ring terms d_j[row]·u_j (lane j holds record
-//      j) in the same per-lane partials, one transposed butterfly, the per-row finish, and a
-//      folding row's new checkpoint written from the tile in shared memory.
-// Three CTA barriers, all in the prologue; the rows run without any.
+//      j) in the same per-lane partials, one transposed butterfly, the per-row finish, a
+//      folding row's new checkpoint written from the stage; then the stage is refilled with
+//      batch b + ns.
+// CTA barriers only in the prologue (two for decode, three for verify); the rows run without.
 // Baseline = replay at w = 0 that always folds (the same instantiation: bit-identical at L = 1).
 // Verify: TT drafts per pass over a batch; passes re-read the batch from shared memory.
-// Requirements (the launcher checks; else the plain loads below run instead of bulk copies):
-// 16-byte aligned sources (pointers, slot strides). K, V multiples of 16, rpw a multiple of 16.
+// Requirements: K, V multiples of 16, rpw a multiple of 16. Sources the bulk engine cannot
+// take (a pointer or slot stride not 16-byte aligned; GDN g rows when L % 4 != 0) are copied
+// with plain loads instead (the launcher decides, BulkParams::bulk_*).
 #ifndef REPLAYSSM_KERNELS_CUDA_BULK_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_BULK_KERNEL_CUH_
 
@@ -40,7 +42,7 @@ namespace replayssm::kernels::cuda {
 
 constexpr int kBulkMaxWarps = 4;
 constexpr int kBulkMaxStages = 8;  // S0 stages per warp (an mbarrier each)
-constexpr int kBulkBars = kBulkMaxWarps * kBulkMaxStages + 1;
+constexpr int kBulkBars = kBulkMaxWarps * kBulkMaxStages + 1;  // + the records' mbarrier
 
 struct BulkParams {
   LayerDesc ly;
@@ -50,7 +52,7 @@ struct BulkParams {
   int32_t ns;      // S0 stages per warp (RB rows each, <= kBulkMaxStages), refilled as consumed
   int32_t nchunk;  // ceil(V / (nw * rpw))
   int32_t lr;      // ring records the layout holds (L; 0 for the baseline)
-  int32_t dstride; // elements per ring d row of a warp in shared memory (rpw + 16 bytes)
+  int32_t dstride; // elements per ring d row in shared memory (the CTA's rows + 16 bytes)
   // Shared-memory offsets in bytes (multiples of 16); the mbarriers sit at 0.
   int32_t o_s0, o_d, o_kr, o_kw, o_g, o_tq, o_tk, o_tg, o_ka, o_qa, o_av, o_kn, o_vs, o_u, o_p,
       o_sc, o_dd;
