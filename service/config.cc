@@ -87,6 +87,8 @@ const std::vector<Flag>& Flags() {
        Seconds(&ServerOptions::drain_timeout)},
       {"transfer-chunk-bytes", "UCX put granularity of slot transfers [4M]",
        Bytes(&ServerOptions::transfer_chunk_bytes)},
+      {"transfer-lanes", "sender threads putting a slot's chunks at once, 1..16 [4]",
+       Int(&ServerOptions::transfer_lanes)},
       {"transfer-timeout", "seconds an outgoing slot transfer may take [30]",
        Seconds(&ServerOptions::transfer_timeout)},
       {"transfer-lease", "seconds an incoming transfer's reservation lives uncommitted [30]",

@@ -118,15 +118,27 @@ TransferService::TransferService(const ServiceContext* ctx, TransferOptions opti
 
 absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const ServiceContext* ctx,
                                                                          TransferOptions options) {
+  if (options.lanes < 1 || options.lanes > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transfer-lanes: expected 1..16, got ", options.lanes));
+  }
   std::unique_ptr<TransferService> s(new TransferService(ctx, std::move(options)));
   absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> ucx = transfer::UcxTransport::Create();
   if (!ucx.ok()) return ucx.status();
   s->ucx_ = std::move(*ucx);
+  std::vector<transfer::UcxTransport*> lanes = {s->ucx_.get()};
+  for (int32_t k = 1; k < s->options_.lanes; ++k) {
+    absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> lane =
+        transfer::UcxTransport::Create(/*progress_thread=*/false);
+    if (!lane.ok()) return lane.status();
+    lanes.push_back(lane->get());
+    s->lanes_.push_back(std::move(*lane));
+  }
   s->receiver_ = std::make_unique<transfer::Receiver>(
       ctx->cache, s->ucx_.get(),
       transfer::ReceiverOptions{s->options_.lease, s->options_.max_open, s->options_.chunk_bytes});
   if (s->options_.fault == "corrupt") s->receiver_->CorruptNextPayloadForTest();
-  s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, s->ucx_.get());
+  s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, std::move(lanes));
   prometheus::Registry& r = *ctx->metrics->registry();
   s->failures_ = &prometheus::BuildCounter()
                       .Name("replayssm_transfer_failures_total")

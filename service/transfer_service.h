@@ -27,6 +27,9 @@ struct TransferOptions {
   absl::Duration timeout = absl::Seconds(30);   // a whole transfer, sender side
   absl::Duration lease = absl::Seconds(30);     // an uncommitted reservation, receiver side
   int32_t max_open = 16;                        // concurrent reservations
+  // Sender threads (each with its own UCX context, worker and endpoint) that put a slot's
+  // chunks at once, 1..16 (docs/transfer.md, "The put path").
+  int32_t lanes = 4;
   // Test-only fault injection: "" (none), "corrupt" (receiver flips a payload byte),
   // "exit-before-commit" (receiver exits when asked to commit), "exit-after-put" (sender
   // exits after the put, before the commit).
@@ -67,6 +70,7 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   const ServiceContext* ctx_;
   const TransferOptions options_;
   std::unique_ptr<transfer::UcxTransport> ucx_;
+  std::vector<std::unique_ptr<transfer::UcxTransport>> lanes_;  // the sender's lanes 1..N-1
   std::unique_ptr<transfer::Receiver> receiver_;
   std::unique_ptr<transfer::Sender> sender_;
   prometheus::Family<prometheus::Counter>* failures_ = nullptr;

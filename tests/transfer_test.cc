@@ -2,7 +2,8 @@
 // A, transfer to B, decode on B exactly as on A; a shape mismatch refused before any byte
 // moves; the receiver dying before the commit, the sender dying after the put, a corrupted
 // payload — each leaves A's slot as it was and B with nothing leaked. The pull form (B asks A
-// to send) with the same outcomes.
+// to send) with the same outcomes. A sends over its default 4 put lanes (--transfer-lanes);
+// TransferLanesTest runs A with 1 and 3 lanes and small, uneven chunks.
 #include <chrono>
 #include <sstream>
 #include <thread>
@@ -32,6 +33,19 @@ class TransferTest : public ServiceTest {
     EXPECT_GT(info->write_pos(), 0) << "the transfer must materialize a non-empty ring";
     return s;
   }
+  // B's slot holds A's logical state, and the same decode step on both is bit-identical.
+  void ExpectSameStateAndDecode(Client& cb, uint64_t s, uint64_t on_b) {
+    auto ea = client_->Export(s), eb = cb.Export(on_b);
+    ASSERT_TRUE(ea.ok() && eb.ok());
+    EXPECT_EQ(ea->SerializeAsString(), eb->SerializeAsString()) << "B holds A's logical state";
+    const std::vector<v1::LayerInput> layers = Layers(1);
+    auto da = client_->Decode(DecodeRequest({s}, layers));
+    auto db = cb.Decode(DecodeRequest({on_b}, layers));
+    ASSERT_TRUE(da.ok() && db.ok());
+    for (int l = 0; l < num_layers(); ++l) {
+      EXPECT_EQ(da->layers(l).out().data(), db->layers(l).out().data()) << "layer " << l;
+    }
+  }
   double Metric(const ServerProcess& p, const std::string& series) {
     auto text = HttpGet(p.metrics_address(), "/metrics");
     EXPECT_TRUE(text.ok()) << text.status();
@@ -52,17 +66,7 @@ TEST_F(TransferTest, DecodeOnTheReceiverContinuesExactlyAsOnTheSender) {
   ASSERT_TRUE(on_b.ok()) << on_b.status();
   EXPECT_EQ(on_b->seq_len(), 7);
   EXPECT_EQ(on_b->write_pos(), 0);
-  auto ea = client_->Export(s), eb = cb->Export(r->remote_slot());
-  ASSERT_TRUE(ea.ok() && eb.ok());
-  EXPECT_EQ(ea->SerializeAsString(), eb->SerializeAsString()) << "B holds A's logical state";
-  // The same decode step on both: bit-identical outputs.
-  const std::vector<v1::LayerInput> layers = Layers(1);
-  auto da = client_->Decode(DecodeRequest({s}, layers));
-  auto db = cb->Decode(DecodeRequest({r->remote_slot()}, layers));
-  ASSERT_TRUE(da.ok() && db.ok());
-  for (int l = 0; l < num_layers(); ++l) {
-    EXPECT_EQ(da->layers(l).out().data(), db->layers(l).out().data()) << "layer " << l;
-  }
+  ExpectSameStateAndDecode(*cb, s, r->remote_slot());
   EXPECT_EQ(Metric(*server_, "replayssm_transfer_bytes_total"),
             static_cast<double>(r->bytes()));
   // Without keep_source the sender's slot is released.
@@ -177,6 +181,42 @@ TEST_F(TransferTest, DisaggregatedDemoPrefillsHereAndDecodesThere) {
   EXPECT_EQ(client_->Stats()->slots_live(), 0) << "every request moved to the decode server";
   EXPECT_GT(Client::Connect(b->grpc_address())->Stats()->forwards_committed(), 0);
 }
+
+// A with --transfer-lanes N and chunks small enough that the slot is many of them (their
+// count not a multiple of 3); B imports in chunks of its own size.
+class TransferLanesTest : public TransferTest, public ::testing::WithParamInterface<int> {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--transfer-lanes=" + std::to_string(GetParam()),
+            "--transfer-chunk-bytes=1000"};
+  }
+};
+
+TEST_P(TransferLanesTest, TheStateArrivesBitForBitAndACorruptionIsStillCaught) {
+  auto b = StartPeer({"--transfer-chunk-bytes=700"});
+  ASSERT_NE(b, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  const uint64_t s = PreparedSlot();
+  auto r = client_->TransferSlot(s, b->grpc_address(), /*keep_source=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectSameStateAndDecode(*cb, s, r->remote_slot());
+  // A receiver that damages the payload: DATA_LOSS, nothing leaks, the source is unchanged.
+  auto bad = StartPeer({"--transfer-fault=corrupt", "--transfer-chunk-bytes=700"});
+  ASSERT_NE(bad, nullptr);
+  const std::string before = Observe(s);
+  auto lost = client_->TransferSlot(s, bad->grpc_address(), false);
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kDataLoss) << lost.status();
+  EXPECT_EQ(Observe(s), before);
+  EXPECT_EQ(Client::Connect(bad->grpc_address())->Stats()->slots_live(), 0);
+  auto retry = client_->TransferSlot(s, bad->grpc_address(), false);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved";
+}
+
+INSTANTIATE_TEST_SUITE_P(Lanes, TransferLanesTest, ::testing::Values(1, 3),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return std::to_string(i.param) + "lanes";
+                         });
 
 }  // namespace
 }  // namespace replayssm::testing

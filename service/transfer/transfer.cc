@@ -11,8 +11,8 @@ namespace replayssm::transfer {
 namespace {
 
 // Landed chunks between the start of their copy and the end of their hash on a receiver (and
-// pinned staging buffers per host-staged receive buffer): enough for import_threads copies
-// and the hash to run at once.
+// pinned staging buffers per host-staged receive buffer), at least: enough for import_threads
+// copies and the hash to run at once (Receiver::depth_: import_threads + 2, at least this).
 constexpr int32_t kImportDepth = 6;
 
 uint64_t Mix(uint64_t h, uint64_t v) {
@@ -133,6 +133,7 @@ Receiver::Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions 
       format_(StateFormat::Of(cache->model())),
       path_(options.force_path.value_or(
           SelectDataPath(cache->options().backend, ucx->cuda_memory()))),
+      depth_(std::max(kImportDepth, options.import_threads + 2)),
       copiers_(options.import_threads) {}
 
 cache::SlotId Receiver::ReservedSlotForTest(const std::string& transfer_id) const {
@@ -302,17 +303,17 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
   const bool staged = path_ == DataPath::kHostStaged;
   const size_t chunk = std::min(options_.chunk_bytes, m.bytes_per_layer);
   if (staged) {
-    absl::Status st = buf.ring.Ensure(m.backend, kImportDepth, chunk);
+    absl::Status st = buf.ring.Ensure(m.backend, depth_, chunk);
     if (!st.ok()) return st;
   }
   // Piece i is copied by a pool thread into its destination (the slot, or pinned buffer
-  // i % kImportDepth followed by a host -> device copy on that buffer's stream), then hashed
-  // here, in order, from that destination: what is hashed is what the slot gets, whatever
-  // happens to the receive buffer meanwhile. At most kImportDepth pieces are between the two.
+  // i % depth_ followed by a host -> device copy on that buffer's stream), then hashed here,
+  // in order, from that destination: what is hashed is what the slot gets, whatever happens
+  // to the receive buffer meanwhile. At most depth_ pieces are between the two.
   std::vector<Piece> pieces;
   auto target = [&](const Piece& p) { return static_cast<uint8_t*>(m.layers[p.layer]) + p.layer_offset; };
   auto hashed_from = [&](size_t i) -> const uint8_t* {
-    return staged ? buf.ring.buffer(static_cast<int32_t>(i % kImportDepth)) : target(pieces[i]);
+    return staged ? buf.ring.buffer(static_cast<int32_t>(i % static_cast<size_t>(depth_))) : target(pieces[i]);
   };
   auto copy = [&](size_t i) -> std::function<absl::Status()> {
     const Piece p = pieces[i];
@@ -323,7 +324,7 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
         return absl::OkStatus();
       };
     }
-    return [&ring = buf.ring, k = static_cast<int32_t>(i % kImportDepth), src, dst = target(p),
+    return [&ring = buf.ring, k = static_cast<int32_t>(i % static_cast<size_t>(depth_)), src, dst = target(p),
             n = p.size] {
       absl::Status st = ring.Sync(k);  // the last host -> device copy from buffer k is done
       if (!st.ok()) return st;
@@ -357,7 +358,7 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
       landed = now;
     }
     bool progress = false;
-    for (; submitted < pieces.size() && submitted < hashed + kImportDepth; ++submitted) {
+    for (; submitted < pieces.size() && submitted < hashed + static_cast<size_t>(depth_); ++submitted) {
       copies.Submit(copy(submitted));
       progress = true;
     }
@@ -493,13 +494,21 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
     return absl::FailedPreconditionError(
         absl::StrCat("reservation.bytes: expected ", format.Bytes(), ", got ", r->bytes));
   }
+  const size_t chunk = std::min(options.chunk_bytes == 0 ? size_t{4 << 20} : options.chunk_bytes,
+                                m.bytes_per_layer);
+  const std::vector<Piece> pieces = SplitPayload(format.num_layers, m.bytes_per_layer, chunk);
+  if (lanes_.size() > 1) {
+    HashWorker hasher;
+    absl::Status st = PutLanes(*r, m, pieces, path, chunk, options, hasher);
+    if (!st.ok()) return st;
+    *checksum = hasher.Finish();
+    out.put_seconds = lap();
+    return absl::OkStatus();
+  }
   absl::StatusOr<std::unique_ptr<UcxTransport::PutStream>> stream =
       ucx_->OpenPutStream(r->worker_address, r->rkey, options.timeout);
   if (!stream.ok()) return stream.status();
   UcxTransport::PutStream& put = **stream;
-  const size_t chunk = std::min(options.chunk_bytes == 0 ? size_t{4 << 20} : options.chunk_bytes,
-                                m.bytes_per_layer);
-  const std::vector<Piece> pieces = SplitPayload(format.num_layers, m.bytes_per_layer, chunk);
   auto source = [&](const Piece& p) {
     return static_cast<const uint8_t*>(m.layers[p.layer]) + p.layer_offset;
   };
@@ -549,6 +558,188 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
   if (!st.ok()) return st;
   *checksum = hasher.Finish();
   out.put_seconds = lap();
+  return absl::OkStatus();
+}
+
+// One multi-lane send: which pieces are queued for their lane (their source) and which have
+// landed (put and flushed), the doorbell's last value, the first failure.
+struct Sender::Lanes {
+  absl::Mutex mu;
+  std::vector<const uint8_t*> src ABSL_GUARDED_BY(mu);  // per piece; nullptr: not queued yet
+  std::vector<char> landed ABSL_GUARDED_BY(mu);         // per piece
+  size_t prefix ABSL_GUARDED_BY(mu) = 0;                // pieces [0, prefix) all landed
+  int32_t running ABSL_GUARDED_BY(mu) = 0;              // lane threads not ended
+  absl::Status error ABSL_GUARDED_BY(mu);               // the first failure
+  bool stop ABSL_GUARDED_BY(mu) = false;                // a failure: every lane ends
+  absl::Mutex bell_mu;                                  // one ring at a time, flushed
+  uint64_t rung ABSL_GUARDED_BY(bell_mu) = 0;           // the doorbell's last value
+
+  void Fail(absl::Status st) {
+    absl::MutexLock lock(&mu);
+    if (error.ok()) error = std::move(st);
+    stop = true;
+  }
+  // Waits until piece i landed or the send failed.
+  absl::Status WaitLanded(size_t i) {
+    absl::MutexLock lock(&mu);
+    struct Arg {
+      Lanes* l;
+      size_t i;
+    } arg{this, i};
+    mu.Await(absl::Condition(
+        +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->l->stop || a->l->landed[a->i] != 0; },
+        &arg));
+    return stop ? error : absl::OkStatus();
+  }
+};
+
+absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::CheckpointMemory& m,
+                              const std::vector<Piece>& pieces, DataPath path, size_t chunk,
+                              const SendOptions& options, HashWorker& hasher) {
+  const size_t n = lanes_.size();
+  std::vector<std::unique_ptr<UcxTransport::PutStream>> streams;
+  for (UcxTransport* lane : lanes_) {
+    absl::StatusOr<std::unique_ptr<UcxTransport::PutStream>> s =
+        lane->OpenPutStream(r.worker_address, r.rkey, options.timeout);
+    if (!s.ok()) return s.status();
+    streams.push_back(std::move(*s));
+  }
+  Lanes st;
+  {
+    absl::MutexLock lock(&st.mu);
+    st.src.assign(pieces.size(), nullptr);
+    st.landed.assign(pieces.size(), 0);
+    st.running = static_cast<int32_t>(n);
+  }
+  const bool bell = r.doorbell_addr != 0;
+  // Lane k puts pieces k, k + n, ... in order, each once the feeding thread queued it.
+  auto lane = [&](size_t k) -> absl::Status {
+    UcxTransport::PutStream& put = *streams[k];
+    for (size_t i = k; i < pieces.size(); i += n) {
+      const uint8_t* src;
+      {
+        absl::MutexLock lock(&st.mu);
+        struct Arg {
+          Lanes* l;
+          size_t i;
+        } arg{&st, i};
+        st.mu.Await(absl::Condition(
+            +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->l->stop || a->l->src[a->i] != nullptr; },
+            &arg));
+        if (st.stop) return absl::OkStatus();  // another lane's failure is the one reported
+        src = st.src[i];
+      }
+      const Piece& p = pieces[i];
+      if (options.fail_piece_for_test == i) {
+        return absl::InternalError(absl::StrCat("transfer: lane ", k, ": piece ", i, " failed (test)"));
+      }
+      absl::StatusOr<uint64_t> ticket = put.Write(src, p.size, r.remote_addr + p.offset);
+      if (!ticket.ok()) return ticket.status();
+      // Landed = in the peer's memory (then a doorbell put from any lane comes after it), or,
+      // with no doorbell, at least done with its source (the commit follows every Finish).
+      absl::Status s = bell ? put.Flush() : put.WaitFor(*ticket);
+      if (!s.ok()) return s;
+      uint64_t value = 0;
+      {
+        absl::MutexLock lock(&st.mu);
+        st.landed[i] = 1;
+        const size_t before = st.prefix;
+        while (st.prefix < pieces.size() && st.landed[st.prefix] != 0) ++st.prefix;
+        if (st.prefix > before) {
+          const Piece& last = pieces[st.prefix - 1];
+          value = last.offset + last.size;
+        }
+      }
+      if (bell && value != 0) {
+        absl::MutexLock lock(&st.bell_mu);
+        if (value > st.rung) {  // a later ring may have covered it already
+          uint64_t v = value;  // the put's source: valid until the flush below
+          absl::StatusOr<uint64_t> t = put.Write(&v, sizeof(v), r.doorbell_addr);
+          s = t.ok() ? put.Flush() : t.status();
+          if (!s.ok()) return s;
+          st.rung = value;
+        }
+      }
+      if (options.on_piece_landed_for_test) options.on_piece_landed_for_test(i);
+    }
+    return put.Finish();
+  };
+  std::vector<std::thread> threads;
+  // On every way out: the lanes stop and are joined before anything they read (the slot, the
+  // staging ring) or use (their streams) can go.
+  struct Join {
+    Lanes& st;
+    std::vector<std::thread>& threads;
+    ~Join() {
+      {
+        absl::MutexLock lock(&st.mu);
+        st.stop = true;
+      }
+      for (std::thread& t : threads) t.join();
+    }
+  } join{st, threads};
+  for (size_t k = 0; k < n; ++k) {
+    threads.emplace_back([&st, &lane, k] {
+      absl::Status s = lane(k);
+      if (!s.ok()) st.Fail(std::move(s));
+      absl::MutexLock lock(&st.mu);
+      --st.running;
+    });
+  }
+  auto queue = [&st](size_t i, const uint8_t* src) {
+    absl::MutexLock lock(&st.mu);
+    st.src[i] = src;
+  };
+  auto source = [&](const Piece& p) {
+    return static_cast<const uint8_t*>(m.layers[p.layer]) + p.layer_offset;
+  };
+  const bool hashed = path != DataPath::kDeviceDirect;
+  if (path != DataPath::kHostStaged) {
+    if (hashed) {
+      for (const Piece& p : pieces) hasher.Submit(source(p), p.size);
+    }
+    absl::MutexLock lock(&st.mu);
+    for (size_t i = 0; i < pieces.size(); ++i) st.src[i] = source(pieces[i]);
+  } else {
+    // A ring of 2n staging buffers: n chunks being put (one per lane) while the next n are
+    // copied device -> host. A buffer is staged again once its chunk landed and was hashed.
+    const int32_t ring = static_cast<int32_t>(std::max<size_t>(4, 2 * n));
+    const size_t ahead = static_cast<size_t>(ring) - n;
+    absl::Status s = ring_.Ensure(m.backend, ring, chunk);
+    if (!s.ok()) return s;
+    std::vector<uint64_t> hash_ticket(static_cast<size_t>(ring), 0);
+    auto stage = [&](size_t i) {
+      const int32_t k = static_cast<int32_t>(i % ring);
+      if (i >= static_cast<size_t>(ring)) {
+        absl::Status w = st.WaitLanded(i - ring);
+        if (!w.ok()) return w;
+      }
+      hasher.WaitFor(hash_ticket[k]);
+      return ring_.Copy(k, ring_.buffer(k), source(pieces[i]), pieces[i].size,
+                        RSSM_COPY_DEVICE_TO_HOST);
+    };
+    size_t staged = 0;
+    for (size_t i = 0; s.ok() && i < pieces.size(); ++i) {
+      for (; s.ok() && staged < pieces.size() && staged <= i + ahead; ++staged) s = stage(staged);
+      const int32_t k = static_cast<int32_t>(i % ring);
+      if (s.ok()) s = ring_.Sync(k);
+      if (!s.ok()) break;
+      hash_ticket[k] = hasher.Submit(ring_.buffer(k), pieces[i].size);
+      queue(i, ring_.buffer(k));
+    }
+    if (!s.ok()) {
+      st.Fail(s);
+      return s;
+    }
+  }
+  absl::MutexLock lock(&st.mu);
+  st.mu.Await(absl::Condition(
+      +[](Lanes* l) ABSL_NO_THREAD_SAFETY_ANALYSIS { return l->running == 0; }, &st));
+  if (!st.error.ok()) return st.error;
+  if (st.prefix != pieces.size()) {
+    return absl::InternalError(absl::StrCat("transfer: ", st.prefix, " of ", pieces.size(),
+                                            " chunks landed"));
+  }
   return absl::OkStatus();
 }
 

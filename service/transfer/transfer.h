@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -133,6 +134,7 @@ class Receiver {
   std::map<std::string, cache::SlotId> committed_ ABSL_GUARDED_BY(mu_);  // recent, for retries
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> corrupt_next_{false};
+  const int32_t depth_;  // landed chunks between copy and hash at most (import_threads + 2, >= 6)
   TaskPool copiers_;  // options_.import_threads; idle between imports
 };
 
@@ -154,6 +156,11 @@ struct SendOptions {
   size_t chunk_bytes = 4 << 20;   // UCX put granularity (and staging buffer size)
   absl::Duration timeout = absl::Seconds(30);
   std::optional<DataPath> force_path;  // tests only
+  // Tests only (multi-lane sends): the lane given this piece fails it instead of putting it,
+  // while the other lanes' puts are in flight.
+  std::optional<size_t> fail_piece_for_test;
+  // Tests only (multi-lane sends): called on a lane thread after piece i landed.
+  std::function<void(size_t)> on_piece_landed_for_test;
 };
 
 struct SendResult {
@@ -174,13 +181,32 @@ struct SendResult {
 // to its lease) and the local slot is as it was (export only folds, which keeps its logical
 // state). Sends through one Sender run one at a time (it reuses its staging ring); use
 // several Senders for parallel transfers.
+//
+// Lanes: with one transport the calling thread puts every chunk (fence, doorbell, next). With
+// N > 1 transports (`lanes`; each its own UCX context, worker and endpoint, since a put on
+// shared memory is a memcpy by the putting thread), chunk i goes to lane i % N, each lane a
+// thread of its own; a lane flushes each chunk (it is then in the peer's memory) before it
+// counts as landed, and the doorbell advances only over a prefix of landed chunks, rung by
+// one lane at a time and flushed before the next ring: a doorbell value never overtakes the
+// bytes it announces, and the values arrive in increasing order. The calling thread feeds
+// the lanes (and the staging ring) and hashes in payload order as before.
 class Sender {
  public:
-  Sender(cache::StateCache* cache, UcxTransport* ucx) : cache_(cache), ucx_(ucx) {}
+  Sender(cache::StateCache* cache, UcxTransport* ucx) : Sender(cache, std::vector{ucx}) {}
+  // lanes[0] may be the transport the Receiver uses; the others: UcxTransport::Create(false).
+  Sender(cache::StateCache* cache, std::vector<UcxTransport*> lanes)
+      : cache_(cache), ucx_(lanes.at(0)), lanes_(std::move(lanes)) {}
   absl::StatusOr<SendResult> Send(Peer& peer, cache::SlotId slot, const std::string& transfer_id,
                                   const SendOptions& options);
+  int32_t lanes() const { return static_cast<int32_t>(lanes_.size()); }
 
  private:
+  struct Lanes;  // one multi-lane send's shared state
+  // PutAll's put loop over several lanes (lanes_.size() > 1).
+  absl::Status PutLanes(const Reservation& r, const cache::StateCache::CheckpointMemory& m,
+                        const std::vector<Piece>& pieces, DataPath path, size_t chunk,
+                        const SendOptions& options, HashWorker& hasher)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Inside the cache's guard: reserves on the peer (*reserved = true once it did) and puts
   // every chunk; fills out's reserve/put times and *checksum.
   absl::Status PutAll(Peer& peer, const cache::StateCache::CheckpointMemory& m,
@@ -190,7 +216,8 @@ class Sender {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   cache::StateCache* const cache_;
-  UcxTransport* const ucx_;
+  UcxTransport* const ucx_;  // lanes_[0]
+  const std::vector<UcxTransport*> lanes_;
   absl::Mutex mu_;
   StagingRing ring_ ABSL_GUARDED_BY(mu_);
 };

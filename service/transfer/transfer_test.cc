@@ -76,6 +76,17 @@ class TransferTest : public ::testing::Test {
     EXPECT_TRUE((*f)->Commit().ok());
     return b.out;
   }
+  // A's transport and n - 1 put lanes of its own (what the service makes for --transfer-lanes).
+  std::vector<UcxTransport*> Lanes(int n) {
+    std::vector<UcxTransport*> out = {ucx_a_.get()};
+    while (static_cast<int>(lanes_.size()) < n - 1) {
+      absl::StatusOr<std::unique_ptr<UcxTransport>> t = UcxTransport::Create(/*progress_thread=*/false);
+      EXPECT_TRUE(t.ok()) << t.status();
+      lanes_.push_back(std::move(*t));
+    }
+    for (int k = 0; k < n - 1; ++k) out.push_back(lanes_[k].get());
+    return out;
+  }
   // What a sender does after its puts: tells the receiver how many bytes have landed.
   void RingDoorbell(const Reservation& r, uint64_t landed) {
     ASSERT_NE(r.doorbell_addr, 0u);
@@ -84,6 +95,7 @@ class TransferTest : public ::testing::Test {
   }
   std::unique_ptr<StateCache> a_, b_;
   std::unique_ptr<UcxTransport> ucx_a_, ucx_b_;
+  std::vector<std::unique_ptr<UcxTransport>> lanes_;
   std::unique_ptr<cache::testing::Oracle> oracle_;
 };
 
@@ -336,6 +348,101 @@ TEST_F(TransferTest, ParallelImportCopiesMoveTheSameBytesOnBothHostPaths) {
       EXPECT_EQ(b_->stats().slots_live, 0) << id;
     }
   }
+}
+
+TEST_F(TransferTest, MultiLaneSendsMoveTheSameBytesOnBothHostPaths) {
+  // Chunks spread over 1, 2, 3 and 5 lanes: counts that do not divide evenly, and more lanes
+  // than chunks; both host paths; the receiver with small chunks of its own. Then a corrupted
+  // payload, which must still be caught with the lanes' chunks landing out of order.
+  const SlotId s = Prepare(2);
+  const size_t per_layer = static_cast<size_t>(StateFormat::Of(a_->model()).Bytes()) /
+                           static_cast<size_t>(a_->model().num_layers);
+  bool uneven = false;
+  for (DataPath path : {DataPath::kHostDirect, DataPath::kHostStaged}) {
+    Receiver rx(b_.get(), ucx_b_.get(),
+                {.chunk_bytes = 200, .import_threads = 3, .force_path = path});
+    DirectPeer peer(&rx);
+    for (int lanes : {1, 2, 3, 5}) {
+      Sender sender(a_.get(), Lanes(lanes));
+      ASSERT_EQ(sender.lanes(), lanes);
+      for (size_t chunk : {size_t{328}, size_t{1000}, size_t{1} << 30}) {
+        const size_t pieces = SplitPayload(a_->model().num_layers, per_layer, chunk).size();
+        uneven |= lanes > 1 && pieces % static_cast<size_t>(lanes) != 0;
+        const std::string id = absl::StrCat("lanes-", DataPathName(path), "-", lanes, "-", chunk);
+        absl::StatusOr<SendResult> r = sender.Send(
+            peer, s, id, {.keep_source = true, .chunk_bytes = chunk, .force_path = path});
+        ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+        absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
+        ASSERT_TRUE(ea.ok() && eb.ok());
+        EXPECT_EQ(ea->checkpoints, eb->checkpoints) << id << " (" << pieces << " chunks)";
+        ASSERT_TRUE(b_->Free(r->remote_slot).ok());
+      }
+      rx.CorruptNextPayloadForTest();
+      EXPECT_EQ(sender.Send(peer, s, absl::StrCat("lanes-bad-", DataPathName(path), "-", lanes),
+                            {.keep_source = true, .chunk_bytes = 328, .force_path = path})
+                    .status()
+                    .code(),
+                absl::StatusCode::kDataLoss)
+          << lanes << " lanes";
+      EXPECT_EQ(b_->stats().slots_live, 0);
+      EXPECT_EQ(rx.open(), 0);
+    }
+  }
+  EXPECT_TRUE(uneven) << "some case left the lanes with unequal chunk counts";
+}
+
+TEST_F(TransferTest, ALaneFailingMidTransferAbortsAndLeavesNothing) {
+  const SlotId s = Prepare(2);
+  const absl::StatusOr<cache::ExportedState> before = a_->Export(s);
+  ASSERT_TRUE(before.ok());
+  for (DataPath path : {DataPath::kHostDirect, DataPath::kHostStaged}) {
+    Receiver rx(b_.get(), ucx_b_.get(), {.chunk_bytes = 200, .force_path = path});
+    DirectPeer peer(&rx);
+    Sender sender(a_.get(), Lanes(3));
+    // Piece 7 of ~30: the other lanes' puts before and after it are in flight.
+    absl::StatusOr<SendResult> r =
+        sender.Send(peer, s, absl::StrCat("lane-fail-", DataPathName(path)),
+                    {.keep_source = true, .chunk_bytes = 328, .force_path = path,
+                     .fail_piece_for_test = 7});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+    EXPECT_NE(r.status().message().find("piece 7"), std::string::npos) << r.status();
+    EXPECT_EQ(rx.open(), 0) << "the sender aborted the reservation";
+    EXPECT_EQ(b_->stats().slots_live, 0) << "the reserved slot went back";
+    absl::StatusOr<cache::ExportedState> after = a_->Export(s);
+    ASSERT_TRUE(after.ok());
+    EXPECT_EQ(after->checkpoints, before->checkpoints) << "the source is untouched";
+    // The lanes' endpoints were dropped; the next send starts fresh and succeeds.
+    absl::StatusOr<SendResult> again =
+        sender.Send(peer, s, absl::StrCat("lane-retry-", DataPathName(path)),
+                    {.keep_source = true, .chunk_bytes = 328, .force_path = path});
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(b_->Export(again->remote_slot)->checkpoints, before->checkpoints);
+    ASSERT_TRUE(b_->Free(again->remote_slot).ok());
+  }
+}
+
+TEST_F(TransferTest, AnAbortWhileLanesAreInFlightLeavesNothingLive) {
+  // The receiver drops the reservation (an operator's abort, a lease) while the lanes still
+  // put: the late chunks land in a pooled buffer nobody imports, the commit finds nothing,
+  // neither side keeps anything half-written, and the next transfer is clean.
+  const SlotId s = Prepare(2);
+  Receiver rx(b_.get(), ucx_b_.get(), {.chunk_bytes = 200});
+  DirectPeer peer(&rx);
+  Sender sender(a_.get(), Lanes(4));
+  std::atomic<bool> aborted{false};
+  absl::StatusOr<SendResult> r = sender.Send(
+      peer, s, "mid-abort",
+      {.keep_source = true, .chunk_bytes = 328, .on_piece_landed_for_test = [&](size_t i) {
+         if (i >= 5 && !aborted.exchange(true)) EXPECT_TRUE(rx.Abort("mid-abort").ok());
+       }});
+  EXPECT_TRUE(aborted.load());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  EXPECT_EQ(rx.open(), 0);
+  EXPECT_EQ(b_->stats().slots_live, 0) << "the reserved slot went back, never live";
+  EXPECT_EQ(a_->Info(s)->seq_len, 5) << "the source is untouched";
+  absl::StatusOr<SendResult> again = sender.Send(peer, s, "after-abort", {.chunk_bytes = 328});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(b_->stats().slots_live, 1);
 }
 
 TEST(TaskPool, RunsTasksAtOnceAndABatchWaitsForAllOfThem) {

@@ -18,7 +18,7 @@ ucp_worker_h Worker(void* w) { return static_cast<ucp_worker_h>(w); }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create() {
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(bool progress_thread) {
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
@@ -50,7 +50,7 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create() {
   if (s != UCS_OK) return UcsError(s, "worker address");
   t->address_.assign(reinterpret_cast<const char*>(addr), len);
   ucp_worker_release_address(worker, addr);
-  t->progress_ = std::thread([p = t.get()] { p->ProgressLoop(); });
+  if (progress_thread) t->progress_ = std::thread([p = t.get()] { p->ProgressLoop(); });
   return t;
 }
 
@@ -157,6 +157,7 @@ absl::Status UcxTransport::Wait(void* request, const char* what, absl::Time dead
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!progress_.joinable()) ucp_worker_progress(Worker(worker_));  // a lane: nobody else does
       const ucs_status_t s = ucp_request_check_status(req);
       if (s != UCS_INPROGRESS) {
         ucp_request_free(req);
@@ -306,6 +307,14 @@ absl::Status UcxTransport::PutStream::WaitFor(uint64_t ticket) {
 }
 
 absl::Status UcxTransport::PutStream::Finish() {
+  absl::Status st = Flush();
+  if (!st.ok()) return st;
+  finished_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::PutStream::Flush() {
+  if (failed_ || finished_) return absl::FailedPreconditionError("ucx put: the stream is closed");
   absl::Status st = WaitFor(issued_);
   if (!st.ok()) return st;
   ucs_status_ptr_t req;
@@ -315,12 +324,8 @@ absl::Status UcxTransport::PutStream::Finish() {
     req = ucp_ep_flush_nbx(static_cast<ucp_ep_h>(ep_), &rp);
   }
   st = ucx_->Wait(req, "flush", deadline_);
-  if (!st.ok()) {
-    failed_ = true;
-    return st;
-  }
-  finished_ = true;
-  return absl::OkStatus();
+  if (!st.ok()) failed_ = true;
+  return st;
 }
 
 absl::Status UcxTransport::Put(const std::string& peer_address, const void* local, size_t size,

@@ -29,7 +29,9 @@ namespace replayssm::transfer {
 
 class UcxTransport {
  public:
-  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create();
+  // progress_thread = false: a sender's extra put lane (Sender's lanes): nothing is ever put
+  // into it, so no thread polls its worker; waits on its requests progress it themselves.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(bool progress_thread = true);
   ~UcxTransport();
   UcxTransport(const UcxTransport&) = delete;
   UcxTransport& operator=(const UcxTransport&) = delete;
@@ -81,6 +83,10 @@ class UcxTransport {
     absl::Status Signal(uint64_t remote_addr, uint64_t value);
     // Waits until the puts up to `ticket` completed locally (their source may be reused).
     absl::Status WaitFor(uint64_t ticket);
+    // Waits for everything and flushes the endpoint: every put issued so far is in the peer's
+    // memory on return (a put issued afterwards, on any endpoint, lands after them). The
+    // stream stays open.
+    absl::Status Flush();
     // Waits for everything and flushes: the bytes are in the peer's memory on return.
     absl::Status Finish();
 
@@ -125,7 +131,7 @@ class UcxTransport {
   std::string address_;
   bool cuda_memory_ = false;
   std::atomic<bool> stop_{false};
-  std::thread progress_;
+  std::thread progress_;  // not started for a lane (Create(false)): Wait progresses instead
   std::mutex mu_;                                  // every call on worker_ after Create
   std::map<std::string, void*> eps_;               // peer address -> ucp_ep_h
   std::map<std::pair<std::string, std::string>, void*> rkeys_;  // (peer, packed) -> ucp_rkey_h
