@@ -4,7 +4,7 @@
 //
 //   replayssm-bench-transfer [--model qwen3-next-80b-a3b] [--state-dtype f32|bf16]
 //                            [--backend cpu|cuda] [--slots N] [--chunk BYTES]
-//                            [--import-threads N] [--put-lanes N] [--json PATH]
+//                            [--lanes N] [--import-threads N] [--put-thp] [--json PATH]
 //
 // B is a forked child with its own StateCache, UcxTransport and transfer::Receiver; the
 // control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
@@ -20,10 +20,14 @@
 // staging overhead (whole move over bare put), and ucx_perftest ucp_put_bw at the chunk size
 // (the size of each of our puts) and at the slot size, with the whole move's ratio to both
 // against the target (>= 80%).
-// --put-lanes N (an experiment, not the transfer's path): the bare put again, its bytes split
-// into N contiguous ranges put at once by N threads, each through a UcxTransport (context,
-// worker, endpoint) of its own — whether one sender thread's copy into the peer's memory is
-// what caps the put (on loopback UCX puts by memcpy into the peer's mapped segment, inline).
+// --lanes N (default 4, the service's --transfer-lanes): the sender's put lanes for the whole
+// move (the real path, docs/transfer.md), and the bare put is also timed over the same N lanes
+// at once (contiguous ranges, one thread each) next to the one-thread bare put.
+// Every phase runs once per round, interleaved (whole move, bare put, bare put over the lanes,
+// THP put, hash), so host drift weighs on all alike, and ucx_perftest runs first, before any
+// thread, UCX context or buffer of ours exists; min..max are printed beside the medians.
+// The one-thread checksum of a slot is timed too: each side hashes in payload order on one
+// thread, so it bounds the whole move once the lanes lift the put.
 // --put-thp (an experiment): the bare put once more from a source on transparent huge pages
 // (madvise), as ucx_perftest's UCX-allocated source is where THP is "madvise".
 #include <sys/mman.h>
@@ -44,6 +48,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "replayssm/cache/state_cache.h"
+#include "checksum.h"
 #include "transfer.h"
 #include "ucx_transport.h"
 
@@ -223,13 +228,21 @@ double PerftestMBs(size_t size, int iters) {
   return mbs;
 }
 
+struct Stat {
+  std::vector<double> v;
+  void Add(double x) { v.push_back(x); }
+  double Median() const { return transfer::Median(v); }
+  double Min() const { return v.empty() ? 0 : *std::min_element(v.begin(), v.end()); }
+  double Max() const { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); }
+};
+
 int Run(int argc, char** argv) {
   std::string model = "qwen3-next-80b-a3b", dtype = "f32", backend_name = "cpu";
   const char* json = nullptr;
   int slots = 8;
   size_t chunk = 4 << 20;
   int32_t import_threads = ReceiverOptions{}.import_threads;
-  int put_lanes = 1;
+  int lanes = 4;  // the service's --transfer-lanes default
   bool put_thp = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -240,13 +253,13 @@ int Run(int argc, char** argv) {
     else if (a == "--slots") slots = std::atoi(next().c_str());
     else if (a == "--chunk") chunk = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--import-threads") import_threads = std::atoi(next().c_str());
-    else if (a == "--put-lanes") put_lanes = std::max(1, std::atoi(next().c_str()));
+    else if (a == "--lanes" || a == "--put-lanes") lanes = std::clamp(std::atoi(next().c_str()), 1, 16);
     else if (a == "--put-thp") put_thp = true;
     else if (a == "--json") json = argv[++i];
     else {
       std::fprintf(stderr, "usage: replayssm-bench-transfer [--model M] [--state-dtype f32|bf16] "
-                           "[--backend cpu|cuda] [--slots N] [--chunk BYTES] "
-                           "[--import-threads N] [--put-lanes N] [--put-thp] [--json PATH]\n");
+                           "[--backend cpu|cuda] [--slots N] [--chunk BYTES] [--lanes N] "
+                           "[--import-threads N] [--put-thp] [--json PATH]\n");
       return 2;
     }
   }
@@ -254,6 +267,11 @@ int Run(int argc, char** argv) {
   const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
   absl::StatusOr<cache::ModelSpec> m = cache::ModelPreset(model, sd);
   CHECK_OK(m.status());
+  const StateFormat format = StateFormat::Of(*m);
+  const double bytes = static_cast<double>(format.Bytes());
+  // ucx_perftest first, before any thread, context or buffer of ours exists.
+  const double perf_chunk = PerftestMBs(chunk, 50) / 1e3;  // GB/s
+  const double perf_slot = PerftestMBs(static_cast<size_t>(bytes), 10) / 1e3;
   cache::CacheOptions o;
   o.backend = backend;
   o.memory_budget_bytes = 3 * m->SlotBytes();
@@ -274,14 +292,61 @@ int Run(int argc, char** argv) {
   CHECK_OK(cache.status());
   auto ucx = UcxTransport::Create();
   CHECK_OK(ucx.status());
+  // The sender's lanes as the service makes them (--transfer-lanes): its transport, then
+  // lanes - 1 of their own without a progress thread.
+  std::vector<std::unique_ptr<UcxTransport>> extra;
+  std::vector<UcxTransport*> lane_ptrs = {ucx->get()};
+  for (int k = 1; k < lanes; ++k) {
+    auto t = UcxTransport::Create(/*progress_thread=*/false);
+    CHECK_OK(t.status());
+    lane_ptrs.push_back(t->get());
+    extra.push_back(std::move(*t));
+  }
   SocketPeer peer(sv[0]);
-  Sender sender(cache->get(), ucx->get());
-  const StateFormat format = StateFormat::Of(*m);
+  Sender sender(cache->get(), lane_ptrs);
   std::mt19937_64 rng(5);
   std::vector<uint8_t> layer(format.Bytes() / m->num_layers);
-  std::vector<double> total, put_only;
-  std::vector<double> fold, reserve, put, commit;  // the phases, per slot
-  for (int i = 0; i < slots + 1; ++i) {  // the first one warms up
+  std::vector<uint8_t> payload(format.Bytes(), 1);  // the bare puts' host source
+  uint8_t* thp = nullptr;
+  if (put_thp) {
+    constexpr size_t kHuge = 2 << 20;
+    const size_t n = (format.Bytes() + kHuge - 1) / kHuge * kHuge;
+    thp = static_cast<uint8_t*>(std::aligned_alloc(kHuge, n));
+    if (thp == nullptr) return 1;
+    madvise(thp, n, MADV_HUGEPAGE);
+    std::memset(thp, 1, n);
+  }
+  // One bare put (no staging, hashing, doorbell or import) of `src` into a reservation on B,
+  // over the first `n` lanes at once (contiguous ranges, one thread each); aborted after.
+  auto bare_put = [&](const std::string& id, const uint8_t* src, int n) {
+    absl::StatusOr<Reservation> r = peer.Reserve(id, format, 0, kChecksumVersion);
+    CHECK_OK(r.status());
+    const size_t total = format.Bytes(), per = (total / n + 63) & ~size_t{63};
+    std::vector<absl::Status> st(n);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto one = [&](int k) {
+      const size_t b = std::min(total, k * per), e = k + 1 == n ? total : std::min(total, b + per);
+      if (e > b) {
+        st[k] = lane_ptrs[k]->Put(r->worker_address, src + b, e - b, r->remote_addr + b, r->rkey,
+                                  chunk, absl::Seconds(60));
+      }
+    };
+    if (n == 1) {
+      one(0);
+    } else {
+      std::vector<std::thread> th;
+      for (int k = 0; k < n; ++k) th.emplace_back(one, k);
+      for (auto& t : th) t.join();
+    }
+    const double t = Seconds(t0);
+    for (const absl::Status& s : st) CHECK_OK(s);
+    CHECK_OK(peer.Abort(id));
+    return t;
+  };
+  // Rounds: every phase once per round, interleaved, so that whatever drifts on the host
+  // (other work, frequency, placement) weighs on all of them alike; round 0 warms up.
+  Stat total, fold, reserve, put, commit, put1, putn, putthp, hash;
+  for (int i = 0; i < slots + 1; ++i) {
     absl::StatusOr<cache::SlotId> s = (*cache)->Allocate();
     CHECK_OK(s.status());
     for (auto& b : layer) b = static_cast<uint8_t>(rng() & 0x3f);  // finite, never zeros
@@ -293,120 +358,68 @@ int Run(int argc, char** argv) {
     const double t = Seconds(t0);
     CHECK_OK(r.status());
     peer.FreeRemote(r->remote_slot);
-    if (i > 0) {
-      total.push_back(t);
-      fold.push_back(r->export_seconds);
-      reserve.push_back(r->reserve_seconds);
-      put.push_back(r->put_seconds);
-      commit.push_back(r->commit_seconds);
-    }
-    if (i > 0 && std::getenv("REPLAYSSM_BENCH_VERBOSE") != nullptr) {
-      std::printf("  slot %d (%s): fold %.1f ms, reserve %.1f ms, stage+hash+put %.1f ms, "
-                  "commit %.1f ms\n", i, DataPathName(r->path),
+    const double p1 = bare_put("p" + std::to_string(i), payload.data(), 1);
+    const double pn = lanes > 1 ? bare_put("l" + std::to_string(i), payload.data(), lanes) : p1;
+    const double ph = put_thp ? bare_put("h" + std::to_string(i), thp, 1) : 0;
+    const auto th0 = std::chrono::steady_clock::now();
+    volatile uint64_t sink = Checksum(payload.data(), payload.size());
+    (void)sink;
+    const double hs = Seconds(th0);
+    if (i == 0) continue;
+    total.Add(t);
+    fold.Add(r->export_seconds);
+    reserve.Add(r->reserve_seconds);
+    put.Add(r->put_seconds);
+    commit.Add(r->commit_seconds);
+    put1.Add(p1);
+    putn.Add(pn);
+    putthp.Add(ph);
+    hash.Add(hs);
+    if (std::getenv("REPLAYSSM_BENCH_VERBOSE") != nullptr) {
+      std::printf("  round %d (%s, %d lanes): whole %.2f ms (fold %.2f, reserve %.2f, "
+                  "stage+hash+put %.2f, commit %.2f); bare put %.2f ms, over %d lanes %.2f ms; "
+                  "hash %.2f ms\n", i, DataPathName(r->path), lanes, 1e3 * t,
                   1e3 * r->export_seconds, 1e3 * r->reserve_seconds, 1e3 * r->put_seconds,
-                  1e3 * r->commit_seconds);
+                  1e3 * r->commit_seconds, 1e3 * p1, lanes, 1e3 * pn, 1e3 * hs);
     }
   }
-  // The put alone, for the breakdown: A's payload into a reservation on B, aborted after.
-  {
-    std::vector<uint8_t> payload(format.Bytes(), 1);
-    for (int i = 0; i < slots; ++i) {
-      absl::StatusOr<Reservation> r =
-          peer.Reserve("p" + std::to_string(i), format, 0, kChecksumVersion);
-      CHECK_OK(r.status());
-      const auto t0 = std::chrono::steady_clock::now();
-      CHECK_OK((*ucx)->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
-                           r->rkey, chunk, absl::Seconds(60)));
-      put_only.push_back(Seconds(t0));
-      CHECK_OK(peer.Abort("p" + std::to_string(i)));
-    }
-  }
-  // The bare put from a source on transparent huge pages (an experiment).
-  std::vector<double> put_thp_t;
-  if (put_thp) {
-    constexpr size_t kHuge = 2 << 20;
-    const size_t n = (format.Bytes() + kHuge - 1) / kHuge * kHuge;
-    uint8_t* src = static_cast<uint8_t*>(std::aligned_alloc(kHuge, n));
-    if (src == nullptr) return 1;
-    madvise(src, n, MADV_HUGEPAGE);
-    std::memset(src, 1, n);
-    for (int i = 0; i < slots; ++i) {
-      absl::StatusOr<Reservation> r =
-          peer.Reserve("h" + std::to_string(i), format, 0, kChecksumVersion);
-      CHECK_OK(r.status());
-      const auto t0 = std::chrono::steady_clock::now();
-      CHECK_OK((*ucx)->Put(r->worker_address, src, format.Bytes(), r->remote_addr, r->rkey,
-                           chunk, absl::Seconds(60)));
-      put_thp_t.push_back(Seconds(t0));
-      CHECK_OK(peer.Abort("h" + std::to_string(i)));
-    }
-    std::free(src);
-  }
-  // The bare put over put_lanes threads and transports at once (an experiment).
-  std::vector<double> put_lanes_t;
-  if (put_lanes > 1) {
-    std::vector<uint8_t> payload(format.Bytes(), 1);
-    std::vector<std::unique_ptr<UcxTransport>> lanes;
-    for (int k = 0; k < put_lanes; ++k) {
-      auto t = UcxTransport::Create();
-      CHECK_OK(t.status());
-      lanes.push_back(std::move(*t));
-    }
-    const size_t n = payload.size(), per = (n / put_lanes + 63) & ~size_t{63};
-    for (int i = 0; i < slots + 1; ++i) {  // the first one maps the peer's segment per lane
-      absl::StatusOr<Reservation> r =
-          peer.Reserve("l" + std::to_string(i), format, 0, kChecksumVersion);
-      CHECK_OK(r.status());
-      std::vector<absl::Status> st(put_lanes);
-      std::vector<std::thread> th;
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int k = 0; k < put_lanes; ++k) {
-        th.emplace_back([&, k] {
-          const size_t b = std::min(n, k * per), e = std::min(n, b + per);
-          if (e > b) {
-            st[k] = lanes[k]->Put(r->worker_address, payload.data() + b, e - b,
-                                  r->remote_addr + b, r->rkey, chunk, absl::Seconds(60));
-          }
-        });
-      }
-      for (auto& t : th) t.join();
-      if (i > 0) put_lanes_t.push_back(Seconds(t0));
-      for (const absl::Status& s : st) CHECK_OK(s);
-      CHECK_OK(peer.Abort("l" + std::to_string(i)));
-    }
-  }
+  std::free(thp);
   close(sv[0]);
   waitpid(child, nullptr, 0);
-  const double bytes = static_cast<double>(format.Bytes());
-  const double t_med = Median(total), p_med = Median(put_only);
-  const double perf_chunk = PerftestMBs(chunk, 50) / 1e3;  // GB/s
-  const double perf_slot = PerftestMBs(static_cast<size_t>(bytes), 10) / 1e3;
+  const double t_med = total.Median(), p_med = put1.Median(), pn_med = putn.Median();
   const char* path = DataPathName(SelectDataPath(backend, (*ucx)->cuda_memory()));
   const double whole = bytes / t_med / 1e9;
   const double of_chunk = whole / perf_chunk, of_slot = whole / perf_slot;
   constexpr double kTarget = 0.8;
   auto verdict = [](double r) { return r >= kTarget ? "met" : "NOT met"; };
+  auto gbs = [bytes](double s) { return bytes / s / 1e9; };
   std::printf("transfer bench: %s, state %s, backend %s (%s), %.1f MB per slot, %d slots, "
-              "chunk %zu, %d import threads\n", m->name.c_str(), dtype.c_str(),
-              backend_name.c_str(), path, bytes / 1e6, slots, chunk, import_threads);
-  std::printf("  whole move (fold+reserve+stage/hash/put+import+commit): median %.2f ms = %.2f GB/s\n",
-              t_med * 1e3, whole);
+              "chunk %zu, %d lanes, %d import threads (phases interleaved per round)\n",
+              m->name.c_str(), dtype.c_str(), backend_name.c_str(), path, bytes / 1e6, slots,
+              chunk, lanes, import_threads);
+  std::printf("  whole move over %d lanes (fold+reserve+stage/hash/put+import+commit): median %.2f ms "
+              "= %.2f GB/s (%.2f..%.2f ms)\n", lanes, t_med * 1e3, whole, total.Min() * 1e3,
+              total.Max() * 1e3);
   std::printf("    phases (medians): fold %.2f ms, reserve %.2f ms, stage+hash+put %.2f ms, "
-              "commit (import tail + verify) %.2f ms\n", Median(fold) * 1e3,
-              Median(reserve) * 1e3, Median(put) * 1e3, Median(commit) * 1e3);
-  std::printf("  bare put of a host buffer:                              median %.2f ms = %.2f GB/s\n",
-              p_med * 1e3, bytes / p_med / 1e9);
+              "commit (import tail + verify) %.2f ms\n", fold.Median() * 1e3,
+              reserve.Median() * 1e3, put.Median() * 1e3, commit.Median() * 1e3);
+  std::printf("  bare put of a host buffer, 1 thread:                 median %.2f ms = %.2f GB/s "
+              "(%.2f..%.2f ms)\n", p_med * 1e3, gbs(p_med), put1.Min() * 1e3, put1.Max() * 1e3);
+  if (lanes > 1) {
+    std::printf("  bare put over the %d lanes (contiguous ranges):      median %.2f ms = %.2f GB/s "
+                "(%.2f..%.2f ms)\n", lanes, pn_med * 1e3, gbs(pn_med), putn.Min() * 1e3,
+                putn.Max() * 1e3);
+  }
   if (put_thp) {
-    std::printf("  bare put from a THP source (an experiment):            median %.2f ms = %.2f GB/s\n",
-                Median(put_thp_t) * 1e3, bytes / Median(put_thp_t) / 1e9);
+    std::printf("  bare put from a THP source, 1 thread (an experiment): median %.2f ms = %.2f GB/s\n",
+                putthp.Median() * 1e3, gbs(putthp.Median()));
   }
-  if (put_lanes > 1) {
-    std::printf("  bare put over %d lanes (threads + transports, an experiment): median %.2f ms = %.2f GB/s\n",
-                put_lanes, Median(put_lanes_t) * 1e3, bytes / Median(put_lanes_t) / 1e9);
-  }
-  std::printf("  staging overhead (whole move over bare put): %+.0f%%\n", 100 * (t_med / p_med - 1));
-  std::printf("  ucx_perftest ucp_put_bw (same transport selection, this run): %.2f GB/s at %zu B "
-              "(our chunk: the size of each put), %.2f GB/s at %.0f B (one put of a whole slot)\n",
+  std::printf("  checksum v2 of the slot, one thread (each side's in-order hash): median %.2f ms "
+              "= %.2f GB/s\n", hash.Median() * 1e3, gbs(hash.Median()));
+  std::printf("  staging overhead (whole move over the bare put over the same %d lanes): %+.0f%%\n",
+              lanes, 100 * (t_med / pn_med - 1));
+  std::printf("  ucx_perftest ucp_put_bw (same transport selection, this run, before ours): %.2f GB/s "
+              "at %zu B (our chunk: the size of each put), %.2f GB/s at %.0f B (one put of a whole slot)\n",
               perf_chunk, chunk, perf_slot, bytes);
   std::printf("  target: whole move >= %.0f%% of ucx_perftest at the same message size\n",
               100 * kTarget);
@@ -419,18 +432,20 @@ int Run(int argc, char** argv) {
     if (f == nullptr) return 1;
     std::fprintf(f,
                  "{\"model\": \"%s\", \"state\": \"%s\", \"backend\": \"%s\", \"slot_bytes\": %.0f, "
-                 "\"slots\": %d, \"chunk\": %zu, \"import_threads\": %d, \"transfer_ms\": %.3f, "
+                 "\"slots\": %d, \"chunk\": %zu, \"lanes\": %d, \"import_threads\": %d, "
+                 "\"transfer_ms\": %.3f, \"transfer_min_ms\": %.3f, \"transfer_max_ms\": %.3f, "
                  "\"transfer_gbs\": %.3f, \"fold_ms\": %.3f, \"reserve_ms\": %.3f, "
                  "\"stage_hash_put_ms\": %.3f, \"commit_ms\": %.3f, "
-                 "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"perftest_chunk_gbs\": %.3f, "
+                 "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"put_lanes_ms\": %.3f, \"put_lanes_gbs\": %.3f, "
+                 "\"put_thp_ms\": %.3f, \"hash_ms\": %.3f, \"perftest_chunk_gbs\": %.3f, "
                  "\"perftest_slot_gbs\": %.3f, \"of_perftest_chunk\": %.3f, "
-                 "\"of_perftest_slot\": %.3f, \"target\": %.2f, \"path\": \"%s\", "
-                 "\"put_lanes\": %d, \"put_lanes_ms\": %.3f}\n",
-                 m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes, slots, chunk,
-                 import_threads, t_med * 1e3, whole, Median(fold) * 1e3, Median(reserve) * 1e3,
-                 Median(put) * 1e3, Median(commit) * 1e3, p_med * 1e3, bytes / p_med / 1e9,
-                 perf_chunk, perf_slot, of_chunk, of_slot, kTarget, path, put_lanes,
-                 put_lanes > 1 ? Median(put_lanes_t) * 1e3 : p_med * 1e3);
+                 "\"of_perftest_slot\": %.3f, \"target\": %.2f, \"path\": \"%s\"}\n",
+                 m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes, slots, chunk, lanes,
+                 import_threads, t_med * 1e3, total.Min() * 1e3, total.Max() * 1e3, whole,
+                 fold.Median() * 1e3, reserve.Median() * 1e3, put.Median() * 1e3,
+                 commit.Median() * 1e3, p_med * 1e3, gbs(p_med), pn_med * 1e3, gbs(pn_med),
+                 putthp.Median() * 1e3, hash.Median() * 1e3, perf_chunk, perf_slot, of_chunk,
+                 of_slot, kTarget, path);
     std::fclose(f);
   }
   return 0;
