@@ -10,10 +10,11 @@
 // control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
 // timed is the whole move of a slot: A folds it through the cache's guard and streams it in
 // chunks (CPU: straight from slot memory; CUDA: device -> pinned staging ring, the copy of
-// chunk i+1 overlapping the put of chunk i), hashing beside the puts; B reserves a slot
-// without zeroing it, has each chunk copied as its doorbell says it landed (CPU: into slot
-// memory; CUDA: via pinned staging, host -> device) by --import-threads copiers while its
-// import thread hashes them in order, and verifies at the commit.
+// chunk i+1 overlapping the put of chunk i), hashing (checksum v3) on a pool of --lanes
+// threads beside the puts; B reserves a slot without zeroing it, has each chunk copied as
+// its doorbell says it landed (CPU: into slot memory; CUDA: via pinned staging, host ->
+// device) by --import-threads copiers, each hashing what it copied, and verifies at the
+// commit.
 // Reported: per-slot latency (median), GB/s over the payload, the phases (medians over the
 // slots: fold, reserve, stage+hash+put, commit = the receiver's import tail + verify), the
 // bare put of a host buffer of the same size (no staging, no hashing, no import), the
@@ -26,8 +27,10 @@
 // Every phase runs once per round, interleaved (whole move, bare put, bare put over the lanes,
 // THP put, hash), so host drift weighs on all alike, and ucx_perftest runs first, before any
 // thread, UCX context or buffer of ours exists; min..max are printed beside the medians.
-// The one-thread checksum of a slot is timed too: each side hashes in payload order on one
-// thread, so it bounds the whole move once the lanes lift the put.
+// The checksum of a slot is timed too: v2 on one thread (in payload order: what each side did
+// before v3, and still does for a v2 peer), and v3 over --lanes threads (the sender's hash
+// pool: one task per chunk) and over --import-threads threads (the receiver's copiers; here
+// hash only, no copy): if a v3 figure is near the whole move's, the hash still caps it.
 // --put-thp (an experiment): the bare put once more from a source on transparent huge pages
 // (madvise), as ucx_perftest's UCX-allocated source is where THP is "madvise".
 #include <sys/mman.h>
@@ -345,7 +348,22 @@ int Run(int argc, char** argv) {
   };
   // Rounds: every phase once per round, interleaved, so that whatever drifts on the host
   // (other work, frequency, placement) weighs on all of them alike; round 0 warms up.
-  Stat total, fold, reserve, put, commit, put1, putn, putthp, hash;
+  Stat total, fold, reserve, put, commit, put1, putn, putthp, hash, hash3, hash3i;
+  // Checksum v3 of the payload as the real path takes it: one task per chunk on a pool of
+  // `threads` threads, then the segments combined.
+  TaskPool hash_lanes(lanes), hash_import(import_threads);
+  auto hash_v3 = [&](TaskPool& pool) {
+    const auto h0 = std::chrono::steady_clock::now();
+    {
+      PieceHasher h(&pool, payload.size());
+      for (size_t off = 0; off < payload.size(); off += chunk) {
+        h.Submit(off, payload.data() + off, std::min(chunk, payload.size() - off));
+      }
+      volatile uint64_t sink = h.Finish();
+      (void)sink;
+    }
+    return Seconds(h0);
+  };
   for (int i = 0; i < slots + 1; ++i) {
     absl::StatusOr<cache::SlotId> s = (*cache)->Allocate();
     CHECK_OK(s.status());
@@ -365,6 +383,8 @@ int Run(int argc, char** argv) {
     volatile uint64_t sink = Checksum(payload.data(), payload.size());
     (void)sink;
     const double hs = Seconds(th0);
+    const double h3 = hash_v3(hash_lanes);
+    const double h3i = import_threads == lanes ? h3 : hash_v3(hash_import);
     if (i == 0) continue;
     total.Add(t);
     fold.Add(r->export_seconds);
@@ -375,12 +395,14 @@ int Run(int argc, char** argv) {
     putn.Add(pn);
     putthp.Add(ph);
     hash.Add(hs);
+    hash3.Add(h3);
+    hash3i.Add(h3i);
     if (std::getenv("REPLAYSSM_BENCH_VERBOSE") != nullptr) {
       std::printf("  round %d (%s, %d lanes): whole %.2f ms (fold %.2f, reserve %.2f, "
                   "stage+hash+put %.2f, commit %.2f); bare put %.2f ms, over %d lanes %.2f ms; "
-                  "hash %.2f ms\n", i, DataPathName(r->path), lanes, 1e3 * t,
+                  "hash v2 %.2f ms, v3 %.2f ms\n", i, DataPathName(r->path), lanes, 1e3 * t,
                   1e3 * r->export_seconds, 1e3 * r->reserve_seconds, 1e3 * r->put_seconds,
-                  1e3 * r->commit_seconds, 1e3 * p1, lanes, 1e3 * pn, 1e3 * hs);
+                  1e3 * r->commit_seconds, 1e3 * p1, lanes, 1e3 * pn, 1e3 * hs, 1e3 * h3);
     }
   }
   std::free(thp);
@@ -414,8 +436,14 @@ int Run(int argc, char** argv) {
     std::printf("  bare put from a THP source, 1 thread (an experiment): median %.2f ms = %.2f GB/s\n",
                 putthp.Median() * 1e3, gbs(putthp.Median()));
   }
-  std::printf("  checksum v2 of the slot, one thread (each side's in-order hash): median %.2f ms "
+  std::printf("  checksum v2 of the slot, one thread (in order; a v2 peer's): median %.2f ms "
               "= %.2f GB/s\n", hash.Median() * 1e3, gbs(hash.Median()));
+  std::printf("  checksum v3 of the slot, %d threads (the sender's pool, --lanes): median %.2f ms "
+              "= %.2f GB/s (%.2f..%.2f ms)\n", lanes, hash3.Median() * 1e3, gbs(hash3.Median()),
+              hash3.Min() * 1e3, hash3.Max() * 1e3);
+  std::printf("  checksum v3 of the slot, %d threads (the receiver's copiers, no copy): median "
+              "%.2f ms = %.2f GB/s\n", import_threads, hash3i.Median() * 1e3,
+              gbs(hash3i.Median()));
   std::printf("  staging overhead (whole move over the bare put over the same %d lanes): %+.0f%%\n",
               lanes, 100 * (t_med / pn_med - 1));
   std::printf("  ucx_perftest ucp_put_bw (same transport selection, this run, before ours): %.2f GB/s "
@@ -437,14 +465,16 @@ int Run(int argc, char** argv) {
                  "\"transfer_gbs\": %.3f, \"fold_ms\": %.3f, \"reserve_ms\": %.3f, "
                  "\"stage_hash_put_ms\": %.3f, \"commit_ms\": %.3f, "
                  "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"put_lanes_ms\": %.3f, \"put_lanes_gbs\": %.3f, "
-                 "\"put_thp_ms\": %.3f, \"hash_ms\": %.3f, \"perftest_chunk_gbs\": %.3f, "
+                 "\"put_thp_ms\": %.3f, \"hash_ms\": %.3f, \"hash_v3_lanes_ms\": %.3f, "
+                 "\"hash_v3_import_ms\": %.3f, \"perftest_chunk_gbs\": %.3f, "
                  "\"perftest_slot_gbs\": %.3f, \"of_perftest_chunk\": %.3f, "
                  "\"of_perftest_slot\": %.3f, \"target\": %.2f, \"path\": \"%s\"}\n",
                  m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes, slots, chunk, lanes,
                  import_threads, t_med * 1e3, total.Min() * 1e3, total.Max() * 1e3, whole,
                  fold.Median() * 1e3, reserve.Median() * 1e3, put.Median() * 1e3,
                  commit.Median() * 1e3, p_med * 1e3, gbs(p_med), pn_med * 1e3, gbs(pn_med),
-                 putthp.Median() * 1e3, hash.Median() * 1e3, perf_chunk, perf_slot, of_chunk,
+                 putthp.Median() * 1e3, hash.Median() * 1e3, hash3.Median() * 1e3,
+                 hash3i.Median() * 1e3, perf_chunk, perf_slot, of_chunk,
                  of_slot, kTarget, path);
     std::fclose(f);
   }

@@ -91,60 +91,6 @@ absl::Status StagingRing::Sync(int32_t i) {
   return Kernel(rssm_synchronize(&l), "synchronize");
 }
 
-HashWorker::HashWorker() : thread_([this] { Loop(); }) {}
-
-HashWorker::~HashWorker() {
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  thread_.join();
-}
-
-void HashWorker::Loop() {
-  for (;;) {
-    std::pair<const void*, size_t> job;
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](HashWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->stop_ || !w->queue_.empty(); },
-          this));
-      if (queue_.empty()) return;  // stopping
-      job = queue_.front();
-    }
-    sum_.Update(job.first, job.second);
-    absl::MutexLock lock(&mu_);
-    queue_.pop_front();
-    ++done_;
-  }
-}
-
-uint64_t HashWorker::Submit(const void* data, size_t size) {
-  absl::MutexLock lock(&mu_);
-  queue_.emplace_back(data, size);
-  return ++submitted_;
-}
-
-void HashWorker::WaitFor(uint64_t ticket) {
-  absl::MutexLock lock(&mu_);
-  struct Arg {
-    HashWorker* w;
-    uint64_t t;
-  } arg{this, ticket};
-  mu_.Await(absl::Condition(
-      +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->w->done_ >= a->t; }, &arg));
-}
-
-uint64_t HashWorker::Finish() {
-  uint64_t n;
-  {
-    absl::MutexLock lock(&mu_);
-    n = submitted_;
-  }
-  WaitFor(n);
-  return sum_.Digest();
-}
-
 TaskPool::TaskPool(int32_t threads) {
   for (int32_t i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Loop(); });
 }
@@ -216,6 +162,25 @@ bool TaskPool::Batch::WaitFor(size_t i, absl::Duration timeout, absl::Status* st
   }
   *status = s.results[i];
   return true;
+}
+
+uint64_t PieceHasher::Submit(size_t offset, const void* data, size_t size) {
+  batch_.Submit([this, offset, data, size] {
+    sum_.Add(offset, data, size);
+    return absl::OkStatus();
+  });
+  return ++submitted_;
+}
+
+void PieceHasher::WaitFor(uint64_t ticket) {
+  if (ticket == 0) return;
+  absl::Status st;
+  batch_.WaitFor(static_cast<size_t>(ticket - 1), absl::InfiniteDuration(), &st);
+}
+
+uint64_t PieceHasher::Finish() {
+  for (uint64_t t = 1; t <= submitted_; ++t) WaitFor(t);
+  return sum_.Digest();
 }
 
 }  // namespace replayssm::transfer

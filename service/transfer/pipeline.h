@@ -1,10 +1,11 @@
 // The pieces of the chunked transfer pipeline shared by Sender and Receiver: how a payload
 // (all layers' checkpoints, layer-major) splits into chunks, a ring of pinned host staging
-// buffers with one backend stream each, and a hashing thread that runs beside the puts.
+// buffers with one backend stream each, a pool of threads for short tasks (a receiver's
+// copies, a sender's hashing) and the sender's parallel checksum over it.
 //
 // Thread safety: StagingRing is used by one transfer at a time (its owner's lock);
-// HashWorker's methods may be called from one producer thread while its own thread hashes.
-// TaskPool is thread-safe; one of its Batches is used by one thread at a time.
+// TaskPool is thread-safe; one of its Batches (and a PieceHasher) is used by one thread at a
+// time.
 #ifndef REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 #define REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 
@@ -69,28 +70,6 @@ class StagingRing {
   std::vector<void*> buffers_, streams_;
 };
 
-// Hashes submitted host ranges in order on its own thread (the sender's checksum runs beside
-// its puts instead of before them).
-class HashWorker {
- public:
-  HashWorker();
-  ~HashWorker();
-  // Queues data[0, size) (valid until WaitFor(ticket) returns); returns its ticket.
-  uint64_t Submit(const void* data, size_t size);
-  void WaitFor(uint64_t ticket);
-  uint64_t Finish();  // waits for everything; the digest
-
- private:
-  void Loop();
-  absl::Mutex mu_;
-  std::deque<std::pair<const void*, size_t>> queue_ ABSL_GUARDED_BY(mu_);
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t done_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  Checksummer sum_;  // only the worker thread touches it until Finish
-  std::thread thread_;
-};
-
 // Threads that run short tasks (a receiver's copies of landed chunks) in submission order,
 // several at once. Work is submitted through a Batch, one per user (an import): its tasks are
 // numbered 0, 1, ... and its destructor waits for every one of them, so nothing a task
@@ -133,6 +112,25 @@ class TaskPool {
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
+};
+
+// The sender's checksum (version 3): each submitted piece (a payload offset and host bytes)
+// is hashed as a task of a TaskPool (the Sender's, one thread per lane), several at once and
+// in any order; Finish combines the segments. Its destructor waits for every task (nothing
+// reads a slot or a staging buffer once it has gone).
+class PieceHasher {
+ public:
+  PieceHasher(TaskPool* pool, size_t total) : sum_(total), batch_(pool) {}
+  // Queues data[0, size) as payload bytes [offset, offset + size) (valid until
+  // WaitFor(ticket) returns); returns its ticket (from 1; WaitFor(0) returns at once).
+  uint64_t Submit(size_t offset, const void* data, size_t size);
+  void WaitFor(uint64_t ticket);
+  uint64_t Finish();  // waits for everything; the digest
+
+ private:
+  SegmentedChecksum sum_;
+  uint64_t submitted_ = 0;
+  TaskPool::Batch batch_;  // declared last: ends (waits) before sum_ goes
 };
 
 }  // namespace replayssm::transfer

@@ -226,10 +226,12 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
   if (seq_len < 0) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len: expected >= 0, got ", seq_len));
   }
-  if (checksum_version != kChecksumVersion && checksum_version != kChecksumNone) {
+  if (checksum_version != kChecksumVersion && checksum_version != kChecksumV2 &&
+      checksum_version != kChecksumNone) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "checksum_version: expected ", kChecksumVersion, " (or ", kChecksumNone,
-        " from a device-direct sender), got ", checksum_version,
+        "checksum_version: expected ", kChecksumVersion, " (or ", kChecksumV2,
+        " from an older sender, or ", kChecksumNone, " from a device-direct sender), got ",
+        checksum_version,
         checksum_version == 0 ? " (a sender from before the chunked protocol: upgrade it)" : ""));
   }
   absl::Status st = format_.CheckCompatible(format);  // before any byte moves
@@ -307,9 +309,13 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
     if (!st.ok()) return st;
   }
   // Piece i is copied by a pool thread into its destination (the slot, or pinned buffer
-  // i % depth_ followed by a host -> device copy on that buffer's stream), then hashed here,
-  // in order, from that destination: what is hashed is what the slot gets, whatever happens
-  // to the receive buffer meanwhile. At most depth_ pieces are between the two.
+  // i % depth_ followed by a host -> device copy on that buffer's stream) and hashed from
+  // that destination: what is hashed is what the slot gets, whatever happens to the receive
+  // buffer meanwhile. Version 3: by the copier, fused with its copy (any order, several at
+  // once); version 2: here, in order, once the copy is done. At most depth_ pieces are
+  // between the start of a copy and the end of its hash.
+  const std::unique_ptr<SegmentedChecksum> v3 =
+      version == kChecksumVersion ? std::make_unique<SegmentedChecksum>(total) : nullptr;
   std::vector<Piece> pieces;
   auto target = [&](const Piece& p) { return static_cast<uint8_t*>(m.layers[p.layer]) + p.layer_offset; };
   auto hashed_from = [&](size_t i) -> const uint8_t* {
@@ -318,17 +324,26 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
   auto copy = [&](size_t i) -> std::function<absl::Status()> {
     const Piece p = pieces[i];
     const uint8_t* src = buf.data() + p.offset;
+    SegmentedChecksum* sum3 = v3.get();
     if (!staged) {
-      return [src, dst = target(p), n = p.size] {
-        std::memcpy(dst, src, n);
+      return [src, dst = target(p), off = p.offset, n = p.size, sum3] {
+        if (sum3 != nullptr) {
+          sum3->CopyAndAdd(dst, src, off, n);
+        } else {
+          std::memcpy(dst, src, n);
+        }
         return absl::OkStatus();
       };
     }
     return [&ring = buf.ring, k = static_cast<int32_t>(i % static_cast<size_t>(depth_)), src, dst = target(p),
-            n = p.size] {
+            off = p.offset, n = p.size, sum3] {
       absl::Status st = ring.Sync(k);  // the last host -> device copy from buffer k is done
       if (!st.ok()) return st;
-      std::memcpy(ring.buffer(k), src, n);
+      if (sum3 != nullptr) {
+        sum3->CopyAndAdd(ring.buffer(k), src, off, n);
+      } else {
+        std::memcpy(ring.buffer(k), src, n);
+      }
       return ring.Copy(k, dst, ring.buffer(k), n, RSSM_COPY_HOST_TO_DEVICE);
     };
   };
@@ -366,7 +381,7 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
     if (hashed < submitted &&
         copies.WaitFor(hashed, progress ? absl::ZeroDuration() : absl::Microseconds(50), &st)) {
       if (!st.ok()) return st;
-      sum.Update(hashed_from(hashed), pieces[hashed].size);
+      if (v3 == nullptr) sum.Update(hashed_from(hashed), pieces[hashed].size);
       ++hashed;
       idle = 0;
       continue;
@@ -392,7 +407,8 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
   in.mu.Await(absl::Condition(
       +[](Importer* i) ABSL_NO_THREAD_SAFETY_ANALYSIS { return i->commit || i->stop; }, &in));
   if (in.stop) return absl::AbortedError("transfer: aborted");
-  if (version == kChecksumVersion && sum.Digest() != in.checksum) {
+  const bool verified = version == kChecksumVersion || version == kChecksumV2;
+  if (verified && (v3 != nullptr ? v3->Digest() : sum.Digest()) != in.checksum) {
     return absl::DataLossError(
         "checksum: the received state does not match the sender's; the transfer is aborted");
   }
@@ -498,7 +514,7 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
                                 m.bytes_per_layer);
   const std::vector<Piece> pieces = SplitPayload(format.num_layers, m.bytes_per_layer, chunk);
   if (lanes_.size() > 1) {
-    HashWorker hasher;
+    PieceHasher hasher(&hashers_, static_cast<size_t>(format.Bytes()));
     absl::Status st = PutLanes(*r, m, pieces, path, chunk, options, hasher);
     if (!st.ok()) return st;
     *checksum = hasher.Finish();
@@ -512,7 +528,8 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
   auto source = [&](const Piece& p) {
     return static_cast<const uint8_t*>(m.layers[p.layer]) + p.layer_offset;
   };
-  HashWorker hasher;  // declared after `put`: destroyed first, so it stops reading first
+  // Declared after `put`: destroyed first, so its tasks stop reading first.
+  PieceHasher hasher(&hashers_, static_cast<size_t>(format.Bytes()));
   // Puts piece i from `src` and rings the doorbell; the ticket of the put.
   auto send = [&](size_t i, const uint8_t* src) -> absl::StatusOr<uint64_t> {
     const Piece& p = pieces[i];
@@ -524,7 +541,7 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
   };
   if (path != DataPath::kHostStaged) {
     for (size_t i = 0; i < pieces.size(); ++i) {
-      if (hashed) hasher.Submit(source(pieces[i]), pieces[i].size);
+      if (hashed) hasher.Submit(pieces[i].offset, source(pieces[i]), pieces[i].size);
       absl::StatusOr<uint64_t> ticket = send(i, source(pieces[i]));
       if (!ticket.ok()) return ticket.status();
     }
@@ -547,7 +564,7 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
       if (i + 1 < pieces.size()) st = stage(i + 1);  // overlaps this chunk's put
       if (st.ok()) st = ring_.Sync(k);
       if (!st.ok()) break;
-      hash_ticket[k] = hasher.Submit(ring_.buffer(k), pieces[i].size);
+      hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
       absl::StatusOr<uint64_t> ticket = send(i, ring_.buffer(k));
       if (!ticket.ok()) st = ticket.status();
       else put_ticket[k] = *ticket;
@@ -595,7 +612,7 @@ struct Sender::Lanes {
 
 absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::CheckpointMemory& m,
                               const std::vector<Piece>& pieces, DataPath path, size_t chunk,
-                              const SendOptions& options, HashWorker& hasher) {
+                              const SendOptions& options, PieceHasher& hasher) {
   const size_t n = lanes_.size();
   std::vector<std::unique_ptr<UcxTransport::PutStream>> streams;
   for (UcxTransport* lane : lanes_) {
@@ -696,7 +713,7 @@ absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::Che
   const bool hashed = path != DataPath::kDeviceDirect;
   if (path != DataPath::kHostStaged) {
     if (hashed) {
-      for (const Piece& p : pieces) hasher.Submit(source(p), p.size);
+      for (const Piece& p : pieces) hasher.Submit(p.offset, source(p), p.size);
     }
     absl::MutexLock lock(&st.mu);
     for (size_t i = 0; i < pieces.size(); ++i) st.src[i] = source(pieces[i]);
@@ -724,7 +741,7 @@ absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::Che
       const int32_t k = static_cast<int32_t>(i % ring);
       if (s.ok()) s = ring_.Sync(k);
       if (!s.ok()) break;
-      hash_ticket[k] = hasher.Submit(ring_.buffer(k), pieces[i].size);
+      hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
       queue(i, ring_.buffer(k));
     }
     if (!s.ok()) {

@@ -64,8 +64,9 @@ struct ReceiverOptions {
   int32_t max_open = 16;                     // concurrent reservations
   size_t chunk_bytes = 4 << 20;              // import granularity (and staging buffer size)
   // Threads that copy landed chunks into the slot (CPU) or pinned staging (CUDA), several at
-  // once, while the import thread hashes them in order: one thread doing both fell behind
-  // the puts (the import's tail at the commit). Shared by all reservations.
+  // once, and hash what they copied (checksum v3; a v2 sender's chunks are hashed in order by
+  // the import thread): one thread doing both fell behind the puts. Shared by all
+  // reservations.
   int32_t import_threads = 4;
   // Tests only: forces a path (e.g. the host-staged one on the CPU backend).
   std::optional<DataPath> force_path;
@@ -82,8 +83,10 @@ class Receiver {
   Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions options);
   ~Receiver();
 
-  // checksum_version: what the sender computes (kChecksumVersion, or 0 for a device-direct
-  // sender that cannot hash device memory).
+  // checksum_version: what the sender computes: kChecksumVersion (3), kChecksumV2 (an older
+  // sender; hashed in order by the import thread) or kChecksumNone (a device-direct sender
+  // that cannot hash device memory: not verified). Anything else (0: a sender from before
+  // the chunked protocol) is FAILED_PRECONDITION, before any byte moves.
   absl::StatusOr<Reservation> Reserve(const std::string& transfer_id, const StateFormat& format,
                                       int64_t seq_len, uint32_t checksum_version);
   // Waits for the import of every byte, verifies the checksum and seq_len and makes the slot
@@ -189,13 +192,20 @@ struct SendResult {
 // counts as landed, and the doorbell advances only over a prefix of landed chunks, rung by
 // one lane at a time and flushed before the next ring: a doorbell value never overtakes the
 // bytes it announces, and the values arrive in increasing order. The calling thread feeds
-// the lanes (and the staging ring) and hashes in payload order as before.
+// the lanes (and the staging ring) and submits every chunk to the hashing pool.
+//
+// Checksum: version 3 (checksum.h), each chunk hashed as a task of a pool of as many threads
+// as lanes, beside the puts (a staging buffer is refilled once its chunk landed and was
+// hashed); the segments are combined after the last chunk.
 class Sender {
  public:
   Sender(cache::StateCache* cache, UcxTransport* ucx) : Sender(cache, std::vector{ucx}) {}
   // lanes[0] may be the transport the Receiver uses; the others: UcxTransport::Create(false).
   Sender(cache::StateCache* cache, std::vector<UcxTransport*> lanes)
-      : cache_(cache), ucx_(lanes.at(0)), lanes_(std::move(lanes)) {}
+      : cache_(cache),
+        ucx_(lanes.at(0)),
+        lanes_(std::move(lanes)),
+        hashers_(static_cast<int32_t>(lanes_.size())) {}
   absl::StatusOr<SendResult> Send(Peer& peer, cache::SlotId slot, const std::string& transfer_id,
                                   const SendOptions& options);
   int32_t lanes() const { return static_cast<int32_t>(lanes_.size()); }
@@ -205,7 +215,7 @@ class Sender {
   // PutAll's put loop over several lanes (lanes_.size() > 1).
   absl::Status PutLanes(const Reservation& r, const cache::StateCache::CheckpointMemory& m,
                         const std::vector<Piece>& pieces, DataPath path, size_t chunk,
-                        const SendOptions& options, HashWorker& hasher)
+                        const SendOptions& options, PieceHasher& hasher)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Inside the cache's guard: reserves on the peer (*reserved = true once it did) and puts
   // every chunk; fills out's reserve/put times and *checksum.
@@ -218,6 +228,7 @@ class Sender {
   cache::StateCache* const cache_;
   UcxTransport* const ucx_;  // lanes_[0]
   const std::vector<UcxTransport*> lanes_;
+  TaskPool hashers_;  // checksum v3 of the chunks, one thread per lane; idle between sends
   absl::Mutex mu_;
   StagingRing ring_ ABSL_GUARDED_BY(mu_);
 };

@@ -4,8 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -188,7 +190,7 @@ TEST_F(TransferTest, RetriesAreSafe) {
   ASSERT_TRUE(ucx_a_->Put(r1->worker_address, payload.data(), payload.size(), r1->remote_addr,
                           r1->rkey, 1 << 20, absl::Seconds(10)).ok());
   RingDoorbell(*r1, payload.size());
-  const uint64_t sum = Checksum(payload.data(), payload.size());
+  const uint64_t sum = ChecksumV3(payload.data(), payload.size());
   absl::StatusOr<SlotId> c1 = rx.Commit("t6", e->tokens, sum), c2 = rx.Commit("t6", e->tokens, sum);
   ASSERT_TRUE(c1.ok() && c2.ok());
   EXPECT_EQ(*c1, *c2);
@@ -228,7 +230,7 @@ TEST_F(TransferTest, CommitBeforeEveryByteLandedIsDataLoss) {
   ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size() / 2, r->remote_addr,
                           r->rkey, 0, absl::Seconds(10)).ok());
   RingDoorbell(*r, payload.size() / 2);
-  absl::StatusOr<SlotId> c = rx.Commit("half", {}, Checksum(payload.data(), payload.size()));
+  absl::StatusOr<SlotId> c = rx.Commit("half", {}, ChecksumV3(payload.data(), payload.size()));
   EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << c.status();
   EXPECT_NE(c.status().message().find("of " + std::to_string(payload.size()) + " bytes"),
             std::string::npos) << c.status();
@@ -240,10 +242,101 @@ TEST_F(TransferTest, AnUnknownChecksumVersionIsRefusedBeforeAnyByteMoves) {
   Receiver rx(b_.get(), ucx_b_.get(), {});
   absl::StatusOr<Reservation> r = rx.Reserve("v0", StateFormat::Of(a_->model()), 0, 0);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(r.status().message().find("checksum_version: expected 2"), std::string::npos)
+  EXPECT_NE(r.status().message().find("checksum_version: expected 3"), std::string::npos)
       << r.status();
   EXPECT_EQ(rx.open(), 0);
   EXPECT_EQ(b_->stats().slots_live, 0);
+}
+
+TEST_F(TransferTest, AVersion2SenderIsStillAcceptedAndVerified) {
+  // An older sender: declares 2 and commits the in-order v2 digest of the payload; the
+  // receiver verifies v2 (a v3 digest of the same bytes is a mismatch), with copiers and
+  // chunks that do not divide the payload, on both host paths.
+  const SlotId s = Prepare(2);
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  ASSERT_TRUE(e.ok());
+  std::vector<uint8_t> payload;
+  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+  const StateFormat f = StateFormat::Of(a_->model());
+  for (DataPath path : {DataPath::kHostDirect, DataPath::kHostStaged}) {
+    Receiver rx(b_.get(), ucx_b_.get(),
+                {.chunk_bytes = 700, .import_threads = 3, .force_path = path});
+    for (const bool good : {true, false}) {
+      const std::string id = absl::StrCat("v2-", DataPathName(path), "-", good);
+      absl::StatusOr<Reservation> r =
+          rx.Reserve(id, f, static_cast<int64_t>(e->tokens.size()), kChecksumV2);
+      ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+      ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
+                              r->rkey, 1000, absl::Seconds(10)).ok());
+      RingDoorbell(*r, payload.size());
+      const uint64_t sum = good ? Checksum(payload.data(), payload.size())
+                                : ChecksumV3(payload.data(), payload.size());
+      absl::StatusOr<SlotId> c = rx.Commit(id, e->tokens, sum);
+      if (!good) {
+        EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << id << ": " << c.status();
+        continue;
+      }
+      ASSERT_TRUE(c.ok()) << id << ": " << c.status();
+      absl::StatusOr<cache::ExportedState> eb = b_->Export(*c);
+      ASSERT_TRUE(eb.ok());
+      EXPECT_EQ(eb->checkpoints, e->checkpoints) << id;
+      ASSERT_TRUE(b_->Free(*c).ok());
+    }
+    EXPECT_EQ(rx.open(), 0);
+    EXPECT_EQ(b_->stats().slots_live, 0);
+  }
+}
+
+TEST_F(TransferTest, Version3OverManySegmentsWithUnalignedChunksOnBothHostPaths) {
+  // A payload of several 1 MiB segments (a real model's layers, 3 of 2 MiB), sender chunks
+  // that do not align with the segments (1000 B; 1 MiB + 17) over 1 and 3 lanes, the
+  // receiver importing 700 B chunks with 3 copiers: the segments are hashed on many threads,
+  // out of order, and partly from parts kept aside; the digests must still agree, and a
+  // corruption must still be caught.
+  std::unique_ptr<StateCache> a = MakeCache("qwen3-next-80b-a3b", 3),
+                              b = MakeCache("qwen3-next-80b-a3b", 3);
+  const StateFormat f = StateFormat::Of(a->model());
+  ASSERT_GE(static_cast<size_t>(f.Bytes()), 5 * kChecksumSegmentBytes);
+  const size_t per = static_cast<size_t>(f.Bytes()) / 3;
+  std::mt19937 rng(11);
+  std::vector<std::vector<uint8_t>> layers(3, std::vector<uint8_t>(per));
+  std::vector<absl::Span<const uint8_t>> spans;
+  for (auto& l : layers) {
+    for (auto& x : l) x = static_cast<uint8_t>(rng() & 0x3f);
+    spans.push_back(absl::MakeConstSpan(l));
+  }
+  const SlotId s = *a->Allocate();
+  ASSERT_TRUE(a->Import(s, {1, 2, 3}, spans).ok());
+  absl::StatusOr<cache::ExportedState> ea = a->Export(s);
+  ASSERT_TRUE(ea.ok());
+  for (DataPath path : {DataPath::kHostDirect, DataPath::kHostStaged}) {
+    Receiver rx(b.get(), ucx_b_.get(),
+                {.chunk_bytes = 700, .import_threads = 3, .force_path = path});
+    DirectPeer peer(&rx);
+    for (int lanes : {1, 3}) {
+      Sender sender(a.get(), Lanes(lanes));
+      for (size_t chunk : {size_t{1000}, (size_t{1} << 20) + 17}) {
+        const std::string id = absl::StrCat("seg-", DataPathName(path), "-", lanes, "-", chunk);
+        absl::StatusOr<SendResult> r = sender.Send(
+            peer, s, id, {.keep_source = true, .chunk_bytes = chunk, .force_path = path});
+        ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+        absl::StatusOr<cache::ExportedState> eb = b->Export(r->remote_slot);
+        ASSERT_TRUE(eb.ok());
+        EXPECT_TRUE(ea->checkpoints == eb->checkpoints) << id;
+        ASSERT_TRUE(b->Free(r->remote_slot).ok());
+      }
+      rx.CorruptNextPayloadForTest();
+      EXPECT_EQ(sender.Send(peer, s, absl::StrCat("seg-bad-", DataPathName(path), "-", lanes),
+                            {.keep_source = true, .chunk_bytes = (size_t{1} << 20) + 17,
+                             .force_path = path})
+                    .status()
+                    .code(),
+                absl::StatusCode::kDataLoss)
+          << lanes << " lanes";
+      EXPECT_EQ(b->stats().slots_live, 0);
+      EXPECT_EQ(rx.open(), 0);
+    }
+  }
 }
 
 // Fills every slot of `c` with a non-zero state and frees them again: whatever is allocated
@@ -282,7 +375,7 @@ TEST_F(TransferTest, TheReservedSlotIsNobodysUntilTheCommitAndKeepsNoStaleByte) 
   ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
                           r->rkey, 1000, absl::Seconds(10)).ok());
   RingDoorbell(*r, payload.size());
-  absl::StatusOr<SlotId> c = rx.Commit("fresh", e->tokens, Checksum(payload.data(), payload.size()));
+  absl::StatusOr<SlotId> c = rx.Commit("fresh", e->tokens, ChecksumV3(payload.data(), payload.size()));
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(*c, reserved);
   absl::StatusOr<cache::ExportedState> eb = b_->Export(*c);
@@ -316,7 +409,7 @@ TEST_F(TransferTest, TheReservedSlotIsFreedOnAbortExpiryAndChecksumMismatch) {
   EXPECT_EQ(rx.open(), 0);
   EXPECT_EQ(b_->stats().slots_live, 0);
   reserve_and_put("ok");
-  EXPECT_TRUE(rx.Commit("ok", {}, Checksum(payload.data(), payload.size())).ok())
+  EXPECT_TRUE(rx.Commit("ok", {}, ChecksumV3(payload.data(), payload.size())).ok())
       << "the slots came back usable";
 }
 
@@ -537,6 +630,105 @@ TEST(Checksum, ChunkByChunkEqualsOneShotForAnySplit) {
     EXPECT_NE(Checksum(x.data(), x.size()), whole) << "a flipped bit at " << i;
     x[i] ^= 0x10;
   }
+}
+
+// Version 3 written out from docs/transfer.md, independently of checksum.cc: v2 of every
+// 1 MiB (here: `segment`) segment, mixed in order, then the length.
+uint64_t ReferenceV3(const std::vector<uint8_t>& x, size_t segment) {
+  auto mix = [](uint64_t h, uint64_t v) {
+    h ^= v * 0x9E3779B97F4A7C15ULL;
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ULL;
+    return h ^ (h >> 32);
+  };
+  uint64_t h = 0x5eed0003;
+  for (size_t off = 0; off < x.size(); off += segment) {
+    Checksummer c;
+    c.Update(x.data() + off, std::min(segment, x.size() - off));
+    h = mix(h, c.Digest());
+  }
+  return mix(h, x.size());
+}
+
+// Random pieces of [0, size): sizes 1..max_piece (unaligned with anything), shuffled.
+std::vector<std::pair<size_t, size_t>> RandomPieces(size_t size, size_t max_piece, std::mt19937& rng) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t off = 0; off < size;) {
+    const size_t n = std::min<size_t>(size - off, 1 + rng() % max_piece);
+    out.emplace_back(off, n);
+    off += n;
+  }
+  std::shuffle(out.begin(), out.end(), rng);
+  return out;
+}
+
+TEST(ChecksumV3, EqualForAnyChunkingOrderAndThreadsAndToTheReference) {
+  std::mt19937 rng(17);
+  for (size_t segment : {size_t{64}, size_t{1000}, size_t{4096}, kChecksumSegmentBytes}) {
+    for (size_t size : {size_t{0}, size_t{1}, size_t{999}, size_t{64 * 1000 + 7}, size_t{3} << 20,
+                        (size_t{5} << 20) + 333}) {
+      if (segment < 4096 && size > (size_t{1} << 20)) continue;  // the time goes to the big cases
+      std::vector<uint8_t> x(size);
+      for (auto& b : x) b = static_cast<uint8_t>(rng());
+      const uint64_t want = ReferenceV3(x, segment);
+      ASSERT_EQ(ChecksumV3(x.data(), x.size(), segment), want) << segment << " " << size;
+      if (segment == kChecksumSegmentBytes) EXPECT_EQ(ChecksumV3(x.data(), x.size()), want);
+      if (size > 0) EXPECT_NE(want, Checksum(x.data(), x.size())) << "v3 is not v2";
+      // Pieces as the sender's and receiver's chunkings make them: the receiver's 700 and
+      // 1000 bytes, the real 4 MiB, and random sizes; in order, shuffled, over 4 threads.
+      for (size_t max_piece : {size_t{700}, size_t{1000}, size_t{4} << 20, size_t{3 * 1024 + 5},
+                               segment + 1, size_t{333333}}) {
+        for (int threads : {1, 4}) {
+          std::vector<std::pair<size_t, size_t>> pieces = RandomPieces(size, max_piece, rng);
+          if (threads == 1) std::sort(pieces.begin(), pieces.end());
+          SegmentedChecksum sum(size, segment), copied(size, segment);
+          std::vector<uint8_t> dst(size);
+          std::atomic<size_t> next{0};
+          auto work = [&] {
+            for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+              const auto [off, n] = pieces[i];
+              sum.Add(off, x.data() + off, n);
+              copied.CopyAndAdd(dst.data() + off, x.data() + off, off, n);
+            }
+          };
+          std::vector<std::thread> th;
+          for (int t = 0; t < threads; ++t) th.emplace_back(work);
+          for (auto& t : th) t.join();
+          EXPECT_EQ(sum.Digest(), want) << segment << " " << size << " " << max_piece << " " << threads;
+          EXPECT_EQ(copied.Digest(), want) << segment << " " << size << " " << max_piece;
+          EXPECT_EQ(dst, x);
+        }
+      }
+    }
+  }
+}
+
+TEST(ChecksumV3, ACorruptionInAnySegmentIsDetected) {
+  const size_t segment = 4096, size = 10 * 4096 + 100;  // 11 segments, the last one short
+  std::vector<uint8_t> x(size);
+  std::mt19937 rng(3);
+  for (auto& b : x) b = static_cast<uint8_t>(rng());
+  const uint64_t whole = ChecksumV3(x.data(), x.size(), segment);
+  for (size_t seg = 0; seg * segment < size; ++seg) {
+    for (size_t at : {size_t{0}, size_t{63}, size_t{2049}, segment - 1}) {
+      const size_t i = std::min(size - 1, seg * segment + at);
+      x[i] ^= 0x04;
+      EXPECT_NE(ChecksumV3(x.data(), x.size(), segment), whole) << "byte " << i;
+      SegmentedChecksum s(size, segment);
+      for (const auto& [off, n] : RandomPieces(size, 1000, rng)) s.Add(off, x.data() + off, n);
+      EXPECT_NE(s.Digest(), whole) << "byte " << i << ", out of order";
+      x[i] ^= 0x04;
+    }
+  }
+  // Swapped segments, a missing tail, the real segment size.
+  std::vector<uint8_t> swapped = x;
+  std::swap_ranges(swapped.begin(), swapped.begin() + segment, swapped.begin() + segment);
+  EXPECT_NE(ChecksumV3(swapped.data(), size, segment), whole);
+  EXPECT_NE(ChecksumV3(x.data(), size - 1, segment), whole);
+  std::vector<uint8_t> big((size_t{3} << 20) + 10, 1);
+  const uint64_t b = ChecksumV3(big.data(), big.size());
+  big[(size_t{2} << 20) + 5] ^= 1;
+  EXPECT_NE(ChecksumV3(big.data(), big.size()), b);
 }
 
 TEST(StateFormat, BytesAndChecksum) {
