@@ -21,6 +21,12 @@ rssm_status Invalid(const std::string& fn, const std::string& what) {
 
 bool KnownBackend(int32_t b) { return b == RSSM_BACKEND_CPU || b == RSSM_BACKEND_CUDA; }
 
+// RSSM_OK for a known backend, else the error naming the field, what was expected and what came.
+rssm_status CheckBackend(const char* fn, int32_t backend) {
+  if (KnownBackend(backend)) return RSSM_OK;
+  return Invalid(fn, "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+}
+
 #ifdef REPLAYSSM_WITH_CUDA
 rssm_status CudaCheck(cudaError_t e, const char* fn) {
   if (e == cudaSuccess) return RSSM_OK;
@@ -44,9 +50,7 @@ extern "C" {
 rssm_status rssm_alloc(int32_t backend, size_t bytes, void** out) {
   if (out == nullptr) return Invalid("rssm_alloc", "out: expected a non-null pointer, got NULL");
   *out = nullptr;
-  if (!KnownBackend(backend)) {
-    return Invalid("rssm_alloc", "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
-  }
+  if (const rssm_status st = CheckBackend("rssm_alloc", backend); st != RSSM_OK) return st;
   if (bytes == 0) return RSSM_OK;
   if (backend == RSSM_BACKEND_CPU) {
     *out = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -64,9 +68,7 @@ rssm_status rssm_alloc(int32_t backend, size_t bytes, void** out) {
 }
 
 rssm_status rssm_free(int32_t backend, void* ptr) {
-  if (!KnownBackend(backend)) {
-    return Invalid("rssm_free", "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
-  }
+  if (const rssm_status st = CheckBackend("rssm_free", backend); st != RSSM_OK) return st;
   if (ptr == nullptr) return RSSM_OK;
   if (backend == RSSM_BACKEND_CPU) {
     std::free(ptr);
@@ -142,10 +144,7 @@ rssm_status rssm_alloc_host(int32_t backend, size_t bytes, void** out) {
     return Invalid("rssm_alloc_host", "out: expected a non-null pointer, got NULL");
   }
   *out = nullptr;
-  if (!KnownBackend(backend)) {
-    return Invalid("rssm_alloc_host",
-                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
-  }
+  if (const rssm_status st = CheckBackend("rssm_alloc_host", backend); st != RSSM_OK) return st;
   if (bytes == 0) return RSSM_OK;
   if (backend == RSSM_BACKEND_CPU) return rssm_alloc(backend, bytes, out);
 #ifdef REPLAYSSM_WITH_CUDA
@@ -156,10 +155,7 @@ rssm_status rssm_alloc_host(int32_t backend, size_t bytes, void** out) {
 }
 
 rssm_status rssm_free_host(int32_t backend, void* ptr) {
-  if (!KnownBackend(backend)) {
-    return Invalid("rssm_free_host",
-                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
-  }
+  if (const rssm_status st = CheckBackend("rssm_free_host", backend); st != RSSM_OK) return st;
   if (ptr == nullptr) return RSSM_OK;
   if (backend == RSSM_BACKEND_CPU) return rssm_free(backend, ptr);
 #ifdef REPLAYSSM_WITH_CUDA
@@ -174,10 +170,7 @@ rssm_status rssm_stream_create(int32_t backend, void** out) {
     return Invalid("rssm_stream_create", "out: expected a non-null pointer, got NULL");
   }
   *out = nullptr;
-  if (!KnownBackend(backend)) {
-    return Invalid("rssm_stream_create",
-                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
-  }
+  if (const rssm_status st = CheckBackend("rssm_stream_create", backend); st != RSSM_OK) return st;
   if (backend == RSSM_BACKEND_CPU) return RSSM_OK;
 #ifdef REPLAYSSM_WITH_CUDA
   cudaStream_t s = nullptr;
@@ -191,10 +184,7 @@ rssm_status rssm_stream_create(int32_t backend, void** out) {
 }
 
 rssm_status rssm_stream_destroy(int32_t backend, void* stream) {
-  if (!KnownBackend(backend)) {
-    return Invalid("rssm_stream_destroy",
-                   "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
-  }
+  if (const rssm_status st = CheckBackend("rssm_stream_destroy", backend); st != RSSM_OK) return st;
   if (stream == nullptr) return RSSM_OK;
   if (backend == RSSM_BACKEND_CPU) {
     return Invalid("rssm_stream_destroy", "stream: expected NULL on the CPU backend, got a pointer");
