@@ -130,18 +130,24 @@ inline bool Aligned16(const void* ptr, int64_t stride_elems, size_t elem) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0 && (stride_elems * int64_t(elem)) % 16 == 0;
 }
 
+// The call's layer, batch, mode and per-row arrays, as every step kernel's params hold them.
+template <typename P>
+void CopyCall(const StepParams& sp, P* p) {
+  p->ly = sp.ly;
+  p->batch = sp.batch;
+  p->num_draft = sp.num_draft;
+  p->mode = sp.mode;
+  p->slot_idx = sp.slot_idx;
+  p->write_pos = sp.write_pos;
+  p->force_fold = sp.force_fold;
+}
+
 template <typename T, int KMAX, int TC>
 cudaError_t LaunchStreamT(const StepParams& sp, cudaStream_t stream, bool* launched) {
   *launched = false;
   using Cfg = TileCfg<T, KMAX>;
   StreamParams p{};
-  p.ly = sp.ly;
-  p.batch = sp.batch;
-  p.num_draft = sp.num_draft;
-  p.mode = sp.mode;
-  p.slot_idx = sp.slot_idx;
-  p.write_pos = sp.write_pos;
-  p.force_fold = sp.force_fold;
+  CopyCall(sp, &p);
   p.num_vtiles = (p.ly.V + Cfg::VT - 1) / Cfg::VT;
   p.wl = WsLayout::Make(p.ly.K, p.ly.L, p.num_draft, p.mode != kModeVerify);
   p.sm = StreamSmem::Make(p.ly.L, Cfg::VT, TC);
@@ -222,13 +228,7 @@ template <typename T, int TT, int KC, int RB, bool KDA>
 cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launched) {
   *launched = false;
   BulkParams p{};
-  p.ly = sp.ly;
-  p.batch = sp.batch;
-  p.num_draft = sp.num_draft;
-  p.mode = sp.mode;
-  p.slot_idx = sp.slot_idx;
-  p.write_pos = sp.write_pos;
-  p.force_fold = sp.force_fold;
+  CopyCall(sp, &p);
   const LayerDesc& ly = p.ly;
   constexpr int sz = int(sizeof(T));
   p.lr = p.mode == kModeBaseline ? 0 : ly.L;
