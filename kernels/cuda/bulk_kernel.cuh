@@ -188,10 +188,10 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
   const LayerDesc& ly = p.ly;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tid = threadIdx.x, nthr = blockDim.x, nw = p.nw;
-  const int64_t item = blockIdx.x;
-  const int chunk = static_cast<int>(item % p.nchunk);
-  const int h = static_cast<int>((item / p.nchunk) % ly.HV);
-  const int r = static_cast<int>(item / (int64_t{p.nchunk} * ly.HV));
+  // grid (HV * nchunk, batch): no division when a CTA covers a whole head (nchunk = 1)
+  const int hc = blockIdx.x, r = blockIdx.y;
+  const int chunk = p.nchunk == 1 ? 0 : hc % p.nchunk;
+  const int h = p.nchunk == 1 ? hc : hc / p.nchunk;
   const int K = ly.K, V = ly.V, L = ly.L, H = ly.H, T_ = p.num_draft, rpw = p.rpw;
   constexpr bool kda = KDA;
   const int kg = kda ? K : 1;
@@ -496,11 +496,13 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
     }
     __syncthreads();
     if (bk || bg || bd) MbarWait(rbar, 0);
-    int u = 0;
+    int owner = 0;  // the warp of the next unit (round robin)
     for (int t = 0; t < T_; ++t) {
       const int nblk = max(1, (w + t + G - 1) / G);
-      for (int bi = 0; bi < nblk; ++bi, ++u) {
-        if (u % nw != warp) continue;
+      for (int bi = 0; bi < nblk; ++bi) {
+        const bool mine = owner == warp;
+        if (++owner == nw) owner = 0;
+        if (!mine) continue;
         float q[KC], kk[KC];
 #pragma unroll
         for (int e = 0; e < KC; ++e) {
@@ -539,12 +541,35 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
   if (one_pass) load_pass(0);
   const bool vec_s0 = p.vec_s0 != 0;
 
+  // Verify in one pass (T <= TT, the usual T = 4): the drafts' chain coefficients, betas and
+  // k·q in registers; lane i < RB finishes row i of a batch for every draft.
+  constexpr bool kVerify = TT > 1;
+  float cu[TT][TT], cp[TT][TT], bt[TT], kqv[TT];
+  if constexpr (kVerify) {
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      const bool on = t < T_;
+      bt[t] = on ? betas[t] : 0.f;
+      kqv[t] = on ? kqs[t] : 0.f;
+#pragma unroll
+      for (int t2 = 0; t2 < TT; ++t2) {
+        cu[t][t2] = on && t2 < t ? us[t * L + w + t2] : 0.f;
+        cp[t][t2] = on && t2 < t ? ps[t * L + w + t2] : 0.f;
+      }
+    }
+  }
+  const float* const vrow = vsm + (wv0 - v0) + row_l;            // + t * rows + rb0
+  const int64_t orow = tok0 * ly.o_stride + int64_t{h} * V + wv0 + row_l;  // + t * o_stride + rb0
+  T* const drow = rd + int64_t{w} * V + wv0 + row_l;             // + t * V + rb0
+
+  int si = 0;            // the batch's stage (b % ns without a division)
+  uint32_t sphase = 0u;  // ... and its mbarrier phase ((b / ns) & 1)
   #pragma unroll 1
   for (int b = 0; b < nb; ++b) {
     const int rb0 = b * RB;  // the batch's first row within the warp
-    T* const stage = s0s + (b % ns) * RB * K;
+    T* const stage = s0s + si * RB * K;
     if (bs0) {
-      MbarWait(wbar + b % ns, (b / ns) & 1);
+      MbarWait(wbar + si, sphase);
     } else {  // plain copy of the batch (unaligned slots)
       __syncwarp();
       for (int i = lane; i < RB * K; i += 32) stage[i] = s0[int64_t(wv0 + rb0) * K + i];
@@ -600,6 +625,35 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
               acc[(t * RB + i) * 2 + 1] += d2.Get(i) * ps[(pass0 + t) * L + j];
             }
           }
+        }
+      }
+      if constexpr (kVerify) {
+        if (one_pass) {  // lane i < RB chains row i's drafts with register coefficients
+          TransposeReduce<NV, 16>::Run(acc, lane);
+          float skv[TT], sqv[TT];
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            skv[t] = __shfl_sync(0xffffffffu, acc[0], ((t * RB + row_l) * 2) * SPREAD);
+            sqv[t] = __shfl_sync(0xffffffffu, acc[0], ((t * RB + row_l) * 2 + 1) * SPREAD);
+          }
+          if (lane < RB) {
+            float dr_prev[TT];  // the drafts' d as stored (rounded to T)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              dr_prev[t] = 0.f;
+              if (t < T_) {
+                float sk = skv[t], sq = sqv[t];
+#pragma unroll
+                for (int t2 = 0; t2 < t; ++t2) sk += dr_prev[t2] * cu[t][t2], sq += dr_prev[t2] * cp[t][t2];
+                const float d = bt[t] * (vrow[t * rows + rb0] - sk);
+                const T dr = FromF<T>(d);
+                dr_prev[t] = ToF(dr);
+                StoreAct(ly.o, orow + t * ly.o_stride + rb0, ly.act_dtype, sq + d * kqv[t]);
+                drow[int64_t{t} * V + rb0] = dr;
+              }
+            }
+          }
+          continue;  // the only pass
         }
       }
       float vcur[TT];
@@ -672,10 +726,11 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
       if (lane == 0) {
         FenceProxyAsync();  // ... and ordered before the bulk engine's writes
         const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
-        MbarExpectTx(wbar + b % ns, bb);
-        BulkLoadStream(stage, s0 + int64_t(wv0 + rb0 + ns * RB) * K, bb, wbar + b % ns);
+        MbarExpectTx(wbar + si, bb);
+        BulkLoadStream(stage, s0 + int64_t(wv0 + rb0 + ns * RB) * K, bb, wbar + si);
       }
     }
+    if (++si == ns) si = 0, sphase ^= 1u;
   }
 }
 

@@ -293,8 +293,11 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   // (GDN's g row goes in 16-byte units: only when every row starts 16-byte aligned)
   p.bulk_g = Aligned16(ly.ring_g, gs, 4) && (ly.kda || ly.L % 4 == 0) && (mask & 8) != 0 ? 1 : 0;
   p.dstride = DStride(nw * rpw, sz);
-  const int64_t items = int64_t{p.batch} * ly.HV * p.nchunk;
-  if (items <= 0 || items > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  // grid (HV * nchunk, batch); a batch past the grid's y limit takes the caller's fallback
+  const int64_t heads = int64_t{ly.HV} * p.nchunk;
+  if (p.batch <= 0 || heads <= 0 || heads > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (p.batch > 65535) return cudaSuccess;
+  const int64_t items = heads * p.batch;
   const size_t bytes = size_t(sm.total);
   auto kernel = BulkStepKernel<T, TT, KC, RB, KDA>;
   if ((e = AllowSmem(kernel, bytes)) != cudaSuccess) return e;
@@ -311,7 +314,7 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
                  int(p.mode), p.num_draft, RB, rpw, ns, nw, p.nchunk, bytes, per_sm,
                  (long long)items, p.bulk_s0, p.bulk_d, p.bulk_k, p.bulk_g);
   }
-  kernel<<<dim3(static_cast<unsigned>(items)), nw * 32, bytes, stream>>>(p);
+  kernel<<<dim3(static_cast<unsigned>(heads), static_cast<unsigned>(p.batch)), nw * 32, bytes, stream>>>(p);
   e = cudaGetLastError();
   *launched = e == cudaSuccess;
   return e;
