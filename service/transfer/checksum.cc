@@ -6,32 +6,17 @@
 namespace replayssm::transfer {
 namespace {
 
-constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ULL;
-constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4FULL;
+using checksum_v2::Mix;
 
-inline uint64_t Rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-inline uint64_t Mix(uint64_t h, uint64_t v) {
-  h ^= v * 0x9E3779B97F4A7C15ULL;
-  h ^= h >> 29;
-  h *= 0xBF58476D1CE4E5B9ULL;
-  return h ^ (h >> 32);
-}
+constexpr uint64_t kV3Seed = 0x5eed0003;
 
 }  // namespace
 
-void Checksummer::Blocks(const uint8_t* p, size_t n) {
-  uint64_t l[8];
-  std::memcpy(l, lane_, sizeof(l));
-  for (size_t i = 0; i < n; i += 64) {
-    for (int k = 0; k < 8; ++k) {
-      uint64_t v;
-      std::memcpy(&v, p + i + 8 * k, 8);
-      l[k] = Rotl(l[k] + v * kPrime2, 31) * kPrime1;
-    }
-  }
-  std::memcpy(lane_, l, sizeof(l));
+Checksummer::Checksummer() {
+  for (int k = 0; k < checksum_v2::kLanes; ++k) lane_[k] = checksum_v2::LaneInit(k);
 }
+
+void Checksummer::Blocks(const uint8_t* p, size_t n) { checksum_v2::Blocks(lane_, p, n); }
 
 void Checksummer::Update(const void* data, size_t size) {
   const auto* p = static_cast<const uint8_t*>(data);
@@ -64,23 +49,10 @@ void Checksummer::CopyAndUpdate(void* dst, const void* src, size_t size) {
 }
 
 uint64_t Checksummer::Digest() const {
-  uint64_t h = 0x5eed;
-  for (uint64_t l : lane_) h = Mix(h, l);
-  for (size_t i = 0; i < tail_size_; ++i) h = Mix(h, tail_[i]);
-  return Mix(h, total_);
+  return checksum_v2::Finish(lane_, tail_, tail_size_, total_);
 }
 
-uint64_t Checksum(const void* data, size_t size) {
-  Checksummer c;
-  c.Update(data, size);
-  return c.Digest();
-}
-
-namespace {
-
-constexpr uint64_t kV3Seed = 0x5eed0003;
-
-}  // namespace
+uint64_t Checksum(const void* data, size_t size) { return checksum_v2::Digest(data, size); }
 
 SegmentedChecksum::SegmentedChecksum(size_t total, size_t segment)
     : total_(total),
@@ -134,23 +106,29 @@ void SegmentedChecksum::Add(size_t offset, const void* data, size_t size) {
   CopyAndAdd(nullptr, data, offset, size);
 }
 
-uint64_t SegmentedChecksum::Digest() const {
+uint64_t CombineSegmentDigests(const uint64_t* digests, size_t count, size_t total) {
   uint64_t h = kV3Seed;
+  for (size_t i = 0; i < count; ++i) h = Mix(h, digests[i]);
+  return Mix(h, total);
+}
+
+uint64_t SegmentedChecksum::Digest() const {
+  std::vector<uint64_t> d(count_);
   for (size_t i = 0; i < count_; ++i) {
     std::lock_guard<std::mutex> lock(segs_[i].mu);
-    h = Mix(h, segs_[i].sum.Digest());
+    d[i] = segs_[i].sum.Digest();
   }
-  return Mix(h, total_);
+  return CombineSegmentDigests(d.data(), count_, total_);
 }
 
 uint64_t ChecksumV3(const void* data, size_t size, size_t segment) {
   if (segment == 0) segment = kChecksumSegmentBytes;
   const auto* p = static_cast<const uint8_t*>(data);
-  uint64_t h = kV3Seed;
+  std::vector<uint64_t> d;
   for (size_t off = 0; off < size; off += segment) {
-    h = Mix(h, Checksum(p + off, std::min(segment, size - off)));
+    d.push_back(Checksum(p + off, std::min(segment, size - off)));
   }
-  return Mix(h, size);
+  return CombineSegmentDigests(d.data(), d.size(), size);
 }
 
 }  // namespace replayssm::transfer

@@ -2,7 +2,8 @@
 // (the sender as it stages or puts it, the receiver as it imports it). See docs/transfer.md.
 //
 // Version 2 (Checksummer): eight 64-bit lanes over 64-byte blocks, one xxHash64-style round
-// (multiply, rotate, multiply) per 8-byte word, lanes and length mixed at the end.
+// (multiply, rotate, multiply) per 8-byte word, lanes and length mixed at the end (the round
+// and the finish: replayssm/checksum_v2.h, shared with the kernels' rssm_segment_digests).
 // Incremental: any split of the payload into Update calls gives the same digest, but the
 // calls must come in payload order, so one thread hashes the whole payload (~5 GB/s).
 //
@@ -11,7 +12,9 @@
 // hashed on its own with version 2 (its own lanes, tail and length), and the segment
 // digests are mixed in segment order, then the payload's length. It does not depend on how
 // the payload is split into chunks either, and different segments can be hashed on
-// different threads at once, in any order.
+// different threads at once, in any order. The segment digests of memory a backend holds
+// (device memory on CUDA) come from rssm_segment_digests (kernels.h), the same function on the
+// device; CombineSegmentDigests turns them into the payload's digest.
 //
 // Neither is cryptographic: they catch corruption, not an adversary. (Version 1, one pass of
 // four multiply-xorshift lanes over the whole payload, ran at a third of the speed and could
@@ -30,6 +33,8 @@
 #include <mutex>
 #include <vector>
 
+#include "replayssm/checksum_v2.h"
+
 namespace replayssm::transfer {
 
 // What a sender declares (version 3); a receiver also verifies version 2 (an older sender).
@@ -37,12 +42,13 @@ inline constexpr uint32_t kChecksumVersion = 3;
 inline constexpr uint32_t kChecksumV2 = 2;
 // Version 3's segment: part of the format (both sides must use the same).
 inline constexpr size_t kChecksumSegmentBytes = size_t{1} << 20;
-// Declared by a sender that puts device memory directly (UCX with CUDA support): it cannot
-// hash what it never sees on the host, and the receiver does not verify.
+// Declared by a device-direct sender of an older build (it did not hash device memory); the
+// receiver accepts it and does not verify. Senders of this build declare 3 on every path.
 inline constexpr uint32_t kChecksumNone = 100;
 
 class Checksummer {
  public:
+  Checksummer();
   void Update(const void* data, size_t size);
   // Copies src[0, size) to dst (host memory, not overlapping) and hashes it: one pass over
   // src, in pieces small enough to stay in L1 between the copy and the hash.
@@ -51,7 +57,7 @@ class Checksummer {
 
  private:
   void Blocks(const uint8_t* p, size_t n);  // n a multiple of 64
-  uint64_t lane_[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  uint64_t lane_[checksum_v2::kLanes];
   uint8_t tail_[64] = {};
   size_t tail_size_ = 0;
   uint64_t total_ = 0;
@@ -59,6 +65,10 @@ class Checksummer {
 
 // The version 2 digest of one contiguous buffer.
 uint64_t Checksum(const void* data, size_t size);
+
+// Version 3 from the version 2 digests of a payload's `count` segments (in segment order) and
+// its length: what SegmentedChecksum, ChecksumV3 and a backend's segment digests end with.
+uint64_t CombineSegmentDigests(const uint64_t* digests, size_t count, size_t total);
 
 // Version 3 of a payload of `total` bytes, fed in pieces (payload offset, bytes) in any order
 // and from any threads. A piece's part in a segment is hashed at once when it is the next

@@ -1,0 +1,85 @@
+// Checksum version 2 of a transfer payload (docs/transfer.md): the one definition of its
+// round, lanes and finish, shared by the host's Checksummer (service/transfer/checksum.cc), the
+// CPU backend's and the CUDA kernel's rssm_segment_digests (kernels.h), so that they cannot
+// drift. C++ only (the C ABI does not depend on it); the round and the finish are
+// __host__ __device__ when compiled by nvcc.
+//
+// The function: eight 64-bit lanes (initially 1..8) over the 64-byte blocks of the data, lane
+// k taking word k (8 bytes, little-endian) of each block through Round; then, from seed
+// kSeed, Mix of each lane in order, of each byte of the tail (the last size % 64 bytes) in
+// order, and of the length in bytes. Not cryptographic: it catches corruption.
+#ifndef REPLAYSSM_CHECKSUM_V2_H_
+#define REPLAYSSM_CHECKSUM_V2_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __CUDACC__
+#define RSSM_CHECKSUM_HD __host__ __device__ __forceinline__
+#else
+#define RSSM_CHECKSUM_HD inline
+#endif
+
+namespace replayssm::checksum_v2 {
+
+inline constexpr int kLanes = 8;
+inline constexpr size_t kBlockBytes = 64;  // kLanes words of 8 bytes
+inline constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ULL;
+inline constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4FULL;
+inline constexpr uint64_t kSeed = 0x5eed;
+
+// Lane k's value before the first block.
+RSSM_CHECKSUM_HD uint64_t LaneInit(int k) { return static_cast<uint64_t>(k) + 1; }
+
+RSSM_CHECKSUM_HD uint64_t Rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+// One lane takes one word (xxHash64's round: multiply, rotate, multiply).
+RSSM_CHECKSUM_HD uint64_t Round(uint64_t lane, uint64_t word) {
+  return Rotl(lane + word * kPrime2, 31) * kPrime1;
+}
+
+// The finish's mix (also what version 3 mixes its segment digests with).
+RSSM_CHECKSUM_HD uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v * 0x9E3779B97F4A7C15ULL;
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ULL;
+  return h ^ (h >> 32);
+}
+
+// The digest from the lanes after every whole block, the tail (< 64 bytes) and the length.
+RSSM_CHECKSUM_HD uint64_t Finish(const uint64_t* lanes, const uint8_t* tail, size_t tail_size,
+                                 uint64_t total) {
+  uint64_t h = kSeed;
+  for (int k = 0; k < kLanes; ++k) h = Mix(h, lanes[k]);
+  for (size_t i = 0; i < tail_size; ++i) h = Mix(h, tail[i]);
+  return Mix(h, total);
+}
+
+// Host: feeds n bytes (a multiple of 64; any alignment) of whole blocks into the lanes.
+inline void Blocks(uint64_t* lanes, const uint8_t* p, size_t n) {
+  uint64_t l[kLanes];
+  std::memcpy(l, lanes, sizeof(l));
+  for (size_t i = 0; i < n; i += kBlockBytes) {
+    for (int k = 0; k < kLanes; ++k) {
+      uint64_t v;
+      std::memcpy(&v, p + i + 8 * k, 8);
+      l[k] = Round(l[k], v);
+    }
+  }
+  std::memcpy(lanes, l, sizeof(l));
+}
+
+// Host: the digest of one contiguous buffer.
+inline uint64_t Digest(const void* data, size_t size) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t lanes[kLanes];
+  for (int k = 0; k < kLanes; ++k) lanes[k] = LaneInit(k);
+  const size_t whole = size / kBlockBytes * kBlockBytes;
+  Blocks(lanes, p, whole);
+  return Finish(lanes, p + whole, size - whole, size);
+}
+
+}  // namespace replayssm::checksum_v2
+
+#endif  // REPLAYSSM_CHECKSUM_V2_H_
