@@ -6,6 +6,7 @@
 
 #include "../src/backend.h"
 #include "head_math.h"
+#include "replayssm/checksum_v2.h"
 #include "thread_pool.h"
 
 namespace replayssm::kernels::cpu {
@@ -299,6 +300,17 @@ rssm_status Verify(const rssm_verify_args& a) {
       }
     });
   });
+}
+
+rssm_status SegmentDigests(const void* data, size_t bytes, size_t segment_bytes,
+                           uint64_t* digests) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  const size_t count = (bytes + segment_bytes - 1) / segment_bytes;
+  ThreadPool::Default().ParallelFor(static_cast<int64_t>(count), [&](int64_t i) {
+    const size_t off = static_cast<size_t>(i) * segment_bytes;
+    digests[i] = checksum_v2::Digest(p + off, std::min(segment_bytes, bytes - off));
+  });
+  return RSSM_OK;
 }
 
 }  // namespace replayssm::kernels::cpu

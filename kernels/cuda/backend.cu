@@ -1,11 +1,14 @@
 // The CUDA backend of kernels/src/backend.h: maps the (already validated) C ABI arguments
 // onto kernel params, dispatches on the state dtype, launches on the caller's stream and
-// reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No synchronization.
+// reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No synchronization,
+// except in SegmentDigests (a transfer-path call that hands its digests back to the host).
 // One allocation exception (v5 step, kernels/cuda/NOTES.md): the pre-pass workspace of a
 // (device, stream) is grown by cudaMalloc the first time a decode/verify call needs more than
 // any earlier call on that stream (never inside a stream capture: such a call runs the v4b
 // kernels instead, which need no workspace).
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "../src/backend.h"
 #include "params.h"
@@ -147,6 +150,28 @@ rssm_status Prefill(const rssm_prefill_args& a) {
   p.initial = a.initial;
   p.write_pos = a.write_pos;
   return Report(PrefillOrFold(p, a.shape.state_dtype, StreamOf(a.launch)), "prefill launch");
+}
+
+// Not a decode step: it synchronizes the stream to hand the digests back (kernels.h). The
+// digests land in a host vector first, so that nothing is written to `digests` on an error.
+rssm_status SegmentDigests(const rssm_launch& launch, const void* data, size_t bytes,
+                           size_t segment_bytes, uint64_t* digests) {
+  const cudaStream_t stream = StreamOf(launch);
+  const size_t count = (bytes + segment_bytes - 1) / segment_bytes;
+  std::vector<uint64_t> host(count);
+  SegmentDigestParams p{static_cast<const uint8_t*>(data), bytes, segment_bytes, nullptr};
+  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&p.digests), count * 8, stream);
+  if (e != cudaSuccess) return Report(e, "segment digests: device memory");
+  e = LaunchSegmentDigests(p, stream);
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(host.data(), p.digests, count * 8, cudaMemcpyDeviceToHost, stream);
+  }
+  const cudaError_t freed = cudaFreeAsync(p.digests, stream);
+  const cudaError_t synced = cudaStreamSynchronize(stream);
+  if (e == cudaSuccess) e = freed != cudaSuccess ? freed : synced;
+  if (e != cudaSuccess) return Report(e, "segment digests launch");
+  std::copy(host.begin(), host.end(), digests);
+  return RSSM_OK;
 }
 
 }  // namespace replayssm::kernels::cuda

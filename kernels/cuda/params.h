@@ -5,6 +5,7 @@
 #define REPLAYSSM_KERNELS_CUDA_PARAMS_H_
 
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
 
 namespace replayssm::kernels::cuda {
@@ -180,6 +181,17 @@ cudaError_t LaunchStepF16(StepParams p, cudaStream_t stream);
 cudaError_t LaunchPrefillF32(PrefillParams p, cudaStream_t stream);
 cudaError_t LaunchPrefillBf16(PrefillParams p, cudaStream_t stream);
 cudaError_t LaunchPrefillF16(PrefillParams p, cudaStream_t stream);
+
+// rssm_segment_digests (checksum.cu): segment i of data is bytes [i * segment_bytes,
+// min((i + 1) * segment_bytes, bytes)); digests[i] its version 2 digest.
+struct SegmentDigestParams {
+  const uint8_t* data;    // [bytes], 16-byte aligned, device memory
+  size_t bytes;           // > 0
+  size_t segment_bytes;   // a positive multiple of 64
+  uint64_t* digests;      // [ceil(bytes / segment_bytes)], device memory
+};
+// One CTA per segment; no synchronization.
+cudaError_t LaunchSegmentDigests(const SegmentDigestParams& p, cudaStream_t stream);
 
 }  // namespace replayssm::kernels::cuda
 

@@ -1,6 +1,7 @@
 // The C ABI front: validates every argument before any work starts, resolves default
 // strides, and dispatches to the backend. Error text: "<function>: <field>: expected <what>,
 // got <value>".
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <unordered_set>
@@ -295,6 +296,34 @@ rssm_status rssm_verify(const rssm_verify_args* in) {
   return IsCpu(a.launch) ? cpu::Verify(a) : cuda::Verify(a);
 }
 
+rssm_status rssm_segment_digests(const rssm_launch* launch, const void* data, size_t bytes,
+                                 size_t segment_bytes, uint64_t* digests) {
+  Check c("rssm_segment_digests");
+  if (launch == nullptr) {
+    c.Fail("launch", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  CheckLaunch(c, *launch);
+  if (segment_bytes == 0 || segment_bytes % 64 != 0) {
+    c.Fail("segment_bytes", "a positive multiple of 64", std::to_string(segment_bytes));
+  }
+  if (!c.ok() || bytes == 0) return Finish(c);
+  if ((bytes - 1) / segment_bytes >= size_t{INT32_MAX}) {  // CUDA: one CTA per segment
+    c.Fail("segment_bytes", "at most 2^31 - 1 segments of bytes (" + std::to_string(bytes) + ")",
+           std::to_string(segment_bytes));
+  }
+  c.NotNull(data, "data (bytes > 0)");
+  if (c.ok() && reinterpret_cast<uintptr_t>(data) % 16 != 0) {
+    c.Fail("data", "a 16-byte aligned pointer", "an address " +
+           std::to_string(reinterpret_cast<uintptr_t>(data) % 16) + " bytes past a multiple of 16");
+  }
+  c.NotNull(digests, "digests");
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  return IsCpu(*launch) ? cpu::SegmentDigests(data, bytes, segment_bytes, digests)
+                        : cuda::SegmentDigests(*launch, data, bytes, segment_bytes, digests);
+}
+
 const char* rssm_status_name(rssm_status status) {
   switch (status) {
     case RSSM_OK: return "OK";
@@ -381,5 +410,8 @@ rssm_status BaselineDecode(const rssm_decode_args&) { return NotBuilt(); }
 rssm_status Fold(const rssm_fold_args&) { return NotBuilt(); }
 rssm_status Prefill(const rssm_prefill_args&) { return NotBuilt(); }
 rssm_status Verify(const rssm_verify_args&) { return NotBuilt(); }
+rssm_status SegmentDigests(const rssm_launch&, const void*, size_t, size_t, uint64_t*) {
+  return NotBuilt();
+}
 }  // namespace replayssm::kernels::cuda
 #endif

@@ -5,6 +5,8 @@
 #ifndef REPLAYSSM_KERNELS_SRC_BACKEND_H_
 #define REPLAYSSM_KERNELS_SRC_BACKEND_H_
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "replayssm/kernels.h"
@@ -20,6 +22,8 @@ rssm_status BaselineDecode(const rssm_decode_args& args);
 rssm_status Fold(const rssm_fold_args& args);
 rssm_status Prefill(const rssm_prefill_args& args);
 rssm_status Verify(const rssm_verify_args& args);
+rssm_status SegmentDigests(const void* data, size_t bytes, size_t segment_bytes,
+                           uint64_t* digests);
 }  // namespace cpu
 
 namespace cuda {
@@ -31,6 +35,9 @@ rssm_status BaselineDecode(const rssm_decode_args& args);
 rssm_status Fold(const rssm_fold_args& args);
 rssm_status Prefill(const rssm_prefill_args& args);
 rssm_status Verify(const rssm_verify_args& args);
+// Synchronizes launch.stream to copy the digests back (kernels/cuda/checksum.cu).
+rssm_status SegmentDigests(const rssm_launch& launch, const void* data, size_t bytes,
+                           size_t segment_bytes, uint64_t* digests);
 }  // namespace cuda
 
 }  // namespace replayssm::kernels

@@ -5,9 +5,10 @@
  * slots. The math is ../../../docs/math-and-abi.md (and DESIGN §1); every backend matches it.
  *
  * Ownership: the caller owns every buffer. Nothing here keeps a pointer past the call or
- * synchronizes the stream. On the CPU backend every pointer is a host pointer and `stream`
- * must be NULL; on the CUDA backend every tensor and index array is device memory and work is
- * enqueued on `stream` (NULL = the legacy default stream).
+ * synchronizes the stream (but rssm_synchronize, and rssm_segment_digests: a transfer-path
+ * call). On the CPU backend every pointer is a host pointer and `stream` must be NULL; on the
+ * CUDA backend every tensor and index array is device memory and work is enqueued on `stream`
+ * (NULL = the legacy default stream).
  * One exception to "nothing allocates", to be removed by a caller-owned workspace argument
  * (see kernels/cuda/NOTES.md): the CUDA backend's fp32-state decode/verify path for B >= 64
  * keeps a per-(device, stream) workspace that it grows with cudaMalloc the first time a call
@@ -240,6 +241,21 @@ rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
  * on it any more (synchronize first). */
 rssm_status rssm_stream_create(int32_t backend, void** out);
 rssm_status rssm_stream_destroy(int32_t backend, void* stream);
+
+/* Transfer checksums (docs/transfer.md, checksum version 3): the version 2 digest
+ * (replayssm/checksum_v2.h; bit-identical to the host's Checksummer) of each segment of `data`,
+ * each segment hashed on its own (its own lanes, tail and length): digests[i] is that of bytes
+ * [i * segment_bytes, min((i + 1) * segment_bytes, bytes)).
+ *   data:          backend memory (host on CPU, device on CUDA), 16-byte aligned; may be NULL
+ *                  only when bytes == 0
+ *   segment_bytes: a positive multiple of 64 (so only the last segment can have a tail)
+ *   digests:       HOST memory of ceil(bytes / segment_bytes) entries (none when bytes == 0)
+ * CUDA: the hash is enqueued on launch->stream and the call then SYNCHRONIZES that stream to
+ * copy the digests back (it also waits for whatever was queued on it before): a transfer-path
+ * call, not a decode step. It allocates ceil(bytes / segment_bytes) * 8 bytes of device memory
+ * stream-ordered (cudaMallocAsync) for the duration of the call. */
+rssm_status rssm_segment_digests(const rssm_launch* launch, const void* data, size_t bytes,
+                                 size_t segment_bytes, uint64_t* digests);
 
 /* Helpers. */
 const char* rssm_status_name(rssm_status status);
