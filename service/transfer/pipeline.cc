@@ -183,4 +183,71 @@ uint64_t PieceHasher::Finish() {
   return sum_.Digest();
 }
 
+void BackendBuffer::Release() {
+  if (data_ != nullptr) rssm_free(backend_, data_);
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+absl::Status BackendBuffer::Ensure(int32_t backend, size_t bytes) {
+  if (backend == backend_ && bytes == bytes_ && data_ != nullptr) return absl::OkStatus();
+  Release();
+  backend_ = backend;
+  absl::Status st = Kernel(rssm_alloc(backend, bytes, &data_), "alloc");
+  if (st.ok()) bytes_ = bytes;
+  return st;
+}
+
+absl::StatusOr<uint64_t> BackendChecksum(const rssm_launch& l, const void* data, size_t bytes,
+                                         uint32_t version) {
+  const bool v2 = version == kChecksumV2;
+  const size_t segment = v2 ? std::max<size_t>(64, (bytes + 63) & ~size_t{63}) : kChecksumSegmentBytes;
+  std::vector<uint64_t> digests((bytes + segment - 1) / segment);
+  absl::Status st =
+      Kernel(rssm_segment_digests(&l, data, bytes, segment, digests.data()), "segment digests");
+  if (!st.ok()) return st;
+  if (v2) return digests.empty() ? Checksum(nullptr, 0) : digests[0];
+  return CombineSegmentDigests(digests.data(), digests.size(), bytes);
+}
+
+namespace {
+
+// The slot's layers copied one after the other into `gather` on a stream of their own, then
+// hashed there (BackendChecksum synchronizes the stream: the copies are done first).
+absl::StatusOr<uint64_t> GatherAndHash(BackendBuffer& gather,
+                                       const cache::StateCache::CheckpointMemory& m) {
+  const size_t total = m.layers.size() * m.bytes_per_layer;
+  absl::Status st = gather.Ensure(m.backend, total);
+  void* stream = nullptr;
+  if (st.ok()) st = Kernel(rssm_stream_create(m.backend, &stream), "stream_create");
+  const rssm_launch l{m.backend, stream};
+  auto* dst = static_cast<uint8_t*>(gather.data());
+  for (size_t i = 0; st.ok() && i < m.layers.size(); ++i) {
+    st = Kernel(rssm_memcpy(&l, dst + i * m.bytes_per_layer, m.layers[i], m.bytes_per_layer,
+                            RSSM_COPY_DEVICE_TO_DEVICE),
+                "gather");
+  }
+  absl::StatusOr<uint64_t> digest = st.ok() ? BackendChecksum(l, dst, total) : st;
+  if (!digest.ok()) rssm_synchronize(&l);  // nothing of ours queued on it any more
+  rssm_stream_destroy(m.backend, stream);
+  return digest;
+}
+
+}  // namespace
+
+SlotHasher::SlotHasher(TaskPool* pool, BackendBuffer* gather,
+                       const cache::StateCache::CheckpointMemory& m)
+    : digest_(absl::InternalError("slot hash: not run")), batch_(pool) {
+  batch_.Submit([this, gather, &m] {
+    digest_ = GatherAndHash(*gather, m);
+    return digest_.status();
+  });
+}
+
+absl::StatusOr<uint64_t> SlotHasher::Finish() {
+  absl::Status st;
+  batch_.WaitFor(0, absl::InfiniteDuration(), &st);
+  return digest_;
+}
+
 }  // namespace replayssm::transfer

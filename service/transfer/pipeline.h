@@ -1,11 +1,12 @@
 // The pieces of the chunked transfer pipeline shared by Sender and Receiver: how a payload
 // (all layers' checkpoints, layer-major) splits into chunks, a ring of pinned host staging
 // buffers with one backend stream each, a pool of threads for short tasks (a receiver's
-// copies, a sender's hashing) and the sender's parallel checksum over it.
+// copies, a sender's hashing), the sender's parallel checksum over it, and the checksum of
+// backend (device) memory hashed by the backend.
 //
 // Thread safety: StagingRing is used by one transfer at a time (its owner's lock);
-// TaskPool is thread-safe; one of its Batches (and a PieceHasher) is used by one thread at a
-// time.
+// TaskPool is thread-safe; one of its Batches (and a PieceHasher, a SlotHasher, a
+// BackendBuffer) is used by one thread at a time.
 #ifndef REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 #define REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 
@@ -131,6 +132,47 @@ class PieceHasher {
   SegmentedChecksum sum_;
   uint64_t submitted_ = 0;
   TaskPool::Batch batch_;  // declared last: ends (waits) before sum_ goes
+};
+
+// One buffer of backend memory (rssm_alloc: device memory on CUDA), kept and reused.
+class BackendBuffer {
+ public:
+  BackendBuffer() = default;
+  ~BackendBuffer() { Release(); }
+  BackendBuffer(const BackendBuffer&) = delete;
+  BackendBuffer& operator=(const BackendBuffer&) = delete;
+  // (Re)allocates when the backend or size differ from what is held.
+  absl::Status Ensure(int32_t backend, size_t bytes);
+  void* data() const { return data_; }
+
+ private:
+  void Release();
+  int32_t backend_ = RSSM_BACKEND_CPU;
+  size_t bytes_ = 0;
+  void* data_ = nullptr;
+};
+
+// Checksum `version` of `bytes` of contiguous backend memory (device memory on CUDA), hashed by
+// the backend: rssm_segment_digests of every segment in one call (on l's stream, which it
+// synchronizes, so whatever was queued on it before is done too), combined as
+// SegmentedChecksum combines them. Version 2 (kChecksumV2, an older sender's) is the digest of
+// one segment as long as the payload: on CUDA a single chain of rounds per lane (slow).
+absl::StatusOr<uint64_t> BackendChecksum(const rssm_launch& l, const void* data, size_t bytes,
+                                         uint32_t version = kChecksumVersion);
+
+// The device-direct sender's checksum (version 3): the slot's layers are gathered, device to
+// device on a stream of their own, into one backend buffer (`gather`, kept by the Sender) and
+// hashed there by one BackendChecksum, as a task of a TaskPool beside the puts. One call per
+// layer would cost a whole segment's lane chain per layer: the segments of one call are hashed
+// at once. Its destructor waits for the task (nothing reads the slot once it has gone).
+class SlotHasher {
+ public:
+  SlotHasher(TaskPool* pool, BackendBuffer* gather, const cache::StateCache::CheckpointMemory& m);
+  absl::StatusOr<uint64_t> Finish();  // waits; the digest
+
+ private:
+  absl::StatusOr<uint64_t> digest_;
+  TaskPool::Batch batch_;  // declared last: ends (waits) before digest_ goes
 };
 
 }  // namespace replayssm::transfer

@@ -1,8 +1,9 @@
 #include "transfer.h"
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -15,11 +16,24 @@ namespace {
 // copies and the hash to run at once (Receiver::depth_: import_threads + 2, at least this).
 constexpr int32_t kImportDepth = 6;
 
-uint64_t Mix(uint64_t h, uint64_t v) {
-  h ^= v * 0x9E3779B97F4A7C15ULL;
-  h ^= h >> 29;
-  h *= 0xBF58476D1CE4E5B9ULL;
-  return h ^ (h >> 32);
+using checksum_v2::Mix;
+
+// What a receiver answers when the payload's digest is not the sender's (every path).
+absl::Status ChecksumMismatch() {
+  return absl::DataLossError(
+      "checksum: the received state does not match the sender's; the transfer is aborted");
+}
+
+// Tests only: flips the byte at `p` (backend memory), as if damaged in flight.
+absl::Status FlipByte(const rssm_launch& l, uint8_t* p) {
+  uint8_t b = 0;
+  bool ok = rssm_memcpy(&l, &b, p, 1, RSSM_COPY_DEVICE_TO_HOST) == RSSM_OK &&
+            rssm_synchronize(&l) == RSSM_OK;
+  b ^= 0x5a;
+  ok = ok && rssm_memcpy(&l, p, &b, 1, RSSM_COPY_HOST_TO_DEVICE) == RSSM_OK &&
+       rssm_synchronize(&l) == RSSM_OK;
+  if (ok) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("transfer: corrupting for a test: ", rssm_last_error()));
 }
 
 // The layer parameters' hash keeps the first checksum's definition (version 1), so that the
@@ -230,7 +244,7 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
       checksum_version != kChecksumNone) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checksum_version: expected ", kChecksumVersion, " (or ", kChecksumV2,
-        " from an older sender, or ", kChecksumNone, " from a device-direct sender), got ",
+        " from an older sender, or ", kChecksumNone, " from an older device-direct sender), got ",
         checksum_version,
         checksum_version == 0 ? " (a sender from before the chunked protocol: upgrade it)" : ""));
   }
@@ -286,8 +300,9 @@ void Receiver::StartImporter(Pending& p) {
     absl::StatusOr<int64_t> r = cache_->WithCheckpoints(
         slot, cache::StateCache::CheckpointAccess::kImport,
         [&](const cache::StateCache::CheckpointMemory& m) {
-          absl::Status st = path_ == DataPath::kDeviceDirect ? ImportDirect(*buf, *in, m)
-                                                             : ImportChunks(*buf, *in, m, version);
+          absl::Status st = path_ == DataPath::kDeviceDirect
+                                ? ImportDirect(*buf, *in, m, version)
+                                : ImportChunks(*buf, *in, m, version);
           if (!st.ok()) return st;
           absl::MutexLock lock(&in->mu);  // ImportChunks returned: the commit has come
           tokens = in->tokens;
@@ -409,34 +424,51 @@ absl::Status Receiver::ImportChunks(Buffer& buf, Importer& in,
   if (in.stop) return absl::AbortedError("transfer: aborted");
   const bool verified = version == kChecksumVersion || version == kChecksumV2;
   if (verified && (v3 != nullptr ? v3->Digest() : sum.Digest()) != in.checksum) {
-    return absl::DataLossError(
-        "checksum: the received state does not match the sender's; the transfer is aborted");
+    return ChecksumMismatch();
   }
   return absl::OkStatus();
 }
 
 // Device-direct: the bytes are in device memory already; after the commit they are copied
-// into the slot device to device. Device memory cannot be hashed on the host, so the
-// checksum is not verified on this path (the transport's own integrity checks hold).
+// into the slot device to device, and then the receive buffer is hashed on the device (one
+// rssm_segment_digests call over it, on the same stream, so after the copies). Hashing after
+// copying keeps "what is verified is what the slot got": a stray write into the buffer before
+// the copy is in the hash too, one after the hash never reaches the slot.
 absl::Status Receiver::ImportDirect(Buffer& buf, Importer& in,
-                                    const cache::StateCache::CheckpointMemory& m) {
+                                    const cache::StateCache::CheckpointMemory& m,
+                                    uint32_t version) {
+  uint64_t want = 0;
   {
     absl::MutexLock lock(&in.mu);
     in.mu.Await(absl::Condition(
         +[](Importer* i) ABSL_NO_THREAD_SAFETY_ANALYSIS { return i->commit || i->stop; }, &in));
     if (in.stop) return absl::AbortedError("transfer: aborted");
+    want = in.checksum;
   }
   const rssm_launch l{m.backend, nullptr};
+  auto* data = static_cast<uint8_t*>(buf.device);
+  if (buf.payload > 0 && corrupt_next_.exchange(false)) {
+    absl::Status st = FlipByte(l, data + buf.payload / 2);
+    if (!st.ok()) return st;
+  }
   for (size_t layer = 0; layer < m.layers.size(); ++layer) {
-    if (rssm_memcpy(&l, m.layers[layer], static_cast<uint8_t*>(buf.device) + layer * m.bytes_per_layer,
-                    m.bytes_per_layer, RSSM_COPY_DEVICE_TO_DEVICE) != RSSM_OK) {
+    if (rssm_memcpy(&l, m.layers[layer], data + layer * m.bytes_per_layer, m.bytes_per_layer,
+                    RSSM_COPY_DEVICE_TO_DEVICE) != RSSM_OK) {
       return absl::InternalError(absl::StrCat("transfer: import: ", rssm_last_error()));
     }
   }
-  if (rssm_synchronize(&l) != RSSM_OK) {
-    return absl::InternalError(absl::StrCat("transfer: import: ", rssm_last_error()));
+  if (version != kChecksumVersion && version != kChecksumV2) {  // 100: an older device-direct sender
+    if (rssm_synchronize(&l) != RSSM_OK) {
+      return absl::InternalError(absl::StrCat("transfer: import: ", rssm_last_error()));
+    }
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  absl::StatusOr<uint64_t> got = BackendChecksum(l, data, buf.payload, version);
+  if (!got.ok()) {
+    rssm_synchronize(&l);  // the copies end before the slot may be freed
+    return got.status();
+  }
+  return *got == want ? absl::OkStatus() : ChecksumMismatch();
 }
 
 absl::StatusOr<cache::SlotId> Receiver::Commit(const std::string& transfer_id,
@@ -500,9 +532,7 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
     return s;
   };
   const StateFormat format = StateFormat::Of(cache_->model());
-  const bool hashed = path != DataPath::kDeviceDirect;
-  absl::StatusOr<Reservation> r =
-      peer.Reserve(transfer_id, format, seq_len, hashed ? kChecksumVersion : kChecksumNone);
+  absl::StatusOr<Reservation> r = peer.Reserve(transfer_id, format, seq_len, kChecksumVersion);
   out.reserve_seconds = lap();
   if (!r.ok()) return r.status();
   *reserved = true;
@@ -513,13 +543,27 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
   const size_t chunk = std::min(options.chunk_bytes == 0 ? size_t{4 << 20} : options.chunk_bytes,
                                 m.bytes_per_layer);
   const std::vector<Piece> pieces = SplitPayload(format.num_layers, m.bytes_per_layer, chunk);
+  // Device-direct: the slot is hashed on the device, beside the puts; else the pieces are
+  // hashed on the host as they are put (PieceHasher).
+  const bool hashed = path != DataPath::kDeviceDirect;
+  std::optional<SlotHasher> on_device;
+  if (!hashed) on_device.emplace(&hashers_, &gather_, m);
+  auto finish = [&](PieceHasher& hasher) -> absl::Status {
+    if (hashed) {
+      *checksum = hasher.Finish();
+    } else {
+      absl::StatusOr<uint64_t> d = on_device->Finish();
+      if (!d.ok()) return d.status();
+      *checksum = *d;
+    }
+    out.put_seconds = lap();
+    return absl::OkStatus();
+  };
   if (lanes_.size() > 1) {
     PieceHasher hasher(&hashers_, static_cast<size_t>(format.Bytes()));
     absl::Status st = PutLanes(*r, m, pieces, path, chunk, options, hasher);
     if (!st.ok()) return st;
-    *checksum = hasher.Finish();
-    out.put_seconds = lap();
-    return absl::OkStatus();
+    return finish(hasher);
   }
   absl::StatusOr<std::unique_ptr<UcxTransport::PutStream>> stream =
       ucx_->OpenPutStream(r->worker_address, r->rkey, options.timeout);
@@ -573,9 +617,7 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
   }
   absl::Status st = put.Finish();
   if (!st.ok()) return st;
-  *checksum = hasher.Finish();
-  out.put_seconds = lap();
-  return absl::OkStatus();
+  return finish(hasher);
 }
 
 // One multi-lane send: which pieces are queued for their lane (their source) and which have

@@ -83,9 +83,10 @@ class Receiver {
   Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions options);
   ~Receiver();
 
-  // checksum_version: what the sender computes: kChecksumVersion (3), kChecksumV2 (an older
-  // sender; hashed in order by the import thread) or kChecksumNone (a device-direct sender
-  // that cannot hash device memory: not verified). Anything else (0: a sender from before
+  // checksum_version: what the sender computes: kChecksumVersion (3; every path of this
+  // build), kChecksumV2 (an older sender; hashed in order by the import thread, or as one
+  // segment on the device on the device-direct path) or kChecksumNone (an older device-direct
+  // sender, which did not hash: not verified). Anything else (0: a sender from before
   // the chunked protocol) is FAILED_PRECONDITION, before any byte moves.
   absl::StatusOr<Reservation> Reserve(const std::string& transfer_id, const StateFormat& format,
                                       int64_t seq_len, uint32_t checksum_version);
@@ -123,7 +124,8 @@ class Receiver {
   // they landed, then wait for the commit and verify.
   absl::Status ImportChunks(Buffer& buf, Importer& in, const cache::StateCache::CheckpointMemory& m,
                             uint32_t checksum_version);
-  absl::Status ImportDirect(Buffer& buf, Importer& in, const cache::StateCache::CheckpointMemory& m);
+  absl::Status ImportDirect(Buffer& buf, Importer& in, const cache::StateCache::CheckpointMemory& m,
+                            uint32_t checksum_version);
   // Ends a pending's importer (abort) and frees its slot; the buffer goes back to the pool.
   void Finish(Pending& p, bool abort);
 
@@ -196,7 +198,9 @@ struct SendResult {
 //
 // Checksum: version 3 (checksum.h), each chunk hashed as a task of a pool of as many threads
 // as lanes, beside the puts (a staging buffer is refilled once its chunk landed and was
-// hashed); the segments are combined after the last chunk.
+// hashed); the segments are combined after the last chunk. Device-direct: the slot is hashed
+// on the device instead (SlotHasher: gathered into one device buffer, one
+// rssm_segment_digests call), as one task of the same pool, beside the puts.
 class Sender {
  public:
   Sender(cache::StateCache* cache, UcxTransport* ucx) : Sender(cache, std::vector{ucx}) {}
@@ -231,6 +235,7 @@ class Sender {
   TaskPool hashers_;  // checksum v3 of the chunks, one thread per lane; idle between sends
   absl::Mutex mu_;
   StagingRing ring_ ABSL_GUARDED_BY(mu_);
+  BackendBuffer gather_ ABSL_GUARDED_BY(mu_);  // device-direct: the slot, hashed on the device
 };
 
 }  // namespace replayssm::transfer

@@ -36,6 +36,7 @@ class DirectPeer : public Peer {
   explicit DirectPeer(Receiver* r) : r_(r) {}
   absl::StatusOr<Reservation> Reserve(const std::string& id, const StateFormat& f,
                                       int64_t seq_len, uint32_t version) override {
+    declared = version;
     return r_->Reserve(id, f, seq_len, version);
   }
   absl::StatusOr<SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
@@ -48,6 +49,7 @@ class DirectPeer : public Peer {
     return r_->Abort(id);
   }
   bool fail_commit = false, fail_abort = false;
+  uint32_t declared = 0;  // the checksum_version of the last Reserve
 
  private:
   Receiver* r_;
@@ -287,6 +289,21 @@ TEST_F(TransferTest, AVersion2SenderIsStillAcceptedAndVerified) {
   }
 }
 
+// A slot of `c` holding random bytes in every layer's checkpoint (and tokens 1, 2, 3).
+SlotId RandomSlot(StateCache& c, uint32_t seed) {
+  const size_t per = static_cast<size_t>(StateFormat::Of(c.model()).Bytes()) / c.model().num_layers;
+  std::mt19937 rng(seed);
+  std::vector<std::vector<uint8_t>> layers(c.model().num_layers, std::vector<uint8_t>(per));
+  std::vector<absl::Span<const uint8_t>> spans;
+  for (auto& l : layers) {
+    for (auto& x : l) x = static_cast<uint8_t>(rng() & 0x3f);
+    spans.push_back(absl::MakeConstSpan(l));
+  }
+  const SlotId s = *c.Allocate();
+  EXPECT_TRUE(c.Import(s, {1, 2, 3}, spans).ok());
+  return s;
+}
+
 TEST_F(TransferTest, Version3OverManySegmentsWithUnalignedChunksOnBothHostPaths) {
   // A payload of several 1 MiB segments (a real model's layers, 3 of 2 MiB), sender chunks
   // that do not align with the segments (1000 B; 1 MiB + 17) over 1 and 3 lanes, the
@@ -297,16 +314,7 @@ TEST_F(TransferTest, Version3OverManySegmentsWithUnalignedChunksOnBothHostPaths)
                               b = MakeCache("qwen3-next-80b-a3b", 3);
   const StateFormat f = StateFormat::Of(a->model());
   ASSERT_GE(static_cast<size_t>(f.Bytes()), 5 * kChecksumSegmentBytes);
-  const size_t per = static_cast<size_t>(f.Bytes()) / 3;
-  std::mt19937 rng(11);
-  std::vector<std::vector<uint8_t>> layers(3, std::vector<uint8_t>(per));
-  std::vector<absl::Span<const uint8_t>> spans;
-  for (auto& l : layers) {
-    for (auto& x : l) x = static_cast<uint8_t>(rng() & 0x3f);
-    spans.push_back(absl::MakeConstSpan(l));
-  }
-  const SlotId s = *a->Allocate();
-  ASSERT_TRUE(a->Import(s, {1, 2, 3}, spans).ok());
+  const SlotId s = RandomSlot(*a, 11);
   absl::StatusOr<cache::ExportedState> ea = a->Export(s);
   ASSERT_TRUE(ea.ok());
   for (DataPath path : {DataPath::kHostDirect, DataPath::kHostStaged}) {
@@ -337,6 +345,95 @@ TEST_F(TransferTest, Version3OverManySegmentsWithUnalignedChunksOnBothHostPaths)
       EXPECT_EQ(rx.open(), 0);
     }
   }
+}
+
+TEST_F(TransferTest, DeviceDirectSendsDeclareVersion3AndEveryReceiverVerifiesThem) {
+  // The device-direct path forced on the CPU backend (the faked UCX CUDA capability selects it
+  // only for a CUDA backend: DataPath.FollowsTheBackendAndTheUcxCudaCapability): the sender
+  // hashes its slot with rssm_segment_digests (gathered, one call) beside the puts and declares
+  // 3; a device-direct receiver hashes its receive buffer the same way after copying it into
+  // the slot, a host-direct one on the host as before, so each direction checks the backend's
+  // digests against the host's. tiny-gdn: one segment across the layers; qwen3-next, 3
+  // layers: 6 segments. 1 and 3 lanes; a corruption in flight is refused (DATA_LOSS, as on
+  // the host paths) and leaves nothing behind.
+  for (const char* preset : {"tiny-gdn", "qwen3-next-80b-a3b"}) {
+    std::unique_ptr<StateCache> a = MakeCache(preset, 3), b = MakeCache(preset, 3);
+    const SlotId s = RandomSlot(*a, 7);
+    absl::StatusOr<cache::ExportedState> ea = a->Export(s);
+    ASSERT_TRUE(ea.ok());
+    for (DataPath tx : {DataPath::kDeviceDirect, DataPath::kHostDirect}) {
+      for (DataPath rx_path : {DataPath::kDeviceDirect, DataPath::kHostDirect}) {
+        if (tx == DataPath::kHostDirect && rx_path == DataPath::kHostDirect) continue;
+        Receiver rx(b.get(), ucx_b_.get(),
+                    {.chunk_bytes = 700, .import_threads = 3, .force_path = rx_path});
+        ASSERT_EQ(rx.path(), rx_path);
+        DirectPeer peer(&rx);
+        for (int lanes : {1, 3}) {
+          Sender sender(a.get(), Lanes(lanes));
+          const std::string id = absl::StrCat(preset, "-", DataPathName(tx), "-to-",
+                                              DataPathName(rx_path), "-", lanes);
+          const SendOptions o{.keep_source = true, .chunk_bytes = (size_t{1} << 20) + 17,
+                              .force_path = tx};
+          absl::StatusOr<SendResult> r = sender.Send(peer, s, id, o);
+          ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+          EXPECT_EQ(r->path, tx);
+          EXPECT_EQ(peer.declared, kChecksumVersion) << id;
+          absl::StatusOr<cache::ExportedState> eb = b->Export(r->remote_slot);
+          ASSERT_TRUE(eb.ok());
+          EXPECT_TRUE(ea->checkpoints == eb->checkpoints) << id;
+          ASSERT_TRUE(b->Free(r->remote_slot).ok());
+          rx.CorruptNextPayloadForTest();
+          r = sender.Send(peer, s, id + "-bad", o);
+          EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << id << ": " << r.status();
+          EXPECT_NE(r.status().message().find("checksum"), std::string::npos) << r.status();
+          EXPECT_EQ(b->stats().slots_live, 0) << id;
+          EXPECT_EQ(rx.open(), 0) << id;
+          EXPECT_TRUE(a->Info(s).ok()) << "the source is untouched";
+        }
+      }
+    }
+  }
+}
+
+TEST_F(TransferTest, ADeviceDirectReceiverStillAcceptsOlderSenders) {
+  // 100 (an older device-direct sender, which did not hash): accepted whatever its checksum;
+  // 2 (an older host sender): verified as one segment of the whole payload; 3 verified.
+  const SlotId s = Prepare(2);
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  ASSERT_TRUE(e.ok());
+  std::vector<uint8_t> payload;
+  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+  const uint64_t v2 = Checksum(payload.data(), payload.size()),
+                 v3 = ChecksumV3(payload.data(), payload.size());
+  const StateFormat f = StateFormat::Of(a_->model());
+  Receiver rx(b_.get(), ucx_b_.get(), {.force_path = DataPath::kDeviceDirect});
+  const struct {
+    uint32_t version;
+    uint64_t checksum;
+    bool good;
+  } cases[] = {{kChecksumNone, 12345, true}, {kChecksumV2, v2, true}, {kChecksumV2, v3, false},
+               {kChecksumVersion, v3, true}, {kChecksumVersion, v2, false}};
+  for (const auto& c : cases) {
+    const std::string id = absl::StrCat("older-", c.version, "-", c.good);
+    absl::StatusOr<Reservation> r =
+        rx.Reserve(id, f, static_cast<int64_t>(e->tokens.size()), c.version);
+    ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+    EXPECT_EQ(r->doorbell_addr, 0u) << "a device-direct receiver imports at the commit";
+    ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
+                            r->rkey, 1000, absl::Seconds(10)).ok());
+    absl::StatusOr<SlotId> got = rx.Commit(id, e->tokens, c.checksum);
+    if (!c.good) {
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << id << ": " << got.status();
+      continue;
+    }
+    ASSERT_TRUE(got.ok()) << id << ": " << got.status();
+    absl::StatusOr<cache::ExportedState> eb = b_->Export(*got);
+    ASSERT_TRUE(eb.ok());
+    EXPECT_EQ(eb->checkpoints, e->checkpoints) << id;
+    ASSERT_TRUE(b_->Free(*got).ok());
+  }
+  EXPECT_EQ(rx.open(), 0);
+  EXPECT_EQ(b_->stats().slots_live, 0);
 }
 
 // Fills every slot of `c` with a non-zero state and frees them again: whatever is allocated
@@ -729,6 +826,65 @@ TEST(ChecksumV3, ACorruptionInAnySegmentIsDetected) {
   const uint64_t b = ChecksumV3(big.data(), big.size());
   big[(size_t{2} << 20) + 5] ^= 1;
   EXPECT_NE(ChecksumV3(big.data(), big.size()), b);
+}
+
+// Backend memory (rssm_alloc on the CPU backend: what device memory is on CUDA) of random bytes.
+struct BackendBytes {
+  BackendBytes(size_t n, std::mt19937& rng) : size(n) {
+    EXPECT_EQ(rssm_alloc(RSSM_BACKEND_CPU, n, &p), RSSM_OK);
+    for (size_t i = 0; i < n; ++i) data()[i] = static_cast<uint8_t>(rng());
+  }
+  ~BackendBytes() { rssm_free(RSSM_BACKEND_CPU, p); }
+  uint8_t* data() const { return static_cast<uint8_t*>(p); }
+  void* p = nullptr;
+  size_t size;
+};
+
+TEST(BackendChecksum, SegmentDigestsAreChecksummersPerSegmentAndCombineToVersion3) {
+  const rssm_launch cpu{RSSM_BACKEND_CPU, nullptr};
+  const size_t seg = kChecksumSegmentBytes;
+  std::mt19937 rng(29);
+  for (size_t size : {size_t{0}, size_t{1}, size_t{63}, size_t{64}, size_t{65}, seg - 1, seg,
+                      seg + 1, 3 * seg + seg / 2 + 17}) {
+    BackendBytes x(size, rng);
+    std::vector<uint64_t> d((size + seg - 1) / seg);
+    ASSERT_EQ(rssm_segment_digests(&cpu, x.data(), size, seg, d.data()), RSSM_OK);
+    for (size_t i = 0; i < d.size(); ++i) {
+      const size_t off = i * seg, n = std::min(seg, size - off);
+      Checksummer c;  // fed in two uneven parts: the incremental path
+      c.Update(x.data() + off, n / 3);
+      c.Update(x.data() + off + n / 3, n - n / 3);
+      EXPECT_EQ(d[i], c.Digest()) << "size " << size << ", segment " << i;
+    }
+    EXPECT_EQ(*BackendChecksum(cpu, x.data(), size), ChecksumV3(x.data(), size)) << size;
+    EXPECT_EQ(*BackendChecksum(cpu, x.data(), size, kChecksumV2), Checksum(x.data(), size))
+        << size;
+  }
+}
+
+TEST(BackendChecksum, ASlotHashedOnItsBackendIsVersion3OfItsLayers) {
+  // Layers that do not divide into segments (segments span layers), apart in memory.
+  std::mt19937 rng(31);
+  const size_t per = 700 * 1024 + 64;
+  std::vector<std::unique_ptr<BackendBytes>> layers;
+  cache::StateCache::CheckpointMemory m{RSSM_BACKEND_CPU, per, {}};
+  std::vector<uint8_t> payload;
+  for (int l = 0; l < 4; ++l) {
+    layers.push_back(std::make_unique<BackendBytes>(per, rng));
+    m.layers.push_back(layers.back()->p);
+    payload.insert(payload.end(), layers.back()->data(), layers.back()->data() + per);
+  }
+  TaskPool pool(2);
+  BackendBuffer gather;
+  for (int round = 0; round < 2; ++round) {  // the second reuses the gather buffer
+    SlotHasher h(&pool, &gather, m);
+    absl::StatusOr<uint64_t> d = h.Finish();
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(*d, ChecksumV3(payload.data(), payload.size()));
+  }
+  layers[2]->data()[per / 2] ^= 1;
+  SlotHasher h(&pool, &gather, m);
+  EXPECT_NE(*h.Finish(), ChecksumV3(payload.data(), payload.size()));
 }
 
 TEST(StateFormat, BytesAndChecksum) {
