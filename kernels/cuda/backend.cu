@@ -2,10 +2,7 @@
 // onto kernel params, dispatches on the state dtype, launches on the caller's stream and
 // reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No synchronization,
 // except in SegmentDigests (a transfer-path call that hands its digests back to the host).
-// One allocation exception (v5 step, kernels/cuda/NOTES.md): the pre-pass workspace of a
-// (device, stream) is grown by cudaMalloc the first time a decode/verify call needs more than
-// any earlier call on that stream (never inside a stream capture: such a call runs the v4b
-// kernels instead, which need no workspace).
+// No allocation: every kernel works in the caller's state pool and shared memory.
 #include <algorithm>
 #include <string>
 #include <vector>

@@ -43,6 +43,7 @@ namespace replayssm::kernels::cuda {
 constexpr int kBulkMaxWarps = 4;
 constexpr int kBulkMaxStages = 8;  // S0 stages per warp (an mbarrier each)
 constexpr int kBulkBars = kBulkMaxWarps * kBulkMaxStages + 1;  // + the records' mbarrier
+constexpr int kBulkMinCtas = 4;  // decode: fewer S0 stages rather than fewer CTAs per SM
 
 struct BulkParams {
   LayerDesc ly;
@@ -219,30 +220,40 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
   float* const betas = reinterpret_cast<float*>(smem + p.o_sc);                  // [T]
   float* const kqs = betas + T_;                                                 // [T]
   {
+    // The activation dtype resolved once (not per element): A is float, bf16 or half.
     const float decay = -expf(ly.a_log[h]);
-    for (int t = 0; t < T_; ++t) {
-      const int64_t n = tok0 + t, row = n * ly.qkv_stride;
-      for (int c = tid; c < K; c += nthr) {
-        const float q = LoadAct(ly.qkv, row + int64_t{hq} * K + c, ly.act_dtype);
-        const float k = LoadAct(ly.qkv, row + int64_t{H + hq} * K + c, ly.act_dtype);
-        if constexpr (KDA) {
-          const int64_t gi = int64_t{h} * K + c;
-          tg[t * K + c] =
-              decay * Softplus(LoadAct(ly.a, n * ly.a_stride + gi, ly.act_dtype) + ly.dt_bias[gi]);
+    auto tokens = [&](auto tag) {
+      using A = decltype(tag);
+      const A* const qkv = static_cast<const A*>(ly.qkv);
+      const A* const ga = static_cast<const A*>(ly.a);
+      const A* const gb = static_cast<const A*>(ly.b);
+      const A* qrow = qkv + tok0 * ly.qkv_stride + int64_t{hq} * K;
+      for (int t = 0; t < T_; ++t, qrow += ly.qkv_stride) {
+        for (int c = tid; c < K; c += nthr) {
+          const float q = ToF(qrow[c]);
+          const float k = ToF(qrow[int64_t{H} * K + c]);
+          if constexpr (KDA) {
+            const int64_t gi = int64_t{h} * K + c;
+            tg[t * K + c] = decay * Softplus(ToF(ga[(tok0 + t) * ly.a_stride + gi]) + ly.dt_bias[gi]);
+          }
+          tq[t * K + c] = q;
+          tk[t * K + c] = k;
         }
-        tq[t * K + c] = q;
-        tk[t * K + c] = k;
+        const A* const vrow_g = qrow + int64_t{2 * H - hq} * K + int64_t{h} * V + v0;
+        for (int v = tid; v < nrow; v += nthr) vsm[t * rows + v] = ToF(vrow_g[v]);
       }
-      for (int v = tid; v < nrow; v += nthr) {
-        vsm[t * rows + v] = LoadAct(ly.qkv, row + 2LL * H * K + int64_t{h} * V + v0 + v, ly.act_dtype);
+      for (int t = tid; t < T_; t += nthr) {
+        const int64_t n = tok0 + t;
+        if (!kda) tg[t] = decay * Softplus(ToF(ga[n * ly.a_stride + h]) + ly.dt_bias[h]);
+        betas[t] = Sigmoid(ToF(gb[n * ly.b_stride + h]));
       }
-    }
-    for (int t = tid; t < T_; t += nthr) {
-      const int64_t n = tok0 + t;
-      if (!kda) {
-        tg[t] = decay * Softplus(LoadAct(ly.a, n * ly.a_stride + h, ly.act_dtype) + ly.dt_bias[h]);
-      }
-      betas[t] = Sigmoid(LoadAct(ly.b, n * ly.b_stride + h, ly.act_dtype));
+    };
+    if (ly.act_dtype == kActBf16) {
+      tokens(__nv_bfloat16{});
+    } else if (ly.act_dtype == kActF32) {
+      tokens(float{});
+    } else {
+      tokens(__half{});
     }
   }
 

@@ -1,7 +1,6 @@
 // Host launchers (templated on the state type): pick the register tile (KMAX 128 or 256) and
 // the tokens per pass (TC: 1 for decode, 4 for verify), size shared memory, launch on the
-// caller's stream and return the launch status. No synchronization; the v5 step
-// (stream_kernel.cuh) takes its workspace from StepWorkspace (workspace.cu), which may grow it.
+// caller's stream and return the launch status. No synchronization, no allocation.
 #ifndef REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 #define REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 
@@ -13,7 +12,6 @@
 #include "bulk_kernel.cuh"
 #include "prefill_kernel.cuh"
 #include "step_kernel.cuh"
-#include "stream_kernel.cuh"
 
 namespace replayssm::kernels::cuda {
 
@@ -51,38 +49,21 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
 }
 
 // REPLAYSSM_CUDA_STEP forces one step kernel for every call: "legacy" = StepKernel (v4b,
-// step_kernel.cuh), "stream" = the pre-pass + streaming kernel (v5, stream_kernel.cuh),
-// "bulk" = the bulk-staged warp kernel (v7, bulk_kernel.cuh). Unset: StepPath below.
-enum StepKind { kStepDefault = -1, kStepLegacy = 0, kStepStream = 2, kStepBulk = 4 };
+// step_kernel.cuh), "bulk" = the bulk-staged warp kernel (v7, bulk_kernel.cuh). Unset: StepPath
+// below. (The v5 pre-pass + streaming kernel and its workspace were deleted once v7 won fp32
+// verify at B >= 64, its last default: kernels-h200-2026-11-30-v7i.md.)
+enum StepKind { kStepDefault = -1, kStepLegacy = 0, kStepBulk = 4 };
 inline StepKind StepChoice() {
   static const StepKind k = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_STEP");
     if (e == nullptr) return kStepDefault;
     if (std::strcmp(e, "bulk") == 0) return kStepBulk;
-    if (std::strcmp(e, "stream") == 0) return kStepStream;
     return kStepLegacy;
   }();
   return k;
 }
 
-// Batch thresholds of the default rule (StepPath): REPLAYSSM_CUDA_STREAM_MIN_B (64) and
-// REPLAYSSM_CUDA_BULK_MIN_B (16).
-inline int64_t StreamMinBatch() {
-  static const int64_t n = [] {
-    const char* e = std::getenv("REPLAYSSM_CUDA_STREAM_MIN_B");
-    return e != nullptr ? std::atoll(e) : 64LL;
-  }();
-  return n;
-}
-// REPLAYSSM_CUDA_PDL=1: launch the streaming kernel with programmatic dependent launch so
-// that its S0 loads overlap the pre-pass (opt-in: measured in v4.md).
-inline bool UsePdl() {
-  static const bool on = [] {
-    const char* e = std::getenv("REPLAYSSM_CUDA_PDL");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return on;
-}
+// The batch threshold of the default rule (StepPath): REPLAYSSM_CUDA_BULK_MIN_B (16).
 inline int64_t BulkMinBatch() {
   static const int64_t n = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_BULK_MIN_B");
@@ -90,36 +71,20 @@ inline int64_t BulkMinBatch() {
   }();
   return n;
 }
-inline int PrepassMinBlocks() {
-  static const int n = [] {
-    const char* e = std::getenv("REPLAYSSM_CUDA_PREPASS_MINB");
-    const int v = e != nullptr ? std::atoi(e) : kPrepassDefaultMinBlocks;
-    return v == 3 || v == 8 ? v : 5;
-  }();
-  return n;
-}
-// The default (no REPLAYSSM_CUDA_STEP), measured on the H200 in one call against every
-// candidate (bench/results/kernels-h200-2026-11-30-v7.md):
-//   decode (baseline and replay): B >= 16 -> v7 (every gate and state dtype: baseline
-//     -15..-50%, replay -6..-41% against the previous rule); B < 16 -> v4b (v7 loses at B = 1);
-//   verify: fp32 state, B >= 64 -> v5 (v7 is 5..14% slower there), 16 <= B < 64 -> v7;
-//     16-bit state, B >= 64 -> v7, B < 64 -> v4b.
-// Baseline and replay of one batch always share a path (the L = 1 bit identity).
-enum StepPathKind { kPathLegacy, kPathStream, kPathBulk };
-inline StepPathKind StepPath(const StepParams& p, size_t state_bytes) {
+// The default (no REPLAYSSM_CUDA_STEP), measured on the H200 against every candidate
+// (bench/results/kernels-h200-2026-11-30-v7.md, ...-v7i.md): every op (baseline, replay,
+// verify), gate and state dtype takes v7 at B >= 16 and v4b below (v7 loses at B = 1). Since
+// v7h/v7i, v7 beats v5 at fp32 verify B >= 64 by 19-27% and v4b at 16-bit verify B = 16 by
+// 22-27%, the last cases another kernel won. Baseline and replay of one batch always share a
+// path (the L = 1 bit identity).
+enum StepPathKind { kPathLegacy, kPathBulk };
+inline StepPathKind StepPath(const StepParams& p) {
   switch (StepChoice()) {
     case kStepLegacy: return kPathLegacy;
-    case kStepStream: return kPathStream;
     case kStepBulk: return kPathBulk;
     case kStepDefault: break;
   }
-  if (p.mode != kModeVerify) return p.batch >= BulkMinBatch() ? kPathBulk : kPathLegacy;
-  if (state_bytes == 4) {
-    return p.batch >= StreamMinBatch() ? kPathStream
-           : p.batch >= BulkMinBatch() ? kPathBulk
-                                       : kPathLegacy;
-  }
-  return p.batch >= StreamMinBatch() ? kPathBulk : kPathLegacy;
+  return p.batch >= BulkMinBatch() ? kPathBulk : kPathLegacy;
 }
 inline bool Verbose() {
   static const bool v = std::getenv("REPLAYSSM_CUDA_VERBOSE") != nullptr;
@@ -140,53 +105,6 @@ void CopyCall(const StepParams& sp, P* p) {
   p->slot_idx = sp.slot_idx;
   p->write_pos = sp.write_pos;
   p->force_fold = sp.force_fold;
-}
-
-template <typename T, int KMAX, int TC>
-cudaError_t LaunchStreamT(const StepParams& sp, cudaStream_t stream, bool* launched) {
-  *launched = false;
-  using Cfg = TileCfg<T, KMAX>;
-  StreamParams p{};
-  CopyCall(sp, &p);
-  p.num_vtiles = (p.ly.V + Cfg::VT - 1) / Cfg::VT;
-  p.wl = WsLayout::Make(p.ly.K, p.ly.L, p.num_draft, p.mode != kModeVerify);
-  p.sm = StreamSmem::Make(p.ly.L, Cfg::VT, TC);
-  const int64_t items = int64_t{p.batch} * p.ly.HV;
-  cudaError_t e = StepWorkspace(stream, size_t(items) * p.wl.stride * sizeof(float), &p.ws);
-  if (e != cudaSuccess) return e;
-  if (p.ws == nullptr) return cudaSuccess;  // cannot grow inside a capture: StepKernel
-  dim3 grid;
-  e = Grid(p.batch, p.ly.HV, p.num_vtiles, &grid);
-  if (e != cudaSuccess) return e;
-  const size_t bytes = size_t(p.sm.total) * sizeof(float);
-  e = AllowSmem(StreamKernel<T, KMAX, TC>, bytes);
-  if (e != cudaSuccess) return e;
-  const unsigned pre = static_cast<unsigned>((items + kPrepassWarps - 1) / kPrepassWarps);
-  switch ((p.ly.K <= 128 ? 100 : 200) + PrepassMinBlocks()) {
-    case 103: PrepassKernel<T, 4, 3><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
-    case 108: PrepassKernel<T, 4, 8><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
-    case 105: PrepassKernel<T, 4, 5><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
-    default: PrepassKernel<T, 8, 3><<<pre, kPrepassWarps * 32, 0, stream>>>(p); break;
-  }
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  if (UsePdl()) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = bytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    e = cudaLaunchKernelEx(&cfg, StreamKernel<T, KMAX, TC>, p);
-  } else {
-    StreamKernel<T, KMAX, TC><<<grid, kThreads, bytes, stream>>>(p);
-    e = cudaGetLastError();
-  }
-  *launched = e == cudaSuccess;
-  return e;
 }
 
 // v7 (bulk_kernel.cuh): REPLAYSSM_CUDA_RPW (16..64, multiple of 16), REPLAYSSM_CUDA_NW (1..4)
@@ -232,10 +150,14 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   const LayerDesc& ly = p.ly;
   constexpr int sz = int(sizeof(T));
   p.lr = p.mode == kModeBaseline ? 0 : ly.L;
-  int dev = 0, sms = 0, smem_max = 0;
+  int dev = 0, sms = 0, smem_max = 0, smem_sm = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) !=
+      cudaSuccess) {
+    return e;
+  }
+  if ((e = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) !=
       cudaSuccess) {
     return e;
   }
@@ -261,11 +183,16 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   rpw = std::min(rpw, vpad);
   int ns = BulkStagesOverride() != 0 ? BulkStagesOverride() : 2;
   ns = std::min(ns, (rpw + RB - 1) / RB);
+  // Stages give way to CTAs: without an override, ns shrinks while the layout would leave
+  // fewer than kBulkMinCtas CTAs per SM (1 KB of each CTA's shared memory is the system's).
+  // Measured (v7i.md): KDA replay at fp32 has 3 CTAs/SM with 2 stages, 4 with 1: 236 -> 224 us.
+  const bool ns_free = BulkStagesOverride() == 0;
   BulkSmem sm;
   for (;;) {
     sm = BulkSmem::Make(ly.K, ly.L, p.lr, ly.kda != 0, p.num_draft, TT, nw, rpw, ns, RB, sz,
                         p.mode != kModeVerify);
-    if (sm.total <= smem_max) break;
+    const bool few = ns_free && TT == 1 && smem_sm / (sm.total + 1024) < kBulkMinCtas;
+    if (sm.total <= smem_max && !(few && ns > 1)) break;
     if (ns > 1) {
       --ns;
     } else if (nw > 1) {
@@ -341,23 +268,11 @@ cudaError_t LaunchBulkFor(const StepParams& p, cudaStream_t stream, bool* launch
 template <typename T>
 cudaError_t LaunchStepFor(StepParams p, cudaStream_t stream) {
   const bool verify = p.mode == kModeVerify;
-  const StepPathKind path = StepPath(p, sizeof(T));
+  const StepPathKind path = StepPath(p);
   if (path == kPathBulk) {
     bool launched = false;
     const cudaError_t e = LaunchBulkFor<T>(p, stream, &launched);
     if (e != cudaSuccess || launched) return e;  // else: does not fit, StepKernel
-  }
-  if (path == kPathStream) {
-    bool launched = false;
-    cudaError_t e;
-    if (p.ly.K <= 128) {
-      e = verify ? LaunchStreamT<T, 128, kVerifyTokensPerPass>(p, stream, &launched)
-                 : LaunchStreamT<T, 128, 1>(p, stream, &launched);
-    } else {
-      e = verify ? LaunchStreamT<T, 256, kVerifyTokensPerPass>(p, stream, &launched)
-                 : LaunchStreamT<T, 256, 1>(p, stream, &launched);
-    }
-    if (e != cudaSuccess || launched) return e;  // else: inside a capture, StepKernel
   }
   if (p.ly.K <= 128) {
     return verify ? LaunchStepT<T, 128, kVerifyTokensPerPass>(p, stream)

@@ -9,11 +9,8 @@
  * call). On the CPU backend every pointer is a host pointer and `stream` must be NULL; on the
  * CUDA backend every tensor and index array is device memory and work is enqueued on `stream`
  * (NULL = the legacy default stream).
- * One exception to "nothing allocates", to be removed by a caller-owned workspace argument
- * (see kernels/cuda/NOTES.md): the CUDA backend's fp32-state decode/verify path for B >= 64
- * keeps a per-(device, stream) workspace that it grows with cudaMalloc the first time a call
- * needs a larger one (never inside a stream capture: such a call takes the other kernels).
- * Warm it with one call of the largest batch before capturing graphs or timing.
+ * Nothing allocates: the kernels work in the caller's buffers (and shared memory), so every
+ * call may be captured into a CUDA graph.
  *
  * Thread safety: every function may be called concurrently from several threads as long as
  * the calls touch disjoint slots (or only read the same ones). The error message is
