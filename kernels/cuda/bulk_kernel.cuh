@@ -220,29 +220,63 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
   float* const betas = reinterpret_cast<float*>(smem + p.o_sc);                  // [T]
   float* const kqs = betas + T_;                                                 // [T]
   {
-    // The activation dtype resolved once (not per element): A is float, bf16 or half.
-    const float decay = -expf(ly.a_log[h]);
+    // The activation dtype resolved once (not per element): A is float, bf16 or half. Every
+    // load of a group of TT tokens is issued before any shared-memory store: a store may alias
+    // a generic pointer, so a load after it cannot be hoisted above it, and each group would
+    // cost one global round trip per token (v7j).
     auto tokens = [&](auto tag) {
       using A = decltype(tag);
       const A* const qkv = static_cast<const A*>(ly.qkv);
       const A* const ga = static_cast<const A*>(ly.a);
       const A* const gb = static_cast<const A*>(ly.b);
-      const A* qrow = qkv + tok0 * ly.qkv_stride + int64_t{hq} * K;
-      for (int t = 0; t < T_; ++t, qrow += ly.qkv_stride) {
-        for (int c = tid; c < K; c += nthr) {
-          const float q = ToF(qrow[c]);
-          const float k = ToF(qrow[int64_t{H} * K + c]);
-          if constexpr (KDA) {
-            const int64_t gi = int64_t{h} * K + c;
-            tg[t * K + c] = decay * Softplus(ToF(ga[(tok0 + t) * ly.a_stride + gi]) + ly.dt_bias[gi]);
-          }
-          tq[t * K + c] = q;
-          tk[t * K + c] = k;
-        }
-        const A* const vrow_g = qrow + int64_t{2 * H - hq} * K + int64_t{h} * V + v0;
-        for (int v = tid; v < nrow; v += nthr) vsm[t * rows + v] = ToF(vrow_g[v]);
+      const A* const q0 = qkv + tok0 * ly.qkv_stride + int64_t{hq} * K;
+      const int64_t vofs = int64_t{2 * H - hq} * K + int64_t{h} * V + v0;  // v from q's row
+      const float alog = ly.a_log[h];
+      float a_t = 0.f, b_t = 0.f, dtb_h = 0.f;  // thread t < T's scalars (GDN a; b)
+      if (tid < T_) {
+        if (!kda) a_t = ToF(ga[(tok0 + tid) * ly.a_stride + h]), dtb_h = ly.dt_bias[h];
+        b_t = ToF(gb[(tok0 + tid) * ly.b_stride + h]);
       }
-      for (int t = tid; t < T_; t += nthr) {
+      const int span = max(K, nrow);
+      float decay = 0.f;
+      for (int t0 = 0; t0 < T_; t0 += TT) {
+        for (int i = tid; i < span; i += nthr) {
+          float qv[TT], kv[TT], gv[TT], vv[TT];
+          const float db = KDA && i < K ? ly.dt_bias[int64_t{h} * K + i] : 0.f;
+#pragma unroll
+          for (int u = 0; u < TT; ++u) {
+            qv[u] = kv[u] = gv[u] = vv[u] = 0.f;
+            if (t0 + u < T_) {
+              const A* const qr = q0 + int64_t(t0 + u) * ly.qkv_stride;
+              if (i < K) {
+                qv[u] = ToF(qr[i]);
+                kv[u] = ToF(qr[int64_t{H} * K + i]);
+                if constexpr (KDA) gv[u] = ToF(ga[(tok0 + t0 + u) * ly.a_stride + int64_t{h} * K + i]);
+              }
+              if (i < nrow) vv[u] = ToF(qr[vofs + i]);
+            }
+          }
+          decay = -expf(alog);
+#pragma unroll
+          for (int u = 0; u < TT; ++u) {
+            const int t = t0 + u;
+            if (t < T_) {
+              if (i < K) {
+                tq[t * K + i] = qv[u];
+                tk[t * K + i] = kv[u];
+                if constexpr (KDA) tg[t * K + i] = decay * Softplus(gv[u] + db);
+              }
+              if (i < nrow) vsm[t * rows + i] = vv[u];
+            }
+          }
+        }
+      }
+      decay = -expf(alog);
+      if (tid < T_) {
+        if (!kda) tg[tid] = decay * Softplus(a_t + dtb_h);
+        betas[tid] = Sigmoid(b_t);
+      }
+      for (int t = tid + nthr; t < T_; t += nthr) {  // more tokens than threads (not in practice)
         const int64_t n = tok0 + t;
         if (!kda) tg[t] = decay * Softplus(ToF(ga[n * ly.a_stride + h]) + ly.dt_bias[h]);
         betas[t] = Sigmoid(ToF(gb[n * ly.b_stride + h]));
