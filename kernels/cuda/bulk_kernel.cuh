@@ -178,8 +178,14 @@ __device__ __forceinline__ void StoreSmemSlice(T* p, const Slice<T, N>& s) {
   }
 }
 
+// CTAs per SM the register budget is sized for: decode 5 (96 registers), verify
+// RSSM_BULK_VERIFY_MIN_BLOCKS: 4 (128 registers, ~40 bytes of spills; v7l: verify -2..-7%
+// against 3 CTAs at 168 registers, kernels-h200-2026-11-30-v7l-*.json).
+#ifndef RSSM_BULK_VERIFY_MIN_BLOCKS
+#define RSSM_BULK_VERIFY_MIN_BLOCKS 4
+#endif
 template <typename T, int TT, int KC, int RB, bool KDA>
-__global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : 3)
+__global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VERIFY_MIN_BLOCKS)
     BulkStepKernel(const __grid_constant__ BulkParams p) {
   constexpr int NV = 2 * TT * RB;  // values per transposed butterfly (<= 32)
   static_assert(NV <= 32, "2 * TT * RB values must fit one butterfly");
