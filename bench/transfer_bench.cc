@@ -4,7 +4,8 @@
 //
 //   replayssm-bench-transfer [--model qwen3-next-80b-a3b] [--state-dtype f32|bf16]
 //                            [--backend cpu|cuda] [--slots N] [--chunk BYTES]
-//                            [--lanes N] [--import-threads N] [--put-thp] [--json PATH]
+//                            [--lanes N] [--import-threads N] [--staged-host-hash] [--put-thp]
+//                            [--json PATH]
 //
 // B is a forked child with its own StateCache, UcxTransport and transfer::Receiver; the
 // control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
@@ -246,6 +247,7 @@ int Run(int argc, char** argv) {
   int slots = 8;
   size_t chunk = 4 << 20;
   int32_t import_threads = ReceiverOptions{}.import_threads;
+  bool staged_host_hash = false;  // A/B: the CUDA sender hashes on the host, as before v6
   int lanes = 4;  // the service's --transfer-lanes default
   bool put_thp = false;
   for (int i = 1; i < argc; ++i) {
@@ -257,13 +259,14 @@ int Run(int argc, char** argv) {
     else if (a == "--slots") slots = std::atoi(next().c_str());
     else if (a == "--chunk") chunk = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--import-threads") import_threads = std::atoi(next().c_str());
+    else if (a == "--staged-host-hash") staged_host_hash = true;
     else if (a == "--lanes" || a == "--put-lanes") lanes = std::clamp(std::atoi(next().c_str()), 1, 16);
     else if (a == "--put-thp") put_thp = true;
     else if (a == "--json") json = argv[++i];
     else {
       std::fprintf(stderr, "usage: replayssm-bench-transfer [--model M] [--state-dtype f32|bf16] "
                            "[--backend cpu|cuda] [--slots N] [--chunk BYTES] [--lanes N] "
-                           "[--import-threads N] [--put-thp] [--json PATH]\n");
+                           "[--import-threads N] [--staged-host-hash] [--put-thp] [--json PATH]\n");
       return 2;
     }
   }
@@ -378,7 +381,8 @@ int Run(int argc, char** argv) {
     std::vector<int32_t> tokens(100 + i, 7);
     CHECK_OK((*cache)->Import(*s, tokens, cps));
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<SendResult> r = sender.Send(peer, *s, "x" + std::to_string(i), {.chunk_bytes = chunk});
+    absl::StatusOr<SendResult> r = sender.Send(
+        peer, *s, "x" + std::to_string(i), {.chunk_bytes = chunk, .staged_host_hash = staged_host_hash});
     const double t = Seconds(t0);
     CHECK_OK(r.status());
     peer.FreeRemote(r->remote_slot);
@@ -422,9 +426,13 @@ int Run(int argc, char** argv) {
   auto verdict = [](double r) { return r >= kTarget ? "met" : "NOT met"; };
   auto gbs = [bytes](double s) { return bytes / s / 1e9; };
   std::printf("transfer bench: %s, state %s, backend %s (%s), %.1f MB per slot, %d slots, "
-              "chunk %zu, %d lanes, %d import threads (phases interleaved per round)\n",
+              "chunk %zu, %d lanes, %d import threads, sender hash on the %s (phases interleaved "
+              "per round)\n",
               m->name.c_str(), dtype.c_str(), backend_name.c_str(), path, bytes / 1e6, slots,
-              chunk, lanes, import_threads);
+              chunk, lanes, import_threads,
+              HashedOnDevice(SelectDataPath(backend, (*ucx)->cuda_memory()), staged_host_hash)
+                  ? "device"
+                  : "host");
   std::printf("  whole move over %d lanes (fold+reserve+stage/hash/put+import+commit): median %.2f ms "
               "= %.2f GB/s (%.2f..%.2f ms)\n", lanes, t_med * 1e3, whole, total.Min() * 1e3,
               total.Max() * 1e3);

@@ -2,8 +2,11 @@
 
 #include <cstdio>
 #include <fstream>
+#include <string>
 
 #include "gtest/gtest.h"
+#include "service/server.h"
+#include "service/transfer_service.h"
 
 namespace replayssm::service {
 namespace {
@@ -40,6 +43,33 @@ TEST(ServerFlags, UnknownFlagsAndBadValuesNameTheFlag) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("--memory-budget"), std::string::npos);
   EXPECT_FALSE(Parse({"--model"}).ok());  // no value
+}
+
+TEST(TransferOptions, OutOfRangeLanesAndImportThreadsAreRefusedNamingTheFlag) {
+  // Checked before anything starts (no context, no UCX needed).
+  for (int32_t lanes : {0, 17}) {
+    TransferOptions o;
+    o.lanes = lanes;
+    auto s = TransferService::Create(nullptr, o);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("transfer-lanes: expected 1..16, got " + std::to_string(lanes)),
+              std::string::npos);
+  }
+  for (int32_t threads : {0, 33}) {
+    TransferOptions o;
+    o.import_threads = threads;
+    auto s = TransferService::Create(nullptr, o);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("transfer-import-threads: expected 1..32, got " +
+                                        std::to_string(threads)),
+              std::string::npos);
+  }
+  auto f = Parse({"--transfer-import-threads=12"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->options.transfer_import_threads, 12);
+  EXPECT_EQ(ServerOptions{}.transfer_import_threads, 8);
 }
 
 TEST(ServerFlags, ConfigFileSetsFlagsAndTheCommandLineWins) {

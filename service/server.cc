@@ -105,6 +105,7 @@ class ServerImpl final : public Server {
     TransferOptions t;
     t.chunk_bytes = static_cast<size_t>(options_.transfer_chunk_bytes);
     t.lanes = options_.transfer_lanes;
+    t.import_threads = options_.transfer_import_threads;
     t.timeout = options_.transfer_timeout;
     t.lease = options_.transfer_lease;
     t.fault = options_.transfer_fault;

@@ -122,6 +122,10 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
     return absl::InvalidArgumentError(
         absl::StrCat("transfer-lanes: expected 1..16, got ", options.lanes));
   }
+  if (options.import_threads < 1 || options.import_threads > 32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transfer-import-threads: expected 1..32, got ", options.import_threads));
+  }
   std::unique_ptr<TransferService> s(new TransferService(ctx, std::move(options)));
   absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> ucx = transfer::UcxTransport::Create();
   if (!ucx.ok()) return ucx.status();
@@ -136,7 +140,8 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
   }
   s->receiver_ = std::make_unique<transfer::Receiver>(
       ctx->cache, s->ucx_.get(),
-      transfer::ReceiverOptions{s->options_.lease, s->options_.max_open, s->options_.chunk_bytes});
+      transfer::ReceiverOptions{s->options_.lease, s->options_.max_open, s->options_.chunk_bytes,
+                                s->options_.import_threads});
   if (s->options_.fault == "corrupt") s->receiver_->CorruptNextPayloadForTest();
   s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, std::move(lanes));
   prometheus::Registry& r = *ctx->metrics->registry();

@@ -30,6 +30,8 @@ struct TransferOptions {
   // Sender threads (each with its own UCX context, worker and endpoint) that put a slot's
   // chunks at once, 1..16 (docs/transfer.md, "The put path").
   int32_t lanes = 4;
+  // Receiver threads that copy (and hash) landed chunks into the reserved slot, 1..32.
+  int32_t import_threads = 8;
   // Test-only fault injection: "" (none), "corrupt" (receiver flips a payload byte),
   // "exit-before-commit" (receiver exits when asked to commit), "exit-after-put" (sender
   // exits after the put, before the commit).

@@ -35,6 +35,12 @@ enum class DataPath {
   kHostStaged,    // CUDA backend, UCX without CUDA memory: chunks through pinned host buffers
 };
 DataPath SelectDataPath(int32_t backend, bool ucx_cuda_memory);
+// Whether a sender on this path hashes its slot on the backend (rssm_segment_digests, one call
+// over the gathered slot: SlotHasher) rather than its pieces on the host: every path of a CUDA
+// slot (device-direct and host-staged).
+inline bool HashedOnDevice(DataPath p, bool staged_host_hash = false) {
+  return p == DataPath::kDeviceDirect || (p == DataPath::kHostStaged && !staged_host_hash);
+}
 const char* DataPathName(DataPath p);
 
 // One chunk of the payload: bytes [offset, offset + size) of the layer-major payload, which
@@ -160,7 +166,7 @@ class BackendBuffer {
 absl::StatusOr<uint64_t> BackendChecksum(const rssm_launch& l, const void* data, size_t bytes,
                                          uint32_t version = kChecksumVersion);
 
-// The device-direct sender's checksum (version 3): the slot's layers are gathered, device to
+// A CUDA sender's checksum (version 3; HashedOnDevice): the slot's layers are gathered, device to
 // device on a stream of their own, into one backend buffer (`gather`, kept by the Sender) and
 // hashed there by one BackendChecksum, as a task of a TaskPool beside the puts. One call per
 // layer would cost a whole segment's lane chain per layer: the segments of one call are hashed

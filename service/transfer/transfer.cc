@@ -543,9 +543,11 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
   const size_t chunk = std::min(options.chunk_bytes == 0 ? size_t{4 << 20} : options.chunk_bytes,
                                 m.bytes_per_layer);
   const std::vector<Piece> pieces = SplitPayload(format.num_layers, m.bytes_per_layer, chunk);
-  // Device-direct: the slot is hashed on the device, beside the puts; else the pieces are
-  // hashed on the host as they are put (PieceHasher).
-  const bool hashed = path != DataPath::kDeviceDirect;
+  // A CUDA slot (device-direct or host-staged) is hashed on the device, beside the puts: the
+  // host threads only stage and put (host hashing on the lanes' pool capped the staged send at
+  // ~15 GB/s, transfer-h200-2026-11-30-v5.md); a host slot's pieces are hashed on the host as
+  // they are put (PieceHasher).
+  const bool hashed = !HashedOnDevice(path, options.staged_host_hash);
   std::optional<SlotHasher> on_device;
   if (!hashed) on_device.emplace(&hashers_, &gather_, m);
   auto finish = [&](PieceHasher& hasher) -> absl::Status {
@@ -608,7 +610,7 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
       if (i + 1 < pieces.size()) st = stage(i + 1);  // overlaps this chunk's put
       if (st.ok()) st = ring_.Sync(k);
       if (!st.ok()) break;
-      hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
+      if (hashed) hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
       absl::StatusOr<uint64_t> ticket = send(i, ring_.buffer(k));
       if (!ticket.ok()) st = ticket.status();
       else put_ticket[k] = *ticket;
@@ -752,7 +754,7 @@ absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::Che
   auto source = [&](const Piece& p) {
     return static_cast<const uint8_t*>(m.layers[p.layer]) + p.layer_offset;
   };
-  const bool hashed = path != DataPath::kDeviceDirect;
+  const bool hashed = !HashedOnDevice(path, options.staged_host_hash);
   if (path != DataPath::kHostStaged) {
     if (hashed) {
       for (const Piece& p : pieces) hasher.Submit(p.offset, source(p), p.size);
@@ -783,7 +785,7 @@ absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::Che
       const int32_t k = static_cast<int32_t>(i % ring);
       if (s.ok()) s = ring_.Sync(k);
       if (!s.ok()) break;
-      hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
+      if (hashed) hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
       queue(i, ring_.buffer(k));
     }
     if (!s.ok()) {

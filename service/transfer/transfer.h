@@ -66,8 +66,9 @@ struct ReceiverOptions {
   // Threads that copy landed chunks into the slot (CPU) or pinned staging (CUDA), several at
   // once, and hash what they copied (checksum v3; a v2 sender's chunks are hashed in order by
   // the import thread): one thread doing both fell behind the puts. Shared by all
-  // reservations.
-  int32_t import_threads = 4;
+  // reservations. 8: on the H200 host 4 copiers were the whole move's limit once the CUDA
+  // sender stopped hashing on the host (f32 7.0 -> 5.2 ms; transfer-h200-2026-11-30-v6.md).
+  int32_t import_threads = 8;
   // Tests only: forces a path (e.g. the host-staged one on the CPU backend).
   std::optional<DataPath> force_path;
 };
@@ -161,6 +162,9 @@ struct SendOptions {
   size_t chunk_bytes = 4 << 20;   // UCX put granularity (and staging buffer size)
   absl::Duration timeout = absl::Seconds(30);
   std::optional<DataPath> force_path;  // tests only
+  // Benchmarks only: a host-staged send hashes its staged pieces on the host (the path before
+  // the device hash; for A/B runs, replayssm-bench-transfer --staged-host-hash).
+  bool staged_host_hash = false;
   // Tests only (multi-lane sends): the lane given this piece fails it instead of putting it,
   // while the other lanes' puts are in flight.
   std::optional<size_t> fail_piece_for_test;
@@ -235,7 +239,7 @@ class Sender {
   TaskPool hashers_;  // checksum v3 of the chunks, one thread per lane; idle between sends
   absl::Mutex mu_;
   StagingRing ring_ ABSL_GUARDED_BY(mu_);
-  BackendBuffer gather_ ABSL_GUARDED_BY(mu_);  // device-direct: the slot, hashed on the device
+  BackendBuffer gather_ ABSL_GUARDED_BY(mu_);  // a CUDA send: the slot, hashed on the device
 };
 
 }  // namespace replayssm::transfer
