@@ -203,22 +203,40 @@ TEST_F(TransferTest, RetriesAreSafe) {
 
 TEST_F(TransferTest, HostStagedPipelineMovesTheSameBytes) {
   // The staging ring (pinned buffers, streams, copy ahead) on both sides, forced on the CPU
-  // backend; a chunk that splits layers unevenly and is not a multiple of 64 bytes.
+  // backend; a chunk that splits layers unevenly and is not a multiple of 64 bytes. The sender
+  // hashes its slot on the backend (the default, HashedOnDevice) or its staged pieces on the
+  // host (staged_host_hash); either way the receiver verifies and catches a corruption.
+  EXPECT_TRUE(HashedOnDevice(DataPath::kHostStaged));
+  EXPECT_FALSE(HashedOnDevice(DataPath::kHostStaged, /*staged_host_hash=*/true));
+  EXPECT_FALSE(HashedOnDevice(DataPath::kHostDirect));
   const SlotId s = Prepare(2);
   Receiver rx(b_.get(), ucx_b_.get(),
               {.chunk_bytes = 1000, .force_path = DataPath::kHostStaged});
   DirectPeer peer(&rx);
   Sender sender(a_.get(), ucx_a_.get());
-  for (size_t chunk : {size_t{1000}, size_t{4096}, size_t{1} << 30}) {
-    absl::StatusOr<SendResult> r = sender.Send(
-        peer, s, absl::StrCat("staged-", chunk),
-        {.keep_source = true, .chunk_bytes = chunk, .force_path = DataPath::kHostStaged});
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->path, DataPath::kHostStaged);
-    absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
-    ASSERT_TRUE(ea.ok() && eb.ok());
-    EXPECT_EQ(ea->checkpoints, eb->checkpoints) << "chunk " << chunk;
-    ASSERT_TRUE(b_->Free(r->remote_slot).ok());
+  for (bool host_hash : {false, true}) {
+    for (size_t chunk : {size_t{1000}, size_t{4096}, size_t{1} << 30}) {
+      const std::string id = absl::StrCat("staged-", chunk, host_hash ? "-host" : "-dev");
+      absl::StatusOr<SendResult> r =
+          sender.Send(peer, s, id,
+                      {.keep_source = true, .chunk_bytes = chunk,
+                       .force_path = DataPath::kHostStaged, .staged_host_hash = host_hash});
+      ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+      EXPECT_EQ(r->path, DataPath::kHostStaged);
+      absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
+      ASSERT_TRUE(ea.ok() && eb.ok());
+      EXPECT_EQ(ea->checkpoints, eb->checkpoints) << id;
+      ASSERT_TRUE(b_->Free(r->remote_slot).ok());
+    }
+    rx.CorruptNextPayloadForTest();
+    EXPECT_EQ(sender
+                  .Send(peer, s, absl::StrCat("staged-bad", host_hash ? "-host" : "-dev"),
+                        {.keep_source = true, .chunk_bytes = 1000,
+                         .force_path = DataPath::kHostStaged, .staged_host_hash = host_hash})
+                  .status()
+                  .code(),
+              absl::StatusCode::kDataLoss);
+    EXPECT_EQ(b_->stats().slots_live, 0);
   }
   EXPECT_EQ(rx.open(), 0);
 }
