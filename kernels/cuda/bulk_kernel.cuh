@@ -7,10 +7,13 @@
 // records into shared memory, so the bytes are in flight while the CTA computes the token.
 //
 // One CTA of nw warps per (row r, v-head h, chunk of nw * rpw state rows: the whole head unless
-// the batch is small); warp w owns rpw rows, streamed through ns stages of RB rows.
+// the batch is small), on a grid (HV * nchunk, batch); warp w owns rpw rows, streamed through
+// ns stages of RB rows (2, or 1 where 2 would leave fewer than kBulkMinCtas CTAs per SM).
 // The prologue is two global round trips whatever the ring holds:
 //   1. all threads: the row's slot and cursor AND the tokens' q, k, gates, beta, v (into
-//      shared memory) — nothing here needs the slot;
+//      shared memory) — nothing here needs the slot; every load of a group of tokens is
+//      issued before any of their shared-memory stores (a store may alias a later load's
+//      generic pointer, which would serialize the round trips, v7j);
 //   2. each warp's lane 0 issues its first ns S0 batches (contiguous rows, L2 evict-first);
 //      warp 0 issues the records' k and g (contiguous [w, K] / [w, Kg]) and, lane j, record
 //      j's d for the CTA's rows, all on one mbarrier;
@@ -24,7 +27,8 @@
 //      contraction S0·(A∘k), S0·(A∘q) plus the ring terms d_j[row]·u_j (lane j holds record
 //      j) in the same per-lane partials, one transposed butterfly, the per-row finish, a
 //      folding row's new checkpoint written from the stage; then the stage is refilled with
-//      batch b + ns.
+//      batch b + ns. Verify in one pass (T <= TT): lane i < RB chains row i's drafts with the
+//      chain coefficients, betas and k·q held in registers (v7h).
 // CTA barriers only in the prologue (two for decode, three for verify); the rows run without.
 // Baseline = replay at w = 0 that always folds (the same instantiation: bit-identical at L = 1).
 // Verify: TT drafts per pass over a batch; passes re-read the batch from shared memory.
