@@ -2,7 +2,8 @@
 // onto kernel params, dispatches on the state dtype, launches on the caller's stream and
 // reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No synchronization,
 // except in SegmentDigests (a transfer-path call that hands its digests back to the host).
-// No allocation: every kernel works in the caller's state pool and shared memory.
+// No step, fold or prefill call allocates (every kernel works in the caller's state pool and
+// shared memory); SegmentDigests allocates its digest array stream-ordered.
 #include <algorithm>
 #include <string>
 #include <vector>

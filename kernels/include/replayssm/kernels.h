@@ -9,8 +9,9 @@
  * call). On the CPU backend every pointer is a host pointer and `stream` must be NULL; on the
  * CUDA backend every tensor and index array is device memory and work is enqueued on `stream`
  * (NULL = the legacy default stream).
- * Nothing allocates: the kernels work in the caller's buffers (and shared memory), so every
- * call may be captured into a CUDA graph.
+ * No decode, verify, fold or prefill call allocates: the kernels work in the caller's buffers
+ * (and shared memory), so every such call may be captured into a CUDA graph (the transfer-path
+ * rssm_segment_digests is the exception, below).
  *
  * Thread safety: every function may be called concurrently from several threads as long as
  * the calls touch disjoint slots (or only read the same ones). The error message is
