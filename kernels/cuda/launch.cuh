@@ -63,7 +63,7 @@ inline StepKind StepChoice() {
   return k;
 }
 
-// The batch threshold of the default rule (StepPath): REPLAYSSM_CUDA_BULK_MIN_B (16).
+// The batch from which verify takes v7 (StepPath): REPLAYSSM_CUDA_BULK_MIN_B (16).
 inline int64_t BulkMinBatch() {
   static const int64_t n = [] {
     const char* e = std::getenv("REPLAYSSM_CUDA_BULK_MIN_B");
@@ -72,11 +72,12 @@ inline int64_t BulkMinBatch() {
   return n;
 }
 // The default (no REPLAYSSM_CUDA_STEP), measured on the H200 against every candidate
-// (bench/results/kernels-h200-2026-11-30-v7.md, ...-v7i.md): every op (baseline, replay,
-// verify), gate and state dtype takes v7 at B >= 16 and v4b below (v7 loses at B = 1). Since
-// v7h/v7i, v7 beats v5 at fp32 verify B >= 64 by 19-27% and v4b at 16-bit verify B = 16 by
-// 22-27%, the last cases another kernel won. Baseline and replay of one batch always share a
-// path (the L = 1 bit identity).
+// (bench/results/kernels-h200-2026-11-30-v7.md, ...-v7i.md): decode (baseline and replay)
+// takes v7 at every batch — since v7h-v7l it wins at B = 1 too (bf16 baseline 10.4 -> 8.4 µs,
+// replay 11.7 -> 8.5 µs; KDA fp32 within 3% of v4b; ...-v7l-b1-on-{v7,v4b}.json); verify takes
+// v7 at B >= 16 (it beat v5 at fp32 B >= 64 by 19-27% and v4b at 16-bit B = 16 by 22-27%) and
+// v4b below (v7 verify at B = 1 is 10-35% slower). Baseline and replay of one batch always
+// share a path (the L = 1 bit identity).
 enum StepPathKind { kPathLegacy, kPathBulk };
 inline StepPathKind StepPath(const StepParams& p) {
   switch (StepChoice()) {
@@ -84,6 +85,7 @@ inline StepPathKind StepPath(const StepParams& p) {
     case kStepBulk: return kPathBulk;
     case kStepDefault: break;
   }
+  if (p.mode != kModeVerify) return kPathBulk;
   return p.batch >= BulkMinBatch() ? kPathBulk : kPathLegacy;
 }
 inline bool Verbose() {
