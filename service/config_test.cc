@@ -47,24 +47,23 @@ TEST(ServerFlags, UnknownFlagsAndBadValuesNameTheFlag) {
 
 TEST(TransferOptions, OutOfRangeLanesAndImportThreadsAreRefusedNamingTheFlag) {
   // Checked before anything starts (no context, no UCX needed).
-  for (int32_t lanes : {0, 17}) {
+  struct Case {
+    int32_t TransferOptions::*field;
+    int32_t value;
+    std::string message;
+  };
+  for (const Case& c : {Case{&TransferOptions::lanes, 0, "transfer-lanes: expected 1..16, got 0"},
+                        Case{&TransferOptions::lanes, 17, "transfer-lanes: expected 1..16, got 17"},
+                        Case{&TransferOptions::import_threads, 0,
+                             "transfer-import-threads: expected 1..32, got 0"},
+                        Case{&TransferOptions::import_threads, 33,
+                             "transfer-import-threads: expected 1..32, got 33"}}) {
     TransferOptions o;
-    o.lanes = lanes;
+    o.*c.field = c.value;
     auto s = TransferService::Create(nullptr, o);
-    ASSERT_FALSE(s.ok());
+    ASSERT_FALSE(s.ok()) << c.message;
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(s.status().message().find("transfer-lanes: expected 1..16, got " + std::to_string(lanes)),
-              std::string::npos);
-  }
-  for (int32_t threads : {0, 33}) {
-    TransferOptions o;
-    o.import_threads = threads;
-    auto s = TransferService::Create(nullptr, o);
-    ASSERT_FALSE(s.ok());
-    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(s.status().message().find("transfer-import-threads: expected 1..32, got " +
-                                        std::to_string(threads)),
-              std::string::npos);
+    EXPECT_NE(s.status().message().find(c.message), std::string::npos) << s.status();
   }
   auto f = Parse({"--transfer-import-threads=12"});
   ASSERT_TRUE(f.ok()) << f.status();
