@@ -97,6 +97,37 @@ class TransferTest : public ::testing::Test {
     ASSERT_TRUE(ucx_a_->Put(r.worker_address, &landed, sizeof(landed), r.doorbell_addr, r.rkey, 0,
                             absl::Seconds(10)).ok());
   }
+  // A's exported state `want` as one payload (every layer's checkpoint, layer-major).
+  static std::vector<uint8_t> Payload(const cache::ExportedState& want) {
+    std::vector<uint8_t> payload;
+    for (const auto& l : want.checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+    return payload;
+  }
+  // An older sender, by hand: reserves `id` declaring checksum `version`, puts `want`'s
+  // payload in one put, rings the doorbell where the receiver has one (a device-direct
+  // receiver has none: it imports at the commit) and commits with `checksum`. A `good` one
+  // leaves B holding `want` (then freed); otherwise the commit is DATA_LOSS.
+  void SendByHand(Receiver& rx, const std::string& id, const cache::ExportedState& want,
+                  uint32_t version, uint64_t checksum, bool good, bool device_direct) {
+    const std::vector<uint8_t> payload = Payload(want);
+    absl::StatusOr<Reservation> r = rx.Reserve(id, StateFormat::Of(a_->model()),
+                                               static_cast<int64_t>(want.tokens.size()), version);
+    ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+    if (device_direct) EXPECT_EQ(r->doorbell_addr, 0u) << "a device-direct receiver imports at the commit";
+    ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
+                            r->rkey, 1000, absl::Seconds(10)).ok());
+    if (!device_direct) RingDoorbell(*r, payload.size());
+    absl::StatusOr<SlotId> c = rx.Commit(id, want.tokens, checksum);
+    if (!good) {
+      EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << id << ": " << c.status();
+      return;
+    }
+    ASSERT_TRUE(c.ok()) << id << ": " << c.status();
+    absl::StatusOr<cache::ExportedState> eb = b_->Export(*c);
+    ASSERT_TRUE(eb.ok());
+    EXPECT_EQ(eb->checkpoints, want.checkpoints) << id;
+    ASSERT_TRUE(b_->Free(*c).ok());
+  }
   std::unique_ptr<StateCache> a_, b_;
   std::unique_ptr<UcxTransport> ucx_a_, ucx_b_;
   std::vector<std::unique_ptr<UcxTransport>> lanes_;
@@ -187,8 +218,7 @@ TEST_F(TransferTest, RetriesAreSafe) {
   EXPECT_EQ(r1->remote_addr, r2->remote_addr);
   EXPECT_EQ(rx.open(), 1);
   absl::StatusOr<cache::ExportedState> e = a_->Export(s);
-  std::vector<uint8_t> payload;
-  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+  const std::vector<uint8_t> payload = Payload(*e);
   ASSERT_TRUE(ucx_a_->Put(r1->worker_address, payload.data(), payload.size(), r1->remote_addr,
                           r1->rkey, 1 << 20, absl::Seconds(10)).ok());
   RingDoorbell(*r1, payload.size());
@@ -275,32 +305,15 @@ TEST_F(TransferTest, AVersion2SenderIsStillAcceptedAndVerified) {
   const SlotId s = Prepare(2);
   absl::StatusOr<cache::ExportedState> e = a_->Export(s);
   ASSERT_TRUE(e.ok());
-  std::vector<uint8_t> payload;
-  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
-  const StateFormat f = StateFormat::Of(a_->model());
+  const std::vector<uint8_t> payload = Payload(*e);
   for (DataPath path : {DataPath::kHostDirect, DataPath::kHostStaged}) {
     Receiver rx(b_.get(), ucx_b_.get(),
                 {.chunk_bytes = 700, .import_threads = 3, .force_path = path});
     for (const bool good : {true, false}) {
-      const std::string id = absl::StrCat("v2-", DataPathName(path), "-", good);
-      absl::StatusOr<Reservation> r =
-          rx.Reserve(id, f, static_cast<int64_t>(e->tokens.size()), kChecksumV2);
-      ASSERT_TRUE(r.ok()) << id << ": " << r.status();
-      ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
-                              r->rkey, 1000, absl::Seconds(10)).ok());
-      RingDoorbell(*r, payload.size());
       const uint64_t sum = good ? Checksum(payload.data(), payload.size())
                                 : ChecksumV3(payload.data(), payload.size());
-      absl::StatusOr<SlotId> c = rx.Commit(id, e->tokens, sum);
-      if (!good) {
-        EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << id << ": " << c.status();
-        continue;
-      }
-      ASSERT_TRUE(c.ok()) << id << ": " << c.status();
-      absl::StatusOr<cache::ExportedState> eb = b_->Export(*c);
-      ASSERT_TRUE(eb.ok());
-      EXPECT_EQ(eb->checkpoints, e->checkpoints) << id;
-      ASSERT_TRUE(b_->Free(*c).ok());
+      SendByHand(rx, absl::StrCat("v2-", DataPathName(path), "-", good), *e, kChecksumV2, sum,
+                 good, /*device_direct=*/false);
     }
     EXPECT_EQ(rx.open(), 0);
     EXPECT_EQ(b_->stats().slots_live, 0);
@@ -419,11 +432,9 @@ TEST_F(TransferTest, ADeviceDirectReceiverStillAcceptsOlderSenders) {
   const SlotId s = Prepare(2);
   absl::StatusOr<cache::ExportedState> e = a_->Export(s);
   ASSERT_TRUE(e.ok());
-  std::vector<uint8_t> payload;
-  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+  const std::vector<uint8_t> payload = Payload(*e);
   const uint64_t v2 = Checksum(payload.data(), payload.size()),
                  v3 = ChecksumV3(payload.data(), payload.size());
-  const StateFormat f = StateFormat::Of(a_->model());
   Receiver rx(b_.get(), ucx_b_.get(), {.force_path = DataPath::kDeviceDirect});
   const struct {
     uint32_t version;
@@ -432,23 +443,8 @@ TEST_F(TransferTest, ADeviceDirectReceiverStillAcceptsOlderSenders) {
   } cases[] = {{kChecksumNone, 12345, true}, {kChecksumV2, v2, true}, {kChecksumV2, v3, false},
                {kChecksumVersion, v3, true}, {kChecksumVersion, v2, false}};
   for (const auto& c : cases) {
-    const std::string id = absl::StrCat("older-", c.version, "-", c.good);
-    absl::StatusOr<Reservation> r =
-        rx.Reserve(id, f, static_cast<int64_t>(e->tokens.size()), c.version);
-    ASSERT_TRUE(r.ok()) << id << ": " << r.status();
-    EXPECT_EQ(r->doorbell_addr, 0u) << "a device-direct receiver imports at the commit";
-    ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
-                            r->rkey, 1000, absl::Seconds(10)).ok());
-    absl::StatusOr<SlotId> got = rx.Commit(id, e->tokens, c.checksum);
-    if (!c.good) {
-      EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << id << ": " << got.status();
-      continue;
-    }
-    ASSERT_TRUE(got.ok()) << id << ": " << got.status();
-    absl::StatusOr<cache::ExportedState> eb = b_->Export(*got);
-    ASSERT_TRUE(eb.ok());
-    EXPECT_EQ(eb->checkpoints, e->checkpoints) << id;
-    ASSERT_TRUE(b_->Free(*got).ok());
+    SendByHand(rx, absl::StrCat("older-", c.version, "-", c.good), *e, c.version, c.checksum,
+               c.good, /*device_direct=*/true);
   }
   EXPECT_EQ(rx.open(), 0);
   EXPECT_EQ(b_->stats().slots_live, 0);
@@ -485,8 +481,7 @@ TEST_F(TransferTest, TheReservedSlotIsNobodysUntilTheCommitAndKeepsNoStaleByte) 
   }
   absl::StatusOr<cache::ExportedState> e = a_->Export(s);
   ASSERT_TRUE(e.ok());
-  std::vector<uint8_t> payload;
-  for (const auto& l : e->checkpoints) payload.insert(payload.end(), l.begin(), l.end());
+  const std::vector<uint8_t> payload = Payload(*e);
   ASSERT_TRUE(ucx_a_->Put(r->worker_address, payload.data(), payload.size(), r->remote_addr,
                           r->rkey, 1000, absl::Seconds(10)).ok());
   RingDoorbell(*r, payload.size());
