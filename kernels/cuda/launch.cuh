@@ -97,18 +97,6 @@ inline bool Aligned16(const void* ptr, int64_t stride_elems, size_t elem) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0 && (stride_elems * int64_t(elem)) % 16 == 0;
 }
 
-// The call's layer, batch, mode and per-row arrays, as every step kernel's params hold them.
-template <typename P>
-void CopyCall(const StepParams& sp, P* p) {
-  p->ly = sp.ly;
-  p->batch = sp.batch;
-  p->num_draft = sp.num_draft;
-  p->mode = sp.mode;
-  p->slot_idx = sp.slot_idx;
-  p->write_pos = sp.write_pos;
-  p->force_fold = sp.force_fold;
-}
-
 // v7 (bulk_kernel.cuh): REPLAYSSM_CUDA_RPW (16..64, multiple of 16), REPLAYSSM_CUDA_NW (1..4)
 // and REPLAYSSM_CUDA_NS (1..8) force the rows per warp, warps per CTA and S0 stages per warp;
 // unset = chosen by LaunchBulkT.
@@ -148,7 +136,13 @@ template <typename T, int TT, int KC, int RB, bool KDA>
 cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launched) {
   *launched = false;
   BulkParams p{};
-  CopyCall(sp, &p);
+  p.ly = sp.ly;
+  p.batch = sp.batch;
+  p.num_draft = sp.num_draft;
+  p.mode = sp.mode;
+  p.slot_idx = sp.slot_idx;
+  p.write_pos = sp.write_pos;
+  p.force_fold = sp.force_fold;
   const LayerDesc& ly = p.ly;
   constexpr int sz = int(sizeof(T));
   p.lr = p.mode == kModeBaseline ? 0 : ly.L;
