@@ -11,8 +11,9 @@
 // control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
 // timed is the whole move of a slot: A folds it through the cache's guard and streams it in
 // chunks (CPU: straight from slot memory; CUDA: device -> pinned staging ring, the copy of
-// chunk i+1 overlapping the put of chunk i), hashing (checksum v3) on a pool of --lanes
-// threads beside the puts; B reserves a slot without zeroing it, has each chunk copied as
+// chunk i+1 overlapping the put of chunk i), hashing (checksum v3) beside the puts (CPU: on
+// a pool of --lanes threads; CUDA: the gathered slot on the device, or with --staged-host-hash
+// the staged chunks on that pool, the path before); B reserves a slot without zeroing it, has each chunk copied as
 // its doorbell says it landed (CPU: into slot memory; CUDA: via pinned staging, host ->
 // device) by --import-threads copiers, each hashing what it copied, and verifies at the
 // commit.
@@ -30,7 +31,7 @@
 // THP put, hash), so host drift weighs on all alike, and ucx_perftest runs first, before any
 // thread, UCX context or buffer of ours exists; min..max are printed beside the medians.
 // The checksum of a slot is timed too: v2 on one thread (in payload order: what each side did
-// before v3, and still does for a v2 peer), and v3 over --lanes threads (the sender's hash
+// before v3, and still does for a v2 peer), and v3 over --lanes threads (a host sender's hash
 // pool: one task per chunk) and over --import-threads threads (the receiver's copiers; here
 // hash only, no copy): if a v3 figure is near the whole move's, the hash still caps it.
 // --put-thp (an experiment): the bare put once more from a source on transparent huge pages
