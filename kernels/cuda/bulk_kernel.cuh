@@ -15,8 +15,8 @@
 //      issued before any of their shared-memory stores (a store may alias a later load's
 //      generic pointer, which would serialize the round trips, v7j);
 //   2. each warp's lane 0 issues its first ns S0 batches (contiguous rows, L2 evict-first);
-//      warp 0 issues the records' k and g (contiguous [w, K] / [w, Kg]) and, lane j, record
-//      j's d for the CTA's rows, all on one mbarrier;
+//      warp 0's lane 0 issues the records' k and g (contiguous [w, K] / [w, Kg]) and record
+//      j's d for the CTA's rows (one copy per record), all on one mbarrier;
 //   3. (while those bytes fly) norms and k·q: decode — every warp for itself, warp 0 appends
 //      to the ring; verify — a warp per draft, which also keeps the draft's k for the later
 //      drafts, then a CTA barrier;
@@ -66,7 +66,38 @@ struct BulkParams {
   const int32_t* slot_idx;
   const int32_t* write_pos;
   const uint8_t* force_fold;
+#ifdef RSSM_BULK_TRACE
+  unsigned long long* trace;  // kTraceWords per CTA (a diagnostic build only; launch.cuh)
+#endif
 };
+
+// Per-CTA timeline of a diagnostic build (-DRSSM_BULK_TRACE): word 0 the CTA's SM, cursor and
+// fold flag, 1/2 %globaltimer at its start and at warp 0's end, then clock64 at: 3 start,
+// 4 tokens stored (thread 0), 5 first CTA barrier, 6 records landed (warp 0), 7 prologue end,
+// 8..11 warp 0's batches 0..3 landed, 12..15 each warp's end.
+constexpr int kTraceWords = 16;
+#ifdef RSSM_BULK_TRACE
+#define RSSM_TRACE(i, v)                                                                      \
+  do {                                                                                        \
+    if (p.trace != nullptr) {                                                                 \
+      p.trace[(int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kTraceWords + (i)] = (v);      \
+    }                                                                                         \
+  } while (0)
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned SmId() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+#else
+#define RSSM_TRACE(i, v) \
+  do {                   \
+  } while (0)
+#endif
 
 // Ring d rows of a CTA in shared memory: its rows + 16 bytes, so that lanes reading their
 // record's row (16-byte loads, lane j at record j) hit distinct banks.
@@ -182,14 +213,21 @@ __device__ __forceinline__ void StoreSmemSlice(T* p, const Slice<T, N>& s) {
   }
 }
 
-// CTAs per SM the register budget is sized for: decode 5 (96 registers), verify
-// RSSM_BULK_VERIFY_MIN_BLOCKS: 4 (128 registers, ~40 bytes of spills; v7l: verify -2..-7%
-// against 3 CTAs at 168 registers, kernels-h200-2026-11-30-v7l-*.json).
+// CTAs per SM the register budget is sized for. Decode: fp32 state 4 (128 registers: its
+// layout allows 4 CTAs/SM anyway, and at 96 registers the fold spilled), 16-bit state 5 (96
+// registers; half the shared memory, so 5 CTAs fit). v7m, same-call A/B
+// (kernels-h200-2026-11-30-v7m-*.json): fp32 replay -7%, baseline -4% at 4; 16-bit baseline
+// and GDN replay 3-5% better at 5. Verify: RSSM_BULK_VERIFY_MIN_BLOCKS, 4 (128 registers; v7l:
+// -2..-7% against 3 CTAs at 168 registers, kernels-h200-2026-11-30-v7l-*.json).
+__host__ __device__ constexpr int BulkDecodeMinCtas(size_t state_bytes) { return state_bytes == 4 ? 4 : 5; }
+// Accumulators of the fold's row group (FR rows x KC channels per lane): what the decode
+// register budget above holds without spills (ptxas, sm_90).
+__host__ __device__ constexpr int BulkFoldAccs(size_t state_bytes) { return state_bytes == 4 ? 16 : 8; }
 #ifndef RSSM_BULK_VERIFY_MIN_BLOCKS
 #define RSSM_BULK_VERIFY_MIN_BLOCKS 4
 #endif
 template <typename T, int TT, int KC, int RB, bool KDA>
-__global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VERIFY_MIN_BLOCKS)
+__global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCtas(sizeof(T)) : RSSM_BULK_VERIFY_MIN_BLOCKS)
     BulkStepKernel(const __grid_constant__ BulkParams p) {
   constexpr int NV = 2 * TT * RB;  // values per transposed butterfly (<= 32)
   static_assert(NV <= 32, "2 * TT * RB values must fit one butterfly");
@@ -218,11 +256,89 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
   const bool has_c = c0 < K;
   const int row_l = lane % RB;
   const int nrow = vend - v0;  // the CTA's rows
+#ifdef RSSM_BULK_TRACE
+  if (tid == 0) {
+    RSSM_TRACE(1, GlobalTimer());
+    RSSM_TRACE(3, clock64());
+  }
+#endif
   // ---- 1. the loads that need nothing: the row's metadata, the tokens, the gates -----------
   // (one round trip: the slot is not used until the tokens are stored)
   const int slot_i = p.slot_idx[r];
   const int wraw = p.mode != kModeBaseline ? p.write_pos[r] : 0;
   const int ffold = p.mode == kModeReplay && p.force_fold != nullptr ? p.force_fold[r] : 0;
+  const bool pad = slot_i < 0 || slot_i >= ly.num_slots;  // padding row (CTA-uniform)
+  const int64_t slot = pad ? 0 : slot_i;
+  int w = 0;
+  bool fold = true;
+  if (p.mode != kModeBaseline) {
+    w = min(max(wraw, 0), L);
+    if (p.mode == kModeVerify) {
+      w = max(min(w, L - T_), 0);  // w + T <= L keeps every append inside the ring
+      fold = false;
+    } else {
+      fold = w + 1 >= L || ffold != 0;
+    }
+  }
+
+  T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + int64_t{h} * V * K;
+  T* const rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
+  T* const rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
+  float* const rg = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * kg;
+
+  uint64_t* const wbar = reinterpret_cast<uint64_t*>(smem) + warp * kBulkMaxStages;
+  uint64_t* const rbar = reinterpret_cast<uint64_t*>(smem) + kBulkMaxWarps * kBulkMaxStages;
+  const int dst = p.dstride;  // ring d row stride in shared memory (rows + 16 bytes)
+  const int ns = p.ns, nst = min(ns, nb);  // stages, stages in use
+  T* const s0s = reinterpret_cast<T*>(smem + p.o_s0) + int64_t{warp} * ns * RB * K;  // [ns][RB][K]
+  T* const dsc = reinterpret_cast<T*>(smem + p.o_d);  // [j][dst]: the CTA's rows of record j
+  T* const ds = dsc + warp * rpw;                      // the warp's columns
+  T* const krs = reinterpret_cast<T*>(smem + p.o_kr);                            // [L][K]
+  float* const gs = reinterpret_cast<float*>(smem + p.o_g);                      // [L][kg]
+  const bool bs0 = p.bulk_s0 != 0, bd = p.bulk_d != 0 && w > 0;
+  const bool bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
+  // GDN's g row is copied in 16-byte units (the launcher allows it only when L % 4 == 0).
+  const int gbytes = kda ? w * K * 4 : ((w + 3) & ~3) * 4;
+#ifdef RSSM_BULK_TRACE
+  if (tid == 0) RSSM_TRACE(0, SmId() | (unsigned(w) << 8) | (unsigned(fold) << 16));
+#endif
+  // ---- 2. every byte of the CTA's state in flight (one more round trip), issued once the tokens
+  // are stored (below). Lane 0 initializes, arms and uses its warp's mbarriers itself (no warp
+  // sync needed); warp 0's lane 0 also issues the records' k, g and one d row per record on the
+  // records' mbarrier. (v7m tried issuing before the token loads, with the tokens prefetched
+  // into L2: the tokens then waited for the slot's round trip and every case got 2-8% slower.)
+  auto issue = [&]() {
+    if (!pad && lane == 0) {
+      if (bs0) {
+        for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
+      }
+      const bool recs = warp == 0 && (bk || bg || bd);
+      if (recs) MbarInit(rbar, 1);
+      MbarFenceInit();
+      const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
+      if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
+        for (int b = 0; b < nst; ++b) {
+          MbarExpectTx(wbar + b, bb);
+          BulkLoadStream(s0s + int64_t{b} * RB * K, s0 + int64_t(wv0 + b * RB) * K, bb, wbar + b);
+        }
+      }
+      if (recs) {
+        const uint32_t kb = bk ? static_cast<uint32_t>(w * K * sizeof(T)) : 0u;
+        const uint32_t gb = bg ? static_cast<uint32_t>(gbytes) : 0u;
+        const uint32_t db = bd ? static_cast<uint32_t>(w * nrow * sizeof(T)) : 0u;
+        MbarExpectTx(rbar, kb + gb + db);
+        if (bk) BulkLoad(krs, rk, kb, rbar);
+        if (bg) BulkLoad(gs, rg, gb, rbar);
+        if (bd) {  // record j's d for the CTA's rows: one copy per record
+          for (int j = 0; j < w; ++j) {
+            BulkLoad(dsc + j * dst, rd + int64_t{j} * V + v0,
+                     static_cast<uint32_t>(nrow * sizeof(T)), rbar);
+          }
+        }
+      }
+    }
+  };
+
   float* const tq = reinterpret_cast<float*>(smem + p.o_tq);                     // [T][K]
   float* const tk = reinterpret_cast<float*>(smem + p.o_tk);
   float* const tg = reinterpret_cast<float*>(smem + p.o_tg);                     // [T][kg]
@@ -252,7 +368,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
       for (int t0 = 0; t0 < T_; t0 += TT) {
         for (int i = tid; i < span; i += nthr) {
           float qv[TT], kv[TT], gv[TT], vv[TT];
-          const float db = KDA && i < K ? ly.dt_bias[int64_t{h} * K + i] : 0.f;
+          [[maybe_unused]] const float db = KDA && i < K ? ly.dt_bias[int64_t{h} * K + i] : 0.f;
 #pragma unroll
           for (int u = 0; u < TT; ++u) {
             qv[u] = kv[u] = gv[u] = vv[u] = 0.f;
@@ -300,8 +416,12 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
       tokens(__half{});
     }
   }
+#ifdef RSSM_BULK_TRACE
+  if (tid == 0) RSSM_TRACE(4, clock64());
+#endif
+  issue();
 
-  if (slot_i < 0 || slot_i >= ly.num_slots) {  // padding row (CTA-uniform): zero outputs
+  if (pad) {  // padding row: zero outputs (nothing was issued)
     for (int t = 0; t < T_; ++t) {
       for (int v = v0 + tid; v < vend; v += nthr) {
         StoreAct(ly.o, (tok0 + t) * ly.o_stride + int64_t{h} * V + v, ly.act_dtype, 0.f);
@@ -309,34 +429,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
     }
     return;
   }
-  const int64_t slot = slot_i;
-  int w = 0;
-  bool fold = true;
-  if (p.mode != kModeBaseline) {
-    w = min(max(wraw, 0), L);
-    if (p.mode == kModeVerify) {
-      w = max(min(w, L - T_), 0);  // w + T <= L keeps every append inside the ring
-      fold = false;
-    } else {
-      fold = w + 1 >= L || ffold != 0;
-    }
-  }
-
-  T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + int64_t{h} * V * K;
-  T* const rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
-  T* const rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
-  float* const rg = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * kg;
-
-  uint64_t* const wbar = reinterpret_cast<uint64_t*>(smem) + warp * kBulkMaxStages;
-  uint64_t* const rbar = reinterpret_cast<uint64_t*>(smem) + kBulkMaxWarps * kBulkMaxStages;
-  const int dst = p.dstride;  // ring d row stride in shared memory (rows + 16 bytes)
-  const int ns = p.ns, nst = min(ns, nb);  // stages, stages in use
-  T* const s0s = reinterpret_cast<T*>(smem + p.o_s0) + int64_t{warp} * ns * RB * K;  // [ns][RB][K]
-  T* const dsc = reinterpret_cast<T*>(smem + p.o_d);  // [j][dst]: the CTA's rows of record j
-  T* const ds = dsc + warp * rpw;                      // the warp's columns
-  T* const krs = reinterpret_cast<T*>(smem + p.o_kr);                            // [L][K]
   float* const kws = reinterpret_cast<float*>(smem + p.o_kw);                    // [L][K]
-  float* const gs = reinterpret_cast<float*>(smem + p.o_g);                      // [L][kg]
   float* const kas = reinterpret_cast<float*>(smem + p.o_ka);                    // [T][K]
   float* const qas = reinterpret_cast<float*>(smem + p.o_qa);
   float* const avs = reinterpret_cast<float*>(smem + p.o_av);                    // [K]
@@ -344,44 +437,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
   float* const us = reinterpret_cast<float*>(smem + p.o_u);                      // [T][L]
   float* const ps = reinterpret_cast<float*>(smem + p.o_p);
   float* const dds = reinterpret_cast<float*>(smem + p.o_dd);                    // [T][rows]
-  const bool bs0 = p.bulk_s0 != 0, bd = p.bulk_d != 0 && w > 0;
-  const bool bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
-  // GDN's g row is copied in 16-byte units (the launcher allows it only when L % 4 == 0).
-  const int gbytes = kda ? w * K * 4 : ((w + 3) & ~3) * 4;
 
-  // ---- 2. every byte of the CTA's state in flight (one more round trip) ---------------------
-  if (lane == 0) {
-    if (bs0) {
-      for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
-    }
-    if (warp == 0 && (bk || bg || bd)) MbarInit(rbar, 1);
-    MbarFenceInit();
-  }
-  __syncwarp();
-  if (lane == 0) {
-    const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
-    if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
-      for (int b = 0; b < nst; ++b) {
-        MbarExpectTx(wbar + b, bb);
-        BulkLoadStream(s0s + int64_t{b} * RB * K, s0 + int64_t(wv0 + b * RB) * K, bb, wbar + b);
-      }
-    }
-    if (warp == 0 && (bk || bg || bd)) {
-      const uint32_t kb = bk ? static_cast<uint32_t>(w * K * sizeof(T)) : 0u;
-      const uint32_t gb = bg ? static_cast<uint32_t>(gbytes) : 0u;
-      const uint32_t db = bd ? static_cast<uint32_t>(w * nrow * sizeof(T)) : 0u;
-      MbarExpectTx(rbar, kb + gb + db);
-      if (bk) BulkLoad(krs, rk, kb, rbar);
-      if (bg) BulkLoad(gs, rg, gb, rbar);
-    }
-  }
-  __syncwarp();
-  if (bd && warp == 0) {  // record j's d for the CTA's rows: one copy per record
-    for (int j = lane; j < w; j += 32) {
-      BulkLoad(dsc + j * dst, rd + int64_t{j} * V + v0, static_cast<uint32_t>(nrow * sizeof(T)),
-               rbar);
-    }
-  }
   // Plain copies where the bulk engine cannot go (unaligned slots, odd GDN ring lengths).
   if (!bd) {
     for (int i = tid; i < w * nrow; i += nthr) {
@@ -396,6 +452,9 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
     for (int i = tid; i < w * kg; i += nthr) gs[i] = rg[i];
   }
   __syncthreads();
+#ifdef RSSM_BULK_TRACE
+  if (tid == 0) RSSM_TRACE(5, clock64());
+#endif
 
   // ---- 3/4. norms and k·q, ring appends, record dots ------------------------------------------
   // Draft t's q, k normalized (q scaled) in registers (the lane's channels); returns k·q.
@@ -529,6 +588,9 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
       append(0, kk);
     }
     if (bk || bg || bd) MbarWait(rbar, 0);
+#ifdef RSSM_BULK_TRACE
+    if (tid == 0) RSSM_TRACE(6, clock64());
+#endif
     const int nblk = max(1, (w + G - 1) / G);
     for (int bi = warp; bi < nblk; bi += nw) unit(0, bi, q, kk);
   } else {
@@ -569,6 +631,9 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
     }
   }
   __syncthreads();
+#ifdef RSSM_BULK_TRACE
+  if (tid == 0) RSSM_TRACE(7, clock64());
+#endif
 
   // ---- 5. the warp's rows, RB at a time (no CTA barrier from here on) ------------------------
   if (nb == 0) return;
@@ -625,6 +690,9 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
     T* const stage = s0s + si * RB * K;
     if (bs0) {
       MbarWait(wbar + si, sphase);
+#ifdef RSSM_BULK_TRACE
+      if (tid == 0 && b < 4) RSSM_TRACE(8 + b, clock64());
+#endif
     } else {  // plain copy of the batch (unaligned slots)
       __syncwarp();
       for (int i = lane; i < RB * K; i += 32) stage[i] = s0[int64_t(wv0 + rb0) * K + i];
@@ -753,27 +821,51 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
       }
       if (!one_pass) __syncwarp();  // the next pass reads this pass's dds
     }
-    if (fold) {  // decode only (TT == 1): the new checkpoint of the batch rows
+    if constexpr (TT == 1) {  // decode only: the new checkpoint of the batch rows
+      if (fold) {
+        // FR rows at a time with their KC channels in registers: record j's W_j∘k_j and d_j of
+        // the FR rows are read once for all of them (v7m; one row at a time read both per
+        // (row, record) and left each lane 4 dependent accumulators: a folding CTA lived 2.4x
+        // as long as the others). The order per element is unchanged: S0·A, the records in
+        // order, then the new d.
+        constexpr int FA = BulkFoldAccs(sizeof(T));
+        constexpr int FR = RB * KC <= FA ? RB : FA / KC;
+        static_assert(RB % FR == 0, "fold row groups");
 #pragma unroll 1
-      for (int i = 0; i < RB; ++i) {
-        const float di = __shfl_sync(0xffffffffu, dcur, i);  // unrounded d of row i
-        if (!has_c) continue;
-        Slice<T, KC> x;
-        LoadSmemSlice(x, st + i * K);
-        float out[KC];
+        for (int i0 = 0; i0 < RB; i0 += FR) {
+          float out[FR][KC];
+          if (has_c) {
 #pragma unroll
-        for (int e = 0; e < KC; ++e) out[e] = x.Get(e) * av[e];
-#pragma unroll 4
-        for (int j = 0; j < w; ++j) {
-          const float dj = ToF(ds[j * dst + rb0 + i]);
-          Slice<float, KC> kw;
-          LoadSmemSlice(kw, kws + j * K + c0);
+            for (int i = 0; i < FR; ++i) {
+              Slice<T, KC> x;
+              LoadSmemSlice(x, st + (i0 + i) * K);
 #pragma unroll
-          for (int e = 0; e < KC; ++e) out[e] += dj * kw.Get(e);
+              for (int e = 0; e < KC; ++e) out[i][e] = x.Get(e) * av[e];
+            }
+#pragma unroll 2
+            for (int j = 0; j < w; ++j) {
+              Slice<T, FR> dj;
+              LoadSmemSlice(dj, ds + j * dst + rb0 + i0);
+              Slice<float, KC> kw;
+              LoadSmemSlice(kw, kws + j * K + c0);
+#pragma unroll
+              for (int i = 0; i < FR; ++i) {
+                const float d = dj.Get(i);
+#pragma unroll
+                for (int e = 0; e < KC; ++e) out[i][e] += d * kw.Get(e);
+              }
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < FR; ++i) {
+            const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // unrounded d of the row
+            if (!has_c) continue;
+            Slice<T, KC> x;
+#pragma unroll
+            for (int e = 0; e < KC; ++e) x.Set(e, out[i][e] + di * kn0[e]);
+            StoreSlice(s0 + int64_t(wv0 + rb0 + i0 + i) * K + c0, x, vec_s0);
+          }
         }
-#pragma unroll
-        for (int e = 0; e < KC; ++e) x.Set(e, out[e] + di * kn0[e]);
-        StoreSlice(s0 + int64_t(wv0 + rb0 + i) * K + c0, x, vec_s0);
       }
     }
     if (bs0 && b + ns < nb) {  // refill the stage with batch b + ns
@@ -787,6 +879,10 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? 5 : RSSM_BULK_VE
     }
     if (++si == ns) si = 0, sphase ^= 1u;
   }
+#ifdef RSSM_BULK_TRACE
+  if (lane == 0) RSSM_TRACE(12 + warp, clock64());
+  if (tid == 0) RSSM_TRACE(2, GlobalTimer());
+#endif
 }
 
 }  // namespace replayssm::kernels::cuda

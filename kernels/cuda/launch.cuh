@@ -5,9 +5,14 @@
 #define REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#ifdef RSSM_BULK_TRACE
+#include <vector>
+#endif
 
 #include "bulk_kernel.cuh"
 #include "prefill_kernel.cuh"
@@ -130,6 +135,70 @@ inline int BulkWarpsOverride() {
   return n;
 }
 
+// The device facts LaunchBulkT needs, read from the runtime once per device (every layer of
+// every step launches: no attribute queries on that path).
+struct BulkDevice {
+  int id = 0, sms = 0, smem_max = 0, smem_sm = 0;
+};
+constexpr int kBulkMaxDevices = 64;
+inline cudaError_t BulkDeviceOf(BulkDevice* out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static BulkDevice cache[kBulkMaxDevices];
+  static std::atomic<bool> ready[kBulkMaxDevices];
+  const bool cached = dev >= 0 && dev < kBulkMaxDevices;
+  if (cached && ready[dev].load(std::memory_order_acquire)) {
+    *out = cache[dev];
+    return cudaSuccess;
+  }
+  BulkDevice d;
+  d.id = dev;
+  if ((e = cudaDeviceGetAttribute(&d.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) !=
+          cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&d.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) !=
+          cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) {
+    return e;
+  }
+  if (cached) {
+    std::lock_guard<std::mutex> lock(mu);
+    cache[dev] = d;
+    ready[dev].store(true, std::memory_order_release);
+  }
+  *out = d;
+  return cudaSuccess;
+}
+
+// A kernel's function attributes for one device, set once: the largest dynamic shared memory
+// asked for so far (raised, never lowered, under a lock: a concurrent launch never sees its
+// limit shrink) and the shared-memory carveout.
+class BulkFuncLimit {
+ public:
+  template <typename Kernel>
+  cudaError_t Allow(Kernel kernel, int dev, size_t bytes) {
+    const bool cached = dev >= 0 && dev < kBulkMaxDevices;
+    if (cached && allowed_[dev].load(std::memory_order_acquire) >= int64_t(bytes)) {
+      return cudaSuccess;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t have = cached ? allowed_[dev].load(std::memory_order_relaxed) : 0;
+    if (have >= int64_t(bytes)) return cudaSuccess;
+    cudaError_t e = AllowSmem(kernel, bytes);
+    if (e == cudaSuccess && have == 0) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+    }
+    if (e == cudaSuccess && cached) allowed_[dev].store(int64_t(bytes), std::memory_order_release);
+    return e;
+  }
+
+ private:
+  std::mutex mu_;
+  std::atomic<int64_t> allowed_[kBulkMaxDevices]{};
+};
+
 // One CTA per (row, v-head, chunk of nw * rpw rows). Shrinks the stages, then nw, until the
 // layout fits; *launched stays false when nothing fits (the caller falls back).
 template <typename T, int TT, int KC, int RB, bool KDA>
@@ -146,22 +215,15 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   const LayerDesc& ly = p.ly;
   constexpr int sz = int(sizeof(T));
   p.lr = p.mode == kModeBaseline ? 0 : ly.L;
-  int dev = 0, sms = 0, smem_max = 0, smem_sm = 0;
-  cudaError_t e = cudaGetDevice(&dev);
+  BulkDevice bdev;
+  cudaError_t e = BulkDeviceOf(&bdev);
   if (e != cudaSuccess) return e;
-  if ((e = cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) !=
-      cudaSuccess) {
-    return e;
-  }
-  if ((e = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) !=
-      cudaSuccess) {
-    return e;
-  }
-  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) {
-    return e;
-  }
+  const int sms = bdev.sms, smem_max = bdev.smem_max, smem_sm = bdev.smem_sm;
   // Rows per warp: a CTA covers a whole head (the prologue once per (row, head)) when the
-  // grid still fills the GPU, else 16 (more CTAs for small batches); S0 streams through
+  // grid still fills the GPU, else 16 (more CTAs for small batches) with the warps halved
+  // while the grid is short of 2 CTAs per SM, down to 2 (v7m, B = 1: 2 warps x 16 rows beat
+  // 1 x 16 by 11-20% in both ops and kept replay within 7% of the baseline; 1 x 16 left KDA
+  // fp32 replay 14% behind; kernels-h200-2026-11-30-v7m-b1-configs.txt). S0 streams through
   // ns stages of RB rows per warp.
   const int vpad = (ly.V + 15) / 16 * 16;
   int nw = BulkWarpsOverride() != 0 ? BulkWarpsOverride() : kBulkMaxWarps;
@@ -173,7 +235,7 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
       auto ctas = [&](int n) {
         return int64_t{p.batch} * ly.HV * ((ly.V + n * 16 - 1) / (n * 16));
       };
-      while (nw > 1 && ctas(nw) < 2LL * sms) nw /= 2;
+      while (nw > 2 && ctas(nw) < 2LL * sms) nw /= 2;
     }
   }
   rpw = std::min(rpw, vpad);
@@ -223,11 +285,8 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   const int64_t items = heads * p.batch;
   const size_t bytes = size_t(sm.total);
   auto kernel = BulkStepKernel<T, TT, KC, RB, KDA>;
-  if ((e = AllowSmem(kernel, bytes)) != cudaSuccess) return e;
-  if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                int(cudaSharedmemCarveoutMaxShared))) != cudaSuccess) {
-    return e;
-  }
+  static BulkFuncLimit limit;  // one per instantiation
+  if ((e = limit.Allow(kernel, bdev.id, bytes)) != cudaSuccess) return e;
   if (Verbose()) {
     int per_sm = 0;
     (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, nw * 32, bytes);
@@ -237,9 +296,40 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
                  int(p.mode), p.num_draft, RB, rpw, ns, nw, p.nchunk, bytes, per_sm,
                  (long long)items, p.bulk_s0, p.bulk_d, p.bulk_k, p.bulk_g);
   }
+#ifdef RSSM_BULK_TRACE
+  // Diagnostic build: launch number REPLAYSSM_CUDA_TRACE_AT (counted over this process's v7
+  // launches) records every CTA's timeline (bulk_kernel.cuh, kTraceWords) and writes it to
+  // REPLAYSSM_CUDA_TRACE_FILE: 8 int32 (batch, heads, mode, nw, rpw, ns, SMs, smem bytes), then
+  // the words. It synchronizes the stream: never in a serving build.
+  static int64_t traced_calls = 0;
+  const char* at = std::getenv("REPLAYSSM_CUDA_TRACE_AT");
+  const char* file = std::getenv("REPLAYSSM_CUDA_TRACE_FILE");
+  const bool trace = at != nullptr && file != nullptr && traced_calls++ == std::atoll(at);
+  p.trace = nullptr;
+  const size_t tbytes = size_t(items) * kTraceWords * 8;
+  if (trace) {
+    if ((e = cudaMalloc(&p.trace, tbytes)) != cudaSuccess) return e;
+    if ((e = cudaMemsetAsync(p.trace, 0, tbytes, stream)) != cudaSuccess) return e;
+  }
+#endif
   kernel<<<dim3(static_cast<unsigned>(heads), static_cast<unsigned>(p.batch)), nw * 32, bytes, stream>>>(p);
   e = cudaGetLastError();
   *launched = e == cudaSuccess;
+#ifdef RSSM_BULK_TRACE
+  if (trace) {
+    std::vector<unsigned long long> h(size_t(items) * kTraceWords);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    if (e == cudaSuccess) e = cudaMemcpy(h.data(), p.trace, tbytes, cudaMemcpyDeviceToHost);
+    cudaFree(p.trace);
+    if (e != cudaSuccess) return e;
+    if (FILE* f = std::fopen(file, "wb")) {
+      const int32_t hdr[8] = {p.batch, int32_t(heads), p.mode, nw, rpw, ns, sms, int32_t(bytes)};
+      std::fwrite(hdr, sizeof hdr, 1, f);
+      std::fwrite(h.data(), 8, h.size(), f);
+      std::fclose(f);
+    }
+  }
+#endif
   return e;
 }
 
