@@ -222,8 +222,8 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   // Rows per warp: a CTA covers a whole head (the prologue once per (row, head)) when the
   // grid still fills the GPU, else 16 (more CTAs for small batches) with the warps halved
   // while the grid is short of 2 CTAs per SM, down to 2 (v7m, B = 1: 2 warps x 16 rows beat
-  // 1 x 16 by 11-20% in both ops and kept replay within 7% of the baseline; 1 x 16 left KDA
-  // fp32 replay 14% behind; kernels-h200-2026-11-30-v7m-b1-configs.txt). S0 streams through
+  // 1 x 16 by 8-12% in the baseline and 13-18% in replay, keeping replay within 7% of the
+  // baseline; 1 x 16 left KDA fp32 replay 14% behind; kernels-h200-2026-11-30-v7m-b1-configs.txt). S0 streams through
   // ns stages of RB rows per warp.
   const int vpad = (ly.V + 15) / 16 * 16;
   int nw = BulkWarpsOverride() != 0 ? BulkWarpsOverride() : kBulkMaxWarps;
