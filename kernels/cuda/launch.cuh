@@ -164,8 +164,10 @@ inline cudaError_t BulkDeviceOf(BulkDevice* out) {
   }
   if (cached) {
     std::lock_guard<std::mutex> lock(mu);
-    cache[dev] = d;
-    ready[dev].store(true, std::memory_order_release);
+    if (!ready[dev].load(std::memory_order_relaxed)) {  // never rewritten once readers may see it
+      cache[dev] = d;
+      ready[dev].store(true, std::memory_order_release);
+    }
   }
   *out = d;
   return cudaSuccess;
