@@ -221,8 +221,11 @@ __device__ __forceinline__ void StoreSmemSlice(T* p, const Slice<T, N>& s) {
 // -2..-7% against 3 CTAs at 168 registers, kernels-h200-2026-11-30-v7l-*.json).
 __host__ __device__ constexpr int BulkDecodeMinCtas(size_t state_bytes) { return state_bytes == 4 ? 4 : 5; }
 // Accumulators of the fold's row group (FR rows x KC channels per lane): what the decode
-// register budget above holds without spills (ptxas, sm_90).
-__host__ __device__ constexpr int BulkFoldAccs(size_t state_bytes) { return state_bytes == 4 ? 16 : 8; }
+// register budget above holds without spills (ptxas, sm_90): fp32 32 at KC = 4 (a whole batch
+// of 8 rows), 16 at KC = 8; 16-bit 8.
+__host__ __device__ constexpr int BulkFoldAccs(size_t state_bytes, int kc) {
+  return state_bytes == 4 ? (kc <= 4 ? 32 : 16) : 8;
+}
 #ifndef RSSM_BULK_VERIFY_MIN_BLOCKS
 #define RSSM_BULK_VERIFY_MIN_BLOCKS 4
 #endif
@@ -828,7 +831,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
         // (row, record) and left each lane 4 dependent accumulators: a folding CTA lived 2.4x
         // as long as the others). The order per element is unchanged: S0·A, the records in
         // order, then the new d.
-        constexpr int FA = BulkFoldAccs(sizeof(T));
+        constexpr int FA = BulkFoldAccs(sizeof(T), KC);
         constexpr int FR = RB * KC <= FA ? RB : FA / KC;
         static_assert(RB % FR == 0, "fold row groups");
 #pragma unroll 1
