@@ -76,6 +76,8 @@ struct BulkParams {
 // 4 tokens stored (thread 0), 5 first CTA barrier, 6 records landed (warp 0), 7 prologue end,
 // 8..11 warp 0's batches 0..3 landed, 12..15 each warp's end.
 constexpr int kTraceWords = 16;
+// RSSM_TRACE(i, v) stores word i of this CTA's record; without RSSM_BULK_TRACE it expands to
+// nothing (v is not evaluated), so the hooks cost a serving build nothing.
 #ifdef RSSM_BULK_TRACE
 #define RSSM_TRACE(i, v)                                                                      \
   do {                                                                                        \
@@ -83,6 +85,11 @@ constexpr int kTraceWords = 16;
       p.trace[(int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kTraceWords + (i)] = (v);      \
     }                                                                                         \
   } while (0)
+#else
+#define RSSM_TRACE(i, v) \
+  do {                   \
+  } while (0)
+#endif
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -93,11 +100,6 @@ __device__ __forceinline__ unsigned SmId() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
   return s;
 }
-#else
-#define RSSM_TRACE(i, v) \
-  do {                   \
-  } while (0)
-#endif
 
 // Ring d rows of a CTA in shared memory: its rows + 16 bytes, so that lanes reading their
 // record's row (16-byte loads, lane j at record j) hit distinct banks.
@@ -259,12 +261,10 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   const bool has_c = c0 < K;
   const int row_l = lane % RB;
   const int nrow = vend - v0;  // the CTA's rows
-#ifdef RSSM_BULK_TRACE
   if (tid == 0) {
     RSSM_TRACE(1, GlobalTimer());
     RSSM_TRACE(3, clock64());
   }
-#endif
   // ---- 1. the loads that need nothing: the row's metadata, the tokens, the gates -----------
   // (one round trip: the slot is not used until the tokens are stored)
   const int slot_i = p.slot_idx[r];
@@ -302,45 +302,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   const bool bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
   // GDN's g row is copied in 16-byte units (the launcher allows it only when L % 4 == 0).
   const int gbytes = kda ? w * K * 4 : ((w + 3) & ~3) * 4;
-#ifdef RSSM_BULK_TRACE
   if (tid == 0) RSSM_TRACE(0, SmId() | (unsigned(w) << 8) | (unsigned(fold) << 16));
-#endif
-  // ---- 2. every byte of the CTA's state in flight (one more round trip), issued once the tokens
-  // are stored (below). Lane 0 initializes, arms and uses its warp's mbarriers itself (no warp
-  // sync needed); warp 0's lane 0 also issues the records' k, g and one d row per record on the
-  // records' mbarrier. (v7m tried issuing before the token loads, with the tokens prefetched
-  // into L2: the tokens then waited for the slot's round trip and every case got 2-8% slower.)
-  auto issue = [&]() {
-    if (!pad && lane == 0) {
-      if (bs0) {
-        for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
-      }
-      const bool recs = warp == 0 && (bk || bg || bd);
-      if (recs) MbarInit(rbar, 1);
-      MbarFenceInit();
-      const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
-      if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
-        for (int b = 0; b < nst; ++b) {
-          MbarExpectTx(wbar + b, bb);
-          BulkLoadStream(s0s + int64_t{b} * RB * K, s0 + int64_t(wv0 + b * RB) * K, bb, wbar + b);
-        }
-      }
-      if (recs) {
-        const uint32_t kb = bk ? static_cast<uint32_t>(w * K * sizeof(T)) : 0u;
-        const uint32_t gb = bg ? static_cast<uint32_t>(gbytes) : 0u;
-        const uint32_t db = bd ? static_cast<uint32_t>(w * nrow * sizeof(T)) : 0u;
-        MbarExpectTx(rbar, kb + gb + db);
-        if (bk) BulkLoad(krs, rk, kb, rbar);
-        if (bg) BulkLoad(gs, rg, gb, rbar);
-        if (bd) {  // record j's d for the CTA's rows: one copy per record
-          for (int j = 0; j < w; ++j) {
-            BulkLoad(dsc + j * dst, rd + int64_t{j} * V + v0,
-                     static_cast<uint32_t>(nrow * sizeof(T)), rbar);
-          }
-        }
-      }
-    }
-  };
 
   float* const tq = reinterpret_cast<float*>(smem + p.o_tq);                     // [T][K]
   float* const tk = reinterpret_cast<float*>(smem + p.o_tk);
@@ -419,10 +381,42 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
       tokens(__half{});
     }
   }
-#ifdef RSSM_BULK_TRACE
   if (tid == 0) RSSM_TRACE(4, clock64());
-#endif
-  issue();
+
+  // ---- 2. every byte of the CTA's state in flight (one more round trip), issued once the tokens
+  // are stored. Lane 0 initializes, arms and uses its warp's mbarriers itself (no warp
+  // sync needed); warp 0's lane 0 also issues the records' k, g and one d row per record on the
+  // records' mbarrier. (v7m tried issuing before the token loads, with the tokens prefetched
+  // into L2: the tokens then waited for the slot's round trip and every case got 2-8% slower.)
+  if (!pad && lane == 0) {
+    if (bs0) {
+      for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
+    }
+    const bool recs = warp == 0 && (bk || bg || bd);
+    if (recs) MbarInit(rbar, 1);
+    MbarFenceInit();
+    const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
+    if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
+      for (int b = 0; b < nst; ++b) {
+        MbarExpectTx(wbar + b, bb);
+        BulkLoadStream(s0s + int64_t{b} * RB * K, s0 + int64_t(wv0 + b * RB) * K, bb, wbar + b);
+      }
+    }
+    if (recs) {
+      const uint32_t kb = bk ? static_cast<uint32_t>(w * K * sizeof(T)) : 0u;
+      const uint32_t gb = bg ? static_cast<uint32_t>(gbytes) : 0u;
+      const uint32_t db = bd ? static_cast<uint32_t>(w * nrow * sizeof(T)) : 0u;
+      MbarExpectTx(rbar, kb + gb + db);
+      if (bk) BulkLoad(krs, rk, kb, rbar);
+      if (bg) BulkLoad(gs, rg, gb, rbar);
+      if (bd) {  // record j's d for the CTA's rows: one copy per record
+        for (int j = 0; j < w; ++j) {
+          BulkLoad(dsc + j * dst, rd + int64_t{j} * V + v0,
+                   static_cast<uint32_t>(nrow * sizeof(T)), rbar);
+        }
+      }
+    }
+  }
 
   if (pad) {  // padding row: zero outputs (nothing was issued)
     for (int t = 0; t < T_; ++t) {
@@ -455,9 +449,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     for (int i = tid; i < w * kg; i += nthr) gs[i] = rg[i];
   }
   __syncthreads();
-#ifdef RSSM_BULK_TRACE
   if (tid == 0) RSSM_TRACE(5, clock64());
-#endif
 
   // ---- 3/4. norms and k·q, ring appends, record dots ------------------------------------------
   // Draft t's q, k normalized (q scaled) in registers (the lane's channels); returns k·q.
@@ -591,9 +583,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
       append(0, kk);
     }
     if (bk || bg || bd) MbarWait(rbar, 0);
-#ifdef RSSM_BULK_TRACE
     if (tid == 0) RSSM_TRACE(6, clock64());
-#endif
     const int nblk = max(1, (w + G - 1) / G);
     for (int bi = warp; bi < nblk; bi += nw) unit(0, bi, q, kk);
   } else {
@@ -634,9 +624,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     }
   }
   __syncthreads();
-#ifdef RSSM_BULK_TRACE
   if (tid == 0) RSSM_TRACE(7, clock64());
-#endif
 
   // ---- 5. the warp's rows, RB at a time (no CTA barrier from here on) ------------------------
   if (nb == 0) return;
@@ -693,9 +681,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     T* const stage = s0s + si * RB * K;
     if (bs0) {
       MbarWait(wbar + si, sphase);
-#ifdef RSSM_BULK_TRACE
       if (tid == 0 && b < 4) RSSM_TRACE(8 + b, clock64());
-#endif
     } else {  // plain copy of the batch (unaligned slots)
       __syncwarp();
       for (int i = lane; i < RB * K; i += 32) stage[i] = s0[int64_t(wv0 + rb0) * K + i];
@@ -882,10 +868,8 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     }
     if (++si == ns) si = 0, sphase ^= 1u;
   }
-#ifdef RSSM_BULK_TRACE
   if (lane == 0) RSSM_TRACE(12 + warp, clock64());
   if (tid == 0) RSSM_TRACE(2, GlobalTimer());
-#endif
 }
 
 }  // namespace replayssm::kernels::cuda
