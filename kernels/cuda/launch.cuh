@@ -22,13 +22,85 @@ namespace replayssm::kernels::cuda {
 
 constexpr int kVerifyTokensPerPass = 4;
 
-// Raises a kernel's dynamic shared-memory limit when a launch needs more than 48 KB. Cheap and
-// idempotent (no stream work), so it is simply called before such a launch.
+// The device facts the launchers need, read from the runtime once per device (every layer of
+// every step launches: no attribute queries on that path).
+struct DeviceFacts {
+  int id = 0, sms = 0, smem_max = 0, smem_sm = 0;
+};
+constexpr int kMaxDevices = 64;
+inline cudaError_t DeviceFactsOf(DeviceFacts* out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static DeviceFacts cache[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached && ready[dev].load(std::memory_order_acquire)) {
+    *out = cache[dev];
+    return cudaSuccess;
+  }
+  DeviceFacts d;
+  d.id = dev;
+  if ((e = cudaDeviceGetAttribute(&d.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) !=
+          cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&d.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) !=
+          cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) {
+    return e;
+  }
+  if (cached) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!ready[dev].load(std::memory_order_relaxed)) {  // never rewritten once readers may see it
+      cache[dev] = d;
+      ready[dev].store(true, std::memory_order_release);
+    }
+  }
+  *out = d;
+  return cudaSuccess;
+}
+
+// A kernel's function attributes for one device, set once, not per launch: the dynamic
+// shared-memory limit (beyond the default 48 KB; the largest asked for so far: raised, never
+// lowered, under a lock, so a concurrent launch never sees its limit shrink) and, when asked,
+// the largest shared-memory carveout. One per kernel instantiation: a static in its launcher
+// (kernels of one signature share a function-pointer type, so it cannot key on the type).
+class FuncSmemLimit {
+ public:
+  template <typename Kernel>
+  cudaError_t Allow(Kernel kernel, int dev, size_t bytes, bool max_shared_carveout) {
+    const bool cached = dev >= 0 && dev < kMaxDevices;
+    if (cached && allowed_[dev].load(std::memory_order_acquire) >= int64_t(bytes)) {
+      return cudaSuccess;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t have = cached ? allowed_[dev].load(std::memory_order_relaxed) : 0;
+    if (have >= int64_t(bytes)) return cudaSuccess;
+    cudaError_t e = cudaSuccess;
+    if (bytes > 48 * 1024) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(bytes));
+    }
+    if (e == cudaSuccess && have == 0 && max_shared_carveout) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+    }
+    if (e == cudaSuccess && cached) allowed_[dev].store(int64_t(bytes), std::memory_order_release);
+    return e;
+  }
+
+ private:
+  std::mutex mu_;
+  std::atomic<int64_t> allowed_[kMaxDevices]{};
+};
+
+// The current device's facts and `kernel` allowed `bytes` of dynamic shared memory there.
 template <typename Kernel>
-cudaError_t AllowSmem(Kernel kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(bytes));
+cudaError_t PrepareLaunch(FuncSmemLimit& limit, Kernel kernel, size_t bytes, bool max_shared_carveout,
+                          DeviceFacts* dev) {
+  cudaError_t e = DeviceFactsOf(dev);
+  if (e != cudaSuccess) return e;
+  return limit.Allow(kernel, dev->id, bytes, max_shared_carveout);
 }
 
 inline cudaError_t Grid(int64_t rows, int heads, int vtiles, dim3* grid) {
@@ -47,8 +119,9 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
   dim3 grid;
   cudaError_t e = Grid(p.batch, p.ly.HV, p.num_vtiles, &grid);
   if (e != cudaSuccess) return e;
-  e = AllowSmem(StepKernel<T, KMAX, TC>, bytes);
-  if (e != cudaSuccess) return e;
+  static FuncSmemLimit limit;
+  DeviceFacts dev;
+  if ((e = PrepareLaunch(limit, StepKernel<T, KMAX, TC>, bytes, false, &dev)) != cudaSuccess) return e;
   StepKernel<T, KMAX, TC><<<grid, kThreads, bytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -135,72 +208,6 @@ inline int BulkWarpsOverride() {
   return n;
 }
 
-// The device facts LaunchBulkT needs, read from the runtime once per device (every layer of
-// every step launches: no attribute queries on that path).
-struct BulkDevice {
-  int id = 0, sms = 0, smem_max = 0, smem_sm = 0;
-};
-constexpr int kBulkMaxDevices = 64;
-inline cudaError_t BulkDeviceOf(BulkDevice* out) {
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  static std::mutex mu;
-  static BulkDevice cache[kBulkMaxDevices];
-  static std::atomic<bool> ready[kBulkMaxDevices];
-  const bool cached = dev >= 0 && dev < kBulkMaxDevices;
-  if (cached && ready[dev].load(std::memory_order_acquire)) {
-    *out = cache[dev];
-    return cudaSuccess;
-  }
-  BulkDevice d;
-  d.id = dev;
-  if ((e = cudaDeviceGetAttribute(&d.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) !=
-          cudaSuccess ||
-      (e = cudaDeviceGetAttribute(&d.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) !=
-          cudaSuccess ||
-      (e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) {
-    return e;
-  }
-  if (cached) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!ready[dev].load(std::memory_order_relaxed)) {  // never rewritten once readers may see it
-      cache[dev] = d;
-      ready[dev].store(true, std::memory_order_release);
-    }
-  }
-  *out = d;
-  return cudaSuccess;
-}
-
-// A kernel's function attributes for one device, set once: the largest dynamic shared memory
-// asked for so far (raised, never lowered, under a lock: a concurrent launch never sees its
-// limit shrink) and the shared-memory carveout.
-class BulkFuncLimit {
- public:
-  template <typename Kernel>
-  cudaError_t Allow(Kernel kernel, int dev, size_t bytes) {
-    const bool cached = dev >= 0 && dev < kBulkMaxDevices;
-    if (cached && allowed_[dev].load(std::memory_order_acquire) >= int64_t(bytes)) {
-      return cudaSuccess;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    const int64_t have = cached ? allowed_[dev].load(std::memory_order_relaxed) : 0;
-    if (have >= int64_t(bytes)) return cudaSuccess;
-    cudaError_t e = AllowSmem(kernel, bytes);
-    if (e == cudaSuccess && have == 0) {
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               int(cudaSharedmemCarveoutMaxShared));
-    }
-    if (e == cudaSuccess && cached) allowed_[dev].store(int64_t(bytes), std::memory_order_release);
-    return e;
-  }
-
- private:
-  std::mutex mu_;
-  std::atomic<int64_t> allowed_[kBulkMaxDevices]{};
-};
-
 // One CTA per (row, v-head, chunk of nw * rpw rows). Shrinks the stages, then nw, until the
 // layout fits; *launched stays false when nothing fits (the caller falls back).
 template <typename T, int TT, int KC, int RB, bool KDA>
@@ -217,8 +224,8 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   const LayerDesc& ly = p.ly;
   constexpr int sz = int(sizeof(T));
   p.lr = p.mode == kModeBaseline ? 0 : ly.L;
-  BulkDevice bdev;
-  cudaError_t e = BulkDeviceOf(&bdev);
+  DeviceFacts bdev;
+  cudaError_t e = DeviceFactsOf(&bdev);
   if (e != cudaSuccess) return e;
   const int sms = bdev.sms, smem_max = bdev.smem_max, smem_sm = bdev.smem_sm;
   // Rows per warp: a CTA covers a whole head (the prologue once per (row, head)) when the
@@ -287,8 +294,8 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   const int64_t items = heads * p.batch;
   const size_t bytes = size_t(sm.total);
   auto kernel = BulkStepKernel<T, TT, KC, RB, KDA>;
-  static BulkFuncLimit limit;  // one per instantiation
-  if ((e = limit.Allow(kernel, bdev.id, bytes)) != cudaSuccess) return e;
+  static FuncSmemLimit limit;  // one per instantiation
+  if ((e = limit.Allow(kernel, bdev.id, bytes, true)) != cudaSuccess) return e;
   if (Verbose()) {
     int per_sm = 0;
     (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, nw * 32, bytes);
@@ -379,8 +386,9 @@ cudaError_t LaunchPrefillT(PrefillParams p, cudaStream_t stream) {
   dim3 grid;
   cudaError_t e = Grid(p.batch, p.ly.HV, p.num_vtiles, &grid);
   if (e != cudaSuccess) return e;
-  e = AllowSmem(PrefillKernel<T, KMAX>, bytes);
-  if (e != cudaSuccess) return e;
+  static FuncSmemLimit limit;
+  DeviceFacts dev;
+  if ((e = PrepareLaunch(limit, PrefillKernel<T, KMAX>, bytes, false, &dev)) != cudaSuccess) return e;
   PrefillKernel<T, KMAX><<<grid, kThreads, bytes, stream>>>(p);
   return cudaGetLastError();
 }
