@@ -246,7 +246,8 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   const int hc = blockIdx.x, r = blockIdx.y;
   const int chunk = p.nchunk == 1 ? 0 : hc % p.nchunk;
   const int h = p.nchunk == 1 ? hc : hc / p.nchunk;
-  const int K = ly.K, V = ly.V, L = ly.L, H = ly.H, T_ = p.num_draft, rpw = p.rpw;
+  // decode (TT = 1) is one token: a compile-time T, so its pass loops fold away
+  const int K = ly.K, V = ly.V, L = ly.L, H = ly.H, T_ = TT == 1 ? 1 : p.num_draft, rpw = p.rpw;
   constexpr bool kda = KDA;
   const int kg = kda ? K : 1;
   const int hq = h / ly.group;
