@@ -15,8 +15,9 @@
 //      issued before any of their shared-memory stores (a store may alias a later load's
 //      generic pointer, which would serialize the round trips, v7j);
 //   2. each warp's lane 0 issues its first ns S0 batches (contiguous rows, L2 evict-first);
-//      warp 0's lane 0 issues the records' k and g (contiguous [w, K] / [w, Kg]) and record
-//      j's d for the CTA's rows (one copy per record), all on one mbarrier;
+//      warp 0's lane 0 first issues the records' k and g (contiguous [w, K] / [w, Kg]) and
+//      the records' d for the CTA's rows (one copy for a whole head, else one per record),
+//      all on one mbarrier;
 //   3. (while those bytes fly) norms and k·q: decode — every warp for itself, warp 0 appends
 //      to the ring; verify — a warp per draft, which also keeps the draft's k for the later
 //      drafts, then a CTA barrier;
@@ -63,6 +64,7 @@ struct BulkParams {
       o_sc, o_dd;
   int32_t bulk_s0, bulk_d, bulk_k, bulk_g;  // sources aligned for the bulk copy engine
   int32_t vec_s0;                           // the fold's 16/8-byte stores are aligned
+  int32_t d_dense;                          // the ring's d rows in one copy (dstride = V)
   const int32_t* slot_idx;
   const int32_t* write_pos;
   const uint8_t* force_fold;
@@ -235,6 +237,8 @@ template <typename T, int TT, int KC, int RB, bool KDA>
 __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCtas(sizeof(T)) : RSSM_BULK_VERIFY_MIN_BLOCKS)
     BulkStepKernel(const __grid_constant__ BulkParams p) {
   constexpr int NV = 2 * TT * RB;  // values per transposed butterfly (<= 32)
+  // fp32 decode holds a batch's rows in registers (32 values) and refills early (below)
+  constexpr bool kEarlyRefill = TT == 1 && sizeof(T) == 4 && RB * KC <= 32;
   static_assert(NV <= 32, "2 * TT * RB values must fit one butterfly");
   constexpr int SPREAD = 32 / NV;
   constexpr int G = 4;  // records per unit of the record dots (up to 4 units for L = 16)
@@ -260,6 +264,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   const int64_t tok0 = int64_t{r} * T_;
   const int c0 = lane * KC;
   const bool has_c = c0 < K;
+  const bool has_c_all = K >= 32 * KC;  // every lane holds channels (warp-uniform)
   const int row_l = lane % RB;
   const int nrow = vend - v0;  // the CTA's rows
   if (tid == 0) {
@@ -386,9 +391,13 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
 
   // ---- 2. every byte of the CTA's state in flight (one more round trip), issued once the tokens
   // are stored. Lane 0 initializes, arms and uses its warp's mbarriers itself (no warp
-  // sync needed); warp 0's lane 0 also issues the records' k, g and one d row per record on the
-  // records' mbarrier. (v7m tried issuing before the token loads, with the tokens prefetched
-  // into L2: the tokens then waited for the slot's round trip and every case got 2-8% slower.)
+  // sync needed); warp 0's lane 0 first issues the records' k, g and d (one copy when d_dense,
+  // else one per record) on the records' mbarrier — they gate the record dots, which gate every
+  // row — then its own S0 batches (v7o: records first, fp32 GDN replay -0.5..-3%).
+  // Tried and not kept: issuing before the token loads, with the tokens prefetched into L2
+  // (v7m: the tokens waited for the slot's round trip, 2-8% slower); issuing as soon as the
+  // slot is in, between the token loads and their stores (v7o: the tokens' round trip grew from
+  // 2.2 to 3.7 us behind the state's bytes, the prologue did not shorten, replay +2-4%).
   if (!pad && lane == 0) {
     if (bs0) {
       for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
@@ -397,12 +406,6 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     if (recs) MbarInit(rbar, 1);
     MbarFenceInit();
     const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
-    if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
-      for (int b = 0; b < nst; ++b) {
-        MbarExpectTx(wbar + b, bb);
-        BulkLoadStream(s0s + int64_t{b} * RB * K, s0 + int64_t(wv0 + b * RB) * K, bb, wbar + b);
-      }
-    }
     if (recs) {
       const uint32_t kb = bk ? static_cast<uint32_t>(w * K * sizeof(T)) : 0u;
       const uint32_t gb = bg ? static_cast<uint32_t>(gbytes) : 0u;
@@ -410,11 +413,19 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
       MbarExpectTx(rbar, kb + gb + db);
       if (bk) BulkLoad(krs, rk, kb, rbar);
       if (bg) BulkLoad(gs, rg, gb, rbar);
-      if (bd) {  // record j's d for the CTA's rows: one copy per record
+      if (bd && p.d_dense) {
+        BulkLoad(dsc, rd, static_cast<uint32_t>(w * nrow * sizeof(T)), rbar);
+      } else if (bd) {  // record j's d for the CTA's rows: one copy per record
         for (int j = 0; j < w; ++j) {
           BulkLoad(dsc + j * dst, rd + int64_t{j} * V + v0,
                    static_cast<uint32_t>(nrow * sizeof(T)), rbar);
         }
+      }
+    }
+    if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
+      for (int b = 0; b < nst; ++b) {
+        MbarExpectTx(wbar + b, bb);
+        BulkLoadStream(s0s + int64_t{b} * RB * K, s0 + int64_t(wv0 + b * RB) * K, bb, wbar + b);
       }
     }
   }
@@ -689,6 +700,23 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
       __syncwarp();
     }
     const T* const st = stage + c0;
+    // Refills the stage with batch b + ns once every lane's reads of it are done: in an fp32
+    // decode that does not fold, right after the contraction's loads (the rows are then in
+    // registers and nothing reads the stage again; v7o: KDA fp32 replay -3..-5%, GDN -0..-1%),
+    // else at the batch's end. Not for verify (its rows held in registers spilled at 128
+    // registers and cost it 30%) nor 16-bit state (at 96 registers its baseline lost 1.5%).
+    auto refill = [&]() {
+      if (bs0 && b + ns < nb) {
+        __syncwarp();  // every lane's reads of the stage are done
+        if (lane == 0) {
+          FenceProxyAsync();  // ... and ordered before the bulk engine's writes
+          const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
+          MbarExpectTx(wbar + si, bb);
+          BulkLoadStream(stage, s0 + int64_t(wv0 + rb0 + ns * RB) * K, bb, wbar + si);
+        }
+      }
+    };
+    const bool early_refill = kEarlyRefill && !fold && has_c_all;
     float dcur = 0.f;
     #pragma unroll 1
     for (int pass0 = 0; pass0 < T_; pass0 += TT) {
@@ -698,10 +726,19 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
 #pragma unroll
       for (int i = 0; i < NV; ++i) acc[i] = 0.f;
       if (has_c) {
+        // fp32 decode: the batch's rows all read before any use, so that the stage may be
+        // refilled before the arithmetic.
+        constexpr bool kHold = kEarlyRefill;
+        Slice<T, KC> xs[kHold ? RB : 1];
+        if constexpr (kHold) {
+#pragma unroll
+          for (int i = 0; i < RB; ++i) LoadSmemSlice(xs[i], st + i * K);
+          if (early_refill) refill();  // the stage is free once every lane has its rows
+        }
 #pragma unroll
         for (int i = 0; i < RB; ++i) {
-          Slice<T, KC> x;
-          LoadSmemSlice(x, st + i * K);
+          if constexpr (!kHold) LoadSmemSlice(xs[0], st + i * K);
+          const Slice<T, KC>& x = xs[kHold ? i : 0];
 #pragma unroll
           for (int e = 0; e < KC; ++e) {
             const float s = x.Get(e);
@@ -858,15 +895,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
         }
       }
     }
-    if (bs0 && b + ns < nb) {  // refill the stage with batch b + ns
-      __syncwarp();  // every lane's reads of the stage are done
-      if (lane == 0) {
-        FenceProxyAsync();  // ... and ordered before the bulk engine's writes
-        const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
-        MbarExpectTx(wbar + si, bb);
-        BulkLoadStream(stage, s0 + int64_t(wv0 + rb0 + ns * RB) * K, bb, wbar + si);
-      }
-    }
+    if (!early_refill) refill();
     if (++si == ns) si = 0, sphase ^= 1u;
   }
   if (lane == 0) RSSM_TRACE(12 + warp, clock64());

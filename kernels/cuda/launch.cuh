@@ -286,7 +286,14 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   p.bulk_k = Aligned16(ly.ring_k, ks, sz) && (mask & 4) != 0 ? 1 : 0;
   // (GDN's g row goes in 16-byte units: only when every row starts 16-byte aligned)
   p.bulk_g = Aligned16(ly.ring_g, gs, 4) && (ly.kda || ly.L % 4 == 0) && (mask & 8) != 0 ? 1 : 0;
-  p.dstride = DStride(nw * rpw, sz);
+  // The ring's d rows of a whole-head CTA (records 0..w-1 contiguous then) come in one copy,
+  // unpadded in shared memory, except for fp32 GDN decode (v7o, same-call A/B
+  // kernels-h200-2026-11-30-v7o-ab-*.json): one copy instead of w takes ~0.4 us off the
+  // prologue's issue, while the unpadded rows cost the ring terms 8-way bank conflicts; fp32 GDN
+  // decode has the cheapest prologue and lost 0.3-0.6% with it, every other case gained 1-3%.
+  const bool dense_ok = !(TT == 1 && sz == 4 && !KDA);
+  p.d_dense = dense_ok && p.bulk_d != 0 && p.nchunk == 1 && nw * rpw == ly.V ? 1 : 0;
+  p.dstride = p.d_dense != 0 ? ly.V : DStride(nw * rpw, sz);
   // grid (HV * nchunk, batch); a batch past the grid's y limit takes the caller's fallback
   const int64_t heads = int64_t{ly.HV} * p.nchunk;
   if (p.batch <= 0 || heads <= 0 || heads > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
