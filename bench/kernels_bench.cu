@@ -165,6 +165,22 @@ class Bench {
       }
     }
     *bytes = total / kStepsPerGraph;
+    // REPLAYSSM_BENCH_FOLD_FIRST=1: each step's rows whose ring is full (they fold) first, the
+    // order a scheduler that sees the cursors can choose (measures the folding rows' tail).
+    const char* fold_first = std::getenv("REPLAYSSM_BENCH_FOLD_FIRST");
+    if (fold_first != nullptr && std::strcmp(fold_first, "1") == 0) {
+      for (int i = 0; i < kStepsPerGraph; ++i) {
+        std::vector<int64_t> order(B_);
+        for (int r = 0; r < B_; ++r) order[r] = r;
+        const int64_t base = int64_t{i} * B_;
+        std::stable_partition(order.begin(), order.end(),
+                              [&](int64_t r) { return pos[base + r] == window - 1; });
+        std::vector<int32_t> s2(B_), p2(B_);
+        for (int r = 0; r < B_; ++r) s2[r] = slot[base + order[r]], p2[r] = pos[base + order[r]];
+        std::copy(s2.begin(), s2.end(), slot.begin() + base);
+        std::copy(p2.begin(), p2.end(), pos.begin() + base);
+      }
+    }
     int32_t *dslot, *dpos;
     Alloc(reinterpret_cast<void**>(&dslot), slot.size() * 4);
     Alloc(reinterpret_cast<void**>(&dpos), pos.size() * 4);

@@ -226,9 +226,10 @@ __device__ __forceinline__ void StoreSmemSlice(T* p, const Slice<T, N>& s) {
 __host__ __device__ constexpr int BulkDecodeMinCtas(size_t state_bytes) { return state_bytes == 4 ? 4 : 5; }
 // Accumulators of the fold's row group (FR rows x KC channels per lane): what the decode
 // register budget above holds without spills (ptxas, sm_90): fp32 32 at KC = 4 (a whole batch
-// of 8 rows), 16 at KC = 8; 16-bit 8.
+// of 8 rows), 16 at KC = 8; 16-bit 16 at KC = 4 (v7o: replay -2..-13%, baseline -2..-3% against
+// 8; 32 spilled), 8 at KC = 8.
 __host__ __device__ constexpr int BulkFoldAccs(size_t state_bytes, int kc) {
-  return state_bytes == 4 ? (kc <= 4 ? 32 : 16) : 8;
+  return state_bytes == 4 ? (kc <= 4 ? 32 : 16) : (kc <= 4 ? 16 : 8);
 }
 #ifndef RSSM_BULK_VERIFY_MIN_BLOCKS
 #define RSSM_BULK_VERIFY_MIN_BLOCKS 4
