@@ -290,7 +290,7 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   // unpadded in shared memory, except for fp32 GDN decode (v7o, same-call A/B
   // kernels-h200-2026-11-30-v7o-ab-*.json): one copy instead of w takes ~0.4 us off the
   // prologue's issue, while the unpadded rows cost the ring terms 8-way bank conflicts; fp32 GDN
-  // decode has the cheapest prologue and lost 0.3-0.6% with it, every other case gained 1-3%.
+  // decode has the cheapest prologue and lost 0.3-1.7% with it, every other case gained 1-3%.
   const bool dense_ok = !(TT == 1 && sz == 4 && !KDA);
   p.d_dense = dense_ok && p.bulk_d != 0 && p.nchunk == 1 && nw * rpw == ly.V ? 1 : 0;
   p.dstride = p.d_dense != 0 ? ly.V : DStride(nw * rpw, sz);
