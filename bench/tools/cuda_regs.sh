@@ -1,0 +1,39 @@
+#!/bin/bash
+# Registers and spills of every v7 step-kernel instantiation (BulkStepKernel<state, TT, KC, RB,
+# KDA>), from ptxas for sm_90, without building the project: a change that moves a hot
+# instantiation into spills shows here before it costs a device call.
+#   bench/tools/cuda_regs.sh            (run from anywhere; needs nvcc)
+# Hot instantiations of the benchmark shape (K = 128): decode <.,1,4,8,.>, verify <.,4,4,4,.>.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cat > "$tmp/regs.cu" <<'CU'
+#include "launch.cuh"
+namespace replayssm::kernels::cuda {
+template cudaError_t LaunchBulkFor<float>(const StepParams&, cudaStream_t, bool*);
+template cudaError_t LaunchBulkFor<__nv_bfloat16>(const StepParams&, cudaStream_t, bool*);
+}
+CU
+nvcc -arch=sm_90 -O3 --expt-relaxed-constexpr -std=c++17 -I"$root/kernels/cuda" \
+  -I"$root/kernels/include" ${EXTRA:-} -Xptxas -v -c "$tmp/regs.cu" -o "$tmp/regs.o" 2>&1 |
+  python3 -c '
+import re, sys
+cur = None
+for line in sys.stdin:
+    m = re.search(r"Compiling entry function .(\S+).", line)
+    if m:
+        k = re.search(r"BulkStepKernelI(\w+?)Li(\d)ELi(\d)ELi(\d)ELb(\d)", m.group(1))
+        cur, spill = None, "?"
+        if k:
+            st = "f32" if k.group(1) == "f" else "bf16"
+            cur = f"{st:4s} TT={k.group(2)} KC={k.group(3)} RB={k.group(4)} " + ("KDA" if k.group(5) == "1" else "GDN")
+        continue
+    if cur and "Used" in line:
+        regs = re.search(r"Used (\d+) registers", line).group(1)
+        print(f"{cur}: {regs} registers, spills {spill}")
+        cur = None
+    elif cur and "spill" in line:
+        s = re.findall(r"(\d+) bytes spill (stores|loads)", line)
+        spill = ", ".join(f"{n} B {kind}" for n, kind in s)
+'
