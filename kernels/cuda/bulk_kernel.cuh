@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
 
   uint64_t* const wbar = reinterpret_cast<uint64_t*>(smem) + warp * kBulkMaxStages;
   uint64_t* const rbar = reinterpret_cast<uint64_t*>(smem) + kBulkMaxWarps * kBulkMaxStages;
-  const int dst = p.dstride;  // ring d row stride in shared memory (rows + 16 bytes)
+  const int dst = p.dstride;  // ring d row stride in shared memory (rows + 16 bytes, or V)
   const int ns = p.ns, nst = min(ns, nb);  // stages, stages in use
   T* const s0s = reinterpret_cast<T*>(smem + p.o_s0) + int64_t{warp} * ns * RB * K;  // [ns][RB][K]
   T* const dsc = reinterpret_cast<T*>(smem + p.o_d);  // [j][dst]: the CTA's rows of record j
@@ -729,17 +729,16 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
       if (has_c) {
         // fp32 decode: the batch's rows all read before any use, so that the stage may be
         // refilled before the arithmetic.
-        constexpr bool kHold = kEarlyRefill;
-        Slice<T, KC> xs[kHold ? RB : 1];
-        if constexpr (kHold) {
+        Slice<T, KC> xs[kEarlyRefill ? RB : 1];
+        if constexpr (kEarlyRefill) {
 #pragma unroll
           for (int i = 0; i < RB; ++i) LoadSmemSlice(xs[i], st + i * K);
           if (early_refill) refill();  // the stage is free once every lane has its rows
         }
 #pragma unroll
         for (int i = 0; i < RB; ++i) {
-          if constexpr (!kHold) LoadSmemSlice(xs[0], st + i * K);
-          const Slice<T, KC>& x = xs[kHold ? i : 0];
+          if constexpr (!kEarlyRefill) LoadSmemSlice(xs[0], st + i * K);
+          const Slice<T, KC>& x = xs[kEarlyRefill ? i : 0];
 #pragma unroll
           for (int e = 0; e < KC; ++e) {
             const float s = x.Get(e);

@@ -94,13 +94,13 @@ class FuncSmemLimit {
   std::atomic<int64_t> allowed_[kMaxDevices]{};
 };
 
-// The current device's facts and `kernel` allowed `bytes` of dynamic shared memory there.
+// `kernel` allowed `bytes` of dynamic shared memory on the current device.
 template <typename Kernel>
-cudaError_t PrepareLaunch(FuncSmemLimit& limit, Kernel kernel, size_t bytes, bool max_shared_carveout,
-                          DeviceFacts* dev) {
-  cudaError_t e = DeviceFactsOf(dev);
+cudaError_t AllowOnDevice(FuncSmemLimit& limit, Kernel kernel, size_t bytes) {
+  DeviceFacts dev;
+  cudaError_t e = DeviceFactsOf(&dev);
   if (e != cudaSuccess) return e;
-  return limit.Allow(kernel, dev->id, bytes, max_shared_carveout);
+  return limit.Allow(kernel, dev.id, bytes, false);
 }
 
 inline cudaError_t Grid(int64_t rows, int heads, int vtiles, dim3* grid) {
@@ -120,8 +120,7 @@ cudaError_t LaunchStepT(StepParams p, cudaStream_t stream) {
   cudaError_t e = Grid(p.batch, p.ly.HV, p.num_vtiles, &grid);
   if (e != cudaSuccess) return e;
   static FuncSmemLimit limit;
-  DeviceFacts dev;
-  if ((e = PrepareLaunch(limit, StepKernel<T, KMAX, TC>, bytes, false, &dev)) != cudaSuccess) return e;
+  if ((e = AllowOnDevice(limit, StepKernel<T, KMAX, TC>, bytes)) != cudaSuccess) return e;
   StepKernel<T, KMAX, TC><<<grid, kThreads, bytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -210,6 +209,15 @@ inline int BulkWarpsOverride() {
 
 // One CTA per (row, v-head, chunk of nw * rpw rows). Shrinks the stages, then nw, until the
 // layout fits; *launched stays false when nothing fits (the caller falls back).
+#ifdef RSSM_BULK_TRACE
+// The number of this v7 launch in the process (diagnostic build: the timeline's trigger). An
+// inline function's static, so one counter for every instantiation of the launcher.
+inline int64_t TraceLaunchNumber() {
+  static std::atomic<int64_t> calls{0};
+  return calls.fetch_add(1, std::memory_order_relaxed);
+}
+#endif
+
 template <typename T, int TT, int KC, int RB, bool KDA>
 cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launched) {
   *launched = false;
@@ -232,8 +240,9 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   // grid still fills the GPU, else 16 (more CTAs for small batches) with the warps halved
   // while the grid is short of 2 CTAs per SM, down to 2 (v7m, B = 1: 2 warps x 16 rows beat
   // 1 x 16 by 8-12% in the baseline and 13-18% in replay, keeping replay within 7% of the
-  // baseline; 1 x 16 left KDA fp32 replay 14% behind; kernels-h200-2026-11-30-v7m-b1-configs.txt). S0 streams through
-  // ns stages of RB rows per warp.
+  // baseline; 1 x 16 left KDA fp32 replay 14% behind;
+  // kernels-h200-2026-11-30-v7m-b1-configs.txt). S0 streams through ns stages of RB rows per
+  // warp.
   const int vpad = (ly.V + 15) / 16 * 16;
   int nw = BulkWarpsOverride() != 0 ? BulkWarpsOverride() : kBulkMaxWarps;
   auto per_warp = [&](int n) { return ((ly.V + n - 1) / n + 15) / 16 * 16; };
@@ -314,13 +323,12 @@ cudaError_t LaunchBulkT(const StepParams& sp, cudaStream_t stream, bool* launche
   }
 #ifdef RSSM_BULK_TRACE
   // Diagnostic build: launch number REPLAYSSM_CUDA_TRACE_AT (counted over this process's v7
-  // launches) records every CTA's timeline (bulk_kernel.cuh, kTraceWords) and writes it to
-  // REPLAYSSM_CUDA_TRACE_FILE: 8 int32 (batch, heads, mode, nw, rpw, ns, SMs, smem bytes), then
-  // the words. It synchronizes the stream: never in a serving build.
-  static int64_t traced_calls = 0;
+  // launches, every instantiation) records every CTA's timeline (bulk_kernel.cuh, kTraceWords)
+  // and writes it to REPLAYSSM_CUDA_TRACE_FILE: 8 int32 (batch, heads, mode, nw, rpw, ns, SMs,
+  // smem bytes), then the words. It synchronizes the stream: never in a serving build.
   const char* at = std::getenv("REPLAYSSM_CUDA_TRACE_AT");
   const char* file = std::getenv("REPLAYSSM_CUDA_TRACE_FILE");
-  const bool trace = at != nullptr && file != nullptr && traced_calls++ == std::atoll(at);
+  const bool trace = at != nullptr && file != nullptr && TraceLaunchNumber() == std::atoll(at);
   p.trace = nullptr;
   const size_t tbytes = size_t(items) * kTraceWords * 8;
   if (trace) {
@@ -394,8 +402,7 @@ cudaError_t LaunchPrefillT(PrefillParams p, cudaStream_t stream) {
   cudaError_t e = Grid(p.batch, p.ly.HV, p.num_vtiles, &grid);
   if (e != cudaSuccess) return e;
   static FuncSmemLimit limit;
-  DeviceFacts dev;
-  if ((e = PrepareLaunch(limit, PrefillKernel<T, KMAX>, bytes, false, &dev)) != cudaSuccess) return e;
+  if ((e = AllowOnDevice(limit, PrefillKernel<T, KMAX>, bytes)) != cudaSuccess) return e;
   PrefillKernel<T, KMAX><<<grid, kThreads, bytes, stream>>>(p);
   return cudaGetLastError();
 }
