@@ -3,6 +3,8 @@
 # KDA>), from ptxas for sm_90, without building the project: a change that moves a hot
 # instantiation into spills shows here before it costs a device call.
 #   bench/tools/cuda_regs.sh            (run from anywhere; needs nvcc)
+# The nvcc flags follow kernels/cuda/CMakeLists.txt (keep them in step); the build itself only
+# warns on spills (-Xptxas=-warn-spills), this also prints the registers.
 # Hot instantiations of the benchmark shape (K = 128): decode <.,1,4,8,.>, verify <.,4,4,4,.>.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
