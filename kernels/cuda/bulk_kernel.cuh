@@ -11,13 +11,14 @@
 // ns stages of RB rows (2, or 1 where 2 would leave fewer than kBulkMinCtas CTAs per SM).
 // The prologue is two global round trips whatever the ring holds:
 //   1. all threads: the row's slot and cursor AND the tokens' q, k, gates, beta, v (into
-//      shared memory) — nothing here needs the slot; every load of a group of tokens is
-//      issued before any of their shared-memory stores (a store may alias a later load's
-//      generic pointer, which would serialize the round trips, v7j);
+//      shared memory) — nothing reads the slot or cursor until the token loads are issued;
+//      every load of a group of tokens is issued before any of their shared-memory stores (a
+//      store may alias a later load's generic pointer, which would serialize the round trips,
+//      v7j); decode: warp 0's lane 0 issues the records' k and g (contiguous [w, K] / [w, Kg])
+//      and the records' d for the CTA's rows (one copy for a whole head, else one per record),
+//      all on one mbarrier, between its token loads and their stores (v7p);
 //   2. each warp's lane 0 issues its first ns S0 batches (contiguous rows, L2 evict-first);
-//      warp 0's lane 0 first issues the records' k and g (contiguous [w, K] / [w, Kg]) and
-//      the records' d for the CTA's rows (one copy for a whole head, else one per record),
-//      all on one mbarrier;
+//      verify: warp 0's lane 0 the records first;
 //   3. (while those bytes fly) norms and k·q: decode — every warp for itself, warp 0 appends
 //      to the ring; verify — a warp per draft, which also keeps the draft's k for the later
 //      drafts, then a CTA barrier;
@@ -273,29 +274,12 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     RSSM_TRACE(3, clock64());
   }
   // ---- 1. the loads that need nothing: the row's metadata, the tokens, the gates -----------
-  // (one round trip: the slot is not used until the tokens are stored)
+  // One round trip: nothing reads the slot, cursor or forced fold until the tokens are stored.
+  // (A use before the token loads — a branch on the cursor, a pointer computed from the slot —
+  // stalls the warp for the metadata's round trip before it issues them; v7p.)
   const int slot_i = p.slot_idx[r];
   const int wraw = p.mode != kModeBaseline ? p.write_pos[r] : 0;
   const int ffold = p.mode == kModeReplay && p.force_fold != nullptr ? p.force_fold[r] : 0;
-  const bool pad = slot_i < 0 || slot_i >= ly.num_slots;  // padding row (CTA-uniform)
-  const int64_t slot = pad ? 0 : slot_i;
-  int w = 0;
-  bool fold = true;
-  if (p.mode != kModeBaseline) {
-    w = min(max(wraw, 0), L);
-    if (p.mode == kModeVerify) {
-      w = max(min(w, L - T_), 0);  // w + T <= L keeps every append inside the ring
-      fold = false;
-    } else {
-      fold = w + 1 >= L || ffold != 0;
-    }
-  }
-
-  T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + int64_t{h} * V * K;
-  T* const rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
-  T* const rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
-  float* const rg = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * kg;
-
   uint64_t* const wbar = reinterpret_cast<uint64_t*>(smem) + warp * kBulkMaxStages;
   uint64_t* const rbar = reinterpret_cast<uint64_t*>(smem) + kBulkMaxWarps * kBulkMaxStages;
   const int dst = p.dstride;  // ring d row stride in shared memory (rows + 16 bytes, or V)
@@ -305,11 +289,44 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   T* const ds = dsc + warp * rpw;                      // the warp's columns
   T* const krs = reinterpret_cast<T*>(smem + p.o_kr);                            // [L][K]
   float* const gs = reinterpret_cast<float*>(smem + p.o_g);                      // [L][kg]
-  const bool bs0 = p.bulk_s0 != 0, bd = p.bulk_d != 0 && w > 0;
-  const bool bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
-  // GDN's g row is copied in 16-byte units (the launcher allows it only when L % 4 == 0).
-  const int gbytes = kda ? w * K * 4 : ((w + 3) & ~3) * 4;
-  if (tid == 0) RSSM_TRACE(0, SmId() | (unsigned(w) << 8) | (unsigned(fold) << 16));
+  const bool bs0 = p.bulk_s0 != 0;
+  // The metadata's meaning (the tokens' loads are issued before any of these is called).
+  auto row_pad = [&]() { return slot_i < 0 || slot_i >= ly.num_slots; };  // padding row
+  auto ring_len = [&]() {  // records the ring holds for this step (w)
+    if (p.mode == kModeBaseline) return 0;
+    const int c = min(max(wraw, 0), L);
+    return p.mode == kModeVerify ? max(min(c, L - T_), 0) : c;  // verify: w + T <= L
+  };
+  // Warp 0's lane 0: the records' k, g and d (one copy when d_dense, else one per record) on
+  // the records' mbarrier. They gate the record dots, which gate every row: decode issues them
+  // as soon as the slot is in, between the token loads and their stores, so that the records'
+  // round trip overlaps the tokens' (v7p); verify after its tokens are stored (issued in the
+  // token loop, its four drafts' values spilled 48 bytes at 128 registers).
+  auto issue_records = [&]() {
+    const int wr = ring_len();
+    if (row_pad() || wr == 0 || !(p.bulk_k || p.bulk_g || p.bulk_d)) return;
+    const int64_t sl = slot_i;
+    const uint32_t kb = p.bulk_k ? static_cast<uint32_t>(wr * K * sizeof(T)) : 0u;
+    // GDN's g row is copied in 16-byte units (the launcher allows it only when L % 4 == 0).
+    const int gn = kda ? wr * K : (wr + 3) & ~3;
+    const uint32_t gb = p.bulk_g ? static_cast<uint32_t>(gn * 4) : 0u;
+    const uint32_t db = p.bulk_d ? static_cast<uint32_t>(wr * nrow * sizeof(T)) : 0u;
+    const T* const rd_ = static_cast<const T*>(ly.ring_d) + sl * ly.d_stride + int64_t{h} * L * V;
+    MbarInit(rbar, 1);
+    MbarFenceInit();
+    MbarExpectTx(rbar, kb + gb + db);
+    const T* const rk_ = static_cast<const T*>(ly.ring_k) + sl * ly.k_stride + int64_t{hq} * L * K;
+    if (kb) BulkLoad(krs, rk_, kb, rbar);
+    if (gb) BulkLoad(gs, ly.ring_g + sl * ly.g_stride + int64_t{h} * L * kg, gb, rbar);
+    if (db && p.d_dense) {
+      BulkLoad(dsc, rd_, db, rbar);
+    } else if (db) {  // record j's d for the CTA's rows: one copy per record
+      for (int j = 0; j < wr; ++j) {
+        BulkLoad(dsc + j * dst, rd_ + int64_t{j} * V + v0, static_cast<uint32_t>(nrow * sizeof(T)),
+                 rbar);
+      }
+    }
+  };
 
   float* const tq = reinterpret_cast<float*>(smem + p.o_tq);                     // [T][K]
   float* const tk = reinterpret_cast<float*>(smem + p.o_tk);
@@ -330,10 +347,13 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
       const A* const q0 = qkv + tok0 * ly.qkv_stride + int64_t{hq} * K;
       const int64_t vofs = int64_t{2 * H - hq} * K + int64_t{h} * V + v0;  // v from q's row
       const float alog = ly.a_log[h];
-      float a_t = 0.f, b_t = 0.f, dtb_h = 0.f;  // thread t < T's scalars (GDN a; b)
+      // Thread t < T's scalars (GDN a; b), kept raw: converted where used, after the token
+      // loads (a conversion here would wait for them before the token loads are issued).
+      A a_t{}, b_t{};
+      float dtb_h = 0.f;
       if (tid < T_) {
-        if (!kda) a_t = ToF(ga[(tok0 + tid) * ly.a_stride + h]), dtb_h = ly.dt_bias[h];
-        b_t = ToF(gb[(tok0 + tid) * ly.b_stride + h]);
+        if (!kda) a_t = ga[(tok0 + tid) * ly.a_stride + h], dtb_h = ly.dt_bias[h];
+        b_t = gb[(tok0 + tid) * ly.b_stride + h];
       }
       const int span = max(K, nrow);
       float decay = 0.f;
@@ -355,6 +375,7 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
             }
           }
           decay = -expf(alog);
+          if (TT == 1 && tid == 0 && i == 0) issue_records();
 #pragma unroll
           for (int u = 0; u < TT; ++u) {
             const int t = t0 + u;
@@ -371,8 +392,8 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
       }
       decay = -expf(alog);
       if (tid < T_) {
-        if (!kda) tg[tid] = decay * Softplus(a_t + dtb_h);
-        betas[tid] = Sigmoid(b_t);
+        if (!kda) tg[tid] = decay * Softplus(ToF(a_t) + dtb_h);
+        betas[tid] = Sigmoid(ToF(b_t));
       }
       for (int t = tid + nthr; t < T_; t += nthr) {  // more tokens than threads (not in practice)
         const int64_t n = tok0 + t;
@@ -390,39 +411,37 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   }
   if (tid == 0) RSSM_TRACE(4, clock64());
 
+  // ---- the metadata's uses (the tokens are stored) ---------------------------------------
+  const bool pad = row_pad();  // (CTA-uniform)
+  const int64_t slot = pad ? 0 : slot_i;
+  const int w = ring_len();  // verify: w + T <= L keeps every append inside the ring
+  const bool fold =
+      p.mode == kModeBaseline || (p.mode == kModeReplay && (w + 1 >= L || ffold != 0));
+  T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + int64_t{h} * V * K;
+  T* const rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
+  T* const rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
+  float* const rg = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * kg;
+  const bool bd = p.bulk_d != 0 && w > 0;
+  const bool bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
+  if (tid == 0) RSSM_TRACE(0, SmId() | (unsigned(w) << 8) | (unsigned(fold) << 16));
+
   // ---- 2. every byte of the CTA's state in flight (one more round trip), issued once the tokens
   // are stored. Lane 0 initializes, arms and uses its warp's mbarriers itself (no warp
-  // sync needed); warp 0's lane 0 first issues the records' k, g and d (one copy when d_dense,
-  // else one per record) on the records' mbarrier — they gate the record dots, which gate every
-  // row — then its own S0 batches (v7o: records first, fp32 GDN replay -0.5..-3%).
+  // sync needed); in verify warp 0's lane 0 first issues the records (decode did during the
+  // tokens), then each lane 0 its warp's first S0 batches (v7o: records first, fp32 GDN replay
+  // -0.5..-3%).
   // Tried and not kept: issuing before the token loads, with the tokens prefetched into L2
-  // (v7m: the tokens waited for the slot's round trip, 2-8% slower); issuing as soon as the
-  // slot is in, between the token loads and their stores (v7o: the tokens' round trip grew from
-  // 2.2 to 3.7 us behind the state's bytes, the prologue did not shorten, replay +2-4%).
+  // (v7m: the tokens waited for the slot's round trip, 2-8% slower); the S0 batches too issued
+  // as soon as the slot is in, between the token loads and their stores (v7o: the tokens' round
+  // trip grew from 2.2 to 3.7 us behind the state's bytes, replay +2-4%; the records alone
+  // there, v7p, are ~8 KB where the S0 batches are 32 KB).
   if (!pad && lane == 0) {
     if (bs0) {
       for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
     }
-    const bool recs = warp == 0 && (bk || bg || bd);
-    if (recs) MbarInit(rbar, 1);
     MbarFenceInit();
+    if (TT > 1 && warp == 0) issue_records();  // verify: after the tokens (earlier, it spilled)
     const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
-    if (recs) {
-      const uint32_t kb = bk ? static_cast<uint32_t>(w * K * sizeof(T)) : 0u;
-      const uint32_t gb = bg ? static_cast<uint32_t>(gbytes) : 0u;
-      const uint32_t db = bd ? static_cast<uint32_t>(w * nrow * sizeof(T)) : 0u;
-      MbarExpectTx(rbar, kb + gb + db);
-      if (bk) BulkLoad(krs, rk, kb, rbar);
-      if (bg) BulkLoad(gs, rg, gb, rbar);
-      if (bd && p.d_dense) {
-        BulkLoad(dsc, rd, static_cast<uint32_t>(w * nrow * sizeof(T)), rbar);
-      } else if (bd) {  // record j's d for the CTA's rows: one copy per record
-        for (int j = 0; j < w; ++j) {
-          BulkLoad(dsc + j * dst, rd + int64_t{j} * V + v0,
-                   static_cast<uint32_t>(nrow * sizeof(T)), rbar);
-        }
-      }
-    }
     if (bs0) {  // the first nst batches; batch b + ns refills stage b % ns once b is done
       for (int b = 0; b < nst; ++b) {
         MbarExpectTx(wbar + b, bb);
