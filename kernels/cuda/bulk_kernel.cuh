@@ -297,6 +297,14 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     const int c = min(max(wraw, 0), L);
     return p.mode == kModeVerify ? max(min(c, L - T_), 0) : c;  // verify: w + T <= L
   };
+  // The head's ring records in slot sl: d [L][V], k [L][K] (its qk-head's), g [L][kg].
+  auto ring_d_at = [&](int64_t sl) {
+    return static_cast<T*>(ly.ring_d) + sl * ly.d_stride + int64_t{h} * L * V;
+  };
+  auto ring_k_at = [&](int64_t sl) {
+    return static_cast<T*>(ly.ring_k) + sl * ly.k_stride + int64_t{hq} * L * K;
+  };
+  auto ring_g_at = [&](int64_t sl) { return ly.ring_g + sl * ly.g_stride + int64_t{h} * L * kg; };
   // Warp 0's lane 0: the records' k, g and d (one copy when d_dense, else one per record) on
   // the records' mbarrier. They gate the record dots, which gate every row: decode issues them
   // as soon as the slot is in, between the token loads and their stores, so that the records'
@@ -311,13 +319,12 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
     const int gn = kda ? wr * K : (wr + 3) & ~3;
     const uint32_t gb = p.bulk_g ? static_cast<uint32_t>(gn * 4) : 0u;
     const uint32_t db = p.bulk_d ? static_cast<uint32_t>(wr * nrow * sizeof(T)) : 0u;
-    const T* const rd_ = static_cast<const T*>(ly.ring_d) + sl * ly.d_stride + int64_t{h} * L * V;
+    const T* const rd_ = ring_d_at(sl);
     MbarInit(rbar, 1);
     MbarFenceInit();
     MbarExpectTx(rbar, kb + gb + db);
-    const T* const rk_ = static_cast<const T*>(ly.ring_k) + sl * ly.k_stride + int64_t{hq} * L * K;
-    if (kb) BulkLoad(krs, rk_, kb, rbar);
-    if (gb) BulkLoad(gs, ly.ring_g + sl * ly.g_stride + int64_t{h} * L * kg, gb, rbar);
+    if (kb) BulkLoad(krs, ring_k_at(sl), kb, rbar);
+    if (gb) BulkLoad(gs, ring_g_at(sl), gb, rbar);
     if (db && p.d_dense) {
       BulkLoad(dsc, rd_, db, rbar);
     } else if (db) {  // record j's d for the CTA's rows: one copy per record
@@ -418,9 +425,9 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   const bool fold =
       p.mode == kModeBaseline || (p.mode == kModeReplay && (w + 1 >= L || ffold != 0));
   T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + int64_t{h} * V * K;
-  T* const rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
-  T* const rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
-  float* const rg = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * kg;
+  T* const rd = ring_d_at(slot);
+  T* const rk = ring_k_at(slot);
+  float* const rg = ring_g_at(slot);
   const bool bd = p.bulk_d != 0 && w > 0;
   const bool bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
   if (tid == 0) RSSM_TRACE(0, SmId() | (unsigned(w) << 8) | (unsigned(fold) << 16));
