@@ -276,7 +276,9 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   // ---- 1. the loads that need nothing: the row's metadata, the tokens, the gates -----------
   // One round trip: nothing reads the slot, cursor or forced fold until the tokens are stored.
   // (A use before the token loads — a branch on the cursor, a pointer computed from the slot —
-  // stalls the warp for the metadata's round trip before it issues them; v7p.)
+  // stalls the warp for the metadata's round trip before it issues them; v7p.) Verify holds to
+  // it; decode does not yet: the compiler hoists issue_records' address arithmetic out of the
+  // token loop, ahead of the q/k/v loads (bench/tools/cuda_prologue.sh; NOTES.md, v7p).
   const int slot_i = p.slot_idx[r];
   const int wraw = p.mode != kModeBaseline ? p.write_pos[r] : 0;
   const int ffold = p.mode == kModeReplay && p.force_fold != nullptr ? p.force_fold[r] : 0;

@@ -1,0 +1,69 @@
+#!/bin/bash
+# Does any v7 step kernel read a row's metadata (slot, cursor, forced fold) before it issues its
+# token loads? A use there — a branch on the cursor, a pointer computed from the slot — makes
+# every warp wait for the metadata's round trip before its q/k/v loads go out (v7p found it so in
+# v7o's kernels: decode replay 1-8% slower). From the PTX, without building the project:
+#   bench/tools/cuda_prologue.sh            (run from anywhere; needs nvcc)
+# Per instantiation: how many global loads are issued between the metadata loads and the first
+# instruction that reads one of them (the per-row scalars alone are at most 4 loads). v7o's
+# kernels: 0 (FAIL). v7p: verify 62-64 (every token load of the three activation dtypes'
+# paths); decode 2-4 (only the scalars: the records' address arithmetic is hoisted out of the
+# token loop ahead of the q/k/v loads), FAIL; with the slot and cursor passed through an empty
+# asm inside issue_records (NOTES.md, what next after v7p) decode reads 7: ok.
+# The nvcc flags follow kernels/cuda/CMakeLists.txt (as bench/tools/cuda_regs.sh).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cat > "$tmp/order.cu" <<'CU'
+#include "launch.cuh"
+namespace replayssm::kernels::cuda {
+template cudaError_t LaunchBulkFor<float>(const StepParams&, cudaStream_t, bool*);
+template cudaError_t LaunchBulkFor<__nv_bfloat16>(const StepParams&, cudaStream_t, bool*);
+}
+CU
+nvcc -arch=sm_90 -O3 --expt-relaxed-constexpr -std=c++17 -I"$root/kernels/cuda" \
+  -I"$root/kernels/include" ${EXTRA:-} -ptx "$tmp/order.cu" -o "$tmp/order.ptx"
+python3 - "$tmp/order.ptx" <<'PY'
+import re, sys
+MIN_LOADS = 5  # more than the per-row scalars (a_log, dt_bias, GDN's a and b: at most 4)
+text = open(sys.argv[1]).read()
+bad = 0
+for m in re.finditer(r"\.entry (\S*BulkStepKernel\S*)\((.*?)\n}\n", text, re.S):
+    name, body = m.group(1), m.group(2).split("\n")
+    k = re.search(r"BulkStepKernelI(\w+?)Li(\d)ELi(\d)ELi(\d)ELb(\d)", name)
+    st = "f32" if k.group(1) == "f" else "bf16"
+    label = f"{st:4s} TT={k.group(2)} KC={k.group(3)} RB={k.group(4)} " + ("KDA" if k.group(5) == "1" else "GDN")
+    # The metadata: the kernel's first loads of slot_idx (32-bit), write_pos (32-bit) and
+    # force_fold (8-bit), in that order.
+    meta, first = [], None
+    for i, line in enumerate(body):
+        lm = re.match(r"\s*ld\.global\.(s32|u32|u8)\s+(%\w+),", line)
+        if lm and len(meta) < 3:
+            meta.append(lm.group(2))
+            first = i
+            continue
+        if len(meta) == 3:
+            break
+    if len(meta) < 3:
+        print(f"{label}: metadata loads not found"); bad += 1; continue
+    regs = re.compile("|".join(re.escape(r) + r"\b" for r in meta))
+    loads = 0
+    for line in body[first + 1:]:
+        ops = line.split(None, 1)
+        if len(ops) < 2 or ops[0].startswith("//"):
+            continue
+        if ops[0].startswith("ld.global"):
+            loads += 1
+            continue
+        args = ops[1].split(",", 1)
+        # a read: the register among the operands after the destination (or any operand of a
+        # branch or store)
+        srcs = ops[1] if ops[0].startswith(("st.", "@", "bra")) else (args[1] if len(args) > 1 else "")
+        if regs.search(srcs):
+            break
+    ok = loads >= MIN_LOADS
+    bad += not ok
+    print(f"{label}: {loads} global loads before the first read of the metadata  {'ok' if ok else 'FAIL'}")
+sys.exit(1 if bad else 0)
+PY
