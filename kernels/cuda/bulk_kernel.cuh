@@ -11,7 +11,8 @@
 // ns stages of RB rows (2, or 1 where 2 would leave fewer than kBulkMinCtas CTAs per SM).
 // The prologue is two global round trips whatever the ring holds:
 //   1. all threads: the row's slot and cursor AND the tokens' q, k, gates, beta, v (into
-//      shared memory) — nothing reads the slot or cursor until the token loads are issued;
+//      shared memory) — nothing reads the slot or cursor until the token loads are issued
+//      (verify; decode not yet, see step 1 below);
 //      every load of a group of tokens is issued before any of their shared-memory stores (a
 //      store may alias a later load's generic pointer, which would serialize the round trips,
 //      v7j); decode: warp 0's lane 0 issues the records' k and g (contiguous [w, K] / [w, Kg])
