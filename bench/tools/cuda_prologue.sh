@@ -10,20 +10,13 @@
 # paths); decode 2-4 (only the scalars: the records' address arithmetic is hoisted out of the
 # token loop ahead of the q/k/v loads), FAIL; with the slot and cursor passed through an empty
 # asm inside issue_records (NOTES.md, what next after v7p) decode reads 7: ok.
-# The nvcc flags follow kernels/cuda/CMakeLists.txt (as bench/tools/cuda_regs.sh).
+# The nvcc flags follow kernels/cuda/CMakeLists.txt (cuda_v7_nvcc.sh).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-cat > "$tmp/order.cu" <<'CU'
-#include "launch.cuh"
-namespace replayssm::kernels::cuda {
-template cudaError_t LaunchBulkFor<float>(const StepParams&, cudaStream_t, bool*);
-template cudaError_t LaunchBulkFor<__nv_bfloat16>(const StepParams&, cudaStream_t, bool*);
-}
-CU
-nvcc -arch=sm_90 -O3 --expt-relaxed-constexpr -std=c++17 -I"$root/kernels/cuda" \
-  -I"$root/kernels/include" ${EXTRA:-} -ptx "$tmp/order.cu" -o "$tmp/order.ptx"
+source "$root/bench/tools/cuda_v7_nvcc.sh"
+v7_nvcc "$tmp" -ptx -o "$tmp/order.ptx"
 python3 - "$tmp/order.ptx" <<'PY'
 import re, sys
 MIN_LOADS = 5  # more than the per-row scalars (a_log, dt_bias, GDN's a and b: at most 4)

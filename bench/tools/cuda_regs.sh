@@ -3,22 +3,15 @@
 # KDA>), from ptxas for sm_90, without building the project: a change that moves a hot
 # instantiation into spills shows here before it costs a device call.
 #   bench/tools/cuda_regs.sh            (run from anywhere; needs nvcc)
-# The nvcc flags follow kernels/cuda/CMakeLists.txt (keep them in step); the build itself only
+# The nvcc flags follow kernels/cuda/CMakeLists.txt (cuda_v7_nvcc.sh); the build itself only
 # warns on spills (-Xptxas=-warn-spills), this also prints the registers.
 # Hot instantiations of the benchmark shape (K = 128): decode <.,1,4,8,.>, verify <.,4,4,4,.>.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-cat > "$tmp/regs.cu" <<'CU'
-#include "launch.cuh"
-namespace replayssm::kernels::cuda {
-template cudaError_t LaunchBulkFor<float>(const StepParams&, cudaStream_t, bool*);
-template cudaError_t LaunchBulkFor<__nv_bfloat16>(const StepParams&, cudaStream_t, bool*);
-}
-CU
-nvcc -arch=sm_90 -O3 --expt-relaxed-constexpr -std=c++17 -I"$root/kernels/cuda" \
-  -I"$root/kernels/include" ${EXTRA:-} -Xptxas -v -c "$tmp/regs.cu" -o "$tmp/regs.o" 2>&1 |
+source "$root/bench/tools/cuda_v7_nvcc.sh"
+v7_nvcc "$tmp" -Xptxas -v -c -o "$tmp/regs.o" 2>&1 |
   python3 -c '
 import re, sys
 cur = None
