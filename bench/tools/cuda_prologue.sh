@@ -1,8 +1,8 @@
 #!/bin/bash
 # Does any v7 step kernel read a row's metadata (slot, cursor, forced fold) before it issues its
 # token loads? A use there — a branch on the cursor, a pointer computed from the slot — makes
-# every warp wait for the metadata's round trip before its q/k/v loads go out (v7p found it so in
-# v7o's kernels: decode replay 1-8% slower). From the PTX, without building the project:
+# every warp wait for the metadata's round trip before its q/k/v loads go out (every v7o
+# instantiation did; see below for v7p). From the PTX, without building the project:
 #   bench/tools/cuda_prologue.sh            (run from anywhere; needs nvcc)
 # Per instantiation: how many global loads are issued between the metadata loads and the first
 # instruction that reads one of them (the per-row scalars alone are at most 4 loads). v7o's
