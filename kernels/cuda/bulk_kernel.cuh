@@ -277,9 +277,8 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   // ---- 1. the loads that need nothing: the row's metadata, the tokens, the gates -----------
   // One round trip: nothing reads the slot, cursor or forced fold until the tokens are stored.
   // (A use before the token loads — a branch on the cursor, a pointer computed from the slot —
-  // stalls the warp for the metadata's round trip before it issues them; v7p.) Verify holds to
-  // it; decode does not yet: the compiler hoists issue_records' address arithmetic out of the
-  // token loop, ahead of the q/k/v loads (bench/tools/cuda_prologue.sh; NOTES.md, v7p).
+  // stalls the warp for the metadata's round trip before it issues them; v7p.) Verify and
+  // 16-bit decode hold to it; fp32 decode does not, by choice: see issue_records (v7q).
   const int slot_i = p.slot_idx[r];
   const int wraw = p.mode != kModeBaseline ? p.write_pos[r] : 0;
   const int ffold = p.mode == kModeReplay && p.force_fold != nullptr ? p.force_fold[r] : 0;
@@ -294,10 +293,10 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   float* const gs = reinterpret_cast<float*>(smem + p.o_g);                      // [L][kg]
   const bool bs0 = p.bulk_s0 != 0;
   // The metadata's meaning (the tokens' loads are issued before any of these is called).
-  auto row_pad = [&]() { return slot_i < 0 || slot_i >= ly.num_slots; };  // padding row
-  auto ring_len = [&]() {  // records the ring holds for this step (w)
+  auto row_pad = [&](int si) { return si < 0 || si >= ly.num_slots; };  // padding row
+  auto ring_len = [&](int wp) {  // records the ring holds for this step (w)
     if (p.mode == kModeBaseline) return 0;
-    const int c = min(max(wraw, 0), L);
+    const int c = min(max(wp, 0), L);
     return p.mode == kModeVerify ? max(min(c, L - T_), 0) : c;  // verify: w + T <= L
   };
   // The head's ring records in slot sl: d [L][V], k [L][K] (its qk-head's), g [L][kg].
@@ -314,9 +313,16 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   // round trip overlaps the tokens' (v7p); verify after its tokens are stored (issued in the
   // token loop, its four drafts' values spilled 48 bytes at 128 registers).
   auto issue_records = [&]() {
-    const int wr = ring_len();
-    if (row_pad() || wr == 0 || !(p.bulk_k || p.bulk_g || p.bulk_d)) return;
-    const int64_t sl = slot_i;
+    // Left alone, the compiler hoists the records' address arithmetic out of decode's token
+    // loop, ahead of the token loads, so every warp waits for the slot and cursor before issuing
+    // them (bench/tools/cuda_prologue.sh). Passing both through an empty asm keeps the order:
+    // 16-bit state -0.5..-2.5% (B = 16 -2..-3%), but fp32 replay +2.5% at B = 1 and +3.5% at
+    // B = 16, KDA +0.5% at B >= 64 — so 16-bit state only (v7q, same-call A/B).
+    int si = slot_i, wp = wraw;
+    if constexpr (sizeof(T) == 2) asm volatile("" : "+r"(si), "+r"(wp));
+    const int wr = ring_len(wp);
+    if (row_pad(si) || wr == 0 || !(p.bulk_k || p.bulk_g || p.bulk_d)) return;
+    const int64_t sl = si;
     const uint32_t kb = p.bulk_k ? static_cast<uint32_t>(wr * K * sizeof(T)) : 0u;
     // GDN's g row is copied in 16-byte units (the launcher allows it only when L % 4 == 0).
     const int gn = kda ? wr * K : (wr + 3) & ~3;
@@ -422,9 +428,9 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32, TT == 1 ? BulkDecodeMinCta
   if (tid == 0) RSSM_TRACE(4, clock64());
 
   // ---- the metadata's uses (the tokens are stored) ---------------------------------------
-  const bool pad = row_pad();  // (CTA-uniform)
+  const bool pad = row_pad(slot_i);  // (CTA-uniform)
   const int64_t slot = pad ? 0 : slot_i;
-  const int w = ring_len();  // verify: w + T <= L keeps every append inside the ring
+  const int w = ring_len(wraw);  // verify: w + T <= L keeps every append inside the ring
   const bool fold =
       p.mode == kModeBaseline || (p.mode == kModeReplay && (w + 1 >= L || ffold != 0));
   T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + int64_t{h} * V * K;
