@@ -4,7 +4,7 @@
 //
 //   replayssm-bench-transfer [--model qwen3-next-80b-a3b] [--state-dtype f32|bf16]
 //                            [--backend cpu|cuda] [--slots N] [--chunk BYTES]
-//                            [--lanes N] [--import-threads N] [--staged-host-hash] [--put-thp]
+//                            [--lanes N] [--import-threads N] [--put-thp]
 //                            [--json PATH]
 //
 // B is a forked child with its own StateCache, UcxTransport and transfer::Receiver; the
@@ -12,11 +12,11 @@
 // timed is the whole move of a slot: A folds it through the cache's guard and streams it in
 // chunks (CPU: straight from slot memory; CUDA: device -> pinned staging ring, the copy of
 // chunk i+1 overlapping the put of chunk i), hashing (checksum v3) beside the puts (CPU: on
-// a pool of --lanes threads; CUDA: the gathered slot on the device, or with --staged-host-hash
-// the staged chunks on that pool, the path before); B reserves a slot without zeroing it, has each chunk copied as
-// its doorbell says it landed (CPU: into slot memory; CUDA: via pinned staging, host ->
-// device) by --import-threads copiers, each hashing what it copied, and verifies at the
-// commit.
+// a pool of --lanes threads; CUDA: the slot's layers in place on the device, one
+// rssm_segment_digests_parts call); B reserves a slot without zeroing it, has each chunk
+// copied as its doorbell says it landed (CPU: into slot memory; CUDA: via pinned staging,
+// host -> device) by --import-threads copiers, each hashing what it copied, and verifies at
+// the commit.
 // Reported: per-slot latency (median), GB/s over the payload, the phases (medians over the
 // slots: fold, reserve, stage+hash+put, commit = the receiver's import tail + verify), the
 // bare put of a host buffer of the same size (no staging, no hashing, no import), the
@@ -248,7 +248,6 @@ int Run(int argc, char** argv) {
   int slots = 8;
   size_t chunk = 4 << 20;
   int32_t import_threads = ReceiverOptions{}.import_threads;
-  bool staged_host_hash = false;  // A/B: the CUDA sender hashes on the host, as before v6
   int lanes = 4;  // the service's --transfer-lanes default
   bool put_thp = false;
   for (int i = 1; i < argc; ++i) {
@@ -260,14 +259,13 @@ int Run(int argc, char** argv) {
     else if (a == "--slots") slots = std::atoi(next().c_str());
     else if (a == "--chunk") chunk = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--import-threads") import_threads = std::atoi(next().c_str());
-    else if (a == "--staged-host-hash") staged_host_hash = true;
     else if (a == "--lanes" || a == "--put-lanes") lanes = std::clamp(std::atoi(next().c_str()), 1, 16);
     else if (a == "--put-thp") put_thp = true;
     else if (a == "--json") json = argv[++i];
     else {
       std::fprintf(stderr, "usage: replayssm-bench-transfer [--model M] [--state-dtype f32|bf16] "
                            "[--backend cpu|cuda] [--slots N] [--chunk BYTES] [--lanes N] "
-                           "[--import-threads N] [--staged-host-hash] [--put-thp] [--json PATH]\n");
+                           "[--import-threads N] [--put-thp] [--json PATH]\n");
       return 2;
     }
   }
@@ -382,8 +380,8 @@ int Run(int argc, char** argv) {
     std::vector<int32_t> tokens(100 + i, 7);
     CHECK_OK((*cache)->Import(*s, tokens, cps));
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<SendResult> r = sender.Send(
-        peer, *s, "x" + std::to_string(i), {.chunk_bytes = chunk, .staged_host_hash = staged_host_hash});
+    absl::StatusOr<SendResult> r =
+        sender.Send(peer, *s, "x" + std::to_string(i), {.chunk_bytes = chunk});
     const double t = Seconds(t0);
     CHECK_OK(r.status());
     peer.FreeRemote(r->remote_slot);
@@ -431,7 +429,7 @@ int Run(int argc, char** argv) {
               "per round)\n",
               m->name.c_str(), dtype.c_str(), backend_name.c_str(), path, bytes / 1e6, slots,
               chunk, lanes, import_threads,
-              HashedOnDevice(SelectDataPath(backend, (*ucx)->cuda_memory()), staged_host_hash)
+              HashedOnDevice(SelectDataPath(backend, (*ucx)->cuda_memory()))
                   ? "device"
                   : "host");
   std::printf("  whole move over %d lanes (fold+reserve+stage/hash/put+import+commit): median %.2f ms "

@@ -38,6 +38,38 @@ Workspace& LocalWorkspace() {
   return ws;
 }
 
+// The version 2 digest (checksum_v2.h) of payload bytes [begin, end) of parts[0] | parts[1] |
+// ... (part_bytes each), fed part by part: whole blocks straight from a part; a block that
+// spans parts, and the tail, through a 64-byte carry.
+uint64_t RangeDigest(const uint8_t* const* parts, size_t part_bytes, size_t begin, size_t end) {
+  namespace v2 = checksum_v2;
+  uint64_t lanes[v2::kLanes];
+  for (int k = 0; k < v2::kLanes; ++k) lanes[k] = v2::LaneInit(k);
+  uint8_t carry[v2::kBlockBytes];
+  size_t held = 0;  // bytes of an unfinished block in carry
+  for (size_t off = begin; off < end;) {
+    const size_t part = off / part_bytes, in_part = off - part * part_bytes;
+    const uint8_t* p = parts[part] + in_part;
+    size_t n = std::min(part_bytes - in_part, end - off);
+    off += n;
+    if (held > 0) {  // finish the block begun in an earlier part
+      const size_t take = std::min(v2::kBlockBytes - held, n);
+      std::memcpy(carry + held, p, take);
+      held += take;
+      p += take;
+      n -= take;
+      if (held < v2::kBlockBytes) continue;
+      v2::Blocks(lanes, carry, v2::kBlockBytes);
+      held = 0;
+    }
+    const size_t whole = n / v2::kBlockBytes * v2::kBlockBytes;
+    v2::Blocks(lanes, p, whole);
+    held = n - whole;
+    std::memcpy(carry, p + whole, held);
+  }
+  return v2::Finish(lanes, carry, held, end - begin);
+}
+
 HeadDims DimsOf(const rssm_layer_shape& s) {
   return HeadDims{s.head_k, s.head_v, s.ring_len, s.gate == RSSM_GATE_KDA};
 }
@@ -302,13 +334,14 @@ rssm_status Verify(const rssm_verify_args& a) {
   });
 }
 
-rssm_status SegmentDigests(const void* data, size_t bytes, size_t segment_bytes,
-                           uint64_t* digests) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  const size_t count = (bytes + segment_bytes - 1) / segment_bytes;
-  ThreadPool::Default().ParallelFor(static_cast<int64_t>(count), [&](int64_t i) {
+rssm_status SegmentDigests(const void* const* parts, size_t count, size_t part_bytes,
+                           size_t segment_bytes, uint64_t* digests) {
+  const size_t bytes = count * part_bytes;
+  const size_t segments = (bytes + segment_bytes - 1) / segment_bytes;
+  const auto* p = reinterpret_cast<const uint8_t* const*>(parts);
+  ThreadPool::Default().ParallelFor(static_cast<int64_t>(segments), [&](int64_t i) {
     const size_t off = static_cast<size_t>(i) * segment_bytes;
-    digests[i] = checksum_v2::Digest(p + off, std::min(segment_bytes, bytes - off));
+    digests[i] = RangeDigest(p, part_bytes, off, off + std::min(segment_bytes, bytes - off));
   });
   return RSSM_OK;
 }

@@ -110,13 +110,17 @@ cudaError_t LaunchPrefillF32(PrefillParams p, cudaStream_t stream);
 cudaError_t LaunchPrefillBf16(PrefillParams p, cudaStream_t stream);
 cudaError_t LaunchPrefillF16(PrefillParams p, cudaStream_t stream);
 
-// rssm_segment_digests (checksum.cu): segment i of data is bytes [i * segment_bytes,
+// rssm_segment_digests_parts (checksum.cu; rssm_segment_digests is count 1): the payload is
+// parts[0] | parts[1] | ... (part_bytes each); segment i is payload bytes [i * segment_bytes,
 // min((i + 1) * segment_bytes, bytes)); digests[i] its version 2 digest.
 struct SegmentDigestParams {
-  const uint8_t* data;    // [bytes], 16-byte aligned, device memory
-  size_t bytes;           // > 0
-  size_t segment_bytes;   // a positive multiple of 64
-  uint64_t* digests;      // [ceil(bytes / segment_bytes)], device memory
+  const uint8_t* const* parts;  // [count] device memory: the parts' device pointers, each
+                                // 16-byte aligned
+  size_t count;          // >= 1
+  size_t part_bytes;     // > 0; a multiple of 16 when count > 1
+  size_t bytes;          // count * part_bytes
+  size_t segment_bytes;  // a positive multiple of 64
+  uint64_t* digests;     // [ceil(bytes / segment_bytes)], device memory
 };
 // One CTA per segment; no synchronization.
 cudaError_t LaunchSegmentDigests(const SegmentDigestParams& p, cudaStream_t stream);

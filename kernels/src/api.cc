@@ -188,6 +188,45 @@ rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn) {
   return baseline ? cuda::BaselineDecode(a) : cuda::ReplayDecode(a);
 }
 
+// What both digest calls check first: the launch (a NULL one ends the checks) and
+// segment_bytes.
+void CheckDigestCall(Check& c, const rssm_launch* launch, size_t segment_bytes) {
+  if (launch == nullptr) {
+    c.Fail("launch", "a non-null pointer", "NULL");
+    return;
+  }
+  CheckLaunch(c, *launch);
+  if (segment_bytes == 0 || segment_bytes % 64 != 0) {
+    c.Fail("segment_bytes", "a positive multiple of 64", std::to_string(segment_bytes));
+  }
+}
+
+// bytes > 0 (named `what`) in at most 2^31 - 1 segments: the CUDA kernel runs one CTA per
+// segment.
+void CheckSegmentCount(Check& c, size_t bytes, const char* what, size_t segment_bytes) {
+  if ((bytes - 1) / segment_bytes >= size_t{INT32_MAX}) {
+    c.Fail("segment_bytes", std::string("at most 2^31 - 1 segments of ") + what + " (" +
+           std::to_string(bytes) + ")", std::to_string(segment_bytes));
+  }
+}
+
+// A non-null pointer that is not 16-byte aligned fails (a null one is NotNull's to report).
+void CheckAligned16(Check& c, const void* p, const std::string& field) {
+  const uintptr_t off = reinterpret_cast<uintptr_t>(p) % 16;
+  if (p != nullptr && off != 0) {
+    c.Fail(field, "a 16-byte aligned pointer",
+           "an address " + std::to_string(off) + " bytes past a multiple of 16");
+  }
+}
+
+// Both digest calls once validated: the contiguous one is the parts one with count 1.
+rssm_status RunSegmentDigests(const rssm_launch& l, const void* const* parts, size_t count,
+                              size_t part_bytes, size_t segment_bytes, uint64_t* digests) {
+  g_last_error.clear();
+  if (IsCpu(l)) return cpu::SegmentDigests(parts, count, part_bytes, segment_bytes, digests);
+  return cuda::SegmentDigests(l, parts, count, part_bytes, segment_bytes, digests);
+}
+
 }  // namespace
 
 void SetLastError(std::string message) { g_last_error = std::move(message); }
@@ -299,29 +338,40 @@ rssm_status rssm_verify(const rssm_verify_args* in) {
 rssm_status rssm_segment_digests(const rssm_launch* launch, const void* data, size_t bytes,
                                  size_t segment_bytes, uint64_t* digests) {
   Check c("rssm_segment_digests");
-  if (launch == nullptr) {
-    c.Fail("launch", "a non-null pointer", "NULL");
-    return Finish(c);
-  }
-  CheckLaunch(c, *launch);
-  if (segment_bytes == 0 || segment_bytes % 64 != 0) {
-    c.Fail("segment_bytes", "a positive multiple of 64", std::to_string(segment_bytes));
-  }
+  CheckDigestCall(c, launch, segment_bytes);
   if (!c.ok() || bytes == 0) return Finish(c);
-  if ((bytes - 1) / segment_bytes >= size_t{INT32_MAX}) {  // CUDA: one CTA per segment
-    c.Fail("segment_bytes", "at most 2^31 - 1 segments of bytes (" + std::to_string(bytes) + ")",
-           std::to_string(segment_bytes));
-  }
+  CheckSegmentCount(c, bytes, "bytes", segment_bytes);
   c.NotNull(data, "data (bytes > 0)");
-  if (c.ok() && reinterpret_cast<uintptr_t>(data) % 16 != 0) {
-    c.Fail("data", "a 16-byte aligned pointer", "an address " +
-           std::to_string(reinterpret_cast<uintptr_t>(data) % 16) + " bytes past a multiple of 16");
+  CheckAligned16(c, data, "data");
+  c.NotNull(digests, "digests");
+  if (!c.ok()) return Finish(c);
+  return RunSegmentDigests(*launch, &data, 1, bytes, segment_bytes, digests);
+}
+
+rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* const* parts,
+                                       size_t count, size_t part_bytes, size_t segment_bytes,
+                                       uint64_t* digests) {
+  Check c("rssm_segment_digests_parts");
+  CheckDigestCall(c, launch, segment_bytes);
+  if (c.ok() && part_bytes != 0 && count > SIZE_MAX / part_bytes) {
+    c.Fail("part_bytes", "count * part_bytes to fit in size_t (count " + std::to_string(count) +
+           ")", std::to_string(part_bytes));
+  }
+  if (!c.ok() || count == 0 || part_bytes == 0) return Finish(c);
+  CheckSegmentCount(c, count * part_bytes, "count * part_bytes", segment_bytes);
+  c.NotNull(parts, "parts (count * part_bytes > 0)");
+  if (count > 1 && part_bytes % 16 != 0) {
+    c.Fail("part_bytes", "a multiple of 16 when count > 1 (count " + std::to_string(count) + ")",
+           std::to_string(part_bytes));
+  }
+  for (size_t j = 0; c.ok() && j < count; ++j) {
+    const std::string field = "parts[" + std::to_string(j) + "]";
+    c.NotNull(parts[j], field);
+    CheckAligned16(c, parts[j], field);
   }
   c.NotNull(digests, "digests");
   if (!c.ok()) return Finish(c);
-  g_last_error.clear();
-  return IsCpu(*launch) ? cpu::SegmentDigests(data, bytes, segment_bytes, digests)
-                        : cuda::SegmentDigests(*launch, data, bytes, segment_bytes, digests);
+  return RunSegmentDigests(*launch, parts, count, part_bytes, segment_bytes, digests);
 }
 
 const char* rssm_status_name(rssm_status status) {
@@ -410,7 +460,8 @@ rssm_status BaselineDecode(const rssm_decode_args&) { return NotBuilt(); }
 rssm_status Fold(const rssm_fold_args&) { return NotBuilt(); }
 rssm_status Prefill(const rssm_prefill_args&) { return NotBuilt(); }
 rssm_status Verify(const rssm_verify_args&) { return NotBuilt(); }
-rssm_status SegmentDigests(const rssm_launch&, const void*, size_t, size_t, uint64_t*) {
+rssm_status SegmentDigests(const rssm_launch&, const void* const*, size_t, size_t, size_t,
+                           uint64_t*) {
   return NotBuilt();
 }
 }  // namespace replayssm::kernels::cuda

@@ -22,8 +22,9 @@ rssm_status BaselineDecode(const rssm_decode_args& args);
 rssm_status Fold(const rssm_fold_args& args);
 rssm_status Prefill(const rssm_prefill_args& args);
 rssm_status Verify(const rssm_verify_args& args);
-rssm_status SegmentDigests(const void* data, size_t bytes, size_t segment_bytes,
-                           uint64_t* digests);
+// rssm_segment_digests_parts (rssm_segment_digests is count 1): count * part_bytes > 0.
+rssm_status SegmentDigests(const void* const* parts, size_t count, size_t part_bytes,
+                           size_t segment_bytes, uint64_t* digests);
 }  // namespace cpu
 
 namespace cuda {
@@ -35,9 +36,10 @@ rssm_status BaselineDecode(const rssm_decode_args& args);
 rssm_status Fold(const rssm_fold_args& args);
 rssm_status Prefill(const rssm_prefill_args& args);
 rssm_status Verify(const rssm_verify_args& args);
-// Synchronizes launch.stream to copy the digests back (kernels/cuda/checksum.cu).
-rssm_status SegmentDigests(const rssm_launch& launch, const void* data, size_t bytes,
-                           size_t segment_bytes, uint64_t* digests);
+// As cpu::SegmentDigests; synchronizes launch.stream to copy the digests back
+// (kernels/cuda/checksum.cu).
+rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, size_t count,
+                           size_t part_bytes, size_t segment_bytes, uint64_t* digests);
 }  // namespace cuda
 
 }  // namespace replayssm::kernels

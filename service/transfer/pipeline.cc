@@ -183,63 +183,50 @@ uint64_t PieceHasher::Finish() {
   return sum_.Digest();
 }
 
-void BackendBuffer::Release() {
-  if (data_ != nullptr) rssm_free(backend_, data_);
-  data_ = nullptr;
-  bytes_ = 0;
+void BackendStream::Release() {
+  if (!created_) return;
+  const rssm_launch l{backend_, stream_};
+  rssm_synchronize(&l);  // a stream is destroyed only with nothing queued on it
+  rssm_stream_destroy(backend_, stream_);
+  created_ = false;
+  stream_ = nullptr;
 }
 
-absl::Status BackendBuffer::Ensure(int32_t backend, size_t bytes) {
-  if (backend == backend_ && bytes == bytes_ && data_ != nullptr) return absl::OkStatus();
+absl::StatusOr<void*> BackendStream::Get(int32_t backend) {
+  if (created_ && backend == backend_) return stream_;
   Release();
   backend_ = backend;
-  absl::Status st = Kernel(rssm_alloc(backend, bytes, &data_), "alloc");
-  if (st.ok()) bytes_ = bytes;
-  return st;
+  absl::Status st = Kernel(rssm_stream_create(backend, &stream_), "stream_create");
+  if (!st.ok()) return st;
+  created_ = true;
+  return stream_;
 }
 
 absl::StatusOr<uint64_t> BackendChecksum(const rssm_launch& l, const void* data, size_t bytes,
                                          uint32_t version) {
+  return BackendPartsChecksum(l, &data, 1, bytes, version);
+}
+
+absl::StatusOr<uint64_t> BackendPartsChecksum(const rssm_launch& l, const void* const* parts,
+                                              size_t count, size_t part_bytes, uint32_t version) {
+  const size_t bytes = count * part_bytes;
   const bool v2 = version == kChecksumV2;
-  const size_t segment = v2 ? std::max<size_t>(64, (bytes + 63) & ~size_t{63}) : kChecksumSegmentBytes;
+  const size_t segment =
+      v2 ? std::max<size_t>(64, (bytes + 63) & ~size_t{63}) : kChecksumSegmentBytes;
   std::vector<uint64_t> digests((bytes + segment - 1) / segment);
-  absl::Status st =
-      Kernel(rssm_segment_digests(&l, data, bytes, segment, digests.data()), "segment digests");
+  absl::Status st = Kernel(rssm_segment_digests_parts(&l, parts, count, part_bytes, segment,
+                                                      digests.data()),
+                           "segment digests");
   if (!st.ok()) return st;
   if (v2) return digests.empty() ? Checksum(nullptr, 0) : digests[0];
   return CombineSegmentDigests(digests.data(), digests.size(), bytes);
 }
 
-namespace {
-
-// The slot's layers copied one after the other into `gather` on a stream of their own, then
-// hashed there (BackendChecksum synchronizes the stream: the copies are done first).
-absl::StatusOr<uint64_t> GatherAndHash(BackendBuffer& gather,
-                                       const cache::StateCache::CheckpointMemory& m) {
-  const size_t total = m.layers.size() * m.bytes_per_layer;
-  absl::Status st = gather.Ensure(m.backend, total);
-  void* stream = nullptr;
-  if (st.ok()) st = Kernel(rssm_stream_create(m.backend, &stream), "stream_create");
-  const rssm_launch l{m.backend, stream};
-  auto* dst = static_cast<uint8_t*>(gather.data());
-  for (size_t i = 0; st.ok() && i < m.layers.size(); ++i) {
-    st = Kernel(rssm_memcpy(&l, dst + i * m.bytes_per_layer, m.layers[i], m.bytes_per_layer,
-                            RSSM_COPY_DEVICE_TO_DEVICE),
-                "gather");
-  }
-  absl::StatusOr<uint64_t> digest = st.ok() ? BackendChecksum(l, dst, total) : st;
-  if (!digest.ok()) rssm_synchronize(&l);  // nothing of ours queued on it any more
-  rssm_stream_destroy(m.backend, stream);
-  return digest;
-}
-
-}  // namespace
-
-SlotHasher::SlotHasher(TaskPool* pool, BackendBuffer* gather,
-                       const cache::StateCache::CheckpointMemory& m)
+SlotHasher::SlotHasher(TaskPool* pool, void* stream, const cache::StateCache::CheckpointMemory& m)
     : digest_(absl::InternalError("slot hash: not run")), batch_(pool) {
-  batch_.Submit([this, gather, &m] {
-    digest_ = GatherAndHash(*gather, m);
+  batch_.Submit([this, stream, &m] {
+    const rssm_launch l{m.backend, stream};
+    digest_ = BackendPartsChecksum(l, m.layers.data(), m.layers.size(), m.bytes_per_layer);
     return digest_.status();
   });
 }

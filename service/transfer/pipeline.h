@@ -6,7 +6,7 @@
 //
 // Thread safety: StagingRing is used by one transfer at a time (its owner's lock);
 // TaskPool is thread-safe; one of its Batches (and a PieceHasher, a SlotHasher, a
-// BackendBuffer) is used by one thread at a time.
+// BackendStream) is used by one thread at a time.
 #ifndef REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 #define REPLAYSSM_SERVICE_TRANSFER_PIPELINE_H_
 
@@ -35,11 +35,11 @@ enum class DataPath {
   kHostStaged,    // CUDA backend, UCX without CUDA memory: chunks through pinned host buffers
 };
 DataPath SelectDataPath(int32_t backend, bool ucx_cuda_memory);
-// Whether a sender on this path hashes its slot on the backend (rssm_segment_digests, one call
-// over the gathered slot: SlotHasher) rather than its pieces on the host: every path of a CUDA
-// slot (device-direct and host-staged).
-inline bool HashedOnDevice(DataPath p, bool staged_host_hash = false) {
-  return p == DataPath::kDeviceDirect || (p == DataPath::kHostStaged && !staged_host_hash);
+// Whether a sender on this path hashes its slot on the backend (rssm_segment_digests_parts, one
+// call over the slot's layers in place: SlotHasher) rather than its pieces on the host: every
+// path of a CUDA slot (device-direct and host-staged).
+inline bool HashedOnDevice(DataPath p) {
+  return p == DataPath::kDeviceDirect || p == DataPath::kHostStaged;
 }
 const char* DataPathName(DataPath p);
 
@@ -140,40 +140,48 @@ class PieceHasher {
   TaskPool::Batch batch_;  // declared last: ends (waits) before sum_ goes
 };
 
-// One buffer of backend memory (rssm_alloc: device memory on CUDA), kept and reused.
-class BackendBuffer {
+// One backend stream (rssm_stream_create: a non-blocking stream on CUDA, NULL on CPU), created
+// on first use and kept; destroyed (after a synchronize) with its owner.
+class BackendStream {
  public:
-  BackendBuffer() = default;
-  ~BackendBuffer() { Release(); }
-  BackendBuffer(const BackendBuffer&) = delete;
-  BackendBuffer& operator=(const BackendBuffer&) = delete;
-  // (Re)allocates when the backend or size differ from what is held.
-  absl::Status Ensure(int32_t backend, size_t bytes);
-  void* data() const { return data_; }
+  BackendStream() = default;
+  ~BackendStream() { Release(); }
+  BackendStream(const BackendStream&) = delete;
+  BackendStream& operator=(const BackendStream&) = delete;
+  // The stream of `backend` (created on the first call, again when the backend differs).
+  absl::StatusOr<void*> Get(int32_t backend);
 
  private:
   void Release();
   int32_t backend_ = RSSM_BACKEND_CPU;
-  size_t bytes_ = 0;
-  void* data_ = nullptr;
+  bool created_ = false;
+  void* stream_ = nullptr;
 };
 
 // Checksum `version` of `bytes` of contiguous backend memory (device memory on CUDA), hashed by
-// the backend: rssm_segment_digests of every segment in one call (on l's stream, which it
+// the backend: the digests of every segment in one call (on l's stream, which it
 // synchronizes, so whatever was queued on it before is done too), combined as
 // SegmentedChecksum combines them. Version 2 (kChecksumV2, an older sender's) is the digest of
 // one segment as long as the payload: on CUDA a single chain of rounds per lane (slow).
 absl::StatusOr<uint64_t> BackendChecksum(const rssm_launch& l, const void* data, size_t bytes,
                                          uint32_t version = kChecksumVersion);
+// The same of the payload parts[0] | ... | parts[count - 1] (part_bytes each), hashed in place
+// (rssm_segment_digests_parts: each part 16-byte aligned, part_bytes a multiple of 16 when
+// count > 1).
+absl::StatusOr<uint64_t> BackendPartsChecksum(const rssm_launch& l, const void* const* parts,
+                                              size_t count, size_t part_bytes,
+                                              uint32_t version = kChecksumVersion);
 
-// A CUDA sender's checksum (version 3; HashedOnDevice): the slot's layers are gathered, device to
-// device on a stream of their own, into one backend buffer (`gather`, kept by the Sender) and
-// hashed there by one BackendChecksum, as a task of a TaskPool beside the puts. One call per
-// layer would cost a whole segment's lane chain per layer: the segments of one call are hashed
-// at once. Its destructor waits for the task (nothing reads the slot once it has gone).
+// A CUDA sender's checksum (version 3; HashedOnDevice): the slot's layers are hashed where they
+// lie by one BackendPartsChecksum over them (the payload, layer-major), on `stream` (a
+// stream of m.backend that nothing else uses meanwhile: the Sender's, which the call
+// synchronizes), as a task of a TaskPool beside the puts. One call per layer would cost a whole
+// segment's lane chain per layer: the segments of one call are hashed at once, and segments
+// span layers. m must outlive the hasher; its destructor waits for the task (nothing reads the
+// slot once it has gone).
 class SlotHasher {
  public:
-  SlotHasher(TaskPool* pool, BackendBuffer* gather, const cache::StateCache::CheckpointMemory& m);
+  SlotHasher(TaskPool* pool, void* stream, const cache::StateCache::CheckpointMemory& m);
   absl::StatusOr<uint64_t> Finish();  // waits; the digest
 
  private:

@@ -547,9 +547,13 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
   // host threads only stage and put (host hashing on the lanes' pool capped the staged send at
   // ~15 GB/s, transfer-h200-2026-11-30-v5.md); a host slot's pieces are hashed on the host as
   // they are put (PieceHasher).
-  const bool hashed = !HashedOnDevice(path, options.staged_host_hash);
+  const bool hashed = !HashedOnDevice(path);
   std::optional<SlotHasher> on_device;
-  if (!hashed) on_device.emplace(&hashers_, &gather_, m);
+  if (!hashed) {
+    absl::StatusOr<void*> stream = hash_stream_.Get(m.backend);
+    if (!stream.ok()) return stream.status();
+    on_device.emplace(&hashers_, *stream, m);
+  }
   auto finish = [&](PieceHasher& hasher) -> absl::Status {
     if (hashed) {
       *checksum = hasher.Finish();
@@ -595,11 +599,10 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
     constexpr int32_t kRing = 4;  // staging buffers: copy ahead while earlier chunks are put
     absl::Status st = ring_.Ensure(m.backend, kRing, chunk);
     if (!st.ok()) return st;
-    uint64_t put_ticket[kRing] = {}, hash_ticket[kRing] = {};
+    uint64_t put_ticket[kRing] = {};
     auto stage = [&](size_t i) {
       const int32_t k = static_cast<int32_t>(i % kRing);
-      absl::Status s = put.WaitFor(put_ticket[k]);  // the buffer's last put and hash are done
-      hasher.WaitFor(hash_ticket[k]);
+      absl::Status s = put.WaitFor(put_ticket[k]);  // the buffer's last put is done
       if (s.ok()) s = ring_.Copy(k, ring_.buffer(k), source(pieces[i]), pieces[i].size,
                                  RSSM_COPY_DEVICE_TO_HOST);
       return s;
@@ -610,7 +613,6 @@ absl::Status Sender::PutAll(Peer& peer, const cache::StateCache::CheckpointMemor
       if (i + 1 < pieces.size()) st = stage(i + 1);  // overlaps this chunk's put
       if (st.ok()) st = ring_.Sync(k);
       if (!st.ok()) break;
-      if (hashed) hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
       absl::StatusOr<uint64_t> ticket = send(i, ring_.buffer(k));
       if (!ticket.ok()) st = ticket.status();
       else put_ticket[k] = *ticket;
@@ -754,7 +756,7 @@ absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::Che
   auto source = [&](const Piece& p) {
     return static_cast<const uint8_t*>(m.layers[p.layer]) + p.layer_offset;
   };
-  const bool hashed = !HashedOnDevice(path, options.staged_host_hash);
+  const bool hashed = !HashedOnDevice(path);
   if (path != DataPath::kHostStaged) {
     if (hashed) {
       for (const Piece& p : pieces) hasher.Submit(p.offset, source(p), p.size);
@@ -763,19 +765,17 @@ absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::Che
     for (size_t i = 0; i < pieces.size(); ++i) st.src[i] = source(pieces[i]);
   } else {
     // A ring of 2n staging buffers: n chunks being put (one per lane) while the next n are
-    // copied device -> host. A buffer is staged again once its chunk landed and was hashed.
+    // copied device -> host. A buffer is staged again once its chunk landed.
     const int32_t ring = static_cast<int32_t>(std::max<size_t>(4, 2 * n));
     const size_t ahead = static_cast<size_t>(ring) - n;
     absl::Status s = ring_.Ensure(m.backend, ring, chunk);
     if (!s.ok()) return s;
-    std::vector<uint64_t> hash_ticket(static_cast<size_t>(ring), 0);
     auto stage = [&](size_t i) {
       const int32_t k = static_cast<int32_t>(i % ring);
       if (i >= static_cast<size_t>(ring)) {
         absl::Status w = st.WaitLanded(i - ring);
         if (!w.ok()) return w;
       }
-      hasher.WaitFor(hash_ticket[k]);
       return ring_.Copy(k, ring_.buffer(k), source(pieces[i]), pieces[i].size,
                         RSSM_COPY_DEVICE_TO_HOST);
     };
@@ -785,7 +785,6 @@ absl::Status Sender::PutLanes(const Reservation& r, const cache::StateCache::Che
       const int32_t k = static_cast<int32_t>(i % ring);
       if (s.ok()) s = ring_.Sync(k);
       if (!s.ok()) break;
-      if (hashed) hash_ticket[k] = hasher.Submit(pieces[i].offset, ring_.buffer(k), pieces[i].size);
       queue(i, ring_.buffer(k));
     }
     if (!s.ok()) {

@@ -162,9 +162,6 @@ struct SendOptions {
   size_t chunk_bytes = 4 << 20;   // UCX put granularity (and staging buffer size)
   absl::Duration timeout = absl::Seconds(30);
   std::optional<DataPath> force_path;  // tests only
-  // Benchmarks only: a host-staged send hashes its staged pieces on the host (the path before
-  // the device hash; for A/B runs, replayssm-bench-transfer --staged-host-hash).
-  bool staged_host_hash = false;
   // Tests only (multi-lane sends): the lane given this piece fails it instead of putting it,
   // while the other lanes' puts are in flight.
   std::optional<size_t> fail_piece_for_test;
@@ -198,13 +195,13 @@ struct SendResult {
 // counts as landed, and the doorbell advances only over a prefix of landed chunks, rung by
 // one lane at a time and flushed before the next ring: a doorbell value never overtakes the
 // bytes it announces, and the values arrive in increasing order. The calling thread feeds
-// the lanes (and the staging ring) and submits every chunk to the hashing pool.
+// the lanes (and the staging ring) and submits the hashing (below) to the hashing pool.
 //
-// Checksum: version 3 (checksum.h), each chunk hashed as a task of a pool of as many threads
-// as lanes, beside the puts (a staging buffer is refilled once its chunk landed and was
-// hashed); the segments are combined after the last chunk. Device-direct: the slot is hashed
-// on the device instead (SlotHasher: gathered into one device buffer, one
-// rssm_segment_digests call), as one task of the same pool, beside the puts.
+// Checksum: version 3 (checksum.h). Host-direct: each chunk hashed as a task of a pool of as
+// many threads as lanes, beside the puts; the segments are combined after the last chunk. The
+// CUDA paths (device-direct, host-staged: HashedOnDevice): the slot is hashed on the device
+// instead (SlotHasher: its layers in place, one rssm_segment_digests_parts call on a stream the
+// Sender creates on first use and keeps), as one task of the same pool, beside the puts.
 class Sender {
  public:
   Sender(cache::StateCache* cache, UcxTransport* ucx) : Sender(cache, std::vector{ucx}) {}
@@ -239,7 +236,7 @@ class Sender {
   TaskPool hashers_;  // checksum v3 of the chunks, one thread per lane; idle between sends
   absl::Mutex mu_;
   StagingRing ring_ ABSL_GUARDED_BY(mu_);
-  BackendBuffer gather_ ABSL_GUARDED_BY(mu_);  // a CUDA send: the slot, hashed on the device
+  BackendStream hash_stream_ ABSL_GUARDED_BY(mu_);  // a CUDA send's slot hash (SlotHasher)
 };
 
 }  // namespace replayssm::transfer

@@ -234,40 +234,37 @@ TEST_F(TransferTest, RetriesAreSafe) {
 TEST_F(TransferTest, HostStagedPipelineMovesTheSameBytes) {
   // The staging ring (pinned buffers, streams, copy ahead) on both sides, forced on the CPU
   // backend; a chunk that splits layers unevenly and is not a multiple of 64 bytes. The sender
-  // hashes its slot on the backend (the default, HashedOnDevice) or its staged pieces on the
-  // host (staged_host_hash); either way the receiver verifies and catches a corruption.
+  // hashes its slot on the backend (HashedOnDevice); the receiver verifies and catches a
+  // corruption.
   EXPECT_TRUE(HashedOnDevice(DataPath::kHostStaged));
-  EXPECT_FALSE(HashedOnDevice(DataPath::kHostStaged, /*staged_host_hash=*/true));
+  EXPECT_TRUE(HashedOnDevice(DataPath::kDeviceDirect));
   EXPECT_FALSE(HashedOnDevice(DataPath::kHostDirect));
   const SlotId s = Prepare(2);
   Receiver rx(b_.get(), ucx_b_.get(),
               {.chunk_bytes = 1000, .force_path = DataPath::kHostStaged});
   DirectPeer peer(&rx);
   Sender sender(a_.get(), ucx_a_.get());
-  for (bool host_hash : {false, true}) {
-    for (size_t chunk : {size_t{1000}, size_t{4096}, size_t{1} << 30}) {
-      const std::string id = absl::StrCat("staged-", chunk, host_hash ? "-host" : "-dev");
-      absl::StatusOr<SendResult> r =
-          sender.Send(peer, s, id,
-                      {.keep_source = true, .chunk_bytes = chunk,
-                       .force_path = DataPath::kHostStaged, .staged_host_hash = host_hash});
-      ASSERT_TRUE(r.ok()) << id << ": " << r.status();
-      EXPECT_EQ(r->path, DataPath::kHostStaged);
-      absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
-      ASSERT_TRUE(ea.ok() && eb.ok());
-      EXPECT_EQ(ea->checkpoints, eb->checkpoints) << id;
-      ASSERT_TRUE(b_->Free(r->remote_slot).ok());
-    }
-    rx.CorruptNextPayloadForTest();
-    EXPECT_EQ(sender
-                  .Send(peer, s, absl::StrCat("staged-bad", host_hash ? "-host" : "-dev"),
-                        {.keep_source = true, .chunk_bytes = 1000,
-                         .force_path = DataPath::kHostStaged, .staged_host_hash = host_hash})
-                  .status()
-                  .code(),
-              absl::StatusCode::kDataLoss);
-    EXPECT_EQ(b_->stats().slots_live, 0);
+  for (size_t chunk : {size_t{1000}, size_t{4096}, size_t{1} << 30}) {
+    const std::string id = absl::StrCat("staged-", chunk);
+    absl::StatusOr<SendResult> r = sender.Send(
+        peer, s, id,
+        {.keep_source = true, .chunk_bytes = chunk, .force_path = DataPath::kHostStaged});
+    ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+    EXPECT_EQ(r->path, DataPath::kHostStaged);
+    absl::StatusOr<cache::ExportedState> ea = a_->Export(s), eb = b_->Export(r->remote_slot);
+    ASSERT_TRUE(ea.ok() && eb.ok());
+    EXPECT_EQ(ea->checkpoints, eb->checkpoints) << id;
+    ASSERT_TRUE(b_->Free(r->remote_slot).ok());
   }
+  rx.CorruptNextPayloadForTest();
+  EXPECT_EQ(sender
+                .Send(peer, s, "staged-bad",
+                      {.keep_source = true, .chunk_bytes = 1000,
+                       .force_path = DataPath::kHostStaged})
+                .status()
+                .code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(b_->stats().slots_live, 0);
   EXPECT_EQ(rx.open(), 0);
 }
 
@@ -381,12 +378,12 @@ TEST_F(TransferTest, Version3OverManySegmentsWithUnalignedChunksOnBothHostPaths)
 TEST_F(TransferTest, DeviceDirectSendsDeclareVersion3AndEveryReceiverVerifiesThem) {
   // The device-direct path forced on the CPU backend (the faked UCX CUDA capability selects it
   // only for a CUDA backend: DataPath.FollowsTheBackendAndTheUcxCudaCapability): the sender
-  // hashes its slot with rssm_segment_digests (gathered, one call) beside the puts and declares
-  // 3; a device-direct receiver hashes its receive buffer the same way after copying it into
-  // the slot, a host-direct one on the host as before, so each direction checks the backend's
-  // digests against the host's. tiny-gdn: one segment across the layers; qwen3-next, 3
-  // layers: 6 segments. 1 and 3 lanes; a corruption in flight is refused (DATA_LOSS, as on
-  // the host paths) and leaves nothing behind.
+  // hashes its slot with rssm_segment_digests_parts (its layers in place, one call) beside the
+  // puts and declares 3; a device-direct receiver hashes its receive buffer (contiguous) after
+  // copying it into the slot, a host-direct one on the host as before, so each direction
+  // checks the backend's digests against the host's. tiny-gdn: one segment across the layers;
+  // qwen3-next, 3 layers: 6 segments. 1 and 3 lanes; a corruption in flight is refused
+  // (DATA_LOSS, as on the host paths) and leaves nothing behind.
   for (const char* preset : {"tiny-gdn", "qwen3-next-80b-a3b"}) {
     std::unique_ptr<StateCache> a = MakeCache(preset, 3), b = MakeCache(preset, 3);
     const SlotId s = RandomSlot(*a, 7);
@@ -876,7 +873,9 @@ TEST(BackendChecksum, SegmentDigestsAreChecksummersPerSegmentAndCombineToVersion
 }
 
 TEST(BackendChecksum, ASlotHashedOnItsBackendIsVersion3OfItsLayers) {
-  // Layers that do not divide into segments (segments span layers), apart in memory.
+  // Layers that do not divide into segments (segments span layers), apart in memory, hashed in
+  // place (rssm_segment_digests_parts, no gather) on a stream kept across hashes; version 2 of
+  // the same parts is the one-buffer digest.
   std::mt19937 rng(31);
   const size_t per = 700 * 1024 + 64;
   std::vector<std::unique_ptr<BackendBytes>> layers;
@@ -888,15 +887,20 @@ TEST(BackendChecksum, ASlotHashedOnItsBackendIsVersion3OfItsLayers) {
     payload.insert(payload.end(), layers.back()->data(), layers.back()->data() + per);
   }
   TaskPool pool(2);
-  BackendBuffer gather;
-  for (int round = 0; round < 2; ++round) {  // the second reuses the gather buffer
-    SlotHasher h(&pool, &gather, m);
+  BackendStream stream;
+  absl::StatusOr<void*> s = stream.Get(m.backend);
+  ASSERT_TRUE(s.ok()) << s.status();
+  for (int round = 0; round < 2; ++round) {  // the second reuses the stream
+    SlotHasher h(&pool, *s, m);
     absl::StatusOr<uint64_t> d = h.Finish();
     ASSERT_TRUE(d.ok()) << d.status();
     EXPECT_EQ(*d, ChecksumV3(payload.data(), payload.size()));
   }
+  EXPECT_EQ(*BackendPartsChecksum({RSSM_BACKEND_CPU, nullptr}, m.layers.data(), m.layers.size(),
+                                  per, kChecksumV2),
+            Checksum(payload.data(), payload.size()));
   layers[2]->data()[per / 2] ^= 1;
-  SlotHasher h(&pool, &gather, m);
+  SlotHasher h(&pool, *s, m);
   EXPECT_NE(*h.Finish(), ChecksumV3(payload.data(), payload.size()));
 }
 

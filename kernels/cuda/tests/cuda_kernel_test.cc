@@ -12,10 +12,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "replayssm/checksum_v2.h"
 #include "tests/harness.h"
 
 namespace replayssm::kernels::testing {
@@ -590,6 +593,95 @@ TEST(CudaSegmentDigests, MatchCpuOnRandomDeviceData) {
   ASSERT_EQ(rssm_stream_destroy(RSSM_BACKEND_CUDA, stream), RSSM_OK);
 }
 
+// rssm_segment_digests_parts on the device against the host's version 2 digest of each segment
+// of the parts' concatenation, on fresh random bytes in parts cudaMalloc'ed one by one (apart
+// in memory; every other one 16 bytes into its allocation): parts smaller and larger than a
+// segment and not multiples of 64, 16-byte parts (every block and the tail span parts), count
+// 1 with odd sizes, a slot's worth of layers whose segments span them and Qwen3-Next's 36
+// f32 layers; a flipped byte in one part changes its segment's digest only.
+TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  constexpr size_t kMiB = size_t{1} << 20, kLayer = size_t{32} * 128 * 128;
+  std::mt19937_64 rng(37);
+  void* stream = nullptr;
+  ASSERT_EQ(rssm_stream_create(RSSM_BACKEND_CUDA, &stream), RSSM_OK) << rssm_last_error();
+  const rssm_launch cuda{RSSM_BACKEND_CUDA, stream};
+  struct Case {
+    size_t count, part_bytes, segment;
+  };
+  const Case cases[] = {
+      {9, 1040, 4096},  {3, 10000, 4096},  {3, 8192, 4096},     {37, 16, 192},
+      {11, 16, 4096},   {5, 48, 64},       {300, 4112, 8192},   {1, 4097, 4096},
+      {1, 63, 64},      {1, 1, 192},       {1, 3 * kMiB + 17, kMiB},
+      {5, 700 * 1024 + 48, kMiB},          {36, kLayer * 4, kMiB}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE("count " + std::to_string(k.count) + ", part_bytes " +
+                 std::to_string(k.part_bytes) + ", segment " + std::to_string(k.segment));
+    const size_t bytes = k.count * k.part_bytes;
+    std::vector<uint8_t> whole(bytes);
+    for (size_t i = 0; i < bytes; i += 8) {
+      const uint64_t r = rng();
+      std::memcpy(whole.data() + i, &r, std::min<size_t>(8, bytes - i));
+    }
+    std::vector<DevBuf> own;
+    std::vector<const void*> parts;
+    for (size_t j = 0; j < k.count; ++j) {
+      const size_t shift = j % 2 == 1 ? 16 : 0;
+      own.emplace_back(k.part_bytes + shift);
+      ASSERT_NE(own.back().get(), nullptr);
+      uint8_t* p = own.back().as<uint8_t>() + shift;
+      ASSERT_EQ(rssm_memset(&cuda, own.back().get(), 0xa5, k.part_bytes + shift), RSSM_OK);
+      ASSERT_EQ(rssm_memcpy(&cuda, p, whole.data() + j * k.part_bytes, k.part_bytes,
+                            RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);  // ordered before the hash
+      parts.push_back(p);
+    }
+    const size_t n = (bytes + k.segment - 1) / k.segment;
+    std::vector<uint64_t> want(n), got(n + 1, 0x5a5a);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t off = i * k.segment;
+      want[i] = checksum_v2::Digest(whole.data() + off, std::min(k.segment, bytes - off));
+    }
+    ASSERT_EQ(rssm_segment_digests_parts(&cuda, parts.data(), k.count, k.part_bytes, k.segment,
+                                         got.data()),
+              RSSM_OK) << rssm_last_error();
+    EXPECT_EQ(got.back(), 0x5a5au) << "written past the last segment";
+    got.pop_back();
+    size_t bad = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (got[i] != want[i] && ++bad <= 3) {
+        ADD_FAILURE() << "segment " << i << " of " << n << ": cuda " << std::hex << got[i]
+                      << ", host " << want[i];
+      }
+    }
+    ASSERT_EQ(bad, 0u);
+    const size_t j = k.count / 2, at = k.part_bytes - 1, off = j * k.part_bytes + at;
+    const uint8_t flipped = whole[off] ^ 0x10;
+    ASSERT_EQ(rssm_memcpy(&cuda, static_cast<uint8_t*>(const_cast<void*>(parts[j])) + at,
+                          &flipped, 1, RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);
+    std::vector<uint64_t> after(n);
+    ASSERT_EQ(rssm_segment_digests_parts(&cuda, parts.data(), k.count, k.part_bytes, k.segment,
+                                         after.data()),
+              RSSM_OK) << rssm_last_error();
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(after[i] != want[i], i == off / k.segment) << "segment " << i << " of " << n;
+    }
+  }
+  // Refused before any work, nothing written: a part off 16-byte alignment, a part size that
+  // is not a multiple of 16 with several parts.
+  DevBuf a(256), b(256);
+  const void* misaligned[2] = {a.get(), b.as<uint8_t>() + 8};
+  const void* aligned[2] = {a.get(), b.get()};
+  uint64_t d[2] = {7, 7};
+  EXPECT_EQ(rssm_segment_digests_parts(&cuda, misaligned, 2, 128, 64, d),
+            RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("parts[1]"), std::string::npos);
+  EXPECT_EQ(rssm_segment_digests_parts(&cuda, aligned, 2, 120, 64, d), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("part_bytes"), std::string::npos);
+  EXPECT_EQ(d[0], 7u);
+  EXPECT_EQ(d[1], 7u);
+  ASSERT_EQ(rssm_stream_destroy(RSSM_BACKEND_CUDA, stream), RSSM_OK);
+}
+
 TEST(CudaSegmentDigests, BadArgumentsWriteNothingAndAFlipIsSeen) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<uint8_t> x(5000);
@@ -615,27 +707,41 @@ TEST(CudaSegmentDigests, BadArgumentsWriteNothingAndAFlipIsSeen) {
 }
 
 // Not a pass/fail check: the time of one call on a 75.5 MB slot (hash + digests copied back +
-// sync), printed for the lead to read. Expected: ~0.2-0.3 ms (checksum.cu).
+// sync), printed for the lead to read, as one buffer and as its 36 layers (parts into the same
+// buffer: what the parts path costs over the contiguous one). Expected: ~0.2-0.3 ms
+// (checksum.cu).
 TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
-  const size_t bytes = size_t{36} * 32 * 128 * 128 * 4;
+  const size_t layer = size_t{32} * 128 * 128 * 4, bytes = 36 * layer;
   DevBuf dev(bytes);
   CUDA_OK(cudaMemset(dev.get(), 0x3c, bytes));
   CUDA_OK(cudaDeviceSynchronize());
   const rssm_launch cuda{RSSM_BACKEND_CUDA, nullptr};
-  std::vector<uint64_t> d((bytes + (1 << 20) - 1) >> 20);
-  ASSERT_EQ(rssm_segment_digests(&cuda, dev.get(), bytes, 1 << 20, d.data()), RSSM_OK);  // warm
-  std::vector<double> ms;
-  for (int rep = 0; rep < 10; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    ASSERT_EQ(rssm_segment_digests(&cuda, dev.get(), bytes, 1 << 20, d.data()), RSSM_OK);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                     .count());
+  std::vector<const void*> layers;
+  for (size_t l = 0; l < 36; ++l) layers.push_back(dev.as<uint8_t>() + l * layer);
+  std::vector<uint64_t> d((bytes + (1 << 20) - 1) >> 20), e(d.size());
+  auto whole = [&] { return rssm_segment_digests(&cuda, dev.get(), bytes, 1 << 20, d.data()); };
+  auto parts = [&] {
+    return rssm_segment_digests_parts(&cuda, layers.data(), 36, layer, 1 << 20, e.data());
+  };
+  for (const auto& [name, call] :
+       {std::pair<const char*, std::function<rssm_status()>>{"rssm_segment_digests", whole},
+        {"rssm_segment_digests_parts (36 layers)", parts}}) {
+    ASSERT_EQ(call(), RSSM_OK) << rssm_last_error();  // warm
+    std::vector<double> ms;
+    for (int rep = 0; rep < 10; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      ASSERT_EQ(call(), RSSM_OK);
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+              .count());
+    }
+    std::sort(ms.begin(), ms.end());
+    std::printf("%s, %zu bytes in 1 MiB segments: median %.3f ms, min %.3f ms "
+                "(%.0f GB/s at the median)\n",
+                name, bytes, ms[ms.size() / 2], ms[0], bytes / ms[ms.size() / 2] / 1e6);
   }
-  std::sort(ms.begin(), ms.end());
-  std::printf("rssm_segment_digests, %zu bytes in 1 MiB segments: median %.3f ms, min %.3f ms "
-              "(%.0f GB/s at the median)\n",
-              bytes, ms[ms.size() / 2], ms[0], bytes / ms[ms.size() / 2] / 1e6);
+  EXPECT_EQ(d, e) << "the same bytes as one buffer and as its layers";
 }
 
 }  // namespace

@@ -5,13 +5,13 @@
  * slots. The math is ../../../docs/math-and-abi.md (and DESIGN §1); every backend matches it.
  *
  * Ownership: the caller owns every buffer. Nothing here keeps a pointer past the call or
- * synchronizes the stream (but rssm_synchronize, and rssm_segment_digests: a transfer-path
- * call). On the CPU backend every pointer is a host pointer and `stream` must be NULL; on the
+ * synchronizes the stream (but rssm_synchronize, and rssm_segment_digests(_parts): transfer-path
+ * calls). On the CPU backend every pointer is a host pointer and `stream` must be NULL; on the
  * CUDA backend every tensor and index array is device memory and work is enqueued on `stream`
  * (NULL = the legacy default stream).
  * No decode, verify, fold or prefill call allocates: the kernels work in the caller's buffers
  * (and shared memory), so every such call may be captured into a CUDA graph (the transfer-path
- * rssm_segment_digests is the exception, below).
+ * rssm_segment_digests(_parts) are the exception, below).
  *
  * Thread safety: every function may be called concurrently from several threads as long as
  * the calls touch disjoint slots (or only read the same ones). The error message is
@@ -241,19 +241,39 @@ rssm_status rssm_stream_create(int32_t backend, void** out);
 rssm_status rssm_stream_destroy(int32_t backend, void* stream);
 
 /* Transfer checksums (docs/transfer.md, checksum version 3): the version 2 digest
- * (replayssm/checksum_v2.h; bit-identical to the host's Checksummer) of each segment of `data`,
- * each segment hashed on its own (its own lanes, tail and length): digests[i] is that of bytes
- * [i * segment_bytes, min((i + 1) * segment_bytes, bytes)).
- *   data:          backend memory (host on CPU, device on CUDA), 16-byte aligned; may be NULL
- *                  only when bytes == 0
- *   segment_bytes: a positive multiple of 64 (so only the last segment can have a tail)
+ * (replayssm/checksum_v2.h; bit-identical to the host's Checksummer) of each segment of a
+ * payload, each segment hashed on its own (its own lanes, tail and length): digests[i] is that
+ * of payload bytes [i * segment_bytes, min((i + 1) * segment_bytes, bytes)).
+ *   segment_bytes: a positive multiple of 64 (so only the last segment can have a tail), at
+ *                  most 2^31 - 1 segments
  *   digests:       HOST memory of ceil(bytes / segment_bytes) entries (none when bytes == 0)
  * CUDA: the hash is enqueued on launch->stream and the call then SYNCHRONIZES that stream to
  * copy the digests back (it also waits for whatever was queued on it before): a transfer-path
  * call, not a decode step. It allocates ceil(bytes / segment_bytes) * 8 bytes of device memory
- * stream-ordered (cudaMallocAsync) for the duration of the call. */
+ * (plus 8 per part, below) stream-ordered (cudaMallocAsync) for the duration of the call.
+ *
+ * rssm_segment_digests: the payload is one buffer.
+ *   data:          backend memory (host on CPU, device on CUDA), 16-byte aligned; may be NULL
+ *                  only when bytes == 0 */
 rssm_status rssm_segment_digests(const rssm_launch* launch, const void* data, size_t bytes,
                                  size_t segment_bytes, uint64_t* digests);
+
+/* rssm_segment_digests_parts: the payload is parts[0] | parts[1] | ... | parts[count - 1],
+ * bytes = count * part_bytes, hashed where the parts lie (no gather): digests[i] is exactly
+ * what rssm_segment_digests gives for segment i of the parts copied one after the other into
+ * one buffer; a segment may span parts. rssm_segment_digests(data, bytes) is this call with
+ * count 1 (one implementation per backend).
+ *   parts:      HOST array of count backend pointers (host on CPU, device on CUDA; read only
+ *               during the call); may be NULL only when bytes == 0. Each part is 16-byte
+ *               aligned (the device loads 16 bytes at a time and a 16-byte load never spans
+ *               two parts)
+ *   part_bytes: any size when count == 1, else a multiple of 16; count * part_bytes must not
+ *               overflow size_t
+ * CUDA: the part pointers are copied host -> device on launch->stream into the call's
+ * stream-ordered allocation, after the digests. */
+rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* const* parts,
+                                       size_t count, size_t part_bytes, size_t segment_bytes,
+                                       uint64_t* digests);
 
 /* Helpers. */
 const char* rssm_status_name(rssm_status status);
