@@ -39,35 +39,16 @@ Workspace& LocalWorkspace() {
 }
 
 // The version 2 digest (checksum_v2.h) of payload bytes [begin, end) of parts[0] | parts[1] |
-// ... (part_bytes each), fed part by part: whole blocks straight from a part; a block that
-// spans parts, and the tail, through a 64-byte carry.
+// ... (part_bytes each), fed part by part.
 uint64_t RangeDigest(const uint8_t* const* parts, size_t part_bytes, size_t begin, size_t end) {
-  namespace v2 = checksum_v2;
-  uint64_t lanes[v2::kLanes];
-  for (int k = 0; k < v2::kLanes; ++k) lanes[k] = v2::LaneInit(k);
-  uint8_t carry[v2::kBlockBytes];
-  size_t held = 0;  // bytes of an unfinished block in carry
+  checksum_v2::Stream h;
   for (size_t off = begin; off < end;) {
     const size_t part = off / part_bytes, in_part = off - part * part_bytes;
-    const uint8_t* p = parts[part] + in_part;
-    size_t n = std::min(part_bytes - in_part, end - off);
+    const size_t n = std::min(part_bytes - in_part, end - off);
+    h.Update(parts[part] + in_part, n);
     off += n;
-    if (held > 0) {  // finish the block begun in an earlier part
-      const size_t take = std::min(v2::kBlockBytes - held, n);
-      std::memcpy(carry + held, p, take);
-      held += take;
-      p += take;
-      n -= take;
-      if (held < v2::kBlockBytes) continue;
-      v2::Blocks(lanes, carry, v2::kBlockBytes);
-      held = 0;
-    }
-    const size_t whole = n / v2::kBlockBytes * v2::kBlockBytes;
-    v2::Blocks(lanes, p, whole);
-    held = n - whole;
-    std::memcpy(carry, p + whole, held);
   }
-  return v2::Finish(lanes, carry, held, end - begin);
+  return h.Digest();
 }
 
 HeadDims DimsOf(const rssm_layer_shape& s) {

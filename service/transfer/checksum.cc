@@ -12,31 +12,6 @@ constexpr uint64_t kV3Seed = 0x5eed0003;
 
 }  // namespace
 
-Checksummer::Checksummer() {
-  for (int k = 0; k < checksum_v2::kLanes; ++k) lane_[k] = checksum_v2::LaneInit(k);
-}
-
-void Checksummer::Blocks(const uint8_t* p, size_t n) { checksum_v2::Blocks(lane_, p, n); }
-
-void Checksummer::Update(const void* data, size_t size) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  total_ += size;
-  if (tail_size_ > 0) {
-    const size_t take = std::min(size, 64 - tail_size_);
-    std::memcpy(tail_ + tail_size_, p, take);
-    tail_size_ += take;
-    p += take;
-    size -= take;
-    if (tail_size_ < 64) return;
-    Blocks(tail_, 64);
-    tail_size_ = 0;
-  }
-  const size_t whole = size & ~size_t{63};
-  Blocks(p, whole);
-  std::memcpy(tail_, p + whole, size - whole);
-  tail_size_ = size - whole;
-}
-
 void Checksummer::CopyAndUpdate(void* dst, const void* src, size_t size) {
   constexpr size_t kPiece = 16 << 10;  // copied, then hashed while still in L1
   auto* d = static_cast<uint8_t*>(dst);
@@ -46,10 +21,6 @@ void Checksummer::CopyAndUpdate(void* dst, const void* src, size_t size) {
     std::memcpy(d + off, s + off, n);
     Update(d + off, n);
   }
-}
-
-uint64_t Checksummer::Digest() const {
-  return checksum_v2::Finish(lane_, tail_, tail_size_, total_);
 }
 
 uint64_t Checksum(const void* data, size_t size) { return checksum_v2::Digest(data, size); }

@@ -48,19 +48,14 @@ inline constexpr uint32_t kChecksumNone = 100;
 
 class Checksummer {
  public:
-  Checksummer();
-  void Update(const void* data, size_t size);
+  void Update(const void* data, size_t size) { stream_.Update(data, size); }
   // Copies src[0, size) to dst (host memory, not overlapping) and hashes it: one pass over
   // src, in pieces small enough to stay in L1 between the copy and the hash.
   void CopyAndUpdate(void* dst, const void* src, size_t size);
-  uint64_t Digest() const;
+  uint64_t Digest() const { return stream_.Digest(); }
 
  private:
-  void Blocks(const uint8_t* p, size_t n);  // n a multiple of 64
-  uint64_t lane_[checksum_v2::kLanes];
-  uint8_t tail_[64] = {};
-  size_t tail_size_ = 0;
-  uint64_t total_ = 0;
+  checksum_v2::Stream stream_;
 };
 
 // The version 2 digest of one contiguous buffer.

@@ -1,7 +1,7 @@
 // Checksum version 2 of a transfer payload (docs/transfer.md): the one definition of its
-// round, lanes and finish, shared by the host's Checksummer (service/transfer/checksum.cc), the
-// CPU backend's and the CUDA kernel's rssm_segment_digests (kernels.h), so that they cannot
-// drift. C++ only (the C ABI does not depend on it); the round and the finish are
+// round, lanes and finish (and, on the host, the carry of a digest fed in pieces: Stream),
+// shared by the host's Checksummer (service/transfer/checksum.h), the CPU backend's and the
+// CUDA kernel's rssm_segment_digests(_parts) (kernels.h), so that they cannot drift. C++ only (the C ABI does not depend on it); the round and the finish are
 // __host__ __device__ when compiled by nvcc.
 //
 // The function: eight 64-bit lanes (initially 1..8) over the 64-byte blocks of the data, lane
@@ -69,6 +69,40 @@ inline void Blocks(uint64_t* lanes, const uint8_t* p, size_t n) {
   }
   std::memcpy(lanes, l, sizeof(l));
 }
+
+// Host: the digest of data fed in pieces of any size (a block that spans pieces goes through
+// a 64-byte carry): Update(a); Update(b) gives Digest of a | b.
+class Stream {
+ public:
+  Stream() {
+    for (int k = 0; k < kLanes; ++k) lanes_[k] = LaneInit(k);
+  }
+  void Update(const void* data, size_t size) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    total_ += size;
+    if (carry_size_ > 0) {  // finish the block begun by an earlier piece
+      const size_t take = size < kBlockBytes - carry_size_ ? size : kBlockBytes - carry_size_;
+      std::memcpy(carry_ + carry_size_, p, take);
+      carry_size_ += take;
+      p += take;
+      size -= take;
+      if (carry_size_ < kBlockBytes) return;
+      Blocks(lanes_, carry_, kBlockBytes);
+      carry_size_ = 0;
+    }
+    const size_t whole = size / kBlockBytes * kBlockBytes;
+    Blocks(lanes_, p, whole);
+    std::memcpy(carry_, p + whole, size - whole);
+    carry_size_ = size - whole;
+  }
+  uint64_t Digest() const { return Finish(lanes_, carry_, carry_size_, total_); }
+
+ private:
+  uint64_t lanes_[kLanes];
+  uint8_t carry_[kBlockBytes] = {};
+  size_t carry_size_ = 0;
+  uint64_t total_ = 0;
+};
 
 // Host: the digest of one contiguous buffer.
 inline uint64_t Digest(const void* data, size_t size) {
