@@ -22,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "doorbells.h"
 #include "radix_tree.h"
 #include "replayssm/cache/state_cache.h"
 #include "slot_pool.h"
@@ -66,6 +67,15 @@ class ForwardImpl final : public Forward {
   absl::Status RunLayer(int32_t layer, const LayerIo& io) override;
   absl::Status Synchronize() override;
   void* stream() const override { return lane_ ? lane_->stream() : nullptr; }
+  absl::Status QueueWait(const uint32_t* addr, uint32_t value) override {
+    if (finished_) return absl::FailedPreconditionError("forward: already committed");
+    return doorbells_.Wait(lane_->Launch(), addr, value);
+  }
+  absl::Status QueueSignal(uint32_t* addr, uint32_t value) override {
+    if (finished_) return absl::FailedPreconditionError("forward: already committed");
+    return doorbells_.Signal(lane_->Launch(), addr, value);
+  }
+  int32_t ReleaseWaits() override;
   absl::Status Commit() override;
 
  private:
@@ -76,6 +86,7 @@ class ForwardImpl final : public Forward {
   std::vector<int32_t> unconfirmed_folds_;  // queued by Start, not yet waited for
   std::vector<bool> done_;
   bool finished_ = false;
+  Doorbells doorbells_;
 };
 
 class StateCacheImpl final : public StateCache {
@@ -988,7 +999,9 @@ ForwardImpl::ForwardImpl(StateCacheImpl* cache, std::vector<int32_t> index,
 ForwardImpl::~ForwardImpl() {
   if (finished_) return;
   // Abandoned: wait for what was queued (ring appends past the cursors, and the scratch the
-  // lane is about to lend out again) before the rows are released.
+  // lane is about to lend out again) before the rows are released; doorbells nobody will
+  // ring any more are rung here, or the stream would never drain.
+  doorbells_.Release(cache_->options().backend);
   (void)Synchronize();
   lane_.reset();
   cache_->EndForward(index_, tokens_, false);
@@ -1051,6 +1064,10 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   }
   if (st.ok()) done_[layer] = true;
   return st;
+}
+
+int32_t ForwardImpl::ReleaseWaits() {
+  return doorbells_.Release(cache_->options().backend);
 }
 
 absl::Status ForwardImpl::Commit() {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "service/config.h"
 #include "service/server.h"
@@ -59,6 +60,12 @@ int main(int argc, char** argv) {
   std::printf("replayssm-server: model %s on %s; gRPC %s; metrics %s\n",
               (*server)->model_name().c_str(), (*server)->backend_name().c_str(),
               (*server)->grpc_address().c_str(), metrics.c_str());
+  if (absl::StartsWith((*server)->backend_name(), "cuda") && !(*server)->mps_active()) {
+    std::printf(
+        "replayssm-server: warning: MPS is off: an engine sharing this GPU time-slices with "
+        "the server (~280 us per doorbell hand-over instead of ~5 us); start "
+        "`nvidia-cuda-mps-control -d` before both (docs/data-plane.md)\n");
+  }
   std::fflush(stdout);
   if (!flags->ready_file.empty() && !WriteReadyFile(flags->ready_file, **server)) {
     std::fprintf(stderr, "replayssm-server: cannot write %s\n", flags->ready_file.c_str());

@@ -18,6 +18,7 @@
 #include "replayssm/cache/state_cache.h"
 #include "service/hf_config.h"
 #include "service/metrics.h"
+#include "service/regions_service.h"
 #include "service/replayssm_service.h"
 #include "service/transfer_service.h"
 #include "service/request_log.h"
@@ -89,15 +90,21 @@ class ServerImpl final : public Server {
       : options_(options),
         device_(std::move(device)),
         cache_(std::move(cache)),
-        requests_(options.dedup_entries, options.dedup_bytes) {
+        requests_(options.dedup_entries, options.dedup_bytes),
+        regions_(device_.backend,
+                 cache::RegionLimits{options.max_regions,
+                                     static_cast<uint64_t>(options.max_region_bytes)}) {
     ctx_.cache = cache_.get();
+    ctx_.regions = &regions_;
     ctx_.requests = &requests_;
     ctx_.metrics = &metrics_;
     ctx_.gate = &gate_;
     ctx_.slots = SlotCodec(static_cast<uint32_t>(std::random_device{}()));
     ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes};
     ctx_.backend_name = device_.name;
+    ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
+    regions_service_ = std::make_unique<RegionsService>(&ctx_);
   }
 
   // The SlotTransfer service (UCX worker, receiver, sender); fails when UCX cannot start.
@@ -130,6 +137,7 @@ class ServerImpl final : public Server {
     builder.SetMaxSendMessageSize(-1);
     builder.RegisterService(service_.get());
     builder.RegisterService(transfers_.get());
+    builder.RegisterService(regions_service_.get());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port == 0) {
       return absl::UnavailableError(
@@ -146,6 +154,7 @@ class ServerImpl final : public Server {
   std::string metrics_address() const override { return metrics_address_; }
   std::string backend_name() const override { return device_.name; }
   std::string model_name() const override { return cache_->model().name; }
+  bool mps_active() const override { return ctx_.mps; }
 
   void Drain() override {
     gate_.Drain();
@@ -180,10 +189,12 @@ class ServerImpl final : public Server {
   const Device device_;
   std::unique_ptr<cache::StateCache> cache_;
   RequestLog requests_;
+  cache::RegionTable regions_;  // leases held by open forwards keep their mappings alive
   Metrics metrics_;
   ForwardGate gate_;
   ServiceContext ctx_;
   std::unique_ptr<ReplaySsmService> service_;
+  std::unique_ptr<RegionsService> regions_service_;
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<CacheCollector> collector_;

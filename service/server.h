@@ -29,6 +29,9 @@ struct ServerOptions {
   int64_t max_message_bytes = int64_t{64} << 20;     // larger requests: RESOURCE_EXHAUSTED
   int64_t dedup_entries = 4096;                      // request ids remembered ...
   int64_t dedup_bytes = int64_t{256} << 20;          // ... and their replies' bytes at most
+  int32_t max_regions = 64;                          // registered memory regions at once
+  int64_t max_region_bytes = int64_t{64} << 30;      // their bytes together (mapped, not owned)
+  absl::Duration forward_timeout = absl::Seconds(10);  // a doorbell forward, begin to commit
   absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this
   // Slot transfers to and from peers (replayssm.v1.SlotTransfer over UCX; docs/transfer.md).
   int64_t transfer_chunk_bytes = int64_t{4} << 20;    // UCX put granularity
@@ -48,6 +51,9 @@ class Server {
   virtual std::string metrics_address() const = 0;  // host:port, "" when disabled
   virtual std::string backend_name() const = 0;     // "cpu", "cuda:0"
   virtual std::string model_name() const = 0;
+  // CUDA backend: whether this process's GPU work goes through MPS (co-located engines need
+  // it: docs/data-plane.md). Always false on the CPU backend.
+  virtual bool mps_active() const = 0;
 
   // Refuse new forwards, report NOT_SERVING, wait for open forwards (up to the drain
   // timeout), then stop serving. Returns when the gRPC server is shut down.

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "replayssm/cache/regions.h"
 #include "replayssm/cache/state_cache.h"
 #include "service/metrics.h"
 #include "service/request_log.h"
@@ -102,12 +103,14 @@ struct ServiceLimits {
 
 struct ServiceContext {
   cache::StateCache* cache = nullptr;
+  cache::RegionTable* regions = nullptr;  // memory co-located clients registered
   RequestLog* requests = nullptr;
   Metrics* metrics = nullptr;
   ForwardGate* gate = nullptr;
   SlotCodec slots{0};
   ServiceLimits limits;
   std::string backend_name;  // "cpu", "cuda:0"
+  bool mps = false;          // CUDA work goes through MPS (docs/data-plane.md)
 };
 
 }  // namespace replayssm::service

@@ -240,6 +240,40 @@ rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
 rssm_status rssm_stream_create(int32_t backend, void** out);
 rssm_status rssm_stream_destroy(int32_t backend, void* stream);
 
+/* Shared memory of co-located clients (registered regions) and GPU-side doorbells, so that a
+ * client's GPU work and ours hand over without a host round trip (docs/data-plane.md).
+ *
+ * rssm_ipc_open maps device memory another process exported with cudaIpcGetMemHandle:
+ *   handle:       the RSSM_IPC_HANDLE_BYTES bytes of the cudaIpcMemHandle_t
+ *   device:       the device the client allocated on; must be this process's current device
+ *                 (RSSM_ERR_INVALID_ARGUMENT naming both otherwise)
+ *   *out, *out_bytes: the base and size of the whole exported allocation in this process
+ * CPU: RSSM_ERR_UNSUPPORTED (use POSIX shared memory: it is host memory already).
+ * rssm_ipc_close unmaps what rssm_ipc_open returned (after everything using it has finished).
+ * Slow (driver calls): once per registration, never per step. */
+#define RSSM_IPC_HANDLE_BYTES 64
+rssm_status rssm_ipc_open(int32_t backend, const void* handle, size_t handle_bytes,
+                          int32_t device, void** out, size_t* out_bytes);
+rssm_status rssm_ipc_close(int32_t backend, void* ptr);
+
+/* Doorbells: 32-bit words in backend memory (device memory on CUDA, host memory on CPU),
+ * 4-byte aligned. Values compare cyclically, as CUDA's stream memory operations do: a wait
+ * for `value` ends once (int32_t)(*addr - value) >= 0.
+ * rssm_stream_wait_value32: work queued on launch->stream after it runs once the word
+ *   reaches `value` (CUDA: cuStreamWaitValue32, queued, returns at once; CPU: blocks the
+ *   calling thread, polling, until it does — there is no timeout: whoever gives up on a
+ *   doorbell writes its value itself, which releases the wait on both backends).
+ * rssm_stream_write_value32: writes `value` once the work queued before it on the stream has
+ *   finished and its writes are visible (CUDA: cuStreamWriteValue32 with its memory barrier;
+ *   CPU: a release store, at once). */
+rssm_status rssm_stream_wait_value32(const rssm_launch* launch, const uint32_t* addr,
+                                     uint32_t value);
+rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr, uint32_t value);
+/* 1 when this process's CUDA work goes through an MPS server (its control pipe is where
+ * CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps, says), else 0. Without MPS, two processes
+ * on one GPU time-slice and every cross-process doorbell costs ~280 us instead of ~5 us. */
+int rssm_mps_active(void);
+
 /* Transfer checksums (docs/transfer.md, checksum version 3): the version 2 digest
  * (replayssm/checksum_v2.h; bit-identical to the host's Checksummer) of each segment of a
  * payload, each segment hashed on its own (its own lanes, tail and length): digests[i] is that

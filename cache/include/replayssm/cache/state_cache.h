@@ -100,6 +100,18 @@ class Forward {
   // The stream this forward's work is queued on (rssm_launch.stream: a cudaStream_t on CUDA,
   // NULL on CPU), valid until Commit or destruction.
   virtual void* stream() const = 0;
+  // Doorbells for co-located clients (docs/data-plane.md): 32-bit words in backend memory
+  // (a registered region). QueueWait makes the work queued after it wait until the word
+  // reaches `value` (cyclic compare); on the CPU backend the call itself blocks until then,
+  // so drive such a forward from a thread of its own. QueueSignal writes `value` once the
+  // work queued before it is done and visible.
+  virtual absl::Status QueueWait(const uint32_t* addr, uint32_t value) = 0;
+  virtual absl::Status QueueSignal(uint32_t* addr, uint32_t value) = 0;
+  // For a client that never rings: writes every awaited value (queued and to come) itself so
+  // that the stream drains; the caller then abandons the forward. Returns the queue index of
+  // the first wait whose word had not been rung, or -1. The one method that is thread-safe:
+  // it may run while another thread is blocked in QueueWait.
+  virtual int32_t ReleaseWaits() = 0;
   // Waits for the queued layers, advances every row's cursor and seq_len once, folds rows at
   // track boundaries and snapshots them. FAILED_PRECONDITION unless every layer ran exactly
   // once; a device error leaves the forward uncommitted (destroying it abandons it).

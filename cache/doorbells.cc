@@ -1,0 +1,53 @@
+#include "doorbells.h"
+
+#include "device_buffer.h"
+
+namespace replayssm::cache {
+namespace {
+
+bool Reached(uint32_t word, uint32_t value) { return static_cast<int32_t>(word - value) >= 0; }
+
+}  // namespace
+
+absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (released_) return absl::OkStatus();
+    // Recorded before the wait starts, so a Release from now on ends it.
+    awaited_.push_back({const_cast<uint32_t*>(addr), value});
+    if (launch.backend != RSSM_BACKEND_CPU) {  // queued, returns at once
+      return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
+    }
+  }
+  return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
+}
+
+absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value) {
+  return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
+}
+
+int32_t Doorbells::Release(int32_t backend) {
+  absl::MutexLock lock(&mu_);
+  released_ = true;
+  if (awaited_.empty()) return -1;
+  // A stream of its own: the forward's is blocked on these very words.
+  void* stream = nullptr;
+  if (rssm_stream_create(backend, &stream) != RSSM_OK) stream = nullptr;
+  const rssm_launch side{backend, stream};
+  int32_t first_unrung = -1;
+  for (size_t i = 0; i < awaited_.size(); ++i) {
+    uint32_t word = 0;
+    const bool read = rssm_memcpy(&side, &word, awaited_[i].addr, 4,
+                                  RSSM_COPY_DEVICE_TO_HOST) == RSSM_OK &&
+                      rssm_synchronize(&side) == RSSM_OK;
+    if (first_unrung < 0 && (!read || !Reached(word, awaited_[i].value))) {
+      first_unrung = static_cast<int32_t>(i);
+    }
+    rssm_stream_write_value32(&side, awaited_[i].addr, awaited_[i].value);
+  }
+  rssm_synchronize(&side);
+  rssm_stream_destroy(backend, stream);
+  return first_unrung;
+}
+
+}  // namespace replayssm::cache

@@ -1,0 +1,44 @@
+// Doorbells of one forward: GPU-side (CUDA) or polled (CPU) waits on 32-bit words in a
+// co-located client's memory, queued on the forward's stream, and writes after its layers —
+// plus the way out when a client never rings: Release writes every awaited value itself so
+// that the stream drains (the forward is then abandoned by its owner).
+//
+// Thread safety: Wait and Signal are called by the forward's driver; Release may be called
+// from any thread at any time, also while the driver is blocked in Wait (CPU backend).
+#ifndef REPLAYSSM_CACHE_DOORBELLS_H_
+#define REPLAYSSM_CACHE_DOORBELLS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "replayssm/kernels.h"
+
+namespace replayssm::cache {
+
+class Doorbells {
+ public:
+  // Queues a wait for *addr to reach `value` on `launch` (CPU: blocks until then). After
+  // Release the wait is not queued (its word is written instead).
+  absl::Status Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value);
+  // Writes every awaited word (past and future) so that no wait blocks any more. Returns the
+  // index (in queue order) of the first wait whose word had not reached its value, or -1.
+  int32_t Release(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Awaited {
+    uint32_t* addr;
+    uint32_t value;
+  };
+  absl::Mutex mu_;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Awaited> awaited_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace replayssm::cache
+
+#endif  // REPLAYSSM_CACHE_DOORBELLS_H_

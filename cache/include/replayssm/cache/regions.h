@@ -1,0 +1,114 @@
+// RegionTable: memory that co-located clients register once so that tensors and doorbells can
+// live there instead of travelling inline (Triton's shared-memory extension is the model).
+// Two kinds: POSIX shared memory (host memory; usable in place by the CPU backend, copied
+// through staging by the CUDA backend) and CUDA IPC (device memory another process allocated;
+// in place on the CUDA backend only). Names are the client's, one table per server.
+//
+// Ownership: the table maps a region once at Register and keeps the mapping while it is
+// registered; every RegionLease (a checked range, held by a forward while it may touch it)
+// keeps it too, so Unregister while a forward uses the region takes the name away at once
+// (new uses: NOT_FOUND) and unmaps only when the last lease has gone.
+//
+// Thread safety: every method is thread-safe.
+#ifndef REPLAYSSM_CACHE_REGIONS_H_
+#define REPLAYSSM_CACHE_REGIONS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "replayssm/cache/state_cache.h"
+
+namespace replayssm::cache {
+
+enum class RegionKind : int32_t { kSystem = 0, kCuda = 1 };
+
+struct RegionSpec {
+  std::string name;         // 1..128 characters, unique among registered regions
+  RegionKind kind = RegionKind::kSystem;
+  std::string shm_key;      // kSystem: the shm_open name, e.g. "/engine0"
+  std::string cuda_handle;  // kCuda: the 64 bytes of a cudaIpcMemHandle_t
+  int32_t device = 0;       // kCuda: the device the memory lives on
+  uint64_t offset = 0;      // where the region starts in the shm object / the allocation
+  uint64_t bytes = 0;       // the region's size, > 0
+};
+
+struct RegionLimits {
+  int32_t max_regions = 64;           // registered at once
+  uint64_t max_bytes = 64ULL << 30;   // all registered regions together (address space only)
+};
+
+struct RegionInfo {
+  std::string name;
+  RegionKind kind = RegionKind::kSystem;
+  uint64_t bytes = 0;
+  int32_t device = 0;
+  int64_t leases = 0;  // forwards (and other users) holding a range of it now
+};
+
+namespace internal {
+struct Mapping;  // one mapped region; unmapped by its destructor
+}  // namespace internal
+
+// A checked range of a registered region, valid while the lease lives (the mapping cannot
+// go away under it). Copyable: copies share the hold.
+class RegionLease {
+ public:
+  RegionLease() = default;
+  void* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+  // How the cache must treat the memory: in place (backend memory) or through staging.
+  IoMemory memory() const { return memory_; }
+
+ private:
+  friend class RegionTable;
+  std::shared_ptr<internal::Mapping> hold_;
+  void* data_ = nullptr;
+  uint64_t bytes_ = 0;
+  IoMemory memory_ = IoMemory::kHost;
+};
+
+class RegionTable {
+ public:
+  // backend: the cache's (a kCuda region needs RSSM_BACKEND_CUDA).
+  RegionTable(int32_t backend, RegionLimits limits);
+  ~RegionTable();
+  RegionTable(const RegionTable&) = delete;
+  RegionTable& operator=(const RegionTable&) = delete;
+
+  // Maps the region. INVALID_ARGUMENT naming the field (name, shm_key, cuda_handle, device,
+  // offset, bytes: the object or allocation must hold offset + bytes), ALREADY_EXISTS for a
+  // registered name, RESOURCE_EXHAUSTED past the limits, UNIMPLEMENTED for CUDA on the CPU.
+  absl::Status Register(const RegionSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
+  // NOT_FOUND for an unknown name. The memory stays mapped while leases hold it.
+  absl::Status Unregister(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // One region (NOT_FOUND when unknown) or, with an empty name, all of them.
+  absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Bytes [offset, offset + bytes) of region `name`, `alignment`-aligned (a power of two).
+  // `field` names the tensor in errors: NOT_FOUND (unknown or unregistered region) or
+  // INVALID_ARGUMENT (out of bounds, misaligned, zero bytes).
+  absl::StatusOr<RegionLease> Acquire(const std::string& name, uint64_t offset, uint64_t bytes,
+                                      uint64_t alignment, const std::string& field) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  int32_t backend() const { return backend_; }
+
+ private:
+  const int32_t backend_;
+  const RegionLimits limits_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<internal::Mapping>> regions_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace replayssm::cache
+
+#endif  // REPLAYSSM_CACHE_REGIONS_H_

@@ -1,0 +1,230 @@
+#include "replayssm/cache/regions.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "device_buffer.h"
+#include "replayssm/kernels.h"
+
+namespace replayssm::cache {
+namespace internal {
+
+struct Mapping {
+  RegionInfo info;
+  int32_t backend = RSSM_BACKEND_CPU;
+  void* map_base = nullptr;  // what munmap / rssm_ipc_close take
+  size_t map_bytes = 0;      // kSystem: the length mapped
+  uint8_t* data = nullptr;   // the region's first byte
+  IoMemory memory = IoMemory::kHost;
+
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (map_base == nullptr) return;
+    if (info.kind == RegionKind::kSystem) {
+      munmap(map_base, map_bytes);
+    } else {
+      rssm_ipc_close(backend, map_base);
+    }
+  }
+};
+
+}  // namespace internal
+namespace {
+
+using internal::Mapping;
+
+absl::Status Invalid(const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+absl::Status MapSystem(const RegionSpec& spec, int32_t backend, Mapping& m) {
+  if (spec.shm_key.empty() || spec.shm_key.size() > 255 || spec.shm_key[0] != '/' ||
+      spec.shm_key.find('/', 1) != std::string::npos) {
+    return Invalid("shm_key", absl::StrCat("expected a POSIX shm name (\"/name\", no other "
+                                           "'/', at most 255 characters), got \"",
+                                           spec.shm_key.substr(0, 64), "\""));
+  }
+  const int fd = shm_open(spec.shm_key.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    return Invalid("shm_key", absl::StrCat("expected an existing shm object this server can "
+                                           "open read-write, got \"", spec.shm_key, "\" (",
+                                           std::strerror(errno), ")"));
+  }
+  struct stat st {};
+  const bool sized = fstat(fd, &st) == 0;
+  const uint64_t size = sized ? static_cast<uint64_t>(st.st_size) : 0;
+  if (!sized || spec.offset > size || spec.bytes > size - spec.offset) {
+    close(fd);
+    return Invalid("bytes", absl::StrCat("expected offset + bytes within the shm object (",
+                                         size, " bytes), got ", spec.offset, " + ",
+                                         spec.bytes));
+  }
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t start = spec.offset / page * page;
+  const size_t len = static_cast<size_t>(spec.offset + spec.bytes - start);
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(start));
+  close(fd);  // the mapping keeps the object
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("region: mapping ", len, " bytes of \"", spec.shm_key,
+                     "\" failed: ", std::strerror(errno)));
+  }
+  m.map_base = p;
+  m.map_bytes = len;
+  m.data = static_cast<uint8_t*>(p) + (spec.offset - start);
+  // Host memory is the CPU backend's own; the CUDA backend copies it through staging.
+  m.memory = backend == RSSM_BACKEND_CPU ? IoMemory::kBackend : IoMemory::kHost;
+  return absl::OkStatus();
+}
+
+absl::Status MapCuda(const RegionSpec& spec, int32_t backend, Mapping& m) {
+  if (backend != RSSM_BACKEND_CUDA) {
+    return absl::UnimplementedError(
+        "kind: CUDA IPC regions need the CUDA backend; this server runs on the CPU backend "
+        "(register POSIX shared memory instead)");
+  }
+  void* base = nullptr;
+  size_t size = 0;
+  const rssm_status s = rssm_ipc_open(backend, spec.cuda_handle.data(), spec.cuda_handle.size(),
+                                      spec.device, &base, &size);
+  if (s == RSSM_ERR_INVALID_ARGUMENT) return absl::InvalidArgumentError(rssm_last_error());
+  if (absl::Status st = KernelStatus(s, "region"); !st.ok()) return st;
+  m.map_base = base;
+  if (spec.offset > size || spec.bytes > size - spec.offset) {
+    return Invalid("bytes", absl::StrCat("expected offset + bytes within the CUDA allocation (",
+                                         size, " bytes), got ", spec.offset, " + ",
+                                         spec.bytes));
+  }
+  m.data = static_cast<uint8_t*>(base) + spec.offset;
+  m.memory = IoMemory::kBackend;
+  return absl::OkStatus();
+}
+
+absl::Status CheckSpec(const RegionSpec& spec) {
+  if (spec.name.empty() || spec.name.size() > 128) {
+    return Invalid("name", absl::StrCat("expected 1..128 characters, got ", spec.name.size()));
+  }
+  if (spec.bytes == 0) return Invalid("bytes", "expected > 0, got 0");
+  if (spec.kind != RegionKind::kSystem && spec.kind != RegionKind::kCuda) {
+    return Invalid("kind", absl::StrCat("expected SYSTEM or CUDA, got ",
+                                        static_cast<int32_t>(spec.kind)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+RegionTable::RegionTable(int32_t backend, RegionLimits limits)
+    : backend_(backend), limits_(limits) {}
+
+RegionTable::~RegionTable() = default;
+
+absl::Status RegionTable::Register(const RegionSpec& spec) {
+  if (absl::Status st = CheckSpec(spec); !st.ok()) return st;
+  {
+    absl::MutexLock lock(&mu_);
+    if (regions_.count(spec.name) != 0) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("name: region \"", spec.name, "\" is already registered"));
+    }
+    if (static_cast<int32_t>(regions_.size()) >= limits_.max_regions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "regions: ", regions_.size(), " registered, the limit (--max-regions) is ",
+          limits_.max_regions));
+    }
+    if (spec.bytes > limits_.max_bytes - bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "bytes: ", spec.bytes, " more would exceed the registered-bytes limit (",
+          limits_.max_bytes, ", ", bytes_, " in use)"));
+    }
+  }
+  auto m = std::make_shared<Mapping>();
+  m->backend = backend_;
+  m->info = RegionInfo{spec.name, spec.kind, spec.bytes, spec.device, 0};
+  absl::Status st = spec.kind == RegionKind::kSystem ? MapSystem(spec, backend_, *m)
+                                                     : MapCuda(spec, backend_, *m);
+  if (!st.ok()) return st;  // m unmaps what was mapped
+  absl::MutexLock lock(&mu_);
+  if (regions_.count(spec.name) != 0) {  // registered meanwhile by another call
+    return absl::AlreadyExistsError(
+        absl::StrCat("name: region \"", spec.name, "\" is already registered"));
+  }
+  if (static_cast<int32_t>(regions_.size()) >= limits_.max_regions ||
+      spec.bytes > limits_.max_bytes - bytes_) {
+    return absl::ResourceExhaustedError("regions: the limits were reached meanwhile");
+  }
+  bytes_ += spec.bytes;
+  regions_.emplace(spec.name, std::move(m));
+  return absl::OkStatus();
+}
+
+absl::Status RegionTable::Unregister(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(name);
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("name: no region \"", name, "\" is registered"));
+  }
+  bytes_ -= it->second->info.bytes;
+  regions_.erase(it);  // leases keep the mapping until they end
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<RegionInfo>> RegionTable::Status(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<RegionInfo> out;
+  for (const auto& [n, m] : regions_) {
+    if (!name.empty() && n != name) continue;
+    RegionInfo info = m->info;
+    info.leases = m.use_count() - 1;  // the table's own reference is not a lease
+    out.push_back(std::move(info));
+  }
+  if (!name.empty() && out.empty()) {
+    return absl::NotFoundError(absl::StrCat("name: no region \"", name, "\" is registered"));
+  }
+  return out;
+}
+
+absl::StatusOr<RegionLease> RegionTable::Acquire(const std::string& name, uint64_t offset,
+                                                 uint64_t bytes, uint64_t alignment,
+                                                 const std::string& field) const {
+  std::shared_ptr<Mapping> m;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(name);
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat(field, ".region: no region \"", name,
+                                              "\" is registered (unknown or unregistered)"));
+    }
+    m = it->second;
+  }
+  const uint64_t size = m->info.bytes;
+  if (bytes == 0 || offset > size || bytes > size - offset) {
+    return Invalid(field, absl::StrCat("expected [offset, offset + bytes) within region \"", name,
+                                       "\" (", size, " bytes), got offset ", offset, " and ",
+                                       bytes, " bytes"));
+  }
+  const uintptr_t at = reinterpret_cast<uintptr_t>(m->data) + offset;
+  if (alignment > 1 && at % alignment != 0) {
+    return Invalid(field, absl::StrCat("expected a ", alignment, "-byte aligned offset, got ",
+                                       offset, " (the region's memory starts ",
+                                       reinterpret_cast<uintptr_t>(m->data) % alignment,
+                                       " bytes past such a boundary)"));
+  }
+  RegionLease lease;
+  lease.data_ = m->data + offset;
+  lease.bytes_ = bytes;
+  lease.memory_ = m->memory;
+  lease.hold_ = std::move(m);
+  return lease;
+}
+
+}  // namespace replayssm::cache

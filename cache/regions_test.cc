@@ -1,0 +1,153 @@
+#include "replayssm/cache/regions.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+namespace replayssm::cache {
+namespace {
+
+// A POSIX shm object of `bytes`, unlinked when the test ends.
+class ShmObject {
+ public:
+  explicit ShmObject(size_t bytes)
+      : key_("/replayssm-test-" + std::to_string(getpid()) + "-" + std::to_string(next_++)) {
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    base_ = static_cast<uint8_t*>(
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+    bytes_ = bytes;
+  }
+  ~ShmObject() {
+    munmap(base_, bytes_);
+    shm_unlink(key_.c_str());
+  }
+  const std::string& key() const { return key_; }
+  uint8_t* data() const { return base_; }
+
+ private:
+  static inline int next_ = 0;
+  std::string key_;
+  uint8_t* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+RegionSpec System(const std::string& name, const ShmObject& shm, uint64_t offset,
+                  uint64_t bytes) {
+  RegionSpec s;
+  s.name = name;
+  s.kind = RegionKind::kSystem;
+  s.shm_key = shm.key();
+  s.offset = offset;
+  s.bytes = bytes;
+  return s;
+}
+
+TEST(RegionTable, SharedMemoryIsUsedInPlaceOnTheCpuBackend) {
+  ShmObject shm(1 << 16);
+  RegionTable t(RSSM_BACKEND_CPU, {});
+  ASSERT_TRUE(t.Register(System("acts", shm, 4096, 8192)).ok());
+  absl::StatusOr<RegionLease> l = t.Acquire("acts", 64, 128, 16, "mixed_qkv");
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->memory(), IoMemory::kBackend);
+  std::memset(shm.data() + 4096 + 64, 0x5a, 128);  // the client's write...
+  EXPECT_EQ(static_cast<uint8_t*>(l->data())[127], 0x5a);  // ...is the server's read
+  static_cast<uint8_t*>(l->data())[0] = 0x11;
+  EXPECT_EQ(shm.data()[4096 + 64], 0x11);
+}
+
+TEST(RegionTable, StatusCountsLeases) {
+  ShmObject shm(4096);
+  RegionTable t(RSSM_BACKEND_CPU, {});
+  ASSERT_TRUE(t.Register(System("r", shm, 0, 4096)).ok());
+  absl::StatusOr<RegionLease> a = t.Acquire("r", 0, 4, 4, "x");
+  ASSERT_TRUE(a.ok());
+  absl::StatusOr<std::vector<RegionInfo>> s = t.Status("r");
+  ASSERT_TRUE(s.ok());
+  ASSERT_EQ(s->size(), 1u);
+  EXPECT_EQ((*s)[0].leases, 1);
+  EXPECT_EQ((*s)[0].bytes, 4096u);
+  EXPECT_EQ(t.Status("nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RegionTable, UnregisterWhileLeasedKeepsTheMemoryUntilTheLeaseEnds) {
+  ShmObject shm(4096);
+  RegionTable t(RSSM_BACKEND_CPU, {});
+  ASSERT_TRUE(t.Register(System("r", shm, 0, 4096)).ok());
+  absl::StatusOr<RegionLease> l = t.Acquire("r", 0, 4096, 64, "out");
+  ASSERT_TRUE(l.ok());
+  ASSERT_TRUE(t.Unregister("r").ok());
+  // New uses are refused by name...
+  absl::StatusOr<RegionLease> again = t.Acquire("r", 0, 4, 4, "out");
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(again.status().message().find("out.region"), std::string::npos);
+  // ...while the open use still reads and writes mapped memory.
+  static_cast<uint8_t*>(l->data())[4095] = 7;
+  EXPECT_EQ(shm.data()[4095], 7);
+  EXPECT_EQ(t.Unregister("r").code(), absl::StatusCode::kNotFound);
+  // The name is free again.
+  EXPECT_TRUE(t.Register(System("r", shm, 0, 4096)).ok());
+}
+
+TEST(RegionTable, AcquireRefusesOutOfBoundsMisalignedAndEmptyRangesByField) {
+  ShmObject shm(8192);
+  RegionTable t(RSSM_BACKEND_CPU, {});
+  ASSERT_TRUE(t.Register(System("r", shm, 0, 4096)).ok());
+  for (auto [offset, bytes, align] : {std::tuple<uint64_t, uint64_t, uint64_t>{4000, 200, 4},
+                                      {4097, 1, 1},
+                                      {~0ULL, 2, 1},
+                                      {0, 0, 1},
+                                      {2, 8, 4}}) {
+    absl::StatusOr<RegionLease> l = t.Acquire("r", offset, bytes, align, "layers[3].a");
+    EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument) << offset << " " << bytes;
+    EXPECT_NE(l.status().message().find("layers[3].a"), std::string::npos) << l.status();
+    EXPECT_NE(l.status().message().find("expected"), std::string::npos) << l.status();
+  }
+  EXPECT_EQ(t.Status("r")->at(0).leases, 0);
+}
+
+TEST(RegionTable, RegisterRefusesBadSpecsAndChangesNothing) {
+  ShmObject shm(4096);
+  RegionTable t(RSSM_BACKEND_CPU, {2, 1 << 20});
+  EXPECT_EQ(t.Register(System("", shm, 0, 16)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Register(System("r", shm, 0, 0)).code(), absl::StatusCode::kInvalidArgument);
+  absl::Status big = t.Register(System("r", shm, 4000, 200));
+  EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(big.message().find("within the shm object (4096 bytes)"), std::string::npos) << big;
+  RegionSpec missing = System("r", shm, 0, 16);
+  missing.shm_key = "/replayssm-test-does-not-exist";
+  absl::Status m = t.Register(missing);
+  EXPECT_EQ(m.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.message().find("shm_key"), std::string::npos) << m;
+  missing.shm_key = "no-slash";
+  EXPECT_EQ(t.Register(missing).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(t.Status("")->empty());
+
+  ASSERT_TRUE(t.Register(System("a", shm, 0, 16)).ok());
+  EXPECT_EQ(t.Register(System("a", shm, 0, 16)).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(t.Register(System("b", shm, 0, 16)).ok());
+  EXPECT_EQ(t.Register(System("c", shm, 0, 16)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(t.Status("")->size(), 2u);
+}
+
+TEST(RegionTable, CudaRegionsAreRefusedOnTheCpuBackend) {
+  RegionTable t(RSSM_BACKEND_CPU, {});
+  RegionSpec s;
+  s.name = "gpu";
+  s.kind = RegionKind::kCuda;
+  s.cuda_handle = std::string(64, '\0');
+  s.bytes = 1024;
+  absl::Status st = t.Register(s);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(st.message().find("CPU backend"), std::string::npos) << st;
+  EXPECT_TRUE(t.Status("")->empty());
+}
+
+}  // namespace
+}  // namespace replayssm::cache

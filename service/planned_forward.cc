@@ -1,0 +1,159 @@
+#include "service/planned_forward.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "replayssm/kernels.h"
+
+namespace replayssm::service {
+namespace {
+
+// One range of a region for a plan, held in `plan.leases`. bytes == 0: a doorbell array.
+absl::StatusOr<void*> Take(const v1::RegionRef& ref, const std::string& field, uint64_t bytes,
+                           uint64_t alignment, const cache::RegionTable& regions,
+                           ResolvedPlan& plan) {
+  if (ref.region().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".region: expected a registered region's name, got \"\""));
+  }
+  absl::StatusOr<cache::RegionLease> lease =
+      regions.Acquire(ref.region(), ref.offset(), bytes, alignment, field);
+  if (!lease.ok()) return lease.status();
+  if (lease->memory() != cache::IoMemory::kBackend) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".region: expected memory this server's backend uses in place (CUDA IPC on the "
+               "CUDA backend, POSIX shared memory on the CPU backend), got region \"",
+        ref.region(), "\" which would need a copy (a planned forward never waits on the host)"));
+  }
+  void* p = lease->data();
+  plan.leases.push_back(*std::move(lease));
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std::string& field,
+                                         const cache::RegionTable& regions,
+                                         const cache::ModelSpec& m, int64_t n) {
+  const int32_t L = m.num_layers;
+  if (plan.layers_size() != L) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".layers: expected ", L,
+                                                   " (one per layer), got ",
+                                                   plan.layers_size()));
+  }
+  const uint64_t es = rssm_dtype_size(m.shape.act_dtype);
+  const uint64_t un = static_cast<uint64_t>(n);
+  ResolvedPlan r;
+  r.value = plan.value();
+  r.layers.resize(L);
+  absl::StatusOr<void*> ready = Take(plan.ready(), field + ".ready", 4 * L, 4, regions, r);
+  if (!ready.ok()) return ready.status();
+  absl::StatusOr<void*> done = Take(plan.done(), field + ".done", 4 * L, 4, regions, r);
+  if (!done.ok()) return done.status();
+  for (int32_t l = 0; l < L; ++l) {
+    const v1::PlannedLayer& p = plan.layers(l);
+    const std::string f = absl::StrCat(field, ".layers[", l, "]");
+    ResolvedPlan::Layer& out = r.layers[l];
+    struct Part {
+      const v1::RegionRef& ref;
+      const char* name;
+      int64_t width;
+    };
+    void* ptrs[4] = {};
+    const Part parts[4] = {{p.mixed_qkv(), ".mixed_qkv", m.QkvWidth()},
+                           {p.a(), ".a", m.AWidth()},
+                           {p.b(), ".b", m.BWidth()},
+                           {p.out(), ".out", m.OutWidth()}};
+    for (int i = 0; i < 4; ++i) {
+      absl::StatusOr<void*> ptr = Take(parts[i].ref, f + parts[i].name,
+                                       un * static_cast<uint64_t>(parts[i].width) * es, 16,
+                                       regions, r);
+      if (!ptr.ok()) return ptr.status();
+      ptrs[i] = *ptr;
+    }
+    out.io = cache::LayerIo{ptrs[0], ptrs[1], ptrs[2], ptrs[3], cache::IoMemory::kBackend};
+    out.ready = static_cast<const uint32_t*>(*ready) + l;
+    out.done = static_cast<uint32_t*>(*done) + l;
+  }
+  return r;
+}
+
+PlannedForward::PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
+                               absl::Duration timeout)
+    : forward_(std::move(forward)),
+      plan_(std::move(plan)),
+      deadline_(absl::Now() + timeout),
+      thread_([this] { Queue(); }) {}
+
+PlannedForward::~PlannedForward() {
+  Finish();
+  forward_.reset();  // abandons an uncommitted forward: its doorbells are all rung by now
+}
+
+void PlannedForward::Queue() {
+  absl::Status st;
+  for (size_t l = 0; l < plan_.layers.size() && st.ok(); ++l) {
+    const ResolvedPlan::Layer& layer = plan_.layers[l];
+    st = forward_->QueueWait(layer.ready, plan_.value);  // CPU: blocks until rung
+    if (st.ok()) st = forward_->RunLayer(static_cast<int32_t>(l), layer.io);
+    if (st.ok()) st = forward_->QueueSignal(layer.done, plan_.value);
+  }
+  absl::MutexLock lock(&mu_);
+  queue_status_ = st;
+  queued_.Notify();
+  // Watch the deadline until the owner takes over (CUDA: the layers still run meanwhile).
+  mu_.AwaitWithDeadline(absl::Condition(&finishing_), deadline_);
+  if (!finishing_) Release();
+}
+
+void PlannedForward::Release() {
+  if (released_) return;
+  released_ = true;
+  first_unrung_ = forward_->ReleaseWaits();
+}
+
+void PlannedForward::Finish() {
+  if (!thread_.joinable()) return;
+  {
+    absl::MutexLock lock(&mu_);
+    finishing_ = true;
+    // Still queueing (CPU: blocked on a doorbell): nobody rings any more once we give up.
+    if (!queued_.HasBeenNotified()) Release();
+  }
+  thread_.join();
+}
+
+absl::Status PlannedForward::Commit() {
+  if (!queued_.WaitForNotificationWithDeadline(deadline_)) {
+    {
+      absl::MutexLock lock(&mu_);
+      Release();  // the queue thread is stuck on a doorbell: free it
+    }
+    queued_.WaitForNotification();  // the forward is ours alone from here
+  }
+  absl::Status st;
+  {
+    absl::MutexLock lock(&mu_);
+    st = queue_status_;
+  }
+  // Ends when every layer ran, or once the deadline rang the doorbells in their stead.
+  if (st.ok()) st = forward_->Synchronize();
+  int32_t unrung = -1;
+  {
+    absl::MutexLock lock(&mu_);
+    // Layers that all ran before a late Release are complete: only an unrung doorbell fails.
+    if (released_) unrung = first_unrung_;
+    finishing_ = true;
+  }
+  Finish();
+  if (unrung >= 0) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "plan.ready: layer ", unrung, "'s doorbell never reached ", plan_.value,
+        " within the forward timeout (--forward-timeout); the forward was abandoned, no cursor "
+        "moved"));
+  }
+  if (!st.ok()) return st;
+  return forward_->Commit();
+}
+
+}  // namespace replayssm::service
