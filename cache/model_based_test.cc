@@ -1,5 +1,6 @@
 // A randomized model-based test: thousands of random operations over many requests (allocate,
-// allocate from a prefix, prefill, decode steps with folds, abandoned forwards, verify and
+// allocate from a prefix, prefill, decode steps with folds, layer-by-layer prefills of several
+// requests, abandoned forwards of every kind, verify (one call or layer by layer) and
 // accept/reject, donate, import/export, free), against a plain fp64 model of each request's
 // token history. Every output and every exported state must match the model. The seed is
 // printed on failure; REPLAYSSM_TEST_SEED reruns one.
@@ -108,7 +109,7 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
         r.tokens.push_back(rest[i]);
       }
       live.push_back(std::move(r));
-    } else if (kind < 60) {  // a decode step over a random subset, sometimes abandoned
+    } else if (kind < 52) {  // a decode step over a random subset, sometimes abandoned
       std::vector<int> rows;
       for (size_t i = 0; i < live.size(); ++i) {
         if (pick(3) != 0) rows.push_back(static_cast<int>(i));
@@ -145,7 +146,57 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
         ++row;
         ++checked;
       }
-    } else if (kind < 72) {  // verify T drafts on one request, accept some
+    } else if (kind < 60) {  // a layer-by-layer prefill of a few requests, sometimes abandoned
+      std::vector<int> rows;
+      for (size_t i = 0; i < live.size(); ++i) {
+        if (pick(3) == 0) rows.push_back(static_cast<int>(i));
+      }
+      if (rows.empty()) continue;
+      std::vector<std::vector<int32_t>> add(rows.size());
+      std::vector<Tok> toks;
+      for (size_t j = 0; j < rows.size(); ++j) {
+        const int64_t start = static_cast<int64_t>(live[rows[j]].tokens.size());
+        for (int t = 1 + pick(6); t > 0; --t) {
+          add[j].push_back(pick(6));
+          toks.push_back({add[j].back(), start + static_cast<int64_t>(add[j].size()) - 1});
+        }
+      }
+      std::vector<PrefillRow> prows;
+      for (size_t j = 0; j < rows.size(); ++j) prows.push_back({live[rows[j]].slot, add[j]});
+      Batch b = oracle.MakeBatch(toks);
+      std::unique_ptr<testing::BackendBatch> dev;
+      if (memory_rng() % 2 == 0) dev = std::make_unique<testing::BackendBatch>(o.backend, b);
+      auto f = cache->BeginPrefill(prows);
+      if (!f.ok()) {  // every slot is live: no spare one for each row
+        ASSERT_EQ(f.status().code(), absl::StatusCode::kResourceExhausted) << f.status();
+        continue;
+      }
+      const bool abandon = pick(6) == 0;
+      const int layers = abandon ? pick(cache->model().num_layers + 1) : cache->model().num_layers;
+      for (int l = layers - 1; l >= 0; --l) {
+        ASSERT_TRUE((*f)->RunLayer(l, dev ? dev->io[l] : b.io[l]).ok());
+      }
+      if (abandon) {  // the forward is destroyed: nothing may change
+        f->reset();
+        for (int i : rows) {
+          ASSERT_EQ(cache->Info(live[i].slot)->seq_len,
+                    static_cast<int64_t>(live[i].tokens.size()));
+        }
+        continue;
+      }
+      const absl::Status cs = (*f)->Commit();
+      ASSERT_TRUE(cs.ok()) << cs;
+      if (dev) dev->CopyOutputsTo(b);
+      int64_t token = 0;
+      for (size_t j = 0; j < rows.size(); ++j) {
+        Request& r = live[rows[j]];
+        for (int32_t t : add[j]) {
+          check_outputs(b, token, oracle.Step(r.ref, toks[token]), "prefill forward");
+          r.tokens.push_back(t);
+          ++token;
+        }
+      }
+    } else if (kind < 72) {  // verify T drafts on one request (maybe layer by layer), accept some
       Request& r = live[pick(static_cast<int>(live.size()))];
       const int T = 1 + pick(4);
       std::vector<int32_t> drafts;
@@ -155,8 +206,20 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
         toks.push_back({drafts.back(), static_cast<int64_t>(r.tokens.size()) + t});
       }
       Batch b = oracle.MakeBatch(toks);
-      const absl::Status vs = cache->Verify({r.slot}, T, drafts, b.io);
-      ASSERT_TRUE(vs.ok()) << vs;
+      if (pick(2) == 0) {
+        const absl::Status vs = cache->Verify({r.slot}, T, drafts, b.io);
+        ASSERT_TRUE(vs.ok()) << vs;
+      } else {
+        auto f = cache->BeginVerify({r.slot}, T, drafts);
+        ASSERT_TRUE(f.ok()) << f.status();
+        const bool abandon = pick(6) == 0;
+        const int layers =
+            abandon ? pick(cache->model().num_layers + 1) : cache->model().num_layers;
+        for (int l = 0; l < layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, b.io[l]).ok());
+        if (abandon) continue;  // no drafts wait: nothing to accept
+        const absl::Status cs = (*f)->Commit();
+        ASSERT_TRUE(cs.ok()) << cs;
+      }
       const int n = pick(T + 1);
       Oracle::State s = r.ref;
       for (int t = 0; t < T; ++t) {

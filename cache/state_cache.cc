@@ -9,6 +9,12 @@
 // fused into the decode kernel (about 1/(L-1) more checkpoint reads); that buys abandonment
 // safety without a spare-buffer table.
 //
+// Prefill writes each layer's final state into its checkpoint, so a layer-by-layer prefill
+// first copies the checkpoint it overwrites into a spare slot of the row's (taken from the
+// pool at begin); an abandoned prefill copies back every layer it touched. All three kinds
+// of forward (decode, prefill, verify) are one ForwardImpl: they differ in the kernel a layer
+// runs and in what Commit books.
+//
 // Streams (lane.h): every operation runs on a lane of its own (stream + pinned staging +
 // scratch) and waits for it only where results must be seen: a host-memory decode layer's
 // outputs, the end of every operation but a forward's layers, and before any slot is
@@ -20,6 +26,7 @@
 #include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "doorbells.h"
@@ -30,7 +37,8 @@
 namespace replayssm::cache {
 namespace {
 
-enum class Kind { kFree, kLive, kSnapshot };
+// kSpare: a prefill forward's copy of a row's checkpoints, never reachable by an id.
+enum class Kind { kFree, kLive, kSnapshot, kSpare };
 
 struct Slot {
   Kind kind = Kind::kFree;
@@ -55,15 +63,33 @@ std::string IdString(SlotId id) { return absl::StrCat("0x", absl::Hex(id)); }
 
 class StateCacheImpl;
 
+enum class ForwardKind { kDecode, kPrefill, kVerify };
+
+// What a forward holds of its rows: their slots, their tokens, and a prefill's spare slots.
+struct ForwardRows {
+  ForwardKind kind = ForwardKind::kDecode;
+  std::vector<int32_t> index;   // [B] slot index, -1 = padding
+  std::vector<int32_t> cu;      // [B+1] row r's tokens are tokens[cu[r] .. cu[r+1])
+  std::vector<int32_t> tokens;  // [N] token ids, packed in row order
+  std::vector<int32_t> spare;   // prefill: [B] the slot keeping row r's checkpoints, -1 = none
+  int32_t num_draft = 0;        // verify: T
+
+  int32_t batch() const { return static_cast<int32_t>(index.size()); }
+  int64_t n() const { return cu.back(); }
+};
+
 class ForwardImpl final : public Forward {
  public:
   // Takes over rows the cache marked busy; `Start` must run before anything else.
-  ForwardImpl(StateCacheImpl* cache, std::vector<int32_t> index, std::vector<int32_t> tokens,
-              LanePool::Lease lane);
+  // layer_waits: a host-memory RunLayer waits for its outputs (else Commit does: the unary
+  // calls, which read no output before the end).
+  ForwardImpl(StateCacheImpl* cache, ForwardRows rows, LanePool::Lease lane, bool layer_waits);
   ~ForwardImpl() override;
-  // Folds the rows whose ring is full and uploads the rows' slots and cursors (queued only).
+  // Folds the rows whose ring cannot take this forward's records and uploads the rows' slots,
+  // cursors (and a prefill's token offsets): queued only.
   absl::Status Start();
-  int32_t batch() const override { return static_cast<int32_t>(index_.size()); }
+  int32_t batch() const override { return rows_.batch(); }
+  int64_t tokens() const override { return rows_.n(); }
   absl::Status RunLayer(int32_t layer, const LayerIo& io) override;
   absl::Status Synchronize() override;
   void* stream() const override { return lane_ ? lane_->stream() : nullptr; }
@@ -79,12 +105,25 @@ class ForwardImpl final : public Forward {
   absl::Status Commit() override;
 
  private:
+  // Grows the lane's activation scratch to tokens() for a host-memory layer. Growing replaces
+  // buffers that queued layers may still read, so it waits for them first.
+  absl::Status ReserveTokens();
+  // Queues `layer`'s kernel for every row (a prefill first saves the checkpoints it writes).
+  absl::Status Launch(int32_t layer, const rssm_token_inputs& in, const rssm_token_outputs& out);
+  // Queues copies of layer `layer`'s checkpoints between the rows and their spare slots.
+  absl::Status CopySpares(int32_t layer, bool restore);
+  // Abandoned: puts back every checkpoint a prefill's layers may have written. False when
+  // some state could not be put back (the rows are then broken).
+  bool Restore();
+
   StateCacheImpl* cache_;
-  std::vector<int32_t> index_;  // -1 = padding
-  std::vector<int32_t> tokens_;
+  ForwardRows rows_;
   LanePool::Lease lane_;
+  const bool layer_waits_;
   std::vector<int32_t> unconfirmed_folds_;  // queued by Start, not yet waited for
-  std::vector<bool> done_;
+  std::vector<bool> done_;                  // [layers] ran
+  std::vector<bool> touched_;  // [layers] a kernel was queued (a prefill's checkpoint written)
+  absl::Status failed_;        // a launch failed: the forward can only be abandoned
   bool finished_ = false;
   Doorbells doorbells_;
 };
@@ -221,6 +260,10 @@ class StateCacheImpl final : public StateCache {
       const std::function<absl::Status(const CheckpointMemory&)>& fn,
       std::vector<int32_t>* tokens) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginForward(absl::Span<const DecodeRow> rows) override;
+  absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(absl::Span<const PrefillRow> rows) override;
+  absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
+      absl::Span<const SlotId> ids, int32_t num_draft,
+      absl::Span<const int32_t> draft_tokens) override;
   absl::Status Verify(absl::Span<const SlotId> ids, int32_t num_draft,
                       absl::Span<const int32_t> draft_tokens,
                       absl::Span<const LayerIo> layers) override;
@@ -238,8 +281,9 @@ class StateCacheImpl final : public StateCache {
 
   // --- used by ForwardImpl ---
   SlotPool& pool() { return *pool_; }
-  void EndForward(const std::vector<int32_t>& index, const std::vector<int32_t>& tokens,
-                  bool commit);
+  // Books a forward's end: Commit's effect on every row (commit), or releases the rows
+  // unchanged (marked broken when `broken`). Returns the spare slots to the pool either way.
+  void EndForward(const ForwardRows& rows, bool commit, bool broken);
   // After cursors advanced (commit, accept): folds and snapshots the rows at a track
   // boundary, waits for the lane, then releases every row.
   absl::Status AfterAdvance(const std::vector<int32_t>& index, Lane& lane);
@@ -364,6 +408,29 @@ class StateCacheImpl final : public StateCache {
   void TouchLocked(int32_t snapshot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     lru_.splice(lru_.begin(), lru_, slots_[snapshot].lru);
   }
+
+  // Opens a forward over rows.index's slots `ids` (one per row): takes a lane, marks every
+  // non-padding slot busy (field(r) names row r's slot in errors; nothing is taken if any row
+  // fails), takes a prefill's spare slots when `spares`, discards a verify's waiting drafts,
+  // and starts the forward.
+  absl::StatusOr<std::unique_ptr<Forward>> Open(ForwardRows rows, absl::Span<const SlotId> ids,
+                                                absl::FunctionRef<std::string(size_t)> field,
+                                                bool spares, bool layer_waits);
+  // Marks rows busy as Open does; on an error releases what it took.
+  absl::Status AcquireRowsLocked(absl::Span<const SlotId> ids,
+                                 absl::FunctionRef<std::string(size_t)> field, bool allow_pending,
+                                 std::vector<int32_t>* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One spare slot per non-padding row, or RESOURCE_EXHAUSTED (none taken).
+  absl::Status TakeSparesLocked(const std::vector<int32_t>& index, std::vector<int32_t>* spare)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // 1..max_batch rows, or INVALID_ARGUMENT naming `field`.
+  absl::Status CheckBatch(size_t rows, const char* field) const;
+  // Verify's arguments, before any slot is looked at.
+  absl::Status CheckVerify(size_t rows, int32_t num_draft, size_t draft_tokens) const;
+  absl::StatusOr<std::unique_ptr<Forward>> OpenVerify(absl::Span<const SlotId> ids,
+                                                      int32_t num_draft,
+                                                      absl::Span<const int32_t> draft_tokens,
+                                                      bool layer_waits);
 
   // THE guard: the only path by which a state leaves a slot (copy-on-write, snapshot,
   // donation, export, transfer). The caller holds the slot (busy, or a pinned snapshot). It
@@ -511,13 +578,14 @@ absl::Status CheckIo(const ModelSpec& m, absl::Span<const LayerIo> layers, bool 
   return absl::OkStatus();
 }
 
-// Tokens of activations a lane's scratch must hold for n tokens of these layers: host
-// memory is staged there, backend memory is used in place.
-int64_t ScratchTokens(absl::Span<const LayerIo> layers, int64_t n) {
-  for (const LayerIo& io : layers) {
-    if (io.memory == IoMemory::kHost) return n;
-  }
-  return 0;
+// Whether a lane's scratch holds n tokens of activations and outputs.
+bool ScratchHolds(const Scratch& s, const ModelSpec& m, int64_t n) {
+  const size_t es = rssm_dtype_size(m.shape.act_dtype);
+  auto holds = [&](const DeviceBuffer& buf, int64_t width) {
+    return buf.size() >= static_cast<size_t>(n * width) * es;
+  };
+  return holds(s.qkv, m.QkvWidth()) && holds(s.a, m.AWidth()) && holds(s.b, m.BWidth()) &&
+         holds(s.out, m.OutWidth());
 }
 
 // The kernel's view of n tokens of io's inputs: io's own buffers when they are backend
@@ -549,77 +617,42 @@ absl::Status StageOutputs(Lane& lane, const ModelSpec& m, const LayerIo& io, int
   return lane.Download(io.out, lane.scratch.out.data(), bytes);
 }
 
+// Runs every layer of a forward (layers[l] for layer l), then commits it; an error abandons it.
+absl::Status RunAllLayers(Forward& f, absl::Span<const LayerIo> layers) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    absl::Status st = f.RunLayer(static_cast<int32_t>(l), layers[l]);
+    if (!st.ok()) return st;
+  }
+  return f.Commit();
+}
+
 absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens,
                                      absl::Span<const LayerIo> layers) {
   const int64_t T = static_cast<int64_t>(tokens.size());
-  absl::Status st = T > 0 ? CheckIo(model_, layers, false) : absl::OkStatus();  // 0: a no-op
-  if (!st.ok()) return st;
   if (T > options_.max_prefill_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ",
                                                    options_.max_prefill_tokens, " tokens, got ", T));
   }
-  int32_t index = -1, w = 0;
-  {
+  if (T == 0) {  // a no-op, on a slot that could take a prefill
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", false);
     if (!i.ok()) return i.status();
-    index = *i;
-    w = slots_[index].write_pos;
-    if (T == 0) {
-      slots_[index].busy = false;
-      return absl::OkStatus();
-    }
+    slots_[*i].busy = false;
+    return absl::OkStatus();
   }
-  bool touched = false;
-  st = OnLane([&](Lane& lane) {
-    Scratch& s = lane.scratch;
-    const int32_t cu[2] = {0, static_cast<int32_t>(T)};
-    const uint8_t initial = 1;
-    absl::Status r = s.Reserve(options_.backend, model_, ScratchTokens(layers, T), 1);
-    if (r.ok()) r = lane.Upload(s.slot_idx.data(), &index, 4);
-    if (r.ok()) r = lane.Upload(s.write_pos.data(), &w, 4);
-    if (r.ok()) r = lane.Upload(s.cu.data(), cu, 8);
-    if (r.ok()) r = lane.Upload(s.flags.data(), &initial, 1);
-    for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
-      absl::StatusOr<rssm_token_inputs> in = StageInputs(lane, model_, layers[l], T);
-      if (!in.ok()) return in.status();
-      rssm_prefill_args a{};
-      a.launch = lane.Launch();
-      a.shape = model_.shape;
-      a.params = pool_->LayerParams(l);
-      a.pool = pool_->LayerPool(l);
-      a.batch = 1;
-      a.slot_idx = s.slot_idx.as<const int32_t>();
-      a.cu_seqlens = s.cu.as<const int32_t>();
-      a.initial = s.flags.as<const uint8_t>();
-      a.write_pos = s.write_pos.as<const int32_t>();
-      a.max_seqlen = static_cast<int32_t>(T);
-      a.in = *in;
-      a.out = OutputTarget(lane, layers[l]);
-      touched = true;
-      r = KernelStatus(rssm_prefill(&a), "prefill");
-      if (r.ok()) r = StageOutputs(lane, model_, layers[l], T);
-    }
-    return r;
-  });
-  bool snapshot = false;
-  {
-    absl::MutexLock lock(&mu_);
-    Slot& s = slots_[index];
-    if (!st.ok()) {
-      s.broken = touched;  // some layers may hold the new state already
-      s.busy = false;
-      return st;
-    }
-    s.write_pos = 0;
-    s.seq_len += T;
-    s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
-    snapshot = options_.track_interval > 0 && s.seq_len % options_.track_interval == 0;
-  }
-  if (snapshot) st = OnLane([&](Lane& lane) { return TakeSnapshot(index, lane); });
-  absl::MutexLock lock(&mu_);
-  slots_[index].busy = false;
-  return st;
+  absl::Status st = CheckIo(model_, layers, false);
+  if (!st.ok()) return st;
+  ForwardRows rows{ForwardKind::kPrefill};
+  rows.cu = {0, static_cast<int32_t>(T)};
+  rows.tokens.assign(tokens.begin(), tokens.end());
+  const SlotId ids[1] = {id};
+  // No spare slot: every layer runs in this call, so only a device error can stop it halfway
+  // (the slot is then broken, as after any failed launch).
+  absl::StatusOr<std::unique_ptr<Forward>> f = Open(
+      std::move(rows), ids, [](size_t) { return std::string("slot"); },
+      /*spares=*/false, /*layer_waits=*/false);
+  if (!f.ok()) return f.status();
+  return RunAllLayers(**f, layers);
 }
 
 absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
@@ -776,65 +809,219 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginForward(
-    absl::Span<const DecodeRow> rows) {
-  if (rows.empty() || static_cast<int64_t>(rows.size()) > options_.max_batch) {
-    return absl::InvalidArgumentError(absl::StrCat("rows: expected 1 to ", options_.max_batch,
-                                                   " rows, got ", rows.size()));
+absl::Status StateCacheImpl::AcquireRowsLocked(absl::Span<const SlotId> ids,
+                                               absl::FunctionRef<std::string(size_t)> field,
+                                               bool allow_pending, std::vector<int32_t>* index) {
+  std::unordered_set<SlotId> seen;
+  absl::Status st = absl::OkStatus();
+  for (size_t r = 0; r < ids.size() && st.ok(); ++r) {
+    if (ids[r] == kPaddingSlot) continue;
+    if (!seen.insert(ids[r]).second) {
+      st = absl::InvalidArgumentError(
+          absl::StrCat(field(r), ": expected a slot not already in this batch, got ",
+                       IdString(ids[r]), " twice"));
+      break;
+    }
+    absl::StatusOr<int32_t> i = AcquireLocked(ids[r], field(r), allow_pending);
+    if (!i.ok()) {
+      st = i.status();
+      break;
+    }
+    (*index)[r] = *i;
   }
-  std::vector<int32_t> index(rows.size(), -1), tokens(rows.size(), 0);
+  if (!st.ok()) {  // nothing happened: release what was taken
+    for (int32_t& i : *index) {
+      if (i >= 0) slots_[i].busy = false;
+      i = -1;
+    }
+  }
+  return st;
+}
+
+absl::Status StateCacheImpl::TakeSparesLocked(const std::vector<int32_t>& index,
+                                              std::vector<int32_t>* spare) {
+  spare->assign(index.size(), -1);
+  for (size_t r = 0; r < index.size(); ++r) {
+    if (index[r] < 0) continue;
+    absl::StatusOr<int32_t> i = TakeFreeLocked();
+    if (!i.ok()) {
+      for (int32_t& s : *spare) {
+        if (s >= 0) ReleaseLocked(s);
+        s = -1;
+      }
+      constexpr char kWhy[] =
+          "]: a layer-by-layer prefill keeps one spare slot per row until it commits, and none "
+          "is free (";
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "rows[", r, kWhy, i.status().message(), "); prefill fewer rows at once or use Prefill"));
+    }
+    Slot& s = slots_[*i];
+    s.kind = Kind::kSpare;
+    s.busy = true;
+    (*spare)[r] = *i;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::Open(
+    ForwardRows rows, absl::Span<const SlotId> ids, absl::FunctionRef<std::string(size_t)> field,
+    bool spares, bool layer_waits) {
+  absl::StatusOr<LanePool::Lease> lane = lanes_.Take();  // before anything moves
+  if (!lane.ok()) return lane.status();
+  rows.index.assign(ids.size(), -1);
+  rows.spare.assign(ids.size(), -1);
   {
     absl::MutexLock lock(&mu_);
-    std::unordered_set<SlotId> seen;
-    absl::Status st = absl::OkStatus();
-    size_t r = 0;
-    for (; r < rows.size(); ++r) {
-      tokens[r] = rows[r].token_id;
-      if (rows[r].slot == kPaddingSlot) continue;
-      if (!seen.insert(rows[r].slot).second) {
-        st = absl::InvalidArgumentError(absl::StrCat("rows[", r, "].slot: expected a slot not already in this batch, got ",
-                                                     IdString(rows[r].slot), " twice"));
-        break;
+    const bool verify = rows.kind == ForwardKind::kVerify;
+    absl::Status st = AcquireRowsLocked(ids, field, /*allow_pending=*/verify, &rows.index);
+    if (st.ok() && spares) {
+      st = TakeSparesLocked(rows.index, &rows.spare);
+      if (!st.ok()) {
+        for (int32_t i : rows.index) {
+          if (i >= 0) slots_[i].busy = false;
+        }
       }
-      absl::StatusOr<int32_t> i = AcquireLocked(rows[r].slot, absl::StrCat("rows[", r, "].slot"), false);
-      if (!i.ok()) {
-        st = i.status();
-        break;
-      }
-      index[r] = *i;
     }
-    if (!st.ok()) {  // nothing happened: release what was taken
-      for (size_t j = 0; j < r; ++j) {
-        if (index[j] >= 0) slots_[index[j]].busy = false;
+    if (!st.ok()) return st;
+    for (int32_t i : rows.index) {
+      if (i >= 0 && verify) {  // a new verify replaces drafts not yet accepted
+        slots_[i].pending = 0;
+        slots_[i].drafts.clear();
       }
-      return st;
     }
-  }
-  absl::StatusOr<LanePool::Lease> lane = lanes_.Take();
-  if (!lane.ok()) {
-    EndForward(index, tokens, false);
-    return lane.status();
   }
   // From here on the forward owns the rows: destroying it on an error abandons it.
-  auto f = std::make_unique<ForwardImpl>(this, std::move(index), std::move(tokens), *std::move(lane));
+  auto f = std::make_unique<ForwardImpl>(this, std::move(rows), *std::move(lane), layer_waits);
   absl::Status st = f->Start();
   if (!st.ok()) return st;
   return std::unique_ptr<Forward>(std::move(f));
 }
 
-void StateCacheImpl::EndForward(const std::vector<int32_t>& index,
-                                const std::vector<int32_t>& tokens, bool commit) {
-  absl::MutexLock lock(&mu_);
-  for (size_t r = 0; r < index.size(); ++r) {
-    if (index[r] < 0) continue;
-    Slot& s = slots_[index[r]];
-    if (commit) {
-      s.write_pos += 1;
-      s.seq_len += 1;
-      s.tokens.push_back(tokens[r]);
-    } else {
-      s.busy = false;
+absl::Status StateCacheImpl::CheckBatch(size_t rows, const char* field) const {
+  if (rows < 1 || static_cast<int64_t>(rows) > options_.max_batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected 1 to ", options_.max_batch, " rows, got ", rows));
+  }
+  return absl::OkStatus();
+}
+
+std::string RowSlotField(size_t r) { return absl::StrCat("rows[", r, "].slot"); }
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginForward(
+    absl::Span<const DecodeRow> rows) {
+  absl::Status st = CheckBatch(rows.size(), "rows");
+  if (!st.ok()) return st;
+  ForwardRows f{ForwardKind::kDecode};
+  std::vector<SlotId> ids;
+  for (const DecodeRow& row : rows) {
+    f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
+    f.tokens.push_back(row.token_id);
+    ids.push_back(row.slot);
+  }
+  f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
+  return Open(std::move(f), ids, RowSlotField, /*spares=*/false, /*layer_waits=*/true);
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginPrefill(
+    absl::Span<const PrefillRow> rows) {
+  absl::Status st = CheckBatch(rows.size(), "rows");
+  if (!st.ok()) return st;
+  ForwardRows f{ForwardKind::kPrefill};
+  std::vector<SlotId> ids;
+  int64_t total = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int64_t n = static_cast<int64_t>(rows[r].tokens.size());
+    total += n;
+    if (n < 1 || total > options_.max_prefill_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rows[", r, "].tokens: expected 1 or more tokens, at most ", options_.max_prefill_tokens,
+          " in all rows, got ", n, " (", total, " so far)"));
     }
+    f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
+    f.tokens.insert(f.tokens.end(), rows[r].tokens.begin(), rows[r].tokens.end());
+    ids.push_back(rows[r].slot);
+  }
+  f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
+  return Open(std::move(f), ids, RowSlotField, /*spares=*/true, /*layer_waits=*/true);
+}
+
+absl::Status StateCacheImpl::CheckVerify(size_t rows, int32_t num_draft,
+                                         size_t draft_tokens) const {
+  const int32_t L = model_.shape.ring_len;
+  if (num_draft < 1 || num_draft > L) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_draft: expected 1 to ", L, " (the ring length), got ", num_draft));
+  }
+  absl::Status st = CheckBatch(rows, "slots");
+  if (!st.ok()) return st;
+  const int64_t B = static_cast<int64_t>(rows);
+  if (static_cast<int64_t>(draft_tokens) != B * num_draft) {
+    return absl::InvalidArgumentError(absl::StrCat("draft_tokens: expected ", B * num_draft,
+                                                   " (rows x num_draft), got ", draft_tokens));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::OpenVerify(
+    absl::Span<const SlotId> ids, int32_t num_draft, absl::Span<const int32_t> draft_tokens,
+    bool layer_waits) {
+  absl::Status st = CheckVerify(ids.size(), num_draft, draft_tokens.size());
+  if (!st.ok()) return st;
+  ForwardRows f{ForwardKind::kVerify};
+  for (size_t r = 0; r <= ids.size(); ++r) f.cu.push_back(static_cast<int32_t>(r) * num_draft);
+  f.tokens.assign(draft_tokens.begin(), draft_tokens.end());
+  f.num_draft = num_draft;
+  return Open(
+      std::move(f), ids, [](size_t r) { return absl::StrCat("slots[", r, "]"); },
+      /*spares=*/false, layer_waits);
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginVerify(
+    absl::Span<const SlotId> ids, int32_t num_draft, absl::Span<const int32_t> draft_tokens) {
+  return OpenVerify(ids, num_draft, draft_tokens, /*layer_waits=*/true);
+}
+
+absl::Status StateCacheImpl::Verify(absl::Span<const SlotId> ids, int32_t num_draft,
+                                    absl::Span<const int32_t> draft_tokens,
+                                    absl::Span<const LayerIo> layers) {
+  absl::Status st = CheckVerify(ids.size(), num_draft, draft_tokens.size());
+  if (st.ok()) st = CheckIo(model_, layers, true);
+  if (!st.ok()) return st;
+  absl::StatusOr<std::unique_ptr<Forward>> f =
+      OpenVerify(ids, num_draft, draft_tokens, /*layer_waits=*/false);
+  if (!f.ok()) return f.status();
+  return RunAllLayers(**f, layers);
+}
+
+void StateCacheImpl::EndForward(const ForwardRows& rows, bool commit, bool broken) {
+  absl::MutexLock lock(&mu_);
+  for (int32_t r = 0; r < rows.batch(); ++r) {
+    if (rows.index[r] < 0) continue;
+    Slot& s = slots_[rows.index[r]];
+    const auto begin = rows.tokens.begin() + rows.cu[r], end = rows.tokens.begin() + rows.cu[r + 1];
+    if (!commit) {
+      s.busy = false;
+      s.broken = s.broken || broken;
+      continue;
+    }
+    switch (rows.kind) {
+      case ForwardKind::kDecode:  // released by AfterAdvance
+        s.write_pos += 1;
+        break;
+      case ForwardKind::kPrefill:  // the checkpoints hold the whole state now
+        s.write_pos = 0;
+        break;
+      case ForwardKind::kVerify:  // nothing advances until Accept
+        s.pending = rows.num_draft;
+        s.drafts.assign(begin, end);
+        s.busy = false;
+        continue;
+    }
+    s.seq_len += end - begin;
+    s.tokens.insert(s.tokens.end(), begin, end);
+  }
+  for (int32_t spare : rows.spare) {
+    if (spare >= 0) ReleaseLocked(spare);
   }
   if (commit) {
     ++stats_.forwards_committed;
@@ -868,98 +1055,6 @@ absl::Status StateCacheImpl::AfterAdvance(const std::vector<int32_t>& index, Lan
   return st;
 }
 
-absl::Status StateCacheImpl::Verify(absl::Span<const SlotId> ids, int32_t num_draft,
-                                    absl::Span<const int32_t> draft_tokens,
-                                    absl::Span<const LayerIo> layers) {
-  const int32_t L = model_.shape.ring_len;
-  if (num_draft < 1 || num_draft > L) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_draft: expected 1 to ", L, " (the ring length), got ", num_draft));
-  }
-  const int64_t B = static_cast<int64_t>(ids.size());
-  if (B < 1 || B > options_.max_batch) {
-    return absl::InvalidArgumentError(absl::StrCat("slots: expected 1 to ", options_.max_batch,
-                                                   " rows, got ", B));
-  }
-  if (static_cast<int64_t>(draft_tokens.size()) != B * num_draft) {
-    return absl::InvalidArgumentError(absl::StrCat("draft_tokens: expected ", B * num_draft,
-                                                   " (rows x num_draft), got ", draft_tokens.size()));
-  }
-  absl::Status st = CheckIo(model_, layers, true);
-  if (!st.ok()) return st;
-  std::vector<int32_t> index(B, -1);
-  {
-    absl::MutexLock lock(&mu_);
-    std::unordered_set<SlotId> seen;
-    int64_t r = 0;
-    for (; r < B && st.ok(); ++r) {
-      if (ids[r] == kPaddingSlot) continue;
-      const std::string field = absl::StrCat("slots[", r, "]");
-      if (!seen.insert(ids[r]).second) {
-        st = absl::InvalidArgumentError(absl::StrCat(field, ": expected a slot not already in this batch, got ",
-                                                     IdString(ids[r]), " twice"));
-        break;
-      }
-      absl::StatusOr<int32_t> i = AcquireLocked(ids[r], field, /*allow_pending=*/true);
-      if (!i.ok()) {
-        st = i.status();
-        break;
-      }
-      index[r] = *i;
-      slots_[*i].pending = 0;  // a new verify replaces drafts not yet accepted
-      slots_[*i].drafts.clear();
-    }
-    if (!st.ok()) {
-      for (int64_t j = 0; j < B; ++j) {
-        if (index[j] >= 0) slots_[index[j]].busy = false;
-      }
-      return st;
-    }
-  }
-  const int64_t N = B * num_draft;
-  std::vector<int32_t> folded;
-  st = OnLane([&](Lane& lane) {
-    // Fold-before-verify: a row needs room for num_draft records.
-    absl::Status r = FoldRows(index, L - num_draft, &CacheStats::folds_ring_full, lane, &folded);
-    if (!r.ok()) return r;
-    const std::vector<int32_t> write_pos = Cursors(index);
-    Scratch& s = lane.scratch;
-    r = s.Reserve(options_.backend, model_, ScratchTokens(layers, N), B);
-    if (r.ok()) r = lane.Upload(s.slot_idx.data(), index.data(), B * 4);
-    if (r.ok()) r = lane.Upload(s.write_pos.data(), write_pos.data(), B * 4);
-    for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
-      absl::StatusOr<rssm_token_inputs> in = StageInputs(lane, model_, layers[l], N);
-      if (!in.ok()) return in.status();
-      rssm_verify_args a{};
-      a.launch = lane.Launch();
-      a.shape = model_.shape;
-      a.params = pool_->LayerParams(l);
-      a.pool = pool_->LayerPool(l);
-      a.batch = static_cast<int32_t>(B);
-      a.num_draft = num_draft;
-      a.slot_idx = s.slot_idx.as<const int32_t>();
-      a.write_pos = s.write_pos.as<const int32_t>();
-      a.in = *in;
-      a.out = OutputTarget(lane, layers[l]);
-      r = KernelStatus(rssm_verify(&a), "verify");
-      if (r.ok()) r = StageOutputs(lane, model_, layers[l], N);
-    }
-    const absl::Status done = lane.Synchronize();
-    if (!done.ok()) MarkBroken(folded);  // the folds may not have completed
-    return r.ok() ? done : r;
-  });
-  absl::MutexLock lock(&mu_);
-  for (int64_t r = 0; r < B; ++r) {
-    if (index[r] < 0) continue;
-    Slot& s = slots_[index[r]];
-    s.busy = false;
-    if (!st.ok()) continue;  // appends past the cursor are invisible: nothing to undo
-    s.pending = num_draft;
-    s.drafts.assign(draft_tokens.begin() + r * num_draft, draft_tokens.begin() + (r + 1) * num_draft);
-  }
-  return st;
-}
-
 absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
   int32_t index = -1;
   absl::StatusOr<LanePool::Lease> lane = lanes_.Take();  // before anything moves
@@ -988,38 +1083,53 @@ absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
   return AfterAdvance({index}, **lane);
 }
 
-ForwardImpl::ForwardImpl(StateCacheImpl* cache, std::vector<int32_t> index,
-                         std::vector<int32_t> tokens, LanePool::Lease lane)
+ForwardImpl::ForwardImpl(StateCacheImpl* cache, ForwardRows rows, LanePool::Lease lane,
+                         bool layer_waits)
     : cache_(cache),
-      index_(std::move(index)),
-      tokens_(std::move(tokens)),
+      rows_(std::move(rows)),
       lane_(std::move(lane)),
-      done_(cache->model().num_layers, false) {}
+      layer_waits_(layer_waits),
+      done_(cache->model().num_layers, false),
+      touched_(cache->model().num_layers, false) {}
 
 ForwardImpl::~ForwardImpl() {
   if (finished_) return;
-  // Abandoned: wait for what was queued (ring appends past the cursors, and the scratch the
-  // lane is about to lend out again) before the rows are released; doorbells nobody will
-  // ring any more are rung here, or the stream would never drain.
+  // Abandoned: ring the doorbells nobody will ring any more (or the stream would never
+  // drain), put back what a prefill overwrote, then wait for everything queued (ring appends
+  // past the cursors, the copies, and the scratch the lane is about to lend out again) before
+  // the rows are released.
   doorbells_.Release(cache_->options().backend);
-  (void)Synchronize();
+  const bool restored = Restore();
+  const bool done = Synchronize().ok();
   lane_.reset();
-  cache_->EndForward(index_, tokens_, false);
+  cache_->EndForward(rows_, false,
+                     /*broken=*/!restored || (!done && rows_.kind == ForwardKind::kPrefill));
 }
 
 absl::Status ForwardImpl::Start() {
   const ModelSpec& m = cache_->model();
   Lane& lane = *lane_;
-  // A ring that cannot take this step's record is folded now (committed; see the top).
-  absl::Status st = cache_->FoldRows(index_, m.shape.ring_len - 2, &CacheStats::folds_ring_full,
-                                     lane, &unconfirmed_folds_);
-  if (!st.ok()) return st;
-  const std::vector<int32_t> write_pos = cache_->Cursors(index_);
   const int64_t B = batch();
   Scratch& s = lane.scratch;
-  st = s.Reserve(cache_->options().backend, m, B, B);
-  if (st.ok()) st = lane.Upload(s.slot_idx.data(), index_.data(), B * 4);
+  absl::Status st = s.Reserve(cache_->options().backend, m, 0, B);
+  if (!st.ok()) return st;
+  // A ring that cannot take this forward's records is folded now (committed; see the top).
+  // Prefill reads the ring wherever its cursor is and appends nothing: it never folds here.
+  const int32_t L = m.shape.ring_len;
+  const int32_t max_pos = rows_.kind == ForwardKind::kDecode   ? L - 2
+                          : rows_.kind == ForwardKind::kVerify ? L - rows_.num_draft
+                                                               : L;
+  st = cache_->FoldRows(rows_.index, max_pos, &CacheStats::folds_ring_full, lane,
+                        &unconfirmed_folds_);
+  if (!st.ok()) return st;
+  const std::vector<int32_t> write_pos = cache_->Cursors(rows_.index);
+  st = lane.Upload(s.slot_idx.data(), rows_.index.data(), B * 4);
   if (st.ok()) st = lane.Upload(s.write_pos.data(), write_pos.data(), B * 4);
+  if (st.ok() && rows_.kind == ForwardKind::kPrefill) {
+    const std::vector<uint8_t> initial(B, 1);  // every row continues from its slot's state
+    st = lane.Upload(s.cu.data(), rows_.cu.data(), (B + 1) * 4);
+    if (st.ok()) st = lane.Upload(s.flags.data(), initial.data(), B);
+  }
   return st;
 }
 
@@ -1031,38 +1141,117 @@ absl::Status ForwardImpl::Synchronize() {
   return st;
 }
 
+absl::Status ForwardImpl::ReserveTokens() {
+  const ModelSpec& m = cache_->model();
+  if (ScratchHolds(lane_->scratch, m, tokens())) return absl::OkStatus();
+  absl::Status st = Synchronize();
+  if (st.ok()) st = lane_->scratch.Reserve(cache_->options().backend, m, tokens(), batch());
+  return st;
+}
+
+absl::Status ForwardImpl::CopySpares(int32_t layer, bool restore) {
+  SlotPool& pool = cache_->pool();
+  const size_t bytes = pool.CheckpointBytes();
+  char* base = static_cast<char*>(pool.LayerPool(layer).checkpoint);
+  for (int32_t r = 0; r < batch(); ++r) {
+    if (rows_.spare[r] < 0) continue;
+    char* row = base + static_cast<size_t>(rows_.index[r]) * bytes;
+    char* spare = base + static_cast<size_t>(rows_.spare[r]) * bytes;
+    const rssm_launch l = lane_->Launch();
+    absl::Status st = KernelStatus(rssm_memcpy(&l, restore ? row : spare, restore ? spare : row,
+                                               bytes, RSSM_COPY_DEVICE_TO_DEVICE),
+                                   restore ? "restore checkpoint" : "save checkpoint");
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+bool ForwardImpl::Restore() {
+  if (rows_.kind != ForwardKind::kPrefill) return true;  // only ring appends past the cursors
+  const bool spares =
+      std::any_of(rows_.spare.begin(), rows_.spare.end(), [](int32_t s) { return s >= 0; });
+  for (size_t l = 0; l < touched_.size(); ++l) {
+    if (!touched_[l]) continue;
+    if (!spares || !CopySpares(static_cast<int32_t>(l), /*restore=*/true).ok()) return false;
+  }
+  return true;
+}
+
+absl::Status ForwardImpl::Launch(int32_t layer, const rssm_token_inputs& in,
+                                 const rssm_token_outputs& out) {
+  const ModelSpec& m = cache_->model();
+  SlotPool& pool = cache_->pool();
+  const Scratch& s = lane_->scratch;
+  switch (rows_.kind) {
+    case ForwardKind::kDecode: {
+      rssm_decode_args a{lane_->Launch(), m.shape, pool.LayerParams(layer), pool.LayerPool(layer)};
+      a.batch = batch();
+      a.slot_idx = s.slot_idx.as<const int32_t>();
+      a.write_pos = s.write_pos.as<const int32_t>();
+      a.force_fold = nullptr;  // never folds: every row has room (Start)
+      a.in = in;
+      a.out = out;
+      return KernelStatus(rssm_replay_decode(&a), "decode");
+    }
+    case ForwardKind::kVerify: {
+      rssm_verify_args a{lane_->Launch(), m.shape, pool.LayerParams(layer), pool.LayerPool(layer)};
+      a.batch = batch();
+      a.num_draft = rows_.num_draft;
+      a.slot_idx = s.slot_idx.as<const int32_t>();
+      a.write_pos = s.write_pos.as<const int32_t>();
+      a.in = in;
+      a.out = out;
+      return KernelStatus(rssm_verify(&a), "verify");
+    }
+    case ForwardKind::kPrefill: {
+      absl::Status st = CopySpares(layer, /*restore=*/false);
+      if (!st.ok()) return st;
+      rssm_prefill_args a{lane_->Launch(), m.shape, pool.LayerParams(layer), pool.LayerPool(layer)};
+      a.batch = batch();
+      a.slot_idx = s.slot_idx.as<const int32_t>();
+      a.cu_seqlens = s.cu.as<const int32_t>();
+      a.initial = s.flags.as<const uint8_t>();
+      a.write_pos = s.write_pos.as<const int32_t>();
+      for (int32_t r = 0; r < batch(); ++r) {
+        a.max_seqlen = std::max(a.max_seqlen, rows_.cu[r + 1] - rows_.cu[r]);
+      }
+      a.in = in;
+      a.out = out;
+      return KernelStatus(rssm_prefill(&a), "prefill");
+    }
+  }
+  return absl::InternalError("forward: unknown kind");
+}
+
 absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   const ModelSpec& m = cache_->model();
   if (finished_) return absl::FailedPreconditionError("forward: already committed");
+  if (!failed_.ok()) return failed_;
   if (layer < 0 || layer >= m.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layer: expected 0 to ", m.num_layers - 1, ", got ", layer));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: expected 0 to ", m.num_layers - 1, ", got ", layer));
   }
   if (done_[layer]) {
-    return absl::FailedPreconditionError(absl::StrCat("layer: layer ", layer, " already ran in this forward"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer: layer ", layer, " already ran in this forward"));
   }
-  absl::Status st = CheckLayerIo(io, "io", /*need_out=*/true);
+  absl::Status st = CheckLayerIo(io, "io", /*need_out=*/rows_.kind != ForwardKind::kPrefill);
   if (!st.ok()) return st;
-  const int64_t B = batch();
-  Lane& lane = *lane_;
-  absl::StatusOr<rssm_token_inputs> in = StageInputs(lane, m, io, B);
+  const bool host = io.memory == IoMemory::kHost;
+  if (host) st = ReserveTokens();
+  if (!st.ok()) return st;
+  absl::StatusOr<rssm_token_inputs> in = StageInputs(*lane_, m, io, tokens());
   if (!in.ok()) return in.status();
-  rssm_decode_args a{};
-  a.launch = lane.Launch();
-  a.shape = m.shape;
-  a.params = cache_->pool().LayerParams(layer);
-  a.pool = cache_->pool().LayerPool(layer);
-  a.batch = static_cast<int32_t>(B);
-  a.slot_idx = lane.scratch.slot_idx.as<const int32_t>();
-  a.write_pos = lane.scratch.write_pos.as<const int32_t>();
-  a.force_fold = nullptr;  // never folds: every row has room (Start)
-  a.in = *in;
-  a.out = OutputTarget(lane, io);
-  st = KernelStatus(rssm_replay_decode(&a), "decode");
-  if (st.ok() && io.memory == IoMemory::kHost) {  // the caller reads io.out on return
-    st = StageOutputs(lane, m, io, B);
-    if (st.ok()) st = Synchronize();
+  touched_[layer] = true;
+  st = Launch(layer, *in, OutputTarget(*lane_, io));
+  if (st.ok()) st = StageOutputs(*lane_, m, io, tokens());
+  if (st.ok() && host && layer_waits_) st = Synchronize();  // the caller reads io.out on return
+  if (!st.ok()) {
+    failed_ = absl::FailedPreconditionError(
+        absl::StrCat("forward: layer ", layer, " failed (", st.message(), "); abandon it"));
+    return st;
   }
-  if (st.ok()) done_[layer] = true;
+  done_[layer] = true;
   return st;
 }
 
@@ -1072,6 +1261,7 @@ int32_t ForwardImpl::ReleaseWaits() {
 
 absl::Status ForwardImpl::Commit() {
   if (finished_) return absl::FailedPreconditionError("forward: already committed");
+  if (!failed_.ok()) return failed_;
   for (size_t l = 0; l < done_.size(); ++l) {
     if (!done_[l]) {
       return absl::FailedPreconditionError(absl::StrCat("commit: layer ", l, " has not run"));
@@ -1080,8 +1270,8 @@ absl::Status ForwardImpl::Commit() {
   absl::Status st = Synchronize();  // the layers' device work is done before cursors move
   if (!st.ok()) return st;
   finished_ = true;
-  cache_->EndForward(index_, tokens_, true);
-  st = cache_->AfterAdvance(index_, *lane_);
+  cache_->EndForward(rows_, true, false);
+  if (rows_.kind != ForwardKind::kVerify) st = cache_->AfterAdvance(rows_.index, *lane_);
   lane_.reset();
   return st;
 }

@@ -44,18 +44,70 @@ absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::RoundTrip(
   if (stream_->Write(request) && stream_->Read(&response)) return response;
   finished_ = true;
   final_ = FromGrpc(stream_->Finish());
-  if (final_.ok()) final_ = absl::UnavailableError("decode stream ended by the server");
+  if (final_.ok()) final_ = absl::UnavailableError("forward stream ended by the server");
   return final_;
+}
+
+absl::StatusOr<v1::DecodeBegun> ForwardStream::BeginWith(const v1::DecodeStreamRequest& begin) {
+  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(begin);
+  if (!resp.ok()) return resp.status();
+  return resp->begun();
+}
+
+namespace {
+
+v1::DecodeStreamRequest DecodeBeginOf(const std::vector<v1::DecodeRow>& rows,
+                                      std::string request_id) {
+  v1::DecodeStreamRequest req;
+  req.mutable_begin()->set_request_id(OrNew(std::move(request_id)));
+  req.mutable_begin()->mutable_rows()->Assign(rows.begin(), rows.end());
+  return req;
+}
+
+v1::DecodeStreamRequest PrefillBeginOf(const std::vector<v1::PrefillRow>& rows,
+                                       std::string request_id) {
+  v1::DecodeStreamRequest req;
+  req.mutable_prefill_begin()->set_request_id(OrNew(std::move(request_id)));
+  req.mutable_prefill_begin()->mutable_rows()->Assign(rows.begin(), rows.end());
+  return req;
+}
+
+v1::DecodeStreamRequest VerifyBeginOf(absl::Span<const uint64_t> slots, int32_t num_draft,
+                                      absl::Span<const int32_t> draft_tokens,
+                                      std::string request_id) {
+  v1::DecodeStreamRequest req;
+  v1::VerifyBegin* begin = req.mutable_verify_begin();
+  begin->set_request_id(OrNew(std::move(request_id)));
+  begin->mutable_slots()->Assign(slots.begin(), slots.end());
+  begin->set_num_draft(num_draft);
+  begin->mutable_draft_tokens()->Assign(draft_tokens.begin(), draft_tokens.end());
+  return req;
+}
+
+}  // namespace
+
+v1::PrefillRow MakePrefillRow(uint64_t slot, absl::Span<const int32_t> tokens) {
+  v1::PrefillRow row;
+  row.set_slot(slot);
+  row.mutable_tokens()->Assign(tokens.begin(), tokens.end());
+  return row;
 }
 
 absl::StatusOr<v1::DecodeBegun> ForwardStream::Begin(const std::vector<v1::DecodeRow>& rows,
                                                      std::string request_id) {
-  v1::DecodeStreamRequest req;
-  req.mutable_begin()->set_request_id(OrNew(std::move(request_id)));
-  req.mutable_begin()->mutable_rows()->Assign(rows.begin(), rows.end());
-  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
-  if (!resp.ok()) return resp.status();
-  return resp->begun();
+  return BeginWith(DecodeBeginOf(rows, std::move(request_id)));
+}
+
+absl::StatusOr<v1::DecodeBegun> ForwardStream::BeginPrefill(const std::vector<v1::PrefillRow>& rows,
+                                                            std::string request_id) {
+  return BeginWith(PrefillBeginOf(rows, std::move(request_id)));
+}
+
+absl::StatusOr<v1::DecodeBegun> ForwardStream::BeginVerify(absl::Span<const uint64_t> slots,
+                                                           int32_t num_draft,
+                                                           absl::Span<const int32_t> draft_tokens,
+                                                           std::string request_id) {
+  return BeginWith(VerifyBeginOf(slots, num_draft, draft_tokens, std::move(request_id)));
 }
 
 absl::StatusOr<v1::LayerOutput> ForwardStream::RunLayer(const v1::LayerInput& input) {
@@ -74,10 +126,9 @@ absl::StatusOr<v1::DecodeCommitted> ForwardStream::Commit() {
   return resp->committed();
 }
 
-absl::StatusOr<v1::DecodeResponse> ForwardStream::Forward(const std::vector<v1::DecodeRow>& rows,
-                                                          absl::Span<const v1::LayerInput> layers,
-                                                          std::string request_id) {
-  absl::StatusOr<v1::DecodeBegun> begun = Begin(rows, std::move(request_id));
+absl::StatusOr<v1::DecodeResponse> ForwardStream::Run(const v1::DecodeStreamRequest& begin,
+                                                      absl::Span<const v1::LayerInput> layers) {
+  absl::StatusOr<v1::DecodeBegun> begun = BeginWith(begin);
   if (!begun.ok()) return begun.status();
   v1::DecodeResponse out;
   for (const v1::LayerInput& in : layers) {
@@ -90,6 +141,28 @@ absl::StatusOr<v1::DecodeResponse> ForwardStream::Forward(const std::vector<v1::
   *out.mutable_rows() = committed->rows();
   return out;
 }
+
+absl::StatusOr<v1::DecodeResponse> ForwardStream::Forward(const std::vector<v1::DecodeRow>& rows,
+                                                          absl::Span<const v1::LayerInput> layers,
+                                                          std::string request_id) {
+  return Run(DecodeBeginOf(rows, std::move(request_id)), layers);
+}
+
+absl::StatusOr<v1::DecodeResponse> ForwardStream::Prefill(const std::vector<v1::PrefillRow>& rows,
+                                                          absl::Span<const v1::LayerInput> layers,
+                                                          std::string request_id) {
+  return Run(PrefillBeginOf(rows, std::move(request_id)), layers);
+}
+
+absl::StatusOr<v1::DecodeResponse> ForwardStream::Verify(absl::Span<const uint64_t> slots,
+                                                         int32_t num_draft,
+                                                         absl::Span<const int32_t> draft_tokens,
+                                                         absl::Span<const v1::LayerInput> layers,
+                                                         std::string request_id) {
+  return Run(VerifyBeginOf(slots, num_draft, draft_tokens, std::move(request_id)), layers);
+}
+
+void ForwardStream::Cancel() { context_->TryCancel(); }
 
 absl::Status ForwardStream::Finish() {
   if (finished_) return final_;

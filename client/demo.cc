@@ -29,7 +29,9 @@ class Demo {
 
  private:
   absl::Status Check(const v1::Tensor& got, const v1::Tensor& want, const std::string& what);
-  absl::Status Prefill(Request& r, const std::vector<int32_t>& tokens);
+  // One layer-by-layer prefill forward over the stream: batch[i] runs tokens[i].
+  absl::Status Prefill(const std::vector<Request*>& batch,
+                       const std::vector<std::vector<int32_t>>& tokens);
   absl::Status DecodeSteps(std::vector<Request*> batch, int32_t steps);
   absl::Status CheckState(const Request& r);
   absl::Status HandOff(std::vector<Request>& requests);
@@ -60,23 +62,59 @@ absl::Status Demo::Check(const v1::Tensor& got, const v1::Tensor& want, const st
   return absl::OkStatus();
 }
 
-absl::Status Demo::Prefill(Request& r, const std::vector<int32_t>& tokens) {
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  std::vector<v1::LayerInput> layers = SyntheticLayers(info_.model(), n, rng_());
-  v1::PrefillRequest req;
-  req.set_slot(r.slot);
-  req.mutable_tokens()->Assign(tokens.begin(), tokens.end());
-  for (const v1::LayerInput& l : layers) *req.add_layers() = l;
-  req.set_return_outputs(true);
-  absl::StatusOr<v1::PrefillResponse> resp = client_->Prefill(req);
-  if (!resp.ok()) return resp.status();
-  absl::StatusOr<std::vector<v1::Tensor>> want = ref_->Prefill(r.seq, layers);
-  if (!want.ok()) return want.status();
-  for (int l = 0; l < info_.model().num_layers(); ++l) {
-    absl::Status s = Check(resp->layers(l).out(), (*want)[l], absl::StrCat("prefill layer ", l));
-    if (!s.ok()) return s;
+// Layer l + 1's inputs as a model makes them, from layer l's outputs: its v channels are the
+// synthetic ones plus the previous layer's output (both [N, HV*V]).
+v1::LayerInput ChainedInput(const v1::ModelInfo& m, v1::LayerInput in, const v1::Tensor& prev) {
+  std::vector<float> qkv = ToFloats(in.mixed_qkv());
+  const std::vector<float> out = ToFloats(prev);
+  const int64_t n = in.mixed_qkv().shape(0), width = in.mixed_qkv().shape(1);
+  const int64_t v_width = m.num_v_heads() * m.head_v();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < v_width; ++j)
+      qkv[t * width + width - v_width + j] += out[t * v_width + j];
   }
-  r.tokens.insert(r.tokens.end(), tokens.begin(), tokens.end());
+  *in.mutable_mixed_qkv() = MakeTensor(m.act_dtype(), {n, width}, qkv);
+  return in;
+}
+
+absl::Status Demo::Prefill(const std::vector<Request*>& batch,
+                           const std::vector<std::vector<int32_t>>& tokens) {
+  std::vector<v1::PrefillRow> rows;
+  std::vector<int64_t> offset = {0};  // row i's tokens in the packed layer messages
+  for (size_t i = 0; i < batch.size(); ++i) {
+    rows.push_back(MakePrefillRow(batch[i]->slot, tokens[i]));
+    offset.push_back(offset.back() + static_cast<int64_t>(tokens[i].size()));
+  }
+  absl::StatusOr<v1::DecodeBegun> begun = stream_->BeginPrefill(rows);
+  if (!begun.ok()) return begun.status();
+  const v1::ModelInfo& m = info_.model();
+  const std::vector<v1::LayerInput> synthetic = SyntheticLayers(m, begun->tokens(), rng_());
+  v1::Tensor previous;
+  for (int l = 0; l < m.num_layers(); ++l) {
+    const v1::LayerInput in = l == 0 ? synthetic[0] : ChainedInput(m, synthetic[l], previous);
+    absl::StatusOr<v1::LayerOutput> out = stream_->RunLayer(in);
+    if (!out.ok()) return out.status();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const int64_t n = offset[i + 1] - offset[i];
+      absl::StatusOr<v1::Tensor> want =
+          ref_->PrefillLayer(batch[i]->seq, SliceTokens(in, offset[i], n));
+      if (!want.ok()) return want.status();
+      absl::Status s = Check(SliceTokens(out->out(), offset[i], n), *want,
+                             absl::StrCat("prefill row ", i, " layer ", l));
+      if (!s.ok()) return s;
+    }
+    previous = out->out();
+  }
+  absl::StatusOr<v1::DecodeCommitted> committed = stream_->Commit();
+  if (!committed.ok()) return committed.status();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i]->tokens.insert(batch[i]->tokens.end(), tokens[i].begin(), tokens[i].end());
+    if (committed->rows(i).seq_len() != static_cast<int64_t>(batch[i]->tokens.size())) {
+      return absl::DataLossError(absl::StrCat("prefill row ", i, ": seq_len ",
+                                              committed->rows(i).seq_len(), ", expected ",
+                                              batch[i]->tokens.size()));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -172,18 +210,22 @@ absl::StatusOr<DemoReport> Demo::Run() {
        << " HV=" << m.num_v_heads() << " K=" << m.head_k() << " V=" << m.head_v()
        << " L=" << m.ring_len() << ") on " << info_.backend() << "\n";
 
+  // Turn 1: every request's prompt in one layer-by-layer prefill forward (varlen rows).
   std::vector<Request> requests(options_.requests);
+  std::vector<std::vector<int32_t>> prompts;
   for (int32_t i = 0; i < options_.requests; ++i) {
-    const std::vector<int32_t> prompt = RandomTokens(8 + 3 * i);
-    absl::StatusOr<v1::AllocateResponse> a = client_->AllocateFromPrefix(prompt);
+    prompts.push_back(RandomTokens(8 + 3 * i));
+    absl::StatusOr<v1::AllocateResponse> a = client_->AllocateFromPrefix(prompts.back());
     if (!a.ok()) return a.status();
     absl::StatusOr<int32_t> seq = ref_->NewSequence();
     if (!seq.ok()) return seq.status();
     requests[i].slot = a->slot();
     requests[i].seq = *seq;
-    absl::Status s = Prefill(requests[i], prompt);
-    if (!s.ok()) return s;
   }
+  std::vector<Request*> batch;
+  for (Request& r : requests) batch.push_back(&r);
+  absl::Status s = Prefill(batch, prompts);
+  if (!s.ok()) return s;
   if (!options_.decode_address.empty()) {
     absl::Status h = HandOff(requests);
     if (!h.ok()) return h;
@@ -192,14 +234,12 @@ absl::StatusOr<DemoReport> Demo::Run() {
                         : info_.track_interval() > 0 && info_.track_interval() <= 256
                             ? info_.track_interval() + 8
                             : 40;
-  std::vector<Request*> batch;
-  for (Request& r : requests) batch.push_back(&r);
-  absl::Status s = DecodeSteps(batch, steps);
+  s = DecodeSteps(batch, steps);
   if (!s.ok()) return s;
   s = CheckState(requests[0]);
   if (!s.ok()) return s;
-  log_ << "demo: turn 1: " << options_.requests << " requests prefilled, " << steps
-       << " batched decode forwards, outputs match the CPU reference\n";
+  log_ << "demo: turn 1: " << options_.requests << " requests prefilled together layer by layer, "
+       << steps << " batched decode forwards, outputs match the CPU reference\n";
 
   // Turn 2: the first request finishes and is donated; its follow-up hits the prefix cache.
   for (Request& r : requests) {
@@ -219,7 +259,7 @@ absl::StatusOr<DemoReport> Demo::Run() {
                                             " tokens, expected ", report_.prefix_expected));
   }
   first.slot = a->slot();
-  s = Prefill(first, followup);
+  s = Prefill({&first}, {followup});
   if (s.ok()) s = DecodeSteps({&first}, options_.turn2_steps);
   if (s.ok()) s = CheckState(first);
   if (s.ok()) s = client_->Free(first.slot);

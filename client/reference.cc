@@ -112,30 +112,41 @@ std::vector<float> CpuReference::State(int32_t seq, int32_t layer) const {
   return std::vector<float>(begin, begin + n);
 }
 
-absl::StatusOr<std::vector<v1::Tensor>> CpuReference::Prefill(
-    int32_t seq, absl::Span<const v1::LayerInput> layers) {
-  const int64_t n = layers.empty() ? 0 : layers[0].mixed_qkv().shape(0);
+absl::StatusOr<v1::Tensor> CpuReference::PrefillLayer(int32_t seq, const v1::LayerInput& input) {
+  const int32_t l = input.layer();
+  if (l < 0 || l >= model_.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat("reference: layer ", l, " out of range"));
+  }
+  const int64_t n = input.mixed_qkv().shape(0);
   const int32_t cu[2] = {0, static_cast<int32_t>(n)};
   const uint8_t initial = 1;
   const int32_t write_pos = 0;
+  v1::Tensor out = OutputTensor(model_, n);
+  rssm_prefill_args args{};
+  args.launch = {RSSM_BACKEND_CPU, nullptr};
+  args.shape = shape_;
+  args.params = layers_[l].params;
+  args.pool = layers_[l].pool;
+  args.batch = 1;
+  args.slot_idx = &seq;
+  args.cu_seqlens = cu;
+  args.initial = &initial;
+  args.write_pos = &write_pos;
+  args.max_seqlen = static_cast<int32_t>(n);
+  args.in = Inputs(input);
+  args.out = {out.mutable_data()->data(), 0};
+  const rssm_status s = rssm_prefill(&args);
+  if (s != RSSM_OK) return KernelError(s);
+  return out;
+}
+
+absl::StatusOr<std::vector<v1::Tensor>> CpuReference::Prefill(
+    int32_t seq, absl::Span<const v1::LayerInput> layers) {
   std::vector<v1::Tensor> outs;
-  for (int32_t l = 0; l < model_.num_layers(); ++l) {
-    outs.push_back(OutputTensor(model_, n));
-    rssm_prefill_args args{};
-    args.launch = {RSSM_BACKEND_CPU, nullptr};
-    args.shape = shape_;
-    args.params = layers_[l].params;
-    args.pool = layers_[l].pool;
-    args.batch = 1;
-    args.slot_idx = &seq;
-    args.cu_seqlens = cu;
-    args.initial = &initial;
-    args.write_pos = &write_pos;
-    args.max_seqlen = static_cast<int32_t>(n);
-    args.in = Inputs(layers[l]);
-    args.out = {outs.back().mutable_data()->data(), 0};
-    const rssm_status s = rssm_prefill(&args);
-    if (s != RSSM_OK) return KernelError(s);
+  for (const v1::LayerInput& in : layers) {
+    absl::StatusOr<v1::Tensor> out = PrefillLayer(seq, in);
+    if (!out.ok()) return out.status();
+    outs.push_back(*std::move(out));
   }
   return outs;
 }

@@ -4,10 +4,9 @@
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "service/decode_session.h"
+#include "service/forward_session.h"
 #include "service/status_map.h"
 #include "service/tensors.h"
 
@@ -245,7 +244,7 @@ absl::Status Operations::Decode(const v1::DecodeRequest& req, v1::DecodeResponse
   absl::Status s = CheckRows(req.rows(), ctx_->limits);
   if (s.ok()) s = CheckAllLayers(req.layers(), ctx_->cache->model(), req.rows_size());
   if (!s.ok()) return s;
-  DecodeSession session(ctx_);
+  ForwardSession session(ctx_);
   v1::DecodeBegin begin;
   begin.set_request_id(req.request_id());
   *begin.mutable_rows() = req.rows();
@@ -266,27 +265,10 @@ namespace {
 // Every field of a verify request against the model and the limits.
 absl::Status CheckVerify(const v1::VerifyRequest& req, const cache::ModelSpec& m,
                          const ServiceLimits& limits) {
-  const int64_t b = req.slots_size();
-  if (b < 1 || b > limits.max_batch) {
-    return FieldError("slots", absl::StrCat("1..", limits.max_batch, " slots"), absl::StrCat(b));
-  }
-  absl::flat_hash_set<uint64_t> seen;
-  for (int i = 0; i < req.slots_size(); ++i) {
-    if (req.slots(i) == 0 || !seen.insert(req.slots(i)).second) {
-      return FieldError(absl::StrCat("slots[", i, "]"), "a distinct non-zero slot",
-                        absl::StrCat(req.slots(i)));
-    }
-  }
-  if (req.num_draft() < 1 || req.num_draft() > m.shape.ring_len) {
-    return FieldError("num_draft", absl::StrCat("1..", m.shape.ring_len),
-                      absl::StrCat(req.num_draft()));
-  }
-  const int64_t n = b * req.num_draft();
-  if (req.draft_tokens_size() != n) {
-    return FieldError("draft_tokens", absl::StrCat(n, " tokens (slots x num_draft)"),
-                      absl::StrCat(req.draft_tokens_size()));
-  }
-  return CheckAllLayers(req.layers(), m, n);
+  absl::Status s =
+      CheckVerifyRows(req.slots(), req.num_draft(), req.draft_tokens_size(), m, limits);
+  if (!s.ok()) return s;
+  return CheckAllLayers(req.layers(), m, int64_t{req.slots_size()} * req.num_draft());
 }
 
 }  // namespace

@@ -1,15 +1,15 @@
 #include "service/replayssm_service.h"
 
-#include "service/decode_session.h"
+#include "service/forward_session.h"
 #include "service/status_map.h"
 
 namespace replayssm::service {
 
 namespace {
 
-// One decode stream: reads a message, lets the session handle it, writes the answer, reads
-// the next. A closed stream or an error before Commit abandons the open forward (the
-// session's destructor).
+// One forward stream: reads a message, lets the session handle it, writes the answer, reads
+// the next. A closed or cancelled stream or an error before a commit abandons the open
+// forward (Done).
 class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
  public:
@@ -35,12 +35,17 @@ class DecodeStreamReactor final
     switch (request_.msg_case()) {
       case v1::DecodeStreamRequest::kBegin:
         return session_.Begin(request_.begin(), response_.mutable_begun());
+      case v1::DecodeStreamRequest::kPrefillBegin:
+        return session_.BeginPrefill(request_.prefill_begin(), response_.mutable_begun());
+      case v1::DecodeStreamRequest::kVerifyBegin:
+        return session_.BeginVerify(request_.verify_begin(), response_.mutable_begun());
       case v1::DecodeStreamRequest::kLayer:
         return session_.RunLayer(request_.layer(), response_.mutable_layer());
       case v1::DecodeStreamRequest::kCommit:
         return session_.Commit(response_.mutable_committed());
       default:
-        return absl::InvalidArgumentError("msg: expected begin, layer or commit, got none");
+        return absl::InvalidArgumentError(
+            "msg: expected begin, prefill_begin, verify_begin, layer or commit, got none");
     }
   }
   void Done(const absl::Status& status) {
@@ -50,7 +55,7 @@ class DecodeStreamReactor final
   }
 
   const ServiceContext* ctx_;
-  DecodeSession session_;
+  ForwardSession session_;
   v1::DecodeStreamRequest request_;
   v1::DecodeStreamResponse response_;
 };

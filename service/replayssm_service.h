@@ -1,5 +1,5 @@
 // The gRPC face of replayssm.v1.ReplaySsm (callback API). Handlers are thin: they call
-// Operations (unary) or drive a DecodeSession (the DecodeStream reactor), count the RPC in
+// Operations (unary) or drive a ForwardSession (the DecodeStream reactor), count the RPC in
 // the metrics and map the status through ToGrpcStatus. No domain logic lives here.
 #ifndef REPLAYSSM_SERVICE_REPLAYSSM_SERVICE_H_
 #define REPLAYSSM_SERVICE_REPLAYSSM_SERVICE_H_

@@ -199,6 +199,89 @@ TEST_F(ApiTest, VerifyDraftsEqualDecodeStepsAndAcceptAdvancesByTheAcceptedCount)
   DecodeStep({a}, {sa});  // continues from the accepted drafts
 }
 
+TEST_F(ApiTest, StreamPrefillOfSeveralSlotsEqualsUnaryPrefillBitForBit) {
+  // Twins: the same prompt, then the same decode step (records in the ring).
+  const auto pa = Layers(5), pb = Layers(3), step = Layers(2);
+  const uint64_t a1 = PrefilledSlot(pa), a2 = PrefilledSlot(pa);
+  const uint64_t b1 = PrefilledSlot(pb), b2 = PrefilledSlot(pb);
+  for (const std::vector<uint64_t>& rows : {std::vector<uint64_t>{a1, b1}, {a2, b2}}) {
+    v1::DecodeRequest req = DecodeRequest(rows, step);
+    for (auto& row : *req.mutable_rows()) row.set_token_id(5);  // the twins' histories agree
+    ASSERT_TRUE(client_->Decode(req).ok());
+  }
+  const int64_t nx = model().ring_len() + 3, ny = 1;  // x outruns the ring
+  const auto lx = Layers(nx), ly = Layers(ny);
+  std::vector<int32_t> x, y = {77};
+  for (int64_t i = 0; i < nx; ++i) x.push_back(static_cast<int32_t>(60 + i));
+  v1::PrefillRequest ux;
+  ux.set_slot(a1);
+  ux.mutable_tokens()->Assign(x.begin(), x.end());
+  for (const auto& l : lx) *ux.add_layers() = l;
+  ux.set_return_outputs(true);
+  v1::PrefillRequest uy = ux;
+  uy.set_slot(b1);
+  uy.mutable_tokens()->Assign(y.begin(), y.end());
+  uy.clear_layers();
+  for (const auto& l : ly) *uy.add_layers() = l;
+  auto ox = client_->Prefill(ux), oy = client_->Prefill(uy);
+  ASSERT_TRUE(ox.ok() && oy.ok()) << ox.status() << oy.status();
+
+  auto stream = client_->OpenStream();
+  auto begun = stream->BeginPrefill({client::MakePrefillRow(a2, x), client::MakePrefillRow(b2, y)});
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  EXPECT_EQ(begun->batch(), 2);
+  EXPECT_EQ(begun->tokens(), nx + ny);
+  const auto packed = PackRows({lx, ly});
+  for (int l = num_layers() - 1; l >= 0; --l) {  // any layer order
+    auto out = stream->RunLayer(packed[l]);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(client::SliceTokens(out->out(), 0, nx).data(), ox->layers(l).out().data());
+    EXPECT_EQ(client::SliceTokens(out->out(), nx, ny).data(), oy->layers(l).out().data());
+  }
+  auto committed = stream->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  ASSERT_EQ(committed->rows_size(), 2);
+  EXPECT_EQ(committed->rows(0).seq_len(), 6 + nx);
+  EXPECT_EQ(committed->rows(0).write_pos(), 0);
+  EXPECT_EQ(committed->rows(1).seq_len(), 4 + ny);
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(Observe(a2), Observe(a1));
+  EXPECT_EQ(Observe(b2), Observe(b1));
+}
+
+TEST_F(ApiTest, StreamVerifyEqualsUnaryVerifyBitForBitAndAcceptContinuesIt) {
+  const auto prompt = Layers(6);
+  const uint64_t a1 = PrefilledSlot(prompt), a2 = PrefilledSlot(prompt);
+  const uint64_t b1 = PrefilledSlot(prompt), b2 = PrefilledSlot(prompt);
+  const int t = 3;
+  const std::vector<int32_t> drafts = {5, 6, 7, 8, 9, 10};
+  const auto layers = Layers(2 * t);
+  v1::VerifyRequest unary;
+  unary.add_slots(a1);
+  unary.add_slots(b1);
+  unary.set_num_draft(t);
+  unary.mutable_draft_tokens()->Assign(drafts.begin(), drafts.end());
+  for (const auto& l : layers) *unary.add_layers() = l;
+  auto want = client_->Verify(unary);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto stream = client_->OpenStream();
+  const std::vector<uint64_t> slots = {a2, b2};
+  auto got = stream->Verify(slots, t, drafts, layers);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (int l = 0; l < num_layers(); ++l) {
+    EXPECT_EQ(got->layers(l).out().data(), want->layers(l).out().data()) << "layer " << l;
+  }
+  ASSERT_EQ(got->rows_size(), 2);
+  EXPECT_EQ(got->rows(0).pending_drafts(), t);
+  EXPECT_EQ(got->rows(0).seq_len(), 6) << "nothing advances before Accept";
+  for (uint64_t s : {a1, a2}) ASSERT_TRUE(client_->Accept(s, 2).ok());
+  for (uint64_t s : {b1, b2}) ASSERT_TRUE(client_->Accept(s, 0).ok());
+  EXPECT_EQ(Observe(a2), Observe(a1));
+  EXPECT_EQ(Observe(b2), Observe(b1));
+  EXPECT_EQ(client_->GetSlot(a2)->seq_len(), 8);
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 TEST_F(ApiTest, DonatedRequestIsAPrefixHitForItsNextTurn) {
   const uint64_t a = NewSlot();
   const int32_t sa = *ref_->NewSequence();

@@ -224,6 +224,118 @@ TEST_F(ErrorsTest, StreamLayerWithoutBeginIsAFailedPrecondition) {
   EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition) << out.status();
 }
 
+// A bad message inside a prefill or verify stream forward, after its first layer ran.
+struct BadLayerMessage {
+  const char* name;
+  std::function<void(v1::DecodeStreamRequest&)> mutate;  // of a valid layer 1 message
+  grpc::StatusCode code;
+  const char* field;
+};
+
+TEST_F(ErrorsTest, BadLayerMessagesOfPrefillAndVerifyForwardsChangeNothing) {
+  const int last = num_layers() - 1;
+  const std::vector<BadLayerMessage> cases = {
+      {"wrong layer index", [last](auto& r) { r.mutable_layer()->set_layer(last + 1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.layer"},
+      {"layer twice", [](auto& r) { r.mutable_layer()->set_layer(0); },
+       grpc::StatusCode::FAILED_PRECONDITION, "layer.layer"},
+      {"wrong token count",
+       [](auto& r) {
+         auto* qkv = r.mutable_layer()->mutable_mixed_qkv();
+         qkv->set_shape(0, qkv->shape(0) + 1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.mixed_qkv.shape"},
+      {"commit before every layer", [](auto& r) { r.mutable_commit(); },
+       grpc::StatusCode::FAILED_PRECONDITION, "commit"},
+      {"a second begin", [this](auto& r) { r.mutable_verify_begin()->add_slots(slot_); },
+       grpc::StatusCode::FAILED_PRECONDITION, "begin"},
+  };
+  const std::string before = Observe(slot_);
+  const int64_t free_before = client_->Stats()->slots_free();
+  for (bool prefill : {true, false}) {
+    for (const BadLayerMessage& c : cases) {
+      SCOPED_TRACE(std::string(prefill ? "prefill: " : "verify: ") + c.name);
+      grpc::ClientContext ctx;
+      auto stream = stub_->DecodeStream(&ctx);
+      v1::DecodeStreamRequest begin;
+      if (prefill) {
+        v1::PrefillRow* row = begin.mutable_prefill_begin()->add_rows();
+        row->set_slot(slot_);
+        for (int i = 0; i < 3; ++i) row->add_tokens(i);
+        begin.mutable_prefill_begin()->set_request_id(client::NewRequestId());
+      } else {
+        begin.mutable_verify_begin()->add_slots(slot_);
+        begin.mutable_verify_begin()->set_num_draft(3);
+        for (int i = 0; i < 3; ++i) begin.mutable_verify_begin()->add_draft_tokens(i);
+        begin.mutable_verify_begin()->set_request_id(client::NewRequestId());
+      }
+      const auto layers = Layers(3);
+      v1::DecodeStreamRequest first, bad;
+      *first.mutable_layer() = layers[0];
+      *bad.mutable_layer() = layers[1];
+      c.mutate(bad);
+      v1::DecodeStreamResponse resp;
+      ASSERT_TRUE(stream->Write(begin) && stream->Read(&resp));
+      EXPECT_EQ(resp.begun().tokens(), 3);
+      ASSERT_TRUE(stream->Write(first) && stream->Read(&resp));
+      EXPECT_EQ(resp.layer().out().shape(0), 3);
+      stream->Write(bad);
+      EXPECT_FALSE(stream->Read(&resp)) << "the server ends the stream";
+      const grpc::Status s = stream->Finish();
+      EXPECT_EQ(s.error_code(), c.code) << s.error_message();
+      EXPECT_NE(s.error_message().find(c.field), std::string::npos) << s.error_message();
+      EXPECT_EQ(Observe(slot_), before);
+      EXPECT_EQ(client_->Stats()->slots_free(), free_before) << "the spare slot came back";
+    }
+  }
+  DecodeStep({slot_}, {seq_});  // the slot still works and still matches the reference
+}
+
+TEST_F(ErrorsTest, BadPrefillAndVerifyBeginsNameTheirFieldAndChangeNothing) {
+  const uint64_t freed = NewSlot();
+  ASSERT_TRUE(client_->Free(freed).ok());
+  const std::string before = Observe(slot_);
+  auto prefill = [&](const std::vector<std::pair<uint64_t, int>>& rows) {
+    std::vector<v1::PrefillRow> r;
+    for (auto [slot, n] : rows)
+      r.push_back(client::MakePrefillRow(slot, std::vector<int32_t>(n, 1)));
+    return client_->OpenStream()->BeginPrefill(r).status();
+  };
+  auto verify = [&](const std::vector<uint64_t>& slots, int t, int drafts) {
+    return client_->OpenStream()->BeginVerify(slots, t, std::vector<int32_t>(drafts, 1)).status();
+  };
+  struct Case {
+    const char* name;
+    absl::Status status;
+    absl::StatusCode code;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {"no prefill rows", prefill({}), absl::StatusCode::kInvalidArgument, "rows"},
+      {"a row without tokens", prefill({{slot_, 2}, {NewSlot(), 0}}),
+       absl::StatusCode::kInvalidArgument, "rows[1].tokens"},
+      {"padding row", prefill({{0, 2}}), absl::StatusCode::kInvalidArgument, "rows[0].slot"},
+      {"duplicate row", prefill({{slot_, 1}, {slot_, 1}}), absl::StatusCode::kInvalidArgument,
+       "rows[1].slot"},
+      {"too many rows", prefill(std::vector<std::pair<uint64_t, int>>(kMaxBatch + 1, {slot_, 1})),
+       absl::StatusCode::kInvalidArgument, "rows"},
+      {"freed slot", prefill({{slot_, 1}, {freed, 1}}), absl::StatusCode::kNotFound,
+       "rows[1].slot"},
+      {"num_draft beyond the ring", verify({slot_}, model().ring_len() + 1, model().ring_len() + 1),
+       absl::StatusCode::kInvalidArgument, "num_draft"},
+      {"draft count", verify({slot_}, 2, 3), absl::StatusCode::kInvalidArgument, "draft_tokens"},
+      {"verify of slot 0", verify({0}, 1, 1), absl::StatusCode::kInvalidArgument, "slots[0]"},
+      {"verify of a freed slot", verify({slot_, freed}, 1, 2), absl::StatusCode::kNotFound,
+       "slots[1]"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.status.code(), c.code) << c.name << ": " << c.status;
+    EXPECT_NE(c.status.message().find(c.field), std::string::npos) << c.name << ": " << c.status;
+  }
+  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(client_->Stats()->open_forwards(), 0);
+}
+
 TEST_F(ErrorsTest, AllocationBeyondCapacityIsResourceExhaustedAndFreeingMakesRoom) {
   std::vector<uint64_t> slots;
   absl::Status last;

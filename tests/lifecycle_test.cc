@@ -43,6 +43,72 @@ TEST_F(LifecycleTest, RetriedDecodeReturnsTheOriginalOutputsAndAdvancesOnce) {
   EXPECT_EQ(client_->Decode(other).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(LifecycleTest, RetriedPrefillAndVerifyForwardsReplayTheirOutputsAndApplyOnce) {
+  const uint64_t a = NewSlot();
+  const int32_t sa = *ref_->NewSequence();
+  const auto layers = Layers(4);
+  const std::vector<int32_t> tokens = {1, 2, 3, 4};
+  const std::vector<v1::PrefillRow> rows = {client::MakePrefillRow(a, tokens)};
+  auto first = client_->OpenStream()->Prefill(rows, layers, "prefill-retry-1");
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto want = ref_->Prefill(sa, layers);
+  ASSERT_TRUE(want.ok());
+  for (int l = 0; l < num_layers(); ++l) ExpectClose(first->layers(l).out(), (*want)[l]);
+  // The reply was lost: the retry (a new stream, layers in another order) is a replay.
+  auto stream = client_->OpenStream();
+  auto begun = stream->BeginPrefill(rows, "prefill-retry-1");
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  EXPECT_TRUE(begun->replayed());
+  for (int l = num_layers() - 1; l >= 0; --l) {
+    auto out = stream->RunLayer(layers[l]);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->out().data(), first->layers(l).out().data());
+  }
+  auto committed = stream->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->rows(0).seq_len(), 4);
+  EXPECT_EQ(client_->GetSlot(a)->seq_len(), 4) << "applied once";
+  // The same id with other tokens is a client bug.
+  const std::vector<v1::PrefillRow> other = {client::MakePrefillRow(a, {9, 9, 9, 9})};
+  EXPECT_EQ(stream->BeginPrefill(other, "prefill-retry-1").status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  const std::vector<uint64_t> slots = {a};
+  const std::vector<int32_t> drafts = {7, 8};
+  const auto draft_layers = Layers(2);
+  auto verified = client_->OpenStream()->Verify(slots, 2, drafts, draft_layers, "verify-retry-1");
+  ASSERT_TRUE(verified.ok()) << verified.status();
+  auto again = client_->OpenStream()->Verify(slots, 2, drafts, draft_layers, "verify-retry-1");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->SerializeAsString(), verified->SerializeAsString());
+  EXPECT_EQ(client_->GetSlot(a)->pending_drafts(), 2);
+  ASSERT_TRUE(client_->Accept(a, 0).ok());
+  DecodeStep({a}, {sa});  // the state is the reference's: the prefill applied once
+}
+
+TEST_F(LifecycleTest, CancellingAStreamMidPrefillAbandonsTheForwardAndChangesNothing) {
+  const uint64_t a = NewSlot();
+  const int32_t sa = *ref_->NewSequence();
+  Prefill(a, sa, 5);
+  DecodeStep({a}, {sa});
+  const std::string before = Observe(a);
+  const int64_t abandoned = client_->Stats()->forwards_abandoned();
+  auto stream = client_->OpenStream();
+  const std::vector<int32_t> tokens = {1, 2, 3};
+  ASSERT_TRUE(stream->BeginPrefill({client::MakePrefillRow(a, tokens)}).ok());
+  const auto layers = Layers(3);
+  for (int l = 0; l + 1 < num_layers(); ++l) ASSERT_TRUE(stream->RunLayer(layers[l]).ok());
+  stream->Cancel();
+  EXPECT_EQ(stream->Finish().code(), absl::StatusCode::kCancelled);
+  for (int i = 0; i < 500 && client_->Stats()->open_forwards() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));  // the server sees the cancellation on its own time
+  }
+  EXPECT_EQ(client_->Stats()->open_forwards(), 0);
+  EXPECT_EQ(client_->Stats()->forwards_abandoned(), abandoned + 1);
+  EXPECT_EQ(Observe(a), before);
+  DecodeStep({a}, {sa});  // usable, and still the reference's state
+}
+
 TEST_F(LifecycleTest, RetriedAllocateAndFreeAreAppliedOnce) {
   const int64_t live = client_->Stats()->slots_live();
   auto a1 = client_->Allocate("alloc-1");

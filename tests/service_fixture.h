@@ -93,6 +93,20 @@ class ServiceTest : public ::testing::Test {
     EXPECT_TRUE(client::AllClose(got, want, tol(), tol(), &why)) << why;
   }
 
+  // A new slot prefilled (unary) with `layers` (n tokens, ids 100 + i): two calls with the same
+  // layers make twins, for comparing the forms of a call bit for bit.
+  uint64_t PrefilledSlot(const std::vector<v1::LayerInput>& layers) {
+    const uint64_t slot = NewSlot();
+    v1::PrefillRequest req;
+    req.set_slot(slot);
+    for (int64_t i = 0; i < layers[0].mixed_qkv().shape(0); ++i) {
+      req.add_tokens(static_cast<int32_t>(100 + i));
+    }
+    for (const auto& l : layers) *req.add_layers() = l;
+    EXPECT_TRUE(client_->Prefill(req).ok());
+    return slot;
+  }
+
   // Everything observable about a slot: its exported state and its cursors.
   std::string Observe(uint64_t slot) {
     auto state = client_->Export(slot);
@@ -109,6 +123,25 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<CpuReference> ref_;
   uint64_t next_seed_ = 1;
 };
+
+// Per-layer inputs of several rows joined along the tokens, in row order: the layer messages
+// of a prefill forward over those rows.
+inline std::vector<v1::LayerInput> PackRows(const std::vector<std::vector<v1::LayerInput>>& rows) {
+  std::vector<v1::LayerInput> packed(rows[0].size());
+  for (size_t l = 0; l < packed.size(); ++l) {
+    std::vector<v1::Tensor> qkv, a, b;
+    for (const auto& row : rows) {
+      qkv.push_back(row[l].mixed_qkv());
+      a.push_back(row[l].a());
+      b.push_back(row[l].b());
+    }
+    packed[l].set_layer(static_cast<int32_t>(l));
+    *packed[l].mutable_mixed_qkv() = client::ConcatTokens(qkv);
+    *packed[l].mutable_a() = client::ConcatTokens(a);
+    *packed[l].mutable_b() = client::ConcatTokens(b);
+  }
+  return packed;
+}
 
 }  // namespace replayssm::testing
 

@@ -32,9 +32,10 @@ constexpr char kUsage[] =
     "                       here; prints the slot's handle here. --self: this server's\n"
     "                       address as PEER reaches it (default: the address it listens on)\n"
     "  demo [--requests N] [--steps N] [--seed N] [--disaggregated DECODE_HOST:PORT]\n"
-    "                       prefill, batched decode, prefix hit; checked against the CPU\n"
-    "                       reference; exits 1 on a mismatch. --disaggregated: prefill here,\n"
-    "                       move the requests to DECODE_HOST:PORT over UCX, decode there\n"
+    "                       batched layer-by-layer prefill, batched decode, prefix hit;\n"
+    "                       checked against the CPU reference; exits 1 on a mismatch.\n"
+    "                       --disaggregated: prefill here, move the requests to\n"
+    "                       DECODE_HOST:PORT over UCX, decode there\n"
     "  bench [--concurrency N] [--batch N] [--seconds S] [--unary]\n"
     "                       closed-loop decode forwards: forwards/s, p50/p99 latency\n"
     "The address defaults to 127.0.0.1:50051 (or $REPLAYSSM_ADDRESS).\n";

@@ -79,8 +79,13 @@ struct CacheStats {
   int64_t lanes = 0;  // streams with pinned staging: the most operations that ever ran at once
 };
 
-// A decode forward over a batch of rows: RunLayer once per layer (any order), then Commit.
-// Destroying it without Commit abandons it: no cursor moves, no state changes.
+// A forward over a batch of rows, driven layer by layer: RunLayer once per layer (any order),
+// then Commit. Three kinds share it (StateCache::BeginForward for decode, BeginPrefill,
+// BeginVerify): they differ in the kernel a layer runs and in what Commit does. Every layer's
+// io holds tokens() tokens: the rows' tokens packed in row order.
+// Destroying it without Commit abandons it: no cursor moves and no state changes logically
+// (decode and verify only append ring records past the cursors; a prefill puts back the
+// checkpoints its layers overwrote), and the rows are free for other operations again.
 // Each forward queues its work on a stream of its own (one of a pool the cache owns), so
 // forwards on disjoint slots overlap on the device. It waits for that stream only where a
 // caller must see results: a host-memory RunLayer (its outputs), Synchronize, Commit and
@@ -89,11 +94,12 @@ struct CacheStats {
 class Forward {
  public:
   virtual ~Forward() = default;
-  virtual int32_t batch() const = 0;
-  // Runs layer `layer` for every row: io holds N = batch() tokens. With host memory it
+  virtual int32_t batch() const = 0;   // rows
+  virtual int64_t tokens() const = 0;  // N per layer: B (decode), sum of lengths, B*T (verify)
+  // Runs layer `layer` for every row: io holds N = tokens() tokens. With host memory it
   // returns once io.out is filled. With backend memory it only queues the layer: io.out is
   // written once Synchronize (or Commit) returns, and before any work the caller queues on
-  // stream() after this call.
+  // stream() after this call. A prefill's io.out may be null (no outputs).
   virtual absl::Status RunLayer(int32_t layer, const LayerIo& io) = 0;
   // Waits for every layer queued so far.
   virtual absl::Status Synchronize() = 0;
@@ -112,15 +118,23 @@ class Forward {
   // the first wait whose word had not been rung, or -1. The one method that is thread-safe:
   // it may run while another thread is blocked in QueueWait.
   virtual int32_t ReleaseWaits() = 0;
-  // Waits for the queued layers, advances every row's cursor and seq_len once, folds rows at
-  // track boundaries and snapshots them. FAILED_PRECONDITION unless every layer ran exactly
-  // once; a device error leaves the forward uncommitted (destroying it abandons it).
+  // Waits for the queued layers, then applies the forward at once for every row: decode
+  // advances each cursor and seq_len by one, prefill by the row's tokens (write_pos -> 0), and
+  // both fold and snapshot the rows that reach a track boundary; verify leaves the drafts
+  // waiting for Accept. FAILED_PRECONDITION unless every layer ran exactly once; a device error
+  // leaves the forward uncommitted (destroying it abandons it).
   virtual absl::Status Commit() = 0;
 };
 
 struct DecodeRow {
   SlotId slot = kPaddingSlot;  // kPaddingSlot = padding row
   int32_t token_id = 0;        // the token this step consumes (keys the prefix cache)
+};
+
+// One row of a layer-by-layer prefill.
+struct PrefillRow {
+  SlotId slot = kPaddingSlot;        // kPaddingSlot = padding row (tokens skipped, outputs 0)
+  absl::Span<const int32_t> tokens;  // >= 1, continuing from the slot's current state
 };
 
 struct ExportedState {
@@ -160,7 +174,8 @@ class StateCache {
   virtual absl::Status Free(SlotId slot) = 0;
   virtual absl::StatusOr<SlotInfo> Info(SlotId slot) const = 0;
 
-  // Runs `tokens.size()` tokens through every layer from the slot's current state.
+  // Runs `tokens.size()` tokens through every layer from the slot's current state, in one
+  // call: the prefill forward of one row, without its spare slot (no layer can be abandoned).
   // layers.size() == num_layers; each io holds N = tokens.size() tokens (out may be null).
   virtual absl::Status Prefill(SlotId slot, absl::Span<const int32_t> tokens,
                                absl::Span<const LayerIo> layers) = 0;
@@ -198,12 +213,25 @@ class StateCache {
       const std::function<absl::Status(const CheckpointMemory&)>& fn,
       std::vector<int32_t>* tokens) = 0;
 
+  // A decode forward: one token per row.
   virtual absl::StatusOr<std::unique_ptr<Forward>> BeginForward(
       absl::Span<const DecodeRow> rows) = 0;
+  // A layer-by-layer Prefill of several slots at once: N = the sum of the rows' lengths (at
+  // most max_prefill_tokens). Until Commit every layer keeps a copy of each row's checkpoint
+  // it overwrites in a spare slot per row, taken from the pool (snapshots are evicted for it;
+  // RESOURCE_EXHAUSTED when none can be had), so that abandoning it restores them.
+  virtual absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(
+      absl::Span<const PrefillRow> rows) = 0;
+  // A layer-by-layer Verify: T drafts per row, N = B*T in (row, draft) order. Rows without
+  // room for T records are folded at begin (their logical state does not change). The rows'
+  // waiting drafts are discarded at begin (the new records overwrite theirs); Commit leaves
+  // the new ones waiting for Accept.
+  virtual absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
+      absl::Span<const SlotId> slots, int32_t num_draft,
+      absl::Span<const int32_t> draft_tokens) = 0;
 
-  // Speculative decoding: T drafts per row (draft_tokens [B*T], io N = B*T tokens in
-  // (row, draft) order). Rows without room for T records are folded first. Outputs only;
-  // the drafts wait for Accept.
+  // Speculative decoding in one call: BeginVerify, every layer, Commit. Outputs only; the
+  // drafts wait for Accept.
   virtual absl::Status Verify(absl::Span<const SlotId> slots, int32_t num_draft,
                               absl::Span<const int32_t> draft_tokens,
                               absl::Span<const LayerIo> layers) = 0;

@@ -1,6 +1,7 @@
 // The C++ client of replayssm.v1: typed wrappers over the gRPC stubs that return
 // absl::Status / StatusOr (the server's gRPC code carried over), fill a fresh request id into
-// every mutating call that has none, and a stream helper for decode forwards.
+// every mutating call that has none, and a stream helper for layer-by-layer forwards (decode,
+// prefill, verify).
 //
 // Thread safety: a Client may be shared by threads (each call has its own context); a
 // ForwardStream is driven by one thread at a time.
@@ -28,9 +29,10 @@ absl::Status FromGrpc(const grpc::Status& status);
 // A random 128-bit id, hex.
 std::string NewRequestId();
 
-// One decode stream: forwards one after another (Begin, RunLayer per layer, Commit). After
-// an error the stream is dead (the server ended it and abandoned the open forward); Finish
-// reports the server's status.
+// One forward stream (the DecodeStream RPC): forwards one after another, each a begin (decode,
+// prefill or verify), RunLayer per layer in any order — each layer's inputs may be computed
+// from the previous layer's outputs — and Commit. After an error the stream is dead (the
+// server ended it and abandoned the open forward); Finish reports the server's status.
 class ForwardStream {
  public:
   ForwardStream(
@@ -39,19 +41,43 @@ class ForwardStream {
           stream);
   ~ForwardStream();
 
+  // A decode forward: one token per row; layer messages carry B tokens.
   absl::StatusOr<v1::DecodeBegun> Begin(const std::vector<v1::DecodeRow>& rows,
                                         std::string request_id = "");
+  // A prefill forward: layer messages carry the rows' tokens packed in row order
+  // (begun.tokens() in all); the commit advances each slot by its tokens.
+  absl::StatusOr<v1::DecodeBegun> BeginPrefill(const std::vector<v1::PrefillRow>& rows,
+                                               std::string request_id = "");
+  // A verify forward: num_draft drafts per slot, layer messages carry them in (slot, draft)
+  // order; after the commit the drafts wait for Client::Accept.
+  absl::StatusOr<v1::DecodeBegun> BeginVerify(absl::Span<const uint64_t> slots, int32_t num_draft,
+                                              absl::Span<const int32_t> draft_tokens,
+                                              std::string request_id = "");
   absl::StatusOr<v1::LayerOutput> RunLayer(const v1::LayerInput& input);
   absl::StatusOr<v1::DecodeCommitted> Commit();
-  // A whole forward: Begin, every layer in order, Commit.
+  // Whole forwards, for callers that have every layer's inputs: begin, every layer in order,
+  // commit. The reply holds every layer's outputs and the rows' states after the commit.
   absl::StatusOr<v1::DecodeResponse> Forward(const std::vector<v1::DecodeRow>& rows,
                                              absl::Span<const v1::LayerInput> layers,
                                              std::string request_id = "");
+  absl::StatusOr<v1::DecodeResponse> Prefill(const std::vector<v1::PrefillRow>& rows,
+                                             absl::Span<const v1::LayerInput> layers,
+                                             std::string request_id = "");
+  absl::StatusOr<v1::DecodeResponse> Verify(absl::Span<const uint64_t> slots, int32_t num_draft,
+                                            absl::Span<const int32_t> draft_tokens,
+                                            absl::Span<const v1::LayerInput> layers,
+                                            std::string request_id = "");
+  // Cancels the call: the server abandons the open forward; the stream is dead.
+  void Cancel();
   // Closes the stream (an open forward is abandoned) and returns the server's status.
   absl::Status Finish();
 
  private:
   absl::StatusOr<v1::DecodeStreamResponse> RoundTrip(const v1::DecodeStreamRequest& request);
+  absl::StatusOr<v1::DecodeBegun> BeginWith(const v1::DecodeStreamRequest& begin);
+  // Every layer, then the commit, of the forward `begin` opens.
+  absl::StatusOr<v1::DecodeResponse> Run(const v1::DecodeStreamRequest& begin,
+                                         absl::Span<const v1::LayerInput> layers);
 
   std::unique_ptr<grpc::ClientContext> context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
@@ -59,6 +85,9 @@ class ForwardStream {
   bool finished_ = false;
   absl::Status final_;
 };
+
+// A prefill forward's row.
+v1::PrefillRow MakePrefillRow(uint64_t slot, absl::Span<const int32_t> tokens);
 
 class Client {
  public:

@@ -1,7 +1,8 @@
-// The demo scheduler behind `replayssm-cli demo`: a few requests are prefilled, decoded
-// together in batched forwards over the decode stream, donated, and a second turn of the
-// first request hits the prefix cache; every output (and the final state) is checked against
-// CpuReference. Used by the CLI, scripts/run.sh and the integration tests.
+// The demo scheduler behind `replayssm-cli demo`: a few requests are prefilled together in
+// one layer-by-layer forward (each layer's inputs made from the previous layer's outputs, as
+// a model does), decoded together in batched forwards over the same stream, donated, and a
+// second turn of the first request hits the prefix cache; every output (and the final state)
+// is checked against CpuReference. Used by the CLI, scripts/run.sh and the integration tests.
 #ifndef REPLAYSSM_CLIENT_DEMO_H_
 #define REPLAYSSM_CLIENT_DEMO_H_
 

@@ -33,6 +33,8 @@ class CpuReference {
   // outputs [num_layers] of [N, HV, V] in the act dtype.
   absl::StatusOr<std::vector<v1::Tensor>> Prefill(int32_t seq,
                                                   absl::Span<const v1::LayerInput> layers);
+  // The same for one layer (input.layer()): a layer-by-layer prefill's reference.
+  absl::StatusOr<v1::Tensor> PrefillLayer(int32_t seq, const v1::LayerInput& input);
   // One decode step for a batch: seqs[r] (or -1 = padding) consumes row r of every layer.
   absl::StatusOr<std::vector<v1::Tensor>> Decode(absl::Span<const int32_t> seqs,
                                                  absl::Span<const v1::LayerInput> layers);

@@ -1,0 +1,178 @@
+// replayssm-bench-forwards: what a layer-by-layer prefill costs over the one-call Prefill, and
+// what the ring-append alternative would cost (docs/cache.md, "Prefill and verify forwards").
+//
+//   replayssm-bench-forwards [--model qwen3-next-80b-a3b] [--backend cuda|cpu]
+//                            [--tokens 1,4,16,64,256,1024] [--rounds R]
+//
+// One row, activations in backend memory (no staging copies: what is left is the cache and
+// its kernels). Per prompt length T, three forms run alternately for R rounds (after one
+// warm-up round each) on slots of their own:
+//  - unary:   StateCache::Prefill — one rssm_prefill per layer, no spare slot;
+//  - forward: BeginPrefill, RunLayer per layer, Commit — each layer first copies the row's
+//             checkpoint into its spare slot (what makes abandonment safe);
+//  - append:  (T <= L only) BeginVerify + RunLayer per layer + Commit + Accept(T): the same T
+//             tokens as ring appends past the cursor, the design not chosen.
+// Reported: each form's median µs per forward and the forward's overhead over the unary form.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "replayssm/cache/state_cache.h"
+#include "replayssm/kernels.h"
+
+namespace replayssm::cache {
+namespace {
+
+#define CHECK_OK(x)                                                                  \
+  do {                                                                               \
+    const absl::Status s_ = (x);                                                     \
+    if (!s_.ok()) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// T tokens of activations in backend memory, small random values, shared by every layer.
+class DeviceInputs {
+ public:
+  DeviceInputs(int32_t backend, const ModelSpec& m, int64_t t) : backend_(backend) {
+    const size_t es = rssm_dtype_size(m.shape.act_dtype);
+    LayerIo io;
+    io.memory = IoMemory::kBackend;
+    io.mixed_qkv = Upload(t * m.QkvWidth() * es);
+    io.a = Upload(t * m.AWidth() * es);
+    io.b = Upload(t * m.BWidth() * es);
+    io.out = Upload(t * m.OutWidth() * es);
+    layers.assign(m.num_layers, io);
+  }
+  ~DeviceInputs() {
+    for (void* p : buffers_) rssm_free(backend_, p);
+  }
+  std::vector<LayerIo> layers;
+
+ private:
+  // Random bytes whose 16-bit halves are small numbers in fp32, bf16 and fp16 alike.
+  void* Upload(size_t bytes) {
+    std::vector<uint16_t> host(bytes / 2);
+    std::mt19937 rng(static_cast<uint32_t>(bytes));
+    for (uint16_t& x : host) x = static_cast<uint16_t>(0x3000 + rng() % 0x0c00);
+    void* p = nullptr;
+    const rssm_launch l{backend_, nullptr};
+    if (rssm_alloc(backend_, bytes, &p) != RSSM_OK ||
+        rssm_memcpy(&l, p, host.data(), bytes, RSSM_COPY_HOST_TO_DEVICE) != RSSM_OK ||
+        rssm_synchronize(&l) != RSSM_OK) {
+      std::fprintf(stderr, "upload: %s\n", rssm_last_error());
+      std::exit(1);
+    }
+    buffers_.push_back(p);
+    return p;
+  }
+  int32_t backend_;
+  std::vector<void*> buffers_;
+};
+
+absl::Status RunForward(Forward& f, const std::vector<LayerIo>& layers) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    absl::Status s = f.RunLayer(static_cast<int32_t>(l), layers[l]);
+    if (!s.ok()) return s;
+  }
+  return f.Commit();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int Main(int argc, char** argv) {
+  std::string model_name = "qwen3-next-80b-a3b";
+  int32_t backend =
+      rssm_backend_available(RSSM_BACKEND_CUDA) ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
+  std::vector<int64_t> lengths = {1, 4, 16, 64, 256, 1024};
+  int rounds = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--model") {
+      model_name = value;
+    } else if (flag == "--backend") {
+      backend = value == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
+    } else if (flag == "--rounds") {
+      rounds = std::atoi(value.c_str());
+    } else if (flag == "--tokens") {
+      lengths.clear();
+      for (absl::string_view t : absl::StrSplit(value, ',')) {
+        int64_t n = 0;
+        if (absl::SimpleAtoi(t, &n)) lengths.push_back(n);
+      }
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  absl::StatusOr<ModelSpec> m = ModelPreset(model_name);
+  CHECK_OK(m.status());
+  const int32_t L = m->shape.ring_len;
+  CacheOptions o;
+  o.backend = backend;
+  o.memory_budget_bytes = 6 * m->SlotBytes();  // three forms' slots + the forward's spare
+  o.track_interval = 0;
+  o.max_prefill_tokens = 1 << 20;
+  std::unique_ptr<StateCache> cache = std::move(*StateCache::Create(*m, o));
+  std::printf("model %s (%d layers, state %s, act %s, L = %d), backend %s, 1 row, %d rounds\n",
+              model_name.c_str(), m->num_layers, rssm_dtype_name(m->shape.state_dtype),
+              rssm_dtype_name(m->shape.act_dtype), L, backend == RSSM_BACKEND_CUDA ? "cuda" : "cpu",
+              rounds);
+  std::printf("%6s %12s %12s %9s %12s\n", "T", "unary us", "forward us", "overhead", "append us");
+  for (int64_t t : lengths) {
+    DeviceInputs in(backend, *m, t);
+    const std::vector<int32_t> tokens(t, 7);
+    const SlotId unary = *cache->Allocate(), forward = *cache->Allocate(),
+                 append = *cache->Allocate();
+    std::vector<double> tu, tf, ta;
+    for (int r = -1; r < rounds; ++r) {  // round -1 warms up
+      double t0 = Now();
+      CHECK_OK(cache->Prefill(unary, tokens, in.layers));
+      const double u = Now() - t0;
+      t0 = Now();
+      const PrefillRow row{forward, tokens};
+      absl::StatusOr<std::unique_ptr<Forward>> f = cache->BeginPrefill({&row, 1});
+      CHECK_OK(f.status());
+      CHECK_OK(RunForward(**f, in.layers));
+      const double fw = Now() - t0;
+      if (t <= L) {
+        t0 = Now();
+        absl::StatusOr<std::unique_ptr<Forward>> v =
+            cache->BeginVerify({append}, static_cast<int32_t>(t), tokens);
+        CHECK_OK(v.status());
+        CHECK_OK(RunForward(**v, in.layers));
+        CHECK_OK(cache->Accept(append, static_cast<int32_t>(t)));
+        if (r >= 0) ta.push_back(Now() - t0);
+      }
+      if (r >= 0) {
+        tu.push_back(u);
+        tf.push_back(fw);
+      }
+    }
+    const double mu = Median(tu) * 1e6, mf = Median(tf) * 1e6;
+    std::printf("%6lld %12.1f %12.1f %8.1f%% %12s\n", static_cast<long long>(t), mu, mf,
+                100.0 * (mf / mu - 1.0),
+                ta.empty() ? "-" : std::to_string(static_cast<int64_t>(Median(ta) * 1e6)).c_str());
+    for (SlotId s : {unary, forward, append}) CHECK_OK(cache->Free(s));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace replayssm::cache
+
+int main(int argc, char** argv) { return replayssm::cache::Main(argc, argv); }

@@ -1,0 +1,354 @@
+// Layer-by-layer prefill and verify forwards (StateCache::BeginPrefill, BeginVerify): the same
+// outputs and states as the one-call forms, bit for bit, in every state dtype and both gates;
+// abandoned after any number of layers they change nothing; their spare slots; bad calls.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "replayssm/cache/state_cache.h"
+#include "test_model.h"
+
+namespace replayssm::cache {
+namespace {
+
+using testing::BackendBatch;
+using testing::Batch;
+using testing::Oracle;
+using testing::Tok;
+
+struct KindParams {
+  const char* preset;
+  int32_t state_dtype;
+};
+
+void PrintTo(const KindParams& p, std::ostream* os) {
+  *os << p.preset << " state " << rssm_dtype_name(p.state_dtype);
+}
+
+std::string KindName(const ::testing::TestParamInfo<KindParams>& info) {
+  return absl::StrCat(info.param.preset[5] == 'g' ? "gdn_" : "kda_",
+                      rssm_dtype_name(info.param.state_dtype));
+}
+
+// Toks for `tokens` continuing a history of `start` tokens.
+std::vector<Tok> Toks(const std::vector<int32_t>& tokens, int64_t start) {
+  std::vector<Tok> toks;
+  for (int32_t t : tokens) toks.push_back({t, start + static_cast<int64_t>(toks.size())});
+  return toks;
+}
+
+// Runs the given layers of a forward (all when `layers` < 0), in reverse order: any order is
+// allowed.
+absl::Status RunLayers(Forward& f, const std::vector<LayerIo>& io, int layers = -1) {
+  const int n = layers < 0 ? static_cast<int>(io.size()) : layers;
+  for (int l = n - 1; l >= 0; --l) {
+    absl::Status st = f.RunLayer(l, io[l]);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+class ForwardKindsTest : public ::testing::TestWithParam<KindParams> {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<ModelSpec> m = ModelPreset(GetParam().preset, GetParam().state_dtype, 4);
+    ASSERT_TRUE(m.ok()) << m.status();
+    m->shape.head_k = m->shape.head_v = 16;
+    m->num_layers = 3;
+    m->layers = SeededParams(m->shape, 3, 11);
+    CacheOptions o;
+    o.backend = testing::TestBackend();
+    o.memory_budget_bytes = 16 * m->SlotBytes();
+    o.track_interval = 0;
+    absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    cache_ = std::move(*c);
+    oracle_ = std::make_unique<Oracle>(cache_->model());
+  }
+
+  const ModelSpec& model() const { return cache_->model(); }
+  size_t OutBytes(int64_t n) const {
+    return n * model().OutWidth() * rssm_dtype_size(model().shape.act_dtype);
+  }
+
+  // A slot whose history is `history`: its first `prefilled` tokens prefilled, the rest
+  // decoded one by one (so records sit in its ring).
+  SlotId Build(const std::vector<int32_t>& history, size_t prefilled) {
+    const SlotId s = *cache_->Allocate();
+    const std::vector<int32_t> head(history.begin(), history.begin() + prefilled);
+    Batch p = oracle_->MakeBatch(Toks(head, 0));
+    EXPECT_TRUE(cache_->Prefill(s, head, p.io).ok());
+    for (size_t i = prefilled; i < history.size(); ++i) Decode(s, history[i], i);
+    return s;
+  }
+
+  void Decode(SlotId s, int32_t token, int64_t pos, Batch* outputs = nullptr) {
+    Batch b = oracle_->MakeBatch({{token, pos}});
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{s, token}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE(RunLayers(**f, b.io).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+    if (outputs != nullptr) *outputs = std::move(b);
+  }
+
+  // Everything observable about a slot, bit for bit: cursors, then its exported (folded)
+  // state. Export folds the slot: compare twins observed at the same point.
+  std::string Observe(SlotId s) {
+    absl::StatusOr<SlotInfo> info = cache_->Info(s);
+    absl::StatusOr<ExportedState> e = cache_->Export(s);
+    EXPECT_TRUE(info.ok() && e.ok());
+    if (!info.ok() || !e.ok()) return "";
+    std::string out = absl::StrCat(info->seq_len, "/", info->write_pos, "/", info->pending_drafts,
+                                   "/", e->tokens.size(), ":");
+    for (const std::vector<uint8_t>& c : e->checkpoints) out.append(c.begin(), c.end());
+    return out;
+  }
+
+  // Outputs of token i..i+n of a batch's layer l.
+  std::string Outputs(const Batch& b, int l, int64_t i, int64_t n) const {
+    return std::string(reinterpret_cast<const char*>(b.out[l].data()) + OutBytes(i), OutBytes(n));
+  }
+
+  std::unique_ptr<StateCache> cache_;
+  std::unique_ptr<Oracle> oracle_;
+};
+
+TEST_P(ForwardKindsTest, LayerByLayerPrefillEqualsUnaryPrefillBitForBit) {
+  const std::vector<int32_t> ha = {1, 2, 3, 4, 5}, hb = {7, 8};
+  const std::vector<int32_t> x = {11, 12, 13, 14, 15, 16}, y = {21};  // x is longer than L
+  for (IoMemory memory : {IoMemory::kHost, IoMemory::kBackend}) {
+    SCOPED_TRACE(memory == IoMemory::kHost ? "host memory" : "backend memory");
+    const SlotId a1 = Build(ha, 3), a2 = Build(ha, 3), b1 = Build(hb, 1), b2 = Build(hb, 1);
+    Batch ux = oracle_->MakeBatch(Toks(x, 5)), uy = oracle_->MakeBatch(Toks(y, 2));
+    ASSERT_TRUE(cache_->Prefill(a1, x, ux.io).ok());
+    ASSERT_TRUE(cache_->Prefill(b1, y, uy.io).ok());
+
+    std::vector<Tok> packed = Toks(x, 5);
+    for (const Tok& t : Toks(y, 2)) packed.push_back(t);
+    Batch s = oracle_->MakeBatch(packed);
+    std::unique_ptr<BackendBatch> dev;
+    if (memory == IoMemory::kBackend)
+      dev = std::make_unique<BackendBatch>(cache_->options().backend, s);
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefill({{a2, x}, {b2, y}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ((*f)->batch(), 2);
+    EXPECT_EQ((*f)->tokens(), 7);
+    ASSERT_TRUE(RunLayers(**f, dev ? dev->io : s.io).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+    if (dev) dev->CopyOutputsTo(s);
+    for (int l = 0; l < model().num_layers; ++l) {
+      EXPECT_EQ(Outputs(s, l, 0, 6), Outputs(ux, l, 0, 6)) << "layer " << l;
+      EXPECT_EQ(Outputs(s, l, 6, 1), Outputs(uy, l, 0, 1)) << "layer " << l;
+    }
+    EXPECT_EQ(cache_->Info(a2)->seq_len, 11);
+    EXPECT_EQ(cache_->Info(a2)->write_pos, 0);
+    EXPECT_EQ(Observe(a2), Observe(a1));
+    EXPECT_EQ(Observe(b2), Observe(b1));
+    // ... and the outputs are the recurrence's.
+    Oracle::State ref = oracle_->Run(ha, 5);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const Oracle::Outputs want = oracle_->Step(ref, {x[i], 5 + static_cast<int64_t>(i)});
+      for (int l = 0; l < model().num_layers; ++l) {
+        EXPECT_LE(testing::RelErr(s.Output(model(), l, i), want[l]), 3e-2) << "layer " << l;
+      }
+    }
+    for (SlotId id : {a1, a2, b1, b2}) ASSERT_TRUE(cache_->Free(id).ok());
+  }
+  EXPECT_EQ(cache_->stats().slots_free, cache_->capacity()) << "every spare slot returned";
+}
+
+TEST_P(ForwardKindsTest, LayerByLayerVerifyEqualsUnaryVerifyBitForBit) {
+  const std::vector<int32_t> ha = {1, 2, 3, 4, 5}, hb = {7, 8, 9};
+  for (int32_t T : {1, 3}) {  // T = 3 folds a (w = 2) and b (w = 2) at begin
+    SCOPED_TRACE(absl::StrCat("T = ", T));
+    const SlotId a1 = Build(ha, 3), a2 = Build(ha, 3), b1 = Build(hb, 1), b2 = Build(hb, 1);
+    std::vector<int32_t> drafts;
+    std::vector<Tok> toks;
+    for (int r = 0; r < 2; ++r) {
+      for (int t = 0; t < T; ++t) {
+        drafts.push_back(30 + 10 * r + t);
+        toks.push_back({drafts.back(), (r == 0 ? 5 : 3) + t});
+      }
+    }
+    Batch u = oracle_->MakeBatch(toks), s = oracle_->MakeBatch(toks);
+    ASSERT_TRUE(cache_->Verify({a1, b1}, T, drafts, u.io).ok());
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginVerify({a2, b2}, T, drafts);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ((*f)->tokens(), 2 * T);
+    ASSERT_TRUE(RunLayers(**f, s.io).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+    for (int l = 0; l < model().num_layers; ++l) {
+      EXPECT_EQ(Outputs(s, l, 0, 2 * T), Outputs(u, l, 0, 2 * T)) << "layer " << l;
+    }
+    EXPECT_EQ(cache_->Info(a2)->pending_drafts, T);
+    EXPECT_EQ(cache_->Info(a2)->seq_len, 5) << "nothing advances before Accept";
+    ASSERT_TRUE(cache_->Accept(a1, T - 1).ok());
+    ASSERT_TRUE(cache_->Accept(a2, T - 1).ok());
+    ASSERT_TRUE(cache_->Accept(b1, T).ok());
+    ASSERT_TRUE(cache_->Accept(b2, T).ok());
+    EXPECT_EQ(Observe(a2), Observe(a1));
+    EXPECT_EQ(Observe(b2), Observe(b1));
+    for (SlotId id : {a1, a2, b1, b2}) ASSERT_TRUE(cache_->Free(id).ok());
+  }
+}
+
+TEST_P(ForwardKindsTest, AForwardAbandonedAfterAnyLayerChangesNothing) {
+  const std::vector<int32_t> h = {1, 2, 3, 4, 5};  // prefilled 3, decoded 2: w = 2
+  const int layers = model().num_layers;
+  for (bool prefill : {true, false}) {
+    for (int k = 0; k <= layers; ++k) {  // k = layers: every layer ran, no commit
+      SCOPED_TRACE(absl::StrCat(prefill ? "prefill" : "verify", " abandoned after ", k, " layers"));
+      const SlotId a = Build(h, 3), twin = Build(h, 3);
+      const int64_t free_before = cache_->stats().slots_free;
+      const std::vector<int32_t> x = {40, 41, 42, 43, 44}, drafts = {50, 51};  // w + T = L: no fold
+      {
+        Batch b = oracle_->MakeBatch(Toks(prefill ? x : drafts, 5));
+        std::unique_ptr<BackendBatch> dev;
+        if (k % 2 == 1) dev = std::make_unique<BackendBatch>(cache_->options().backend, b);
+        absl::StatusOr<std::unique_ptr<Forward>> f =
+            prefill ? cache_->BeginPrefill({{a, x}}) : cache_->BeginVerify({a}, 2, drafts);
+        ASSERT_TRUE(f.ok()) << f.status();
+        if (prefill) {
+          EXPECT_EQ(cache_->stats().slots_free, free_before - 1) << "its spare slot";
+        }
+        for (int l = 0; l < k; ++l) ASSERT_TRUE((*f)->RunLayer(l, dev ? dev->io[l] : b.io[l]).ok());
+      }
+      EXPECT_EQ(cache_->stats().slots_free, free_before);
+      EXPECT_EQ(cache_->Info(a)->write_pos, 2);
+      EXPECT_EQ(cache_->Info(a)->seq_len, 5);
+      EXPECT_EQ(cache_->Info(a)->pending_drafts, 0);
+      // The slot is usable and goes on exactly like its twin (the ring is read, then folded).
+      Batch oa, ot;
+      Decode(a, 9, 5, &oa);
+      Decode(twin, 9, 5, &ot);
+      for (int l = 0; l < layers; ++l) EXPECT_EQ(Outputs(oa, l, 0, 1), Outputs(ot, l, 0, 1));
+      EXPECT_EQ(Observe(a), Observe(twin));
+      ASSERT_TRUE(cache_->Free(a).ok());
+      ASSERT_TRUE(cache_->Free(twin).ok());
+    }
+  }
+  EXPECT_EQ(cache_->stats().forwards_abandoned, 2 * (layers + 1));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardKindsTest,
+                         ::testing::Values(KindParams{"tiny-gdn", RSSM_DTYPE_F32},
+                                           KindParams{"tiny-gdn", RSSM_DTYPE_BF16},
+                                           KindParams{"tiny-gdn", RSSM_DTYPE_F16},
+                                           KindParams{"tiny-kda", RSSM_DTYPE_F32},
+                                           KindParams{"tiny-kda", RSSM_DTYPE_BF16},
+                                           KindParams{"tiny-kda", RSSM_DTYPE_F16}),
+                         KindName);
+
+class ForwardRulesTest : public ::testing::Test {
+ protected:
+  void Make(int64_t slots, int32_t track = 0) {
+    absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, 4);
+    ASSERT_TRUE(m.ok());
+    m->num_layers = 2;
+    m->layers.resize(2);
+    CacheOptions o;
+    o.backend = testing::TestBackend();
+    o.memory_budget_bytes = slots * m->SlotBytes();
+    o.track_interval = track;
+    o.max_prefill_tokens = 8;
+    cache_ = std::move(*StateCache::Create(*m, o));
+    oracle_ = std::make_unique<Oracle>(cache_->model());
+  }
+
+  std::unique_ptr<StateCache> cache_;
+  std::unique_ptr<Oracle> oracle_;
+};
+
+TEST_F(ForwardRulesTest, APrefillWithoutASpareSlotIsRefusedAndTakesNothing) {
+  Make(3);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  const std::vector<int32_t> x = {1, 2}, y = {3};
+  const absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefill({{a, x}, {b, y}});
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kResourceExhausted) << f.status();
+  EXPECT_NE(f.status().message().find("spare slot"), std::string::npos) << f.status();
+  EXPECT_EQ(cache_->stats().slots_free, 1);
+  // Neither row is held: both can start another forward; one row fits the spare left.
+  EXPECT_TRUE(cache_->BeginForward({{a, 1}, {b, 2}}).ok());
+  absl::StatusOr<std::unique_ptr<Forward>> g = cache_->BeginPrefill({{b, y}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  Batch batch = oracle_->MakeBatch({{3, 0}});
+  ASSERT_TRUE(RunLayers(**g, batch.io).ok());
+  ASSERT_TRUE((*g)->Commit().ok());
+  EXPECT_EQ(cache_->Info(b)->seq_len, 1);
+  EXPECT_EQ(cache_->stats().slots_free, 1);
+}
+
+TEST_F(ForwardRulesTest, ASnapshotIsEvictedForASpareSlotAndAPrefillEndingOnABoundarySnapshots) {
+  Make(3, /*track=*/3);
+  const SlotId a = *cache_->Allocate();
+  const std::vector<int32_t> p = {1, 2};
+  Batch pb = oracle_->MakeBatch(Toks(p, 0));
+  ASSERT_TRUE(cache_->Prefill(a, p, pb.io).ok());
+  ASSERT_TRUE(cache_->Donate(a).ok());
+  const SlotId b = *cache_->Allocate(), c = *cache_->Allocate();  // b evicted nothing
+  EXPECT_EQ(cache_->stats().slots_snapshot, 1);
+  EXPECT_EQ(cache_->stats().slots_free, 0);
+  const std::vector<int32_t> x = {5, 6, 7};
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefill({{b, x}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(cache_->stats().snapshot_evictions, 1);
+  Batch xb = oracle_->MakeBatch(Toks(x, 0));
+  ASSERT_TRUE(RunLayers(**f, xb.io).ok());
+  ASSERT_TRUE((*f)->Commit().ok());
+  EXPECT_EQ(cache_->Info(b)->seq_len, 3);
+  EXPECT_EQ(cache_->stats().snapshots_taken, 1) << "seq_len 3 ends on the track boundary";
+  EXPECT_EQ(cache_->MatchPrefix(x), 3);
+  EXPECT_TRUE(cache_->Info(c).ok());
+}
+
+TEST_F(ForwardRulesTest, BadBeginsAndLayerCallsAreRefusedAndChangeNothing) {
+  Make(4);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  const std::vector<int32_t> none, one = {1}, nine(9, 1);
+  EXPECT_EQ(cache_->BeginPrefill({}).status().code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status empty = cache_->BeginPrefill({{a, one}, {b, none}}).status();
+  EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(empty.message().find("rows[1].tokens"), std::string::npos) << empty;
+  EXPECT_EQ(cache_->BeginPrefill({{a, nine}}).status().code(), absl::StatusCode::kInvalidArgument)
+      << "more than max_prefill_tokens";
+  EXPECT_EQ(cache_->BeginPrefill({{a, one}, {a, one}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->BeginVerify({a}, 5, {1, 2, 3, 4, 5}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->BeginVerify({a}, 2, {1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->stats().slots_free, 2);
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefill({{a, one}});
+    ASSERT_TRUE(f.ok());
+    EXPECT_EQ(cache_->BeginVerify({a}, 1, {1}).status().code(),
+              absl::StatusCode::kFailedPrecondition)
+        << "a slot in an open prefill";
+    EXPECT_EQ(cache_->Prefill(a, one, oracle_->MakeBatch({{1, 0}}).io).code(),
+              absl::StatusCode::kFailedPrecondition);
+    Batch batch = oracle_->MakeBatch({{1, 0}});
+    EXPECT_EQ((*f)->RunLayer(2, batch.io[0]).code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE((*f)->RunLayer(0, batch.io[0]).ok());
+    EXPECT_EQ((*f)->RunLayer(0, batch.io[0]).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*f)->Commit().code(), absl::StatusCode::kFailedPrecondition) << "layer 1 missing";
+  }
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginVerify({a}, 1, {1});
+    ASSERT_TRUE(f.ok());
+    Batch batch = oracle_->MakeBatch({{1, 0}});
+    LayerIo no_out = batch.io[0];
+    no_out.out = nullptr;
+    EXPECT_EQ((*f)->RunLayer(0, no_out).code(), absl::StatusCode::kInvalidArgument)
+        << "a verify's outputs are its point";
+  }
+  EXPECT_EQ(cache_->Info(a)->seq_len, 0);
+  EXPECT_EQ(cache_->Info(a)->pending_drafts, 0);
+  EXPECT_EQ(cache_->stats().slots_free, 2);
+}
+
+}  // namespace
+}  // namespace replayssm::cache

@@ -1,0 +1,305 @@
+#include "service/forward_session.h"
+
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "service/status_map.h"
+#include "service/tensors.h"
+
+namespace replayssm::service {
+
+absl::Status CheckRows(const google::protobuf::RepeatedPtrField<v1::DecodeRow>& rows,
+                       const ServiceLimits& limits) {
+  if (rows.empty() || rows.size() > limits.max_batch) {
+    return FieldError("rows", absl::StrCat("1..", limits.max_batch, " rows"),
+                      absl::StrCat(rows.size()));
+  }
+  absl::flat_hash_set<uint64_t> seen;
+  for (int i = 0; i < rows.size(); ++i) {
+    if (rows[i].slot() != 0 && !seen.insert(rows[i].slot()).second) {
+      return FieldError(absl::StrCat("rows[", i, "].slot"), "a slot not already in this forward",
+                        absl::StrCat("duplicate ", rows[i].slot()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPrefillRows(const google::protobuf::RepeatedPtrField<v1::PrefillRow>& rows,
+                              const ServiceLimits& limits) {
+  if (rows.empty() || rows.size() > limits.max_batch) {
+    return FieldError("rows", absl::StrCat("1..", limits.max_batch, " rows"),
+                      absl::StrCat(rows.size()));
+  }
+  absl::flat_hash_set<uint64_t> seen;
+  int64_t total = 0;
+  for (int i = 0; i < rows.size(); ++i) {
+    if (rows[i].slot() == 0 || !seen.insert(rows[i].slot()).second) {
+      return FieldError(absl::StrCat("rows[", i, "].slot"), "a distinct non-zero slot",
+                        absl::StrCat(rows[i].slot()));
+    }
+    total += rows[i].tokens_size();
+    if (rows[i].tokens().empty() || total > limits.max_prefill_tokens) {
+      return FieldError(
+          absl::StrCat("rows[", i, "].tokens"),
+          absl::StrCat("1 or more tokens, ", limits.max_prefill_tokens, " in all rows at most"),
+          absl::StrCat(rows[i].tokens_size(), " (", total, " in rows 0..", i, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckVerifyRows(const google::protobuf::RepeatedField<uint64_t>& slots,
+                             int32_t num_draft, int64_t draft_tokens, const cache::ModelSpec& model,
+                             const ServiceLimits& limits) {
+  const int64_t b = slots.size();
+  if (b < 1 || b > limits.max_batch) {
+    return FieldError("slots", absl::StrCat("1..", limits.max_batch, " slots"), absl::StrCat(b));
+  }
+  absl::flat_hash_set<uint64_t> seen;
+  for (int i = 0; i < slots.size(); ++i) {
+    if (slots[i] == 0 || !seen.insert(slots[i]).second) {
+      return FieldError(absl::StrCat("slots[", i, "]"), "a distinct non-zero slot",
+                        absl::StrCat(slots[i]));
+    }
+  }
+  if (num_draft < 1 || num_draft > model.shape.ring_len) {
+    return FieldError("num_draft", absl::StrCat("1..", model.shape.ring_len),
+                      absl::StrCat(num_draft));
+  }
+  if (draft_tokens != b * num_draft) {
+    return FieldError("draft_tokens", absl::StrCat(b * num_draft, " tokens (slots x num_draft)"),
+                      absl::StrCat(draft_tokens));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// What every begin checks first: no forward open, a request id.
+absl::Status CheckBegin(bool open, const std::string& request_id) {
+  if (open) return absl::FailedPreconditionError("begin: a forward is already open");
+  if (request_id.empty()) return FieldError("request_id", "a non-empty id", "\"\"");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ForwardSession::Begin(const v1::DecodeBegin& begin, v1::DecodeBegun* begun) {
+  absl::Status s = CheckBegin(open_, begin.request_id());
+  if (s.ok()) s = CheckRows(begin.rows(), ctx_->limits);
+  if (!s.ok()) return s;
+  v1::DecodeBegin key;  // the rows identify the request; the activations do not
+  *key.mutable_rows() = begin.rows();
+  std::vector<cache::DecodeRow> rows;
+  for (const v1::DecodeRow& r : begin.rows()) {
+    rows.push_back({ctx_->slots.FromWire(r.slot()), r.token_id()});
+  }
+  Opening o{"Decode", "run_layer", begin.request_id(), key.SerializeAsString(), begin.rows_size()};
+  for (const cache::DecodeRow& r : rows) o.slots.push_back(r.slot);
+  o.open = [this, rows = std::move(rows)] { return ctx_->cache->BeginForward(rows); };
+  return Start(std::move(o), begun);
+}
+
+absl::Status ForwardSession::BeginPrefill(const v1::PrefillBegin& begin, v1::DecodeBegun* begun) {
+  absl::Status s = CheckBegin(open_, begin.request_id());
+  if (s.ok()) s = CheckPrefillRows(begin.rows(), ctx_->limits);
+  if (!s.ok()) return s;
+  v1::PrefillBegin key = begin;
+  key.clear_request_id();
+  Opening o{"PrefillForward", "prefill_layer", begin.request_id(), key.SerializeAsString()};
+  for (const v1::PrefillRow& r : begin.rows()) {
+    o.slots.push_back(ctx_->slots.FromWire(r.slot()));
+    o.tokens += r.tokens_size();
+  }
+  o.open = [this, &begin, slots = o.slots] {
+    std::vector<cache::PrefillRow> rows;
+    for (int i = 0; i < begin.rows_size(); ++i) {
+      const auto& t = begin.rows(i).tokens();
+      rows.push_back({slots[i], absl::MakeConstSpan(t.data(), t.size())});
+    }
+    return ctx_->cache->BeginPrefill(rows);
+  };
+  return Start(std::move(o), begun);
+}
+
+absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::DecodeBegun* begun) {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  absl::Status s = CheckBegin(open_, begin.request_id());
+  if (s.ok()) {
+    s = CheckVerifyRows(begin.slots(), begin.num_draft(), begin.draft_tokens_size(), m,
+                        ctx_->limits);
+  }
+  if (!s.ok()) return s;
+  v1::VerifyBegin key = begin;
+  key.clear_request_id();
+  Opening o{"VerifyForward", "verify_layer", begin.request_id(), key.SerializeAsString(),
+            begin.draft_tokens_size()};
+  for (uint64_t h : begin.slots()) o.slots.push_back(ctx_->slots.FromWire(h));
+  o.open = [this, &begin, slots = o.slots] {
+    const auto& d = begin.draft_tokens();
+    return ctx_->cache->BeginVerify(slots, begin.num_draft(),
+                                    absl::MakeConstSpan(d.data(), d.size()));
+  };
+  return Start(std::move(o), begun);
+}
+
+absl::Status ForwardSession::Start(Opening opening, v1::DecodeBegun* begun) {
+  absl::Status s = Claim(opening);
+  if (!s.ok()) return s;
+  if (!replay_) {
+    s = Open(opening);
+    if (!s.ok()) {
+      ctx_->requests->Release(opening.method, opening.request_id);
+      return s;
+    }
+  }
+  method_ = opening.method;
+  layer_op_ = opening.layer_op;
+  decode_ = absl::string_view(opening.method) == "Decode";
+  request_id_ = std::move(opening.request_id);
+  tokens_ = opening.tokens;
+  slots_ = std::move(opening.slots);
+  open_ = true;
+  layer_done_.assign(ctx_->cache->model().num_layers, false);
+  start_ = absl::Now();
+  begun->set_batch(static_cast<int32_t>(slots_.size()));
+  begun->set_replayed(replay_.has_value());
+  begun->set_tokens(tokens_);
+  return absl::OkStatus();
+}
+
+absl::Status ForwardSession::Claim(const Opening& opening) {
+  RequestLog::Claim claim =
+      ctx_->requests->Begin(opening.method, opening.request_id, Fingerprint(opening.key));
+  switch (claim.outcome) {
+    case RequestLog::Outcome::kNew:
+      return absl::OkStatus();
+    case RequestLog::Outcome::kReplay:
+      replay_.emplace();
+      replay_->ParseFromString(claim.reply);
+      ctx_->metrics->CountDedupReplay();
+      return absl::OkStatus();
+    case RequestLog::Outcome::kInFlight:
+      return absl::AbortedError("request_id: the same forward is still in flight");
+    case RequestLog::Outcome::kMismatch:
+      return FieldError("request_id", "a new id or a retry of the same begin",
+                        "an id already used for a different begin");
+    case RequestLog::Outcome::kNotRetained:
+      break;
+  }
+  return absl::AlreadyExistsError("request_id: applied; its outputs were too large to keep");
+}
+
+absl::Status ForwardSession::Open(Opening& opening) {
+  ForwardGate::Ticket ticket;
+  absl::Status s = ctx_->gate->Enter(&ticket);
+  if (!s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<cache::Forward>> forward = opening.open();
+  if (!forward.ok()) return forward.status();
+  forward_ = *std::move(forward);
+  ticket_ = std::move(ticket);
+  const cache::ModelSpec& m = ctx_->cache->model();
+  const int64_t output_bytes = m.num_layers * opening.tokens * m.OutWidth() *
+                               static_cast<int64_t>(rssm_dtype_size(m.shape.act_dtype));
+  retain_ = output_bytes <= ctx_->requests->max_bytes();  // else: do not copy the outputs
+  record_.Clear();
+  for (int l = 0; retain_ && l < m.num_layers; ++l) record_.add_layers();
+  return absl::OkStatus();
+}
+
+absl::Status ForwardSession::CheckOpenLayer(const v1::LayerInput& input) const {
+  if (!open_) return absl::FailedPreconditionError("layer: no open forward (send begin first)");
+  absl::Status s = CheckLayerInput(input, "layer", ctx_->cache->model(), tokens_);
+  if (!s.ok()) return s;
+  if (layer_done_[input.layer()]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer.layer: layer ", input.layer(), " already ran in this forward"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ForwardSession::RunLayer(const v1::LayerInput& input, v1::LayerOutput* output) {
+  absl::Status s = CheckOpenLayer(input);
+  if (!s.ok()) return s;
+  if (replay_) {
+    *output = replay_->layers(input.layer());
+  } else {
+    const cache::ModelSpec& model = ctx_->cache->model();
+    const absl::Time t0 = absl::Now();
+    s = forward_->RunLayer(input.layer(), LayerView(input, model, tokens_, output));
+    ctx_->metrics->ObserveKernel(layer_op_, absl::ToDoubleSeconds(absl::Now() - t0));
+    if (!s.ok()) return s;
+    if (retain_) *record_.mutable_layers(input.layer()) = *output;
+  }
+  layer_done_[input.layer()] = true;
+  ctx_->metrics->AddBytes(
+      input.mixed_qkv().data().size() + input.a().data().size() + input.b().data().size(),
+      output->out().data().size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SlotState> ForwardSession::RowState(cache::SlotId slot) const {
+  v1::SlotState state;
+  if (slot == cache::kPaddingSlot) return state;
+  absl::StatusOr<cache::SlotInfo> info = ctx_->cache->Info(slot);
+  if (!info.ok()) return info.status();
+  state.set_slot(ctx_->slots.ToWire(slot));
+  state.set_seq_len(info->seq_len);
+  state.set_write_pos(info->write_pos);
+  state.set_pending_drafts(info->pending_drafts);
+  return state;
+}
+
+absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
+  if (!open_) return absl::FailedPreconditionError("commit: no open forward");
+  for (size_t l = 0; l < layer_done_.size(); ++l) {
+    if (!layer_done_[l]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("commit: layer ", l, " has not run in this forward"));
+    }
+  }
+  if (replay_) {
+    *committed->mutable_rows() = replay_->rows();
+    Abandon();
+    return absl::OkStatus();
+  }
+  const absl::Time t0 = absl::Now();
+  absl::Status s = forward_->Commit();
+  ctx_->metrics->ObserveKernel("commit", absl::ToDoubleSeconds(absl::Now() - t0));
+  if (!s.ok()) return s;  // the forward stays open until abandoned: nothing committed
+  forward_.reset();
+  for (cache::SlotId slot : slots_) {
+    absl::StatusOr<v1::SlotState> state = RowState(slot);
+    if (!state.ok()) return state.status();
+    *committed->add_rows() = *std::move(state);
+  }
+  if (retain_) {
+    *record_.mutable_rows() = committed->rows();
+    ctx_->requests->Complete(method_, request_id_, record_.SerializeAsString());
+  } else {
+    ctx_->requests->CompleteWithoutReply(method_, request_id_);
+  }
+  if (decode_) {
+    ctx_->metrics->ObserveForward(absl::ToDoubleSeconds(absl::Now() - start_),
+                                  static_cast<int32_t>(slots_.size()));
+  }
+  request_id_.clear();
+  Abandon();
+  return absl::OkStatus();
+}
+
+void ForwardSession::Abandon() {
+  forward_.reset();
+  if (open_ && !replay_ && !request_id_.empty()) {
+    ctx_->requests->Release(method_, request_id_);
+  }
+  open_ = false;
+  replay_.reset();
+  request_id_.clear();
+  slots_.clear();
+  record_.Clear();
+  ticket_.Reset();
+}
+
+}  // namespace replayssm::service

@@ -1,0 +1,97 @@
+// ForwardSession: one client's forwards of any kind — decode, prefill, verify — in the order
+// Begin -> RunLayer (each layer once, any order) -> Commit. The DecodeStream RPC keeps one
+// session per stream (several forwards one after another); the unary Decode runs one decode
+// forward through the same code.
+//
+// A session that is destroyed, or fails, before Commit abandons its forward: the cache changes
+// no state, the request id is released (a retry runs again) and the forward's ticket is
+// returned to the drain gate. A begin whose request id was already applied replays the
+// original outputs instead of running the kernels again.
+//
+// Not thread-safe: one driver at a time (a stream's reactor serializes its messages).
+#ifndef REPLAYSSM_SERVICE_FORWARD_SESSION_H_
+#define REPLAYSSM_SERVICE_FORWARD_SESSION_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "replayssm/cache/state_cache.h"
+#include "replayssm/v1/replayssm.pb.h"
+#include "service/service_context.h"
+
+namespace replayssm::service {
+
+// Rows of a decode forward: 1..max_batch of them, non-padding slots distinct.
+absl::Status CheckRows(const google::protobuf::RepeatedPtrField<v1::DecodeRow>& rows,
+                       const ServiceLimits& limits);
+// Rows of a prefill forward: 1..max_batch distinct non-zero slots, each with >= 1 token, at
+// most max_prefill_tokens in all.
+absl::Status CheckPrefillRows(const google::protobuf::RepeatedPtrField<v1::PrefillRow>& rows,
+                              const ServiceLimits& limits);
+// A verify's slots (1..max_batch, distinct, non-zero), num_draft (1..L) and draft count (B*T).
+absl::Status CheckVerifyRows(const google::protobuf::RepeatedField<uint64_t>& slots,
+                             int32_t num_draft, int64_t draft_tokens, const cache::ModelSpec& model,
+                             const ServiceLimits& limits);
+
+class ForwardSession {
+ public:
+  explicit ForwardSession(const ServiceContext* ctx) : ctx_(ctx) {}
+  ~ForwardSession() { Abandon(); }
+  ForwardSession(const ForwardSession&) = delete;
+  ForwardSession& operator=(const ForwardSession&) = delete;
+
+  // Opens a forward of one kind; each answers with the batch and the tokens per layer.
+  absl::Status Begin(const v1::DecodeBegin& begin, v1::DecodeBegun* begun);
+  absl::Status BeginPrefill(const v1::PrefillBegin& begin, v1::DecodeBegun* begun);
+  absl::Status BeginVerify(const v1::VerifyBegin& begin, v1::DecodeBegun* begun);
+  absl::Status RunLayer(const v1::LayerInput& input, v1::LayerOutput* output);
+  absl::Status Commit(v1::DecodeCommitted* committed);
+  // Drops an open forward (no state changes). Idempotent.
+  void Abandon();
+
+ private:
+  // What a begin of each kind hands to Start.
+  struct Opening {
+    const char* method;    // the request log's id space
+    const char* layer_op;  // the kernel metric's op for this kind's layers
+    std::string request_id;
+    std::string key;                   // the identifying fields, serialized (not the activations)
+    int64_t tokens = 0;                // per layer message
+    std::vector<cache::SlotId> slots;  // [B], kPaddingSlot for a padding row
+    std::function<absl::StatusOr<std::unique_ptr<cache::Forward>>()> open;
+  };
+  // Claims the request id (or finds its replay), enters the drain gate and opens the forward.
+  absl::Status Start(Opening opening, v1::DecodeBegun* begun);
+  // Claims opening.request_id in the request log, or sets replay_ for an applied one.
+  absl::Status Claim(const Opening& opening);
+  absl::Status Open(Opening& opening);
+  absl::Status CheckOpenLayer(const v1::LayerInput& input) const;
+  absl::StatusOr<v1::SlotState> RowState(cache::SlotId slot) const;
+
+  const ServiceContext* ctx_;
+  bool open_ = false;
+  bool decode_ = false;  // a decode forward: its latency and batch go to the forward metrics
+  const char* method_ = "";
+  const char* layer_op_ = "";
+  std::string request_id_;
+  int64_t tokens_ = 0;
+  std::vector<cache::SlotId> slots_;
+  std::vector<bool> layer_done_;
+  std::unique_ptr<cache::Forward> forward_;
+  ForwardGate::Ticket ticket_;
+  std::optional<v1::DecodeResponse> replay_;  // set when replaying an applied request
+  v1::DecodeResponse record_;                 // what the request log keeps on commit ...
+  bool retain_ = false;                       // ... unless its outputs would not fit the log anyway
+  absl::Time start_;
+};
+
+}  // namespace replayssm::service
+
+#endif  // REPLAYSSM_SERVICE_FORWARD_SESSION_H_
