@@ -49,13 +49,13 @@ absl::Status Invalid(const std::string& field, const std::string& what) {
 absl::Status MapSystem(const RegionSpec& spec, int32_t backend, Mapping& m) {
   if (spec.shm_key.empty() || spec.shm_key.size() > 255 || spec.shm_key[0] != '/' ||
       spec.shm_key.find('/', 1) != std::string::npos) {
-    return Invalid("shm_key", absl::StrCat("expected a POSIX shm name (\"/name\", no other "
+    return Invalid("key", absl::StrCat("expected a POSIX shm name (\"/name\", no other "
                                            "'/', at most 255 characters), got \"",
                                            spec.shm_key.substr(0, 64), "\""));
   }
   const int fd = shm_open(spec.shm_key.c_str(), O_RDWR, 0);
   if (fd < 0) {
-    return Invalid("shm_key", absl::StrCat("expected an existing shm object this server can "
+    return Invalid("key", absl::StrCat("expected an existing shm object this server can "
                                            "open read-write, got \"", spec.shm_key, "\" (",
                                            std::strerror(errno), ")"));
   }
@@ -64,7 +64,7 @@ absl::Status MapSystem(const RegionSpec& spec, int32_t backend, Mapping& m) {
   const uint64_t size = sized ? static_cast<uint64_t>(st.st_size) : 0;
   if (!sized || spec.offset > size || spec.bytes > size - spec.offset) {
     close(fd);
-    return Invalid("bytes", absl::StrCat("expected offset + bytes within the shm object (",
+    return Invalid("byte_size", absl::StrCat("expected offset + byte_size within the shm object (",
                                          size, " bytes), got ", spec.offset, " + ",
                                          spec.bytes));
   }
@@ -100,7 +100,7 @@ absl::Status MapCuda(const RegionSpec& spec, int32_t backend, Mapping& m) {
   if (absl::Status st = KernelStatus(s, "region"); !st.ok()) return st;
   m.map_base = base;
   if (spec.offset > size || spec.bytes > size - spec.offset) {
-    return Invalid("bytes", absl::StrCat("expected offset + bytes within the CUDA allocation (",
+    return Invalid("byte_size", absl::StrCat("expected offset + byte_size within the CUDA allocation (",
                                          size, " bytes), got ", spec.offset, " + ",
                                          spec.bytes));
   }
@@ -113,7 +113,7 @@ absl::Status CheckSpec(const RegionSpec& spec) {
   if (spec.name.empty() || spec.name.size() > 128) {
     return Invalid("name", absl::StrCat("expected 1..128 characters, got ", spec.name.size()));
   }
-  if (spec.bytes == 0) return Invalid("bytes", "expected > 0, got 0");
+  if (spec.bytes == 0) return Invalid("byte_size", "expected > 0, got 0");
   if (spec.kind != RegionKind::kSystem && spec.kind != RegionKind::kCuda) {
     return Invalid("kind", absl::StrCat("expected SYSTEM or CUDA, got ",
                                         static_cast<int32_t>(spec.kind)));

@@ -191,7 +191,8 @@ Client::Client(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)),
       stub_(v1::ReplaySsm::NewStub(channel_)),
       health_(grpc::health::v1::Health::NewStub(channel_)),
-      transfer_(v1::SlotTransfer::NewStub(channel_)) {}
+      transfer_(v1::SlotTransfer::NewStub(channel_)),
+      regions_(v1::Regions::NewStub(channel_)) {}
 
 bool Client::WaitForConnected(absl::Duration timeout) {
   return channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout));
@@ -308,6 +309,35 @@ absl::Status Client::Donate(uint64_t slot, std::string request_id) {
   req.set_slot(slot);
   return Call<v1::DonateResponse>([&](auto* c, auto* r) { return stub_->Donate(c, req, r); })
       .status();
+}
+
+absl::Status Client::RegisterSystemRegion(const v1::RegisterSystemRegionRequest& request) {
+  return Call<v1::RegisterRegionResponse>([&](auto* c, auto* r) {
+           return regions_->RegisterSystemRegion(c, request, r);
+         })
+      .status();
+}
+
+absl::Status Client::RegisterCudaRegion(const v1::RegisterCudaRegionRequest& request) {
+  return Call<v1::RegisterRegionResponse>([&](auto* c, auto* r) {
+           return regions_->RegisterCudaRegion(c, request, r);
+         })
+      .status();
+}
+
+absl::Status Client::UnregisterRegion(const std::string& name) {
+  v1::UnregisterRegionRequest req;
+  req.set_name(name);
+  return Call<v1::UnregisterRegionResponse>(
+             [&](auto* c, auto* r) { return regions_->UnregisterRegion(c, req, r); })
+      .status();
+}
+
+absl::StatusOr<v1::RegionStatusResponse> Client::RegionStatus(const std::string& name) {
+  v1::RegionStatusRequest req;
+  req.set_name(name);
+  return Call<v1::RegionStatusResponse>(
+      [&](auto* c, auto* r) { return regions_->GetRegionStatus(c, req, r); });
 }
 
 absl::StatusOr<v1::TransferSlotResponse> Client::TransferSlot(uint64_t slot,

@@ -98,6 +98,7 @@ absl::Status ForwardSession::Begin(const v1::DecodeBegin& begin, v1::DecodeBegun
   Opening o{"Decode", "run_layer", begin.request_id(), key.SerializeAsString(), begin.rows_size()};
   for (const cache::DecodeRow& r : rows) o.slots.push_back(r.slot);
   o.open = [this, rows = std::move(rows)] { return ctx_->cache->BeginForward(rows); };
+  if (begin.has_plan()) o.plan = &begin.plan();
   return Start(std::move(o), begun);
 }
 
@@ -120,6 +121,7 @@ absl::Status ForwardSession::BeginPrefill(const v1::PrefillBegin& begin, v1::Dec
     }
     return ctx_->cache->BeginPrefill(rows);
   };
+  if (begin.has_plan()) o.plan = &begin.plan();
   return Start(std::move(o), begun);
 }
 
@@ -141,6 +143,7 @@ absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::Decod
     return ctx_->cache->BeginVerify(slots, begin.num_draft(),
                                     absl::MakeConstSpan(d.data(), d.size()));
   };
+  if (begin.has_plan()) o.plan = &begin.plan();
   return Start(std::move(o), begun);
 }
 
@@ -192,14 +195,28 @@ absl::Status ForwardSession::Claim(const Opening& opening) {
 }
 
 absl::Status ForwardSession::Open(Opening& opening) {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  std::optional<ResolvedPlan> plan;
+  if (opening.plan != nullptr) {  // checked whole before anything opens
+    absl::StatusOr<ResolvedPlan> r =
+        ResolvePlan(*opening.plan, "begin.plan", *ctx_->regions, m, opening.tokens);
+    if (!r.ok()) return r.status();
+    plan = *std::move(r);
+  }
   ForwardGate::Ticket ticket;
   absl::Status s = ctx_->gate->Enter(&ticket);
   if (!s.ok()) return s;
   absl::StatusOr<std::unique_ptr<cache::Forward>> forward = opening.open();
   if (!forward.ok()) return forward.status();
-  forward_ = *std::move(forward);
   ticket_ = std::move(ticket);
-  const cache::ModelSpec& m = ctx_->cache->model();
+  if (plan) {
+    // The outputs are in the client's region: the request log keeps the rows only.
+    planned_ = std::make_unique<PlannedForward>(*std::move(forward), *std::move(plan),
+                                                ctx_->forward_timeout);
+    retain_ = false;
+    return absl::OkStatus();
+  }
+  forward_ = *std::move(forward);
   const int64_t output_bytes = m.num_layers * opening.tokens * m.OutWidth() *
                                static_cast<int64_t>(rssm_dtype_size(m.shape.act_dtype));
   retain_ = output_bytes <= ctx_->requests->max_bytes();  // else: do not copy the outputs
@@ -210,6 +227,11 @@ absl::Status ForwardSession::Open(Opening& opening) {
 
 absl::Status ForwardSession::CheckOpenLayer(const v1::LayerInput& input) const {
   if (!open_) return absl::FailedPreconditionError("layer: no open forward (send begin first)");
+  if (planned_) {
+    return absl::FailedPreconditionError(
+        "layer: this forward is planned (begin.plan): its layers run from the regions as their "
+        "doorbells ring; send commit");
+  }
   absl::Status s = CheckLayerInput(input, "layer", ctx_->cache->model(), tokens_);
   if (!s.ok()) return s;
   if (layer_done_[input.layer()]) {
@@ -227,7 +249,11 @@ absl::Status ForwardSession::RunLayer(const v1::LayerInput& input, v1::LayerOutp
   } else {
     const cache::ModelSpec& model = ctx_->cache->model();
     const absl::Time t0 = absl::Now();
-    s = forward_->RunLayer(input.layer(), LayerView(input, model, tokens_, output));
+    if (input.mixed_qkv().has_region()) {
+      s = RunRegionLayer(input, output);
+    } else {
+      s = forward_->RunLayer(input.layer(), LayerView(input, model, tokens_, output));
+    }
     ctx_->metrics->ObserveKernel(layer_op_, absl::ToDoubleSeconds(absl::Now() - t0));
     if (!s.ok()) return s;
     if (retain_) *record_.mutable_layers(input.layer()) = *output;
@@ -236,6 +262,26 @@ absl::Status ForwardSession::RunLayer(const v1::LayerInput& input, v1::LayerOutp
   ctx_->metrics->AddBytes(
       input.mixed_qkv().data().size() + input.a().data().size() + input.b().data().size(),
       output->out().data().size());
+  return absl::OkStatus();
+}
+
+absl::Status ForwardSession::RunRegionLayer(const v1::LayerInput& input,
+                                            v1::LayerOutput* output) {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  std::map<std::string, cache::RegionLease> leases;  // held until the layer's work is done
+  absl::StatusOr<cache::LayerIo> io =
+      ResolveLayerRegions(input, "layer", *ctx_->regions, m, tokens_, &leases);
+  if (!io.ok()) return io.status();
+  absl::Status s = forward_->RunLayer(input.layer(), *io);
+  // The reply says the output is in place: wait for it (host-memory layers already have).
+  if (s.ok() && io->memory == cache::IoMemory::kBackend) s = forward_->Synchronize();
+  if (!s.ok()) return s;
+  output->set_layer(input.layer());
+  v1::Tensor* out = output->mutable_out();
+  out->set_dtype(ToWireDtype(m.shape.act_dtype));
+  for (int64_t d : OutShape(m, tokens_)) out->add_shape(d);
+  *out->mutable_region() = input.out();
+  retain_ = false;  // a retry cannot rewrite the client's region: the log keeps rows only
   return absl::OkStatus();
 }
 
@@ -253,7 +299,7 @@ absl::StatusOr<v1::SlotState> ForwardSession::RowState(cache::SlotId slot) const
 
 absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
   if (!open_) return absl::FailedPreconditionError("commit: no open forward");
-  for (size_t l = 0; l < layer_done_.size(); ++l) {
+  for (size_t l = 0; !planned_ && l < layer_done_.size(); ++l) {
     if (!layer_done_[l]) {
       return absl::FailedPreconditionError(
           absl::StrCat("commit: layer ", l, " has not run in this forward"));
@@ -265,10 +311,15 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
     return absl::OkStatus();
   }
   const absl::Time t0 = absl::Now();
-  absl::Status s = forward_->Commit();
+  absl::Status s = planned_ ? planned_->Commit() : forward_->Commit();
   ctx_->metrics->ObserveKernel("commit", absl::ToDoubleSeconds(absl::Now() - t0));
+  if (!s.ok() && planned_) {
+    Abandon();  // a planned forward that failed has been abandoned: so is the session's
+    return s;
+  }
   if (!s.ok()) return s;  // the forward stays open until abandoned: nothing committed
   forward_.reset();
+  planned_.reset();
   for (cache::SlotId slot : slots_) {
     absl::StatusOr<v1::SlotState> state = RowState(slot);
     if (!state.ok()) return state.status();
@@ -290,6 +341,7 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
 }
 
 void ForwardSession::Abandon() {
+  planned_.reset();  // rings its doorbells if they are still awaited, then abandons
   forward_.reset();
   if (open_ && !replay_ && !request_id_.empty()) {
     ctx_->requests->Release(method_, request_id_);

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/v1/replayssm.pb.h"
+#include "service/planned_forward.h"
 #include "service/service_context.h"
 
 namespace replayssm::service {
@@ -66,6 +67,7 @@ class ForwardSession {
     int64_t tokens = 0;                // per layer message
     std::vector<cache::SlotId> slots;  // [B], kPaddingSlot for a padding row
     std::function<absl::StatusOr<std::unique_ptr<cache::Forward>>()> open;
+    const v1::ForwardPlan* plan = nullptr;  // set: a planned forward (docs/data-plane.md)
   };
   // Claims the request id (or finds its replay), enters the drain gate and opens the forward.
   absl::Status Start(Opening opening, v1::DecodeBegun* begun);
@@ -73,6 +75,8 @@ class ForwardSession {
   absl::Status Claim(const Opening& opening);
   absl::Status Open(Opening& opening);
   absl::Status CheckOpenLayer(const v1::LayerInput& input) const;
+  // A layer message whose tensors name registered regions; the output lands in input.out.
+  absl::Status RunRegionLayer(const v1::LayerInput& input, v1::LayerOutput* output);
   absl::StatusOr<v1::SlotState> RowState(cache::SlotId slot) const;
 
   const ServiceContext* ctx_;
@@ -85,6 +89,7 @@ class ForwardSession {
   std::vector<cache::SlotId> slots_;
   std::vector<bool> layer_done_;
   std::unique_ptr<cache::Forward> forward_;
+  std::unique_ptr<PlannedForward> planned_;  // instead of forward_ for a planned forward
   ForwardGate::Ticket ticket_;
   std::optional<v1::DecodeResponse> replay_;  // set when replaying an applied request
   v1::DecodeResponse record_;                 // what the request log keeps on commit ...

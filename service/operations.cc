@@ -98,6 +98,7 @@ absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
   }
   const cache::CacheOptions& o = ctx_->cache->options();
   resp->set_backend(ctx_->backend_name);
+  resp->set_mps(ctx_->mps);
   resp->set_capacity_slots(ctx_->cache->capacity());
   resp->set_slot_bytes(m.SlotBytes());
   resp->set_memory_budget_bytes(o.memory_budget_bytes);

@@ -26,7 +26,7 @@ absl::StatusOr<void*> Take(const v1::RegionRef& ref, const std::string& field, u
         ref.region(), "\" which would need a copy (a planned forward never waits on the host)"));
   }
   void* p = lease->data();
-  plan.leases.push_back(*std::move(lease));
+  plan.leases.emplace(ref.region(), *std::move(lease));
   return p;
 }
 
@@ -76,6 +76,44 @@ absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std:
     out.done = static_cast<uint32_t*>(*done) + l;
   }
   return r;
+}
+
+absl::StatusOr<cache::LayerIo> ResolveLayerRegions(const v1::LayerInput& input,
+                                                   const std::string& field,
+                                                   const cache::RegionTable& regions,
+                                                   const cache::ModelSpec& m, int64_t n,
+                                                   std::map<std::string, cache::RegionLease>* leases) {
+  const uint64_t es = rssm_dtype_size(m.shape.act_dtype);
+  const struct {
+    const v1::RegionRef& ref;
+    std::string name;
+    int64_t width;
+  } parts[4] = {{input.mixed_qkv().region(), field + ".mixed_qkv.region", m.QkvWidth()},
+                {input.a().region(), field + ".a.region", m.AWidth()},
+                {input.b().region(), field + ".b.region", m.BWidth()},
+                {input.out(), field + ".out", m.OutWidth()}};
+  void* ptrs[4] = {};
+  cache::IoMemory memory = cache::IoMemory::kBackend;
+  for (int i = 0; i < 4; ++i) {
+    if (parts[i].ref.region().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(parts[i].name, ": expected a registered region's name, got \"\""));
+    }
+    absl::StatusOr<cache::RegionLease> lease = regions.Acquire(
+        parts[i].ref.region(), parts[i].ref.offset(),
+        static_cast<uint64_t>(n) * static_cast<uint64_t>(parts[i].width) * es, 16,
+        parts[i].name);
+    if (!lease.ok()) return lease.status();
+    if (i > 0 && lease->memory() != memory) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          parts[i].name, ": expected a region of the same kind as mixed_qkv's (one memory per "
+                         "layer), got another kind"));
+    }
+    memory = lease->memory();
+    ptrs[i] = lease->data();
+    leases->emplace(parts[i].ref.region(), *std::move(lease));
+  }
+  return cache::LayerIo{ptrs[0], ptrs[1], ptrs[2], ptrs[3], memory};
 }
 
 PlannedForward::PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,

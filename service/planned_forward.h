@@ -14,6 +14,7 @@
 #define REPLAYSSM_SERVICE_PLANNED_FORWARD_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -29,6 +30,7 @@
 #include "replayssm/cache/regions.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/v1/regions.pb.h"
+#include "replayssm/v1/replayssm.pb.h"
 
 namespace replayssm::service {
 
@@ -41,7 +43,8 @@ struct ResolvedPlan {
   };
   std::vector<Layer> layers;  // [num_layers]
   uint32_t value = 0;
-  std::vector<cache::RegionLease> leases;
+  std::map<std::string, cache::RegionLease> leases;  // one hold per region (GetRegionStatus
+                                                     // counts forwards, not ranges)
 };
 
 // Checks `plan` (field names under `field`, e.g. "begin.plan") for a forward of N tokens:
@@ -50,6 +53,14 @@ struct ResolvedPlan {
 absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std::string& field,
                                          const cache::RegionTable& regions,
                                          const cache::ModelSpec& model, int64_t n);
+
+// The regions of one DecodeStream layer message whose tensors name regions (CheckLayerInput
+// has checked dtypes and shapes): the LayerIo over them, the leases held in `leases`.
+absl::StatusOr<cache::LayerIo> ResolveLayerRegions(const v1::LayerInput& input,
+                                                   const std::string& field,
+                                                   const cache::RegionTable& regions,
+                                                   const cache::ModelSpec& model, int64_t n,
+                                                   std::map<std::string, cache::RegionLease>* leases);
 
 class PlannedForward {
  public:

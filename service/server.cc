@@ -102,6 +102,7 @@ class ServerImpl final : public Server {
     ctx_.slots = SlotCodec(static_cast<uint32_t>(std::random_device{}()));
     ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes};
     ctx_.backend_name = device_.name;
+    ctx_.forward_timeout = options.forward_timeout;
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
     regions_service_ = std::make_unique<RegionsService>(&ctx_);

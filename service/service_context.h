@@ -111,6 +111,7 @@ struct ServiceContext {
   ServiceLimits limits;
   std::string backend_name;  // "cpu", "cuda:0"
   bool mps = false;          // CUDA work goes through MPS (docs/data-plane.md)
+  absl::Duration forward_timeout = absl::Seconds(10);  // a planned forward, begin to commit
 };
 
 }  // namespace replayssm::service

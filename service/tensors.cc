@@ -85,6 +85,11 @@ absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field, int3
   if (got != shape) {
     return FieldError(absl::StrCat(field, ".shape"), ShapeString(shape), ShapeString(got));
   }
+  if (tensor.has_region()) {  // the bytes are checked against the region when it is resolved
+    if (tensor.data().empty()) return absl::OkStatus();
+    return FieldError(absl::StrCat(field, ".data"), "no bytes (the tensor names a region)",
+                      absl::StrCat(tensor.data().size(), " bytes"));
+  }
   const int64_t bytes = Elements(shape) * static_cast<int64_t>(rssm_dtype_size(dtype));
   if (static_cast<int64_t>(tensor.data().size()) != bytes) {
     return FieldError(absl::StrCat(field, ".data"), absl::StrCat(bytes, " bytes"),
@@ -104,7 +109,23 @@ absl::Status CheckLayerInput(const v1::LayerInput& input, absl::string_view fiel
       CheckTensor(input.mixed_qkv(), absl::StrCat(field, ".mixed_qkv"), act, QkvShape(model, n));
   if (s.ok()) s = CheckTensor(input.a(), absl::StrCat(field, ".a"), act, AShape(model, n));
   if (s.ok()) s = CheckTensor(input.b(), absl::StrCat(field, ".b"), act, BShape(model, n));
-  return s;
+  if (!s.ok()) return s;
+  // All in regions (the output too) or all inline: one memory per layer.
+  const bool regions = input.mixed_qkv().has_region();
+  const struct {
+    bool region;
+    const char* name;
+  } parts[] = {{input.a().has_region(), ".a.region"},
+               {input.b().has_region(), ".b.region"},
+               {input.has_out(), ".out"}};
+  for (const auto& p : parts) {
+    if (p.region != regions) {
+      return FieldError(absl::StrCat(field, p.name),
+                        regions ? "set, as mixed_qkv names a region" : "unset, as mixed_qkv is inline",
+                        p.region ? "set" : "unset");
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckAllLayers(const LayerInputs& layers, const cache::ModelSpec& model, int64_t n) {
@@ -120,6 +141,11 @@ absl::Status CheckAllLayers(const LayerInputs& layers, const cache::ModelSpec& m
     }
     absl::Status s = CheckLayerInput(layers[i], field, model, n);
     if (!s.ok()) return s;
+    if (layers[i].mixed_qkv().has_region()) {
+      return FieldError(absl::StrCat(field, ".mixed_qkv.region"),
+                        "inline data (regions are for DecodeStream layer messages and plans)",
+                        "a region");
+    }
   }
   return absl::OkStatus();
 }

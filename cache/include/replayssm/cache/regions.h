@@ -82,8 +82,8 @@ class RegionTable {
   RegionTable(const RegionTable&) = delete;
   RegionTable& operator=(const RegionTable&) = delete;
 
-  // Maps the region. INVALID_ARGUMENT naming the field (name, shm_key, cuda_handle, device,
-  // offset, bytes: the object or allocation must hold offset + bytes), ALREADY_EXISTS for a
+  // Maps the region. INVALID_ARGUMENT naming the field by its wire name (name, key, device,
+  // byte_size: the object or allocation must hold offset + byte_size), ALREADY_EXISTS for a
   // registered name, RESOURCE_EXHAUSTED past the limits, UNIMPLEMENTED for CUDA on the CPU.
   absl::Status Register(const RegionSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND for an unknown name. The memory stays mapped while leases hold it.

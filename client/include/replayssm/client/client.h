@@ -19,6 +19,7 @@
 #include "absl/types/span.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "replayssm/v1/regions.grpc.pb.h"
 #include "replayssm/v1/replayssm.grpc.pb.h"
 #include "replayssm/v1/transfer.grpc.pb.h"
 
@@ -53,6 +54,9 @@ class ForwardStream {
   absl::StatusOr<v1::DecodeBegun> BeginVerify(absl::Span<const uint64_t> slots, int32_t num_draft,
                                               absl::Span<const int32_t> draft_tokens,
                                               std::string request_id = "");
+  // Any begin the caller built: e.g. one carrying a ForwardPlan (regions + doorbells, no
+  // layer messages: Commit next; docs/data-plane.md).
+  absl::StatusOr<v1::DecodeBegun> BeginWith(const v1::DecodeStreamRequest& begin);
   absl::StatusOr<v1::LayerOutput> RunLayer(const v1::LayerInput& input);
   absl::StatusOr<v1::DecodeCommitted> Commit();
   // Whole forwards, for callers that have every layer's inputs: begin, every layer in order,
@@ -74,7 +78,6 @@ class ForwardStream {
 
  private:
   absl::StatusOr<v1::DecodeStreamResponse> RoundTrip(const v1::DecodeStreamRequest& request);
-  absl::StatusOr<v1::DecodeBegun> BeginWith(const v1::DecodeStreamRequest& begin);
   // Every layer, then the commit, of the forward `begin` opens.
   absl::StatusOr<v1::DecodeResponse> Run(const v1::DecodeStreamRequest& begin,
                                          absl::Span<const v1::LayerInput> layers);
@@ -135,6 +138,12 @@ class Client {
 
   std::unique_ptr<ForwardStream> OpenStream();
 
+  // Registered memory regions (replayssm.v1.Regions; docs/data-plane.md).
+  absl::Status RegisterSystemRegion(const v1::RegisterSystemRegionRequest& request);
+  absl::Status RegisterCudaRegion(const v1::RegisterCudaRegionRequest& request);
+  absl::Status UnregisterRegion(const std::string& name);
+  absl::StatusOr<v1::RegionStatusResponse> RegionStatus(const std::string& name = "");
+
  private:
   std::unique_ptr<grpc::ClientContext> NewContext() const;
   template <typename Resp, typename F>
@@ -144,6 +153,7 @@ class Client {
   std::unique_ptr<v1::ReplaySsm::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   std::unique_ptr<v1::SlotTransfer::Stub> transfer_;
+  std::unique_ptr<v1::Regions::Stub> regions_;
   absl::Duration timeout_ = absl::Seconds(60);
 };
 

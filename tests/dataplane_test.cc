@@ -1,0 +1,377 @@
+// The co-located data plane against a real server (CPU backend, POSIX shared memory): region
+// register/status/unregister and every bad-region class; planned forwards of every kind
+// (decode, prefill, verify) with doorbells, bit for bit against the inline forms; layer
+// messages whose tensors name regions; a doorbell never rung; a client gone mid-forward; a
+// region unregistered while a forward uses it.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "service_fixture.h"
+
+namespace replayssm::testing {
+namespace {
+
+constexpr uint32_t kAlign = 64;
+
+// A shm object the test (the "engine") writes and the server maps. Layout: ready [L],
+// done [L], then per layer qkv | a | b | out for up to `max_tokens` tokens.
+class EngineMemory {
+ public:
+  EngineMemory(const v1::ModelInfo& m, int64_t max_tokens) : layers_(m.num_layers()) {
+    const uint64_t es = m.act_dtype() == v1::DTYPE_F32 ? 4 : 2;
+    const int64_t qkv = 2 * m.num_qk_heads() * m.head_k() + m.num_v_heads() * m.head_v();
+    const int64_t a = m.gate() == v1::GATE_KDA ? m.num_v_heads() * m.head_k() : m.num_v_heads();
+    const int64_t widths[4] = {qkv, a, m.num_v_heads(), m.num_v_heads() * m.head_v()};
+    uint64_t at = Up(8ULL * layers_);
+    for (int l = 0; l < layers_; ++l) {
+      std::array<uint64_t, 4> off{};
+      for (int i = 0; i < 4; ++i) {
+        off[i] = at;
+        at = Up(at + max_tokens * widths[i] * es);
+      }
+      offsets_.push_back(off);
+    }
+    bytes_ = at;
+    key_ = "/replayssm-dp-" + std::to_string(getpid()) + "-" + std::to_string(next_++);
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes_)), 0);
+    base_ = static_cast<uint8_t*>(
+        mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+  }
+  ~EngineMemory() {
+    munmap(base_, bytes_);
+    shm_unlink(key_.c_str());
+  }
+  static uint64_t Up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+  v1::RegisterSystemRegionRequest Registration(const std::string& name) const {
+    v1::RegisterSystemRegionRequest r;
+    r.set_name(name);
+    r.set_key(key_);
+    r.set_byte_size(bytes_);
+    return r;
+  }
+  v1::ForwardPlan Plan(const std::string& region, uint32_t value) const {
+    v1::ForwardPlan p;
+    p.mutable_ready()->set_region(region);
+    p.mutable_done()->set_region(region);
+    p.mutable_done()->set_offset(4ULL * layers_);
+    p.set_value(value);
+    for (const auto& off : offsets_) {
+      v1::PlannedLayer* l = p.add_layers();
+      v1::RegionRef* refs[4] = {l->mutable_mixed_qkv(), l->mutable_a(), l->mutable_b(),
+                                l->mutable_out()};
+      for (int i = 0; i < 4; ++i) {
+        refs[i]->set_region(region);
+        refs[i]->set_offset(off[i]);
+      }
+    }
+    return p;
+  }
+  // Layer l's inputs into the region (what the engine's previous layer would have written).
+  void Write(const v1::LayerInput& in, int l) {
+    const v1::Tensor* t[3] = {&in.mixed_qkv(), &in.a(), &in.b()};
+    for (int i = 0; i < 3; ++i) std::memcpy(base_ + offsets_[l][i], t[i]->data().data(), t[i]->data().size());
+  }
+  std::string Out(int l, size_t bytes) const {
+    return std::string(reinterpret_cast<const char*>(base_ + offsets_[l][3]), bytes);
+  }
+  uint32_t* Ready(int l) { return reinterpret_cast<uint32_t*>(base_) + l; }
+  uint32_t* Done(int l) { return reinterpret_cast<uint32_t*>(base_) + layers_ + l; }
+  void Ring(int l, uint32_t v) { std::atomic_ref<uint32_t>(*Ready(l)).store(v); }
+  bool WaitDone(int l, uint32_t v, absl::Duration timeout) {
+    const absl::Time end = absl::Now() + timeout;
+    while (std::atomic_ref<uint32_t>(*Done(l)).load() != v) {
+      if (absl::Now() > end) return false;
+      std::this_thread::yield();
+    }
+    return true;
+  }
+  // The engine's loop: layer by layer, each layer's inputs written only after the previous
+  // layer's outputs are done (as in a model).
+  void Drive(const std::vector<v1::LayerInput>& layers, uint32_t v) {
+    for (int l = 0; l < layers_; ++l) {
+      Write(layers[l], l);
+      Ring(l, v);
+      ASSERT_TRUE(WaitDone(l, v, absl::Seconds(20))) << "layer " << l;
+    }
+  }
+  // Layer l's message with every tensor in the region instead of inline.
+  v1::LayerInput AsRegions(const v1::LayerInput& in, const std::string& region, int l) const {
+    v1::LayerInput r = in;
+    v1::Tensor* t[3] = {r.mutable_mixed_qkv(), r.mutable_a(), r.mutable_b()};
+    for (int i = 0; i < 3; ++i) {
+      t[i]->clear_data();
+      t[i]->mutable_region()->set_region(region);
+      t[i]->mutable_region()->set_offset(offsets_[l][i]);
+    }
+    r.mutable_out()->set_region(region);
+    r.mutable_out()->set_offset(offsets_[l][3]);
+    return r;
+  }
+
+ private:
+  static inline int next_ = 0;
+  int layers_;
+  std::vector<std::array<uint64_t, 4>> offsets_;
+  uint64_t bytes_ = 0;
+  std::string key_;
+  uint8_t* base_ = nullptr;
+};
+
+class DataPlaneTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--forward-timeout=1"};
+  }
+  void SetUp() override {
+    ServiceTest::SetUp();
+    mem_ = std::make_unique<EngineMemory>(model(), 64);
+    ASSERT_TRUE(client_->RegisterSystemRegion(mem_->Registration("engine")).ok());
+  }
+  std::vector<v1::DecodeRow> Rows(const std::vector<uint64_t>& slots) {
+    std::vector<v1::DecodeRow> rows(slots.size());
+    for (size_t i = 0; i < slots.size(); ++i) {
+      rows[i].set_slot(slots[i]);
+      rows[i].set_token_id(9);
+    }
+    return rows;
+  }
+  v1::DecodeStreamRequest PlannedDecode(const std::vector<uint64_t>& slots, uint32_t v) {
+    v1::DecodeStreamRequest req;
+    req.mutable_begin()->set_request_id(client::NewRequestId());
+    for (const v1::DecodeRow& r : Rows(slots)) *req.mutable_begin()->add_rows() = r;
+    *req.mutable_begin()->mutable_plan() = mem_->Plan("engine", v);
+    return req;
+  }
+  size_t OutBytes(int64_t n) const {
+    return n * model().num_v_heads() * model().head_v() *
+           (model().act_dtype() == v1::DTYPE_F32 ? 4 : 2);
+  }
+  int64_t InUse(const std::string& name) {
+    auto s = client_->RegionStatus(name);
+    return s.ok() && s->regions_size() == 1 ? s->regions(0).in_use() : -1;
+  }
+  // Runs a planned forward opened by `begin` while the engine drives `layers`; returns the
+  // commit's status.
+  absl::Status RunPlanned(client::ForwardStream& stream, const v1::DecodeStreamRequest& begin,
+                          const std::vector<v1::LayerInput>& layers, uint32_t v) {
+    auto begun = stream.BeginWith(begin);
+    if (!begun.ok()) return begun.status();
+    std::thread engine([&] { mem_->Drive(layers, v); });
+    auto committed = stream.Commit();
+    engine.join();
+    return committed.status();
+  }
+
+  std::unique_ptr<EngineMemory> mem_;
+};
+
+TEST_F(DataPlaneTest, PlannedDecodeMatchesInlineBitForBitAcrossFolds) {
+  const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
+  auto stream = client_->OpenStream();
+  for (uint32_t f = 1; f <= 6; ++f) {  // past a ring fold (L = 4 for tiny-gdn)
+    const std::vector<v1::LayerInput> layers = Layers(2);
+    ASSERT_TRUE(RunPlanned(*stream, PlannedDecode(planned, f), layers, f).ok());
+    auto want = stream->Forward(Rows(inl), layers);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (int l = 0; l < num_layers(); ++l) {
+      EXPECT_EQ(mem_->Out(l, OutBytes(2)), want->layers(l).out().data()) << "forward " << f;
+    }
+  }
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
+  EXPECT_EQ(InUse("engine"), 0);
+}
+
+TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
+  const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
+  auto stream = client_->OpenStream();
+  // Prefill: 3 + 5 tokens packed in row order.
+  std::vector<v1::PrefillRow> rows_p(2), rows_i(2);
+  for (int i = 0; i < 2; ++i) {
+    for (int t = 0; t < 3 + 2 * i; ++t) {
+      rows_p[i].add_tokens(50 + t);
+      rows_i[i].add_tokens(50 + t);
+    }
+    rows_p[i].set_slot(planned[i]);
+    rows_i[i].set_slot(inl[i]);
+  }
+  std::vector<v1::LayerInput> layers = Layers(8);
+  v1::DecodeStreamRequest begin;
+  begin.mutable_prefill_begin()->set_request_id(client::NewRequestId());
+  for (const auto& r : rows_p) *begin.mutable_prefill_begin()->add_rows() = r;
+  *begin.mutable_prefill_begin()->mutable_plan() = mem_->Plan("engine", 1);
+  ASSERT_TRUE(RunPlanned(*stream, begin, layers, 1).ok());
+  auto want = stream->Prefill(rows_i, layers);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (int l = 0; l < num_layers(); ++l) EXPECT_EQ(mem_->Out(l, OutBytes(8)), want->layers(l).out().data());
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
+
+  // Verify: 2 drafts per row, outputs only.
+  layers = Layers(4);
+  const std::vector<int32_t> drafts = {1, 2, 3, 4};
+  begin.Clear();
+  v1::VerifyBegin* vb = begin.mutable_verify_begin();
+  vb->set_request_id(client::NewRequestId());
+  for (uint64_t s : planned) vb->add_slots(s);
+  vb->set_num_draft(2);
+  for (int32_t d : drafts) vb->add_draft_tokens(d);
+  *vb->mutable_plan() = mem_->Plan("engine", 2);
+  ASSERT_TRUE(RunPlanned(*stream, begin, layers, 2).ok());
+  auto vwant = stream->Verify(inl, 2, drafts, layers);
+  ASSERT_TRUE(vwant.ok()) << vwant.status();
+  for (int l = 0; l < num_layers(); ++l) EXPECT_EQ(mem_->Out(l, OutBytes(4)), vwant->layers(l).out().data());
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(client_->Accept(planned[i], 1).ok());
+    ASSERT_TRUE(client_->Accept(inl[i], 1).ok());
+    EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
+  }
+}
+
+TEST_F(DataPlaneTest, LayerMessagesNamingRegionsMatchInline) {
+  const std::vector<uint64_t> a = {NewSlot()}, b = {NewSlot()};
+  auto stream = client_->OpenStream();
+  const std::vector<v1::LayerInput> layers = Layers(1);
+  ASSERT_TRUE(stream->Begin(Rows(a)).ok());
+  for (int l = 0; l < num_layers(); ++l) {
+    mem_->Write(layers[l], l);
+    auto out = stream->RunLayer(mem_->AsRegions(layers[l], "engine", l));
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_TRUE(out->out().data().empty());
+    EXPECT_EQ(out->out().region().region(), "engine");
+  }
+  ASSERT_TRUE(stream->Commit().ok());
+  auto want = stream->Forward(Rows(b), layers);
+  ASSERT_TRUE(want.ok());
+  for (int l = 0; l < num_layers(); ++l) EXPECT_EQ(mem_->Out(l, OutBytes(1)), want->layers(l).out().data());
+  EXPECT_EQ(Observe(a[0]), Observe(b[0]));
+}
+
+TEST_F(DataPlaneTest, ADoorbellNeverRungFailsTheCommitAndMovesNoCursor) {
+  const std::vector<uint64_t> s = {NewSlot()};
+  const std::string before = Observe(s[0]);
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->BeginWith(PlannedDecode(s, 7)).ok());
+  const std::vector<v1::LayerInput> layers = Layers(1);
+  mem_->Write(layers[0], 0);
+  mem_->Ring(0, 7);  // layer 0 only
+  auto committed = stream->Commit();
+  EXPECT_EQ(committed.status().code(), absl::StatusCode::kDeadlineExceeded) << committed.status();
+  EXPECT_NE(committed.status().message().find("layer 1"), std::string::npos)
+      << committed.status();
+  EXPECT_EQ(Observe(s[0]), before);
+  EXPECT_EQ(InUse("engine"), 0);
+  // The slot takes the next forward.
+  auto again = client_->OpenStream();
+  EXPECT_TRUE(again->Forward(Rows(s), layers).ok());
+}
+
+TEST_F(DataPlaneTest, AClientGoneMidForwardChangesNothingAndReleasesTheRegion) {
+  const std::vector<uint64_t> s = {NewSlot(), NewSlot()};
+  const std::string before = Observe(s[0]);
+  {
+    auto stream = client_->OpenStream();
+    ASSERT_TRUE(stream->BeginWith(PlannedDecode(s, 3)).ok());
+    const std::vector<v1::LayerInput> layers = Layers(2);
+    mem_->Write(layers[0], 0);
+    mem_->Ring(0, 3);
+    ASSERT_TRUE(mem_->WaitDone(0, 3, absl::Seconds(10)));
+    stream->Cancel();  // what the server sees when the client's process dies
+  }
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (InUse("engine") != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(InUse("engine"), 0);
+  EXPECT_EQ(Observe(s[0]), before);
+  auto again = client_->OpenStream();
+  EXPECT_TRUE(again->Forward(Rows(s), Layers(2)).ok());
+}
+
+TEST_F(DataPlaneTest, UnregisteringARegionInUseWaitsForTheForward) {
+  const std::vector<uint64_t> s = {NewSlot()};
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->BeginWith(PlannedDecode(s, 5)).ok());
+  EXPECT_EQ(InUse("engine"), 1);
+  ASSERT_TRUE(client_->UnregisterRegion("engine").ok());
+  EXPECT_EQ(client_->RegionStatus("engine").status().code(), absl::StatusCode::kNotFound);
+  std::thread engine([&] { mem_->Drive(Layers(1), 5); });
+  EXPECT_TRUE(stream->Commit().ok());
+  engine.join();
+  EXPECT_EQ(client_->GetSlot(s[0])->seq_len(), 1);
+  // A new forward naming it is refused by field, and nothing moves.
+  auto refused = stream->BeginWith(PlannedDecode(s, 6));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(refused.status().message().find("begin.plan.ready.region"), std::string::npos)
+      << refused.status();
+}
+
+TEST_F(DataPlaneTest, BadRegionsAreRefusedByFieldAndChangeNothing) {
+  // Registration.
+  v1::RegisterSystemRegionRequest r = mem_->Registration("engine");
+  EXPECT_EQ(client_->RegisterSystemRegion(r).code(), absl::StatusCode::kAlreadyExists);
+  r.set_name("other");
+  r.set_key("/replayssm-no-such-object");
+  absl::Status st = client_->RegisterSystemRegion(r);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("key: expected"), std::string::npos) << st;
+  r = mem_->Registration("other");
+  r.set_byte_size(r.byte_size() + 1);
+  EXPECT_EQ(client_->RegisterSystemRegion(r).code(), absl::StatusCode::kInvalidArgument);
+  v1::RegisterCudaRegionRequest cuda;
+  cuda.set_name("gpu");
+  cuda.set_raw_handle(std::string(64, '\0'));
+  cuda.set_byte_size(1024);
+  st = client_->RegisterCudaRegion(cuda);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented);  // a CPU server
+  EXPECT_NE(st.message().find("CPU backend"), std::string::npos) << st;
+  EXPECT_EQ(client_->UnregisterRegion("nope").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->RegionStatus()->regions_size(), 1);
+
+  // Plans: unknown region, out of bounds, misaligned, wrong layer count.
+  const std::vector<uint64_t> s = {NewSlot()};
+  const std::string before = Observe(s[0]);
+  auto stream = client_->OpenStream();
+  struct Case {
+    std::function<void(v1::ForwardPlan&)> mutate;
+    absl::StatusCode code;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::ForwardPlan& p) { p.mutable_layers(0)->mutable_a()->set_region("nope"); },
+       absl::StatusCode::kNotFound, "begin.plan.layers[0].a.region"},
+      {[](v1::ForwardPlan& p) { p.mutable_layers(0)->mutable_out()->set_offset(1ULL << 40); },
+       absl::StatusCode::kInvalidArgument, "begin.plan.layers[0].out"},
+      {[](v1::ForwardPlan& p) { p.mutable_layers(0)->mutable_b()->set_offset(p.layers(0).b().offset() + 2); },
+       absl::StatusCode::kInvalidArgument, "aligned"},
+      {[](v1::ForwardPlan& p) { p.mutable_layers()->RemoveLast(); },
+       absl::StatusCode::kInvalidArgument, "begin.plan.layers"},
+  };
+  for (const Case& c : cases) {
+    v1::DecodeStreamRequest req = PlannedDecode(s, 9);
+    c.mutate(*req.mutable_begin()->mutable_plan());
+    auto stream2 = client_->OpenStream();
+    auto begun = stream2->BeginWith(req);
+    EXPECT_EQ(begun.status().code(), c.code) << begun.status();
+    EXPECT_NE(begun.status().message().find(c.field), std::string::npos) << begun.status();
+  }
+  EXPECT_EQ(Observe(s[0]), before);
+  EXPECT_EQ(InUse("engine"), 0);
+  // A layer message mixing a region with inline bytes.
+  ASSERT_TRUE(stream->Begin(Rows(s)).ok());
+  v1::LayerInput mixed = mem_->AsRegions(Layers(1)[0], "engine", 0);
+  mixed.clear_out();
+  auto out = stream->RunLayer(mixed);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(out.status().message().find("layer.out"), std::string::npos) << out.status();
+}
+
+}  // namespace
+}  // namespace replayssm::testing
