@@ -1,0 +1,125 @@
+"""Layer-by-layer decode forwards on one DecodeStream.
+
+A model's layer l+1 inputs come from layer l's outputs, so it drives a forward as
+begin(rows) -> run_layer(l, ...) for each linear-attention layer -> commit(). Every row's
+cursor advances once, at commit. One stream carries any number of forwards in turn.
+
+An error ends the server's stream and abandons the open forward (no cursor moves, no state
+changes); it is raised as its typed error, and the next begin() opens a new stream.
+"""
+
+import queue
+
+import grpc
+
+from replayssm import errors, tensors
+from replayssm.results import DecodeResult
+from replayssm.retry import new_request_id, with_retries
+from replayssm.v1 import replayssm_pb2 as pb
+
+_END = object()  # closes the request iterator: the client half-closes the stream
+
+
+def make_rows(rows):
+    """DecodeRows from (slot, token_id) pairs (or DecodeRows); slot 0 is a padding row."""
+    out = []
+    for r in rows:
+        out.append(r if isinstance(r, pb.DecodeRow) else pb.DecodeRow(slot=int(r[0]),
+                                                                     token_id=int(r[1])))
+    return out
+
+
+class ForwardStream:
+    """One DecodeStream. Use as a context manager, or close() it: closing abandons an open
+    forward. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, client, timeout=None):
+        self._client = client
+        self._timeout = timeout
+        self._call = None
+        self._requests = None
+        self._templates = {}
+        self.request_id = None  # the id of the last begin
+        self.replayed = False  # the last begin's id had been applied: outputs are the stored ones
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _open(self):
+        self._requests = queue.Queue()
+        self._call = self._client.stub.DecodeStream(iter(self._requests.get, _END),
+                                                    timeout=self._timeout)
+
+    def _round_trip(self, request, expect):
+        if self._call is None:
+            raise errors.FailedPrecondition(f"{expect}: no open forward (begin first)",
+                                            method="DecodeStream")
+        self._requests.put(request)
+        try:
+            reply = next(self._call)
+        except grpc.RpcError as e:
+            self._drop()
+            raise errors.from_rpc_error(e, "DecodeStream") from None
+        except StopIteration:
+            self._drop()
+            raise errors.Unavailable("decode stream ended by the server",
+                                     method="DecodeStream") from None
+        kind = reply.WhichOneof("msg")
+        if kind != expect:
+            self.close()
+            raise errors.Internal(f"expected a {expect} reply, got {kind}", method="DecodeStream")
+        return getattr(reply, expect)
+
+    def _drop(self):
+        self._call = None
+        self._requests = None
+
+    def begin(self, rows, *, request_id=None):
+        """Opens a forward over rows ((slot, token_id) pairs; slot 0 pads). A retry of a
+        forward whose commit reply was lost passes the same request_id: the server answers
+        with the stored outputs (`replayed`). Returns DecodeBegun."""
+        if self._call is None:
+            self._open()
+        self.request_id = request_id or new_request_id()
+        self._templates = {}
+        begun = self._round_trip(pb.DecodeStreamRequest(
+            begin=pb.DecodeBegin(request_id=self.request_id, rows=make_rows(rows))), "begun")
+        self.replayed = begun.replayed
+        return begun
+
+    def run_layer(self, layer, mixed_qkv, a, b):
+        """Runs one layer for every row of the open forward; returns its output [B, HV, V]
+        (numpy, or a torch tensor on mixed_qkv's device when the inputs are torch)."""
+        act = self._client.model.act_dtype
+        request = tensors.layer_input(layer, tensors.Activations(mixed_qkv, a, b), act, "layer")
+        out = self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
+        return tensors.like(out.out, mixed_qkv, "layer.out")
+
+    def commit(self):
+        """Closes the forward: every row's cursor advances once. Returns the rows' SlotStates."""
+        return list(self._round_trip(pb.DecodeStreamRequest(commit=pb.DecodeCommit()),
+                                     "committed").rows)
+
+    def forward(self, rows, layers, *, request_id=None):
+        """A whole forward (begin, every layer in order, commit), retried with the same request
+        id on a RETRYABLE failure as the client's unary calls are. Returns DecodeResult."""
+        request_id = request_id or new_request_id()
+
+        def attempt():
+            self.begin(rows, request_id=request_id)
+            outputs = [self.run_layer(i, *x) for i, x in enumerate(layers)]
+            return DecodeResult(outputs, self.commit())
+
+        client = self._client
+        return with_retries(attempt, client.retries, client.retry_backoff, self.close)
+
+    def close(self):
+        """Ends the stream; a forward still open is abandoned (nothing changes)."""
+        if self._call is None:
+            return
+        self._requests.put(_END)
+        self._call.cancel()
+        self._drop()
