@@ -117,9 +117,15 @@ class ForwardStream:
         return with_retries(attempt, client.retries, client.retry_backoff, self.close)
 
     def close(self):
-        """Ends the stream; a forward still open is abandoned (nothing changes)."""
+        """Half-closes the stream and waits for the server to end it; a forward still open is
+        abandoned (nothing changes)."""
         if self._call is None:
             return
+        call = self._call
         self._requests.put(_END)
-        self._call.cancel()
         self._drop()
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass  # the stream's end status; the forward, if open, is abandoned either way

@@ -4,6 +4,7 @@ whose tensors the client rounds to bf16 on the way in and widens on the way out.
 
 import json
 import os
+import shutil
 import tempfile
 import unittest
 
@@ -40,8 +41,7 @@ class Bf16ActivationsTest(ServerTest):
         self.MODEL = os.path.join(directory, "config.json")
         with open(self.MODEL, "w") as f:
             json.dump(self.CONFIG, f)
-        self.addCleanup(os.remove, self.MODEL)
-        self.addCleanup(os.rmdir, directory)
+        self.addCleanup(shutil.rmtree, directory)
         super().setUp()
 
     def test_float32_inputs_are_sent_as_bf16_and_outputs_match_the_reference(self):
