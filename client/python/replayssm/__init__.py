@@ -22,3 +22,12 @@ from replayssm.tensors import Activations
 from replayssm.v1 import replayssm_pb2 as pb
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Aborted", "Activations", "AlreadyExists", "Allocation", "BF16", "Cancelled", "Client",
+    "DataLoss", "DeadlineExceeded", "DecodeResult", "ExportedState", "F16", "F32",
+    "FailedPrecondition", "ForwardStream", "Internal", "InvalidArgument", "NotFound",
+    "OutOfRange", "PermissionDenied", "PrefillResult", "RETRYABLE", "Reference",
+    "ReplaySSMError", "ResourceExhausted", "Unauthenticated", "Unavailable", "Unimplemented",
+    "Unknown", "new_request_id", "pb",
+]

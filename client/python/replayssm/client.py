@@ -19,6 +19,7 @@ from replayssm.v1 import replayssm_pb2_grpc as pb_grpc
 from replayssm.v1 import transfer_pb2
 from replayssm.v1 import transfer_pb2_grpc
 
+
 def _ints(values):
     """Python ints for repeated integer fields (numpy integers and tensors included)."""
     return [int(v) for v in values]
@@ -182,12 +183,12 @@ class Client:
         """Speculative verify: drafts[i] are row i's T draft tokens (the same T for all rows);
         layers hold the B*T tokens' Activations in (row, draft) order. Returns per layer
         [B*T, HV, V]; nothing advances until accept()."""
-        lengths = {len(d) for d in drafts}
-        if len(lengths) != 1:
+        lengths = sorted({len(d) for d in drafts})
+        if len(lengths) > 1:
             raise errors.InvalidArgument(f"draft_tokens: expected {len(drafts)} rows of equal "
                                          f"length, got lengths {[len(d) for d in drafts]}")
         request = pb.VerifyRequest(request_id=request_id or new_request_id(), slots=_ints(slots),
-                                   num_draft=lengths.pop(),
+                                   num_draft=lengths[0] if lengths else 0,
                                    draft_tokens=_ints(t for d in drafts for t in d),
                                    layers=self._layers(layers))
         reply = self._call("Verify", self.stub.Verify, request)

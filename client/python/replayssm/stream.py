@@ -22,11 +22,8 @@ _END = object()  # closes the request iterator: the client half-closes the strea
 
 def make_rows(rows):
     """DecodeRows from (slot, token_id) pairs (or DecodeRows); slot 0 is a padding row."""
-    out = []
-    for r in rows:
-        out.append(r if isinstance(r, pb.DecodeRow) else pb.DecodeRow(slot=int(r[0]),
-                                                                     token_id=int(r[1])))
-    return out
+    return [r if isinstance(r, pb.DecodeRow) else pb.DecodeRow(slot=int(r[0]), token_id=int(r[1]))
+            for r in rows]
 
 
 class ForwardStream:
@@ -38,7 +35,6 @@ class ForwardStream:
         self._timeout = timeout
         self._call = None
         self._requests = None
-        self._templates = {}
         self.request_id = None  # the id of the last begin
         self.replayed = False  # the last begin's id had been applied: outputs are the stored ones
 
@@ -84,7 +80,6 @@ class ForwardStream:
         if self._call is None:
             self._open()
         self.request_id = request_id or new_request_id()
-        self._templates = {}
         begun = self._round_trip(pb.DecodeStreamRequest(
             begin=pb.DecodeBegin(request_id=self.request_id, rows=make_rows(rows))), "begun")
         self.replayed = begun.replayed

@@ -46,9 +46,10 @@ class ServerProcess:
                         if line.startswith("grpc=") and line.strip() != "grpc=":
                             return line.strip()[len("grpc="):]
             if self.proc.poll() is not None:
-                log = open(self.log_path).read()
+                with open(self.log_path) as f:
+                    log = f.read()
                 self.stop()
-                raise RuntimeError(f"replayssm-server exited early ({self.proc.returncode}):\n{log}")
+                raise RuntimeError(f"replayssm-server exited ({self.proc.returncode}):\n{log}")
             time.sleep(0.01)
         self.stop()
         raise RuntimeError("replayssm-server did not become ready in 60 s")
