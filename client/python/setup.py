@@ -16,7 +16,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = pathlib.Path(__file__).resolve().parent
-SERVICE_PROTOS = ["replayssm/v1/replayssm.proto", "replayssm/v1/transfer.proto"]
+SERVICE_PACKAGE = "replayssm/v1"  # every .proto in it: the service, transfer, regions
 HEALTH_PROTO = "grpc/health/v1/health.proto"
 
 
@@ -27,24 +27,27 @@ def _tool(env, name, package):
     return path
 
 
-def _proto_dir():
+def _protos():
+    """The proto directory and the service's .proto files, relative to it."""
     path = pathlib.Path(os.environ.get("REPLAYSSM_PROTO_DIR", HERE.parent.parent / "proto"))
-    if not (path / SERVICE_PROTOS[0]).is_file():
-        raise RuntimeError(f"{SERVICE_PROTOS[0]} not found under {path}: build from the checkout "
+    protos = sorted(p.relative_to(path).as_posix()
+                    for p in (path / SERVICE_PACKAGE).glob("*.proto"))
+    if not protos:
+        raise RuntimeError(f"no {SERVICE_PACKAGE}/*.proto under {path}: build from the checkout "
                            "(pip install ./client/python) or set REPLAYSSM_PROTO_DIR")
-    return path
+    return path, protos
 
 
 def generate_stubs(out_dir):
     """Writes replayssm/v1/*_pb2{,_grpc}.py and replayssm/_health_pb2.py under out_dir."""
     protoc = _tool("REPLAYSSM_PROTOC", "protoc", "protobuf-compiler")
     plugin = _tool("REPLAYSSM_GRPC_PYTHON_PLUGIN", "grpc_python_plugin", "protobuf-compiler-grpc")
-    proto_dir = _proto_dir()
+    proto_dir, protos = _protos()
     out = pathlib.Path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([protoc, f"--proto_path={proto_dir}", f"--python_out={tmp}",
                         f"--grpc_out={tmp}", f"--plugin=protoc-gen-grpc={plugin}",
-                        *SERVICE_PROTOS], check=True)
+                        *protos], check=True)
         # Only the health messages: the generated health stub would import `grpc.health.v1`,
         # which is grpcio's namespace, so the client calls the one method by hand.
         subprocess.run([protoc, f"--proto_path={proto_dir}", f"--python_out={tmp}",

@@ -1,5 +1,5 @@
-"""The client of replayssm-server: one method per RPC of replayssm.v1 (and the client-facing
-ones of replayssm.v1.SlotTransfer), numpy/torch tensors inline, typed errors.
+"""The client of replayssm-server: one method per RPC of replayssm.v1's ReplaySsm and Regions
+services and the client-facing ones of SlotTransfer, numpy/torch tensors inline, typed errors.
 
 Request ids: every mutating call takes `request_id`; when None a fresh one is made once per call
 and reused by its retries (replayssm.retry).
@@ -15,6 +15,8 @@ from replayssm.results import Allocation, DecodeResult, ExportedState, PrefillRe
 from replayssm.retry import new_request_id, with_retries
 from replayssm.stream import ForwardStream, make_rows
 from replayssm.v1 import replayssm_pb2 as pb
+from replayssm.v1 import regions_pb2
+from replayssm.v1 import regions_pb2_grpc
 from replayssm.v1 import replayssm_pb2_grpc as pb_grpc
 from replayssm.v1 import transfer_pb2
 from replayssm.v1 import transfer_pb2_grpc
@@ -49,6 +51,7 @@ class Client:
         # SlotTransfer's server-to-server methods (Reserve/Commit/AbortTransfer) are used by
         # the sending server over UCX; this stub reaches them where a tool needs to.
         self.transfer_stub = transfer_pb2_grpc.SlotTransferStub(channel)
+        self.regions_stub = regions_pb2_grpc.RegionsStub(channel)
         self._health_check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -74,7 +77,7 @@ class Client:
 
     # ---- the call path ----
 
-    def _call(self, method, rpc, request):
+    def _call(self, method, rpc, request, retry=True):
         """rpc(request) under the retry policy; a failure raises its typed error."""
         def attempt():
             try:
@@ -82,7 +85,7 @@ class Client:
             except grpc.RpcError as e:
                 raise errors.from_rpc_error(e, method) from None
 
-        return with_retries(attempt, self.retries, self.retry_backoff)
+        return with_retries(attempt, self.retries if retry else 0, self.retry_backoff)
 
     def _layers(self, layers):
         act = self.model.act_dtype
@@ -232,3 +235,29 @@ class Client:
             request_id=request_id or new_request_id(), slot=slot, peer_address=peer_address,
             keep_source=keep_source, self_address=self_address)
         return self._call("PullSlot", self.transfer_stub.PullSlot, request)
+
+    # ---- registered regions (docs/data-plane.md) ----
+    # The Regions calls carry no request id, so they are not retried: a retry of a register
+    # whose reply was lost would meet ALREADY_EXISTS, of an unregister NOT_FOUND.
+
+    def register_region(self, region):
+        """Registers a regions.SharedMemoryRegion or regions.CudaRegion under its name."""
+        request = region.register_request()
+        if isinstance(request, regions_pb2.RegisterCudaRegionRequest):
+            self._call("RegisterCudaRegion", self.regions_stub.RegisterCudaRegion, request, False)
+        else:
+            self._call("RegisterSystemRegion", self.regions_stub.RegisterSystemRegion, request,
+                       False)
+
+    def unregister_region(self, region):
+        """Takes the name (or a Region's name) away at once; the server unmaps the memory when
+        the last forward using it has ended."""
+        request = regions_pb2.UnregisterRegionRequest(name=getattr(region, "name", region))
+        self._call("UnregisterRegion", self.regions_stub.UnregisterRegion, request, False)
+
+    def region_status(self, name=""):
+        """RegionStatus (name, kind, byte_size, device_id, in_use) of one region or, with "",
+        of every region."""
+        request = regions_pb2.RegionStatusRequest(name=name)
+        return list(self._call("GetRegionStatus", self.regions_stub.GetRegionStatus,
+                               request).regions)

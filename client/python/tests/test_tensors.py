@@ -1,4 +1,4 @@
-"""Tensors, dtypes, the reference and regions without a server: bf16 rounding as the C++
+"""Tensors, dtypes and the reference without a server: bf16 rounding as the C++
 client does it, the bytes a Tensor carries, what the client refuses and how it names it."""
 
 import unittest
@@ -6,7 +6,7 @@ import unittest
 import numpy as np
 
 import replayssm
-from replayssm import dtypes, pb, regions, tensors
+from replayssm import dtypes, pb, tensors
 
 
 class Bf16Test(unittest.TestCase):
@@ -108,36 +108,6 @@ class ReferenceTest(unittest.TestCase):
         decay = np.exp(-np.log1p(np.exp(0.0)))  # g = -exp(0) * softplus(0)
         np.testing.assert_allclose(state[0][0], [[decay, np.exp(-30.0)]] * 2, rtol=1e-12)
         np.testing.assert_allclose(state[0][1], decay, rtol=1e-12)
-
-
-class RegionsTest(unittest.TestCase):
-    def test_a_shared_memory_region_is_seen_by_a_second_attachment(self):
-        with regions.SharedMemoryRegion(4096) as region:
-            region.ndarray(64, (2, 3))[:] = [[1, 2, 3], [4, 5, 6]]
-            other = regions.SharedMemoryRegion(0, region.name, create=False)
-            np.testing.assert_array_equal(other.ndarray(64, (2, 3)), [[1, 2, 3], [4, 5, 6]])
-            other.close()
-            self.assertEqual(region.describe(),
-                             {"kind": "shm", "name": region.name, "offset": 0, "bytes": 4096})
-
-    def test_a_region_tensor_is_checked_against_bounds_and_alignment(self):
-        with regions.SharedMemoryRegion(1024) as region:
-            t = regions.RegionTensor.at(region, 512, "bf16", (2, 128))
-            self.assertEqual((t.dtype, t.shape), (pb.DTYPE_BF16, (2, 128)))
-            with self.assertRaises(replayssm.InvalidArgument) as caught:
-                regions.RegionTensor.at(region, 528, "bf16", (2, 128), "layers[0].a")
-            self.assertIn("layers[0].a: expected at most 496 bytes", caught.exception.details)
-            with self.assertRaises(replayssm.InvalidArgument) as caught:
-                regions.RegionTensor.at(region, 8, "f32", (4,), "layers[0].b")
-            self.assertIn("layers[0].b.offset: expected a multiple of 16", str(caught.exception))
-
-    def test_a_region_tensor_is_refused_until_the_server_serves_regions(self):
-        with regions.SharedMemoryRegion(1024) as region:
-            t = regions.RegionTensor.at(region, 0, "f32", (1, 4))
-            with self.assertRaises(replayssm.Unimplemented) as caught:
-                tensors.to_proto(t, field="layers[0].b")
-            self.assertIn("layers[0].b: registered regions are not served yet",
-                          caught.exception.details)
 
 
 if __name__ == "__main__":
