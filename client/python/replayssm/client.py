@@ -13,7 +13,7 @@ from replayssm import _health_pb2 as health_pb2
 from replayssm import errors, tensors
 from replayssm.results import Allocation, DecodeResult, ExportedState, PrefillResult
 from replayssm.retry import new_request_id, with_retries
-from replayssm.stream import ForwardStream, make_rows
+from replayssm.stream import ForwardStream, draft_count, make_rows
 from replayssm.v1 import replayssm_pb2 as pb
 from replayssm.v1 import regions_pb2
 from replayssm.v1 import regions_pb2_grpc
@@ -186,12 +186,8 @@ class Client:
         """Speculative verify: drafts[i] are row i's T draft tokens (the same T for all rows);
         layers hold the B*T tokens' Activations in (row, draft) order. Returns per layer
         [B*T, HV, V]; nothing advances until accept()."""
-        lengths = sorted({len(d) for d in drafts})
-        if len(lengths) > 1:
-            raise errors.InvalidArgument(f"draft_tokens: expected {len(drafts)} rows of equal "
-                                         f"length, got lengths {[len(d) for d in drafts]}")
         request = pb.VerifyRequest(request_id=request_id or new_request_id(), slots=_ints(slots),
-                                   num_draft=lengths[0] if lengths else 0,
+                                   num_draft=draft_count(drafts),
                                    draft_tokens=_ints(t for d in drafts for t in d),
                                    layers=self._layers(layers))
         reply = self._call("Verify", self.stub.Verify, request)

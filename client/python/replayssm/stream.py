@@ -1,8 +1,9 @@
-"""Layer-by-layer decode forwards on one DecodeStream.
+"""Layer-by-layer forwards on one DecodeStream: decode, prefill and verify.
 
 A model's layer l+1 inputs come from layer l's outputs, so it drives a forward as
-begin(rows) -> run_layer(l, ...) for each linear-attention layer -> commit(). Every row's
-cursor advances once, at commit. One stream carries any number of forwards in turn.
+begin(rows) (or begin_prefill, begin_verify) -> run_layer(l, ...) for each linear-attention
+layer -> commit(). The forward applies to every row at once, at commit. One stream carries
+any number of forwards of any kind in turn.
 
 An error ends the server's stream and abandons the open forward (no cursor moves, no state
 changes); it is raised as its typed error, and the next begin() opens a new stream.
@@ -18,6 +19,15 @@ from replayssm.retry import new_request_id, with_retries
 from replayssm.v1 import replayssm_pb2 as pb
 
 _END = object()  # closes the request iterator: the client half-closes the stream
+
+
+def draft_count(drafts):
+    """T of a verify: every row's draft count, which must be the same."""
+    lengths = sorted({len(d) for d in drafts})
+    if len(lengths) > 1:
+        raise errors.InvalidArgument(f"draft_tokens: expected {len(drafts)} rows of equal "
+                                     f"length, got lengths {[len(d) for d in drafts]}")
+    return lengths[0] if lengths else 0
 
 
 def make_rows(rows):
@@ -74,14 +84,40 @@ class ForwardStream:
         self._requests = None
 
     def begin(self, rows, *, request_id=None):
-        """Opens a forward over rows ((slot, token_id) pairs; slot 0 pads). A retry of a
-        forward whose commit reply was lost passes the same request_id: the server answers
+        """Opens a decode forward over rows ((slot, token_id) pairs; slot 0 pads). A retry of
+        a forward whose commit reply was lost passes the same request_id: the server answers
         with the stored outputs (`replayed`). Returns DecodeBegun."""
+        return self._begin("begin", lambda rid: pb.DecodeBegin(request_id=rid,
+                                                               rows=make_rows(rows)), request_id)
+
+    def begin_prefill(self, rows, *, request_id=None):
+        """Opens a prefill forward: rows are (slot, tokens) pairs; every layer then carries
+        N = all rows' tokens, packed in row order. Commit advances each slot by its tokens."""
+        def message(rid):
+            return pb.PrefillBegin(request_id=rid, rows=[
+                pb.PrefillRow(slot=int(slot), tokens=[int(t) for t in tokens])
+                for slot, tokens in rows])
+
+        return self._begin("prefill_begin", message, request_id)
+
+    def begin_verify(self, slots, drafts, *, request_id=None):
+        """Opens a verify forward: drafts[i] are row i's T draft tokens; every layer carries
+        B*T tokens in (row, draft) order. Commit moves no cursor: accept() decides."""
+        num_draft = draft_count(drafts)
+
+        def message(rid):
+            return pb.VerifyBegin(request_id=rid, slots=[int(s) for s in slots],
+                                  num_draft=num_draft,
+                                  draft_tokens=[int(t) for d in drafts for t in d])
+
+        return self._begin("verify_begin", message, request_id)
+
+    def _begin(self, kind, message, request_id):
         if self._call is None:
             self._open()
         self.request_id = request_id or new_request_id()
-        begun = self._round_trip(pb.DecodeStreamRequest(
-            begin=pb.DecodeBegin(request_id=self.request_id, rows=make_rows(rows))), "begun")
+        begun = self._round_trip(pb.DecodeStreamRequest(**{kind: message(self.request_id)}),
+                                 "begun")
         self.replayed = begun.replayed
         return begun
 

@@ -1,6 +1,7 @@
 """The whole API against the real server (tiny-gdn, CPU backend), outputs checked against the
 numpy reference of the recurrence: info, stats, health, slots, prefill, decode (unary and
-stream, through ring folds), verify/accept, export/import, the prefix cache, transfer."""
+stream, through ring folds), prefill and verify on the stream, verify/accept, export/import,
+the prefix cache, transfer."""
 
 import unittest
 
@@ -113,6 +114,40 @@ class PrefillDecodeTest(ServerTest):
             for l, x in enumerate(layers):
                 self.assertClose(got.outputs[l], self.ref.decode_layer([state], l, *x))
         self.assertEqual(got.rows[0].seq_len, 3)
+
+
+class StreamPrefillVerifyTest(ServerTest):
+    def test_a_stream_prefill_of_two_prompts_matches_the_reference(self):
+        s1, s2 = self.client.allocate().slot, self.client.allocate().slot
+        st1, st2 = self.ref.new_state(), self.ref.new_state()
+        with self.client.open_stream() as stream:
+            begun = stream.begin_prefill([(s1, range(10, 13)), (s2, range(20, 25))])
+            self.assertEqual(begun.tokens, 8)
+            for l, x in enumerate(self.layers(8)):
+                want = np.concatenate([self.ref.run_layer(st1, l, *(y[:3] for y in x)),
+                                       self.ref.run_layer(st2, l, *(y[3:] for y in x))])
+                self.assertClose(stream.run_layer(l, *x), want, f"layer {l}")
+            rows = stream.commit()
+        self.assertEqual([(r.slot, r.seq_len, r.write_pos) for r in rows],
+                         [(s1, 3, 0), (s2, 5, 0)])
+        self.decode([s1, s2], [st1, st2])
+
+    def test_a_stream_verify_matches_the_reference_and_waits_for_accept(self):
+        slot = self.client.allocate().slot
+        state = self.ref.new_state()
+        self.prefill(slot, state, 2)
+        layers = self.layers(2)
+        with self.client.open_stream() as stream:
+            stream.begin_verify([slot], [[7, 8]])
+            for l, x in enumerate(layers):
+                scratch = [s.copy() for s in state]
+                self.assertClose(stream.run_layer(l, *x), self.ref.run_layer(scratch, l, *x))
+            [row] = stream.commit()
+        self.assertEqual((row.seq_len, row.pending_drafts), (2, 2))
+        self.assertEqual(self.client.accept(slot, 1).seq_len, 3)
+        for l, x in enumerate(rows_of(layers, 0, 1)):
+            self.ref.run_layer(state, l, *x)
+        self.decode([slot], [state])
 
 
 class VerifyTest(ServerTest):
