@@ -12,6 +12,10 @@ PKGS=(
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
   curl
   prometheus python3
+  # client/python: its runtime, the offline install into a venv (docs/python.md), and
+  # protoc's gRPC Python plugin (protobuf-compiler-grpc, above) for its stubs.
+  python3-grpcio python3-protobuf python3-numpy python3-setuptools python3-wheel
+  python3-pip python3-venv
 )
 # deploy/ checks (ctest -R deploy): node + npm for `npm ci` of deploy/tools. Machines whose
 # nodejs comes with its own npm (NodeSource) must not get Debian's npm, which conflicts.

@@ -1,0 +1,259 @@
+"""The client of replayssm-server: one method per RPC of replayssm.v1's ReplaySsm and Regions
+services and the client-facing ones of SlotTransfer, numpy/torch tensors inline, typed errors.
+
+Request ids: every mutating call takes `request_id`; when None a fresh one is made once per call
+and reused by its retries (replayssm.retry).
+
+Thread safety: a Client may be shared by threads; a ForwardStream is driven by one at a time.
+"""
+
+import grpc
+
+from replayssm import _health_pb2 as health_pb2
+from replayssm import errors, tensors
+from replayssm.results import Allocation, DecodeResult, ExportedState, PrefillResult
+from replayssm.retry import new_request_id, with_retries
+from replayssm.stream import ForwardStream, draft_count, make_rows
+from replayssm.v1 import replayssm_pb2 as pb
+from replayssm.v1 import regions_pb2
+from replayssm.v1 import regions_pb2_grpc
+from replayssm.v1 import replayssm_pb2_grpc as pb_grpc
+from replayssm.v1 import transfer_pb2
+from replayssm.v1 import transfer_pb2_grpc
+
+
+def _ints(values):
+    """Python ints for repeated integer fields (numpy integers and tensors included)."""
+    return [int(v) for v in values]
+
+
+class Client:
+    """A connection to one replayssm-server.
+
+    address: host:port (an insecure channel); or pass `channel` (e.g. with credentials or
+    interceptors). timeout: seconds per unary call. retries: extra attempts of a call that
+    failed with a retry.RETRYABLE code, `retry_backoff` seconds apart, doubling.
+    """
+
+    def __init__(self, address=None, *, channel=None, timeout=60.0, retries=2,
+                 retry_backoff=0.05, max_message_bytes=256 << 20):
+        if channel is None:
+            if address is None:
+                raise ValueError("Client: give an address or a channel")
+            channel = grpc.insecure_channel(address, options=[
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes)])
+        self._channel = channel
+        self.timeout = timeout
+        self.retries = retries
+        self.retry_backoff = retry_backoff
+        self.stub = pb_grpc.ReplaySsmStub(channel)
+        # SlotTransfer's server-to-server methods (Reserve/Commit/AbortTransfer) are used by
+        # the sending server over UCX; this stub reaches them where a tool needs to.
+        self.transfer_stub = transfer_pb2_grpc.SlotTransferStub(channel)
+        self.regions_stub = regions_pb2_grpc.RegionsStub(channel)
+        self._health_check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        self._model = None
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def wait_ready(self, timeout=10.0):
+        """True once the channel is connected, False when `timeout` seconds pass first."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
+    # ---- the call path ----
+
+    def _call(self, method, rpc, request, retry=True):
+        """rpc(request) under the retry policy; a failure raises its typed error."""
+        def attempt():
+            try:
+                return rpc(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                raise errors.from_rpc_error(e, method) from None
+
+        return with_retries(attempt, self.retries if retry else 0, self.retry_backoff)
+
+    def _layers(self, layers):
+        act = self.model.act_dtype
+        return [tensors.layer_input(i, x, act, f"layers[{i}]") for i, x in enumerate(layers)]
+
+    @staticmethod
+    def _outputs(replies, layers):
+        """Reply LayerOutputs as arrays shaped like their inputs (torch in, torch out)."""
+        return [tensors.like(o.out, tensors.output_template(layers[o.layer]),
+                             f"layers[{o.layer}].out") for o in replies]
+
+    # ---- info ----
+
+    def info(self):
+        """GetInfo: the model (shapes, dtypes, layer parameters), backend, capacity, limits."""
+        reply = self._call("GetInfo", self.stub.GetInfo, pb.GetInfoRequest())
+        self._model = reply.model
+        return reply
+
+    @property
+    def model(self):
+        """The served ModelInfo (fetched once)."""
+        if self._model is None:
+            self.info()
+        return self._model
+
+    def stats(self):
+        """GetStats: slots, folds, snapshots, forwards, draining."""
+        return self._call("GetStats", self.stub.GetStats, pb.GetStatsRequest())
+
+    def health(self, service=""):
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... (`service` "" = the server)."""
+        reply = self._call("Health.Check", self._health_check,
+                           health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    # ---- slots ----
+
+    def allocate(self, prefix_tokens=None, *, request_id=None):
+        """A new slot; with `prefix_tokens` it starts from the longest cached prefix of them."""
+        request = pb.AllocateRequest(request_id=request_id or new_request_id())
+        if prefix_tokens is not None:
+            request.from_prefix = True
+            request.prefix_tokens.extend(_ints(prefix_tokens))
+        reply = self._call("Allocate", self.stub.Allocate, request)
+        return Allocation(reply.slot, reply.matched)
+
+    def free(self, slot, *, request_id=None):
+        request = pb.FreeRequest(request_id=request_id or new_request_id(), slot=slot)
+        self._call("Free", self.stub.Free, request)
+
+    def get_slot(self, slot):
+        """The slot's SlotState (seq_len, write_pos, pending_drafts)."""
+        return self._call("GetSlot", self.stub.GetSlot, pb.GetSlotRequest(slot=slot)).state
+
+    # ---- state import / export ----
+
+    def import_state(self, slot, tokens, checkpoints, *, request_id=None):
+        """Loads a state into `slot`: its tokens and one checkpoint [HV, V, K] per layer (cast
+        to the state dtype). Returns the SlotState."""
+        state_dtype = self.model.state_dtype
+        request = pb.ImportRequest(request_id=request_id or new_request_id(), slot=slot,
+                                   tokens=_ints(tokens))
+        request.checkpoints.extend(tensors.to_proto(c, state_dtype, f"checkpoints[{i}]")
+                                   for i, c in enumerate(checkpoints))
+        return self._call("Import", self.stub.Import, request).state
+
+    def export_state(self, slot):
+        """The slot's full state, folded first (write_pos is 0 afterwards)."""
+        reply = self._call("Export", self.stub.Export, pb.ExportRequest(slot=slot))
+        return ExportedState(reply.seq_len, list(reply.tokens),
+                             [tensors.to_numpy(c, f"checkpoints[{i}]")
+                              for i, c in enumerate(reply.checkpoints)])
+
+    # ---- forwards ----
+
+    def prefill(self, slot, tokens, layers, *, return_outputs=False, request_id=None):
+        """Runs N tokens into `slot`; `layers` holds every layer's Activations for them."""
+        request = pb.PrefillRequest(request_id=request_id or new_request_id(), slot=slot,
+                                    tokens=_ints(tokens), layers=self._layers(layers),
+                                    return_outputs=return_outputs)
+        reply = self._call("Prefill", self.stub.Prefill, request)
+        return PrefillResult(self._outputs(reply.layers, layers), reply.state)
+
+    def decode(self, rows, layers, *, request_id=None):
+        """One decode forward in one call. rows: (slot, token_id) pairs (slot 0 = padding);
+        layers: every layer's Activations for the B rows."""
+        request = pb.DecodeRequest(request_id=request_id or new_request_id(),
+                                   rows=make_rows(rows), layers=self._layers(layers))
+        reply = self._call("Decode", self.stub.Decode, request)
+        return DecodeResult(self._outputs(reply.layers, layers), list(reply.rows))
+
+    def open_stream(self, timeout=None):
+        """A DecodeStream for layer-by-layer forwards (see ForwardStream)."""
+        return ForwardStream(self, timeout)
+
+    def verify(self, slots, drafts, layers, *, request_id=None):
+        """Speculative verify: drafts[i] are row i's T draft tokens (the same T for all rows);
+        layers hold the B*T tokens' Activations in (row, draft) order. Returns per layer
+        [B*T, HV, V]; nothing advances until accept()."""
+        request = pb.VerifyRequest(request_id=request_id or new_request_id(), slots=_ints(slots),
+                                   num_draft=draft_count(drafts),
+                                   draft_tokens=_ints(t for d in drafts for t in d),
+                                   layers=self._layers(layers))
+        reply = self._call("Verify", self.stub.Verify, request)
+        return self._outputs(reply.layers, layers)
+
+    def accept(self, slot, num_accepted, *, request_id=None):
+        """Keeps the first `num_accepted` drafts of the last verify (0 rejects all)."""
+        request = pb.AcceptRequest(request_id=request_id or new_request_id(), slot=slot,
+                                   num_accepted=num_accepted)
+        return self._call("Accept", self.stub.Accept, request).state
+
+    # ---- prefix cache ----
+
+    def match_prefix(self, tokens):
+        """How many leading tokens a cached snapshot already holds."""
+        request = pb.MatchPrefixRequest(tokens=_ints(tokens))
+        return self._call("MatchPrefix", self.stub.MatchPrefix, request).matched
+
+    def donate(self, slot, *, request_id=None):
+        """A finished request's state becomes a prefix snapshot keyed by all its tokens; the
+        handle is released."""
+        request = pb.DonateRequest(request_id=request_id or new_request_id(), slot=slot)
+        self._call("Donate", self.stub.Donate, request)
+
+    # ---- transfer between servers ----
+
+    def transfer_slot(self, slot, peer_address, *, keep_source=False, request_id=None):
+        """Moves `slot` to the server at peer_address over UCX; the reply has its handle there
+        (remote_slot), seq_len, bytes and seconds."""
+        request = transfer_pb2.TransferSlotRequest(
+            request_id=request_id or new_request_id(), slot=slot, peer_address=peer_address,
+            keep_source=keep_source)
+        return self._call("TransferSlot", self.transfer_stub.TransferSlot, request)
+
+    def pull_slot(self, slot, peer_address, *, keep_source=False, self_address="",
+                  request_id=None):
+        """Asks the server at peer_address to move its `slot` here; the reply has the handle on
+        this server (slot). self_address: this server as the peer reaches it ("" = its
+        listen address)."""
+        request = transfer_pb2.PullSlotRequest(
+            request_id=request_id or new_request_id(), slot=slot, peer_address=peer_address,
+            keep_source=keep_source, self_address=self_address)
+        return self._call("PullSlot", self.transfer_stub.PullSlot, request)
+
+    # ---- registered regions (docs/data-plane.md) ----
+    # The Regions calls carry no request id, so they are not retried: a retry of a register
+    # whose reply was lost would meet ALREADY_EXISTS, of an unregister NOT_FOUND.
+
+    def register_region(self, region):
+        """Registers a regions.SharedMemoryRegion or regions.CudaRegion under its name."""
+        request = region.register_request()
+        if isinstance(request, regions_pb2.RegisterCudaRegionRequest):
+            self._call("RegisterCudaRegion", self.regions_stub.RegisterCudaRegion, request, False)
+        else:
+            self._call("RegisterSystemRegion", self.regions_stub.RegisterSystemRegion, request,
+                       False)
+
+    def unregister_region(self, region):
+        """Takes the name (or a Region's name) away at once; the server unmaps the memory when
+        the last forward using it has ended."""
+        request = regions_pb2.UnregisterRegionRequest(name=getattr(region, "name", region))
+        self._call("UnregisterRegion", self.regions_stub.UnregisterRegion, request, False)
+
+    def region_status(self, name=""):
+        """RegionStatus (name, kind, byte_size, device_id, in_use) of one region or, with "",
+        of every region."""
+        request = regions_pb2.RegionStatusRequest(name=name)
+        return list(self._call("GetRegionStatus", self.regions_stub.GetRegionStatus,
+                               request).regions)

@@ -1,0 +1,43 @@
+"""The wire dtypes (replayssm.v1.DType) and their names, numpy and torch spellings."""
+
+import numpy as np
+
+from replayssm.errors import InvalidArgument
+from replayssm.v1 import replayssm_pb2 as pb
+
+F32 = pb.DTYPE_F32
+BF16 = pb.DTYPE_BF16
+F16 = pb.DTYPE_F16
+
+_BY_NAME = {
+    "f32": F32, "float32": F32, "fp32": F32,
+    "bf16": BF16, "bfloat16": BF16,
+    "f16": F16, "float16": F16, "fp16": F16, "half": F16,
+}
+_NAME = {F32: "f32", BF16: "bf16", F16: "f16"}
+_ITEMSIZE = {F32: 4, BF16: 2, F16: 2}
+
+
+def dtype_code(dtype):
+    """A wire dtype from a DType value, a name ("bf16", "float32"), a numpy or a torch dtype."""
+    if isinstance(dtype, int) and dtype in _NAME:
+        return dtype
+    name = dtype.lower() if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in _BY_NAME and not isinstance(dtype, str):
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    raise InvalidArgument(f"dtype: expected f32, bf16 or f16, got {dtype!r}")
+
+
+def dtype_name(code):
+    """"f32", "bf16" or "f16" (the enum's name or the number for anything else)."""
+    return _NAME.get(code, pb.DType.Name(code) if code in pb.DType.values() else str(code))
+
+
+def itemsize(code):
+    """Bytes per element of a wire dtype."""
+    return _ITEMSIZE[code]

@@ -1,0 +1,86 @@
+"""The plain recurrence (DESIGN.md §1, docs/math-and-abi.md) in numpy float64: the oracle a
+client checks the server's outputs against, built from GetInfo's model and layer parameters.
+
+A sequence's state is a list of per-layer arrays S [HV, V, K] (value rows x key columns).
+Inputs are rounded to the model's activation dtype first, exactly as they travel on the wire,
+so the reference sees what the server sees.
+"""
+
+import numpy as np
+
+from replayssm import tensors
+from replayssm.v1 import replayssm_pb2 as pb
+
+
+def _softplus(x):
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def _l2norm(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+class Reference:
+    """Runs tokens through the recurrence of one model; stateless apart from the states the
+    caller passes in (so sequences can be copied, forked and compared freely)."""
+
+    def __init__(self, model):
+        """`model`: a ModelInfo (GetInfo().model) with its layer_params."""
+        if len(model.layer_params) != model.num_layers:
+            raise ValueError("reference: the model info lacks its layer parameters")
+        self.model = model
+        self.h, self.hv = model.num_qk_heads, model.num_v_heads
+        self.k, self.v = model.head_k, model.head_v
+        self.kda = model.gate == pb.GATE_KDA
+        self._params = []
+        for p in model.layer_params:
+            a_log = np.asarray(p.a_log, dtype=np.float64)
+            dt_bias = np.asarray(p.dt_bias, dtype=np.float64)
+            self._params.append((a_log, dt_bias.reshape(self.hv, -1), p.scale, p.use_qk_l2norm))
+
+    def new_state(self):
+        """A fresh sequence: every layer's state zero."""
+        return [np.zeros((self.hv, self.v, self.k)) for _ in range(self.model.num_layers)]
+
+    def _wire(self, x):
+        """x as the server receives it: rounded to the activation dtype, in float64."""
+        t = tensors.to_proto(x, self.model.act_dtype)
+        return tensors.to_numpy(t).astype(np.float64)
+
+    def run_layer(self, state, layer, mixed_qkv, a, b):
+        """N consecutive tokens of one sequence through `layer`: updates state[layer] in place
+        and returns the outputs [N, HV, V]."""
+        x, a, b = self._wire(mixed_qkv), self._wire(a), self._wire(b)
+        out = np.zeros((x.shape[0], self.hv, self.v))
+        for t in range(x.shape[0]):
+            state[layer], out[t] = self._step(layer, state[layer], x[t], a[t], b[t])
+        return out
+
+    def decode_layer(self, states, layer, mixed_qkv, a, b):
+        """One token per row through `layer`; states[i] is row i's sequence (None: a padding
+        row, whose output is zero). Returns [B, HV, V]."""
+        x, a, b = self._wire(mixed_qkv), self._wire(a), self._wire(b)
+        out = np.zeros((x.shape[0], self.hv, self.v))
+        for i, state in enumerate(states):
+            if state is not None:
+                state[layer], out[i] = self._step(layer, state[layer], x[i], a[i], b[i])
+        return out
+
+    def _step(self, layer, s, x, a, b):
+        a_log, dt_bias, scale, l2norm = self._params[layer]
+        hk = self.h * self.k
+        q = x[:hk].reshape(self.h, self.k)
+        k = x[hk:2 * hk].reshape(self.h, self.k)
+        v = x[2 * hk:].reshape(self.hv, self.v)
+        if l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        q = q * scale
+        group = self.hv // self.h  # v-head h uses qk-head h / (HV/H)
+        q, k = np.repeat(q, group, axis=0), np.repeat(k, group, axis=0)
+        g = -np.exp(a_log)[:, None] * _softplus(a.reshape(self.hv, -1) + dt_bias)
+        alpha = np.exp(g)  # GDN [HV, 1], KDA [HV, K]: the decay of each key column
+        beta = 1.0 / (1.0 + np.exp(-b))
+        s = s * alpha[:, None, :]
+        d = beta[:, None] * (v - np.einsum("hvk,hk->hv", s, k))
+        s = s + d[:, :, None] * k[:, None, :]
+        return s, np.einsum("hvk,hk->hv", s, q)

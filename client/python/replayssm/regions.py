@@ -1,0 +1,159 @@
+"""Registered memory regions (replayssm.v1.Regions, docs/data-plane.md): memory a co-located
+client registers once under a name, so that tensors and doorbells can live there instead of
+travelling inline.
+
+- SharedMemoryRegion: a POSIX shm object this process creates (and unlinks) or attaches to,
+  with numpy views into it.
+- CudaRegion: device memory by its CUDA IPC handle, e.g. a torch CUDA tensor's
+  (CudaRegion.from_tensor).
+- RegionTensor: a dtype and shape at an offset of a region, checked against its bounds and
+  ALIGNMENT; ref() is the wire RegionRef that a ForwardPlan names.
+
+Client.register_region / unregister_region / region_status talk to the server. The forward
+calls of this client carry tensors inline: a RegionTensor given to one is refused with
+Unimplemented before anything is sent (planned forwards come with the server's stream RPC).
+"""
+
+import abc
+from multiprocessing import shared_memory
+from typing import NamedTuple
+
+import numpy as np
+
+from replayssm import dtypes, errors
+from replayssm.v1 import regions_pb2
+
+# Offsets of tensors in a region (the server checks the same): what its kernels' vector loads
+# need.
+ALIGNMENT = 16
+
+
+class Region(abc.ABC):
+    """Memory shared with the server under `name` (unique on the server)."""
+
+    def __init__(self, name, nbytes):
+        self.name = name
+        self.nbytes = nbytes
+
+    @abc.abstractmethod
+    def register_request(self):
+        """The RegisterSystemRegionRequest or RegisterCudaRegionRequest of this region."""
+
+
+class SharedMemoryRegion(Region):
+    """A POSIX shm object. create=True makes a new one (named `key`, or a fresh name) that this
+    object owns and unlinks on close(); create=False attaches to the existing `key`."""
+
+    def __init__(self, name, nbytes, *, key=None, create=True):
+        shm_name = key.lstrip("/") if key else None
+        self._shm = shared_memory.SharedMemory(name=shm_name, create=create, size=nbytes)
+        self._owner = create
+        self.key = "/" + self._shm.name.lstrip("/")  # the shm_open name
+        super().__init__(name, nbytes if create else self._shm.size)
+
+    def register_request(self):
+        return regions_pb2.RegisterSystemRegionRequest(name=self.name, key=self.key, offset=0,
+                                                       byte_size=self.nbytes)
+
+    def ndarray(self, offset, shape, dtype=np.float32):
+        """A numpy view at `offset` (writes go to the shared memory)."""
+        dtype = np.dtype(dtype)
+        _check_fits(self, offset, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, "ndarray")
+        return np.ndarray(shape, dtype=dtype, buffer=self._shm.buf, offset=offset)
+
+    def close(self):
+        """Detaches; the owner also removes the object."""
+        if self._shm is None:
+            return
+        self._shm.close()
+        if self._owner:
+            self._shm.unlink()
+        self._shm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class CudaRegion(Region):
+    """Device memory by its CUDA IPC handle: `nbytes` at `offset` in the allocation the 64-byte
+    `raw_handle` (cudaIpcGetMemHandle) names, on `device_id`. Keep the memory alive while the
+    region is registered (from_tensor keeps a reference to its tensor)."""
+
+    def __init__(self, name, raw_handle, device_id, offset, nbytes, *, owner=None):
+        super().__init__(name, nbytes)
+        self.raw_handle = bytes(raw_handle)
+        self.device_id = device_id
+        self.offset = offset
+        self._owner = owner
+
+    @classmethod
+    def from_tensor(cls, name, tensor):
+        """The memory of a contiguous torch CUDA tensor (the handle names its allocation; the
+        offset is the tensor's place in it). Uses torch's own IPC export, as
+        torch.multiprocessing does."""
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise errors.InvalidArgument(f"{name}: expected a contiguous CUDA tensor, got "
+                                         f"device {tensor.device}, contiguous "
+                                         f"{tensor.is_contiguous()}")
+        device, handle, _, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
+        offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+        return cls(name, _cuda_ipc_handle(bytes(handle), name), device, offset,
+                   tensor.numel() * tensor.element_size(), owner=tensor)
+
+    def register_request(self):
+        return regions_pb2.RegisterCudaRegionRequest(name=self.name, raw_handle=self.raw_handle,
+                                                     device_id=self.device_id,
+                                                     offset=self.offset, byte_size=self.nbytes)
+
+
+def _cuda_ipc_handle(handle, name):
+    """The cudaIpcMemHandle in torch's export: torch 2.2+ prefixes it with a format version and
+    the allocation's kind ('c' cudaMalloc; 'e' an expandable segment, which has none)."""
+    if len(handle) == 64:
+        return handle
+    if len(handle) == 66 and handle[1:2] == b"c":
+        return handle[2:]
+    raise errors.InvalidArgument(f"{name}: expected the IPC handle of a cudaMalloc allocation, "
+                                 f"got {len(handle)} bytes of kind {handle[1:2]!r} (torch's "
+                                 "expandable segments cannot be shared by handle)")
+
+
+def _check_fits(region, offset, nbytes, field):
+    if offset < 0 or offset % ALIGNMENT:
+        raise errors.InvalidArgument(f"{field}.offset: expected a multiple of {ALIGNMENT} "
+                                     f">= 0, got {offset}")
+    if offset + nbytes > region.nbytes:
+        raise errors.InvalidArgument(f"{field}: expected at most {region.nbytes - offset} bytes "
+                                     f"at offset {offset} of region {region.name!r}, "
+                                     f"got {nbytes}")
+
+
+class RegionTensor(NamedTuple):
+    """A tensor that lives in a region: `dtype` (a wire dtype) and `shape` at `offset`. Made
+    with at(), which checks it against the region's bounds and ALIGNMENT."""
+
+    region: Region
+    offset: int
+    dtype: int
+    shape: tuple
+
+    @classmethod
+    def at(cls, region, offset, dtype, shape, field="tensor"):
+        code = dtypes.dtype_code(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtypes.itemsize(code)
+        _check_fits(region, offset, nbytes, field)
+        return cls(region, offset, code, tuple(shape))
+
+    def ref(self):
+        """The wire RegionRef (region name + offset)."""
+        return regions_pb2.RegionRef(region=self.region.name, offset=self.offset)
+
+
+def refuse_inline(x, field):
+    """Raises Unimplemented for a RegionTensor: the calls that take tensors take them inline."""
+    if isinstance(x, RegionTensor):
+        raise errors.Unimplemented(f"{field}: this call carries tensors inline; a region tensor "
+                                   "is named only by a planned forward")

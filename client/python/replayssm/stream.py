@@ -1,0 +1,162 @@
+"""Layer-by-layer forwards on one DecodeStream: decode, prefill and verify.
+
+A model's layer l+1 inputs come from layer l's outputs, so it drives a forward as
+begin(rows) (or begin_prefill, begin_verify) -> run_layer(l, ...) for each linear-attention
+layer -> commit(). The forward applies to every row at once, at commit. One stream carries
+any number of forwards of any kind in turn.
+
+An error ends the server's stream and abandons the open forward (no cursor moves, no state
+changes); it is raised as its typed error, and the next begin() opens a new stream.
+"""
+
+import queue
+
+import grpc
+
+from replayssm import errors, tensors
+from replayssm.results import DecodeResult
+from replayssm.retry import new_request_id, with_retries
+from replayssm.v1 import replayssm_pb2 as pb
+
+_END = object()  # closes the request iterator: the client half-closes the stream
+
+
+def draft_count(drafts):
+    """T of a verify: every row's draft count, which must be the same."""
+    lengths = sorted({len(d) for d in drafts})
+    if len(lengths) > 1:
+        raise errors.InvalidArgument(f"draft_tokens: expected {len(drafts)} rows of equal "
+                                     f"length, got lengths {[len(d) for d in drafts]}")
+    return lengths[0] if lengths else 0
+
+
+def make_rows(rows):
+    """DecodeRows from (slot, token_id) pairs (or DecodeRows); slot 0 is a padding row."""
+    return [r if isinstance(r, pb.DecodeRow) else pb.DecodeRow(slot=int(r[0]), token_id=int(r[1]))
+            for r in rows]
+
+
+class ForwardStream:
+    """One DecodeStream. Use as a context manager, or close() it: closing abandons an open
+    forward. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, client, timeout=None):
+        self._client = client
+        self._timeout = timeout
+        self._call = None
+        self._requests = None
+        self.request_id = None  # the id of the last begin
+        self.replayed = False  # the last begin's id had been applied: outputs are the stored ones
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _open(self):
+        self._requests = queue.Queue()
+        self._call = self._client.stub.DecodeStream(iter(self._requests.get, _END),
+                                                    timeout=self._timeout)
+
+    def _round_trip(self, request, expect):
+        if self._call is None:
+            raise errors.FailedPrecondition(f"{expect}: no open forward (begin first)",
+                                            method="DecodeStream")
+        self._requests.put(request)
+        try:
+            reply = next(self._call)
+        except grpc.RpcError as e:
+            self._drop()
+            raise errors.from_rpc_error(e, "DecodeStream") from None
+        except StopIteration:
+            self._drop()
+            raise errors.Unavailable("decode stream ended by the server",
+                                     method="DecodeStream") from None
+        kind = reply.WhichOneof("msg")
+        if kind != expect:
+            self.close()
+            raise errors.Internal(f"expected a {expect} reply, got {kind}", method="DecodeStream")
+        return getattr(reply, expect)
+
+    def _drop(self):
+        self._call = None
+        self._requests = None
+
+    def begin(self, rows, *, request_id=None):
+        """Opens a decode forward over rows ((slot, token_id) pairs; slot 0 pads). A retry of
+        a forward whose commit reply was lost passes the same request_id: the server answers
+        with the stored outputs (`replayed`). Returns DecodeBegun."""
+        return self._begin("begin", lambda rid: pb.DecodeBegin(request_id=rid,
+                                                               rows=make_rows(rows)), request_id)
+
+    def begin_prefill(self, rows, *, request_id=None):
+        """Opens a prefill forward: rows are (slot, tokens) pairs; every layer then carries
+        N = all rows' tokens, packed in row order. Commit advances each slot by its tokens."""
+        def message(rid):
+            return pb.PrefillBegin(request_id=rid, rows=[
+                pb.PrefillRow(slot=int(slot), tokens=[int(t) for t in tokens])
+                for slot, tokens in rows])
+
+        return self._begin("prefill_begin", message, request_id)
+
+    def begin_verify(self, slots, drafts, *, request_id=None):
+        """Opens a verify forward: drafts[i] are row i's T draft tokens; every layer carries
+        B*T tokens in (row, draft) order. Commit moves no cursor: accept() decides."""
+        num_draft = draft_count(drafts)
+
+        def message(rid):
+            return pb.VerifyBegin(request_id=rid, slots=[int(s) for s in slots],
+                                  num_draft=num_draft,
+                                  draft_tokens=[int(t) for d in drafts for t in d])
+
+        return self._begin("verify_begin", message, request_id)
+
+    def _begin(self, kind, message, request_id):
+        if self._call is None:
+            self._open()
+        self.request_id = request_id or new_request_id()
+        begun = self._round_trip(pb.DecodeStreamRequest(**{kind: message(self.request_id)}),
+                                 "begun")
+        self.replayed = begun.replayed
+        return begun
+
+    def run_layer(self, layer, mixed_qkv, a, b):
+        """Runs one layer for every row of the open forward; returns its output [B, HV, V]
+        (numpy, or a torch tensor on mixed_qkv's device when the inputs are torch)."""
+        act = self._client.model.act_dtype
+        request = tensors.layer_input(layer, tensors.Activations(mixed_qkv, a, b), act, "layer")
+        out = self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
+        return tensors.like(out.out, mixed_qkv, "layer.out")
+
+    def commit(self):
+        """Closes the forward: every row's cursor advances once. Returns the rows' SlotStates."""
+        return list(self._round_trip(pb.DecodeStreamRequest(commit=pb.DecodeCommit()),
+                                     "committed").rows)
+
+    def forward(self, rows, layers, *, request_id=None):
+        """A whole forward (begin, every layer in order, commit), retried with the same request
+        id on a RETRYABLE failure as the client's unary calls are. Returns DecodeResult."""
+        request_id = request_id or new_request_id()
+
+        def attempt():
+            self.begin(rows, request_id=request_id)
+            outputs = [self.run_layer(i, *x) for i, x in enumerate(layers)]
+            return DecodeResult(outputs, self.commit())
+
+        client = self._client
+        return with_retries(attempt, client.retries, client.retry_backoff, self.close)
+
+    def close(self):
+        """Half-closes the stream and waits for the server to end it; a forward still open is
+        abandoned (nothing changes)."""
+        if self._call is None:
+            return
+        call = self._call
+        self._requests.put(_END)
+        self._drop()
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass  # the stream's end status; the forward, if open, is abandoned either way

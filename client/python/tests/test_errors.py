@@ -1,0 +1,229 @@
+"""Errors and request ids against the real server: every failure is its typed error with the
+server's code and message, a failed call changes nothing, and a retry reuses its request id so
+that a call whose reply was lost is not applied twice."""
+
+import signal
+import time
+import unittest
+
+import grpc
+import numpy as np
+
+import replayssm
+from replayssm import pb
+from support import ServerTest
+
+
+class ErrorsTest(ServerTest):
+    def test_a_bad_shape_is_invalid_argument_naming_the_field_and_changes_nothing(self):
+        slot = self.client.allocate().slot
+        self.prefill(slot, self.ref.new_state(), 3)
+        before = self.observe(slot)
+        layers = self.layers(1)
+        x = layers[1]
+        layers[1] = replayssm.Activations(x.mixed_qkv, np.zeros((1, 5), np.float32), x.b)
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            self.client.decode([(slot, 7)], layers)
+        error = caught.exception
+        self.assertIsInstance(error, replayssm.ReplaySSMError)
+        self.assertEqual(error.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("layers[1].a.shape: expected [1, 4], got [1, 5]", error.details)
+        self.assertEqual(self.observe(slot), before)
+
+    def test_a_bad_layer_abandons_the_stream_forward_and_the_next_begin_works(self):
+        slot = self.client.allocate().slot
+        state = self.ref.new_state()
+        self.prefill(slot, state, 2)
+        before = self.observe(slot)
+        stream = self.client.open_stream()
+        self.addCleanup(stream.close)
+        layers = self.layers(1)
+        stream.begin([(slot, 3)])
+        stream.run_layer(0, *layers[0])
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            stream.run_layer(1, layers[1].mixed_qkv, layers[1].a, np.zeros((2, 4), np.float32))
+        self.assertIn("layer.b.shape", caught.exception.details)
+        self.assertEqual(self.observe(slot), before)
+        stream.begin([(slot, 3)])
+        for l, x in enumerate(layers):
+            self.assertClose(stream.run_layer(l, *x), self.ref.decode_layer([state], l, *x))
+        self.assertEqual(stream.commit()[0].seq_len, 3)
+
+    def test_a_layer_twice_in_one_forward_is_failed_precondition(self):
+        slot = self.client.allocate().slot
+        layers = self.layers(1)
+        with self.client.open_stream() as stream:
+            stream.begin([(slot, 1)])
+            stream.run_layer(0, *layers[0])
+            with self.assertRaises(replayssm.FailedPrecondition) as caught:
+                stream.run_layer(0, *layers[0])
+        self.assertIn("already ran", caught.exception.details)
+        self.assertEqual(self.client.get_slot(slot).seq_len, 0)
+
+    def test_unknown_and_freed_slots_are_not_found(self):
+        slot = self.client.allocate().slot
+        self.client.free(slot)
+        with self.assertRaises(replayssm.NotFound):
+            self.client.decode([(slot, 1)], self.layers(1))
+        with self.assertRaises(replayssm.NotFound):
+            self.client.free(slot)
+        with self.assertRaises(replayssm.NotFound):
+            self.client.export_state(slot ^ 0x5A5A)
+
+    def test_drafts_awaiting_accept_refuse_a_decode_until_accepted(self):
+        slot = self.client.allocate().slot
+        state = self.ref.new_state()
+        self.client.verify([slot], [[1, 2]], self.layers(2))
+        with self.assertRaises(replayssm.FailedPrecondition):
+            self.client.decode([(slot, 3)], self.layers(1))
+        self.client.accept(slot, 0)
+        self.decode([slot], [state])
+
+    def test_input_the_client_cannot_encode_is_invalid_argument_before_sending(self):
+        slot = self.client.allocate().slot
+        layers = self.layers(1)
+        layers[0] = replayssm.Activations(layers[0].mixed_qkv.astype(np.int32), *layers[0][1:])
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            self.client.decode([(slot, 1)], layers)
+        self.assertIn("layers[0].mixed_qkv.dtype", caught.exception.details)
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            self.client.verify([slot, slot], [[1, 2], [3]], self.layers(3))
+        self.assertIn("draft_tokens", caught.exception.details)
+        self.assertEqual(self.client.stats().slots_live, 1)
+
+
+class CapacityTest(ServerTest):
+    SERVER_FLAGS = ("--memory-budget=1M",)
+
+    def test_allocating_past_the_capacity_is_resource_exhausted(self):
+        capacity = self.info.capacity_slots
+        self.assertGreater(capacity, 1)
+        slots = [self.client.allocate().slot for _ in range(capacity)]
+        with self.assertRaises(replayssm.ResourceExhausted):
+            self.client.allocate()
+        self.client.free(slots[0])
+        self.client.allocate()
+
+
+class DrainTest(ServerTest):
+    def test_a_draining_server_is_not_serving_and_refuses_new_work_as_unavailable(self):
+        slot = self.client.allocate().slot
+        layers = self.layers(1)
+        stream = self.client.open_stream()
+        self.addCleanup(stream.close)
+        stream.begin([(slot, 1)])  # an open forward keeps the server draining
+        self.server.signal(signal.SIGTERM)
+        for _ in range(500):
+            if self.client.health() == "NOT_SERVING":
+                break
+            time.sleep(0.01)
+        self.assertEqual(self.client.health(), "NOT_SERVING")
+        self.client.retries = 0
+        with self.assertRaises(replayssm.Unavailable):
+            self.client.allocate()
+        for l, x in enumerate(layers):
+            stream.run_layer(l, *x)
+        self.assertEqual(stream.commit()[0].seq_len, 1)
+        stream.close()
+        self.assertEqual(self.server.wait_exit(timeout=30), 0)
+
+
+class LoseFirstReply(grpc.UnaryUnaryClientInterceptor):
+    """Lets the first call of `method` reach the server, then reports its reply lost."""
+
+    class Lost(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self):
+            return "reply lost (test)"
+
+    def __init__(self, method):
+        self.method = method
+        self.request_ids = []
+
+    def intercept_unary_unary(self, continuation, details, request):
+        call = continuation(details, request)
+        if details.method.endswith("/" + self.method):
+            self.request_ids.append(request.request_id)
+            if len(self.request_ids) == 1:
+                call.result()  # applied on the server
+                raise self.Lost()
+        return call
+
+
+class RequestIdTest(ServerTest):
+    def client_losing_first(self, method):
+        lose = LoseFirstReply(method)
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.grpc_address), lose)
+        client = replayssm.Client(channel=channel, timeout=30, retry_backoff=0.01)
+        self.addCleanup(client.close)
+        return client, lose
+
+    def test_an_allocate_whose_reply_was_lost_is_retried_with_its_id_and_applied_once(self):
+        client, lose = self.client_losing_first("Allocate")
+        slot = client.allocate().slot
+        self.assertEqual(len(lose.request_ids), 2)
+        self.assertEqual(lose.request_ids[0], lose.request_ids[1])
+        self.assertEqual(self.client.stats().slots_live, 1)
+        self.assertEqual(self.client.get_slot(slot).seq_len, 0)
+
+    def test_a_decode_whose_reply_was_lost_advances_the_slot_once(self):
+        client, lose = self.client_losing_first("Decode")
+        slot = client.allocate().slot
+        state = self.ref.new_state()
+        layers = self.layers(1)
+        got = client.decode([(slot, 1)], layers)
+        self.assertEqual(len(lose.request_ids), 2)
+        for l, x in enumerate(layers):
+            self.assertClose(got.outputs[l], self.ref.decode_layer([state], l, *x))
+        self.assertEqual(got.rows[0].seq_len, 1)
+        self.assertEqual(self.client.get_slot(slot).seq_len, 1)
+
+    def test_the_same_id_again_returns_the_original_reply(self):
+        first = self.client.allocate(request_id="alloc-1")
+        again = self.client.allocate(request_id="alloc-1")
+        self.assertEqual(first, again)
+        self.assertNotEqual(self.client.allocate().slot, self.client.allocate().slot)
+        self.assertEqual(self.client.stats().slots_live, 3)
+
+    def test_the_same_id_for_a_different_request_is_invalid_argument(self):
+        a, b = self.client.allocate().slot, self.client.allocate().slot
+        self.client.free(a, request_id="free-1")
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            self.client.free(b, request_id="free-1")
+        self.assertIn("request_id", caught.exception.details)
+        self.assertEqual(self.client.get_slot(b).slot, b)
+
+    def test_a_stream_forward_retried_with_its_id_replays_the_original_outputs(self):
+        slot = self.client.allocate().slot
+        layers = self.layers(1)
+        with self.client.open_stream() as stream:
+            first = stream.forward([(slot, 1)], layers, request_id="fwd-1")
+            self.assertFalse(stream.replayed)
+        with self.client.open_stream() as stream:
+            again = stream.forward([(slot, 1)], layers, request_id="fwd-1")
+            self.assertTrue(stream.replayed)
+        for a, b in zip(first.outputs, again.outputs):
+            np.testing.assert_array_equal(a, b)
+        self.assertEqual(self.client.get_slot(slot).seq_len, 1)
+
+
+class ErrorTypesTest(unittest.TestCase):
+    def test_every_code_maps_to_its_subclass_carrying_code_and_details(self):
+        from replayssm import errors
+
+        for code in grpc.StatusCode:
+            if code == grpc.StatusCode.OK:
+                continue
+            error = errors.error_for(code, "x: expected 1, got 2", "Decode")
+            self.assertIsInstance(error, replayssm.ReplaySSMError)
+            self.assertIsNot(type(error), replayssm.ReplaySSMError, code)
+            self.assertEqual((error.code, error.details), (code, "x: expected 1, got 2"))
+            self.assertEqual(str(error), f"Decode: {code.name}: x: expected 1, got 2")
+        self.assertIs(type(errors.error_for(grpc.StatusCode.NOT_FOUND, "")), replayssm.NotFound)
+        self.assertEqual(pb.DTYPE_BF16, replayssm.BF16)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,95 @@
+"""Registered regions: shared memory seen by a second attachment, region tensors checked
+against bounds and alignment, and the Regions service of a real server (register, status,
+unregister, and each refusal with its code and field)."""
+
+import unittest
+
+import numpy as np
+
+import replayssm
+from replayssm import pb, regions, tensors
+from replayssm.v1 import regions_pb2
+from support import ServerTest
+
+
+class SharedMemoryTest(unittest.TestCase):
+    def test_a_shared_memory_region_is_seen_by_a_second_attachment(self):
+        with regions.SharedMemoryRegion("acts", 4096) as region:
+            region.ndarray(64, (2, 3))[:] = [[1, 2, 3], [4, 5, 6]]
+            other = regions.SharedMemoryRegion("acts", 0, key=region.key, create=False)
+            np.testing.assert_array_equal(other.ndarray(64, (2, 3)), [[1, 2, 3], [4, 5, 6]])
+            self.assertEqual(other.nbytes, 4096)
+            other.close()
+            self.assertEqual(region.register_request(),
+                             regions_pb2.RegisterSystemRegionRequest(
+                                 name="acts", key=region.key, offset=0, byte_size=4096))
+            self.assertTrue(region.key.startswith("/"))
+
+    def test_a_region_tensor_is_checked_against_bounds_and_alignment(self):
+        with regions.SharedMemoryRegion("acts", 1024) as region:
+            t = regions.RegionTensor.at(region, 512, "bf16", (2, 128))
+            self.assertEqual((t.dtype, t.shape), (pb.DTYPE_BF16, (2, 128)))
+            self.assertEqual(t.ref(), regions_pb2.RegionRef(region="acts", offset=512))
+            with self.assertRaises(replayssm.InvalidArgument) as caught:
+                regions.RegionTensor.at(region, 528, "bf16", (2, 128), "layers[0].a")
+            self.assertIn("layers[0].a: expected at most 496 bytes", caught.exception.details)
+            with self.assertRaises(replayssm.InvalidArgument) as caught:
+                regions.RegionTensor.at(region, 8, "f32", (4,), "layers[0].b")
+            self.assertIn("layers[0].b.offset: expected a multiple of 16", str(caught.exception))
+
+    def test_a_region_tensor_is_refused_by_the_inline_calls(self):
+        with regions.SharedMemoryRegion("acts", 1024) as region:
+            t = regions.RegionTensor.at(region, 0, "f32", (1, 4))
+            with self.assertRaises(replayssm.Unimplemented) as caught:
+                tensors.to_proto(t, field="layers[0].b")
+            self.assertIn("layers[0].b: this call carries tensors inline", caught.exception.details)
+
+
+class RegionServiceTest(ServerTest):
+    def shm(self, name, nbytes):
+        region = regions.SharedMemoryRegion(name, nbytes)
+        self.addCleanup(region.close)
+        return region
+
+    def test_a_registered_region_is_listed_until_unregistered(self):
+        region = self.shm("engine0", 1 << 16)
+        self.client.register_region(region)
+        [status] = self.client.region_status()
+        self.assertEqual((status.name, status.kind, status.byte_size, status.in_use),
+                         ("engine0", regions_pb2.RegionStatus.KIND_SYSTEM, 1 << 16, 0))
+        self.assertEqual(self.client.region_status("engine0"), [status])
+        self.client.unregister_region(region)
+        self.assertEqual(self.client.region_status(), [])
+        with self.assertRaises(replayssm.NotFound):
+            self.client.unregister_region("engine0")
+
+    def test_a_name_twice_is_already_exists(self):
+        self.client.register_region(self.shm("engine0", 4096))
+        with self.assertRaises(replayssm.AlreadyExists) as caught:
+            self.client.register_region(self.shm("engine0", 4096))
+        self.assertIn("name", caught.exception.details)
+        self.assertEqual(len(self.client.region_status()), 1)
+
+    def test_a_missing_object_or_bytes_past_its_end_are_invalid_argument(self):
+        gone = regions.SharedMemoryRegion("gone", 4096)
+        gone.close()
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            self.client.register_region(gone)
+        self.assertIn(gone.key, caught.exception.details)
+        region = self.shm("short", 4096)
+        region.nbytes = 8192
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            self.client.register_region(region)
+        self.assertIn("expected offset + bytes within the shm object (4096 bytes)",
+                      caught.exception.details)
+        self.assertEqual(self.client.region_status(), [])
+
+    def test_a_cuda_region_on_the_cpu_backend_is_unimplemented(self):
+        region = regions.CudaRegion("gpu0", bytes(64), device_id=0, offset=0, nbytes=4096)
+        with self.assertRaises(replayssm.Unimplemented) as caught:
+            self.client.register_region(region)
+        self.assertIn("CUDA backend", caught.exception.details)
+
+
+if __name__ == "__main__":
+    unittest.main()
