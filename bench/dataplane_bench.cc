@@ -1,0 +1,465 @@
+// replayssm-bench-dataplane: what one forward costs through the service against its kernels,
+// for an engine on the same GPU (docs/data-plane.md). This program is the engine: it starts
+// replayssm-server (CUDA) as a second process, registers a CUDA IPC region holding every
+// layer's inputs, outputs and doorbells, and measures per forward, B in --batch:
+//   (a) kernels  the same forward in this process, no service: the cache's decode forward
+//                (36 replay launches + its folds) on device-resident inputs
+//   (b) planned  through the server with regions + doorbells: one Begin carrying the plan,
+//                then per layer the engine rings ready[l] on its stream and waits for done[l]
+//                before ringing ready[l+1] (layer l+1's inputs depend on layer l's outputs),
+//                then Commit
+//   (c) inline   through the server's DecodeStream with the tensors as bytes, one message
+//                per layer
+// Before timing, a check: a planned forward and an inline one on twin slot sets from the same
+// inputs must give bit-identical outputs and states (3 forwards, so the rings move).
+// Run under MPS (nvidia-cuda-mps-control -d): without it each hand-over costs ~280 us.
+//
+//   replayssm-bench-dataplane --server PATH [--model qwen3-next-80b-a3b] [--batch 1,16,64,256]
+//                             [--forwards 30] [--warmup 5] [--json PATH]
+#include <cuda_runtime_api.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "replayssm/cache/state_cache.h"
+#include "replayssm/client/client.h"
+#include "replayssm/kernels.h"
+#include "replayssm/v1/regions.grpc.pb.h"
+
+namespace replayssm::bench {
+namespace {
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "replayssm-bench-dataplane: %s\n", what.c_str());
+  std::exit(1);
+}
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) Die(absl::StrCat(what, ": ", s.ToString()));
+}
+void CheckCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) Die(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+void CheckRssm(rssm_status s, const char* what) {
+  if (s != RSSM_OK) Die(absl::StrCat(what, ": ", rssm_last_error()));
+}
+template <typename T>
+T Value(absl::StatusOr<T> v, const char* what) {
+  Check(v.status(), what);
+  return *std::move(v);
+}
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+uint64_t Align(uint64_t x) { return (x + 255) / 256 * 256; }
+
+struct Options {
+  std::string server, model = "qwen3-next-80b-a3b", json;
+  std::vector<int> batches = {1, 16, 64, 256};
+  int forwards = 30, warmup = 5;
+};
+
+Options Parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      const size_t eq = a.find('=');
+      if (eq != std::string::npos) return a.substr(eq + 1);
+      if (i + 1 >= argc) Die(absl::StrCat(a, ": expected a value"));
+      return argv[++i];
+    };
+    auto number = [&](const std::string& v) {
+      int n = 0;
+      if (!absl::SimpleAtoi(v, &n) || n < 1) Die(absl::StrCat(a, ": expected a count, got ", v));
+      return n;
+    };
+    const std::string name = a.substr(0, a.find('='));
+    if (name == "--server") {
+      o.server = value();
+    } else if (name == "--model") {
+      o.model = value();
+    } else if (name == "--json") {
+      o.json = value();
+    } else if (name == "--forwards") {
+      o.forwards = number(value());
+    } else if (name == "--warmup") {
+      o.warmup = number(value());
+    } else if (name == "--batch") {
+      o.batches.clear();
+      for (absl::string_view b : absl::StrSplit(value(), ',')) o.batches.push_back(number(std::string(b)));
+    } else {
+      Die(absl::StrCat("unknown argument ", a));
+    }
+  }
+  if (o.server.empty()) Die("--server: expected the replayssm-server binary");
+  return o;
+}
+
+// The server as a child process on a free port.
+struct ServerChild {
+  pid_t pid = -1;
+  std::string address;
+  ServerChild(const Options& o, int64_t budget) {
+    const std::string ready = absl::StrCat("/tmp/replayssm-dataplane-", getpid(), ".ready");
+    std::remove(ready.c_str());
+    std::vector<std::string> args = {o.server,
+                                     "--device=cuda",
+                                     "--model=" + o.model,
+                                     "--grpc-address=127.0.0.1:0",
+                                     "--metrics-address=",
+                                     absl::StrCat("--memory-budget=", budget),
+                                     "--track-interval=0",
+                                     "--max-message-bytes=1G",
+                                     "--ready-file=" + ready};
+    pid = fork();
+    if (pid == 0) {
+      std::vector<char*> argv;
+      for (std::string& s : args) argv.push_back(s.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      std::_Exit(127);
+    }
+    for (int i = 0; i < 1200 && address.empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::ifstream f(ready);
+      std::string line;
+      while (std::getline(f, line)) {
+        if (line.rfind("grpc=", 0) == 0) address = line.substr(5);
+      }
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) Die("the server exited at start");
+    }
+    if (address.empty()) Die("the server did not become ready in 60 s");
+  }
+  ~ServerChild() {
+    if (pid > 0) {
+      kill(pid, SIGTERM);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+// The engine's device memory, one CUDA IPC region: doorbells, then per layer qkv|a|b|out for
+// max_b rows, each 256-byte aligned.
+struct EngineRegion {
+  const cache::ModelSpec& m;
+  int64_t max_b;
+  size_t es;
+  uint64_t bytes = 0, ready = 0, done = 0;
+  std::vector<std::array<uint64_t, 4>> layer;  // offsets
+  uint8_t* dev = nullptr;
+
+  EngineRegion(const cache::ModelSpec& model, int64_t b) : m(model), max_b(b) {
+    es = rssm_dtype_size(m.shape.act_dtype);
+    ready = 0;
+    done = Align(4ULL * m.num_layers);
+    uint64_t at = Align(done + 4ULL * m.num_layers);
+    for (int32_t l = 0; l < m.num_layers; ++l) {
+      std::array<uint64_t, 4> off{};
+      const int64_t w[4] = {m.QkvWidth(), m.AWidth(), m.BWidth(), m.OutWidth()};
+      for (int i = 0; i < 4; ++i) {
+        off[i] = at;
+        at = Align(at + max_b * w[i] * es);
+      }
+      layer.push_back(off);
+    }
+    bytes = at;
+    CheckCuda(cudaMalloc(reinterpret_cast<void**>(&dev), bytes), "cudaMalloc region");
+    CheckCuda(cudaMemset(dev, 0, bytes), "cudaMemset region");
+  }
+  ~EngineRegion() { cudaFree(dev); }
+  int64_t Width(int i) const {
+    const int64_t w[4] = {m.QkvWidth(), m.AWidth(), m.BWidth(), m.OutWidth()};
+    return w[i];
+  }
+  uint32_t* Ready(int l) { return reinterpret_cast<uint32_t*>(dev + ready) + l; }
+  uint32_t* Done(int l) { return reinterpret_cast<uint32_t*>(dev + done) + l; }
+};
+
+// Random activations in the act dtype for `n` tokens of every layer (host), small values.
+std::vector<std::array<std::vector<uint8_t>, 3>> RandomInputs(const EngineRegion& r, int64_t n,
+                                                              uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::array<std::vector<uint8_t>, 3>> in(r.m.num_layers);
+  for (auto& layer : in) {
+    for (int i = 0; i < 3; ++i) {
+      layer[i].resize(n * r.Width(i) * r.es);
+      for (size_t k = 0; k < layer[i].size(); k += r.es) {
+        const float x = (static_cast<float>(rng() >> 40) * 0x1p-23f - 1.f) * 0.5f;
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        const uint16_t h = static_cast<uint16_t>(u >> 16);  // bf16
+        std::memcpy(&layer[i][k], r.es == 4 ? static_cast<const void*>(&x) : &h, r.es);
+      }
+    }
+  }
+  return in;
+}
+
+void Upload(EngineRegion& r, const std::vector<std::array<std::vector<uint8_t>, 3>>& in) {
+  for (int32_t l = 0; l < r.m.num_layers; ++l) {
+    for (int i = 0; i < 3; ++i) {
+      CheckCuda(cudaMemcpy(r.dev + r.layer[l][i], in[l][i].data(), in[l][i].size(),
+                           cudaMemcpyHostToDevice),
+                "upload");
+    }
+  }
+}
+
+v1::ForwardPlan Plan(const EngineRegion& r, uint32_t value) {
+  v1::ForwardPlan p;
+  p.mutable_ready()->set_region("engine");
+  p.mutable_ready()->set_offset(r.ready);
+  p.mutable_done()->set_region("engine");
+  p.mutable_done()->set_offset(r.done);
+  p.set_value(value);
+  for (int32_t l = 0; l < r.m.num_layers; ++l) {
+    v1::PlannedLayer* pl = p.add_layers();
+    v1::RegionRef* refs[4] = {pl->mutable_mixed_qkv(), pl->mutable_a(), pl->mutable_b(),
+                              pl->mutable_out()};
+    for (int i = 0; i < 4; ++i) {
+      refs[i]->set_region("engine");
+      refs[i]->set_offset(r.layer[l][i]);
+    }
+  }
+  return p;
+}
+
+std::vector<v1::DecodeRow> Rows(const std::vector<uint64_t>& slots) {
+  std::vector<v1::DecodeRow> rows;
+  for (uint64_t s : slots) {
+    v1::DecodeRow row;
+    row.set_slot(s);
+    row.set_token_id(1);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+// The engine side of one planned forward: the stream's Begin, the doorbell chain on the
+// engine's stream, Commit.
+void PlannedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
+                    const std::vector<uint64_t>& slots, uint32_t value) {
+  v1::DecodeStreamRequest req;
+  v1::DecodeBegin* begin = req.mutable_begin();
+  begin->set_request_id(client::NewRequestId());
+  for (const v1::DecodeRow& row : Rows(slots)) *begin->add_rows() = row;
+  *begin->mutable_plan() = Plan(r, value);
+  Check(stream.BeginWith(req).status(), "planned begin");
+  const rssm_launch l{RSSM_BACKEND_CUDA, s};
+  for (int32_t layer = 0; layer < r.m.num_layers; ++layer) {
+    // (the engine's own kernels for this layer would go here)
+    CheckRssm(rssm_stream_write_value32(&l, r.Ready(layer), value), "ring");
+    CheckRssm(rssm_stream_wait_value32(&l, r.Done(layer), value), "wait");
+  }
+  CheckCuda(cudaStreamSynchronize(s), "engine stream");
+  Check(stream.Commit().status(), "planned commit");
+}
+
+std::vector<v1::LayerInput> InlineLayers(const EngineRegion& r,
+                                         const std::vector<std::array<std::vector<uint8_t>, 3>>& in,
+                                         int64_t n) {
+  std::vector<v1::LayerInput> layers(r.m.num_layers);
+  const v1::DType dt = r.es == 4 ? v1::DTYPE_F32 : v1::DTYPE_BF16;
+  for (int32_t l = 0; l < r.m.num_layers; ++l) {
+    layers[l].set_layer(l);
+    v1::Tensor* t[3] = {layers[l].mutable_mixed_qkv(), layers[l].mutable_a(),
+                        layers[l].mutable_b()};
+    for (int i = 0; i < 3; ++i) {
+      t[i]->set_dtype(dt);
+      t[i]->add_shape(n);
+      if (i == 1 && r.m.shape.gate == RSSM_GATE_KDA) {
+        t[i]->add_shape(r.m.shape.num_v_heads);
+        t[i]->add_shape(r.m.shape.head_k);
+      } else {
+        t[i]->add_shape(r.Width(i));
+      }
+      t[i]->set_data(in[l][i].data(), n * r.Width(i) * r.es);
+    }
+  }
+  return layers;
+}
+
+std::vector<uint64_t> AllocSlots(client::Client& c, int64_t n) {
+  std::vector<uint64_t> s;
+  for (int64_t i = 0; i < n; ++i) s.push_back(Value(c.Allocate(), "allocate").slot());
+  return s;
+}
+
+// Planned against inline on twin slot sets: outputs and states must agree bit for bit.
+bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint32_t* value) {
+  const int64_t B = std::min<int64_t>(4, r.max_b);
+  const std::vector<uint64_t> planned = AllocSlots(c, B), inl = AllocSlots(c, B);
+  bool same = true;
+  for (int f = 0; f < 3; ++f) {
+    const auto in = RandomInputs(r, B, 100 + f);
+    Upload(r, in);
+    auto stream = c.OpenStream();
+    PlannedForward(*stream, r, s, planned, ++*value);
+    const v1::DecodeResponse ref =
+        Value(stream->Forward(Rows(inl), InlineLayers(r, in, B)), "inline forward");
+    Check(stream->Finish(), "stream");
+    for (int32_t l = 0; l < r.m.num_layers; ++l) {
+      std::vector<uint8_t> out(B * r.Width(3) * r.es);
+      CheckCuda(cudaMemcpy(out.data(), r.dev + r.layer[l][3], out.size(), cudaMemcpyDeviceToHost),
+                "download");
+      if (ref.layers(l).out().data() != std::string(out.begin(), out.end())) {
+        std::printf("check: forward %d layer %d outputs differ\n", f, l);
+        same = false;
+      }
+    }
+  }
+  for (int64_t i = 0; i < B; ++i) {
+    const v1::ExportResponse a = Value(c.Export(planned[i]), "export");
+    const v1::ExportResponse b = Value(c.Export(inl[i]), "export");
+    if (a.SerializeAsString() != b.SerializeAsString()) {
+      std::printf("check: row %ld states differ\n", static_cast<long>(i));
+      same = false;
+    }
+    Check(c.Free(planned[i]), "free");
+    Check(c.Free(inl[i]), "free");
+  }
+  return same;
+}
+
+struct Stat {
+  double p50 = 0, p90 = 0, min = 0;
+};
+Stat Summarize(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2] * 1e3, v[v.size() * 9 / 10] * 1e3, v.front() * 1e3};
+}
+
+// (a): the cache's decode forward in this process on device-resident copies of the inputs.
+Stat InProcess(const cache::ModelSpec& m, int64_t B, const Options& o,
+               const std::vector<std::array<std::vector<uint8_t>, 3>>& in) {
+  cache::CacheOptions co;
+  co.backend = RSSM_BACKEND_CUDA;
+  co.memory_budget_bytes = (B + 1) * m.SlotBytes();
+  co.track_interval = 0;
+  co.max_batch = static_cast<int32_t>(B);
+  auto cache = Value(cache::StateCache::Create(m, co), "in-process cache");
+  std::vector<cache::DecodeRow> rows;
+  for (int64_t i = 0; i < B; ++i) rows.push_back({Value(cache->Allocate(), "allocate"), 1});
+  std::vector<cache::LayerIo> io(m.num_layers);
+  std::vector<void*> buffers;
+  const size_t es = rssm_dtype_size(m.shape.act_dtype);
+  for (int32_t l = 0; l < m.num_layers; ++l) {
+    void* p[4];
+    for (int i = 0; i < 4; ++i) {
+      const size_t bytes = i < 3 ? in[l][i].size() : B * m.OutWidth() * es;
+      CheckCuda(cudaMalloc(&p[i], bytes), "cudaMalloc");
+      if (i < 3) CheckCuda(cudaMemcpy(p[i], in[l][i].data(), bytes, cudaMemcpyHostToDevice), "up");
+      buffers.push_back(p[i]);
+    }
+    io[l] = {p[0], p[1], p[2], p[3], cache::IoMemory::kBackend};
+  }
+  std::vector<double> t;
+  for (int f = 0; f < o.warmup + o.forwards; ++f) {
+    const double t0 = Now();
+    auto fwd = Value(cache->BeginForward(rows), "begin");
+    for (int32_t l = 0; l < m.num_layers; ++l) Check(fwd->RunLayer(l, io[l]), "layer");
+    Check(fwd->Commit(), "commit");
+    if (f >= o.warmup) t.push_back(Now() - t0);
+  }
+  for (void* p : buffers) cudaFree(p);
+  return Summarize(t);
+}
+
+}  // namespace
+}  // namespace replayssm::bench
+
+int main(int argc, char** argv) {
+  using namespace replayssm;         // NOLINT
+  using namespace replayssm::bench;  // NOLINT
+  const Options o = Parse(argc, argv);
+  const cache::ModelSpec m = Value(cache::ModelPreset(o.model), "--model");
+  const int64_t max_b = *std::max_element(o.batches.begin(), o.batches.end());
+  const bool mps = rssm_mps_active() != 0;
+  std::printf("dataplane: model %s, %d layers, MPS %s\n", o.model.c_str(), m.num_layers,
+              mps ? "on" : "OFF (each hand-over time-slices: expect ~280 us per layer)");
+  ServerChild server(o, (max_b + 10) * m.SlotBytes());
+  auto c = client::Client::Connect(server.address, int64_t{1} << 30);
+  if (!c->WaitForConnected(absl::Seconds(30))) Die("cannot connect to the server");
+
+  EngineRegion region(m, max_b);
+  cudaIpcMemHandle_t handle;
+  CheckCuda(cudaIpcGetMemHandle(&handle, region.dev), "cudaIpcGetMemHandle");
+  auto regions = v1::Regions::NewStub(
+      grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials()));
+  {
+    v1::RegisterCudaRegionRequest req;
+    req.set_name("engine");
+    req.set_raw_handle(&handle, sizeof handle);
+    req.set_device_id(0);
+    req.set_byte_size(region.bytes);
+    v1::RegisterRegionResponse resp;
+    grpc::ClientContext ctx;
+    Check(client::FromGrpc(regions->RegisterCudaRegion(&ctx, req, &resp)), "register region");
+  }
+  cudaStream_t s;
+  CheckCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  uint32_t value = 0;
+  const bool same = CheckBitIdentical(*c, region, s, &value);
+  std::printf("check: planned (CUDA IPC region + doorbells) vs inline: %s\n",
+              same ? "bit-identical outputs and states" : "MISMATCH");
+
+  std::ostringstream json;
+  json << "{\"model\": \"" << o.model << "\", \"mps\": " << (mps ? "true" : "false")
+       << ", \"bit_identical\": " << (same ? "true" : "false") << ", \"forwards\": " << o.forwards
+       << ", \"rows\": [";
+  std::printf("%6s %12s %12s %12s %10s %10s %9s\n", "B", "(a) ms", "(b) ms", "(c) ms", "b/a",
+              "b-a us", "target");
+  for (size_t bi = 0; bi < o.batches.size(); ++bi) {
+    const int64_t B = o.batches[bi];
+    const auto in = RandomInputs(region, B, 7 + B);
+    const Stat a = InProcess(m, B, o, in);
+    Upload(region, in);
+    const std::vector<uint64_t> slots = AllocSlots(*c, B);
+    std::vector<double> tb, tc;
+    auto stream = c->OpenStream();
+    for (int f = 0; f < o.warmup + o.forwards; ++f) {
+      const double t0 = Now();
+      PlannedForward(*stream, region, s, slots, ++value);
+      if (f >= o.warmup) tb.push_back(Now() - t0);
+    }
+    const std::vector<v1::LayerInput> layers = InlineLayers(region, in, B);
+    for (int f = 0; f < o.warmup + o.forwards; ++f) {
+      const double t0 = Now();
+      Check(stream->Forward(Rows(slots), layers).status(), "inline forward");
+      if (f >= o.warmup) tc.push_back(Now() - t0);
+    }
+    Check(stream->Finish(), "stream");
+    for (uint64_t slot : slots) Check(c->Free(slot), "free");
+    const Stat b = Summarize(tb), cst = Summarize(tc);
+    const double ratio = b.p50 / a.p50, extra_us = (b.p50 - a.p50) * 1e3;
+    const bool met = B >= 64 ? ratio <= 1.10 : (B == 1 ? extra_us <= 200 : true);
+    std::printf("%6ld %12.3f %12.3f %12.3f %10.3f %10.1f %9s\n", static_cast<long>(B), a.p50,
+                b.p50, cst.p50, ratio, extra_us,
+                B >= 64 || B == 1 ? (met ? "met" : "NOT met") : "-");
+    json << (bi ? ", " : "") << "{\"B\": " << B << ", \"a_ms\": {\"p50\": " << a.p50
+         << ", \"p90\": " << a.p90 << ", \"min\": " << a.min << "}, \"b_ms\": {\"p50\": " << b.p50
+         << ", \"p90\": " << b.p90 << ", \"min\": " << b.min << "}, \"c_ms\": {\"p50\": " << cst.p50
+         << ", \"p90\": " << cst.p90 << ", \"min\": " << cst.min << "}, \"b_over_a\": " << ratio
+         << "}";
+  }
+  json << "]}\n";
+  if (!o.json.empty()) std::ofstream(o.json) << json.str();
+  cudaStreamDestroy(s);
+  return same ? 0 : 2;
+}
