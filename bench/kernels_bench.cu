@@ -1,5 +1,5 @@
-// replayssm-bench kernels: the decode kernels of the CUDA backend on the DESIGN §5 shape
-// (HV=32, H=16, K=V=128, L=16, bf16 activations), state fp32 and bf16, GDN and KDA,
+// replayssm-bench kernels: the decode kernels of the CUDA backend on the benchmark shape of
+// docs/gpu.md (HV=32, H=16, K=V=128, L=16, bf16 activations), state fp32 and bf16, GDN and KDA,
 // B in {1, 16, 64, 128, 256}: baseline decode, replay decode, verify of T=4 drafts.
 //
 // Method: the pool holds several slot sets (the data is several times the 60 MB L2); step i
@@ -11,9 +11,14 @@
 // Counted bytes per step (state and ring traffic only): baseline = read + write the state;
 // replay = read S0 + the w records read (d, k per qk-head, g) + the record written, or the
 // S0 write when the row folds; verify = read S0 + w records + T records written.
+//
+// The environment selects cases and overrides the launch planner (kernels/cuda/plan.h); a
+// value it cannot parse, or a REPLAYSSM_BENCH_* / REPLAYSSM_CUDA_* variable it does not know,
+// is an error. See Usage() below, or docs/gpu.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -22,24 +27,174 @@
 #include <vector>
 
 #include "replayssm/kernels.h"
+#include "src/launch_overrides.h"
+
+extern char** environ;
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                 \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
+using replayssm::kernels::cuda::KernelRoleName;
+using replayssm::kernels::cuda::LaunchOverrides;
+using replayssm::kernels::cuda::LaunchPlan;
+
+constexpr char kUsage[] = R"(usage: replayssm-bench kernels [--json PATH]
+
+Environment (each optional; a value out of its range is an error):
+  REPLAYSSM_BENCH_GATE=GDN|KDA          one gate only
+  REPLAYSSM_BENCH_STATE=f32|bf16        one state dtype only
+  REPLAYSSM_BENCH_B=N[,N...]            these batches (default 1,16,64,128,256)
+  REPLAYSSM_BENCH_OP=baseline|replay|verify4  one op only
+  REPLAYSSM_BENCH_FOLD_FIRST=0|1        each step's folding rows first in the batch
+Launch overrides (kernels/cuda/plan.h; default: planned):
+  REPLAYSSM_CUDA_STEP=tiled|bulk        one step kernel for every op and batch
+  REPLAYSSM_CUDA_BULK_MIN_B=N           verify takes the bulk kernel from batch N (16)
+  REPLAYSSM_CUDA_RPW=16|32|48|64        bulk: state rows per warp
+  REPLAYSSM_CUDA_NW=1..4                bulk: warps per CTA
+  REPLAYSSM_CUDA_NS=1..8                bulk: S0 stages per warp
+  REPLAYSSM_CUDA_BULK=0..15             bulk: pieces the copy engine fetches (1 S0, 2 ring d,
+                                        4 ring k, 8 ring g; default 15)
+  REPLAYSSM_CUDA_VERBOSE=0|1            print each case's launch plan
+)";
+
+// A bad command line or environment: the message and the usage, exit status 2.
+[[noreturn]] void Fail(const std::string& message) {
+  std::fprintf(stderr, "replayssm-bench: %s\n\n%s", message.c_str(), kUsage);
+  std::exit(2);
+}
+
+// `text` as an integer in [lo, hi], or Fail naming `what`.
+int64_t ParseInt(const char* what, const std::string& text, int64_t lo, int64_t hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno != 0 || v < lo || v > hi) {
+    Fail(std::string(what) + ": expected an integer in [" + std::to_string(lo) + ", " +
+         std::to_string(hi) + "], got \"" + text + "\"");
+  }
+  return v;
+}
+
+// `text` as one of `choices`, or Fail naming `what`.
+std::string ParseChoice(const char* what, const std::string& text,
+                        const std::vector<std::string>& choices) {
+  std::string all;
+  for (const std::string& c : choices) {
+    if (text == c) return c;
+    all += (all.empty() ? "" : "|") + c;
+  }
+  Fail(std::string(what) + ": expected " + all + ", got \"" + text + "\"");
+}
+
+// What the environment asks for.
+struct Settings {
+  std::string gate, state, op;  // empty: all
+  std::vector<int> batches = {1, 16, 64, 128, 256};
+  bool fold_first = false;
+  bool verbose = false;
+  LaunchOverrides overrides;
+};
+
+Settings FromEnvironment() {
+  static const char* const kKnown[] = {
+      "REPLAYSSM_BENCH_GATE",      "REPLAYSSM_BENCH_STATE",      "REPLAYSSM_BENCH_B",
+      "REPLAYSSM_BENCH_OP",        "REPLAYSSM_BENCH_FOLD_FIRST", "REPLAYSSM_CUDA_STEP",
+      "REPLAYSSM_CUDA_BULK_MIN_B", "REPLAYSSM_CUDA_RPW",         "REPLAYSSM_CUDA_NW",
+      "REPLAYSSM_CUDA_NS",         "REPLAYSSM_CUDA_BULK",        "REPLAYSSM_CUDA_VERBOSE"};
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string var(*e, std::strcspn(*e, "="));
+    if (var.rfind("REPLAYSSM_BENCH_", 0) != 0 && var.rfind("REPLAYSSM_CUDA_", 0) != 0) continue;
+    if (std::find(std::begin(kKnown), std::end(kKnown), var) == std::end(kKnown)) {
+      Fail(var + ": not a setting of replayssm-bench");
+    }
+  }
+  Settings s;
+  if (const char* v = std::getenv("REPLAYSSM_BENCH_GATE")) {
+    s.gate = ParseChoice("REPLAYSSM_BENCH_GATE", v, {"GDN", "KDA"});
+  }
+  if (const char* v = std::getenv("REPLAYSSM_BENCH_STATE")) {
+    s.state = ParseChoice("REPLAYSSM_BENCH_STATE", v, {"f32", "bf16"});
+  }
+  if (const char* v = std::getenv("REPLAYSSM_BENCH_OP")) {
+    s.op = ParseChoice("REPLAYSSM_BENCH_OP", v, {"baseline", "replay", "verify4"});
+  }
+  if (const char* v = std::getenv("REPLAYSSM_BENCH_B")) {
+    s.batches.clear();
+    const std::string list = v;
+    for (size_t at = 0;;) {
+      const size_t comma = list.find(',', at);
+      s.batches.push_back(
+          static_cast<int>(ParseInt("REPLAYSSM_BENCH_B", list.substr(at, comma - at), 1, 1 << 16)));
+      if (comma == std::string::npos) break;
+      at = comma + 1;
+    }
+  }
+  if (const char* v = std::getenv("REPLAYSSM_BENCH_FOLD_FIRST")) {
+    s.fold_first = ParseInt("REPLAYSSM_BENCH_FOLD_FIRST", v, 0, 1) == 1;
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_VERBOSE")) {
+    s.verbose = ParseInt("REPLAYSSM_CUDA_VERBOSE", v, 0, 1) == 1;
+  }
+  LaunchOverrides& o = s.overrides;
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_STEP")) {
+    o.step_kernel = ParseChoice("REPLAYSSM_CUDA_STEP", v, {"tiled", "bulk"}) == "tiled"
+                        ? LaunchOverrides::StepKernel::kTiled
+                        : LaunchOverrides::StepKernel::kBulk;
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_BULK_MIN_B")) {
+    o.bulk_min_batch = ParseInt("REPLAYSSM_CUDA_BULK_MIN_B", v, 1, 1 << 24);
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_RPW")) {
+    o.rows_per_warp = static_cast<int>(ParseInt("REPLAYSSM_CUDA_RPW", v, 16, 64));
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_NW")) {
+    o.warps = static_cast<int>(ParseInt("REPLAYSSM_CUDA_NW", v, 1, 4));
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_NS")) {
+    o.stages = static_cast<int>(ParseInt("REPLAYSSM_CUDA_NS", v, 1, 8));
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_BULK")) {
+    o.bulk_copy = static_cast<int>(ParseInt("REPLAYSSM_CUDA_BULK", v, 0, 15));
+  }
+  const std::string bad = replayssm::kernels::cuda::CheckOverrides(o);
+  if (!bad.empty()) Fail("launch overrides (REPLAYSSM_CUDA_*): " + bad);
+  return s;
+}
+
+// A plan in one line (REPLAYSSM_CUDA_VERBOSE=1).
+std::string Describe(const LaunchPlan& p) {
+  char buf[256];
+  if (p.role == replayssm::kernels::cuda::KernelRole::kBulkStep) {
+    const auto& c = p.bulk;
+    std::snprintf(buf, sizeof buf,
+                  "bulk: TT %d KC %d RB %d, %d warps x %d rows, %d stages, %d chunks, "
+                  "grid %u x %u, smem %zu B, copies s0/d/k/g %d%d%d%d, d %s",
+                  c.tokens_per_pass, c.channels_per_lane, c.rows_per_batch, c.warps,
+                  c.rows_per_warp, c.stages, c.chunks, p.grid_x, p.grid_y, p.smem_bytes, c.bulk_s0,
+                  c.bulk_d, c.bulk_k, c.bulk_g, c.d_dense ? "dense" : "padded");
+  } else {
+    const auto& c = p.tiled;
+    std::snprintf(buf, sizeof buf, "%s: KMAX %d TC %d, %d rows per CTA, grid %u, smem %zu B",
+                  KernelRoleName(p.role), c.kmax, c.tokens_per_pass, c.tile_rows, p.grid_x,
+                  p.smem_bytes);
+  }
+  return buf;
+}
+
+#define CHECK_CUDA(x)                                                                         \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
-#define CHECK_RSSM(x)                                                                        \
-  do {                                                                                       \
-    rssm_status s_ = (x);                                                                    \
-    if (s_ != RSSM_OK) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, rssm_last_error());     \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+#define CHECK_RSSM(x)                                                                    \
+  do {                                                                                   \
+    rssm_status s_ = (x);                                                                \
+    if (s_ != RSSM_OK) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, rssm_last_error()); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
   } while (0)
 
 constexpr int kH = 16, kHV = 32, kK = 128, kV = 128, kL = 16, kDraft = 4;
@@ -103,10 +258,12 @@ double CopyBandwidth() {
 }
 
 enum Op { kBaseline = 0, kReplay = 1, kVerify = 2 };
-const char* OpName(Op op) { return op == kBaseline ? "baseline" : op == kReplay ? "replay" : "verify4"; }
+const char* OpName(Op op) {
+  return op == kBaseline ? "baseline" : op == kReplay ? "replay" : "verify4";
+}
 
 struct Result {
-  std::string gate, state, op;
+  std::string gate, state, op, kernel;
   int batch;
   double us, bytes, gbps, pct, speedup;
 };
@@ -150,8 +307,8 @@ class Bench {
     cudaStreamDestroy(stream_);
   }
 
-  // Median µs per step and the mean counted bytes per step of `op`.
-  void Run(Op op, double* us, double* bytes) {
+  // Median µs per step and the mean counted bytes per step of `op`; the launch plan it ran.
+  void Run(Op op, const Settings& settings, double* us, double* bytes, LaunchPlan* plan) {
     const int window = op == kVerify ? kL - kDraft + 1 : kL;
     std::vector<int32_t> slot(int64_t{kStepsPerGraph} * B_), pos(slot.size());
     double total = 0;
@@ -165,10 +322,9 @@ class Bench {
       }
     }
     *bytes = total / kStepsPerGraph;
-    // REPLAYSSM_BENCH_FOLD_FIRST=1: each step's rows whose ring is full (they fold) first, the
-    // order a scheduler that sees the cursors can choose (measures the folding rows' tail).
-    const char* fold_first = std::getenv("REPLAYSSM_BENCH_FOLD_FIRST");
-    if (fold_first != nullptr && std::strcmp(fold_first, "1") == 0) {
+    // Each step's rows whose ring is full (they fold) first: the order a scheduler that sees
+    // the cursors can choose (measures the folding rows' tail).
+    if (settings.fold_first) {
       for (int i = 0; i < kStepsPerGraph; ++i) {
         std::vector<int64_t> order(B_);
         for (int r = 0; r < B_; ++r) order[r] = r;
@@ -186,7 +342,11 @@ class Bench {
     Alloc(reinterpret_cast<void**>(&dpos), pos.size() * 4);
     CHECK_CUDA(cudaMemcpy(dslot, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
-    auto launch = [&](int i) {
+    auto launch = [&](int i, LaunchPlan* used) {
+      using replayssm::kernels::BaselineDecodeWith;
+      using replayssm::kernels::ReplayDecodeWith;
+      using replayssm::kernels::VerifyWith;
+      const LaunchOverrides& ov = settings.overrides;
       const rssm_launch l{RSSM_BACKEND_CUDA, stream_};
       const rssm_layer_params params{static_cast<float*>(a_log_), static_cast<float*>(dt_bias_),
                                      0.0883883f, 1};
@@ -194,21 +354,24 @@ class Bench {
       const rssm_token_inputs in{qkv_, a_, b_, 0, 0, 0};
       const rssm_token_outputs out{o_, 0};
       if (op == kVerify) {
-        rssm_verify_args v{l, shape_, params, pool, B_, kDraft, dslot + int64_t{i} * B_,
-                           dpos + int64_t{i} * B_, in, out};
-        CHECK_RSSM(rssm_verify(&v));
+        rssm_verify_args v{
+            l,  shape_, params, pool, B_, kDraft, dslot + int64_t{i} * B_, dpos + int64_t{i} * B_,
+            in, out};
+        CHECK_RSSM(VerifyWith(&v, ov, used));
       } else {
-        rssm_decode_args d{l, shape_, params, pool, B_, dslot + int64_t{i} * B_,
-                           dpos + int64_t{i} * B_, nullptr, in, out};
-        CHECK_RSSM(op == kReplay ? rssm_replay_decode(&d) : rssm_baseline_decode(&d));
+        rssm_decode_args d{
+            l,       shape_, params, pool, B_, dslot + int64_t{i} * B_, dpos + int64_t{i} * B_,
+            nullptr, in,     out};
+        CHECK_RSSM(op == kReplay ? ReplayDecodeWith(&d, ov, used)
+                                 : BaselineDecodeWith(&d, ov, used));
       }
     };
-    for (int i = 0; i < kStepsPerGraph; ++i) launch(i);  // warm-up, outside the graph
+    for (int i = 0; i < kStepsPerGraph; ++i) launch(i, plan);  // warm-up, outside the graph
     CHECK_CUDA(cudaStreamSynchronize(stream_));
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CHECK_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < kStepsPerGraph; ++i) launch(i);
+    for (int i = 0; i < kStepsPerGraph; ++i) launch(i, nullptr);
     CHECK_CUDA(cudaStreamEndCapture(stream_, &graph));
     CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
     cudaEvent_t e0, e1;
@@ -264,7 +427,7 @@ class Bench {
   cudaStream_t stream_{};
 };
 
-int Kernels(const char* json_path) {
+int Kernels(const char* json_path, const Settings& settings) {
   if (!rssm_backend_available(RSSM_BACKEND_CUDA)) {
     std::fprintf(stderr, "replayssm-bench: no CUDA device\n");
     return 1;
@@ -272,54 +435,44 @@ int Kernels(const char* json_path) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const double copy_bw = CopyBandwidth();
-  std::printf("device: %s, %d SMs, L2 %.0f MB; copy bandwidth %.1f GB/s (read+write)\n",
-              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9);
+  std::printf("device: %s, %d SMs, L2 %.0f MB; copy bandwidth %.1f GB/s (read+write)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e9);
   std::vector<Result> results;
-  const int batches[] = {1, 16, 64, 128, 256};
-  std::printf("%-4s %-5s %-9s %5s %10s %12s %9s %7s %8s\n", "gate", "state", "op", "B",
-              "us/step", "bytes/step", "GB/s", "%copy", "speedup");
+  std::printf("%-4s %-5s %-9s %5s %-6s %10s %12s %9s %7s %8s\n", "gate", "state", "op", "B",
+              "kernel", "us/step", "bytes/step", "GB/s", "%copy", "speedup");
   for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+    const std::string gate_name = gate == RSSM_GATE_GDN ? "GDN" : "KDA";
+    if (!settings.gate.empty() && settings.gate != gate_name) continue;
     for (rssm_dtype st : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16}) {
-      // REPLAYSSM_BENCH_STATE=f32|bf16 restricts the run to one state dtype (quick A/B runs).
-      const char* only = std::getenv("REPLAYSSM_BENCH_STATE");
-      if (only != nullptr && std::strcmp(only, rssm_dtype_name(st)) != 0) continue;
-      for (int B : batches) {
-        // REPLAYSSM_BENCH_B=n and REPLAYSSM_BENCH_GATE=GDN|KDA restrict the run likewise.
-        const char* only_b = std::getenv("REPLAYSSM_BENCH_B");
-        // (a comma-separated list selects several: REPLAYSSM_BENCH_B=1,64,256)
-        if (only_b != nullptr) {
-          bool hit = false;
-          for (const char* c = only_b; *c != 0;) {
-            if (std::atoi(c) == B) hit = true;
-            const char* comma = std::strchr(c, ',');
-            if (comma == nullptr) break;
-            c = comma + 1;
-          }
-          if (!hit) continue;
-        }
-        const char* only_g = std::getenv("REPLAYSSM_BENCH_GATE");
-        if (only_g != nullptr && std::strcmp(only_g, gate == RSSM_GATE_GDN ? "GDN" : "KDA") != 0) {
-          continue;
-        }
+      if (!settings.state.empty() && settings.state != rssm_dtype_name(st)) continue;
+      for (int B : settings.batches) {
         Bench bench(gate, st, B, copy_bw);
         double base_us = 0;
         for (Op op : {kBaseline, kReplay, kVerify}) {
-          // REPLAYSSM_BENCH_OP=baseline|replay|verify4: one op only (profiler runs).
-          const char* only_op = std::getenv("REPLAYSSM_BENCH_OP");
-          if (only_op != nullptr && std::strcmp(only_op, OpName(op)) != 0) continue;
+          if (!settings.op.empty() && settings.op != OpName(op)) continue;
           Result r;
-          r.gate = gate == RSSM_GATE_GDN ? "GDN" : "KDA";
+          r.gate = gate_name;
           r.state = rssm_dtype_name(st);
           r.op = OpName(op);
           r.batch = B;
-          bench.Run(op, &r.us, &r.bytes);
+          LaunchPlan plan;
+          bench.Run(op, settings, &r.us, &r.bytes, &plan);
+          r.kernel = KernelRoleName(plan.role);
           r.gbps = r.bytes / (r.us * 1e-6) / 1e9;
           r.pct = 100.0 * r.gbps * 1e9 / copy_bw;
           if (op == kBaseline) base_us = r.us;
-          // replay: baseline time / replay time; verify: 4 baseline steps / one verify.
-          r.speedup = op == kBaseline ? 1.0 : op == kReplay ? base_us / r.us : kDraft * base_us / r.us;
-          std::printf("%-4s %-5s %-9s %5d %10.2f %12.0f %9.1f %6.1f%% %7.2fx\n", r.gate.c_str(),
-                      r.state.c_str(), r.op.c_str(), B, r.us, r.bytes, r.gbps, r.pct, r.speedup);
+          // replay: baseline time / replay time; verify: 4 baseline steps / one verify; none
+          // when the baseline did not run.
+          r.speedup = op == kBaseline ? 1.0
+                      : base_us == 0  ? -1.0
+                      : op == kReplay ? base_us / r.us
+                                      : kDraft * base_us / r.us;
+          char speedup[16] = "       -";
+          if (r.speedup >= 0) std::snprintf(speedup, sizeof speedup, "%7.2fx", r.speedup);
+          std::printf("%-4s %-5s %-9s %5d %-6s %10.2f %12.0f %9.1f %6.1f%% %s\n", r.gate.c_str(),
+                      r.state.c_str(), r.op.c_str(), B, r.kernel.c_str(), r.us, r.bytes, r.gbps,
+                      r.pct, speedup);
+          if (settings.verbose) std::printf("  %s\n", Describe(plan).c_str());
           std::fflush(stdout);
           results.push_back(r);
         }
@@ -334,17 +487,20 @@ int Kernels(const char* json_path) {
     }
     std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"copy_bandwidth_gbps\": %.1f,\n", prop.name,
                  copy_bw / 1e9);
-    std::fprintf(f, "  \"shape\": {\"H\": %d, \"HV\": %d, \"K\": %d, \"V\": %d, \"L\": %d, "
-                 "\"act\": \"bf16\", \"verify_T\": %d},\n  \"results\": [\n", kH, kHV, kK, kV, kL,
-                 kDraft);
+    std::fprintf(f,
+                 "  \"shape\": {\"H\": %d, \"HV\": %d, \"K\": %d, \"V\": %d, \"L\": %d, "
+                 "\"act\": \"bf16\", \"verify_T\": %d},\n  \"results\": [\n",
+                 kH, kHV, kK, kV, kL, kDraft);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
+      char speedup[16] = "null";
+      if (r.speedup >= 0) std::snprintf(speedup, sizeof speedup, "%.3f", r.speedup);
       std::fprintf(f,
                    "    {\"gate\": \"%s\", \"state\": \"%s\", \"op\": \"%s\", \"batch\": %d, "
-                   "\"us_per_step\": %.3f, \"bytes_per_step\": %.0f, \"gbps\": %.1f, "
-                   "\"pct_copy_bw\": %.1f, \"speedup_vs_baseline\": %.3f}%s\n",
-                   r.gate.c_str(), r.state.c_str(), r.op.c_str(), r.batch, r.us, r.bytes, r.gbps,
-                   r.pct, r.speedup, i + 1 < results.size() ? "," : "");
+                   "\"kernel\": \"%s\", \"us_per_step\": %.3f, \"bytes_per_step\": %.0f, "
+                   "\"gbps\": %.1f, \"pct_copy_bw\": %.1f, \"speedup_vs_baseline\": %s}%s\n",
+                   r.gate.c_str(), r.state.c_str(), r.op.c_str(), r.batch, r.kernel.c_str(), r.us,
+                   r.bytes, r.gbps, r.pct, speedup, i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);
@@ -355,14 +511,18 @@ int Kernels(const char* json_path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "kernels") != 0) {
+    Fail(argc < 2 ? "no command" : std::string("unknown command \"") + argv[1] + "\"");
+  }
   const char* json = nullptr;
-  std::string cmd = argc > 1 ? argv[1] : "";
   for (int i = 2; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+      json = argv[++i];
+    } else {
+      Fail(std::strcmp(argv[i], "--json") == 0
+               ? "--json: expected a path"
+               : std::string("unknown argument \"") + argv[i] + "\"");
+    }
   }
-  if (cmd != "kernels") {
-    std::fprintf(stderr, "usage: replayssm-bench kernels [--json PATH]\n");
-    return 2;
-  }
-  return Kernels(json);
+  return Kernels(json, FromEnvironment());
 }

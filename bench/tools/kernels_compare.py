@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compare `replayssm-bench kernels --json` runs, or print one run against the DESIGN §5 targets.
+"""Compare `replayssm-bench kernels --json` runs, or print one run against the kernel targets.
 
   bench/tools/kernels_compare.py A.json B.json [C.json ...]
       every case of A with its µs per step, and each other file's µs and change against A
@@ -7,7 +7,7 @@
       and pass them in that order; the spread between repetitions is the noise floor)
   bench/tools/kernels_compare.py --targets A.json
       per gate, state dtype and batch: baseline µs and % of copy bandwidth, replay µs, % and
-      speedup, verify speedup — the numbers the targets are stated in
+      speedup, verify speedup — the numbers the targets (docs/gpu.md) are stated in
 
 Standard library only.
 """

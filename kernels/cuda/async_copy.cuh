@@ -1,5 +1,5 @@
 // Shared-memory mbarriers and the bulk copy engine (cp.async.bulk, sm_90): the helpers of the
-// kernels that stage state in shared memory (bulk_kernel.cuh).
+// kernels that stage state in shared memory (bulk_step_kernel.cuh).
 #ifndef REPLAYSSM_KERNELS_CUDA_ASYNC_COPY_CUH_
 #define REPLAYSSM_KERNELS_CUDA_ASYNC_COPY_CUH_
 
@@ -37,8 +37,9 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes,
                                          uint64_t* bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
 __device__ __forceinline__ void FenceProxyAsync() {
@@ -53,8 +54,8 @@ __device__ __forceinline__ void BulkLoadStream(void* dst, const void* src, uint3
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], %4;"
-      ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(bar)), "l"(policy)
+      " [%0], [%1], %2, [%3], %4;" ::"r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar)), "l"(policy)
       : "memory");
 }
 

@@ -1,10 +1,13 @@
 // The CUDA backend of kernels/src/backend.h: maps the (already validated) C ABI arguments
-// onto kernel params, dispatches on the state dtype, launches on the caller's stream and
-// reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No synchronization,
-// except in SegmentDigests (a transfer-path call that hands its digests back to the host).
-// No step, fold or prefill call allocates (every kernel works in the caller's state pool and
-// shared memory); SegmentDigests allocates its digests and part pointers stream-ordered.
+// onto kernel params, plans the launch (plan.h), dispatches on the state dtype, launches on
+// the caller's stream and reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No
+// synchronization, except in SegmentDigests (a transfer-path call that hands its digests back to
+// the host). No step, fold or prefill call allocates (every kernel works in the caller's state pool
+// and shared memory); SegmentDigests allocates its digests and part pointers stream-ordered.
 #include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +16,86 @@
 
 namespace replayssm::kernels::cuda {
 namespace {
+
+// The current device's index and the limits the planner needs, read from the runtime once per
+// device (every layer of every step launches: no attribute queries on that path).
+struct DeviceFacts {
+  int id = 0;
+  DeviceLimits limits;
+};
+constexpr int kMaxDevices = 64;
+cudaError_t DeviceFactsOf(DeviceFacts* out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static DeviceFacts cache[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached && ready[dev].load(std::memory_order_acquire)) {
+    *out = cache[dev];
+    return cudaSuccess;
+  }
+  DeviceFacts d;
+  d.id = dev;
+  DeviceLimits& l = d.limits;
+  if ((e = cudaDeviceGetAttribute(&l.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                  dev)) != cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&l.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                  dev)) != cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&l.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) {
+    return e;
+  }
+  if (cached) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!ready[dev].load(std::memory_order_relaxed)) {  // never rewritten once readers may see it
+      cache[dev] = d;
+      ready[dev].store(true, std::memory_order_release);
+    }
+  }
+  *out = d;
+  return cudaSuccess;
+}
+
+// 16-byte aligned base and slot stride (a stride of 0: `dense` elements).
+bool Aligned16(const void* ptr, int64_t stride, int64_t dense, size_t elem) {
+  const int64_t s = stride != 0 ? stride : dense;
+  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0 && (s * int64_t(elem)) % 16 == 0;
+}
+
+LaunchProblem ProblemOf(const LayerDesc& ly, KernelOp op, int64_t batch, int num_draft,
+                        int32_t state_dtype) {
+  LaunchProblem pr;
+  pr.op = op;
+  pr.kda = ly.kda != 0;
+  pr.num_v_heads = ly.HV;
+  pr.head_k = ly.K;
+  pr.head_v = ly.V;
+  pr.ring_len = ly.L;
+  pr.state_bytes = state_dtype == RSSM_DTYPE_F32 ? 4 : 2;
+  pr.batch = batch;
+  pr.num_draft = num_draft;
+  const size_t sz = static_cast<size_t>(pr.state_bytes);
+  pr.checkpoint_aligned = Aligned16(ly.ckpt, ly.ckpt_stride, int64_t{ly.HV} * ly.V * ly.K, sz);
+  pr.ring_d_aligned = Aligned16(ly.ring_d, ly.d_stride, int64_t{ly.HV} * ly.L * ly.V, sz);
+  pr.ring_k_aligned = Aligned16(ly.ring_k, ly.k_stride, int64_t{ly.H} * ly.L * ly.K, sz);
+  pr.ring_g_aligned =
+      Aligned16(ly.ring_g, ly.g_stride, int64_t{ly.HV} * ly.L * (ly.kda ? ly.K : 1), 4);
+  return pr;
+}
+
+// The plan of `pr` on the current device, or the error that prevents one.
+cudaError_t PlanOn(const LaunchProblem& pr, const LaunchOverrides& overrides, int* device,
+                   LaunchPlan* plan) {
+  DeviceFacts dev;
+  const cudaError_t e = DeviceFactsOf(&dev);
+  if (e != cudaSuccess) return e;
+  const std::optional<LaunchPlan> planned = Plan(pr, dev.limits, overrides);
+  if (!planned) return cudaErrorInvalidConfiguration;
+  *device = dev.id;
+  *plan = *planned;
+  return cudaSuccess;
+}
 
 LayerDesc Describe(const rssm_layer_shape& s, const rssm_state_pool& pool) {
   LayerDesc ly{};
@@ -63,25 +146,37 @@ rssm_status Report(cudaError_t e, const char* what) {
 
 cudaStream_t StreamOf(const rssm_launch& l) { return static_cast<cudaStream_t>(l.stream); }
 
-cudaError_t Step(const StepParams& p, int32_t state, cudaStream_t stream) {
+cudaError_t Step(const StepParams& p, KernelOp op, int32_t state, cudaStream_t stream,
+                 const LaunchOverrides& overrides, LaunchPlan* used) {
+  LaunchPlan plan;
+  int device = 0;
+  const cudaError_t e =
+      PlanOn(ProblemOf(p.ly, op, p.batch, p.num_draft, state), overrides, &device, &plan);
+  if (e != cudaSuccess) return e;
+  if (used != nullptr) *used = plan;
   switch (state) {
-    case RSSM_DTYPE_F32: return LaunchStepF32(p, stream);
-    case RSSM_DTYPE_BF16: return LaunchStepBf16(p, stream);
-    case RSSM_DTYPE_F16: return LaunchStepF16(p, stream);
+    case RSSM_DTYPE_F32: return LaunchStepF32(plan, device, p, stream);
+    case RSSM_DTYPE_BF16: return LaunchStepBf16(plan, device, p, stream);
+    case RSSM_DTYPE_F16: return LaunchStepF16(plan, device, p, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-cudaError_t PrefillOrFold(const PrefillParams& p, int32_t state, cudaStream_t stream) {
+cudaError_t PrefillOrFold(const PrefillParams& p, KernelOp op, int32_t state, cudaStream_t stream) {
+  LaunchPlan plan;
+  int device = 0;
+  const cudaError_t e = PlanOn(ProblemOf(p.ly, op, p.batch, 1, state), {}, &device, &plan);
+  if (e != cudaSuccess) return e;
   switch (state) {
-    case RSSM_DTYPE_F32: return LaunchPrefillF32(p, stream);
-    case RSSM_DTYPE_BF16: return LaunchPrefillBf16(p, stream);
-    case RSSM_DTYPE_F16: return LaunchPrefillF16(p, stream);
+    case RSSM_DTYPE_F32: return LaunchPrefillF32(plan, device, p, stream);
+    case RSSM_DTYPE_BF16: return LaunchPrefillBf16(plan, device, p, stream);
+    case RSSM_DTYPE_F16: return LaunchPrefillF16(plan, device, p, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-rssm_status Decode(const rssm_decode_args& a, int mode, const char* what) {
+rssm_status Decode(const rssm_decode_args& a, int mode, const char* what,
+                   const LaunchOverrides& overrides, LaunchPlan* plan) {
   if (a.batch == 0) return RSSM_OK;
   StepParams p{};
   p.ly = Describe(a.shape, a.pool);
@@ -93,7 +188,8 @@ rssm_status Decode(const rssm_decode_args& a, int mode, const char* what) {
   p.slot_idx = a.slot_idx;
   p.write_pos = mode == kModeBaseline ? nullptr : a.write_pos;
   p.force_fold = mode == kModeBaseline ? nullptr : a.force_fold;
-  return Report(Step(p, a.shape.state_dtype, StreamOf(a.launch)), what);
+  const KernelOp op = mode == kModeBaseline ? KernelOp::kBaseline : KernelOp::kReplay;
+  return Report(Step(p, op, a.shape.state_dtype, StreamOf(a.launch), overrides, plan), what);
 }
 
 }  // namespace
@@ -103,15 +199,17 @@ bool Available() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-rssm_status ReplayDecode(const rssm_decode_args& args) {
-  return Decode(args, kModeReplay, "replay decode launch");
+rssm_status ReplayDecode(const rssm_decode_args& args, const LaunchOverrides& overrides,
+                         LaunchPlan* plan) {
+  return Decode(args, kModeReplay, "replay decode launch", overrides, plan);
 }
 
-rssm_status BaselineDecode(const rssm_decode_args& args) {
-  return Decode(args, kModeBaseline, "baseline decode launch");
+rssm_status BaselineDecode(const rssm_decode_args& args, const LaunchOverrides& overrides,
+                           LaunchPlan* plan) {
+  return Decode(args, kModeBaseline, "baseline decode launch", overrides, plan);
 }
 
-rssm_status Verify(const rssm_verify_args& a) {
+rssm_status Verify(const rssm_verify_args& a, const LaunchOverrides& overrides, LaunchPlan* plan) {
   if (a.batch == 0) return RSSM_OK;
   StepParams p{};
   p.ly = Describe(a.shape, a.pool);
@@ -122,7 +220,9 @@ rssm_status Verify(const rssm_verify_args& a) {
   p.mode = kModeVerify;
   p.slot_idx = a.slot_idx;
   p.write_pos = a.write_pos;
-  return Report(Step(p, a.shape.state_dtype, StreamOf(a.launch)), "verify launch");
+  return Report(
+      Step(p, KernelOp::kVerify, a.shape.state_dtype, StreamOf(a.launch), overrides, plan),
+      "verify launch");
 }
 
 rssm_status Fold(const rssm_fold_args& a) {
@@ -133,7 +233,8 @@ rssm_status Fold(const rssm_fold_args& a) {
   p.fold_only = 1;
   p.slot_idx = a.slot_idx;
   p.write_pos = a.write_pos;
-  return Report(PrefillOrFold(p, a.shape.state_dtype, StreamOf(a.launch)), "fold launch");
+  return Report(PrefillOrFold(p, KernelOp::kFold, a.shape.state_dtype, StreamOf(a.launch)),
+                "fold launch");
 }
 
 rssm_status Prefill(const rssm_prefill_args& a) {
@@ -147,7 +248,8 @@ rssm_status Prefill(const rssm_prefill_args& a) {
   p.cu_seqlens = a.cu_seqlens;
   p.initial = a.initial;
   p.write_pos = a.write_pos;
-  return Report(PrefillOrFold(p, a.shape.state_dtype, StreamOf(a.launch)), "prefill launch");
+  return Report(PrefillOrFold(p, KernelOp::kPrefill, a.shape.state_dtype, StreamOf(a.launch)),
+                "prefill launch");
 }
 
 // Not a decode step: it synchronizes the stream to hand the digests back (kernels.h). The
@@ -163,8 +265,8 @@ rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, 
   const size_t segments = (bytes + segment_bytes - 1) / segment_bytes;
   std::vector<uint64_t> host(segments);
   void* block = nullptr;
-  cudaError_t e = cudaMallocAsync(&block, segments * sizeof(uint64_t) + count * sizeof(void*),
-                                  stream);
+  cudaError_t e =
+      cudaMallocAsync(&block, segments * sizeof(uint64_t) + count * sizeof(void*), stream);
   if (e != cudaSuccess) return Report(e, "segment digests: device memory");
   auto* dev_digests = static_cast<uint64_t*>(block);
   auto* dev_parts = reinterpret_cast<const uint8_t**>(dev_digests + segments);

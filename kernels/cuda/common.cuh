@@ -9,11 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-// Threads per CTA of every kernel (128 or 256). 256 (v4): each CTA covers twice the state
-// rows, so the per-CTA chain (token, records, weights, record dots) is paid once per 2x bytes.
-#ifndef RSSM_CTA_THREADS
-#define RSSM_CTA_THREADS 256
-#endif
+#include "layout.h"
 
 namespace replayssm::kernels::cuda {
 
@@ -25,17 +21,23 @@ __device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
 template <typename T>
 __device__ __forceinline__ T FromF(float x);
 template <>
-__device__ __forceinline__ float FromF<float>(float x) { return x; }
+__device__ __forceinline__ float FromF<float>(float x) {
+  return x;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 template <>
-__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half FromF<__half>(float x) {
+  return __float2half_rn(x);
+}
 
 // x rounded to T and back: what a stored value reads as.
 template <typename T>
-__device__ __forceinline__ float RoundTo(float x) { return ToF(FromF<T>(x)); }
+__device__ __forceinline__ float RoundTo(float x) {
+  return ToF(FromF<T>(x));
+}
 
 // Activation dtypes are a runtime switch (activations are a few hundred bytes per head).
 enum ActDtype : int { kActF32 = 0, kActBf16 = 1, kActF16 = 2 };
@@ -138,7 +140,7 @@ __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)
 // per pass and a thread R rows, so R * CPL 16-byte loads per thread are in flight at once.
 template <typename T, int KMAX>
 struct TileCfg {
-  static constexpr int kThreads = RSSM_CTA_THREADS;
+  static constexpr int kThreads = kTiledThreads;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int E = 16 / sizeof(T);
   static constexpr int NCH = KMAX / E;
@@ -147,6 +149,7 @@ struct TileCfg {
   static constexpr int RPW = 32 / G;
   static constexpr int R = CPL >= 8 ? 1 : 8 / CPL;
   static constexpr int VT = R * kWarps * RPW;
+  static_assert(VT == TiledTileRows(sizeof(T), KMAX), "the planner's tile rows (layout.h)");
   // Row of the tile held in slot i by warp `warp`, lane `lane`.
   static __device__ __forceinline__ int Row(int i, int warp, int lane) {
     return (i * kWarps + warp) * RPW + lane / G;

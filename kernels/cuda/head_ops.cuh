@@ -1,6 +1,6 @@
-// Block-level pieces of one (row, v-head, V-tile) CTA shared by the step and prefill kernels:
-// loading records and tokens into shared memory, the weights W_j ∘ k_j and A (same order as
-// the CPU reference, head_math.h), and the u/p dot products.
+// Block-level pieces of one (row, v-head, V-tile) CTA shared by the tiled step and prefill
+// kernels: loading records and tokens into shared memory, the weights W_j ∘ k_j and A (same
+// order as the CPU reference, head_math.h), and the u/p dot products.
 #ifndef REPLAYSSM_KERNELS_CUDA_HEAD_OPS_CUH_
 #define REPLAYSSM_KERNELS_CUDA_HEAD_OPS_CUH_
 
@@ -9,20 +9,15 @@
 
 namespace replayssm::kernels::cuda {
 
-constexpr int kThreads = RSSM_CTA_THREADS;
+constexpr int kThreads = kTiledThreads;
 constexpr int kWarps = kThreads / 32;
-// CTAs per SM the step kernel is register-budgeted for: the step is latency-bound, so more
-// resident CTAs keep more S0 bytes in flight (NOTES.md).
-// (6 x 128 or 3 x 256 threads: 80 registers; verify 3 x 128 or 2 x 256: 128 registers.)
-#ifndef RSSM_STEP_MIN_BLOCKS
-#define RSSM_STEP_MIN_BLOCKS (768 / RSSM_CTA_THREADS)
-#endif
-constexpr int kStepMinBlocks = RSSM_STEP_MIN_BLOCKS;
-constexpr int kVerifyMinBlocks = RSSM_CTA_THREADS == 128 ? 3 : 2;
+// CTAs per SM the tiled step kernel's registers are budgeted for (decode 3 x 256 threads: 85
+// registers; verify 2 x 256: 128): more resident CTAs keep more S0 bytes in flight.
+constexpr int kStepMinBlocks = 3;
+constexpr int kVerifyMinBlocks = 2;
 
-// Records 0..w-1 of (slot, h) into shared memory: k [w, K], g [w, Kg], d [w, VT] (tile rows).
-// Copies n elements global -> shared (fp32), kU loads in flight per thread before the first
-// store: a load cannot pass an earlier shared store through a generic pointer, so a plain
+// Copies n elements global -> shared (fp32), kLoadBatch loads in flight per thread before the
+// first store: a load cannot pass an earlier shared store through a generic pointer, so a plain
 // load/store loop would pay one memory round trip per iteration.
 constexpr int kLoadBatch = 8;
 template <typename T>
@@ -42,6 +37,7 @@ __device__ __forceinline__ void CopyToSmem(float* dst, const T* src, int n) {
   }
 }
 
+// Records 0..w-1 of (slot, h) into shared memory: k [w, K], g [w, Kg], d [w, VT] (tile rows).
 template <typename T>
 __device__ __forceinline__ void LoadRecords(const LayerDesc& ly, const SmemLayout& sm, float* s,
                                             int64_t slot, int h, int w, int v0, int VT) {
@@ -73,7 +69,7 @@ __device__ __forceinline__ void LoadRecords(const LayerDesc& ly, const SmemLayou
 }
 
 // Token n for v-head h into draft slot t: q, k raw; v of the tile rows; g (into gext row P);
-// beta. Normalization follows in NormalizeToken after a barrier.
+// beta. Normalization follows in NormalizeTokens after a barrier.
 __device__ __forceinline__ void LoadToken(const LayerDesc& ly, const SmemLayout& sm, float* s,
                                           int64_t n, int h, int t, int P, int v0, int VT) {
   // Every load first, then the stores (K <= 2 * kThreads, VT <= kThreads): one round trip.
@@ -124,7 +120,7 @@ __device__ __forceinline__ void LoadToken(const LayerDesc& ly, const SmemLayout&
   }
 }
 
-// Dot of two shared-memory vectors by one warp, 4 interleaved partials per lane.
+// Dot of two shared-memory vectors by one warp (a partial per lane, then a butterfly).
 __device__ __forceinline__ float WarpDot(const float* x, const float* y, int n, int lane) {
   float acc = 0.f;
   for (int c = lane; c < n; c += 32) acc += x[c] * y[c];
@@ -134,8 +130,8 @@ __device__ __forceinline__ float WarpDot(const float* x, const float* y, int n, 
 // Normalizes q, k of draft slots 0..nt-1 in place (q scaled), computes kq = k·q, and stores the
 // k as the record will hold it into kext row P0 + t. Two barriers inside.
 template <typename T>
-__device__ __forceinline__ void NormalizeTokens(const LayerDesc& ly, const SmemLayout& sm,
-                                                float* s, int nt, int P0) {
+__device__ __forceinline__ void NormalizeTokens(const LayerDesc& ly, const SmemLayout& sm, float* s,
+                                                int nt, int P0) {
   const int K = ly.K;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (ly.l2norm) {
@@ -172,8 +168,8 @@ __device__ __forceinline__ void NormalizeTokens(const LayerDesc& ly, const SmemL
 // Weights of a token at position P (current decay = gext row P, or zero when gcur_zero) after
 // records 0..P-1: kw[j] = W_j ∘ k_j, A; then ka/qa of slot t = A∘k, A∘q (skipped when
 // with_token is false). Thread per key channel; the order is the CPU reference's.
-__device__ __forceinline__ void Weights(const LayerDesc& ly, const SmemLayout& sm, float* s,
-                                        int P, int t, bool gcur_zero, bool with_token) {
+__device__ __forceinline__ void Weights(const LayerDesc& ly, const SmemLayout& sm, float* s, int P,
+                                        int t, bool gcur_zero, bool with_token) {
   const int K = ly.K;
   const bool kda = ly.kda;
   for (int c = threadIdx.x; c < K; c += kThreads) {

@@ -4,11 +4,13 @@
 
 namespace replayssm::kernels::cuda {
 
-cudaError_t LaunchStepBf16(StepParams p, cudaStream_t stream) {
-  return LaunchStepFor<__nv_bfloat16>(p, stream);
+cudaError_t LaunchStepBf16(const LaunchPlan& plan, int device, const StepParams& p,
+                           cudaStream_t stream) {
+  return LaunchStepFor<__nv_bfloat16>(plan, device, p, stream);
 }
-cudaError_t LaunchPrefillBf16(PrefillParams p, cudaStream_t stream) {
-  return LaunchPrefillFor<__nv_bfloat16>(p, stream);
+cudaError_t LaunchPrefillBf16(const LaunchPlan& plan, int device, const PrefillParams& p,
+                              cudaStream_t stream) {
+  return LaunchPrefillFor<__nv_bfloat16>(plan, device, p, stream);
 }
 
 }  // namespace replayssm::kernels::cuda

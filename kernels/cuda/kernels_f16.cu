@@ -4,11 +4,13 @@
 
 namespace replayssm::kernels::cuda {
 
-cudaError_t LaunchStepF16(StepParams p, cudaStream_t stream) {
-  return LaunchStepFor<__half>(p, stream);
+cudaError_t LaunchStepF16(const LaunchPlan& plan, int device, const StepParams& p,
+                          cudaStream_t stream) {
+  return LaunchStepFor<__half>(plan, device, p, stream);
 }
-cudaError_t LaunchPrefillF16(PrefillParams p, cudaStream_t stream) {
-  return LaunchPrefillFor<__half>(p, stream);
+cudaError_t LaunchPrefillF16(const LaunchPlan& plan, int device, const PrefillParams& p,
+                             cudaStream_t stream) {
+  return LaunchPrefillFor<__half>(plan, device, p, stream);
 }
 
 }  // namespace replayssm::kernels::cuda

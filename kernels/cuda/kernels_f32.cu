@@ -4,11 +4,13 @@
 
 namespace replayssm::kernels::cuda {
 
-cudaError_t LaunchStepF32(StepParams p, cudaStream_t stream) {
-  return LaunchStepFor<float>(p, stream);
+cudaError_t LaunchStepF32(const LaunchPlan& plan, int device, const StepParams& p,
+                          cudaStream_t stream) {
+  return LaunchStepFor<float>(plan, device, p, stream);
 }
-cudaError_t LaunchPrefillF32(PrefillParams p, cudaStream_t stream) {
-  return LaunchPrefillFor<float>(p, stream);
+cudaError_t LaunchPrefillF32(const LaunchPlan& plan, int device, const PrefillParams& p,
+                             cudaStream_t stream) {
+  return LaunchPrefillFor<float>(plan, device, p, stream);
 }
 
 }  // namespace replayssm::kernels::cuda

@@ -1,6 +1,7 @@
 // Parameter structs of the CUDA kernels (plain pointers, dims, strides; passed by value as
-// __grid_constant__) and the host launchers' declarations. See step_kernel.cuh (replay,
-// baseline, verify) and prefill_kernel.cuh (prefill, fold) for what each field means.
+// __grid_constant__) and the host launchers' declarations. See tiled_step_kernel.cuh and
+// bulk_step_kernel.cuh (replay, baseline, verify) and prefill_kernel.cuh (prefill, fold) for
+// what each field means.
 #ifndef REPLAYSSM_KERNELS_CUDA_PARAMS_H_
 #define REPLAYSSM_KERNELS_CUDA_PARAMS_H_
 
@@ -8,48 +9,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-namespace replayssm::kernels::cuda {
+#include "layout.h"
+#include "plan.h"
 
-// Offsets (in floats, each a multiple of 4) of the shared-memory arrays of one CTA.
-struct SmemLayout {
-  int kext;   // [(L+1), K]  records' k as stored, then the chunk's drafts' k (rounded)
-  int gext;   // [(L+1), Kg] records' g, then the drafts' g (Kg = K for KDA, 1 for GDN)
-  int kw;     // [L, K]      W_j ∘ k_j for the current token
-  int dext;   // [(L+1), VT] records' d for the tile rows, then the drafts' d (rounded)
-  int qs, ks, ka, qa;  // [TC, K] q, k (normalized, q scaled); A∘k, A∘q
-  int avec;   // [K]         A of the last token (fold)
-  int vs;     // [TC, VT]    v of the tile rows
-  int u, pp;  // [TC, L+1]   (W_j∘k_j)·k, (W_j∘k_j)·q
-  int skq;    // [TC, VT, 2] S0 contractions
-  int dcur;   // [VT]        d of the last token, unrounded (fold)
-  int beta, kq, norm;  // [TC], [TC], [TC, 2]
-  int total;  // floats
-  __host__ __device__ static int Up4(int x) { return (x + 3) & ~3; }
-  __host__ __device__ static SmemLayout Make(int K, int L, int VT, int TC, bool kda) {
-    SmemLayout s;
-    int o = 0;
-    auto take = [&o](int n) { const int at = o; o += Up4(n); return at; };
-    s.kext = take((L + 1) * K);
-    s.gext = take((L + 1) * (kda ? K : 1));
-    s.kw = take(L * K);
-    s.dext = take((L + 1) * VT);
-    s.qs = take(TC * K);
-    s.ks = take(TC * K);
-    s.ka = take(TC * K);
-    s.qa = take(TC * K);
-    s.avec = take(K);
-    s.vs = take(TC * VT);
-    s.u = take(TC * (L + 1));
-    s.pp = take(TC * (L + 1));
-    s.skq = take(TC * VT * 2);
-    s.dcur = take(VT);
-    s.beta = take(TC);
-    s.kq = take(TC);
-    s.norm = take(2 * TC);
-    s.total = o;
-    return s;
-  }
-};
+namespace replayssm::kernels::cuda {
 
 // What the layer looks like (shared by every kernel).
 struct LayerDesc {
@@ -63,15 +26,13 @@ struct LayerDesc {
   void* ring_k;          // [S, H, L, K]
   float* ring_g;         // [S, HV, L] or [S, HV, L, K]
   int64_t num_slots, ckpt_stride, d_stride, k_stride, g_stride;
-  const void* qkv;       // [N, 2HK + HV V]
-  const void* a;         // [N, HV] or [N, HV, K]
-  const void* b;         // [N, HV]
+  const void* qkv;  // [N, 2HK + HV V]
+  const void* a;    // [N, HV] or [N, HV, K]
+  const void* b;    // [N, HV]
   int64_t qkv_stride, a_stride, b_stride;
-  void* o;               // [N, HV, V] act dtype, or null (prefill only)
+  void* o;  // [N, HV, V] act dtype, or null (prefill only)
   int64_t o_stride;
 };
-
-enum StepMode : int32_t { kModeReplay = 0, kModeBaseline = 1, kModeVerify = 2 };
 
 struct StepParams {
   LayerDesc ly;
@@ -97,18 +58,21 @@ struct PrefillParams {
   SmemLayout sm;
 };
 
-// Launchers: plan the grid, launch on `stream`, return the launch status. state_dtype is the
-// rssm_dtype of the state; kmax the register tile width (128 or 256).
-cudaError_t LaunchStep(StepParams p, int state_dtype, cudaStream_t stream);
-cudaError_t LaunchPrefill(PrefillParams p, int state_dtype, cudaStream_t stream);
-
-// Per-state-dtype entry points (explicit instantiations live in step_<dtype>.cu).
-cudaError_t LaunchStepF32(StepParams p, cudaStream_t stream);
-cudaError_t LaunchStepBf16(StepParams p, cudaStream_t stream);
-cudaError_t LaunchStepF16(StepParams p, cudaStream_t stream);
-cudaError_t LaunchPrefillF32(PrefillParams p, cudaStream_t stream);
-cudaError_t LaunchPrefillBf16(PrefillParams p, cudaStream_t stream);
-cudaError_t LaunchPrefillF16(PrefillParams p, cudaStream_t stream);
+// Launchers, one per state dtype (explicit instantiations in kernels_<dtype>.cu): launch what
+// `plan` (Plan(), plan.h) says for `p` on `stream`, on the current device (`device`, its index),
+// and return the launch status.
+cudaError_t LaunchStepF32(const LaunchPlan& plan, int device, const StepParams& p,
+                          cudaStream_t stream);
+cudaError_t LaunchStepBf16(const LaunchPlan& plan, int device, const StepParams& p,
+                           cudaStream_t stream);
+cudaError_t LaunchStepF16(const LaunchPlan& plan, int device, const StepParams& p,
+                          cudaStream_t stream);
+cudaError_t LaunchPrefillF32(const LaunchPlan& plan, int device, const PrefillParams& p,
+                             cudaStream_t stream);
+cudaError_t LaunchPrefillBf16(const LaunchPlan& plan, int device, const PrefillParams& p,
+                              cudaStream_t stream);
+cudaError_t LaunchPrefillF16(const LaunchPlan& plan, int device, const PrefillParams& p,
+                             cudaStream_t stream);
 
 // rssm_segment_digests_parts (checksum.cu; rssm_segment_digests is count 1): the payload is
 // parts[0] | parts[1] | ... (part_bytes each); segment i is payload bytes [i * segment_bytes,
@@ -116,11 +80,11 @@ cudaError_t LaunchPrefillF16(PrefillParams p, cudaStream_t stream);
 struct SegmentDigestParams {
   const uint8_t* const* parts;  // [count] device memory: the parts' device pointers, each
                                 // 16-byte aligned
-  size_t count;          // >= 1
-  size_t part_bytes;     // > 0; a multiple of 16 when count > 1
-  size_t bytes;          // count * part_bytes
-  size_t segment_bytes;  // a positive multiple of 64
-  uint64_t* digests;     // [ceil(bytes / segment_bytes)], device memory
+  size_t count;                 // >= 1
+  size_t part_bytes;            // > 0; a multiple of 16 when count > 1
+  size_t bytes;                 // count * part_bytes
+  size_t segment_bytes;         // a positive multiple of 64
+  uint64_t* digests;            // [ceil(bytes / segment_bytes)], device memory
 };
 // One CTA per segment; no synchronization.
 cudaError_t LaunchSegmentDigests(const SegmentDigestParams& p, cudaStream_t stream);

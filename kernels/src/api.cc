@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "backend.h"
+#include "launch_overrides.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::kernels {
@@ -28,6 +29,12 @@ class Check {
     ok_ = false;
     SetLastError(std::string(function_) + ": " + field + ": expected " + expected + ", got " +
                  got);
+  }
+  // Records "<detail>" (already "field: expected ..., got ...") unless a failure is recorded.
+  void Fail(const std::string& detail) {
+    if (!ok_) return;
+    ok_ = false;
+    SetLastError(std::string(function_) + ": " + detail);
   }
   void NotNull(const void* p, const std::string& field) {
     if (p == nullptr) Fail(field, "a non-null pointer", "NULL");
@@ -153,6 +160,17 @@ void CheckCursors(Check& c, const int32_t* slot_idx, const int32_t* write_pos, i
   }
 }
 
+// Launch overrides (launch_overrides.h; null on the C ABI) run on the CUDA kernels only.
+void CheckOverrides(Check& c, const rssm_launch& l, const cuda::LaunchOverrides* overrides) {
+  if (overrides == nullptr) return;
+  if (l.backend != RSSM_BACKEND_CUDA) {
+    c.Fail("launch.backend", "RSSM_BACKEND_CUDA (1) with launch overrides",
+           std::to_string(l.backend));
+  }
+  const std::string bad = cuda::CheckOverrides(*overrides);
+  if (!bad.empty()) c.Fail("overrides." + bad);
+}
+
 bool IsCpu(const rssm_launch& l) { return l.backend == RSSM_BACKEND_CPU; }
 
 rssm_status Finish(const Check& c) {
@@ -160,7 +178,9 @@ rssm_status Finish(const Check& c) {
   return c.status();
 }
 
-rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn) {
+// The decode calls; `overrides` and `plan` as in launch_overrides.h (null on the C ABI).
+rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn,
+                   const cuda::LaunchOverrides* overrides, cuda::LaunchPlan* plan) {
   Check c(fn);
   if (in == nullptr) {
     c.Fail("args", "a non-null pointer", "NULL");
@@ -168,6 +188,7 @@ rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn) {
   }
   rssm_decode_args a = *in;
   CheckLaunch(c, a.launch);
+  CheckOverrides(c, a.launch, overrides);
   CheckShape(c, a.shape);
   if (!c.ok()) return Finish(c);
   CheckParams(c, a.params);
@@ -185,7 +206,42 @@ rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn) {
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
   if (IsCpu(a.launch)) return baseline ? cpu::BaselineDecode(a) : cpu::ReplayDecode(a);
-  return baseline ? cuda::BaselineDecode(a) : cuda::ReplayDecode(a);
+  const cuda::LaunchOverrides ov = overrides != nullptr ? *overrides : cuda::LaunchOverrides{};
+  return baseline ? cuda::BaselineDecode(a, ov, plan) : cuda::ReplayDecode(a, ov, plan);
+}
+
+// The verify call, as Decode.
+rssm_status Verify(const rssm_verify_args* in, const char* fn,
+                   const cuda::LaunchOverrides* overrides, cuda::LaunchPlan* plan) {
+  Check c(fn);
+  if (in == nullptr) {
+    c.Fail("args", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  rssm_verify_args a = *in;
+  CheckLaunch(c, a.launch);
+  CheckOverrides(c, a.launch, overrides);
+  CheckShape(c, a.shape);
+  if (!c.ok()) return Finish(c);
+  CheckParams(c, a.params);
+  CheckPool(c, a.pool, a.shape, true);
+  c.Range(a.num_draft, 1, a.shape.ring_len, "num_draft (T, at most ring_len)");
+  c.Range(a.batch, 0, 1 << 24, "batch");
+  if (!c.ok() || a.batch == 0) return Finish(c);
+  c.NotNull(a.slot_idx, "slot_idx");
+  c.NotNull(a.write_pos, "write_pos");
+  CheckInputs(c, a.in, a.shape);
+  CheckOutputs(c, a.out, a.shape, false);
+  if (c.ok() && IsCpu(a.launch)) {
+    CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
+    CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len - a.num_draft,
+                 "room for T drafts: w + T <= L, w in");
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  if (IsCpu(a.launch)) return cpu::Verify(a);
+  const cuda::LaunchOverrides ov = overrides != nullptr ? *overrides : cuda::LaunchOverrides{};
+  return cuda::Verify(a, ov, plan);
 }
 
 // What both digest calls check first: the launch (a NULL one ends the checks) and
@@ -231,6 +287,21 @@ rssm_status RunSegmentDigests(const rssm_launch& l, const void* const* parts, si
 
 void SetLastError(std::string message) { g_last_error = std::move(message); }
 
+rssm_status ReplayDecodeWith(const rssm_decode_args* args, const cuda::LaunchOverrides& overrides,
+                             cuda::LaunchPlan* plan) {
+  return Decode(args, false, "ReplayDecodeWith", &overrides, plan);
+}
+
+rssm_status BaselineDecodeWith(const rssm_decode_args* args,
+                               const cuda::LaunchOverrides& overrides, cuda::LaunchPlan* plan) {
+  return Decode(args, true, "BaselineDecodeWith", &overrides, plan);
+}
+
+rssm_status VerifyWith(const rssm_verify_args* args, const cuda::LaunchOverrides& overrides,
+                       cuda::LaunchPlan* plan) {
+  return Verify(args, "VerifyWith", &overrides, plan);
+}
+
 }  // namespace replayssm::kernels
 
 using namespace replayssm::kernels;  // NOLINT: the C ABI below is a thin shell
@@ -238,11 +309,11 @@ using namespace replayssm::kernels;  // NOLINT: the C ABI below is a thin shell
 extern "C" {
 
 rssm_status rssm_replay_decode(const rssm_decode_args* args) {
-  return Decode(args, false, "rssm_replay_decode");
+  return Decode(args, false, "rssm_replay_decode", nullptr, nullptr);
 }
 
 rssm_status rssm_baseline_decode(const rssm_decode_args* args) {
-  return Decode(args, true, "rssm_baseline_decode");
+  return Decode(args, true, "rssm_baseline_decode", nullptr, nullptr);
 }
 
 rssm_status rssm_fold(const rssm_fold_args* in) {
@@ -306,33 +377,8 @@ rssm_status rssm_prefill(const rssm_prefill_args* in) {
   return IsCpu(a.launch) ? cpu::Prefill(a) : cuda::Prefill(a);
 }
 
-rssm_status rssm_verify(const rssm_verify_args* in) {
-  Check c("rssm_verify");
-  if (in == nullptr) {
-    c.Fail("args", "a non-null pointer", "NULL");
-    return Finish(c);
-  }
-  rssm_verify_args a = *in;
-  CheckLaunch(c, a.launch);
-  CheckShape(c, a.shape);
-  if (!c.ok()) return Finish(c);
-  CheckParams(c, a.params);
-  CheckPool(c, a.pool, a.shape, true);
-  c.Range(a.num_draft, 1, a.shape.ring_len, "num_draft (T, at most ring_len)");
-  c.Range(a.batch, 0, 1 << 24, "batch");
-  if (!c.ok() || a.batch == 0) return Finish(c);
-  c.NotNull(a.slot_idx, "slot_idx");
-  c.NotNull(a.write_pos, "write_pos");
-  CheckInputs(c, a.in, a.shape);
-  CheckOutputs(c, a.out, a.shape, false);
-  if (c.ok() && IsCpu(a.launch)) {
-    CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
-    CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len - a.num_draft,
-                 "room for T drafts: w + T <= L, w in");
-  }
-  if (!c.ok()) return Finish(c);
-  g_last_error.clear();
-  return IsCpu(a.launch) ? cpu::Verify(a) : cuda::Verify(a);
+rssm_status rssm_verify(const rssm_verify_args* args) {
+  return Verify(args, "rssm_verify", nullptr, nullptr);
 }
 
 rssm_status rssm_segment_digests(const rssm_launch* launch, const void* data, size_t bytes,
@@ -455,11 +501,17 @@ rssm_status NotBuilt() {
 }
 }  // namespace
 bool Available() { return false; }
-rssm_status ReplayDecode(const rssm_decode_args&) { return NotBuilt(); }
-rssm_status BaselineDecode(const rssm_decode_args&) { return NotBuilt(); }
+rssm_status ReplayDecode(const rssm_decode_args&, const LaunchOverrides&, LaunchPlan*) {
+  return NotBuilt();
+}
+rssm_status BaselineDecode(const rssm_decode_args&, const LaunchOverrides&, LaunchPlan*) {
+  return NotBuilt();
+}
 rssm_status Fold(const rssm_fold_args&) { return NotBuilt(); }
 rssm_status Prefill(const rssm_prefill_args&) { return NotBuilt(); }
-rssm_status Verify(const rssm_verify_args&) { return NotBuilt(); }
+rssm_status Verify(const rssm_verify_args&, const LaunchOverrides&, LaunchPlan*) {
+  return NotBuilt();
+}
 rssm_status SegmentDigests(const rssm_launch&, const void* const*, size_t, size_t, size_t,
                            uint64_t*) {
   return NotBuilt();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../cuda/plan.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::kernels {
@@ -29,13 +30,18 @@ rssm_status SegmentDigests(const void* const* parts, size_t count, size_t part_b
 
 namespace cuda {
 // Defined in kernels/cuda/ when built with REPLAYSSM_WITH_CUDA; otherwise stubs in api.cc
-// answer RSSM_ERR_UNSUPPORTED.
+// answer RSSM_ERR_UNSUPPORTED. Every launch is planned by Plan() (cuda/plan.h) with
+// `overrides` (checked by the caller: none on the serving path); the step calls write the
+// launch that ran to *plan when plan is not null.
 bool Available();
-rssm_status ReplayDecode(const rssm_decode_args& args);
-rssm_status BaselineDecode(const rssm_decode_args& args);
+rssm_status ReplayDecode(const rssm_decode_args& args, const LaunchOverrides& overrides,
+                         LaunchPlan* plan);
+rssm_status BaselineDecode(const rssm_decode_args& args, const LaunchOverrides& overrides,
+                           LaunchPlan* plan);
 rssm_status Fold(const rssm_fold_args& args);
 rssm_status Prefill(const rssm_prefill_args& args);
-rssm_status Verify(const rssm_verify_args& args);
+rssm_status Verify(const rssm_verify_args& args, const LaunchOverrides& overrides,
+                   LaunchPlan* plan);
 // As cpu::SegmentDigests; synchronizes launch.stream to copy the digests back
 // (kernels/cuda/checksum.cu).
 rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, size_t count,

@@ -2,7 +2,7 @@
 // through rssm_* with RSSM_BACKEND_CPU on a host pool and RSSM_BACKEND_CUDA on a device copy
 // of it; outputs (poisoned with NaN first, so an unwritten element fails) and the whole pool
 // (checkpoints and rings, NaN where nothing was ever written) must agree within the harness's
-// dtype-based tolerances. Needs a GPU: run on the device machine.
+// dtype-based tolerances. Needs a GPU: registered under the ctest label `gpu` (docs/gpu.md).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "replayssm/checksum_v2.h"
+#include "src/launch_overrides.h"
 #include "tests/harness.h"
 
 namespace replayssm::kernels::testing {
@@ -110,7 +111,9 @@ struct DevLayer {
 // Device copies of a batch's activations.
 struct DevTokens {
   explicit DevTokens(const Tokens& t) : qkv(ToDevice(t.qkv)), a(ToDevice(t.a)), b(ToDevice(t.b)) {}
-  rssm_token_inputs Inputs() const { return rssm_token_inputs{qkv.get(), a.get(), b.get(), 0, 0, 0}; }
+  rssm_token_inputs Inputs() const {
+    return rssm_token_inputs{qkv.get(), a.get(), b.get(), 0, 0, 0};
+  }
   DevBuf qkv, a, b;
 };
 
@@ -166,7 +169,8 @@ void ComparePools(Layer& host, DevLayer& dev, const std::string& what) {
   dev.UploadFrom(host);
 }
 
-void CompareOutputs(const Buffer& got, const Buffer& ref, const Config& c, const std::string& what) {
+void CompareOutputs(const Buffer& got, const Buffer& ref, const Config& c,
+                    const std::string& what) {
   for (int64_t i = 0; i < got.size(); ++i) {
     if (std::isnan(got.Get(i))) {
       ADD_FAILURE() << what << ": output element " << i << " not written";
@@ -183,7 +187,9 @@ struct Request {
 
 // One configuration: >= 3L + 2 replay steps with advancing cursors, forced folds and padding
 // rows; then fold of some rows, verify of T drafts, and a prefill (some rows from their slot).
-void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1) {
+// With `forced`, replay and verify run on that step kernel (launch_overrides.h).
+void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1,
+             const cuda::LaunchOverrides* forced = nullptr) {
   SCOPED_TRACE("config " + cfg.Name() + " seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int num_slots = num_requests + 2;
@@ -245,7 +251,8 @@ void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1)
     a.force_fold = dforce.as<uint8_t>();
     a.in = dtok.Inputs();
     a.out = rssm_token_outputs{dout.get(), 0};
-    ASSERT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
+    ASSERT_EQ(forced != nullptr ? ReplayDecodeWith(&a, *forced) : rssm_replay_decode(&a), RSSM_OK)
+        << rssm_last_error();
     CUDA_OK(cudaDeviceSynchronize());
     dout.Download(out_gpu.data());
     CompareOutputs(out_gpu, out_cpu, cfg, "replay");
@@ -322,7 +329,8 @@ void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1)
     v.write_pos = dpos.as<int32_t>();
     v.in = dtok.Inputs();
     v.out = rssm_token_outputs{dout.get(), 0};
-    ASSERT_EQ(rssm_verify(&v), RSSM_OK) << rssm_last_error();
+    ASSERT_EQ(forced != nullptr ? VerifyWith(&v, *forced) : rssm_verify(&v), RSSM_OK)
+        << rssm_last_error();
     CUDA_OK(cudaDeviceSynchronize());
     dout.Download(out_gpu.data());
     CompareOutputs(out_gpu, out_cpu, cfg, "verify T=" + std::to_string(T));
@@ -388,13 +396,14 @@ void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1)
 }
 
 bool HaveGpu() { return rssm_backend_available(RSSM_BACKEND_CUDA) == 1; }
+constexpr char kNoGpu[] = "no CUDA device: these tests (ctest label gpu) run on a GPU machine";
 
 const rssm_dtype kDtypes[] = {RSSM_DTYPE_F32, RSSM_DTYPE_BF16, RSSM_DTYPE_F16};
 
 // Every gate x state dtype x act dtype, each with shapes rotated through the GQA ratios,
 // ring lengths and head dims so that every value of each appears many times.
 TEST(CudaKernels, SweepMatchesCpu) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   const int ratios[] = {1, 2, 4};
   const int ls[] = {1, 2, 8, 16, 64};
   const int dims[] = {16, 64, 128, 96};
@@ -423,9 +432,77 @@ TEST(CudaKernels, SweepMatchesCpu) {
   }
 }
 
+// Both step kernels on every gate and state dtype, whatever the planner would choose: the
+// tiled kernel for decode (the bulk kernel's fallback) and the bulk kernel for verify at small
+// batches.
+TEST(CudaKernels, EachStepKernelMatchesCpu) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  const int ls[] = {1, 4, 16};
+  const int dims[] = {64, 128, 256};
+  int i = 0;
+  for (auto kernel :
+       {cuda::LaunchOverrides::StepKernel::kTiled, cuda::LaunchOverrides::StepKernel::kBulk}) {
+    cuda::LaunchOverrides forced;
+    forced.step_kernel = kernel;
+    for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+      for (rssm_dtype st : kDtypes) {
+        for (int rep = 0; rep < 2; ++rep, ++i) {
+          Config c;
+          c.gate = gate;
+          c.state_dtype = st;
+          c.act_dtype = kDtypes[(i + 1) % 3];
+          c.h = 2;
+          c.hv = 2 * (1 + i % 2);
+          c.l = ls[i % 3];
+          c.k = dims[i % 3];
+          c.v = dims[(i + 1) % 3];
+          c.slot_pad = (i % 4 == 3) ? 3 : 0;
+          SCOPED_TRACE(kernel == cuda::LaunchOverrides::StepKernel::kTiled ? "tiled" : "bulk");
+          RunCase(c, 3 + i % 2, 5000 + i, -1, &forced);
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// The planner's choice is the forced kernel's (so the test above covers what it names).
+TEST(CudaKernels, ForcedStepKernelIsTheOneThatRuns) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  Config c;
+  std::mt19937_64 rng(3);
+  Layer host(c, 2, rng);
+  DevLayer dev(host);
+  Tokens tok(host, 1, rng);
+  DevTokens dtok(tok);
+  const std::vector<int32_t> slots = {0}, pos = {2};
+  DevBuf dslot = ToDevice(slots), dpos = ToDevice(pos);
+  DevBuf dout(int64_t{c.hv} * c.v * rssm_dtype_size(c.act_dtype));
+  rssm_decode_args a{};
+  a.launch = {RSSM_BACKEND_CUDA, nullptr};
+  a.shape = host.shape;
+  a.params = dev.Params(host);
+  a.pool = dev.Pool(host);
+  a.batch = 1;
+  a.slot_idx = dslot.as<int32_t>();
+  a.write_pos = dpos.as<int32_t>();
+  a.in = dtok.Inputs();
+  a.out = rssm_token_outputs{dout.get(), 0};
+  for (auto [kernel, role] :
+       {std::pair{cuda::LaunchOverrides::StepKernel::kTiled, cuda::KernelRole::kTiledStep},
+        std::pair{cuda::LaunchOverrides::StepKernel::kBulk, cuda::KernelRole::kBulkStep}}) {
+    cuda::LaunchOverrides forced;
+    forced.step_kernel = kernel;
+    cuda::LaunchPlan plan;
+    ASSERT_EQ(ReplayDecodeWith(&a, forced, &plan), RSSM_OK) << rssm_last_error();
+    EXPECT_EQ(plan.role, role);
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
 // The benchmark shape at large batch.
 TEST(CudaKernels, LargeShapesMatchCpu) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   struct Case {
     rssm_gate gate;
     rssm_dtype st;
@@ -452,7 +529,7 @@ TEST(CudaKernels, LargeShapesMatchCpu) {
 
 // L = 1: every replay step folds at w = 0, which must be the baseline bit for bit.
 TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   for (rssm_dtype st : kDtypes) {
     for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
       Config c;
@@ -507,7 +584,7 @@ TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
 
 // Out-of-range slot indices are padding and out-of-range cursors are clamped: no fault.
 TEST(CudaKernels, BadDeviceIndicesAreHarmless) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   Config c;
   c.l = 8;
   std::mt19937_64 rng(9);
@@ -543,16 +620,26 @@ TEST(CudaKernels, BadDeviceIndicesAreHarmless) {
 // slot (36 layers of [32, 128, 128], f32 = 75.5 MB and bf16) and odd tails, 1 MiB, 4 KiB and
 // 192-byte segments, on a stream of its own, ordered after an upload queued on that stream.
 TEST(CudaSegmentDigests, MatchCpuOnRandomDeviceData) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   constexpr size_t kMiB = size_t{1} << 20, kLayer = size_t{32} * 128 * 128;
   std::mt19937_64 rng(23);
   void* stream = nullptr;
   ASSERT_EQ(rssm_stream_create(RSSM_BACKEND_CUDA, &stream), RSSM_OK) << rssm_last_error();
   const rssm_launch cuda{RSSM_BACKEND_CUDA, stream}, cpu{RSSM_BACKEND_CPU, nullptr};
-  const size_t sizes[] = {0,       1,           63,          64,         65,
-                          4095,    4097,        kMiB - 1,    kMiB,       kMiB + 1,
-                          3 * kMiB + kMiB / 2 + 17,          36 * kLayer * 4,
-                          36 * kLayer * 4 + 100,             36 * kLayer * 2,
+  const size_t sizes[] = {0,
+                          1,
+                          63,
+                          64,
+                          65,
+                          4095,
+                          4097,
+                          kMiB - 1,
+                          kMiB,
+                          kMiB + 1,
+                          3 * kMiB + kMiB / 2 + 17,
+                          36 * kLayer * 4,
+                          36 * kLayer * 4 + 100,
+                          36 * kLayer * 2,
                           36 * kLayer * 2 + 33};
   for (size_t bytes : sizes) {
     void* host = nullptr;  // pinned: the upload is asynchronous on the stream
@@ -564,7 +651,7 @@ TEST(CudaSegmentDigests, MatchCpuOnRandomDeviceData) {
     }
     DevBuf dev(bytes + 16);
     for (size_t seg : {kMiB, size_t{4096}, size_t{192}}) {
-      if (seg == 192 && bytes > 4 * kMiB) continue;  // ~400k segments: the time goes elsewhere
+      if (seg == 192 && bytes > 4 * kMiB) continue;   // ~400k segments: the time goes elsewhere
       for (size_t shift : {size_t{0}, size_t{16}}) {  // a 16-byte aligned start inside a buffer
         SCOPED_TRACE("bytes " + std::to_string(bytes) + ", segment " + std::to_string(seg) +
                      ", shift " + std::to_string(shift));
@@ -574,15 +661,16 @@ TEST(CudaSegmentDigests, MatchCpuOnRandomDeviceData) {
         const size_t count = (bytes + seg - 1) / seg;
         std::vector<uint64_t> want(count), got(count + 1, 0x5a5a);
         ASSERT_EQ(rssm_segment_digests(&cuda, dev.as<uint8_t>() + shift, bytes, seg, got.data()),
-                  RSSM_OK) << rssm_last_error();
+                  RSSM_OK)
+            << rssm_last_error();
         ASSERT_EQ(rssm_segment_digests(&cpu, h + shift, bytes, seg, want.data()), RSSM_OK);
         EXPECT_EQ(got.back(), 0x5a5au) << "written past the last segment";
         got.pop_back();
         size_t bad = 0;
         for (size_t i = 0; i < count; ++i) {
           if (got[i] != want[i] && ++bad <= 3) {
-            ADD_FAILURE() << "segment " << i << " of " << count << ": cuda " << std::hex
-                          << got[i] << ", cpu " << want[i];
+            ADD_FAILURE() << "segment " << i << " of " << count << ": cuda " << std::hex << got[i]
+                          << ", cpu " << want[i];
           }
         }
         ASSERT_EQ(bad, 0u);
@@ -600,7 +688,7 @@ TEST(CudaSegmentDigests, MatchCpuOnRandomDeviceData) {
 // 1 with odd sizes, a slot's worth of layers whose segments span them and Qwen3-Next's 36
 // f32 layers; a flipped byte in one part changes its segment's digest only.
 TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   constexpr size_t kMiB = size_t{1} << 20, kLayer = size_t{32} * 128 * 128;
   std::mt19937_64 rng(37);
   void* stream = nullptr;
@@ -609,11 +697,11 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
   struct Case {
     size_t count, part_bytes, segment;
   };
-  const Case cases[] = {
-      {9, 1040, 4096},  {3, 10000, 4096},  {3, 8192, 4096},     {37, 16, 192},
-      {11, 16, 4096},   {5, 48, 64},       {300, 4112, 8192},   {1, 4097, 4096},
-      {1, 63, 64},      {1, 1, 192},       {1, 3 * kMiB + 17, kMiB},
-      {5, 700 * 1024 + 48, kMiB},          {36, kLayer * 4, kMiB}};
+  const Case cases[] = {{9, 1040, 4096},       {3, 10000, 4096},         {3, 8192, 4096},
+                        {37, 16, 192},         {11, 16, 4096},           {5, 48, 64},
+                        {300, 4112, 8192},     {1, 4097, 4096},          {1, 63, 64},
+                        {1, 1, 192},           {1, 3 * kMiB + 17, kMiB}, {5, 700 * 1024 + 48, kMiB},
+                        {36, kLayer * 4, kMiB}};
   for (const Case& k : cases) {
     SCOPED_TRACE("count " + std::to_string(k.count) + ", part_bytes " +
                  std::to_string(k.part_bytes) + ", segment " + std::to_string(k.segment));
@@ -632,7 +720,8 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
       uint8_t* p = own.back().as<uint8_t>() + shift;
       ASSERT_EQ(rssm_memset(&cuda, own.back().get(), 0xa5, k.part_bytes + shift), RSSM_OK);
       ASSERT_EQ(rssm_memcpy(&cuda, p, whole.data() + j * k.part_bytes, k.part_bytes,
-                            RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);  // ordered before the hash
+                            RSSM_COPY_HOST_TO_DEVICE),
+                RSSM_OK);  // ordered before the hash
       parts.push_back(p);
     }
     const size_t n = (bytes + k.segment - 1) / k.segment;
@@ -643,7 +732,8 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
     }
     ASSERT_EQ(rssm_segment_digests_parts(&cuda, parts.data(), k.count, k.part_bytes, k.segment,
                                          got.data()),
-              RSSM_OK) << rssm_last_error();
+              RSSM_OK)
+        << rssm_last_error();
     EXPECT_EQ(got.back(), 0x5a5au) << "written past the last segment";
     got.pop_back();
     size_t bad = 0;
@@ -656,12 +746,14 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
     ASSERT_EQ(bad, 0u);
     const size_t j = k.count / 2, at = k.part_bytes - 1, off = j * k.part_bytes + at;
     const uint8_t flipped = whole[off] ^ 0x10;
-    ASSERT_EQ(rssm_memcpy(&cuda, static_cast<uint8_t*>(const_cast<void*>(parts[j])) + at,
-                          &flipped, 1, RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);
+    ASSERT_EQ(rssm_memcpy(&cuda, static_cast<uint8_t*>(const_cast<void*>(parts[j])) + at, &flipped,
+                          1, RSSM_COPY_HOST_TO_DEVICE),
+              RSSM_OK);
     std::vector<uint64_t> after(n);
     ASSERT_EQ(rssm_segment_digests_parts(&cuda, parts.data(), k.count, k.part_bytes, k.segment,
                                          after.data()),
-              RSSM_OK) << rssm_last_error();
+              RSSM_OK)
+        << rssm_last_error();
     for (size_t i = 0; i < n; ++i) {
       EXPECT_EQ(after[i] != want[i], i == off / k.segment) << "segment " << i << " of " << n;
     }
@@ -683,7 +775,7 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
 }
 
 TEST(CudaSegmentDigests, BadArgumentsWriteNothingAndAFlipIsSeen) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   std::vector<uint8_t> x(5000);
   std::mt19937_64 rng(4);
   for (auto& b : x) b = static_cast<uint8_t>(rng());
@@ -711,7 +803,7 @@ TEST(CudaSegmentDigests, BadArgumentsWriteNothingAndAFlipIsSeen) {
 // buffer: what the parts path costs over the contiguous one). Expected: ~0.2-0.3 ms
 // (checksum.cu).
 TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
   const size_t layer = size_t{32} * 128 * 128 * 4, bytes = 36 * layer;
   DevBuf dev(bytes);
   CUDA_OK(cudaMemset(dev.get(), 0x3c, bytes));
@@ -733,13 +825,13 @@ TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
       const auto t0 = std::chrono::steady_clock::now();
       ASSERT_EQ(call(), RSSM_OK);
       ms.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-              .count());
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     std::sort(ms.begin(), ms.end());
-    std::printf("%s, %zu bytes in 1 MiB segments: median %.3f ms, min %.3f ms "
-                "(%.0f GB/s at the median)\n",
-                name, bytes, ms[ms.size() / 2], ms[0], bytes / ms[ms.size() / 2] / 1e6);
+    std::printf(
+        "%s, %zu bytes in 1 MiB segments: median %.3f ms, min %.3f ms "
+        "(%.0f GB/s at the median)\n",
+        name, bytes, ms[ms.size() / 2], ms[0], bytes / ms[ms.size() / 2] / 1e6);
   }
   EXPECT_EQ(d, e) << "the same bytes as one buffer and as its layers";
 }

@@ -1,4 +1,6 @@
-// Replay decode, baseline decode and speculative verify: one kernel.
+// The tiled step kernel: replay decode, baseline decode and speculative verify with the CTA's
+// S0 tile in registers. The planner (plan.h) runs it for verify at small batches and wherever
+// the bulk step kernel's layout does not fit.
 //
 // Grid: one CTA per (row r, v-head h, V-tile of VT state rows), flattened with the V-tile
 // fastest so the CTAs that share a qk-head's k ring run together. A CTA:
@@ -12,15 +14,16 @@
 // Baseline = replay with w = 0 that always folds: same instantiation, same arithmetic.
 // Verify = T tokens from the same registers: S0 is read once for all drafts; the drafts'
 // records (rounded as stored) feed the later drafts, and nothing is folded.
-#ifndef REPLAYSSM_KERNELS_CUDA_STEP_KERNEL_CUH_
-#define REPLAYSSM_KERNELS_CUDA_STEP_KERNEL_CUH_
+#ifndef REPLAYSSM_KERNELS_CUDA_TILED_STEP_KERNEL_CUH_
+#define REPLAYSSM_KERNELS_CUDA_TILED_STEP_KERNEL_CUH_
 
 #include "head_ops.cuh"
 
 namespace replayssm::kernels::cuda {
 
 template <typename T, int KMAX, int TC>
-__global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMinBlocks) StepKernel(const __grid_constant__ StepParams p) {
+__global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMinBlocks)
+    TiledStepKernel(const __grid_constant__ StepParams p) {
   using Cfg = TileCfg<T, KMAX>;
   constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
   extern __shared__ float4 smem4[];
@@ -164,8 +167,8 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
         s[sm.dext + P * VT + row] = ToF(dr);
         s[sm.dcur + row] = d;
         if (valid) {
-          StoreAct(ly.o, (tok0 + c0 + t) * ly.o_stride + int64_t{h} * V + v0 + row,
-                   ly.act_dtype, o);
+          StoreAct(ly.o, (tok0 + c0 + t) * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype,
+                   o);
           if (!fold) {
             T* rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + (int64_t{h} * L + P) * V;
             rd[v0 + row] = dr;
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
   }
   if (!fold) return;
 
-  // 5. Fold (decode only: T == 1, token 0): S0·A + Σ_j d_j (W_j∘k_j) + d k, from registers.
+    // 5. Fold (decode only: T == 1, token 0): S0·A + Σ_j d_j (W_j∘k_j) + d k, from registers.
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int row = Cfg::Row(i, warp, lane);
@@ -212,4 +215,4 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
 
 }  // namespace replayssm::kernels::cuda
 
-#endif  // REPLAYSSM_KERNELS_CUDA_STEP_KERNEL_CUH_
+#endif  // REPLAYSSM_KERNELS_CUDA_TILED_STEP_KERNEL_CUH_

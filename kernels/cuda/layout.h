@@ -1,0 +1,133 @@
+// Shared-memory layouts and CTA-shape constants of the step and prefill kernels: plain C++
+// (no CUDA headers), so that the launch planner (plan.h) is built and tested without a GPU
+// toolchain while the kernels read the very same definitions.
+#ifndef REPLAYSSM_KERNELS_CUDA_LAYOUT_H_
+#define REPLAYSSM_KERNELS_CUDA_LAYOUT_H_
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define RSSM_HOST_DEVICE __host__ __device__
+#else
+#define RSSM_HOST_DEVICE
+#endif
+
+namespace replayssm::kernels::cuda {
+
+// What a step computes (StepParams::mode, BulkParams::mode).
+enum StepMode : int32_t { kModeReplay = 0, kModeBaseline = 1, kModeVerify = 2 };
+
+// ---- the tiled kernels (tiled_step_kernel.cuh, prefill_kernel.cuh) -----------------------
+// Threads per CTA: 256 rather than 128, so the per-CTA chain (token, records, weights, record
+// dots) is paid once per twice the state rows.
+constexpr int kTiledThreads = 256;
+
+// State rows of one CTA's register tile: 16-byte chunks of a KMAX-channel row spread over up
+// to 32 lanes, at least 8 chunks per thread in flight (TileCfg in common.cuh).
+RSSM_HOST_DEVICE constexpr int TiledTileRows(int state_bytes, int kmax) {
+  const int chunks = kmax / (16 / state_bytes);  // per row
+  const int lanes = chunks < 32 ? chunks : 32;   // per row
+  const int per_lane = chunks / lanes;
+  const int rows_per_thread = per_lane >= 8 ? 1 : 8 / per_lane;
+  return rows_per_thread * (kTiledThreads / 32) * (32 / lanes);
+}
+
+// Offsets (in floats, each a multiple of 4) of the shared-memory arrays of one tiled CTA.
+struct SmemLayout {
+  int kext;            // [(L+1), K]  records' k as stored, then the chunk's drafts' k (rounded)
+  int gext;            // [(L+1), Kg] records' g, then the drafts' g (Kg = K for KDA, 1 for GDN)
+  int kw;              // [L, K]      W_j ∘ k_j for the current token
+  int dext;            // [(L+1), VT] records' d for the tile rows, then the drafts' d (rounded)
+  int qs, ks, ka, qa;  // [TC, K] q, k (normalized, q scaled); A∘k, A∘q
+  int avec;            // [K]         A of the last token (fold)
+  int vs;              // [TC, VT]    v of the tile rows
+  int u, pp;           // [TC, L+1]   (W_j∘k_j)·k, (W_j∘k_j)·q
+  int skq;             // [TC, VT, 2] S0 contractions
+  int dcur;            // [VT]        d of the last token, unrounded (fold)
+  int beta, kq, norm;  // [TC], [TC], [TC, 2]
+  int total;           // floats
+  static SmemLayout Make(int K, int L, int VT, int TC, bool kda) {
+    SmemLayout s;
+    int o = 0;
+    auto take = [&o](int n) {
+      const int at = o;
+      o += (n + 3) & ~3;
+      return at;
+    };
+    s.kext = take((L + 1) * K);
+    s.gext = take((L + 1) * (kda ? K : 1));
+    s.kw = take(L * K);
+    s.dext = take((L + 1) * VT);
+    s.qs = take(TC * K);
+    s.ks = take(TC * K);
+    s.ka = take(TC * K);
+    s.qa = take(TC * K);
+    s.avec = take(K);
+    s.vs = take(TC * VT);
+    s.u = take(TC * (L + 1));
+    s.pp = take(TC * (L + 1));
+    s.skq = take(TC * VT * 2);
+    s.dcur = take(VT);
+    s.beta = take(TC);
+    s.kq = take(TC);
+    s.norm = take(2 * TC);
+    s.total = o;
+    return s;
+  }
+};
+
+// ---- the bulk step kernel (bulk_step_kernel.cuh) --------------------------------------------
+constexpr int kBulkMaxWarps = 4;
+constexpr int kBulkMaxStages = 8;  // S0 stages per warp (an mbarrier each)
+constexpr int kBulkBars = kBulkMaxWarps * kBulkMaxStages + 1;  // + the records' mbarrier
+// Decode keeps at least this many CTAs per SM, giving up S0 stages first: the prologue's
+// round trips are hidden by other CTAs, not by deeper stages.
+constexpr int kBulkMinCtas = 4;
+
+// Ring d rows of a CTA in shared memory: its rows + 16 bytes, so that lanes reading their
+// record's row (16-byte loads, lane j at record j) hit distinct banks.
+RSSM_HOST_DEVICE constexpr int DStride(int rows, int state_bytes) {
+  return rows + 16 / state_bytes;
+}
+
+// The layout of one bulk CTA's shared memory (byte offsets, multiples of 16; the mbarriers
+// sit at 0). T drafts, TT per pass.
+struct BulkSmem {
+  int32_t s0, d, kr, kw, g, tq, tk, tg, ka, qa, av, kn, vs, u, p, sc, dd, total;
+  static BulkSmem Make(int K, int L, int lr, bool kda, int T, int TT, int nw, int rpw, int ns,
+                       int rb, int state_bytes, bool fold_capable) {
+    BulkSmem s;
+    int o = kBulkBars * 8;
+    auto take = [&o](int64_t bytes) {
+      o = (o + 15) & ~15;
+      const int at = o;
+      o += static_cast<int>(bytes);
+      return at;
+    };
+    const int kg = kda ? K : 1, rows = nw * rpw;
+    s.s0 = take(int64_t{nw} * ns * rb * K * state_bytes);
+    s.d = take(int64_t{lr} * DStride(rows, state_bytes) * state_bytes);
+    s.kr = take(int64_t{lr} * K * state_bytes);
+    // W_j∘k_j of a folding decode: in place over the fp32 records, else its own array.
+    s.kw = fold_capable ? (state_bytes == 4 ? s.kr : take(int64_t{lr} * K * 4)) : s.kr;
+    s.g = take(int64_t{lr} * kg * 4);
+    s.tq = take(int64_t{T} * K * 4);
+    s.tk = take(int64_t{T} * K * 4);
+    s.tg = take(int64_t{T} * kg * 4);
+    s.ka = take(int64_t{T} * K * 4);
+    s.qa = take(int64_t{T} * K * 4);
+    s.av = take(int64_t{K} * 4);
+    s.kn = take(int64_t{K} * 4);
+    s.vs = take(int64_t{T} * rows * 4);
+    s.u = take(int64_t{T} * L * 4);
+    s.p = take(int64_t{T} * L * 4);
+    s.sc = take(int64_t{2} * T * 4);
+    s.dd = take(T > TT ? int64_t{T} * rows * 4 : 0);
+    s.total = (o + 15) & ~15;
+    return s;
+  }
+};
+
+}  // namespace replayssm::kernels::cuda
+
+#endif  // REPLAYSSM_KERNELS_CUDA_LAYOUT_H_

@@ -1,0 +1,178 @@
+// The launch planner (plan.h). The choices below were each measured on the H200 against the
+// alternatives; docs/gpu.md ("Design decisions") has the figures.
+#include "plan.h"
+
+#include <algorithm>
+#include <string>
+
+namespace replayssm::kernels::cuda {
+namespace {
+
+constexpr int kVerifyTokensPerPass = 4;
+// Verify takes the bulk kernel from this batch: below it, one CTA per head has too little
+// work to overlap the drafts' chain, and the tiled kernel is faster.
+constexpr int64_t kBulkVerifyMinBatch = 16;
+constexpr int kBulkDefaultStages = 2;  // more stages cost CTAs per SM and measured slower
+constexpr int64_t kMaxGridX = 0x7fffffff;
+constexpr int64_t kMaxGridY = 65535;
+constexpr int kReservedSmemPerCta = 1024;  // the system's share of each CTA's shared memory
+
+int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+int RoundUp16(int x) { return (x + 15) / 16 * 16; }
+bool IsStep(KernelOp op) {
+  return op == KernelOp::kReplay || op == KernelOp::kBaseline || op == KernelOp::kVerify;
+}
+
+// The tiled kernels: a CTA per (row, v-head, tile of VT rows) on a flat grid.
+std::optional<LaunchPlan> PlanTiled(const LaunchProblem& pr, KernelRole role) {
+  LaunchPlan plan;
+  plan.role = role;
+  TiledConfig& c = plan.tiled;
+  c.kmax = pr.head_k <= 128 ? 128 : 256;
+  c.tokens_per_pass = pr.op == KernelOp::kVerify ? kVerifyTokensPerPass : 1;
+  c.tile_rows = TiledTileRows(pr.state_bytes, c.kmax);
+  c.num_vtiles = CeilDiv(pr.head_v, c.tile_rows);
+  c.smem = SmemLayout::Make(pr.head_k, pr.ring_len, c.tile_rows, c.tokens_per_pass, pr.kda);
+  const int64_t ctas = pr.batch * pr.num_v_heads * c.num_vtiles;
+  if (ctas <= 0 || ctas > kMaxGridX) return std::nullopt;
+  plan.grid_x = static_cast<uint32_t>(ctas);
+  plan.threads = kTiledThreads;
+  plan.smem_bytes = static_cast<size_t>(c.smem.total) * sizeof(float);
+  return plan;
+}
+
+// The bulk kernel's CTA shape: warps, rows per warp, S0 stages and its shared-memory layout.
+// false when no shape fits the device's shared memory.
+bool ShapeBulk(const LaunchProblem& pr, const DeviceLimits& dev, const LaunchOverrides& ov,
+               BulkConfig* c) {
+  const bool verify = pr.op == KernelOp::kVerify;
+  const int V = pr.head_v;
+  const int64_t row_heads = pr.batch * pr.num_v_heads;
+  c->tokens_per_pass = verify ? kVerifyTokensPerPass : 1;
+  c->channels_per_lane = pr.head_k <= 128 ? 4 : 8;
+  // Rows per S0 stage: decode 8; verify as many as keep 2 * TT * RB values in one butterfly.
+  c->rows_per_batch = !verify ? 8 : c->channels_per_lane == 4 ? 4 : 2;
+  c->ring_records = pr.op == KernelOp::kBaseline ? 0 : pr.ring_len;
+  int nw = ov.warps != 0 ? ov.warps : kBulkMaxWarps;
+  int rpw = ov.rows_per_warp;
+  if (rpw == 0) {
+    // A whole head per CTA (its prologue paid once) while the grid fills the GPU twice over;
+    // else 16 rows per warp, halving the warps (down to 2) while the grid is still short.
+    auto per_warp = [&](int n) { return RoundUp16(CeilDiv(V, n)); };
+    rpw = row_heads >= 2LL * dev.sms ? per_warp(nw) : 16;
+    if (ov.warps == 0 && rpw == 16) {
+      auto ctas = [&](int n) { return row_heads * CeilDiv(V, n * 16); };
+      while (nw > 2 && ctas(nw) < 2LL * dev.sms) nw /= 2;
+    }
+  }
+  rpw = std::min(rpw, RoundUp16(V));
+  const int rb = c->rows_per_batch;
+  int ns = std::min(ov.stages != 0 ? ov.stages : kBulkDefaultStages, CeilDiv(rpw, rb));
+  // Stages give way to CTAs per SM in decode (unless forced); then warps give way until the
+  // layout fits at all.
+  const bool stages_free = ov.stages == 0;
+  for (;;) {
+    c->smem = BulkSmem::Make(pr.head_k, pr.ring_len, c->ring_records, pr.kda, pr.num_draft,
+                             c->tokens_per_pass, nw, rpw, ns, rb, pr.state_bytes, !verify);
+    const bool few_ctas = stages_free && !verify &&
+                          dev.smem_per_sm / (c->smem.total + kReservedSmemPerCta) < kBulkMinCtas;
+    if (c->smem.total <= dev.smem_per_block && !(few_ctas && ns > 1)) break;
+    if (ns > 1) {
+      --ns;
+    } else if (nw > 1) {
+      nw /= 2;
+    } else {
+      return false;
+    }
+  }
+  c->warps = nw;
+  c->rows_per_warp = rpw;
+  c->stages = ns;
+  c->chunks = CeilDiv(V, nw * rpw);
+  return true;
+}
+
+// The bulk kernel, or nullopt when it cannot take the problem (then the tiled kernel runs).
+std::optional<LaunchPlan> PlanBulk(const LaunchProblem& pr, const DeviceLimits& dev,
+                                   const LaunchOverrides& ov) {
+  LaunchPlan plan;
+  plan.role = KernelRole::kBulkStep;
+  BulkConfig& c = plan.bulk;
+  if (!ShapeBulk(pr, dev, ov, &c)) return std::nullopt;
+  c.vec_s0 = pr.checkpoint_aligned;
+  c.bulk_s0 = c.vec_s0 && (ov.bulk_copy & 1) != 0;
+  c.bulk_d = pr.ring_d_aligned && (ov.bulk_copy & 2) != 0;
+  c.bulk_k = pr.ring_k_aligned && (ov.bulk_copy & 4) != 0;
+  // GDN's g row goes in 16-byte units: only when every row starts 16-byte aligned.
+  c.bulk_g = pr.ring_g_aligned && (pr.kda || pr.ring_len % 4 == 0) && (ov.bulk_copy & 8) != 0;
+  // A whole-head CTA takes the ring's d rows in one copy, unpadded (bank conflicts in the
+  // ring terms, fewer copies to issue); fp32 GDN decode, the most row-bound, keeps padded rows.
+  const bool dense_ok = !(c.tokens_per_pass == 1 && pr.state_bytes == 4 && !pr.kda);
+  const int rows = c.warps * c.rows_per_warp;
+  c.d_dense = dense_ok && c.bulk_d && c.chunks == 1 && rows == pr.head_v;
+  c.d_stride = c.d_dense ? pr.head_v : DStride(rows, pr.state_bytes);
+  plan.grid_x = static_cast<uint32_t>(int64_t{pr.num_v_heads} * c.chunks);
+  plan.grid_y = static_cast<uint32_t>(pr.batch);
+  plan.threads = c.warps * 32;
+  plan.smem_bytes = static_cast<size_t>(c.smem.total);
+  return plan;
+}
+
+bool UseBulk(const LaunchProblem& pr, const LaunchOverrides& ov) {
+  switch (ov.step_kernel) {
+    case LaunchOverrides::StepKernel::kTiled: return false;
+    case LaunchOverrides::StepKernel::kBulk: return true;
+    case LaunchOverrides::StepKernel::kAuto: break;
+  }
+  if (pr.op != KernelOp::kVerify) return true;
+  return pr.batch >= (ov.bulk_min_batch != 0 ? ov.bulk_min_batch : kBulkVerifyMinBatch);
+}
+
+std::string Field(const std::string& field, const std::string& expected, int64_t got) {
+  return field + ": expected " + expected + ", got " + std::to_string(got);
+}
+
+}  // namespace
+
+const char* KernelRoleName(KernelRole role) {
+  switch (role) {
+    case KernelRole::kTiledStep: return "tiled";
+    case KernelRole::kBulkStep: return "bulk";
+    case KernelRole::kPrefill: return "prefill";
+  }
+  return "unknown";
+}
+
+std::string CheckOverrides(const LaunchOverrides& ov) {
+  using K = LaunchOverrides::StepKernel;
+  if (ov.step_kernel != K::kAuto && ov.step_kernel != K::kTiled && ov.step_kernel != K::kBulk) {
+    return Field("step_kernel", "kAuto, kTiled or kBulk", static_cast<int64_t>(ov.step_kernel));
+  }
+  if (ov.bulk_min_batch < 0)
+    return Field("bulk_min_batch", "0 (planned) or >= 1", ov.bulk_min_batch);
+  if (ov.rows_per_warp != 0 &&
+      (ov.rows_per_warp < 16 || ov.rows_per_warp > 64 || ov.rows_per_warp % 16 != 0)) {
+    return Field("rows_per_warp", "0 (planned), 16, 32, 48 or 64", ov.rows_per_warp);
+  }
+  if (ov.warps < 0 || ov.warps > kBulkMaxWarps) {
+    return Field("warps", "0 (planned) or 1.." + std::to_string(kBulkMaxWarps), ov.warps);
+  }
+  if (ov.stages < 0 || ov.stages > kBulkMaxStages) {
+    return Field("stages", "0 (planned) or 1.." + std::to_string(kBulkMaxStages), ov.stages);
+  }
+  if (ov.bulk_copy < 0 || ov.bulk_copy > 15) {
+    return Field("bulk_copy", "a bit mask in 0..15", ov.bulk_copy);
+  }
+  return "";
+}
+
+std::optional<LaunchPlan> Plan(const LaunchProblem& pr, const DeviceLimits& dev,
+                               const LaunchOverrides& ov) {
+  if (!IsStep(pr.op)) return PlanTiled(pr, KernelRole::kPrefill);
+  if (UseBulk(pr, ov) && pr.batch <= kMaxGridY) {
+    if (std::optional<LaunchPlan> bulk = PlanBulk(pr, dev, ov)) return bulk;
+  }
+  return PlanTiled(pr, KernelRole::kTiledStep);
+}
+
+}  // namespace replayssm::kernels::cuda

@@ -1,0 +1,111 @@
+// The launch planner of the CUDA backend: from a problem (op, dims, state dtype, batch, pool
+// alignment) and the device's limits, which kernel runs and with what CTA shape, stages and
+// shared-memory layout. Every launch of the backend goes through Plan(); the launchers only
+// carry its answer out. Plain host C++ (no CUDA headers): built and unit-tested everywhere.
+//
+// Overrides exist for the kernel benchmark and the GPU tests (kernels/src/launch_overrides.h);
+// the serving path always plans with none.
+#ifndef REPLAYSSM_KERNELS_CUDA_PLAN_H_
+#define REPLAYSSM_KERNELS_CUDA_PLAN_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <optional>
+#include <string>
+
+#include "layout.h"
+
+namespace replayssm::kernels::cuda {
+
+// The kernels, by role.
+enum class KernelRole {
+  kTiledStep,  // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
+  kBulkStep,   // bulk-staged step: S0 through shared-memory stages filled by the copy engine
+  kPrefill,    // prefill and the fold op: the state in registers for the whole row
+};
+const char* KernelRoleName(KernelRole role);  // "tiled", "bulk", "prefill"
+
+enum class KernelOp { kReplay, kBaseline, kVerify, kPrefill, kFold };
+
+struct LaunchProblem {
+  KernelOp op = KernelOp::kReplay;
+  bool kda = false;
+  int32_t num_v_heads = 0;  // HV
+  int32_t head_k = 0;       // K
+  int32_t head_v = 0;       // V
+  int32_t ring_len = 0;     // L
+  int32_t state_bytes = 4;  // 4 (f32) or 2 (bf16, f16)
+  int64_t batch = 0;        // rows (> 0)
+  int32_t num_draft = 1;    // T (verify)
+  // Each pool array's base and slot stride are 16-byte aligned (the bulk copy engine's need).
+  bool checkpoint_aligned = true, ring_d_aligned = true, ring_k_aligned = true,
+       ring_g_aligned = true;
+};
+
+// Read from the device once (launch.cuh, DeviceFactsOf).
+struct DeviceLimits {
+  int sms = 0;             // multiprocessors
+  int smem_per_block = 0;  // opt-in maximum of dynamic shared memory per CTA, bytes
+  int smem_per_sm = 0;     // bytes
+};
+
+// Launch overrides for experiments; zero (or kAuto) leaves a choice to the planner. A forced
+// shape that does not fit shared memory still shrinks (stages, then warps), as planned ones do.
+struct LaunchOverrides {
+  enum class StepKernel { kAuto, kTiled, kBulk };
+  StepKernel step_kernel = StepKernel::kAuto;  // one step kernel for every op and batch
+  int64_t bulk_min_batch = 0;  // verify takes the bulk kernel from this batch (0: 16)
+  int rows_per_warp = 0;       // bulk: state rows per warp, 16..64 in steps of 16
+  int warps = 0;               // bulk: warps per CTA, 1..4
+  int stages = 0;              // bulk: S0 stages per warp, 1..8
+  int bulk_copy = 15;          // bulk: pieces the copy engine may fetch (1 S0, 2 ring d,
+                               // 4 ring k, 8 ring g); the others take plain loads
+};
+
+// "" when every override is in range, else "<field>: expected <range>, got <value>".
+std::string CheckOverrides(const LaunchOverrides& overrides);
+
+struct TiledConfig {        // kTiledStep, kPrefill
+  int kmax = 0;             // register tile width in channels (128 or 256)
+  int tokens_per_pass = 0;  // TC: 1, or 4 for verify
+  int tile_rows = 0;        // VT
+  int num_vtiles = 0;
+  SmemLayout smem{};
+};
+
+struct BulkConfig {           // kBulkStep
+  int tokens_per_pass = 0;    // TT: 1 for decode, 4 for verify
+  int channels_per_lane = 0;  // KC: 4 for K <= 128, else 8
+  int rows_per_batch = 0;     // RB: rows per S0 stage
+  int warps = 0;              // nw
+  int rows_per_warp = 0;      // rpw
+  int stages = 0;             // ns
+  int chunks = 0;             // CTAs per v-head: ceil(V / (nw * rpw))
+  int ring_records = 0;       // records the layout holds (L; 0 for the baseline)
+  int d_stride = 0;           // elements per ring d row in shared memory
+  bool d_dense = false;       // the ring's d rows in one copy (d_stride = V)
+  bool vec_s0 = false;        // the checkpoint takes 16-byte stores
+  bool bulk_s0 = false, bulk_d = false, bulk_k = false, bulk_g = false;  // by the copy engine
+  BulkSmem smem{};
+};
+
+struct LaunchPlan {
+  KernelRole role = KernelRole::kTiledStep;
+  uint32_t grid_x = 0, grid_y = 1;
+  int threads = 0;
+  size_t smem_bytes = 0;
+  TiledConfig tiled;  // kTiledStep, kPrefill
+  BulkConfig bulk;    // kBulkStep
+};
+
+// The launch of `problem` on a device with `limits`; nullopt when no grid can cover it (more
+// than 2^31 - 1 CTAs). `overrides` must have passed CheckOverrides. Baseline and replay of one
+// problem take the same kernel (their results are then bit-identical at L = 1) unless the
+// replay's ring does not fit the bulk kernel's shared memory.
+std::optional<LaunchPlan> Plan(const LaunchProblem& problem, const DeviceLimits& limits,
+                               const LaunchOverrides& overrides = {});
+
+}  // namespace replayssm::kernels::cuda
+
+#endif  // REPLAYSSM_KERNELS_CUDA_PLAN_H_

@@ -1,0 +1,314 @@
+// The launch planner (cuda/plan.h) on an H200's limits: the measured choices it encodes, the
+// properties every plan keeps, the overrides, and the internal entry points that take them
+// (src/launch_overrides.h). Plain C++: runs without a GPU.
+#include "cuda/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "src/launch_overrides.h"
+#include "tests/harness.h"
+
+namespace replayssm::kernels::cuda {
+namespace {
+
+constexpr DeviceLimits kH200{132, 232448, 233472};
+
+// The benchmark shape: HV = 32, K = V = 128, L = 16.
+LaunchProblem Shape(KernelOp op, int64_t batch, bool kda = false, int state_bytes = 4) {
+  LaunchProblem p;
+  p.op = op;
+  p.kda = kda;
+  p.num_v_heads = 32;
+  p.head_k = p.head_v = 128;
+  p.ring_len = 16;
+  p.state_bytes = state_bytes;
+  p.batch = batch;
+  p.num_draft = op == KernelOp::kVerify ? 4 : 1;
+  return p;
+}
+
+LaunchPlan PlanOf(const LaunchProblem& p, const LaunchOverrides& ov = {},
+                  const DeviceLimits& dev = kH200) {
+  const std::optional<LaunchPlan> plan = Plan(p, dev, ov);
+  EXPECT_TRUE(plan.has_value());
+  return plan.value_or(LaunchPlan{});
+}
+
+int CtasPerSm(const LaunchPlan& plan) {
+  return kH200.smem_per_sm / (static_cast<int>(plan.smem_bytes) + 1024);
+}
+
+TEST(Plan, DecodeTakesTheBulkKernelAtEveryBatch) {
+  for (int64_t b : {1, 2, 16, 64, 256, 4096}) {
+    for (KernelOp op : {KernelOp::kReplay, KernelOp::kBaseline}) {
+      EXPECT_EQ(PlanOf(Shape(op, b)).role, KernelRole::kBulkStep) << "batch " << b;
+    }
+  }
+}
+
+TEST(Plan, VerifyTakesTheTiledKernelBelowSixteenRows) {
+  for (int64_t b : {1, 15}) {
+    const LaunchPlan plan = PlanOf(Shape(KernelOp::kVerify, b));
+    EXPECT_EQ(plan.role, KernelRole::kTiledStep) << "batch " << b;
+    EXPECT_EQ(plan.tiled.tokens_per_pass, 4);
+  }
+  for (int64_t b : {16, 256}) {
+    const LaunchPlan plan = PlanOf(Shape(KernelOp::kVerify, b));
+    EXPECT_EQ(plan.role, KernelRole::kBulkStep) << "batch " << b;
+    EXPECT_EQ(plan.bulk.tokens_per_pass, 4);
+    EXPECT_EQ(plan.bulk.rows_per_batch, 4);
+  }
+}
+
+TEST(Plan, LargeBatchesGetAWholeHeadPerCtaInTwoStages) {
+  const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 256));
+  const BulkConfig& c = plan.bulk;
+  EXPECT_EQ(c.warps, 4);
+  EXPECT_EQ(c.rows_per_warp, 32);
+  EXPECT_EQ(c.stages, 2);
+  EXPECT_EQ(c.chunks, 1);
+  EXPECT_EQ(c.channels_per_lane, 4);
+  EXPECT_EQ(c.rows_per_batch, 8);
+  EXPECT_EQ(plan.grid_x, 32u);
+  EXPECT_EQ(plan.grid_y, 256u);
+  EXPECT_EQ(plan.threads, 128);
+  EXPECT_EQ(plan.smem_bytes, static_cast<size_t>(c.smem.total));
+  EXPECT_EQ(CtasPerSm(plan), 4);
+}
+
+TEST(Plan, DecodeGivesUpAStageRatherThanACtaPerSm) {
+  // KDA fp32 replay's [L][K] gates leave room for 3 CTAs per SM at two stages.
+  const LaunchPlan replay = PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true));
+  EXPECT_EQ(replay.bulk.stages, 1);
+  EXPECT_GE(CtasPerSm(replay), 4);
+  // The baseline holds no records: two stages fit.
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 256, true)).bulk.stages, 2);
+  // A forced stage count is kept.
+  LaunchOverrides ov;
+  ov.stages = 2;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 256, true), ov).bulk.stages, 2);
+}
+
+TEST(Plan, SmallBatchesSplitAHeadOverCtasOfTwoWarps) {
+  const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 1));
+  EXPECT_EQ(plan.bulk.warps, 2);
+  EXPECT_EQ(plan.bulk.rows_per_warp, 16);
+  EXPECT_EQ(plan.bulk.chunks, 4);
+  EXPECT_EQ(plan.grid_x, 128u);
+  EXPECT_EQ(plan.grid_y, 1u);
+}
+
+TEST(Plan, WideHeadsTakeEightChannelsPerLane) {
+  LaunchProblem p = Shape(KernelOp::kReplay, 64);
+  p.head_k = 256;
+  EXPECT_EQ(PlanOf(p).bulk.channels_per_lane, 8);
+  p.op = KernelOp::kVerify;
+  EXPECT_EQ(PlanOf(p).bulk.rows_per_batch, 2);
+  p.batch = 1;
+  EXPECT_EQ(PlanOf(p).tiled.kmax, 256);
+}
+
+TEST(Plan, BaselineAndReplayShareTheKernelOnEveryShape) {
+  for (bool kda : {false, true}) {
+    for (int state_bytes : {4, 2}) {
+      for (int k : {16, 64, 128, 256}) {
+        for (int v : {16, 96, 256}) {
+          for (int l : {1, 4, 16, 64}) {
+            for (int64_t b : {1, 16, 64, 300, 70000}) {
+              LaunchProblem p = Shape(KernelOp::kReplay, b, kda, state_bytes);
+              p.head_k = k;
+              p.head_v = v;
+              p.ring_len = l;
+              const LaunchPlan replay = PlanOf(p);
+              p.op = KernelOp::kBaseline;
+              const LaunchPlan baseline = PlanOf(p);
+              ASSERT_EQ(replay.role, baseline.role)
+                  << "kda " << kda << " bytes " << state_bytes << " K " << k << " V " << v << " L "
+                  << l << " B " << b;
+              if (replay.role == KernelRole::kBulkStep) {
+                EXPECT_LE(replay.smem_bytes, static_cast<size_t>(kH200.smem_per_block));
+                EXPECT_EQ(replay.bulk.channels_per_lane, baseline.bulk.channels_per_lane);
+                EXPECT_EQ(replay.bulk.rows_per_batch, baseline.bulk.rows_per_batch);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Plan, BatchesPastTheGridsRowLimitTakeTheTiledKernel) {
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 65535)).role, KernelRole::kBulkStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 65536)).role, KernelRole::kTiledStep);
+}
+
+TEST(Plan, LayoutsThatDoNotFitFallBackToTheTiledKernel) {
+  const DeviceLimits small{132, 4096, 8192};
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 64), {}, small).role, KernelRole::kTiledStep);
+}
+
+TEST(Plan, GridsPastTwoToTheThirtyOneCtasAreNotPlanned) {
+  LaunchProblem p = Shape(KernelOp::kPrefill, int64_t{1} << 27);  // x 32 heads x 2 tiles
+  EXPECT_FALSE(Plan(p, kH200).has_value());
+  p.batch = 0;
+  EXPECT_FALSE(Plan(p, kH200).has_value());
+}
+
+TEST(Plan, UnalignedPoolsTakePlainLoads) {
+  LaunchProblem p = Shape(KernelOp::kReplay, 64);
+  p.checkpoint_aligned = false;
+  p.ring_k_aligned = false;
+  const BulkConfig c = PlanOf(p).bulk;
+  EXPECT_FALSE(c.vec_s0);
+  EXPECT_FALSE(c.bulk_s0);
+  EXPECT_FALSE(c.bulk_k);
+  EXPECT_TRUE(c.bulk_d);
+  EXPECT_TRUE(c.bulk_g);
+  // GDN's g row goes in 16-byte units: not with L % 4 != 0; KDA's rows are whole channels.
+  p.ring_len = 6;
+  EXPECT_FALSE(PlanOf(p).bulk.bulk_g);
+  p.kda = true;
+  EXPECT_TRUE(PlanOf(p).bulk.bulk_g);
+}
+
+TEST(Plan, RingRowsComeInOneCopyExceptForFp32GdnDecode) {
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256)).bulk.d_dense);
+  EXPECT_TRUE(PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true)).bulk.d_dense);
+  EXPECT_TRUE(PlanOf(Shape(KernelOp::kReplay, 256, false, /*state_bytes=*/2)).bulk.d_dense);
+  EXPECT_TRUE(PlanOf(Shape(KernelOp::kVerify, 256)).bulk.d_dense);
+  // Not when a CTA covers part of a head.
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 1, false, 2)).bulk.d_dense);
+  const BulkConfig padded = PlanOf(Shape(KernelOp::kReplay, 256)).bulk;
+  EXPECT_EQ(padded.d_stride, 128 + 4);
+}
+
+TEST(Plan, PrefillAndFoldTakeThePrefillKernel) {
+  for (KernelOp op : {KernelOp::kPrefill, KernelOp::kFold}) {
+    LaunchProblem p = Shape(op, 8);
+    const LaunchPlan fp32 = PlanOf(p);
+    EXPECT_EQ(fp32.role, KernelRole::kPrefill);
+    EXPECT_EQ(fp32.tiled.kmax, 128);
+    EXPECT_EQ(fp32.tiled.tile_rows, 64);
+    EXPECT_EQ(fp32.grid_x, 8u * 32 * 2);
+    EXPECT_EQ(fp32.threads, kTiledThreads);
+    p.state_bytes = 2;
+    EXPECT_EQ(PlanOf(p).tiled.tile_rows, 128);
+  }
+}
+
+TEST(Plan, OverridesForceTheKernel) {
+  LaunchOverrides tiled;
+  tiled.step_kernel = LaunchOverrides::StepKernel::kTiled;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 256), tiled).role, KernelRole::kTiledStep);
+  LaunchOverrides bulk;
+  bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, 1), bulk).role, KernelRole::kBulkStep);
+  LaunchOverrides threshold;
+  threshold.bulk_min_batch = 4;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, 4), threshold).role, KernelRole::kBulkStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, 3), threshold).role, KernelRole::kTiledStep);
+}
+
+TEST(Plan, OverridesForceTheCtaShapeAndCopies) {
+  LaunchOverrides ov;
+  ov.warps = 1;
+  ov.rows_per_warp = 64;
+  ov.stages = 3;
+  ov.bulk_copy = 2;  // the ring's d only
+  const BulkConfig c = PlanOf(Shape(KernelOp::kReplay, 64), ov).bulk;
+  EXPECT_EQ(c.warps, 1);
+  EXPECT_EQ(c.rows_per_warp, 64);
+  EXPECT_EQ(c.stages, 3);
+  EXPECT_EQ(c.chunks, 2);
+  EXPECT_FALSE(c.bulk_s0);
+  EXPECT_TRUE(c.bulk_d);
+  EXPECT_FALSE(c.bulk_k);
+  EXPECT_FALSE(c.bulk_g);
+  EXPECT_TRUE(c.vec_s0);  // the fold's stores do not depend on the copy engine
+}
+
+TEST(Plan, CheckOverridesNamesTheFieldTheRangeAndTheValue) {
+  EXPECT_EQ(CheckOverrides({}), "");
+  LaunchOverrides ov;
+  ov.rows_per_warp = 24;
+  EXPECT_EQ(CheckOverrides(ov), "rows_per_warp: expected 0 (planned), 16, 32, 48 or 64, got 24");
+  ov = {};
+  ov.warps = 5;
+  EXPECT_EQ(CheckOverrides(ov), "warps: expected 0 (planned) or 1..4, got 5");
+  ov = {};
+  ov.stages = 9;
+  EXPECT_EQ(CheckOverrides(ov), "stages: expected 0 (planned) or 1..8, got 9");
+  ov = {};
+  ov.bulk_copy = 16;
+  EXPECT_EQ(CheckOverrides(ov), "bulk_copy: expected a bit mask in 0..15, got 16");
+  ov = {};
+  ov.bulk_min_batch = -1;
+  EXPECT_EQ(CheckOverrides(ov), "bulk_min_batch: expected 0 (planned) or >= 1, got -1");
+}
+
+// The internal entry points check the overrides with every other argument, before anything
+// runs: a refused call leaves outputs and pool as they were.
+class LaunchOverridesEntry : public ::testing::Test {
+ protected:
+  LaunchOverridesEntry() : rng_(7), layer_(testing::Config{}, 2, rng_), tok_(layer_, 1, rng_) {
+    layer_.RandomCheckpoint(0, rng_);
+    before_ = layer_.SlotBytes(0);
+    out_ = testing::Buffer(layer_.cfg.act_dtype, int64_t{layer_.cfg.hv} * layer_.cfg.v);
+    out_.FillNaN();
+  }
+  // Expects `status` to be INVALID_ARGUMENT with `message`, and nothing written.
+  void ExpectRefused(rssm_status status, const std::string& message) {
+    EXPECT_EQ(status, RSSM_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(rssm_last_error()), message);
+    for (int64_t i = 0; i < out_.size(); ++i) ASSERT_TRUE(std::isnan(out_.Get(i))) << i;
+    EXPECT_EQ(layer_.SlotBytes(0), before_);
+  }
+
+  std::mt19937_64 rng_;
+  testing::Layer layer_;
+  testing::Tokens tok_;
+  testing::Buffer out_;
+  std::vector<uint8_t> before_;
+  const int32_t slot_ = 0, pos_ = 3;
+};
+
+TEST_F(LaunchOverridesEntry, CpuLaunchesAreRefused) {
+  rssm_decode_args a = layer_.DecodeArgs(1, &slot_, &pos_, tok_, out_);
+  ExpectRefused(ReplayDecodeWith(&a, {}),
+                "ReplayDecodeWith: launch.backend: expected RSSM_BACKEND_CUDA (1) with launch "
+                "overrides, got 0");
+  ExpectRefused(BaselineDecodeWith(&a, {}),
+                "BaselineDecodeWith: launch.backend: expected RSSM_BACKEND_CUDA (1) with launch "
+                "overrides, got 0");
+}
+
+TEST_F(LaunchOverridesEntry, OverridesOutOfRangeAreRefused) {
+  rssm_decode_args a = layer_.DecodeArgs(1, &slot_, &pos_, tok_, out_);
+  a.launch = {RSSM_BACKEND_CUDA, nullptr};
+  LaunchOverrides ov;
+  ov.stages = 9;
+  ExpectRefused(ReplayDecodeWith(&a, ov),
+                "ReplayDecodeWith: overrides.stages: expected 0 (planned) or 1..8, got 9");
+  rssm_verify_args v{};
+  v.launch = a.launch;
+  v.shape = a.shape;
+  v.params = a.params;
+  v.pool = a.pool;
+  v.batch = 1;
+  v.num_draft = 1;
+  v.slot_idx = &slot_;
+  v.write_pos = &pos_;
+  v.in = a.in;
+  v.out = a.out;
+  ExpectRefused(VerifyWith(&v, ov),
+                "VerifyWith: overrides.stages: expected 0 (planned) or 1..8, got 9");
+}
+
+}  // namespace
+}  // namespace replayssm::kernels::cuda
