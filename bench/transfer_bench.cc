@@ -11,12 +11,11 @@
 // control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
 // timed is the whole move of a slot: A folds it through the cache's guard and streams it in
 // chunks (CPU: straight from slot memory; CUDA: device -> pinned staging ring, the copy of
-// chunk i+1 overlapping the put of chunk i), hashing (checksum v3) beside the puts (CPU: on
-// a pool of --lanes threads; CUDA: the slot's layers in place on the device, one
-// rssm_segment_digests_parts call); B reserves a slot without zeroing it, has each chunk
-// copied as its doorbell says it landed (CPU: into slot memory; CUDA: via pinned staging,
-// host -> device) by --import-threads copiers, each hashing what it copied, and verifies at
-// the commit.
+// chunk i+1 overlapping the put of chunk i), while the cache hashes the slot where it lies
+// (CPU: on the backend's threads; CUDA: on the device); B reserves a slot without zeroing it,
+// has each chunk written as its doorbell says it landed (CPU: into slot memory; CUDA: via
+// pinned staging, host -> device) by --import-threads writers, each hashing what it wrote, and
+// verifies at the commit.
 // Reported: per-slot latency (median), GB/s over the payload, the phases (medians over the
 // slots: fold, reserve, stage+hash+put, commit = the receiver's import tail + verify), the
 // bare put of a host buffer of the same size (no staging, no hashing, no import), the
@@ -30,10 +29,9 @@
 // Every phase runs once per round, interleaved (whole move, bare put, bare put over the lanes,
 // THP put, hash), so host drift weighs on all alike, and ucx_perftest runs first, before any
 // thread, UCX context or buffer of ours exists; min..max are printed beside the medians.
-// The checksum of a slot is timed too: v2 on one thread (in payload order: what each side did
-// before v3, and still does for a v2 peer), and v3 over --lanes threads (a host sender's hash
-// pool: one task per chunk) and over --import-threads threads (the receiver's copiers; here
-// hash only, no copy): if a v3 figure is near the whole move's, the hash still caps it.
+// The checksum is timed too: the cache's hash of a slot where it lies (the sender's, beside
+// the puts) and the payload on one host thread (a receiver's writer hashes its pieces so): if
+// the first is near the whole move's time, the hash caps it.
 // --put-thp (an experiment): the bare put once more from a source on transparent huge pages
 // (madvise), as ucx_perftest's UCX-allocated source is where THP is "madvise".
 #include <sys/mman.h>
@@ -53,10 +51,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "replayssm/cache/slot_io.h"
 #include "replayssm/cache/state_cache.h"
-#include "checksum.h"
-#include "transfer.h"
-#include "ucx_transport.h"
+#include "replayssm/transfer/receiver.h"
+#include "replayssm/transfer/sender.h"
+#include "replayssm/transfer/ucx_transport.h"
 
 namespace replayssm::transfer {
 namespace {
@@ -113,12 +112,14 @@ class SocketPeer : public Peer {
  public:
   explicit SocketPeer(int fd) : fd_(fd) {}
   absl::StatusOr<Reservation> Reserve(const std::string& id, const StateFormat& f,
-                                      int64_t seq_len, uint32_t version) override {
+                                      int64_t seq_len, uint32_t version, absl::Duration budget,
+                                      absl::Time) override {
     std::string m = "R";
     PutStr(m, id);
     Put(m, f);
     Put(m, seq_len);
     Put(m, version);
+    Put(m, absl::ToInt64Milliseconds(budget));
     SendMsg(fd_, m);
     const std::string r = RecvMsg(fd_);
     size_t off = 1;
@@ -131,8 +132,8 @@ class SocketPeer : public Peer {
     out.doorbell_addr = Take<uint64_t>(r, off);
     return out;
   }
-  absl::StatusOr<cache::SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
-                                       uint64_t checksum) override {
+  absl::StatusOr<uint64_t> Commit(const std::string& id, const std::vector<int32_t>& tokens,
+                                  uint64_t checksum, absl::Time) override {
     std::string m = "C";
     PutStr(m, id);
     PutStr(m, std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 4));
@@ -143,12 +144,17 @@ class SocketPeer : public Peer {
     if (r.empty() || r[0] != 'K') return absl::InternalError("commit failed: " + r);
     return Take<uint64_t>(r, off);
   }
-  absl::Status Abort(const std::string& id) override {
+  absl::StatusOr<Decision> Abort(const std::string& id, absl::Time) override {
     std::string m = "A";
     PutStr(m, id);
     SendMsg(fd_, m);
-    RecvMsg(fd_);
-    return absl::OkStatus();
+    const std::string r = RecvMsg(fd_);
+    size_t off = 1;
+    Decision d;
+    d.committed = Take<bool>(r, off);
+    d.slot = Take<uint64_t>(r, off);
+    d.seq_len = Take<int64_t>(r, off);
+    return d;
   }
   void FreeRemote(cache::SlotId slot) {
     std::string m = "F";
@@ -172,7 +178,9 @@ void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx, size_t c
       const StateFormat f = Take<StateFormat>(m, off);
       const int64_t seq_len = Take<int64_t>(m, off);
       const uint32_t version = Take<uint32_t>(m, off);
-      absl::StatusOr<Reservation> r = rx.Reserve(id, f, seq_len, version);
+      const int64_t budget_ms = Take<int64_t>(m, off);
+      absl::StatusOr<Reservation> r =
+          rx.Reserve(id, f, seq_len, version, absl::Milliseconds(budget_ms));
       if (!r.ok()) {
         reply = absl::StrCat("E", r.status().ToString());
       } else {
@@ -192,7 +200,10 @@ void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx, size_t c
       if (!s.ok()) reply = absl::StrCat("E", s.status().ToString());
       else Put(reply, *s);
     } else if (m[0] == 'A') {
-      rx.Abort(TakeStr(m, off)).IgnoreError();
+      const Decision d = rx.Abort(TakeStr(m, off));
+      Put(reply, d.committed);
+      Put(reply, d.slot);
+      Put(reply, d.seq_len);
     } else if (m[0] == 'F') {
       cache.Free(Take<uint64_t>(m, off)).IgnoreError();
     }
@@ -274,11 +285,12 @@ int Run(int argc, char** argv) {
   absl::StatusOr<cache::ModelSpec> m = cache::ModelPreset(model, sd);
   CHECK_OK(m.status());
   const StateFormat format = StateFormat::Of(*m);
-  const double bytes = static_cast<double>(format.Bytes());
+  const size_t payload_bytes = cache::SlotPayloadBytes(*m);
+  const double bytes = static_cast<double>(payload_bytes);
   // Each put is one piece: at most --chunk bytes and never across a layer (SplitPayload), so
   // the message size of our puts is min(chunk, one layer's checkpoint bytes).
   const size_t put_bytes =
-      std::min(chunk, static_cast<size_t>(format.Bytes() / std::max(format.num_layers, 1)));
+      std::min(chunk, payload_bytes / static_cast<size_t>(std::max(format.num_layers, 1)));
   // ucx_perftest first, before any thread, context or buffer of ours exists.
   const double perf_put = PerftestMBs(put_bytes, 50) / 1e3;  // GB/s
   const double perf_chunk = put_bytes == chunk ? perf_put : PerftestMBs(chunk, 50) / 1e3;
@@ -314,14 +326,14 @@ int Run(int argc, char** argv) {
     extra.push_back(std::move(*t));
   }
   SocketPeer peer(sv[0]);
-  Sender sender(cache->get(), lane_ptrs);
+  Sender sender(cache->get(), std::vector<PutLane*>(lane_ptrs.begin(), lane_ptrs.end()));
   std::mt19937_64 rng(5);
-  std::vector<uint8_t> layer(format.Bytes() / m->num_layers);
-  std::vector<uint8_t> payload(format.Bytes(), 1);  // the bare puts' host source
+  std::vector<uint8_t> layer(payload_bytes / m->num_layers);
+  std::vector<uint8_t> payload(payload_bytes, 1);  // the bare puts' host source
   uint8_t* thp = nullptr;
   if (put_thp) {
     constexpr size_t kHuge = 2 << 20;
-    const size_t n = (format.Bytes() + kHuge - 1) / kHuge * kHuge;
+    const size_t n = (payload_bytes + kHuge - 1) / kHuge * kHuge;
     thp = static_cast<uint8_t*>(std::aligned_alloc(kHuge, n));
     if (thp == nullptr) return 1;
     madvise(thp, n, MADV_HUGEPAGE);
@@ -330,9 +342,10 @@ int Run(int argc, char** argv) {
   // One bare put (no staging, hashing, doorbell or import) of `src` into a reservation on B,
   // over the first `n` lanes at once (contiguous ranges, one thread each); aborted after.
   auto bare_put = [&](const std::string& id, const uint8_t* src, int n) {
-    absl::StatusOr<Reservation> r = peer.Reserve(id, format, 0, kChecksumVersion);
+    absl::StatusOr<Reservation> r = peer.Reserve(id, format, 0, cache::kChecksumVersion,
+                                                 absl::Seconds(60), absl::InfiniteFuture());
     CHECK_OK(r.status());
-    const size_t total = format.Bytes(), per = (total / n + 63) & ~size_t{63};
+    const size_t total = payload_bytes, per = (total / n + 63) & ~size_t{63};
     std::vector<absl::Status> st(n);
     const auto t0 = std::chrono::steady_clock::now();
     auto one = [&](int k) {
@@ -351,25 +364,20 @@ int Run(int argc, char** argv) {
     }
     const double t = Seconds(t0);
     for (const absl::Status& s : st) CHECK_OK(s);
-    CHECK_OK(peer.Abort(id));
+    CHECK_OK(peer.Abort(id, absl::InfiniteFuture()).status());
     return t;
   };
   // Rounds: every phase once per round, interleaved, so that whatever drifts on the host
   // (other work, frequency, placement) weighs on all of them alike; round 0 warms up.
-  Stat total, fold, reserve, put, commit, put1, putn, putthp, hash, hash3, hash3i;
-  // Checksum v3 of the payload as the real path takes it: one task per chunk on a pool of
-  // `threads` threads, then the segments combined.
-  TaskPool hash_lanes(lanes), hash_import(import_threads);
-  auto hash_v3 = [&](TaskPool& pool) {
+  Stat total, fold, reserve, put, commit, put1, putn, putthp, hash, hash_slot;
+  // The cache's hash of slot `s` where it lies (the sender's, here alone): an export opened,
+  // its checksum taken, the slot released.
+  auto hash_in_cache = [&](cache::SlotId s) {
     const auto h0 = std::chrono::steady_clock::now();
-    {
-      PieceHasher h(&pool, payload.size());
-      for (size_t off = 0; off < payload.size(); off += chunk) {
-        h.Submit(off, payload.data() + off, std::min(chunk, payload.size() - off));
-      }
-      volatile uint64_t sink = h.Finish();
-      (void)sink;
-    }
+    auto r = (*cache)->OpenExport(s, "hash", {.chunk_bytes = chunk});
+    CHECK_OK(r.status());
+    CHECK_OK((*r)->Checksum().status());
+    (*r)->Finish(/*moved=*/false);
     return Seconds(h0);
   };
   for (int i = 0; i < slots + 1; ++i) {
@@ -379,9 +387,14 @@ int Run(int argc, char** argv) {
     std::vector<absl::Span<const uint8_t>> cps(m->num_layers, absl::MakeConstSpan(layer));
     std::vector<int32_t> tokens(100 + i, 7);
     CHECK_OK((*cache)->Import(*s, tokens, cps));
+    const double hs3 = hash_in_cache(*s);
     const auto t0 = std::chrono::steady_clock::now();
+    const std::string id = "x" + std::to_string(i);
     absl::StatusOr<SendResult> r =
-        sender.Send(peer, *s, "x" + std::to_string(i), {.chunk_bytes = chunk});
+        sender
+            .Send(peer, *s, id, id,
+                  {.chunk_bytes = chunk, .deadline = absl::Now() + absl::Seconds(60)})
+            .result;
     const double t = Seconds(t0);
     CHECK_OK(r.status());
     peer.FreeRemote(r->remote_slot);
@@ -389,11 +402,9 @@ int Run(int argc, char** argv) {
     const double pn = lanes > 1 ? bare_put("l" + std::to_string(i), payload.data(), lanes) : p1;
     const double ph = put_thp ? bare_put("h" + std::to_string(i), thp, 1) : 0;
     const auto th0 = std::chrono::steady_clock::now();
-    volatile uint64_t sink = Checksum(payload.data(), payload.size());
+    volatile uint64_t sink = cache::PayloadChecksum(payload.data(), payload.size());
     (void)sink;
     const double hs = Seconds(th0);
-    const double h3 = hash_v3(hash_lanes);
-    const double h3i = import_threads == lanes ? h3 : hash_v3(hash_import);
     if (i == 0) continue;
     total.Add(t);
     fold.Add(r->export_seconds);
@@ -404,34 +415,32 @@ int Run(int argc, char** argv) {
     putn.Add(pn);
     putthp.Add(ph);
     hash.Add(hs);
-    hash3.Add(h3);
-    hash3i.Add(h3i);
+    hash_slot.Add(hs3);
     if (std::getenv("REPLAYSSM_BENCH_VERBOSE") != nullptr) {
       std::printf("  round %d (%s, %d lanes): whole %.2f ms (fold %.2f, reserve %.2f, "
                   "stage+hash+put %.2f, commit %.2f); bare put %.2f ms, over %d lanes %.2f ms; "
-                  "hash v2 %.2f ms, v3 %.2f ms\n", i, DataPathName(r->path), lanes, 1e3 * t,
-                  1e3 * r->export_seconds, 1e3 * r->reserve_seconds, 1e3 * r->put_seconds,
-                  1e3 * r->commit_seconds, 1e3 * p1, lanes, 1e3 * pn, 1e3 * hs, 1e3 * h3);
+                  "hash on one thread %.2f ms, the slot in the cache %.2f ms\n", i,
+                  cache::SlotIoPathName(r->path), lanes, 1e3 * t, 1e3 * r->export_seconds,
+                  1e3 * r->reserve_seconds, 1e3 * r->put_seconds, 1e3 * r->commit_seconds,
+                  1e3 * p1, lanes, 1e3 * pn, 1e3 * hs, 1e3 * hs3);
     }
   }
   std::free(thp);
   close(sv[0]);
   waitpid(child, nullptr, 0);
   const double t_med = total.Median(), p_med = put1.Median(), pn_med = putn.Median();
-  const char* path = DataPathName(SelectDataPath(backend, (*ucx)->cuda_memory()));
+  const char* path =
+      cache::SlotIoPathName(cache::SelectSlotIoPath(backend, (*ucx)->takes_device_memory()));
   const double whole = bytes / t_med / 1e9;
   const double of_put = whole / perf_put, of_chunk = whole / perf_chunk, of_slot = whole / perf_slot;
   constexpr double kTarget = 0.8;
   auto verdict = [](double r) { return r >= kTarget ? "met" : "NOT met"; };
   auto gbs = [bytes](double s) { return bytes / s / 1e9; };
   std::printf("transfer bench: %s, state %s, backend %s (%s), %.1f MB per slot, %d slots, "
-              "chunk %zu, %d lanes, %d import threads, sender hash on the %s (phases interleaved "
-              "per round)\n",
+              "chunk %zu, %d lanes, %d import threads, sender hash in the cache on the %s "
+              "(phases interleaved per round)\n",
               m->name.c_str(), dtype.c_str(), backend_name.c_str(), path, bytes / 1e6, slots,
-              chunk, lanes, import_threads,
-              HashedOnDevice(SelectDataPath(backend, (*ucx)->cuda_memory()))
-                  ? "device"
-                  : "host");
+              chunk, lanes, import_threads, backend == RSSM_BACKEND_CPU ? "host" : "device");
   std::printf("  whole move over %d lanes (fold+reserve+stage/hash/put+import+commit): median %.2f ms "
               "= %.2f GB/s (%.2f..%.2f ms)\n", lanes, t_med * 1e3, whole, total.Min() * 1e3,
               total.Max() * 1e3);
@@ -449,14 +458,11 @@ int Run(int argc, char** argv) {
     std::printf("  bare put from a THP source, 1 thread (an experiment): median %.2f ms = %.2f GB/s\n",
                 putthp.Median() * 1e3, gbs(putthp.Median()));
   }
-  std::printf("  checksum v2 of the slot, one thread (in order; a v2 peer's): median %.2f ms "
-              "= %.2f GB/s\n", hash.Median() * 1e3, gbs(hash.Median()));
-  std::printf("  checksum v3 of the slot, %d threads (the sender's pool, --lanes): median %.2f ms "
-              "= %.2f GB/s (%.2f..%.2f ms)\n", lanes, hash3.Median() * 1e3, gbs(hash3.Median()),
-              hash3.Min() * 1e3, hash3.Max() * 1e3);
-  std::printf("  checksum v3 of the slot, %d threads (the receiver's copiers, no copy): median "
-              "%.2f ms = %.2f GB/s\n", import_threads, hash3i.Median() * 1e3,
-              gbs(hash3i.Median()));
+  std::printf("  checksum of the slot by the cache, where it lies (the sender's): median %.2f ms "
+              "= %.2f GB/s (%.2f..%.2f ms)\n", hash_slot.Median() * 1e3,
+              gbs(hash_slot.Median()), hash_slot.Min() * 1e3, hash_slot.Max() * 1e3);
+  std::printf("  checksum of the payload on one host thread: median %.2f ms = %.2f GB/s\n",
+              hash.Median() * 1e3, gbs(hash.Median()));
   std::printf("  staging overhead (whole move over the bare put over the same %d lanes): %+.0f%%\n",
               lanes, 100 * (t_med / pn_med - 1));
   std::printf("  ucx_perftest ucp_put_bw (same transport selection, this run, before ours): %.2f GB/s "
@@ -481,8 +487,8 @@ int Run(int argc, char** argv) {
                  "\"transfer_gbs\": %.3f, \"fold_ms\": %.3f, \"reserve_ms\": %.3f, "
                  "\"stage_hash_put_ms\": %.3f, \"commit_ms\": %.3f, "
                  "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"put_lanes_ms\": %.3f, \"put_lanes_gbs\": %.3f, "
-                 "\"put_thp_ms\": %.3f, \"hash_ms\": %.3f, \"hash_v3_lanes_ms\": %.3f, "
-                 "\"hash_v3_import_ms\": %.3f, \"put_bytes\": %zu, \"perftest_put_gbs\": %.3f, "
+                 "\"put_thp_ms\": %.3f, \"hash_host_ms\": %.3f, \"hash_slot_ms\": %.3f, "
+                 "\"put_bytes\": %zu, \"perftest_put_gbs\": %.3f, "
                  "\"of_perftest_put\": %.3f, \"perftest_chunk_gbs\": %.3f, "
                  "\"perftest_slot_gbs\": %.3f, \"of_perftest_chunk\": %.3f, "
                  "\"of_perftest_slot\": %.3f, \"target\": %.2f, \"path\": \"%s\"}\n",
@@ -490,8 +496,8 @@ int Run(int argc, char** argv) {
                  import_threads, t_med * 1e3, total.Min() * 1e3, total.Max() * 1e3, whole,
                  fold.Median() * 1e3, reserve.Median() * 1e3, put.Median() * 1e3,
                  commit.Median() * 1e3, p_med * 1e3, gbs(p_med), pn_med * 1e3, gbs(pn_med),
-                 putthp.Median() * 1e3, hash.Median() * 1e3, hash3.Median() * 1e3,
-                 hash3i.Median() * 1e3, put_bytes, perf_put, of_put, perf_chunk, perf_slot, of_chunk,
+                 putthp.Median() * 1e3, hash.Median() * 1e3, hash_slot.Median() * 1e3, put_bytes,
+                 perf_put, of_put, perf_chunk, perf_slot, of_chunk,
                  of_slot, kTarget, path);
     std::fclose(f);
   }

@@ -1,21 +1,6 @@
 #include "device_buffer.h"
 
-#include "absl/strings/str_cat.h"
-
 namespace replayssm::cache {
-
-absl::Status KernelStatus(rssm_status s, const char* what) {
-  switch (s) {
-    case RSSM_OK: return absl::OkStatus();
-    case RSSM_ERR_INVALID_ARGUMENT:
-      return absl::InvalidArgumentError(absl::StrCat(what, ": ", rssm_last_error()));
-    case RSSM_ERR_UNSUPPORTED:
-      return absl::UnimplementedError(absl::StrCat(what, ": ", rssm_last_error()));
-    case RSSM_ERR_DEVICE:
-      return absl::InternalError(absl::StrCat(what, ": device error: ", rssm_last_error()));
-  }
-  return absl::InternalError(absl::StrCat(what, ": unknown kernel status ", s));
-}
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(int32_t backend, size_t bytes) {
   DeviceBuffer b;

@@ -9,12 +9,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "replayssm/cache/kernel_status.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::cache {
-
-// Turns a kernel status into an absl::Status carrying rssm_last_error().
-absl::Status KernelStatus(rssm_status s, const char* what);
 
 class DeviceBuffer {
  public:

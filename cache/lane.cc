@@ -40,6 +40,12 @@ absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t token
   return absl::OkStatus();
 }
 
+absl::Status Scratch::ReserveDigests(int32_t backend, size_t segments, size_t parts) {
+  absl::Status s = Grow(digests, backend, segments * sizeof(uint64_t));
+  if (s.ok()) s = Grow(digest_parts, backend, parts * sizeof(void*));
+  return s;
+}
+
 size_t LaneHostBytes(const ModelSpec& m, int64_t max_batch) {
   const int64_t es = static_cast<int64_t>(rssm_dtype_size(m.shape.act_dtype));
   const int64_t acts = max_batch * (m.QkvWidth() + m.AWidth() + m.BWidth() + m.OutWidth()) * es;
@@ -157,6 +163,70 @@ absl::StatusOr<LanePool::Lease> LanePool::Take() {
 int64_t LanePool::size() const {
   absl::MutexLock lock(&mu_);
   return made_;
+}
+
+}  // namespace replayssm::cache
+
+namespace replayssm::cache {
+
+absl::StatusOr<std::unique_ptr<StagingRing>> StagingRing::Create(int32_t backend, int32_t count,
+                                                                 size_t bytes) {
+  std::unique_ptr<StagingRing> r(new StagingRing(backend, bytes));
+  for (int32_t i = 0; i < count; ++i) {
+    void* b = nullptr;
+    void* s = nullptr;
+    absl::Status st = KernelStatus(rssm_alloc_host(backend, bytes, &b), "staging buffer");
+    if (!st.ok()) return st;
+    r->buffers_.push_back(b);
+    st = KernelStatus(rssm_stream_create(backend, &s), "staging stream");
+    if (!st.ok()) return st;
+    r->streams_.push_back(s);
+  }
+  return r;
+}
+
+StagingRing::~StagingRing() {
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    Sync(static_cast<int32_t>(i)).IgnoreError();
+    rssm_stream_destroy(backend_, streams_[i]);
+  }
+  for (void* b : buffers_) rssm_free_host(backend_, b);
+}
+
+absl::Status StagingRing::Copy(int32_t i, void* dst, const void* src, size_t n, int32_t kind) {
+  const rssm_launch l{backend_, streams_[i]};
+  return KernelStatus(rssm_memcpy(&l, dst, src, n, kind), "staging copy");
+}
+
+absl::Status StagingRing::Sync(int32_t i) {
+  const rssm_launch l{backend_, streams_[i]};
+  return KernelStatus(rssm_synchronize(&l), "staging synchronize");
+}
+
+void StagingPool::Lease::reset() {
+  if (ring_ == nullptr) return;
+  for (int32_t i = 0; i < ring_->count(); ++i) ring_->Sync(i).IgnoreError();
+  absl::MutexLock lock(&pool_->mu_);
+  if (static_cast<int32_t>(pool_->idle_.size()) < pool_->keep_) {
+    pool_->idle_.push_back(std::move(ring_));
+  }
+  ring_.reset();
+}
+
+absl::StatusOr<StagingPool::Lease> StagingPool::Take(int32_t count, size_t bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      if ((*it)->count() == count && (*it)->bytes() == bytes) {
+        Lease l(this, std::move(*it));
+        idle_.erase(it);
+        return l;
+      }
+    }
+  }
+  absl::StatusOr<std::unique_ptr<StagingRing>> r = StagingRing::Create(backend_, count, bytes);
+  if (!r.ok()) return r.status();
+  return Lease(this, *std::move(r));
 }
 
 }  // namespace replayssm::cache

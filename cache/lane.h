@@ -2,7 +2,8 @@
 // host staging buffer for copies to and from ordinary host memory, and backend scratch for
 // the operation's activations and index arrays. StateCache keeps a free list of lanes (as
 // many as operations ever ran at once), so steady-state operations allocate nothing and
-// operations on disjoint slots overlap on the device.
+// operations on disjoint slots overlap on the device. StagingRing: pinned buffers with a
+// stream each for bulk slot I/O (a move's chunks), kept between moves by a StagingPool.
 //
 // Ordering: everything queued on a lane runs in order on its stream. Host memory passed to
 // Upload may be reused as soon as Upload returns (it was copied into pinned memory); host
@@ -36,7 +37,10 @@ struct Scratch {
   DeviceBuffer slot_idx, write_pos, cu;  // int32: the operation's rows
   DeviceBuffer fold_idx, fold_pos;       // int32: the rows a fold before it acts on
   DeviceBuffer flags;                    // uint8
+  DeviceBuffer digests, digest_parts;    // a slot checksum: its segment digests, part table
   absl::Status Reserve(int32_t backend, const ModelSpec& m, int64_t tokens, int64_t rows);
+  // Room for the digests of `segments` segments and a table of `parts` part pointers.
+  absl::Status ReserveDigests(int32_t backend, size_t segments, size_t parts);
 };
 
 class Lane {
@@ -128,6 +132,71 @@ class LanePool {
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Lane>> free_ ABSL_GUARDED_BY(mu_);
   int64_t made_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// `count` pinned host buffers of `bytes` each, with a stream each: a copy into or out of
+// buffer i is queued on stream i, and Sync(i) waits for it before the buffer is used again.
+// Thread safety: calls on different buffers may run on different threads at once.
+class StagingRing {
+ public:
+  static absl::StatusOr<std::unique_ptr<StagingRing>> Create(int32_t backend, int32_t count,
+                                                             size_t bytes);
+  ~StagingRing();  // waits for every stream
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
+
+  int32_t count() const { return static_cast<int32_t>(buffers_.size()); }
+  size_t bytes() const { return bytes_; }
+  uint8_t* buffer(int32_t i) const { return static_cast<uint8_t*>(buffers_[i]); }
+  // Queues a copy (rssm_copy_kind) of `n` bytes on stream i.
+  absl::Status Copy(int32_t i, void* dst, const void* src, size_t n, int32_t kind);
+  absl::Status Sync(int32_t i);
+
+ private:
+  StagingRing(int32_t backend, size_t bytes) : backend_(backend), bytes_(bytes) {}
+  const int32_t backend_;
+  const size_t bytes_;
+  std::vector<void*> buffers_, streams_;
+};
+
+// Idle staging rings, so that a move does not allocate pinned memory (which costs more than
+// the move's copies). Take gives an idle ring of that shape, or a new one; a returned ring is
+// kept unless `keep` idle ones are held already.
+// Thread safety: Take and the leases' destruction are thread-safe.
+class StagingPool {
+ public:
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(StagingPool* pool, std::unique_ptr<StagingRing> ring)
+        : pool_(pool), ring_(std::move(ring)) {}
+    Lease(Lease&& o) noexcept = default;
+    Lease& operator=(Lease&& o) noexcept {
+      if (this != &o) {
+        reset();
+        pool_ = o.pool_;
+        ring_ = std::move(o.ring_);
+      }
+      return *this;
+    }
+    ~Lease() { reset(); }
+    StagingRing* operator->() const { return ring_.get(); }
+    explicit operator bool() const { return ring_ != nullptr; }
+    void reset();  // gives the ring back now (after its streams are idle)
+
+   private:
+    StagingPool* pool_ = nullptr;
+    std::unique_ptr<StagingRing> ring_;
+  };
+
+  StagingPool(int32_t backend, int32_t keep) : backend_(backend), keep_(keep) {}
+  absl::StatusOr<Lease> Take(int32_t count, size_t bytes);
+
+ private:
+  const int32_t backend_;
+  const int32_t keep_;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<StagingRing>> idle_ ABSL_GUARDED_BY(mu_);
 };
 
 // Pinned staging a lane of `model` needs so that one decode layer of `max_batch` rows and its

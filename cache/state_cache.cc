@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <list>
+#include <string>
 #include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
@@ -32,13 +33,15 @@
 #include "doorbells.h"
 #include "radix_tree.h"
 #include "replayssm/cache/state_cache.h"
+#include "slot_io_internal.h"
 #include "slot_pool.h"
 
 namespace replayssm::cache {
 namespace {
 
-// kSpare: a prefill forward's copy of a row's checkpoints, never reachable by an id.
-enum class Kind { kFree, kLive, kSnapshot, kSpare };
+// kSpare: a prefill forward's copy of a row's checkpoints; kImporting: taken by an import
+// (SlotWriter) that has not committed. Neither is reachable by an id.
+enum class Kind { kFree, kLive, kSnapshot, kSpare, kImporting };
 
 struct Slot {
   Kind kind = Kind::kFree;
@@ -48,7 +51,7 @@ struct Slot {
   std::vector<int32_t> tokens;  // live: the history; snapshot: its key. size() == seq_len
   bool busy = false;            // in a forward, verify, prefill, copy or export
   bool broken = false;          // a device error left its state unknown
-  bool awaiting_import = false;  // AllocateForImport: stale bytes until a kImport succeeds
+  std::string moving;           // being moved out (a SlotReader): the move's id; else empty
   int32_t pending = 0;          // drafts verified, awaiting Accept
   std::vector<int32_t> drafts;
   int32_t refs = 0;  // snapshots: copies in progress
@@ -128,13 +131,14 @@ class ForwardImpl final : public Forward {
   Doorbells doorbells_;
 };
 
-class StateCacheImpl final : public StateCache {
+class StateCacheImpl final : public StateCache, private SlotIoOwner {
  public:
   StateCacheImpl(ModelSpec model, CacheOptions options, std::unique_ptr<SlotPool> pool)
       : model_(std::move(model)),
         options_(options),
         pool_(std::move(pool)),
-        lanes_(options_.backend, LaneHostBytes(model_, options_.max_batch)) {
+        lanes_(options_.backend, LaneHostBytes(model_, options_.max_batch)),
+        staging_(options_.backend, kIdleStagingRings) {
     slots_.resize(pool_->num_slots());
     for (int64_t i = pool_->num_slots() - 1; i >= 0; --i) free_.push_back(static_cast<int32_t>(i));
   }
@@ -171,17 +175,6 @@ class StateCacheImpl final : public StateCache {
     }
     slots_[index].busy = false;
     return MakeId(index, slots_[index].generation);
-  }
-
-  absl::StatusOr<SlotId> AllocateForImport() override {
-    absl::MutexLock lock(&mu_);
-    absl::StatusOr<int32_t> i = TakeFreeLocked();
-    if (!i.ok()) return i.status();
-    StartLiveLocked(*i, {});
-    Slot& s = slots_[*i];
-    s.busy = false;
-    s.awaiting_import = true;  // no memset: WithCheckpoints(kImport) writes every byte
-    return MakeId(*i, s.generation);
   }
 
   absl::StatusOr<PrefixAllocation> AllocateFromPrefix(absl::Span<const int32_t> tokens) override {
@@ -232,6 +225,7 @@ class StateCacheImpl final : public StateCache {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = LookupLocked(id, "slot", /*allow_broken=*/true);
     if (!i.ok()) return i.status();
+    if (!slots_[*i].moving.empty()) return MovingLocked(id, *i, "slot");
     if (slots_[*i].busy) {
       return absl::FailedPreconditionError(
           absl::StrCat("slot: ", IdString(id), " is in an open operation; finish it first"));
@@ -253,12 +247,13 @@ class StateCacheImpl final : public StateCache {
   absl::Status Import(SlotId id, absl::Span<const int32_t> tokens,
                       absl::Span<const absl::Span<const uint8_t>> checkpoints) override;
   absl::StatusOr<ExportedState> Export(SlotId id) override;
-  absl::StatusOr<int64_t> ExportTo(SlotId id, absl::Span<uint8_t> dst,
-                                   std::vector<int32_t>* tokens) override;
-  absl::StatusOr<int64_t> WithCheckpoints(
-      SlotId id, CheckpointAccess access,
-      const std::function<absl::Status(const CheckpointMemory&)>& fn,
-      std::vector<int32_t>* tokens) override;
+  absl::StatusOr<std::unique_ptr<SlotReader>> OpenExport(SlotId id, absl::string_view move_id,
+                                                         const SlotIoOptions& options) override;
+  absl::StatusOr<std::unique_ptr<SlotWriter>> OpenImport(int64_t seq_len,
+                                                         const SlotIoOptions& options) override;
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> AllocateBackendBuffer(size_t bytes) override {
+    return NewBackendBuffer(options_.backend, bytes);
+  }
   absl::StatusOr<std::unique_ptr<Forward>> BeginForward(absl::Span<const DecodeRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(absl::Span<const PrefillRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
@@ -335,18 +330,22 @@ class StateCacheImpl final : public StateCache {
     return static_cast<int32_t>(index);
   }
 
-  // Marks a live slot busy for an operation; refuses a slot that is busy or has drafts, and
-  // one awaiting its import (AllocateForImport) unless this is that import.
-  absl::StatusOr<int32_t> AcquireLocked(SlotId id, const std::string& field, bool allow_pending,
-                                        bool import = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // The refusal of any change to a slot that is being moved out.
+  absl::Status MovingLocked(SlotId id, int32_t index, const std::string& field) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": slot ", IdString(id), " is being transferred (request id ",
+        slots_[index].moving, "); it accepts no change until the transfer ends"));
+  }
+
+  // Marks a live slot busy for an operation; refuses a slot that is busy, being moved out or
+  // has drafts.
+  absl::StatusOr<int32_t> AcquireLocked(SlotId id, const std::string& field, bool allow_pending)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::StatusOr<int32_t> i = LookupLocked(id, field);
     if (!i.ok()) return i;
     Slot& s = slots_[*i];
-    if (s.awaiting_import && !import) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          field, ": slot ", IdString(id), " was allocated for an import that has not completed "
-          "(it holds no state yet); expected a slot with a state, got one awaiting its import"));
-    }
+    if (!s.moving.empty()) return MovingLocked(id, *i, field);
     if (s.busy) {
       return absl::FailedPreconditionError(
           absl::StrCat(field, ": slot ", IdString(id), " is in another open operation"));
@@ -394,7 +393,7 @@ class StateCacheImpl final : public StateCache {
     s.tokens = std::move(tokens);
     s.busy = true;
     s.broken = false;
-    s.awaiting_import = false;
+    s.moving.clear();
     s.pending = 0;
     s.drafts.clear();
   }
@@ -442,6 +441,17 @@ class StateCacheImpl final : public StateCache {
   // key is cached already or no slot can be had). Waits for the copy.
   absl::Status TakeSnapshot(int32_t index, Lane& lane);
 
+  // --- SlotIoOwner: what the slot readers and writers call back ---
+  // pool() is above (ForwardImpl uses it too).
+  LanePool& lanes() override { return lanes_; }
+  StagingPool& staging() override { return staging_; }
+  void EndExport(int32_t index, bool moved) override;
+  SlotId CommitImport(int32_t index, absl::Span<const int32_t> tokens) override;
+  void DropImport(int32_t index) override;
+
+  // Idle staging rings kept for the next move (pinned memory is costly to allocate).
+  static constexpr int32_t kIdleStagingRings = 8;
+
   const ModelSpec model_;
   const CacheOptions options_;
   std::unique_ptr<SlotPool> pool_;
@@ -453,6 +463,7 @@ class StateCacheImpl final : public StateCache {
   RadixTree radix_ ABSL_GUARDED_BY(mu_);
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
   LanePool lanes_;  // one lane per operation in flight
+  StagingPool staging_;  // slot I/O's staged path
 
   friend class ForwardImpl;
 };
@@ -697,25 +708,6 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
 }
 
 absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
-  ExportedState out;
-  std::vector<uint8_t> all(model_.num_layers * pool_->CheckpointBytes());
-  absl::StatusOr<int64_t> seq_len = ExportTo(id, absl::MakeSpan(all), &out.tokens);
-  if (!seq_len.ok()) return seq_len.status();
-  out.seq_len = *seq_len;
-  const size_t per = pool_->CheckpointBytes();
-  for (int32_t l = 0; l < model_.num_layers; ++l) {
-    out.checkpoints.emplace_back(all.begin() + l * per, all.begin() + (l + 1) * per);
-  }
-  return out;
-}
-
-absl::StatusOr<int64_t> StateCacheImpl::ExportTo(SlotId id, absl::Span<uint8_t> dst,
-                                                 std::vector<int32_t>* tokens) {
-  const size_t per = pool_->CheckpointBytes();
-  if (dst.size() != model_.num_layers * per) {
-    return absl::InvalidArgumentError(absl::StrCat("dst: expected ", model_.num_layers * per,
-                                                   " bytes (all layers' checkpoints), got ", dst.size()));
-  }
   int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
@@ -723,10 +715,12 @@ absl::StatusOr<int64_t> StateCacheImpl::ExportTo(SlotId id, absl::Span<uint8_t> 
     if (!i.ok()) return i.status();
     index = *i;
   }
+  ExportedState out;
+  out.checkpoints.assign(model_.num_layers, std::vector<uint8_t>(pool_->CheckpointBytes()));
   absl::Status st = OnLane([&](Lane& lane) {
     absl::Status r = Materialize(index, "export", lane);
     for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
-      r = pool_->ReadCheckpoint(index, l, dst.data() + l * per, lane);
+      r = pool_->ReadCheckpoint(index, l, out.checkpoints[l].data(), lane);
     }
     return r;
   });
@@ -734,49 +728,78 @@ absl::StatusOr<int64_t> StateCacheImpl::ExportTo(SlotId id, absl::Span<uint8_t> 
   Slot& s = slots_[index];
   s.busy = false;
   if (!st.ok()) return st;
-  if (tokens != nullptr) *tokens = s.tokens;
-  return s.seq_len;
+  out.seq_len = s.seq_len;
+  out.tokens = s.tokens;
+  return out;
 }
 
-absl::StatusOr<int64_t> StateCacheImpl::WithCheckpoints(
-    SlotId id, CheckpointAccess access,
-    const std::function<absl::Status(const CheckpointMemory&)>& fn,
-    std::vector<int32_t>* tokens) {
-  const bool out = access == CheckpointAccess::kExport;
-  if (tokens == nullptr) {
-    return absl::InvalidArgumentError("tokens: expected a non-null vector, got NULL");
+absl::StatusOr<std::unique_ptr<SlotReader>> StateCacheImpl::OpenExport(
+    SlotId id, absl::string_view move_id, const SlotIoOptions& options) {
+  if (move_id.empty()) {
+    return absl::InvalidArgumentError("move_id: expected a non-empty id naming the move, got \"\"");
   }
-  int32_t index = -1;
+  absl::StatusOr<SlotIoSpec> spec = ResolveSlotIo(options_.backend, options);
+  if (!spec.ok()) return spec.status();
   {
     absl::MutexLock lock(&mu_);
-    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/out, /*import=*/!out);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
     if (!i.ok()) return i.status();
-    index = *i;
+    spec->index = *i;
   }
-  CheckpointMemory m{options_.backend, pool_->CheckpointBytes(), {}};
-  for (int32_t l = 0; l < model_.num_layers; ++l) {
-    m.layers.push_back(static_cast<char*>(pool_->LayerPool(l).checkpoint) +
-                       static_cast<size_t>(index) * m.bytes_per_layer);
+  // The guarded path: what leaves is the whole state (write_pos 0), or nothing.
+  absl::Status st = OnLane([&](Lane& lane) { return Materialize(spec->index, "export", lane); });
+  int64_t seq_len = 0;
+  std::vector<int32_t> tokens;
+  {
+    absl::MutexLock lock(&mu_);
+    Slot& s = slots_[spec->index];
+    s.busy = false;
+    if (!st.ok()) return st;
+    s.moving = std::string(move_id);
+    seq_len = s.seq_len;
+    tokens = s.tokens;
   }
-  absl::Status st = absl::OkStatus();
-  if (out) st = OnLane([&](Lane& lane) { return Materialize(index, "export", lane); });
-  if (st.ok()) st = fn(m);
+  absl::StatusOr<std::unique_ptr<SlotReader>> reader =
+      NewSlotReader(this, *spec, seq_len, std::move(tokens));
+  if (!reader.ok()) EndExport(spec->index, /*moved=*/false);
+  return reader;
+}
+
+absl::StatusOr<std::unique_ptr<SlotWriter>> StateCacheImpl::OpenImport(
+    int64_t seq_len, const SlotIoOptions& options) {
+  if (seq_len < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("seq_len: expected >= 0, got ", seq_len));
+  }
+  absl::StatusOr<SlotIoSpec> spec = ResolveSlotIo(options_.backend, options);
+  if (!spec.ok()) return spec.status();
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = TakeFreeLocked();
+    if (!i.ok()) return i.status();
+    spec->index = *i;
+    slots_[*i].kind = Kind::kImporting;  // no id reaches it: not zeroed, nobody's
+  }
+  absl::StatusOr<std::unique_ptr<SlotWriter>> writer = NewSlotWriter(this, *spec, seq_len);
+  if (!writer.ok()) DropImport(spec->index);
+  return writer;
+}
+
+void StateCacheImpl::EndExport(int32_t index, bool moved) {
   absl::MutexLock lock(&mu_);
-  Slot& s = slots_[index];
-  s.busy = false;
-  if (!st.ok()) {
-    s.broken = s.broken || !out;  // an import may have written part of the state
-    return st;
-  }
-  if (out) {
-    *tokens = s.tokens;
-  } else {
-    s.write_pos = 0;
-    s.seq_len = static_cast<int64_t>(tokens->size());
-    s.tokens = *tokens;
-    s.awaiting_import = false;  // every checkpoint byte is the import's now
-  }
-  return s.seq_len;
+  slots_[index].moving.clear();
+  if (moved) ReleaseLocked(index);
+}
+
+SlotId StateCacheImpl::CommitImport(int32_t index, absl::Span<const int32_t> tokens) {
+  absl::MutexLock lock(&mu_);
+  StartLiveLocked(index, std::vector<int32_t>(tokens.begin(), tokens.end()));
+  slots_[index].busy = false;
+  return MakeId(index, slots_[index].generation);
+}
+
+void StateCacheImpl::DropImport(int32_t index) {
+  absl::MutexLock lock(&mu_);
+  ReleaseLocked(index);
 }
 
 absl::Status StateCacheImpl::Donate(SlotId id) {

@@ -99,12 +99,13 @@ const std::vector<Flag>& Flags() {
       {"transfer-import-threads",
        "receiver threads copying (and hashing) landed chunks into the slot, 1..32 [8]",
        Int(&ServerOptions::transfer_import_threads)},
-      {"transfer-timeout", "seconds an outgoing slot transfer may take [30]",
+      {"transfer-timeout",
+       "seconds an outgoing slot transfer may take, commit and abort included [30]",
        Seconds(&ServerOptions::transfer_timeout)},
       {"transfer-lease", "seconds an incoming transfer's reservation lives uncommitted [30]",
        Seconds(&ServerOptions::transfer_lease)},
-      {"transfer-fault", "tests only: corrupt | exit-before-commit | exit-after-put",
-       Str(&ServerOptions::transfer_fault)},
+      {"transfer-max-concurrent", "outgoing slot transfers running at once, 1..64 [8]",
+       Int(&ServerOptions::transfer_max_concurrent)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        [](ServerFlags& f, const std::string& v) {
          f.ready_file = v;

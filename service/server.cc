@@ -116,7 +116,7 @@ class ServerImpl final : public Server {
     t.import_threads = options_.transfer_import_threads;
     t.timeout = options_.transfer_timeout;
     t.lease = options_.transfer_lease;
-    t.fault = options_.transfer_fault;
+    t.max_concurrent = options_.transfer_max_concurrent;
     absl::StatusOr<std::unique_ptr<TransferService>> ts = TransferService::Create(&ctx_, t);
     if (!ts.ok()) return ts.status();
     transfers_ = std::move(*ts);
@@ -124,6 +124,7 @@ class ServerImpl final : public Server {
   }
 
   ~ServerImpl() override {
+    if (transfers_ != nullptr) transfers_->Stop();  // its reactors end before the server
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
   }
 
@@ -162,6 +163,7 @@ class ServerImpl final : public Server {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
     gate_.WaitIdle(options_.drain_timeout);
+    transfers_->Stop();  // waiting transfers are refused, running ones end
     // Open forwards are done; idle streams and calls in flight get a short grace period.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     server_->Wait();

@@ -37,9 +37,9 @@ struct ServerOptions {
   int64_t transfer_chunk_bytes = int64_t{4} << 20;    // UCX put granularity
   int32_t transfer_lanes = 4;                          // sender threads putting at once, 1..16
   int32_t transfer_import_threads = 8;                 // receiver copier threads, 1..32
-  absl::Duration transfer_timeout = absl::Seconds(30);  // one outgoing transfer at most
+  absl::Duration transfer_timeout = absl::Seconds(30);  // one outgoing transfer, all of it
   absl::Duration transfer_lease = absl::Seconds(30);    // an uncommitted reservation at most
-  std::string transfer_fault;  // tests only: corrupt | exit-before-commit | exit-after-put
+  int32_t transfer_max_concurrent = 8;                 // outgoing transfers at once, 1..64
 };
 
 class Server {

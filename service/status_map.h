@@ -1,5 +1,6 @@
-// The one place where a domain status (absl::Status from the cache and the service's own
-// validation) becomes a gRPC status. Handlers never build a grpc::Status themselves.
+// The one place where a domain status (absl::Status from the cache, the transfer layer and
+// the service's own validation) becomes a gRPC status, and where a peer's gRPC status becomes
+// an absl::Status again. Handlers never build a grpc::Status themselves.
 #ifndef REPLAYSSM_SERVICE_STATUS_MAP_H_
 #define REPLAYSSM_SERVICE_STATUS_MAP_H_
 
@@ -12,6 +13,10 @@ namespace replayssm::service {
 // absl code -> grpc::StatusCode (the numeric values agree by design; the switch makes the
 // mapping explicit and total). The message is kept as is.
 grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// The inverse, for calls to peers: the same code, the message prefixed with `context` (e.g.
+// "peer CommitTransfer: ...").
+absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view context);
 
 // "<field>: expected <expected>, got <got>" as INVALID_ARGUMENT: the format every validation
 // error uses, so clients and tests can rely on it.

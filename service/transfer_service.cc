@@ -1,8 +1,6 @@
 #include "service/transfer_service.h"
 
-#include <unistd.h>
-
-#include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -38,62 +36,60 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
   return f;
 }
 
-absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat("peer ", what, ": ", s.error_message()));
-}
-
 // The sender's view of the receiving server, over its SlotTransfer service.
 class GrpcPeer final : public transfer::Peer {
  public:
-  GrpcPeer(const std::string& address, absl::Duration timeout)
-      : stub_(v1::SlotTransfer::NewStub(
-            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
-        timeout_(timeout) {}
+  explicit GrpcPeer(std::shared_ptr<grpc::Channel> channel)
+      : stub_(v1::SlotTransfer::NewStub(std::move(channel))) {}
 
   absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
                                                 const transfer::StateFormat& format,
-                                                int64_t seq_len, uint32_t checksum_version) override {
+                                                int64_t seq_len, uint32_t checksum_version,
+                                                absl::Duration budget,
+                                                absl::Time deadline) override {
     v1::ReserveTransferRequest req;
     req.set_transfer_id(id);
     *req.mutable_format() = ToProto(format);
     req.set_seq_len(seq_len);
     req.set_checksum_version(checksum_version);
+    req.set_budget_ms(absl::ToInt64Milliseconds(budget));
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    Deadline(c);
-    absl::Status st = FromGrpc(stub_->ReserveTransfer(&c, req, &resp), "ReserveTransfer");
+    c.set_deadline(absl::ToChronoTime(deadline));
+    absl::Status st =
+        FromGrpcStatus(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
     if (!st.ok()) return st;
     return transfer::Reservation{resp.worker_address(), resp.remote_addr(), resp.rkey(),
                                  resp.bytes(), resp.doorbell_addr()};
   }
-  absl::StatusOr<cache::SlotId> Commit(const std::string& id, const std::vector<int32_t>& tokens,
-                                       uint64_t checksum) override {
+
+  absl::StatusOr<uint64_t> Commit(const std::string& id, const std::vector<int32_t>& tokens,
+                                  uint64_t checksum, absl::Time deadline) override {
     v1::CommitTransferRequest req;
     req.set_transfer_id(id);
     req.mutable_tokens()->Add(tokens.begin(), tokens.end());
     req.set_checksum(checksum);
     v1::CommitTransferResponse resp;
     grpc::ClientContext c;
-    Deadline(c);
-    absl::Status st = FromGrpc(stub_->CommitTransfer(&c, req, &resp), "CommitTransfer");
+    c.set_deadline(absl::ToChronoTime(deadline));
+    absl::Status st = FromGrpcStatus(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
     if (!st.ok()) return st;
     return resp.slot();  // the peer's wire handle
   }
-  absl::Status Abort(const std::string& id) override {
+
+  absl::StatusOr<transfer::Decision> Abort(const std::string& id, absl::Time deadline) override {
     v1::AbortTransferRequest req;
     req.set_transfer_id(id);
     v1::AbortTransferResponse resp;
     grpc::ClientContext c;
-    Deadline(c);
-    return FromGrpc(stub_->AbortTransfer(&c, req, &resp), "AbortTransfer");
+    c.set_deadline(absl::ToChronoTime(deadline));
+    absl::Status st = FromGrpcStatus(stub_->AbortTransfer(&c, req, &resp), "peer AbortTransfer");
+    if (!st.ok()) return st;
+    return transfer::Decision{resp.committed(), resp.slot(), resp.seq_len()};
   }
 
  private:
-  void Deadline(grpc::ClientContext& c) const { c.set_deadline(absl::ToChronoTime(absl::Now() + timeout_)); }
   std::unique_ptr<v1::SlotTransfer::Stub> stub_;
-  absl::Duration timeout_;
 };
 
 // The fields both transfer forms need: INVALID_ARGUMENT naming the first one missing.
@@ -103,13 +99,14 @@ absl::Status RequireSet(const std::string& request_id, uint64_t slot, const std:
                         : peer.empty()     ? "peer_address"
                                            : nullptr;
   if (missing == nullptr) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(missing, ": expected it set (request_id, slot and peer_address all are), got ",
-                   slot == 0 && missing[0] == 's' ? "0" : "\"\""));
+  return FieldError(missing, "it set (request_id, slot and peer_address all are)",
+                    slot == 0 && missing[0] == 's' ? "0" : "\"\"");
 }
 
-// Ends the process as a crash would (no cleanup): fault injection for the tests.
-[[noreturn]] void Die() { _exit(86); }
+bool WildcardHost(absl::string_view address) {
+  return absl::StartsWith(address, "0.0.0.0:") || absl::StartsWith(address, "[::]:") ||
+         absl::StartsWith(address, ":");
+}
 
 }  // namespace
 
@@ -118,20 +115,24 @@ TransferService::TransferService(const ServiceContext* ctx, TransferOptions opti
 
 absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const ServiceContext* ctx,
                                                                          TransferOptions options) {
-  if (options.lanes < 1 || options.lanes > 16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transfer-lanes: expected 1..16, got ", options.lanes));
-  }
-  if (options.import_threads < 1 || options.import_threads > 32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transfer-import-threads: expected 1..32, got ", options.import_threads));
+  const std::pair<const char*, std::pair<int32_t, std::pair<int32_t, int32_t>>> ranges[] = {
+      {"transfer-lanes", {options.lanes, {1, 16}}},
+      {"transfer-import-threads", {options.import_threads, {1, 32}}},
+      {"transfer-max-concurrent", {options.max_concurrent, {1, 64}}},
+  };
+  for (const auto& [flag, v] : ranges) {
+    if (v.first < v.second.first || v.first > v.second.second) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": expected ", v.second.first, "..",
+                                                     v.second.second, ", got ", v.first));
+    }
   }
   std::unique_ptr<TransferService> s(new TransferService(ctx, std::move(options)));
+  const TransferOptions& o = s->options_;
   absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> ucx = transfer::UcxTransport::Create();
   if (!ucx.ok()) return ucx.status();
   s->ucx_ = std::move(*ucx);
-  std::vector<transfer::UcxTransport*> lanes = {s->ucx_.get()};
-  for (int32_t k = 1; k < s->options_.lanes; ++k) {
+  std::vector<transfer::PutLane*> lanes = {s->ucx_.get()};
+  for (int32_t k = 1; k < o.lanes; ++k) {
     absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> lane =
         transfer::UcxTransport::Create(/*progress_thread=*/false);
     if (!lane.ok()) return lane.status();
@@ -140,9 +141,10 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
   }
   s->receiver_ = std::make_unique<transfer::Receiver>(
       ctx->cache, s->ucx_.get(),
-      transfer::ReceiverOptions{s->options_.lease, s->options_.max_open, s->options_.chunk_bytes,
-                                s->options_.import_threads});
-  if (s->options_.fault == "corrupt") s->receiver_->CorruptNextPayloadForTest();
+      transfer::ReceiverOptions{.lease = o.lease,
+                                .max_open = o.max_open,
+                                .chunk_bytes = o.chunk_bytes,
+                                .import_threads = o.import_threads});
   s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, std::move(lanes));
   prometheus::Registry& r = *ctx->metrics->registry();
   s->failures_ = &prometheus::BuildCounter()
@@ -154,41 +156,79 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
                    .Help("State bytes sent to peers by completed slot transfers.")
                    .Register(r)
                    .Add({});
-  s->seconds_ = &prometheus::BuildHistogram()
-                     .Name("replayssm_transfer_duration_seconds")
-                     .Help("Wall time of completed outgoing slot transfers.")
-                     .Register(r)
-                     .Add({}, prometheus::Histogram::BucketBoundaries{
-                                  0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+  s->seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("replayssm_transfer_duration_seconds")
+           .Help("Wall time of completed outgoing slot transfers.")
+           .Register(r)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                            0.1, 0.25, 0.5, 1, 2.5, 5, 10});
   s->open_ = &prometheus::BuildGauge()
                   .Name("replayssm_transfer_reservations")
                   .Help("Incoming transfers reserved and not yet committed, aborted or expired.")
                   .Register(r)
                   .Add({});
+  s->in_doubt_ = &prometheus::BuildGauge()
+                      .Name("replayssm_transfer_in_doubt")
+                      .Help(
+                          "Outgoing transfers whose outcome the peer has not told yet (their "
+                          "source slots stay locked).")
+                      .Register(r)
+                      .Add({});
   TransferService* self = s.get();
+  transfer::ManagerOptions m;
+  m.timeout = o.timeout;
+  m.chunk_bytes = o.chunk_bytes;
+  m.max_concurrent = o.max_concurrent;
+  m.on_moved = [self](const transfer::SendResult& moved) {
+    self->bytes_->Increment(static_cast<double>(moved.bytes));
+    self->seconds_->Observe(moved.seconds);
+  };
+  s->manager_ = std::make_unique<transfer::TransferManager>(
+      s->sender_.get(),
+      [self](const std::string& address) -> std::unique_ptr<transfer::Peer> {
+        return std::make_unique<GrpcPeer>(self->Channel(address));
+      },
+      m);
   s->janitor_ = std::thread([self] {
     while (!self->stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
       self->receiver_->ExpireLeases();
       self->open_->Set(self->receiver_->open());
+      self->in_doubt_->Set(self->manager_->in_doubt());
     }
   });
   return s;
 }
 
 TransferService::~TransferService() {
-  while (pulls_.load() > 0) absl::SleepFor(absl::Milliseconds(5));  // detached PullSlot waits
+  Stop();
+  while (pulls_.load() > 0) absl::SleepFor(absl::Milliseconds(5));  // their peers answer
   stop_.Notify();
   if (janitor_.joinable()) janitor_.join();
+}
+
+void TransferService::Stop() { manager_->Stop(); }
+
+std::shared_ptr<grpc::Channel> TransferService::Channel(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<grpc::Channel>& c = channels_[address];
+  if (c == nullptr) c = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  return c;
+}
+
+void TransferService::Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,
+                             const absl::Status& status) {
+  const grpc::Status g = ToGrpcStatus(status);
+  ctx_->metrics->CountRpc(method, g.error_code());
+  open_->Set(receiver_->open());
+  reactor->Finish(g);
 }
 
 grpc::ServerUnaryReactor* TransferService::Reply(grpc::CallbackServerContext* c,
                                                  absl::string_view method,
                                                  const absl::Status& status) {
-  const grpc::Status g = ToGrpcStatus(status);
-  ctx_->metrics->CountRpc(method, g.error_code());
-  open_->Set(receiver_->open());
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-  reactor->Finish(g);
+  Finish(reactor, method, status);
   return reactor;
 }
 
@@ -199,42 +239,24 @@ void TransferService::CountFailure(const absl::Status& status) {
 grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerContext* c,
                                                         const v1::TransferSlotRequest* req,
                                                         v1::TransferSlotResponse* resp) {
-  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
-      !st.ok()) {
+  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address()); !st.ok()) {
     return Reply(c, "TransferSlot", st);
   }
-  GrpcPeer grpc_peer(req->peer_address(), options_.timeout);
-  // Fault injection: the sender "dies" between the put and the commit.
-  struct DyingPeer final : transfer::Peer {
-    transfer::Peer* inner;
-    absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
-                                                  const transfer::StateFormat& f, int64_t n,
-                                                  uint32_t version) override {
-      return inner->Reserve(id, f, n, version);
-    }
-    absl::StatusOr<cache::SlotId> Commit(const std::string&, const std::vector<int32_t>&,
-                                         uint64_t) override {
-      Die();
-    }
-    absl::Status Abort(const std::string& id) override { return inner->Abort(id); }
-  } dying;
-  dying.inner = &grpc_peer;
-  transfer::Peer& peer = options_.fault == "exit-after-put" ? static_cast<transfer::Peer&>(dying)
-                                                            : grpc_peer;
-  absl::StatusOr<transfer::SendResult> r = sender_->Send(
-      peer, ctx_->slots.FromWire(req->slot()), req->request_id(),
-      transfer::SendOptions{req->keep_source(), options_.chunk_bytes, options_.timeout});
-  if (!r.ok()) {
-    CountFailure(r.status());
-    return Reply(c, "TransferSlot", r.status());
-  }
-  bytes_->Increment(static_cast<double>(r->bytes));
-  seconds_->Observe(r->seconds);
-  resp->set_remote_slot(r->remote_slot);
-  resp->set_seq_len(r->seq_len);
-  resp->set_bytes(r->bytes);
-  resp->set_seconds(r->seconds);
-  return Reply(c, "TransferSlot", absl::OkStatus());
+  grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
+  manager_->Transfer({req->request_id(), ctx_->slots.FromWire(req->slot()), req->peer_address(),
+                      req->keep_source()},
+                     [this, reactor, resp](const absl::StatusOr<transfer::SendResult>& r) {
+                       if (r.ok()) {
+                         resp->set_remote_slot(r->remote_slot);
+                         resp->set_seq_len(r->seq_len);
+                         resp->set_bytes(r->bytes);
+                         resp->set_seconds(r->seconds);
+                       } else {
+                         CountFailure(r.status());
+                       }
+                       Finish(reactor, "TransferSlot", r.status());
+                     });
+  return reactor;
 }
 
 void TransferService::set_self_address(const std::string& address) {
@@ -242,20 +264,10 @@ void TransferService::set_self_address(const std::string& address) {
   self_address_ = address;
 }
 
-namespace {
-
-bool WildcardHost(absl::string_view address) {
-  return absl::StartsWith(address, "0.0.0.0:") || absl::StartsWith(address, "[::]:") ||
-         absl::StartsWith(address, ":");
-}
-
-}  // namespace
-
 grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext* c,
                                                     const v1::PullSlotRequest* req,
                                                     v1::PullSlotResponse* resp) {
-  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
-      !st.ok()) {
+  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address()); !st.ok()) {
     return Reply(c, "PullSlot", st);
   }
   std::string self = req->self_address();
@@ -264,41 +276,44 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
     self = self_address_;
   }
   if (self.empty() || WildcardHost(self)) {
-    return Reply(c, "PullSlot",
-                 absl::InvalidArgumentError(absl::StrCat(
-                     "self_address: expected this server's address as the peer reaches it "
-                     "(host:port), got \"", req->self_address(), "\" and this server listens on \"",
-                     self, "\"")));
+    return Reply(
+        c, "PullSlot",
+        FieldError("self_address", "this server's address as the peer reaches it (host:port)",
+                   absl::StrCat("\"", req->self_address(), "\" and this server listens on \"", self,
+                                "\"")));
   }
-  // The peer calls back into this server (Reserve, Commit) while this call waits: the wait
-  // runs on a thread of its own, not on one of gRPC's callback threads.
+  // The peer calls back into this server (Reserve, Commit) while this call waits: the call to
+  // it is asynchronous, so no gRPC thread waits.
+  struct Pull {
+    grpc::ClientContext context;
+    v1::TransferSlotRequest push;
+    v1::TransferSlotResponse pushed;
+    std::unique_ptr<v1::SlotTransfer::Stub> stub;
+  };
+  auto pull = std::make_shared<Pull>();
+  pull->push.set_request_id(req->request_id());
+  pull->push.set_slot(req->slot());
+  pull->push.set_peer_address(self);
+  pull->push.set_keep_source(req->keep_source());
+  pull->stub = v1::SlotTransfer::NewStub(Channel(req->peer_address()));
+  // The peer's own --transfer-timeout bounds its move; this one bounds a peer that hangs.
+  pull->context.set_deadline(absl::ToChronoTime(absl::Now() + 2 * options_.timeout));
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-  v1::TransferSlotRequest push;
-  push.set_request_id(req->request_id());
-  push.set_slot(req->slot());
-  push.set_peer_address(self);
-  push.set_keep_source(req->keep_source());
   pulls_.fetch_add(1);
-  std::thread([this, reactor, resp, push, peer = req->peer_address()] {
-    auto stub = v1::SlotTransfer::NewStub(
-        grpc::CreateChannel(peer, grpc::InsecureChannelCredentials()));
-    grpc::ClientContext cc;
-    cc.set_deadline(absl::ToChronoTime(absl::Now() + 2 * options_.timeout));
-    v1::TransferSlotResponse r;
-    absl::Status st = FromGrpc(stub->TransferSlot(&cc, push, &r), "TransferSlot");
-    if (st.ok()) {
-      resp->set_slot(r.remote_slot());  // the sender's reply names the slot on this server
-      resp->set_seq_len(r.seq_len());
-      resp->set_bytes(r.bytes());
-      resp->set_seconds(r.seconds());
-    } else {
-      CountFailure(st);
-    }
-    const grpc::Status g = ToGrpcStatus(st);
-    ctx_->metrics->CountRpc("PullSlot", g.error_code());
-    reactor->Finish(g);
-    pulls_.fetch_sub(1);
-  }).detach();
+  pull->stub->async()->TransferSlot(
+      &pull->context, &pull->push, &pull->pushed, [this, pull, reactor, resp](grpc::Status g) {
+        const absl::Status st = FromGrpcStatus(g, "peer TransferSlot");
+        if (st.ok()) {
+          resp->set_slot(pull->pushed.remote_slot());  // the sender names the slot here
+          resp->set_seq_len(pull->pushed.seq_len());
+          resp->set_bytes(pull->pushed.bytes());
+          resp->set_seconds(pull->pushed.seconds());
+        } else {
+          CountFailure(st);
+        }
+        Finish(reactor, "PullSlot", st);
+        pulls_.fetch_sub(1);
+      });
   return reactor;
 }
 
@@ -307,7 +322,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
                                                            v1::ReserveTransferResponse* resp) {
   absl::StatusOr<transfer::Reservation> r =
       receiver_->Reserve(req->transfer_id(), FromProto(req->format()), req->seq_len(),
-                         req->checksum_version());
+                         req->checksum_version(), absl::Milliseconds(req->budget_ms()));
   if (!r.ok()) {
     CountFailure(r.status());
     return Reply(c, "ReserveTransfer", r.status());
@@ -323,9 +338,9 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
 grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
                                                           const v1::CommitTransferRequest* req,
                                                           v1::CommitTransferResponse* resp) {
-  if (options_.fault == "exit-before-commit") Die();
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
-  absl::StatusOr<cache::SlotId> slot = receiver_->Commit(req->transfer_id(), tokens, req->checksum());
+  absl::StatusOr<cache::SlotId> slot =
+      receiver_->Commit(req->transfer_id(), tokens, req->checksum());
   if (!slot.ok()) {
     CountFailure(slot.status());
     return Reply(c, "CommitTransfer", slot.status());
@@ -336,8 +351,14 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
 
 grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerContext* c,
                                                          const v1::AbortTransferRequest* req,
-                                                         v1::AbortTransferResponse*) {
-  return Reply(c, "AbortTransfer", receiver_->Abort(req->transfer_id()));
+                                                         v1::AbortTransferResponse* resp) {
+  const transfer::Decision d = receiver_->Abort(req->transfer_id());
+  resp->set_committed(d.committed);
+  if (d.committed) {
+    resp->set_slot(ctx_->slots.ToWire(d.slot));
+    resp->set_seq_len(d.seq_len);
+  }
+  return Reply(c, "AbortTransfer", absl::OkStatus());
 }
 
 }  // namespace replayssm::service

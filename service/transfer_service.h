@@ -1,41 +1,46 @@
-// The gRPC face of replayssm.v1.SlotTransfer: a thin shell over transfer::Sender and
-// transfer::Receiver (service/transfer/), with a gRPC Peer for the sender's side, lease
-// expiry in the background, and the transfer metrics (bytes, seconds, failures by reason).
+// The gRPC face of replayssm.v1.SlotTransfer: thin handlers over the transfer layer
+// (replayssm/transfer/: Receiver, Sender, TransferManager), a gRPC Peer for the sender's side,
+// lease expiry in the background, and the transfer metrics. TransferSlot and PullSlot never
+// hold a gRPC thread: the move runs on the transfer layer's threads (the pull's call to the
+// peer is asynchronous) and finishes the reactor from there.
 #ifndef REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
 #define REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/counter.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
-#include "prometheus/registry.h"
+#include "replayssm/transfer/manager.h"
+#include "replayssm/transfer/receiver.h"
+#include "replayssm/transfer/sender.h"
+#include "replayssm/transfer/ucx_transport.h"
 #include "replayssm/v1/transfer.grpc.pb.h"
 #include "service/service_context.h"
-#include "transfer.h"
 
 namespace replayssm::service {
 
 struct TransferOptions {
-  size_t chunk_bytes = 4 << 20;                 // UCX put granularity
-  absl::Duration timeout = absl::Seconds(30);   // a whole transfer, sender side
-  absl::Duration lease = absl::Seconds(30);     // an uncommitted reservation, receiver side
-  int32_t max_open = 16;                        // concurrent reservations
+  size_t chunk_bytes = 4 << 20;                // UCX put granularity
+  absl::Duration timeout = absl::Seconds(30);  // a whole outgoing transfer, waiting included
+  absl::Duration lease = absl::Seconds(30);    // an uncommitted reservation, receiver side
+  int32_t max_open = 16;                       // concurrent reservations
   // Sender threads (each with its own UCX context, worker and endpoint) that put a slot's
   // chunks at once, 1..16 (docs/transfer.md, "The put path").
   int32_t lanes = 4;
-  // Receiver threads that copy (and hash) landed chunks into the reserved slot, 1..32.
+  // Receiver threads that write (and hash) landed chunks into the reserved slot, 1..32.
   int32_t import_threads = 8;
-  // Test-only fault injection: "" (none), "corrupt" (receiver flips a payload byte),
-  // "exit-before-commit" (receiver exits when asked to commit), "exit-after-put" (sender
-  // exits after the put, before the commit).
-  std::string fault;
+  // Outgoing transfers running at once, 1..64 (others wait, their timeout running).
+  int32_t max_concurrent = 8;
 };
 
 class TransferService final : public v1::SlotTransfer::CallbackService {
@@ -45,13 +50,14 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   ~TransferService() override;
   // This server's gRPC address (host:port bound), the default for PullSlot's self_address.
   void set_self_address(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+  // Refuses new outgoing transfers, answers the waiting ones and waits for the running ones.
+  void Stop();
 
   grpc::ServerUnaryReactor* TransferSlot(grpc::CallbackServerContext* c,
                                          const v1::TransferSlotRequest* req,
                                          v1::TransferSlotResponse* resp) override;
   // The receiver's pull form: asks the peer's TransferSlot to push its slot here.
-  grpc::ServerUnaryReactor* PullSlot(grpc::CallbackServerContext* c,
-                                     const v1::PullSlotRequest* req,
+  grpc::ServerUnaryReactor* PullSlot(grpc::CallbackServerContext* c, const v1::PullSlotRequest* req,
                                      v1::PullSlotResponse* resp) override;
   grpc::ServerUnaryReactor* ReserveTransfer(grpc::CallbackServerContext* c,
                                             const v1::ReserveTransferRequest* req,
@@ -65,9 +71,14 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
 
  private:
   TransferService(const ServiceContext* ctx, TransferOptions options);
+  // Finishes `reactor` with `status` and counts the call.
+  void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,
+              const absl::Status& status);
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, absl::string_view method,
                                   const absl::Status& status);
   void CountFailure(const absl::Status& status);
+  // A channel to `address`, made once and kept (peers are few).
+  std::shared_ptr<grpc::Channel> Channel(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
 
   const ServiceContext* ctx_;
   const TransferOptions options_;
@@ -75,15 +86,18 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   std::vector<std::unique_ptr<transfer::UcxTransport>> lanes_;  // the sender's lanes 1..N-1
   std::unique_ptr<transfer::Receiver> receiver_;
   std::unique_ptr<transfer::Sender> sender_;
+  std::unique_ptr<transfer::TransferManager> manager_;
   prometheus::Family<prometheus::Counter>* failures_ = nullptr;
   prometheus::Counter* bytes_ = nullptr;
   prometheus::Histogram* seconds_ = nullptr;
   prometheus::Gauge* open_ = nullptr;
+  prometheus::Gauge* in_doubt_ = nullptr;
   absl::Mutex mu_;
   std::string self_address_ ABSL_GUARDED_BY(mu_);
-  std::atomic<int> pulls_{0};  // PullSlot calls in flight (each on its own thread)
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> pulls_{0};  // PullSlot calls waiting for their peer
   absl::Notification stop_;
-  std::thread janitor_;  // expires leases
+  std::thread janitor_;  // expires leases, updates the gauges
 };
 
 }  // namespace replayssm::service

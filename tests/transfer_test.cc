@@ -1,19 +1,29 @@
-// Slot transfers between two real replayssm-server processes over UCX (issue 6): prefill on
-// A, transfer to B, decode on B exactly as on A; a shape mismatch refused before any byte
-// moves; the receiver dying before the commit, the sender dying after the put, a corrupted
-// payload — each leaves A's slot as it was and B with nothing leaked. The pull form (B asks A
-// to send) with the same outcomes. A sends over its default 4 put lanes (--transfer-lanes);
+// Slot transfers between two real replayssm-server processes over UCX: prefill on A, transfer
+// to B, decode on B exactly as on A; a shape mismatch refused before any byte moves; faults
+// injected by an in-test proxy peer between A and B (transfer_proxy.h): the receiver dying
+// before the commit, the sender dying after the put, a commit whose checksum does not match,
+// a slow receiver, a receiver frozen with SIGSTOP, a peer that never answers. Each leaves A's
+// slot as it was (or moved exactly once) and B with nothing leaked. The pull form (B asks A to
+// send) with the same outcomes. A sends over its default 4 put lanes (--transfer-lanes);
 // TransferLanesTest runs A with 1 and 3 lanes and small, uneven chunks.
+#include <signal.h>
+
+#include <atomic>
 #include <chrono>
 #include <sstream>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "replayssm/client/demo.h"
 
 #include "service_fixture.h"
+#include "transfer_proxy.h"
 
 namespace replayssm::testing {
 namespace {
+
+using Action = TransferProxy::Action;
 
 class TransferTest : public ServiceTest {
  protected:
@@ -25,9 +35,10 @@ class TransferTest : public ServiceTest {
   // A slot on A with a prefill and decode steps: its ring holds records (write_pos != 0).
   uint64_t PreparedSlot() {
     const uint64_t s = NewSlot();
-    Prefill(s, 0, 5);
-    DecodeStep({s}, {0});
-    DecodeStep({s}, {0});
+    const int32_t seq = *ref_->NewSequence();  // a reference sequence of its own
+    Prefill(s, seq, 5);
+    DecodeStep({s}, {seq});
+    DecodeStep({s}, {seq});
     auto info = client_->GetSlot(s);
     EXPECT_TRUE(info.ok());
     EXPECT_GT(info->write_pos(), 0) << "the transfer must materialize a non-empty ring";
@@ -87,31 +98,52 @@ TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
   EXPECT_EQ(Client::Connect(b->grpc_address())->Stats()->slots_live(), 0);
 }
 
-TEST_F(TransferTest, ReceiverDyingBeforeTheCommitLeavesTheSenderIntact) {
-  auto b = StartPeer({"--transfer-fault=exit-before-commit"});
+TEST_F(TransferTest, AReceiverDyingBeforeTheCommitLeavesTheSourceLockedUntilAsked) {
+  auto b = StartPeer({});
   ASSERT_NE(b, nullptr);
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  proxy->set_hooks({.commit = [&](v1::CommitTransferRequest&) {
+    b->Signal(SIGKILL);  // B dies before the commit reaches it
+    return Action::kRefuse;
+  }});
   const uint64_t s = PreparedSlot();
-  const std::string before = Observe(s);
-  auto r = client_->TransferSlot(s, b->grpc_address(), false);
-  EXPECT_FALSE(r.ok());
-  EXPECT_EQ(Observe(s), before) << "the source is unchanged";
-  DecodeStep({s}, {0});  // and usable
-  ASSERT_TRUE(b->WaitExit(absl::Seconds(10)).ok());
-  auto restarted = StartPeer({});  // a new instance starts with nothing reserved
-  ASSERT_NE(restarted, nullptr);
-  EXPECT_EQ(Client::Connect(restarted->grpc_address())->Stats()->slots_live(), 0);
+  auto r = client_->TransferSlot(s, proxy->address(), false, "dying-1");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("retry with request_id dying-1"), std::string::npos)
+      << "whether B committed is unknown: " << r.status();
+  EXPECT_EQ(client_->GetSlot(s)->seq_len(), 7) << "the source is still here";
   EXPECT_EQ(Metric(*server_, "replayssm_transfer_failures_total{reason=\"UNAVAILABLE\"}"), 1);
+  // B restarts at the proxy's address with nothing: asked, it decides "aborted"; the retry
+  // releases the source and moves it afresh.
+  ASSERT_TRUE(b->WaitExit(absl::Seconds(10)).ok());
+  auto restarted = StartPeer({});
+  ASSERT_NE(restarted, nullptr);
+  proxy->set_target(restarted->grpc_address());
+  proxy->set_hooks({});
+  auto retry = client_->TransferSlot(s, proxy->address(), false, "dying-1");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  auto cr = Client::Connect(restarted->grpc_address());
+  EXPECT_EQ(cr->Stats()->slots_live(), 1);
+  EXPECT_EQ(cr->GetSlot(retry->remote_slot())->seq_len(), 7);
+  EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved once";
 }
 
 TEST_F(TransferTest, SenderDyingAfterThePutIsCleanedUpByTheLease) {
   auto b = StartPeer({"--transfer-lease=0.5"});
   ASSERT_NE(b, nullptr);
-  auto a = StartPeer({"--transfer-fault=exit-after-put"});
+  auto a = StartPeer({});
   ASSERT_NE(a, nullptr);
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  proxy->set_hooks({.commit = [&](v1::CommitTransferRequest&) {
+    a->Signal(SIGKILL);  // A dies between its put and its commit
+    return Action::kRefuse;
+  }});
   auto ca = Client::Connect(a->grpc_address());
   auto slot = ca->Allocate();
   ASSERT_TRUE(slot.ok());
-  auto r = ca->TransferSlot(slot->slot(), b->grpc_address(), false);
+  auto r = ca->TransferSlot(slot->slot(), proxy->address(), false);
   EXPECT_FALSE(r.ok()) << "the sender died";
   EXPECT_EQ(Metric(*b, "replayssm_transfer_reservations"), 1);
   auto cb = Client::Connect(b->grpc_address());
@@ -121,17 +153,30 @@ TEST_F(TransferTest, SenderDyingAfterThePutIsCleanedUpByTheLease) {
   EXPECT_EQ(Metric(*b, "replayssm_transfer_reservations"), 0);
 }
 
-TEST_F(TransferTest, CorruptedPayloadIsRefused) {
-  auto b = StartPeer({"--transfer-fault=corrupt"});
+// The receiver sees a checksum that is not the payload's (the proxy flips a bit of the
+// commit's checksum once, as damage in flight would): DATA_LOSS, nothing kept.
+TransferProxy::Hooks CorruptOnce(std::atomic<bool>& done) {
+  return {.commit = [&done](v1::CommitTransferRequest& req) {
+    if (!done.exchange(true)) req.set_checksum(req.checksum() ^ 1);
+    return Action::kForward;
+  }};
+}
+
+TEST_F(TransferTest, APayloadThatDoesNotMatchItsChecksumIsRefused) {
+  auto b = StartPeer({});
   ASSERT_NE(b, nullptr);
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  std::atomic<bool> corrupted{false};
+  proxy->set_hooks(CorruptOnce(corrupted));
   const uint64_t s = PreparedSlot();
   const std::string before = Observe(s);
-  auto r = client_->TransferSlot(s, b->grpc_address(), false);
+  auto r = client_->TransferSlot(s, proxy->address(), false);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
   EXPECT_EQ(Observe(s), before);
   EXPECT_EQ(Client::Connect(b->grpc_address())->Stats()->slots_live(), 0);
   EXPECT_EQ(Metric(*b, "replayssm_transfer_failures_total{reason=\"DATA_LOSS\"}"), 1);
-  auto retry = client_->TransferSlot(s, b->grpc_address(), true);  // the next one is clean
+  auto retry = client_->TransferSlot(s, proxy->address(), true);  // the next one is clean
   EXPECT_TRUE(retry.ok()) << retry.status();
 }
 
@@ -200,15 +245,19 @@ TEST_P(TransferLanesTest, TheStateArrivesBitForBitAndACorruptionIsStillCaught) {
   auto r = client_->TransferSlot(s, b->grpc_address(), /*keep_source=*/true);
   ASSERT_TRUE(r.ok()) << r.status();
   ExpectSameStateAndDecode(*cb, s, r->remote_slot());
-  // A receiver that damages the payload: DATA_LOSS, nothing leaks, the source is unchanged.
-  auto bad = StartPeer({"--transfer-fault=corrupt", "--transfer-chunk-bytes=700"});
+  // A checksum that does not match: DATA_LOSS, nothing leaks, the source is unchanged.
+  auto bad = StartPeer({"--transfer-chunk-bytes=700"});
   ASSERT_NE(bad, nullptr);
+  auto proxy = TransferProxy::Start(bad->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  std::atomic<bool> corrupted{false};
+  proxy->set_hooks(CorruptOnce(corrupted));
   const std::string before = Observe(s);
-  auto lost = client_->TransferSlot(s, bad->grpc_address(), false);
+  auto lost = client_->TransferSlot(s, proxy->address(), false);
   EXPECT_EQ(lost.status().code(), absl::StatusCode::kDataLoss) << lost.status();
   EXPECT_EQ(Observe(s), before);
   EXPECT_EQ(Client::Connect(bad->grpc_address())->Stats()->slots_live(), 0);
-  auto retry = client_->TransferSlot(s, bad->grpc_address(), false);
+  auto retry = client_->TransferSlot(s, proxy->address(), false);
   ASSERT_TRUE(retry.ok()) << retry.status();
   EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved";
 }
@@ -217,6 +266,197 @@ INSTANTIATE_TEST_SUITE_P(Lanes, TransferLanesTest, ::testing::Values(1, 3),
                          [](const ::testing::TestParamInfo<int>& i) {
                            return std::to_string(i.param) + "lanes";
                          });
+
+// Issue 17 §0.1: the source is MOVING from its export until the move is decided; a decode
+// of it while the commit is pending is refused instead of applying a token the receiver's
+// copy lacks (and that the move would then drop with the source).
+TEST_F(TransferTest, ASlotBeingMovedRefusesMutationsUntilTheMoveIsDecided) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  absl::Notification committing;
+  proxy->set_hooks({.commit = [&](v1::CommitTransferRequest&) {
+    committing.Notify();
+    absl::SleepFor(absl::Milliseconds(1500));  // a slow receiver
+    return Action::kForward;
+  }});
+  const uint64_t s = PreparedSlot();
+  absl::StatusOr<v1::TransferSlotResponse> moved;
+  std::thread t([&] { moved = client_->TransferSlot(s, proxy->address(), false, "move-1"); });
+  ASSERT_TRUE(committing.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  auto decode = client_->Decode(DecodeRequest({s}, Layers(1)));
+  EXPECT_EQ(decode.status().code(), absl::StatusCode::kFailedPrecondition) << decode.status();
+  EXPECT_NE(decode.status().message().find("being transferred (request id move-1)"),
+            std::string::npos)
+      << decode.status();
+  const absl::Status freed = client_->Free(s);
+  EXPECT_EQ(freed.code(), absl::StatusCode::kFailedPrecondition) << freed;
+  t.join();
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->seq_len(), 7);
+  auto on_b = Client::Connect(b->grpc_address())->GetSlot(moved->remote_slot());
+  ASSERT_TRUE(on_b.ok()) << on_b.status();
+  EXPECT_EQ(on_b->seq_len(), 7) << "the receiver holds every token the sender applied";
+  EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved";
+}
+
+// Issue 17 §0.2: a retry of TransferSlot with the same request id is answered with the
+// original reply (after success) or joins the transfer in flight; it never moves twice.
+TEST_F(TransferTest, ARetryWithTheSameRequestIdGetsTheOriginalReply) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  const uint64_t s = PreparedSlot();
+  auto first = client_->TransferSlot(s, b->grpc_address(), false, "move-3");
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto again = client_->TransferSlot(s, b->grpc_address(), false, "move-3");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->SerializeAsString(), first->SerializeAsString());
+  EXPECT_EQ(cb->Stats()->slots_live(), 1);
+  // In flight: the retry waits for the same transfer.
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  proxy->set_hooks({.commit = [](v1::CommitTransferRequest&) {
+    absl::SleepFor(absl::Milliseconds(700));
+    return Action::kForward;
+  }});
+  const uint64_t s2 = PreparedSlot();
+  absl::StatusOr<v1::TransferSlotResponse> one, two;
+  std::thread t1([&] { one = client_->TransferSlot(s2, proxy->address(), true, "move-4"); });
+  while (proxy->reserves() == 0) absl::SleepFor(absl::Milliseconds(5));
+  std::thread t2([&] { two = client_->TransferSlot(s2, proxy->address(), true, "move-4"); });
+  t1.join();
+  t2.join();
+  ASSERT_TRUE(one.ok() && two.ok()) << one.status() << " / " << two.status();
+  EXPECT_EQ(one->remote_slot(), two->remote_slot());
+  EXPECT_EQ(proxy->reserves(), 1) << "one transfer";
+  EXPECT_EQ(cb->Stats()->slots_live(), 2);
+  // The same id for another request is a client bug.
+  auto other = client_->TransferSlot(s2, b->grpc_address(), false, "move-3");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument) << other.status();
+}
+
+// The sender of these tests gives a whole transfer one second.
+class TransferTimeoutTest : public TransferTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--transfer-timeout=1"};
+  }
+};
+
+// Issue 17 §0.2: a receiver frozen (SIGSTOP) when the commit reaches it reads the commit only
+// after the sender gave up; it must not apply it (an orphan and a duplicate). The sender's
+// timeout bounds the commit and the abort together; while the outcome is unknown the source
+// stays locked, and a retry with the same request id resolves it.
+TEST_F(TransferTimeoutTest, AReceiverResumedAfterTheSenderGaveUpKeepsNoOrphan) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  proxy->set_hooks({.commit = [&](v1::CommitTransferRequest&) {
+    b->Signal(SIGSTOP);  // the commit is queued on a frozen receiver
+    return Action::kForward;
+  }});
+  const uint64_t s = PreparedSlot();
+  const std::string before = Observe(s);
+  const absl::Time t0 = absl::Now();
+  auto r = client_->TransferSlot(s, proxy->address(), false, "move-2");
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("move-2"), std::string::npos) << r.status();
+  EXPECT_LT(took, absl::Milliseconds(1600)) << "--transfer-timeout=1 bounds commit and abort";
+  auto decode = client_->Decode(DecodeRequest({s}, Layers(1)));
+  EXPECT_EQ(decode.status().code(), absl::StatusCode::kFailedPrecondition)
+      << "in doubt: the source stays locked; " << decode.status();
+  b->Signal(SIGCONT);
+  absl::SleepFor(absl::Milliseconds(1500));  // B reads the queued commit and abort
+  EXPECT_EQ(cb->Stats()->slots_live(), 0) << "the late commit left no orphan";
+  proxy->set_hooks({});
+  auto retry = client_->TransferSlot(s, proxy->address(), false, "move-2");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->seq_len(), 7);
+  EXPECT_EQ(cb->Stats()->slots_live(), 1);
+  auto on_b = cb->GetSlot(retry->remote_slot());
+  ASSERT_TRUE(on_b.ok()) << on_b.status();
+  EXPECT_EQ(on_b->seq_len(), 7);
+  EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved once";
+  EXPECT_NE(before, "");
+}
+
+// Issue 17 §0.3: transfers to a peer that accepts gRPC and never answers neither block the
+// server's other calls nor wait for each other, and each ends within --transfer-timeout.
+TEST_F(TransferTimeoutTest, AHungPeerStallsNeitherTheServerNorOtherTransfers) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto hung = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(hung, nullptr);
+  auto hang = [](auto&) { return Action::kHang; };
+  hung->set_hooks({.reserve = hang, .commit = hang, .abort = hang});
+  std::vector<uint64_t> slots = {PreparedSlot(), PreparedSlot(), PreparedSlot()};
+  const uint64_t busy = PreparedSlot();
+  std::vector<absl::Status> results(slots.size());
+  std::vector<absl::Duration> took(slots.size());
+  std::vector<std::thread> sends;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    sends.emplace_back([&, i] {
+      const absl::Time t0 = absl::Now();
+      results[i] = client_->TransferSlot(slots[i], hung->address(), false).status();
+      took[i] = absl::Now() - t0;
+    });
+  }
+  while (hung->reserves() < 1) absl::SleepFor(absl::Milliseconds(5));
+  // Meanwhile the server answers everything else at once, transfers to others included.
+  auto ok_move = client_->TransferSlot(PreparedSlot(), b->grpc_address(), false);
+  EXPECT_TRUE(ok_move.ok()) << ok_move.status();
+  absl::Duration slowest;
+  for (int i = 0; i < 10; ++i) {
+    const absl::Time t0 = absl::Now();
+    EXPECT_TRUE(client_->Info().ok());
+    EXPECT_TRUE(client_->Health().ok());
+    EXPECT_TRUE(client_->Decode(DecodeRequest({busy}, Layers(1))).ok());
+    slowest = std::max(slowest, absl::Now() - t0);
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_LT(slowest, absl::Milliseconds(200)) << "GetInfo + health + decode at worst";
+  for (std::thread& t : sends) t.join();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    EXPECT_FALSE(results[i].ok()) << i;
+    EXPECT_LT(took[i], absl::Milliseconds(1500)) << "transfer " << i << ": " << results[i];
+    EXPECT_TRUE(client_->GetSlot(slots[i]).ok()) << "the source stays: " << i;
+  }
+}
+
+// Issue 17 §0.4: an export folds the slot (write_pos -> 0) and an abandoned forward may have
+// folded its rows at its begin; neither changes the logical state or seq_len.
+TEST_F(TransferTest, ExportAndAnAbandonedForwardFoldButKeepTheLogicalState) {
+  const uint64_t s = NewSlot();
+  const int32_t seq = *ref_->NewSequence();
+  Prefill(s, seq, 3);
+  int64_t seq_len = 3;
+  // Until the ring is full: the next forward folds first.
+  while (client_->GetSlot(s)->write_pos() < model().ring_len() - 1) {
+    DecodeStep({s}, {seq});
+    ASSERT_LT(++seq_len, 3 + 4 * model().ring_len());
+  }
+  auto stream = client_->OpenStream();
+  v1::DecodeRow row;
+  row.set_slot(s);
+  row.set_token_id(1);
+  ASSERT_TRUE(stream->Begin({row}).ok());
+  stream->Finish().IgnoreError();  // closed before the commit: abandoned
+  auto info = client_->GetSlot(s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->write_pos(), 0) << "folded at the forward's begin";
+  EXPECT_EQ(info->seq_len(), seq_len);
+  DecodeStep({s}, {seq});  // the same logical state: the reference still agrees
+  ASSERT_TRUE(client_->Export(s).ok());
+  info = client_->GetSlot(s);
+  EXPECT_EQ(info->write_pos(), 0) << "export folds";
+  EXPECT_EQ(info->seq_len(), seq_len + 1);
+  DecodeStep({s}, {seq});
+}
 
 }  // namespace
 }  // namespace replayssm::testing

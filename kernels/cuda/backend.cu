@@ -1,9 +1,8 @@
 // The CUDA backend of kernels/src/backend.h: maps the (already validated) C ABI arguments
 // onto kernel params, plans the launch (plan.h), dispatches on the state dtype, launches on
-// the caller's stream and reports launch failures as RSSM_ERR_DEVICE with the CUDA error text. No
-// synchronization, except in SegmentDigests (a transfer-path call that hands its digests back to
-// the host). No step, fold or prefill call allocates (every kernel works in the caller's state pool
-// and shared memory); SegmentDigests allocates its digests and part pointers stream-ordered.
+// the caller's stream and reports launch failures as RSSM_ERR_DEVICE with the CUDA error text.
+// No synchronization and no allocation: every kernel works in the caller's buffers and shared
+// memory.
 #include <algorithm>
 #include <atomic>
 #include <mutex>
@@ -252,38 +251,13 @@ rssm_status Prefill(const rssm_prefill_args& a) {
                 "prefill launch");
 }
 
-// Not a decode step: it synchronizes the stream to hand the digests back (kernels.h). The
-// part pointers reach the device in the call's one stream-ordered allocation, after the
-// digests ([segments] digests | [count] part pointers), copied host -> device on the stream
-// before the kernel: any count fits (in the __grid_constant__ params, whose size is capped at
-// a few KB, it would not), for one 8-byte-per-part copy. The digests land in a host vector
-// first, so that nothing is written to `digests` on an error.
+// Queued on the caller's stream; the part table is already in device memory (the caller's
+// copy), so no allocation and no synchronization.
 rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, size_t count,
                            size_t part_bytes, size_t segment_bytes, uint64_t* digests) {
-  const cudaStream_t stream = StreamOf(launch);
-  const size_t bytes = count * part_bytes;
-  const size_t segments = (bytes + segment_bytes - 1) / segment_bytes;
-  std::vector<uint64_t> host(segments);
-  void* block = nullptr;
-  cudaError_t e =
-      cudaMallocAsync(&block, segments * sizeof(uint64_t) + count * sizeof(void*), stream);
-  if (e != cudaSuccess) return Report(e, "segment digests: device memory");
-  auto* dev_digests = static_cast<uint64_t*>(block);
-  auto* dev_parts = reinterpret_cast<const uint8_t**>(dev_digests + segments);
-  const SegmentDigestParams p{dev_parts, count, part_bytes, bytes, segment_bytes, dev_digests};
-  // The caller's array (pageable or pinned) stays valid until we return, after the sync.
-  e = cudaMemcpyAsync(dev_parts, parts, count * sizeof(void*), cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) e = LaunchSegmentDigests(p, stream);
-  if (e == cudaSuccess) {
-    e = cudaMemcpyAsync(host.data(), dev_digests, segments * sizeof(uint64_t),
-                        cudaMemcpyDeviceToHost, stream);
-  }
-  const cudaError_t freed = cudaFreeAsync(block, stream);
-  const cudaError_t synced = cudaStreamSynchronize(stream);
-  if (e == cudaSuccess) e = freed != cudaSuccess ? freed : synced;
-  if (e != cudaSuccess) return Report(e, "segment digests launch");
-  std::copy(host.begin(), host.end(), digests);
-  return RSSM_OK;
+  const SegmentDigestParams p{reinterpret_cast<const uint8_t* const*>(parts), count, part_bytes,
+                              count * part_bytes, segment_bytes, digests};
+  return Report(LaunchSegmentDigests(p, StreamOf(launch)), "segment digests launch");
 }
 
 }  // namespace replayssm::kernels::cuda

@@ -244,7 +244,7 @@ rssm_status Verify(const rssm_verify_args* in, const char* fn,
   return cuda::Verify(a, ov, plan);
 }
 
-// What both digest calls check first: the launch (a NULL one ends the checks) and
+// What the digest call checks first: the launch (a NULL one ends the checks) and
 // segment_bytes.
 void CheckDigestCall(Check& c, const rssm_launch* launch, size_t segment_bytes) {
   if (launch == nullptr) {
@@ -275,12 +275,12 @@ void CheckAligned16(Check& c, const void* p, const std::string& field) {
   }
 }
 
-// Both digest calls once validated: the contiguous one is the parts one with count 1.
-rssm_status RunSegmentDigests(const rssm_launch& l, const void* const* parts, size_t count,
-                              size_t part_bytes, size_t segment_bytes, uint64_t* digests) {
+rssm_status RunSegmentDigests(const rssm_launch& l, const void* const* parts,
+                              const void* const* parts_device, size_t count, size_t part_bytes,
+                              size_t segment_bytes, uint64_t* digests) {
   g_last_error.clear();
   if (IsCpu(l)) return cpu::SegmentDigests(parts, count, part_bytes, segment_bytes, digests);
-  return cuda::SegmentDigests(l, parts, count, part_bytes, segment_bytes, digests);
+  return cuda::SegmentDigests(l, parts_device, count, part_bytes, segment_bytes, digests);
 }
 
 }  // namespace
@@ -381,21 +381,9 @@ rssm_status rssm_verify(const rssm_verify_args* args) {
   return Verify(args, "rssm_verify", nullptr, nullptr);
 }
 
-rssm_status rssm_segment_digests(const rssm_launch* launch, const void* data, size_t bytes,
-                                 size_t segment_bytes, uint64_t* digests) {
-  Check c("rssm_segment_digests");
-  CheckDigestCall(c, launch, segment_bytes);
-  if (!c.ok() || bytes == 0) return Finish(c);
-  CheckSegmentCount(c, bytes, "bytes", segment_bytes);
-  c.NotNull(data, "data (bytes > 0)");
-  CheckAligned16(c, data, "data");
-  c.NotNull(digests, "digests");
-  if (!c.ok()) return Finish(c);
-  return RunSegmentDigests(*launch, &data, 1, bytes, segment_bytes, digests);
-}
-
 rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* const* parts,
-                                       size_t count, size_t part_bytes, size_t segment_bytes,
+                                       const void* const* parts_device, size_t count,
+                                       size_t part_bytes, size_t segment_bytes,
                                        uint64_t* digests) {
   Check c("rssm_segment_digests_parts");
   CheckDigestCall(c, launch, segment_bytes);
@@ -415,9 +403,14 @@ rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* co
     c.NotNull(parts[j], field);
     CheckAligned16(c, parts[j], field);
   }
+  c.NotNull(parts_device, "parts_device");
+  if (c.ok() && reinterpret_cast<uintptr_t>(parts_device) % alignof(void*) != 0) {
+    c.Fail("parts_device", "an 8-byte aligned pointer", "a misaligned one");
+  }
   c.NotNull(digests, "digests");
   if (!c.ok()) return Finish(c);
-  return RunSegmentDigests(*launch, parts, count, part_bytes, segment_bytes, digests);
+  return RunSegmentDigests(*launch, parts, parts_device, count, part_bytes, segment_bytes,
+                           digests);
 }
 
 const char* rssm_status_name(rssm_status status) {

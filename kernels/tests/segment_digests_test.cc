@@ -1,8 +1,7 @@
-// rssm_segment_digests on the CPU backend: the version 2 digest of each segment, equal to the
-// one-buffer digest of that segment (what the host's Checksummer computes; the transfer tests
-// compare with Checksummer itself), pinned to digests the host computed before the round moved
-// into replayssm/checksum_v2.h; rssm_segment_digests_parts equal to it on the concatenation of
-// the parts; bad arguments write nothing.
+// rssm_segment_digests_parts on the CPU backend: the segment hash of each segment, equal to the
+// one-buffer digest of that segment (replayssm/checksum_v2.h, what the cache's host checksum
+// computes), pinned to digests the host computed before the round moved into that header;
+// over several parts equal to it on their concatenation; bad arguments write nothing.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,6 +40,14 @@ class HostData {
   size_t bytes_;
 };
 
+// The digests of one buffer: the parts call with one part (its table in place: on the CPU
+// backend the table the backend reads may be the one validated).
+rssm_status Whole(const rssm_launch* l, const void* data, size_t bytes, size_t segment,
+                  uint64_t* digests) {
+  const void* one[1] = {data};
+  return rssm_segment_digests_parts(l, one, one, 1, bytes, segment, digests);
+}
+
 // The per-segment digests, one buffer digest each (the definition, segment by segment).
 std::vector<uint64_t> Expected(const uint8_t* p, size_t bytes, size_t segment) {
   std::vector<uint64_t> out;
@@ -58,7 +65,7 @@ TEST(SegmentDigests, EachSegmentIsItsVersion2Digest) {
       HostData x(bytes, rng);
       const size_t count = (bytes + seg - 1) / seg;
       std::vector<uint64_t> got(count + 1, 0xdeadbeef);  // one past the end: never written
-      ASSERT_EQ(rssm_segment_digests(&kCpu, x.data(), bytes, seg, got.data()), RSSM_OK)
+      ASSERT_EQ(Whole(&kCpu, x.data(), bytes, seg, got.data()), RSSM_OK)
           << rssm_last_error();
       EXPECT_EQ(got.back(), 0xdeadbeefu) << "written past ceil(bytes / segment)";
       got.pop_back();
@@ -67,7 +74,7 @@ TEST(SegmentDigests, EachSegmentIsItsVersion2Digest) {
         const size_t at = bytes / 2;
         x.data()[at] ^= 0x20;
         std::vector<uint64_t> flipped(count);
-        ASSERT_EQ(rssm_segment_digests(&kCpu, x.data(), bytes, seg, flipped.data()), RSSM_OK);
+        ASSERT_EQ(Whole(&kCpu, x.data(), bytes, seg, flipped.data()), RSSM_OK);
         for (size_t i = 0; i < count; ++i) {
           EXPECT_EQ(flipped[i] != got[i], i == at / seg) << "segment " << i << " of " << count;
         }
@@ -90,7 +97,7 @@ TEST(SegmentDigests, PinnedToTheHostDigestsOfTheReleasedFormat) {
   HostData d(x.size(), rng);
   std::memcpy(d.data(), x.data(), x.size());
   uint64_t got[4];
-  ASSERT_EQ(rssm_segment_digests(&kCpu, d.data(), x.size(), 4096, got), RSSM_OK);
+  ASSERT_EQ(Whole(&kCpu, d.data(), x.size(), 4096, got), RSSM_OK);
   EXPECT_EQ(got[0], 0xa5a1683d42537b42ULL);
   EXPECT_EQ(got[3], checksum_v2::Digest(x.data() + 3 * 4096, 100));
 }
@@ -98,7 +105,7 @@ TEST(SegmentDigests, PinnedToTheHostDigestsOfTheReleasedFormat) {
 // Calls fn and expects INVALID_ARGUMENT naming `function: field` (expected ..., got ...) and
 // the digests untouched.
 void ExpectRejected(const std::function<rssm_status(uint64_t*)>& fn, const std::string& field,
-                    const std::string& function = "rssm_segment_digests") {
+                    const std::string& function = "rssm_segment_digests_parts") {
   const uint64_t pattern[4] = {0x1111, 0x2222, 0x3333, 0x4444};
   uint64_t digests[4];
   std::memcpy(digests, pattern, sizeof(digests));
@@ -115,30 +122,30 @@ TEST(SegmentDigests, BadArgumentsWriteNothing) {
   std::mt19937_64 rng(5);
   HostData x(3000, rng);
   const void* p = x.data();
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(nullptr, p, 3000, 1024, d); },
+  ExpectRejected([&](uint64_t* d) { return Whole(nullptr, p, 3000, 1024, d); },
                  "launch");
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(&kCpu, nullptr, 3000, 1024, d); },
-                 "data");
-  ExpectRejected([&](uint64_t*) { return rssm_segment_digests(&kCpu, p, 3000, 1024, nullptr); },
+  ExpectRejected([&](uint64_t* d) { return Whole(&kCpu, nullptr, 3000, 1024, d); },
+                 "parts[0]");
+  ExpectRejected([&](uint64_t*) { return Whole(&kCpu, p, 3000, 1024, nullptr); },
                  "digests");
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(&kCpu, p, 3000, 0, d); },
+  ExpectRejected([&](uint64_t* d) { return Whole(&kCpu, p, 3000, 0, d); },
                  "segment_bytes");
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(&kCpu, p, 3000, 1000, d); },
+  ExpectRejected([&](uint64_t* d) { return Whole(&kCpu, p, 3000, 1000, d); },
                  "segment_bytes");
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(&kCpu, p, 3000, 64 + 1, d); },
+  ExpectRejected([&](uint64_t* d) { return Whole(&kCpu, p, 3000, 64 + 1, d); },
                  "segment_bytes");
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests(&kCpu, x.data() + 8, 2000, 1024, d); },
-      "data");
+      [&](uint64_t* d) { return Whole(&kCpu, x.data() + 8, 2000, 1024, d); },
+      "parts[0]");
   const rssm_launch bad_backend{7, nullptr}, cpu_stream{RSSM_BACKEND_CPU, x.data()};
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(&bad_backend, p, 3000, 1024, d); },
+  ExpectRejected([&](uint64_t* d) { return Whole(&bad_backend, p, 3000, 1024, d); },
                  "launch.backend");
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(&cpu_stream, p, 3000, 1024, d); },
+  ExpectRejected([&](uint64_t* d) { return Whole(&cpu_stream, p, 3000, 1024, d); },
                  "launch.stream");
   // Nothing to hash: OK with no data and no digests (and a bad segment still refused).
-  EXPECT_EQ(rssm_segment_digests(&kCpu, nullptr, 0, 1024, nullptr), RSSM_OK);
+  EXPECT_EQ(Whole(&kCpu, nullptr, 0, 1024, nullptr), RSSM_OK);
   EXPECT_STREQ(rssm_last_error(), "");
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests(&kCpu, nullptr, 0, 0, d); },
+  ExpectRejected([&](uint64_t* d) { return Whole(&kCpu, nullptr, 0, 0, d); },
                  "segment_bytes");
 }
 
@@ -193,10 +200,11 @@ TEST(SegmentDigests, PartsHashAsTheirConcatenation) {
     Parts x(k.count, k.part_bytes, rng);
     const size_t n = (x.bytes() + k.segment - 1) / k.segment;
     std::vector<uint64_t> want(n), got(n + 1, 0xdeadbeef);  // one past the end: never written
-    ASSERT_EQ(rssm_segment_digests(&kCpu, x.whole(), x.bytes(), k.segment, want.data()), RSSM_OK)
+    ASSERT_EQ(Whole(&kCpu, x.whole(), x.bytes(), k.segment, want.data()), RSSM_OK)
         << rssm_last_error();
     ASSERT_EQ(want, Expected(x.whole(), x.bytes(), k.segment));
-    ASSERT_EQ(rssm_segment_digests_parts(&kCpu, x.parts(), x.count(), k.part_bytes, k.segment,
+    ASSERT_EQ(rssm_segment_digests_parts(&kCpu, x.parts(), x.parts(), x.count(), k.part_bytes,
+                                         k.segment,
                                          got.data()),
               RSSM_OK)
         << rssm_last_error();
@@ -208,7 +216,8 @@ TEST(SegmentDigests, PartsHashAsTheirConcatenation) {
     const size_t j = x.count() - 1, at = k.part_bytes / 2, off = j * k.part_bytes + at;
     x.part(j)[at] ^= 0x04;
     std::vector<uint64_t> flipped(n);
-    ASSERT_EQ(rssm_segment_digests_parts(&kCpu, x.parts(), x.count(), k.part_bytes, k.segment,
+    ASSERT_EQ(rssm_segment_digests_parts(&kCpu, x.parts(), x.parts(), x.count(), k.part_bytes,
+                                         k.segment,
                                          flipped.data()),
               RSSM_OK);
     for (size_t i = 0; i < n; ++i) {
@@ -223,60 +232,76 @@ TEST(SegmentDigests, PartsBadArgumentsWriteNothing) {
   Parts x(3, 1024, rng);
   const void* const* p = x.parts();
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests_parts(nullptr, p, 3, 1024, 1024, d); },
+      [&](uint64_t* d) { return rssm_segment_digests_parts(nullptr, p, p, 3, 1024, 1024, d); },
       "launch", fn);
   const rssm_launch bad_backend{7, nullptr}, cpu_stream{RSSM_BACKEND_CPU, x.part(0)};
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests_parts(&bad_backend, p, 3, 1024, 1024, d); },
+      [&](uint64_t* d) { return rssm_segment_digests_parts(&bad_backend, p, p, 3, 1024, 1024, d); },
       "launch.backend", fn);
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests_parts(&cpu_stream, p, 3, 1024, 1024, d); },
+      [&](uint64_t* d) { return rssm_segment_digests_parts(&cpu_stream, p, p, 3, 1024, 1024, d); },
       "launch.stream", fn);
   for (size_t seg : {size_t{0}, size_t{1000}, size_t{64 + 1}}) {
     ExpectRejected(
-        [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, 3, 1024, seg, d); },
+        [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, p, 3, 1024, seg, d); },
         "segment_bytes", fn);
   }
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, nullptr, 3, 1024, 1024, d); },
+      [&](uint64_t* d) {
+        return rssm_segment_digests_parts(&kCpu, nullptr, nullptr, 3, 1024, 1024, d);
+      },
       "parts", fn);
   ExpectRejected(
-      [&](uint64_t*) { return rssm_segment_digests_parts(&kCpu, p, 3, 1024, 1024, nullptr); },
+      [&](uint64_t*) { return rssm_segment_digests_parts(&kCpu, p, p, 3, 1024, 1024, nullptr); },
       "digests", fn);
+  // The table the backend reads: non-null and pointer-aligned.
+  ExpectRejected(
+      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, nullptr, 3, 1024, 1024, d); },
+      "parts_device", fn);
+  const void* const* skewed = reinterpret_cast<const void* const*>(x.part(0) + 4);
+  ExpectRejected(
+      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, skewed, 3, 1024, 1024, d); },
+      "parts_device", fn);
   // count * part_bytes overflows; so many segments that the CUDA grid could not hold them.
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, SIZE_MAX / 8, 16, 64, d); },
+      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, p, SIZE_MAX / 8, 16, 64, d); },
       "part_bytes", fn);
   ExpectRejected(
       [&](uint64_t* d) {
-        return rssm_segment_digests_parts(&kCpu, p, 1, (size_t{1} << 31) * 64, 64, d);
+        return rssm_segment_digests_parts(&kCpu, p, p, 1, (size_t{1} << 31) * 64, 64, d);
       },
       "segment_bytes", fn);
   // With count > 1 a part is a multiple of 16 bytes (count 1: any size, PartsHashAs...).
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, 3, 1000, 1024, d); },
+      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, p, 3, 1000, 1024, d); },
       "part_bytes", fn);
-  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, 2, 8, 64, d); },
+  ExpectRejected([&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, p, p, 2, 8, 64, d); },
                  "part_bytes", fn);
   // Each part non-null and 16-byte aligned (the last one too).
   for (size_t j = 0; j < 3; ++j) {
     std::vector<const void*> q(p, p + 3);
     q[j] = nullptr;
     ExpectRejected(
-        [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, q.data(), 3, 1024, 1024, d); },
+        [&](uint64_t* d) {
+          return rssm_segment_digests_parts(&kCpu, q.data(), p, 3, 1024, 1024, d);
+        },
         "parts[" + std::to_string(j) + "]", fn);
     q[j] = x.part(j) + 8;
     ExpectRejected(
-        [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, q.data(), 3, 1024, 1024, d); },
+        [&](uint64_t* d) {
+          return rssm_segment_digests_parts(&kCpu, q.data(), p, 3, 1024, 1024, d);
+        },
         "parts[" + std::to_string(j) + "]", fn);
   }
   // Nothing to hash (no parts, or empty ones): OK with no parts and no digests (and a bad
   // segment still refused).
-  EXPECT_EQ(rssm_segment_digests_parts(&kCpu, nullptr, 0, 1024, 1024, nullptr), RSSM_OK);
+  EXPECT_EQ(rssm_segment_digests_parts(&kCpu, nullptr, nullptr, 0, 1024, 1024, nullptr),
+            RSSM_OK);
   EXPECT_STREQ(rssm_last_error(), "");
-  EXPECT_EQ(rssm_segment_digests_parts(&kCpu, nullptr, 3, 0, 1024, nullptr), RSSM_OK);
+  EXPECT_EQ(rssm_segment_digests_parts(&kCpu, nullptr, nullptr, 3, 0, 1024, nullptr),
+            RSSM_OK);
   ExpectRejected(
-      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, nullptr, 0, 0, 0, d); },
+      [&](uint64_t* d) { return rssm_segment_digests_parts(&kCpu, nullptr, nullptr, 0, 0, 0, d); },
       "segment_bytes", fn);
 }
 
@@ -286,11 +311,12 @@ TEST(SegmentDigests, CudaWithoutTheBackendIsUnsupportedAndWritesNothing) {
   HostData x(256, rng);
   const rssm_launch cuda{RSSM_BACKEND_CUDA, nullptr};
   uint64_t d[1] = {9};
-  EXPECT_EQ(rssm_segment_digests(&cuda, x.data(), 256, 64 * 4, d), RSSM_ERR_UNSUPPORTED);
+  EXPECT_EQ(Whole(&cuda, x.data(), 256, 64 * 4, d), RSSM_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(rssm_last_error()).find("CUDA"), std::string::npos);
   EXPECT_EQ(d[0], 9u);
   const void* parts[2] = {x.data(), x.data() + 128};
-  EXPECT_EQ(rssm_segment_digests_parts(&cuda, parts, 2, 128, 64 * 4, d), RSSM_ERR_UNSUPPORTED);
+  EXPECT_EQ(rssm_segment_digests_parts(&cuda, parts, parts, 2, 128, 64 * 4, d),
+            RSSM_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(rssm_last_error()).find("CUDA"), std::string::npos);
   EXPECT_EQ(d[0], 9u);
 }

@@ -615,7 +615,38 @@ TEST(CudaKernels, BadDeviceIndicesAreHarmless) {
   for (int64_t i = 0; i < int64_t{2} * c.hv * c.v; ++i) ASSERT_EQ(out.Get(i), 0.f);
 }
 
-// rssm_segment_digests on the device against the CPU backend (the host's version 2 digest of
+// rssm_segment_digests_parts on `l` with its part table and digests in device memory, waited
+// for on l's stream: the digests in out[0, n), n = ceil(count * part_bytes / segment); out[n]
+// goes through the device too, so a write past the last segment shows.
+rssm_status DeviceDigests(const rssm_launch& l, const void* const* parts, size_t count,
+                          size_t part_bytes, size_t segment, uint64_t* out) {
+  const size_t bytes = count * part_bytes;
+  const size_t n = segment == 0 ? 0 : (bytes + segment - 1) / segment;
+  DevBuf table(std::max<size_t>(count, 1) * sizeof(void*)), digests((n + 1) * sizeof(uint64_t));
+  const bool up = (parts == nullptr || count == 0 ||
+                   cudaMemcpy(table.get(), parts, count * sizeof(void*),
+                              cudaMemcpyHostToDevice) == cudaSuccess) &&
+                  cudaMemcpy(digests.get(), out, (n + 1) * sizeof(uint64_t),
+                             cudaMemcpyHostToDevice) == cudaSuccess;
+  if (!up) return RSSM_ERR_DEVICE;
+  const rssm_status s = rssm_segment_digests_parts(
+      &l, parts, static_cast<const void* const*>(table.get()), count, part_bytes, segment,
+      digests.as<uint64_t>());
+  if (s != RSSM_OK) return s;
+  const bool down = cudaStreamSynchronize(static_cast<cudaStream_t>(l.stream)) == cudaSuccess &&
+                    cudaMemcpy(out, digests.get(), (n + 1) * sizeof(uint64_t),
+                               cudaMemcpyDeviceToHost) == cudaSuccess;
+  return down ? RSSM_OK : RSSM_ERR_DEVICE;
+}
+
+// The same of one buffer (one part).
+rssm_status DeviceDigests(const rssm_launch& l, const void* data, size_t bytes, size_t segment,
+                          uint64_t* out) {
+  const void* one[1] = {data};
+  return DeviceDigests(l, one, 1, bytes, segment, out);
+}
+
+// rssm_segment_digests_parts of one buffer on the device against the CPU backend (the host's version 2 digest of
 // each segment) on fresh random bytes: sizes around the block and segment edges, a Qwen3-Next
 // slot (36 layers of [32, 128, 128], f32 = 75.5 MB and bf16) and odd tails, 1 MiB, 4 KiB and
 // 192-byte segments, on a stream of its own, ordered after an upload queued on that stream.
@@ -660,10 +691,12 @@ TEST(CudaSegmentDigests, MatchCpuOnRandomDeviceData) {
         ASSERT_EQ(rssm_memcpy(&cuda, dev.get(), h, bytes + 16, RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);
         const size_t count = (bytes + seg - 1) / seg;
         std::vector<uint64_t> want(count), got(count + 1, 0x5a5a);
-        ASSERT_EQ(rssm_segment_digests(&cuda, dev.as<uint8_t>() + shift, bytes, seg, got.data()),
-                  RSSM_OK)
+        ASSERT_EQ(DeviceDigests(cuda, dev.as<uint8_t>() + shift, bytes, seg, got.data()), RSSM_OK)
             << rssm_last_error();
-        ASSERT_EQ(rssm_segment_digests(&cpu, h + shift, bytes, seg, want.data()), RSSM_OK);
+        const void* host_part[1] = {h + shift};
+        ASSERT_EQ(rssm_segment_digests_parts(&cpu, host_part, host_part, 1, bytes, seg,
+                                             want.data()),
+                  RSSM_OK);
         EXPECT_EQ(got.back(), 0x5a5au) << "written past the last segment";
         got.pop_back();
         size_t bad = 0;
@@ -730,10 +763,8 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
       const size_t off = i * k.segment;
       want[i] = checksum_v2::Digest(whole.data() + off, std::min(k.segment, bytes - off));
     }
-    ASSERT_EQ(rssm_segment_digests_parts(&cuda, parts.data(), k.count, k.part_bytes, k.segment,
-                                         got.data()),
-              RSSM_OK)
-        << rssm_last_error();
+    ASSERT_EQ(DeviceDigests(cuda, parts.data(), k.count, k.part_bytes, k.segment, got.data()),
+              RSSM_OK) << rssm_last_error();
     EXPECT_EQ(got.back(), 0x5a5au) << "written past the last segment";
     got.pop_back();
     size_t bad = 0;
@@ -746,14 +777,11 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
     ASSERT_EQ(bad, 0u);
     const size_t j = k.count / 2, at = k.part_bytes - 1, off = j * k.part_bytes + at;
     const uint8_t flipped = whole[off] ^ 0x10;
-    ASSERT_EQ(rssm_memcpy(&cuda, static_cast<uint8_t*>(const_cast<void*>(parts[j])) + at, &flipped,
-                          1, RSSM_COPY_HOST_TO_DEVICE),
-              RSSM_OK);
-    std::vector<uint64_t> after(n);
-    ASSERT_EQ(rssm_segment_digests_parts(&cuda, parts.data(), k.count, k.part_bytes, k.segment,
-                                         after.data()),
-              RSSM_OK)
-        << rssm_last_error();
+    ASSERT_EQ(rssm_memcpy(&cuda, static_cast<uint8_t*>(const_cast<void*>(parts[j])) + at,
+                          &flipped, 1, RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);
+    std::vector<uint64_t> after(n + 1);
+    ASSERT_EQ(DeviceDigests(cuda, parts.data(), k.count, k.part_bytes, k.segment, after.data()),
+              RSSM_OK) << rssm_last_error();
     for (size_t i = 0; i < n; ++i) {
       EXPECT_EQ(after[i] != want[i], i == off / k.segment) << "segment " << i << " of " << n;
     }
@@ -764,10 +792,11 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
   const void* misaligned[2] = {a.get(), b.as<uint8_t>() + 8};
   const void* aligned[2] = {a.get(), b.get()};
   uint64_t d[2] = {7, 7};
-  EXPECT_EQ(rssm_segment_digests_parts(&cuda, misaligned, 2, 128, 64, d),
+  EXPECT_EQ(rssm_segment_digests_parts(&cuda, misaligned, aligned, 2, 128, 64, d),
             RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("parts[1]"), std::string::npos);
-  EXPECT_EQ(rssm_segment_digests_parts(&cuda, aligned, 2, 120, 64, d), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(rssm_segment_digests_parts(&cuda, aligned, aligned, 2, 120, 64, d),
+            RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("part_bytes"), std::string::npos);
   EXPECT_EQ(d[0], 7u);
   EXPECT_EQ(d[1], 7u);
@@ -781,27 +810,26 @@ TEST(CudaSegmentDigests, BadArgumentsWriteNothingAndAFlipIsSeen) {
   for (auto& b : x) b = static_cast<uint8_t>(rng());
   DevBuf dev(x.data(), x.size());
   const rssm_launch cuda{RSSM_BACKEND_CUDA, nullptr};
-  uint64_t d[2] = {7, 7};
-  EXPECT_EQ(rssm_segment_digests(&cuda, dev.as<uint8_t>() + 8, 4096, 4096, d),
+  uint64_t d[3] = {7, 7, 7};
+  EXPECT_EQ(DeviceDigests(cuda, dev.as<uint8_t>() + 8, 4096, 4096, d),
             RSSM_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(rssm_last_error()).find("data"), std::string::npos);
-  EXPECT_EQ(rssm_segment_digests(&cuda, dev.get(), 4096, 100, d), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("parts[0]"), std::string::npos);
+  EXPECT_EQ(DeviceDigests(cuda, dev.get(), 4096, 100, d), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("segment_bytes"), std::string::npos);
   EXPECT_EQ(d[0], 7u);
   EXPECT_EQ(d[1], 7u);
-  ASSERT_EQ(rssm_segment_digests(&cuda, dev.get(), x.size(), 4096, d), RSSM_OK);
+  ASSERT_EQ(DeviceDigests(cuda, dev.get(), x.size(), 4096, d), RSSM_OK);
   x[4500] ^= 1;
   dev.Upload(x.data());
-  uint64_t e[2];
-  ASSERT_EQ(rssm_segment_digests(&cuda, dev.get(), x.size(), 4096, e), RSSM_OK);
+  uint64_t e[3] = {};
+  ASSERT_EQ(DeviceDigests(cuda, dev.get(), x.size(), 4096, e), RSSM_OK);
   EXPECT_EQ(e[0], d[0]);
   EXPECT_NE(e[1], d[1]) << "a flipped bit in the short last segment";
 }
 
 // Not a pass/fail check: the time of one call on a 75.5 MB slot (hash + digests copied back +
 // sync), printed for the lead to read, as one buffer and as its 36 layers (parts into the same
-// buffer: what the parts path costs over the contiguous one). Expected: ~0.2-0.3 ms
-// (checksum.cu).
+// buffer: what the parts path costs over one part). Expected: ~0.2-0.3 ms (checksum.cu).
 TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
   ASSERT_TRUE(HaveGpu()) << kNoGpu;
   const size_t layer = size_t{32} * 128 * 128 * 4, bytes = 36 * layer;
@@ -811,14 +839,28 @@ TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
   const rssm_launch cuda{RSSM_BACKEND_CUDA, nullptr};
   std::vector<const void*> layers;
   for (size_t l = 0; l < 36; ++l) layers.push_back(dev.as<uint8_t>() + l * layer);
-  std::vector<uint64_t> d((bytes + (1 << 20) - 1) >> 20), e(d.size());
-  auto whole = [&] { return rssm_segment_digests(&cuda, dev.get(), bytes, 1 << 20, d.data()); };
-  auto parts = [&] {
-    return rssm_segment_digests_parts(&cuda, layers.data(), 36, layer, 1 << 20, e.data());
+  const size_t n = (bytes + (1 << 20) - 1) >> 20;
+  std::vector<uint64_t> d(n), e(n);
+  const void* one[1] = {dev.get()};
+  DevBuf one_table(one, sizeof(one)), layer_table(layers.data(), 36 * sizeof(void*));
+  DevBuf digests(n * sizeof(uint64_t));
+  // One call with its table already on the device, then the digests copied back.
+  auto timed = [&](const void* const* parts, const DevBuf& table, size_t count, size_t part,
+                   std::vector<uint64_t>& out) {
+    const rssm_status s = rssm_segment_digests_parts(
+        &cuda, parts, static_cast<const void* const*>(table.get()), count, part, 1 << 20,
+        digests.as<uint64_t>());
+    if (s != RSSM_OK) return s;
+    return cudaMemcpy(out.data(), digests.get(), n * sizeof(uint64_t), cudaMemcpyDeviceToHost) ==
+                   cudaSuccess
+               ? RSSM_OK
+               : RSSM_ERR_DEVICE;
   };
+  auto whole = [&] { return timed(one, one_table, 1, bytes, d); };
+  auto parts = [&] { return timed(layers.data(), layer_table, 36, layer, e); };
   for (const auto& [name, call] :
-       {std::pair<const char*, std::function<rssm_status()>>{"rssm_segment_digests", whole},
-        {"rssm_segment_digests_parts (36 layers)", parts}}) {
+       {std::pair<const char*, std::function<rssm_status()>>{"one buffer", whole},
+        {"36 layers", parts}}) {
     ASSERT_EQ(call(), RSSM_OK) << rssm_last_error();  // warm
     std::vector<double> ms;
     for (int rep = 0; rep < 10; ++rep) {

@@ -5,13 +5,12 @@
  * slots. The math is ../../../docs/math-and-abi.md (and DESIGN §1); every backend matches it.
  *
  * Ownership: the caller owns every buffer. Nothing here keeps a pointer past the call or
- * synchronizes the stream (but rssm_synchronize, and rssm_segment_digests(_parts): transfer-path
- * calls). On the CPU backend every pointer is a host pointer and `stream` must be NULL; on the
- * CUDA backend every tensor and index array is device memory and work is enqueued on `stream`
- * (NULL = the legacy default stream).
- * No decode, verify, fold or prefill call allocates: the kernels work in the caller's buffers
- * (and shared memory), so every such call may be captured into a CUDA graph (the transfer-path
- * rssm_segment_digests(_parts) are the exception, below).
+ * synchronizes the stream (but rssm_synchronize). On the CPU backend every pointer is a host
+ * pointer and `stream` must be NULL; on the CUDA backend every tensor and index array is
+ * device memory and work is enqueued on `stream` (NULL = the legacy default stream).
+ * No kernel call (decode, verify, fold, prefill, segment digests) allocates: the kernels work
+ * in the caller's buffers (and shared memory), so every such call may be captured into a CUDA
+ * graph.
  *
  * Thread safety: every function may be called concurrently from several threads as long as
  * the calls touch disjoint slots (or only read the same ones). The error message is
@@ -274,39 +273,30 @@ rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr,
  * on one GPU time-slice and every cross-process doorbell costs ~280 us instead of ~5 us. */
 int rssm_mps_active(void);
 
-/* Transfer checksums (docs/transfer.md, checksum version 3): the version 2 digest
- * (replayssm/checksum_v2.h; bit-identical to the host's Checksummer) of each segment of a
- * payload, each segment hashed on its own (its own lanes, tail and length): digests[i] is that
- * of payload bytes [i * segment_bytes, min((i + 1) * segment_bytes, bytes)).
- *   segment_bytes: a positive multiple of 64 (so only the last segment can have a tail), at
- *                  most 2^31 - 1 segments
- *   digests:       HOST memory of ceil(bytes / segment_bytes) entries (none when bytes == 0)
- * CUDA: the hash is enqueued on launch->stream and the call then SYNCHRONIZES that stream to
- * copy the digests back (it also waits for whatever was queued on it before): a transfer-path
- * call, not a decode step. It allocates ceil(bytes / segment_bytes) * 8 bytes of device memory
- * (plus 8 per part, below) stream-ordered (cudaMallocAsync) for the duration of the call.
- *
- * rssm_segment_digests: the payload is one buffer.
- *   data:          backend memory (host on CPU, device on CUDA), 16-byte aligned; may be NULL
- *                  only when bytes == 0 */
-rssm_status rssm_segment_digests(const rssm_launch* launch, const void* data, size_t bytes,
-                                 size_t segment_bytes, uint64_t* digests);
-
-/* rssm_segment_digests_parts: the payload is parts[0] | parts[1] | ... | parts[count - 1],
- * bytes = count * part_bytes, hashed where the parts lie (no gather): digests[i] is exactly
- * what rssm_segment_digests gives for segment i of the parts copied one after the other into
- * one buffer; a segment may span parts. rssm_segment_digests(data, bytes) is this call with
- * count 1 (one implementation per backend).
- *   parts:      HOST array of count backend pointers (host on CPU, device on CUDA; read only
- *               during the call); may be NULL only when bytes == 0. Each part is 16-byte
- *               aligned (the device loads 16 bytes at a time and a 16-byte load never spans
- *               two parts)
- *   part_bytes: any size when count == 1, else a multiple of 16; count * part_bytes must not
- *               overflow size_t
- * CUDA: the part pointers are copied host -> device on launch->stream into the call's
- * stream-ordered allocation, after the digests. */
+/* Slot checksums (docs/transfer.md): the segment hash (replayssm/checksum_v2.h; bit-identical
+ * to the host's) of each segment of a payload held as parts[0] | parts[1] | ... |
+ * parts[count - 1] (count * part_bytes bytes), hashed where the parts lie (no gather):
+ * digests[i] is the hash of payload bytes [i * segment_bytes, min((i + 1) * segment_bytes,
+ * bytes)), a segment may span parts. Like every other call it only queues work on
+ * launch->stream: nothing is allocated and nothing synchronizes; the caller copies the
+ * digests back once the stream is done (on CPU they are written before the call returns).
+ *   parts:           HOST array of count backend pointers (host on CPU, device on CUDA), read
+ *                    during the call; may be NULL only when count * part_bytes == 0. Each
+ *                    part is 16-byte aligned (the device loads 16 bytes at a time and a 16-byte
+ *                    load never spans two parts)
+ *   part_bytes:      any size when count == 1, else a multiple of 16; count * part_bytes must
+ *                    not overflow size_t
+ *   segment_bytes:   a positive multiple of 64 (so only the last segment can have a tail), at
+ *                    most 2^31 - 1 segments
+ *   parts_device:    BACKEND memory, 8-byte aligned, holding the same count pointers as parts:
+ *                    the table the device reads (the caller copies it there, queued on the
+ *                    same stream before this call; on CPU it may be parts itself). parts is
+ *                    what the call validates
+ *   digests:         BACKEND memory of ceil(bytes / segment_bytes) entries, written by the
+ *                    queued work */
 rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* const* parts,
-                                       size_t count, size_t part_bytes, size_t segment_bytes,
+                                       const void* const* parts_device, size_t count,
+                                       size_t part_bytes, size_t segment_bytes,
                                        uint64_t* digests);
 
 /* Helpers. */

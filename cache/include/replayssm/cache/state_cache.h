@@ -7,7 +7,11 @@
 // Invariants
 //  - A slot's cursor (write_pos) and seq_len advance once per forward, for all layers.
 //  - A state leaves a slot (copy-on-write into another slot, donation, export, transfer)
-//    only through one guarded function that folds it first (write_pos == 0), or refuses.
+//    only through one guarded function that folds it first (write_pos == 0), or refuses. A
+//    fold keeps the logical state: it moves write_pos to 0, never seq_len.
+//  - Slot bytes have one owner: a move in or out of the cache goes through slot I/O
+//    (OpenExport, OpenImport; slot_io.h), on the cache's streams. A slot being moved out is
+//    MOVING: every mutation of it is refused until the move ends.
 //  - A failed or abandoned call leaves every slot as it was.
 //  - Slot ids are generation-checked: a freed or reused slot is never reachable through an
 //    old id.
@@ -20,20 +24,20 @@
 #define REPLAYSSM_CACHE_STATE_CACHE_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "replayssm/cache/model.h"
+#include "replayssm/cache/slot_io.h"
 
 namespace replayssm::cache {
 
-// An opaque slot id: (generation << 32) | index. 0 is never a valid slot; in a forward's
-// rows it marks a padding row.
-using SlotId = uint64_t;
+// An opaque slot id (SlotId, slot_io.h): (generation << 32) | index. 0 is never a valid slot;
+// in a forward's rows it marks a padding row.
 inline constexpr SlotId kPaddingSlot = 0;
 
 struct CacheOptions {
@@ -83,9 +87,10 @@ struct CacheStats {
 // then Commit. Three kinds share it (StateCache::BeginForward for decode, BeginPrefill,
 // BeginVerify): they differ in the kernel a layer runs and in what Commit does. Every layer's
 // io holds tokens() tokens: the rows' tokens packed in row order.
-// Destroying it without Commit abandons it: no cursor moves and no state changes logically
-// (decode and verify only append ring records past the cursors; a prefill puts back the
-// checkpoints its layers overwrote), and the rows are free for other operations again.
+// Destroying it without Commit abandons it: no token is applied, seq_len stays and no state
+// changes logically (decode and verify only append ring records past the cursors; a prefill
+// puts back the checkpoints its layers overwrote; rows folded at its begin stay folded,
+// write_pos -> 0, the same logical state), and the rows are free for other operations again.
 // Each forward queues its work on a stream of its own (one of a pool the cache owns), so
 // forwards on disjoint slots overlap on the device. It waits for that stream only where a
 // caller must see results: a host-memory RunLayer (its outputs), Synchronize, Commit and
@@ -157,12 +162,6 @@ class StateCache {
   // A fresh slot at seq_len 0 with a zero state. RESOURCE_EXHAUSTED when no slot is free
   // even after evicting every unreferenced snapshot.
   virtual absl::StatusOr<SlotId> Allocate() = 0;
-  // A fresh slot for a bulk mover that is about to write every checkpoint byte through
-  // WithCheckpoints(kImport) (slot transfer): the checkpoints are NOT zeroed (they hold
-  // whatever the slot held last), so until such an import succeeds the slot refuses every
-  // other use with FAILED_PRECONDITION; only that import, Info and Free take it. A failed
-  // import leaves it so (and broken): free it. Saves Allocate's memset of a whole slot.
-  virtual absl::StatusOr<SlotId> AllocateForImport() = 0;
   // A slot that starts from the longest snapshot whose key is a prefix of `tokens` (copy-on-
   // write; write_pos 0, seq_len = matched), or a fresh one when none matches.
   struct PrefixAllocation {
@@ -184,34 +183,22 @@ class StateCache {
   // the slot's seq_len becomes tokens.size().
   virtual absl::Status Import(SlotId slot, absl::Span<const int32_t> tokens,
                               absl::Span<const absl::Span<const uint8_t>> checkpoints) = 0;
-  // The slot's full state, folded first (the guarded path).
+  // The slot's full state, folded first (the guarded path: write_pos -> 0, the logical state
+  // and seq_len unchanged).
   virtual absl::StatusOr<ExportedState> Export(SlotId slot) = 0;
-  // The same into a caller's buffer (reused across transfers): layer l's checkpoint at
-  // dst[l * bytes_per_layer]; dst.size() must be num_layers * bytes_per_layer. Fills
-  // `tokens` and returns seq_len.
-  virtual absl::StatusOr<int64_t> ExportTo(SlotId slot, absl::Span<uint8_t> dst,
-                                           std::vector<int32_t>* tokens) = 0;
 
-  // Direct access to a slot's checkpoints in backend memory, for bulk movers (slot transfer)
-  // that stream them in chunks instead of copying the whole state through a host buffer.
-  // The slot is held (busy) while `fn` runs; `fn` must not call back into the cache, and the
-  // pointers are valid only inside it.
-  //  - kExport: the guarded path, as ExportTo: folds first (write_pos -> 0) or refuses; fn
-  //    only reads. *tokens = the slot's tokens; returns seq_len.
-  //  - kImport: fn writes every layer's checkpoint (nothing else may read the slot until it
-  //    returns). On OK the slot's state is what fn wrote, its tokens are *tokens as fn left
-  //    them (fn may fill them), write_pos 0; returns the new seq_len. On failure the slot is
-  //    marked broken (free it).
-  enum class CheckpointAccess { kExport, kImport };
-  struct CheckpointMemory {
-    int32_t backend = RSSM_BACKEND_CPU;  // where `layers` live (see rssm_memcpy)
-    size_t bytes_per_layer = 0;          // [HV, V, K] in the state dtype
-    std::vector<void*> layers;           // [num_layers]
-  };
-  virtual absl::StatusOr<int64_t> WithCheckpoints(
-      SlotId slot, CheckpointAccess access,
-      const std::function<absl::Status(const CheckpointMemory&)>& fn,
-      std::vector<int32_t>* tokens) = 0;
+  // Opens the move of `slot` out of this cache: the guarded path (folds it first, or refuses a
+  // slot whose drafts await Accept), then the slot is MOVING under `move_id` (named in every
+  // refusal) until the reader is finished (SlotReader::Finish, or its destruction).
+  virtual absl::StatusOr<std::unique_ptr<SlotReader>> OpenExport(SlotId slot,
+                                                                 absl::string_view move_id,
+                                                                 const SlotIoOptions& options) = 0;
+  // Opens a move into a fresh slot of `seq_len` tokens: not zeroed (the writer writes every
+  // byte) and nobody's until the writer commits. RESOURCE_EXHAUSTED as Allocate.
+  virtual absl::StatusOr<std::unique_ptr<SlotWriter>> OpenImport(int64_t seq_len,
+                                                                 const SlotIoOptions& options) = 0;
+  // Backend memory for a transport that moves slot bytes without staging (device-direct).
+  virtual absl::StatusOr<std::unique_ptr<BackendBuffer>> AllocateBackendBuffer(size_t bytes) = 0;
 
   // A decode forward: one token per row.
   virtual absl::StatusOr<std::unique_ptr<Forward>> BeginForward(

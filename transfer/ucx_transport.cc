@@ -1,8 +1,11 @@
-#include "ucx_transport.h"
+#include "replayssm/transfer/ucx_transport.h"
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <chrono>
+#include <deque>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -95,23 +98,28 @@ UcxTransport::Region::~Region() {
   }
 }
 
-absl::StatusOr<std::unique_ptr<UcxTransport::Region>> UcxTransport::Register(void* addr,
-                                                                            size_t size) {
-  if (addr == nullptr || size == 0) {
-    return absl::InvalidArgumentError("ucx register: expected a non-empty buffer");
-  }
+absl::StatusOr<std::unique_ptr<UcxTransport::Region>> UcxTransport::Map(void* addr, size_t size) {
   std::unique_ptr<Region> r(new Region());
   r->context_ = context_;
-  r->base_ = addr;
-  r->size_ = size;
   ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
   mp.address = addr;
   mp.length = size;
+  mp.flags = addr == nullptr ? UCP_MEM_MAP_ALLOCATE : 0;
   ucp_mem_h memh = nullptr;
   ucs_status_t s = ucp_mem_map(static_cast<ucp_context_h>(context_), &mp, &memh);
-  if (s != UCS_OK) return UcsError(s, "mem_map");
+  if (s != UCS_OK) return UcsError(s, addr == nullptr ? "mem_map(allocate)" : "mem_map");
   r->memh_ = memh;
+  r->base_ = addr;
+  if (addr == nullptr) {  // where UCX put it
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
+    s = ucp_mem_query(memh, &attr);
+    if (s != UCS_OK) return UcsError(s, "mem_query");
+    r->base_ = attr.address;
+  }
+  r->size_ = size;
   void* packed = nullptr;
   size_t packed_len = 0;
   s = ucp_rkey_pack(static_cast<ucp_context_h>(context_), memh, &packed, &packed_len);
@@ -121,33 +129,17 @@ absl::StatusOr<std::unique_ptr<UcxTransport::Region>> UcxTransport::Register(voi
   return r;
 }
 
+absl::StatusOr<std::unique_ptr<UcxTransport::Region>> UcxTransport::Register(void* addr,
+                                                                             size_t size) {
+  if (addr == nullptr || size == 0) {
+    return absl::InvalidArgumentError("ucx register: expected a non-empty buffer");
+  }
+  return Map(addr, size);
+}
+
 absl::StatusOr<std::unique_ptr<UcxTransport::Region>> UcxTransport::Allocate(size_t size) {
   if (size == 0) return absl::InvalidArgumentError("ucx allocate: expected a non-empty size");
-  std::unique_ptr<Region> r(new Region());
-  r->context_ = context_;
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-  mp.address = nullptr;
-  mp.length = size;
-  mp.flags = UCP_MEM_MAP_ALLOCATE;
-  ucp_mem_h memh = nullptr;
-  ucs_status_t s = ucp_mem_map(static_cast<ucp_context_h>(context_), &mp, &memh);
-  if (s != UCS_OK) return UcsError(s, "mem_map(allocate)");
-  r->memh_ = memh;
-  ucp_mem_attr_t attr{};
-  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-  s = ucp_mem_query(memh, &attr);
-  if (s != UCS_OK) return UcsError(s, "mem_query");
-  r->base_ = attr.address;
-  r->size_ = size;
-  void* packed = nullptr;
-  size_t packed_len = 0;
-  s = ucp_rkey_pack(static_cast<ucp_context_h>(context_), memh, &packed, &packed_len);
-  if (s != UCS_OK) return UcsError(s, "rkey_pack");
-  r->rkey_.assign(static_cast<const char*>(packed), packed_len);
-  ucp_rkey_buffer_release(packed);
-  return r;
+  return Map(nullptr, size);
 }
 
 absl::Status UcxTransport::Wait(void* request, const char* what, absl::Time deadline) {
@@ -219,34 +211,54 @@ void UcxTransport::ForgetPeerLocked(const std::string& peer_address) {
   eps_.erase(ep);
 }
 
-absl::StatusOr<std::unique_ptr<UcxTransport::PutStream>> UcxTransport::OpenPutStream(
-    const std::string& peer_address, const std::string& rkey, absl::Duration timeout) {
+// One transfer's puts over a cached endpoint; destroyed without Finish (a failed transfer) it
+// cancels what is outstanding and forgets the peer's endpoint, so the next transfer connects
+// afresh.
+class UcxTransport::Stream final : public PutStream {
+ public:
+  Stream(UcxTransport* ucx, std::string peer, void* ep, void* rkey, absl::Time deadline)
+      : ucx_(ucx), peer_(std::move(peer)), ep_(ep), rkey_(rkey), deadline_(deadline) {}
+  ~Stream() override;
+  absl::StatusOr<uint64_t> Write(const void* local, size_t size, uint64_t remote_addr) override;
+  absl::Status WaitFor(uint64_t ticket) override;
+  absl::Status Flush() override;
+  absl::Status Finish() override;
+
+ private:
+  absl::Status WaitOldest();
+  UcxTransport* const ucx_;
+  const std::string peer_;
+  void* const ep_;    // ucp_ep_h
+  void* const rkey_;  // ucp_rkey_h
+  const absl::Time deadline_;
+  uint64_t issued_ = 0, completed_ = 0;             // tickets
+  std::deque<std::pair<uint64_t, void*>> pending_;  // (ticket, request)
+  bool failed_ = false, finished_ = false;
+};
+
+absl::StatusOr<std::unique_ptr<PutStream>> UcxTransport::OpenPutStream(
+    const std::string& peer_address, const std::string& rkey, absl::Time deadline) {
   if (peer_address.empty() || rkey.empty()) {
-    return absl::InvalidArgumentError("ucx put: expected a peer address and an rkey, got an empty one");
+    return absl::InvalidArgumentError(
+        "ucx put: expected a peer address and an rkey, got an empty one");
   }
-  std::unique_ptr<PutStream> p(new PutStream());
-  p->ucx_ = this;
-  p->peer_ = peer_address;
-  p->deadline_ = absl::Now() + timeout;
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<std::pair<void*, void*>> er = EndpointAndKeyLocked(peer_address, rkey);
   if (!er.ok()) return er.status();
-  p->ep_ = er->first;
-  p->rkey_ = er->second;
-  return p;
+  return std::make_unique<Stream>(this, peer_address, er->first, er->second, deadline);
 }
 
-UcxTransport::PutStream::~PutStream() {
+UcxTransport::Stream::~Stream() {
   if (finished_) return;
   std::lock_guard<std::mutex> lock(ucx_->mu_);
   for (auto& [ticket, req] : pending_) {
     ucp_request_cancel(Worker(ucx_->worker_), req);
     ucp_request_free(req);
   }
-  ucx_->ForgetPeerLocked(peer_);  // the next transfer starts from a fresh endpoint
+  ucx_->ForgetPeerLocked(peer_);
 }
 
-absl::Status UcxTransport::PutStream::WaitOldest() {
+absl::Status UcxTransport::Stream::WaitOldest() {
   const auto [ticket, req] = pending_.front();
   pending_.pop_front();
   absl::Status st = ucx_->Wait(req, "put", deadline_);
@@ -255,8 +267,8 @@ absl::Status UcxTransport::PutStream::WaitOldest() {
   return st;
 }
 
-absl::StatusOr<uint64_t> UcxTransport::PutStream::Write(const void* local, size_t size,
-                                                         uint64_t remote_addr) {
+absl::StatusOr<uint64_t> UcxTransport::Stream::Write(const void* local, size_t size,
+                                                     uint64_t remote_addr) {
   constexpr size_t kInFlight = 8;  // puts outstanding before waiting on the oldest
   if (failed_ || finished_) return absl::FailedPreconditionError("ucx put: the stream is closed");
   const uint64_t ticket = ++issued_;
@@ -283,21 +295,7 @@ absl::StatusOr<uint64_t> UcxTransport::PutStream::Write(const void* local, size_
   return ticket;
 }
 
-absl::Status UcxTransport::PutStream::Signal(uint64_t remote_addr, uint64_t value) {
-  {
-    std::lock_guard<std::mutex> lock(ucx_->mu_);
-    const ucs_status_t s = ucp_worker_fence(Worker(ucx_->worker_));
-    if (s != UCS_OK) {
-      failed_ = true;
-      return UcsError(s, "fence");
-    }
-  }
-  signals_.push_back(value);
-  if (signals_.size() > 64 && pending_.empty()) signals_.erase(signals_.begin(), signals_.end() - 1);
-  return Write(&signals_.back(), sizeof(uint64_t), remote_addr).status();
-}
-
-absl::Status UcxTransport::PutStream::WaitFor(uint64_t ticket) {
+absl::Status UcxTransport::Stream::WaitFor(uint64_t ticket) {
   while (completed_ < ticket && !pending_.empty()) {
     absl::Status st = WaitOldest();
     if (!st.ok()) return st;
@@ -306,14 +304,14 @@ absl::Status UcxTransport::PutStream::WaitFor(uint64_t ticket) {
   return absl::OkStatus();
 }
 
-absl::Status UcxTransport::PutStream::Finish() {
+absl::Status UcxTransport::Stream::Finish() {
   absl::Status st = Flush();
   if (!st.ok()) return st;
   finished_ = true;
   return absl::OkStatus();
 }
 
-absl::Status UcxTransport::PutStream::Flush() {
+absl::Status UcxTransport::Stream::Flush() {
   if (failed_ || finished_) return absl::FailedPreconditionError("ucx put: the stream is closed");
   absl::Status st = WaitFor(issued_);
   if (!st.ok()) return st;
@@ -331,13 +329,14 @@ absl::Status UcxTransport::PutStream::Flush() {
 absl::Status UcxTransport::Put(const std::string& peer_address, const void* local, size_t size,
                                uint64_t remote_addr, const std::string& rkey, size_t chunk,
                                absl::Duration timeout) {
-  absl::StatusOr<std::unique_ptr<PutStream>> stream = OpenPutStream(peer_address, rkey, timeout);
+  absl::StatusOr<std::unique_ptr<PutStream>> stream =
+      OpenPutStream(peer_address, rkey, absl::Now() + timeout);
   if (!stream.ok()) return stream.status();
   if (chunk == 0) chunk = size;
   const char* src = static_cast<const char*>(local);
   for (size_t off = 0; off < size; off += chunk) {
-    absl::StatusOr<uint64_t> t = (*stream)->Write(src + off, std::min(chunk, size - off),
-                                                  remote_addr + off);
+    absl::StatusOr<uint64_t> t =
+        (*stream)->Write(src + off, std::min(chunk, size - off), remote_addr + off);
     if (!t.ok()) return t.status();
   }
   return (*stream)->Finish();

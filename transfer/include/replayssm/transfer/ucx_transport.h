@@ -1,19 +1,18 @@
 // UcxTransport: the UCX (ucp) data plane of slot transfers between instances. One ucp
-// context and worker per process, a progress thread, registration of receive buffers
-// (memory map + packed rkey), and a chunked one-sided put into a peer's registered buffer
-// completed by a flush. The control plane (reserve, commit, abort, leases) is gRPC and lives
-// in the service. Transports and their tuning come from UCX's own environment variables
-// (UCX_TLS, UCX_NET_DEVICES, ...); nothing here overrides them.
+// context and worker per transport, a progress thread, registration of receive buffers
+// (memory map + packed rkey), and one-sided puts into a peer's registered buffer completed by
+// a flush (a PutLane). The control plane (reserve, commit, abort) is the Peer's. Transports
+// and their tuning come from UCX's own environment variables (UCX_TLS, UCX_NET_DEVICES, ...);
+// nothing here overrides them.
 //
 // Thread safety: every method is thread-safe. The worker runs in UCS_THREAD_MODE_SERIALIZED
 // behind mu_ (the multi-threaded mode rules out the shared-memory transports in UCX 1.13).
-#ifndef REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
-#define REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
+#ifndef REPLAYSSM_TRANSFER_UCX_TRANSPORT_H_
+#define REPLAYSSM_TRANSFER_UCX_TRANSPORT_H_
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,15 +23,16 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "replayssm/transfer/put_lane.h"
 
 namespace replayssm::transfer {
 
-class UcxTransport {
+class UcxTransport final : public PutLane {
  public:
   // progress_thread = false: a sender's extra put lane (Sender's lanes): nothing is ever put
   // into it, so no thread polls its worker; waits on its requests progress it themselves.
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(bool progress_thread = true);
-  ~UcxTransport();
+  ~UcxTransport() override;
   UcxTransport(const UcxTransport&) = delete;
   UcxTransport& operator=(const UcxTransport&) = delete;
 
@@ -40,9 +40,7 @@ class UcxTransport {
   const std::string& address() const { return address_; }
   // Whether the UCX loaded at run time can put from/to CUDA device memory directly
   // (ucp_context_query: memory_types contains UCS_MEMORY_TYPE_CUDA).
-  bool cuda_memory() const { return cuda_memory_; }
-  // For tests of the path selection: pretend the capability is (not) there.
-  void OverrideCudaMemoryForTest(bool on) { cuda_memory_ = on; }
+  bool takes_device_memory() const override { return cuda_memory_; }
 
   // A registered receive buffer: peers put into [addr, addr + size) with `rkey`.
   class Region {
@@ -68,45 +66,9 @@ class UcxTransport {
   // buffer of ours would be reached through software-emulated RMA (active messages).
   absl::StatusOr<std::unique_ptr<Region>> Allocate(size_t size);
 
-  // One transfer's puts into one registered region of one peer, issued as the data becomes
-  // ready (a pipeline: stage chunk i+1 while chunk i is put). Not thread-safe itself; one
-  // stream per transfer. Destroying it without Finish (a failed transfer) cancels what is
-  // outstanding and forgets the peer's endpoint.
-  class PutStream {
-   public:
-    ~PutStream();
-    // Issues a put of local[0, size) to remote_addr (at most kInFlight outstanding; waits on
-    // the oldest beyond). `local` must stay valid until WaitFor(the returned ticket).
-    absl::StatusOr<uint64_t> Write(const void* local, size_t size, uint64_t remote_addr);
-    // Writes `value` (8 bytes) to remote_addr after every earlier Write has landed (a fence):
-    // the receiver's doorbell, so it can consume the bytes as they arrive.
-    absl::Status Signal(uint64_t remote_addr, uint64_t value);
-    // Waits until the puts up to `ticket` completed locally (their source may be reused).
-    absl::Status WaitFor(uint64_t ticket);
-    // Waits for everything and flushes the endpoint: every put issued so far is in the peer's
-    // memory on return (a put issued afterwards, on any endpoint, lands after them). The
-    // stream stays open.
-    absl::Status Flush();
-    // Waits for everything and flushes: the bytes are in the peer's memory on return.
-    absl::Status Finish();
-
-   private:
-    friend class UcxTransport;
-    PutStream() = default;
-    absl::Status WaitOldest();
-    UcxTransport* ucx_ = nullptr;
-    std::string peer_;
-    void* ep_ = nullptr;    // ucp_ep_h
-    void* rkey_ = nullptr;  // ucp_rkey_h
-    absl::Time deadline_;
-    uint64_t issued_ = 0, completed_ = 0;           // tickets
-    std::deque<std::pair<uint64_t, void*>> pending_;  // (ticket, request)
-    std::deque<uint64_t> signals_;                    // sources of Signal's puts, kept alive
-    bool failed_ = false, finished_ = false;
-  };
   absl::StatusOr<std::unique_ptr<PutStream>> OpenPutStream(const std::string& peer_address,
                                                            const std::string& rkey,
-                                                           absl::Duration timeout);
+                                                           absl::Time deadline) override;
 
   // Puts local[0, size) into the peer's region at remote_addr in chunks of `chunk` bytes
   // (several in flight), then flushes, so the bytes are in the peer's memory on return.
@@ -115,8 +77,11 @@ class UcxTransport {
                    absl::Duration timeout);
 
  private:
+  class Stream;  // a PutStream over one endpoint
   UcxTransport() = default;
   void ProgressLoop();
+  // Maps [addr, addr + size) for remote access (addr null: UCX allocates it) and packs its rkey.
+  absl::StatusOr<std::unique_ptr<Region>> Map(void* addr, size_t size);
   // Waits for a request with the progress thread driving it; frees it.
   absl::Status Wait(void* request, const char* what, absl::Time deadline);
   // A cached endpoint to `peer_address` and the rkey unpacked on it: mapping a peer's region
@@ -132,11 +97,11 @@ class UcxTransport {
   bool cuda_memory_ = false;
   std::atomic<bool> stop_{false};
   std::thread progress_;  // not started for a lane (Create(false)): Wait progresses instead
-  std::mutex mu_;                                  // every call on worker_ after Create
-  std::map<std::string, void*> eps_;               // peer address -> ucp_ep_h
+  std::mutex mu_;         // every call on worker_ after Create
+  std::map<std::string, void*> eps_;                            // peer address -> ucp_ep_h
   std::map<std::pair<std::string, std::string>, void*> rkeys_;  // (peer, packed) -> ucp_rkey_h
 };
 
 }  // namespace replayssm::transfer
 
-#endif  // REPLAYSSM_SERVICE_TRANSFER_UCX_TRANSPORT_H_
+#endif  // REPLAYSSM_TRANSFER_UCX_TRANSPORT_H_

@@ -1,4 +1,4 @@
-#include "ucx_transport.h"
+#include "replayssm/transfer/ucx_transport.h"
 
 #include <gtest/gtest.h>
 
@@ -33,7 +33,8 @@ TEST(UcxTransport, PutIntoTheMiddleOfARegionLeavesTheRestAlone) {
   auto region = (*b)->Register(dst.data(), dst.size());
   ASSERT_TRUE(region.ok());
   ASSERT_TRUE((*a)->Put((*b)->address(), src.data(), src.size(), (*region)->addr() + 100,
-                        (*region)->rkey(), 256, absl::Seconds(30)).ok());
+                        (*region)->rkey(), 256, absl::Seconds(30))
+                  .ok());
   EXPECT_EQ(dst[99], 7);
   EXPECT_EQ(dst[100], 9);
   EXPECT_EQ(dst[1099], 9);

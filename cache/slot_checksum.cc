@@ -1,29 +1,34 @@
-#include "checksum.h"
+#include "slot_checksum.h"
 
 #include <algorithm>
 #include <cstring>
 
-namespace replayssm::transfer {
+namespace replayssm::cache {
 namespace {
 
-using checksum_v2::Mix;
+constexpr uint64_t kSeed = 0x5eed0003;
+constexpr size_t kL1Piece = 16 << 10;  // copied, then hashed while still in L1
 
-constexpr uint64_t kV3Seed = 0x5eed0003;
-
-}  // namespace
-
-void Checksummer::CopyAndUpdate(void* dst, const void* src, size_t size) {
-  constexpr size_t kPiece = 16 << 10;  // copied, then hashed while still in L1
-  auto* d = static_cast<uint8_t*>(dst);
-  const auto* s = static_cast<const uint8_t*>(src);
-  for (size_t off = 0; off < size; off += kPiece) {
-    const size_t n = std::min(kPiece, size - off);
-    std::memcpy(d + off, s + off, n);
-    Update(d + off, n);
+// Copies (when dst is set) and hashes src[0, n) into `sum` in L1-sized pieces.
+void CopyAndUpdate(checksum_v2::Stream& sum, uint8_t* dst, const uint8_t* src, size_t n) {
+  if (dst == nullptr) {
+    sum.Update(src, n);
+    return;
+  }
+  for (size_t off = 0; off < n; off += kL1Piece) {
+    const size_t k = std::min(kL1Piece, n - off);
+    std::memcpy(dst + off, src + off, k);
+    sum.Update(dst + off, k);
   }
 }
 
-uint64_t Checksum(const void* data, size_t size) { return checksum_v2::Digest(data, size); }
+}  // namespace
+
+uint64_t CombineSegmentDigests(const uint64_t* digests, size_t count, size_t total) {
+  uint64_t h = kSeed;
+  for (size_t i = 0; i < count; ++i) h = checksum_v2::Mix(h, digests[i]);
+  return checksum_v2::Mix(h, total);
+}
 
 SegmentedChecksum::SegmentedChecksum(size_t total, size_t segment)
     : total_(total),
@@ -37,19 +42,12 @@ void SegmentedChecksum::Part(Segment& s, size_t offset, const uint8_t* src, uint
                              size_t n) {
   std::lock_guard<std::mutex> lock(s.mu);
   if (offset != s.next) {  // its predecessors have not come yet: keep what it holds
-    const uint8_t* keep = src;
-    if (dst != nullptr) {
-      std::memcpy(dst, src, n);
-      keep = dst;
-    }
+    if (dst != nullptr) std::memcpy(dst, src, n);
+    const uint8_t* keep = dst != nullptr ? dst : src;
     s.early.emplace(offset, std::vector<uint8_t>(keep, keep + n));
     return;
   }
-  if (dst != nullptr) {
-    s.sum.CopyAndUpdate(dst, src, n);
-  } else {
-    s.sum.Update(src, n);
-  }
+  CopyAndUpdate(s.sum, dst, src, n);
   s.next += n;
   for (auto it = s.early.begin(); it != s.early.end() && it->first == s.next;
        it = s.early.erase(it)) {
@@ -77,12 +75,6 @@ void SegmentedChecksum::Add(size_t offset, const void* data, size_t size) {
   CopyAndAdd(nullptr, data, offset, size);
 }
 
-uint64_t CombineSegmentDigests(const uint64_t* digests, size_t count, size_t total) {
-  uint64_t h = kV3Seed;
-  for (size_t i = 0; i < count; ++i) h = Mix(h, digests[i]);
-  return Mix(h, total);
-}
-
 uint64_t SegmentedChecksum::Digest() const {
   std::vector<uint64_t> d(count_);
   for (size_t i = 0; i < count_; ++i) {
@@ -92,14 +84,17 @@ uint64_t SegmentedChecksum::Digest() const {
   return CombineSegmentDigests(d.data(), count_, total_);
 }
 
-uint64_t ChecksumV3(const void* data, size_t size, size_t segment) {
-  if (segment == 0) segment = kChecksumSegmentBytes;
+uint64_t PayloadChecksum(const void* data, size_t size) {
+  return PayloadChecksumOfSegments(data, size, kChecksumSegmentBytes);
+}
+
+uint64_t PayloadChecksumOfSegments(const void* data, size_t size, size_t segment) {
   const auto* p = static_cast<const uint8_t*>(data);
   std::vector<uint64_t> d;
   for (size_t off = 0; off < size; off += segment) {
-    d.push_back(Checksum(p + off, std::min(segment, size - off)));
+    d.push_back(checksum_v2::Digest(p + off, std::min(segment, size - off)));
   }
   return CombineSegmentDigests(d.data(), d.size(), size);
 }
 
-}  // namespace replayssm::transfer
+}  // namespace replayssm::cache

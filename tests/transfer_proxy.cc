@@ -1,0 +1,91 @@
+#include "transfer_proxy.h"
+
+#include <chrono>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace replayssm::testing {
+
+std::unique_ptr<TransferProxy> TransferProxy::Start(const std::string& target) {
+  std::unique_ptr<TransferProxy> p(new TransferProxy());
+  p->set_target(target);
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(p.get());
+  p->server_ = builder.BuildAndStart();
+  if (p->server_ == nullptr || port == 0) return nullptr;
+  p->address_ = absl::StrCat("127.0.0.1:", port);
+  return p;
+}
+
+TransferProxy::~TransferProxy() {
+  stopping_ = true;
+  if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+}
+
+void TransferProxy::set_target(const std::string& target) {
+  absl::MutexLock lock(&mu_);
+  target_ = target;
+}
+
+void TransferProxy::set_hooks(Hooks hooks) {
+  absl::MutexLock lock(&mu_);
+  hooks_ = std::move(hooks);
+}
+
+std::unique_ptr<v1::SlotTransfer::Stub> TransferProxy::Stub() {
+  absl::MutexLock lock(&mu_);
+  return v1::SlotTransfer::NewStub(
+      grpc::CreateChannel(target_, grpc::InsecureChannelCredentials()));
+}
+
+template <typename Req, typename Resp>
+grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp* resp,
+                                   std::function<Action(Req&)> Hooks::*hook,
+                                   Forwarder<Req, Resp> call) {
+  std::function<Action(Req&)> before;
+  {
+    absl::MutexLock lock(&mu_);
+    before = hooks_.*hook;
+  }
+  Req forwarded = req;
+  const Action action = before ? before(forwarded) : Action::kForward;
+  if (action == Action::kRefuse) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "proxy: the peer went away");
+  }
+  if (action == Action::kHang) {
+    while (!stopping_ && !c->IsCancelled()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return grpc::Status(grpc::StatusCode::CANCELLED, "proxy: held until the caller gave up");
+  }
+  grpc::ClientContext cc;
+  cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  return ((*Stub()).*call)(&cc, forwarded, resp);
+}
+
+grpc::Status TransferProxy::ReserveTransfer(grpc::ServerContext* c,
+                                            const v1::ReserveTransferRequest* req,
+                                            v1::ReserveTransferResponse* resp) {
+  ++reserves_;
+  return Handle(c, *req, resp, &Hooks::reserve, &v1::SlotTransfer::Stub::ReserveTransfer);
+}
+
+grpc::Status TransferProxy::CommitTransfer(grpc::ServerContext* c,
+                                           const v1::CommitTransferRequest* req,
+                                           v1::CommitTransferResponse* resp) {
+  ++commits_;
+  return Handle(c, *req, resp, &Hooks::commit, &v1::SlotTransfer::Stub::CommitTransfer);
+}
+
+grpc::Status TransferProxy::AbortTransfer(grpc::ServerContext* c,
+                                          const v1::AbortTransferRequest* req,
+                                          v1::AbortTransferResponse* resp) {
+  ++aborts_;
+  return Handle(c, *req, resp, &Hooks::abort, &v1::SlotTransfer::Stub::AbortTransfer);
+}
+
+}  // namespace replayssm::testing

@@ -1,0 +1,124 @@
+// The receiving side of a move: reservations (a slot opened for import, a registered receive
+// buffer, an import thread that has each landed chunk written into the slot) until the
+// transfer is decided, and the decisions themselves.
+//
+// Decided once, under the lock: a transfer id is committed (Commit: every byte arrived, the
+// seq_len and the checksum match, before its commit-by time) or aborted (Abort, any failed
+// Commit, a commit that comes too late, lease expiry), never both, and the decision is kept
+// (the last `remembered` ids) so that retried calls and the sender's question "what did you
+// decide?" (Abort) get the same answer. Abort of an id never seen decides it aborted: a
+// reservation or commit that arrives late is then refused.
+//
+// Commit-by: a reservation must be committed by its receipt time (a monotonic clock, which
+// keeps running while the process is stopped) + the sender's budget - AbortReserve(budget);
+// a commit read after that (a receiver frozen and resumed) is refused and the reservation
+// dropped. A gRPC deadline cannot do this: its header is relative, so a resumed process
+// computes a fresh one.
+//
+// The reserved slot is nobody's until the commit (cache::SlotWriter): a failed or abandoned
+// transfer frees it.
+//
+// Thread safety: thread-safe.
+#ifndef REPLAYSSM_TRANSFER_RECEIVER_H_
+#define REPLAYSSM_TRANSFER_RECEIVER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "replayssm/cache/slot_io.h"
+#include "replayssm/cache/state_cache.h"
+#include "replayssm/transfer/peer.h"
+#include "replayssm/transfer/ucx_transport.h"
+
+namespace replayssm::transfer {
+
+class TaskPool;
+
+struct ReceiverOptions {
+  absl::Duration lease = absl::Seconds(30);  // a reservation lives at most this long
+  int32_t max_open = 16;                     // concurrent reservations
+  size_t chunk_bytes = 4 << 20;              // import granularity (and staging buffer size)
+  // Threads that write landed chunks into reserved slots, several at once (each hashes what
+  // it writes); shared by all reservations. 8: on the H200 host 4 were the whole move's limit.
+  int32_t import_threads = 8;
+  int32_t remembered = 4096;  // decisions kept for retries and the senders' questions
+  // The slot I/O path (a benchmark, or a test of another path on CPU); default: the cache's
+  // choice for this transport.
+  std::optional<cache::SlotIoPath> path;
+};
+
+class Receiver {
+ public:
+  Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions options);
+  ~Receiver();  // aborts what is open
+
+  // checksum_version must be cache::kChecksumVersion, budget > 0, the format this server's:
+  // else FAILED_PRECONDITION / INVALID_ARGUMENT before any byte moves. A retried Reserve of an
+  // open id returns the same reservation; of a decided id: ALREADY_EXISTS (committed) or
+  // ABORTED.
+  absl::StatusOr<Reservation> Reserve(const std::string& transfer_id, const StateFormat& format,
+                                      int64_t seq_len, uint32_t checksum_version,
+                                      absl::Duration budget);
+  // Waits for the last bytes, checks and makes the slot live; its cache id. A retry of a
+  // committed id returns the same slot. Any failure aborts the transfer (ABORTED for a commit
+  // past its commit-by time or of an aborted id; NOT_FOUND for an id never reserved).
+  absl::StatusOr<cache::SlotId> Commit(const std::string& transfer_id,
+                                       const std::vector<int32_t>& tokens, uint64_t checksum);
+  // Aborts an open transfer (waits for a commit in progress); the decision (slot: cache id).
+  Decision Abort(const std::string& transfer_id);
+  // Drops reservations past their commit-by time or lease (also done on every Reserve).
+  int ExpireLeases();
+  int open() const;
+  cache::SlotIoPath path() const { return path_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Buffer;    // a registered receive buffer (host, UCX-allocated; or backend memory)
+  struct Importer;  // one reservation's import thread and its hand-over with Commit
+  struct Pending {
+    std::unique_ptr<cache::SlotWriter> writer;
+    std::unique_ptr<Buffer> buffer;
+    std::unique_ptr<Importer> importer;
+    Clock::time_point commit_by;  // see the top; never later than the lease
+    bool committing = false;  // Commit took it: Abort waits for the decision
+  };
+  absl::StatusOr<std::unique_ptr<Buffer>> TakeBufferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartImporter(Pending& p);
+  // The import thread's work: writes chunks as the doorbell says they landed, until the
+  // commit (or the abort) comes.
+  absl::Status Import(Buffer& buf, Importer& in, cache::SlotWriter& writer);
+  // Ends a reservation's import (abort) and frees its slot; the buffer goes back to the pool.
+  void DropLocked(std::map<std::string, Pending>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DecideLocked(const std::string& transfer_id, Decision d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits while a Commit of transfer_id is checking its bytes (mu_ is released meanwhile).
+  void AwaitNoCommitLocked(const std::string& transfer_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Decision* DecisionLocked(const std::string& transfer_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  cache::StateCache* const cache_;
+  UcxTransport* const ucx_;
+  const ReceiverOptions options_;
+  const StateFormat format_;
+  const cache::SlotIoPath path_;
+  const int32_t depth_;  // landed chunks between the start and the end of their write, at most
+  std::unique_ptr<TaskPool> writers_;  // options_.import_threads; idle between imports
+  mutable absl::Mutex mu_;
+  std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Decision> decided_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> decided_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace replayssm::transfer
+
+#endif  // REPLAYSSM_TRANSFER_RECEIVER_H_

@@ -1,0 +1,344 @@
+#include "replayssm/transfer/receiver.h"
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "task_pool.h"
+
+namespace replayssm::transfer {
+namespace {
+
+// Landed chunks between the start and the end of their write, at least: enough for every
+// writer thread and the next chunks to be in hand at once.
+constexpr int32_t kImportDepth = 6;
+
+}  // namespace
+
+// A registered receive buffer: host memory allocated by UCX (the payload, then the doorbell
+// on its own cache line), or backend memory registered as is (device-direct). Pooled: fresh
+// pages and registration cost more than a transfer's copies.
+struct Receiver::Buffer {
+  std::unique_ptr<cache::BackendBuffer> device;  // device-direct only; outlives region
+  std::unique_ptr<UcxTransport::Region> region;
+  size_t payload = 0;
+
+  static size_t DoorbellOffset(size_t payload) { return (payload + 63) & ~size_t{63}; }
+  const uint8_t* data() const {
+    return device != nullptr ? static_cast<const uint8_t*>(device->data()) : region->data();
+  }
+  uint64_t* doorbell() const {
+    if (device != nullptr) return nullptr;
+    return reinterpret_cast<uint64_t*>(region->data() + DoorbellOffset(payload));
+  }
+  Reservation Describe(const std::string& worker) const {
+    const uint64_t* bell = doorbell();
+    return Reservation{worker, region->addr(), region->rkey(), static_cast<int64_t>(payload),
+                       bell == nullptr ? 0 : reinterpret_cast<uint64_t>(bell)};
+  }
+};
+
+// The hand-over between a reservation's import thread and Commit / Abort.
+struct Receiver::Importer {
+  absl::Mutex mu;
+  bool commit ABSL_GUARDED_BY(mu) = false;
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  std::atomic<bool> ended{false};  // commit or stop: no byte comes after this
+  absl::Status result;             // set by the thread before it ends
+  std::thread thread;
+
+  void End(bool abort) {
+    {
+      absl::MutexLock lock(&mu);
+      (abort ? stop : commit) = true;
+      ended = true;
+    }
+    if (thread.joinable()) thread.join();
+  }
+  // Waits for the commit (true) or the abort.
+  bool AwaitCommit() {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(
+        +[](Importer* i) ABSL_NO_THREAD_SAFETY_ANALYSIS { return i->commit || i->stop; }, this));
+    return !stop;
+  }
+};
+
+Receiver::Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions options)
+    : cache_(cache),
+      ucx_(ucx),
+      options_(options),
+      format_(StateFormat::Of(cache->model())),
+      path_(options.path.value_or(
+          cache::SelectSlotIoPath(cache->options().backend, ucx->takes_device_memory()))),
+      depth_(std::max(kImportDepth, options.import_threads + 2)),
+      writers_(std::make_unique<TaskPool>(options.import_threads)) {}
+
+Receiver::~Receiver() {
+  absl::MutexLock lock(&mu_);
+  while (!pending_.empty()) DropLocked(pending_.begin());
+}
+
+const Decision* Receiver::DecisionLocked(const std::string& transfer_id) const {
+  auto it = decided_.find(transfer_id);
+  return it == decided_.end() ? nullptr : &it->second;
+}
+
+void Receiver::DecideLocked(const std::string& transfer_id, Decision d) {
+  if (!decided_.emplace(transfer_id, d).second) return;  // decided once
+  decided_order_.push_back(transfer_id);
+  while (static_cast<int32_t>(decided_order_.size()) > std::max(options_.remembered, 1)) {
+    decided_.erase(decided_order_.front());
+    decided_order_.pop_front();
+  }
+}
+
+void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
+  Pending& p = it->second;
+  if (p.importer != nullptr) p.importer->End(/*abort=*/true);
+  p.writer.reset();  // uncommitted: the cache frees the slot
+  if (p.buffer != nullptr && static_cast<int32_t>(spare_.size()) < options_.max_open) {
+    spare_.push_back(std::move(p.buffer));
+  }
+  pending_.erase(it);
+}
+
+absl::StatusOr<std::unique_ptr<Receiver::Buffer>> Receiver::TakeBufferLocked() {
+  if (!spare_.empty()) {
+    std::unique_ptr<Buffer> b = std::move(spare_.back());
+    spare_.pop_back();
+    return b;
+  }
+  auto b = std::make_unique<Buffer>();
+  b->payload = cache::SlotPayloadBytes(cache_->model());
+  absl::StatusOr<std::unique_ptr<UcxTransport::Region>> r;
+  if (path_ == cache::SlotIoPath::kDeviceDirect) {
+    absl::StatusOr<std::unique_ptr<cache::BackendBuffer>> d =
+        cache_->AllocateBackendBuffer(b->payload);
+    if (!d.ok()) return d.status();
+    b->device = *std::move(d);
+    r = ucx_->Register(b->device->data(), b->payload);
+  } else {
+    r = ucx_->Allocate(Buffer::DoorbellOffset(b->payload) + 64);
+  }
+  if (!r.ok()) return r.status();
+  b->region = *std::move(r);
+  return b;
+}
+
+int Receiver::ExpireLeases() {
+  absl::MutexLock lock(&mu_);
+  const Clock::time_point now = Clock::now();
+  int n = 0;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    const Pending& p = it->second;
+    if (!p.committing && now > p.commit_by) {
+      const std::string id = it->first;
+      DropLocked(it++);
+      DecideLocked(id, Decision{});
+      ++n;
+    } else {
+      ++it;
+    }
+  }
+  return n;
+}
+
+int Receiver::open() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(pending_.size());
+}
+
+absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
+                                              const StateFormat& format, int64_t seq_len,
+                                              uint32_t checksum_version, absl::Duration budget) {
+  if (transfer_id.empty()) {
+    return absl::InvalidArgumentError("transfer_id: expected a non-empty id, got \"\"");
+  }
+  if (seq_len < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("seq_len: expected >= 0, got ", seq_len));
+  }
+  if (budget <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget: expected the sender's time left for the transfer (> 0), got ",
+                     absl::FormatDuration(budget)));
+  }
+  if (checksum_version != cache::kChecksumVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checksum_version: expected ", cache::kChecksumVersion, ", got ",
+                     checksum_version, " (a sender of another build: upgrade both sides)"));
+  }
+  absl::Status st = format_.CheckCompatible(format);  // before any byte moves
+  if (!st.ok()) return st;
+  ExpireLeases();
+  const Clock::time_point now = Clock::now();
+  absl::MutexLock lock(&mu_);
+  if (const Decision* d = DecisionLocked(transfer_id)) {
+    if (d->committed) {
+      return absl::AlreadyExistsError(absl::StrCat("transfer_id: ", transfer_id, " is committed"));
+    }
+    return absl::AbortedError(
+        absl::StrCat("transfer_id: ", transfer_id, " was aborted; a new attempt needs a new id"));
+  }
+  if (auto it = pending_.find(transfer_id); it != pending_.end()) {  // a retried Reserve
+    return it->second.buffer->Describe(ucx_->address());
+  }
+  if (static_cast<int32_t>(pending_.size()) >= options_.max_open) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("transfers: ", options_.max_open, " reservations are open already"));
+  }
+  cache::SlotIoOptions io;
+  io.chunk_bytes = options_.chunk_bytes;
+  io.path = path_;
+  io.staging_buffers = depth_;
+  absl::StatusOr<std::unique_ptr<cache::SlotWriter>> writer = cache_->OpenImport(seq_len, io);
+  if (!writer.ok()) return writer.status();
+  absl::StatusOr<std::unique_ptr<Buffer>> buffer = TakeBufferLocked();
+  if (!buffer.ok()) return buffer.status();
+  Pending p;
+  p.writer = *std::move(writer);
+  p.buffer = *std::move(buffer);
+  // The sender's commit deadline, never later than the lease.
+  p.commit_by =
+      now + absl::ToChronoNanoseconds(std::min(budget - AbortReserve(budget), options_.lease));
+  if (uint64_t* bell = p.buffer->doorbell()) __atomic_store_n(bell, 0, __ATOMIC_RELEASE);
+  StartImporter(p);
+  const Reservation r = p.buffer->Describe(ucx_->address());
+  pending_.emplace(transfer_id, std::move(p));
+  return r;
+}
+
+void Receiver::StartImporter(Pending& p) {
+  p.importer = std::make_unique<Importer>();
+  Importer* in = p.importer.get();
+  Buffer* buf = p.buffer.get();
+  cache::SlotWriter* writer = p.writer.get();
+  in->thread = std::thread([this, in, buf, writer] { in->result = Import(*buf, *in, *writer); });
+}
+
+absl::Status Receiver::Import(Buffer& buf, Importer& in, cache::SlotWriter& writer) {
+  const size_t total = buf.payload;
+  const uint64_t* bell = buf.doorbell();
+  if (bell == nullptr) {  // backend memory: every byte once the sender says they landed
+    if (!in.AwaitCommit()) return absl::AbortedError("transfer: aborted");
+    return writer.Write(0, buf.data(), total, /*backend_memory=*/true);
+  }
+  // Landed bytes are written in pieces by the writer threads, several at once (each piece
+  // hashed by the slot writer as it is copied); at most depth_ pieces are in their hands.
+  struct Range {
+    size_t offset, size;
+  };
+  std::vector<Range> pieces;
+  size_t landed = 0, submitted = 0, written = 0;
+  int idle = 0;
+  TaskPool::Batch writes(writers_.get());  // its destructor waits for every write
+  while (landed < total || written < pieces.size()) {
+    const size_t now = std::min<size_t>(__atomic_load_n(bell, __ATOMIC_ACQUIRE), total);
+    for (size_t off = landed; off < now; off += options_.chunk_bytes) {
+      pieces.push_back({off, std::min(options_.chunk_bytes, now - off)});
+    }
+    landed = std::max(landed, now);
+    bool progress = false;
+    for (; submitted < pieces.size() && submitted < written + static_cast<size_t>(depth_);
+         ++submitted) {
+      const Range r = pieces[submitted];
+      writes.Submit([&writer, src = buf.data() + r.offset, r] {
+        return writer.Write(r.offset, src, r.size);
+      });
+      progress = true;
+    }
+    absl::Status st;
+    if (written < submitted &&
+        writes.WaitFor(written, progress ? absl::ZeroDuration() : absl::Microseconds(50), &st)) {
+      if (!st.ok()) return st;
+      ++written;
+      idle = 0;
+      continue;
+    }
+    if (progress || written < submitted) continue;
+    // A commit comes after the sender's last flush: every byte is here, or never will be
+    // (the writer's commit then reports what is missing).
+    if (in.ended.load(std::memory_order_acquire) &&
+        __atomic_load_n(bell, __ATOMIC_ACQUIRE) <= landed) {
+      break;
+    }
+    if (++idle < 256) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  return in.AwaitCommit() ? absl::OkStatus() : absl::AbortedError("transfer: aborted");
+}
+
+absl::StatusOr<cache::SlotId> Receiver::Commit(const std::string& transfer_id,
+                                               const std::vector<int32_t>& tokens,
+                                               uint64_t checksum) {
+  Importer* in = nullptr;
+  cache::SlotWriter* writer = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    AwaitNoCommitLocked(transfer_id);  // a retry while the first is being committed
+    if (const Decision* d = DecisionLocked(transfer_id)) {
+      if (d->committed) return d->slot;
+      return absl::AbortedError(absl::StrCat("transfer_id: ", transfer_id, " was aborted"));
+    }
+    auto it = pending_.find(transfer_id);
+    if (it == pending_.end()) {
+      DecideLocked(transfer_id, Decision{});  // it can never commit later
+      return absl::NotFoundError(absl::StrCat("transfer_id: ", transfer_id,
+                                              " has no open reservation (expired or never made)"));
+    }
+    if (Clock::now() > it->second.commit_by) {
+      DropLocked(it);
+      DecideLocked(transfer_id, Decision{});
+      return absl::AbortedError(
+          absl::StrCat("transfer_id: ", transfer_id,
+                       " came after its commit-by time (the sender had given up on it); aborted"));
+    }
+    it->second.committing = true;
+    in = it->second.importer.get();
+    writer = it->second.writer.get();
+  }
+  in->End(/*abort=*/false);
+  absl::StatusOr<cache::SlotId> slot = in->result.ok() ? writer->Commit(tokens, checksum)
+                                                       : absl::StatusOr<cache::SlotId>(in->result);
+  Pending done;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(transfer_id);
+    done = std::move(it->second);
+    pending_.erase(it);
+    DecideLocked(transfer_id, slot.ok() ? Decision{true, *slot, static_cast<int64_t>(tokens.size())}
+                                        : Decision{});
+    if (static_cast<int32_t>(spare_.size()) < options_.max_open) {
+      spare_.push_back(std::move(done.buffer));
+    }
+  }
+  return slot;  // `done` goes: an uncommitted writer frees its slot
+}
+
+void Receiver::AwaitNoCommitLocked(const std::string& transfer_id) {
+  struct Arg {
+    Receiver* r;
+    const std::string* id;
+  } arg{this, &transfer_id};
+  mu_.Await(absl::Condition(
+      +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        auto it = a->r->pending_.find(*a->id);
+        return it == a->r->pending_.end() || !it->second.committing;
+      },
+      &arg));
+}
+
+Decision Receiver::Abort(const std::string& transfer_id) {
+  absl::MutexLock lock(&mu_);
+  AwaitNoCommitLocked(transfer_id);
+  if (const Decision* d = DecisionLocked(transfer_id)) return *d;
+  if (auto it = pending_.find(transfer_id); it != pending_.end()) DropLocked(it);
+  DecideLocked(transfer_id, Decision{});
+  return Decision{};
+}
+
+}  // namespace replayssm::transfer
