@@ -232,7 +232,7 @@ TEST_P(ForwardKindsTest, AForwardAbandonedAfterAnyLayerChangesNothing) {
       ASSERT_TRUE(cache_->Free(twin).ok());
     }
   }
-  EXPECT_EQ(cache_->stats().forwards_abandoned, 2 * (layers + 1));
+  EXPECT_EQ(cache_->stats().forwards_abandoned, 0) << "the counters are decode forwards'";
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardKindsTest,

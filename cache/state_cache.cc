@@ -1046,6 +1046,7 @@ void StateCacheImpl::EndForward(const ForwardRows& rows, bool commit, bool broke
   for (int32_t spare : rows.spare) {
     if (spare >= 0) ReleaseLocked(spare);
   }
+  if (rows.kind != ForwardKind::kDecode) return;  // the counters are decode steps'
   if (commit) {
     ++stats_.forwards_committed;
   } else {
@@ -1134,7 +1135,10 @@ absl::Status ForwardImpl::Start() {
   Lane& lane = *lane_;
   const int64_t B = batch();
   Scratch& s = lane.scratch;
-  absl::Status st = s.Reserve(cache_->options().backend, m, 0, B);
+  // Activations of up to max_batch tokens (every decode) are reserved now; more, on the first
+  // host-memory layer that needs them (ReserveTokens).
+  const int64_t staged = tokens() <= cache_->options().max_batch ? tokens() : 0;
+  absl::Status st = s.Reserve(cache_->options().backend, m, staged, B);
   if (!st.ok()) return st;
   // A ring that cannot take this forward's records is folded now (committed; see the top).
   // Prefill reads the ring wherever its cursor is and appends nothing: it never folds here.

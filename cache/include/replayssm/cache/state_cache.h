@@ -1,8 +1,9 @@
 // StateCache: the domain layer between the kernels and the service. It owns the recurrent
 // state of every request on one backend (CPU or CUDA, through the kernel C ABI only; it
 // never branches on which): a pool of slots (checkpoint + replay ring + cursors for every
-// linear-attention layer), the decode forward protocol, prefill, import/export, speculative
-// verify/accept, and a radix prefix cache of folded snapshots that shares the same pool.
+// linear-attention layer), layer-by-layer forwards (decode, prefill, speculative verify) and
+// their one-call forms, accept, import/export, and a radix prefix cache of folded snapshots
+// that shares the same pool.
 //
 // Invariants
 //  - A slot's cursor (write_pos) and seq_len advance once per forward, for all layers.
@@ -12,7 +13,8 @@
 //  - Slot bytes have one owner: a move in or out of the cache goes through slot I/O
 //    (OpenExport, OpenImport; slot_io.h), on the cache's streams. A slot being moved out is
 //    MOVING: every mutation of it is refused until the move ends.
-//  - A failed or abandoned call leaves every slot as it was.
+//  - A failed or abandoned call leaves every slot as it was (a forward abandoned between two
+//    layers included; the only exception is a device error, which marks a slot broken).
 //  - Slot ids are generation-checked: a freed or reused slot is never reachable through an
 //    old id.
 //
@@ -79,7 +81,7 @@ struct CacheStats {
   int64_t snapshot_hits = 0, snapshot_misses = 0, snapshot_evictions = 0;
   int64_t snapshots_taken = 0, donations = 0;
   int64_t guard_calls = 0, invariant_refusals = 0;
-  int64_t forwards_committed = 0, forwards_abandoned = 0;
+  int64_t forwards_committed = 0, forwards_abandoned = 0;  // decode forwards
   int64_t lanes = 0;  // streams with pinned staging: the most operations that ever ran at once
 };
 
