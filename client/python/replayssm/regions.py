@@ -170,7 +170,8 @@ class RegionTensor(NamedTuple):
     def head(self, n):
         """The first n rows (a forward of n tokens in a tensor laid out for more)."""
         if not 0 <= n <= self.shape[0]:
-            raise errors.InvalidArgument(f"rows: expected 0..{self.shape[0]}, got {n}")
+            raise errors.InvalidArgument(f"{self.region.name}@{self.offset}.rows: expected "
+                                         f"0..{self.shape[0]}, got {n}")
         return self._replace(shape=(n, *self.shape[1:]))
 
     def view(self):
@@ -193,7 +194,10 @@ class RegionTensor(NamedTuple):
         dst = self.view()
         if isinstance(self.region, CudaRegion):
             dst.copy_(x)
-        elif self.dtype == BF16:
+            return
+        if not isinstance(x, np.ndarray) and hasattr(x, "detach"):  # a torch tensor
+            x = x.detach().float().cpu().numpy()
+        if self.dtype == BF16:
             dst[...] = dtypes.float_to_bf16_bits(np.asarray(x, dtype=np.float32))
         else:
             dst[...] = np.asarray(x)

@@ -7,6 +7,7 @@ prints "rung" and then waits to be killed.
 
 import sys
 import time
+from multiprocessing import resource_tracker
 
 import numpy as np
 
@@ -20,6 +21,8 @@ def main(address, name, key, *slots):
         model = client.model
         region = regions.SharedMemoryRegion(name, plan.ForwardPlan.nbytes(model, len(slots)),
                                             key=key)
+        # The test removes the object: Python's tracker would too, and warn, once we are killed.
+        resource_tracker.unregister(region._shm._name, "shared_memory")
         forward = plan.ForwardPlan.layout(region, model, len(slots))
         client.register_region(region)
         stream = client.open_stream()
