@@ -44,8 +44,8 @@ class Engine:
             self.plan.wait_done(l, timeout=20)
 
 
-class DataPlaneTest(ServerTest):
-    SERVER_FLAGS = ("--track-interval=16", "--forward-timeout=1")
+class EngineTest(ServerTest):
+    """A server, and an Engine whose region is registered as "engine"."""
 
     def setUp(self):
         super().setUp()
@@ -83,6 +83,8 @@ class DataPlaneTest(ServerTest):
         for l, w in enumerate(want):
             np.testing.assert_array_equal(self.engine.out(l, n), w, err_msg=f"layer {l}")
 
+
+class DataPlaneTest(EngineTest):
     def test_planned_decode_matches_inline_bit_for_bit_across_folds(self):
         planned, inline = self.slots(2), self.slots(2)
         with self.client.open_stream() as stream:
@@ -162,22 +164,6 @@ class DataPlaneTest(ServerTest):
             self.engine.drive(self.layers(1))
             self.assertEqual(stream.commit()[0].seq_len, 1)
 
-    def test_a_doorbell_never_rung_fails_the_commit_and_moves_no_cursor(self):
-        [s] = self.slots(1)
-        before = self.observe(s)
-        layers = self.layers(1)
-        with self.client.open_stream() as stream:
-            stream.begin([(s, 9)], plan=self.engine.plan)
-            self.engine.write(0, layers[0])
-            self.engine.plan.ring(0)  # layer 0 only
-            with self.assertRaises(replayssm.DeadlineExceeded) as caught:
-                stream.commit()
-        self.assertIn("layer 1", caught.exception.details)
-        self.assertEqual(self.observe(s), before)
-        self.assertEqual(self.in_use(), 0)
-        with self.client.open_stream() as again:  # the slot takes the next forward
-            self.assertEqual(again.forward([(s, 9)], layers).rows[0].seq_len, 1)
-
     def test_a_client_process_killed_mid_forward_changes_nothing_and_releases_its_region(self):
         slots = self.slots(2)
         before = [self.observe(s) for s in slots]
@@ -241,6 +227,27 @@ class DataPlaneTest(ServerTest):
         self.assertEqual(self.observe(s), before)
         self.assertEqual(self.in_use(), 0)
 
+
+class ForwardTimeoutTest(EngineTest):
+    """A server that abandons a planned forward 1 s after its begin."""
+
+    SERVER_FLAGS = ("--track-interval=16", "--forward-timeout=1")
+
+    def test_a_doorbell_never_rung_fails_the_commit_and_moves_no_cursor(self):
+        [s] = self.slots(1)
+        before = self.observe(s)
+        layers = self.layers(1)
+        with self.client.open_stream() as stream:
+            stream.begin([(s, 9)], plan=self.engine.plan)
+            self.engine.write(0, layers[0])
+            self.engine.plan.ring(0)  # layer 0 only
+            with self.assertRaises(replayssm.DeadlineExceeded) as caught:
+                stream.commit()
+        self.assertIn("layer 1", caught.exception.details)
+        self.assertEqual(self.observe(s), before)
+        self.assertEqual(self.in_use(), 0)
+        with self.client.open_stream() as again:  # the slot takes the next forward
+            self.assertEqual(again.forward([(s, 9)], layers).rows[0].seq_len, 1)
 
 def _doorbells(good, count):
     return (plan.Doorbells(good.ready.region, good.ready.offset, count),
