@@ -64,6 +64,7 @@ class Engine:
         self.plan = plan.ForwardPlan.layout(region, self.model, max_tokens)
         self.ref = replayssm.Reference(self.model)
         self.worst = 0.0  # the largest |server - reference| seen
+        self.split = np.cumsum(weights.widths[:2]).tolist()  # mixed_qkv | a | b columns
 
     def forward(self, tokens, begin, check):
         """One planned forward of the packed `tokens` (begin opens it on the server with the
@@ -73,9 +74,9 @@ class Engine:
         h = self.weights.embedding[self._index(tokens)]
         for l in range(self.model.num_layers):
             layer = self.plan.layers[l].head(n)
-            split = np.cumsum(self.weights.widths[:2]).tolist()
             proj = h @ self.weights.project_in[l]
-            parts = (proj[:, :split[0]], proj[:, split[0]:split[1]], proj[:, split[1]:])
+            qkv_end, a_end = self.split
+            parts = (proj[:, :qkv_end], proj[:, qkv_end:a_end], proj[:, a_end:])
             for tensor, x in zip(layer, parts):
                 tensor.write(x.reshape(tensor.shape))
             self.plan.ring(l, stream=self.stream)  # after the writes, on the same stream
