@@ -14,7 +14,9 @@ from replayssm.errors import (Aborted, AlreadyExists, Cancelled, DataLoss, Deadl
                               FailedPrecondition, Internal, InvalidArgument, NotFound,
                               OutOfRange, PermissionDenied, ReplaySSMError, ResourceExhausted,
                               Unauthenticated, Unavailable, Unimplemented, Unknown)
+from replayssm.plan import Doorbells, ForwardPlan, PlannedLayer
 from replayssm.reference import Reference
+from replayssm.regions import CudaRegion, RegionTensor, SharedMemoryRegion
 from replayssm.results import Allocation, DecodeResult, ExportedState, PrefillResult
 from replayssm.retry import RETRYABLE, new_request_id
 from replayssm.stream import ForwardStream
@@ -25,9 +27,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Aborted", "Activations", "AlreadyExists", "Allocation", "BF16", "Cancelled", "Client",
-    "DataLoss", "DeadlineExceeded", "DecodeResult", "ExportedState", "F16", "F32",
-    "FailedPrecondition", "ForwardStream", "Internal", "InvalidArgument", "NotFound",
-    "OutOfRange", "PermissionDenied", "PrefillResult", "RETRYABLE", "Reference",
-    "ReplaySSMError", "ResourceExhausted", "Unauthenticated", "Unavailable", "Unimplemented",
-    "Unknown", "new_request_id", "pb",
+    "CudaRegion", "DataLoss", "DeadlineExceeded", "DecodeResult", "Doorbells", "ExportedState",
+    "F16", "F32", "FailedPrecondition", "ForwardPlan", "ForwardStream", "Internal",
+    "InvalidArgument", "NotFound", "OutOfRange", "PermissionDenied", "PlannedLayer",
+    "PrefillResult", "RETRYABLE", "Reference", "RegionTensor", "ReplaySSMError",
+    "ResourceExhausted", "SharedMemoryRegion", "Unauthenticated", "Unavailable",
+    "Unimplemented", "Unknown", "new_request_id", "pb",
 ]

@@ -41,3 +41,17 @@ def dtype_name(code):
 def itemsize(code):
     """Bytes per element of a wire dtype."""
     return _ITEMSIZE[code]
+
+
+def float_to_bf16_bits(x):
+    """float32 values -> bf16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    bits[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return bits
+
+
+def bf16_bits_to_float(bits):
+    """bf16 bit patterns (uint16) -> float32 values (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -7,20 +7,23 @@ travelling inline.
 - CudaRegion: device memory by its CUDA IPC handle, e.g. a torch CUDA tensor's
   (CudaRegion.from_tensor).
 - RegionTensor: a dtype and shape at an offset of a region, checked against its bounds and
-  ALIGNMENT; ref() is the wire RegionRef that a ForwardPlan names.
+  ALIGNMENT; ref() is the wire RegionRef that a ForwardPlan (replayssm.plan) or a stream's
+  layer message names; write() and read() move values in and out of it.
 
-Client.register_region / unregister_region / region_status talk to the server. The forward
-calls of this client carry tensors inline: a RegionTensor given to one is refused with
-Unimplemented before anything is sent (planned forwards come with the server's stream RPC).
+Client.register_region / unregister_region / region_status talk to the server. The unary
+forward calls carry tensors inline: a RegionTensor given to one is refused with Unimplemented
+before anything is sent (regions are named by ForwardStream layer messages and plans).
 """
 
 import abc
+import sys
 from multiprocessing import shared_memory
 from typing import NamedTuple
 
 import numpy as np
 
 from replayssm import dtypes, errors
+from replayssm.dtypes import BF16, F16, F32
 from replayssm.v1 import regions_pb2
 
 # Offsets of tensors in a region (the server checks the same): what its kernels' vector loads
@@ -55,10 +58,11 @@ class SharedMemoryRegion(Region):
         return regions_pb2.RegisterSystemRegionRequest(name=self.name, key=self.key, offset=0,
                                                        byte_size=self.nbytes)
 
-    def ndarray(self, offset, shape, dtype=np.float32):
+    def ndarray(self, offset, shape, dtype=np.float32, alignment=ALIGNMENT):
         """A numpy view at `offset` (writes go to the shared memory)."""
         dtype = np.dtype(dtype)
-        _check_fits(self, offset, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, "ndarray")
+        _check_fits(self, offset, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                    "ndarray", alignment)
         return np.ndarray(shape, dtype=dtype, buffer=self._shm.buf, offset=offset)
 
     def close(self):
@@ -103,6 +107,18 @@ class CudaRegion(Region):
         return cls(name, _cuda_ipc_handle(bytes(handle), name), device, offset,
                    tensor.numel() * tensor.element_size(), owner=tensor)
 
+    def tensor(self, offset, shape, dtype, alignment=ALIGNMENT):
+        """A torch view of `shape` and torch `dtype` at `offset` of the region (from_tensor's
+        regions only: the view shares the registered tensor's memory)."""
+        if self._owner is None:
+            raise errors.FailedPrecondition(f"{self.name}: a view needs the region's tensor "
+                                            "(make the region with CudaRegion.from_tensor)")
+        torch = sys.modules["torch"]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        _check_fits(self, offset, nbytes, "tensor", alignment)
+        raw = self._owner.reshape(-1).view(torch.uint8)
+        return raw[offset:offset + nbytes].view(dtype).view(tuple(shape))
+
     def register_request(self):
         return regions_pb2.RegisterCudaRegionRequest(name=self.name, raw_handle=self.raw_handle,
                                                      device_id=self.device_id,
@@ -121,9 +137,9 @@ def _cuda_ipc_handle(handle, name):
                                  "expandable segments cannot be shared by handle)")
 
 
-def _check_fits(region, offset, nbytes, field):
-    if offset < 0 or offset % ALIGNMENT:
-        raise errors.InvalidArgument(f"{field}.offset: expected a multiple of {ALIGNMENT} "
+def _check_fits(region, offset, nbytes, field, alignment=ALIGNMENT):
+    if offset < 0 or offset % alignment:
+        raise errors.InvalidArgument(f"{field}.offset: expected a multiple of {alignment} "
                                      f">= 0, got {offset}")
     if offset + nbytes > region.nbytes:
         raise errors.InvalidArgument(f"{field}: expected at most {region.nbytes - offset} bytes "
@@ -151,9 +167,54 @@ class RegionTensor(NamedTuple):
         """The wire RegionRef (region name + offset)."""
         return regions_pb2.RegionRef(region=self.region.name, offset=self.offset)
 
+    def head(self, n):
+        """The first n rows (a forward of n tokens in a tensor laid out for more)."""
+        if not 0 <= n <= self.shape[0]:
+            raise errors.InvalidArgument(f"{self.region.name}@{self.offset}.rows: expected "
+                                         f"0..{self.shape[0]}, got {n}")
+        return self._replace(shape=(n, *self.shape[1:]))
+
+    def view(self):
+        """The memory itself: a numpy array in a SharedMemoryRegion (float32, float16, or the
+        uint16 bits of bf16), a torch tensor of the wire dtype in a CudaRegion."""
+        if isinstance(self.region, CudaRegion):
+            torch = sys.modules["torch"]
+            dtype = {F32: torch.float32, BF16: torch.bfloat16, F16: torch.float16}[self.dtype]
+            return self.region.tensor(self.offset, self.shape, dtype)
+        numpy_dtype = {F32: "<f4", BF16: "<u2", F16: "<f2"}[self.dtype]
+        return self.region.ndarray(self.offset, self.shape, numpy_dtype)
+
+    def write(self, x):
+        """Stores x (numpy or torch, any float dtype, this shape) cast to the wire dtype; bf16
+        from numpy is rounded to nearest even as inline tensors are. CUDA regions: a copy on
+        torch's current stream."""
+        if tuple(x.shape) != self.shape:
+            raise errors.InvalidArgument(f"{self.region.name}@{self.offset}.shape: expected "
+                                         f"{list(self.shape)}, got {list(x.shape)}")
+        dst = self.view()
+        if isinstance(self.region, CudaRegion):
+            dst.copy_(x)
+            return
+        if not isinstance(x, np.ndarray) and hasattr(x, "detach"):  # a torch tensor
+            x = x.detach().float().cpu().numpy()
+        if self.dtype == BF16:
+            dst[...] = dtypes.float_to_bf16_bits(np.asarray(x, dtype=np.float32))
+        else:
+            dst[...] = np.asarray(x)
+
+    def read(self):
+        """The values: a float32 numpy copy (f16: float16) from shared memory, a torch view
+        from a CUDA region."""
+        src = self.view()
+        if isinstance(self.region, CudaRegion):
+            return src
+        if self.dtype == BF16:
+            return dtypes.bf16_bits_to_float(src)
+        return np.array(src)
+
 
 def refuse_inline(x, field):
     """Raises Unimplemented for a RegionTensor: the calls that take tensors take them inline."""
     if isinstance(x, RegionTensor):
         raise errors.Unimplemented(f"{field}: this call carries tensors inline; a region tensor "
-                                   "is named only by a planned forward")
+                                   "is named only by a stream's layer message or a plan")

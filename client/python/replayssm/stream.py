@@ -5,6 +5,10 @@ begin(rows) (or begin_prefill, begin_verify) -> run_layer(l, ...) for each linea
 layer -> commit(). The forward applies to every row at once, at commit. One stream carries
 any number of forwards of any kind in turn.
 
+A begin with `plan=` (a replayssm.plan.ForwardPlan) names every layer at once in registered
+regions: no layer messages; the engine rings the plan's doorbells, and commit() closes the
+forward. Layer messages may also name regions: run_layer(l, x, a, b, out=) with RegionTensors.
+
 An error ends the server's stream and abandons the open forward (no cursor moves, no state
 changes); it is raised as its typed error, and the next begin() opens a new stream.
 """
@@ -13,7 +17,7 @@ import queue
 
 import grpc
 
-from replayssm import errors, tensors
+from replayssm import errors, regions, tensors
 from replayssm.results import DecodeResult
 from replayssm.retry import new_request_id, with_retries
 from replayssm.v1 import replayssm_pb2 as pb
@@ -47,6 +51,7 @@ class ForwardStream:
         self._requests = None
         self.request_id = None  # the id of the last begin
         self.replayed = False  # the last begin's id had been applied: outputs are the stored ones
+        self._planned = False  # the open forward is planned: no layer messages
 
     def __enter__(self):
         return self
@@ -82,15 +87,18 @@ class ForwardStream:
     def _drop(self):
         self._call = None
         self._requests = None
+        self._planned = False
 
-    def begin(self, rows, *, request_id=None):
-        """Opens a decode forward over rows ((slot, token_id) pairs; slot 0 pads). A retry of
-        a forward whose commit reply was lost passes the same request_id: the server answers
+    def begin(self, rows, *, plan=None, request_id=None):
+        """Opens a decode forward over rows ((slot, token_id) pairs; slot 0 pads). With `plan`
+        (a ForwardPlan) the forward is planned: its next value goes with it. A retry of a
+        forward whose commit reply was lost passes the same request_id: the server answers
         with the stored outputs (`replayed`). Returns DecodeBegun."""
         return self._begin("begin", lambda rid: pb.DecodeBegin(request_id=rid,
-                                                               rows=make_rows(rows)), request_id)
+                                                               rows=make_rows(rows)),
+                           plan, request_id)
 
-    def begin_prefill(self, rows, *, request_id=None):
+    def begin_prefill(self, rows, *, plan=None, request_id=None):
         """Opens a prefill forward: rows are (slot, tokens) pairs; every layer then carries
         N = all rows' tokens, packed in row order. Commit advances each slot by its tokens."""
         def message(rid):
@@ -98,9 +106,9 @@ class ForwardStream:
                 pb.PrefillRow(slot=int(slot), tokens=[int(t) for t in tokens])
                 for slot, tokens in rows])
 
-        return self._begin("prefill_begin", message, request_id)
+        return self._begin("prefill_begin", message, plan, request_id)
 
-    def begin_verify(self, slots, drafts, *, request_id=None):
+    def begin_verify(self, slots, drafts, *, plan=None, request_id=None):
         """Opens a verify forward: drafts[i] are row i's T draft tokens; every layer carries
         B*T tokens in (row, draft) order. Commit moves no cursor: accept() decides."""
         num_draft = draft_count(drafts)
@@ -110,29 +118,47 @@ class ForwardStream:
                                   num_draft=num_draft,
                                   draft_tokens=[int(t) for d in drafts for t in d])
 
-        return self._begin("verify_begin", message, request_id)
+        return self._begin("verify_begin", message, plan, request_id)
 
-    def _begin(self, kind, message, request_id):
+    def _begin(self, kind, message, plan, request_id):
         if self._call is None:
             self._open()
         self.request_id = request_id or new_request_id()
-        begun = self._round_trip(pb.DecodeStreamRequest(**{kind: message(self.request_id)}),
-                                 "begun")
+        request = message(self.request_id)
+        if plan is not None:
+            plan.next_value()
+            request.plan.CopyFrom(plan.proto())
+        begun = self._round_trip(pb.DecodeStreamRequest(**{kind: request}), "begun")
         self.replayed = begun.replayed
+        self._planned = plan is not None
         return begun
 
-    def run_layer(self, layer, mixed_qkv, a, b):
+    def run_layer(self, layer, mixed_qkv, a, b, *, out=None):
         """Runs one layer for every row of the open forward; returns its output [B, HV, V]
-        (numpy, or a torch tensor on mixed_qkv's device when the inputs are torch)."""
-        act = self._client.model.act_dtype
-        request = tensors.layer_input(layer, tensors.Activations(mixed_qkv, a, b), act, "layer")
-        out = self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
-        return tensors.like(out.out, mixed_qkv, "layer.out")
+        (numpy, or a torch tensor on mixed_qkv's device when the inputs are torch). With
+        RegionTensors for every input and `out` a RegionTensor, only their places travel:
+        the server writes the output there and `out` is returned."""
+        if self._planned:
+            raise errors.FailedPrecondition(f"layer {layer}: the open forward is planned (its "
+                                            "layers run on the doorbells); commit() closes it",
+                                            method="DecodeStream")
+        inputs = tensors.Activations(mixed_qkv, a, b)
+        if out is None and not any(isinstance(x, regions.RegionTensor) for x in inputs):
+            request = tensors.layer_input(layer, inputs, self._client.model.act_dtype, "layer")
+            reply = self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
+            return tensors.like(reply.out, mixed_qkv, "layer.out")
+        request = tensors.region_layer_input(layer, inputs, out, "layer")
+        self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
+        return out
 
     def commit(self):
-        """Closes the forward: every row's cursor advances once. Returns the rows' SlotStates."""
-        return list(self._round_trip(pb.DecodeStreamRequest(commit=pb.DecodeCommit()),
-                                     "committed").rows)
+        """Closes the forward: every row's cursor advances once (verify: none; the drafts
+        wait for accept). A planned forward's commit returns once every layer has run.
+        Returns the rows' SlotStates."""
+        committed = self._round_trip(pb.DecodeStreamRequest(commit=pb.DecodeCommit()),
+                                     "committed")
+        self._planned = False
+        return list(committed.rows)
 
     def forward(self, rows, layers, *, request_id=None):
         """A whole forward (begin, every layer in order, commit), retried with the same request

@@ -13,7 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from replayssm import regions
-from replayssm.dtypes import BF16, F16, F32, dtype_code, dtype_name, itemsize
+from replayssm.dtypes import (BF16, F16, F32, bf16_bits_to_float, dtype_code, dtype_name,
+                              float_to_bf16_bits, itemsize)
 from replayssm.errors import InvalidArgument
 from replayssm.v1 import replayssm_pb2 as pb
 
@@ -30,20 +31,6 @@ def _torch_of(x):
     """The torch module when x is a torch tensor (torch already imported by the caller)."""
     torch = sys.modules.get("torch")
     return torch if torch is not None and isinstance(x, torch.Tensor) else None
-
-
-def float_to_bf16_bits(x):
-    """float32 values -> bf16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    bits = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    bits[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
-    return bits
-
-
-def bf16_bits_to_float(bits):
-    """bf16 bit patterns (uint16) -> float32 values (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _numpy_bytes(x, code, field):
@@ -144,6 +131,19 @@ def layer_input(layer, inputs, act_dtype, field):
                          mixed_qkv=to_proto(mixed_qkv, act_dtype, f"{field}.mixed_qkv"),
                          a=to_proto(a, act_dtype, f"{field}.a"),
                          b=to_proto(b, act_dtype, f"{field}.b"))
+
+
+def region_layer_input(layer, inputs, out, field):
+    """A wire LayerInput whose tensors and output all name regions (RegionTensors); a mix of
+    regions and inline tensors is refused here, before anything is sent."""
+    names = (*Activations._fields, "out")
+    for name, x in zip(names, (*inputs, out)):
+        if not isinstance(x, regions.RegionTensor):
+            raise InvalidArgument(f"{field}.{name}: expected a RegionTensor (a layer message "
+                                  f"names regions for all of its tensors or none), got "
+                                  f"{type(x).__name__}")
+    wire = [pb.Tensor(dtype=x.dtype, shape=list(x.shape), region=x.ref()) for x in inputs]
+    return pb.LayerInput(layer=layer, mixed_qkv=wire[0], a=wire[1], b=wire[2], out=out.ref())
 
 
 def output_template(inputs):

@@ -5,6 +5,7 @@ test case base that gives each test its own server, client and numpy reference.
 The server binary comes from $REPLAYSSM_SERVER (ctest sets it to the built replayssm-server).
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -65,6 +66,23 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# A small Qwen3-Next-like config.json with bf16 activations (two linear-attention layers).
+BF16_CONFIG = {"layer_types": ["linear_attention", "full_attention", "linear_attention"],
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+               "torch_dtype": "bfloat16"}
+
+
+def config_file(test, config):
+    """A model's Hugging Face config.json written for `test` (removed at its cleanup)."""
+    directory = tempfile.mkdtemp(prefix="replayssm-pytest-model-")
+    test.addCleanup(shutil.rmtree, directory)
+    path = os.path.join(directory, "config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
 
 
 def activations(model, n, rng):

@@ -2,16 +2,12 @@
 decay, `a` of [N, HV, K]) and a model with bf16 activations (from a Hugging Face config.json),
 whose tensors the client rounds to bf16 on the way in and widens on the way out."""
 
-import json
-import os
-import shutil
-import tempfile
 import unittest
 
 import numpy as np
 
 import replayssm
-from support import ServerTest
+from support import BF16_CONFIG, ServerTest, config_file
 
 
 class KdaTest(ServerTest):
@@ -32,16 +28,8 @@ class KdaTest(ServerTest):
 
 
 class Bf16ActivationsTest(ServerTest):
-    CONFIG = {"layer_types": ["linear_attention", "full_attention", "linear_attention"],
-              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-              "linear_value_head_dim": 32, "torch_dtype": "bfloat16"}
-
     def setUp(self):
-        directory = tempfile.mkdtemp(prefix="replayssm-pytest-model-")
-        self.MODEL = os.path.join(directory, "config.json")
-        with open(self.MODEL, "w") as f:
-            json.dump(self.CONFIG, f)
-        self.addCleanup(shutil.rmtree, directory)
+        self.MODEL = config_file(self, BF16_CONFIG)
         super().setUp()
 
     def test_float32_inputs_are_sent_as_bf16_and_outputs_match_the_reference(self):

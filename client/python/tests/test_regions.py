@@ -80,8 +80,8 @@ class RegionServiceTest(ServerTest):
         region.nbytes = 8192
         with self.assertRaises(replayssm.InvalidArgument) as caught:
             self.client.register_region(region)
-        self.assertIn("expected offset + bytes within the shm object (4096 bytes)",
-                      caught.exception.details)
+        self.assertIn("byte_size: expected offset + byte_size within the shm object "
+                      "(4096 bytes)", caught.exception.details)
         self.assertEqual(self.client.region_status(), [])
 
     def test_a_cuda_region_on_the_cpu_backend_is_unimplemented(self):

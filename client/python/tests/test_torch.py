@@ -8,13 +8,21 @@ import numpy as np
 import torch
 
 import replayssm
-from replayssm import pb, tensors
+from replayssm import pb, regions, tensors
 from support import ServerTest
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class TorchTensorTest(unittest.TestCase):
+    def test_a_torch_tensor_written_into_shared_memory_reads_back_its_values(self):
+        with regions.SharedMemoryRegion("acts", 1024) as region:
+            for device in DEVICES:
+                t = regions.RegionTensor.at(region, 64, "bf16", (2, 3))
+                x = torch.randn(2, 3, device=device).to(torch.bfloat16)
+                t.write(x)
+                np.testing.assert_array_equal(t.read(), x.float().cpu().numpy())
+
     def test_bf16_tensors_travel_as_their_own_bits(self):
         for device in DEVICES:
             x = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.bfloat16, device=device)

@@ -1,0 +1,54 @@
+"""examples/engine.py, the worked example of the data plane, against a real CPU server with
+shared memory: it must finish, say that every layer matched the reference, commit one prefill
+and one decode per step (the server's stats), and free and unregister what it used; for each
+gate and for bf16 activations."""
+
+import os
+import re
+import subprocess
+import sys
+import unittest
+
+import replayssm
+from support import BF16_CONFIG, ServerProcess, config_file
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                       "engine.py")
+
+
+class EngineExampleTest(unittest.TestCase):
+    def run_example(self, model, *flags):
+        server = ServerProcess("--track-interval=16", model=model)
+        self.addCleanup(server.stop)
+        done = subprocess.run([sys.executable, EXAMPLE, "--address", server.grpc_address,
+                               *flags], capture_output=True, text=True, timeout=240)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        with replayssm.Client(server.grpc_address) as client:
+            stats = client.stats()
+            regions = client.region_status()
+        return done.stdout, stats, regions
+
+    def check(self, model, requests, steps):
+        out, stats, regions = self.run_example(model, "--requests", str(requests), "--steps",
+                                               str(steps))
+        self.assertIn("every layer of every forward checked against the reference", out)
+        generated = re.findall(r"request \d+: prompt \[.*\] -> \[(.*)\]", out)
+        self.assertEqual(len(generated), requests)
+        for tokens in generated:
+            self.assertEqual(len(tokens.split(",")), steps + 1)  # one from the prefill
+        self.assertEqual(regions, [])  # unregistered at the end
+        self.assertEqual((stats.forwards_committed, stats.forwards_abandoned,
+                          stats.slots_live), (1 + steps, 0, 0))  # one prefill, then decodes
+
+    def test_the_example_decodes_gdn_requests_checked_against_the_reference(self):
+        self.check("tiny-gdn", 3, 6)
+
+    def test_the_example_decodes_kda_requests_checked_against_the_reference(self):
+        self.check("tiny-kda", 2, 3)
+
+    def test_the_example_decodes_with_bf16_activations(self):
+        self.check(config_file(self, BF16_CONFIG), 2, 3)
+
+
+if __name__ == "__main__":
+    unittest.main()
