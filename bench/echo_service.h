@@ -2,15 +2,15 @@
 // (GetInfo, Allocate, Free, Decode, DecodeStream) with replies of exactly the real server's
 // sizes — a zero [B, HV, V] output per layer — but does no work, so the same client benchmark
 // run against both measures the service's own overhead over gRPC moving the same bytes.
-#ifndef REPLAYSSM_SERVICE_BENCH_ECHO_SERVICE_H_
-#define REPLAYSSM_SERVICE_BENCH_ECHO_SERVICE_H_
+#ifndef REPLAYSSM_BENCH_ECHO_SERVICE_H_
+#define REPLAYSSM_BENCH_ECHO_SERVICE_H_
 
 #include <atomic>
 #include <cstdint>
 
 #include "replayssm/v1/replayssm.grpc.pb.h"
 
-namespace replayssm::service {
+namespace replayssm::bench {
 
 class EchoService final : public v1::ReplaySsm::CallbackService {
  public:
@@ -35,6 +35,6 @@ class EchoService final : public v1::ReplaySsm::CallbackService {
   std::atomic<uint64_t> next_slot_{1};
 };
 
-}  // namespace replayssm::service
+}  // namespace replayssm::bench
 
-#endif  // REPLAYSSM_SERVICE_BENCH_ECHO_SERVICE_H_
+#endif  // REPLAYSSM_BENCH_ECHO_SERVICE_H_

@@ -11,10 +11,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/echo_service.h"
 #include "grpcpp/grpcpp.h"
 #include "replayssm/client/bench.h"
 #include "replayssm/client/client.h"
-#include "service/bench/echo_service.h"
 #include "service/server.h"
 
 namespace {
@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", info.status().ToString().c_str());
     return 1;
   }
-  replayssm::service::EchoService echo(*info);
+  replayssm::bench::EchoService echo(*info);
   grpc::ServerBuilder builder;
   int echo_port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);

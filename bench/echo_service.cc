@@ -1,8 +1,8 @@
-#include "service/bench/echo_service.h"
+#include "bench/echo_service.h"
 
 #include <string>
 
-namespace replayssm::service {
+namespace replayssm::bench {
 
 namespace {
 
@@ -95,4 +95,4 @@ EchoService::DecodeStream(grpc::CallbackServerContext*) {
   return new EchoStreamReactor(this);
 }
 
-}  // namespace replayssm::service
+}  // namespace replayssm::bench
