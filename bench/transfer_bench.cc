@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "checksum.h"
 #include "transfer.h"
@@ -243,32 +244,26 @@ struct Stat {
 };
 
 int Run(int argc, char** argv) {
-  std::string model = "qwen3-next-80b-a3b", dtype = "f32", backend_name = "cpu";
-  const char* json = nullptr;
-  int slots = 8;
-  size_t chunk = 4 << 20;
+  std::string model = "qwen3-next-80b-a3b", dtype = "f32", backend_name = "cpu", json;
+  int32_t slots = 8;
+  int64_t chunk_flag = 4 << 20;
   int32_t import_threads = ReceiverOptions{}.import_threads;
-  int lanes = 4;  // the service's --transfer-lanes default
+  int32_t lanes = 4;  // the service's --transfer-lanes default
   bool put_thp = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
-    if (a == "--model") model = next();
-    else if (a == "--state-dtype") dtype = next();
-    else if (a == "--backend") backend_name = next();
-    else if (a == "--slots") slots = std::atoi(next().c_str());
-    else if (a == "--chunk") chunk = std::strtoull(next().c_str(), nullptr, 10);
-    else if (a == "--import-threads") import_threads = std::atoi(next().c_str());
-    else if (a == "--lanes" || a == "--put-lanes") lanes = std::clamp(std::atoi(next().c_str()), 1, 16);
-    else if (a == "--put-thp") put_thp = true;
-    else if (a == "--json") json = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: replayssm-bench-transfer [--model M] [--state-dtype f32|bf16] "
-                           "[--backend cpu|cuda] [--slots N] [--chunk BYTES] [--lanes N] "
-                           "[--import-threads N] [--put-thp] [--json PATH]\n");
-      return 2;
-    }
-  }
+  bench::Flags flags("replayssm-bench-transfer",
+                     "[--model M] [--state-dtype f32|bf16] [--backend cpu|cuda] [--slots N] "
+                     "[--chunk BYTES] [--lanes N] [--import-threads N] [--put-thp] [--json PATH]");
+  flags.Choice("model", cache::ModelPresetNames(), &model);
+  flags.Choice("state-dtype", {"f32", "bf16"}, &dtype);
+  flags.Choice("backend", {"cpu", "cuda"}, &backend_name);
+  flags.Int("slots", 1, 1 << 16, &slots);
+  flags.Int("chunk", 1, int64_t{1} << 30, &chunk_flag);
+  flags.Int("lanes", 1, 16, &lanes);  // the service's --transfer-lanes range
+  flags.Int("import-threads", 1, 32, &import_threads);
+  flags.Switch("put-thp", &put_thp);
+  flags.String("json", &json);
+  if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
+  const size_t chunk = static_cast<size_t>(chunk_flag);
   const int32_t sd = dtype == "bf16" ? RSSM_DTYPE_BF16 : RSSM_DTYPE_F32;
   const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
   absl::StatusOr<cache::ModelSpec> m = cache::ModelPreset(model, sd);
@@ -471,9 +466,12 @@ int Run(int argc, char** argv) {
               verdict(of_chunk));
   std::printf("    vs the slot-size figure  (%.0f B): %.0f%% -> %s\n", bytes, 100 * of_slot,
               verdict(of_slot));
-  if (json != nullptr) {
-    FILE* f = std::fopen(json, "w");
-    if (f == nullptr) return 1;
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "replayssm-bench-transfer: cannot write %s\n", json.c_str());
+      return 1;
+    }
     std::fprintf(f,
                  "{\"model\": \"%s\", \"state\": \"%s\", \"backend\": \"%s\", \"slot_bytes\": %.0f, "
                  "\"slots\": %d, \"chunk\": %zu, \"lanes\": %d, \"import_threads\": %d, "
