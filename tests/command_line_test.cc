@@ -1,10 +1,14 @@
 // The command lines of every binary: unknown or misplaced arguments are errors that name the
-// argument (exit 2, nothing done).
+// argument (exit 2, nothing done), and what a tool cannot measure it says instead of printing
+// a figure.
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -163,6 +167,50 @@ TEST(CommandLine, CliAddressAfterTheCommandIsTheAddressDialed) {
     EXPECT_EQ(health.exit_code, 0) << health.output;
     EXPECT_TRUE(absl::StrContains(health.output, "SERVING")) << health.output;
   }
+}
+
+// A directory for a PATH: empty, or holding a fake ucx_perftest that prints `output`.
+std::string PathWith(const std::string& name, const std::string* fake_output) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  mkdir(dir.c_str(), 0755);
+  if (fake_output != nullptr) {
+    const std::string fake = dir + "/ucx_perftest";
+    std::ofstream(fake) << "#!/bin/sh\necho '" << *fake_output << "'\n";
+    chmod(fake.c_str(), 0755);
+  }
+  return dir;
+}
+
+void ExpectNoReferenceAndNoVerdict(const std::string& path_dir, const std::string& reason) {
+  const std::string json = path_dir + "/transfer.json";
+  const Outcome o =
+      RunBinary(REPLAYSSM_BENCH_TRANSFER_BINARY,
+                {"--model=tiny-gdn", "--slots=1", "--json=" + json}, {"PATH=" + path_dir});
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "reference not measured: ")) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, reason)) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "no verdict")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "-> met")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "NOT met")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "-0.00")) << o.output;
+  std::ifstream in(json);
+  const std::string written((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(absl::StrContains(written, "\"perftest_put_gbs\": null")) << written;
+  EXPECT_TRUE(absl::StrContains(written, "\"of_perftest_put\": null")) << written;
+  EXPECT_TRUE(absl::StrContains(written, "\"perftest_error\": \"")) << written;
+}
+
+TEST(CommandLine, TransferBenchWithoutUcxPerftestSaysTheReferenceIsMissingAndGivesNoVerdict) {
+  ExpectNoReferenceAndNoVerdict(PathWith("no-perftest", nullptr),
+                                "cannot run ucx_perftest: No such file or directory (not on the "
+                                "PATH)");
+}
+
+TEST(CommandLine, TransferBenchSaysWhenUcxPerftestPrintsNoBandwidth) {
+  const std::string garbage = "ucx_perftest: unknown transport";
+  ExpectNoReferenceAndNoVerdict(
+      PathWith("bad-perftest", &garbage),
+      "printed no \"Final:\" bandwidth (exit status 0; last line: '" + garbage + "')");
 }
 
 }  // namespace
