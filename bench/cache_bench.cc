@@ -44,6 +44,7 @@ namespace replayssm::cache {
 namespace {
 
 constexpr double kTarget = 0.05;  // issue 4: overhead under 5% at B >= 64
+constexpr int kMinRounds = 5;     // fewer rounds have no quartiles worth a verdict
 
 #define CHECK_OK(x)                                                                  \
   do {                                                                               \
@@ -353,6 +354,17 @@ struct Result {
   std::string verdict;
 };
 
+// "pass" when the upper quartile of the paired overheads is under the target, "marginal" when
+// only the median is; none below B = 64 or from too few rounds to have quartiles.
+std::string Verdict(int batch, int rounds, const Summary& over) {
+  if (batch < 64) return "n/a (B < 64)";
+  if (rounds < kMinRounds) {
+    return absl::StrCat("n/a (", rounds, " rounds, fewer than ", kMinRounds, ")");
+  }
+  if (over.p75 < kTarget) return "pass";
+  return over.median < kTarget ? "marginal" : "fail";
+}
+
 template <typename F>
 double TimeSteps(int steps, F&& step) {
   const double t0 = Now();
@@ -389,10 +401,7 @@ Result Measure(const ModelSpec& m, int32_t backend, int batch, bool device_io, i
   r.cache = Summarize(r.cache_us);
   r.bare = Summarize(r.bare_us);
   r.over = Summarize(r.overhead);
-  r.verdict = batch < 64                ? "n/a (B < 64)"
-              : r.over.p75 < kTarget    ? "pass"
-              : r.over.median < kTarget ? "marginal"
-                                        : "fail";
+  r.verdict = Verdict(batch, rounds, r.over);
   return r;
 }
 
@@ -518,7 +527,10 @@ int Run(int argc, char** argv) {
     any = true;
     all = all && r.verdict == "pass";
   }
-  if (any) {
+  if (any && rounds < kMinRounds) {
+    std::printf("no verdict: %d rounds per point, fewer than the %d its quartiles need\n", rounds,
+                kMinRounds);
+  } else if (any) {
     std::printf("verdict: cache overhead under %.0f%% at B >= 64 %s\n", 100 * kTarget,
                 all ? "DEMONSTRATED (upper quartile under the target in every case)"
                     : "NOT demonstrated in every case (see the lines above)");

@@ -169,6 +169,16 @@ TEST(CommandLine, CliAddressAfterTheCommandIsTheAddressDialed) {
   }
 }
 
+TEST(CommandLine, CacheBenchGivesNoVerdictFromTooFewRoundsForQuartiles) {
+  const Outcome o =
+      RunBinary(REPLAYSSM_BENCH_CACHE_BINARY, {"--backend=cpu", "--model=tiny-gdn", "--batch=64",
+                                               "--io=device", "--steps=1", "--rounds=2"});
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "n/a (2 rounds, fewer than 5)")) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "no verdict: 2 rounds per point")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "DEMONSTRATED")) << o.output;
+}
+
 // A directory for a PATH: empty, or holding a fake ucx_perftest that prints `output`.
 std::string PathWith(const std::string& name, const std::string* fake_output) {
   const std::string dir = ::testing::TempDir() + "/" + name;
