@@ -55,7 +55,8 @@ Outcome RunBinary(const std::string& binary, std::vector<std::string> args,
 
 const std::vector<std::string>& Binaries() {
   static const std::vector<std::string> kBinaries = {
-      REPLAYSSM_SERVER_BINARY, REPLAYSSM_CLI_BINARY, REPLAYSSM_BENCH_CACHE_BINARY,
+      REPLAYSSM_SERVER_BINARY,        REPLAYSSM_CLI_BINARY,
+      REPLAYSSM_BENCH_CACHE_BINARY,   REPLAYSSM_BENCH_FORWARDS_BINARY,
       REPLAYSSM_BENCH_SERVICE_BINARY, REPLAYSSM_BENCH_TRANSFER_BINARY};
   return kBinaries;
 }
@@ -90,11 +91,9 @@ TEST(CommandLine, EveryBinaryRefusesAStrayArgumentNamingIt) {
 
 TEST(CommandLine, EveryBinaryRefusesAFlagWithoutItsValue) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {REPLAYSSM_SERVER_BINARY, "--model"},
-      {REPLAYSSM_CLI_BINARY, "--address"},
-      {REPLAYSSM_BENCH_CACHE_BINARY, "--json"},
-      {REPLAYSSM_BENCH_SERVICE_BINARY, "--json"},
-      {REPLAYSSM_BENCH_TRANSFER_BINARY, "--json"}};
+      {REPLAYSSM_SERVER_BINARY, "--model"},       {REPLAYSSM_CLI_BINARY, "--address"},
+      {REPLAYSSM_BENCH_CACHE_BINARY, "--json"},   {REPLAYSSM_BENCH_FORWARDS_BINARY, "--rounds"},
+      {REPLAYSSM_BENCH_SERVICE_BINARY, "--json"}, {REPLAYSSM_BENCH_TRANSFER_BINARY, "--json"}};
   for (const auto& [binary, flag] : cases) {
     ExpectRefused(binary, WithCommand(binary, {flag}), flag + ": missing value");
     // Nor does it take the next flag for its value.
@@ -109,6 +108,11 @@ TEST(CommandLine, BenchesRefuseMalformedAndOutOfRangeValuesNamingTheFlag) {
   ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--batch=1,x"}, "--batch: expected batch sizes");
   ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--io=disk"}, "--io: expected host, device");
   ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--model=tiny"}, "--model: expected one of");
+  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--rounds=0"},
+                "--rounds: expected 1..1048576, got '0'");
+  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--tokens=1,x"}, "--tokens: expected lengths");
+  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--backend=gpu"},
+                "--backend: expected one of cuda, cpu, got 'gpu'");
   ExpectRefused(REPLAYSSM_BENCH_SERVICE_BINARY, {"--seconds=0"}, "--seconds: expected seconds > 0");
   ExpectRefused(REPLAYSSM_BENCH_SERVICE_BINARY, {"--unary=yes"}, "--unary takes no value");
   ExpectRefused(REPLAYSSM_BENCH_TRANSFER_BINARY, {"--slots=0"},
