@@ -34,7 +34,9 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
 
@@ -42,14 +44,15 @@ namespace replayssm::cache {
 namespace {
 
 constexpr double kTarget = 0.05;  // issue 4: overhead under 5% at B >= 64
+constexpr int kMinRounds = 5;     // fewer rounds have no quartiles worth a verdict
 
-#define CHECK_OK(x)                                                                   \
-  do {                                                                                \
-    const absl::Status s_ = (x);                                                      \
-    if (!s_.ok()) {                                                                   \
+#define CHECK_OK(x)                                                                  \
+  do {                                                                               \
+    const absl::Status s_ = (x);                                                     \
+    if (!s_.ok()) {                                                                  \
       std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
+      std::exit(1);                                                                  \
+    }                                                                                \
   } while (0)
 #define CHECK_RSSM(x)                                                            \
   do {                                                                           \
@@ -171,7 +174,8 @@ class CachePath {
 // same kind of stream and pinned staging as a cache lane, and nothing else.
 class BarePath {
  public:
-  BarePath(const ModelSpec& m, int32_t backend, int batch) : m_(m), backend_(backend), batch_(batch) {
+  BarePath(const ModelSpec& m, int32_t backend, int batch)
+      : m_(m), backend_(backend), batch_(batch) {
     const rssm_layer_shape& s = m.shape;
     const size_t es = rssm_dtype_size(s.state_dtype), ae = rssm_dtype_size(s.act_dtype);
     for (int l = 0; l < m.num_layers; ++l) {
@@ -180,17 +184,26 @@ class BarePath {
                 Alloc(backend, batch * rssm_ring_d_elems(&s) * es),
                 Alloc(backend, batch * rssm_ring_k_elems(&s) * es),
                 static_cast<float*>(Alloc(backend, batch * rssm_ring_g_elems(&s) * 4)),
-                batch, 0, 0, 0, 0};
+                batch,
+                0,
+                0,
+                0,
+                0};
       y.a_log = Upload(m.layers[l].a_log.data(), m.layers[l].a_log.size() * 4);
       y.dt_bias = Upload(m.layers[l].dt_bias.data(), m.layers[l].dt_bias.size() * 4);
     }
-    for (auto [buf, bytes] : {std::pair{&qkv_, batch * m.QkvWidth() * ae}, {&a_, batch * m.AWidth() * ae},
-                              {&b_, batch * m.BWidth() * ae}, {&out_, batch * m.OutWidth() * ae},
-                              {&idx_, int64_t{batch} * 4}, {&pos_, int64_t{batch} * 4},
-                              {&fold_idx_, int64_t{batch} * 4}, {&fold_pos_, int64_t{batch} * 4}}) {
+    for (auto [buf, bytes] : {std::pair{&qkv_, batch * m.QkvWidth() * ae},
+                              {&a_, batch * m.AWidth() * ae},
+                              {&b_, batch * m.BWidth() * ae},
+                              {&out_, batch * m.OutWidth() * ae},
+                              {&idx_, int64_t{batch} * 4},
+                              {&pos_, int64_t{batch} * 4},
+                              {&fold_idx_, int64_t{batch} * 4},
+                              {&fold_pos_, int64_t{batch} * 4}}) {
       *buf = Alloc(backend, bytes);
     }
-    pinned_bytes_ = batch * (m.QkvWidth() + m.AWidth() + m.BWidth() + m.OutWidth()) * ae + 4 * 4 * batch + 4096;
+    pinned_bytes_ =
+        batch * (m.QkvWidth() + m.AWidth() + m.BWidth() + m.OutWidth()) * ae + 4 * 4 * batch + 4096;
     CHECK_RSSM(rssm_alloc_host(backend, pinned_bytes_, &pinned_));
     CHECK_RSSM(rssm_stream_create(backend, &stream_));
     for (int r = 0; r < batch; ++r) {
@@ -202,8 +215,8 @@ class BarePath {
     const rssm_launch l = Launch();
     rssm_synchronize(&l);
     for (Layer& y : layers_) {
-      for (void* p : {y.pool.checkpoint, y.pool.ring_d, y.pool.ring_k, static_cast<void*>(y.pool.ring_g),
-                      y.a_log, y.dt_bias}) {
+      for (void* p : {y.pool.checkpoint, y.pool.ring_d, y.pool.ring_k,
+                      static_cast<void*>(y.pool.ring_g), y.a_log, y.dt_bias}) {
         rssm_free(backend_, p);
       }
     }
@@ -226,8 +239,9 @@ class BarePath {
       rssm_decode_args d{};
       d.launch = Launch();
       d.shape = m_.shape;
-      d.params = {static_cast<const float*>(layers_[l].a_log), static_cast<const float*>(layers_[l].dt_bias),
-                  m_.layers[l].scale, m_.layers[l].use_qk_l2norm ? 1 : 0};
+      d.params = {static_cast<const float*>(layers_[l].a_log),
+                  static_cast<const float*>(layers_[l].dt_bias), m_.layers[l].scale,
+                  m_.layers[l].use_qk_l2norm ? 1 : 0};
       d.pool = layers_[l].pool;
       d.batch = batch_;
       d.slot_idx = static_cast<const int32_t*>(idx_);
@@ -297,8 +311,12 @@ class BarePath {
     Stage(fold_idx_, fold_idx_h_.data(), n * 4);
     Stage(fold_pos_, fold_pos_h_.data(), n * 4);
     for (int l = 0; l < m_.num_layers; ++l) {
-      const rssm_fold_args f{Launch(), m_.shape, layers_[l].pool, n,
-                             static_cast<const int32_t*>(fold_idx_), static_cast<const int32_t*>(fold_pos_)};
+      const rssm_fold_args f{Launch(),
+                             m_.shape,
+                             layers_[l].pool,
+                             n,
+                             static_cast<const int32_t*>(fold_idx_),
+                             static_cast<const int32_t*>(fold_pos_)};
       CHECK_RSSM(rssm_fold(&f));
     }
   }
@@ -336,6 +354,17 @@ struct Result {
   std::string verdict;
 };
 
+// "pass" when the upper quartile of the paired overheads is under the target, "marginal" when
+// only the median is; none below B = 64 or from too few rounds to have quartiles.
+std::string Verdict(int batch, int rounds, const Summary& over) {
+  if (batch < 64) return "n/a (B < 64)";
+  if (rounds < kMinRounds) {
+    return absl::StrCat("n/a (", rounds, " rounds, fewer than ", kMinRounds, ")");
+  }
+  if (over.p75 < kTarget) return "pass";
+  return over.median < kTarget ? "marginal" : "fail";
+}
+
 template <typename F>
 double TimeSteps(int steps, F&& step) {
   const double t0 = Now();
@@ -372,10 +401,7 @@ Result Measure(const ModelSpec& m, int32_t backend, int batch, bool device_io, i
   r.cache = Summarize(r.cache_us);
   r.bare = Summarize(r.bare_us);
   r.over = Summarize(r.overhead);
-  r.verdict = batch < 64 ? "n/a (B < 64)"
-              : r.over.p75 < kTarget    ? "pass"
-              : r.over.median < kTarget ? "marginal"
-                                        : "fail";
+  r.verdict = Verdict(batch, rounds, r.over);
   return r;
 }
 
@@ -386,18 +412,20 @@ void PrintJsonArray(FILE* f, const char* name, const std::vector<double>& v, int
 }
 
 void PrintJsonSummary(FILE* f, const char* name, const Summary& s, int digits) {
-  std::fprintf(f, "\"%s\": {\"median\": %.*f, \"p25\": %.*f, \"p75\": %.*f, \"min\": %.*f, \"max\": %.*f}",
-               name, digits, s.median, digits, s.p25, digits, s.p75, digits, s.min, digits, s.max);
+  std::fprintf(
+      f, "\"%s\": {\"median\": %.*f, \"p25\": %.*f, \"p75\": %.*f, \"min\": %.*f, \"max\": %.*f}",
+      name, digits, s.median, digits, s.p25, digits, s.p75, digits, s.min, digits, s.max);
 }
 
 bool WriteJson(const char* path, const ModelSpec& m, const std::string& backend, int steps,
                int rounds, int warmup, const std::vector<Result>& results) {
   FILE* f = std::fopen(path, "w");
   if (f == nullptr) return false;
-  std::fprintf(f,
-               "{\"bench\": \"cache\", \"model\": \"%s\", \"layers\": %d, \"backend\": \"%s\", "
-               "\"steps\": %d, \"rounds\": %d, \"warmup\": %d, \"target_overhead\": %.2f,\n \"results\": [",
-               m.name.c_str(), m.num_layers, backend.c_str(), steps, rounds, warmup, kTarget);
+  std::fprintf(
+      f,
+      "{\"bench\": \"cache\", \"model\": \"%s\", \"layers\": %d, \"backend\": \"%s\", "
+      "\"steps\": %d, \"rounds\": %d, \"warmup\": %d, \"target_overhead\": %.2f,\n \"results\": [",
+      m.name.c_str(), m.num_layers, backend.c_str(), steps, rounds, warmup, kTarget);
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     std::fprintf(f, "%s\n  {\"io\": \"%s\", \"batch\": %d, ", i ? "," : "", r.io.c_str(), r.batch);
@@ -417,55 +445,78 @@ bool WriteJson(const char* path, const ModelSpec& m, const std::string& backend,
   return std::fclose(f) == 0;
 }
 
-int Usage() {
-  std::fprintf(stderr,
-               "usage: replayssm-bench-cache [--model M] [--backend cuda|cpu] [--batch 1,64,256] "
-               "[--io host,device] [--steps N] [--rounds R] [--warmup W] [--json PATH]\n");
-  return 2;
+// "--batch 1,64,256": the batch sizes, each >= 1.
+absl::StatusOr<std::vector<int>> ParseBatches(const std::string& list) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(list, ',')) {
+    int batch = 0;
+    if (!absl::SimpleAtoi(part, &batch) || batch < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--batch: expected batch sizes >= 1 like 1,64,256, got '", list, "'"));
+    }
+    out.push_back(batch);
+  }
+  return out;
+}
+
+// "--io host,device": each of host or device.
+absl::StatusOr<std::vector<std::string>> ParseIos(const std::string& list) {
+  std::vector<std::string> out;
+  for (absl::string_view part : absl::StrSplit(list, ',')) {
+    if (part != "host" && part != "device") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--io: expected host, device or host,device, got '", list, "'"));
+    }
+    out.emplace_back(part);
+  }
+  return out;
 }
 
 int Run(int argc, char** argv) {
-  std::string model_name = "qwen3-next-80b-a3b", backend_name = "cuda", batches = "1,64,256";
-  std::string ios = "host,device";
-  const char* json = nullptr;
-  int steps = 20, rounds = 11, warmup = -1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (i + 1 >= argc) return Usage();
-    const char* v = argv[++i];
-    if (arg == "--model") model_name = v;
-    else if (arg == "--backend") backend_name = v;
-    else if (arg == "--batch") batches = v;
-    else if (arg == "--io") ios = v;
-    else if (arg == "--steps") steps = std::max(1, std::atoi(v));
-    else if (arg == "--rounds") rounds = std::max(1, std::atoi(v));
-    else if (arg == "--warmup") warmup = std::max(0, std::atoi(v));
-    else if (arg == "--json") json = v;
-    else return Usage();
+  std::string model_name = "qwen3-next-80b-a3b", backend_name = "cuda", batch_list = "1,64,256";
+  std::string io_list = "host,device", json;
+  int32_t steps = 20, rounds = 11, warmup = -1;
+  bench::Flags flags("replayssm-bench-cache",
+                     "[--model M] [--backend cuda|cpu] [--batch 1,64,256] [--io host,device] "
+                     "[--steps N] [--rounds R] [--warmup W] [--json PATH]");
+  flags.Choice("model", ModelPresetNames(), &model_name);
+  flags.Choice("backend", {"cuda", "cpu"}, &backend_name);
+  flags.String("batch", &batch_list);
+  flags.String("io", &io_list);
+  flags.Int("steps", 1, 1 << 20, &steps);
+  flags.Int("rounds", 1, 1 << 20, &rounds);
+  flags.Int("warmup", 0, 1 << 20, &warmup);
+  flags.String("json", &json);
+  if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
+  absl::StatusOr<std::vector<int>> batches = ParseBatches(batch_list);
+  absl::StatusOr<std::vector<std::string>> ios = ParseIos(io_list);
+  for (const absl::Status& s : {batches.status(), ios.status()}) {
+    if (s.ok()) continue;
+    std::fprintf(stderr, "replayssm-bench-cache: %s\n%s", std::string(s.message()).c_str(),
+                 flags.Usage().c_str());
+    return 2;
   }
-  if (backend_name != "cpu" && backend_name != "cuda") return Usage();
   const int32_t backend = backend_name == "cpu" ? RSSM_BACKEND_CPU : RSSM_BACKEND_CUDA;
   absl::StatusOr<ModelSpec> m = ModelPreset(model_name);
   CHECK_OK(m.status());
   if (warmup < 0) warmup = m->shape.ring_len;  // every row folds at least once
-  std::printf("cache bench: %s (%d layers, HV=%d H=%d K=%d V=%d L=%d, state %s, act %s), backend %s\n"
-              "%d rounds of %d steps per path, alternating, after %d warm-up steps; overhead = cache/bare - 1 per round pair\n",
-              m->name.c_str(), m->num_layers, m->shape.num_v_heads, m->shape.num_qk_heads,
-              m->shape.head_k, m->shape.head_v, m->shape.ring_len,
-              rssm_dtype_name(m->shape.state_dtype), rssm_dtype_name(m->shape.act_dtype),
-              backend_name.c_str(), rounds, steps, warmup);
+  std::printf(
+      "cache bench: %s (%d layers, HV=%d H=%d K=%d V=%d L=%d, state %s, act %s), backend %s\n"
+      "%d rounds of %d steps per path, alternating, after %d warm-up steps; overhead = cache/bare "
+      "- 1 per round pair\n",
+      m->name.c_str(), m->num_layers, m->shape.num_v_heads, m->shape.num_qk_heads, m->shape.head_k,
+      m->shape.head_v, m->shape.ring_len, rssm_dtype_name(m->shape.state_dtype),
+      rssm_dtype_name(m->shape.act_dtype), backend_name.c_str(), rounds, steps, warmup);
   std::vector<Result> results;
-  for (absl::string_view io_name : absl::StrSplit(ios, ',')) {
-    if (io_name != "host" && io_name != "device") return Usage();
-    for (absl::string_view part : absl::StrSplit(batches, ',')) {
-      int batch = 0;
-      if (!absl::SimpleAtoi(part, &batch) || batch < 1) return Usage();
+  for (const std::string& io_name : *ios) {
+    for (const int batch : *batches) {
       const Result r = Measure(*m, backend, batch, io_name == "device", steps, rounds, warmup);
-      std::printf("io=%-6s B=%-4d cache %9.1f us/step [%.1f..%.1f]  bare %9.1f us/step [%.1f..%.1f]  "
-                  "overhead median %+6.2f%% (IQR %+.2f%%..%+.2f%%, range %+.2f%%..%+.2f%%)  %s\n",
-                  r.io.c_str(), r.batch, r.cache.median, r.cache.min, r.cache.max, r.bare.median,
-                  r.bare.min, r.bare.max, 100 * r.over.median, 100 * r.over.p25, 100 * r.over.p75,
-                  100 * r.over.min, 100 * r.over.max, r.verdict.c_str());
+      std::printf(
+          "io=%-6s B=%-4d cache %9.1f us/step [%.1f..%.1f]  bare %9.1f us/step [%.1f..%.1f]  "
+          "overhead median %+6.2f%% (IQR %+.2f%%..%+.2f%%, range %+.2f%%..%+.2f%%)  %s\n",
+          r.io.c_str(), r.batch, r.cache.median, r.cache.min, r.cache.max, r.bare.median,
+          r.bare.min, r.bare.max, 100 * r.over.median, 100 * r.over.p25, 100 * r.over.p75,
+          100 * r.over.min, 100 * r.over.max, r.verdict.c_str());
       std::fflush(stdout);
       results.push_back(r);
     }
@@ -476,13 +527,16 @@ int Run(int argc, char** argv) {
     any = true;
     all = all && r.verdict == "pass";
   }
-  if (any) {
+  if (any && rounds < kMinRounds) {
+    std::printf("no verdict: %d rounds per point, fewer than the %d its quartiles need\n", rounds,
+                kMinRounds);
+  } else if (any) {
     std::printf("verdict: cache overhead under %.0f%% at B >= 64 %s\n", 100 * kTarget,
                 all ? "DEMONSTRATED (upper quartile under the target in every case)"
                     : "NOT demonstrated in every case (see the lines above)");
   }
-  if (json != nullptr && !WriteJson(json, *m, backend_name, steps, rounds, warmup, results)) {
-    std::fprintf(stderr, "cannot write %s\n", json);
+  if (!json.empty() && !WriteJson(json.c_str(), *m, backend_name, steps, rounds, warmup, results)) {
+    std::fprintf(stderr, "replayssm-bench-cache: cannot write %s\n", json.c_str());
     return 1;
   }
   return 0;

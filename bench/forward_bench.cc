@@ -22,7 +22,9 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
 
@@ -94,31 +96,39 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-int Main(int argc, char** argv) {
-  std::string model_name = "qwen3-next-80b-a3b";
-  int32_t backend =
-      rssm_backend_available(RSSM_BACKEND_CUDA) ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
-  std::vector<int64_t> lengths = {1, 4, 16, 64, 256, 1024};
-  int rounds = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--model") {
-      model_name = value;
-    } else if (flag == "--backend") {
-      backend = value == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
-    } else if (flag == "--rounds") {
-      rounds = std::atoi(value.c_str());
-    } else if (flag == "--tokens") {
-      lengths.clear();
-      for (absl::string_view t : absl::StrSplit(value, ',')) {
-        int64_t n = 0;
-        if (absl::SimpleAtoi(t, &n)) lengths.push_back(n);
-      }
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
-      return 2;
+// "--tokens 1,4,16": prompt lengths, each >= 1.
+absl::StatusOr<std::vector<int64_t>> ParseLengths(const std::string& list) {
+  std::vector<int64_t> out;
+  for (absl::string_view part : absl::StrSplit(list, ',')) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(part, &n) || n < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tokens: expected lengths >= 1 like 1,4,16, got '", list, "'"));
     }
+    out.push_back(n);
   }
+  return out;
+}
+
+int Main(int argc, char** argv) {
+  std::string model_name = "qwen3-next-80b-a3b", token_list = "1,4,16,64,256,1024";
+  std::string backend_name = rssm_backend_available(RSSM_BACKEND_CUDA) ? "cuda" : "cpu";
+  int32_t rounds = 20;
+  bench::Flags flags("replayssm-bench-forwards",
+                     "[--model M] [--backend cuda|cpu] [--tokens 1,4,16,64,256,1024] [--rounds R]");
+  flags.Choice("model", ModelPresetNames(), &model_name);
+  flags.Choice("backend", {"cuda", "cpu"}, &backend_name);
+  flags.String("tokens", &token_list);
+  flags.Int("rounds", 1, 1 << 20, &rounds);
+  if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
+  absl::StatusOr<std::vector<int64_t>> lengths_or = ParseLengths(token_list);
+  if (!lengths_or.ok()) {
+    std::fprintf(stderr, "replayssm-bench-forwards: %s\n%s",
+                 std::string(lengths_or.status().message()).c_str(), flags.Usage().c_str());
+    return 2;
+  }
+  const std::vector<int64_t>& lengths = *lengths_or;
+  const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
   absl::StatusOr<ModelSpec> m = ModelPreset(model_name);
   CHECK_OK(m.status());
   const int32_t L = m->shape.ring_len;
@@ -127,7 +137,9 @@ int Main(int argc, char** argv) {
   o.memory_budget_bytes = 6 * m->SlotBytes();  // three forms' slots + the forward's spare
   o.track_interval = 0;
   o.max_prefill_tokens = 1 << 20;
-  std::unique_ptr<StateCache> cache = std::move(*StateCache::Create(*m, o));
+  absl::StatusOr<std::unique_ptr<StateCache>> created = StateCache::Create(*m, o);
+  CHECK_OK(created.status());  // e.g. --backend cuda where it is not built
+  std::unique_ptr<StateCache> cache = std::move(*created);
   std::printf("model %s (%d layers, state %s, act %s, L = %d), backend %s, 1 row, %d rounds\n",
               model_name.c_str(), m->num_layers, rssm_dtype_name(m->shape.state_dtype),
               rssm_dtype_name(m->shape.act_dtype), L, backend == RSSM_BACKEND_CUDA ? "cuda" : "cpu",

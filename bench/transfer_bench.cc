@@ -22,7 +22,9 @@
 // staging overhead (whole move over bare put), and ucx_perftest ucp_put_bw at the size of
 // each of our puts (min(--chunk, one layer's checkpoint): a piece never spans a layer — the
 // same message size, the target's reference), at --chunk when that differs, and at the slot
-// size, with the whole move's ratio to each against the target (>= 80%).
+// size, with the whole move's ratio to each against the target (>= 80%); a reference that
+// cannot be measured (ucx_perftest missing or its output unreadable) is reported as such,
+// with no ratio and no verdict.
 // --lanes N (default 4, the service's --transfer-lanes): the sender's put lanes for the whole
 // move (the real path, docs/transfer.md), and the bare put is also timed over the same N lanes
 // at once (contiguous ranges, one thread each) next to the one-thread bare put.
@@ -34,12 +36,16 @@
 // the first is near the whole move's time, the hash caps it.
 // --put-thp (an experiment): the bare put once more from a source on transparent huge pages
 // (madvise), as ucx_perftest's UCX-allocated source is where THP is "madvise".
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -47,11 +53,18 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "replayssm/cache/slot_io.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/transfer/receiver.h"
 #include "replayssm/transfer/sender.h"
@@ -220,29 +233,94 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// ucx_perftest ucp_put_bw at `size` bytes between two processes on loopback: MB/s.
-double PerftestMBs(size_t size, int iters) {
-  const int port = 20000 + static_cast<int>(getpid() % 20000);
-  const std::string args = " -t ucp_put_bw -s " + std::to_string(size) + " -n " +
-                           std::to_string(iters) + " -w 3 -p " + std::to_string(port);
-  const std::string server = "ucx_perftest" + args + " >/dev/null 2>&1 &";
-  if (std::system(server.c_str()) != 0) return -1;
+// ucx_perftest ucp_put_bw at `size` bytes between two processes on loopback, in GB/s, or why
+// it could not be measured (not on the PATH, or no "Final:" line in its output).
+absl::StatusOr<double> PerftestGBs(size_t size, int iters) {
+  const std::string port = std::to_string(20000 + static_cast<int>(getpid() % 20000));
+  const std::string args = absl::StrCat(" -t ucp_put_bw -s ", size, " -n ", iters, " -w 3 -p ",
+                                        port);
+  std::vector<std::string> server_args = absl::StrSplit(absl::StrCat("ucx_perftest", args), ' ');
+  std::vector<char*> server_argv;
+  for (std::string& a : server_args) server_argv.push_back(a.data());
+  server_argv.push_back(nullptr);
+  posix_spawn_file_actions_t quiet;
+  posix_spawn_file_actions_init(&quiet);
+  posix_spawn_file_actions_addopen(&quiet, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_adddup2(&quiet, 1, 2);
+  pid_t server = -1;
+  const int spawned =
+      posix_spawnp(&server, "ucx_perftest", &quiet, nullptr, server_argv.data(), environ);
+  posix_spawn_file_actions_destroy(&quiet);
+  if (spawned != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot run ucx_perftest: ", std::strerror(spawned),
+                                            spawned == ENOENT ? " (not on the PATH)" : ""));
+  }
   usleep(500000);
   FILE* p = popen(("ucx_perftest 127.0.0.1" + args + " 2>&1").c_str(), "r");
-  if (p == nullptr) return -1;
   char line[512];
-  double mbs = -1;
-  while (std::fgets(line, sizeof(line), p) != nullptr) {
-    if (std::strncmp(line, "Final:", 6) == 0) {
-      double it, p50, avg, overall, bw_avg, bw_overall;
-      if (std::sscanf(line + 6, "%lf %lf %lf %lf %lf %lf", &it, &p50, &avg, &overall, &bw_avg,
-                      &bw_overall) == 6) {
-        mbs = bw_overall;
-      }
+  std::string last;
+  double gbs = -1;
+  while (p != nullptr && std::fgets(line, sizeof(line), p) != nullptr) {
+    double it, p50, avg, overall, bw_avg, bw_overall;
+    if (std::sscanf(line, "Final: %lf %lf %lf %lf %lf %lf", &it, &p50, &avg, &overall, &bw_avg,
+                    &bw_overall) == 6) {
+      gbs = bw_overall / 1e3;  // MB/s
+    }
+    if (line[0] != '\n') last = std::string(absl::StripTrailingAsciiWhitespace(line));
+  }
+  const int client_status = p != nullptr ? pclose(p) : -1;
+  if (waitpid(server, nullptr, WNOHANG) == 0) {  // the client never reached it
+    kill(server, SIGTERM);
+    waitpid(server, nullptr, 0);
+  }
+  if (gbs > 0) return gbs;
+  return absl::UnavailableError(absl::StrCat(
+      "ucx_perftest at ", size, " B printed no \"Final:\" bandwidth (exit status ",
+      WIFEXITED(client_status) ? WEXITSTATUS(client_status) : -1, "; last line: '", last, "')"));
+}
+
+constexpr double kTarget = 0.8;  // the whole move against ucx_perftest at the same size
+
+// One ucx_perftest figure the whole move is held against: its GB/s, or why there is none.
+struct Reference {
+  const char* name;  // put (each of our puts: min(chunk, a layer)), chunk, slot
+  size_t bytes;
+  absl::StatusOr<double> gbs;
+};
+
+// Each figure with the whole move's ratio to it and the verdict; a reference that could not be
+// measured is reported as such, with no ratio and no verdict.
+void PrintReferences(const std::vector<Reference>& refs, double whole_gbs) {
+  std::printf("  ucx_perftest ucp_put_bw (same transport selection, this run, before ours); "
+              "target: whole move >= %.0f%% of it at the same message size\n", 100 * kTarget);
+  for (const Reference& r : refs) {
+    std::printf("    %-5s size (%zu B): ", r.name, r.bytes);
+    if (!r.gbs.ok()) {
+      std::printf("reference not measured: %s; no verdict\n",
+                  std::string(r.gbs.status().message()).c_str());
+      continue;
+    }
+    const double of = whole_gbs / *r.gbs;
+    std::printf("%.2f GB/s; whole move %.0f%% of it -> %s%s\n", *r.gbs, 100 * of,
+                of >= kTarget ? "met" : "NOT met",
+                std::string_view(r.name) == "put" ? " (the same message size)" : "");
+  }
+}
+
+// "perftest_<name>_gbs" and "of_perftest_<name>" per reference (null when not measured), and
+// "perftest_error": why the first missing one is missing (null when none is).
+std::string JsonReferences(const std::vector<Reference>& refs, double whole_gbs) {
+  std::string out, error = "null";
+  for (const Reference& r : refs) {
+    const bool ok = r.gbs.ok();
+    absl::StrAppend(&out, out.empty() ? "" : ", ", "\"perftest_", r.name, "_gbs\": ",
+                    ok ? absl::StrFormat("%.3f", *r.gbs) : "null", ", \"of_perftest_", r.name,
+                    "\": ", ok ? absl::StrFormat("%.3f", whole_gbs / *r.gbs) : "null");
+    if (!ok && error == "null") {
+      error = absl::StrCat("\"", absl::CEscape(r.gbs.status().message()), "\"");
     }
   }
-  pclose(p);
-  return mbs;
+  return absl::StrCat(out, ", \"perftest_error\": ", error);
 }
 
 struct Stat {
@@ -254,32 +332,26 @@ struct Stat {
 };
 
 int Run(int argc, char** argv) {
-  std::string model = "qwen3-next-80b-a3b", dtype = "f32", backend_name = "cpu";
-  const char* json = nullptr;
-  int slots = 8;
-  size_t chunk = 4 << 20;
+  std::string model = "qwen3-next-80b-a3b", dtype = "f32", backend_name = "cpu", json;
+  int32_t slots = 8;
+  int64_t chunk_flag = 4 << 20;
   int32_t import_threads = ReceiverOptions{}.import_threads;
-  int lanes = 4;  // the service's --transfer-lanes default
+  int32_t lanes = 4;  // the service's --transfer-lanes default
   bool put_thp = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
-    if (a == "--model") model = next();
-    else if (a == "--state-dtype") dtype = next();
-    else if (a == "--backend") backend_name = next();
-    else if (a == "--slots") slots = std::atoi(next().c_str());
-    else if (a == "--chunk") chunk = std::strtoull(next().c_str(), nullptr, 10);
-    else if (a == "--import-threads") import_threads = std::atoi(next().c_str());
-    else if (a == "--lanes" || a == "--put-lanes") lanes = std::clamp(std::atoi(next().c_str()), 1, 16);
-    else if (a == "--put-thp") put_thp = true;
-    else if (a == "--json") json = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: replayssm-bench-transfer [--model M] [--state-dtype f32|bf16] "
-                           "[--backend cpu|cuda] [--slots N] [--chunk BYTES] [--lanes N] "
-                           "[--import-threads N] [--put-thp] [--json PATH]\n");
-      return 2;
-    }
-  }
+  bench::Flags flags("replayssm-bench-transfer",
+                     "[--model M] [--state-dtype f32|bf16] [--backend cpu|cuda] [--slots N] "
+                     "[--chunk BYTES] [--lanes N] [--import-threads N] [--put-thp] [--json PATH]");
+  flags.Choice("model", cache::ModelPresetNames(), &model);
+  flags.Choice("state-dtype", {"f32", "bf16"}, &dtype);
+  flags.Choice("backend", {"cpu", "cuda"}, &backend_name);
+  flags.Int("slots", 1, 1 << 16, &slots);
+  flags.Int("chunk", 1, int64_t{1} << 30, &chunk_flag);
+  flags.Int("lanes", 1, 16, &lanes);  // the service's --transfer-lanes range
+  flags.Int("import-threads", 1, 32, &import_threads);
+  flags.Switch("put-thp", &put_thp);
+  flags.String("json", &json);
+  if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
+  const size_t chunk = static_cast<size_t>(chunk_flag);
   const int32_t sd = dtype == "bf16" ? RSSM_DTYPE_BF16 : RSSM_DTYPE_F32;
   const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
   absl::StatusOr<cache::ModelSpec> m = cache::ModelPreset(model, sd);
@@ -291,10 +363,15 @@ int Run(int argc, char** argv) {
   // the message size of our puts is min(chunk, one layer's checkpoint bytes).
   const size_t put_bytes =
       std::min(chunk, payload_bytes / static_cast<size_t>(std::max(format.num_layers, 1)));
-  // ucx_perftest first, before any thread, context or buffer of ours exists.
-  const double perf_put = PerftestMBs(put_bytes, 50) / 1e3;  // GB/s
-  const double perf_chunk = put_bytes == chunk ? perf_put : PerftestMBs(chunk, 50) / 1e3;
-  const double perf_slot = PerftestMBs(static_cast<size_t>(bytes), 10) / 1e3;
+  // ucx_perftest first, before any thread, context or buffer of ours exists. Once it is found
+  // missing, the other sizes are not tried.
+  std::vector<Reference> refs = {{"put", put_bytes, PerftestGBs(put_bytes, 50)}};
+  auto measure = [&refs](size_t size, int iters) {
+    return absl::IsNotFound(refs[0].gbs.status()) ? refs[0].gbs : PerftestGBs(size, iters);
+  };
+  refs.push_back({"chunk", chunk, put_bytes == chunk ? refs[0].gbs : measure(chunk, 50)});
+  const size_t slot_bytes = payload_bytes;
+  refs.push_back({"slot", slot_bytes, measure(slot_bytes, 10)});
   cache::CacheOptions o;
   o.backend = backend;
   o.memory_budget_bytes = 3 * m->SlotBytes();
@@ -432,9 +509,6 @@ int Run(int argc, char** argv) {
   const char* path =
       cache::SlotIoPathName(cache::SelectSlotIoPath(backend, (*ucx)->takes_device_memory()));
   const double whole = bytes / t_med / 1e9;
-  const double of_put = whole / perf_put, of_chunk = whole / perf_chunk, of_slot = whole / perf_slot;
-  constexpr double kTarget = 0.8;
-  auto verdict = [](double r) { return r >= kTarget ? "met" : "NOT met"; };
   auto gbs = [bytes](double s) { return bytes / s / 1e9; };
   std::printf("transfer bench: %s, state %s, backend %s (%s), %.1f MB per slot, %d slots, "
               "chunk %zu, %d lanes, %d import threads, sender hash in the cache on the %s "
@@ -465,21 +539,13 @@ int Run(int argc, char** argv) {
               hash.Median() * 1e3, gbs(hash.Median()));
   std::printf("  staging overhead (whole move over the bare put over the same %d lanes): %+.0f%%\n",
               lanes, 100 * (t_med / pn_med - 1));
-  std::printf("  ucx_perftest ucp_put_bw (same transport selection, this run, before ours): %.2f GB/s "
-              "at %zu B (the size of each of our puts: min(chunk, a layer)), %.2f GB/s at %zu B "
-              "(--chunk), %.2f GB/s at %.0f B (one put of a whole slot)\n",
-              perf_put, put_bytes, perf_chunk, chunk, perf_slot, bytes);
-  std::printf("  target: whole move >= %.0f%% of ucx_perftest at the same message size\n",
-              100 * kTarget);
-  std::printf("    vs the put-size figure   (%zu B): %.0f%% -> %s (the same message size)\n",
-              put_bytes, 100 * of_put, verdict(of_put));
-  std::printf("    vs the chunk-size figure (%zu B): %.0f%% -> %s\n", chunk, 100 * of_chunk,
-              verdict(of_chunk));
-  std::printf("    vs the slot-size figure  (%.0f B): %.0f%% -> %s\n", bytes, 100 * of_slot,
-              verdict(of_slot));
-  if (json != nullptr) {
-    FILE* f = std::fopen(json, "w");
-    if (f == nullptr) return 1;
+  PrintReferences(refs, whole);
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "replayssm-bench-transfer: cannot write %s\n", json.c_str());
+      return 1;
+    }
     std::fprintf(f,
                  "{\"model\": \"%s\", \"state\": \"%s\", \"backend\": \"%s\", \"slot_bytes\": %.0f, "
                  "\"slots\": %d, \"chunk\": %zu, \"lanes\": %d, \"import_threads\": %d, "
@@ -487,18 +553,15 @@ int Run(int argc, char** argv) {
                  "\"transfer_gbs\": %.3f, \"fold_ms\": %.3f, \"reserve_ms\": %.3f, "
                  "\"stage_hash_put_ms\": %.3f, \"commit_ms\": %.3f, "
                  "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"put_lanes_ms\": %.3f, \"put_lanes_gbs\": %.3f, "
-                 "\"put_thp_ms\": %.3f, \"hash_host_ms\": %.3f, \"hash_slot_ms\": %.3f, "
-                 "\"put_bytes\": %zu, \"perftest_put_gbs\": %.3f, "
-                 "\"of_perftest_put\": %.3f, \"perftest_chunk_gbs\": %.3f, "
-                 "\"perftest_slot_gbs\": %.3f, \"of_perftest_chunk\": %.3f, "
-                 "\"of_perftest_slot\": %.3f, \"target\": %.2f, \"path\": \"%s\"}\n",
+                 "\"put_thp_ms\": %s, \"hash_host_ms\": %.3f, \"hash_slot_ms\": %.3f, "
+                 "\"put_bytes\": %zu, %s, \"target\": %.2f, \"path\": \"%s\"}\n",
                  m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes, slots, chunk, lanes,
                  import_threads, t_med * 1e3, total.Min() * 1e3, total.Max() * 1e3, whole,
                  fold.Median() * 1e3, reserve.Median() * 1e3, put.Median() * 1e3,
                  commit.Median() * 1e3, p_med * 1e3, gbs(p_med), pn_med * 1e3, gbs(pn_med),
-                 putthp.Median() * 1e3, hash.Median() * 1e3, hash_slot.Median() * 1e3, put_bytes,
-                 perf_put, of_put, perf_chunk, perf_slot, of_chunk,
-                 of_slot, kTarget, path);
+                 put_thp ? absl::StrFormat("%.3f", putthp.Median() * 1e3).c_str() : "null",
+                 hash.Median() * 1e3, hash_slot.Median() * 1e3, put_bytes,
+                 JsonReferences(refs, whole).c_str(), kTarget, path);
     std::fclose(f);
   }
   return 0;

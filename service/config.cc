@@ -2,11 +2,13 @@
 
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -26,9 +28,13 @@ struct Flag {
 template <typename T>
 Setter Int(T ServerOptions::*field) {
   return [field](ServerFlags& f, const std::string& v) -> absl::Status {
-    int64_t x = 0;
-    if (!absl::SimpleAtoi(v, &x)) return absl::InvalidArgumentError("expected an integer");
-    f.options.*field = static_cast<T>(x);
+    T x = 0;  // SimpleAtoi refuses what T cannot hold: no silent truncation
+    if (!absl::SimpleAtoi(v, &x)) {
+      return absl::InvalidArgumentError(absl::StrCat("expected an integer in ",
+                                                     std::numeric_limits<T>::min(), "..",
+                                                     std::numeric_limits<T>::max()));
+    }
+    f.options.*field = x;
     return absl::OkStatus();
   };
 }
@@ -181,14 +187,15 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv) 
       return flags;
     }
     if (!absl::ConsumePrefix(&arg, "--")) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument ", arg));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected argument '", arg, "' (flags are --name=value)"));
     }
     std::string name(arg), value;
     const size_t eq = arg.find('=');
     if (eq != absl::string_view::npos) {
       name = std::string(arg.substr(0, eq));
       value = std::string(arg.substr(eq + 1));
-    } else if (i + 1 < argc) {
+    } else if (i + 1 < argc && !absl::StartsWith(argv[i + 1], "--")) {
       value = argv[++i];
     } else {
       return absl::InvalidArgumentError(absl::StrCat("--", name, ": missing value"));

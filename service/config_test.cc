@@ -45,6 +45,25 @@ TEST(ServerFlags, UnknownFlagsAndBadValuesNameTheFlag) {
   EXPECT_FALSE(Parse({"--model"}).ok());  // no value
 }
 
+TEST(ServerFlags, AFlagWithoutItsValueDoesNotSwallowTheNextFlag) {
+  auto f = Parse({"--grpc-address", "--model=tiny-kda"});
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("--grpc-address: missing value"), std::string::npos)
+      << f.status();
+}
+
+TEST(ServerFlags, AnIntegerTheFieldCannotHoldIsRefusedNotTruncated) {
+  auto f = Parse({"--max-batch=4294967297"});  // 2^32 + 1 would truncate to 1
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("--max-batch=4294967297"), std::string::npos) << f.status();
+}
+
+TEST(ServerFlags, AStrayArgumentIsRefusedNamingIt) {
+  auto f = Parse({"--model=tiny-gdn", "tiny-kda"});
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("'tiny-kda'"), std::string::npos) << f.status();
+}
+
 TEST(TransferOptions, OutOfRangeLanesAndImportThreadsAreRefusedNamingTheFlag) {
   // Checked before anything starts (no context, no UCX needed).
   struct Case {

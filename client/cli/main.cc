@@ -1,13 +1,18 @@
 // replayssm-cli: talk to a replayssm-server.
-//   replayssm-cli [--address HOST:PORT] info | stats | health | alloc [TOKEN...] |
-//                 free SLOT | transfer SLOT PEER [--keep] |
-//                 pull SLOT PEER [--keep] [--self HOST:PORT] | demo [--requests N] [--steps N] [--seed N]
+//   replayssm-cli [--address HOST:PORT] COMMAND [ARGS] [OPTIONS]
+// --address may stand before or after the command; every other option belongs to its command.
+// An unknown option, a missing or malformed value and a stray argument are errors (exit 2).
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "replayssm/client/bench.h"
 #include "replayssm/client/client.h"
@@ -18,7 +23,7 @@ namespace {
 using replayssm::client::Client;
 
 constexpr char kUsage[] =
-    "usage: replayssm-cli [--address HOST:PORT] COMMAND\n"
+    "usage: replayssm-cli [--address HOST:PORT] COMMAND [ARGS] [OPTIONS]\n"
     "  info                 model, shapes, dtypes, capacity, backend\n"
     "  stats                cache counters (slots, folds, snapshots)\n"
     "  health               grpc.health.v1 status of the server\n"
@@ -38,7 +43,124 @@ constexpr char kUsage[] =
     "                       DECODE_HOST:PORT over UCX, decode there\n"
     "  bench [--concurrency N] [--batch N] [--seconds S] [--unary]\n"
     "                       closed-loop decode forwards: forwards/s, p50/p99 latency\n"
-    "The address defaults to 127.0.0.1:50051 (or $REPLAYSSM_ADDRESS).\n";
+    "Options are --name VALUE or --name=VALUE. --address may come before or after the\n"
+    "command; it defaults to $REPLAYSSM_ADDRESS, else 127.0.0.1:50051.\n";
+
+// What a command accepts: its positional arguments and its options.
+struct Command {
+  const char* name;
+  int min_args, max_args;             // positional arguments; max_args -1 = any number
+  const char* arg_names;              // for the message when they are too few
+  std::vector<std::string> options;   // take a value
+  std::vector<std::string> switches;  // take none
+};
+
+const std::vector<Command>& Commands() {
+  static const std::vector<Command> kCommands = {
+      {"info", 0, 0, "", {}, {}},
+      {"stats", 0, 0, "", {}, {}},
+      {"health", 0, 0, "", {}, {}},
+      {"alloc", 0, -1, "", {}, {}},
+      {"free", 1, 1, "SLOT", {}, {}},
+      {"transfer", 2, 2, "SLOT PEER", {}, {"keep"}},
+      {"pull", 2, 2, "SLOT PEER", {"self"}, {"keep"}},
+      {"demo", 0, 0, "", {"requests", "steps", "seed", "disaggregated"}, {}},
+      {"bench", 0, 0, "", {"concurrency", "batch", "seconds"}, {"unary"}},
+  };
+  return kCommands;
+}
+
+bool Contains(const std::vector<std::string>& names, absl::string_view name) {
+  for (const std::string& n : names) {
+    if (n == name) return true;
+  }
+  return false;
+}
+
+// A parsed command line.
+struct Invocation {
+  std::string address;
+  const Command* command = nullptr;
+  std::vector<std::string> args;                          // positional
+  absl::flat_hash_map<std::string, std::string> options;  // name -> value ("" for switches)
+  bool help = false;
+};
+
+absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::string address) {
+  Invocation inv;
+  inv.address = std::move(address);
+  for (size_t i = 0; i < argv.size(); ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      inv.help = true;
+      return inv;
+    }
+    if (!absl::ConsumePrefix(&arg, "--")) {  // the command, then its positional arguments
+      if (inv.command != nullptr) {
+        inv.args.emplace_back(arg);
+        continue;
+      }
+      for (const Command& c : Commands()) {
+        if (arg == c.name) inv.command = &c;
+      }
+      if (inv.command == nullptr) return Invalid(absl::StrCat("unknown command '", arg, "'"));
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    const std::string name(arg.substr(0, eq));
+    const bool is_switch = inv.command != nullptr && Contains(inv.command->switches, name);
+    if (name != "address" && !is_switch &&
+        (inv.command == nullptr || !Contains(inv.command->options, name))) {
+      return Invalid(inv.command == nullptr
+                         ? absl::StrCat("unknown option --", name,
+                                        " before the command (only --address goes there)")
+                         : absl::StrCat(inv.command->name, ": unknown option --", name));
+    }
+    std::string value;
+    if (is_switch) {
+      if (eq != absl::string_view::npos) {
+        return Invalid(absl::StrCat("--", name, " takes no value"));
+      }
+    } else if (eq != absl::string_view::npos) {
+      value = std::string(arg.substr(eq + 1));
+    } else if (i + 1 < argv.size() && !absl::StartsWith(argv[i + 1], "--")) {
+      value = argv[++i];
+    } else {
+      return Invalid(absl::StrCat("--", name, ": missing value"));
+    }
+    if (name == "address") {
+      inv.address = value;
+    } else {
+      inv.options[name] = value;
+    }
+  }
+  if (inv.command == nullptr) return Invalid("missing command");
+  const Command& c = *inv.command;
+  const int n = static_cast<int>(inv.args.size());
+  if (n < c.min_args || (c.max_args >= 0 && n > c.max_args)) {
+    return Invalid(n > c.max_args && c.max_args >= 0
+                       ? absl::StrCat(c.name, ": unexpected argument '", inv.args[c.max_args], "'")
+                       : absl::StrCat(c.name, ": expected ", c.arg_names, ", got ", n,
+                                      n == 1 ? " argument" : " arguments"));
+  }
+  return inv;
+}
+
+// The value of option `name` as an integer in [min, max], or `fallback` when it is absent.
+template <typename T>
+absl::StatusOr<T> IntOption(const Invocation& inv, const std::string& name, T min, T max,
+                            T fallback) {
+  auto it = inv.options.find(name);
+  if (it == inv.options.end()) return fallback;
+  T v = 0;
+  if (!absl::SimpleAtoi(it->second, &v) || v < min || v > max) {
+    return Invalid(absl::StrCat("--", name, ": expected an integer in ", min, "..", max, ", got '",
+                                it->second, "'"));
+  }
+  return v;
+}
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "replayssm-cli: %s\n", s.ToString().c_str());
@@ -63,24 +185,86 @@ int Info(Client& c) {
   return PrintJson(*info);
 }
 
-int Demo(Client& c, const std::vector<std::string>& args) {
-  replayssm::client::DemoOptions options;
-  for (size_t i = 0; i + 1 < args.size(); i += 2) {
-    if (args[i] == "--disaggregated") {  // --disaggregated DECODE_SERVER
-      options.decode_address = args[i + 1];
-      continue;
-    }
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(args[i + 1], &v)) return Fail(absl::InvalidArgumentError(args[i + 1]));
-    if (args[i] == "--requests")
-      options.requests = static_cast<int32_t>(v);
-    else if (args[i] == "--steps")
-      options.steps = static_cast<int32_t>(v);
-    else if (args[i] == "--seed")
-      options.seed = static_cast<uint64_t>(v);
-    else
-      return Fail(absl::InvalidArgumentError("demo: unknown option " + args[i]));
+// A command line checked and converted, before any server is contacted: a bad value is
+// refused without a call.
+struct Request {
+  std::string command, address;
+  std::vector<int32_t> tokens;  // alloc
+  uint64_t slot = 0;            // free, transfer, pull
+  std::string peer, self;       // transfer, pull
+  bool keep = false;
+  replayssm::client::DemoOptions demo;
+  replayssm::client::DecodeBenchOptions bench;
+};
+
+absl::Status SetDemoOptions(const Invocation& inv, replayssm::client::DemoOptions& o) {
+  absl::StatusOr<int32_t> requests = IntOption<int32_t>(inv, "requests", 1, 1 << 16, o.requests);
+  absl::StatusOr<int32_t> steps = IntOption<int32_t>(inv, "steps", 0, 1 << 20, o.steps);
+  absl::StatusOr<uint64_t> seed = IntOption<uint64_t>(inv, "seed", 0, UINT64_MAX, o.seed);
+  for (const absl::Status& s : {requests.status(), steps.status(), seed.status()}) {
+    if (!s.ok()) return s;
   }
+  o.requests = *requests;
+  o.steps = *steps;
+  o.seed = *seed;
+  if (auto it = inv.options.find("disaggregated"); it != inv.options.end()) {
+    o.decode_address = it->second;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetBenchOptions(const Invocation& inv, replayssm::client::DecodeBenchOptions& o) {
+  absl::StatusOr<int32_t> conc = IntOption<int32_t>(inv, "concurrency", 1, 1024, o.concurrency);
+  absl::StatusOr<int32_t> batch = IntOption<int32_t>(inv, "batch", 1, 1 << 16, o.batch);
+  for (const absl::Status& s : {conc.status(), batch.status()}) {
+    if (!s.ok()) return s;
+  }
+  o.concurrency = *conc;
+  o.batch = *batch;
+  o.unary = inv.options.contains("unary");
+  if (auto it = inv.options.find("seconds"); it != inv.options.end()) {
+    double s = 0;
+    if (!absl::SimpleAtod(it->second, &s) || !(s > 0 && s < 1e6)) {
+      return Invalid(absl::StrCat("--seconds: expected seconds > 0, got '", it->second, "'"));
+    }
+    o.duration = absl::Seconds(s);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Request> Prepare(const Invocation& inv) {
+  Request r;
+  r.command = inv.command->name;
+  r.address = inv.address;
+  if (r.address.empty()) return Invalid("--address: expected HOST:PORT, got ''");
+  const std::vector<std::string>& args = inv.args;
+  if (r.command == "alloc") {
+    for (const std::string& a : args) {
+      int32_t t = 0;
+      if (!absl::SimpleAtoi(a, &t)) {
+        return Invalid(absl::StrCat("alloc: expected token ids (integers), got '", a, "'"));
+      }
+      r.tokens.push_back(t);
+    }
+  }
+  if (r.command == "free" || r.command == "transfer" || r.command == "pull") {
+    if (!absl::SimpleAtoi(args[0], &r.slot)) {
+      return Invalid(absl::StrCat("SLOT: expected a slot handle (a number), got '", args[0], "'"));
+    }
+  }
+  if (args.size() > 1) r.peer = args[1];
+  r.keep = inv.options.contains("keep");
+  if (auto it = inv.options.find("self"); it != inv.options.end()) r.self = it->second;
+  if (r.command == "demo") {
+    if (absl::Status s = SetDemoOptions(inv, r.demo); !s.ok()) return s;
+  }
+  if (r.command == "bench") {
+    if (absl::Status s = SetBenchOptions(inv, r.bench); !s.ok()) return s;
+  }
+  return r;
+}
+
+int Demo(Client& c, const replayssm::client::DemoOptions& options) {
   auto report = replayssm::client::RunDemo(c, options, std::cout);
   if (!report.ok()) return Fail(report.status());
   std::printf("demo: OK: %lld forwards, %lld outputs checked, %.2f s\n",
@@ -89,113 +273,70 @@ int Demo(Client& c, const std::vector<std::string>& args) {
   return 0;
 }
 
-int Bench(const std::string& address, const std::vector<std::string>& args) {
-  replayssm::client::DecodeBenchOptions options;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--unary") {
-      options.unary = true;
-      continue;
-    }
-    double v = 0;
-    if (i + 1 >= args.size() || !absl::SimpleAtod(args[i + 1], &v)) {
-      return Fail(absl::InvalidArgumentError("bench: " + args[i] + " needs a number"));
-    }
-    if (args[i] == "--concurrency")
-      options.concurrency = static_cast<int32_t>(v);
-    else if (args[i] == "--batch")
-      options.batch = static_cast<int32_t>(v);
-    else if (args[i] == "--seconds")
-      options.duration = absl::Seconds(v);
-    else
-      return Fail(absl::InvalidArgumentError("bench: unknown option " + args[i]));
-    ++i;
-  }
+int Bench(const std::string& address, const replayssm::client::DecodeBenchOptions& options) {
   auto r = replayssm::client::RunDecodeBench(address, options);
   if (!r.ok()) return Fail(r.status());
+  if (r->forwards == 0) {  // the percentiles of nothing would read as 0 us
+    return Fail(absl::DeadlineExceededError(absl::StrCat(
+        "bench: no forward started within the ", absl::FormatDuration(options.duration),
+        " window; nothing to report (raise --seconds)")));
+  }
   std::printf("bench: concurrency %d, batch %d, %s: %.0f forwards/s, p50 %.0f us, p99 %.0f us\n",
               options.concurrency, options.batch, options.unary ? "unary" : "stream",
               r->forwards_per_second, r->p50_us, r->p99_us);
   return 0;
 }
 
-int Run(Client& c, const std::string& cmd, const std::vector<std::string>& args) {
-  if (cmd == "info") return Info(c);
-  if (cmd == "stats") {
+// Runs a prepared command: 0 on success, 1 when the server's answer is an error.
+int Run(const Request& r) {
+  if (r.command == "bench") return Bench(r.address, r.bench);
+  auto client = Client::Connect(r.address);
+  Client& c = *client;
+  if (r.command == "info") return Info(c);
+  if (r.command == "stats") {
     auto stats = c.Stats();
     return stats.ok() ? PrintJson(*stats) : Fail(stats.status());
   }
-  if (cmd == "health") {
+  if (r.command == "health") {
     auto h = c.Health();
     if (!h.ok()) return Fail(h.status());
     std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*h).c_str());
     return *h == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
   }
-  if (cmd == "alloc") {
-    std::vector<int32_t> tokens;
-    for (const std::string& a : args) {
-      int32_t t = 0;
-      if (!absl::SimpleAtoi(a, &t)) return Fail(absl::InvalidArgumentError("token " + a));
-      tokens.push_back(t);
-    }
-    auto r = tokens.empty() ? c.Allocate() : c.AllocateFromPrefix(tokens);
-    return r.ok() ? PrintJson(*r) : Fail(r.status());
+  if (r.command == "alloc") {
+    auto a = r.tokens.empty() ? c.Allocate() : c.AllocateFromPrefix(r.tokens);
+    return a.ok() ? PrintJson(*a) : Fail(a.status());
   }
-  if (cmd == "free" && args.size() == 1) {
-    uint64_t slot = 0;
-    if (!absl::SimpleAtoi(args[0], &slot)) return Fail(absl::InvalidArgumentError(args[0]));
-    absl::Status s = c.Free(slot);
+  if (r.command == "free") {
+    absl::Status s = c.Free(r.slot);
     return s.ok() ? 0 : Fail(s);
   }
-  if (cmd == "transfer" && (args.size() == 2 || (args.size() == 3 && args[2] == "--keep"))) {
-    uint64_t slot = 0;
-    if (!absl::SimpleAtoi(args[0], &slot)) return Fail(absl::InvalidArgumentError(args[0]));
-    auto r = c.TransferSlot(slot, args[1], args.size() == 3);
-    return r.ok() ? PrintJson(*r) : Fail(r.status());
+  if (r.command == "transfer") {
+    auto t = c.TransferSlot(r.slot, r.peer, r.keep);
+    return t.ok() ? PrintJson(*t) : Fail(t.status());
   }
-  if (cmd == "pull" && args.size() >= 2) {
-    uint64_t slot = 0;
-    if (!absl::SimpleAtoi(args[0], &slot)) {
-      return Fail(absl::InvalidArgumentError("SLOT: expected a slot handle (a number), got " + args[0]));
-    }
-    bool keep = false;
-    std::string self;
-    for (size_t i = 2; i < args.size(); ++i) {
-      if (args[i] == "--keep") {
-        keep = true;
-      } else if (args[i] == "--self" && i + 1 < args.size()) {
-        self = args[++i];
-      } else {
-        return Fail(absl::InvalidArgumentError("pull: expected --keep or --self HOST:PORT, got " + args[i]));
-      }
-    }
-    auto r = c.PullSlot(slot, args[1], keep, self);
-    return r.ok() ? PrintJson(*r) : Fail(r.status());
+  if (r.command == "pull") {
+    auto p = c.PullSlot(r.slot, r.peer, r.keep, r.self);
+    return p.ok() ? PrintJson(*p) : Fail(p.status());
   }
-  if (cmd == "demo") return Demo(c, args);
-  std::fprintf(stderr, "%s", kUsage);
-  return 2;
+  return Demo(c, r.demo);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const char* env = std::getenv("REPLAYSSM_ADDRESS");
-  std::string address = env != nullptr ? env : "127.0.0.1:50051";
-  std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.size() >= 2 && args[0] == "--address") {
-    address = args[1];
-    args.erase(args.begin(), args.begin() + 2);
-  } else if (!args.empty() && args[0].rfind("--address=", 0) == 0) {
-    address = args[0].substr(10);
-    args.erase(args.begin());
+  absl::StatusOr<Invocation> inv = Parse(std::vector<std::string>(argv + 1, argv + argc),
+                                         env != nullptr ? env : "127.0.0.1:50051");
+  if (inv.ok() && inv->help) {
+    std::printf("%s", kUsage);
+    return 0;
   }
-  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    std::fprintf(stderr, "%s", kUsage);
-    return args.empty() ? 2 : 0;
+  absl::StatusOr<Request> request = inv.ok() ? Prepare(*inv) : inv.status();
+  if (!request.ok()) {
+    std::fprintf(stderr, "replayssm-cli: %s\n%s", std::string(request.status().message()).c_str(),
+                 kUsage);
+    return 2;
   }
-  auto client = Client::Connect(address);
-  const std::string cmd = args[0];
-  args.erase(args.begin());
-  if (cmd == "bench") return Bench(address, args);
-  return Run(*client, cmd, args);
+  return Run(*request);
 }

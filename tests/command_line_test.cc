@@ -1,0 +1,231 @@
+// The command lines of every binary: unknown or misplaced arguments are errors that name the
+// argument (exit 2, nothing done), and what a tool cannot measure it says instead of printing
+// a figure.
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "server_process.h"
+
+namespace replayssm::testing {
+namespace {
+
+struct Outcome {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs `binary` with `args`, `env` ("NAME=VALUE") added to the environment.
+Outcome RunBinary(const std::string& binary, std::vector<std::string> args,
+                  const std::vector<std::string>& env = {}) {
+  int out[2];
+  if (pipe(out) != 0) return {};
+  args.insert(args.begin(), binary);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
+    dup2(out[1], 1);
+    dup2(out[1], 2);
+    close(out[0]);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(out[1]);
+  Outcome o;
+  char buf[4096];
+  for (ssize_t n; (n = read(out[0], buf, sizeof(buf))) > 0;) o.output.append(buf, n);
+  close(out[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return o;
+}
+
+const std::vector<std::string>& Binaries() {
+  static const std::vector<std::string> kBinaries = {
+      REPLAYSSM_SERVER_BINARY,        REPLAYSSM_CLI_BINARY,
+      REPLAYSSM_BENCH_CACHE_BINARY,   REPLAYSSM_BENCH_FORWARDS_BINARY,
+      REPLAYSSM_BENCH_SERVICE_BINARY, REPLAYSSM_BENCH_TRANSFER_BINARY};
+  return kBinaries;
+}
+
+// The CLI's arguments need a command before them.
+std::vector<std::string> WithCommand(const std::string& binary, std::vector<std::string> args) {
+  if (binary == REPLAYSSM_CLI_BINARY) args.insert(args.begin(), "info");
+  return args;
+}
+
+void ExpectRefused(const std::string& binary, const std::vector<std::string>& args,
+                   const std::string& message) {
+  const Outcome o = RunBinary(binary, args);
+  std::string line = binary;
+  for (const std::string& a : args) line += " " + a;
+  EXPECT_EQ(o.exit_code, 2) << line << "\n" << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, message)) << line << "\nexpected: " << message << "\n"
+                                                    << o.output;
+}
+
+TEST(CommandLine, EveryBinaryRefusesAnUnknownFlagNamingIt) {
+  for (const std::string& b : Binaries()) {
+    ExpectRefused(b, WithCommand(b, {"--no-such-flag=1"}), "--no-such-flag");
+  }
+}
+
+TEST(CommandLine, EveryBinaryRefusesAStrayArgumentNamingIt) {
+  for (const std::string& b : Binaries()) {
+    ExpectRefused(b, WithCommand(b, {"stray"}), "'stray'");
+  }
+}
+
+TEST(CommandLine, EveryBinaryRefusesAFlagWithoutItsValue) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {REPLAYSSM_SERVER_BINARY, "--model"},       {REPLAYSSM_CLI_BINARY, "--address"},
+      {REPLAYSSM_BENCH_CACHE_BINARY, "--json"},   {REPLAYSSM_BENCH_FORWARDS_BINARY, "--rounds"},
+      {REPLAYSSM_BENCH_SERVICE_BINARY, "--json"}, {REPLAYSSM_BENCH_TRANSFER_BINARY, "--json"}};
+  for (const auto& [binary, flag] : cases) {
+    ExpectRefused(binary, WithCommand(binary, {flag}), flag + ": missing value");
+    // Nor does it take the next flag for its value.
+    ExpectRefused(binary, WithCommand(binary, {flag, "--help"}), flag + ": missing value");
+  }
+}
+
+TEST(CommandLine, BenchesRefuseMalformedAndOutOfRangeValuesNamingTheFlag) {
+  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--backend=gpu"},
+                "--backend: expected one of cuda, cpu, got 'gpu'");
+  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--steps", "ten"}, "--steps: expected an integer");
+  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--batch=1,x"}, "--batch: expected batch sizes");
+  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--io=disk"}, "--io: expected host, device");
+  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--model=tiny"}, "--model: expected one of");
+  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--rounds=0"},
+                "--rounds: expected 1..1048576, got '0'");
+  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--tokens=1,x"}, "--tokens: expected lengths");
+  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--backend=gpu"},
+                "--backend: expected one of cuda, cpu, got 'gpu'");
+  ExpectRefused(REPLAYSSM_BENCH_SERVICE_BINARY, {"--seconds=0"}, "--seconds: expected seconds > 0");
+  ExpectRefused(REPLAYSSM_BENCH_SERVICE_BINARY, {"--unary=yes"}, "--unary takes no value");
+  ExpectRefused(REPLAYSSM_BENCH_TRANSFER_BINARY, {"--slots=0"},
+                "--slots: expected 1..65536, got '0'");
+  ExpectRefused(REPLAYSSM_BENCH_TRANSFER_BINARY, {"--lanes", "17"},
+                "--lanes: expected 1..16, got '17'");
+  ExpectRefused(REPLAYSSM_BENCH_TRANSFER_BINARY, {"--state-dtype=f16"},
+                "--state-dtype: expected one of f32, bf16, got 'f16'");
+  ExpectRefused(REPLAYSSM_BENCH_TRANSFER_BINARY, {"--put-lanes=2"}, "unknown flag --put-lanes");
+}
+
+TEST(CommandLine, CliRefusesMisplacedExtraAndMalformedArguments) {
+  const std::string cli = REPLAYSSM_CLI_BINARY;
+  ExpectRefused(cli, {}, "missing command");
+  ExpectRefused(cli, {"frobnicate"}, "unknown command 'frobnicate'");
+  ExpectRefused(cli, {"--keep", "transfer", "1", "h:1"},
+                "unknown option --keep before the command (only --address goes there)");
+  ExpectRefused(cli, {"demo", "--keep"}, "demo: unknown option --keep");
+  ExpectRefused(cli, {"demo", "--requests"}, "--requests: missing value");
+  ExpectRefused(cli, {"demo", "--requests=0"}, "--requests: expected an integer in 1..");
+  ExpectRefused(cli, {"free"}, "free: expected SLOT, got 0 arguments");
+  ExpectRefused(cli, {"free", "1", "2"}, "free: unexpected argument '2'");
+  ExpectRefused(cli, {"transfer", "1"}, "transfer: expected SLOT PEER, got 1 argument");
+  ExpectRefused(cli, {"free", "one"}, "SLOT: expected a slot handle (a number), got 'one'");
+  ExpectRefused(cli, {"alloc", "1", "x"}, "alloc: expected token ids (integers), got 'x'");
+  ExpectRefused(cli, {"transfer", "1", "h:1", "--keep=yes"}, "--keep takes no value");
+  ExpectRefused(cli, {"bench", "--concurrency=0"}, "--concurrency: expected an integer in 1..");
+  ExpectRefused(cli, {"bench", "--seconds=-1"}, "--seconds: expected seconds > 0, got '-1'");
+  ExpectRefused(cli, {"health", "--address="}, "--address: expected HOST:PORT, got ''");
+}
+
+TEST(CommandLine, EveryBinaryPrintsItsUsageOnHelpAndExitsZero) {
+  for (const std::string& b : Binaries()) {
+    const Outcome o = RunBinary(b, {"--help"});
+    EXPECT_EQ(o.exit_code, 0) << b << "\n" << o.output;
+    EXPECT_TRUE(absl::StrContains(o.output, "usage: ")) << b << "\n" << o.output;
+  }
+}
+
+TEST(CommandLine, CliAddressAfterTheCommandIsTheAddressDialed) {
+  auto server = ServerProcess::Start({});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string here = (*server)->grpc_address();
+  const std::string nowhere = "127.0.0.1:1";  // nothing listens on port 1
+  // The default address reaches the server; the flag after the command must win over it.
+  const Outcome demo = RunBinary(REPLAYSSM_CLI_BINARY, {"demo", "--address=" + nowhere},
+                                 {"REPLAYSSM_ADDRESS=" + here});
+  EXPECT_EQ(demo.exit_code, 1) << demo.output;
+  EXPECT_TRUE(absl::StrContains(demo.output, "UNAVAILABLE")) << demo.output;
+  EXPECT_FALSE(absl::StrContains(demo.output, "demo: OK")) << demo.output;
+  // And the other way round, in both spellings.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"health", "--address=" + here},
+        std::vector<std::string>{"health", "--address", here}}) {
+    const Outcome health = RunBinary(REPLAYSSM_CLI_BINARY, args, {"REPLAYSSM_ADDRESS=" + nowhere});
+    EXPECT_EQ(health.exit_code, 0) << health.output;
+    EXPECT_TRUE(absl::StrContains(health.output, "SERVING")) << health.output;
+  }
+}
+
+TEST(CommandLine, CacheBenchGivesNoVerdictFromTooFewRoundsForQuartiles) {
+  const Outcome o =
+      RunBinary(REPLAYSSM_BENCH_CACHE_BINARY, {"--backend=cpu", "--model=tiny-gdn", "--batch=64",
+                                               "--io=device", "--steps=1", "--rounds=2"});
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "n/a (2 rounds, fewer than 5)")) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "no verdict: 2 rounds per point")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "DEMONSTRATED")) << o.output;
+}
+
+// A directory for a PATH: empty, or holding a fake ucx_perftest that prints `output`.
+std::string PathWith(const std::string& name, const std::string* fake_output) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  mkdir(dir.c_str(), 0755);
+  if (fake_output != nullptr) {
+    const std::string fake = dir + "/ucx_perftest";
+    std::ofstream(fake) << "#!/bin/sh\necho '" << *fake_output << "'\n";
+    chmod(fake.c_str(), 0755);
+  }
+  return dir;
+}
+
+void ExpectNoReferenceAndNoVerdict(const std::string& path_dir, const std::string& reason) {
+  const std::string json = path_dir + "/transfer.json";
+  const Outcome o =
+      RunBinary(REPLAYSSM_BENCH_TRANSFER_BINARY,
+                {"--model=tiny-gdn", "--slots=1", "--json=" + json}, {"PATH=" + path_dir});
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "reference not measured: ")) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, reason)) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "no verdict")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "-> met")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "NOT met")) << o.output;
+  EXPECT_FALSE(absl::StrContains(o.output, "-0.00")) << o.output;
+  std::ifstream in(json);
+  const std::string written((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(absl::StrContains(written, "\"perftest_put_gbs\": null")) << written;
+  EXPECT_TRUE(absl::StrContains(written, "\"of_perftest_put\": null")) << written;
+  EXPECT_TRUE(absl::StrContains(written, "\"perftest_error\": \"")) << written;
+}
+
+TEST(CommandLine, TransferBenchWithoutUcxPerftestSaysTheReferenceIsMissingAndGivesNoVerdict) {
+  ExpectNoReferenceAndNoVerdict(PathWith("no-perftest", nullptr),
+                                "cannot run ucx_perftest: No such file or directory (not on the "
+                                "PATH)");
+}
+
+TEST(CommandLine, TransferBenchSaysWhenUcxPerftestPrintsNoBandwidth) {
+  const std::string garbage = "ucx_perftest: unknown transport";
+  ExpectNoReferenceAndNoVerdict(
+      PathWith("bad-perftest", &garbage),
+      "printed no \"Final:\" bandwidth (exit status 0; last line: '" + garbage + "')");
+}
+
+}  // namespace
+}  // namespace replayssm::testing
