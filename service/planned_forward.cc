@@ -3,7 +3,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "replayssm/kernels.h"
 
 namespace replayssm::service {
 namespace {
