@@ -33,9 +33,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
@@ -445,57 +443,23 @@ bool WriteJson(const char* path, const ModelSpec& m, const std::string& backend,
   return std::fclose(f) == 0;
 }
 
-// "--batch 1,64,256": the batch sizes, each >= 1.
-absl::StatusOr<std::vector<int>> ParseBatches(const std::string& list) {
-  std::vector<int> out;
-  for (absl::string_view part : absl::StrSplit(list, ',')) {
-    int batch = 0;
-    if (!absl::SimpleAtoi(part, &batch) || batch < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--batch: expected batch sizes >= 1 like 1,64,256, got '", list, "'"));
-    }
-    out.push_back(batch);
-  }
-  return out;
-}
-
-// "--io host,device": each of host or device.
-absl::StatusOr<std::vector<std::string>> ParseIos(const std::string& list) {
-  std::vector<std::string> out;
-  for (absl::string_view part : absl::StrSplit(list, ',')) {
-    if (part != "host" && part != "device") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--io: expected host, device or host,device, got '", list, "'"));
-    }
-    out.emplace_back(part);
-  }
-  return out;
-}
-
 int Run(int argc, char** argv) {
-  std::string model_name = "qwen3-next-80b-a3b", backend_name = "cuda", batch_list = "1,64,256";
-  std::string io_list = "host,device", json;
+  std::string model_name = "qwen3-next-80b-a3b", backend_name = "cuda", json;
+  std::vector<int64_t> batches = {1, 64, 256};
+  std::vector<std::string> ios = {"host", "device"};
   int32_t steps = 20, rounds = 11, warmup = -1;
   bench::Flags flags("replayssm-bench-cache",
                      "[--model M] [--backend cuda|cpu] [--batch 1,64,256] [--io host,device] "
                      "[--steps N] [--rounds R] [--warmup W] [--json PATH]");
   flags.Choice("model", ModelPresetNames(), &model_name);
   flags.Choice("backend", {"cuda", "cpu"}, &backend_name);
-  flags.String("batch", &batch_list);
-  flags.String("io", &io_list);
+  flags.IntList("batch", 1, 1 << 16, &batches);
+  flags.ChoiceList("io", {"host", "device"}, &ios);
   flags.Int("steps", 1, 1 << 20, &steps);
   flags.Int("rounds", 1, 1 << 20, &rounds);
   flags.Int("warmup", 0, 1 << 20, &warmup);
   flags.String("json", &json);
   if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
-  absl::StatusOr<std::vector<int>> batches = ParseBatches(batch_list);
-  absl::StatusOr<std::vector<std::string>> ios = ParseIos(io_list);
-  for (const absl::Status& s : {batches.status(), ios.status()}) {
-    if (s.ok()) continue;
-    std::fprintf(stderr, "replayssm-bench-cache: %s\n%s", std::string(s.message()).c_str(),
-                 flags.Usage().c_str());
-    return 2;
-  }
   const int32_t backend = backend_name == "cpu" ? RSSM_BACKEND_CPU : RSSM_BACKEND_CUDA;
   absl::StatusOr<ModelSpec> m = ModelPreset(model_name);
   CHECK_OK(m.status());
@@ -508,9 +472,10 @@ int Run(int argc, char** argv) {
       m->shape.head_v, m->shape.ring_len, rssm_dtype_name(m->shape.state_dtype),
       rssm_dtype_name(m->shape.act_dtype), backend_name.c_str(), rounds, steps, warmup);
   std::vector<Result> results;
-  for (const std::string& io_name : *ios) {
-    for (const int batch : *batches) {
-      const Result r = Measure(*m, backend, batch, io_name == "device", steps, rounds, warmup);
+  for (const std::string& io_name : ios) {
+    for (const int64_t batch : batches) {
+      const Result r =
+          Measure(*m, backend, static_cast<int>(batch), io_name == "device", steps, rounds, warmup);
       std::printf(
           "io=%-6s B=%-4d cache %9.1f us/step [%.1f..%.1f]  bare %9.1f us/step [%.1f..%.1f]  "
           "overhead median %+6.2f%% (IQR %+.2f%%..%+.2f%%, range %+.2f%%..%+.2f%%)  %s\n",

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
 namespace replayssm::bench {
@@ -25,6 +26,30 @@ absl::Status ParseInt(absl::string_view text, int64_t min, int64_t max, T* value
   return absl::OkStatus();
 }
 
+absl::Status ParseChoice(absl::string_view text, const std::vector<std::string>& choices,
+                         std::string* value) {
+  for (const std::string& c : choices) {
+    if (text != c) continue;
+    *value = c;
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("expected one of ", absl::StrJoin(choices, ", ")));
+}
+
+// Applies `parse` to each comma-separated item of `text`, appending to `*out`.
+template <typename T, typename Parse>
+absl::Status ParseList(absl::string_view text, Parse parse, std::vector<T>* out) {
+  std::vector<T> items;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    T x{};
+    absl::Status s = parse(item, &x);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(s.message(), ", comma-separated"));
+    items.push_back(std::move(x));
+  }
+  *out = std::move(items);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Flags::Flags(std::string program, std::string synopsis)
@@ -39,13 +64,28 @@ void Flags::String(std::string name, std::string* value) {
 
 void Flags::Choice(std::string name, std::vector<std::string> choices, std::string* value) {
   flags_.push_back({std::move(name), true, [choices, value](absl::string_view v) {
-                      for (const std::string& c : choices) {
-                        if (v != c) continue;
-                        *value = c;
-                        return absl::OkStatus();
-                      }
-                      return absl::InvalidArgumentError(
-                          absl::StrCat("expected one of ", absl::StrJoin(choices, ", ")));
+                      return ParseChoice(v, choices, value);
+                    }});
+}
+
+void Flags::IntList(std::string name, int64_t min, int64_t max, std::vector<int64_t>* value) {
+  flags_.push_back(
+      {std::move(name), true, [=](absl::string_view v) {
+         return ParseList(
+             v, [=](absl::string_view item, int64_t* x) { return ParseInt(item, min, max, x); },
+             value);
+       }});
+}
+
+void Flags::ChoiceList(std::string name, std::vector<std::string> choices,
+                       std::vector<std::string>* value) {
+  flags_.push_back({std::move(name), true, [choices, value](absl::string_view v) {
+                      return ParseList(
+                          v,
+                          [&choices](absl::string_view item, std::string* x) {
+                            return ParseChoice(item, choices, x);
+                          },
+                          value);
                     }});
 }
 

@@ -26,6 +26,10 @@ class Flags {
   void Choice(std::string name, std::vector<std::string> choices, std::string* value);
   void Int(std::string name, int64_t min, int64_t max, int64_t* value);
   void Int(std::string name, int32_t min, int32_t max, int32_t* value);
+  // Comma-separated: "1,64,256", each in [min, max]; "host,device", each one of `choices`.
+  void IntList(std::string name, int64_t min, int64_t max, std::vector<int64_t>* value);
+  void ChoiceList(std::string name, std::vector<std::string> choices,
+                  std::vector<std::string>* value);
   // A finite number > 0.
   void PositiveSeconds(std::string name, double* value);
   // Takes no value: present means true.

@@ -21,9 +21,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
@@ -96,38 +93,18 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// "--tokens 1,4,16": prompt lengths, each >= 1.
-absl::StatusOr<std::vector<int64_t>> ParseLengths(const std::string& list) {
-  std::vector<int64_t> out;
-  for (absl::string_view part : absl::StrSplit(list, ',')) {
-    int64_t n = 0;
-    if (!absl::SimpleAtoi(part, &n) || n < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tokens: expected lengths >= 1 like 1,4,16, got '", list, "'"));
-    }
-    out.push_back(n);
-  }
-  return out;
-}
-
 int Main(int argc, char** argv) {
-  std::string model_name = "qwen3-next-80b-a3b", token_list = "1,4,16,64,256,1024";
+  std::string model_name = "qwen3-next-80b-a3b";
   std::string backend_name = rssm_backend_available(RSSM_BACKEND_CUDA) ? "cuda" : "cpu";
+  std::vector<int64_t> lengths = {1, 4, 16, 64, 256, 1024};
   int32_t rounds = 20;
   bench::Flags flags("replayssm-bench-forwards",
                      "[--model M] [--backend cuda|cpu] [--tokens 1,4,16,64,256,1024] [--rounds R]");
   flags.Choice("model", ModelPresetNames(), &model_name);
   flags.Choice("backend", {"cuda", "cpu"}, &backend_name);
-  flags.String("tokens", &token_list);
+  flags.IntList("tokens", 1, 1 << 20, &lengths);
   flags.Int("rounds", 1, 1 << 20, &rounds);
   if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
-  absl::StatusOr<std::vector<int64_t>> lengths_or = ParseLengths(token_list);
-  if (!lengths_or.ok()) {
-    std::fprintf(stderr, "replayssm-bench-forwards: %s\n%s",
-                 std::string(lengths_or.status().message()).c_str(), flags.Usage().c_str());
-    return 2;
-  }
-  const std::vector<int64_t>& lengths = *lengths_or;
   const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
   absl::StatusOr<ModelSpec> m = ModelPreset(model_name);
   CHECK_OK(m.status());

@@ -105,12 +105,15 @@ TEST(CommandLine, BenchesRefuseMalformedAndOutOfRangeValuesNamingTheFlag) {
   ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--backend=gpu"},
                 "--backend: expected one of cuda, cpu, got 'gpu'");
   ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--steps", "ten"}, "--steps: expected an integer");
-  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--batch=1,x"}, "--batch: expected batch sizes");
-  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--io=disk"}, "--io: expected host, device");
+  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--batch=1,x"},
+                "--batch: expected an integer, comma-separated, got '1,x'");
+  ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--io=disk"},
+                "--io: expected one of host, device, comma-separated, got 'disk'");
   ExpectRefused(REPLAYSSM_BENCH_CACHE_BINARY, {"--model=tiny"}, "--model: expected one of");
   ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--rounds=0"},
                 "--rounds: expected 1..1048576, got '0'");
-  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--tokens=1,x"}, "--tokens: expected lengths");
+  ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--tokens=1,x"},
+                "--tokens: expected an integer, comma-separated, got '1,x'");
   ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--backend=gpu"},
                 "--backend: expected one of cuda, cpu, got 'gpu'");
   ExpectRefused(REPLAYSSM_BENCH_SERVICE_BINARY, {"--seconds=0"}, "--seconds: expected seconds > 0");
