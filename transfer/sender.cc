@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -76,22 +77,32 @@ struct Lanes {
   }
 };
 
-// Lane k of n: puts chunks k, k + n, ... in order, each once queued, flushes it, hands it back
-// to the reader and rings the doorbell when the landed prefix grew.
+// Lane k of n: puts chunks k, k + n, ... in order, each once queued, hands each back to the
+// reader once its source may be reused and rings the doorbell when the landed prefix grew.
+// A doorbell must never overtake its bytes: with one lane (one endpoint) a fence orders it
+// behind them; across lanes only a flush does, so each lane flushes every chunk first.
 absl::Status RunLane(size_t k, size_t n, PutStream& put, const Reservation& r, Lanes& st,
                      cache::SlotReader& reader) {
   const size_t count = reader.num_chunks();
+  const bool one_endpoint = n == 1;
+  std::deque<uint64_t> rung;  // one endpoint: the doorbell puts' sources, until Finish
   for (size_t i = k; i < count; i += n) {
     std::optional<cache::SlotChunk> c = st.WaitQueued(i);
     if (!c) return absl::OkStatus();  // another lane's failure is the one reported
     absl::StatusOr<uint64_t> ticket = put.Write(c->data, c->size, r.remote_addr + c->offset);
     if (!ticket.ok()) return ticket.status();
-    // Landed = in the peer's memory (a doorbell put from any lane then comes after it).
-    absl::Status s = put.Flush();
+    absl::Status s = one_endpoint ? put.WaitFor(*ticket) : put.Flush();
     if (!s.ok()) return s;
     reader.Done(i);
     const uint64_t value = st.Land(i);
     if (r.doorbell_addr == 0 || value == 0) continue;
+    if (one_endpoint) {
+      rung.push_back(value);
+      s = put.Fence();
+      if (s.ok()) s = put.Write(&rung.back(), sizeof(uint64_t), r.doorbell_addr).status();
+      if (!s.ok()) return s;
+      continue;
+    }
     absl::MutexLock lock(&st.bell_mu);
     if (value <= st.rung) continue;  // a later ring covered it already
     uint64_t v = value;              // the put's source: valid until the flush below

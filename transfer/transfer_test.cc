@@ -59,6 +59,7 @@ class FaultyLane final : public PutLane {
       return t;
     }
     absl::Status WaitFor(uint64_t t) override { return inner_->WaitFor(t); }
+    absl::Status Fence() override { return inner_->Fence(); }
     absl::Status Flush() override { return inner_->Flush(); }
     absl::Status Finish() override { return inner_->Finish(); }
 

@@ -149,7 +149,9 @@ absl::Status UcxTransport::Wait(void* request, const char* what, absl::Time dead
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!progress_.joinable()) ucp_worker_progress(Worker(worker_));  // a lane: nobody else does
+      // The waiter drives its own request: a progress thread that is not scheduled (a busy
+      // host) would otherwise add its delay to every flush.
+      ucp_worker_progress(Worker(worker_));
       const ucs_status_t s = ucp_request_check_status(req);
       if (s != UCS_INPROGRESS) {
         ucp_request_free(req);
@@ -221,6 +223,7 @@ class UcxTransport::Stream final : public PutStream {
   ~Stream() override;
   absl::StatusOr<uint64_t> Write(const void* local, size_t size, uint64_t remote_addr) override;
   absl::Status WaitFor(uint64_t ticket) override;
+  absl::Status Fence() override;
   absl::Status Flush() override;
   absl::Status Finish() override;
 
@@ -302,6 +305,15 @@ absl::Status UcxTransport::Stream::WaitFor(uint64_t ticket) {
   }
   if (pending_.empty()) completed_ = issued_;
   return absl::OkStatus();
+}
+
+absl::Status UcxTransport::Stream::Fence() {
+  if (failed_ || finished_) return absl::FailedPreconditionError("ucx put: the stream is closed");
+  std::lock_guard<std::mutex> lock(ucx_->mu_);
+  const ucs_status_t s = ucp_worker_fence(Worker(ucx_->worker_));
+  if (s == UCS_OK) return absl::OkStatus();
+  failed_ = true;
+  return UcsError(s, "fence");
 }
 
 absl::Status UcxTransport::Stream::Finish() {

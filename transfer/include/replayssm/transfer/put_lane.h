@@ -25,6 +25,8 @@ class PutStream {
   virtual absl::StatusOr<uint64_t> Write(const void* local, size_t size, uint64_t remote_addr) = 0;
   // Waits until the puts up to `ticket` completed locally (their source may be reused).
   virtual absl::Status WaitFor(uint64_t ticket) = 0;
+  // Puts issued on this stream after the fence land after those issued before it.
+  virtual absl::Status Fence() = 0;
   // Every put issued so far is in the peer's memory on return; a put issued afterwards, on
   // any lane, lands after them. The stream stays open.
   virtual absl::Status Flush() = 0;

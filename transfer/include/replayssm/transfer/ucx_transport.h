@@ -82,7 +82,7 @@ class UcxTransport final : public PutLane {
   void ProgressLoop();
   // Maps [addr, addr + size) for remote access (addr null: UCX allocates it) and packs its rkey.
   absl::StatusOr<std::unique_ptr<Region>> Map(void* addr, size_t size);
-  // Waits for a request with the progress thread driving it; frees it.
+  // Waits for a request, progressing the worker itself; frees it.
   absl::Status Wait(void* request, const char* what, absl::Time deadline);
   // A cached endpoint to `peer_address` and the rkey unpacked on it: mapping a peer's region
   // (shared memory: attach and first-touch faults) costs more than a put, so both are kept
