@@ -8,6 +8,8 @@
 //                then per layer the engine rings ready[l] on its stream and waits for done[l]
 //                before ringing ready[l+1] (layer l+1's inputs depend on layer l's outputs),
 //                then Commit
+//   (b') pipelined the same, but the begin is written without waiting for its reply (read
+//                after the chain) and commits the forward before it: one message per forward
 //   (c) inline   through the server's DecodeStream with the tensors as bytes, one message
 //                per layer
 // Before timing, a check: a planned forward and an inline one on twin slot sets from the same
@@ -17,6 +19,9 @@
 //   replayssm-bench-dataplane --server PATH [--model qwen3-next-80b-a3b] [--batch 1,16,64,256]
 //                             [--forwards 30] [--warmup 5] [--json PATH]
 #include <cuda_runtime_api.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -34,6 +40,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/client/client.h"
@@ -113,7 +120,7 @@ Options Parse(int argc, char** argv) {
 // The server as a child process on a free port.
 struct ServerChild {
   pid_t pid = -1;
-  std::string address;
+  std::string address, metrics;
   ServerChild(const Options& o, int64_t budget) {
     const std::string ready = absl::StrCat("/tmp/replayssm-dataplane-", getpid(), ".ready");
     std::remove(ready.c_str());
@@ -121,7 +128,7 @@ struct ServerChild {
                                      "--device=cuda",
                                      "--model=" + o.model,
                                      "--grpc-address=127.0.0.1:0",
-                                     "--metrics-address=",
+                                     "--metrics-address=127.0.0.1:0",
                                      absl::StrCat("--memory-budget=", budget),
                                      "--track-interval=0",
                                      "--max-message-bytes=1G",
@@ -140,6 +147,7 @@ struct ServerChild {
       std::string line;
       while (std::getline(f, line)) {
         if (line.rfind("grpc=", 0) == 0) address = line.substr(5);
+        if (line.rfind("metrics=", 0) == 0) metrics = line.substr(8);
       }
       int status = 0;
       if (waitpid(pid, &status, WNOHANG) == pid) Die("the server exited at start");
@@ -153,6 +161,56 @@ struct ServerChild {
     }
   }
 };
+
+// The server's own account of where its time goes: sum and count of
+// replayssm_kernel_duration_seconds per op from its /metrics (HTTP/1.0 GET on host:port).
+using OpTimes = std::map<std::string, std::pair<double, double>>;  // op -> (sum s, count)
+OpTimes ScrapeOps(const std::string& address) {
+  OpTimes t;
+  const size_t colon = address.rfind(':');
+  if (address.empty() || colon == std::string::npos) return t;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::atoi(address.c_str() + colon + 1)));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+  std::string body;
+  if (fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) {
+    const std::string req = "GET /metrics HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) body.append(buf, n);
+    }
+  }
+  if (fd >= 0) close(fd);
+  const std::string name = "replayssm_kernel_duration_seconds_";
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    if (!absl::StartsWith(line, name)) continue;
+    line.remove_prefix(name.size());
+    const bool sum = absl::StartsWith(line, "sum{op=\""), count = absl::StartsWith(line, "count{op=\"");
+    if (!sum && !count) continue;
+    line.remove_prefix(sum ? 8 : 10);
+    const size_t end = line.find("\"}");
+    if (end == absl::string_view::npos) continue;
+    double v = 0;
+    if (!absl::SimpleAtod(line.substr(end + 3), &v)) continue;
+    auto& slot = t[std::string(line.substr(0, end))];
+    (sum ? slot.first : slot.second) = v;
+  }
+  return t;
+}
+// Mean microseconds per call of each op between two scrapes, "op mean (calls)".
+std::string OpMeans(const OpTimes& before, const OpTimes& after, int forwards) {
+  std::string out;
+  for (const auto& [op, v] : after) {
+    auto it = before.find(op);
+    const double n = v.second - (it == before.end() ? 0 : it->second.second);
+    const double sum = v.first - (it == before.end() ? 0 : it->second.first);
+    if (n <= 0 || n < forwards) continue;  // per-forward ops only
+    absl::StrAppend(&out, out.empty() ? "" : ", ", op, " ", absl::SixDigits(sum / n * 1e6));
+  }
+  return out;
+}
 
 // The engine's device memory, one CUDA IPC region: doorbells, then per layer qkv|a|b|out for
 // max_b rows, each 256-byte aligned.
@@ -253,14 +311,22 @@ std::vector<v1::DecodeRow> Rows(const std::vector<uint64_t>& slots) {
 
 // The engine side of one planned forward: the stream's Begin, the doorbell chain on the
 // engine's stream, Commit.
+// Where a planned forward's time goes, seconds: the Begin round trip, the doorbell chain on the
+// GPU (from Begin's reply to the engine's stream drained), the Commit round trip.
+struct Phases {
+  std::vector<double> begin, chain, commit;
+};
+
 void PlannedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
-                    const std::vector<uint64_t>& slots, uint32_t value) {
+                    const std::vector<uint64_t>& slots, uint32_t value, Phases* phases = nullptr) {
+  const double t0 = Now();
   v1::DecodeStreamRequest req;
   v1::DecodeBegin* begin = req.mutable_begin();
   begin->set_request_id(client::NewRequestId());
   for (const v1::DecodeRow& row : Rows(slots)) *begin->add_rows() = row;
   *begin->mutable_plan() = Plan(r, value);
   Check(stream.BeginWith(req).status(), "planned begin");
+  const double t1 = Now();
   const rssm_launch l{RSSM_BACKEND_CUDA, s};
   for (int32_t layer = 0; layer < r.m.num_layers; ++layer) {
     // (the engine's own kernels for this layer would go here)
@@ -268,7 +334,41 @@ void PlannedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t
     CheckRssm(rssm_stream_wait_value32(&l, r.Done(layer), value), "wait");
   }
   CheckCuda(cudaStreamSynchronize(s), "engine stream");
+  const double t2 = Now();
   Check(stream.Commit().status(), "planned commit");
+  if (phases != nullptr) {
+    phases->begin.push_back(t1 - t0);
+    phases->chain.push_back(t2 - t1);
+    phases->commit.push_back(Now() - t2);
+  }
+}
+
+// (b'), pipelined: the begin is written without waiting for its reply and closes (commits)
+// the planned forward before it, so one message per forward, and the engine's chain starts at
+// once; the reply (read after the chain) says whether the outputs are valid.
+void PipelinedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
+                      const std::vector<uint64_t>& slots, uint32_t value, Phases* phases) {
+  const double t0 = Now();
+  v1::DecodeStreamRequest req;
+  v1::DecodeBegin* begin = req.mutable_begin();
+  begin->set_request_id(client::NewRequestId());
+  for (const v1::DecodeRow& row : Rows(slots)) *begin->add_rows() = row;
+  *begin->mutable_plan() = Plan(r, value);
+  Check(stream.SendBegin(req), "pipelined begin");
+  const double t1 = Now();
+  const rssm_launch l{RSSM_BACKEND_CUDA, s};
+  for (int32_t layer = 0; layer < r.m.num_layers; ++layer) {
+    CheckRssm(rssm_stream_write_value32(&l, r.Ready(layer), value), "ring");
+    CheckRssm(rssm_stream_wait_value32(&l, r.Done(layer), value), "wait");
+  }
+  CheckCuda(cudaStreamSynchronize(s), "engine stream");
+  const double t2 = Now();
+  Check(stream.AwaitBegun().status(), "pipelined begin's reply");
+  if (phases != nullptr) {
+    phases->begin.push_back(t1 - t0);
+    phases->chain.push_back(t2 - t1);
+    phases->commit.push_back(Now() - t2);
+  }
 }
 
 std::vector<v1::LayerInput> InlineLayers(const EngineRegion& r,
@@ -310,7 +410,11 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
     const auto in = RandomInputs(r, B, 100 + f);
     Upload(r, in);
     auto stream = c.OpenStream();
-    PlannedForward(*stream, r, s, planned, ++*value);
+    if (f == 1) {  // pipelined: the inline begin below closes (commits) it
+      PipelinedForward(*stream, r, s, planned, ++*value, nullptr);
+    } else {
+      PlannedForward(*stream, r, s, planned, ++*value);
+    }
     const v1::DecodeResponse ref =
         Value(stream->Forward(Rows(inl), InlineLayers(r, in, B)), "inline forward");
     Check(stream->Finish(), "stream");
@@ -423,8 +527,8 @@ int main(int argc, char** argv) {
   json << "{\"model\": \"" << o.model << "\", \"mps\": " << (mps ? "true" : "false")
        << ", \"bit_identical\": " << (same ? "true" : "false") << ", \"forwards\": " << o.forwards
        << ", \"rows\": [";
-  std::printf("%6s %12s %12s %12s %10s %10s %9s\n", "B", "(a) ms", "(b) ms", "(c) ms", "b/a",
-              "b-a us", "target");
+  std::printf("%6s %10s %10s %10s %10s %8s %8s %8s\n", "B", "(a) ms", "(b) ms", "(b') ms",
+              "(c) ms", "best/a", "-a us", "target");
   for (size_t bi = 0; bi < o.batches.size(); ++bi) {
     const int64_t B = o.batches[bi];
     const auto in = RandomInputs(region, B, 7 + B);
@@ -432,12 +536,24 @@ int main(int argc, char** argv) {
     Upload(region, in);
     const std::vector<uint64_t> slots = AllocSlots(*c, B);
     std::vector<double> tb, tc;
+    Phases phases;
     auto stream = c->OpenStream();
+    const OpTimes ops0 = ScrapeOps(server.metrics);
     for (int f = 0; f < o.warmup + o.forwards; ++f) {
       const double t0 = Now();
-      PlannedForward(*stream, region, s, slots, ++value);
+      PlannedForward(*stream, region, s, slots, ++value, f >= o.warmup ? &phases : nullptr);
       if (f >= o.warmup) tb.push_back(Now() - t0);
     }
+    const OpTimes ops1 = ScrapeOps(server.metrics);
+    std::vector<double> tp;
+    Phases pphases;
+    for (int f = 0; f < o.warmup + o.forwards; ++f) {
+      const double t0 = Now();
+      PipelinedForward(*stream, region, s, slots, ++value, f >= o.warmup ? &pphases : nullptr);
+      if (f >= o.warmup) tp.push_back(Now() - t0);
+    }
+    const OpTimes ops2 = ScrapeOps(server.metrics);
+    Check(stream->Commit().status(), "pipelined commit");  // the last one
     const std::vector<v1::LayerInput> layers = InlineLayers(region, in, B);
     for (int f = 0; f < o.warmup + o.forwards; ++f) {
       const double t0 = Now();
@@ -447,16 +563,40 @@ int main(int argc, char** argv) {
     Check(stream->Finish(), "stream");
     for (uint64_t slot : slots) Check(c->Free(slot), "free");
     const Stat b = Summarize(tb), cst = Summarize(tc);
-    const double ratio = b.p50 / a.p50, extra_us = (b.p50 - a.p50) * 1e3;
+    const Stat pb = Summarize(phases.begin), pch = Summarize(phases.chain),
+               pco = Summarize(phases.commit);
+    const Stat p = Summarize(tp), ppb = Summarize(pphases.begin),
+               ppch = Summarize(pphases.chain), ppco = Summarize(pphases.commit);
+    // The targets (docs/data-plane.md) are judged on the faster planned form.
+    const Stat& best = p.p50 < b.p50 ? p : b;
+    const double ratio = best.p50 / a.p50, extra_us = (best.p50 - a.p50) * 1e3;
     const bool met = B >= 64 ? ratio <= 1.10 : (B == 1 ? extra_us <= 200 : true);
-    std::printf("%6ld %12.3f %12.3f %12.3f %10.3f %10.1f %9s\n", static_cast<long>(B), a.p50,
-                b.p50, cst.p50, ratio, extra_us,
+    std::printf("%6ld %10.3f %10.3f %10.3f %10.3f %8.3f %8.1f %8s\n", static_cast<long>(B), a.p50,
+                b.p50, p.p50, cst.p50, ratio, extra_us,
                 B >= 64 || B == 1 ? (met ? "met" : "NOT met") : "-");
-    json << (bi ? ", " : "") << "{\"B\": " << B << ", \"a_ms\": {\"p50\": " << a.p50
-         << ", \"p90\": " << a.p90 << ", \"min\": " << a.min << "}, \"b_ms\": {\"p50\": " << b.p50
-         << ", \"p90\": " << b.p90 << ", \"min\": " << b.min << "}, \"c_ms\": {\"p50\": " << cst.p50
-         << ", \"p90\": " << cst.p90 << ", \"min\": " << cst.min << "}, \"b_over_a\": " << ratio
-         << "}";
+    std::printf("%6s (b)  begin round trip %.3f, doorbell chain %.3f, commit round trip %.3f ms\n",
+                "", pb.p50, pch.p50, pco.p50);
+    std::printf("%6s (b') begin written %.3f, doorbell chain %.3f, begin's reply read %.3f ms\n",
+                "", ppb.p50, ppch.p50, ppco.p50);
+    const std::string server_b = OpMeans(ops0, ops1, o.warmup + o.forwards),
+                      server_p = OpMeans(ops1, ops2, o.warmup + o.forwards);
+    std::printf("%6s server, mean us per forward: (b) %s\n", "", server_b.c_str());
+    std::printf("%6s server, mean us per forward: (b') %s\n", "", server_p.c_str());
+    const auto stat = [](const Stat& x) {
+      std::ostringstream j;
+      j << "{\"p50\": " << x.p50 << ", \"p90\": " << x.p90 << ", \"min\": " << x.min << "}";
+      return j.str();
+    };
+    json << (bi ? ", " : "") << "{\"B\": " << B << ", \"a_ms\": " << stat(a)
+         << ", \"b_ms\": " << stat(b) << ", \"b_pipelined_ms\": " << stat(p)
+         << ", \"c_ms\": " << stat(cst) << ", \"b_phases_p50_ms\": {\"begin\": " << pb.p50
+         << ", \"chain\": " << pch.p50 << ", \"commit\": " << pco.p50
+         << "}, \"b_pipelined_phases_p50_ms\": {\"send\": " << ppb.p50
+         << ", \"chain\": " << ppch.p50 << ", \"reply\": " << ppco.p50
+         << "}, \"server_mean_us\": {\"b\": \"" << server_b << "\", \"b_pipelined\": \""
+         << server_p << "\""
+         << "}, \"best_planned_over_a\": " << ratio << ", \"target_met\": "
+         << (met ? "true" : "false") << "}";
   }
   json << "]}\n";
   if (!o.json.empty()) std::ofstream(o.json) << json.str();

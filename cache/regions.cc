@@ -227,4 +227,27 @@ absl::StatusOr<RegionLease> RegionTable::Acquire(const std::string& name, uint64
   return lease;
 }
 
+absl::Status RegionTable::RingAll(const RegionLease& lease, uint32_t value) const {
+  if (lease.memory() != IoMemory::kBackend || lease.bytes() % 4 != 0) {
+    return absl::InvalidArgumentError(
+        "doorbells: expected whole 32-bit words in memory the backend uses in place");
+  }
+  void* stream = nullptr;
+  if (rssm_stream_create(backend_, &stream) != RSSM_OK) {
+    return absl::InternalError(absl::StrCat("doorbells: ", rssm_last_error()));
+  }
+  const rssm_launch side{backend_, stream};
+  uint32_t* words = static_cast<uint32_t*>(lease.data());
+  rssm_status st = RSSM_OK;
+  for (uint64_t i = 0; st == RSSM_OK && i < lease.bytes() / 4; ++i) {
+    st = rssm_stream_write_value32(&side, words + i, value);
+  }
+  if (st == RSSM_OK) st = rssm_synchronize(&side);
+  const absl::Status out = st == RSSM_OK
+                               ? absl::OkStatus()
+                               : absl::InternalError(absl::StrCat("doorbells: ", rssm_last_error()));
+  rssm_stream_destroy(backend_, stream);
+  return out;
+}
+
 }  // namespace replayssm::cache

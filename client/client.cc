@@ -39,13 +39,49 @@ ForwardStream::~ForwardStream() { Finish().IgnoreError(); }
 
 absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::RoundTrip(
     const v1::DecodeStreamRequest& request) {
+  absl::Status s = Send(request);
+  if (!s.ok()) return s;
+  return Receive();
+}
+
+absl::Status ForwardStream::Send(const v1::DecodeStreamRequest& request) {
   if (finished_) return final_.ok() ? absl::FailedPreconditionError("stream closed") : final_;
+  if (awaiting_) {
+    return absl::FailedPreconditionError("forward stream: a pipelined begin awaits its reply "
+                                         "(call AwaitBegun first)");
+  }
+  if (stream_->Write(request)) {
+    awaiting_ = true;
+    return absl::OkStatus();
+  }
+  return End();
+}
+
+absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::Receive() {
+  if (finished_) return final_.ok() ? absl::FailedPreconditionError("stream closed") : final_;
+  awaiting_ = false;
   v1::DecodeStreamResponse response;
-  if (stream_->Write(request) && stream_->Read(&response)) return response;
+  if (stream_->Read(&response)) return response;
+  return End();
+}
+
+absl::Status ForwardStream::End() {
   finished_ = true;
+  awaiting_ = false;
   final_ = FromGrpc(stream_->Finish());
   if (final_.ok()) final_ = absl::UnavailableError("forward stream ended by the server");
   return final_;
+}
+
+absl::Status ForwardStream::SendBegin(const v1::DecodeStreamRequest& begin) { return Send(begin); }
+
+absl::StatusOr<v1::DecodeBegun> ForwardStream::AwaitBegun() {
+  if (!awaiting_ && !finished_) {
+    return absl::FailedPreconditionError("forward stream: no pipelined begin was sent");
+  }
+  absl::StatusOr<v1::DecodeStreamResponse> resp = Receive();
+  if (!resp.ok()) return resp.status();
+  return resp->begun();
 }
 
 absl::StatusOr<v1::DecodeBegun> ForwardStream::BeginWith(const v1::DecodeStreamRequest& begin) {

@@ -76,9 +76,13 @@ absl::Status CheckVerifyRows(const google::protobuf::RepeatedField<uint64_t>& sl
 
 namespace {
 
-// What every begin checks first: no forward open, a request id.
-absl::Status CheckBegin(bool open, const std::string& request_id) {
-  if (open) return absl::FailedPreconditionError("begin: a forward is already open");
+// What every begin checks first: no forward open but a planned one (the begin closes it), a
+// request id.
+absl::Status CheckBegin(bool open, bool planned, const std::string& request_id) {
+  if (open && !planned) {
+    return absl::FailedPreconditionError(
+        "begin: a forward is already open (layer messages pending): send commit first");
+  }
   if (request_id.empty()) return FieldError("request_id", "a non-empty id", "\"\"");
   return absl::OkStatus();
 }
@@ -86,9 +90,9 @@ absl::Status CheckBegin(bool open, const std::string& request_id) {
 }  // namespace
 
 absl::Status ForwardSession::Begin(const v1::DecodeBegin& begin, v1::DecodeBegun* begun) {
-  absl::Status s = CheckBegin(open_, begin.request_id());
+  absl::Status s = CheckBegin(open_, planned_ != nullptr, begin.request_id());
   if (s.ok()) s = CheckRows(begin.rows(), ctx_->limits);
-  if (!s.ok()) return s;
+  if (!s.ok()) return Refuse(begin.has_plan() ? &begin.plan() : nullptr, s);
   v1::DecodeBegin key;  // the rows identify the request; the activations do not
   *key.mutable_rows() = begin.rows();
   std::vector<cache::DecodeRow> rows;
@@ -103,9 +107,9 @@ absl::Status ForwardSession::Begin(const v1::DecodeBegin& begin, v1::DecodeBegun
 }
 
 absl::Status ForwardSession::BeginPrefill(const v1::PrefillBegin& begin, v1::DecodeBegun* begun) {
-  absl::Status s = CheckBegin(open_, begin.request_id());
+  absl::Status s = CheckBegin(open_, planned_ != nullptr, begin.request_id());
   if (s.ok()) s = CheckPrefillRows(begin.rows(), ctx_->limits);
-  if (!s.ok()) return s;
+  if (!s.ok()) return Refuse(begin.has_plan() ? &begin.plan() : nullptr, s);
   v1::PrefillBegin key = begin;
   key.clear_request_id();
   Opening o{"PrefillForward", "prefill_layer", begin.request_id(), key.SerializeAsString()};
@@ -127,12 +131,12 @@ absl::Status ForwardSession::BeginPrefill(const v1::PrefillBegin& begin, v1::Dec
 
 absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::DecodeBegun* begun) {
   const cache::ModelSpec& m = ctx_->cache->model();
-  absl::Status s = CheckBegin(open_, begin.request_id());
+  absl::Status s = CheckBegin(open_, planned_ != nullptr, begin.request_id());
   if (s.ok()) {
     s = CheckVerifyRows(begin.slots(), begin.num_draft(), begin.draft_tokens_size(), m,
                         ctx_->limits);
   }
-  if (!s.ok()) return s;
+  if (!s.ok()) return Refuse(begin.has_plan() ? &begin.plan() : nullptr, s);
   v1::VerifyBegin key = begin;
   key.clear_request_id();
   Opening o{"VerifyForward", "verify_layer", begin.request_id(), key.SerializeAsString(),
@@ -147,14 +151,46 @@ absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::Decod
   return Start(std::move(o), begun);
 }
 
+absl::Status ForwardSession::Refuse(const v1::ForwardPlan* plan, absl::Status status) const {
+  if (plan != nullptr) {
+    RingRefused(*plan, *ctx_->regions, ctx_->cache->model().num_layers);
+  }
+  return status;
+}
+
 absl::Status ForwardSession::Start(Opening opening, v1::DecodeBegun* begun) {
+  const absl::Time t0 = absl::Now();
+  absl::Status s = StartTimed(std::move(opening), begun);
+  ctx_->metrics->ObserveKernel("begin", absl::ToDoubleSeconds(absl::Now() - t0));
+  return s;
+}
+
+absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun) {
+  const bool closing = open_;  // a planned forward (CheckBegin): this begin commits it first
+  if (closing) {
+    absl::Status s = Commit(begun->mutable_closed());
+    if (!s.ok()) {
+      return Refuse(opening.plan,
+                    absl::Status(s.code(), absl::StrCat(s.message(),
+                                                        " (while this begin closed the planned "
+                                                        "forward open before it: not committed)")));
+    }
+  }
+  // An error from here on comes after that commit: say so, the reply with its rows is lost.
+  const auto refuse = [&](const absl::Status& s) {
+    if (!closing) return Refuse(opening.plan, s);
+    return Refuse(opening.plan,
+                  absl::Status(s.code(), absl::StrCat(s.message(),
+                                                      " (the planned forward open before this "
+                                                      "begin was committed)")));
+  };
   absl::Status s = Claim(opening);
-  if (!s.ok()) return s;
+  if (!s.ok()) return refuse(s);
   if (!replay_) {
     s = Open(opening);
     if (!s.ok()) {
       ctx_->requests->Release(opening.method, opening.request_id);
-      return s;
+      return refuse(s);
     }
   }
   method_ = opening.method;

@@ -48,7 +48,11 @@ class ForwardSession {
   ForwardSession(const ForwardSession&) = delete;
   ForwardSession& operator=(const ForwardSession&) = delete;
 
-  // Opens a forward of one kind; each answers with the batch and the tokens per layer.
+  // Opens a forward of one kind; each answers with the batch and the tokens per layer. A begin
+  // while a planned forward is open commits that forward first (begun->closed holds its
+  // reply), so that a co-located engine sends one message per forward; with any other
+  // forward open it is refused. A refused begin that carries a plan rings the plan's done
+  // doorbells (RingRefused), so that an engine that did not wait for the reply does not hang.
   absl::Status Begin(const v1::DecodeBegin& begin, v1::DecodeBegun* begun);
   absl::Status BeginPrefill(const v1::PrefillBegin& begin, v1::DecodeBegun* begun);
   absl::Status BeginVerify(const v1::VerifyBegin& begin, v1::DecodeBegun* begun);
@@ -70,7 +74,10 @@ class ForwardSession {
     const v1::ForwardPlan* plan = nullptr;  // set: a planned forward (docs/data-plane.md)
   };
   // Claims the request id (or finds its replay), enters the drain gate and opens the forward.
-  absl::Status Start(Opening opening, v1::DecodeBegun* begun);
+  absl::Status Start(Opening opening, v1::DecodeBegun* begun);  // timed: op "begin"
+  absl::Status StartTimed(Opening opening, v1::DecodeBegun* begun);
+  // Returns `status` after ringing `plan`'s done doorbells (plan may be null).
+  absl::Status Refuse(const v1::ForwardPlan* plan, absl::Status status) const;
   // Claims opening.request_id in the request log, or sets replay_ for an applied one.
   absl::Status Claim(const Opening& opening);
   absl::Status Open(Opening& opening);

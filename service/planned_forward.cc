@@ -115,6 +115,15 @@ absl::StatusOr<cache::LayerIo> ResolveLayerRegions(const v1::LayerInput& input,
   return cache::LayerIo{ptrs[0], ptrs[1], ptrs[2], ptrs[3], memory};
 }
 
+void RingRefused(const v1::ForwardPlan& plan, const cache::RegionTable& regions,
+                 int32_t num_layers) {
+  if (num_layers <= 0 || plan.done().region().empty()) return;
+  absl::StatusOr<cache::RegionLease> lease =
+      regions.Acquire(plan.done().region(), plan.done().offset(),
+                      4 * static_cast<uint64_t>(num_layers), 4, "plan.done");
+  if (lease.ok()) regions.RingAll(*lease, plan.value()).IgnoreError();
+}
+
 PlannedForward::PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
                                absl::Duration timeout)
     : forward_(std::move(forward)),

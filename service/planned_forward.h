@@ -62,6 +62,15 @@ absl::StatusOr<cache::LayerIo> ResolveLayerRegions(const v1::LayerInput& input,
                                                    const cache::ModelSpec& model, int64_t n,
                                                    std::map<std::string, cache::RegionLease>* leases);
 
+// For a planned begin that was refused: writes plan.value into each of the plan's done
+// doorbells (num_layers words at plan.done), so that an engine that queued its GPU work
+// without waiting for the begin's reply (docs/data-plane.md, "Pipelined begins") drains
+// instead of waiting forever; the reply tells it the outputs are not valid. Best effort:
+// nothing is written when plan.done does not name a range of a registered region in memory
+// the backend writes in place.
+void RingRefused(const v1::ForwardPlan& plan, const cache::RegionTable& regions,
+                 int32_t num_layers);
+
 class PlannedForward {
  public:
   // Starts queueing `plan` on `forward` (which it owns from now on).

@@ -313,6 +313,95 @@ TEST_F(DataPlaneTest, UnregisteringARegionInUseWaitsForTheForward) {
       << refused.status();
 }
 
+TEST_F(DataPlaneTest, PipelinedBeginsCloseThePlannedForwardBeforeThem) {
+  const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
+  auto stream = client_->OpenStream();
+  auto reference = client_->OpenStream();
+  for (uint32_t f = 1; f <= 6; ++f) {  // past a ring fold (L = 4 for tiny-gdn)
+    const std::vector<v1::LayerInput> layers = Layers(2);
+    // One message per forward: the begin is not awaited before the engine drives the layers.
+    ASSERT_TRUE(stream->SendBegin(PlannedDecode(planned, f)).ok());
+    mem_->Drive(layers, f);
+    auto begun = stream->AwaitBegun();
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    if (f == 1) {
+      EXPECT_FALSE(begun->has_closed());
+    } else {
+      ASSERT_EQ(begun->closed().rows_size(), 2);
+      EXPECT_EQ(begun->closed().rows(0).seq_len(), f - 1);
+      EXPECT_EQ(begun->closed().rows(1).slot(), planned[1]);
+    }
+    auto want = reference->Forward(Rows(inl), layers);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (int l = 0; l < num_layers(); ++l) {
+      EXPECT_EQ(mem_->Out(l, OutBytes(2)), want->layers(l).out().data()) << "forward " << f;
+    }
+  }
+  // Until the last forward is closed, it holds its rows and the region.
+  EXPECT_EQ(InUse("engine"), 1);
+  auto committed = stream->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->rows(0).seq_len(), 6);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
+  EXPECT_EQ(InUse("engine"), 0);
+}
+
+TEST_F(DataPlaneTest, ARefusedPlannedBeginRingsItsDoneDoorbellsAndChangesNothing) {
+  const std::vector<uint64_t> s = {NewSlot()};
+  const std::string before = Observe(s[0]);
+  // Refused at each stage: the begin's own fields, the plan, the cache (a freed slot).
+  const uint64_t freed = NewSlot();
+  ASSERT_TRUE(client_->Free(freed).ok());
+  uint32_t v = 40;
+  const std::vector<std::function<void(v1::DecodeStreamRequest&)>> mutations = {
+      [](v1::DecodeStreamRequest& r) { r.mutable_begin()->clear_request_id(); },
+      [](v1::DecodeStreamRequest& r) {
+        r.mutable_begin()->mutable_plan()->mutable_layers(1)->mutable_a()->set_region("nope");
+      },
+      [&](v1::DecodeStreamRequest& r) { r.mutable_begin()->mutable_rows(0)->set_slot(freed); },
+  };
+  for (const auto& mutate : mutations) {
+    ++v;
+    v1::DecodeStreamRequest req = PlannedDecode(s, v);
+    mutate(req);
+    auto stream = client_->OpenStream();
+    ASSERT_TRUE(stream->SendBegin(req).ok());
+    // The engine queued its layers without the reply: every done word is rung for it.
+    for (int l = 0; l < num_layers(); ++l) {
+      mem_->Ring(l, v);
+      EXPECT_TRUE(mem_->WaitDone(l, v, absl::Seconds(10))) << "layer " << l << ", value " << v;
+    }
+    auto begun = stream->AwaitBegun();
+    EXPECT_FALSE(begun.ok());
+    EXPECT_NE(begun.status().code(), absl::StatusCode::kOk);
+  }
+  EXPECT_EQ(Observe(s[0]), before);
+  EXPECT_EQ(InUse("engine"), 0);
+}
+
+TEST_F(DataPlaneTest, ABeginClosesOnlyAPlannedForward) {
+  const std::vector<uint64_t> s = {NewSlot()};
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->Begin(Rows(s)).ok());  // layer messages pending
+  auto again = stream->Begin(Rows(s));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  EXPECT_NE(again.status().message().find("send commit"), std::string::npos) << again.status();
+  EXPECT_EQ(client_->GetSlot(s[0])->seq_len(), 0);
+}
+
+TEST_F(DataPlaneTest, ABeginWhoseClosingCommitFailsIsRefusedAndMovesNoCursor) {
+  const std::vector<uint64_t> s = {NewSlot()};
+  const std::string before = Observe(s[0]);
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->BeginWith(PlannedDecode(s, 11)).ok());  // its doorbells never ring
+  auto next = stream->BeginWith(PlannedDecode(s, 12));
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kDeadlineExceeded) << next.status();
+  EXPECT_NE(next.status().message().find("not committed"), std::string::npos) << next.status();
+  EXPECT_EQ(Observe(s[0]), before);
+  for (int l = 0; l < num_layers(); ++l) EXPECT_EQ(*mem_->Done(l), 12u);  // rung for the refusal
+  EXPECT_EQ(InUse("engine"), 0);
+}
+
 TEST_F(DataPlaneTest, BadRegionsAreRefusedByFieldAndChangeNothing) {
   // Registration.
   v1::RegisterSystemRegionRequest r = mem_->Registration("engine");

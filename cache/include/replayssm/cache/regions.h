@@ -101,6 +101,11 @@ class RegionTable {
 
   int32_t backend() const { return backend_; }
 
+  // Writes `value` into every 32-bit word of `lease` (memory the backend uses in place) and
+  // returns once they are written: doorbells the server rings outside any forward (the done
+  // words of a refused planned begin, docs/data-plane.md).
+  absl::Status RingAll(const RegionLease& lease, uint32_t value) const;
+
  private:
   const int32_t backend_;
   const RegionLimits limits_;

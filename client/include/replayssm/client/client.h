@@ -57,6 +57,14 @@ class ForwardStream {
   // Any begin the caller built: e.g. one carrying a ForwardPlan (regions + doorbells, no
   // layer messages: Commit next; docs/data-plane.md).
   absl::StatusOr<v1::DecodeBegun> BeginWith(const v1::DecodeStreamRequest& begin);
+  // A pipelined begin, for a planned forward (docs/data-plane.md, "Pipelined begins"): writes
+  // the begin and returns without its reply, so the engine queues its GPU work at once;
+  // AwaitBegun reads the reply (before any other call on this stream). A begin while a
+  // planned forward is open commits that forward first: its reply is in begun.closed(). If
+  // the begin is refused, the server rings the plan's done doorbells and AwaitBegun returns
+  // the error: the outputs written (or not) under that plan are not valid.
+  absl::Status SendBegin(const v1::DecodeStreamRequest& begin);
+  absl::StatusOr<v1::DecodeBegun> AwaitBegun();
   absl::StatusOr<v1::LayerOutput> RunLayer(const v1::LayerInput& input);
   absl::StatusOr<v1::DecodeCommitted> Commit();
   // Whole forwards, for callers that have every layer's inputs: begin, every layer in order,
@@ -78,6 +86,9 @@ class ForwardStream {
 
  private:
   absl::StatusOr<v1::DecodeStreamResponse> RoundTrip(const v1::DecodeStreamRequest& request);
+  absl::Status Send(const v1::DecodeStreamRequest& request);  // one message; its reply is due
+  absl::StatusOr<v1::DecodeStreamResponse> Receive();        // the reply due
+  absl::Status End();  // the server ended the stream: its status, kept in final_
   // Every layer, then the commit, of the forward `begin` opens.
   absl::StatusOr<v1::DecodeResponse> Run(const v1::DecodeStreamRequest& begin,
                                          absl::Span<const v1::LayerInput> layers);
@@ -86,6 +97,7 @@ class ForwardStream {
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
       stream_;
   bool finished_ = false;
+  bool awaiting_ = false;  // a message was sent whose reply is not read yet
   absl::Status final_;
 };
 
