@@ -196,6 +196,18 @@ absl::StatusOr<std::vector<RegionInfo>> RegionTable::Status(const std::string& n
 absl::StatusOr<RegionLease> RegionTable::Acquire(const std::string& name, uint64_t offset,
                                                  uint64_t bytes, uint64_t alignment,
                                                  const std::string& field) const {
+  absl::StatusOr<RegionLease> whole = AcquireWhole(name, field);
+  if (!whole.ok()) return whole.status();
+  absl::StatusOr<void*> at = whole->Within(offset, bytes, alignment, field);
+  if (!at.ok()) return at.status();
+  RegionLease lease = *std::move(whole);
+  lease.data_ = *at;
+  lease.bytes_ = bytes;
+  return lease;
+}
+
+absl::StatusOr<RegionLease> RegionTable::AcquireWhole(const std::string& name,
+                                                      const std::string& field) const {
   std::shared_ptr<Mapping> m;
   {
     absl::MutexLock lock(&mu_);
@@ -206,25 +218,31 @@ absl::StatusOr<RegionLease> RegionTable::Acquire(const std::string& name, uint64
     }
     m = it->second;
   }
-  const uint64_t size = m->info.bytes;
+  RegionLease lease;
+  lease.data_ = m->data;
+  lease.bytes_ = m->info.bytes;
+  lease.memory_ = m->memory;
+  lease.hold_ = std::move(m);
+  return lease;
+}
+
+absl::StatusOr<void*> RegionLease::Within(uint64_t offset, uint64_t bytes, uint64_t alignment,
+                                          const std::string& field) const {
+  const uint64_t size = bytes_;
+  const std::string& name = hold_->info.name;
   if (bytes == 0 || offset > size || bytes > size - offset) {
     return Invalid(field, absl::StrCat("expected [offset, offset + bytes) within region \"", name,
                                        "\" (", size, " bytes), got offset ", offset, " and ",
                                        bytes, " bytes"));
   }
-  const uintptr_t at = reinterpret_cast<uintptr_t>(m->data) + offset;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(data_) + offset;
   if (alignment > 1 && at % alignment != 0) {
     return Invalid(field, absl::StrCat("expected a ", alignment, "-byte aligned offset, got ",
                                        offset, " (the region's memory starts ",
-                                       reinterpret_cast<uintptr_t>(m->data) % alignment,
+                                       reinterpret_cast<uintptr_t>(data_) % alignment,
                                        " bytes past such a boundary)"));
   }
-  RegionLease lease;
-  lease.data_ = m->data + offset;
-  lease.bytes_ = bytes;
-  lease.memory_ = m->memory;
-  lease.hold_ = std::move(m);
-  return lease;
+  return reinterpret_cast<void*>(at);
 }
 
 absl::Status RegionTable::RingAll(const RegionLease& lease, uint32_t value) const {

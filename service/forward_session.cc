@@ -247,8 +247,9 @@ absl::Status ForwardSession::Open(Opening& opening) {
   ticket_ = std::move(ticket);
   if (plan) {
     // The outputs are in the client's region: the request log keeps the rows only.
+    if (!worker_) worker_ = std::make_unique<QueueWorker>();  // the stream's, from now on
     planned_ = std::make_unique<PlannedForward>(*std::move(forward), *std::move(plan),
-                                                ctx_->forward_timeout);
+                                                ctx_->forward_timeout, worker_.get());
     retain_ = false;
     return absl::OkStatus();
   }

@@ -96,6 +96,7 @@ class ForwardSession {
   std::vector<cache::SlotId> slots_;
   std::vector<bool> layer_done_;
   std::unique_ptr<cache::Forward> forward_;
+  std::unique_ptr<QueueWorker> worker_;      // queues planned forwards' layers (lazily made)
   std::unique_ptr<PlannedForward> planned_;  // instead of forward_ for a planned forward
   ForwardGate::Ticket ticket_;
   std::optional<v1::DecodeResponse> replay_;  // set when replaying an applied request

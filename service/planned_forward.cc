@@ -2,31 +2,40 @@
 
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 
 namespace replayssm::service {
 namespace {
 
-// One range of a region for a plan, held in `plan.leases`. bytes == 0: a doorbell array.
-absl::StatusOr<void*> Take(const v1::RegionRef& ref, const std::string& field, uint64_t bytes,
-                           uint64_t alignment, const cache::RegionTable& regions,
+// One range of a region for a plan: each region is looked up once per plan (its whole lease
+// kept in `plan.leases`), every range then checked against it. bytes == 0 is refused.
+// `field` builds the field's name, only for an error.
+absl::StatusOr<void*> Take(const v1::RegionRef& ref, absl::FunctionRef<std::string()> field,
+                           uint64_t bytes, uint64_t alignment, const cache::RegionTable& regions,
                            ResolvedPlan& plan) {
+  auto it = plan.leases.find(ref.region());
+  if (it != plan.leases.end()) {
+    void* p = it->second.Contains(ref.offset(), bytes, alignment);
+    if (p != nullptr) return p;
+    return it->second.Within(ref.offset(), bytes, alignment, field());
+  }
   if (ref.region().empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".region: expected a registered region's name, got \"\""));
+        absl::StrCat(field(), ".region: expected a registered region's name, got \"\""));
   }
-  absl::StatusOr<cache::RegionLease> lease =
-      regions.Acquire(ref.region(), ref.offset(), bytes, alignment, field);
-  if (!lease.ok()) return lease.status();
-  if (lease->memory() != cache::IoMemory::kBackend) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".region: expected memory this server's backend uses in place (CUDA IPC on the "
-               "CUDA backend, POSIX shared memory on the CPU backend), got region \"",
-        ref.region(), "\" which would need a copy (a planned forward never waits on the host)"));
+  {
+    absl::StatusOr<cache::RegionLease> lease = regions.AcquireWhole(ref.region(), field());
+    if (!lease.ok()) return lease.status();
+    if (lease->memory() != cache::IoMemory::kBackend) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field(), ".region: expected memory this server's backend uses in place (CUDA IPC on the "
+                 "CUDA backend, POSIX shared memory on the CPU backend), got region \"",
+          ref.region(), "\" which would need a copy (a planned forward never waits on the host)"));
+    }
+    it = plan.leases.emplace(ref.region(), *std::move(lease)).first;
   }
-  void* p = lease->data();
-  plan.leases.emplace(ref.region(), *std::move(lease));
-  return p;
+  return it->second.Within(ref.offset(), bytes, alignment, field());
 }
 
 }  // namespace
@@ -45,13 +54,14 @@ absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std:
   ResolvedPlan r;
   r.value = plan.value();
   r.layers.resize(L);
-  absl::StatusOr<void*> ready = Take(plan.ready(), field + ".ready", 4 * L, 4, regions, r);
+  absl::StatusOr<void*> ready =
+      Take(plan.ready(), [&] { return field + ".ready"; }, 4 * L, 4, regions, r);
   if (!ready.ok()) return ready.status();
-  absl::StatusOr<void*> done = Take(plan.done(), field + ".done", 4 * L, 4, regions, r);
+  absl::StatusOr<void*> done =
+      Take(plan.done(), [&] { return field + ".done"; }, 4 * L, 4, regions, r);
   if (!done.ok()) return done.status();
   for (int32_t l = 0; l < L; ++l) {
     const v1::PlannedLayer& p = plan.layers(l);
-    const std::string f = absl::StrCat(field, ".layers[", l, "]");
     ResolvedPlan::Layer& out = r.layers[l];
     struct Part {
       const v1::RegionRef& ref;
@@ -64,9 +74,9 @@ absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std:
                            {p.b(), ".b", m.BWidth()},
                            {p.out(), ".out", m.OutWidth()}};
     for (int i = 0; i < 4; ++i) {
-      absl::StatusOr<void*> ptr = Take(parts[i].ref, f + parts[i].name,
-                                       un * static_cast<uint64_t>(parts[i].width) * es, 16,
-                                       regions, r);
+      absl::StatusOr<void*> ptr = Take(
+          parts[i].ref, [&] { return absl::StrCat(field, ".layers[", l, "]", parts[i].name); },
+          un * static_cast<uint64_t>(parts[i].width) * es, 16, regions, r);
       if (!ptr.ok()) return ptr.status();
       ptrs[i] = *ptr;
     }
@@ -124,12 +134,106 @@ void RingRefused(const v1::ForwardPlan& plan, const cache::RegionTable& regions,
   if (lease.ok()) regions.RingAll(*lease, plan.value()).IgnoreError();
 }
 
+PlanWatch& PlanWatch::Default() {
+  static PlanWatch* const watch = new PlanWatch();  // lives as long as the process
+  return *watch;
+}
+
+PlanWatch::PlanWatch() : thread_([this] { Run(); }) {}
+
+PlanWatch::~PlanWatch() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void PlanWatch::Add(PlannedForward* forward, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  // Every deadline is begin + the same timeout, so a new one is almost always the latest:
+  // the thread needs waking only when it would otherwise sleep past this one.
+  if (deadlines_.empty() || deadline < deadlines_.begin()->first) changed_ = true;
+  at_[forward] = deadlines_.emplace(deadline, forward);
+}
+
+void PlanWatch::Remove(PlannedForward* forward) {
+  absl::MutexLock lock(&mu_);  // an Expire in progress holds it: we return after it
+  auto it = at_.find(forward);
+  if (it == at_.end()) return;
+  deadlines_.erase(it->second);
+  at_.erase(it);
+}
+
+void PlanWatch::Run() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    const auto wake = [this] { return stop_ || changed_; };
+    if (deadlines_.empty()) {
+      mu_.Await(absl::Condition(&wake));
+    } else {
+      mu_.AwaitWithDeadline(absl::Condition(&wake), deadlines_.begin()->first);
+    }
+    changed_ = false;
+    const absl::Time now = absl::Now();
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      PlannedForward* f = deadlines_.begin()->second;
+      at_.erase(f);
+      deadlines_.erase(deadlines_.begin());
+      f->Expire();  // under mu_: Remove(f) waits for it
+    }
+  }
+}
+
+QueueWorker::QueueWorker() : thread_([this] { Run(); }) {}
+
+QueueWorker::~QueueWorker() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void QueueWorker::Post(std::function<void()> job) {
+  absl::MutexLock lock(&mu_);
+  job_ = std::move(job);
+}
+
+void QueueWorker::WaitIdle() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](std::function<void()>* job) { return !*job; }, &job_));
+}
+
+void QueueWorker::Run() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    mu_.Await(absl::Condition(
+        +[](QueueWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->stop_ || w->job_; }, this));
+    if (!job_) return;  // stopping, idle
+    std::function<void()> job = job_;
+    mu_.Unlock();
+    job();
+    mu_.Lock();
+    job_ = nullptr;
+  }
+}
+
 PlannedForward::PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
-                               absl::Duration timeout)
+                               absl::Duration timeout, QueueWorker* worker, PlanWatch& watch)
     : forward_(std::move(forward)),
       plan_(std::move(plan)),
       deadline_(absl::Now() + timeout),
-      thread_([this] { Queue(); }) {}
+      worker_(worker),
+      watch_(watch) {
+  watch_.Add(this, deadline_);
+  if (worker_ != nullptr) {
+    worker_->Post([this] { Queue(); });
+  } else {
+    thread_ = std::thread([this] { Queue(); });
+  }
+}
 
 PlannedForward::~PlannedForward() {
   Finish();
@@ -147,9 +251,11 @@ void PlannedForward::Queue() {
   absl::MutexLock lock(&mu_);
   queue_status_ = st;
   queued_.Notify();
-  // Watch the deadline until the owner takes over (CUDA: the layers still run meanwhile).
-  mu_.AwaitWithDeadline(absl::Condition(&finishing_), deadline_);
-  if (!finishing_) Release();
+}
+
+void PlannedForward::Expire() {
+  absl::MutexLock lock(&mu_);
+  if (!finishing_) Release();  // the owner has not taken over by the deadline
 }
 
 void PlannedForward::Release() {
@@ -159,14 +265,17 @@ void PlannedForward::Release() {
 }
 
 void PlannedForward::Finish() {
-  if (!thread_.joinable()) return;
+  if (finished_) return;
+  finished_ = true;
   {
     absl::MutexLock lock(&mu_);
     finishing_ = true;
     // Still queueing (CPU: blocked on a doorbell): nobody rings any more once we give up.
     if (!queued_.HasBeenNotified()) Release();
   }
-  thread_.join();
+  watch_.Remove(this);
+  if (worker_ != nullptr) worker_->WaitIdle();
+  if (thread_.joinable()) thread_.join();
 }
 
 absl::Status PlannedForward::Commit() {

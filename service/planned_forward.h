@@ -4,8 +4,8 @@
 // write of its done doorbell, so a co-located client's GPU work and ours interleave with no
 // host hop (CPU backend: the same protocol, the waits poll shared memory).
 //
-// One thread per planned forward queues the layers (on the CPU backend it runs them, as
-// their doorbells ring) and then watches the deadline: if the forward is not finished by
+// A stream's worker thread (QueueWorker) queues the layers (on the CPU backend it runs them, as
+// their doorbells ring); one watch thread for the process (PlanWatch) handles the deadlines: if a forward is not finished by
 // then, it rings every doorbell itself so that the stream drains, and the forward is
 // abandoned (no cursor moves). The region leases are held until this object is gone.
 //
@@ -14,6 +14,7 @@
 #define REPLAYSSM_SERVICE_PLANNED_FORWARD_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -71,11 +72,66 @@ absl::StatusOr<cache::LayerIo> ResolveLayerRegions(const v1::LayerInput& input,
 void RingRefused(const v1::ForwardPlan& plan, const cache::RegionTable& regions,
                  int32_t num_layers);
 
+class PlannedForward;
+
+// Rings the doorbells of planned forwards whose deadline passed (PlannedForward::Expire), so
+// that their streams drain: one thread for all of them, asleep until the earliest deadline.
+// Thread-safe.
+class PlanWatch {
+ public:
+  static PlanWatch& Default();  // the process's
+  PlanWatch();
+  ~PlanWatch();
+  PlanWatch(const PlanWatch&) = delete;
+  PlanWatch& operator=(const PlanWatch&) = delete;
+
+  void Add(PlannedForward* forward, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Once it returns, `forward` is not touched any more (an Expire in progress has ended).
+  void Remove(PlannedForward* forward) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Run();
+
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool changed_ ABSL_GUARDED_BY(mu_) = false;  // the earliest deadline moved earlier
+  std::multimap<absl::Time, PlannedForward*> deadlines_ ABSL_GUARDED_BY(mu_);
+  std::map<PlannedForward*, std::multimap<absl::Time, PlannedForward*>::iterator> at_
+      ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+// A thread that queues planned forwards' layers, one forward at a time: a stream's forwards
+// reuse it (starting and joining a thread per forward cost ~150-200 us on the H200 host).
+// Queueing may block (CPU backend: each wait polls its doorbell; CUDA: a launch that loads a
+// module), so it never runs on the thread that answers the begin. Thread-safe.
+class QueueWorker {
+ public:
+  QueueWorker();
+  ~QueueWorker();  // waits for the job in progress
+  QueueWorker(const QueueWorker&) = delete;
+  QueueWorker& operator=(const QueueWorker&) = delete;
+
+  // Runs `job` on the worker; the previous job must have ended (WaitIdle).
+  void Post(std::function<void()> job) ABSL_LOCKS_EXCLUDED(mu_);
+  void WaitIdle() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Run();
+
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> job_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
 class PlannedForward {
  public:
-  // Starts queueing `plan` on `forward` (which it owns from now on).
+  // Queues `plan` on `forward` (which it owns from now on) on `worker` (null: a thread of its
+  // own), so that this returns at once. `watch` rings the doorbells once `timeout` has passed.
   PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
-                 absl::Duration timeout);
+                 absl::Duration timeout, QueueWorker* worker = nullptr,
+                 PlanWatch& watch = PlanWatch::Default());
   ~PlannedForward();  // abandons the forward unless Commit succeeded
   PlannedForward(const PlannedForward&) = delete;
   PlannedForward& operator=(const PlannedForward&) = delete;
@@ -86,20 +142,25 @@ class PlannedForward {
   absl::Status Commit();
 
  private:
-  void Queue();  // the thread: queue every layer, then watch the deadline
+  friend class PlanWatch;
+  void Queue();   // every layer: wait ready, run, signal done
+  void Expire();  // the deadline passed: ring the doorbells unless the owner has taken over
   void Release() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Finish();  // stops the thread (ringing the doorbells if the forward is not done)
+  void Finish();  // stops the watch and the thread (ringing the doorbells if not done)
 
   std::unique_ptr<cache::Forward> forward_;
   const ResolvedPlan plan_;
   const absl::Time deadline_;
+  QueueWorker* const worker_;
+  PlanWatch& watch_;
+  bool finished_ = false;  // Finish ran (owner only)
   absl::Mutex mu_;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;  // the owner has taken over (commit/abandon)
   bool released_ ABSL_GUARDED_BY(mu_) = false;
   int32_t first_unrung_ ABSL_GUARDED_BY(mu_) = -1;  // a layer (one wait per layer, in order)
   absl::Status queue_status_ ABSL_GUARDED_BY(mu_);
   absl::Notification queued_;
-  std::thread thread_;
+  std::thread thread_;  // without a worker
 };
 
 }  // namespace replayssm::service

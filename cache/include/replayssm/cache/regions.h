@@ -65,6 +65,17 @@ class RegionLease {
   uint64_t bytes() const { return bytes_; }
   // How the cache must treat the memory: in place (backend memory) or through staging.
   IoMemory memory() const { return memory_; }
+  // For a lease of a whole region (RegionTable::AcquireWhole): the address of bytes
+  // [offset, offset + bytes), checked as RegionTable::Acquire checks them (same errors).
+  absl::StatusOr<void*> Within(uint64_t offset, uint64_t bytes, uint64_t alignment,
+                               const std::string& field) const;
+  // The same check without an error: the address, or null when Within would refuse.
+  void* Contains(uint64_t offset, uint64_t bytes, uint64_t alignment) const {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(data_) + offset;
+    const bool ok = bytes != 0 && offset <= bytes_ && bytes <= bytes_ - offset &&
+                    (alignment <= 1 || at % alignment == 0);
+    return ok ? reinterpret_cast<void*>(at) : nullptr;
+  }
 
  private:
   friend class RegionTable;
@@ -97,6 +108,10 @@ class RegionTable {
   // INVALID_ARGUMENT (out of bounds, misaligned, zero bytes).
   absl::StatusOr<RegionLease> Acquire(const std::string& name, uint64_t offset, uint64_t bytes,
                                       uint64_t alignment, const std::string& field) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // All of region `name` (NOT_FOUND as Acquire): one lookup for a plan naming many ranges of
+  // it, each then checked by RegionLease::Within.
+  absl::StatusOr<RegionLease> AcquireWhole(const std::string& name, const std::string& field) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   int32_t backend() const { return backend_; }
