@@ -23,13 +23,6 @@ const yaml = require('js-yaml');
 const ROOT = path.resolve(__dirname, '..', '..');
 const DEPLOY = path.join(ROOT, 'deploy');
 const GPU = 'nvidia.com/gpu';
-// Exported by the UCX transfer path once it lands (issue 6); alerts and the dashboard use
-// these names already (docs/operations.md says so).
-const PLANNED_METRICS = [
-  'replayssm_transfer_failures_total',
-  'replayssm_transfer_bytes_total',
-  'replayssm_transfer_duration_seconds',
-];
 const PROMQL_WORDS = new Set([
   'sum', 'avg', 'min', 'max', 'count', 'rate', 'irate', 'increase', 'by', 'without', 'on',
   'ignoring', 'group_left', 'group_right', 'and', 'or', 'unless', 'histogram_quantile',
@@ -296,12 +289,14 @@ function k8sErrors(manifests, alertsDoc) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Metric names: the server's (string literals of service/metrics.cc) and the planned ones.
+// Metric names: the server's (string literals of service/*.cc: metrics.cc, transfer_service.cc).
 
 function knownMetrics() {
-  const src = fs.readFileSync(path.join(ROOT, 'service', 'metrics.cc'), 'utf8');
+  const dir = path.join(ROOT, 'service');
+  const src = fs.readdirSync(dir).filter((f) => f.endsWith('.cc') && !f.endsWith('_test.cc'))
+      .map((f) => fs.readFileSync(path.join(dir, f), 'utf8')).join('\n');
   const names = new Set(['up', 'scrape_duration_seconds']);
-  for (const base of [...src.matchAll(/"(replayssm_[a-z0-9_]+)"/g)].map((m) => m[1]).concat(PLANNED_METRICS)) {
+  for (const base of [...src.matchAll(/"(replayssm_[a-z0-9_]+)"/g)].map((m) => m[1])) {
     for (const suffix of ['', '_bucket', '_sum', '_count']) names.add(base + suffix);
   }
   return names;
