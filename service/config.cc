@@ -170,8 +170,10 @@ absl::StatusOr<int64_t> ParseBytes(absl::string_view text) {
     }
   }
   int64_t value = 0;
-  if (!absl::SimpleAtoi(t, &value) || value < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("expected bytes like 512M, got ", text));
+  if (!absl::SimpleAtoi(t, &value) || value < 0 ||
+      value > std::numeric_limits<int64_t>::max() / unit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected bytes like 512M (less than 2^63), got ", text));
   }
   return value * unit;
 }
