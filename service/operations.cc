@@ -156,8 +156,12 @@ absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateRe
 }
 
 absl::Status Operations::Free(const v1::FreeRequest& req, v1::FreeResponse* resp) {
-  return Once("Free", req.request_id(), req, resp,
-              [&] { return ctx_->cache->Free(ctx_->slots.FromWire(req.slot())); });
+  return Once("Free", req.request_id(), req, resp, [&] {
+    const cache::SlotId slot = ctx_->slots.FromWire(req.slot());
+    absl::Status s = ctx_->cache->Free(slot);
+    if (s.ok()) ctx_->slots.Forget(slot);
+    return s;
+  });
 }
 
 absl::Status Operations::GetSlot(const v1::GetSlotRequest& req, v1::GetSlotResponse* resp) const {
@@ -322,8 +326,12 @@ absl::Status Operations::MatchPrefix(const v1::MatchPrefixRequest& req,
 }
 
 absl::Status Operations::Donate(const v1::DonateRequest& req, v1::DonateResponse* resp) {
-  return Once("Donate", req.request_id(), req, resp,
-              [&] { return ctx_->cache->Donate(ctx_->slots.FromWire(req.slot())); });
+  return Once("Donate", req.request_id(), req, resp, [&] {
+    const cache::SlotId slot = ctx_->slots.FromWire(req.slot());
+    absl::Status s = ctx_->cache->Donate(slot);
+    if (s.ok()) ctx_->slots.Forget(slot);  // the handle is released with the slot
+    return s;
+  });
 }
 
 }  // namespace replayssm::service

@@ -4,7 +4,6 @@
 #include <cstdlib>
 #include <exception>
 #include <limits>
-#include <random>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -20,9 +19,10 @@
 #include "service/metrics.h"
 #include "service/regions_service.h"
 #include "service/replayssm_service.h"
-#include "service/transfer_service.h"
 #include "service/request_log.h"
 #include "service/service_context.h"
+#include "service/slot_handles.h"
+#include "service/transfer_service.h"
 
 namespace replayssm::service {
 
@@ -86,9 +86,11 @@ std::string HostOf(const std::string& address) {
 
 class ServerImpl final : public Server {
  public:
-  ServerImpl(const ServerOptions& options, Device device, std::unique_ptr<cache::StateCache> cache)
+  ServerImpl(const ServerOptions& options, Device device, std::unique_ptr<SlotHandles> handles,
+             std::unique_ptr<cache::StateCache> cache)
       : options_(options),
         device_(std::move(device)),
+        handles_(std::move(handles)),
         cache_(std::move(cache)),
         requests_(options.dedup_entries, options.dedup_bytes),
         regions_(device_.backend,
@@ -99,7 +101,7 @@ class ServerImpl final : public Server {
     ctx_.requests = &requests_;
     ctx_.metrics = &metrics_;
     ctx_.gate = &gate_;
-    ctx_.slots = SlotCodec(static_cast<uint32_t>(std::random_device{}()));
+    ctx_.slots = SlotCodec(handles_.get());
     ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes};
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
@@ -190,6 +192,7 @@ class ServerImpl final : public Server {
 
   const ServerOptions options_;
   const Device device_;
+  std::unique_ptr<SlotHandles> handles_;  // before cache_: the cache names slots through it
   std::unique_ptr<cache::StateCache> cache_;
   RequestLog requests_;
   cache::RegionTable regions_;  // leases held by open forwards keep their mappings alive
@@ -219,10 +222,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.track_interval = options.track_interval;
   cache_options.max_batch = options.max_batch;
   cache_options.max_prefill_tokens = options.max_prefill_tokens;
+  auto handles = std::make_unique<SlotHandles>();
+  cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };
   absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =
       cache::StateCache::Create(*std::move(model), cache_options);
   if (!cache.ok()) return cache.status();
-  auto server = std::make_unique<ServerImpl>(options, *std::move(device), *std::move(cache));
+  auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
+                                             *std::move(cache));
   absl::Status s = server->StartTransfers();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;

@@ -14,21 +14,24 @@
 #include "replayssm/cache/state_cache.h"
 #include "service/metrics.h"
 #include "service/request_log.h"
+#include "service/slot_handles.h"
 
 namespace replayssm::service {
 
-// Slot handles on the wire are the cache's ids with the generation half XORed with a random
-// per-instance salt: a handle from another server instance (or a made-up one) maps to a
-// generation the cache has never issued, so it is NOT_FOUND instead of silently addressing
-// someone else's slot. 0 stays 0 (padding); a real id never maps to 0 (salt's top bit set).
+// The wire face of the server's SlotHandles (slot_handles.h), a value so that handlers write
+// ctx->slots.FromWire(h): random 64-bit handles, errors naming them, never the cache's ids.
 class SlotCodec {
  public:
-  explicit SlotCodec(uint32_t salt) : salt_(static_cast<uint64_t>(salt | 0x80000000u) << 32) {}
-  uint64_t ToWire(cache::SlotId id) const { return id == 0 ? 0 : id ^ salt_; }
-  cache::SlotId FromWire(uint64_t handle) const { return handle == 0 ? 0 : handle ^ salt_; }
+  SlotCodec() = default;
+  explicit SlotCodec(SlotHandles* handles) : handles_(handles) {}
+  uint64_t ToWire(cache::SlotId id) const { return handles_->ToWire(id); }
+  cache::SlotId FromWire(uint64_t handle) const { return handles_->FromWire(handle); }
+  // The slot was freed, donated or moved away: its handle stops working.
+  void Forget(cache::SlotId id) const { handles_->Forget(id); }
+  SlotHandles* handles() const { return handles_; }
 
  private:
-  uint64_t salt_;
+  SlotHandles* handles_ = nullptr;
 };
 
 // Counts open forwards (decode, verify, prefill) and refuses new ones once draining.
@@ -107,7 +110,7 @@ struct ServiceContext {
   RequestLog* requests = nullptr;
   Metrics* metrics = nullptr;
   ForwardGate* gate = nullptr;
-  SlotCodec slots{0};
+  SlotCodec slots;                 // the server's handle table
   ServiceLimits limits;
   std::string backend_name;  // "cpu", "cuda:0"
   bool mps = false;          // CUDA work goes through MPS (docs/data-plane.md)

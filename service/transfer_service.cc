@@ -243,19 +243,22 @@ grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerCont
     return Reply(c, "TransferSlot", st);
   }
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-  manager_->Transfer({req->request_id(), ctx_->slots.FromWire(req->slot()), req->peer_address(),
-                      req->keep_source()},
-                     [this, reactor, resp](const absl::StatusOr<transfer::SendResult>& r) {
-                       if (r.ok()) {
-                         resp->set_remote_slot(r->remote_slot);
-                         resp->set_seq_len(r->seq_len);
-                         resp->set_bytes(r->bytes);
-                         resp->set_seconds(r->seconds);
-                       } else {
-                         CountFailure(r.status());
-                       }
-                       Finish(reactor, "TransferSlot", r.status());
-                     });
+  const cache::SlotId slot = ctx_->slots.FromWire(req->slot());
+  const bool keep = req->keep_source();
+  manager_->Transfer(
+      {req->request_id(), slot, req->peer_address(), keep},
+      [this, reactor, resp, slot, keep](const absl::StatusOr<transfer::SendResult>& r) {
+        if (r.ok()) {
+          if (!keep) ctx_->slots.Forget(slot);  // the source slot was freed
+          resp->set_remote_slot(r->remote_slot);
+          resp->set_seq_len(r->seq_len);
+          resp->set_bytes(r->bytes);
+          resp->set_seconds(r->seconds);
+        } else {
+          CountFailure(r.status());
+        }
+        Finish(reactor, "TransferSlot", r.status());
+      });
   return reactor;
 }
 

@@ -1,6 +1,9 @@
 // Every bad-input class gets its gRPC code, names the field, and changes nothing (the slot's
 // exported state and seq_len are compared before and after).
+#include <algorithm>
 #include <functional>
+#include <string>
+#include <vector>
 
 #include "service_fixture.h"
 
@@ -118,6 +121,48 @@ TEST_F(ErrorsTest, AForeignSlotFromAnotherServerIsNotFound) {
   EXPECT_EQ(RawDecode(req).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(client_->Free(foreign->slot()).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Observe(slot_), before);
+}
+
+// Handles carry 64 random bits: one slot's handle says nothing of another's (the generation-1
+// slots used to share their high half, so a second client found and freed the first's
+// slots), and an error names the handle the caller sent, never the server's internal id.
+TEST_F(ErrorsTest, NeighbouringAndFreedHandlesAreNotFoundAndErrorsEchoTheCallersHandle) {
+  std::vector<uint64_t> live = {slot_, NewSlot(), NewSlot(), NewSlot()};
+  int shared_high = 0;
+  for (size_t i = 1; i < live.size(); ++i) shared_high += (live[i] >> 32) == (slot_ >> 32);
+  EXPECT_LT(shared_high, 3) << "every handle shares slot_'s high half";
+  const uint64_t freed = NewSlot();
+  ASSERT_TRUE(client_->Free(freed).ok());
+  std::vector<uint64_t> guesses = {freed,
+                                   slot_ + 1,
+                                   slot_ - 1,
+                                   slot_ ^ (uint64_t{1} << 32),
+                                   slot_ + (uint64_t{1} << 32),
+                                   (uint64_t{1} << 32) | 1};
+  for (uint64_t index = 0; index < 16; ++index) {  // slot_'s high half, every low index
+    guesses.push_back((slot_ & ~uint64_t{0xffffffff}) | index);
+  }
+  const std::string before = Observe(slot_);
+  for (uint64_t guess : guesses) {
+    if (std::find(live.begin(), live.end(), guess) != live.end()) continue;
+    const std::string handle = std::to_string(guess);
+    const absl::Status freed_status = client_->Free(guess);
+    EXPECT_EQ(freed_status.code(), absl::StatusCode::kNotFound) << handle;
+    EXPECT_NE(freed_status.message().find(handle), std::string::npos) << freed_status;
+    EXPECT_EQ(freed_status.message().find("0x"), std::string::npos) << freed_status;
+    EXPECT_EQ(client_->GetSlot(guess).status().code(), absl::StatusCode::kNotFound) << handle;
+    const grpc::Status decode = RawDecode(Valid({guess}));
+    EXPECT_EQ(decode.error_code(), grpc::StatusCode::NOT_FOUND) << handle;
+    EXPECT_NE(decode.error_message().find("rows[0].slot: expected a live slot id, got " + handle),
+              std::string::npos)
+        << decode.error_message();
+  }
+  for (uint64_t h : live) EXPECT_TRUE(client_->GetSlot(h).ok()) << "a guess freed " << h;
+  EXPECT_EQ(Observe(slot_), before);
+  // A busy slot's error names its handle too.
+  v1::DecodeRequest twice = Valid({slot_, slot_});
+  const grpc::Status dup = RawDecode(twice);
+  EXPECT_EQ(dup.error_message().find("0x"), std::string::npos) << dup.error_message();
 }
 
 TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
