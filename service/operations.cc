@@ -38,7 +38,7 @@ absl::Status Timed(Metrics* metrics, absl::string_view op, F&& f) {
 absl::Status Operations::Once(absl::string_view method, const std::string& request_id,
                               const google::protobuf::Message& key, google::protobuf::Message* resp,
                               absl::FunctionRef<absl::Status()> apply) {
-  if (request_id.empty()) return FieldError("request_id", "a non-empty id", "\"\"");
+  if (absl::Status s = ctx_->requests->CheckId(request_id); !s.ok()) return s;
   RequestLog::Claim claim =
       ctx_->requests->Begin(method, request_id, Fingerprint(key.SerializeAsString()));
   switch (claim.outcome) {
@@ -171,6 +171,7 @@ absl::Status Operations::GetSlot(const v1::GetSlotRequest& req, v1::GetSlotRespo
 absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse* resp) {
   if (ctx_->gate->draining()) return Draining();
   const cache::ModelSpec& m = ctx_->cache->model();
+  if (absl::Status s = CheckImportTokens(req.tokens_size(), ctx_->limits); !s.ok()) return s;
   if (req.checkpoints_size() != m.num_layers) {
     return FieldError("checkpoints", absl::StrCat(m.num_layers, " layers"),
                       absl::StrCat(req.checkpoints_size()));
@@ -246,7 +247,8 @@ absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillRespo
 }
 
 absl::Status Operations::Decode(const v1::DecodeRequest& req, v1::DecodeResponse* resp) {
-  absl::Status s = CheckRows(req.rows(), ctx_->limits);
+  absl::Status s = ctx_->requests->CheckId(req.request_id());
+  if (s.ok()) s = CheckRows(req.rows(), ctx_->limits);
   if (s.ok()) s = CheckAllLayers(req.layers(), ctx_->cache->model(), req.rows_size());
   if (!s.ok()) return s;
   ForwardSession session(ctx_);

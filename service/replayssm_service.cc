@@ -1,5 +1,7 @@
 #include "service/replayssm_service.h"
 
+#include <string>
+
 #include "service/forward_session.h"
 #include "service/status_map.h"
 
@@ -14,6 +16,12 @@ class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
  public:
   explicit DecodeStreamReactor(const ServiceContext* ctx) : ctx_(ctx), session_(ctx) {
+    const absl::Status admitted = ctx_->streams->Open();
+    if (!admitted.ok()) {
+      Done(admitted);
+      return;
+    }
+    counted_ = true;
     StartRead(&request_);
   }
 
@@ -28,10 +36,14 @@ class DecodeStreamReactor final
     if (!ok) return Done(absl::CancelledError("decode stream: write failed"));
     StartRead(&request_);
   }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (counted_) ctx_->streams->Close();
+    delete this;
+  }
 
  private:
   absl::Status Handle() {
+    if (absl::Status s = CheckRequestId(); !s.ok()) return s;
     switch (request_.msg_case()) {
       case v1::DecodeStreamRequest::kBegin:
         return session_.Begin(request_.begin(), response_.mutable_begun());
@@ -48,6 +60,25 @@ class DecodeStreamReactor final
             "msg: expected begin, prefill_begin, verify_begin, layer or commit, got none");
     }
   }
+  // A begin's request id, checked for length before the session keeps it
+  // (--max-request-id-bytes); the session refuses an empty one after checking the order.
+  absl::Status CheckRequestId() const {
+    const std::string* id = nullptr;
+    const char* field = nullptr;
+    switch (request_.msg_case()) {
+      case v1::DecodeStreamRequest::kBegin:
+        id = &request_.begin().request_id(), field = "begin.request_id";
+        break;
+      case v1::DecodeStreamRequest::kPrefillBegin:
+        id = &request_.prefill_begin().request_id(), field = "prefill_begin.request_id";
+        break;
+      case v1::DecodeStreamRequest::kVerifyBegin:
+        id = &request_.verify_begin().request_id(), field = "verify_begin.request_id";
+        break;
+      default: return absl::OkStatus();
+    }
+    return id->empty() ? absl::OkStatus() : ctx_->requests->CheckId(*id, field);
+  }
   void Done(const absl::Status& status) {
     session_.Abandon();
     ctx_->metrics->CountRpc("DecodeStream", ToGrpcStatus(status).error_code());
@@ -55,6 +86,7 @@ class DecodeStreamReactor final
   }
 
   const ServiceContext* ctx_;
+  bool counted_ = false;  // holds one of --max-streams
   ForwardSession session_;
   v1::DecodeStreamRequest request_;
   v1::DecodeStreamResponse response_;

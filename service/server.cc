@@ -92,7 +92,8 @@ class ServerImpl final : public Server {
         device_(std::move(device)),
         handles_(std::move(handles)),
         cache_(std::move(cache)),
-        requests_(options.dedup_entries, options.dedup_bytes),
+        requests_(options.dedup_entries, options.dedup_bytes, options.max_request_id_bytes),
+        streams_(options.max_streams),
         regions_(device_.backend,
                  cache::RegionLimits{options.max_regions,
                                      static_cast<uint64_t>(options.max_region_bytes)}) {
@@ -101,8 +102,10 @@ class ServerImpl final : public Server {
     ctx_.requests = &requests_;
     ctx_.metrics = &metrics_;
     ctx_.gate = &gate_;
+    ctx_.streams = &streams_;
     ctx_.slots = SlotCodec(handles_.get());
-    ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes};
+    ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes,
+                   options.max_import_tokens};
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
@@ -195,6 +198,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<SlotHandles> handles_;  // before cache_: the cache names slots through it
   std::unique_ptr<cache::StateCache> cache_;
   RequestLog requests_;
+  StreamLimit streams_;
   cache::RegionTable regions_;  // leases held by open forwards keep their mappings alive
   Metrics metrics_;
   ForwardGate gate_;
@@ -211,7 +215,32 @@ class ServerImpl final : public Server {
 
 }  // namespace
 
+namespace {
+
+// The resource bounds (docs/operations.md, "Security and resource bounds"): each must allow
+// some work, and request ids must stay small enough to keep.
+absl::Status CheckBounds(const ServerOptions& o) {
+  const struct {
+    const char* flag;
+    int64_t value, min, max;
+  } bounds[] = {
+      {"--max-request-id-bytes", o.max_request_id_bytes, 1, 65536},
+      {"--max-import-tokens", o.max_import_tokens, 1, std::numeric_limits<int32_t>::max()},
+      {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
+  };
+  for (const auto& b : bounds) {
+    if (b.value < b.min || b.value > b.max) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(b.flag, ": expected ", b.min, "..", b.max, ", got ", b.value));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (absl::Status s = CheckBounds(options); !s.ok()) return s;
   absl::StatusOr<Device> device = ResolveDevice(options.device);
   if (!device.ok()) return device.status();
   absl::StatusOr<cache::ModelSpec> model = LoadModel(options);

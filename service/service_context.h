@@ -3,11 +3,13 @@
 #ifndef REPLAYSSM_SERVICE_SERVICE_CONTEXT_H_
 #define REPLAYSSM_SERVICE_SERVICE_CONTEXT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/regions.h"
@@ -102,6 +104,35 @@ struct ServiceLimits {
   int32_t max_batch = 256;
   int32_t max_prefill_tokens = 1 << 16;
   int64_t max_message_bytes = 64 << 20;
+  int64_t max_import_tokens = 1 << 20;  // the history an Import or a transfer brings
+};
+
+// INVALID_ARGUMENT naming `tokens` when an imported history is longer than the limit: the
+// cache keeps every slot's tokens in host memory.
+inline absl::Status CheckImportTokens(int64_t tokens, const ServiceLimits& limits) {
+  if (tokens <= limits.max_import_tokens) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ",
+                                                 limits.max_import_tokens,
+                                                 " tokens (--max-import-tokens), got ", tokens));
+}
+
+// Open DecodeStream streams against --max-streams. Thread-safe.
+class StreamLimit {
+ public:
+  explicit StreamLimit(int32_t max) : max_(max) {}
+  // RESOURCE_EXHAUSTED when `max` streams are open; else counts one more.
+  absl::Status Open() {
+    if (open_.fetch_add(1) < max_) return absl::OkStatus();
+    open_.fetch_sub(1);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "DecodeStream: ", max_, " streams are open, the limit (--max-streams); close one"));
+  }
+  void Close() { open_.fetch_sub(1); }
+  int32_t open() const { return open_.load(); }
+
+ private:
+  const int32_t max_;
+  std::atomic<int32_t> open_{0};
 };
 
 struct ServiceContext {
@@ -110,6 +141,7 @@ struct ServiceContext {
   RequestLog* requests = nullptr;
   Metrics* metrics = nullptr;
   ForwardGate* gate = nullptr;
+  StreamLimit* streams = nullptr;  // open DecodeStream streams
   SlotCodec slots;                 // the server's handle table
   ServiceLimits limits;
   std::string backend_name;  // "cpu", "cuda:0"
