@@ -5,6 +5,7 @@
 #include <exception>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -16,6 +17,7 @@
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/state_cache.h"
 #include "service/hf_config.h"
+#include "service/malformed_requests.h"
 #include "service/metrics.h"
 #include "service/regions_service.h"
 #include "service/replayssm_service.h"
@@ -142,6 +144,9 @@ class ServerImpl final : public Server {
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
     builder.SetMaxSendMessageSize(-1);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> hooks;
+    hooks.push_back(MalformedRequestsFactory(&metrics_));
+    builder.experimental().SetInterceptorCreators(std::move(hooks));
     builder.RegisterService(service_.get());
     builder.RegisterService(transfers_.get());
     builder.RegisterService(regions_service_.get());

@@ -2,9 +2,11 @@
 // exported state and seq_len are compared before and after).
 #include <algorithm>
 #include <functional>
+#include <future>
 #include <string>
 #include <vector>
 
+#include "grpcpp/generic/generic_stub.h"
 #include "service_fixture.h"
 
 namespace replayssm::testing {
@@ -163,6 +165,45 @@ TEST_F(ErrorsTest, NeighbouringAndFreedHandlesAreNotFoundAndErrorsEchoTheCallers
   v1::DecodeRequest twice = Valid({slot_, slot_});
   const grpc::Status dup = RawDecode(twice);
   EXPECT_EQ(dup.error_message().find("0x"), std::string::npos) << dup.error_message();
+}
+
+// gRPC answers a unary request that does not parse with UNIMPLEMENTED and no text, before any
+// handler runs; the server's interceptor makes it INVALID_ARGUMENT naming the method, counted.
+TEST_F(ErrorsTest, AnUnparseableRequestIsInvalidArgumentWithTextAndCounted) {
+  grpc::GenericStub generic(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  const auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::ClientContext context;
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&context, method, grpc::StubOptions(), &request, &response,
+                      [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    return done.get_future().get();
+  };
+  const std::string truncated(
+      "\x0a\x10"
+      "abc",
+      5);  // field 1: 16 bytes announced, 3 sent
+  const std::string before = Observe(slot_);
+  const grpc::Status allocate = call("/replayssm.v1.ReplaySsm/Allocate", truncated);
+  EXPECT_EQ(allocate.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(allocate.error_message(),
+            "request: expected a serialized replayssm.v1 Allocate request, got bytes that do not "
+            "parse");
+  const grpc::Status free = call("/replayssm.v1.ReplaySsm/Free", std::string("\xff", 1));
+  EXPECT_EQ(free.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << free.error_message();
+  EXPECT_EQ(call("/replayssm.v1.SlotTransfer/TransferSlot", truncated).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // A method that does not exist stays UNIMPLEMENTED.
+  EXPECT_EQ(call("/replayssm.v1.ReplaySsm/NoSuchMethod", "").error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(Observe(slot_), before);
+  auto metrics = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, R"(replayssm_rpcs_total{code="INVALID_ARGUMENT",method="Allocate"})"),
+            1);
+  EXPECT_EQ(Sample(*metrics, R"(replayssm_rpcs_total{code="INVALID_ARGUMENT",method="Free"})"), 1);
 }
 
 TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
