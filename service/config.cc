@@ -94,6 +94,8 @@ const std::vector<Flag>& Flags() {
       {"max-import-tokens", "tokens an Import (or an incoming transfer) may bring [1048576]",
        Int(&ServerOptions::max_import_tokens)},
       {"max-streams", "DecodeStream streams open at once [1024]", Int(&ServerOptions::max_streams)},
+      {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
+       Seconds(&ServerOptions::slot_ttl)},
       {"max-regions", "memory regions clients may register at once [64]",
        Int(&ServerOptions::max_regions)},
       {"max-region-bytes", "bytes of all registered regions together [64G]",

@@ -1,5 +1,6 @@
 #include "service/operations.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -166,6 +167,24 @@ absl::Status Operations::Free(const v1::FreeRequest& req, v1::FreeResponse* resp
 
 absl::Status Operations::GetSlot(const v1::GetSlotRequest& req, v1::GetSlotResponse* resp) const {
   return SlotStateOf(req.slot(), resp->mutable_state());
+}
+
+absl::Status Operations::ListSlots(v1::ListSlotsResponse* resp) const {
+  std::vector<SlotHandles::Issued> issued = ctx_->slots.handles()->List();
+  std::sort(issued.begin(), issued.end(),
+            [](const auto& a, const auto& b) { return a.handle < b.handle; });
+  const absl::Time now = absl::Now();
+  for (const SlotHandles::Issued& e : issued) {
+    absl::StatusOr<cache::SlotInfo> info = ctx_->cache->Info(e.slot);  // not a use
+    if (!info.ok()) continue;  // freed since (its handle is replaced or forgotten soon)
+    v1::SlotListing* l = resp->add_slots();
+    l->mutable_state()->set_slot(e.handle);
+    l->mutable_state()->set_seq_len(info->seq_len);
+    l->mutable_state()->set_write_pos(info->write_pos);
+    l->mutable_state()->set_pending_drafts(info->pending_drafts);
+    l->set_idle_seconds(absl::ToDoubleSeconds(now - e.last_use));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse* resp) {

@@ -134,6 +134,12 @@ grpc::ServerUnaryReactor* ReplaySsmService::GetSlot(grpc::CallbackServerContext*
   return Reply(c, "GetSlot", ops_.GetSlot(*req, resp));
 }
 
+grpc::ServerUnaryReactor* ReplaySsmService::ListSlots(grpc::CallbackServerContext* c,
+                                                      const v1::ListSlotsRequest*,
+                                                      v1::ListSlotsResponse* resp) {
+  return Reply(c, "ListSlots", ops_.ListSlots(resp));
+}
+
 grpc::ServerUnaryReactor* ReplaySsmService::Import(grpc::CallbackServerContext* c,
                                                    const v1::ImportRequest* req,
                                                    v1::ImportResponse* resp) {

@@ -24,6 +24,7 @@
 #include "service/request_log.h"
 #include "service/service_context.h"
 #include "service/slot_handles.h"
+#include "service/slot_leases.h"
 #include "service/transfer_service.h"
 
 namespace replayssm::service {
@@ -111,6 +112,10 @@ class ServerImpl final : public Server {
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
+    if (options.slot_ttl > absl::ZeroDuration()) {
+      leases_ = std::make_unique<SlotLeases>(cache_.get(), handles_.get(), options.slot_ttl,
+                                             [this] { metrics_.CountSlotExpiry(); });
+    }
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
     regions_service_ = std::make_unique<RegionsService>(&ctx_);
   }
@@ -208,6 +213,7 @@ class ServerImpl final : public Server {
   Metrics metrics_;
   ForwardGate gate_;
   ServiceContext ctx_;
+  std::unique_ptr<SlotLeases> leases_;  // --slot-ttl; stopped before the cache goes
   std::unique_ptr<ReplaySsmService> service_;
   std::unique_ptr<RegionsService> regions_service_;
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it

@@ -31,11 +31,14 @@ uint64_t SlotHandles::ToWire(cache::SlotId id) {
   if (id == cache::kPaddingSlot) return 0;
   absl::MutexLock lock(&mu_);
   Issued& e = by_index_[IndexOf(id)];
-  if (e.slot == id && e.handle != 0) return e.handle;
+  if (e.slot == id && e.handle != 0) {
+    e.last_use = absl::Now();
+    return e.handle;
+  }
   if (e.handle != 0) by_handle_.erase(e.handle);  // the index's older slot
   uint64_t h = RandomHandle();
   while (h == 0 || by_handle_.contains(h)) h = RandomHandle();
-  e = {h, id};
+  e = {h, id, absl::Now()};
   by_handle_[h] = id;
   return h;
 }
@@ -44,10 +47,13 @@ cache::SlotId SlotHandles::FromWire(uint64_t handle) {
   if (handle == 0) return cache::kPaddingSlot;
   absl::MutexLock lock(&mu_);
   auto it = by_handle_.find(handle);
-  if (it != by_handle_.end()) return it->second;
+  if (it != by_handle_.end()) {
+    by_index_[IndexOf(it->second)].last_use = absl::Now();
+    return it->second;
+  }
   const uint32_t n = next_miss_++;
   const cache::SlotId miss = (static_cast<uint64_t>(n) << 32) | kMissIndex;
-  misses_[n % kMisses] = {handle, miss};
+  misses_[n % kMisses] = {handle, miss, absl::InfinitePast()};
   return miss;
 }
 
@@ -77,6 +83,12 @@ std::vector<SlotHandles::Issued> SlotHandles::List() const {
   out.reserve(by_index_.size());
   for (const auto& [index, e] : by_index_) out.push_back(e);
   return out;
+}
+
+bool SlotHandles::IdleSince(cache::SlotId id, absl::Time cutoff) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_index_.find(IndexOf(id));
+  return it != by_index_.end() && it->second.slot == id && it->second.last_use <= cutoff;
 }
 
 }  // namespace replayssm::service

@@ -24,6 +24,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
 
 namespace replayssm::service {
@@ -36,8 +38,9 @@ class SlotHandles {
 
   // The handle of live slot `id`, issued on first use; kPaddingSlot -> 0.
   uint64_t ToWire(cache::SlotId id);
-  // The slot behind `handle`; 0 -> kPaddingSlot. An unknown handle maps to an id no slot can
-  // have (the cache answers NOT_FOUND) that Describe names as `handle`.
+  // The slot behind `handle`, and a use of it (renews its lease); 0 -> kPaddingSlot. An unknown
+  // handle maps to an id no slot can have (the cache answers NOT_FOUND) that Describe names as
+  // `handle`.
   cache::SlotId FromWire(uint64_t handle);
   // Drops the handle of `id`: its slot was freed, donated or moved away.
   void Forget(cache::SlotId id);
@@ -47,9 +50,12 @@ class SlotHandles {
   struct Issued {
     uint64_t handle = 0;
     cache::SlotId slot = cache::kPaddingSlot;
+    absl::Time last_use = absl::InfinitePast();  // issued, or named by a call (FromWire)
   };
-  // Every handle issued and not forgotten (its slot may have been freed since).
+  // Every handle issued and not forgotten (its slot may have been freed since). Not a use.
   std::vector<Issued> List() const;
+  // Whether `id` has a handle that no call named since `cutoff` (slot leases).
+  bool IdleSince(cache::SlotId id, absl::Time cutoff) const;
 
  private:
   // Unknown handles recently asked for, so that errors can name them; a ring.

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace replayssm::service {
@@ -51,6 +52,18 @@ TEST(SlotHandles, TheNextGenerationOfAnIndexReplacesTheOldHandle) {
   EXPECT_EQ(h.List().size(), 1u);
   EXPECT_EQ(h.Describe(next), absl::StrCat(new_handle));
   EXPECT_EQ(h.Describe(kSlot), "(a slot without a handle)");  // never the id
+}
+
+TEST(SlotHandles, NamingAHandleRenewsItsLeaseAndListingDoesNot) {
+  SlotHandles h;
+  const uint64_t a = h.ToWire(kSlot);
+  const absl::Time issued = h.List()[0].last_use;
+  EXPECT_TRUE(h.IdleSince(kSlot, issued));
+  EXPECT_EQ(h.List()[0].last_use, issued);
+  absl::SleepFor(absl::Milliseconds(2));
+  EXPECT_EQ(h.FromWire(a), kSlot);
+  EXPECT_FALSE(h.IdleSince(kSlot, issued));
+  EXPECT_FALSE(h.IdleSince(kSlot + (uint64_t{1} << 32), absl::Now()));  // no such handle
 }
 
 }  // namespace
