@@ -35,9 +35,9 @@ uint64_t SlotHandles::ToWire(cache::SlotId id) {
     e.last_use = absl::Now();
     return e.handle;
   }
-  if (e.handle != 0) by_handle_.erase(e.handle);  // the index's older slot
+  if (e.handle != 0) RetireLocked(e);  // the index's older slot, freed meanwhile
   uint64_t h = RandomHandle();
-  while (h == 0 || by_handle_.contains(h)) h = RandomHandle();
+  while (h == 0 || by_handle_.contains(h) || retired_.contains(h)) h = RandomHandle();
   e = {h, id, absl::Now()};
   by_handle_[h] = id;
   return h;
@@ -51,6 +51,7 @@ cache::SlotId SlotHandles::FromWire(uint64_t handle) {
     by_index_[IndexOf(it->second)].last_use = absl::Now();
     return it->second;
   }
+  if (auto r = retired_.find(handle); r != retired_.end()) return r->second;
   const uint32_t n = next_miss_++;
   const cache::SlotId miss = (static_cast<uint64_t>(n) << 32) | kMissIndex;
   misses_[n % kMisses] = {handle, miss, absl::InfinitePast()};
@@ -61,8 +62,20 @@ void SlotHandles::Forget(cache::SlotId id) {
   absl::MutexLock lock(&mu_);
   auto it = by_index_.find(IndexOf(id));
   if (it == by_index_.end() || it->second.slot != id) return;
-  by_handle_.erase(it->second.handle);
+  RetireLocked(it->second);
   by_index_.erase(it);
+}
+
+void SlotHandles::RetireLocked(const Issued& e) {
+  by_handle_.erase(e.handle);
+  retired_[e.handle] = e.slot;
+  retired_ids_[e.slot] = e.handle;
+  retired_order_.push_back(e.handle);
+  if (retired_order_.size() <= kRetired) return;
+  auto old = retired_.find(retired_order_.front());
+  retired_ids_.erase(old->second);
+  retired_.erase(old);
+  retired_order_.pop_front();
 }
 
 std::string SlotHandles::Describe(cache::SlotId id) const {
@@ -73,6 +86,7 @@ std::string SlotHandles::Describe(cache::SlotId id) const {
   } else {
     auto it = by_index_.find(IndexOf(id));
     if (it != by_index_.end() && it->second.slot == id) return absl::StrCat(it->second.handle);
+    if (auto r = retired_ids_.find(id); r != retired_ids_.end()) return absl::StrCat(r->second);
   }
   return "(a slot without a handle)";
 }

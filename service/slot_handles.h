@@ -7,9 +7,10 @@
 // the cache's CacheOptions::slot_name).
 //
 // Invariants: one entry per slot index (a SlotId's low half). Issuing a handle for a newer
-// generation of an index replaces the older one, so the table never outgrows the pool, and a
-// path that frees a slot without Forget (an expired reservation, an eviction) leaves no handle
-// that reaches the index's next slot (the cache bumps the generation on every free).
+// generation of an index retires the older one, so the table never outgrows the pool, and a
+// path that frees a slot without Forget leaves no handle that reaches the index's next slot
+// (the cache bumps the generation on every free). Retired handles map to their dead ids,
+// which the cache never issues again; the last kRetired are kept.
 //
 // Thread safety: thread-safe. Its lock is a leaf: nothing is called while it is held, so the
 // cache may call Describe under its own lock.
@@ -18,6 +19,7 @@
 
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -42,7 +44,9 @@ class SlotHandles {
   // handle maps to an id no slot can have (the cache answers NOT_FOUND) that Describe names as
   // `handle`.
   cache::SlotId FromWire(uint64_t handle);
-  // Drops the handle of `id`: its slot was freed, donated or moved away.
+  // Retires the handle of `id`: its slot was freed, donated or moved away. The handle keeps
+  // naming that dead slot (NOT_FOUND, errors name the handle) for the last kRetired ones, so
+  // that a retried TransferSlot finds the move it names; it no longer counts as issued.
   void Forget(cache::SlotId id);
   // `id` as errors name it: the caller's handle in decimal, as the wire shows it.
   std::string Describe(cache::SlotId id) const;
@@ -61,12 +65,19 @@ class SlotHandles {
   // Unknown handles recently asked for, so that errors can name them; a ring.
   static constexpr uint32_t kMisses = 1024;
   static constexpr uint32_t kMissIndex = 0xffffffffu;  // an index no pool reaches
+  // Retired handles remembered (as many as the transfer manager remembers moves).
+  static constexpr size_t kRetired = 4096;
+
+  void RetireLocked(const Issued& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint32_t, Issued> by_index_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, cache::SlotId> by_handle_ ABSL_GUARDED_BY(mu_);
   std::array<Issued, kMisses> misses_ ABSL_GUARDED_BY(mu_){};
   uint32_t next_miss_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uint64_t, cache::SlotId> retired_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<cache::SlotId, uint64_t> retired_ids_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> retired_order_ ABSL_GUARDED_BY(mu_);  // oldest first
 };
 
 }  // namespace replayssm::service
