@@ -108,6 +108,9 @@ absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
   resp->set_max_prefill_tokens(ctx_->limits.max_prefill_tokens);
   resp->set_max_message_bytes(ctx_->limits.max_message_bytes);
   resp->set_dedup_window(ctx_->requests->max_entries());
+  resp->set_max_request_id_bytes(static_cast<int32_t>(ctx_->requests->max_id_bytes()));
+  resp->set_max_import_tokens(ctx_->limits.max_import_tokens);
+  resp->set_slot_ttl_seconds(absl::ToDoubleSeconds(ctx_->slot_ttl));
   resp->set_version(kVersion);
   return absl::OkStatus();
 }

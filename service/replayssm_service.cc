@@ -63,21 +63,18 @@ class DecodeStreamReactor final
   // A begin's request id, checked for length before the session keeps it
   // (--max-request-id-bytes); the session refuses an empty one after checking the order.
   absl::Status CheckRequestId() const {
-    const std::string* id = nullptr;
-    const char* field = nullptr;
     switch (request_.msg_case()) {
       case v1::DecodeStreamRequest::kBegin:
-        id = &request_.begin().request_id(), field = "begin.request_id";
-        break;
+        return CheckId(request_.begin().request_id(), "begin.request_id");
       case v1::DecodeStreamRequest::kPrefillBegin:
-        id = &request_.prefill_begin().request_id(), field = "prefill_begin.request_id";
-        break;
+        return CheckId(request_.prefill_begin().request_id(), "prefill_begin.request_id");
       case v1::DecodeStreamRequest::kVerifyBegin:
-        id = &request_.verify_begin().request_id(), field = "verify_begin.request_id";
-        break;
+        return CheckId(request_.verify_begin().request_id(), "verify_begin.request_id");
       default: return absl::OkStatus();
     }
-    return id->empty() ? absl::OkStatus() : ctx_->requests->CheckId(*id, field);
+  }
+  absl::Status CheckId(const std::string& id, absl::string_view field) const {
+    return id.empty() ? absl::OkStatus() : ctx_->requests->CheckId(id, field);
   }
   void Done(const absl::Status& status) {
     session_.Abandon();

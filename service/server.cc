@@ -111,6 +111,7 @@ class ServerImpl final : public Server {
                    options.max_import_tokens};
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
+    ctx_.slot_ttl = options.slot_ttl;
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
     if (options.slot_ttl > absl::ZeroDuration()) {
       leases_ = std::make_unique<SlotLeases>(cache_.get(), handles_.get(), options.slot_ttl,

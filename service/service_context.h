@@ -147,6 +147,7 @@ struct ServiceContext {
   std::string backend_name;  // "cpu", "cuda:0"
   bool mps = false;          // CUDA work goes through MPS (docs/data-plane.md)
   absl::Duration forward_timeout = absl::Seconds(10);  // a planned forward, begin to commit
+  absl::Duration slot_ttl = absl::ZeroDuration();      // leases (slot_leases.h); 0 = off
 };
 
 }  // namespace replayssm::service

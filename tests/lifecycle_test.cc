@@ -174,6 +174,7 @@ class SlotLeaseTest : public ServiceTest {
 // The slots of a crashed scheduler used to live forever: with --slot-ttl an unused slot is
 // freed after the TTL, and any call naming a handle renews it (listing does not).
 TEST_F(SlotLeaseTest, AnIdleSlotExpiresAfterTheTtlAndUseRenewsIt) {
+  EXPECT_EQ(info_.slot_ttl_seconds(), 1);
   const uint64_t idle = NewSlot();
   const uint64_t used = NewSlot();
   const absl::Time end = absl::Now() + absl::Milliseconds(2500);

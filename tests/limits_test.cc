@@ -67,6 +67,12 @@ TEST_F(LimitsTest, RequestIdsOverTheLimitAreRefusedNamingTheField) {
   EXPECT_EQ(client_->GetSlot(kept->slot())->seq_len(), 0);
 }
 
+TEST_F(LimitsTest, GetInfoTellsTheBounds) {
+  EXPECT_EQ(info_.max_request_id_bytes(), 128);
+  EXPECT_EQ(info_.max_import_tokens(), 1000);
+  EXPECT_EQ(info_.slot_ttl_seconds(), 0);
+}
+
 TEST_F(LimitsTest, AnImportOfMoreTokensThanTheLimitIsRefusedNamingTheBound) {
   const uint64_t source = NewSlot();
   auto exported = client_->Export(source);
