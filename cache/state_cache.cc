@@ -62,8 +62,6 @@ SlotId MakeId(int32_t index, uint32_t generation) {
   return (static_cast<uint64_t>(generation) << 32) | static_cast<uint32_t>(index);
 }
 
-std::string IdString(SlotId id) { return absl::StrCat("0x", absl::Hex(id)); }
-
 class StateCacheImpl;
 
 enum class ForwardKind { kDecode, kPrefill, kVerify };
@@ -145,6 +143,10 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
 
   const ModelSpec& model() const override { return model_; }
   const CacheOptions& options() const override { return options_; }
+  // How errors name a slot: options_.slot_name, else the id in hex.
+  std::string SlotName(SlotId id) const {
+    return options_.slot_name ? options_.slot_name(id) : absl::StrCat("0x", absl::Hex(id));
+  }
   int64_t capacity() const override { return pool_->num_slots(); }
 
   CacheStats stats() const override {
@@ -228,7 +230,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     if (!slots_[*i].moving.empty()) return MovingLocked(id, *i, "slot");
     if (slots_[*i].busy) {
       return absl::FailedPreconditionError(
-          absl::StrCat("slot: ", IdString(id), " is in an open operation; finish it first"));
+          absl::StrCat("slot: ", SlotName(id), " is in an open operation; finish it first"));
     }
     ReleaseLocked(*i);
     return absl::OkStatus();
@@ -321,10 +323,10 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     if (id == kPaddingSlot || index >= slots_.size() || slots_[index].generation != gen ||
         slots_[index].kind != Kind::kLive) {
       return absl::NotFoundError(absl::StrCat(field, ": expected a live slot id, got ",
-                                              IdString(id), " (unknown, freed or donated)"));
+                                              SlotName(id), " (unknown, freed or donated)"));
     }
     if (slots_[index].broken && !allow_broken) {
-      return absl::DataLossError(absl::StrCat(field, ": slot ", IdString(id),
+      return absl::DataLossError(absl::StrCat(field, ": slot ", SlotName(id),
                                               " lost its state in a device error; free it"));
     }
     return static_cast<int32_t>(index);
@@ -333,9 +335,9 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // The refusal of any change to a slot that is being moved out.
   absl::Status MovingLocked(SlotId id, int32_t index, const std::string& field) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        field, ": slot ", IdString(id), " is being transferred (request id ",
-        slots_[index].moving, "); it accepts no change until the transfer ends"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": slot ", SlotName(id), " is being transferred (request id ",
+                     slots_[index].moving, "); it accepts no change until the transfer ends"));
   }
 
   // Marks a live slot busy for an operation; refuses a slot that is busy, being moved out or
@@ -348,12 +350,12 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     if (!s.moving.empty()) return MovingLocked(id, *i, field);
     if (s.busy) {
       return absl::FailedPreconditionError(
-          absl::StrCat(field, ": slot ", IdString(id), " is in another open operation"));
+          absl::StrCat(field, ": slot ", SlotName(id), " is in another open operation"));
     }
     if (!allow_pending && s.pending > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          field, ": slot ", IdString(id), " has ", s.pending,
-          " verified drafts: Accept them (n may be 0) first"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(field, ": slot ", SlotName(id), " has ", s.pending,
+                       " verified drafts: Accept them (n may be 0) first"));
     }
     s.busy = true;
     return i;
@@ -842,7 +844,7 @@ absl::Status StateCacheImpl::AcquireRowsLocked(absl::Span<const SlotId> ids,
     if (!seen.insert(ids[r]).second) {
       st = absl::InvalidArgumentError(
           absl::StrCat(field(r), ": expected a slot not already in this batch, got ",
-                       IdString(ids[r]), " twice"));
+                       SlotName(ids[r]), " twice"));
       break;
     }
     absl::StatusOr<int32_t> i = AcquireLocked(ids[r], field(r), allow_pending);

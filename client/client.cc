@@ -281,6 +281,11 @@ absl::Status Client::Free(uint64_t slot, std::string request_id) {
   return Call<v1::FreeResponse>([&](auto* c, auto* r) { return stub_->Free(c, req, r); }).status();
 }
 
+absl::StatusOr<v1::ListSlotsResponse> Client::ListSlots() {
+  v1::ListSlotsRequest req;
+  return Call<v1::ListSlotsResponse>([&](auto* c, auto* r) { return stub_->ListSlots(c, req, r); });
+}
+
 absl::StatusOr<v1::SlotState> Client::GetSlot(uint64_t slot) {
   v1::GetSlotRequest req;
   req.set_slot(slot);

@@ -89,6 +89,13 @@ const std::vector<Flag>& Flags() {
       {"dedup-entries", "request ids remembered for retries [4096]",
        Int(&ServerOptions::dedup_entries)},
       {"dedup-bytes", "bytes of remembered replies [256M]", Bytes(&ServerOptions::dedup_bytes)},
+      {"max-request-id-bytes", "longest request id accepted, 1..65536 [128]",
+       Int(&ServerOptions::max_request_id_bytes)},
+      {"max-import-tokens", "tokens an Import (or an incoming transfer) may bring [1048576]",
+       Int(&ServerOptions::max_import_tokens)},
+      {"max-streams", "DecodeStream streams open at once [1024]", Int(&ServerOptions::max_streams)},
+      {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
+       Seconds(&ServerOptions::slot_ttl)},
       {"max-regions", "memory regions clients may register at once [64]",
        Int(&ServerOptions::max_regions)},
       {"max-region-bytes", "bytes of all registered regions together [64G]",
@@ -170,8 +177,10 @@ absl::StatusOr<int64_t> ParseBytes(absl::string_view text) {
     }
   }
   int64_t value = 0;
-  if (!absl::SimpleAtoi(t, &value) || value < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("expected bytes like 512M, got ", text));
+  if (!absl::SimpleAtoi(t, &value) || value < 0 ||
+      value > std::numeric_limits<int64_t>::max() / unit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected bytes like 512M (less than 2^63), got ", text));
   }
   return value * unit;
 }

@@ -120,6 +120,7 @@ TEST(ParseBytes, AcceptsPlainAndBinaryUnitsOnly) {
   EXPECT_FALSE(ParseBytes("-1").ok());
   EXPECT_FALSE(ParseBytes("1X").ok());
   EXPECT_FALSE(ParseBytes("").ok());
+  EXPECT_FALSE(ParseBytes("9999999999T").ok());  // would overflow int64
 }
 
 }  // namespace

@@ -1,10 +1,14 @@
 #include "service/hf_config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "service/safetensors.h"
@@ -25,61 +29,133 @@ const Value* Field(const Struct& s, const std::string& key) {
   return it == s.fields().end() ? nullptr : &it->second;
 }
 
-absl::StatusOr<int32_t> Int(const Struct& s, const std::string& key) {
-  const Value* v = Field(s, key);
-  if (v == nullptr || v->kind_case() != Value::kNumberValue) {
-    return FieldError(absl::StrCat("config.json: ", key), "a number",
-                      v == nullptr ? "nothing" : "another type");
+// What came, for errors: the JSON type, with the value where it is short.
+std::string Describe(const Value* v) {
+  if (v == nullptr) return "nothing";
+  switch (v->kind_case()) {
+    case Value::kNullValue: return "null";
+    case Value::kNumberValue: return absl::StrCat("the number ", v->number_value());
+    case Value::kStringValue:
+      return absl::StrCat("a string \"", v->string_value().substr(0, 32), "\"");
+    case Value::kBoolValue: return v->bool_value() ? "the boolean true" : "the boolean false";
+    case Value::kStructValue: return "an object";
+    case Value::kListValue: return "a list";
+    default: return "nothing";
   }
-  return static_cast<int32_t>(v->number_value());
 }
 
-int32_t ActDtype(const Struct& s) {
+// One JSON object of config.json and its path from the root ("", "text_config.",
+// "linear_attn_config."): its typed reads name the key's full path in every error.
+struct Object {
+  const Struct& s;
+  std::string file;    // config.json's path, the first part of every error's field
+  std::string prefix;  // the object's path, ending in '.' unless it is the root
+
+  const Value* Get(const std::string& key) const { return Field(s, key); }
+  absl::Status Error(const std::string& key, absl::string_view expected) const {
+    return FieldError(absl::StrCat(file, ": ", prefix, key), expected, Describe(Get(key)));
+  }
+  // An integer in [min, INT32_MAX]; a missing key is an error too.
+  absl::StatusOr<int32_t> Int(const std::string& key, int32_t min) const {
+    const Value* v = Get(key);
+    const std::string expected =
+        absl::StrCat("an integer in ", min, "..", std::numeric_limits<int32_t>::max());
+    if (v == nullptr || v->kind_case() != Value::kNumberValue) return Error(key, expected);
+    const double x = v->number_value();
+    if (!(x >= min && x <= std::numeric_limits<int32_t>::max()) || x != std::floor(x)) {
+      return Error(key, expected);
+    }
+    return static_cast<int32_t>(x);
+  }
+  // The object under `key`; nullptr when the key is absent (or null, as HF writes them).
+  absl::StatusOr<const Struct*> OptionalObject(const std::string& key) const {
+    const Value* v = Get(key);
+    if (v == nullptr || v->kind_case() == Value::kNullValue) return nullptr;
+    if (v->kind_case() != Value::kStructValue) return Error(key, "an object");
+    return &v->struct_value();
+  }
+  absl::StatusOr<const google::protobuf::ListValue*> OptionalList(const std::string& key) const {
+    const Value* v = Get(key);
+    if (v == nullptr || v->kind_case() == Value::kNullValue) return nullptr;
+    if (v->kind_case() != Value::kListValue) return Error(key, "a list");
+    return &v->list_value();
+  }
+  absl::StatusOr<std::string> OptionalString(const std::string& key) const {
+    const Value* v = Get(key);
+    if (v == nullptr || v->kind_case() == Value::kNullValue) return std::string();
+    if (v->kind_case() != Value::kStringValue) return Error(key, "a string");
+    return v->string_value();
+  }
+};
+
+absl::StatusOr<int32_t> ActDtype(const Object& o) {
   for (const char* key : {"torch_dtype", "dtype"}) {
-    const Value* v = Field(s, key);
-    if (v == nullptr || v->kind_case() != Value::kStringValue) continue;
-    if (v->string_value() == "float16") return RSSM_DTYPE_F16;
-    if (v->string_value() == "float32") return RSSM_DTYPE_F32;
+    absl::StatusOr<std::string> name = o.OptionalString(key);
+    if (!name.ok()) return name.status();
+    if (*name == "float16") return RSSM_DTYPE_F16;
+    if (*name == "float32") return RSSM_DTYPE_F32;
   }
   return RSSM_DTYPE_BF16;
 }
 
+// The linear-attention layers of a GDN model: from `layer_types` when given, else every
+// layer but each `full_attention_interval`-th (4 when absent, 0 = no full attention).
+absl::StatusOr<int32_t> GdnLayers(const Object& o) {
+  absl::StatusOr<const google::protobuf::ListValue*> types = o.OptionalList("layer_types");
+  if (!types.ok()) return types.status();
+  if (*types != nullptr) {
+    int32_t layers = 0;
+    for (int i = 0; i < (*types)->values_size(); ++i) {
+      const Value& t = (*types)->values(i);
+      if (t.kind_case() != Value::kStringValue) {
+        return FieldError(absl::StrCat(o.file, ": ", o.prefix, "layer_types[", i, "]"), "a string",
+                          Describe(&t));
+      }
+      layers += t.string_value() == "linear_attention" ? 1 : 0;
+    }
+    return layers;
+  }
+  absl::StatusOr<int32_t> total = o.Int("num_hidden_layers", 1);
+  if (!total.ok()) return total.status();
+  int32_t interval = 4;
+  if (o.Get("full_attention_interval") != nullptr) {
+    absl::StatusOr<int32_t> i = o.Int("full_attention_interval", 0);  // 0: none
+    if (!i.ok()) return i.status();
+    interval = *i;
+  }
+  return *total - (interval > 0 ? *total / interval : 0);
+}
+
 // Gated DeltaNet, Qwen3-Next style.
-absl::Status GdnShape(const Struct& s, rssm_layer_shape* shape, int32_t* layers) {
-  absl::StatusOr<int32_t> h = Int(s, "linear_num_key_heads"), hv = Int(s, "linear_num_value_heads"),
-                          k = Int(s, "linear_key_head_dim"), v = Int(s, "linear_value_head_dim");
+absl::Status GdnShape(const Object& o, rssm_layer_shape* shape, int32_t* layers) {
+  absl::StatusOr<int32_t> h = o.Int("linear_num_key_heads", 1),
+                          hv = o.Int("linear_num_value_heads", 1),
+                          k = o.Int("linear_key_head_dim", 1),
+                          v = o.Int("linear_value_head_dim", 1);
   for (const auto* x : {&h, &hv, &k, &v}) {
     if (!x->ok()) return x->status();
   }
   *shape = {RSSM_GATE_GDN, *h, *hv, *k, *v, 0, 0, 0};
-  const Value* types = Field(s, "layer_types");
-  if (types != nullptr && types->kind_case() == Value::kListValue) {
-    *layers = 0;
-    for (const Value& t : types->list_value().values()) {
-      *layers += t.string_value() == "linear_attention" ? 1 : 0;
-    }
-    return absl::OkStatus();
-  }
-  absl::StatusOr<int32_t> total = Int(s, "num_hidden_layers");
-  if (!total.ok()) return total.status();
-  const int32_t interval =
-      Field(s, "full_attention_interval") != nullptr ? *Int(s, "full_attention_interval") : 4;
-  *layers = *total - (interval > 0 ? *total / interval : 0);
+  absl::StatusOr<int32_t> n = GdnLayers(o);
+  if (!n.ok()) return n.status();
+  *layers = *n;
   return absl::OkStatus();
 }
 
 // Kimi Delta Attention, Kimi-Linear style: q, k, v share num_heads and head_dim.
-absl::Status KdaShape(const Struct& s, rssm_layer_shape* shape, int32_t* layers) {
-  const Struct& lac = Field(s, "linear_attn_config")->struct_value();
-  absl::StatusOr<int32_t> heads = Int(lac, "num_heads"), dim = Int(lac, "head_dim");
+absl::Status KdaShape(const Object& o, rssm_layer_shape* shape, int32_t* layers) {
+  absl::StatusOr<const Struct*> lac = o.OptionalObject("linear_attn_config");
+  if (!lac.ok()) return lac.status();
+  if (*lac == nullptr) return o.Error("linear_attn_config", "an object");
+  const Object c{**lac, o.file, absl::StrCat(o.prefix, "linear_attn_config.")};
+  absl::StatusOr<int32_t> heads = c.Int("num_heads", 1), dim = c.Int("head_dim", 1);
   if (!heads.ok()) return heads.status();
   if (!dim.ok()) return dim.status();
   *shape = {RSSM_GATE_KDA, *heads, *heads, *dim, *dim, 0, 0, 0};
-  const Value* kda = Field(lac, "kda_layers");
-  if (kda == nullptr || kda->kind_case() != Value::kListValue) {
-    return FieldError("config.json: linear_attn_config.kda_layers", "a list", "nothing");
-  }
-  *layers = kda->list_value().values_size();
+  absl::StatusOr<const google::protobuf::ListValue*> kda = c.OptionalList("kda_layers");
+  if (!kda.ok()) return kda.status();
+  if (*kda == nullptr) return c.Error("kda_layers", "a list");
+  *layers = (*kda)->values_size();
   return absl::OkStatus();
 }
 
@@ -92,16 +168,17 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigJson(const std::string& json,
   if (!google::protobuf::util::JsonStringToMessage(json, &root).ok()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": not a JSON object"));
   }
-  const Value* text = Field(root, "text_config");
-  const Struct& s =
-      text != nullptr && text->kind_case() == Value::kStructValue ? text->struct_value() : root;
+  const Object top{root, name, ""};
+  absl::StatusOr<const Struct*> text = top.OptionalObject("text_config");
+  if (!text.ok()) return text.status();
+  const Object o = *text != nullptr ? Object{**text, name, "text_config."} : top;
   cache::ModelSpec m;
   m.name = name;
   absl::Status st;
-  if (Field(s, "linear_attn_config") != nullptr) {
-    st = KdaShape(s, &m.shape, &m.num_layers);
-  } else if (Field(s, "linear_num_value_heads") != nullptr) {
-    st = GdnShape(s, &m.shape, &m.num_layers);
+  if (o.Get("linear_attn_config") != nullptr) {
+    st = KdaShape(o, &m.shape, &m.num_layers);
+  } else if (o.Get("linear_num_value_heads") != nullptr) {
+    st = GdnShape(o, &m.shape, &m.num_layers);
   } else {
     st = absl::InvalidArgumentError(absl::StrCat(
         name,
@@ -109,9 +186,11 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigJson(const std::string& json,
         "or linear_attn_config (KDA))"));
   }
   if (!st.ok()) return st;
+  absl::StatusOr<int32_t> act = ActDtype(o);
+  if (!act.ok()) return act.status();
   m.shape.ring_len = ring_len > 0 ? ring_len : kDefaultRingLen;
   m.shape.state_dtype = state_dtype > -1 ? state_dtype : RSSM_DTYPE_F32;
-  m.shape.act_dtype = ActDtype(s);
+  m.shape.act_dtype = *act;
   if (m.num_layers < 1) {
     return FieldError(absl::StrCat(name, ": linear-attention layers"), ">= 1",
                       absl::StrCat(m.num_layers));

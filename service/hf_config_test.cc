@@ -72,5 +72,46 @@ TEST(HfConfig, AConfigWithoutLinearAttentionOrWithAMissingKeyIsRefused) {
             absl::StatusCode::kNotFound);
 }
 
+// Every wrong type, range or missing key is an error naming the key's path, what was expected
+// and what came (a string where a number belongs used to abort the server).
+TEST(HfConfig, EveryWrongTypeIsAnErrorNamingTheKey) {
+  const std::string gdn = R"("linear_num_key_heads": 2, "linear_num_value_heads": 4,
+      "linear_key_head_dim": 32, "linear_value_head_dim": 32)";
+  const struct {
+    std::string json;
+    std::string message;
+  } cases[] = {
+      {"{" + gdn + R"(, "num_hidden_layers": 8, "full_attention_interval": "4"})",
+       "c.json: full_attention_interval: expected an integer in 0..2147483647, got a string "
+       "\"4\""},
+      {"{" + gdn + R"(, "num_hidden_layers": 8, "full_attention_interval": -4})",
+       "full_attention_interval: expected an integer in 0..2147483647, got the number -4"},
+      {"{" + gdn + R"(, "num_hidden_layers": 8.5})", "num_hidden_layers: expected an integer"},
+      {"{" + gdn + R"(, "num_hidden_layers": 1e20})", "num_hidden_layers: expected an integer"},
+      {"{" + gdn + "}", "num_hidden_layers: expected an integer in 1..2147483647, got nothing"},
+      {"{" + gdn + R"(, "layer_types": "linear_attention"})",
+       "layer_types: expected a list, got a string"},
+      {"{" + gdn + R"(, "layer_types": ["linear_attention", 3]})",
+       "layer_types[1]: expected a string, got the number 3"},
+      {R"({"linear_num_value_heads": true})", "linear_num_key_heads: expected an integer"},
+      {R"({"linear_attn_config": [1]})", "linear_attn_config: expected an object, got a list"},
+      {R"({"linear_attn_config": {"num_heads": "32", "head_dim": 128, "kda_layers": [0]}})",
+       "linear_attn_config.num_heads: expected an integer in 1..2147483647, got a string"},
+      {R"({"linear_attn_config": {"num_heads": 2, "head_dim": 32, "kda_layers": 4}})",
+       "linear_attn_config.kda_layers: expected a list, got the number 4"},
+      {R"({"text_config": "x"})", "text_config: expected an object, got a string"},
+      {R"({"text_config": {"linear_num_value_heads": 4, "linear_num_key_heads": {}}})",
+       "text_config.linear_num_key_heads: expected an integer in 1..2147483647, got an object"},
+      {"{" + gdn + R"(, "num_hidden_layers": 8, "torch_dtype": 16})",
+       "torch_dtype: expected a string, got the number 16"},
+  };
+  for (const auto& c : cases) {
+    auto m = ModelFromHfConfigJson(c.json, "c.json", -1, 0);
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << c.json;
+    EXPECT_NE(m.status().message().find(c.message), std::string::npos)
+        << c.json << "\nexpected: " << c.message << "\ngot: " << m.status();
+  }
+}
+
 }  // namespace
 }  // namespace replayssm::service

@@ -98,11 +98,18 @@ Metrics::Metrics()
                          .Name("replayssm_dedup_replays_total")
                          .Help("Retried requests answered from the request-id log")
                          .Register(*registry_)
+                         .Add({})),
+      slot_expiries_(prometheus::BuildCounter()
+                         .Name("replayssm_slot_expiries_total")
+                         .Help("Live slots freed because no call used them for --slot-ttl")
+                         .Register(*registry_)
                          .Add({})) {}
 
 void Metrics::CountRpc(absl::string_view method, grpc::StatusCode code) {
   rpcs_.Add({{"method", std::string(method)}, {"code", CodeName(code)}}).Increment();
 }
+
+void Metrics::CountSlotExpiry() { slot_expiries_.Increment(); }
 
 void Metrics::ObserveForward(double seconds, int32_t batch) {
   forward_seconds_.Observe(seconds);

@@ -39,6 +39,7 @@ class Metrics {
   void ObserveKernel(absl::string_view op, double seconds);
   void AddBytes(int64_t received, int64_t sent);
   void CountDedupReplay();
+  void CountSlotExpiry();  // a slot freed by its lease (--slot-ttl)
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -49,6 +50,7 @@ class Metrics {
   prometheus::Counter& received_bytes_;
   prometheus::Counter& sent_bytes_;
   prometheus::Counter& dedup_replays_;
+  prometheus::Counter& slot_expiries_;
 };
 
 // Gauges owned by the service, sampled at scrape time.

@@ -1,5 +1,6 @@
 #include "service/operations.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,7 +39,7 @@ absl::Status Timed(Metrics* metrics, absl::string_view op, F&& f) {
 absl::Status Operations::Once(absl::string_view method, const std::string& request_id,
                               const google::protobuf::Message& key, google::protobuf::Message* resp,
                               absl::FunctionRef<absl::Status()> apply) {
-  if (request_id.empty()) return FieldError("request_id", "a non-empty id", "\"\"");
+  if (absl::Status s = ctx_->requests->CheckId(request_id); !s.ok()) return s;
   RequestLog::Claim claim =
       ctx_->requests->Begin(method, request_id, Fingerprint(key.SerializeAsString()));
   switch (claim.outcome) {
@@ -107,6 +108,9 @@ absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
   resp->set_max_prefill_tokens(ctx_->limits.max_prefill_tokens);
   resp->set_max_message_bytes(ctx_->limits.max_message_bytes);
   resp->set_dedup_window(ctx_->requests->max_entries());
+  resp->set_max_request_id_bytes(static_cast<int32_t>(ctx_->requests->max_id_bytes()));
+  resp->set_max_import_tokens(ctx_->limits.max_import_tokens);
+  resp->set_slot_ttl_seconds(absl::ToDoubleSeconds(ctx_->slot_ttl));
   resp->set_version(kVersion);
   return absl::OkStatus();
 }
@@ -156,17 +160,40 @@ absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateRe
 }
 
 absl::Status Operations::Free(const v1::FreeRequest& req, v1::FreeResponse* resp) {
-  return Once("Free", req.request_id(), req, resp,
-              [&] { return ctx_->cache->Free(ctx_->slots.FromWire(req.slot())); });
+  return Once("Free", req.request_id(), req, resp, [&] {
+    const cache::SlotId slot = ctx_->slots.FromWire(req.slot());
+    absl::Status s = ctx_->cache->Free(slot);
+    if (s.ok()) ctx_->slots.Forget(slot);
+    return s;
+  });
 }
 
 absl::Status Operations::GetSlot(const v1::GetSlotRequest& req, v1::GetSlotResponse* resp) const {
   return SlotStateOf(req.slot(), resp->mutable_state());
 }
 
+absl::Status Operations::ListSlots(v1::ListSlotsResponse* resp) const {
+  std::vector<SlotHandles::Issued> issued = ctx_->slots.handles()->List();
+  std::sort(issued.begin(), issued.end(),
+            [](const auto& a, const auto& b) { return a.handle < b.handle; });
+  const absl::Time now = absl::Now();
+  for (const SlotHandles::Issued& e : issued) {
+    absl::StatusOr<cache::SlotInfo> info = ctx_->cache->Info(e.slot);  // not a use
+    if (!info.ok()) continue;  // freed since (its handle is replaced or forgotten soon)
+    v1::SlotListing* l = resp->add_slots();
+    l->mutable_state()->set_slot(e.handle);
+    l->mutable_state()->set_seq_len(info->seq_len);
+    l->mutable_state()->set_write_pos(info->write_pos);
+    l->mutable_state()->set_pending_drafts(info->pending_drafts);
+    l->set_idle_seconds(absl::ToDoubleSeconds(now - e.last_use));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse* resp) {
   if (ctx_->gate->draining()) return Draining();
   const cache::ModelSpec& m = ctx_->cache->model();
+  if (absl::Status s = CheckImportTokens(req.tokens_size(), ctx_->limits); !s.ok()) return s;
   if (req.checkpoints_size() != m.num_layers) {
     return FieldError("checkpoints", absl::StrCat(m.num_layers, " layers"),
                       absl::StrCat(req.checkpoints_size()));
@@ -242,7 +269,8 @@ absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillRespo
 }
 
 absl::Status Operations::Decode(const v1::DecodeRequest& req, v1::DecodeResponse* resp) {
-  absl::Status s = CheckRows(req.rows(), ctx_->limits);
+  absl::Status s = ctx_->requests->CheckId(req.request_id());
+  if (s.ok()) s = CheckRows(req.rows(), ctx_->limits);
   if (s.ok()) s = CheckAllLayers(req.layers(), ctx_->cache->model(), req.rows_size());
   if (!s.ok()) return s;
   ForwardSession session(ctx_);
@@ -322,8 +350,12 @@ absl::Status Operations::MatchPrefix(const v1::MatchPrefixRequest& req,
 }
 
 absl::Status Operations::Donate(const v1::DonateRequest& req, v1::DonateResponse* resp) {
-  return Once("Donate", req.request_id(), req, resp,
-              [&] { return ctx_->cache->Donate(ctx_->slots.FromWire(req.slot())); });
+  return Once("Donate", req.request_id(), req, resp, [&] {
+    const cache::SlotId slot = ctx_->slots.FromWire(req.slot());
+    absl::Status s = ctx_->cache->Donate(slot);
+    if (s.ok()) ctx_->slots.Forget(slot);  // the handle is released with the slot
+    return s;
+  });
 }
 
 }  // namespace replayssm::service

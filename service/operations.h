@@ -24,6 +24,7 @@ class Operations {
   absl::Status Allocate(const v1::AllocateRequest& req, v1::AllocateResponse* resp);
   absl::Status Free(const v1::FreeRequest& req, v1::FreeResponse* resp);
   absl::Status GetSlot(const v1::GetSlotRequest& req, v1::GetSlotResponse* resp) const;
+  absl::Status ListSlots(v1::ListSlotsResponse* resp) const;
   absl::Status Import(const v1::ImportRequest& req, v1::ImportResponse* resp);
   absl::Status Export(const v1::ExportRequest& req, v1::ExportResponse* resp);
   absl::Status Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp);

@@ -1,5 +1,7 @@
 #include "service/replayssm_service.h"
 
+#include <string>
+
 #include "service/forward_session.h"
 #include "service/status_map.h"
 
@@ -14,6 +16,12 @@ class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
  public:
   explicit DecodeStreamReactor(const ServiceContext* ctx) : ctx_(ctx), session_(ctx) {
+    const absl::Status admitted = ctx_->streams->Open();
+    if (!admitted.ok()) {
+      Done(admitted);
+      return;
+    }
+    counted_ = true;
     StartRead(&request_);
   }
 
@@ -28,10 +36,14 @@ class DecodeStreamReactor final
     if (!ok) return Done(absl::CancelledError("decode stream: write failed"));
     StartRead(&request_);
   }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (counted_) ctx_->streams->Close();
+    delete this;
+  }
 
  private:
   absl::Status Handle() {
+    if (absl::Status s = CheckRequestId(); !s.ok()) return s;
     switch (request_.msg_case()) {
       case v1::DecodeStreamRequest::kBegin:
         return session_.Begin(request_.begin(), response_.mutable_begun());
@@ -48,6 +60,22 @@ class DecodeStreamReactor final
             "msg: expected begin, prefill_begin, verify_begin, layer or commit, got none");
     }
   }
+  // A begin's request id, checked for length before the session keeps it
+  // (--max-request-id-bytes); the session refuses an empty one after checking the order.
+  absl::Status CheckRequestId() const {
+    switch (request_.msg_case()) {
+      case v1::DecodeStreamRequest::kBegin:
+        return CheckId(request_.begin().request_id(), "begin.request_id");
+      case v1::DecodeStreamRequest::kPrefillBegin:
+        return CheckId(request_.prefill_begin().request_id(), "prefill_begin.request_id");
+      case v1::DecodeStreamRequest::kVerifyBegin:
+        return CheckId(request_.verify_begin().request_id(), "verify_begin.request_id");
+      default: return absl::OkStatus();
+    }
+  }
+  absl::Status CheckId(const std::string& id, absl::string_view field) const {
+    return id.empty() ? absl::OkStatus() : ctx_->requests->CheckId(id, field);
+  }
   void Done(const absl::Status& status) {
     session_.Abandon();
     ctx_->metrics->CountRpc("DecodeStream", ToGrpcStatus(status).error_code());
@@ -55,6 +83,7 @@ class DecodeStreamReactor final
   }
 
   const ServiceContext* ctx_;
+  bool counted_ = false;  // holds one of --max-streams
   ForwardSession session_;
   v1::DecodeStreamRequest request_;
   v1::DecodeStreamResponse response_;
@@ -100,6 +129,12 @@ grpc::ServerUnaryReactor* ReplaySsmService::GetSlot(grpc::CallbackServerContext*
                                                     const v1::GetSlotRequest* req,
                                                     v1::GetSlotResponse* resp) {
   return Reply(c, "GetSlot", ops_.GetSlot(*req, resp));
+}
+
+grpc::ServerUnaryReactor* ReplaySsmService::ListSlots(grpc::CallbackServerContext* c,
+                                                      const v1::ListSlotsRequest*,
+                                                      v1::ListSlotsResponse* resp) {
+  return Reply(c, "ListSlots", ops_.ListSlots(resp));
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Import(grpc::CallbackServerContext* c,

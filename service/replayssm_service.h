@@ -27,6 +27,9 @@ class ReplaySsmService final : public v1::ReplaySsm::CallbackService {
                                  v1::FreeResponse* resp) override;
   grpc::ServerUnaryReactor* GetSlot(grpc::CallbackServerContext* c, const v1::GetSlotRequest* req,
                                     v1::GetSlotResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSlots(grpc::CallbackServerContext* c,
+                                      const v1::ListSlotsRequest* req,
+                                      v1::ListSlotsResponse* resp) override;
   grpc::ServerUnaryReactor* Import(grpc::CallbackServerContext* c, const v1::ImportRequest* req,
                                    v1::ImportResponse* resp) override;
   grpc::ServerUnaryReactor* Export(grpc::CallbackServerContext* c, const v1::ExportRequest* req,

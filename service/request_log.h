@@ -6,6 +6,10 @@
 // Protocol: Begin() an id before applying; then Complete() with the reply on success or
 // Release() on failure (a failed call changed nothing, so its retry must run again).
 //
+// Memory: every id is at most max_id_bytes() long (CheckId, which every handler that takes a
+// request id calls first), and the byte bound counts each kept entry's key (method + id, held
+// twice: the map and the LRU list) and a fixed overhead besides its reply.
+//
 // Thread safety: all methods are thread-safe.
 #ifndef REPLAYSSM_SERVICE_REQUEST_LOG_H_
 #define REPLAYSSM_SERVICE_REQUEST_LOG_H_
@@ -16,6 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 
@@ -38,7 +43,18 @@ class RequestLog {
     std::string reply;
   };
 
-  RequestLog(int64_t max_entries, int64_t max_bytes);
+  // The host bytes an entry costs besides its key and reply (map slot, list node, strings).
+  static constexpr int64_t kEntryOverhead = 128;
+
+  RequestLog(int64_t max_entries, int64_t max_bytes, int64_t max_id_bytes = 128);
+
+  // INVALID_ARGUMENT naming `field` unless `id` is 1..max_id_bytes() bytes long: the one check
+  // of request-id length (--max-request-id-bytes); ids are kept here, in the transfer
+  // manager and on slots being moved.
+  absl::Status CheckId(absl::string_view id, absl::string_view field = "request_id") const;
+  // A peer's transfer id: the sender's request id plus its attempt suffix ("#nonce.n").
+  absl::Status CheckTransferId(absl::string_view id) const;
+  static constexpr int64_t kTransferIdSuffix = 64;
 
   Claim Begin(absl::string_view method, absl::string_view request_id, uint64_t fingerprint);
   void Complete(absl::string_view method, absl::string_view request_id, std::string reply);
@@ -49,6 +65,12 @@ class RequestLog {
 
   int64_t max_entries() const { return max_entries_; }
   int64_t max_bytes() const { return max_bytes_; }
+  int64_t max_id_bytes() const { return max_id_bytes_; }
+  // Bytes the kept entries count against max_bytes() now.
+  int64_t bytes() const {
+    absl::MutexLock lock(&mutex_);
+    return bytes_;
+  }
 
  private:
   struct Entry {
@@ -56,6 +78,7 @@ class RequestLog {
     bool retained = true;
     uint64_t fingerprint = 0;
     std::string reply;
+    int64_t cost = 0;                      // what it counts in bytes_ (done entries)
     std::list<std::string>::iterator lru;  // position in lru_ (done entries only)
   };
   void CompleteLocked(const std::string& key, std::string reply, bool retained)
@@ -64,7 +87,8 @@ class RequestLog {
 
   const int64_t max_entries_;
   const int64_t max_bytes_;
-  absl::Mutex mutex_;
+  const int64_t max_id_bytes_;
+  mutable absl::Mutex mutex_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mutex_);
   std::list<std::string> lru_ ABSL_GUARDED_BY(mutex_);  // done keys, most recent first
   int64_t bytes_ ABSL_GUARDED_BY(mutex_) = 0;

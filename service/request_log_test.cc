@@ -1,5 +1,6 @@
 #include "service/request_log.h"
 
+#include <cstdint>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -48,15 +49,45 @@ TEST(RequestLog, LeastRecentlyUsedIdsAreForgottenBeyondTheEntryBound) {
 }
 
 TEST(RequestLog, TheByteBoundEvictsAndAnOversizedReplyIsNotRetained) {
-  RequestLog log(100, 10);
+  // An entry costs its reply, its key ("M/a") twice and the fixed overhead: 140 bytes here.
+  const int64_t entry = 6 + 2 * 3 + RequestLog::kEntryOverhead;
+  RequestLog log(100, 2 * entry - 1);
   log.Begin("M", "a", 0);
   log.Complete("M", "a", std::string(6, 'x'));
   log.Begin("M", "b", 0);
-  log.Complete("M", "b", std::string(6, 'y'));  // 12 bytes > 10: a goes
+  log.Complete("M", "b", std::string(6, 'y'));  // 2 entries > the bound: a goes
   EXPECT_EQ(log.Begin("M", "a", 0).outcome, Outcome::kNew);
   log.Begin("M", "big", 0);
-  log.Complete("M", "big", std::string(11, 'z'));
+  log.Complete("M", "big", std::string(2 * entry, 'z'));
   EXPECT_EQ(log.Begin("M", "big", 0).outcome, Outcome::kNotRetained);
+}
+
+// Ids cost memory too: 4 MiB ids used to be kept beyond --dedup-bytes, uncounted.
+TEST(RequestLog, KeptIdsCountAgainstTheByteBound) {
+  RequestLog log(1000, 10000, 4096);
+  const std::string id(1000, 'x');
+  for (int i = 0; i < 20; ++i) {
+    const std::string k = id + std::to_string(i);
+    ASSERT_EQ(log.Begin("Allocate", k, 1).outcome, Outcome::kNew);
+    log.Complete("Allocate", k, "r");
+    EXPECT_LE(log.bytes(), 10000);
+  }
+  EXPECT_GT(log.bytes(), 8000);
+  EXPECT_EQ(log.Begin("Allocate", id + "0", 1).outcome, Outcome::kNew) << "evicted by bytes";
+  EXPECT_EQ(log.Begin("Allocate", id + "19", 1).outcome, Outcome::kReplay);
+}
+
+TEST(RequestLog, CheckIdRefusesEmptyAndLongIdsNamingTheField) {
+  RequestLog log(8, 1 << 20, 4);
+  EXPECT_TRUE(log.CheckId("abcd").ok());
+  EXPECT_EQ(log.CheckId("abcde").message(),
+            "request_id: expected a non-empty id of at most 4 bytes (--max-request-id-bytes), "
+            "got 5 bytes");
+  EXPECT_EQ(log.CheckId("", "begin.request_id").message(),
+            "begin.request_id: expected a non-empty id of at most 4 bytes "
+            "(--max-request-id-bytes), got \"\"");
+  EXPECT_TRUE(log.CheckTransferId(std::string(4 + RequestLog::kTransferIdSuffix, 't')).ok());
+  EXPECT_FALSE(log.CheckTransferId(std::string(5 + RequestLog::kTransferIdSuffix, 't')).ok());
 }
 
 }  // namespace

@@ -4,8 +4,8 @@
 #include <cstdlib>
 #include <exception>
 #include <limits>
-#include <random>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -17,12 +17,15 @@
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/state_cache.h"
 #include "service/hf_config.h"
+#include "service/malformed_requests.h"
 #include "service/metrics.h"
 #include "service/regions_service.h"
 #include "service/replayssm_service.h"
-#include "service/transfer_service.h"
 #include "service/request_log.h"
 #include "service/service_context.h"
+#include "service/slot_handles.h"
+#include "service/slot_leases.h"
+#include "service/transfer_service.h"
 
 namespace replayssm::service {
 
@@ -86,11 +89,14 @@ std::string HostOf(const std::string& address) {
 
 class ServerImpl final : public Server {
  public:
-  ServerImpl(const ServerOptions& options, Device device, std::unique_ptr<cache::StateCache> cache)
+  ServerImpl(const ServerOptions& options, Device device, std::unique_ptr<SlotHandles> handles,
+             std::unique_ptr<cache::StateCache> cache)
       : options_(options),
         device_(std::move(device)),
+        handles_(std::move(handles)),
         cache_(std::move(cache)),
-        requests_(options.dedup_entries, options.dedup_bytes),
+        requests_(options.dedup_entries, options.dedup_bytes, options.max_request_id_bytes),
+        streams_(options.max_streams),
         regions_(device_.backend,
                  cache::RegionLimits{options.max_regions,
                                      static_cast<uint64_t>(options.max_region_bytes)}) {
@@ -99,11 +105,18 @@ class ServerImpl final : public Server {
     ctx_.requests = &requests_;
     ctx_.metrics = &metrics_;
     ctx_.gate = &gate_;
-    ctx_.slots = SlotCodec(static_cast<uint32_t>(std::random_device{}()));
-    ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes};
+    ctx_.streams = &streams_;
+    ctx_.slots = SlotCodec(handles_.get());
+    ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes,
+                   options.max_import_tokens};
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
+    ctx_.slot_ttl = options.slot_ttl;
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
+    if (options.slot_ttl > absl::ZeroDuration()) {
+      leases_ = std::make_unique<SlotLeases>(cache_.get(), handles_.get(), options.slot_ttl,
+                                             [this] { metrics_.CountSlotExpiry(); });
+    }
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
     regions_service_ = std::make_unique<RegionsService>(&ctx_);
   }
@@ -137,6 +150,9 @@ class ServerImpl final : public Server {
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
     builder.SetMaxSendMessageSize(-1);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> hooks;
+    hooks.push_back(MalformedRequestsFactory(&metrics_));
+    builder.experimental().SetInterceptorCreators(std::move(hooks));
     builder.RegisterService(service_.get());
     builder.RegisterService(transfers_.get());
     builder.RegisterService(regions_service_.get());
@@ -190,12 +206,15 @@ class ServerImpl final : public Server {
 
   const ServerOptions options_;
   const Device device_;
+  std::unique_ptr<SlotHandles> handles_;  // before cache_: the cache names slots through it
   std::unique_ptr<cache::StateCache> cache_;
   RequestLog requests_;
+  StreamLimit streams_;
   cache::RegionTable regions_;  // leases held by open forwards keep their mappings alive
   Metrics metrics_;
   ForwardGate gate_;
   ServiceContext ctx_;
+  std::unique_ptr<SlotLeases> leases_;  // --slot-ttl; stopped before the cache goes
   std::unique_ptr<ReplaySsmService> service_;
   std::unique_ptr<RegionsService> regions_service_;
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
@@ -208,7 +227,32 @@ class ServerImpl final : public Server {
 
 }  // namespace
 
+namespace {
+
+// The resource bounds (docs/operations.md, "Security and resource bounds"): each must allow
+// some work, and request ids must stay small enough to keep.
+absl::Status CheckBounds(const ServerOptions& o) {
+  const struct {
+    const char* flag;
+    int64_t value, min, max;
+  } bounds[] = {
+      {"--max-request-id-bytes", o.max_request_id_bytes, 1, 65536},
+      {"--max-import-tokens", o.max_import_tokens, 1, std::numeric_limits<int32_t>::max()},
+      {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
+  };
+  for (const auto& b : bounds) {
+    if (b.value < b.min || b.value > b.max) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(b.flag, ": expected ", b.min, "..", b.max, ", got ", b.value));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (absl::Status s = CheckBounds(options); !s.ok()) return s;
   absl::StatusOr<Device> device = ResolveDevice(options.device);
   if (!device.ok()) return device.status();
   absl::StatusOr<cache::ModelSpec> model = LoadModel(options);
@@ -219,10 +263,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.track_interval = options.track_interval;
   cache_options.max_batch = options.max_batch;
   cache_options.max_prefill_tokens = options.max_prefill_tokens;
+  auto handles = std::make_unique<SlotHandles>();
+  cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };
   absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =
       cache::StateCache::Create(*std::move(model), cache_options);
   if (!cache.ok()) return cache.status();
-  auto server = std::make_unique<ServerImpl>(options, *std::move(device), *std::move(cache));
+  auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
+                                             *std::move(cache));
   absl::Status s = server->StartTransfers();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;

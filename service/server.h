@@ -29,7 +29,11 @@ struct ServerOptions {
   int64_t max_message_bytes = int64_t{64} << 20;     // larger requests: RESOURCE_EXHAUSTED
   int64_t dedup_entries = 4096;                      // request ids remembered ...
   int64_t dedup_bytes = int64_t{256} << 20;          // ... and their replies' bytes at most
+  int32_t max_request_id_bytes = 128;                // longer request ids: INVALID_ARGUMENT
+  int64_t max_import_tokens = int64_t{1} << 20;      // tokens an Import or a transfer brings
+  int32_t max_streams = 1024;                        // open DecodeStream streams at once
   int32_t max_regions = 64;                          // registered memory regions at once
+  absl::Duration slot_ttl = absl::ZeroDuration();    // idle live slots expire; 0 = never
   int64_t max_region_bytes = int64_t{64} << 30;      // their bytes together (mapped, not owned)
   absl::Duration forward_timeout = absl::Seconds(10);  // a doorbell forward, begin to commit
   absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this

@@ -3,32 +3,37 @@
 #ifndef REPLAYSSM_SERVICE_SERVICE_CONTEXT_H_
 #define REPLAYSSM_SERVICE_SERVICE_CONTEXT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/regions.h"
 #include "replayssm/cache/state_cache.h"
 #include "service/metrics.h"
 #include "service/request_log.h"
+#include "service/slot_handles.h"
 
 namespace replayssm::service {
 
-// Slot handles on the wire are the cache's ids with the generation half XORed with a random
-// per-instance salt: a handle from another server instance (or a made-up one) maps to a
-// generation the cache has never issued, so it is NOT_FOUND instead of silently addressing
-// someone else's slot. 0 stays 0 (padding); a real id never maps to 0 (salt's top bit set).
+// The wire face of the server's SlotHandles (slot_handles.h), a value so that handlers write
+// ctx->slots.FromWire(h): random 64-bit handles, errors naming them, never the cache's ids.
 class SlotCodec {
  public:
-  explicit SlotCodec(uint32_t salt) : salt_(static_cast<uint64_t>(salt | 0x80000000u) << 32) {}
-  uint64_t ToWire(cache::SlotId id) const { return id == 0 ? 0 : id ^ salt_; }
-  cache::SlotId FromWire(uint64_t handle) const { return handle == 0 ? 0 : handle ^ salt_; }
+  SlotCodec() = default;
+  explicit SlotCodec(SlotHandles* handles) : handles_(handles) {}
+  uint64_t ToWire(cache::SlotId id) const { return handles_->ToWire(id); }
+  cache::SlotId FromWire(uint64_t handle) const { return handles_->FromWire(handle); }
+  // The slot was freed, donated or moved away: its handle stops working.
+  void Forget(cache::SlotId id) const { handles_->Forget(id); }
+  SlotHandles* handles() const { return handles_; }
 
  private:
-  uint64_t salt_;
+  SlotHandles* handles_ = nullptr;
 };
 
 // Counts open forwards (decode, verify, prefill) and refuses new ones once draining.
@@ -99,6 +104,35 @@ struct ServiceLimits {
   int32_t max_batch = 256;
   int32_t max_prefill_tokens = 1 << 16;
   int64_t max_message_bytes = 64 << 20;
+  int64_t max_import_tokens = 1 << 20;  // the history an Import or a transfer brings
+};
+
+// INVALID_ARGUMENT naming `tokens` when an imported history is longer than the limit: the
+// cache keeps every slot's tokens in host memory.
+inline absl::Status CheckImportTokens(int64_t tokens, const ServiceLimits& limits) {
+  if (tokens <= limits.max_import_tokens) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ",
+                                                 limits.max_import_tokens,
+                                                 " tokens (--max-import-tokens), got ", tokens));
+}
+
+// Open DecodeStream streams against --max-streams. Thread-safe.
+class StreamLimit {
+ public:
+  explicit StreamLimit(int32_t max) : max_(max) {}
+  // RESOURCE_EXHAUSTED when `max` streams are open; else counts one more.
+  absl::Status Open() {
+    if (open_.fetch_add(1) < max_) return absl::OkStatus();
+    open_.fetch_sub(1);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "DecodeStream: ", max_, " streams are open, the limit (--max-streams); close one"));
+  }
+  void Close() { open_.fetch_sub(1); }
+  int32_t open() const { return open_.load(); }
+
+ private:
+  const int32_t max_;
+  std::atomic<int32_t> open_{0};
 };
 
 struct ServiceContext {
@@ -107,11 +141,13 @@ struct ServiceContext {
   RequestLog* requests = nullptr;
   Metrics* metrics = nullptr;
   ForwardGate* gate = nullptr;
-  SlotCodec slots{0};
+  StreamLimit* streams = nullptr;  // open DecodeStream streams
+  SlotCodec slots;                 // the server's handle table
   ServiceLimits limits;
   std::string backend_name;  // "cpu", "cuda:0"
   bool mps = false;          // CUDA work goes through MPS (docs/data-plane.md)
   absl::Duration forward_timeout = absl::Seconds(10);  // a planned forward, begin to commit
+  absl::Duration slot_ttl = absl::ZeroDuration();      // leases (slot_leases.h); 0 = off
 };
 
 }  // namespace replayssm::service

@@ -239,23 +239,26 @@ void TransferService::CountFailure(const absl::Status& status) {
 grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerContext* c,
                                                         const v1::TransferSlotRequest* req,
                                                         v1::TransferSlotResponse* resp) {
-  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address()); !st.ok()) {
-    return Reply(c, "TransferSlot", st);
-  }
+  absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+  if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
+  if (!st.ok()) return Reply(c, "TransferSlot", st);
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-  manager_->Transfer({req->request_id(), ctx_->slots.FromWire(req->slot()), req->peer_address(),
-                      req->keep_source()},
-                     [this, reactor, resp](const absl::StatusOr<transfer::SendResult>& r) {
-                       if (r.ok()) {
-                         resp->set_remote_slot(r->remote_slot);
-                         resp->set_seq_len(r->seq_len);
-                         resp->set_bytes(r->bytes);
-                         resp->set_seconds(r->seconds);
-                       } else {
-                         CountFailure(r.status());
-                       }
-                       Finish(reactor, "TransferSlot", r.status());
-                     });
+  const cache::SlotId slot = ctx_->slots.FromWire(req->slot());
+  const bool keep = req->keep_source();
+  manager_->Transfer(
+      {req->request_id(), slot, req->peer_address(), keep},
+      [this, reactor, resp, slot, keep](const absl::StatusOr<transfer::SendResult>& r) {
+        if (r.ok()) {
+          if (!keep) ctx_->slots.Forget(slot);  // the source slot was freed
+          resp->set_remote_slot(r->remote_slot);
+          resp->set_seq_len(r->seq_len);
+          resp->set_bytes(r->bytes);
+          resp->set_seconds(r->seconds);
+        } else {
+          CountFailure(r.status());
+        }
+        Finish(reactor, "TransferSlot", r.status());
+      });
   return reactor;
 }
 
@@ -267,9 +270,9 @@ void TransferService::set_self_address(const std::string& address) {
 grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext* c,
                                                     const v1::PullSlotRequest* req,
                                                     v1::PullSlotResponse* resp) {
-  if (absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address()); !st.ok()) {
-    return Reply(c, "PullSlot", st);
-  }
+  absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+  if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
+  if (!st.ok()) return Reply(c, "PullSlot", st);
   std::string self = req->self_address();
   if (self.empty()) {
     absl::MutexLock lock(&mu_);
@@ -320,6 +323,9 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerContext* c,
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
+  if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
+    return Reply(c, "ReserveTransfer", st);
+  }
   absl::StatusOr<transfer::Reservation> r =
       receiver_->Reserve(req->transfer_id(), FromProto(req->format()), req->seq_len(),
                          req->checksum_version(), absl::Milliseconds(req->budget_ms()));
@@ -338,6 +344,9 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
 grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
                                                           const v1::CommitTransferRequest* req,
                                                           v1::CommitTransferResponse* resp) {
+  absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id());
+  if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
+  if (!st.ok()) return Reply(c, "CommitTransfer", st);
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
   absl::StatusOr<cache::SlotId> slot =
       receiver_->Commit(req->transfer_id(), tokens, req->checksum());
@@ -352,6 +361,9 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerContext* c,
                                                          const v1::AbortTransferRequest* req,
                                                          v1::AbortTransferResponse* resp) {
+  if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
+    return Reply(c, "AbortTransfer", st);
+  }
   const transfer::Decision d = receiver_->Abort(req->transfer_id());
   resp->set_committed(d.committed);
   if (d.committed) {

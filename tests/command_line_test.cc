@@ -230,5 +230,34 @@ TEST(CommandLine, TransferBenchSaysWhenUcxPerftestPrintsNoBandwidth) {
       "printed no \"Final:\" bandwidth (exit status 0; last line: '" + garbage + "')");
 }
 
+// A model config.json of wrong types or missing keys stops the server with exit 1 and a
+// message naming the key (a string where a number belongs used to abort it with SIGABRT).
+TEST(CommandLine, ServerExitsNamingTheKeyOfABadModelConfig) {
+  const std::string gdn = R"("linear_num_key_heads": 2, "linear_num_value_heads": 4,
+      "linear_key_head_dim": 32, "linear_value_head_dim": 32)";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{" + gdn + R"(, "num_hidden_layers": 8, "full_attention_interval": "4"})",
+       "full_attention_interval: expected an integer in 0..2147483647, got a string \"4\""},
+      {"{" + gdn + "}", "num_hidden_layers: expected an integer in 1..2147483647, got nothing"},
+      {"{" + gdn + R"(, "layer_types": [1, 2]})", "layer_types[0]: expected a string"},
+      {R"({"linear_attn_config": "kda"})", "linear_attn_config: expected an object"},
+      {R"({"linear_attn_config": {"num_heads": 2, "head_dim": 32}})",
+       "linear_attn_config.kda_layers: expected a list, got nothing"},
+  };
+  const std::string dir = ::testing::TempDir() + "/bad-model-config";
+  mkdir(dir.c_str(), 0755);
+  const std::string config = dir + "/config.json";
+  for (const auto& [json, message] : cases) {
+    std::ofstream(config) << json;
+    const Outcome o = RunBinary(
+        REPLAYSSM_SERVER_BINARY,
+        {"--model=" + config, "--device=cpu", "--grpc-address=127.0.0.1:0", "--metrics-address="});
+    EXPECT_EQ(o.exit_code, 1) << json << "\n" << o.output;  // -1: killed by a signal
+    EXPECT_TRUE(absl::StrContains(o.output, config + ": ")) << o.output;
+    EXPECT_TRUE(absl::StrContains(o.output, message)) << "expected: " << message << "\n"
+                                                      << o.output;
+  }
+}
+
 }  // namespace
 }  // namespace replayssm::testing

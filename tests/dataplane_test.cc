@@ -462,5 +462,21 @@ TEST_F(DataPlaneTest, BadRegionsAreRefusedByFieldAndChangeNothing) {
   EXPECT_NE(out.status().message().find("layer.out"), std::string::npos) << out.status();
 }
 
+class RegionLimitTest : public DataPlaneTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--max-regions=1"};
+  }
+};
+
+// Regions cost mappings and table entries: --max-regions bounds them (issue 21).
+TEST_F(RegionLimitTest, RegionsBeyondMaxRegionsAreResourceExhaustedUntilOneGoes) {
+  const absl::Status refused = client_->RegisterSystemRegion(mem_->Registration("second"));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("the limit (--max-regions) is 1"), std::string::npos) << refused;
+  ASSERT_TRUE(client_->UnregisterRegion("engine").ok());
+  EXPECT_TRUE(client_->RegisterSystemRegion(mem_->Registration("second")).ok());
+}
+
 }  // namespace
 }  // namespace replayssm::testing

@@ -1,7 +1,12 @@
 // Every bad-input class gets its gRPC code, names the field, and changes nothing (the slot's
 // exported state and seq_len are compared before and after).
+#include <algorithm>
 #include <functional>
+#include <future>
+#include <string>
+#include <vector>
 
+#include "grpcpp/generic/generic_stub.h"
 #include "service_fixture.h"
 
 namespace replayssm::testing {
@@ -118,6 +123,87 @@ TEST_F(ErrorsTest, AForeignSlotFromAnotherServerIsNotFound) {
   EXPECT_EQ(RawDecode(req).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(client_->Free(foreign->slot()).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Observe(slot_), before);
+}
+
+// Handles carry 64 random bits: one slot's handle says nothing of another's (the generation-1
+// slots used to share their high half, so a second client found and freed the first's
+// slots), and an error names the handle the caller sent, never the server's internal id.
+TEST_F(ErrorsTest, NeighbouringAndFreedHandlesAreNotFoundAndErrorsEchoTheCallersHandle) {
+  std::vector<uint64_t> live = {slot_, NewSlot(), NewSlot(), NewSlot()};
+  int shared_high = 0;
+  for (size_t i = 1; i < live.size(); ++i) shared_high += (live[i] >> 32) == (slot_ >> 32);
+  EXPECT_LT(shared_high, 3) << "every handle shares slot_'s high half";
+  const uint64_t freed = NewSlot();
+  ASSERT_TRUE(client_->Free(freed).ok());
+  std::vector<uint64_t> guesses = {freed,
+                                   slot_ + 1,
+                                   slot_ - 1,
+                                   slot_ ^ (uint64_t{1} << 32),
+                                   slot_ + (uint64_t{1} << 32),
+                                   (uint64_t{1} << 32) | 1};
+  for (uint64_t index = 0; index < 16; ++index) {  // slot_'s high half, every low index
+    guesses.push_back((slot_ & ~uint64_t{0xffffffff}) | index);
+  }
+  const std::string before = Observe(slot_);
+  for (uint64_t guess : guesses) {
+    if (std::find(live.begin(), live.end(), guess) != live.end()) continue;
+    const std::string handle = std::to_string(guess);
+    const absl::Status freed_status = client_->Free(guess);
+    EXPECT_EQ(freed_status.code(), absl::StatusCode::kNotFound) << handle;
+    EXPECT_NE(freed_status.message().find(handle), std::string::npos) << freed_status;
+    EXPECT_EQ(freed_status.message().find("0x"), std::string::npos) << freed_status;
+    EXPECT_EQ(client_->GetSlot(guess).status().code(), absl::StatusCode::kNotFound) << handle;
+    const grpc::Status decode = RawDecode(Valid({guess}));
+    EXPECT_EQ(decode.error_code(), grpc::StatusCode::NOT_FOUND) << handle;
+    EXPECT_NE(decode.error_message().find("rows[0].slot: expected a live slot id, got " + handle),
+              std::string::npos)
+        << decode.error_message();
+  }
+  for (uint64_t h : live) EXPECT_TRUE(client_->GetSlot(h).ok()) << "a guess freed " << h;
+  EXPECT_EQ(Observe(slot_), before);
+  // A busy slot's error names its handle too.
+  v1::DecodeRequest twice = Valid({slot_, slot_});
+  const grpc::Status dup = RawDecode(twice);
+  EXPECT_EQ(dup.error_message().find("0x"), std::string::npos) << dup.error_message();
+}
+
+// gRPC answers a unary request that does not parse with UNIMPLEMENTED and no text, before any
+// handler runs; the server's interceptor makes it INVALID_ARGUMENT naming the method, counted.
+TEST_F(ErrorsTest, AnUnparseableRequestIsInvalidArgumentWithTextAndCounted) {
+  grpc::GenericStub generic(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  const auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::ClientContext context;
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&context, method, grpc::StubOptions(), &request, &response,
+                      [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    return done.get_future().get();
+  };
+  const std::string truncated(
+      "\x0a\x10"
+      "abc",
+      5);  // field 1: 16 bytes announced, 3 sent
+  const std::string before = Observe(slot_);
+  const grpc::Status allocate = call("/replayssm.v1.ReplaySsm/Allocate", truncated);
+  EXPECT_EQ(allocate.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(allocate.error_message(),
+            "request: expected a serialized replayssm.v1 Allocate request, got bytes that do not "
+            "parse");
+  const grpc::Status free = call("/replayssm.v1.ReplaySsm/Free", std::string("\xff", 1));
+  EXPECT_EQ(free.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << free.error_message();
+  EXPECT_EQ(call("/replayssm.v1.SlotTransfer/TransferSlot", truncated).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // A method that does not exist stays UNIMPLEMENTED.
+  EXPECT_EQ(call("/replayssm.v1.ReplaySsm/NoSuchMethod", "").error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(Observe(slot_), before);
+  auto metrics = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, R"(replayssm_rpcs_total{code="INVALID_ARGUMENT",method="Allocate"})"),
+            1);
+  EXPECT_EQ(Sample(*metrics, R"(replayssm_rpcs_total{code="INVALID_ARGUMENT",method="Free"})"), 1);
 }
 
 TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {

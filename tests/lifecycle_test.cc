@@ -2,7 +2,9 @@
 #include <signal.h>
 
 #include <atomic>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -137,6 +139,62 @@ TEST_F(SmallDedupTest, ARetryWhoseOutputsWereTooLargeToKeepIsNotAppliedTwice) {
   auto again = client_->Allocate("small-reply");  // small replies are still kept
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(client_->Allocate("small-reply")->slot(), again->slot());
+}
+
+TEST_F(LifecycleTest, ListSlotsShowsEveryLiveSlotWithItsCursorsAndIdleTime) {
+  const uint64_t a = NewSlot();
+  Prefill(a, *ref_->NewSequence(), 5);
+  const uint64_t b = NewSlot();
+  const uint64_t freed = NewSlot();
+  ASSERT_TRUE(client_->Free(freed).ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_TRUE(client_->GetSlot(b).ok());  // a use: b's idle time restarts
+  auto list = client_->ListSlots();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->slots_size(), 2) << list->DebugString();
+  for (const v1::SlotListing& l : list->slots()) {
+    EXPECT_NE(l.state().slot(), freed);
+    if (l.state().slot() == a) {
+      EXPECT_EQ(l.state().seq_len(), 5);
+      EXPECT_EQ(l.state().write_pos(), 0);
+      EXPECT_GE(l.idle_seconds(), 0.3);
+    } else {
+      EXPECT_EQ(l.state().slot(), b);
+      EXPECT_EQ(l.state().seq_len(), 0);
+      EXPECT_LT(l.idle_seconds(), 0.3);
+    }
+  }
+}
+
+class SlotLeaseTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override { return {"--slot-ttl=1"}; }
+};
+
+// The slots of a crashed scheduler used to live forever: with --slot-ttl an unused slot is
+// freed after the TTL, and any call naming a handle renews it (listing does not).
+TEST_F(SlotLeaseTest, AnIdleSlotExpiresAfterTheTtlAndUseRenewsIt) {
+  EXPECT_EQ(info_.slot_ttl_seconds(), 1);
+  const uint64_t idle = NewSlot();
+  const uint64_t used = NewSlot();
+  const absl::Time end = absl::Now() + absl::Milliseconds(2500);
+  while (absl::Now() < end) {
+    ASSERT_TRUE(client_->GetSlot(used).ok());
+    ASSERT_TRUE(client_->ListSlots().ok());
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  const absl::Status gone = client_->GetSlot(idle).status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
+  EXPECT_NE(gone.message().find(std::to_string(idle)), std::string::npos) << gone;
+  EXPECT_TRUE(client_->GetSlot(used).ok());
+  auto list = client_->ListSlots();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->slots_size(), 1);
+  EXPECT_EQ(list->slots(0).state().slot(), used);
+  auto metrics = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, "replayssm_slot_expiries_total"), 1);
+  EXPECT_EQ(Sample(*metrics, R"(replayssm_slots{state="live"})"), 1);
 }
 
 TEST_F(LifecycleTest, ConcurrentClientsOnDisjointSlotsAllMatchTheReference) {

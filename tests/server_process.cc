@@ -74,6 +74,18 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   return absl::DeadlineExceededError("replayssm-server did not become ready");
 }
 
+absl::StatusOr<int64_t> ServerProcess::ResidentBytes() const {
+  std::ifstream in(absl::StrCat("/proc/", pid_, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!absl::StartsWith(line, "VmRSS:")) continue;
+    int64_t kib = 0;
+    std::istringstream fields(line.substr(6));
+    if (fields >> kib) return kib * 1024;
+  }
+  return absl::NotFoundError(absl::StrCat("/proc/", pid_, "/status: no VmRSS"));
+}
+
 ServerProcess::~ServerProcess() {
   if (pid_ > 0) {
     kill(pid_, SIGKILL);

@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,8 @@ class ServerProcess {
   void Signal(int sig);
   // The exit status (WEXITSTATUS), or an error when it did not exit within `timeout`.
   absl::StatusOr<int> WaitExit(absl::Duration timeout);
+  // Its resident set size (VmRSS of /proc/PID/status) in bytes.
+  absl::StatusOr<int64_t> ResidentBytes() const;
 
  private:
   pid_t pid_ = -1;

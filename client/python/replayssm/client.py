@@ -143,6 +143,11 @@ class Client:
         """The slot's SlotState (seq_len, write_pos, pending_drafts)."""
         return self._call("GetSlot", self.stub.GetSlot, pb.GetSlotRequest(slot=slot)).state
 
+    def list_slots(self):
+        """Every live slot the server handed out: SlotListing (state, idle_seconds). Renews no
+        lease."""
+        return list(self._call("ListSlots", self.stub.ListSlots, pb.ListSlotsRequest()).slots)
+
     # ---- state import / export ----
 
     def import_state(self, slot, tokens, checkpoints, *, request_id=None):

@@ -48,6 +48,16 @@ class SlotTest(ServerTest):
         with self.assertRaises(replayssm.NotFound):
             self.client.get_slot(alloc.slot)
 
+    def test_list_slots_shows_live_slots_only(self):
+        kept = self.client.allocate().slot
+        freed = self.client.allocate().slot
+        self.client.free(freed)
+        listed = {l.state.slot: l for l in self.client.list_slots()}
+        self.assertIn(kept, listed)
+        self.assertNotIn(freed, listed)
+        self.assertEqual(listed[kept].state.seq_len, 0)
+        self.assertGreaterEqual(listed[kept].idle_seconds, 0.0)
+
 
 class PrefillDecodeTest(ServerTest):
     def test_prefill_outputs_match_the_reference_and_advance_the_slot(self):

@@ -26,7 +26,9 @@
 #define REPLAYSSM_CACHE_STATE_CACHE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -48,6 +50,10 @@ struct CacheOptions {
   int32_t track_interval = 64;  // snapshot every this many tokens in decode; 0 = never
   int32_t max_batch = 256;      // rows per forward / verify
   int32_t max_prefill_tokens = 1 << 16;  // tokens per prefill call
+  // How error messages name a slot (called under the cache's lock: it must not call back into
+  // the cache). Unset: the id in hex. A service that hands out handles of its own names them
+  // here, so that errors never reveal ids.
+  std::function<std::string(SlotId)> slot_name;
 };
 
 // Where the buffers of a LayerIo live.

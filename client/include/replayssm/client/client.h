@@ -122,6 +122,8 @@ class Client {
                                                           std::string request_id = "");
   absl::Status Free(uint64_t slot, std::string request_id = "");
   absl::StatusOr<v1::SlotState> GetSlot(uint64_t slot);
+  // Every live slot the server handed out, with its idle time; renews no lease.
+  absl::StatusOr<v1::ListSlotsResponse> ListSlots();
   absl::StatusOr<v1::SlotState> Import(v1::ImportRequest request);
   absl::StatusOr<v1::ExportResponse> Export(uint64_t slot);
   absl::StatusOr<v1::PrefillResponse> Prefill(v1::PrefillRequest request);

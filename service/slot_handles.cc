@@ -1,0 +1,108 @@
+#include "service/slot_handles.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+
+namespace replayssm::service {
+
+namespace {
+
+uint32_t IndexOf(cache::SlotId id) { return static_cast<uint32_t>(id & 0xffffffffu); }
+
+// 64 bits from the kernel's CSPRNG. getrandom(2) of 8 bytes neither blocks after boot nor
+// returns short; a failure here (no such syscall) leaves the server no safe handle to give.
+uint64_t RandomHandle() {
+  uint64_t h = 0;
+  ssize_t n;
+  do {
+    n = getrandom(&h, sizeof(h), 0);
+  } while (n < 0 && errno == EINTR);
+  if (n != static_cast<ssize_t>(sizeof(h))) std::abort();
+  return h;
+}
+
+}  // namespace
+
+uint64_t SlotHandles::ToWire(cache::SlotId id) {
+  if (id == cache::kPaddingSlot) return 0;
+  absl::MutexLock lock(&mu_);
+  Issued& e = by_index_[IndexOf(id)];
+  if (e.slot == id && e.handle != 0) {
+    e.last_use = absl::Now();
+    return e.handle;
+  }
+  if (e.handle != 0) RetireLocked(e);  // the index's older slot, freed meanwhile
+  uint64_t h = RandomHandle();
+  while (h == 0 || by_handle_.contains(h) || retired_.contains(h)) h = RandomHandle();
+  e = {h, id, absl::Now()};
+  by_handle_[h] = id;
+  return h;
+}
+
+cache::SlotId SlotHandles::FromWire(uint64_t handle) {
+  if (handle == 0) return cache::kPaddingSlot;
+  absl::MutexLock lock(&mu_);
+  auto it = by_handle_.find(handle);
+  if (it != by_handle_.end()) {
+    by_index_[IndexOf(it->second)].last_use = absl::Now();
+    return it->second;
+  }
+  if (auto r = retired_.find(handle); r != retired_.end()) return r->second;
+  const uint32_t n = next_miss_++;
+  const cache::SlotId miss = (static_cast<uint64_t>(n) << 32) | kMissIndex;
+  misses_[n % kMisses] = {handle, miss, absl::InfinitePast()};
+  return miss;
+}
+
+void SlotHandles::Forget(cache::SlotId id) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_index_.find(IndexOf(id));
+  if (it == by_index_.end() || it->second.slot != id) return;
+  RetireLocked(it->second);
+  by_index_.erase(it);
+}
+
+void SlotHandles::RetireLocked(const Issued& e) {
+  by_handle_.erase(e.handle);
+  retired_[e.handle] = e.slot;
+  retired_ids_[e.slot] = e.handle;
+  retired_order_.push_back(e.handle);
+  if (retired_order_.size() <= kRetired) return;
+  auto old = retired_.find(retired_order_.front());
+  retired_ids_.erase(old->second);
+  retired_.erase(old);
+  retired_order_.pop_front();
+}
+
+std::string SlotHandles::Describe(cache::SlotId id) const {
+  absl::MutexLock lock(&mu_);
+  if (IndexOf(id) == kMissIndex) {
+    const Issued& m = misses_[static_cast<uint32_t>(id >> 32) % kMisses];
+    if (m.slot == id) return absl::StrCat(m.handle);
+  } else {
+    auto it = by_index_.find(IndexOf(id));
+    if (it != by_index_.end() && it->second.slot == id) return absl::StrCat(it->second.handle);
+    if (auto r = retired_ids_.find(id); r != retired_ids_.end()) return absl::StrCat(r->second);
+  }
+  return "(a slot without a handle)";
+}
+
+std::vector<SlotHandles::Issued> SlotHandles::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<Issued> out;
+  out.reserve(by_index_.size());
+  for (const auto& [index, e] : by_index_) out.push_back(e);
+  return out;
+}
+
+bool SlotHandles::IdleSince(cache::SlotId id, absl::Time cutoff) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_index_.find(IndexOf(id));
+  return it != by_index_.end() && it->second.slot == id && it->second.last_use <= cutoff;
+}
+
+}  // namespace replayssm::service

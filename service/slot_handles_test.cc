@@ -1,0 +1,71 @@
+#include "service/slot_handles.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace replayssm::service {
+namespace {
+
+constexpr cache::SlotId kSlot = (uint64_t{1} << 32) | 7;  // generation 1, index 7
+
+TEST(SlotHandles, AHandleIsRandomNonZeroAndStableForItsSlot) {
+  SlotHandles h;
+  const uint64_t a = h.ToWire(kSlot);
+  EXPECT_NE(a, 0u);
+  EXPECT_NE(a, kSlot);
+  EXPECT_EQ(h.ToWire(kSlot), a);
+  EXPECT_EQ(h.FromWire(a), kSlot);
+  EXPECT_EQ(h.ToWire(cache::kPaddingSlot), 0u);
+  EXPECT_EQ(h.FromWire(0), cache::kPaddingSlot);
+  SlotHandles other;  // another server: another handle for the same id
+  EXPECT_NE(other.ToWire(kSlot), a);
+}
+
+TEST(SlotHandles, UnknownNeighbourAndForgottenHandlesReachNoSlot) {
+  SlotHandles h;
+  const uint64_t a = h.ToWire(kSlot);
+  for (uint64_t guess : {a + 1, a - 1, a ^ (uint64_t{1} << 32), uint64_t{kSlot}}) {
+    const cache::SlotId id = h.FromWire(guess);
+    EXPECT_NE(id, kSlot) << guess;
+    EXPECT_EQ(id & 0xffffffffu, 0xffffffffu) << "an index no pool has";
+    EXPECT_EQ(h.Describe(id), absl::StrCat(guess)) << "errors name the caller's handle";
+  }
+  h.Forget(kSlot);  // freed: the handle names the dead slot (the cache has a newer generation)
+  EXPECT_EQ(h.FromWire(a), kSlot);
+  EXPECT_EQ(h.Describe(kSlot), absl::StrCat(a));
+  EXPECT_TRUE(h.List().empty());
+  EXPECT_NE(h.ToWire(kSlot + (uint64_t{1} << 32)), a) << "the index's next slot: a new handle";
+}
+
+TEST(SlotHandles, TheNextGenerationOfAnIndexReplacesTheOldHandle) {
+  SlotHandles h;
+  const uint64_t old_handle = h.ToWire(kSlot);
+  const cache::SlotId next = kSlot + (uint64_t{1} << 32);  // freed without Forget, reused
+  const uint64_t new_handle = h.ToWire(next);
+  EXPECT_NE(new_handle, old_handle);
+  EXPECT_EQ(h.FromWire(new_handle), next);
+  EXPECT_EQ(h.FromWire(old_handle), kSlot) << "its own, dead, slot";
+  EXPECT_EQ(h.List().size(), 1u);
+  EXPECT_EQ(h.Describe(next), absl::StrCat(new_handle));
+  EXPECT_EQ(h.Describe(kSlot), absl::StrCat(old_handle));
+  EXPECT_EQ(h.Describe(kSlot + 5), "(a slot without a handle)");  // never the id
+}
+
+TEST(SlotHandles, NamingAHandleRenewsItsLeaseAndListingDoesNot) {
+  SlotHandles h;
+  const uint64_t a = h.ToWire(kSlot);
+  const absl::Time issued = h.List()[0].last_use;
+  EXPECT_TRUE(h.IdleSince(kSlot, issued));
+  EXPECT_EQ(h.List()[0].last_use, issued);
+  absl::SleepFor(absl::Milliseconds(2));
+  EXPECT_EQ(h.FromWire(a), kSlot);
+  EXPECT_FALSE(h.IdleSince(kSlot, issued));
+  EXPECT_FALSE(h.IdleSince(kSlot + (uint64_t{1} << 32), absl::Now()));  // no such handle
+}
+
+}  // namespace
+}  // namespace replayssm::service

@@ -1,0 +1,42 @@
+#include "service/slot_leases.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+
+namespace replayssm::service {
+
+SlotLeases::SlotLeases(cache::StateCache* cache, SlotHandles* handles, absl::Duration ttl,
+                       std::function<void()> on_expiry)
+    : cache_(cache), handles_(handles), ttl_(ttl), on_expiry_(std::move(on_expiry)) {
+  const absl::Duration period = std::clamp(ttl_ / 4, absl::Milliseconds(10), absl::Seconds(1));
+  thread_ = std::thread([this, period] {
+    while (!stop_.WaitForNotificationWithTimeout(period)) ExpireIdle(absl::Now());
+  });
+}
+
+SlotLeases::~SlotLeases() {
+  stop_.Notify();
+  if (thread_.joinable()) thread_.join();
+}
+
+int32_t SlotLeases::ExpireIdle(absl::Time now) {
+  const absl::Time cutoff = now - ttl_;
+  int32_t freed = 0;
+  for (const SlotHandles::Issued& e : handles_->List()) {
+    if (e.last_use > cutoff) continue;
+    // Looked at again right before the free: a call may have named it meanwhile.
+    if (!handles_->IdleSince(e.slot, cutoff)) continue;
+    const absl::Status freed_now = cache_->Free(e.slot);
+    if (absl::IsNotFound(freed_now)) handles_->Forget(e.slot);  // freed by another path
+    if (!freed_now.ok()) continue;  // in use (busy, being moved): the next round tries again
+    handles_->Forget(e.slot);
+    on_expiry_();
+    ++freed;
+  }
+  return freed;
+}
+
+}  // namespace replayssm::service
