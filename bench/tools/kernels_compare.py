@@ -8,6 +8,8 @@
   bench/tools/kernels_compare.py --targets A.json
       per gate, state dtype and batch: baseline µs and % of copy bandwidth, replay µs, % and
       speedup, verify speedup — the numbers the targets (docs/gpu.md) are stated in
+  --peer (first argument, before either form): the peer method's figures (`peer` per case)
+      instead of the graph method's; cases a method did not measure are left out
 
 Standard library only.
 """
@@ -15,12 +17,18 @@ import json
 import sys
 
 
+METHOD = "graph"
+
+
 def load(path):
     with open(path) as f:
         d = json.load(f)
     cases = {}
     for c in d["results"]:
-        cases[(c["gate"], c["state"], c["op"], c["batch"])] = c
+        fig = c.get("peer") if METHOD == "peer" else c
+        if fig is None or fig.get("us_per_step") is None:
+            continue
+        cases[(c["gate"], c["state"], c["op"], c["batch"])] = fig
     return d, cases
 
 
@@ -41,9 +49,13 @@ def compare(paths):
         print(row)
 
 
+def fmt_x(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def targets(path):
     d, cases = load(path)
-    print(f"{path}: copy bandwidth {d['copy_bandwidth_gbps']} GB/s")
+    print(f"{path} ({METHOD} method): copy bandwidth {d['copy_bandwidth_gbps']} GB/s")
     keys = sorted({(g, s, b) for g, s, _, b in cases}, key=lambda k: (k[0], k[1] != "f32", k[2]))
     for g, s, b in keys:
         base, rep, ver = (cases.get((g, s, op, b)) for op in ("baseline", "replay", "verify4"))
@@ -52,13 +64,17 @@ def targets(path):
             parts.append(f"baseline {base['us_per_step']:8.2f} us {base['pct_copy_bw']:5.1f}%")
         if rep:
             parts.append(f"| replay {rep['us_per_step']:8.2f} us {rep['pct_copy_bw']:5.1f}% "
-                         f"{rep['speedup_vs_baseline']:.2f}x")
+                         f"{fmt_x(rep['speedup_vs_baseline'])}")
         if ver:
-            parts.append(f"| verify4 {ver['us_per_step']:8.2f} us {ver['speedup_vs_baseline']:.2f}x")
+            parts.append(f"| verify4 {ver['us_per_step']:8.2f} us "
+                         f"{fmt_x(ver['speedup_vs_baseline'])}")
         print(" ".join(parts))
 
 
 def main(argv):
+    global METHOD
+    if argv and argv[0] == "--peer":
+        METHOD, argv = "peer", argv[1:]
     if len(argv) == 2 and argv[0] == "--targets":
         targets(argv[1])
     elif len(argv) >= 1 and not argv[0].startswith("-"):
