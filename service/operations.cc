@@ -1,6 +1,7 @@
 #include "service/operations.h"
 
 #include <algorithm>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "service/forward_session.h"
+#include "service/planned_forward.h"
 #include "service/status_map.h"
 #include "service/tensors.h"
 
@@ -236,6 +238,29 @@ absl::Status Operations::Export(const v1::ExportRequest& req, v1::ExportResponse
   return absl::OkStatus();
 }
 
+namespace {
+
+// Layer `in`'s memory for a unary forward: its inline bytes (outputs into `output`, when
+// given), or the registered regions it names (outputs written into in.out, which `output`
+// then names); the regions stay leased in `leases` until the call ends.
+absl::StatusOr<cache::LayerIo> UnaryLayerIo(const v1::LayerInput& in, const cache::ModelSpec& m,
+                                            int64_t n, v1::LayerOutput* output,
+                                            const cache::RegionTable& regions,
+                                            std::map<std::string, cache::RegionLease>* leases) {
+  if (!in.mixed_qkv().has_region()) return LayerView(in, m, n, output);
+  absl::StatusOr<cache::LayerIo> io =
+      ResolveLayerRegions(in, absl::StrCat("layers[", in.layer(), "]"), regions, m, n, leases);
+  if (!io.ok() || output == nullptr) return io;
+  output->set_layer(in.layer());
+  v1::Tensor* out = output->mutable_out();
+  out->set_dtype(ToWireDtype(m.shape.act_dtype));
+  for (int64_t d : OutShape(m, n)) out->add_shape(d);
+  *out->mutable_region() = in.out();
+  return io;
+}
+
+}  // namespace
+
 absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp) {
   const cache::ModelSpec& m = ctx_->cache->model();
   const int64_t n = req.tokens_size();
@@ -254,8 +279,12 @@ absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillRespo
   key.set_return_outputs(req.return_outputs());
   return Once("Prefill", req.request_id(), key, resp, [&]() -> absl::Status {
     std::vector<cache::LayerIo> io;
+    std::map<std::string, cache::RegionLease> leases;
     for (const v1::LayerInput& in : req.layers()) {
-      io.push_back(LayerView(in, m, n, req.return_outputs() ? resp->add_layers() : nullptr));
+      absl::StatusOr<cache::LayerIo> l = UnaryLayerIo(
+          in, m, n, req.return_outputs() ? resp->add_layers() : nullptr, *ctx_->regions, &leases);
+      if (!l.ok()) return l.status();
+      io.push_back(*l);
     }
     absl::Status st = Timed(ctx_->metrics, "prefill", [&] {
       return ctx_->cache->Prefill(ctx_->slots.FromWire(req.slot()), Tokens(req.tokens()), io);
@@ -272,6 +301,15 @@ absl::Status Operations::Decode(const v1::DecodeRequest& req, v1::DecodeResponse
   absl::Status s = ctx_->requests->CheckId(req.request_id());
   if (s.ok()) s = CheckRows(req.rows(), ctx_->limits);
   if (s.ok()) s = CheckAllLayers(req.layers(), ctx_->cache->model(), req.rows_size());
+  // Every region range checked before any layer runs (the session resolves them again).
+  for (int l = 0; s.ok() && l < req.layers_size(); ++l) {
+    std::map<std::string, cache::RegionLease> leases;
+    if (req.layers(l).mixed_qkv().has_region()) {
+      s = UnaryLayerIo(req.layers(l), ctx_->cache->model(), req.rows_size(), nullptr,
+                       *ctx_->regions, &leases)
+              .status();
+    }
+  }
   if (!s.ok()) return s;
   ForwardSession session(ctx_);
   v1::DecodeBegin begin;
@@ -318,8 +356,13 @@ absl::Status Operations::Verify(const v1::VerifyRequest& req, v1::VerifyResponse
     std::vector<cache::SlotId> slots;
     for (uint64_t h : req.slots()) slots.push_back(ctx_->slots.FromWire(h));
     std::vector<cache::LayerIo> io;
-    for (const v1::LayerInput& in : req.layers())
-      io.push_back(LayerView(in, m, n, resp->add_layers()));
+    std::map<std::string, cache::RegionLease> leases;
+    for (const v1::LayerInput& in : req.layers()) {
+      absl::StatusOr<cache::LayerIo> l =
+          UnaryLayerIo(in, m, n, resp->add_layers(), *ctx_->regions, &leases);
+      if (!l.ok()) return l.status();
+      io.push_back(*l);
+    }
     absl::Status st = Timed(ctx_->metrics, "verify", [&] {
       return ctx_->cache->Verify(slots, req.num_draft(), Tokens(req.draft_tokens()), io);
     });

@@ -141,11 +141,6 @@ absl::Status CheckAllLayers(const LayerInputs& layers, const cache::ModelSpec& m
     }
     absl::Status s = CheckLayerInput(layers[i], field, model, n);
     if (!s.ok()) return s;
-    if (layers[i].mixed_qkv().has_region()) {
-      return FieldError(absl::StrCat(field, ".mixed_qkv.region"),
-                        "inline data (regions are for DecodeStream layer messages and plans)",
-                        "a region");
-    }
   }
   return absl::OkStatus();
 }

@@ -37,7 +37,8 @@ absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field, int3
 // One layer's inputs for N tokens, its layer index included.
 absl::Status CheckLayerInput(const v1::LayerInput& input, absl::string_view field,
                              const cache::ModelSpec& model, int64_t n);
-// Every layer once, in order (layers[i].layer == i), N tokens each: the unary forms.
+// Every layer once, in order (layers[i].layer == i), N tokens each: the unary forms. Tensors
+// inline or in registered regions (CheckLayerInput's rule per layer).
 absl::Status CheckAllLayers(const LayerInputs& layers, const cache::ModelSpec& model, int64_t n);
 
 // A view of a checked input for the cache. When `output` is given, it is sized to

@@ -237,6 +237,91 @@ TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
   }
 }
 
+TEST_F(DataPlaneTest, UnaryFormsTakeRegionsAndMatchInline) {
+  const uint64_t pa = NewSlot(), pb = NewSlot();  // through regions
+  const uint64_t ia = NewSlot(), ib = NewSlot();  // inline
+  // Every layer's inputs in the region at once, as the unary forms need them up front.
+  const auto to_regions = [&](std::vector<v1::LayerInput> layers) {
+    for (int l = 0; l < num_layers(); ++l) {
+      mem_->Write(layers[l], l);
+      layers[l] = mem_->AsRegions(layers[l], "engine", l);
+    }
+    return layers;
+  };
+  const auto same_outputs = [&](const auto& want, int64_t n, const auto& got) {
+    for (int l = 0; l < num_layers(); ++l) {
+      EXPECT_EQ(mem_->Out(l, OutBytes(n)), want.layers(l).out().data()) << "layer " << l;
+      EXPECT_EQ(got.layers(l).out().region().region(), "engine");
+      EXPECT_TRUE(got.layers(l).out().data().empty());
+    }
+  };
+  // Prefill, 5 tokens, outputs returned.
+  std::vector<v1::LayerInput> layers = Layers(5);
+  v1::PrefillRequest pre;
+  pre.set_slot(ia);
+  for (int t = 0; t < 5; ++t) pre.add_tokens(70 + t);
+  pre.set_return_outputs(true);
+  *pre.mutable_layers() = {layers.begin(), layers.end()};
+  auto want_pre = client_->Prefill(pre);
+  ASSERT_TRUE(want_pre.ok()) << want_pre.status();
+  pre.set_slot(pa);
+  const std::vector<v1::LayerInput> pre_regions = to_regions(layers);
+  *pre.mutable_layers() = {pre_regions.begin(), pre_regions.end()};
+  auto got_pre = client_->Prefill(pre);
+  ASSERT_TRUE(got_pre.ok()) << got_pre.status();
+  same_outputs(*want_pre, 5, *got_pre);
+  EXPECT_EQ(Observe(pa), Observe(ia));
+  // Decode, 2 rows.
+  layers = Layers(2);
+  v1::DecodeRequest dec;
+  for (uint64_t s : {ia, ib}) {
+    v1::DecodeRow* r = dec.add_rows();
+    r->set_slot(s);
+    r->set_token_id(3);
+  }
+  *dec.mutable_layers() = {layers.begin(), layers.end()};
+  auto want_dec = client_->Decode(dec);
+  ASSERT_TRUE(want_dec.ok()) << want_dec.status();
+  dec.mutable_rows(0)->set_slot(pa);
+  dec.mutable_rows(1)->set_slot(pb);
+  const std::vector<v1::LayerInput> dec_regions = to_regions(layers);
+  *dec.mutable_layers() = {dec_regions.begin(), dec_regions.end()};
+  auto got_dec = client_->Decode(dec);
+  ASSERT_TRUE(got_dec.ok()) << got_dec.status();
+  same_outputs(*want_dec, 2, *got_dec);
+  EXPECT_EQ(Observe(pa), Observe(ia));
+  EXPECT_EQ(Observe(pb), Observe(ib));
+  // Verify, 2 drafts per row.
+  layers = Layers(4);
+  v1::VerifyRequest ver;
+  for (uint64_t s : {ia, ib}) ver.add_slots(s);
+  ver.set_num_draft(2);
+  for (int32_t d : {5, 6, 7, 8}) ver.add_draft_tokens(d);
+  *ver.mutable_layers() = {layers.begin(), layers.end()};
+  auto want_ver = client_->Verify(ver);
+  ASSERT_TRUE(want_ver.ok()) << want_ver.status();
+  ver.set_slots(0, pa);
+  ver.set_slots(1, pb);
+  const std::vector<v1::LayerInput> ver_regions = to_regions(layers);
+  *ver.mutable_layers() = {ver_regions.begin(), ver_regions.end()};
+  auto got_ver = client_->Verify(ver);
+  ASSERT_TRUE(got_ver.ok()) << got_ver.status();
+  same_outputs(*want_ver, 4, *got_ver);
+  EXPECT_EQ(InUse("engine"), 0);
+  for (uint64_t s : {pa, pb}) ASSERT_TRUE(client_->Accept(s, 1).ok());
+  // A region out of bounds is refused by field, and the slot does not move.
+  const std::string before = Observe(pa);
+  v1::DecodeRequest bad = dec;
+  bad.clear_request_id();
+  bad.mutable_rows(0)->set_slot(pa);
+  bad.mutable_rows(1)->set_slot(pb);
+  bad.mutable_layers(3)->mutable_a()->mutable_region()->set_offset(1ULL << 40);
+  auto refused = client_->Decode(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("layers[3].a"), std::string::npos) << refused.status();
+  EXPECT_EQ(Observe(pa), before);
+}
+
 TEST_F(DataPlaneTest, LayerMessagesNamingRegionsMatchInline) {
   const std::vector<uint64_t> a = {NewSlot()}, b = {NewSlot()};
   auto stream = client_->OpenStream();

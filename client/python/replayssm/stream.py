@@ -52,6 +52,7 @@ class ForwardStream:
         self.request_id = None  # the id of the last begin
         self.replayed = False  # the last begin's id had been applied: outputs are the stored ones
         self._planned = False  # the open forward is planned: no layer messages
+        self._awaiting = False  # a begin was sent with wait=False; its reply is not read yet
 
     def __enter__(self):
         return self
@@ -65,10 +66,13 @@ class ForwardStream:
                                                     timeout=self._timeout)
 
     def _round_trip(self, request, expect):
+        if request is not None:
+            self._check_not_awaiting()
         if self._call is None:
             raise errors.FailedPrecondition(f"{expect}: no open forward (begin first)",
                                             method="DecodeStream")
-        self._requests.put(request)
+        if request is not None:
+            self._requests.put(request)
         try:
             reply = next(self._call)
         except grpc.RpcError as e:
@@ -88,17 +92,25 @@ class ForwardStream:
         self._call = None
         self._requests = None
         self._planned = False
+        self._awaiting = False
 
-    def begin(self, rows, *, plan=None, request_id=None):
+    def begin(self, rows, *, plan=None, request_id=None, wait=True):
         """Opens a decode forward over rows ((slot, token_id) pairs; slot 0 pads). With `plan`
         (a ForwardPlan) the forward is planned: its next value goes with it. A retry of a
         forward whose commit reply was lost passes the same request_id: the server answers
-        with the stored outputs (`replayed`). Returns DecodeBegun."""
+        with the stored outputs (`replayed`). Returns DecodeBegun.
+
+        A begin while a planned forward is open commits that forward first (its reply is in
+        the returned DecodeBegun's `closed`). With wait=False (planned forwards) the begin is
+        sent without waiting for its reply, so the engine can ring its doorbells at once;
+        await_begun() reads the reply before anything else is sent on the stream. A refused
+        begin rings the plan's done doorbells, so the engine does not hang; await_begun()
+        then raises and the outputs are not valid (docs/data-plane.md)."""
         return self._begin("begin", lambda rid: pb.DecodeBegin(request_id=rid,
                                                                rows=make_rows(rows)),
-                           plan, request_id)
+                           plan, request_id, wait)
 
-    def begin_prefill(self, rows, *, plan=None, request_id=None):
+    def begin_prefill(self, rows, *, plan=None, request_id=None, wait=True):
         """Opens a prefill forward: rows are (slot, tokens) pairs; every layer then carries
         N = all rows' tokens, packed in row order. Commit advances each slot by its tokens."""
         def message(rid):
@@ -106,9 +118,9 @@ class ForwardStream:
                 pb.PrefillRow(slot=int(slot), tokens=[int(t) for t in tokens])
                 for slot, tokens in rows])
 
-        return self._begin("prefill_begin", message, plan, request_id)
+        return self._begin("prefill_begin", message, plan, request_id, wait)
 
-    def begin_verify(self, slots, drafts, *, plan=None, request_id=None):
+    def begin_verify(self, slots, drafts, *, plan=None, request_id=None, wait=True):
         """Opens a verify forward: drafts[i] are row i's T draft tokens; every layer carries
         B*T tokens in (row, draft) order. Commit moves no cursor: accept() decides."""
         num_draft = draft_count(drafts)
@@ -118,9 +130,14 @@ class ForwardStream:
                                   num_draft=num_draft,
                                   draft_tokens=[int(t) for d in drafts for t in d])
 
-        return self._begin("verify_begin", message, plan, request_id)
+        return self._begin("verify_begin", message, plan, request_id, wait)
 
-    def _begin(self, kind, message, plan, request_id):
+    def _begin(self, kind, message, plan, request_id, wait=True):
+        if not wait and plan is None:
+            raise errors.InvalidArgument("wait=False: only a planned begin (plan=...) can be "
+                                         "sent without waiting for its reply",
+                                         method="DecodeStream")
+        self._check_not_awaiting()
         if self._call is None:
             self._open()
         self.request_id = request_id or new_request_id()
@@ -128,10 +145,30 @@ class ForwardStream:
         if plan is not None:
             plan.next_value()
             request.plan.CopyFrom(plan.proto())
+        if not wait:
+            self._requests.put(pb.DecodeStreamRequest(**{kind: request}))
+            self._awaiting = True
+            self._planned = True
+            return None
         begun = self._round_trip(pb.DecodeStreamRequest(**{kind: request}), "begun")
         self.replayed = begun.replayed
         self._planned = plan is not None
         return begun
+
+    def await_begun(self):
+        """The reply of a begin sent with wait=False: DecodeBegun, or the refusal raised."""
+        if not self._awaiting:
+            raise errors.FailedPrecondition("await_begun: no begin sent with wait=False",
+                                            method="DecodeStream")
+        self._awaiting = False
+        begun = self._round_trip(None, "begun")
+        self.replayed = begun.replayed
+        return begun
+
+    def _check_not_awaiting(self):
+        if self._awaiting:
+            raise errors.FailedPrecondition("a begin sent with wait=False awaits its reply: "
+                                            "call await_begun() first", method="DecodeStream")
 
     def run_layer(self, layer, mixed_qkv, a, b, *, out=None):
         """Runs one layer for every row of the open forward; returns its output [B, HV, V]

@@ -100,6 +100,39 @@ class DataPlaneTest(EngineTest):
         self.assertEqual(self.in_use(), 0)
         self.assertEqual(self.engine.plan.value, 6)
 
+    def test_pipelined_begins_close_the_planned_forward_before_them(self):
+        planned, inline = self.slots(2), self.slots(2)
+        with self.client.open_stream() as stream, self.client.open_stream() as reference:
+            for f in range(6):
+                layers = self.layers(2)
+                # Sent without waiting: the engine drives the layers before reading the reply.
+                self.assertIsNone(stream.begin([(s, 9) for s in planned], plan=self.engine.plan,
+                                               wait=False))
+                with self.assertRaises(replayssm.FailedPrecondition):
+                    stream.commit()  # the begin's reply comes first
+                self.engine.drive(layers)
+                begun = stream.await_begun()
+                self.assertEqual([r.seq_len for r in begun.closed.rows], [f, f] if f else [])
+                want = reference.forward([(s, 9) for s in inline], layers)
+                self.assertOutputsEqual(2, want.outputs)
+            rows = stream.commit()
+            self.assertEqual([r.seq_len for r in rows], [6, 6])
+        for p, i in zip(planned, inline):
+            self.assertEqual(self.observe(p), self.observe(i))
+        self.assertEqual(self.in_use(), 0)
+
+    def test_a_refused_pipelined_begin_rings_done_and_raises(self):
+        [s] = self.slots(1)
+        self.client.free(s)
+        with self.client.open_stream() as stream:
+            stream.begin([(s, 9)], plan=self.engine.plan, wait=False)
+            for l in range(self.model.num_layers):
+                self.engine.plan.ring(l)
+                self.engine.plan.wait_done(l, timeout=10)  # rung by the server for the refusal
+            with self.assertRaises(replayssm.NotFound):
+                stream.await_begun()
+        self.assertEqual(self.in_use(), 0)
+
     def test_planned_prefill_and_verify_match_the_inline_forms(self):
         planned, inline = self.slots(2), self.slots(2)
         tokens = [[50, 51, 52], [50, 51, 52, 53, 54]]  # 3 + 5 tokens packed in row order
