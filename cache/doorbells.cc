@@ -23,7 +23,28 @@ absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, ui
 }
 
 absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value) {
+  {
+    absl::MutexLock lock(&mu_);
+    last_signal_ = {addr, value};
+  }
   return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
+}
+
+bool Doorbells::LastSignalReached(int32_t backend) {
+  Awaited last;
+  {
+    absl::MutexLock lock(&mu_);
+    last = last_signal_;
+  }
+  if (last.addr == nullptr) return true;
+  void* stream = nullptr;
+  if (rssm_stream_create(backend, &stream) != RSSM_OK) return false;
+  const rssm_launch side{backend, stream};
+  uint32_t word = 0;
+  const bool read = rssm_memcpy(&side, &word, last.addr, 4, RSSM_COPY_DEVICE_TO_HOST) == RSSM_OK &&
+                    rssm_synchronize(&side) == RSSM_OK;
+  rssm_stream_destroy(backend, stream);
+  return read && Reached(word, last.value);
 }
 
 int32_t Doorbells::Release(int32_t backend) {

@@ -28,6 +28,10 @@ class Doorbells {
   // Writes every awaited word (past and future) so that no wait blocks any more. Returns the
   // index (in queue order) of the first wait whose word had not reached its value, or -1.
   int32_t Release(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether the last Signal's word has reached its value (the work queued before it is done);
+  // true when nothing was signalled. Reads the word (CUDA: a 4-byte copy on a stream of its
+  // own, waited for).
+  bool LastSignalReached(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Awaited {
@@ -36,6 +40,7 @@ class Doorbells {
   };
   absl::Mutex mu_;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  Awaited last_signal_ ABSL_GUARDED_BY(mu_) = {nullptr, 0};
   std::vector<Awaited> awaited_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -197,6 +197,72 @@ TEST_P(ForwardKindsTest, LayerByLayerVerifyEqualsUnaryVerifyBitForBit) {
   }
 }
 
+// ContinueForward: decode forwards chained on one stream, each committed when the next one
+// begins, give the outputs and states of forwards committed one by one, across ring folds.
+TEST_P(ForwardKindsTest, ContinuedDecodeForwardsEqualCommittedOnesBitForBit) {
+  const SlotId a1 = Build({1, 2, 3}, 2), c1 = Build({4, 5}, 1);
+  const SlotId a2 = Build({1, 2, 3}, 2), c2 = Build({4, 5}, 1);
+  std::unique_ptr<Forward> chain;
+  for (int step = 0; step < 7; ++step) {  // L = 4: every row folds on the way
+    const int32_t t = 20 + step;
+    const std::vector<Tok> toks = {{t, 3 + step}, {t, 2 + step}};
+    Batch want = oracle_->MakeBatch(toks), got = oracle_->MakeBatch(toks);
+    BackendBatch want_dev(cache_->options().backend, want), got_dev(cache_->options().backend, got);
+    // One by one.
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a2, t}, {c2, t}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE(RunLayers(**f, want_dev.io).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+    want_dev.CopyOutputsTo(want);
+    // Chained: the previous forward is committed by the next one's begin, not waited for.
+    const std::vector<DecodeRow> rows = {{a1, t}, {c1, t}};
+    absl::StatusOr<std::unique_ptr<Forward>> next =
+        chain ? cache_->ContinueForward(chain, rows) : cache_->BeginForward(rows);
+    ASSERT_TRUE(next.ok()) << next.status();
+    ASSERT_NE(*next, nullptr) << "step " << step;
+    EXPECT_EQ(chain, nullptr);  // taken over
+    chain = *std::move(next);
+    ASSERT_TRUE(RunLayers(*chain, got_dev.io).ok());
+    ASSERT_TRUE(chain->Synchronize().ok());
+    got_dev.CopyOutputsTo(got);
+    for (int l = 0; l < model().num_layers; ++l) EXPECT_EQ(got.out[l], want.out[l]) << step;
+    // The rows stay held while the chain is open.
+    EXPECT_EQ(cache_->BeginForward({{a1, t}}).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  ASSERT_TRUE(chain->Commit().ok());
+  chain.reset();
+  EXPECT_EQ(Observe(a1), Observe(a2));
+  EXPECT_EQ(Observe(c1), Observe(c2));
+  EXPECT_EQ(cache_->Info(a1)->seq_len, 10);
+}
+
+TEST_P(ForwardKindsTest, ContinueForwardLeavesOtherRowsToTheCaller) {
+  const SlotId a = Build({1, 2}, 2), b = Build({3, 4}, 2);
+  const std::string before_b = Observe(b);
+  Batch in = oracle_->MakeBatch({{7, 2}});
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 7}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  std::unique_ptr<Forward> prev = *std::move(f);
+  // Not every layer queued yet: not continuable.
+  absl::StatusOr<std::unique_ptr<Forward>> next = cache_->ContinueForward(prev, {{a, 8}});
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(*next, nullptr);
+  ASSERT_TRUE(RunLayers(*prev, in.io).ok());
+  // Other slots, more rows, padding in another place: null, previous untouched.
+  for (const std::vector<DecodeRow>& rows :
+       {std::vector<DecodeRow>{{b, 8}}, std::vector<DecodeRow>{{a, 8}, {b, 8}},
+        std::vector<DecodeRow>{{kPaddingSlot, 0}}}) {
+    next = cache_->ContinueForward(prev, rows);
+    ASSERT_TRUE(next.ok()) << next.status();
+    EXPECT_EQ(*next, nullptr);
+    ASSERT_NE(prev, nullptr);
+  }
+  ASSERT_TRUE(prev->Commit().ok());
+  EXPECT_EQ(cache_->Info(a)->seq_len, 3);
+  EXPECT_EQ(Observe(b), before_b);
+}
+
 TEST_P(ForwardKindsTest, AForwardAbandonedAfterAnyLayerChangesNothing) {
   const std::vector<int32_t> h = {1, 2, 3, 4, 5};  // prefilled 3, decoded 2: w = 2
   const int layers = model().num_layers;

@@ -89,6 +89,15 @@ class ForwardImpl final : public Forward {
   // Folds the rows whose ring cannot take this forward's records and uploads the rows' slots,
   // cursors (and a prefill's token offsets): queued only.
   absl::Status Start();
+  // ContinueForward's conditions on this side: a decode forward, every layer queued, not
+  // committed nor failed.
+  bool Continuable() const {
+    if (rows_.kind != ForwardKind::kDecode || finished_ || !failed_.ok() || !lane_) return false;
+    for (bool d : done_) {
+      if (!d) return false;
+    }
+    return true;
+  }
   int32_t batch() const override { return rows_.batch(); }
   int64_t tokens() const override { return rows_.n(); }
   absl::Status RunLayer(int32_t layer, const LayerIo& io) override;
@@ -127,6 +136,12 @@ class ForwardImpl final : public Forward {
   absl::Status failed_;        // a launch failed: the forward can only be abandoned
   bool finished_ = false;
   Doorbells doorbells_;
+  // ContinueForward: the forward committed when this one began, its work queued before ours
+  // on the same stream; kept until ours ends (its doorbells, and whether they all rang).
+  std::unique_ptr<ForwardImpl> predecessor_;
+  std::atomic<bool> predecessor_incomplete_{false};  // ReleaseWaits found one of its waits unrung
+
+  friend class StateCacheImpl;
 };
 
 class StateCacheImpl final : public StateCache, private SlotIoOwner {
@@ -257,6 +272,8 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     return NewBackendBuffer(options_.backend, bytes);
   }
   absl::StatusOr<std::unique_ptr<Forward>> BeginForward(absl::Span<const DecodeRow> rows) override;
+  absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
+      std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(absl::Span<const PrefillRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
       absl::Span<const SlotId> ids, int32_t num_draft,
@@ -947,6 +964,60 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginForward(
   return Open(std::move(f), ids, RowSlotField, /*spares=*/false, /*layer_waits=*/true);
 }
 
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
+    std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) {
+  auto* prev = dynamic_cast<ForwardImpl*>(previous.get());
+  if (prev == nullptr || prev->cache_ != this || !prev->Continuable() ||
+      rows.size() != prev->rows_.index.size()) {
+    return nullptr;
+  }
+  // A chain holds one forward behind the open one: previous's own predecessor must be done
+  // (with a one-forward lead it is: previous's first layer waited for the engine's doorbell,
+  // rung after that forward's last output), else previous is committed the usual way.
+  if (prev->predecessor_ != nullptr) {
+    if (prev->predecessor_incomplete_ ||
+        !prev->predecessor_->doorbells_.LastSignalReached(options_.backend)) {
+      return nullptr;
+    }
+    prev->predecessor_.reset();  // confirmed: its work is done
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int32_t held = prev->rows_.index[r];
+      if (rows[r].slot == kPaddingSlot || held < 0) {
+        if (rows[r].slot != kPaddingSlot || held >= 0) return nullptr;
+        continue;
+      }
+      absl::StatusOr<int32_t> i = LookupLocked(rows[r].slot, RowSlotField(r));
+      if (!i.ok() || *i != held) return nullptr;
+      if (options_.track_interval > 0 &&
+          (slots_[held].seq_len + 1) % options_.track_interval == 0) {
+        return nullptr;  // AfterAdvance must snapshot it: that needs the state
+      }
+    }
+  }
+  // Committed from here on, as by its Commit but for the wait and the release of the rows.
+  prev->finished_ = true;
+  EndForward(prev->rows_, /*commit=*/true, /*broken=*/false);
+  ForwardRows f{ForwardKind::kDecode};
+  f.index = prev->rows_.index;
+  for (const DecodeRow& row : rows) {
+    f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
+    f.tokens.push_back(row.token_id);
+  }
+  f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
+  std::vector<int32_t> folds = std::move(prev->unconfirmed_folds_);
+  auto next = std::make_unique<ForwardImpl>(this, std::move(f), std::move(prev->lane_),
+                                            /*layer_waits=*/true);
+  next->predecessor_.reset(prev);
+  previous.release();
+  absl::Status st = next->Start();  // queued behind the predecessor on the same stream
+  next->unconfirmed_folds_.insert(next->unconfirmed_folds_.end(), folds.begin(), folds.end());
+  if (!st.ok()) return st;  // destroying `next` abandons it (and judges the predecessor)
+  return std::unique_ptr<Forward>(std::move(next));
+}
+
 absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginPrefill(
     absl::Span<const PrefillRow> rows) {
   absl::Status st = CheckBatch(rows.size(), "rows");
@@ -1124,12 +1195,16 @@ ForwardImpl::~ForwardImpl() {
   // drain), put back what a prefill overwrote, then wait for everything queued (ring appends
   // past the cursors, the copies, and the scratch the lane is about to lend out again) before
   // the rows are released.
-  doorbells_.Release(cache_->options().backend);
+  ReleaseWaits();
   const bool restored = Restore();
   const bool done = Synchronize().ok();
   lane_.reset();
+  // A committed predecessor that did not complete left records past its rows' cursors that
+  // are not what they say.
+  const bool lost = predecessor_ && (!done || predecessor_incomplete_);
+  predecessor_.reset();
   cache_->EndForward(rows_, false,
-                     /*broken=*/!restored || (!done && rows_.kind == ForwardKind::kPrefill));
+                     /*broken=*/!restored || lost || (!done && rows_.kind == ForwardKind::kPrefill));
 }
 
 absl::Status ForwardImpl::Start() {
@@ -1285,7 +1360,17 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
 }
 
 int32_t ForwardImpl::ReleaseWaits() {
-  return doorbells_.Release(cache_->options().backend);
+  const int32_t backend = cache_->options().backend;
+  int32_t first = -1;
+  int32_t before = 0;  // the predecessor's waits come first in queue order
+  if (predecessor_) {
+    first = predecessor_->doorbells_.Release(backend);
+    if (first >= 0) predecessor_incomplete_ = true;
+    before = cache_->model().num_layers;
+  }
+  const int32_t own = doorbells_.Release(backend);
+  if (first < 0 && own >= 0) first = before + own;
+  return first;
 }
 
 absl::Status ForwardImpl::Commit() {
@@ -1298,6 +1383,13 @@ absl::Status ForwardImpl::Commit() {
   }
   absl::Status st = Synchronize();  // the layers' device work is done before cursors move
   if (!st.ok()) return st;
+  if (predecessor_incomplete_) {
+    failed_ = absl::DataLossError(
+        "forward: the forward before this one (committed when this one began) never got all "
+        "its inputs: its rows are broken");
+    return failed_;  // destroying it abandons it and marks the rows broken
+  }
+  predecessor_.reset();  // its work is confirmed
   finished_ = true;
   cache_->EndForward(rows_, true, false);
   if (rows_.kind != ForwardKind::kVerify) st = cache_->AfterAdvance(rows_.index, *lane_);

@@ -101,6 +101,7 @@ absl::Status ForwardSession::Begin(const v1::DecodeBegin& begin, v1::DecodeBegun
   }
   Opening o{"Decode", "run_layer", begin.request_id(), key.SerializeAsString(), begin.rows_size()};
   for (const cache::DecodeRow& r : rows) o.slots.push_back(r.slot);
+  o.decode_rows = rows;
   o.open = [this, rows = std::move(rows)] { return ctx_->cache->BeginForward(rows); };
   if (begin.has_plan()) o.plan = &begin.plan();
   return Start(std::move(o), begun);
@@ -165,8 +166,65 @@ absl::Status ForwardSession::Start(Opening opening, v1::DecodeBegun* begun) {
   return s;
 }
 
+absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begun,
+                                         bool* chained) {
+  *chained = false;
+  if (!decode_ || opening.plan == nullptr || opening.decode_rows.empty() || replay_) {
+    return absl::OkStatus();
+  }
+  // Everything that can refuse the new begin first: on any refusal the general path commits
+  // the open forward, then refuses the same way.
+  absl::StatusOr<ResolvedPlan> plan = ResolvePlan(*opening.plan, "begin.plan", *ctx_->regions,
+                                                  ctx_->cache->model(), opening.tokens);
+  if (!plan.ok()) return absl::OkStatus();
+  absl::Status s = Claim(opening);
+  if (!s.ok() || replay_) {
+    replay_.reset();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<cache::Forward>> next =
+      planned_->Continue(*ctx_->cache, opening.decode_rows);
+  if (next.ok() && *next == nullptr) {  // not continuable: the general path
+    ctx_->requests->Release(opening.method, opening.request_id);
+    return absl::OkStatus();
+  }
+  *chained = true;
+  // The open forward is committed (in the cache) either way from here.
+  s = Committed(begun->mutable_closed());
+  if (!next.ok() || !s.ok()) {
+    ctx_->requests->Release(opening.method, opening.request_id);
+    Abandon();
+    const absl::Status e = next.ok() ? s : next.status();
+    return Refuse(opening.plan,
+                  absl::Status(e.code(), absl::StrCat(e.message(),
+                                                      " (the planned forward open before this "
+                                                      "begin was committed)")));
+  }
+  planned_ = std::make_unique<PlannedForward>(*std::move(next), *std::move(plan),
+                                              ctx_->forward_timeout, worker_.get(),
+                                              PlanWatch::Default(), std::move(planned_));
+  method_ = opening.method;
+  layer_op_ = opening.layer_op;
+  request_id_ = std::move(opening.request_id);
+  tokens_ = opening.tokens;
+  slots_ = std::move(opening.slots);
+  open_ = true;
+  retain_ = false;
+  layer_done_.assign(ctx_->cache->model().num_layers, false);
+  start_ = absl::Now();
+  begun->set_batch(static_cast<int32_t>(slots_.size()));
+  begun->set_replayed(false);
+  begun->set_tokens(tokens_);
+  return absl::OkStatus();
+}
+
 absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun) {
   const bool closing = open_;  // a planned forward (CheckBegin): this begin commits it first
+  if (closing) {
+    bool chained = false;
+    absl::Status s = TryContinue(opening, begun, &chained);
+    if (chained) return s;
+  }
   if (closing) {
     absl::Status s = Commit(begun->mutable_closed());
     if (!s.ok()) {
@@ -357,6 +415,12 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
   if (!s.ok()) return s;  // the forward stays open until abandoned: nothing committed
   forward_.reset();
   planned_.reset();
+  s = Committed(committed);
+  Abandon();
+  return s;
+}
+
+absl::Status ForwardSession::Committed(v1::DecodeCommitted* committed) {
   for (cache::SlotId slot : slots_) {
     absl::StatusOr<v1::SlotState> state = RowState(slot);
     if (!state.ok()) return state.status();
@@ -372,8 +436,7 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
     ctx_->metrics->ObserveForward(absl::ToDoubleSeconds(absl::Now() - start_),
                                   static_cast<int32_t>(slots_.size()));
   }
-  request_id_.clear();
-  Abandon();
+  request_id_.clear();  // applied: Abandon must not release it
   return absl::OkStatus();
 }
 

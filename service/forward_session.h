@@ -72,7 +72,15 @@ class ForwardSession {
     std::vector<cache::SlotId> slots;  // [B], kPaddingSlot for a padding row
     std::function<absl::StatusOr<std::unique_ptr<cache::Forward>>()> open;
     const v1::ForwardPlan* plan = nullptr;  // set: a planned forward (docs/data-plane.md)
+    std::vector<cache::DecodeRow> decode_rows;  // a decode forward's rows (to continue one)
   };
+  // A planned decode begin while a planned decode forward over the same rows is open: that
+  // forward is committed without waiting for its device work and the new one is queued
+  // behind it (PlannedForward::Continue). *chained false: nothing was done.
+  absl::Status TryContinue(Opening& opening, v1::DecodeBegun* begun, bool* chained);
+  // The bookkeeping of a committed forward: its rows' states into `committed`, the request
+  // log, the forward metrics.
+  absl::Status Committed(v1::DecodeCommitted* committed);
   // Claims the request id (or finds its replay), enters the drain gate and opens the forward.
   absl::Status Start(Opening opening, v1::DecodeBegun* begun);  // timed: op "begin"
   absl::Status StartTimed(Opening opening, v1::DecodeBegun* begun);

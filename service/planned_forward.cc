@@ -221,12 +221,14 @@ void QueueWorker::Run() {
 }
 
 PlannedForward::PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
-                               absl::Duration timeout, QueueWorker* worker, PlanWatch& watch)
+                               absl::Duration timeout, QueueWorker* worker, PlanWatch& watch,
+                               std::unique_ptr<PlannedForward> predecessor)
     : forward_(std::move(forward)),
       plan_(std::move(plan)),
       deadline_(absl::Now() + timeout),
       worker_(worker),
-      watch_(watch) {
+      watch_(watch),
+      predecessor_(std::move(predecessor)) {
   watch_.Add(this, deadline_);
   if (worker_ != nullptr) {
     worker_->Post([this] { Queue(); });
@@ -278,6 +280,25 @@ void PlannedForward::Finish() {
   if (thread_.joinable()) thread_.join();
 }
 
+absl::StatusOr<std::unique_ptr<cache::Forward>> PlannedForward::Continue(
+    cache::StateCache& cache, absl::Span<const cache::DecodeRow> rows) {
+  if (!queued_.WaitForNotificationWithDeadline(deadline_)) return nullptr;
+  absl::StatusOr<std::unique_ptr<cache::Forward>> next;
+  {
+    // Under mu_: the watch (Expire) must not release a forward that is being handed over.
+    absl::MutexLock lock(&mu_);
+    if (released_ || finishing_ || !queue_status_.ok()) return nullptr;
+    next = cache.ContinueForward(forward_, rows);
+    if (forward_ != nullptr) return next;  // not continuable (null) or refused: ours as before
+    finishing_ = true;  // consumed: nothing may touch forward_ any more
+  }
+  Finish();
+  // The cache keeps one forward behind the open one and confirmed ours's predecessor done
+  // (else it would not have continued): its regions may go.
+  predecessor_.reset();
+  return next;
+}
+
 absl::Status PlannedForward::Commit() {
   if (!queued_.WaitForNotificationWithDeadline(deadline_)) {
     {
@@ -301,6 +322,14 @@ absl::Status PlannedForward::Commit() {
     finishing_ = true;
   }
   Finish();
+  const int32_t layers = static_cast<int32_t>(plan_.layers.size());
+  if (unrung >= 0 && predecessor_ != nullptr && unrung < layers) {
+    return absl::DataLossError(absl::StrCat(
+        "plan.ready: layer ", unrung, "'s doorbell of the forward before this one (value ",
+        predecessor_->value(), ", committed when this one began) never rang within the forward "
+        "timeout (--forward-timeout): its rows are broken; this forward was abandoned"));
+  }
+  if (unrung >= 0 && predecessor_ != nullptr) unrung -= layers;  // its waits came first
   if (unrung >= 0) {
     return absl::DeadlineExceededError(absl::StrCat(
         "plan.ready: layer ", unrung, "'s doorbell never reached ", plan_.value,

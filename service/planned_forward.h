@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/regions.h"
 #include "replayssm/cache/state_cache.h"
@@ -129,9 +130,12 @@ class PlannedForward {
  public:
   // Queues `plan` on `forward` (which it owns from now on) on `worker` (null: a thread of its
   // own), so that this returns at once. `watch` rings the doorbells once `timeout` has passed.
+  // `predecessor`: the planned forward this one continues (Continue), kept until this one
+  // ends: its regions stay leased while its work may still run.
   PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
                  absl::Duration timeout, QueueWorker* worker = nullptr,
-                 PlanWatch& watch = PlanWatch::Default());
+                 PlanWatch& watch = PlanWatch::Default(),
+                 std::unique_ptr<PlannedForward> predecessor = nullptr);
   ~PlannedForward();  // abandons the forward unless Commit succeeded
   PlannedForward(const PlannedForward&) = delete;
   PlannedForward& operator=(const PlannedForward&) = delete;
@@ -140,6 +144,17 @@ class PlannedForward {
   // DEADLINE_EXCEEDED names the first layer whose doorbell was never rung; any failure
   // abandons the forward (no cursor moves).
   absl::Status Commit();
+
+  // The next decode forward over the same rows, without waiting for this one's device work
+  // (StateCache::ContinueForward): once every layer of this one is queued (waiting until its
+  // deadline at most), this forward is committed in the cache and the returned one is queued
+  // behind it. Null when that cannot be done (this one is left as it was: Commit it); an
+  // error once this forward has been consumed (the cache committed it; the new one failed).
+  // After a non-null result this object only holds its regions: hand it to the new
+  // PlannedForward as its predecessor.
+  absl::StatusOr<std::unique_ptr<cache::Forward>> Continue(
+      cache::StateCache& cache, absl::Span<const cache::DecodeRow> rows);
+  uint32_t value() const { return plan_.value; }
 
  private:
   friend class PlanWatch;
@@ -161,6 +176,9 @@ class PlannedForward {
   absl::Status queue_status_ ABSL_GUARDED_BY(mu_);
   absl::Notification queued_;
   std::thread thread_;  // without a worker
+  // Continue's husk: destroyed with this object, after the destructor body has ended our cache
+  // forward (which waited for the predecessor's work, queued before ours).
+  std::unique_ptr<PlannedForward> predecessor_;
 };
 
 }  // namespace replayssm::service

@@ -211,6 +211,20 @@ class StateCache {
   // A decode forward: one token per row.
   virtual absl::StatusOr<std::unique_ptr<Forward>> BeginForward(
       absl::Span<const DecodeRow> rows) = 0;
+  // The next decode forward over the same rows, opened while `previous` (a decode forward of
+  // this cache whose every layer has been queued, not committed) may still run on the device:
+  // previous is committed at once (cursors, seq_len and tokens advance as by its Commit) and
+  // the new forward queues its work on the same stream behind it, so the device never waits
+  // for the host between the two. The rows stay held until the new forward ends; it confirms
+  // previous's device work when it synchronizes. Should previous's work turn out incomplete
+  // (its doorbells released unrung: ReleaseWaits counts previous's waits first) or fail, the
+  // rows are marked broken and the new forward's Commit fails (DATA_LOSS).
+  // Returns null, leaving `previous` untouched, when that cannot be done: other rows (the
+  // same slots in the same order, padding in the same places), a row that reaches a track
+  // boundary (its snapshot needs the state first), previous not a fully queued decode forward.
+  // The caller then commits previous and begins as usual.
+  virtual absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
+      std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) = 0;
   // A layer-by-layer Prefill of several slots at once: N = the sum of the rows' lengths (at
   // most max_prefill_tokens). Until Commit every layer keeps a copy of each row's checkpoint
   // it overwrites in a spare slot per row, taken from the pool (snapshots are evicted for it;
