@@ -98,4 +98,22 @@ absl::Status SlotPool::WriteCheckpoint(int32_t slot, int32_t layer, const void* 
   return lane.Upload(CheckpointPtr(slot, layer), host, CheckpointBytes());
 }
 
+absl::Status SlotPool::ReadCheckpoint(int32_t slot, int32_t layer, void* dst, IoMemory memory,
+                                      Lane& lane) const {
+  if (memory == IoMemory::kHost) return ReadCheckpoint(slot, layer, dst, lane);
+  const rssm_launch l = lane.Launch();
+  return KernelStatus(rssm_memcpy(&l, dst, CheckpointPtr(slot, layer), CheckpointBytes(),
+                                  RSSM_COPY_DEVICE_TO_DEVICE),
+                      "checkpoint copy");
+}
+
+absl::Status SlotPool::WriteCheckpoint(int32_t slot, int32_t layer, const void* src,
+                                       IoMemory memory, Lane& lane) {
+  if (memory == IoMemory::kHost) return WriteCheckpoint(slot, layer, src, lane);
+  const rssm_launch l = lane.Launch();
+  return KernelStatus(rssm_memcpy(&l, CheckpointPtr(slot, layer), src, CheckpointBytes(),
+                                  RSSM_COPY_DEVICE_TO_DEVICE),
+                      "checkpoint copy");
+}
+
 }  // namespace replayssm::cache

@@ -17,6 +17,7 @@
 #include "device_buffer.h"
 #include "lane.h"
 #include "replayssm/cache/model.h"
+#include "replayssm/cache/state_cache.h"
 
 namespace replayssm::cache {
 
@@ -43,6 +44,12 @@ class SlotPool {
   // to reuse when the call returns (write).
   absl::Status ReadCheckpoint(int32_t slot, int32_t layer, void* host, Lane& lane) const;
   absl::Status WriteCheckpoint(int32_t slot, int32_t layer, const void* host, Lane& lane);
+  // The same with `memory` saying where the caller's bytes are (backend memory: a copy on
+  // the device, done when the lane is synchronized).
+  absl::Status ReadCheckpoint(int32_t slot, int32_t layer, void* dst, IoMemory memory,
+                              Lane& lane) const;
+  absl::Status WriteCheckpoint(int32_t slot, int32_t layer, const void* src, IoMemory memory,
+                               Lane& lane);
 
  private:
   SlotPool(const ModelSpec& model, int32_t backend, int64_t num_slots)

@@ -264,6 +264,10 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::Status Import(SlotId id, absl::Span<const int32_t> tokens,
                       absl::Span<const absl::Span<const uint8_t>> checkpoints) override;
   absl::StatusOr<ExportedState> Export(SlotId id) override;
+  absl::Status ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
+                          absl::Span<const void* const> checkpoints, IoMemory memory) override;
+  absl::StatusOr<ExportedState> ExportInto(SlotId id, absl::Span<void* const> checkpoints,
+                                           IoMemory memory) override;
   absl::StatusOr<std::unique_ptr<SlotReader>> OpenExport(SlotId id, absl::string_view move_id,
                                                          const SlotIoOptions& options) override;
   absl::StatusOr<std::unique_ptr<SlotWriter>> OpenImport(int64_t seq_len,
@@ -691,6 +695,7 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
     return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", model_.num_layers,
                                                    " layers, got ", checkpoints.size()));
   }
+  std::vector<const void*> ptrs;
   for (size_t l = 0; l < checkpoints.size(); ++l) {
     if (checkpoints[l].size() != pool_->CheckpointBytes()) {
       return absl::InvalidArgumentError(
@@ -698,6 +703,17 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
                        " bytes ([HV, V, K] in ", rssm_dtype_name(model_.shape.state_dtype),
                        "), got ", checkpoints[l].size()));
     }
+    ptrs.push_back(checkpoints[l].data());
+  }
+  return ImportFrom(id, tokens, ptrs, IoMemory::kHost);
+}
+
+absl::Status StateCacheImpl::ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
+                                        absl::Span<const void* const> checkpoints,
+                                        IoMemory memory) {
+  if (static_cast<int32_t>(checkpoints.size()) != model_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", model_.num_layers,
+                                                   " layers, got ", checkpoints.size()));
   }
   int32_t index = -1;
   {
@@ -709,7 +725,7 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
   absl::Status st = OnLane([&](Lane& lane) {
     absl::Status r = absl::OkStatus();
     for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
-      r = pool_->WriteCheckpoint(index, l, checkpoints[l].data(), lane);
+      r = pool_->WriteCheckpoint(index, l, checkpoints[l], memory, lane);
     }
     return r;
   });
@@ -727,6 +743,22 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
 }
 
 absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
+  std::vector<std::vector<uint8_t>> checkpoints(model_.num_layers,
+                                                std::vector<uint8_t>(pool_->CheckpointBytes()));
+  std::vector<void*> ptrs;
+  for (std::vector<uint8_t>& c : checkpoints) ptrs.push_back(c.data());
+  absl::StatusOr<ExportedState> out = ExportInto(id, ptrs, IoMemory::kHost);
+  if (out.ok()) out->checkpoints = std::move(checkpoints);
+  return out;
+}
+
+absl::StatusOr<ExportedState> StateCacheImpl::ExportInto(SlotId id,
+                                                         absl::Span<void* const> checkpoints,
+                                                         IoMemory memory) {
+  if (static_cast<int32_t>(checkpoints.size()) != model_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", model_.num_layers,
+                                                   " layers, got ", checkpoints.size()));
+  }
   int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
@@ -735,11 +767,10 @@ absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
     index = *i;
   }
   ExportedState out;
-  out.checkpoints.assign(model_.num_layers, std::vector<uint8_t>(pool_->CheckpointBytes()));
   absl::Status st = OnLane([&](Lane& lane) {
     absl::Status r = Materialize(index, "export", lane);
     for (int32_t l = 0; r.ok() && l < model_.num_layers; ++l) {
-      r = pool_->ReadCheckpoint(index, l, out.checkpoints[l].data(), lane);
+      r = pool_->ReadCheckpoint(index, l, checkpoints[l], memory, lane);
     }
     return r;
   });

@@ -306,7 +306,11 @@ absl::StatusOr<v1::SlotState> Client::Import(v1::ImportRequest request) {
 absl::StatusOr<v1::ExportResponse> Client::Export(uint64_t slot) {
   v1::ExportRequest req;
   req.set_slot(slot);
-  return Call<v1::ExportResponse>([&](auto* c, auto* r) { return stub_->Export(c, req, r); });
+  return Export(req);
+}
+
+absl::StatusOr<v1::ExportResponse> Client::Export(const v1::ExportRequest& request) {
+  return Call<v1::ExportResponse>([&](auto* c, auto* r) { return stub_->Export(c, request, r); });
 }
 
 absl::StatusOr<v1::PrefillResponse> Client::Prefill(v1::PrefillRequest request) {

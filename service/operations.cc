@@ -200,30 +200,67 @@ absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse
     return FieldError("checkpoints", absl::StrCat(m.num_layers, " layers"),
                       absl::StrCat(req.checkpoints_size()));
   }
-  std::vector<absl::Span<const uint8_t>> checkpoints;
+  std::vector<const void*> checkpoints;
+  std::map<std::string, cache::RegionLease> leases;  // held until the call ends
+  const bool regions = req.checkpoints(0).has_region();
+  cache::IoMemory memory = cache::IoMemory::kHost;
   for (int l = 0; l < req.checkpoints_size(); ++l) {
     const v1::Tensor& t = req.checkpoints(l);
-    absl::Status s = CheckTensor(t, absl::StrCat("checkpoints[", l, "]"), m.shape.state_dtype,
-                                 CheckpointShape(m));
+    const std::string field = absl::StrCat("checkpoints[", l, "]");
+    absl::Status s = CheckTensor(t, field, m.shape.state_dtype, CheckpointShape(m));
+    if (s.ok() && t.has_region() != regions) {
+      s = FieldError(field + ".region", regions ? "a region, as checkpoints[0]" : "unset, as "
+                                                  "checkpoints[0] (inline bytes)",
+                     t.has_region() ? "a region" : "inline bytes");
+    }
     if (!s.ok()) return s;
-    checkpoints.emplace_back(reinterpret_cast<const uint8_t*>(t.data().data()), t.data().size());
+    if (!regions) {
+      checkpoints.push_back(t.data().data());
+      continue;
+    }
+    absl::StatusOr<void*> p = CheckpointRange(t.region(), field + ".region", l, &memory, &leases);
+    if (!p.ok()) return p.status();
+    checkpoints.push_back(*p);
   }
   v1::ImportRequest key;
   key.set_slot(req.slot());
   *key.mutable_tokens() = req.tokens();
   return Once("Import", req.request_id(), key, resp, [&]() -> absl::Status {
-    absl::Status s =
-        ctx_->cache->Import(ctx_->slots.FromWire(req.slot()), Tokens(req.tokens()), checkpoints);
+    absl::Status s = ctx_->cache->ImportFrom(ctx_->slots.FromWire(req.slot()),
+                                             Tokens(req.tokens()), checkpoints, memory);
     if (!s.ok()) return s;
     return SlotStateOf(req.slot(), resp->mutable_state());
   });
 }
 
+absl::StatusOr<void*> Operations::CheckpointRange(
+    const v1::RegionRef& ref, const std::string& field, int layer, cache::IoMemory* memory,
+    std::map<std::string, cache::RegionLease>* leases) const {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  uint64_t bytes = rssm_dtype_size(m.shape.state_dtype);
+  for (int64_t d : CheckpointShape(m)) bytes *= static_cast<uint64_t>(d);
+  if (ref.region().empty()) {
+    return FieldError(field, "a registered region's name", "\"\"");
+  }
+  absl::StatusOr<cache::RegionLease> lease =
+      ctx_->regions->Acquire(ref.region(), ref.offset(), bytes, 16, field);
+  if (!lease.ok()) return lease.status();
+  if (layer > 0 && lease->memory() != *memory) {
+    return FieldError(field, "a region of the same kind of memory as layer 0's",
+                      "another kind");
+  }
+  *memory = lease->memory();
+  void* p = lease->data();
+  leases->emplace(absl::StrCat(ref.region(), "@", layer), *std::move(lease));
+  return p;
+}
+
 absl::Status Operations::Export(const v1::ExportRequest& req, v1::ExportResponse* resp) {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  if (req.checkpoints_out_size() > 0) return ExportToRegions(req, resp);
   absl::StatusOr<cache::ExportedState> state =
       ctx_->cache->Export(ctx_->slots.FromWire(req.slot()));
   if (!state.ok()) return state.status();
-  const cache::ModelSpec& m = ctx_->cache->model();
   resp->set_seq_len(state->seq_len);
   resp->mutable_tokens()->Assign(state->tokens.begin(), state->tokens.end());
   int64_t sent = 0;
@@ -260,6 +297,37 @@ absl::StatusOr<cache::LayerIo> UnaryLayerIo(const v1::LayerInput& in, const cach
 }
 
 }  // namespace
+
+absl::Status Operations::ExportToRegions(const v1::ExportRequest& req,
+                                         v1::ExportResponse* resp) {
+  const cache::ModelSpec& m = ctx_->cache->model();
+  if (req.checkpoints_out_size() != m.num_layers) {
+    return FieldError("checkpoints_out", absl::StrCat(m.num_layers, " ranges (one per layer)"),
+                      absl::StrCat(req.checkpoints_out_size()));
+  }
+  std::vector<void*> into;
+  std::map<std::string, cache::RegionLease> leases;
+  cache::IoMemory memory = cache::IoMemory::kHost;
+  for (int l = 0; l < m.num_layers; ++l) {
+    absl::StatusOr<void*> p = CheckpointRange(req.checkpoints_out(l),
+                                              absl::StrCat("checkpoints_out[", l, "]"), l,
+                                              &memory, &leases);
+    if (!p.ok()) return p.status();
+    into.push_back(*p);
+  }
+  absl::StatusOr<cache::ExportedState> state =
+      ctx_->cache->ExportInto(ctx_->slots.FromWire(req.slot()), into, memory);
+  if (!state.ok()) return state.status();
+  resp->set_seq_len(state->seq_len);
+  resp->mutable_tokens()->Assign(state->tokens.begin(), state->tokens.end());
+  for (int l = 0; l < m.num_layers; ++l) {
+    v1::Tensor* t = resp->add_checkpoints();
+    t->set_dtype(ToWireDtype(m.shape.state_dtype));
+    for (int64_t d : CheckpointShape(m)) t->add_shape(d);
+    *t->mutable_region() = req.checkpoints_out(l);
+  }
+  return absl::OkStatus();
+}
 
 absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp) {
   const cache::ModelSpec& m = ctx_->cache->model();

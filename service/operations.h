@@ -6,8 +6,12 @@
 #ifndef REPLAYSSM_SERVICE_OPERATIONS_H_
 #define REPLAYSSM_SERVICE_OPERATIONS_H_
 
+#include <map>
+#include <string>
+
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "google/protobuf/message.h"
 #include "replayssm/v1/replayssm.pb.h"
@@ -41,6 +45,13 @@ class Operations {
                     const google::protobuf::Message& key, google::protobuf::Message* resp,
                     absl::FunctionRef<absl::Status()> apply);
   absl::Status SlotStateOf(uint64_t handle, v1::SlotState* state) const;
+  // Export with checkpoints_out: into the named region ranges.
+  absl::Status ExportToRegions(const v1::ExportRequest& req, v1::ExportResponse* resp);
+  // Layer `layer`'s checkpoint range of `ref` (one [HV, V, K] in the state dtype, 16-byte
+  // aligned), leased into `leases`; every layer's region of the memory kind of layer 0's.
+  absl::StatusOr<void*> CheckpointRange(const v1::RegionRef& ref, const std::string& field,
+                                        int layer, cache::IoMemory* memory,
+                                        std::map<std::string, cache::RegionLease>* leases) const;
 
   const ServiceContext* ctx_;
 };

@@ -322,6 +322,82 @@ TEST_F(DataPlaneTest, UnaryFormsTakeRegionsAndMatchInline) {
   EXPECT_EQ(Observe(pa), before);
 }
 
+TEST_F(DataPlaneTest, ImportAndExportTakeRegions) {
+  const uint64_t a = NewSlot(), b = NewSlot();
+  auto stream = client_->OpenStream();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(stream->Forward(Rows({a}), Layers(1)).ok());
+  auto inl = client_->Export(a);  // folds a: the bytes every form must give
+  ASSERT_TRUE(inl.ok()) << inl.status();
+  const uint64_t cp = inl->checkpoints(0).data().size();
+  const uint64_t stride = EngineMemory::Up(cp);
+  // A second shm object for the checkpoints.
+  const std::string key = "/replayssm-dp-ckpt-" + std::to_string(getpid());
+  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  const uint64_t bytes = stride * num_layers();
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  auto* base = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  v1::RegisterSystemRegionRequest reg;
+  reg.set_name("ckpt");
+  reg.set_key(key);
+  reg.set_byte_size(bytes);
+  ASSERT_TRUE(client_->RegisterSystemRegion(reg).ok());
+  // Export into the region.
+  v1::ExportRequest ex;
+  ex.set_slot(a);
+  for (int l = 0; l < num_layers(); ++l) {
+    v1::RegionRef* r = ex.add_checkpoints_out();
+    r->set_region("ckpt");
+    r->set_offset(l * stride);
+  }
+  auto out = client_->Export(ex);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->seq_len(), inl->seq_len());
+  for (int l = 0; l < num_layers(); ++l) {
+    EXPECT_TRUE(out->checkpoints(l).data().empty());
+    EXPECT_EQ(out->checkpoints(l).region().offset(), l * stride);
+    EXPECT_EQ(std::string(reinterpret_cast<char*>(base) + l * stride, cp),
+              inl->checkpoints(l).data()) << "layer " << l;
+  }
+  // Import from it into b: b's state is a's.
+  v1::ImportRequest im;
+  im.set_slot(b);
+  *im.mutable_tokens() = inl->tokens();
+  for (int l = 0; l < num_layers(); ++l) {
+    v1::Tensor* t = im.add_checkpoints();
+    *t = inl->checkpoints(l);
+    t->clear_data();
+    *t->mutable_region() = ex.checkpoints_out(l);
+  }
+  ASSERT_TRUE(client_->Import(im).ok());
+  EXPECT_EQ(Observe(b), Observe(a));
+  // Bad ranges and mixed forms are refused by field, and nothing moves.
+  const std::string before = Observe(b);
+  v1::ImportRequest bad = im;
+  bad.mutable_checkpoints(1)->mutable_region()->set_offset(bytes);
+  auto refused = client_->Import(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("checkpoints[1].region"), std::string::npos)
+      << refused.status();
+  bad = im;
+  *bad.mutable_checkpoints(2) = inl->checkpoints(2);  // inline among regions
+  refused = client_->Import(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("checkpoints[2].region"), std::string::npos)
+      << refused.status();
+  v1::ExportRequest short_ex = ex;
+  short_ex.mutable_checkpoints_out()->RemoveLast();
+  auto refused_ex = client_->Export(short_ex);
+  EXPECT_EQ(refused_ex.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused_ex.status().message().find("checkpoints_out"), std::string::npos);
+  EXPECT_EQ(Observe(b), before);
+  EXPECT_EQ(InUse("ckpt"), 0);
+  ASSERT_TRUE(client_->UnregisterRegion("ckpt").ok());
+  munmap(base, bytes);
+  shm_unlink(key.c_str());
+}
+
 TEST_F(DataPlaneTest, LayerMessagesNamingRegionsMatchInline) {
   const std::vector<uint64_t> a = {NewSlot()}, b = {NewSlot()};
   auto stream = client_->OpenStream();

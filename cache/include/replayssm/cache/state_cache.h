@@ -194,6 +194,17 @@ class StateCache {
   // The slot's full state, folded first (the guarded path: write_pos -> 0, the logical state
   // and seq_len unchanged).
   virtual absl::StatusOr<ExportedState> Export(SlotId slot) = 0;
+  // Import and Export with the checkpoints in the caller's memory (a co-located client's
+  // registered regions): checkpoints[l] points at layer l's [HV, V, K] bytes, host memory
+  // (staged) or backend memory (copied on the device) as `memory` says. Same rules and
+  // errors as Import / Export; ExportInto leaves the returned checkpoints empty. Return once
+  // the bytes are in place.
+  virtual absl::Status ImportFrom(SlotId slot, absl::Span<const int32_t> tokens,
+                                  absl::Span<const void* const> checkpoints,
+                                  IoMemory memory) = 0;
+  virtual absl::StatusOr<ExportedState> ExportInto(SlotId slot,
+                                                   absl::Span<void* const> checkpoints,
+                                                   IoMemory memory) = 0;
 
   // Opens the move of `slot` out of this cache: the guarded path (folds it first, or refuses a
   // slot whose drafts await Accept), then the slot is MOVING under `move_id` (named in every

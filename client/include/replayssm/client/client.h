@@ -126,6 +126,8 @@ class Client {
   absl::StatusOr<v1::ListSlotsResponse> ListSlots();
   absl::StatusOr<v1::SlotState> Import(v1::ImportRequest request);
   absl::StatusOr<v1::ExportResponse> Export(uint64_t slot);
+  // With checkpoints_out: the checkpoints written into registered regions.
+  absl::StatusOr<v1::ExportResponse> Export(const v1::ExportRequest& request);
   absl::StatusOr<v1::PrefillResponse> Prefill(v1::PrefillRequest request);
   absl::StatusOr<v1::DecodeResponse> Decode(v1::DecodeRequest request);
   absl::StatusOr<v1::VerifyResponse> Verify(v1::VerifyRequest request);
