@@ -237,7 +237,10 @@ struct EngineRegion {
       }
       layer.push_back(off);
     }
-    bytes = at;
+    // Room for a whole slot's checkpoints too (the Export/Import check writes them here).
+    const uint64_t checkpoint = static_cast<uint64_t>(m.shape.num_v_heads) * m.shape.head_v *
+                                m.shape.head_k * rssm_dtype_size(m.shape.state_dtype);
+    bytes = std::max<uint64_t>(at, checkpoint * m.num_layers);
     CheckCuda(cudaMalloc(reinterpret_cast<void**>(&dev), bytes), "cudaMalloc region");
     CheckCuda(cudaMemset(dev, 0, bytes), "cudaMemset region");
   }
@@ -463,6 +466,44 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
       std::printf("check: row %ld states differ\n", static_cast<long>(i));
       same = false;
     }
+  }
+  // Export into the CUDA IPC region and Import back from it (device-to-device copies): the
+  // region's bytes are the inline export's, and the imported slot exports the same state.
+  const v1::ExportResponse want = Value(c.Export(planned[0]), "export");
+  const uint64_t cp = want.checkpoints(0).data().size();
+  if (static_cast<uint64_t>(r.m.num_layers) * cp > r.bytes) Die("region too small for a slot");
+  v1::ExportRequest ex;
+  ex.set_slot(planned[0]);
+  for (int32_t l = 0; l < r.m.num_layers; ++l) {
+    v1::RegionRef* ref = ex.add_checkpoints_out();
+    ref->set_region("engine");
+    ref->set_offset(l * cp);
+  }
+  Value(c.Export(ex), "export into the region");
+  for (int32_t l = 0; l < r.m.num_layers; ++l) {
+    std::string got(cp, '\0');
+    CheckCuda(cudaMemcpy(got.data(), r.dev + l * cp, cp, cudaMemcpyDeviceToHost), "download");
+    if (got != want.checkpoints(l).data()) {
+      std::printf("check: layer %d checkpoint exported into the region differs\n", l);
+      same = false;
+    }
+  }
+  v1::ImportRequest im;
+  im.set_slot(Value(c.Allocate(), "allocate").slot());
+  *im.mutable_tokens() = want.tokens();
+  for (int32_t l = 0; l < r.m.num_layers; ++l) {
+    v1::Tensor* t = im.add_checkpoints();
+    *t = want.checkpoints(l);
+    t->clear_data();
+    *t->mutable_region() = ex.checkpoints_out(l);
+  }
+  Value(c.Import(im), "import from the region");
+  if (Value(c.Export(im.slot()), "export").SerializeAsString() != want.SerializeAsString()) {
+    std::printf("check: the state imported from the region differs\n");
+    same = false;
+  }
+  Check(c.Free(im.slot()), "free");
+  for (int64_t i = 0; i < B; ++i) {
     Check(c.Free(planned[i]), "free");
     Check(c.Free(inl[i]), "free");
   }
@@ -553,7 +594,8 @@ int main(int argc, char** argv) {
   CheckCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   uint32_t value = 0;
   const bool same = CheckBitIdentical(*c, region, s, &value);
-  std::printf("check: planned (CUDA IPC region + doorbells) vs inline: %s\n",
+  std::printf("check: planned (CUDA IPC region + doorbells) vs inline, and Export/Import through "
+              "the region: %s\n",
               same ? "bit-identical outputs and states" : "MISMATCH");
 
   std::ostringstream json;
