@@ -15,6 +15,15 @@ namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
 
+// Under AddressSanitizer the server keeps freed memory in quarantine (256 MiB by default), so
+// its RSS says nothing of what it holds: the memory bounds are checked by the plain build's
+// run of these tests (CI runs both); the refusals are checked in both.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssTellsWhatIsHeld = false;
+#else
+constexpr bool kRssTellsWhatIsHeld = true;
+#endif
+
 class LimitsTest : public ServiceTest {
  protected:
   std::vector<std::string> ServerFlags() const override {
@@ -54,7 +63,9 @@ TEST_F(LimitsTest, RequestIdsOverTheLimitAreRefusedNamingTheField) {
   const absl::Status free = client_->Free(kept->slot(), std::string(4 * kMiB, 'd'));
   EXPECT_TRUE(absl::StrContains(free.message(), "got 4194304 bytes")) << free;
   EXPECT_TRUE(client_->GetSlot(kept->slot()).ok()) << "a refused Free freed the slot";
-  EXPECT_LT(Rss() - before, 64 * kMiB);
+  if (kRssTellsWhatIsHeld) {
+    EXPECT_LT(Rss() - before, 64 * kMiB);
+  }
   // The stream's begins (the unary Decode shares the check).
   auto stream = client_->OpenStream();
   auto begun = stream->Begin(Row(kept->slot()), std::string(200, 'e'));
@@ -138,7 +149,9 @@ TEST_F(DedupBytesTest, LongRequestIdsCountAgainstDedupBytes) {
     ASSERT_TRUE(a.ok()) << a.status();
     ASSERT_TRUE(client_->Free(a->slot(), absl::StrCat(id, "f", i)).ok());
   }
-  EXPECT_LT(Rss() - before, 24 * kMiB);
+  if (kRssTellsWhatIsHeld) {
+    EXPECT_LT(Rss() - before, 24 * kMiB);
+  }
 }
 
 }  // namespace

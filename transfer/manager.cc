@@ -15,6 +15,7 @@ struct TransferManager::Entry {
   std::vector<Done> waiters;
   SendResult result;                            // kSucceeded
   std::unique_ptr<cache::SlotReader> in_doubt;  // kInDoubt, and while it is resolved
+  bool resolving = false;  // a thread took in_doubt to ask the peer: still in doubt until Finish
   std::string transfer_id;                      // the last attempt's
   absl::Time deadline;                          // of the run queued or running
 };
@@ -68,7 +69,7 @@ void TransferManager::Stop() {
 int TransferManager::in_doubt() const {
   absl::MutexLock lock(&mu_);
   int n = 0;
-  for (const auto& [id, e] : entries_) n += e->in_doubt != nullptr;
+  for (const auto& [id, e] : entries_) n += e->in_doubt != nullptr || e->resolving;
   return n;
 }
 
@@ -134,6 +135,7 @@ SendOutcome TransferManager::Run(const std::string& id) {
     Entry& e = *entries_.at(id);
     req = e.request;
     in_doubt = std::move(e.in_doubt);
+    e.resolving = in_doubt != nullptr;
     transfer_id = e.transfer_id;
     deadline = e.deadline;
     waited_for = !e.waiters.empty();
@@ -144,6 +146,8 @@ SendOutcome TransferManager::Run(const std::string& id) {
                                      std::max(deadline, absl::Now()));
     // Aborted: the source is released; a caller waiting for the move gets a fresh attempt.
     if (o.result.ok() || o.in_doubt != nullptr || !waited_for) return o;
+    absl::MutexLock lock(&mu_);
+    entries_.at(id)->resolving = false;  // resolved (aborted): a fresh attempt follows
   }
   if (absl::Now() >= deadline) {
     return SendOutcome{absl::DeadlineExceededError(absl::StrCat(
@@ -171,6 +175,7 @@ void TransferManager::Finish(const std::string& id, SendOutcome outcome) {
     Entry& e = *it->second;
     waiters = std::move(e.waiters);
     e.waiters.clear();
+    e.resolving = false;
     if (outcome.result.ok()) {
       e.state = Entry::State::kSucceeded;
       e.result = *outcome.result;
