@@ -119,6 +119,12 @@ const std::vector<Flag>& Flags() {
        Seconds(&ServerOptions::transfer_lease)},
       {"transfer-max-concurrent", "outgoing slot transfers running at once, 1..64 [8]",
        Int(&ServerOptions::transfer_max_concurrent)},
+      {"tls-cert", "PEM certificate chain: serve gRPC over TLS (with --tls-key) [off]",
+       Str(&ServerOptions::tls_cert_file)},
+      {"tls-key", "PEM private key of --tls-cert", Str(&ServerOptions::tls_key_file)},
+      {"tls-client-ca",
+       "PEM CA: require client certificates it signed (mTLS; also verifies transfer peers)",
+       Str(&ServerOptions::tls_client_ca_file)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        [](ServerFlags& f, const std::string& v) {
          f.ready_file = v;

@@ -1,3 +1,4 @@
+#include "service/tls.h"
 #include "service/server.h"
 
 #include <algorithm>
@@ -130,6 +131,9 @@ class ServerImpl final : public Server {
     t.timeout = options_.transfer_timeout;
     t.lease = options_.transfer_lease;
     t.max_concurrent = options_.transfer_max_concurrent;
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> peers = PeerCredentialsFor(Tls());
+    if (!peers.ok()) return peers.status();
+    t.peer_credentials = *std::move(peers);
     absl::StatusOr<std::unique_ptr<TransferService>> ts = TransferService::Create(&ctx_, t);
     if (!ts.ok()) return ts.status();
     transfers_ = std::move(*ts);
@@ -141,12 +145,18 @@ class ServerImpl final : public Server {
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
   }
 
+  TlsOptions Tls() const {
+    return {options_.tls_cert_file, options_.tls_key_file, options_.tls_client_ca_file};
+  }
+
   absl::Status Listen() {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     int port = 0;
-    builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(), &port);
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentialsFor(Tls());
+    if (!creds.ok()) return creds.status();
+    builder.AddListeningPort(options_.grpc_address, *creds, &port);
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
     builder.SetMaxSendMessageSize(-1);

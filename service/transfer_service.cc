@@ -212,7 +212,11 @@ void TransferService::Stop() { manager_->Stop(); }
 std::shared_ptr<grpc::Channel> TransferService::Channel(const std::string& address) {
   absl::MutexLock lock(&mu_);
   std::shared_ptr<grpc::Channel>& c = channels_[address];
-  if (c == nullptr) c = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (c == nullptr) {
+    c = grpc::CreateChannel(address, options_.peer_credentials != nullptr
+                                         ? options_.peer_credentials
+                                         : grpc::InsecureChannelCredentials());
+  }
   return c;
 }
 

@@ -41,6 +41,8 @@ struct TransferOptions {
   int32_t import_threads = 8;
   // Outgoing transfers running at once, 1..64 (others wait, their timeout running).
   int32_t max_concurrent = 8;
+  // How peers are dialled (service/tls.h): insecure when null.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
 };
 
 class TransferService final : public v1::SlotTransfer::CallbackService {
