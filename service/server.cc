@@ -134,6 +134,7 @@ class ServerImpl final : public Server {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> peers = PeerCredentialsFor(Tls());
     if (!peers.ok()) return peers.status();
     t.peer_credentials = *std::move(peers);
+    t.allowed_peers = options_.transfer_peers;
     absl::StatusOr<std::unique_ptr<TransferService>> ts = TransferService::Create(&ctx_, t);
     if (!ts.ok()) return ts.status();
     transfers_ = std::move(*ts);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -47,6 +48,7 @@ struct ServerOptions {
   // TLS on the gRPC port and for transfer dials (service/tls.h): off when both are empty.
   std::string tls_cert_file, tls_key_file;
   std::string tls_client_ca_file;  // mTLS: clients and peers must present a cert it signed
+  std::vector<std::string> transfer_peers;  // host:port this server may dial; empty: any
 };
 
 class Server {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "prometheus/gauge.h"
 #include "service/status_map.h"
 
@@ -240,10 +241,21 @@ void TransferService::CountFailure(const absl::Status& status) {
   failures_->Add({{"reason", std::string(absl::StatusCodeToString(status.code()))}}).Increment();
 }
 
+absl::Status TransferService::CheckPeer(const std::string& address) const {
+  if (options_.allowed_peers.empty()) return absl::OkStatus();
+  for (const std::string& p : options_.allowed_peers) {
+    if (p == address) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "peer_address: expected one of the peers this server may dial (--transfer-peers: ",
+      absl::StrJoin(options_.allowed_peers, ", "), "), got \"", address, "\""));
+}
+
 grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerContext* c,
                                                         const v1::TransferSlotRequest* req,
                                                         v1::TransferSlotResponse* resp) {
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+  if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
   if (!st.ok()) return Reply(c, "TransferSlot", st);
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
@@ -275,6 +287,7 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
                                                     const v1::PullSlotRequest* req,
                                                     v1::PullSlotResponse* resp) {
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+  if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
   if (!st.ok()) return Reply(c, "PullSlot", st);
   std::string self = req->self_address();

@@ -43,6 +43,9 @@ struct TransferOptions {
   int32_t max_concurrent = 8;
   // How peers are dialled (service/tls.h): insecure when null.
   std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  // The peers this server may dial (TransferSlot's and PullSlot's peer_address, host:port as
+  // given); empty: any (--transfer-peers).
+  std::vector<std::string> allowed_peers;
 };
 
 class TransferService final : public v1::SlotTransfer::CallbackService {
@@ -73,6 +76,8 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
 
  private:
   TransferService(const ServiceContext* ctx, TransferOptions options);
+  // PERMISSION_DENIED naming peer_address unless `address` is an allowed peer.
+  absl::Status CheckPeer(const std::string& address) const;
   // Finishes `reactor` with `status` and counts the call.
   void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,
               const absl::Status& status);

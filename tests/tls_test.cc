@@ -125,5 +125,22 @@ TEST_F(TlsTest, TwoServersMoveASlotOverMtls) {
   EXPECT_TRUE(ca->GetSlot(s2->slot()).ok()) << "the source must stay";
 }
 
+TEST(PeerAllowListTest, OnlyAllowedPeersAreDialled) {
+  auto b = ServerProcess::Start({});
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto a = ServerProcess::Start({"--transfer-peers=" + (*b)->grpc_address()});
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto c = client::Client::Connect((*a)->grpc_address());
+  auto s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  // Not on the list (the same server under another name counts as another peer).
+  auto refused = c->TransferSlot(s->slot(), "127.0.0.1:1", /*keep_source=*/false);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("peer_address"), std::string::npos);
+  EXPECT_TRUE(c->GetSlot(s->slot()).ok());
+  auto moved = c->TransferSlot(s->slot(), (*b)->grpc_address(), false);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
 }  // namespace
 }  // namespace replayssm::testing
