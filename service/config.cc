@@ -133,6 +133,9 @@ const std::vector<Flag>& Flags() {
          }
          return absl::OkStatus();
        }},
+      {"transfer-interface",
+       "network interface UCX transfers use and listen on (e.g. eth1), empty = all []",
+       Str(&ServerOptions::transfer_interface)},
       {"tls-cert", "PEM certificate chain: serve gRPC over TLS (with --tls-key) [off]",
        Str(&ServerOptions::tls_cert_file)},
       {"tls-key", "PEM private key of --tls-cert", Str(&ServerOptions::tls_key_file)},

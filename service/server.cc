@@ -1,6 +1,9 @@
 #include "service/tls.h"
 #include "service/server.h"
 
+#include <net/if.h>
+#include <stdlib.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <exception>
@@ -124,6 +127,16 @@ class ServerImpl final : public Server {
 
   // The SlotTransfer service (UCX worker, receiver, sender); fails when UCX cannot start.
   absl::Status StartTransfers() {
+    if (!options_.transfer_interface.empty()) {
+      // UCX reads its configuration from the environment when each context starts: every
+      // transfer context of this process then uses (and listens on) this interface only.
+      if (if_nametoindex(options_.transfer_interface.c_str()) == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--transfer-interface: expected a network interface of this host, got \"",
+                         options_.transfer_interface, "\""));
+      }
+      setenv("UCX_NET_DEVICES", options_.transfer_interface.c_str(), /*overwrite=*/1);
+    }
     TransferOptions t;
     t.chunk_bytes = static_cast<size_t>(options_.transfer_chunk_bytes);
     t.lanes = options_.transfer_lanes;

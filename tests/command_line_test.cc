@@ -259,7 +259,7 @@ TEST(CommandLine, ServerExitsNamingTheKeyOfABadModelConfig) {
   }
 }
 
-TEST(CommandLine, BadTlsFlagsStopTheServerNamingTheFlag) {
+TEST(CommandLine, BadSecurityFlagsStopTheServerNamingTheFlag) {
   const std::string dir = ::testing::TempDir();
   std::ofstream(dir + "/not-a.pem") << "hello\n";
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
@@ -269,6 +269,7 @@ TEST(CommandLine, BadTlsFlagsStopTheServerNamingTheFlag) {
       {{"--tls-cert=/nonexistent.pem", "--tls-key=" + dir + "/x.key"},
        "--tls-cert: expected a readable PEM file"},
       {{"--tls-cert=" + dir + "/not-a.pem", "--tls-key=" + dir + "/x.key"}, "no PEM block"},
+      {{"--transfer-interface=nonexistent0"}, "--transfer-interface: expected a network"},
   };
   for (const auto& [flags, message] : cases) {
     std::vector<std::string> args = {"--device=cpu", "--grpc-address=127.0.0.1:0",

@@ -142,5 +142,16 @@ TEST(PeerAllowListTest, OnlyAllowedPeersAreDialled) {
   EXPECT_TRUE(moved.ok()) << moved.status();
 }
 
+TEST(TransferInterfaceTest, ServersBoundToLoopbackStillTransfer) {
+  auto b = ServerProcess::Start({"--transfer-interface=lo"});
+  auto a = ServerProcess::Start({"--transfer-interface=lo"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto c = client::Client::Connect((*a)->grpc_address());
+  auto s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  auto moved = c->TransferSlot(s->slot(), (*b)->grpc_address(), false);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
 }  // namespace
 }  // namespace replayssm::testing
