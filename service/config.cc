@@ -133,6 +133,9 @@ const std::vector<Flag>& Flags() {
          }
          return absl::OkStatus();
        }},
+      {"transfer-reservations-per-peer",
+       "incoming transfer reservations one peer (mTLS identity, else host) may hold, 1..64 [4]",
+       Int(&ServerOptions::transfer_reservations_per_peer)},
       {"transfer-interface",
        "network interface UCX transfers use and listen on (e.g. eth1), empty = all []",
        Str(&ServerOptions::transfer_interface)},

@@ -144,6 +144,7 @@ class ServerImpl final : public Server {
     t.timeout = options_.transfer_timeout;
     t.lease = options_.transfer_lease;
     t.max_concurrent = options_.transfer_max_concurrent;
+    t.max_open_per_peer = options_.transfer_reservations_per_peer;
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> peers = PeerCredentialsFor(Tls());
     if (!peers.ok()) return peers.status();
     t.peer_credentials = *std::move(peers);
