@@ -1,8 +1,10 @@
 #include "replayssm/client/client.h"
 
 #include <algorithm>
+#include <fstream>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -213,14 +215,55 @@ absl::Status ForwardStream::Finish() {
 
 // ---- Client ----
 
-std::unique_ptr<Client> Client::Connect(const std::string& address, int64_t max_message_bytes) {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* option) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  if (in) text << in.rdbuf();
+  if (!in || text.str().find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(option, ": expected a readable PEM file, got \"",
+                                                   path, "\""));
+  }
+  return text.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ChannelSecurity& security) {
+  if (!security.enabled()) return grpc::InsecureChannelCredentials();
+  if (security.cert_file.empty() != security.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        security.cert_file.empty() ? "tls_cert: expected the certificate of tls_key, got none"
+                                   : "tls_key: expected the private key of tls_cert, got none");
+  }
+  grpc::SslCredentialsOptions o;
+  const struct {
+    const std::string& path;
+    const char* option;
+    std::string* out;
+  } files[] = {{security.ca_file, "tls_ca", &o.pem_root_certs},
+               {security.cert_file, "tls_cert", &o.pem_cert_chain},
+               {security.key_file, "tls_key", &o.pem_private_key}};
+  for (const auto& f : files) {
+    if (f.path.empty()) continue;
+    absl::StatusOr<std::string> pem = ReadPem(f.path, f.option);
+    if (!pem.ok()) return pem.status();
+    *f.out = *std::move(pem);
+  }
+  return grpc::SslCredentials(o);
+}
+
+std::unique_ptr<Client> Client::Connect(const std::string& address, int64_t max_message_bytes,
+                                        std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args;
   const int limit =
       static_cast<int>(std::min<int64_t>(max_message_bytes, std::numeric_limits<int>::max()));
   args.SetMaxReceiveMessageSize(limit);
   args.SetMaxSendMessageSize(limit);
-  return std::make_unique<Client>(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
+  return std::make_unique<Client>(grpc::CreateCustomChannel(address, credentials, args));
 }
 
 Client::Client(std::shared_ptr<grpc::Channel> channel)

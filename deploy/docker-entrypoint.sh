@@ -16,6 +16,8 @@ config=${REPLAYSSM_CONFIG:-/etc/replayssm/replayssm.conf}
 flags=(grpc-address metrics-address model device memory-budget ring-length track-interval
        state-dtype max-batch max-prefill-tokens max-message-bytes dedup-entries dedup-bytes
        max-request-id-bytes max-import-tokens max-streams slot-ttl
+       tls-cert tls-key tls-client-ca transfer-peers transfer-interface
+       transfer-reservations-per-peer
        max-regions max-region-bytes forward-timeout drain-timeout transfer-chunk-bytes
        transfer-lanes transfer-import-threads transfer-timeout transfer-lease
        transfer-max-concurrent ready-file)

@@ -10,7 +10,7 @@ PKGS=(
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
-  curl
+  curl openssl
   prometheus python3
   # client/python: its runtime, the offline install into a venv (docs/python.md), and
   # protoc's gRPC Python plugin (protobuf-compiler-grpc, above) for its stubs.

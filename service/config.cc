@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
 namespace replayssm::service {
@@ -119,6 +120,31 @@ const std::vector<Flag>& Flags() {
        Seconds(&ServerOptions::transfer_lease)},
       {"transfer-max-concurrent", "outgoing slot transfers running at once, 1..64 [8]",
        Int(&ServerOptions::transfer_max_concurrent)},
+      {"transfer-peers",
+       "comma-separated host:port of the servers TransferSlot/PullSlot may dial, empty = any []",
+       [](ServerFlags& f, const std::string& v) {
+         f.options.transfer_peers.clear();
+         for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+           if (p.find(':') == absl::string_view::npos) {
+             return absl::InvalidArgumentError(absl::StrCat(
+                 "--transfer-peers: expected host:port entries, got \"", p, "\""));
+           }
+           f.options.transfer_peers.emplace_back(p);
+         }
+         return absl::OkStatus();
+       }},
+      {"transfer-reservations-per-peer",
+       "incoming transfer reservations one peer (mTLS identity, else host) may hold, 1..64 [4]",
+       Int(&ServerOptions::transfer_reservations_per_peer)},
+      {"transfer-interface",
+       "network interface UCX transfers use and listen on (e.g. eth1), empty = all []",
+       Str(&ServerOptions::transfer_interface)},
+      {"tls-cert", "PEM certificate chain: serve gRPC over TLS (with --tls-key) [off]",
+       Str(&ServerOptions::tls_cert_file)},
+      {"tls-key", "PEM private key of --tls-cert", Str(&ServerOptions::tls_key_file)},
+      {"tls-client-ca",
+       "PEM CA: require client certificates it signed (mTLS; also verifies transfer peers)",
+       Str(&ServerOptions::tls_client_ca_file)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        [](ServerFlags& f, const std::string& v) {
          f.ready_file = v;

@@ -1,4 +1,8 @@
+#include "service/tls.h"
 #include "service/server.h"
+
+#include <net/if.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -123,6 +127,16 @@ class ServerImpl final : public Server {
 
   // The SlotTransfer service (UCX worker, receiver, sender); fails when UCX cannot start.
   absl::Status StartTransfers() {
+    if (!options_.transfer_interface.empty()) {
+      // UCX reads its configuration from the environment when each context starts: every
+      // transfer context of this process then uses (and listens on) this interface only.
+      if (if_nametoindex(options_.transfer_interface.c_str()) == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--transfer-interface: expected a network interface of this host, got \"",
+                         options_.transfer_interface, "\""));
+      }
+      setenv("UCX_NET_DEVICES", options_.transfer_interface.c_str(), /*overwrite=*/1);
+    }
     TransferOptions t;
     t.chunk_bytes = static_cast<size_t>(options_.transfer_chunk_bytes);
     t.lanes = options_.transfer_lanes;
@@ -130,6 +144,11 @@ class ServerImpl final : public Server {
     t.timeout = options_.transfer_timeout;
     t.lease = options_.transfer_lease;
     t.max_concurrent = options_.transfer_max_concurrent;
+    t.max_open_per_peer = options_.transfer_reservations_per_peer;
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> peers = PeerCredentialsFor(Tls());
+    if (!peers.ok()) return peers.status();
+    t.peer_credentials = *std::move(peers);
+    t.allowed_peers = options_.transfer_peers;
     absl::StatusOr<std::unique_ptr<TransferService>> ts = TransferService::Create(&ctx_, t);
     if (!ts.ok()) return ts.status();
     transfers_ = std::move(*ts);
@@ -141,12 +160,18 @@ class ServerImpl final : public Server {
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
   }
 
+  TlsOptions Tls() const {
+    return {options_.tls_cert_file, options_.tls_key_file, options_.tls_client_ca_file};
+  }
+
   absl::Status Listen() {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     int port = 0;
-    builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(), &port);
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentialsFor(Tls());
+    if (!creds.ok()) return creds.status();
+    builder.AddListeningPort(options_.grpc_address, *creds, &port);
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
     builder.SetMaxSendMessageSize(-1);

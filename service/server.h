@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -44,6 +45,13 @@ struct ServerOptions {
   absl::Duration transfer_timeout = absl::Seconds(30);  // one outgoing transfer, all of it
   absl::Duration transfer_lease = absl::Seconds(30);    // an uncommitted reservation at most
   int32_t transfer_max_concurrent = 8;                 // outgoing transfers at once, 1..64
+  int32_t transfer_reservations_per_peer = 4;  // incoming reservations one peer may hold, 1..64
+  // TLS on the gRPC port and for transfer dials (service/tls.h): off when both are empty.
+  std::string tls_cert_file, tls_key_file;
+  std::string tls_client_ca_file;  // mTLS: clients and peers must present a cert it signed
+  std::vector<std::string> transfer_peers;  // host:port this server may dial; empty: any
+  // The network interface UCX uses and listens on for transfers (UCX_NET_DEVICES); "": all.
+  std::string transfer_interface;
 };
 
 class Server {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "prometheus/gauge.h"
 #include "service/status_map.h"
 
@@ -119,6 +120,7 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
       {"transfer-lanes", {options.lanes, {1, 16}}},
       {"transfer-import-threads", {options.import_threads, {1, 32}}},
       {"transfer-max-concurrent", {options.max_concurrent, {1, 64}}},
+      {"transfer-reservations-per-peer", {options.max_open_per_peer, {1, 64}}},
   };
   for (const auto& [flag, v] : ranges) {
     if (v.first < v.second.first || v.first > v.second.second) {
@@ -143,6 +145,7 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
       ctx->cache, s->ucx_.get(),
       transfer::ReceiverOptions{.lease = o.lease,
                                 .max_open = o.max_open,
+                                .max_open_per_peer = o.max_open_per_peer,
                                 .chunk_bytes = o.chunk_bytes,
                                 .import_threads = o.import_threads});
   s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, std::move(lanes));
@@ -212,7 +215,11 @@ void TransferService::Stop() { manager_->Stop(); }
 std::shared_ptr<grpc::Channel> TransferService::Channel(const std::string& address) {
   absl::MutexLock lock(&mu_);
   std::shared_ptr<grpc::Channel>& c = channels_[address];
-  if (c == nullptr) c = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (c == nullptr) {
+    c = grpc::CreateChannel(address, options_.peer_credentials != nullptr
+                                         ? options_.peer_credentials
+                                         : grpc::InsecureChannelCredentials());
+  }
   return c;
 }
 
@@ -236,10 +243,34 @@ void TransferService::CountFailure(const absl::Status& status) {
   failures_->Add({{"reason", std::string(absl::StatusCodeToString(status.code()))}}).Increment();
 }
 
+std::string TransferService::PeerIdentity(const grpc::CallbackServerContext& c) {
+  // Under mTLS the certificate's identity (its subject alternative names or common name);
+  // else the host the call came from (ipv4:HOST:PORT -> HOST: one per machine, not per port).
+  std::shared_ptr<const grpc::AuthContext> auth = c.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    std::vector<grpc::string_ref> names = auth->GetPeerIdentity();
+    if (!names.empty()) return std::string(names.front().data(), names.front().size());
+  }
+  std::string peer = c.peer();
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
+absl::Status TransferService::CheckPeer(const std::string& address) const {
+  if (options_.allowed_peers.empty()) return absl::OkStatus();
+  for (const std::string& p : options_.allowed_peers) {
+    if (p == address) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "peer_address: expected one of the peers this server may dial (--transfer-peers: ",
+      absl::StrJoin(options_.allowed_peers, ", "), "), got \"", address, "\""));
+}
+
 grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerContext* c,
                                                         const v1::TransferSlotRequest* req,
                                                         v1::TransferSlotResponse* resp) {
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+  if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
   if (!st.ok()) return Reply(c, "TransferSlot", st);
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
@@ -271,6 +302,7 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
                                                     const v1::PullSlotRequest* req,
                                                     v1::PullSlotResponse* resp) {
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
+  if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
   if (!st.ok()) return Reply(c, "PullSlot", st);
   std::string self = req->self_address();
@@ -328,7 +360,8 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   }
   absl::StatusOr<transfer::Reservation> r =
       receiver_->Reserve(req->transfer_id(), FromProto(req->format()), req->seq_len(),
-                         req->checksum_version(), absl::Milliseconds(req->budget_ms()));
+                         req->checksum_version(), absl::Milliseconds(req->budget_ms()),
+                         PeerIdentity(*c));
   if (!r.ok()) {
     CountFailure(r.status());
     return Reply(c, "ReserveTransfer", r.status());

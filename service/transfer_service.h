@@ -34,6 +34,7 @@ struct TransferOptions {
   absl::Duration timeout = absl::Seconds(30);  // a whole outgoing transfer, waiting included
   absl::Duration lease = absl::Seconds(30);    // an uncommitted reservation, receiver side
   int32_t max_open = 16;                       // concurrent reservations
+  int32_t max_open_per_peer = 4;               // of them held by one peer (0: no bound)
   // Sender threads (each with its own UCX context, worker and endpoint) that put a slot's
   // chunks at once, 1..16 (docs/transfer.md, "The put path").
   int32_t lanes = 4;
@@ -41,6 +42,11 @@ struct TransferOptions {
   int32_t import_threads = 8;
   // Outgoing transfers running at once, 1..64 (others wait, their timeout running).
   int32_t max_concurrent = 8;
+  // How peers are dialled (service/tls.h): insecure when null.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  // The peers this server may dial (TransferSlot's and PullSlot's peer_address, host:port as
+  // given); empty: any (--transfer-peers).
+  std::vector<std::string> allowed_peers;
 };
 
 class TransferService final : public v1::SlotTransfer::CallbackService {
@@ -71,6 +77,10 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
 
  private:
   TransferService(const ServiceContext* ctx, TransferOptions options);
+  // Who is calling, for the per-peer reservation bound: the mTLS identity, else the host.
+  static std::string PeerIdentity(const grpc::CallbackServerContext& c);
+  // PERMISSION_DENIED naming peer_address unless `address` is an allowed peer.
+  absl::Status CheckPeer(const std::string& address) const;
   // Finishes `reactor` with `status` and counts the call.
   void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,
               const absl::Status& status);

@@ -259,5 +259,28 @@ TEST(CommandLine, ServerExitsNamingTheKeyOfABadModelConfig) {
   }
 }
 
+TEST(CommandLine, BadSecurityFlagsStopTheServerNamingTheFlag) {
+  const std::string dir = ::testing::TempDir();
+  std::ofstream(dir + "/not-a.pem") << "hello\n";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--tls-cert=" + dir + "/x.pem"}, "--tls-key: expected the private key"},
+      {{"--tls-key=" + dir + "/x.key"}, "--tls-cert: expected the certificate"},
+      {{"--tls-client-ca=" + dir + "/ca.pem"}, "--tls-client-ca: expected --tls-cert"},
+      {{"--tls-cert=/nonexistent.pem", "--tls-key=" + dir + "/x.key"},
+       "--tls-cert: expected a readable PEM file"},
+      {{"--tls-cert=" + dir + "/not-a.pem", "--tls-key=" + dir + "/x.key"}, "no PEM block"},
+      {{"--transfer-interface=nonexistent0"}, "--transfer-interface: expected a network"},
+  };
+  for (const auto& [flags, message] : cases) {
+    std::vector<std::string> args = {"--device=cpu", "--grpc-address=127.0.0.1:0",
+                                     "--metrics-address="};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const Outcome o = RunBinary(REPLAYSSM_SERVER_BINARY, args);
+    EXPECT_EQ(o.exit_code, 1) << o.output;
+    EXPECT_TRUE(absl::StrContains(o.output, message)) << "expected: " << message << "\n"
+                                                      << o.output;
+  }
+}
+
 }  // namespace
 }  // namespace replayssm::testing

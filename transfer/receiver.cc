@@ -152,7 +152,8 @@ int Receiver::open() const {
 
 absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
                                               const StateFormat& format, int64_t seq_len,
-                                              uint32_t checksum_version, absl::Duration budget) {
+                                              uint32_t checksum_version, absl::Duration budget,
+                                              const std::string& peer) {
   if (transfer_id.empty()) {
     return absl::InvalidArgumentError("transfer_id: expected a non-empty id, got \"\"");
   }
@@ -188,6 +189,15 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
     return absl::ResourceExhaustedError(
         absl::StrCat("transfers: ", options_.max_open, " reservations are open already"));
   }
+  if (options_.max_open_per_peer > 0) {
+    int32_t held = 0;
+    for (const auto& [id, pending] : pending_) held += pending.peer == peer ? 1 : 0;
+    if (held >= options_.max_open_per_peer) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "transfers: peer ", peer.empty() ? "(unnamed)" : peer, " holds ", held,
+          " open reservations, the most one peer may (--transfer-reservations-per-peer)"));
+    }
+  }
   cache::SlotIoOptions io;
   io.chunk_bytes = options_.chunk_bytes;
   io.path = path_;
@@ -197,6 +207,7 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
   absl::StatusOr<std::unique_ptr<Buffer>> buffer = TakeBufferLocked();
   if (!buffer.ok()) return buffer.status();
   Pending p;
+  p.peer = peer;
   p.writer = *std::move(writer);
   p.buffer = *std::move(buffer);
   // The sender's commit deadline, never later than the lease.

@@ -296,6 +296,26 @@ TEST_F(TransferTest, ACommitWhoseAnswerIsLostIsLearnedFromTheAbort) {
   EXPECT_EQ(a_->Info(s).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(TransferTest, OnePeerHoldsAtMostItsShareOfReservations) {
+  ReceiverOptions o;
+  o.max_open_per_peer = 2;
+  Receiver rx(b_.get(), ucx_b_.get(), o);
+  const StateFormat f = StateFormat::Of(a_->model());
+  const auto reserve = [&](const std::string& id, const std::string& peer) {
+    return rx.Reserve(id, f, 3, cache::kChecksumVersion, absl::Seconds(30), peer).status();
+  };
+  EXPECT_TRUE(reserve("x1", "peer-x").ok());
+  EXPECT_TRUE(reserve("x2", "peer-x").ok());
+  const absl::Status third = reserve("x3", "peer-x");
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_NE(third.message().find("peer-x"), std::string::npos) << third;
+  EXPECT_TRUE(reserve("y1", "peer-y").ok()) << "another peer is not locked out";
+  EXPECT_TRUE(reserve("x1", "peer-x").ok()) << "a retried Reserve of an open id is no new one";
+  rx.Abort("x1");
+  EXPECT_TRUE(reserve("x4", "peer-x").ok()) << "an abort gives the share back";
+  for (const char* id : {"x2", "x4", "y1"}) rx.Abort(id);
+}
+
 TEST_F(TransferTest, EachTransferIsDecidedOnce) {
   Receiver rx(b_.get(), ucx_b_.get(), {});
   const StateFormat f = StateFormat::Of(a_->model());

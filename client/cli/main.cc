@@ -44,7 +44,9 @@ constexpr char kUsage[] =
     "  bench [--concurrency N] [--batch N] [--seconds S] [--unary]\n"
     "                       closed-loop decode forwards: forwards/s, p50/p99 latency\n"
     "Options are --name VALUE or --name=VALUE. --address may come before or after the\n"
-    "command; it defaults to $REPLAYSSM_ADDRESS, else 127.0.0.1:50051.\n";
+    "command; it defaults to $REPLAYSSM_ADDRESS, else 127.0.0.1:50051. So may the TLS\n"
+    "options: --tls-ca PEM (the server's CA; TLS on), --tls-cert PEM --tls-key PEM (this\n"
+    "client's certificate, for a server that requires one).\n";
 
 // What a command accepts: its positional arguments and its options.
 struct Command {
@@ -80,6 +82,7 @@ bool Contains(const std::vector<std::string>& names, absl::string_view name) {
 // A parsed command line.
 struct Invocation {
   std::string address;
+  replayssm::client::ChannelSecurity security;  // --tls-ca, --tls-cert, --tls-key
   const Command* command = nullptr;
   std::vector<std::string> args;                          // positional
   absl::flat_hash_map<std::string, std::string> options;  // name -> value ("" for switches)
@@ -111,11 +114,14 @@ absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::stri
     const size_t eq = arg.find('=');
     const std::string name(arg.substr(0, eq));
     const bool is_switch = inv.command != nullptr && Contains(inv.command->switches, name);
-    if (name != "address" && !is_switch &&
+    const bool global = name == "address" || name == "tls-ca" || name == "tls-cert" ||
+                        name == "tls-key";
+    if (!global && !is_switch &&
         (inv.command == nullptr || !Contains(inv.command->options, name))) {
       return Invalid(inv.command == nullptr
                          ? absl::StrCat("unknown option --", name,
-                                        " before the command (only --address goes there)")
+                                        " before the command (only --address and --tls-* go "
+                                        "there)")
                          : absl::StrCat(inv.command->name, ": unknown option --", name));
     }
     std::string value;
@@ -132,6 +138,12 @@ absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::stri
     }
     if (name == "address") {
       inv.address = value;
+    } else if (name == "tls-ca") {
+      inv.security.ca_file = value;
+    } else if (name == "tls-cert") {
+      inv.security.cert_file = value;
+    } else if (name == "tls-key") {
+      inv.security.key_file = value;
     } else {
       inv.options[name] = value;
     }
@@ -189,6 +201,7 @@ int Info(Client& c) {
 // refused without a call.
 struct Request {
   std::string command, address;
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::vector<int32_t> tokens;  // alloc
   uint64_t slot = 0;            // free, transfer, pull
   std::string peer, self;       // transfer, pull
@@ -237,6 +250,16 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
   r.command = inv.command->name;
   r.address = inv.address;
   if (r.address.empty()) return Invalid("--address: expected HOST:PORT, got ''");
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
+      replayssm::client::ChannelCredentialsFor(inv.security);
+  if (!creds.ok()) {  // "tls_ca: ..." -> "--tls-ca: ..."
+    std::string m(creds.status().message());
+    for (size_t i = 0; i < m.size() && m[i] != ':'; ++i) {
+      if (m[i] == '_') m[i] = '-';
+    }
+    return Invalid("--" + m);
+  }
+  r.credentials = *std::move(creds);
   const std::vector<std::string>& args = inv.args;
   if (r.command == "alloc") {
     for (const std::string& a : args) {
@@ -261,6 +284,8 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
   if (r.command == "bench") {
     if (absl::Status s = SetBenchOptions(inv, r.bench); !s.ok()) return s;
   }
+  r.demo.credentials = r.credentials;
+  r.bench.credentials = r.credentials;
   return r;
 }
 
@@ -290,7 +315,7 @@ int Bench(const std::string& address, const replayssm::client::DecodeBenchOption
 // Runs a prepared command: 0 on success, 1 when the server's answer is an error.
 int Run(const Request& r) {
   if (r.command == "bench") return Bench(r.address, r.bench);
-  auto client = Client::Connect(r.address);
+  auto client = Client::Connect(r.address, int64_t{256} << 20, r.credentials);
   Client& c = *client;
   if (r.command == "info") return Info(c);
   if (r.command == "stats") {

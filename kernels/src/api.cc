@@ -137,6 +137,18 @@ void CheckOutputs(Check& c, rssm_token_outputs& out, const rssm_layer_shape& s, 
 }
 
 // CPU only: the index arrays are host memory, so their values are checked as well.
+
+// A [n] array of 0/1 flags: any other value is refused, not taken as true.
+void CheckFlags(Check& c, const uint8_t* flags, int64_t n, const char* name) {
+  if (flags == nullptr) return;
+  for (int64_t r = 0; r < n && c.ok(); ++r) {
+    if (flags[r] > 1) {
+      c.Fail(std::string(name) + "[" + std::to_string(r) + "]", "0 or 1",
+             std::to_string(flags[r]));
+    }
+  }
+}
+
 void CheckSlots(Check& c, const int32_t* slot_idx, int32_t n, int64_t num_slots) {
   std::unordered_set<int32_t> seen;
   for (int32_t i = 0; i < n && c.ok(); ++i) {
@@ -202,6 +214,7 @@ rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn,
   if (c.ok() && IsCpu(a.launch)) {
     CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
     if (!baseline) CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len, "[0, L]");
+    if (!baseline) CheckFlags(c, a.force_fold, a.batch, "force_fold");
   }
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
@@ -362,6 +375,7 @@ rssm_status rssm_prefill(const rssm_prefill_args* in) {
   CheckOutputs(c, a.out, a.shape, true);
   if (c.ok() && IsCpu(a.launch)) {
     CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
+    CheckFlags(c, a.initial, a.batch, "initial");
     if (a.cu_seqlens[0] != 0) c.Fail("cu_seqlens[0]", "0", std::to_string(a.cu_seqlens[0]));
     for (int32_t r = 0; r < a.batch && c.ok(); ++r) {
       const int64_t len = int64_t{a.cu_seqlens[r + 1]} - a.cu_seqlens[r];

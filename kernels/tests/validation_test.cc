@@ -161,6 +161,33 @@ TEST_F(Validation, PrefillChecksLengths) {
   ExpectRejected([&] { return rssm_prefill(&p); }, "write_pos");
 }
 
+TEST_F(Validation, FlagsOtherThanZeroOrOneAreRefused) {
+  const uint8_t force[2] = {0, 2};
+  rssm_decode_args a = Decode();
+  a.force_fold = force;
+  ExpectRejected([&] { return rssm_replay_decode(&a); }, "force_fold[1]");
+  const uint8_t ok[2] = {0, 1};
+  a.force_fold = ok;
+  EXPECT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
+  const int32_t cu[3] = {0, 2, 4};
+  const int32_t pos[2] = {0, 0};
+  const uint8_t initial[2] = {255, 0};
+  rssm_prefill_args p{};
+  p.launch = {RSSM_BACKEND_CPU, nullptr};
+  p.shape = layer_.shape;
+  p.params = layer_.Params();
+  p.pool = layer_.Pool();
+  p.batch = 2;
+  p.slot_idx = slots_;
+  p.cu_seqlens = cu;
+  p.max_seqlen = 2;
+  p.initial = initial;
+  p.write_pos = pos;
+  p.in = tok_.Inputs();
+  p.out = {out_.data(), 0};
+  ExpectRejected([&] { return rssm_prefill(&p); }, "initial[0]");
+}
+
 TEST_F(Validation, FoldChecksCursors) {
   const int32_t slots[1] = {2}, bad[1] = {-1};
   rssm_fold_args f{{RSSM_BACKEND_CPU, nullptr}, layer_.shape, layer_.Pool(), 1, slots, bad};

@@ -38,13 +38,31 @@ class Client:
     """
 
     def __init__(self, address=None, *, channel=None, timeout=60.0, retries=2,
-                 retry_backoff=0.05, max_message_bytes=256 << 20):
+                 retry_backoff=0.05, max_message_bytes=256 << 20, tls_ca=None, tls_cert=None,
+                 tls_key=None):
+        """tls_ca (PEM file of the server's CA; None with TLS on: the system roots),
+        tls_cert + tls_key (this client's certificate, for a server that requires one): any
+        of them turns TLS on (docs/operations.md, "Security and resource bounds")."""
         if channel is None:
             if address is None:
                 raise ValueError("Client: give an address or a channel")
-            channel = grpc.insecure_channel(address, options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes)])
+            options = [("grpc.max_send_message_length", max_message_bytes),
+                       ("grpc.max_receive_message_length", max_message_bytes)]
+            if tls_ca or tls_cert or tls_key:
+                if bool(tls_cert) != bool(tls_key):
+                    raise ValueError("Client: tls_cert and tls_key go together")
+
+                def read(path):
+                    with open(path, "rb") as f:
+                        return f.read()
+
+                credentials = grpc.ssl_channel_credentials(
+                    root_certificates=read(tls_ca) if tls_ca else None,
+                    private_key=read(tls_key) if tls_key else None,
+                    certificate_chain=read(tls_cert) if tls_cert else None)
+                channel = grpc.secure_channel(address, credentials, options=options)
+            else:
+                channel = grpc.insecure_channel(address, options=options)
         self._channel = channel
         self.timeout = timeout
         self.retries = retries

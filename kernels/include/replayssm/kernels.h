@@ -138,7 +138,9 @@ typedef struct rssm_decode_args {
   int32_t batch;              /* B >= 0 */
   const int32_t* slot_idx;    /* [B], -1 = padding */
   const int32_t* write_pos;   /* [B] in [0, L]; ignored (may be NULL) by the baseline */
-  const uint8_t* force_fold;  /* [B] 0/1, or NULL = none; ignored by the baseline */
+  const uint8_t* force_fold;  /* [B] 0/1, or NULL = none; ignored by the baseline. CPU: any
+                                other value is RSSM_ERR_INVALID_ARGUMENT (the host reads it;
+                                on CUDA it is device memory the host does not read) */
   rssm_token_inputs in;       /* N = B */
   rssm_token_outputs out;     /* N = B */
 } rssm_decode_args;
@@ -177,7 +179,8 @@ typedef struct rssm_prefill_args {
   int32_t batch;             /* B >= 0 */
   const int32_t* slot_idx;   /* [B], -1 = padding (its tokens are skipped, outputs zeroed) */
   const int32_t* cu_seqlens; /* [B+1], non-decreasing, cu_seqlens[0] == 0, N = cu_seqlens[B] */
-  const uint8_t* initial;    /* [B] 0/1 or NULL = all start from zero */
+  const uint8_t* initial;    /* [B] 0/1 or NULL = all start from zero (CPU: other values are
+                                RSSM_ERR_INVALID_ARGUMENT, as force_fold) */
   const int32_t* write_pos;  /* [B] cursor of each slot; needed only where initial[r] == 1 */
   int32_t max_seqlen;        /* >= max length of a row (a launch hint for CUDA) */
   rssm_token_inputs in;      /* N tokens */

@@ -6,10 +6,12 @@
 #define REPLAYSSM_CLIENT_BENCH_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/security/credentials.h"
 
 namespace replayssm::client {
 
@@ -19,6 +21,7 @@ struct DecodeBenchOptions {
   absl::Duration warmup = absl::Milliseconds(300);
   absl::Duration duration = absl::Seconds(2);
   bool unary = false;  // Decode (all layers in one call) instead of the stream
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
 };
 
 struct DecodeBenchResult {

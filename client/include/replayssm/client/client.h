@@ -104,11 +104,26 @@ class ForwardStream {
 // A prefill forward's row.
 v1::PrefillRow MakePrefillRow(uint64_t slot, absl::Span<const int32_t> tokens);
 
+// TLS for a client's channel (docs/operations.md, "Security and resource bounds"). Empty:
+// an insecure channel. ca_file: the PEM CA the server's certificate must chain to (empty: the
+// system roots); cert_file + key_file: this client's certificate, for a server that requires
+// one (mTLS).
+struct ChannelSecurity {
+  std::string ca_file, cert_file, key_file;
+  bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
+};
+// INVALID_ARGUMENT naming the option (tls_ca, tls_cert, tls_key) for a file that cannot be
+// read or a certificate without its key.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ChannelSecurity& security);
+
 class Client {
  public:
-  // `address` host:port; insecure channel; messages up to `max_message_bytes` each way.
-  static std::unique_ptr<Client> Connect(const std::string& address,
-                                         int64_t max_message_bytes = int64_t{256} << 20);
+  // `address` host:port; messages up to `max_message_bytes` each way; `credentials` null:
+  // insecure (see ChannelCredentialsFor).
+  static std::unique_ptr<Client> Connect(
+      const std::string& address, int64_t max_message_bytes = int64_t{256} << 20,
+      std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
   explicit Client(std::shared_ptr<grpc::Channel> channel);
 
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }

@@ -7,6 +7,7 @@
 #define REPLAYSSM_CLIENT_DEMO_H_
 
 #include <cstdint>
+#include <memory>
 #include <ostream>
 #include <string>
 
@@ -23,6 +24,7 @@ struct DemoOptions {
   // Disaggregated: prefill on the client's server, then move every request to this server
   // (host:port) with SlotTransfer and decode there. "" = one server does everything.
   std::string decode_address;
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // for decode_address; null: insecure
 };
 
 struct DemoReport {

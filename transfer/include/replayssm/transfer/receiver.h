@@ -47,6 +47,7 @@ class TaskPool;
 struct ReceiverOptions {
   absl::Duration lease = absl::Seconds(30);  // a reservation lives at most this long
   int32_t max_open = 16;                     // concurrent reservations
+  int32_t max_open_per_peer = 0;             // of them held by one peer; 0: no bound
   size_t chunk_bytes = 4 << 20;              // import granularity (and staging buffer size)
   // Threads that write landed chunks into reserved slots, several at once (each hashes what
   // it writes); shared by all reservations. 8: on the H200 host 4 were the whole move's limit.
@@ -66,9 +67,10 @@ class Receiver {
   // else FAILED_PRECONDITION / INVALID_ARGUMENT before any byte moves. A retried Reserve of an
   // open id returns the same reservation; of a decided id: ALREADY_EXISTS (committed) or
   // ABORTED.
+  // `peer` names the sender (its certificate's identity or its host) for max_open_per_peer.
   absl::StatusOr<Reservation> Reserve(const std::string& transfer_id, const StateFormat& format,
                                       int64_t seq_len, uint32_t checksum_version,
-                                      absl::Duration budget);
+                                      absl::Duration budget, const std::string& peer = "");
   // Waits for the last bytes, checks and makes the slot live; its cache id. A retry of a
   // committed id returns the same slot. Any failure aborts the transfer (ABORTED for a commit
   // past its commit-by time or of an aborted id; NOT_FOUND for an id never reserved).
@@ -91,6 +93,7 @@ class Receiver {
     std::unique_ptr<Importer> importer;
     Clock::time_point commit_by;  // see the top; never later than the lease
     bool committing = false;  // Commit took it: Abort waits for the decision
+    std::string peer;         // who reserved it (max_open_per_peer)
   };
   absl::StatusOr<std::unique_ptr<Buffer>> TakeBufferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartImporter(Pending& p);

@@ -1,0 +1,157 @@
+// TLS and mTLS on the gRPC port, against real server processes (docs/operations.md, "Security
+// and resource bounds"): a TLS client is served, a plaintext one is not; with a client CA a
+// client without a certificate (or with one another CA signed) is refused; two servers move
+// a slot over mTLS (bad TLS flags: command_line_test.cc).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "replayssm/client/client.h"
+#include "server_process.h"
+
+namespace replayssm::testing {
+namespace {
+
+// A CA, a server certificate for 127.0.0.1 and localhost, a client certificate, and a second
+// CA with its own client certificate, made by the openssl command in a temporary directory.
+class Pki {
+ public:
+  Pki() {
+    char tmpl[] = "/tmp/replayssm-tls-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    std::ofstream(dir_ + "/san.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    ok_ = Ca("ca") && Leaf("server", "ca", true) && Leaf("client", "ca", false) && Ca("other") &&
+          Leaf("stranger", "other", false);
+  }
+  ~Pki() { std::system(("rm -rf " + dir_).c_str()); }
+  bool ok() const { return ok_; }
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+
+ private:
+  bool Run(const std::string& cmd) {
+    return std::system(("cd " + dir_ + " && " + cmd + " >/dev/null 2>&1").c_str()) == 0;
+  }
+  static std::string Key() { return "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"; }
+  bool Ca(const std::string& n) {
+    return Run(absl::StrCat("openssl req -x509 ", Key(), " -keyout ", n, ".key -out ", n,
+                            ".pem -days 2 -subj /CN=", n, "-ca"));
+  }
+  bool Leaf(const std::string& n, const std::string& ca, bool san) {
+    return Run(absl::StrCat("openssl req ", Key(), " -keyout ", n, ".key -out ", n,
+                            ".csr -subj /CN=", n)) &&
+           Run(absl::StrCat("openssl x509 -req -in ", n, ".csr -CA ", ca, ".pem -CAkey ", ca,
+                            ".key -CAcreateserial -days 2 -out ", n, ".pem",
+                            san ? " -extfile san.ext" : ""));
+  }
+  std::string dir_;
+  bool ok_ = false;
+};
+
+std::unique_ptr<client::Client> Connect(const std::string& address,
+                                        const client::ChannelSecurity& security) {
+  auto creds = client::ChannelCredentialsFor(security);
+  EXPECT_TRUE(creds.ok()) << creds.status();
+  return client::Client::Connect(address, int64_t{64} << 20, creds.ok() ? *creds : nullptr);
+}
+
+class TlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(pki_.ok()) << "openssl could not make the test PKI"; }
+  std::vector<std::string> ServerTls(bool mtls) const {
+    std::vector<std::string> f = {"--tls-cert=" + pki_.Path("server.pem"),
+                                  "--tls-key=" + pki_.Path("server.key")};
+    if (mtls) f.push_back("--tls-client-ca=" + pki_.Path("ca.pem"));
+    return f;
+  }
+  client::ChannelSecurity ClientTls(const std::string& who = "client") const {
+    return {pki_.Path("ca.pem"), who.empty() ? "" : pki_.Path(who + ".pem"),
+            who.empty() ? "" : pki_.Path(who + ".key")};
+  }
+  Pki pki_;
+};
+
+TEST_F(TlsTest, ATlsServerServesTlsClientsAndNotPlaintextOnes) {
+  auto server = ServerProcess::Start(ServerTls(false));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto tls = Connect((*server)->grpc_address(), ClientTls(""));
+  auto info = tls->Info();
+  EXPECT_TRUE(info.ok()) << info.status();
+  auto plain = client::Client::Connect((*server)->grpc_address());
+  plain->set_timeout(absl::Seconds(3));
+  EXPECT_FALSE(plain->Info().ok());
+  // A client that does not trust the server's CA is refused too.
+  auto distrust = Connect((*server)->grpc_address(), {pki_.Path("other.pem"), "", ""});
+  distrust->set_timeout(absl::Seconds(3));
+  EXPECT_FALSE(distrust->Info().ok());
+}
+
+TEST_F(TlsTest, WithAClientCaOnlyClientsItSignedAreServed) {
+  auto server = ServerProcess::Start(ServerTls(true));
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE(Connect((*server)->grpc_address(), ClientTls())->Info().ok());
+  for (const std::string& who : {std::string(), std::string("stranger")}) {
+    auto c = Connect((*server)->grpc_address(), ClientTls(who));
+    c->set_timeout(absl::Seconds(3));
+    EXPECT_FALSE(c->Info().ok()) << "client certificate: " << (who.empty() ? "none" : who);
+  }
+}
+
+TEST_F(TlsTest, TwoServersMoveASlotOverMtls) {
+  auto a = ServerProcess::Start(ServerTls(true));
+  auto b = ServerProcess::Start(ServerTls(true));
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto ca = Connect((*a)->grpc_address(), ClientTls());
+  auto slot = ca->Allocate();
+  ASSERT_TRUE(slot.ok()) << slot.status();
+  // The server dials its peer with its own certificate, verified against the client CA.
+  auto moved = ca->TransferSlot(slot->slot(), (*b)->grpc_address(), /*keep_source=*/false);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  auto cb = Connect((*b)->grpc_address(), ClientTls());
+  EXPECT_TRUE(cb->GetSlot(moved->slot()).ok());
+  // A peer that does not trust this server's certificate refuses the transfer: nothing moves.
+  auto c = ServerProcess::Start({"--tls-cert=" + pki_.Path("server.pem"),
+                                 "--tls-key=" + pki_.Path("server.key"),
+                                 "--tls-client-ca=" + pki_.Path("other.pem")});
+  ASSERT_TRUE(c.ok());
+  auto s2 = ca->Allocate();
+  ASSERT_TRUE(s2.ok());
+  auto refused = ca->TransferSlot(s2->slot(), (*c)->grpc_address(), false);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_TRUE(ca->GetSlot(s2->slot()).ok()) << "the source must stay";
+}
+
+TEST(PeerAllowListTest, OnlyAllowedPeersAreDialled) {
+  auto b = ServerProcess::Start({});
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto a = ServerProcess::Start({"--transfer-peers=" + (*b)->grpc_address()});
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto c = client::Client::Connect((*a)->grpc_address());
+  auto s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  // Not on the list (the same server under another name counts as another peer).
+  auto refused = c->TransferSlot(s->slot(), "127.0.0.1:1", /*keep_source=*/false);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("peer_address"), std::string::npos);
+  EXPECT_TRUE(c->GetSlot(s->slot()).ok());
+  auto moved = c->TransferSlot(s->slot(), (*b)->grpc_address(), false);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
+TEST(TransferInterfaceTest, ServersBoundToLoopbackStillTransfer) {
+  auto b = ServerProcess::Start({"--transfer-interface=lo"});
+  auto a = ServerProcess::Start({"--transfer-interface=lo"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto c = client::Client::Connect((*a)->grpc_address());
+  auto s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  auto moved = c->TransferSlot(s->slot(), (*b)->grpc_address(), false);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
+}  // namespace
+}  // namespace replayssm::testing
