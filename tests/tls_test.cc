@@ -112,7 +112,7 @@ TEST_F(TlsTest, TwoServersMoveASlotOverMtls) {
   auto moved = ca->TransferSlot(slot->slot(), (*b)->grpc_address(), /*keep_source=*/false);
   ASSERT_TRUE(moved.ok()) << moved.status();
   auto cb = Connect((*b)->grpc_address(), ClientTls());
-  EXPECT_TRUE(cb->GetSlot(moved->slot()).ok());
+  EXPECT_TRUE(cb->GetSlot(moved->remote_slot()).ok());
   // A peer that does not trust this server's certificate refuses the transfer: nothing moves.
   auto c = ServerProcess::Start({"--tls-cert=" + pki_.Path("server.pem"),
                                  "--tls-key=" + pki_.Path("server.key"),
