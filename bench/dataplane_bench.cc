@@ -19,8 +19,8 @@
 //
 //   replayssm-bench-dataplane --server PATH [--model qwen3-next-80b-a3b] [--batch 1,16,64,256]
 //                             [--forwards 30] [--warmup 5] [--json PATH]
-#include <cuda_runtime_api.h>
 #include <arpa/inet.h>
+#include <cuda_runtime_api.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -39,9 +39,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/client/client.h"
@@ -188,7 +188,8 @@ OpTimes ScrapeOps(const std::string& address) {
   for (absl::string_view line : absl::StrSplit(body, '\n')) {
     if (!absl::StartsWith(line, name)) continue;
     line.remove_prefix(name.size());
-    const bool sum = absl::StartsWith(line, "sum{op=\""), count = absl::StartsWith(line, "count{op=\"");
+    const bool sum = absl::StartsWith(line, "sum{op=\""),
+               count = absl::StartsWith(line, "count{op=\"");
     if (!sum && !count) continue;
     line.remove_prefix(sum ? 8 : 10);
     const size_t end = line.find("\"}");
@@ -594,18 +595,20 @@ int main(int argc, char** argv) {
   CheckCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   uint32_t value = 0;
   const bool same = CheckBitIdentical(*c, region, s, &value);
-  std::printf("check: planned (CUDA IPC region + doorbells) vs inline, and Export/Import through "
-              "the region: %s\n",
-              same ? "bit-identical outputs and states" : "MISMATCH");
+  std::printf(
+      "check: planned (CUDA IPC region + doorbells) vs inline, and Export/Import through "
+      "the region: %s\n",
+      same ? "bit-identical outputs and states" : "MISMATCH");
 
   std::ostringstream json;
   json << "{\"model\": \"" << o.model << "\", \"mps\": " << (mps ? "true" : "false")
        << ", \"bit_identical\": " << (same ? "true" : "false") << ", \"forwards\": " << o.forwards
        << ", \"rows\": [";
-  std::printf("per forward, medians; targets on the faster planned form: (b) or (b') <= 1.10 x (a) "
-              "at B >= 64, <= (a) + 200 us at B = 1\n");
-  std::printf("%6s %10s %10s %10s %10s %8s %8s %8s\n", "B", "(a) ms", "(b) ms", "(b') ms",
-              "(c) ms", "best/a", "-a us", "target");
+  std::printf(
+      "per forward, medians; targets on the faster planned form: (b) or (b') <= 1.10 x (a) "
+      "at B >= 64, <= (a) + 200 us at B = 1\n");
+  std::printf("%6s %10s %10s %10s %10s %8s %8s %8s\n", "B", "(a) ms", "(b) ms", "(b') ms", "(c) ms",
+              "best/a", "-a us", "target");
   for (size_t bi = 0; bi < o.batches.size(); ++bi) {
     const int64_t B = o.batches[bi];
     const auto in = RandomInputs(region, B, 7 + B);
@@ -644,8 +647,8 @@ int main(int argc, char** argv) {
     const Stat b = Summarize(tb), cst = Summarize(tc);
     const Stat pb = Summarize(phases.begin), pch = Summarize(phases.chain),
                pco = Summarize(phases.commit);
-    const Stat p = Summarize(tp), ppb = Summarize(pphases.begin),
-               ppch = Summarize(pphases.chain), ppco = Summarize(pphases.commit);
+    const Stat p = Summarize(tp), ppb = Summarize(pphases.begin), ppch = Summarize(pphases.chain),
+               ppco = Summarize(pphases.commit);
     // The targets (docs/data-plane.md) are judged on the faster planned form.
     const Stat& best = p.p50 < b.p50 ? p : b;
     const double ratio = best.p50 / a.p50, extra_us = (best.p50 - a.p50) * 1e3;
@@ -659,12 +662,12 @@ int main(int argc, char** argv) {
                 "", ppb.p50, ppch.p50, ppco.p50);
     // (b'') is a mean over the forwards of a run: judged against (a)'s mean (both with folds).
     const double ahead_ratio = ahead_ms / a.mean, ahead_extra_us = (ahead_ms - a.mean) * 1e3;
-    const bool ahead_met =
-        B >= 64 ? ahead_ratio <= 1.10 : (B == 1 ? ahead_extra_us <= 200 : true);
-    std::printf("%6s means (folds included): (a) %.3f, (b) %.3f, (b') %.3f, (c) %.3f ms; (b'') run "
-                "ahead, one forward ahead of the GPU: %.3f ms = %.3f x (a), %+.1f us: %s\n",
-                "", a.mean, b.mean, p.mean, cst.mean, ahead_ms, ahead_ratio, ahead_extra_us,
-                B >= 64 || B == 1 ? (ahead_met ? "target met" : "target NOT met") : "-");
+    const bool ahead_met = B >= 64 ? ahead_ratio <= 1.10 : (B == 1 ? ahead_extra_us <= 200 : true);
+    std::printf(
+        "%6s means (folds included): (a) %.3f, (b) %.3f, (b') %.3f, (c) %.3f ms; (b'') run "
+        "ahead, one forward ahead of the GPU: %.3f ms = %.3f x (a), %+.1f us: %s\n",
+        "", a.mean, b.mean, p.mean, cst.mean, ahead_ms, ahead_ratio, ahead_extra_us,
+        B >= 64 || B == 1 ? (ahead_met ? "target met" : "target NOT met") : "-");
     const std::string server_b = OpMeans(ops0, ops1, o.warmup + o.forwards),
                       server_p = OpMeans(ops1, ops2, o.warmup + o.forwards);
     std::printf("%6s server, mean us per forward: (b) %s\n", "", server_b.c_str());
@@ -683,8 +686,9 @@ int main(int argc, char** argv) {
          << ", \"chain\": " << ppch.p50 << ", \"reply\": " << ppco.p50
          << "}, \"b_run_ahead_mean_ms\": " << ahead_ms << ", \"server_mean_us\": {\"b\": \""
          << server_b << "\", \"b_pipelined\": \"" << server_p << "\""
-         << "}, \"best_planned_over_a\": " << ratio << ", \"target_met\": "
-         << (met ? "true" : "false") << ", \"run_ahead_over_a_mean\": " << ahead_ratio
+         << "}, \"best_planned_over_a\": " << ratio
+         << ", \"target_met\": " << (met ? "true" : "false")
+         << ", \"run_ahead_over_a_mean\": " << ahead_ratio
          << ", \"run_ahead_target_met\": " << (ahead_met ? "true" : "false") << "}";
   }
   json << "]}\n";

@@ -261,9 +261,9 @@ absl::Status RegionTable::RingAll(const RegionLease& lease, uint32_t value) cons
     st = rssm_stream_write_value32(&side, words + i, value);
   }
   if (st == RSSM_OK) st = rssm_synchronize(&side);
-  const absl::Status out = st == RSSM_OK
-                               ? absl::OkStatus()
-                               : absl::InternalError(absl::StrCat("doorbells: ", rssm_last_error()));
+  const absl::Status out =
+      st == RSSM_OK ? absl::OkStatus()
+                    : absl::InternalError(absl::StrCat("doorbells: ", rssm_last_error()));
   rssm_stream_destroy(backend_, stream);
   return out;
 }

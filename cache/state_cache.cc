@@ -1234,8 +1234,9 @@ ForwardImpl::~ForwardImpl() {
   // are not what they say.
   const bool lost = predecessor_ && (!done || predecessor_incomplete_);
   predecessor_.reset();
-  cache_->EndForward(rows_, false,
-                     /*broken=*/!restored || lost || (!done && rows_.kind == ForwardKind::kPrefill));
+  cache_->EndForward(
+      rows_, false,
+      /*broken=*/!restored || lost || (!done && rows_.kind == ForwardKind::kPrefill));
 }
 
 absl::Status ForwardImpl::Start() {

@@ -49,8 +49,9 @@ absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::RoundTrip(
 absl::Status ForwardStream::Send(const v1::DecodeStreamRequest& request) {
   if (finished_) return final_.ok() ? absl::FailedPreconditionError("stream closed") : final_;
   if (awaiting_) {
-    return absl::FailedPreconditionError("forward stream: a pipelined begin awaits its reply "
-                                         "(call AwaitBegun first)");
+    return absl::FailedPreconditionError(
+        "forward stream: a pipelined begin awaits its reply "
+        "(call AwaitBegun first)");
   }
   if (stream_->Write(request)) {
     awaiting_ = true;
@@ -222,8 +223,8 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* option)
   std::ostringstream text;
   if (in) text << in.rdbuf();
   if (!in || text.str().find("-----BEGIN ") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(option, ": expected a readable PEM file, got \"",
-                                                   path, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": expected a readable PEM file, got \"", path, "\""));
   }
   return text.str();
 }

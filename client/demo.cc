@@ -169,8 +169,8 @@ absl::Status Demo::CheckState(const Request& r) {
 // Disaggregation: every prefilled request moves to the decode server over UCX, which then
 // serves the rest of the demo (its outputs are checked against the same reference).
 absl::Status Demo::HandOff(std::vector<Request>& requests) {
-  decode_client_ = Client::Connect(options_.decode_address, int64_t{256} << 20,
-                                   options_.credentials);
+  decode_client_ =
+      Client::Connect(options_.decode_address, int64_t{256} << 20, options_.credentials);
   int64_t bytes = 0;
   for (Request& r : requests) {
     absl::StatusOr<v1::TransferSlotResponse> t =

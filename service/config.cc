@@ -126,8 +126,8 @@ const std::vector<Flag>& Flags() {
          f.options.transfer_peers.clear();
          for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
            if (p.find(':') == absl::string_view::npos) {
-             return absl::InvalidArgumentError(absl::StrCat(
-                 "--transfer-peers: expected host:port entries, got \"", p, "\""));
+             return absl::InvalidArgumentError(
+                 absl::StrCat("--transfer-peers: expected host:port entries, got \"", p, "\""));
            }
            f.options.transfer_peers.emplace_back(p);
          }

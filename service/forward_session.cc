@@ -166,8 +166,7 @@ absl::Status ForwardSession::Start(Opening opening, v1::DecodeBegun* begun) {
   return s;
 }
 
-absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begun,
-                                         bool* chained) {
+absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begun, bool* chained) {
   *chained = false;
   if (!decode_ || opening.plan == nullptr || opening.decode_rows.empty() || replay_) {
     return absl::OkStatus();
@@ -200,9 +199,9 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
                                                       " (the planned forward open before this "
                                                       "begin was committed)")));
   }
-  planned_ = std::make_unique<PlannedForward>(*std::move(next), *std::move(plan),
-                                              ctx_->forward_timeout, worker_.get(),
-                                              PlanWatch::Default(), std::move(planned_));
+  planned_ =
+      std::make_unique<PlannedForward>(*std::move(next), *std::move(plan), ctx_->forward_timeout,
+                                       worker_.get(), PlanWatch::Default(), std::move(planned_));
   method_ = opening.method;
   layer_op_ = opening.layer_op;
   request_id_ = std::move(opening.request_id);

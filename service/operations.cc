@@ -209,8 +209,10 @@ absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse
     const std::string field = absl::StrCat("checkpoints[", l, "]");
     absl::Status s = CheckTensor(t, field, m.shape.state_dtype, CheckpointShape(m));
     if (s.ok() && t.has_region() != regions) {
-      s = FieldError(field + ".region", regions ? "a region, as checkpoints[0]" : "unset, as "
-                                                  "checkpoints[0] (inline bytes)",
+      s = FieldError(field + ".region",
+                     regions ? "a region, as checkpoints[0]"
+                             : "unset, as "
+                               "checkpoints[0] (inline bytes)",
                      t.has_region() ? "a region" : "inline bytes");
     }
     if (!s.ok()) return s;
@@ -226,8 +228,8 @@ absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse
   key.set_slot(req.slot());
   *key.mutable_tokens() = req.tokens();
   return Once("Import", req.request_id(), key, resp, [&]() -> absl::Status {
-    absl::Status s = ctx_->cache->ImportFrom(ctx_->slots.FromWire(req.slot()),
-                                             Tokens(req.tokens()), checkpoints, memory);
+    absl::Status s = ctx_->cache->ImportFrom(ctx_->slots.FromWire(req.slot()), Tokens(req.tokens()),
+                                             checkpoints, memory);
     if (!s.ok()) return s;
     return SlotStateOf(req.slot(), resp->mutable_state());
   });
@@ -246,8 +248,7 @@ absl::StatusOr<void*> Operations::CheckpointRange(
       ctx_->regions->Acquire(ref.region(), ref.offset(), bytes, 16, field);
   if (!lease.ok()) return lease.status();
   if (layer > 0 && lease->memory() != *memory) {
-    return FieldError(field, "a region of the same kind of memory as layer 0's",
-                      "another kind");
+    return FieldError(field, "a region of the same kind of memory as layer 0's", "another kind");
   }
   *memory = lease->memory();
   void* p = lease->data();
@@ -298,8 +299,7 @@ absl::StatusOr<cache::LayerIo> UnaryLayerIo(const v1::LayerInput& in, const cach
 
 }  // namespace
 
-absl::Status Operations::ExportToRegions(const v1::ExportRequest& req,
-                                         v1::ExportResponse* resp) {
+absl::Status Operations::ExportToRegions(const v1::ExportRequest& req, v1::ExportResponse* resp) {
   const cache::ModelSpec& m = ctx_->cache->model();
   if (req.checkpoints_out_size() != m.num_layers) {
     return FieldError("checkpoints_out", absl::StrCat(m.num_layers, " ranges (one per layer)"),
@@ -309,9 +309,8 @@ absl::Status Operations::ExportToRegions(const v1::ExportRequest& req,
   std::map<std::string, cache::RegionLease> leases;
   cache::IoMemory memory = cache::IoMemory::kHost;
   for (int l = 0; l < m.num_layers; ++l) {
-    absl::StatusOr<void*> p = CheckpointRange(req.checkpoints_out(l),
-                                              absl::StrCat("checkpoints_out[", l, "]"), l,
-                                              &memory, &leases);
+    absl::StatusOr<void*> p = CheckpointRange(
+        req.checkpoints_out(l), absl::StrCat("checkpoints_out[", l, "]"), l, &memory, &leases);
     if (!p.ok()) return p.status();
     into.push_back(*p);
   }

@@ -29,8 +29,9 @@ absl::StatusOr<void*> Take(const v1::RegionRef& ref, absl::FunctionRef<std::stri
     if (!lease.ok()) return lease.status();
     if (lease->memory() != cache::IoMemory::kBackend) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field(), ".region: expected memory this server's backend uses in place (CUDA IPC on the "
-                 "CUDA backend, POSIX shared memory on the CPU backend), got region \"",
+          field(),
+          ".region: expected memory this server's backend uses in place (CUDA IPC on the "
+          "CUDA backend, POSIX shared memory on the CPU backend), got region \"",
           ref.region(), "\" which would need a copy (a planned forward never waits on the host)"));
     }
     it = plan.leases.emplace(ref.region(), *std::move(lease)).first;
@@ -54,11 +55,11 @@ absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std:
   ResolvedPlan r;
   r.value = plan.value();
   r.layers.resize(L);
-  absl::StatusOr<void*> ready =
-      Take(plan.ready(), [&] { return field + ".ready"; }, 4 * L, 4, regions, r);
+  absl::StatusOr<void*> ready = Take(
+      plan.ready(), [&] { return field + ".ready"; }, 4 * L, 4, regions, r);
   if (!ready.ok()) return ready.status();
-  absl::StatusOr<void*> done =
-      Take(plan.done(), [&] { return field + ".done"; }, 4 * L, 4, regions, r);
+  absl::StatusOr<void*> done = Take(
+      plan.done(), [&] { return field + ".done"; }, 4 * L, 4, regions, r);
   if (!done.ok()) return done.status();
   for (int32_t l = 0; l < L; ++l) {
     const v1::PlannedLayer& p = plan.layers(l);
@@ -290,7 +291,7 @@ absl::StatusOr<std::unique_ptr<cache::Forward>> PlannedForward::Continue(
     if (released_ || finishing_ || !queue_status_.ok()) return nullptr;
     next = cache.ContinueForward(forward_, rows);
     if (forward_ != nullptr) return next;  // not continuable (null) or refused: ours as before
-    finishing_ = true;  // consumed: nothing may touch forward_ any more
+    finishing_ = true;                     // consumed: nothing may touch forward_ any more
   }
   Finish();
   // The cache keeps one forward behind the open one and confirmed ours's predecessor done
@@ -326,7 +327,8 @@ absl::Status PlannedForward::Commit() {
   if (unrung >= 0 && predecessor_ != nullptr && unrung < layers) {
     return absl::DataLossError(absl::StrCat(
         "plan.ready: layer ", unrung, "'s doorbell of the forward before this one (value ",
-        predecessor_->value(), ", committed when this one began) never rang within the forward "
+        predecessor_->value(),
+        ", committed when this one began) never rang within the forward "
         "timeout (--forward-timeout): its rows are broken; this forward was abandoned"));
   }
   if (unrung >= 0 && predecessor_ != nullptr) unrung -= layers;  // its waits came first

@@ -5,9 +5,9 @@
 // host hop (CPU backend: the same protocol, the waits poll shared memory).
 //
 // A stream's worker thread (QueueWorker) queues the layers (on the CPU backend it runs them, as
-// their doorbells ring); one watch thread for the process (PlanWatch) handles the deadlines: if a forward is not finished by
-// then, it rings every doorbell itself so that the stream drains, and the forward is
-// abandoned (no cursor moves). The region leases are held until this object is gone.
+// their doorbells ring); one watch thread for the process (PlanWatch) handles the deadlines: if a
+// forward is not finished by then, it rings every doorbell itself so that the stream drains, and
+// the forward is abandoned (no cursor moves). The region leases are held until this object is gone.
 //
 // Not thread-safe: one owner (a forward session) calls Commit or destroys it.
 #ifndef REPLAYSSM_SERVICE_PLANNED_FORWARD_H_
@@ -132,9 +132,8 @@ class PlannedForward {
   // own), so that this returns at once. `watch` rings the doorbells once `timeout` has passed.
   // `predecessor`: the planned forward this one continues (Continue), kept until this one
   // ends: its regions stay leased while its work may still run.
-  PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
-                 absl::Duration timeout, QueueWorker* worker = nullptr,
-                 PlanWatch& watch = PlanWatch::Default(),
+  PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan, absl::Duration timeout,
+                 QueueWorker* worker = nullptr, PlanWatch& watch = PlanWatch::Default(),
                  std::unique_ptr<PlannedForward> predecessor = nullptr);
   ~PlannedForward();  // abandons the forward unless Commit succeeded
   PlannedForward(const PlannedForward&) = delete;
@@ -152,8 +151,8 @@ class PlannedForward {
   // error once this forward has been consumed (the cache committed it; the new one failed).
   // After a non-null result this object only holds its regions: hand it to the new
   // PlannedForward as its predecessor.
-  absl::StatusOr<std::unique_ptr<cache::Forward>> Continue(
-      cache::StateCache& cache, absl::Span<const cache::DecodeRow> rows);
+  absl::StatusOr<std::unique_ptr<cache::Forward>> Continue(cache::StateCache& cache,
+                                                           absl::Span<const cache::DecodeRow> rows);
   uint32_t value() const { return plan_.value; }
 
  private:

@@ -1,4 +1,3 @@
-#include "service/tls.h"
 #include "service/server.h"
 
 #include <net/if.h>
@@ -29,6 +28,7 @@
 #include "service/service_context.h"
 #include "service/slot_handles.h"
 #include "service/slot_leases.h"
+#include "service/tls.h"
 #include "service/transfer_service.h"
 
 namespace replayssm::service {

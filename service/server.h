@@ -48,7 +48,7 @@ struct ServerOptions {
   int32_t transfer_reservations_per_peer = 4;  // incoming reservations one peer may hold, 1..64
   // TLS on the gRPC port and for transfer dials (service/tls.h): off when both are empty.
   std::string tls_cert_file, tls_key_file;
-  std::string tls_client_ca_file;  // mTLS: clients and peers must present a cert it signed
+  std::string tls_client_ca_file;           // mTLS: clients and peers must present a cert it signed
   std::vector<std::string> transfer_peers;  // host:port this server may dial; empty: any
   // The network interface UCX uses and listens on for transfers (UCX_NET_DEVICES); "": all.
   std::string transfer_interface;

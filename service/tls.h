@@ -29,8 +29,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
 // The credentials this server dials peers with: insecure when TLS is off; else TLS that
 // verifies the peer against the client CA (the cluster's CA; the system roots without one)
 // and presents this server's certificate.
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentialsFor(
-    const TlsOptions& tls);
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentialsFor(const TlsOptions& tls);
 
 }  // namespace replayssm::service
 

@@ -358,10 +358,9 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
-  absl::StatusOr<transfer::Reservation> r =
-      receiver_->Reserve(req->transfer_id(), FromProto(req->format()), req->seq_len(),
-                         req->checksum_version(), absl::Milliseconds(req->budget_ms()),
-                         PeerIdentity(*c));
+  absl::StatusOr<transfer::Reservation> r = receiver_->Reserve(
+      req->transfer_id(), FromProto(req->format()), req->seq_len(), req->checksum_version(),
+      absl::Milliseconds(req->budget_ms()), PeerIdentity(*c));
   if (!r.ok()) {
     CountFailure(r.status());
     return Reply(c, "ReserveTransfer", r.status());

@@ -132,8 +132,12 @@ TEST(CommandLine, CliRefusesMisplacedExtraAndMalformedArguments) {
   ExpectRefused(cli, {}, "missing command");
   ExpectRefused(cli, {"frobnicate"}, "unknown command 'frobnicate'");
   ExpectRefused(cli, {"--keep", "transfer", "1", "h:1"},
-                "unknown option --keep before the command (only --address goes there)");
+                "unknown option --keep before the command (only --address and --tls-* go there)");
   ExpectRefused(cli, {"demo", "--keep"}, "demo: unknown option --keep");
+  ExpectRefused(cli, {"--tls-cert", "/nonexistent.pem", "info"},
+                "--tls-key: expected the private key of tls_cert");
+  ExpectRefused(cli, {"info", "--tls-ca=/nonexistent.pem"},
+                "--tls-ca: expected a readable PEM file");
   ExpectRefused(cli, {"demo", "--requests"}, "--requests: missing value");
   ExpectRefused(cli, {"demo", "--requests=0"}, "--requests: expected an integer in 1..");
   ExpectRefused(cli, {"free"}, "free: expected SLOT, got 0 arguments");

@@ -336,7 +336,8 @@ TEST_F(DataPlaneTest, ImportAndExportTakeRegions) {
   ASSERT_GE(fd, 0);
   const uint64_t bytes = stride * num_layers();
   ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
-  auto* base = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  auto* base =
+      static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   close(fd);
   v1::RegisterSystemRegionRequest reg;
   reg.set_name("ckpt");
@@ -358,7 +359,8 @@ TEST_F(DataPlaneTest, ImportAndExportTakeRegions) {
     EXPECT_TRUE(out->checkpoints(l).data().empty());
     EXPECT_EQ(out->checkpoints(l).region().offset(), l * stride);
     EXPECT_EQ(std::string(reinterpret_cast<char*>(base) + l * stride, cp),
-              inl->checkpoints(l).data()) << "layer " << l;
+              inl->checkpoints(l).data())
+        << "layer " << l;
   }
   // Import from it into b: b's state is a's.
   v1::ImportRequest im;

@@ -114,8 +114,8 @@ absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::stri
     const size_t eq = arg.find('=');
     const std::string name(arg.substr(0, eq));
     const bool is_switch = inv.command != nullptr && Contains(inv.command->switches, name);
-    const bool global = name == "address" || name == "tls-ca" || name == "tls-cert" ||
-                        name == "tls-key";
+    const bool global =
+        name == "address" || name == "tls-ca" || name == "tls-cert" || name == "tls-key";
     if (!global && !is_switch &&
         (inv.command == nullptr || !Contains(inv.command->options, name))) {
       return Invalid(inv.command == nullptr

@@ -143,8 +143,7 @@ void CheckFlags(Check& c, const uint8_t* flags, int64_t n, const char* name) {
   if (flags == nullptr) return;
   for (int64_t r = 0; r < n && c.ok(); ++r) {
     if (flags[r] > 1) {
-      c.Fail(std::string(name) + "[" + std::to_string(r) + "]", "0 or 1",
-             std::to_string(flags[r]));
+      c.Fail(std::string(name) + "[" + std::to_string(r) + "]", "0 or 1", std::to_string(flags[r]));
     }
   }
 }

@@ -200,10 +200,8 @@ class StateCache {
   // errors as Import / Export; ExportInto leaves the returned checkpoints empty. Return once
   // the bytes are in place.
   virtual absl::Status ImportFrom(SlotId slot, absl::Span<const int32_t> tokens,
-                                  absl::Span<const void* const> checkpoints,
-                                  IoMemory memory) = 0;
-  virtual absl::StatusOr<ExportedState> ExportInto(SlotId slot,
-                                                   absl::Span<void* const> checkpoints,
+                                  absl::Span<const void* const> checkpoints, IoMemory memory) = 0;
+  virtual absl::StatusOr<ExportedState> ExportInto(SlotId slot, absl::Span<void* const> checkpoints,
                                                    IoMemory memory) = 0;
 
   // Opens the move of `slot` out of this cache: the guarded path (folds it first, or refuses a

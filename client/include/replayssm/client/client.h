@@ -87,7 +87,7 @@ class ForwardStream {
  private:
   absl::StatusOr<v1::DecodeStreamResponse> RoundTrip(const v1::DecodeStreamRequest& request);
   absl::Status Send(const v1::DecodeStreamRequest& request);  // one message; its reply is due
-  absl::StatusOr<v1::DecodeStreamResponse> Receive();        // the reply due
+  absl::StatusOr<v1::DecodeStreamResponse> Receive();         // the reply due
   absl::Status End();  // the server ended the stream: its status, kept in final_
   // Every layer, then the commit, of the forward `begin` opens.
   absl::StatusOr<v1::DecodeResponse> Run(const v1::DecodeStreamRequest& begin,
