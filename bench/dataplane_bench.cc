@@ -314,61 +314,51 @@ std::vector<v1::DecodeRow> Rows(const std::vector<uint64_t>& slots) {
   return rows;
 }
 
-// The engine side of one planned forward: the stream's Begin, the doorbell chain on the
-// engine's stream, Commit.
-// Where a planned forward's time goes, seconds: the Begin round trip, the doorbell chain on the
-// GPU (from Begin's reply to the engine's stream drained), the Commit round trip.
+// Where a planned forward's time goes, seconds: the begin (its round trip, or its write), the
+// doorbell chain on the GPU (to the engine's stream drained), the commit's round trip (or the
+// begin's reply read).
 struct Phases {
   std::vector<double> begin, chain, commit;
 };
 
-void PlannedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
-                    const std::vector<uint64_t>& slots, uint32_t value, Phases* phases = nullptr) {
-  const double t0 = Now();
+// A planned decode begin over `slots`, its plan's doorbells at `value`.
+v1::DecodeStreamRequest PlannedBegin(const EngineRegion& r, const std::vector<uint64_t>& slots,
+                                     uint32_t value) {
   v1::DecodeStreamRequest req;
   v1::DecodeBegin* begin = req.mutable_begin();
   begin->set_request_id(client::NewRequestId());
   for (const v1::DecodeRow& row : Rows(slots)) *begin->add_rows() = row;
   *begin->mutable_plan() = Plan(r, value);
-  Check(stream.BeginWith(req).status(), "planned begin");
-  const double t1 = Now();
+  return req;
+}
+
+// The engine's side of every layer on its stream: ring ready[l], wait for done[l] (the
+// engine's own kernels for layer l+1 would go between).
+void QueueChain(EngineRegion& r, cudaStream_t s, uint32_t value) {
   const rssm_launch l{RSSM_BACKEND_CUDA, s};
   for (int32_t layer = 0; layer < r.m.num_layers; ++layer) {
-    // (the engine's own kernels for this layer would go here)
     CheckRssm(rssm_stream_write_value32(&l, r.Ready(layer), value), "ring");
     CheckRssm(rssm_stream_wait_value32(&l, r.Done(layer), value), "wait");
-  }
-  CheckCuda(cudaStreamSynchronize(s), "engine stream");
-  const double t2 = Now();
-  Check(stream.Commit().status(), "planned commit");
-  if (phases != nullptr) {
-    phases->begin.push_back(t1 - t0);
-    phases->chain.push_back(t2 - t1);
-    phases->commit.push_back(Now() - t2);
   }
 }
 
-// (b'), pipelined: the begin is written without waiting for its reply and closes (commits)
-// the planned forward before it, so one message per forward, and the engine's chain starts at
-// once; the reply (read after the chain) says whether the outputs are valid.
-void PipelinedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
-                      const std::vector<uint64_t>& slots, uint32_t value, Phases* phases) {
+// One planned forward, the engine waiting for its outputs: (b) the begin's round trip, the
+// doorbell chain, the commit's round trip; or (b') `pipelined`: the begin is written without
+// waiting for its reply and closes (commits) the planned forward before it, so one message per
+// forward and the chain starts at once; the reply (read after the chain) says whether the
+// outputs are valid.
+void PlannedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
+                    const std::vector<uint64_t>& slots, uint32_t value, bool pipelined,
+                    Phases* phases = nullptr) {
   const double t0 = Now();
-  v1::DecodeStreamRequest req;
-  v1::DecodeBegin* begin = req.mutable_begin();
-  begin->set_request_id(client::NewRequestId());
-  for (const v1::DecodeRow& row : Rows(slots)) *begin->add_rows() = row;
-  *begin->mutable_plan() = Plan(r, value);
-  Check(stream.SendBegin(req), "pipelined begin");
+  const v1::DecodeStreamRequest req = PlannedBegin(r, slots, value);
+  Check(pipelined ? stream.SendBegin(req) : stream.BeginWith(req).status(), "planned begin");
   const double t1 = Now();
-  const rssm_launch l{RSSM_BACKEND_CUDA, s};
-  for (int32_t layer = 0; layer < r.m.num_layers; ++layer) {
-    CheckRssm(rssm_stream_write_value32(&l, r.Ready(layer), value), "ring");
-    CheckRssm(rssm_stream_wait_value32(&l, r.Done(layer), value), "wait");
-  }
+  QueueChain(r, s, value);
   CheckCuda(cudaStreamSynchronize(s), "engine stream");
   const double t2 = Now();
-  Check(stream.AwaitBegun().status(), "pipelined begin's reply");
+  Check(pipelined ? stream.AwaitBegun().status() : stream.Commit().status(),
+        pipelined ? "planned begin's reply" : "planned commit");
   if (phases != nullptr) {
     phases->begin.push_back(t1 - t0);
     phases->chain.push_back(t2 - t1);
@@ -383,20 +373,11 @@ void PipelinedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream
 // Returns the mean seconds per forward over `forwards`.
 double RunAhead(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
                 const std::vector<uint64_t>& slots, uint32_t* value, int forwards) {
-  const rssm_launch l{RSSM_BACKEND_CUDA, s};
   const double t0 = Now();
   for (int f = 0; f < forwards; ++f) {
     const uint32_t v = ++*value;
-    v1::DecodeStreamRequest req;
-    v1::DecodeBegin* begin = req.mutable_begin();
-    begin->set_request_id(client::NewRequestId());
-    for (const v1::DecodeRow& row : Rows(slots)) *begin->add_rows() = row;
-    *begin->mutable_plan() = Plan(r, v);
-    Check(stream.SendBegin(req), "run-ahead begin");
-    for (int32_t layer = 0; layer < r.m.num_layers; ++layer) {
-      CheckRssm(rssm_stream_write_value32(&l, r.Ready(layer), v), "ring");
-      CheckRssm(rssm_stream_wait_value32(&l, r.Done(layer), v), "wait");
-    }
+    Check(stream.SendBegin(PlannedBegin(r, slots, v)), "run-ahead begin");
+    QueueChain(r, s, v);
     Check(stream.AwaitBegun().status(), "run-ahead begin's reply");
   }
   CheckCuda(cudaStreamSynchronize(s), "engine stream");
@@ -443,9 +424,9 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
     Upload(r, in);
     auto stream = c.OpenStream();
     if (f == 1) {  // pipelined: the inline begin below closes (commits) it
-      PipelinedForward(*stream, r, s, planned, ++*value, nullptr);
+      PlannedForward(*stream, r, s, planned, ++*value, /*pipelined=*/true);
     } else {
-      PlannedForward(*stream, r, s, planned, ++*value);
+      PlannedForward(*stream, r, s, planned, ++*value, /*pipelined=*/false);
     }
     const v1::DecodeResponse ref =
         Value(stream->Forward(Rows(inl), InlineLayers(r, in, B)), "inline forward");
@@ -621,7 +602,8 @@ int main(int argc, char** argv) {
     const OpTimes ops0 = ScrapeOps(server.metrics);
     for (int f = 0; f < o.warmup + o.forwards; ++f) {
       const double t0 = Now();
-      PlannedForward(*stream, region, s, slots, ++value, f >= o.warmup ? &phases : nullptr);
+      PlannedForward(*stream, region, s, slots, ++value, /*pipelined=*/false,
+                     f >= o.warmup ? &phases : nullptr);
       if (f >= o.warmup) tb.push_back(Now() - t0);
     }
     const OpTimes ops1 = ScrapeOps(server.metrics);
@@ -629,7 +611,8 @@ int main(int argc, char** argv) {
     Phases pphases;
     for (int f = 0; f < o.warmup + o.forwards; ++f) {
       const double t0 = Now();
-      PipelinedForward(*stream, region, s, slots, ++value, f >= o.warmup ? &pphases : nullptr);
+      PlannedForward(*stream, region, s, slots, ++value, /*pipelined=*/true,
+                     f >= o.warmup ? &pphases : nullptr);
       if (f >= o.warmup) tp.push_back(Now() - t0);
     }
     const OpTimes ops2 = ScrapeOps(server.metrics);

@@ -7,6 +7,13 @@ namespace {
 
 bool Reached(uint32_t word, uint32_t value) { return static_cast<int32_t>(word - value) >= 0; }
 
+// Whether the word at `addr` has reached `value`, read on `launch` and waited for.
+bool ReadReached(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
+  uint32_t word = 0;
+  return rssm_memcpy(&launch, &word, addr, 4, RSSM_COPY_DEVICE_TO_HOST) == RSSM_OK &&
+         rssm_synchronize(&launch) == RSSM_OK && Reached(word, value);
+}
+
 }  // namespace
 
 absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
@@ -30,21 +37,13 @@ absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32
   return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
 }
 
-bool Doorbells::LastSignalReached(int32_t backend) {
+bool Doorbells::LastSignalReached(const rssm_launch& launch) {
   Awaited last;
   {
     absl::MutexLock lock(&mu_);
     last = last_signal_;
   }
-  if (last.addr == nullptr) return true;
-  void* stream = nullptr;
-  if (rssm_stream_create(backend, &stream) != RSSM_OK) return false;
-  const rssm_launch side{backend, stream};
-  uint32_t word = 0;
-  const bool read = rssm_memcpy(&side, &word, last.addr, 4, RSSM_COPY_DEVICE_TO_HOST) == RSSM_OK &&
-                    rssm_synchronize(&side) == RSSM_OK;
-  rssm_stream_destroy(backend, stream);
-  return read && Reached(word, last.value);
+  return last.addr == nullptr || ReadReached(launch, last.addr, last.value);
 }
 
 int32_t Doorbells::Release(int32_t backend) {
@@ -57,11 +56,7 @@ int32_t Doorbells::Release(int32_t backend) {
   const rssm_launch side{backend, stream};
   int32_t first_unrung = -1;
   for (size_t i = 0; i < awaited_.size(); ++i) {
-    uint32_t word = 0;
-    const bool read = rssm_memcpy(&side, &word, awaited_[i].addr, 4,
-                                  RSSM_COPY_DEVICE_TO_HOST) == RSSM_OK &&
-                      rssm_synchronize(&side) == RSSM_OK;
-    if (first_unrung < 0 && (!read || !Reached(word, awaited_[i].value))) {
+    if (first_unrung < 0 && !ReadReached(side, awaited_[i].addr, awaited_[i].value)) {
       first_unrung = static_cast<int32_t>(i);
     }
     rssm_stream_write_value32(&side, awaited_[i].addr, awaited_[i].value);

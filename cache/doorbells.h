@@ -29,9 +29,9 @@ class Doorbells {
   // index (in queue order) of the first wait whose word had not reached its value, or -1.
   int32_t Release(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether the last Signal's word has reached its value (the work queued before it is done);
-  // true when nothing was signalled. Reads the word (CUDA: a 4-byte copy on a stream of its
-  // own, waited for).
-  bool LastSignalReached(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);
+  // true when nothing was signalled. Reads the word on `launch` (an idle stream: the copy is
+  // waited for).
+  bool LastSignalReached(const rssm_launch& launch) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Awaited {

@@ -1006,10 +1006,13 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
   // (with a one-forward lead it is: previous's first layer waited for the engine's doorbell,
   // rung after that forward's last output), else previous is committed the usual way.
   if (prev->predecessor_ != nullptr) {
-    if (prev->predecessor_incomplete_ ||
-        !prev->predecessor_->doorbells_.LastSignalReached(options_.backend)) {
-      return nullptr;
-    }
+    // Read on an idle lane's stream (previous's own stream is behind previous's waits).
+    bool done = false;
+    OnLane([&](Lane& lane) {
+      done = prev->predecessor_->doorbells_.LastSignalReached(lane.Launch());
+      return absl::OkStatus();
+    }).IgnoreError();
+    if (prev->predecessor_incomplete_ || !done) return nullptr;
     prev->predecessor_.reset();  // confirmed: its work is done
   }
   {

@@ -202,18 +202,8 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
   planned_ =
       std::make_unique<PlannedForward>(*std::move(next), *std::move(plan), ctx_->forward_timeout,
                                        worker_.get(), PlanWatch::Default(), std::move(planned_));
-  method_ = opening.method;
-  layer_op_ = opening.layer_op;
-  request_id_ = std::move(opening.request_id);
-  tokens_ = opening.tokens;
-  slots_ = std::move(opening.slots);
-  open_ = true;
-  retain_ = false;
-  layer_done_.assign(ctx_->cache->model().num_layers, false);
-  start_ = absl::Now();
-  begun->set_batch(static_cast<int32_t>(slots_.size()));
-  begun->set_replayed(false);
-  begun->set_tokens(tokens_);
+  retain_ = false;  // the outputs are in the client's region: the log keeps the rows only
+  Opened(opening, begun);
   return absl::OkStatus();
 }
 
@@ -250,6 +240,11 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
       return refuse(s);
     }
   }
+  Opened(opening, begun);
+  return absl::OkStatus();
+}
+
+void ForwardSession::Opened(Opening& opening, v1::DecodeBegun* begun) {
   method_ = opening.method;
   layer_op_ = opening.layer_op;
   decode_ = absl::string_view(opening.method) == "Decode";
@@ -262,7 +257,6 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
   begun->set_batch(static_cast<int32_t>(slots_.size()));
   begun->set_replayed(replay_.has_value());
   begun->set_tokens(tokens_);
-  return absl::OkStatus();
 }
 
 absl::Status ForwardSession::Claim(const Opening& opening) {

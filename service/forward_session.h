@@ -86,6 +86,8 @@ class ForwardSession {
   absl::Status StartTimed(Opening opening, v1::DecodeBegun* begun);
   // Returns `status` after ringing `plan`'s done doorbells (plan may be null).
   absl::Status Refuse(const v1::ForwardPlan* plan, absl::Status status) const;
+  // The session's state for the forward `opening` opened (or replays), and begun's fields.
+  void Opened(Opening& opening, v1::DecodeBegun* begun);
   // Claims opening.request_id in the request log, or sets replay_ for an applied one.
   absl::Status Claim(const Opening& opening);
   absl::Status Open(Opening& opening);

@@ -27,6 +27,21 @@ class Validation : public ::testing::Test {
     return c;
   }
   rssm_decode_args Decode() { return layer_.DecodeArgs(2, slots_, pos_, tok_, out_); }
+  // A two-row prefill over this layer, rows' lengths from cu_seqlens.
+  rssm_prefill_args Prefill(const int32_t* cu_seqlens, int32_t max_seqlen) {
+    rssm_prefill_args p{};
+    p.launch = {RSSM_BACKEND_CPU, nullptr};
+    p.shape = layer_.shape;
+    p.params = layer_.Params();
+    p.pool = layer_.Pool();
+    p.batch = 2;
+    p.slot_idx = slots_;
+    p.cu_seqlens = cu_seqlens;
+    p.max_seqlen = max_seqlen;
+    p.in = tok_.Inputs();
+    p.out = {out_.data(), 0};
+    return p;
+  }
   // Calls fn and expects INVALID_ARGUMENT with `field` in the message, and no byte changed.
   void ExpectRejected(const std::function<rssm_status()>& fn, const std::string& field) {
     const auto cp = layer_.checkpoint.bytes(), rd = layer_.ring_d.bytes(), rk = layer_.ring_k.bytes();
@@ -139,17 +154,7 @@ TEST_F(Validation, VerifyNeedsRoomForEveryDraft) {
 
 TEST_F(Validation, PrefillChecksLengths) {
   const int32_t cu_bad[3] = {0, 5, 3};
-  rssm_prefill_args p{};
-  p.launch = {RSSM_BACKEND_CPU, nullptr};
-  p.shape = layer_.shape;
-  p.params = layer_.Params();
-  p.pool = layer_.Pool();
-  p.batch = 2;
-  p.slot_idx = slots_;
-  p.cu_seqlens = cu_bad;
-  p.max_seqlen = 8;
-  p.in = tok_.Inputs();
-  p.out = {out_.data(), 0};
+  rssm_prefill_args p = Prefill(cu_bad, 8);
   ExpectRejected([&] { return rssm_prefill(&p); }, "cu_seqlens[2]");
   const int32_t cu_long[3] = {0, 5, 8};
   p.cu_seqlens = cu_long;
@@ -172,19 +177,9 @@ TEST_F(Validation, FlagsOtherThanZeroOrOneAreRefused) {
   const int32_t cu[3] = {0, 2, 4};
   const int32_t pos[2] = {0, 0};
   const uint8_t initial[2] = {255, 0};
-  rssm_prefill_args p{};
-  p.launch = {RSSM_BACKEND_CPU, nullptr};
-  p.shape = layer_.shape;
-  p.params = layer_.Params();
-  p.pool = layer_.Pool();
-  p.batch = 2;
-  p.slot_idx = slots_;
-  p.cu_seqlens = cu;
-  p.max_seqlen = 2;
+  rssm_prefill_args p = Prefill(cu, 2);
   p.initial = initial;
   p.write_pos = pos;
-  p.in = tok_.Inputs();
-  p.out = {out_.data(), 0};
   ExpectRejected([&] { return rssm_prefill(&p); }, "initial[0]");
 }
 
