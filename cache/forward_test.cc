@@ -60,7 +60,7 @@ class ForwardKindsTest : public ::testing::TestWithParam<KindParams> {
     ASSERT_TRUE(m.ok()) << m.status();
     m->shape.head_k = m->shape.head_v = 16;
     m->num_layers = 3;
-    m->layers = SeededParams(m->shape, 3, 11);
+    m->layers = SeededParams(m->shape, 3, 11, m->conv_width);
     CacheOptions o;
     o.backend = testing::TestBackend();
     o.memory_budget_bytes = 16 * m->SlotBytes();

@@ -28,6 +28,7 @@ absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t token
                             {&a, tokens * m.AWidth() * es},
                             {&b, tokens * m.BWidth() * es},
                             {&out, tokens * m.OutWidth() * es},
+                            {&conv, m.conv_width > 0 ? tokens * m.QkvWidth() * es : 0},
                             {&slot_idx, rows * 4},
                             {&write_pos, rows * 4},
                             {&cu, (rows + 1) * 4},

@@ -34,6 +34,7 @@ namespace replayssm::cache {
 // Backend-side scratch of one operation: inputs, outputs and index arrays, grown on demand.
 struct Scratch {
   DeviceBuffer qkv, a, b, out;          // act dtype, [tokens, width]
+  DeviceBuffer conv;                    // act dtype, [tokens, qkv width]: conv outputs
   DeviceBuffer slot_idx, write_pos, cu;  // int32: the operation's rows
   DeviceBuffer fold_idx, fold_pos;       // int32: the rows a fold before it acts on
   DeviceBuffer flags;                    // uint8

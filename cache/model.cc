@@ -39,10 +39,30 @@ int64_t ModelSpec::AWidth() const {
 }
 int64_t ModelSpec::BWidth() const { return shape.num_v_heads; }
 int64_t ModelSpec::OutWidth() const { return int64_t{shape.num_v_heads} * shape.head_v; }
-int64_t ModelSpec::SlotBytes() const { return num_layers * rssm_slot_layer_bytes(&shape); }
+rssm_conv_shape ModelSpec::ConvShape() const {
+  return rssm_conv_shape{static_cast<int32_t>(QkvWidth()), conv_width, shape.ring_len,
+                         shape.act_dtype};
+}
+int64_t ModelSpec::ConvWindowBytes() const {
+  if (conv_width < 2) return 0;
+  const rssm_conv_shape c = ConvShape();
+  return rssm_conv_window_elems(&c) * static_cast<int64_t>(rssm_dtype_size(shape.act_dtype));
+}
+int64_t ModelSpec::ConvRingBytes() const {
+  if (conv_width < 2) return 0;
+  const rssm_conv_shape c = ConvShape();
+  return rssm_conv_ring_elems(&c) * static_cast<int64_t>(rssm_dtype_size(shape.act_dtype));
+}
+int64_t ModelSpec::LayerStateBytes() const {
+  return rssm_checkpoint_elems(&shape) * static_cast<int64_t>(rssm_dtype_size(shape.state_dtype)) +
+         ConvWindowBytes();
+}
+int64_t ModelSpec::SlotBytes() const {
+  return num_layers * (rssm_slot_layer_bytes(&shape) + ConvWindowBytes() + ConvRingBytes());
+}
 
 std::vector<LayerParams> SeededParams(const rssm_layer_shape& shape, int32_t num_layers,
-                                      uint64_t seed) {
+                                      uint64_t seed, int32_t conv_width) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   const int per = shape.gate == RSSM_GATE_KDA ? shape.head_k : 1;
@@ -52,6 +72,16 @@ std::vector<LayerParams> SeededParams(const rssm_layer_shape& shape, int32_t num
     for (int i = 0; i < shape.num_v_heads * per; ++i) p.dt_bias.push_back(0.5f * u(rng));
     p.scale = 1.f / std::sqrt(static_cast<float>(shape.head_k));
     p.use_qk_l2norm = true;
+  }
+  if (conv_width > 0) {
+    // After the recurrence's parameters, so that they do not depend on the convolution.
+    const int64_t channels =
+        2LL * shape.num_qk_heads * shape.head_k + int64_t{shape.num_v_heads} * shape.head_v;
+    std::uniform_real_distribution<float> uw(0.f, 1.f);
+    for (LayerParams& p : layers) {
+      p.conv_weight.resize(channels * conv_width);
+      for (float& w : p.conv_weight) w = (0.25f + 0.5f * uw(rng)) * 2.f / conv_width;
+    }
   }
   return layers;
 }
@@ -75,7 +105,8 @@ absl::StatusOr<ModelSpec> ModelPreset(std::string_view name, int32_t state_dtype
     if (rssm_check_shape(&m.shape) != RSSM_OK) {
       return absl::InvalidArgumentError(rssm_last_error());
     }
-    m.layers = SeededParams(m.shape, m.num_layers, 0x9e3779b97f4a7c15ULL);
+    m.conv_width = kPresetConvWidth;
+    m.layers = SeededParams(m.shape, m.num_layers, 0x9e3779b97f4a7c15ULL, m.conv_width);
     m.params_from_seed = true;
     return m;
   }

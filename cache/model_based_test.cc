@@ -1,9 +1,9 @@
 // A randomized model-based test: thousands of random operations over many requests (allocate,
 // allocate from a prefix, prefill, decode steps with folds, layer-by-layer prefills of several
 // requests, abandoned forwards of every kind, verify (one call or layer by layer) and
-// accept/reject, donate, import/export, free), against a plain fp64 model of each request's
-// token history. Every output and every exported state must match the model. The seed is
-// printed on failure; REPLAYSSM_TEST_SEED reruns one.
+// accept/reject, donate, import/export, a move through slot I/O, free), against a plain fp64 model
+// of each request's token history. Every output and every exported state must match the model. The
+// seed is printed on failure; REPLAYSSM_TEST_SEED reruns one.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -11,6 +11,7 @@
 #include <ostream>
 #include <random>
 
+#include "replayssm/cache/slot_io.h"
 #include "replayssm/cache/state_cache.h"
 #include "test_model.h"
 
@@ -56,7 +57,7 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
   ASSERT_TRUE(m.ok());
   m->shape.head_k = m->shape.head_v = 16;
   m->num_layers = 2;
-  m->layers = SeededParams(m->shape, 2, seed);
+  m->layers = SeededParams(m->shape, 2, seed, m->conv_width);
   CacheOptions o;
   o.backend = testing::TestBackend();
   o.memory_budget_bytes = 10 * m->SlotBytes();
@@ -235,12 +236,35 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
       ASSERT_TRUE(e.ok()) << e.status();
       ASSERT_EQ(e->tokens, r.tokens);
       ASSERT_LE(testing::RelErr(oracle.FromExport(*e), r.ref), state_tol) << "export";
-      if (pick(3) == 0) {  // ... and import it into a new slot as a new request
+      const int then = pick(3);
+      if (then == 0) {  // ... and import it into a new slot as a new request
         absl::StatusOr<SlotId> s = cache->Allocate();
         if (!s.ok()) continue;
         std::vector<absl::Span<const uint8_t>> cps(e->checkpoints.begin(), e->checkpoints.end());
         ASSERT_TRUE(cache->Import(*s, e->tokens, cps).ok());
         live.push_back(Request{*s, r.tokens, oracle.FromExport(*e)});
+      } else if (then == 1) {  // ... or move it through slot I/O (the transfer's path)
+        absl::StatusOr<std::unique_ptr<SlotReader>> reader =
+            cache->OpenExport(r.slot, "move", {.chunk_bytes = 4096});
+        ASSERT_TRUE(reader.ok()) << reader.status();
+        absl::StatusOr<std::unique_ptr<SlotWriter>> writer =
+            cache->OpenImport((*reader)->seq_len(), {});
+        if (!writer.ok()) {  // no free slot: the request stays where it is
+          (*reader)->Finish(/*moved=*/false);
+          continue;
+        }
+        for (size_t i = 0; i < (*reader)->num_chunks(); ++i) {
+          absl::StatusOr<SlotChunk> c = (*reader)->Next();
+          ASSERT_TRUE(c.ok()) << c.status();
+          ASSERT_TRUE((*writer)->Write(c->offset, c->data, c->size, c->backend_memory).ok());
+          (*reader)->Done(i);
+        }
+        absl::StatusOr<uint64_t> sum = (*reader)->Checksum();
+        ASSERT_TRUE(sum.ok()) << sum.status();
+        absl::StatusOr<SlotId> moved = (*writer)->Commit((*reader)->tokens(), *sum);
+        ASSERT_TRUE(moved.ok()) << moved.status();
+        (*reader)->Finish(/*moved=*/true);
+        r.slot = *moved;  // the request goes on from the moved state
       }
     } else if (kind < 92) {  // a request finishes: donated (or freed)
       const int i = pick(static_cast<int>(live.size()));

@@ -419,8 +419,7 @@ class PooledBackendBuffer final : public BackendBuffer {
 }  // namespace
 
 size_t SlotPayloadBytes(const ModelSpec& m) {
-  return static_cast<size_t>(m.num_layers) * static_cast<size_t>(rssm_checkpoint_elems(&m.shape)) *
-         rssm_dtype_size(m.shape.state_dtype);
+  return static_cast<size_t>(m.num_layers) * static_cast<size_t>(m.LayerStateBytes());
 }
 
 const char* SlotIoPathName(SlotIoPath path) {

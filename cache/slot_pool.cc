@@ -10,22 +10,32 @@ absl::StatusOr<std::unique_ptr<SlotPool>> SlotPool::Create(const ModelSpec& mode
   const rssm_layer_shape& s = model.shape;
   const size_t es = rssm_dtype_size(s.state_dtype);
   pool->layers_.resize(model.num_layers);
+  const size_t state_bytes = static_cast<size_t>(model.LayerStateBytes());
   for (int32_t l = 0; l < model.num_layers; ++l) {
     LayerMemory& m = pool->layers_[l];
-    for (auto [buf, bytes] :
-         {std::pair{&m.checkpoint, num_slots * rssm_checkpoint_elems(&s) * es},
-          {&m.ring_d, num_slots * rssm_ring_d_elems(&s) * es},
-          {&m.ring_k, num_slots * rssm_ring_k_elems(&s) * es},
-          {&m.ring_g, num_slots * rssm_ring_g_elems(&s) * 4},
-          {&m.a_log, model.layers[l].a_log.size() * 4},
-          {&m.dt_bias, model.layers[l].dt_bias.size() * 4}}) {
+    const cache::LayerParams& p = model.layers[l];
+    for (auto [buf, bytes] : {std::pair{&m.checkpoint, num_slots * state_bytes},
+                              {&m.ring_d, num_slots * rssm_ring_d_elems(&s) * es},
+                              {&m.ring_k, num_slots * rssm_ring_k_elems(&s) * es},
+                              {&m.ring_g, num_slots * rssm_ring_g_elems(&s) * 4},
+                              {&m.ring_x, static_cast<size_t>(num_slots * model.ConvRingBytes())},
+                              {&m.a_log, p.a_log.size() * 4},
+                              {&m.dt_bias, p.dt_bias.size() * 4},
+                              {&m.conv_weight, p.conv_weight.size() * 4},
+                              {&m.conv_bias, p.conv_bias.size() * 4}}) {
+      if (bytes == 0) continue;
       absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(backend, static_cast<size_t>(bytes));
       if (!b.ok()) return b.status();
       *buf = std::move(*b);
     }
-    absl::Status st = CopyToDevice(backend, m.a_log.data(), model.layers[l].a_log.data(), m.a_log.size());
-    if (st.ok()) {
-      st = CopyToDevice(backend, m.dt_bias.data(), model.layers[l].dt_bias.data(), m.dt_bias.size());
+    absl::Status st = absl::OkStatus();
+    for (auto [buf, values] : {std::pair{&m.a_log, &p.a_log},
+                               {&m.dt_bias, &p.dt_bias},
+                               {&m.conv_weight, &p.conv_weight},
+                               {&m.conv_bias, &p.conv_bias}}) {
+      if (st.ok() && !values->empty()) {
+        st = CopyToDevice(backend, buf->data(), values->data(), buf->size());
+      }
     }
     if (!st.ok()) return st;
   }
@@ -34,8 +44,37 @@ absl::StatusOr<std::unique_ptr<SlotPool>> SlotPool::Create(const ModelSpec& mode
 
 rssm_state_pool SlotPool::LayerPool(int32_t layer) const {
   const LayerMemory& m = layers_[layer];
-  return rssm_state_pool{m.checkpoint.data(), m.ring_d.data(), m.ring_k.data(),
-                         m.ring_g.as<float>(), num_slots_, 0, 0, 0, 0};
+  // A slot's checkpoint is followed by its conv window: the checkpoint stride covers both
+  // (the window's bytes are a whole number of state elements: C is a multiple of 16).
+  const int64_t stride =
+      static_cast<int64_t>(CheckpointBytes() / rssm_dtype_size(model_.shape.state_dtype));
+  return rssm_state_pool{m.checkpoint.data(),
+                         m.ring_d.data(),
+                         m.ring_k.data(),
+                         m.ring_g.as<float>(),
+                         num_slots_,
+                         stride,
+                         0,
+                         0,
+                         0};
+}
+
+rssm_conv_state SlotPool::LayerConv(int32_t layer) const {
+  const LayerMemory& m = layers_[layer];
+  const size_t act = rssm_dtype_size(model_.shape.act_dtype);
+  const size_t ckpt =
+      rssm_checkpoint_elems(&model_.shape) * rssm_dtype_size(model_.shape.state_dtype);
+  return rssm_conv_state{m.checkpoint.as<char>() + ckpt, m.ring_x.data(), num_slots_,
+                         static_cast<int64_t>(CheckpointBytes() / act), 0};
+}
+
+const float* SlotPool::ConvWeight(int32_t layer) const {
+  return layers_[layer].conv_weight.as<const float>();
+}
+
+const float* SlotPool::ConvBias(int32_t layer) const {
+  return model_.layers[layer].conv_bias.empty() ? nullptr
+                                                : layers_[layer].conv_bias.as<const float>();
 }
 
 rssm_layer_params SlotPool::LayerParams(int32_t layer) const {
@@ -45,9 +84,7 @@ rssm_layer_params SlotPool::LayerParams(int32_t layer) const {
                            p.use_qk_l2norm ? 1 : 0};
 }
 
-size_t SlotPool::CheckpointBytes() const {
-  return rssm_checkpoint_elems(&model_.shape) * rssm_dtype_size(model_.shape.state_dtype);
-}
+size_t SlotPool::CheckpointBytes() const { return static_cast<size_t>(model_.LayerStateBytes()); }
 
 void* SlotPool::CheckpointPtr(int32_t slot, int32_t layer) const {
   return layers_[layer].checkpoint.as<char>() + slot * CheckpointBytes();
@@ -65,6 +102,15 @@ absl::Status SlotPool::Fold(absl::Span<const int32_t> slots, absl::Span<const in
     const rssm_fold_args f{lane.Launch(), model_.shape, LayerPool(l), static_cast<int32_t>(n),
                            s.fold_idx.as<const int32_t>(), s.fold_pos.as<const int32_t>()};
     st = KernelStatus(rssm_fold(&f), "fold");
+    if (st.ok() && has_conv()) {
+      const rssm_conv_fold_args cf{lane.Launch(),
+                                   model_.ConvShape(),
+                                   LayerConv(l),
+                                   static_cast<int32_t>(n),
+                                   s.fold_idx.as<const int32_t>(),
+                                   s.fold_pos.as<const int32_t>()};
+      st = KernelStatus(rssm_conv_fold(&cf), "conv fold");
+    }
   }
   return st;
 }

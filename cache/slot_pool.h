@@ -1,8 +1,8 @@
-// SlotPool: the backend memory of N slots for every layer of a model (checkpoint and ring
-// d, k, g), and the kernel calls that act on whole slots across all layers (fold, copy,
-// zero, read, write). It knows nothing of ids, cursors or snapshots: StateCache does.
-// Every call only queues its work on the caller's lane; the caller synchronizes the lane
-// when it needs the result (Lane::Synchronize).
+// SlotPool: the backend memory of N slots for every layer of a model (checkpoint followed by
+// the convolution window, ring d, k, g and the convolution's ring x), and the kernel calls that act
+// on whole slots across all layers (fold, copy, zero, read, write). It knows nothing of ids,
+// cursors or snapshots: StateCache does. Every call only queues its work on the caller's lane; the
+// caller synchronizes the lane when it needs the result (Lane::Synchronize).
 //
 // Thread safety: calls on disjoint slots may run concurrently (on different lanes).
 #ifndef REPLAYSSM_CACHE_SLOT_POOL_H_
@@ -31,9 +31,17 @@ class SlotPool {
   const ModelSpec& model() const { return model_; }
   rssm_state_pool LayerPool(int32_t layer) const;
   rssm_layer_params LayerParams(int32_t layer) const;
-  size_t CheckpointBytes() const;  // one layer of one slot
+  // The convolution of a layer (has_conv() only): its state in the pool, weight and bias.
+  bool has_conv() const { return model_.conv_width > 0; }
+  rssm_conv_state LayerConv(int32_t layer) const;
+  const float* ConvWeight(int32_t layer) const;
+  const float* ConvBias(int32_t layer) const;  // null: no bias
+  // One layer of one slot's folded state: the checkpoint and, right after it, the conv
+  // window (ModelSpec::LayerStateBytes). Everything that copies a state copies these bytes.
+  size_t CheckpointBytes() const;
 
-  // Folds slots[i] at cursor write_pos[i] in every layer (the caller resets the cursors).
+  // Folds slots[i] at cursor write_pos[i] in every layer, the convolution's window with the
+  // recurrence's checkpoint (the caller resets the cursors).
   // Uses the lane's scratch fold_idx/fold_pos.
   absl::Status Fold(absl::Span<const int32_t> slots, absl::Span<const int32_t> write_pos,
                     Lane& lane);
@@ -57,8 +65,8 @@ class SlotPool {
   void* CheckpointPtr(int32_t slot, int32_t layer) const;
 
   struct LayerMemory {
-    DeviceBuffer checkpoint, ring_d, ring_k, ring_g;
-    DeviceBuffer a_log, dt_bias;
+    DeviceBuffer checkpoint, ring_d, ring_k, ring_g, ring_x;
+    DeviceBuffer a_log, dt_bias, conv_weight, conv_bias;
   };
   ModelSpec model_;
   int32_t backend_;

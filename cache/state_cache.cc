@@ -118,8 +118,12 @@ class ForwardImpl final : public Forward {
   // Grows the lane's activation scratch to tokens() for a host-memory layer. Growing replaces
   // buffers that queued layers may still read, so it waits for them first.
   absl::Status ReserveTokens();
-  // Queues `layer`'s kernel for every row (a prefill first saves the checkpoints it writes).
-  absl::Status Launch(int32_t layer, const rssm_token_inputs& in, const rssm_token_outputs& out);
+  // Queues `layer`'s kernels for every row (a prefill first saves the checkpoints it writes):
+  // the short convolution (a model with one), then the recurrence.
+  absl::Status Launch(int32_t layer, rssm_token_inputs in, const rssm_token_outputs& out);
+  // Queues the short convolution of `layer` over in.mixed_qkv into the lane's scratch, and
+  // points `in` at its outputs.
+  absl::Status Convolve(int32_t layer, rssm_token_inputs& in);
   // Queues copies of layer `layer`'s checkpoints between the rows and their spare slots.
   absl::Status CopySpares(int32_t layer, bool restore);
   // Abandoned: puts back every checkpoint a prefill's layers may have written. False when
@@ -619,7 +623,7 @@ bool ScratchHolds(const Scratch& s, const ModelSpec& m, int64_t n) {
     return buf.size() >= static_cast<size_t>(n * width) * es;
   };
   return holds(s.qkv, m.QkvWidth()) && holds(s.a, m.AWidth()) && holds(s.b, m.BWidth()) &&
-         holds(s.out, m.OutWidth());
+         holds(s.out, m.OutWidth()) && (m.conv_width == 0 || holds(s.conv, m.QkvWidth()));
 }
 
 // The kernel's view of n tokens of io's inputs: io's own buffers when they are backend
@@ -698,10 +702,14 @@ absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
   std::vector<const void*> ptrs;
   for (size_t l = 0; l < checkpoints.size(); ++l) {
     if (checkpoints[l].size() != pool_->CheckpointBytes()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("checkpoints[", l, "]: expected ", pool_->CheckpointBytes(),
-                       " bytes ([HV, V, K] in ", rssm_dtype_name(model_.shape.state_dtype),
-                       "), got ", checkpoints[l].size()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checkpoints[", l, "]: expected ", pool_->CheckpointBytes(), " bytes ([HV, V, K] in ",
+          rssm_dtype_name(model_.shape.state_dtype),
+          model_.conv_width > 0
+              ? absl::StrCat(", then the conv window [", model_.conv_width - 1, ", ",
+                             model_.QkvWidth(), "] in ", rssm_dtype_name(model_.shape.act_dtype))
+              : std::string(),
+          "), got ", checkpoints[l].size()));
     }
     ptrs.push_back(checkpoints[l].data());
   }
@@ -1316,11 +1324,57 @@ bool ForwardImpl::Restore() {
   return true;
 }
 
-absl::Status ForwardImpl::Launch(int32_t layer, const rssm_token_inputs& in,
+absl::Status ForwardImpl::Convolve(int32_t layer, rssm_token_inputs& in) {
+  const ModelSpec& m = cache_->model();
+  SlotPool& pool = cache_->pool();
+  const Scratch& s = lane_->scratch;
+  rssm_conv_args a{};
+  a.launch = lane_->Launch();
+  a.shape = m.ConvShape();
+  a.weight = pool.ConvWeight(layer);
+  a.bias = pool.ConvBias(layer);
+  a.state = pool.LayerConv(layer);
+  a.batch = batch();
+  a.slot_idx = s.slot_idx.as<const int32_t>();
+  a.write_pos = s.write_pos.as<const int32_t>();
+  if (rows_.kind == ForwardKind::kPrefill) {
+    // From each slot's history (initial 1, as the recurrence); the window moves to the end.
+    a.mode = RSSM_CONV_PREFILL;
+    a.cu_seqlens = s.cu.as<const int32_t>();
+    a.initial = s.flags.as<const uint8_t>();
+    for (int32_t r = 0; r < batch(); ++r) {
+      a.num_tokens = std::max(a.num_tokens, rows_.cu[r + 1] - rows_.cu[r]);
+    }
+  } else {
+    // Decode and verify: the tokens' inputs are ring records past the cursor, like theirs.
+    a.mode = RSSM_CONV_APPEND;
+    a.num_tokens = rows_.kind == ForwardKind::kVerify ? rows_.num_draft : 1;
+  }
+  a.x = in.mixed_qkv;
+  a.x_token_stride = in.qkv_token_stride;
+  a.y = s.conv.data();
+  a.y_token_stride = 0;
+  absl::Status st = KernelStatus(rssm_short_conv(&a), "short convolution");
+  if (!st.ok()) return st;
+  in.mixed_qkv = s.conv.data();
+  in.qkv_token_stride = 0;
+  return absl::OkStatus();
+}
+
+absl::Status ForwardImpl::Launch(int32_t layer, rssm_token_inputs in,
                                  const rssm_token_outputs& out) {
   const ModelSpec& m = cache_->model();
   SlotPool& pool = cache_->pool();
   const Scratch& s = lane_->scratch;
+  if (rows_.kind == ForwardKind::kPrefill) {
+    // Before the convolution too: it rewrites the window kept after the checkpoint.
+    absl::Status st = CopySpares(layer, /*restore=*/false);
+    if (!st.ok()) return st;
+  }
+  if (pool.has_conv()) {
+    absl::Status st = Convolve(layer, in);
+    if (!st.ok()) return st;
+  }
   switch (rows_.kind) {
     case ForwardKind::kDecode: {
       rssm_decode_args a{lane_->Launch(), m.shape, pool.LayerParams(layer), pool.LayerPool(layer)};
@@ -1343,8 +1397,6 @@ absl::Status ForwardImpl::Launch(int32_t layer, const rssm_token_inputs& in,
       return KernelStatus(rssm_verify(&a), "verify");
     }
     case ForwardKind::kPrefill: {
-      absl::Status st = CopySpares(layer, /*restore=*/false);
-      if (!st.ok()) return st;
       rssm_prefill_args a{lane_->Launch(), m.shape, pool.LayerParams(layer), pool.LayerPool(layer)};
       a.batch = batch();
       a.slot_idx = s.slot_idx.as<const int32_t>();
@@ -1447,6 +1499,27 @@ absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
   if (model.num_layers < 1 || static_cast<int32_t>(model.layers.size()) != model.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("model.layers: expected ", model.num_layers,
                                                    " layers of parameters, got ", model.layers.size()));
+  }
+  if (model.conv_width != 0) {
+    if (model.conv_width < 2 || model.conv_width > RSSM_MAX_CONV_WIDTH) {
+      return absl::InvalidArgumentError(absl::StrCat("model.conv_width: expected 0 (none) or 2 to ",
+                                                     RSSM_MAX_CONV_WIDTH, ", got ",
+                                                     model.conv_width));
+    }
+    const size_t c = static_cast<size_t>(model.QkvWidth());
+    for (int32_t l = 0; l < model.num_layers; ++l) {
+      const LayerParams& p = model.layers[l];
+      if (p.conv_weight.size() != c * model.conv_width) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "model.layers[", l, "].conv_weight: expected ", c * model.conv_width, " values ([", c,
+            ", ", model.conv_width, "]), got ", p.conv_weight.size()));
+      }
+      if (!p.conv_bias.empty() && p.conv_bias.size() != c) {
+        return absl::InvalidArgumentError(absl::StrCat("model.layers[", l,
+                                                       "].conv_bias: expected none or ", c,
+                                                       " values, got ", p.conv_bias.size()));
+      }
+    }
   }
   if (!rssm_backend_available(options.backend)) {
     return absl::FailedPreconditionError(absl::StrCat(

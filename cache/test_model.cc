@@ -105,14 +105,38 @@ std::vector<double> Batch::Output(const ModelSpec& m, int layer, int64_t i) cons
 }
 
 Oracle::State Oracle::Zero() const {
-  return State(m_.num_layers, std::vector<double>(rssm_checkpoint_elems(&m_.shape), 0.0));
+  const int64_t window = m_.conv_width > 0 ? (m_.conv_width - 1) * m_.QkvWidth() : 0;
+  return State(m_.num_layers, std::vector<double>(rssm_checkpoint_elems(&m_.shape) + window, 0.0));
+}
+
+void Oracle::Convolve(std::vector<double>& window, int layer, std::vector<float>& qkv) const {
+  // y = silu(bias + sum_i weight[c, i] * x[t - W + 1 + i]) in fp64, rounded to the act dtype
+  // (where the model rounds it); the window then slides by the (pre-convolution) input.
+  const int64_t C = m_.QkvWidth();
+  const int W = m_.conv_width, H = W - 1;
+  const LayerParams& p = m_.layers[layer];
+  for (int64_t c = 0; c < C; ++c) {
+    double acc = p.conv_bias.empty() ? 0.0 : p.conv_bias[c];
+    for (int i = 0; i < H; ++i) acc += double{p.conv_weight[c * W + i]} * window[i * C + c];
+    acc += double{p.conv_weight[c * W + H]} * qkv[c];
+    const double y = acc / (1.0 + std::exp(-acc));
+    for (int i = 0; i + 1 < H; ++i) window[i * C + c] = window[(i + 1) * C + c];
+    window[(H - 1) * C + c] = qkv[c];
+    qkv[c] = RoundAct(m_.shape.act_dtype, static_cast<float>(y));
+  }
 }
 
 Oracle::Outputs Oracle::Step(State& s, Tok t) const {
   Outputs out(m_.num_layers, std::vector<double>(m_.OutWidth()));
   std::vector<float> qkv, a, b;
+  const int64_t ckpt = rssm_checkpoint_elems(&m_.shape);
   for (int l = 0; l < m_.num_layers; ++l) {
     Inputs(t, l, qkv, a, b);
+    if (m_.conv_width > 0) {
+      std::vector<double> window(s[l].begin() + ckpt, s[l].end());
+      Convolve(window, l, qkv);
+      std::copy(window.begin(), window.end(), s[l].begin() + ckpt);
+    }
     const LayerParams& p = m_.layers[l];
     kernels::testing::ReferenceStep(m_.shape, p.a_log.data(), p.dt_bias.data(), p.scale,
                                     p.use_qk_l2norm, qkv.data(), a.data(), b.data(),
@@ -131,8 +155,14 @@ Oracle::State Oracle::FromExport(const ExportedState& e) const {
   State s = Zero();
   const int32_t dt = m_.shape.state_dtype;
   const size_t es = rssm_dtype_size(dt);
+  const int64_t ckpt = rssm_checkpoint_elems(&m_.shape);
+  const size_t as = rssm_dtype_size(m_.shape.act_dtype);
   for (int l = 0; l < m_.num_layers; ++l) {
-    for (size_t i = 0; i < s[l].size(); ++i) s[l][i] = Load(dt, &e.checkpoints[l][i * es]);
+    for (int64_t i = 0; i < ckpt; ++i) s[l][i] = Load(dt, &e.checkpoints[l][i * es]);
+    // The conv window follows the checkpoint (act dtype).
+    for (size_t i = ckpt; i < s[l].size(); ++i) {
+      s[l][i] = Load(m_.shape.act_dtype, &e.checkpoints[l][ckpt * es + (i - ckpt) * as]);
+    }
   }
   return s;
 }

@@ -43,7 +43,8 @@ struct BackendBatch {
 
 class Oracle {
  public:
-  using State = std::vector<std::vector<double>>;  // [layers][HV*V*K]
+  // [layers][HV*V*K, then the conv window (W-1)*C when the model has a convolution]
+  using State = std::vector<std::vector<double>>;
   using Outputs = std::vector<std::vector<double>>;  // [layers][HV*V]
 
   explicit Oracle(const ModelSpec& m) : m_(m) {}
@@ -61,6 +62,9 @@ class Oracle {
   // Token t's fp32 inputs for layer l (values already rounded to the act dtype).
   void Inputs(Tok t, int layer, std::vector<float>& qkv, std::vector<float>& a,
               std::vector<float>& b) const;
+  // The short convolution of one token in layer `layer`: qkv (pre-convolution) becomes its
+  // output, the window slides.
+  void Convolve(std::vector<double>& window, int layer, std::vector<float>& qkv) const;
   const ModelSpec& m_;
 };
 

@@ -162,6 +162,13 @@ absl::Status Demo::CheckState(const Request& r) {
     // The state holds sums over all tokens: a looser bound than one output.
     absl::Status s = Check(got, want_t, absl::StrCat("exported state layer ", l));
     if (!s.ok()) return s;
+    // The short convolution's window: copies of inputs, so bit for bit.
+    const std::string window = ref_->ConvWindow(r.seq, l);
+    if (!window.empty() &&
+        (state->conv_windows_size() <= l || state->conv_windows(l).data() != window)) {
+      return absl::DataLossError(
+          absl::StrCat("exported conv window of layer ", l, " differs from the reference's"));
+    }
   }
   return absl::OkStatus();
 }

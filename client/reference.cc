@@ -69,7 +69,57 @@ CpuReference::CpuReference(const v1::ModelInfo& model, int32_t capacity)
     L.ring_g.assign(rssm_ring_g_elems(&shape_) * capacity, 0.0f);
     L.pool = {
         L.state.data(), L.ring_d.data(), L.ring_k.data(), L.ring_g.data(), capacity, 0, 0, 0, 0};
+    if (model.conv_width() > 0) {
+      L.conv_weight.assign(p.conv_weight().begin(), p.conv_weight().end());
+      L.conv_bias.assign(p.conv_bias().begin(), p.conv_bias().end());
+    }
   }
+  if (model.conv_width() > 0) {
+    const int32_t c =
+        2 * model.num_qk_heads() * model.head_k() + model.num_v_heads() * model.head_v();
+    conv_shape_ = {c, model.conv_width(), 1, shape_.act_dtype};
+    const size_t es = rssm_dtype_size(shape_.act_dtype);
+    for (Layer& L : layers_) {
+      L.window.assign(rssm_conv_window_elems(&conv_shape_) * es * capacity, '\0');
+      L.ring_x.assign(rssm_conv_ring_elems(&conv_shape_) * es * capacity, '\0');
+      L.conv = {L.window.data(), L.ring_x.data(), capacity, 0, 0};
+    }
+  }
+}
+
+absl::Status CpuReference::Convolve(int32_t l, absl::Span<const int32_t> seqs, const int32_t* cu,
+                                    int32_t max_tokens, rssm_token_inputs& in) {
+  if (conv_shape_.width == 0) return absl::OkStatus();
+  Layer& L = layers_[l];
+  const int64_t n = cu != nullptr ? cu[seqs.size()] : static_cast<int64_t>(seqs.size());
+  L.conv_out.resize(n * conv_shape_.channels * rssm_dtype_size(conv_shape_.act_dtype));
+  const std::vector<uint8_t> initial(seqs.size(), 1);
+  const std::vector<int32_t> write_pos(seqs.size(), 0);
+  rssm_conv_args a{};
+  a.launch = {RSSM_BACKEND_CPU, nullptr};
+  a.shape = conv_shape_;
+  a.weight = L.conv_weight.data();
+  a.bias = L.conv_bias.empty() ? nullptr : L.conv_bias.data();
+  a.state = L.conv;
+  a.mode = RSSM_CONV_PREFILL;  // the window moves on by the tokens (the ring stays empty)
+  a.batch = static_cast<int32_t>(seqs.size());
+  a.slot_idx = seqs.data();
+  a.write_pos = write_pos.data();
+  a.cu_seqlens = cu;
+  a.num_tokens = max_tokens;
+  a.initial = initial.data();
+  a.x = in.mixed_qkv;
+  a.y = L.conv_out.data();
+  const rssm_status s = rssm_short_conv(&a);
+  if (s != RSSM_OK) return KernelError(s);
+  in.mixed_qkv = L.conv_out.data();
+  return absl::OkStatus();
+}
+
+std::string CpuReference::ConvWindow(int32_t seq, int32_t layer) const {
+  if (conv_shape_.width == 0) return std::string();
+  const size_t n = rssm_conv_window_elems(&conv_shape_) * rssm_dtype_size(conv_shape_.act_dtype);
+  return layers_[layer].window.substr(seq * n, n);
 }
 
 absl::StatusOr<std::unique_ptr<CpuReference>> CpuReference::Create(const v1::ModelInfo& model,
@@ -88,7 +138,11 @@ absl::StatusOr<int32_t> CpuReference::NewSequence() {
   const int32_t seq = static_cast<int32_t>(it - used_.begin());
   used_[seq] = true;
   const int64_t n = rssm_checkpoint_elems(&shape_);
-  for (Layer& L : layers_) std::fill_n(L.state.begin() + seq * n, n, 0.0f);
+  const size_t w = rssm_conv_window_elems(&conv_shape_) * rssm_dtype_size(conv_shape_.act_dtype);
+  for (Layer& L : layers_) {
+    std::fill_n(L.state.begin() + seq * n, n, 0.0f);
+    std::fill_n(L.window.begin() + seq * w, w, '\0');
+  }
   return seq;
 }
 
@@ -96,8 +150,10 @@ absl::StatusOr<int32_t> CpuReference::Fork(int32_t seq) {
   absl::StatusOr<int32_t> copy = NewSequence();
   if (!copy.ok()) return copy;
   const int64_t n = rssm_checkpoint_elems(&shape_);
+  const size_t w = rssm_conv_window_elems(&conv_shape_) * rssm_dtype_size(conv_shape_.act_dtype);
   for (Layer& L : layers_) {
     std::copy_n(L.state.begin() + seq * n, n, L.state.begin() + *copy * n);
+    std::copy_n(L.window.begin() + seq * w, w, L.window.begin() + *copy * w);
   }
   return copy;
 }
@@ -134,6 +190,11 @@ absl::StatusOr<v1::Tensor> CpuReference::PrefillLayer(int32_t seq, const v1::Lay
   args.write_pos = &write_pos;
   args.max_seqlen = static_cast<int32_t>(n);
   args.in = Inputs(input);
+  if (absl::Status c =
+          Convolve(l, absl::MakeConstSpan(&seq, 1), cu, static_cast<int32_t>(n), args.in);
+      !c.ok()) {
+    return c;
+  }
   args.out = {out.mutable_data()->data(), 0};
   const rssm_status s = rssm_prefill(&args);
   if (s != RSSM_OK) return KernelError(s);
@@ -164,6 +225,7 @@ absl::StatusOr<std::vector<v1::Tensor>> CpuReference::Decode(
     args.batch = static_cast<int32_t>(seqs.size());
     args.slot_idx = seqs.data();
     args.in = Inputs(layers[l]);
+    if (absl::Status c = Convolve(l, seqs, nullptr, 1, args.in); !c.ok()) return c;
     args.out = {outs.back().mutable_data()->data(), 0};
     const rssm_status s = rssm_baseline_decode(&args);
     if (s != RSSM_OK) return KernelError(s);

@@ -127,7 +127,8 @@ absl::StatusOr<int32_t> GdnLayers(const Object& o) {
 }
 
 // Gated DeltaNet, Qwen3-Next style.
-absl::Status GdnShape(const Object& o, rssm_layer_shape* shape, int32_t* layers) {
+absl::Status GdnShape(const Object& o, rssm_layer_shape* shape, int32_t* layers,
+                      int32_t* conv_width) {
   absl::StatusOr<int32_t> h = o.Int("linear_num_key_heads", 1),
                           hv = o.Int("linear_num_value_heads", 1),
                           k = o.Int("linear_key_head_dim", 1),
@@ -136,6 +137,12 @@ absl::Status GdnShape(const Object& o, rssm_layer_shape* shape, int32_t* layers)
     if (!x->ok()) return x->status();
   }
   *shape = {RSSM_GATE_GDN, *h, *hv, *k, *v, 0, 0, 0};
+  *conv_width = cache::kPresetConvWidth;  // Qwen3NextConfig's default
+  if (o.Get("linear_conv_kernel_dim") != nullptr) {
+    absl::StatusOr<int32_t> w = o.Int("linear_conv_kernel_dim", 2);
+    if (!w.ok()) return w.status();
+    *conv_width = *w;
+  }
   absl::StatusOr<int32_t> n = GdnLayers(o);
   if (!n.ok()) return n.status();
   *layers = *n;
@@ -143,7 +150,8 @@ absl::Status GdnShape(const Object& o, rssm_layer_shape* shape, int32_t* layers)
 }
 
 // Kimi Delta Attention, Kimi-Linear style: q, k, v share num_heads and head_dim.
-absl::Status KdaShape(const Object& o, rssm_layer_shape* shape, int32_t* layers) {
+absl::Status KdaShape(const Object& o, rssm_layer_shape* shape, int32_t* layers,
+                      int32_t* conv_width) {
   absl::StatusOr<const Struct*> lac = o.OptionalObject("linear_attn_config");
   if (!lac.ok()) return lac.status();
   if (*lac == nullptr) return o.Error("linear_attn_config", "an object");
@@ -152,6 +160,12 @@ absl::Status KdaShape(const Object& o, rssm_layer_shape* shape, int32_t* layers)
   if (!heads.ok()) return heads.status();
   if (!dim.ok()) return dim.status();
   *shape = {RSSM_GATE_KDA, *heads, *heads, *dim, *dim, 0, 0, 0};
+  *conv_width = cache::kPresetConvWidth;  // Kimi-Linear's default
+  if (c.Get("short_conv_kernel_size") != nullptr) {
+    absl::StatusOr<int32_t> w = c.Int("short_conv_kernel_size", 2);
+    if (!w.ok()) return w.status();
+    *conv_width = *w;
+  }
   absl::StatusOr<const google::protobuf::ListValue*> kda = c.OptionalList("kda_layers");
   if (!kda.ok()) return kda.status();
   if (*kda == nullptr) return c.Error("kda_layers", "a list");
@@ -176,9 +190,9 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigJson(const std::string& json,
   m.name = name;
   absl::Status st;
   if (o.Get("linear_attn_config") != nullptr) {
-    st = KdaShape(o, &m.shape, &m.num_layers);
+    st = KdaShape(o, &m.shape, &m.num_layers, &m.conv_width);
   } else if (o.Get("linear_num_value_heads") != nullptr) {
-    st = GdnShape(o, &m.shape, &m.num_layers);
+    st = GdnShape(o, &m.shape, &m.num_layers, &m.conv_width);
   } else {
     st = absl::InvalidArgumentError(absl::StrCat(
         name,
@@ -198,7 +212,11 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigJson(const std::string& json,
   if (rssm_check_shape(&m.shape) != RSSM_OK) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", rssm_last_error()));
   }
-  m.layers = cache::SeededParams(m.shape, m.num_layers, kParamSeed);
+  if (m.conv_width > RSSM_MAX_CONV_WIDTH) {
+    return FieldError(absl::StrCat(name, ": the short convolution's kernel size"),
+                      absl::StrCat("2 to ", RSSM_MAX_CONV_WIDTH), absl::StrCat(m.conv_width));
+  }
+  m.layers = cache::SeededParams(m.shape, m.num_layers, kParamSeed, m.conv_width);
   m.params_from_seed = true;
   return m;
 }

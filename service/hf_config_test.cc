@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 
 namespace replayssm::service {
@@ -55,6 +56,30 @@ TEST(HfConfig, KimiLinearConfigGivesThePresetShape) {
   ASSERT_TRUE(preset.ok());
   EXPECT_EQ(m->num_layers, preset->num_layers);
   EXPECT_TRUE(SameShape(m->shape, preset->shape));
+}
+
+TEST(HfConfig, TheShortConvolutionsWidthComesFromTheConfig) {
+  const std::string gdn = R"({"linear_num_key_heads": 2, "linear_num_value_heads": 4,
+      "linear_key_head_dim": 32, "linear_value_head_dim": 32, "num_hidden_layers": 4)";
+  auto m = ModelFromHfConfigJson(gdn + "}", "c.json", -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->conv_width, 4);  // Qwen3NextConfig's default
+  ASSERT_EQ(m->layers[0].conv_weight.size(), static_cast<size_t>(m->QkvWidth() * 4));
+  m = ModelFromHfConfigJson(gdn + R"(, "linear_conv_kernel_dim": 3})", "c.json", -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->conv_width, 3);
+  EXPECT_EQ(m->layers[2].conv_weight.size(), static_cast<size_t>(m->QkvWidth() * 3));
+  for (const char* bad : {R"(, "linear_conv_kernel_dim": 1})", R"(, "linear_conv_kernel_dim": 9})",
+                          R"(, "linear_conv_kernel_dim": "4"})"}) {
+    m = ModelFromHfConfigJson(gdn + bad, "c.json", -1, 0);
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(m.status().message().find("c.json"), std::string::npos) << m.status();
+  }
+  m = ModelFromHfConfigJson(R"({"linear_attn_config": {"num_heads": 2, "head_dim": 16,
+      "kda_layers": [0, 1], "short_conv_kernel_size": 2}})",
+                            "k.json", -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->conv_width, 2);
 }
 
 TEST(HfConfig, AConfigWithoutLinearAttentionOrWithAMissingKeyIsRefused) {

@@ -98,7 +98,10 @@ absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
     w->mutable_dt_bias()->Assign(p.dt_bias.begin(), p.dt_bias.end());
     w->set_scale(p.scale);
     w->set_use_qk_l2norm(p.use_qk_l2norm);
+    w->mutable_conv_weight()->Assign(p.conv_weight.begin(), p.conv_weight.end());
+    w->mutable_conv_bias()->Assign(p.conv_bias.begin(), p.conv_bias.end());
   }
+  info->set_conv_width(m.conv_width);
   const cache::CacheOptions& o = ctx_->cache->options();
   resp->set_backend(ctx_->backend_name);
   resp->set_mps(ctx_->mps);
@@ -203,6 +206,16 @@ absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse
   std::vector<const void*> checkpoints;
   std::map<std::string, cache::RegionLease> leases;  // held until the call ends
   const bool regions = req.checkpoints(0).has_region();
+  const bool conv = m.conv_width > 0;
+  // Inline with a convolution: each layer's checkpoint and window joined, as the slot holds
+  // them.
+  std::vector<std::string> joined;
+  if ((!conv || regions) && req.conv_windows_size() > 0) {
+    return FieldError("conv_windows",
+                      conv ? "none (region checkpoints hold their windows)"
+                           : "none (the model has no short convolution)",
+                      absl::StrCat(req.conv_windows_size(), " tensors"));
+  }
   cache::IoMemory memory = cache::IoMemory::kHost;
   for (int l = 0; l < req.checkpoints_size(); ++l) {
     const v1::Tensor& t = req.checkpoints(l);
@@ -215,7 +228,21 @@ absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse
                                "checkpoints[0] (inline bytes)",
                      t.has_region() ? "a region" : "inline bytes");
     }
+    if (s.ok() && conv && !regions && req.conv_windows_size() != m.num_layers) {
+      s = FieldError(
+          "conv_windows",
+          absl::StrCat(m.num_layers, " layers ([", m.conv_width - 1, ", ", m.QkvWidth(), "] each)"),
+          absl::StrCat(req.conv_windows_size()));
+    }
     if (!s.ok()) return s;
+    if (!regions && conv) {
+      const v1::Tensor& w = req.conv_windows(l);
+      s = CheckTensor(w, absl::StrCat("conv_windows[", l, "]"), m.shape.act_dtype,
+                      ConvWindowShape(m));
+      if (!s.ok()) return s;
+      joined.push_back(t.data() + w.data());
+      continue;
+    }
     if (!regions) {
       checkpoints.push_back(t.data().data());
       continue;
@@ -224,6 +251,7 @@ absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse
     if (!p.ok()) return p.status();
     checkpoints.push_back(*p);
   }
+  for (const std::string& j : joined) checkpoints.push_back(j.data());
   v1::ImportRequest key;
   key.set_slot(req.slot());
   *key.mutable_tokens() = req.tokens();
@@ -239,8 +267,7 @@ absl::StatusOr<void*> Operations::CheckpointRange(
     const v1::RegionRef& ref, const std::string& field, int layer, cache::IoMemory* memory,
     std::map<std::string, cache::RegionLease>* leases) const {
   const cache::ModelSpec& m = ctx_->cache->model();
-  uint64_t bytes = rssm_dtype_size(m.shape.state_dtype);
-  for (int64_t d : CheckpointShape(m)) bytes *= static_cast<uint64_t>(d);
+  const uint64_t bytes = static_cast<uint64_t>(m.LayerStateBytes());  // window included
   if (ref.region().empty()) {
     return FieldError(field, "a registered region's name", "\"\"");
   }
@@ -265,11 +292,18 @@ absl::Status Operations::Export(const v1::ExportRequest& req, v1::ExportResponse
   resp->set_seq_len(state->seq_len);
   resp->mutable_tokens()->Assign(state->tokens.begin(), state->tokens.end());
   int64_t sent = 0;
+  const size_t window = static_cast<size_t>(m.ConvWindowBytes());
   for (const std::vector<uint8_t>& c : state->checkpoints) {
     v1::Tensor* t = resp->add_checkpoints();
     t->set_dtype(ToWireDtype(m.shape.state_dtype));
     for (int64_t d : CheckpointShape(m)) t->add_shape(d);
-    t->set_data(c.data(), c.size());
+    t->set_data(c.data(), c.size() - window);
+    if (window > 0) {
+      v1::Tensor* w = resp->add_conv_windows();
+      w->set_dtype(ToWireDtype(m.shape.act_dtype));
+      for (int64_t d : ConvWindowShape(m)) w->add_shape(d);
+      w->set_data(c.data() + c.size() - window, window);
+    }
     sent += static_cast<int64_t>(c.size());
   }
   ctx_->metrics->AddBytes(0, sent);

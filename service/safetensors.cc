@@ -1,5 +1,6 @@
 #include "service/safetensors.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -25,11 +26,46 @@ struct TensorRef {
   uint64_t begin = 0, end = 0;  // absolute file offsets
 };
 
-// For a name like `model.layers.12.linear_attn.A_log`: the layer (12) and whether it is
-// A_log (true) or dt_bias (false); nullopt for any other tensor.
-std::optional<std::pair<int, bool>> MatchParam(const std::string& name) {
-  const bool a_log = absl::EndsWith(name, ".A_log");
-  if (!a_log && !absl::EndsWith(name, ".dt_bias")) return std::nullopt;
+// The per-layer tensors read from a checkpoint, by the end of their Hugging Face names.
+enum class Param {
+  kALog,
+  kDtBias,
+  kConv,
+  kConvBias,
+  kQConv,
+  kKConv,
+  kVConv,
+  kQConvBias,
+  kKConvBias,
+  kVConvBias
+};
+constexpr std::pair<const char*, Param> kParamSuffixes[] = {
+    {".A_log", Param::kALog},
+    {".dt_bias", Param::kDtBias},
+    {".conv1d.weight", Param::kConv},  // Qwen3-Next: linear_attn.conv1d ([C, 1, W])
+    {".conv1d.bias", Param::kConvBias},
+    {".q_conv1d.weight", Param::kQConv},  // Kimi-Linear: one convolution each for q, k, v
+    {".k_conv1d.weight", Param::kKConv},
+    {".v_conv1d.weight", Param::kVConv},
+    {".q_conv1d.bias", Param::kQConvBias},
+    {".k_conv1d.bias", Param::kKConvBias},
+    {".v_conv1d.bias", Param::kVConvBias},
+};
+
+// For a name like `model.layers.12.linear_attn.A_log`: the layer (12) and which parameter;
+// nullopt for any other tensor. (".q_conv1d.weight" also ends with ".conv1d.weight": the
+// longest suffix wins.)
+std::optional<std::pair<int, Param>> MatchParam(const std::string& name) {
+  std::optional<Param> param;
+  size_t matched = 0;
+  for (const auto& [suffix, p] : kParamSuffixes) {
+    const size_t n = std::strlen(suffix);
+    if (n > matched && absl::EndsWith(name, suffix)) {
+      param = p;
+      matched = n;
+    }
+  }
+  if (!param) return std::nullopt;
   const size_t at = name.find("layers.");
   if (at == std::string::npos) return std::nullopt;
   size_t i = at + 7, digits = 0;
@@ -39,12 +75,13 @@ std::optional<std::pair<int, bool>> MatchParam(const std::string& name) {
     ++digits;
   }
   if (digits == 0 || i >= name.size() || name[i] != '.') return std::nullopt;
-  return std::make_pair(layer, a_log);
+  return std::make_pair(layer, *param);
 }
 
-// name -> tensor, for every A_log / dt_bias of a numbered layer in one file.
-absl::Status ScanFile(const std::string& path, std::map<int, TensorRef>* a_log,
-                      std::map<int, TensorRef>* dt_bias) {
+using TensorMap = std::map<Param, std::map<int, TensorRef>>;
+
+// name -> tensor, for every per-layer parameter of a numbered layer in one file.
+absl::Status ScanFile(const std::string& path, TensorMap* found) {
   std::ifstream in(path, std::ios::binary);
   uint64_t header_len = 0;
   if (!in.read(reinterpret_cast<char*>(&header_len), 8) || header_len > (uint64_t{1} << 30)) {
@@ -59,7 +96,7 @@ absl::Status ScanFile(const std::string& path, std::map<int, TensorRef>* a_log,
     return absl::InvalidArgumentError(absl::StrCat(path, ": the safetensors header is not JSON"));
   }
   for (const auto& [name, value] : root.fields()) {
-    const std::optional<std::pair<int, bool>> m = MatchParam(name);
+    const std::optional<std::pair<int, Param>> m = MatchParam(name);
     if (!m) continue;
     const auto& f = value.struct_value().fields();
     if (!f.count("dtype") || !f.count("shape") || !f.count("data_offsets")) {
@@ -75,7 +112,7 @@ absl::Status ScanFile(const std::string& path, std::map<int, TensorRef>* a_log,
     if (off.size() != 2) return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": bad data_offsets"));
     t.begin = 8 + header_len + static_cast<uint64_t>(off[0].number_value());
     t.end = 8 + header_len + static_cast<uint64_t>(off[1].number_value());
-    (m->second ? *a_log : *dt_bias)[m->first] = t;
+    (*found)[m->second][m->first] = t;
   }
   return absl::OkStatus();
 }
@@ -138,16 +175,19 @@ absl::StatusOr<std::vector<float>> Read(const TensorRef& t, int64_t want, const 
 }  // namespace
 
 absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m) {
-  std::map<int, TensorRef> a_log, dt_bias;
+  TensorMap found;
   std::error_code ec;
   std::vector<std::string> files;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
     if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
   }
+  std::sort(files.begin(), files.end());
   for (const std::string& f : files) {
-    absl::Status s = ScanFile(f, &a_log, &dt_bias);
+    absl::Status s = ScanFile(f, &found);
     if (!s.ok()) return s;
   }
+  std::map<int, TensorRef>& a_log = found[Param::kALog];
+  std::map<int, TensorRef>& dt_bias = found[Param::kDtBias];
   if (a_log.empty() && dt_bias.empty()) return false;
   if (static_cast<int32_t>(a_log.size()) != m->num_layers || a_log.size() != dt_bias.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -156,6 +196,10 @@ absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m
   }
   const int64_t hv = m->shape.num_v_heads;
   const int64_t dt = m->shape.gate == RSSM_GATE_KDA ? hv * m->shape.head_k : hv;
+  const bool kda = m->shape.gate == RSSM_GATE_KDA;
+  const int64_t qk = int64_t{m->shape.num_qk_heads} * m->shape.head_k;
+  const int64_t vw = hv * m->shape.head_v;
+  const int64_t W = m->conv_width;
   std::vector<cache::LayerParams> layers = m->layers;
   auto a = a_log.begin();
   auto d = dt_bias.begin();
@@ -170,6 +214,54 @@ absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m
     if (!dv.ok()) return dv.status();
     layers[l].a_log = *std::move(av);
     layers[l].dt_bias = *std::move(dv);
+    if (W == 0) continue;
+    // The short convolution: GDN one conv1d over q|k|v; KDA q_conv1d, k_conv1d, v_conv1d,
+    // concatenated in mixed_qkv's channel order. Weight [C, 1, W] -> [C, W] row-major.
+    struct Part {
+      Param weight, bias;
+      int64_t channels;
+      const char* name;
+    };
+    std::vector<Part> parts;
+    if (kda) {
+      parts = {{Param::kQConv, Param::kQConvBias, qk, "q_conv1d"},
+               {Param::kKConv, Param::kKConvBias, qk, "k_conv1d"},
+               {Param::kVConv, Param::kVConvBias, vw, "v_conv1d"}};
+    } else {
+      parts = {{Param::kConv, Param::kConvBias, 2 * qk + vw, "conv1d"}};
+    }
+    std::vector<float> weight, bias;
+    int biases = 0;
+    for (const Part& p : parts) {
+      auto w = found[p.weight].find(a->first);
+      if (w == found[p.weight].end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(dir, ": layer ", a->first,
+                         ": expected the short convolution's weight (a tensor "
+                         "named ...layers.",
+                         a->first, ".<module>.", p.name, ".weight, [", p.channels, ", 1, ", W,
+                         "]) beside its A_log (", a->second.name, "), got none"));
+      }
+      absl::StatusOr<std::vector<float>> wv =
+          Read(w->second, p.channels * W, absl::StrCat("[", p.channels, ", 1, ", W, "]"));
+      if (!wv.ok()) return wv.status();
+      weight.insert(weight.end(), wv->begin(), wv->end());
+      auto b = found[p.bias].find(a->first);
+      if (b == found[p.bias].end()) {
+        bias.insert(bias.end(), p.channels, 0.f);
+        continue;
+      }
+      absl::StatusOr<std::vector<float>> bv = Read(b->second, p.channels, "C");
+      if (!bv.ok()) return bv.status();
+      bias.insert(bias.end(), bv->begin(), bv->end());
+      ++biases;
+    }
+    layers[l].conv_weight = std::move(weight);
+    if (biases > 0) {
+      layers[l].conv_bias = std::move(bias);
+    } else {
+      layers[l].conv_bias.clear();
+    }
   }
   m->layers = std::move(layers);
   m->params_from_seed = false;

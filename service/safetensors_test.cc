@@ -58,23 +58,90 @@ class Safetensors : public ::testing::Test {
   static inline int counter_ = 0;
 };
 
+// A [C, 1, W] conv weight with distinct values: base + i / 64.
+std::vector<float> ConvWeight(int64_t n, float base) {
+  std::vector<float> w(n);
+  for (int64_t i = 0; i < n; ++i) w[i] = base + static_cast<float>(i) / 64.f;
+  return w;
+}
+
+// config.json's model: C = 2*1*16 + 2*16 = 64 channels, W = 4 (Qwen3-Next's default).
+constexpr int64_t kConvValues = 64 * 4;
+
 TEST_F(Safetensors, ParametersComeFromTheCheckpointBesideConfigJson) {
   WriteSafetensors(dir_ / "model-00001.safetensors",
                    {{"model.layers.0.linear_attn.A_log", {0.5f, -1.0f}},
                     {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}},
+                    {"model.layers.0.linear_attn.conv1d.weight", ConvWeight(kConvValues, 1.f)},
                     {"model.layers.0.mlp.weight", {9, 9, 9}}},
                    /*bf16_first=*/true);
   WriteSafetensors(dir_ / "model-00002.safetensors",
                    {{"model.layers.2.linear_attn.A_log", {1.5f, 3.0f}},
-                    {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}}});
+                    {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}},
+                    {"model.layers.2.linear_attn.conv1d.weight", ConvWeight(kConvValues, -2.f)},
+                    {"model.layers.2.linear_attn.conv1d.bias", ConvWeight(64, 0.5f)}});
   auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_FALSE(m->params_from_seed);
   ASSERT_EQ(m->num_layers, 2);
+  EXPECT_EQ(m->conv_width, 4);
   EXPECT_EQ(m->layers[0].a_log, (std::vector<float>{0.5f, -1.0f}));  // from bf16, exact
   EXPECT_EQ(m->layers[0].dt_bias, (std::vector<float>{0.25f, 2.0f}));
   EXPECT_EQ(m->layers[1].a_log, (std::vector<float>{1.5f, 3.0f}));
   EXPECT_EQ(m->layers[1].dt_bias, (std::vector<float>{-0.5f, 0.125f}));
+  EXPECT_EQ(m->layers[0].conv_weight, ConvWeight(kConvValues, 1.f));
+  EXPECT_TRUE(m->layers[0].conv_bias.empty());
+  EXPECT_EQ(m->layers[1].conv_weight, ConvWeight(kConvValues, -2.f));
+  EXPECT_EQ(m->layers[1].conv_bias, ConvWeight(64, 0.5f));
+}
+
+TEST_F(Safetensors, KimiLinearConvolutionsAreConcatenatedInQkvOrder) {
+  std::ofstream(dir_ / "config.json") << R"({"linear_attn_config": {"num_heads": 2,
+      "head_dim": 16, "kda_layers": [1], "short_conv_kernel_size": 3}})";
+  WriteSafetensors(dir_ / "model.safetensors",
+                   {{"model.layers.0.self_attn.A_log", {0.5f, -1.0f}},
+                    {"model.layers.0.self_attn.dt_bias", std::vector<float>(32, 0.25f)},
+                    {"model.layers.0.self_attn.q_conv1d.weight", ConvWeight(32 * 3, 1.f)},
+                    {"model.layers.0.self_attn.k_conv1d.weight", ConvWeight(32 * 3, 2.f)},
+                    {"model.layers.0.self_attn.v_conv1d.weight", ConvWeight(32 * 3, 3.f)}});
+  auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->conv_width, 3);
+  std::vector<float> want = ConvWeight(32 * 3, 1.f);
+  for (float base : {2.f, 3.f}) {
+    const std::vector<float> part = ConvWeight(32 * 3, base);
+    want.insert(want.end(), part.begin(), part.end());
+  }
+  EXPECT_EQ(m->layers[0].conv_weight, want);
+}
+
+TEST_F(Safetensors, ACheckpointWithoutTheConvolutionIsRefusedByName) {
+  WriteSafetensors(dir_ / "model.safetensors",
+                   {{"model.layers.0.linear_attn.A_log", {0.5f, -1.0f}},
+                    {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}},
+                    {"model.layers.0.linear_attn.conv1d.weight", ConvWeight(kConvValues, 1.f)},
+                    {"model.layers.2.linear_attn.A_log", {1.5f, 3.0f}},
+                    {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}}});
+  auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("layer 2: expected the short convolution's weight"),
+            std::string::npos)
+      << m.status();
+  EXPECT_NE(m.status().message().find("conv1d.weight, [64, 1, 4]"), std::string::npos)
+      << m.status();
+  // A weight of the wrong size is refused by its name too.
+  WriteSafetensors(
+      dir_ / "model.safetensors",
+      {{"model.layers.0.linear_attn.A_log", {0.5f, -1.0f}},
+       {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}},
+       {"model.layers.0.linear_attn.conv1d.weight", ConvWeight(kConvValues, 1.f)},
+       {"model.layers.2.linear_attn.A_log", {1.5f, 3.0f}},
+       {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}},
+       {"model.layers.2.linear_attn.conv1d.weight", ConvWeight(kConvValues - 1, 1.f)}});
+  m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  EXPECT_NE(m.status().message().find("model.layers.2.linear_attn.conv1d.weight: expected 256"),
+            std::string::npos)
+      << m.status();
 }
 
 TEST_F(Safetensors, NoCheckpointKeepsTheSeed) {

@@ -61,6 +61,10 @@ std::vector<int64_t> CheckpointShape(const cache::ModelSpec& model) {
   return {model.shape.num_v_heads, model.shape.head_v, model.shape.head_k};
 }
 
+std::vector<int64_t> ConvWindowShape(const cache::ModelSpec& model) {
+  return {model.conv_width - 1, model.QkvWidth()};
+}
+
 namespace {
 
 std::string ShapeString(absl::Span<const int64_t> shape) {

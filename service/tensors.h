@@ -30,6 +30,8 @@ std::vector<int64_t> AShape(const cache::ModelSpec& model, int64_t n);
 std::vector<int64_t> BShape(const cache::ModelSpec& model, int64_t n);
 std::vector<int64_t> OutShape(const cache::ModelSpec& model, int64_t n);
 std::vector<int64_t> CheckpointShape(const cache::ModelSpec& model);
+// [W-1, C]: the short convolution's window of one layer (a model with conv_width > 0).
+std::vector<int64_t> ConvWindowShape(const cache::ModelSpec& model);
 
 // `field.dtype`, `field.shape` and `field.data` (byte count) against what is expected.
 absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field, int32_t dtype,

@@ -20,6 +20,8 @@ v1::StateFormat ToProto(const transfer::StateFormat& f) {
   p.set_head_k(f.head_k);
   p.set_head_v(f.head_v);
   p.set_state_dtype(f.state_dtype);
+  p.set_conv_width(f.conv_width);
+  p.set_conv_dtype(f.conv_dtype);
   p.set_params_hash(f.params_hash);
   return p;
 }
@@ -33,6 +35,8 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
   f.head_k = p.head_k();
   f.head_v = p.head_v();
   f.state_dtype = p.state_dtype();
+  f.conv_width = p.conv_width();
+  f.conv_dtype = p.conv_dtype();
   f.params_hash = p.params_hash();
   return f;
 }

@@ -95,6 +95,9 @@ TEST_F(ApiTest, StreamDecodeMatchesReferenceAcrossRingFoldsAndTrackSnapshots) {
     if (model().state_dtype() == v1::DTYPE_F32) {
       ExpectClose(exported->checkpoints(l), want_t);
     }
+    // The short convolution's window: the last W-1 pre-convolution inputs, bit for bit.
+    ASSERT_EQ(exported->conv_windows_size(), num_layers());
+    EXPECT_EQ(exported->conv_windows(l).data(), ref_->ConvWindow(seqs[2], l)) << "layer " << l;
   }
 }
 
@@ -136,6 +139,16 @@ TEST_F(ApiTest, ImportOfAnExportContinuesExactlyLikeTheOriginal) {
   imp.set_slot(b);
   *imp.mutable_tokens() = exported->tokens();
   *imp.mutable_checkpoints() = exported->checkpoints();
+  // Without the conv windows the import is refused by field and b stays empty.
+  auto refused = client_->Import(imp);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("conv_windows"), std::string::npos) << refused.status();
+  *imp.mutable_conv_windows() = exported->conv_windows();
+  imp.mutable_conv_windows(1)->mutable_data()->pop_back();
+  refused = client_->Import(imp);
+  EXPECT_NE(refused.status().message().find("conv_windows[1]"), std::string::npos)
+      << refused.status();
+  *imp.mutable_conv_windows() = exported->conv_windows();
   auto state = client_->Import(imp);
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_EQ(state->seq_len(), 9);
@@ -154,6 +167,7 @@ TEST_F(ApiTest, ImportOfAnExportContinuesExactlyLikeTheOriginal) {
   ASSERT_TRUE(ea.ok() && eb.ok());
   for (int l = 0; l < num_layers(); ++l) {
     EXPECT_EQ(ea->checkpoints(l).data(), eb->checkpoints(l).data()) << "layer " << l;
+    EXPECT_EQ(ea->conv_windows(l).data(), eb->conv_windows(l).data()) << "layer " << l;
   }
 }
 

@@ -328,7 +328,8 @@ TEST_F(DataPlaneTest, ImportAndExportTakeRegions) {
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(stream->Forward(Rows({a}), Layers(1)).ok());
   auto inl = client_->Export(a);  // folds a: the bytes every form must give
   ASSERT_TRUE(inl.ok()) << inl.status();
-  const uint64_t cp = inl->checkpoints(0).data().size();
+  // A region range holds a layer's checkpoint followed by its conv window.
+  const uint64_t cp = inl->checkpoints(0).data().size() + inl->conv_windows(0).data().size();
   const uint64_t stride = EngineMemory::Up(cp);
   // A second shm object for the checkpoints.
   const std::string key = "/replayssm-dp-ckpt-" + std::to_string(getpid());
@@ -359,7 +360,7 @@ TEST_F(DataPlaneTest, ImportAndExportTakeRegions) {
     EXPECT_TRUE(out->checkpoints(l).data().empty());
     EXPECT_EQ(out->checkpoints(l).region().offset(), l * stride);
     EXPECT_EQ(std::string(reinterpret_cast<char*>(base) + l * stride, cp),
-              inl->checkpoints(l).data())
+              inl->checkpoints(l).data() + inl->conv_windows(l).data())
         << "layer " << l;
   }
   // Import from it into b: b's state is a's.

@@ -225,6 +225,7 @@ TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
   v1::ImportRequest imp;
   imp.set_slot(slot_);
   *imp.mutable_checkpoints() = exported->checkpoints();
+  *imp.mutable_conv_windows() = exported->conv_windows();
   imp.mutable_checkpoints(0)->set_shape(0, 1);
   auto i = client_->Import(imp);
   EXPECT_EQ(i.status().code(), absl::StatusCode::kInvalidArgument);

@@ -91,6 +91,7 @@ TEST_F(LimitsTest, AnImportOfMoreTokensThanTheLimitIsRefusedNamingTheBound) {
   v1::ImportRequest imp;
   imp.set_slot(NewSlot());
   for (const v1::Tensor& c : exported->checkpoints()) *imp.add_checkpoints() = c;
+  *imp.mutable_conv_windows() = exported->conv_windows();
   for (int i = 0; i < 1001; ++i) imp.add_tokens(i);
   auto refused = client_->Import(imp);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);

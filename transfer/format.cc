@@ -48,10 +48,13 @@ StateFormat StateFormat::Of(const cache::ModelSpec& m) {
   f.head_k = m.shape.head_k;
   f.head_v = m.shape.head_v;
   f.state_dtype = m.shape.state_dtype;
+  f.conv_width = m.conv_width;
+  f.conv_dtype = m.conv_width > 0 ? m.shape.act_dtype : 0;
   uint64_t h = 0x5eed;
   for (const cache::LayerParams& p : m.layers) {
     h = HashFloats(HashFloats(h, p.a_log), p.dt_bias);
     h = Mix(h, static_cast<uint64_t>(p.scale * 1e6)) ^ p.use_qk_l2norm;
+    if (m.conv_width > 0) h = HashFloats(HashFloats(h, p.conv_weight), p.conv_bias);
   }
   f.params_hash = h;
   return f;
@@ -66,6 +69,8 @@ absl::Status StateFormat::CheckCompatible(const StateFormat& s) const {
       {"head_k", {head_k, s.head_k}},
       {"head_v", {head_v, s.head_v}},
       {"state_dtype", {state_dtype, s.state_dtype}},
+      {"conv_width", {conv_width, s.conv_width}},
+      {"conv_dtype", {conv_dtype, s.conv_dtype}},
   };
   for (const auto& [name, v] : fields) {
     if (v.first != v.second) {

@@ -182,6 +182,26 @@ void CheckOverrides(Check& c, const rssm_launch& l, const cuda::LaunchOverrides*
   if (!bad.empty()) c.Fail("overrides." + bad);
 }
 
+void CheckConvShape(Check& c, const rssm_conv_shape& s) {
+  if (s.channels < 1 || s.channels > (1 << 24) || s.channels % 8 != 0) {
+    c.Fail("shape.channels", "a multiple of 8 in [8, 2^24]", std::to_string(s.channels));
+  }
+  c.Range(s.width, 2, RSSM_MAX_CONV_WIDTH, "shape.width");
+  c.Range(s.ring_len, 1, RSSM_MAX_RING_LEN, "shape.ring_len");
+  if (!ValidDtype(s.act_dtype)) {
+    c.Fail("shape.act_dtype", "RSSM_DTYPE_F32 (0), RSSM_DTYPE_BF16 (1) or RSSM_DTYPE_F16 (2)",
+           std::to_string(s.act_dtype));
+  }
+}
+
+void CheckConvState(Check& c, rssm_conv_state& st, const rssm_conv_shape& s) {
+  c.NotNull(st.window, "state.window");
+  c.NotNull(st.ring_x, "state.ring_x");
+  if (st.num_slots < 1) c.Fail("state.num_slots", ">= 1", std::to_string(st.num_slots));
+  c.Stride(&st.window_slot_stride, int64_t{s.width - 1} * s.channels, "state.window_slot_stride");
+  c.Stride(&st.ring_x_slot_stride, int64_t{s.ring_len} * s.channels, "state.ring_x_slot_stride");
+}
+
 bool IsCpu(const rssm_launch& l) { return l.backend == RSSM_BACKEND_CPU; }
 
 rssm_status Finish(const Check& c) {
@@ -394,6 +414,99 @@ rssm_status rssm_verify(const rssm_verify_args* args) {
   return Verify(args, "rssm_verify", nullptr, nullptr);
 }
 
+rssm_status rssm_short_conv(const rssm_conv_args* in) {
+  Check c("rssm_short_conv");
+  if (in == nullptr) {
+    c.Fail("args", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  rssm_conv_args a = *in;
+  CheckLaunch(c, a.launch);
+  CheckConvShape(c, a.shape);
+  if (!c.ok()) return Finish(c);
+  c.NotNull(a.weight, "weight");
+  CheckConvState(c, a.state, a.shape);
+  if (a.mode != RSSM_CONV_APPEND && a.mode != RSSM_CONV_PREFILL) {
+    c.Fail("mode", "RSSM_CONV_APPEND (0) or RSSM_CONV_PREFILL (1)", std::to_string(a.mode));
+  }
+  c.Range(a.batch, 0, 65535, "batch");
+  if (!c.ok() || a.batch == 0) return Finish(c);
+  const bool append = a.mode == RSSM_CONV_APPEND;
+  c.NotNull(a.slot_idx, "slot_idx");
+  if (append || a.initial != nullptr) {
+    c.NotNull(a.write_pos, append ? "write_pos" : "write_pos (required with initial)");
+  }
+  if (a.cu_seqlens == nullptr) {
+    c.Range(a.num_tokens, 1, append ? a.shape.ring_len : 1 << 20,
+            "num_tokens (tokens per row without cu_seqlens)");
+  } else {
+    c.Range(a.num_tokens, 0, 1 << 20, "num_tokens (the longest row, with cu_seqlens)");
+  }
+  c.NotNull(a.x, "x");
+  c.NotNull(a.y, "y");
+  c.Stride(&a.x_token_stride, a.shape.channels, "x_token_stride");
+  c.Stride(&a.y_token_stride, a.shape.channels, "y_token_stride");
+  if (c.ok() && a.x == a.y) c.Fail("y", "a buffer other than x", "y == x");
+  if (c.ok() && IsCpu(a.launch)) {
+    CheckSlots(c, a.slot_idx, a.batch, a.state.num_slots);
+    if (!append) CheckFlags(c, a.initial, a.batch, "initial");
+    if (a.cu_seqlens != nullptr && a.cu_seqlens[0] != 0) {
+      c.Fail("cu_seqlens[0]", "0", std::to_string(a.cu_seqlens[0]));
+    }
+    for (int32_t r = 0; r < a.batch && c.ok(); ++r) {
+      const int64_t len =
+          a.cu_seqlens ? int64_t{a.cu_seqlens[r + 1]} - a.cu_seqlens[r] : a.num_tokens;
+      if (len < 0 || len > a.num_tokens) {
+        c.Fail("cu_seqlens[" + std::to_string(r + 1) + "] - cu_seqlens[" + std::to_string(r) +
+                   "] (row length)",
+               "a value in [0, num_tokens = " + std::to_string(a.num_tokens) + "]",
+               std::to_string(len));
+      }
+      const bool reads = append || (a.initial != nullptr && a.initial[r]);
+      if (!c.ok() || a.slot_idx[r] < 0 || !reads) continue;
+      const int64_t max_pos = append ? a.shape.ring_len - len : a.shape.ring_len;
+      c.Range(a.write_pos[r], 0, max_pos,
+              "write_pos[" + std::to_string(r) + "]" +
+                  (append ? " (w + tokens <= ring_len " + std::to_string(a.shape.ring_len) + ")"
+                          : std::string()));
+    }
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  return IsCpu(a.launch) ? cpu::ShortConv(a) : cuda::ShortConv(a);
+}
+
+rssm_status rssm_conv_fold(const rssm_conv_fold_args* in) {
+  Check c("rssm_conv_fold");
+  if (in == nullptr) {
+    c.Fail("args", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  rssm_conv_fold_args a = *in;
+  CheckLaunch(c, a.launch);
+  CheckConvShape(c, a.shape);
+  if (!c.ok()) return Finish(c);
+  CheckConvState(c, a.state, a.shape);
+  c.Range(a.count, 0, 1 << 24, "count");
+  if (!c.ok() || a.count == 0) return Finish(c);
+  c.NotNull(a.slot_idx, "slot_idx");
+  c.NotNull(a.write_pos, "write_pos");
+  if (c.ok() && IsCpu(a.launch)) {
+    CheckSlots(c, a.slot_idx, a.count, a.state.num_slots);
+    CheckCursors(c, a.slot_idx, a.write_pos, a.count, a.shape.ring_len, "[0, L]");
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  return IsCpu(a.launch) ? cpu::ConvFold(a) : cuda::ConvFold(a);
+}
+
+int64_t rssm_conv_window_elems(const rssm_conv_shape* s) {
+  return s == nullptr || s->width < 2 ? 0 : int64_t{s->width - 1} * s->channels;
+}
+int64_t rssm_conv_ring_elems(const rssm_conv_shape* s) {
+  return s == nullptr ? 0 : int64_t{s->ring_len} * s->channels;
+}
+
 rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* const* parts,
                                        const void* const* parts_device, size_t count,
                                        size_t part_bytes, size_t segment_bytes,
@@ -514,6 +627,8 @@ rssm_status BaselineDecode(const rssm_decode_args&, const LaunchOverrides&, Laun
   return NotBuilt();
 }
 rssm_status Fold(const rssm_fold_args&) { return NotBuilt(); }
+rssm_status ShortConv(const rssm_conv_args&) { return NotBuilt(); }
+rssm_status ConvFold(const rssm_conv_fold_args&) { return NotBuilt(); }
 rssm_status Prefill(const rssm_prefill_args&) { return NotBuilt(); }
 rssm_status Verify(const rssm_verify_args&, const LaunchOverrides&, LaunchPlan*) {
   return NotBuilt();

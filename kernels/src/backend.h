@@ -23,6 +23,8 @@ rssm_status BaselineDecode(const rssm_decode_args& args);
 rssm_status Fold(const rssm_fold_args& args);
 rssm_status Prefill(const rssm_prefill_args& args);
 rssm_status Verify(const rssm_verify_args& args);
+rssm_status ShortConv(const rssm_conv_args& args);      // cpu/conv.cc
+rssm_status ConvFold(const rssm_conv_fold_args& args);  // cpu/conv.cc
 // rssm_segment_digests_parts: count * part_bytes > 0; `digests` host memory on CPU.
 rssm_status SegmentDigests(const void* const* parts, size_t count, size_t part_bytes,
                            size_t segment_bytes, uint64_t* digests);
@@ -42,6 +44,8 @@ rssm_status Fold(const rssm_fold_args& args);
 rssm_status Prefill(const rssm_prefill_args& args);
 rssm_status Verify(const rssm_verify_args& args, const LaunchOverrides& overrides,
                    LaunchPlan* plan);
+rssm_status ShortConv(const rssm_conv_args& args);      // cuda/conv.cu
+rssm_status ConvFold(const rssm_conv_fold_args& args);  // cuda/conv.cu
 // As cpu::SegmentDigests, queued on launch.stream: `parts` is the table in device memory, the
 // digests are written into device memory (kernels/cuda/backend.cu).
 rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, size_t count,

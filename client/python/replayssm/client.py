@@ -168,14 +168,19 @@ class Client:
 
     # ---- state import / export ----
 
-    def import_state(self, slot, tokens, checkpoints, *, request_id=None):
-        """Loads a state into `slot`: its tokens and one checkpoint [HV, V, K] per layer (cast
-        to the state dtype). Returns the SlotState."""
+    def import_state(self, slot, tokens, checkpoints, conv_windows=(), *, request_id=None):
+        """Loads a state into `slot`: its tokens, one checkpoint [HV, V, K] per layer (cast
+        to the state dtype) and, for a model with a short convolution, one conv window
+        [W-1, C] per layer (cast to the act dtype; ExportedState.conv_windows). Returns the
+        SlotState."""
         state_dtype = self.model.state_dtype
         request = pb.ImportRequest(request_id=request_id or new_request_id(), slot=slot,
                                    tokens=_ints(tokens))
         request.checkpoints.extend(tensors.to_proto(c, state_dtype, f"checkpoints[{i}]")
                                    for i, c in enumerate(checkpoints))
+        request.conv_windows.extend(
+            tensors.to_proto(w, self.model.act_dtype, f"conv_windows[{i}]")
+            for i, w in enumerate(conv_windows))
         return self._call("Import", self.stub.Import, request).state
 
     def export_state(self, slot):
@@ -183,7 +188,9 @@ class Client:
         reply = self._call("Export", self.stub.Export, pb.ExportRequest(slot=slot))
         return ExportedState(reply.seq_len, list(reply.tokens),
                              [tensors.to_numpy(c, f"checkpoints[{i}]")
-                              for i, c in enumerate(reply.checkpoints)])
+                              for i, c in enumerate(reply.checkpoints)],
+                             [tensors.to_numpy(w, f"conv_windows[{i}]")
+                              for i, w in enumerate(reply.conv_windows)])
 
     # ---- forwards ----
 

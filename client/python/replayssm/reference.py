@@ -1,9 +1,13 @@
 """The plain recurrence (DESIGN.md §1, docs/math-and-abi.md) in numpy float64: the oracle a
 client checks the server's outputs against, built from GetInfo's model and layer parameters.
 
-A sequence's state is a list of per-layer arrays S [HV, V, K] (value rows x key columns).
-Inputs are rounded to the model's activation dtype first, exactly as they travel on the wire,
-so the reference sees what the server sees.
+A sequence's state is a list of per-layer arrays S [HV, V, K] (value rows x key columns),
+followed, for a model with a short convolution (conv_width W > 0), by one window [W-1, C] per
+layer: the last W-1 pre-convolution inputs (zeros before the first token). Each layer's
+mixed_qkv goes through silu(bias + causal depthwise conv) first, its output rounded to the
+activation dtype as the server (and the Hugging Face models) round it. Inputs are rounded to
+the model's activation dtype first, exactly as they travel on the wire, so the reference sees
+what the server sees.
 """
 
 import numpy as np
@@ -32,6 +36,15 @@ class Reference:
         self.h, self.hv = model.num_qk_heads, model.num_v_heads
         self.k, self.v = model.head_k, model.head_v
         self.kda = model.gate == pb.GATE_KDA
+        self.width = model.conv_width
+        self.channels = 2 * self.h * self.k + self.hv * self.v
+        self._conv = []
+        for p in model.layer_params:
+            if self.width:
+                w = np.asarray(p.conv_weight, dtype=np.float64).reshape(self.channels, self.width)
+                b = (np.asarray(p.conv_bias, dtype=np.float64) if len(p.conv_bias)
+                     else np.zeros(self.channels))
+                self._conv.append((w, b))
         self._params = []
         for p in model.layer_params:
             a_log = np.asarray(p.a_log, dtype=np.float64)
@@ -39,8 +52,27 @@ class Reference:
             self._params.append((a_log, dt_bias.reshape(self.hv, -1), p.scale, p.use_qk_l2norm))
 
     def new_state(self):
-        """A fresh sequence: every layer's state zero."""
-        return [np.zeros((self.hv, self.v, self.k)) for _ in range(self.model.num_layers)]
+        """A fresh sequence: every layer's state zero (then every layer's conv window)."""
+        layers = self.model.num_layers
+        states = [np.zeros((self.hv, self.v, self.k)) for _ in range(layers)]
+        if self.width:
+            states += [np.zeros((self.width - 1, self.channels)) for _ in range(layers)]
+        return states
+
+    def conv_window(self, state, layer):
+        """The conv window [W-1, C] of `layer` in a sequence's state (None without one)."""
+        return state[self.model.num_layers + layer] if self.width else None
+
+    def _convolve(self, state, layer, x):
+        """x [C] (pre-convolution, one token) -> its convolution output; the window slides."""
+        if not self.width:
+            return x
+        w, b = self._conv[layer]
+        slot = self.model.num_layers + layer
+        window = np.concatenate([state[slot], x[None, :]], axis=0)  # [W, C], oldest first
+        y = b + np.sum(w.T * window, axis=0)
+        state[slot] = window[1:]
+        return self._wire(y / (1.0 + np.exp(-y)))
 
     def _wire(self, x):
         """x as the server receives it: rounded to the activation dtype, in float64."""
@@ -53,7 +85,8 @@ class Reference:
         x, a, b = self._wire(mixed_qkv), self._wire(a), self._wire(b)
         out = np.zeros((x.shape[0], self.hv, self.v))
         for t in range(x.shape[0]):
-            state[layer], out[t] = self._step(layer, state[layer], x[t], a[t], b[t])
+            xt = self._convolve(state, layer, x[t])
+            state[layer], out[t] = self._step(layer, state[layer], xt, a[t], b[t])
         return out
 
     def decode_layer(self, states, layer, mixed_qkv, a, b):
@@ -63,7 +96,8 @@ class Reference:
         out = np.zeros((x.shape[0], self.hv, self.v))
         for i, state in enumerate(states):
             if state is not None:
-                state[layer], out[i] = self._step(layer, state[layer], x[i], a[i], b[i])
+                xi = self._convolve(state, layer, x[i])
+                state[layer], out[i] = self._step(layer, state[layer], xi, a[i], b[i])
         return out
 
     def _step(self, layer, s, x, a, b):

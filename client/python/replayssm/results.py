@@ -23,3 +23,6 @@ class ExportedState(NamedTuple):
     seq_len: int
     tokens: list
     checkpoints: list  # per layer [HV, V, K], numpy (float32 for f32 and bf16 states)
+    # Per layer [W-1, C]: the short convolution's last W-1 inputs (a model with conv_width >
+    # 0; else empty). Pass them back to import_state with the checkpoints.
+    conv_windows: list = []

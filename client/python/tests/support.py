@@ -148,5 +148,5 @@ class ServerTest(unittest.TestCase):
         exported = self.client.export_state(slot)
         state = self.client.get_slot(slot)
         return (exported.seq_len, exported.tokens, [c.tobytes() for c in exported.checkpoints],
-                state.seq_len)
+                [w.tobytes() for w in exported.conv_windows], state.seq_len)
 

@@ -197,9 +197,14 @@ class ImportExportTest(ServerTest):
         for l, checkpoint in enumerate(exported.checkpoints):
             self.assertEqual(checkpoint.shape, (4, 32, 32))
             self.assertClose(checkpoint, state[l], f"layer {l}")
+        # The short convolution's window: the last W-1 inputs, exactly (pre-convolution).
+        self.assertEqual(len(exported.conv_windows), self.model.num_layers)
+        for l, window in enumerate(exported.conv_windows):
+            np.testing.assert_array_equal(window, self.ref.conv_window(state, l))
 
         copy = self.client.allocate().slot
-        imported = self.client.import_state(copy, exported.tokens, exported.checkpoints)
+        imported = self.client.import_state(copy, exported.tokens, exported.checkpoints,
+                                           exported.conv_windows)
         self.assertEqual((imported.seq_len, imported.write_pos), (7, 0))
         again = self.client.export_state(copy)
         for mine, theirs in zip(again.checkpoints, exported.checkpoints):

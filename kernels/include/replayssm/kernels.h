@@ -211,6 +211,87 @@ typedef struct rssm_verify_args {
 
 rssm_status rssm_verify(const rssm_verify_args* args);
 
+/* 6. The short convolution in front of the recurrence (docs/math-and-abi.md, "The short
+ * convolution"): a causal depthwise convolution of width W over the C = 2*H*K + HV*V channels
+ * of mixed_qkv, then SiLU, per token:
+ *     y[t, c] = silu(bias[c] + sum_{i<W} weight[c, i] * x[t - W + 1 + i, c])
+ * accumulated in fp32 in the order i = 0..W-1 and rounded once to the act dtype (what the
+ * recurrence then reads as its mixed_qkv). A slot's convolution state mirrors the replay
+ * state: `window` holds the inputs of the W-1 tokens before the checkpoint (oldest first,
+ * zeros before the first token) and `ring_x` the input of each ring record j < w. The inputs
+ * before a row's first token are therefore window[0..W-2] followed by ring_x[0..w-1].
+ * Like the recurrence it never writes a cursor and never writes anything the cursor makes
+ * visible, except where said. */
+#define RSSM_MAX_CONV_WIDTH 8 /* W in [2, 8] */
+
+typedef enum rssm_conv_mode {
+  /* Decode and verify: row r's T tokens' inputs are written at ring_x[w .. w+T-1] (w + T <= L;
+   * the window is unchanged); accepting n of them is the recurrence's "cursor += n". */
+  RSSM_CONV_APPEND = 0,
+  /* Prefill: the row's tokens continue from its history (or from zeros where initial[r] is 0
+   * or initial is NULL); the window becomes the last W-1 inputs of history + tokens and the
+   * ring is not written (the caller sets the cursor to 0, as after rssm_prefill). */
+  RSSM_CONV_PREFILL = 1,
+} rssm_conv_mode;
+
+typedef struct rssm_conv_shape {
+  int32_t channels;  /* C >= 1, a multiple of 8 */
+  int32_t width;     /* W in [2, RSSM_MAX_CONV_WIDTH] */
+  int32_t ring_len;  /* L in [1, 64]: the records ring_x holds per slot */
+  int32_t act_dtype; /* rssm_dtype of x, y, window and ring_x */
+} rssm_conv_shape;
+
+/* One layer's convolution state for a pool of S slots (act dtype). */
+typedef struct rssm_conv_state {
+  void* window;               /* [S, W-1, C] */
+  void* ring_x;               /* [S, L, C] */
+  int64_t num_slots;          /* S >= 1 */
+  int64_t window_slot_stride; /* >= (W-1)*C, 0 = dense */
+  int64_t ring_x_slot_stride; /* >= L*C, 0 = dense */
+} rssm_conv_state;
+
+typedef struct rssm_conv_args {
+  rssm_launch launch;
+  rssm_conv_shape shape;
+  const float* weight; /* [C, W] fp32 (Hugging Face's conv1d weight [C, 1, W]) */
+  const float* bias;   /* [C] fp32, or NULL for none */
+  rssm_conv_state state;
+  int32_t mode;              /* rssm_conv_mode */
+  int32_t batch;             /* B in [0, 65535] */
+  const int32_t* slot_idx;   /* [B], -1 = padding: y = 0, no state read or written */
+  const int32_t* write_pos;  /* [B] cursors in [0, L]; with APPEND w + T <= L */
+  const int32_t* cu_seqlens; /* [B+1] as rssm_prefill, or NULL: num_tokens tokens per row */
+  int32_t num_tokens;        /* without cu_seqlens: T >= 1 tokens per row (decode 1, verify T);
+                                with it: >= the longest row (a launch hint, as max_seqlen) */
+  const uint8_t* initial;    /* PREFILL: [B] 0/1 or NULL = every row starts from zeros (as
+                                rssm_prefill); ignored by APPEND */
+  const void* x;             /* [N, C] pre-convolution inputs, rows' tokens in row order */
+  int64_t x_token_stride;    /* 0 = dense */
+  void* y;                   /* [N, C] outputs (may not alias x) */
+  int64_t y_token_stride;    /* 0 = dense */
+} rssm_conv_args;
+
+rssm_status rssm_short_conv(const rssm_conv_args* args);
+
+/* Folds the convolution state with the recurrence's fold: for each listed slot, window <- the
+ * last W-1 inputs of window + ring_x[0..w-1] (w == 0: unchanged). The caller folds the
+ * recurrence (rssm_fold) with the same cursors and then sets them to 0. */
+typedef struct rssm_conv_fold_args {
+  rssm_launch launch;
+  rssm_conv_shape shape;
+  rssm_conv_state state;
+  int32_t count;            /* n >= 0 */
+  const int32_t* slot_idx;  /* [n], -1 skipped */
+  const int32_t* write_pos; /* [n] in [0, L] */
+} rssm_conv_fold_args;
+
+rssm_status rssm_conv_fold(const rssm_conv_fold_args* args);
+
+/* Dense element counts per slot of one layer's convolution state: (W-1)*C and L*C (0 for a
+ * null shape). */
+int64_t rssm_conv_window_elems(const rssm_conv_shape* shape);
+int64_t rssm_conv_ring_elems(const rssm_conv_shape* shape);
+
 /* Memory of a backend, so that layers above never call a device runtime themselves: host
  * memory (64-byte aligned) on CPU, device memory on CUDA (cudaMalloc: call it outside hot
  * paths). Copies and memsets are ordered on launch->stream; rssm_synchronize waits for it.

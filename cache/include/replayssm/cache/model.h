@@ -19,6 +19,11 @@ struct LayerParams {
   std::vector<float> dt_bias;  // GDN [HV], KDA [HV, K]
   float scale = 1.0f;          // q multiplier, usually K^-1/2
   bool use_qk_l2norm = true;
+  // The short convolution in front of the recurrence (ModelSpec::conv_width > 0): weight
+  // [C, W] (Hugging Face's conv1d weight [C, 1, W]; KDA's q, k, v convolutions concatenated
+  // in mixed_qkv's channel order) and bias [C] or empty (none), C = QkvWidth().
+  std::vector<float> conv_weight;
+  std::vector<float> conv_bias;
 };
 
 struct ModelSpec {
@@ -27,13 +32,25 @@ struct ModelSpec {
   rssm_layer_shape shape{};  // shared by every layer
   std::vector<LayerParams> layers;  // [num_layers]
   bool params_from_seed = true;     // true when the parameters are not a checkpoint's
+  // Width W of the causal depthwise convolution + SiLU applied to mixed_qkv before the
+  // recurrence (docs/math-and-abi.md); 0 = none (the inputs are post-convolution). Its state
+  // (the W-1 inputs before the checkpoint, in the act dtype) is stored right after each
+  // layer's checkpoint in the slot, and the inputs of ring records in a ring of its own.
+  int32_t conv_width = 0;
 
   // Bytes per token of one layer's inputs (mixed_qkv, a, b) and output, in the act dtype.
   int64_t QkvWidth() const;  // 2*H*K + HV*V elements
   int64_t AWidth() const;    // HV (GDN) or HV*K (KDA) elements
   int64_t BWidth() const;    // HV elements
   int64_t OutWidth() const;  // HV*V elements
-  // What one slot costs across all layers: checkpoint + ring (d, k, g).
+  // The convolution's shape (channels = QkvWidth(), width, ring_len, act dtype).
+  rssm_conv_shape ConvShape() const;
+  // One layer's folded state as it leaves a slot (export, import, transfer, snapshots):
+  // checkpoint [HV,V,K] (state dtype) followed by the conv window [W-1, C] (act dtype).
+  int64_t ConvWindowBytes() const;  // 0 without a convolution
+  int64_t ConvRingBytes() const;    // ring_x [L, C], 0 without a convolution
+  int64_t LayerStateBytes() const;
+  // What one slot costs across all layers: checkpoint + conv window + ring (d, k, g, x).
   int64_t SlotBytes() const;
 };
 
@@ -44,9 +61,14 @@ absl::StatusOr<ModelSpec> ModelPreset(std::string_view name, int32_t state_dtype
                                       int32_t ring_len = 0);
 std::vector<std::string> ModelPresetNames();
 
-// Deterministic parameters for a shape: A_log in [-0.25, 0.5] style values, dt_bias small.
+// Deterministic parameters for a shape: A_log in [-0.25, 0.5] style values, dt_bias small;
+// with conv_width > 0, convolution weights of about a unit's gain per channel and no bias.
 std::vector<LayerParams> SeededParams(const rssm_layer_shape& shape, int32_t num_layers,
-                                      uint64_t seed);
+                                      uint64_t seed, int32_t conv_width = 0);
+
+// The convolution width of the presets (Qwen3-Next linear_conv_kernel_dim, Kimi-Linear
+// short_conv_kernel_size).
+inline constexpr int32_t kPresetConvWidth = 4;
 
 }  // namespace replayssm::cache
 

@@ -48,7 +48,8 @@ inline constexpr size_t kChecksumSegmentBytes = size_t{1} << 20;  // part of the
 // Checksum gives for the same bytes (and what a writer's Commit expects).
 uint64_t PayloadChecksum(const void* data, size_t size);
 
-// Bytes of a slot's payload: num_layers x [HV, V, K] in the state dtype.
+// Bytes of a slot's payload: num_layers x (checkpoint [HV, V, K] in the state dtype, then
+// the short convolution's window [W-1, C] in the act dtype when the model has one).
 size_t SlotPayloadBytes(const ModelSpec& model);
 
 enum class SlotIoPath { kHostDirect, kStaged, kDeviceDirect };

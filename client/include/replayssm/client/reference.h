@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -40,6 +41,9 @@ class CpuReference {
                                                  absl::Span<const v1::LayerInput> layers);
   // The fp32 state of one layer, [HV, V, K].
   std::vector<float> State(int32_t seq, int32_t layer) const;
+  // The short convolution's window of one layer ([W-1, C] in the act dtype, the bytes an
+  // export's conv_windows carry); empty for a model without a convolution.
+  std::string ConvWindow(int32_t seq, int32_t layer) const;
 
  private:
   CpuReference(const v1::ModelInfo& model, int32_t capacity);
@@ -48,11 +52,20 @@ class CpuReference {
   rssm_layer_shape shape_{};
   int32_t capacity_;
   std::vector<bool> used_;
+  // The short convolution of n tokens of layer l for rows seqs (-1: padding): in.mixed_qkv
+  // then points at its outputs (held in the layer's conv_out).
+  absl::Status Convolve(int32_t l, absl::Span<const int32_t> seqs, const int32_t* cu,
+                        int32_t max_tokens, rssm_token_inputs& in);
+
   struct Layer {
     std::vector<float> a_log, dt_bias, state, ring_d, ring_k, ring_g;
     rssm_layer_params params{};
     rssm_state_pool pool{};
+    std::vector<float> conv_weight, conv_bias;
+    std::string window, ring_x, conv_out;  // act dtype
+    rssm_conv_state conv{};
   };
+  rssm_conv_shape conv_shape_{};
   std::vector<Layer> layers_;
 };
 

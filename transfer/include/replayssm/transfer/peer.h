@@ -21,12 +21,15 @@
 namespace replayssm::transfer {
 
 // What must agree between two instances for a state to move: everything that shapes or
-// interprets the checkpoint bytes. (Ring length and activation dtype may differ: the ring is
-// empty after a move.)
+// interprets the checkpoint bytes and the conv window after them. (Ring length may differ:
+// the ring is empty after a move; so may the activation dtype of a model without a
+// convolution.)
 struct StateFormat {
   int32_t num_layers = 0;
   int32_t gate = 0, num_qk_heads = 0, num_v_heads = 0, head_k = 0, head_v = 0;
   int32_t state_dtype = 0;
+  int32_t conv_width = 0;    // 0: no convolution (no window in the payload)
+  int32_t conv_dtype = 0;    // the window's dtype (the act dtype); 0 without a convolution
   uint64_t params_hash = 0;  // the layer parameters: same model, same weights
 
   static StateFormat Of(const cache::ModelSpec& m);

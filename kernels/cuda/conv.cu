@@ -1,0 +1,382 @@
+// rssm_short_conv and rssm_conv_fold on the device (docs/math-and-abi.md, "The short
+// convolution"). The convolution is not recurrent (y_t reads x_{t-W+1..t} only), so a thread
+// takes 16 bytes of channels (8 bf16/fp16 or 4 fp32; one channel when something is not
+// 16-byte aligned) of a chunk of kTokensPerThread consecutive tokens of one row: it loads the
+// W-1 inputs before its chunk (from x inside the row, from the slot's window and ring before
+// it) and slides a register window over the chunk (W is a template parameter). A warp's loads
+// and stores are consecutive channels (coalesced). Bytes per decode token: x, y and the ring record
+// (C act values each), at most W-1 history entries and the weights (L2-resident across rows). A
+// prefill rewrites the window that its first tokens read: that is a second launch, one thread per
+// (row, channel), queued after the outputs' (stream order).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../src/backend.h"
+#include "common.cuh"
+
+namespace replayssm::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTokensPerThread = 16;
+constexpr int kMaxHist = RSSM_MAX_CONV_WIDTH - 1;
+
+rssm_status ReportConv(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return RSSM_OK;
+  SetLastError(std::string(what) + ": CUDA error " + cudaGetErrorName(e) + ": " +
+               cudaGetErrorString(e));
+  return RSSM_ERR_DEVICE;
+}
+
+struct RowSpan {
+  int64_t t0, len;
+};
+
+__device__ __forceinline__ RowSpan RowOf(const rssm_conv_args& a, int r) {
+  if (a.cu_seqlens == nullptr) return {int64_t{r} * a.num_tokens, a.num_tokens};
+  const int64_t t0 = a.cu_seqlens[r];
+  return {t0, int64_t{a.cu_seqlens[r + 1]} - t0};
+}
+
+// Entry p of the slot's history (window[0..H-1] ++ ring_x[0..]).
+template <typename A>
+__device__ __forceinline__ float HistAt(const A* win, const A* rx, int64_t C, int H, int p,
+                                        int64_t c) {
+  return ToF(p < H ? win[p * C + c] : rx[(p - H) * C + c]);
+}
+
+// 16-byte packs of activations: 4 fp32 or 8 bf16 / fp16 values in a uint4, element j read and
+// written by a compile-time index (so that everything stays in registers).
+template <typename A>
+struct Pack;
+template <>
+struct Pack<float> {
+  static constexpr int kN = 4;
+  __device__ __forceinline__ static float Get(const uint4& p, int j) {
+    return __uint_as_float((&p.x)[j]);
+  }
+  __device__ __forceinline__ static void Set(uint4& p, int j, float v) {
+    (&p.x)[j] = __float_as_uint(v);
+  }
+};
+template <>
+struct Pack<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ __forceinline__ static float Get(const uint4& p, int j) {
+    const unsigned w = (&p.x)[j / 2];
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w >> (16 * (j % 2)))));
+  }
+  __device__ __forceinline__ static void Set(uint4& p, int j, float v) {
+    const unsigned h = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    unsigned& w = (&p.x)[j / 2];
+    w = j % 2 ? (w & 0xffffu) | (h << 16) : (w & 0xffff0000u) | h;
+  }
+};
+template <>
+struct Pack<__half> {
+  static constexpr int kN = 8;
+  __device__ __forceinline__ static float Get(const uint4& p, int j) {
+    const unsigned w = (&p.x)[j / 2];
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> (16 * (j % 2)))));
+  }
+  __device__ __forceinline__ static void Set(uint4& p, int j, float v) {
+    const unsigned h = __half_as_ushort(__float2half_rn(v));
+    unsigned& w = (&p.x)[j / 2];
+    w = j % 2 ? (w & 0xffffu) | (h << 16) : (w & 0xffff0000u) | h;
+  }
+};
+
+template <typename A>
+__device__ __forceinline__ uint4 Load16(const A* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+template <typename A>
+__device__ __forceinline__ void Store16(A* p, const uint4& v) {
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+// The 16-byte form (every pointer, stride and C a multiple of 16 bytes; ConvAligned): a thread
+// takes Pack<A>::kN consecutive channels of a chunk of tokens of one row; W is a template
+// parameter, so the history and the weights live in registers.
+template <typename A, int W>
+__global__ void __launch_bounds__(kThreads) ConvVecKernel(rssm_conv_args a) {
+  using P = Pack<A>;
+  constexpr int N = P::kN, H = W - 1;
+  const int64_t C = a.shape.channels;
+  const int64_t c0 = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * N;
+  const int r = blockIdx.z;
+  if (c0 >= C) return;
+  // Everything that does not depend on the slot is loaded first, beside the row's slot and
+  // cursor (one dependent step less before the history loads: a decode call is latency-bound).
+  const int32_t slot = a.slot_idx[r];
+  const int32_t cursor = a.write_pos != nullptr ? a.write_pos[r] : 0;
+  const RowSpan row = RowOf(a, r);
+  const int64_t first = int64_t{blockIdx.y} * kTokensPerThread;
+  if (first >= row.len) return;
+  const int64_t last = min(row.len, first + kTokensPerThread);
+  const A* x = static_cast<const A*>(a.x);
+  A* y = static_cast<A*>(a.y);
+  const uint4 x_first = Load16(x + (row.t0 + first) * a.x_token_stride + c0);
+  // The weights of the thread's channels: N * W consecutive floats.
+  float wt[N][W];
+  {
+    const float4* wp = reinterpret_cast<const float4*>(a.weight + c0 * W);
+#pragma unroll
+    for (int q = 0; q < N * W / 4; ++q) {
+      const float4 v = wp[q];
+      const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) wt[(4 * q + e) / W][(4 * q + e) % W] = f[e];
+    }
+  }
+  float bias[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) bias[j] = a.bias != nullptr ? a.bias[c0 + j] : 0.f;
+  if (slot < 0 || slot >= a.state.num_slots) {
+    for (int64_t t = first; t < last; ++t) {
+      Store16(y + (row.t0 + t) * a.y_token_stride + c0, make_uint4(0, 0, 0, 0));
+    }
+    return;
+  }
+  const int L = a.shape.ring_len;
+  const bool append = a.mode == RSSM_CONV_APPEND;
+  const bool from_zero = !append && (a.initial == nullptr || a.initial[r] == 0);
+  const int w = from_zero ? 0 : min(max(cursor, 0), L);
+  const A* win = static_cast<const A*>(a.state.window) + slot * a.state.window_slot_stride;
+  A* rx = static_cast<A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride;
+  float hist[H][N];
+#pragma unroll
+  for (int i = 0; i < H; ++i) {
+    const int64_t t = first - H + i;  // token index in the row; < 0: history
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (t >= 0) {
+      v = Load16(x + (row.t0 + t) * a.x_token_stride + c0);
+    } else if (!from_zero) {
+      const int p = static_cast<int>(w + H + t);
+      v = Load16(p < H ? win + p * C + c0 : rx + (p - H) * C + c0);
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) hist[i][j] = P::Get(v, j);
+  }
+  for (int64_t t = first; t < last; ++t) {
+    const uint4 xin = t == first ? x_first : Load16(x + (row.t0 + t) * a.x_token_stride + c0);
+    uint4 out;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float xv = P::Get(xin, j);
+      float acc = bias[j];
+#pragma unroll
+      for (int i = 0; i < H; ++i) acc = __fmaf_rn(wt[j][i], hist[i][j], acc);
+      acc = __fmaf_rn(wt[j][H], xv, acc);
+      P::Set(out, j, acc / (1.0f + expf(-acc)));
+#pragma unroll
+      for (int i = 0; i + 1 < H; ++i) hist[i][j] = hist[i + 1][j];
+      hist[H - 1][j] = xv;
+    }
+    Store16(y + (row.t0 + t) * a.y_token_stride + c0, out);
+    if (append && w + t < L) Store16(rx + (w + t) * C + c0, xin);
+  }
+}
+
+// Any alignment: one channel per thread (W still a template parameter).
+template <typename A, int W>
+__global__ void __launch_bounds__(kThreads) ConvKernel(rssm_conv_args a) {
+  constexpr int H = W - 1;
+  const int64_t C = a.shape.channels;
+  const int64_t c = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  const int r = blockIdx.z;
+  if (c >= C) return;
+  const RowSpan row = RowOf(a, r);
+  const int64_t first = int64_t{blockIdx.y} * kTokensPerThread;
+  if (first >= row.len) return;
+  const int64_t last = min(row.len, first + kTokensPerThread);
+  const A* x = static_cast<const A*>(a.x);
+  A* y = static_cast<A*>(a.y);
+  const int32_t slot = a.slot_idx[r];
+  if (slot < 0 || slot >= a.state.num_slots) {
+    for (int64_t t = first; t < last; ++t) y[(row.t0 + t) * a.y_token_stride + c] = FromF<A>(0.f);
+    return;
+  }
+  const int L = a.shape.ring_len;
+  const bool append = a.mode == RSSM_CONV_APPEND;
+  const bool from_zero = !append && (a.initial == nullptr || a.initial[r] == 0);
+  const int w = from_zero ? 0 : min(max(a.write_pos[r], 0), L);
+  const A* win = static_cast<const A*>(a.state.window) + slot * a.state.window_slot_stride;
+  A* rx = static_cast<A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride;
+  float hist[H];
+#pragma unroll
+  for (int i = 0; i < H; ++i) {
+    const int64_t t = first - H + i;
+    if (t >= 0) {
+      hist[i] = ToF(x[(row.t0 + t) * a.x_token_stride + c]);
+    } else {
+      hist[i] = from_zero ? 0.f : HistAt(win, rx, C, H, static_cast<int>(w + H + t), c);
+    }
+  }
+  float wt[W];
+#pragma unroll
+  for (int i = 0; i < W; ++i) wt[i] = a.weight[c * W + i];
+  const float b = a.bias != nullptr ? a.bias[c] : 0.f;
+  for (int64_t t = first; t < last; ++t) {
+    const A xin = x[(row.t0 + t) * a.x_token_stride + c];
+    const float xv = ToF(xin);
+    float acc = b;
+#pragma unroll
+    for (int i = 0; i < H; ++i) acc = __fmaf_rn(wt[i], hist[i], acc);
+    acc = __fmaf_rn(wt[H], xv, acc);
+    y[(row.t0 + t) * a.y_token_stride + c] = FromF<A>(acc / (1.0f + expf(-acc)));
+#pragma unroll
+    for (int i = 0; i + 1 < H; ++i) hist[i] = hist[i + 1];
+    hist[H - 1] = xv;
+    if (append && w + t < L) rx[(w + t) * C + c] = xin;
+  }
+}
+
+// PREFILL, after ConvKernel: window <- the last H inputs of history ++ tokens.
+template <typename A>
+__global__ void __launch_bounds__(kThreads) ConvWindowKernel(rssm_conv_args a) {
+  const int64_t C = a.shape.channels;
+  const int64_t c = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  const int r = blockIdx.y;
+  if (c >= C) return;
+  const int32_t slot = a.slot_idx[r];
+  if (slot < 0 || slot >= a.state.num_slots) return;
+  const RowSpan row = RowOf(a, r);
+  const int H = a.shape.width - 1, L = a.shape.ring_len;
+  const bool from_zero = a.initial == nullptr || a.initial[r] == 0;
+  const int w = from_zero ? 0 : min(max(a.write_pos[r], 0), L);
+  A* win = static_cast<A*>(a.state.window) + slot * a.state.window_slot_stride;
+  const A* rx = static_cast<const A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride;
+  const A* x = static_cast<const A*>(a.x);
+  A vals[kMaxHist];
+#pragma unroll
+  for (int e = 0; e < kMaxHist; ++e) {
+    if (e >= H) break;
+    const int64_t t = row.len - H + e;  // token index in the row; < 0: history
+    if (t >= 0) {
+      vals[e] = x[(row.t0 + t) * a.x_token_stride + c];
+    } else if (from_zero) {
+      vals[e] = FromF<A>(0.f);
+    } else {
+      const int p = static_cast<int>(w + H + t);
+      vals[e] = p < H ? win[p * C + c] : rx[(p - H) * C + c];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kMaxHist; ++e) {
+    if (e < H) win[e * C + c] = vals[e];
+  }
+}
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) ConvFoldKernel(rssm_conv_fold_args a) {
+  const int64_t C = a.shape.channels;
+  const int64_t c = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  const int i = blockIdx.y;
+  if (c >= C) return;
+  const int32_t slot = a.slot_idx[i];
+  if (slot < 0 || slot >= a.state.num_slots) return;
+  const int H = a.shape.width - 1;
+  const int w = min(max(a.write_pos[i], 0), a.shape.ring_len);
+  if (w == 0) return;
+  A* win = static_cast<A*>(a.state.window) + slot * a.state.window_slot_stride;
+  const A* rx = static_cast<const A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride;
+  A vals[kMaxHist];
+#pragma unroll
+  for (int e = 0; e < kMaxHist; ++e) {
+    if (e >= H) break;
+    const int p = w + e;
+    vals[e] = p < H ? win[p * C + c] : rx[(p - H) * C + c];
+  }
+#pragma unroll
+  for (int e = 0; e < kMaxHist; ++e) {
+    if (e < H) win[e * C + c] = vals[e];
+  }
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Whether the 16-byte kernel applies: every base 16-byte aligned and every stride (and C) a
+// whole number of 16-byte packs.
+template <typename A>
+bool ConvAligned(const rssm_conv_args& a) {
+  const int64_t n = 16 / sizeof(A);
+  return Aligned16(a.x) && Aligned16(a.y) && Aligned16(a.state.window) &&
+         Aligned16(a.state.ring_x) && Aligned16(a.weight) &&
+         (a.bias == nullptr || Aligned16(a.bias)) && a.shape.channels % n == 0 &&
+         a.x_token_stride % n == 0 && a.y_token_stride % n == 0 &&
+         a.state.window_slot_stride % n == 0 && a.state.ring_x_slot_stride % n == 0;
+}
+
+template <typename A, int W>
+void LaunchConvW(const rssm_conv_args& a, dim3 grid, bool vec, cudaStream_t stream) {
+  if (vec) {
+    ConvVecKernel<A, W><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    ConvKernel<A, W><<<grid, kThreads, 0, stream>>>(a);
+  }
+}
+
+template <typename A>
+cudaError_t LaunchConv(const rssm_conv_args& a) {
+  cudaStream_t stream = static_cast<cudaStream_t>(a.launch.stream);
+  const bool vec = ConvAligned<A>(a);
+  const int64_t per_thread = vec ? 16 / sizeof(A) : 1;
+  const int64_t threads = (a.shape.channels + per_thread - 1) / per_thread;
+  const unsigned cblocks = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+  const unsigned chunks =
+      static_cast<unsigned>((int64_t{a.num_tokens} + kTokensPerThread - 1) / kTokensPerThread);
+  if (chunks > 0) {  // no tokens at all (a prefill of empty rows): only the window moves
+    const dim3 grid(cblocks, chunks, static_cast<unsigned>(a.batch));
+    switch (a.shape.width) {
+      case 2: LaunchConvW<A, 2>(a, grid, vec, stream); break;
+      case 3: LaunchConvW<A, 3>(a, grid, vec, stream); break;
+      case 4: LaunchConvW<A, 4>(a, grid, vec, stream); break;
+      case 5: LaunchConvW<A, 5>(a, grid, vec, stream); break;
+      case 6: LaunchConvW<A, 6>(a, grid, vec, stream); break;
+      case 7: LaunchConvW<A, 7>(a, grid, vec, stream); break;
+      default: LaunchConvW<A, 8>(a, grid, vec, stream); break;
+    }
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  if (a.mode != RSSM_CONV_PREFILL) return cudaSuccess;
+  const unsigned wblocks = static_cast<unsigned>((a.shape.channels + kThreads - 1) / kThreads);
+  ConvWindowKernel<A><<<dim3(wblocks, static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename A>
+cudaError_t LaunchConvFold(const rssm_conv_fold_args& a) {
+  cudaStream_t stream = static_cast<cudaStream_t>(a.launch.stream);
+  const unsigned cblocks = static_cast<unsigned>((a.shape.channels + kThreads - 1) / kThreads);
+  ConvFoldKernel<A><<<dim3(cblocks, static_cast<unsigned>(a.count)), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+rssm_status ShortConv(const rssm_conv_args& a) {
+  cudaError_t e;
+  switch (a.shape.act_dtype) {
+    case RSSM_DTYPE_BF16: e = LaunchConv<__nv_bfloat16>(a); break;
+    case RSSM_DTYPE_F16: e = LaunchConv<__half>(a); break;
+    default: e = LaunchConv<float>(a); break;
+  }
+  return ReportConv(e, "rssm_short_conv");
+}
+
+rssm_status ConvFold(const rssm_conv_fold_args& a) {
+  cudaError_t e;
+  switch (a.shape.act_dtype) {
+    case RSSM_DTYPE_BF16: e = LaunchConvFold<__nv_bfloat16>(a); break;
+    case RSSM_DTYPE_F16: e = LaunchConvFold<__half>(a); break;
+    default: e = LaunchConvFold<float>(a); break;
+  }
+  return ReportConv(e, "rssm_conv_fold");
+}
+
+}  // namespace replayssm::kernels::cuda

@@ -1,0 +1,137 @@
+// The short convolution on the CPU backend against the fp64 reference of conv_scenario.cc,
+// and its argument checks.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "conv_scenario.h"
+#include "replayssm/kernels.h"
+
+namespace replayssm::kernels::testing {
+namespace {
+
+TEST(ShortConv, MatchesTheReferenceOverEveryDtypeWidthAndRing) {
+  uint64_t seed = 1;
+  for (rssm_dtype dt : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16, RSSM_DTYPE_F16}) {
+    for (int width : {2, 4, 8}) {
+      for (int ring : {1, 2, 8}) {
+        for (int channels : {8, 40, 264}) {
+          ConvConfig c;
+          c.act_dtype = dt;
+          c.width = width;
+          c.ring_len = ring;
+          c.channels = channels;
+          c.bias = seed % 2 == 0;
+          c.slot_pad = seed % 3 == 0 ? 8 : 0;
+          c.seed = seed++;
+          const ConvResult r = RunConvScenario(c);
+          SCOPED_TRACE(std::string(rssm_dtype_name(dt)) + " W=" + std::to_string(width) +
+                       " L=" + std::to_string(ring) + " C=" + std::to_string(channels));
+          ASSERT_EQ(r.failure, "");
+          EXPECT_GT(r.outputs, 0);
+          EXPECT_LE(r.max_out_err, ConvTolerance(dt));
+          EXPECT_EQ(r.state_mismatches, 0);
+          EXPECT_EQ(r.untouched_violations, 0);
+        }
+      }
+    }
+  }
+}
+
+// A bad call writes nothing: every check runs before any work.
+class ConvArgs : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    window_.assign(2 * 3 * 8, 1.f);
+    ring_.assign(2 * 4 * 8, 2.f);
+    x_.assign(8, 3.f);
+    y_.assign(8, 4.f);
+    a_.launch = {RSSM_BACKEND_CPU, nullptr};
+    a_.shape = {8, 4, 4, RSSM_DTYPE_F32};
+    a_.weight = weight_.data();
+    a_.state = {window_.data(), ring_.data(), 2, 0, 0};
+    a_.mode = RSSM_CONV_APPEND;
+    a_.batch = 1;
+    a_.slot_idx = &slot_;
+    a_.write_pos = &pos_;
+    a_.num_tokens = 1;
+    a_.x = x_.data();
+    a_.y = y_.data();
+  }
+  // Calls and expects INVALID_ARGUMENT naming `field`, with nothing written.
+  void ExpectRefused(const std::string& field) {
+    const std::vector<float> w0 = window_, r0 = ring_, y0 = y_;
+    EXPECT_EQ(rssm_short_conv(&a_), RSSM_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(rssm_last_error()).find(field), std::string::npos) << rssm_last_error();
+    EXPECT_EQ(window_, w0);
+    EXPECT_EQ(ring_, r0);
+    EXPECT_EQ(y_, y0);
+  }
+
+  std::vector<float> weight_ = std::vector<float>(32, 0.5f), window_, ring_, x_, y_;
+  int32_t slot_ = 1, pos_ = 0;
+  rssm_conv_args a_{};
+};
+
+TEST_F(ConvArgs, AValidCallRuns) {
+  EXPECT_EQ(rssm_short_conv(&a_), RSSM_OK) << rssm_last_error();
+  EXPECT_EQ(ring_[4 * 8], 3.f);  // slot 1's record 0 is the input
+}
+
+TEST_F(ConvArgs, AppendPastTheRingIsRefused) {
+  pos_ = 4;
+  ExpectRefused("write_pos[0]");
+  pos_ = 2;
+  a_.num_tokens = 3;  // 2 + 3 > 4
+  x_.assign(24, 3.f);
+  y_.assign(24, 4.f);
+  ExpectRefused("write_pos[0]");
+}
+
+TEST_F(ConvArgs, EachFieldIsChecked) {
+  a_.shape.width = 9;
+  ExpectRefused("shape.width");
+  a_.shape.width = 4;
+  a_.shape.channels = 12;
+  ExpectRefused("shape.channels");
+  a_.shape.channels = 8;
+  a_.weight = nullptr;
+  ExpectRefused("weight");
+  a_.weight = weight_.data();
+  a_.mode = 7;
+  ExpectRefused("mode");
+  a_.mode = RSSM_CONV_APPEND;
+  slot_ = 2;
+  ExpectRefused("slot_idx[0]");
+  slot_ = 1;
+  a_.y = y_.data();
+  a_.x = y_.data();
+  ExpectRefused("y");
+  a_.x = x_.data();
+  a_.state.window_slot_stride = 5;
+  ExpectRefused("state.window_slot_stride");
+  a_.state.window_slot_stride = 0;
+  a_.mode = RSSM_CONV_PREFILL;
+  const uint8_t two = 2;
+  a_.initial = &two;
+  ExpectRefused("initial[0]");
+}
+
+TEST(ConvFold, RefusesABadCursorAndWritesNothing) {
+  std::vector<float> window(3 * 8, 1.f), ring(4 * 8, 2.f);
+  const int32_t slot = 0, pos = 5;
+  const rssm_conv_fold_args f{{RSSM_BACKEND_CPU, nullptr},
+                              {8, 4, 4, RSSM_DTYPE_F32},
+                              {window.data(), ring.data(), 1, 0, 0},
+                              1,
+                              &slot,
+                              &pos};
+  EXPECT_EQ(rssm_conv_fold(&f), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("write_pos[0]"), std::string::npos);
+  EXPECT_EQ(window, std::vector<float>(3 * 8, 1.f));
+}
+
+}  // namespace
+}  // namespace replayssm::kernels::testing
