@@ -257,15 +257,21 @@ TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
   auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
   auto slot = alice_a->Allocate();
   ASSERT_TRUE(slot.ok());
-  auto moved = alice_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false);
+  auto moved = alice_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false, "move-1");
   ASSERT_TRUE(moved.ok()) << moved.status();
+  // Bob naming alice's move (its request id and handle) learns nothing of it: no replay.
+  auto bob_a = As(**a, kBob);
+  auto replay = bob_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false, "move-1");
+  EXPECT_EQ(replay.status().code(), absl::StatusCode::kNotFound) << replay.status();
+  auto retry = alice_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false, "move-1");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->remote_slot(), moved->remote_slot()) << "alice's retry replays";
   EXPECT_TRUE(alice_b->GetSlot(moved->remote_slot()).ok());
   EXPECT_EQ(bob_b->GetSlot(moved->remote_slot()).status().code(), absl::StatusCode::kNotFound);
   auto listed = bob_b->ListSlots();
   ASSERT_TRUE(listed.ok());
   EXPECT_EQ(listed->slots_size(), 0);
   // The pull form carries the caller's token to the sender: bob pulls a slot of his.
-  auto bob_a = As(**a, kBob);
   auto bobs = bob_a->Allocate();
   ASSERT_TRUE(bobs.ok());
   auto pulled = bob_b->PullSlot(bobs->slot(), (*a)->grpc_address(), false);
