@@ -57,6 +57,40 @@ class RadixTree {
   int64_t size_ = 0;
 };
 
+// One RadixTree per namespace (a service's tenants, StateCache's PrefixNamespace): a key
+// stored in one namespace is never found from another. Same methods, namespace first.
+class PrefixForest {
+ public:
+  bool Insert(uint32_t ns, absl::Span<const int32_t> key, int32_t value) {
+    std::unique_ptr<RadixTree>& t = trees_[ns];
+    if (t == nullptr) t = std::make_unique<RadixTree>();
+    return t->Insert(key, value);
+  }
+  RadixTree::Match LongestPrefix(uint32_t ns, absl::Span<const int32_t> tokens) const {
+    auto it = trees_.find(ns);
+    return it == trees_.end() ? RadixTree::Match{} : it->second->LongestPrefix(tokens);
+  }
+  int32_t Find(uint32_t ns, absl::Span<const int32_t> key) const {
+    auto it = trees_.find(ns);
+    return it == trees_.end() ? -1 : it->second->Find(key);
+  }
+  // Drops a namespace's tree once it is empty, so that the forest never outgrows the snapshots.
+  bool Erase(uint32_t ns, absl::Span<const int32_t> key) {
+    auto it = trees_.find(ns);
+    if (it == trees_.end() || !it->second->Erase(key)) return false;
+    if (it->second->size() == 0) trees_.erase(it);
+    return true;
+  }
+  int64_t size() const {
+    int64_t n = 0;
+    for (const auto& [ns, t] : trees_) n += t->size();
+    return n;
+  }
+
+ private:
+  std::unordered_map<uint32_t, std::unique_ptr<RadixTree>> trees_;
+};
+
 }  // namespace replayssm::cache
 
 #endif  // REPLAYSSM_CACHE_RADIX_TREE_H_

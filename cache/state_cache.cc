@@ -49,6 +49,7 @@ struct Slot {
   int32_t write_pos = 0;
   int64_t seq_len = 0;
   std::vector<int32_t> tokens;  // live: the history; snapshot: its key. size() == seq_len
+  PrefixNamespace ns = kDefaultNamespace;  // whose prefix cache its snapshots join
   bool busy = false;            // in a forward, verify, prefill, copy or export
   bool broken = false;          // a device error left its state unknown
   std::string moving;           // being moved out (a SlotReader): the move's id; else empty
@@ -199,11 +200,16 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   }
 
   absl::StatusOr<PrefixAllocation> AllocateFromPrefix(absl::Span<const int32_t> tokens) override {
+    return AllocateFromPrefixIn(kDefaultNamespace, tokens);
+  }
+
+  absl::StatusOr<PrefixAllocation> AllocateFromPrefixIn(PrefixNamespace ns,
+                                                        absl::Span<const int32_t> tokens) override {
     int32_t src = -1, index = -1;
     RadixTree::Match m;
     {
       absl::MutexLock lock(&mu_);
-      m = radix_.LongestPrefix(tokens);
+      m = radix_.LongestPrefix(ns, tokens);
       if (m.length == 0) {
         ++stats_.snapshot_misses;
       } else {
@@ -215,6 +221,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     if (m.length == 0) {
       absl::StatusOr<SlotId> id = Allocate();
       if (!id.ok()) return id.status();
+      if (absl::Status s = SetPrefixNamespace(*id, ns); !s.ok()) return s;
       return PrefixAllocation{*id, 0};
     }
     {
@@ -226,6 +233,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
       }
       index = *i;
       StartLiveLocked(index, std::vector<int32_t>(tokens.begin(), tokens.begin() + m.length));
+      slots_[index].ns = ns;
     }
     absl::Status s = OnLane([&](Lane& lane) {
       absl::Status st = Materialize(src, "copy-on-write from a snapshot", lane);
@@ -292,8 +300,18 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::Status Accept(SlotId id, int32_t n) override;
 
   int64_t MatchPrefix(absl::Span<const int32_t> tokens) const override {
+    return MatchPrefixIn(kDefaultNamespace, tokens);
+  }
+  int64_t MatchPrefixIn(PrefixNamespace ns, absl::Span<const int32_t> tokens) const override {
     absl::MutexLock lock(&mu_);
-    return radix_.LongestPrefix(tokens).length;
+    return radix_.LongestPrefix(ns, tokens).length;
+  }
+  absl::Status SetPrefixNamespace(SlotId id, PrefixNamespace ns) override {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = LookupLocked(id, "slot", /*allow_broken=*/true);
+    if (!i.ok()) return i.status();
+    slots_[*i].ns = ns;
+    return absl::OkStatus();
   }
 
   absl::Status Donate(SlotId id) override;
@@ -393,7 +411,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
         Slot& s = slots_[*it];
         if (s.refs > 0 || s.busy) continue;
         const int32_t victim = *it;
-        radix_.Erase(s.tokens);
+        radix_.Erase(s.ns, s.tokens);
         lru_.erase(s.lru);
         ++stats_.snapshot_evictions;
         s = Slot{Kind::kFree, s.generation + 1};
@@ -487,7 +505,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);
   std::list<int32_t> lru_ ABSL_GUARDED_BY(mu_);  // snapshots, most recent first
-  RadixTree radix_ ABSL_GUARDED_BY(mu_);
+  PrefixForest radix_ ABSL_GUARDED_BY(mu_);      // snapshots by namespace
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
   LanePool lanes_;  // one lane per operation in flight
   StagingPool staging_;  // slot I/O's staged path
@@ -559,8 +577,8 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   {
     absl::MutexLock lock(&mu_);
     const Slot& s = slots_[index];
-    if (radix_.Find(s.tokens) >= 0) {
-      TouchLocked(radix_.Find(s.tokens));
+    if (radix_.Find(s.ns, s.tokens) >= 0) {
+      TouchLocked(radix_.Find(s.ns, s.tokens));
       return absl::OkStatus();
     }
     absl::StatusOr<int32_t> i = TakeFreeLocked();
@@ -571,13 +589,14 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
     d.busy = true;
     d.seq_len = s.seq_len;
     d.tokens = s.tokens;
+    d.ns = s.ns;
   }
   st = pool_->CopyCheckpoints(snap, index, lane);
   absl::Status done = lane.Synchronize();
   if (st.ok()) st = done;
   absl::MutexLock lock(&mu_);
   Slot& d = slots_[snap];
-  if (!st.ok() || !radix_.Insert(d.tokens, snap)) {
+  if (!st.ok() || !radix_.Insert(d.ns, d.tokens, snap)) {
     slots_[snap] = Slot{Kind::kFree, d.generation + 1};
     free_.push_back(snap);
     return st;
@@ -876,15 +895,15 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
     return st;
   }
   ++stats_.donations;
-  if (s.seq_len == 0 || radix_.Find(s.tokens) >= 0) {  // nothing new to keep
-    if (s.seq_len > 0) TouchLocked(radix_.Find(s.tokens));
+  if (s.seq_len == 0 || radix_.Find(s.ns, s.tokens) >= 0) {  // nothing new to keep
+    if (s.seq_len > 0) TouchLocked(radix_.Find(s.ns, s.tokens));
     ReleaseLocked(index);
     return absl::OkStatus();
   }
   s.kind = Kind::kSnapshot;
   s.generation += 1;  // the request's id stops working
   s.busy = false;
-  radix_.Insert(s.tokens, index);
+  radix_.Insert(s.ns, s.tokens, index);
   lru_.push_front(index);
   s.lru = lru_.begin();
   return absl::OkStatus();

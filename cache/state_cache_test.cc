@@ -223,6 +223,33 @@ TEST_F(CacheTest, ASlotInTwoForwardsIsRefused) {
       << "a slot in an open forward cannot be freed";
 }
 
+TEST_F(CacheTest, PrefixNamespacesNeverShareSnapshots) {
+  Make(6, /*track=*/4, /*ring=*/4);
+  absl::StatusOr<StateCache::PrefixAllocation> a = cache_->AllocateFromPrefixIn(7, {});
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a->slot, h, r, {11, 12, 13, 14, 15});
+  for (int t = 0; t < 3; ++t) Step({a->slot}, {&h}, {&r}, 20 + t);  // a track snapshot at 8
+  ASSERT_TRUE(cache_->Donate(a->slot).ok());
+  EXPECT_EQ(cache_->MatchPrefixIn(7, h), 8) << "its own namespace finds the donation";
+  EXPECT_EQ(cache_->MatchPrefix(h), 0) << "the default namespace finds nothing of namespace 7";
+  EXPECT_EQ(cache_->MatchPrefixIn(8, h), 0);
+  absl::StatusOr<StateCache::PrefixAllocation> b = cache_->AllocateFromPrefixIn(8, h);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->matched, 0);
+  // A slot moved into namespace 8 donates there.
+  const SlotId c = *cache_->Allocate();
+  ASSERT_TRUE(cache_->SetPrefixNamespace(c, 8).ok());
+  std::vector<int32_t> hc;
+  Oracle::State rc = oracle_->Zero();
+  Prefill(c, hc, rc, {11, 12, 13});
+  ASSERT_TRUE(cache_->Donate(c).ok());
+  EXPECT_EQ(cache_->MatchPrefixIn(8, {11, 12, 13, 14}), 3);
+  EXPECT_EQ(cache_->MatchPrefixIn(7, {11, 12, 13, 14}), 0);
+  EXPECT_EQ(cache_->SetPrefixNamespace(c, 7).code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(CacheTest, SecondTurnRestoresTheStateAfterAllOfTurnOne) {
   Make(4, /*track=*/4, /*ring=*/4);
   const SlotId a = *cache_->Allocate();

@@ -18,6 +18,7 @@ absl::Status Worker(const std::string& address, const DecodeBenchOptions& option
                     const v1::ModelInfo& model, int worker, absl::Time measure_from,
                     absl::Time stop, std::vector<double>* latencies_us) {
   auto client = Client::Connect(address, int64_t{256} << 20, options.credentials);
+  client->set_token(options.token);
   std::vector<v1::DecodeRow> rows(options.batch);
   for (int32_t r = 0; r < options.batch; ++r) {
     auto slot = client->Allocate();
@@ -53,7 +54,9 @@ double Percentile(std::vector<double>& sorted, double p) {
 
 absl::StatusOr<DecodeBenchResult> RunDecodeBench(const std::string& address,
                                                  const DecodeBenchOptions& options) {
-  auto info = Client::Connect(address, int64_t{256} << 20, options.credentials)->Info();
+  auto probe = Client::Connect(address, int64_t{256} << 20, options.credentials);
+  probe->set_token(options.token);
+  auto info = probe->Info();
   if (!info.ok()) return info.status();
   const absl::Time measure_from = absl::Now() + options.warmup;
   const absl::Time stop = measure_from + options.duration;

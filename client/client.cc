@@ -7,6 +7,8 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 
@@ -281,7 +283,20 @@ bool Client::WaitForConnected(absl::Duration timeout) {
 std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   auto context = std::make_unique<grpc::ClientContext>();
   context->set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+  if (!token_.empty()) context->AddMetadata("authorization", "Bearer " + token_);
   return context;
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& option) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string token(absl::StripAsciiWhitespace(text.str()));
+  if (!in || token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(option, ": expected a readable file holding a token, got \"", path, "\""));
+  }
+  return token;
 }
 
 template <typename Resp, typename F>
@@ -469,6 +484,7 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Hea
 
 std::unique_ptr<ForwardStream> Client::OpenStream() {
   auto context = std::make_unique<grpc::ClientContext>();
+  if (!token_.empty()) context->AddMetadata("authorization", "Bearer " + token_);
   auto stream = stub_->DecodeStream(context.get());
   return std::make_unique<ForwardStream>(std::move(context), std::move(stream));
 }

@@ -178,6 +178,7 @@ absl::Status Demo::CheckState(const Request& r) {
 absl::Status Demo::HandOff(std::vector<Request>& requests) {
   decode_client_ =
       Client::Connect(options_.decode_address, int64_t{256} << 20, options_.credentials);
+  decode_client_->set_token(options_.token);
   int64_t bytes = 0;
   for (Request& r : requests) {
     absl::StatusOr<v1::TransferSlotResponse> t =

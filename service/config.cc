@@ -145,6 +145,10 @@ const std::vector<Flag>& Flags() {
       {"tls-client-ca",
        "PEM CA: require client certificates it signed (mTLS; also verifies transfer peers)",
        Str(&ServerOptions::tls_client_ca_file)},
+      {"auth-tokens",
+       "file of `tenant token` lines: every client call needs `authorization: Bearer <token>` "
+       "and sees its tenant's slots only (re-read when it changes) [off]",
+       Str(&ServerOptions::auth_tokens_file)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        [](ServerFlags& f, const std::string& v) {
          f.ready_file = v;

@@ -184,14 +184,14 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
   absl::StatusOr<std::unique_ptr<cache::Forward>> next =
       planned_->Continue(*ctx_->cache, opening.decode_rows);
   if (next.ok() && *next == nullptr) {  // not continuable: the general path
-    ctx_->requests->Release(opening.method, opening.request_id);
+    ctx_->requests->Release(ctx_->RequestScope(opening.method), opening.request_id);
     return absl::OkStatus();
   }
   *chained = true;
   // The open forward is committed (in the cache) either way from here.
   s = Committed(begun->mutable_closed());
   if (!next.ok() || !s.ok()) {
-    ctx_->requests->Release(opening.method, opening.request_id);
+    ctx_->requests->Release(ctx_->RequestScope(opening.method), opening.request_id);
     Abandon();
     const absl::Status e = next.ok() ? s : next.status();
     return Refuse(opening.plan,
@@ -236,7 +236,7 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
   if (!replay_) {
     s = Open(opening);
     if (!s.ok()) {
-      ctx_->requests->Release(opening.method, opening.request_id);
+      ctx_->requests->Release(ctx_->RequestScope(opening.method), opening.request_id);
       return refuse(s);
     }
   }
@@ -245,7 +245,7 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
 }
 
 void ForwardSession::Opened(Opening& opening, v1::DecodeBegun* begun) {
-  method_ = opening.method;
+  method_ = ctx_->RequestScope(opening.method);
   layer_op_ = opening.layer_op;
   decode_ = absl::string_view(opening.method) == "Decode";
   request_id_ = std::move(opening.request_id);
@@ -260,8 +260,8 @@ void ForwardSession::Opened(Opening& opening, v1::DecodeBegun* begun) {
 }
 
 absl::Status ForwardSession::Claim(const Opening& opening) {
-  RequestLog::Claim claim =
-      ctx_->requests->Begin(opening.method, opening.request_id, Fingerprint(opening.key));
+  RequestLog::Claim claim = ctx_->requests->Begin(ctx_->RequestScope(opening.method),
+                                                  opening.request_id, Fingerprint(opening.key));
   switch (claim.outcome) {
     case RequestLog::Outcome::kNew:
       return absl::OkStatus();

@@ -99,7 +99,7 @@ class ForwardSession {
   const ServiceContext* ctx_;
   bool open_ = false;
   bool decode_ = false;  // a decode forward: its latency and batch go to the forward metrics
-  const char* method_ = "";
+  std::string method_;   // the request log's id space (ServiceContext::RequestScope)
   const char* layer_op_ = "";
   std::string request_id_;
   int64_t tokens_ = 0;

@@ -103,13 +103,22 @@ Metrics::Metrics()
                          .Name("replayssm_slot_expiries_total")
                          .Help("Live slots freed because no call used them for --slot-ttl")
                          .Register(*registry_)
-                         .Add({})) {}
+                         .Add({})),
+      auth_failures_(prometheus::BuildCounter()
+                         .Name("replayssm_auth_failures_total")
+                         .Help("Calls refused UNAUTHENTICATED (--auth-tokens), by reason: "
+                               "missing, malformed or unknown token")
+                         .Register(*registry_)) {}
 
 void Metrics::CountRpc(absl::string_view method, grpc::StatusCode code) {
   rpcs_.Add({{"method", std::string(method)}, {"code", CodeName(code)}}).Increment();
 }
 
 void Metrics::CountSlotExpiry() { slot_expiries_.Increment(); }
+
+void Metrics::CountAuthFailure(absl::string_view reason) {
+  auth_failures_.Add({{"reason", std::string(reason)}}).Increment();
+}
 
 void Metrics::ObserveForward(double seconds, int32_t batch) {
   forward_seconds_.Observe(seconds);

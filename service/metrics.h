@@ -40,6 +40,8 @@ class Metrics {
   void AddBytes(int64_t received, int64_t sent);
   void CountDedupReplay();
   void CountSlotExpiry();  // a slot freed by its lease (--slot-ttl)
+  // A call refused UNAUTHENTICATED (--auth-tokens): reason = missing, malformed, unknown.
+  void CountAuthFailure(absl::string_view reason);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -51,6 +53,7 @@ class Metrics {
   prometheus::Counter& sent_bytes_;
   prometheus::Counter& dedup_replays_;
   prometheus::Counter& slot_expiries_;
+  prometheus::Family<prometheus::Counter>& auth_failures_;
 };
 
 // Gauges owned by the service, sampled at scrape time.

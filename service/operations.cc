@@ -42,8 +42,9 @@ absl::Status Operations::Once(absl::string_view method, const std::string& reque
                               const google::protobuf::Message& key, google::protobuf::Message* resp,
                               absl::FunctionRef<absl::Status()> apply) {
   if (absl::Status s = ctx_->requests->CheckId(request_id); !s.ok()) return s;
+  const std::string scope = ctx_->RequestScope(method);
   RequestLog::Claim claim =
-      ctx_->requests->Begin(method, request_id, Fingerprint(key.SerializeAsString()));
+      ctx_->requests->Begin(scope, request_id, Fingerprint(key.SerializeAsString()));
   switch (claim.outcome) {
     case RequestLog::Outcome::kNew:
       break;
@@ -61,9 +62,9 @@ absl::Status Operations::Once(absl::string_view method, const std::string& reque
   }
   absl::Status s = apply();
   if (s.ok()) {
-    ctx_->requests->Complete(method, request_id, resp->SerializeAsString());
+    ctx_->requests->Complete(scope, request_id, resp->SerializeAsString());
   } else {
-    ctx_->requests->Release(method, request_id);
+    ctx_->requests->Release(scope, request_id);
   }
   return s;
 }
@@ -152,11 +153,15 @@ absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateRe
     if (!req.from_prefix()) {
       absl::StatusOr<cache::SlotId> slot = ctx_->cache->Allocate();
       if (!slot.ok()) return slot.status();
+      if (ctx_->prefix_namespace() != cache::kDefaultNamespace) {
+        absl::Status s = ctx_->cache->SetPrefixNamespace(*slot, ctx_->prefix_namespace());
+        if (!s.ok()) return s;  // nobody had its id: it cannot be gone
+      }
       resp->set_slot(ctx_->slots.ToWire(*slot));
       return absl::OkStatus();
     }
     absl::StatusOr<cache::StateCache::PrefixAllocation> a =
-        ctx_->cache->AllocateFromPrefix(Tokens(req.prefix_tokens()));
+        ctx_->cache->AllocateFromPrefixIn(ctx_->prefix_namespace(), Tokens(req.prefix_tokens()));
     if (!a.ok()) return a.status();
     resp->set_slot(ctx_->slots.ToWire(a->slot));
     resp->set_matched(a->matched);
@@ -183,6 +188,8 @@ absl::Status Operations::ListSlots(v1::ListSlotsResponse* resp) const {
             [](const auto& a, const auto& b) { return a.handle < b.handle; });
   const absl::Time now = absl::Now();
   for (const SlotHandles::Issued& e : issued) {
+    // The caller's tenant's slots only.
+    if (e.tenant != ctx_->tenant()) continue;
     absl::StatusOr<cache::SlotInfo> info = ctx_->cache->Info(e.slot);  // not a use
     if (!info.ok()) continue;  // freed since (its handle is replaced or forgotten soon)
     v1::SlotListing* l = resp->add_slots();
@@ -489,7 +496,7 @@ absl::Status Operations::Accept(const v1::AcceptRequest& req, v1::AcceptResponse
 
 absl::Status Operations::MatchPrefix(const v1::MatchPrefixRequest& req,
                                      v1::MatchPrefixResponse* resp) const {
-  resp->set_matched(ctx_->cache->MatchPrefix(Tokens(req.tokens())));
+  resp->set_matched(ctx_->cache->MatchPrefixIn(ctx_->prefix_namespace(), Tokens(req.tokens())));
   return absl::OkStatus();
 }
 

@@ -1,8 +1,16 @@
 #include "service/regions_service.h"
 
+#include "service/caller.h"
 #include "service/status_map.h"
 
 namespace replayssm::service {
+
+absl::StatusOr<cache::RegionTable*> RegionsService::Regions(
+    const grpc::CallbackServerContext& c) const {
+  absl::StatusOr<ServiceContext> caller = CallerContext(c, *ctx_);
+  if (!caller.ok()) return caller.status();
+  return caller->regions;
+}
 
 grpc::ServerUnaryReactor* RegionsService::Reply(grpc::CallbackServerContext* c,
                                                 absl::string_view method,
@@ -23,7 +31,9 @@ grpc::ServerUnaryReactor* RegionsService::RegisterSystemRegion(
   spec.shm_key = req->key();
   spec.offset = req->offset();
   spec.bytes = req->byte_size();
-  return Reply(c, "RegisterSystemRegion", ctx_->regions->Register(spec));
+  absl::StatusOr<cache::RegionTable*> regions = Regions(*c);
+  return Reply(c, "RegisterSystemRegion",
+               regions.ok() ? (*regions)->Register(spec) : regions.status());
 }
 
 grpc::ServerUnaryReactor* RegionsService::RegisterCudaRegion(
@@ -36,19 +46,25 @@ grpc::ServerUnaryReactor* RegionsService::RegisterCudaRegion(
   spec.device = req->device_id();
   spec.offset = req->offset();
   spec.bytes = req->byte_size();
-  return Reply(c, "RegisterCudaRegion", ctx_->regions->Register(spec));
+  absl::StatusOr<cache::RegionTable*> regions = Regions(*c);
+  return Reply(c, "RegisterCudaRegion",
+               regions.ok() ? (*regions)->Register(spec) : regions.status());
 }
 
 grpc::ServerUnaryReactor* RegionsService::UnregisterRegion(grpc::CallbackServerContext* c,
                                                            const v1::UnregisterRegionRequest* req,
                                                            v1::UnregisterRegionResponse*) {
-  return Reply(c, "UnregisterRegion", ctx_->regions->Unregister(req->name()));
+  absl::StatusOr<cache::RegionTable*> regions = Regions(*c);
+  return Reply(c, "UnregisterRegion",
+               regions.ok() ? (*regions)->Unregister(req->name()) : regions.status());
 }
 
 grpc::ServerUnaryReactor* RegionsService::GetRegionStatus(grpc::CallbackServerContext* c,
                                                           const v1::RegionStatusRequest* req,
                                                           v1::RegionStatusResponse* resp) {
-  absl::StatusOr<std::vector<cache::RegionInfo>> infos = ctx_->regions->Status(req->name());
+  absl::StatusOr<cache::RegionTable*> regions = Regions(*c);
+  if (!regions.ok()) return Reply(c, "GetRegionStatus", regions.status());
+  absl::StatusOr<std::vector<cache::RegionInfo>> infos = (*regions)->Status(req->name());
   if (infos.ok()) {
     for (const cache::RegionInfo& i : *infos) {
       v1::RegionStatus* s = resp->add_regions();

@@ -31,6 +31,8 @@ class RegionsService final : public v1::Regions::CallbackService {
  private:
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, absl::string_view method,
                                   const absl::Status& status);
+  // The caller's tenant's regions (caller.h); UNAUTHENTICATED as every client-facing call.
+  absl::StatusOr<cache::RegionTable*> Regions(const grpc::CallbackServerContext& c) const;
   const ServiceContext* ctx_;
 };
 

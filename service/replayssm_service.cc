@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "service/caller.h"
 #include "service/forward_session.h"
 #include "service/status_map.h"
 
@@ -15,7 +16,14 @@ namespace {
 class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
  public:
-  explicit DecodeStreamReactor(const ServiceContext* ctx) : ctx_(ctx), session_(ctx) {
+  DecodeStreamReactor(const ServiceContext* ctx, const grpc::CallbackServerContext& c)
+      : call_(*ctx), ctx_(&call_), session_(&call_) {
+    absl::StatusOr<ServiceContext> caller = CallerContext(c, *ctx);
+    if (!caller.ok()) {
+      Done(caller.status());
+      return;
+    }
+    call_ = *std::move(caller);
     const absl::Status admitted = ctx_->streams->Open();
     if (!admitted.ok()) {
       Done(admitted);
@@ -82,6 +90,7 @@ class DecodeStreamReactor final
     Finish(ToGrpcStatus(status));
   }
 
+  ServiceContext call_;  // the server's, as the caller's tenant sees it
   const ServiceContext* ctx_;
   bool counted_ = false;  // holds one of --max-streams
   ForwardSession session_;
@@ -101,93 +110,102 @@ grpc::ServerUnaryReactor* ReplaySsmService::Reply(grpc::CallbackServerContext* c
   return reactor;
 }
 
+template <typename F>
+grpc::ServerUnaryReactor* ReplaySsmService::Run(grpc::CallbackServerContext* c,
+                                                absl::string_view method, F&& op) {
+  absl::StatusOr<ServiceContext> caller = CallerContext(*c, *ctx_);
+  if (!caller.ok()) return Reply(c, method, caller.status());
+  Operations ops(&*caller);
+  return Reply(c, method, op(ops));
+}
+
 grpc::ServerUnaryReactor* ReplaySsmService::GetInfo(grpc::CallbackServerContext* c,
                                                     const v1::GetInfoRequest*,
                                                     v1::GetInfoResponse* resp) {
-  return Reply(c, "GetInfo", ops_.GetInfo(resp));
+  return Run(c, "GetInfo", [&](Operations& ops) { return ops.GetInfo(resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::GetStats(grpc::CallbackServerContext* c,
                                                      const v1::GetStatsRequest*,
                                                      v1::GetStatsResponse* resp) {
-  return Reply(c, "GetStats", ops_.GetStats(resp));
+  return Run(c, "GetStats", [&](Operations& ops) { return ops.GetStats(resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Allocate(grpc::CallbackServerContext* c,
                                                      const v1::AllocateRequest* req,
                                                      v1::AllocateResponse* resp) {
-  return Reply(c, "Allocate", ops_.Allocate(*req, resp));
+  return Run(c, "Allocate", [&](Operations& ops) { return ops.Allocate(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Free(grpc::CallbackServerContext* c,
                                                  const v1::FreeRequest* req,
                                                  v1::FreeResponse* resp) {
-  return Reply(c, "Free", ops_.Free(*req, resp));
+  return Run(c, "Free", [&](Operations& ops) { return ops.Free(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::GetSlot(grpc::CallbackServerContext* c,
                                                     const v1::GetSlotRequest* req,
                                                     v1::GetSlotResponse* resp) {
-  return Reply(c, "GetSlot", ops_.GetSlot(*req, resp));
+  return Run(c, "GetSlot", [&](Operations& ops) { return ops.GetSlot(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::ListSlots(grpc::CallbackServerContext* c,
                                                       const v1::ListSlotsRequest*,
                                                       v1::ListSlotsResponse* resp) {
-  return Reply(c, "ListSlots", ops_.ListSlots(resp));
+  return Run(c, "ListSlots", [&](Operations& ops) { return ops.ListSlots(resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Import(grpc::CallbackServerContext* c,
                                                    const v1::ImportRequest* req,
                                                    v1::ImportResponse* resp) {
-  return Reply(c, "Import", ops_.Import(*req, resp));
+  return Run(c, "Import", [&](Operations& ops) { return ops.Import(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Export(grpc::CallbackServerContext* c,
                                                    const v1::ExportRequest* req,
                                                    v1::ExportResponse* resp) {
-  return Reply(c, "Export", ops_.Export(*req, resp));
+  return Run(c, "Export", [&](Operations& ops) { return ops.Export(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Prefill(grpc::CallbackServerContext* c,
                                                     const v1::PrefillRequest* req,
                                                     v1::PrefillResponse* resp) {
-  return Reply(c, "Prefill", ops_.Prefill(*req, resp));
+  return Run(c, "Prefill", [&](Operations& ops) { return ops.Prefill(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Decode(grpc::CallbackServerContext* c,
                                                    const v1::DecodeRequest* req,
                                                    v1::DecodeResponse* resp) {
-  return Reply(c, "Decode", ops_.Decode(*req, resp));
+  return Run(c, "Decode", [&](Operations& ops) { return ops.Decode(*req, resp); });
 }
 
 grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>*
-ReplaySsmService::DecodeStream(grpc::CallbackServerContext*) {
-  return new DecodeStreamReactor(ctx_);
+ReplaySsmService::DecodeStream(grpc::CallbackServerContext* c) {
+  return new DecodeStreamReactor(ctx_, *c);
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Verify(grpc::CallbackServerContext* c,
                                                    const v1::VerifyRequest* req,
                                                    v1::VerifyResponse* resp) {
-  return Reply(c, "Verify", ops_.Verify(*req, resp));
+  return Run(c, "Verify", [&](Operations& ops) { return ops.Verify(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Accept(grpc::CallbackServerContext* c,
                                                    const v1::AcceptRequest* req,
                                                    v1::AcceptResponse* resp) {
-  return Reply(c, "Accept", ops_.Accept(*req, resp));
+  return Run(c, "Accept", [&](Operations& ops) { return ops.Accept(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::MatchPrefix(grpc::CallbackServerContext* c,
                                                         const v1::MatchPrefixRequest* req,
                                                         v1::MatchPrefixResponse* resp) {
-  return Reply(c, "MatchPrefix", ops_.MatchPrefix(*req, resp));
+  return Run(c, "MatchPrefix", [&](Operations& ops) { return ops.MatchPrefix(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Donate(grpc::CallbackServerContext* c,
                                                    const v1::DonateRequest* req,
                                                    v1::DonateResponse* resp) {
-  return Reply(c, "Donate", ops_.Donate(*req, resp));
+  return Run(c, "Donate", [&](Operations& ops) { return ops.Donate(*req, resp); });
 }
 
 }  // namespace replayssm::service

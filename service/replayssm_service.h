@@ -15,7 +15,7 @@ namespace replayssm::service {
 
 class ReplaySsmService final : public v1::ReplaySsm::CallbackService {
  public:
-  explicit ReplaySsmService(const ServiceContext* ctx) : ctx_(ctx), ops_(ctx) {}
+  explicit ReplaySsmService(const ServiceContext* ctx) : ctx_(ctx) {}
 
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* c, const v1::GetInfoRequest*,
                                     v1::GetInfoResponse* resp) override;
@@ -54,9 +54,11 @@ class ReplaySsmService final : public v1::ReplaySsm::CallbackService {
   // Counts the RPC and finishes it with the mapped status.
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, absl::string_view method,
                                   const absl::Status& status);
+  // Authenticates the caller (caller.h), runs `op` on Operations bound to its tenant, replies.
+  template <typename F>
+  grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* c, absl::string_view method, F&& op);
 
   const ServiceContext* ctx_;
-  Operations ops_;
 };
 
 }  // namespace replayssm::service

@@ -19,6 +19,7 @@
 #include "prometheus/exposer.h"
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/state_cache.h"
+#include "service/caller.h"
 #include "service/hf_config.h"
 #include "service/malformed_requests.h"
 #include "service/metrics.h"
@@ -28,6 +29,7 @@
 #include "service/service_context.h"
 #include "service/slot_handles.h"
 #include "service/slot_leases.h"
+#include "service/tenants.h"
 #include "service/tls.h"
 #include "service/transfer_service.h"
 
@@ -123,6 +125,22 @@ class ServerImpl final : public Server {
     }
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
     regions_service_ = std::make_unique<RegionsService>(&ctx_);
+  }
+
+  // --auth-tokens: every client-facing call names its tenant (tenants.h), and each tenant
+  // gets regions of its own.
+  absl::Status LoadTokens() {
+    if (options_.auth_tokens_file.empty()) return absl::OkStatus();
+    absl::StatusOr<std::unique_ptr<TokenStore>> tokens =
+        TokenStore::Load(options_.auth_tokens_file);
+    if (!tokens.ok()) return tokens.status();
+    tokens_ = *std::move(tokens);
+    tenant_regions_ = std::make_unique<TenantRegions>(
+        device_.backend, cache::RegionLimits{options_.max_regions,
+                                             static_cast<uint64_t>(options_.max_region_bytes)});
+    ctx_.tokens = tokens_.get();
+    ctx_.tenant_regions = tenant_regions_.get();
+    return absl::OkStatus();
   }
 
   // The SlotTransfer service (UCX worker, receiver, sender); fails when UCX cannot start.
@@ -240,6 +258,8 @@ class ServerImpl final : public Server {
   ForwardGate gate_;
   ServiceContext ctx_;
   std::unique_ptr<SlotLeases> leases_;  // --slot-ttl; stopped before the cache goes
+  std::unique_ptr<TokenStore> tokens_;  // --auth-tokens; null: one tenant
+  std::unique_ptr<TenantRegions> tenant_regions_;  // with tokens_: each tenant's regions
   std::unique_ptr<ReplaySsmService> service_;
   std::unique_ptr<RegionsService> regions_service_;
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
@@ -295,7 +315,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              *std::move(cache));
-  absl::Status s = server->StartTransfers();
+  absl::Status s = server->LoadTokens();
+  if (s.ok()) s = server->StartTransfers();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;
   return std::unique_ptr<Server>(std::move(server));

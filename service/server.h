@@ -50,6 +50,9 @@ struct ServerOptions {
   std::string tls_cert_file, tls_key_file;
   std::string tls_client_ca_file;           // mTLS: clients and peers must present a cert it signed
   std::vector<std::string> transfer_peers;  // host:port this server may dial; empty: any
+  // Bearer tokens of tenants (service/tenants.h): every client-facing call needs one; "": off,
+  // one implicit tenant (localhost and trusted networks).
+  std::string auth_tokens_file;
   // The network interface UCX uses and listens on for transfers (UCX_NET_DEVICES); "": all.
   std::string transfer_interface;
 };

@@ -17,23 +17,30 @@
 #include "service/metrics.h"
 #include "service/request_log.h"
 #include "service/slot_handles.h"
+#include "service/tenants.h"
 
 namespace replayssm::service {
 
-// The wire face of the server's SlotHandles (slot_handles.h), a value so that handlers write
-// ctx->slots.FromWire(h): random 64-bit handles, errors naming them, never the cache's ids.
+class TenantRegions;
+
+// The wire face of the server's SlotHandles (slot_handles.h) for one tenant, a value so that
+// handlers write ctx->slots.FromWire(h): random 64-bit handles, errors naming them, never the
+// cache's ids; another tenant's handles are unknown ones.
 class SlotCodec {
  public:
   SlotCodec() = default;
-  explicit SlotCodec(SlotHandles* handles) : handles_(handles) {}
-  uint64_t ToWire(cache::SlotId id) const { return handles_->ToWire(id); }
-  cache::SlotId FromWire(uint64_t handle) const { return handles_->FromWire(handle); }
+  explicit SlotCodec(SlotHandles* handles, TenantId tenant = kImplicitTenant)
+      : handles_(handles), tenant_(tenant) {}
+  uint64_t ToWire(cache::SlotId id) const { return handles_->ToWire(id, tenant_); }
+  cache::SlotId FromWire(uint64_t handle) const { return handles_->FromWire(handle, tenant_); }
   // The slot was freed, donated or moved away: its handle stops working.
   void Forget(cache::SlotId id) const { handles_->Forget(id); }
   SlotHandles* handles() const { return handles_; }
+  TenantId tenant() const { return tenant_; }
 
  private:
   SlotHandles* handles_ = nullptr;
+  TenantId tenant_ = kImplicitTenant;
 };
 
 // Counts open forwards (decode, verify, prefill) and refuses new ones once draining.
@@ -142,12 +149,27 @@ struct ServiceContext {
   Metrics* metrics = nullptr;
   ForwardGate* gate = nullptr;
   StreamLimit* streams = nullptr;  // open DecodeStream streams
-  SlotCodec slots;                 // the server's handle table
+  SlotCodec slots;                 // the server's handle table, as the caller's tenant sees it
+  // --auth-tokens; null: every call is kImplicitTenant. ForCaller binds a copy to the caller.
+  TokenStore* tokens = nullptr;
+  TenantRegions* tenant_regions = nullptr;  // with tokens: each tenant's regions (caller.h)
   ServiceLimits limits;
   std::string backend_name;  // "cpu", "cuda:0"
   bool mps = false;          // CUDA work goes through MPS (docs/data-plane.md)
   absl::Duration forward_timeout = absl::Seconds(10);  // a planned forward, begin to commit
   absl::Duration slot_ttl = absl::ZeroDuration();      // leases (slot_leases.h); 0 = off
+
+  TenantId tenant() const { return slots.tenant(); }
+  // The prefix-cache namespace of the caller's slots: its tenant's (never shared).
+  cache::PrefixNamespace prefix_namespace() const { return tenant(); }
+  // The request log's id space of `method` for the caller: tenants never see each other's
+  // request ids (a retry of another tenant's id would replay its reply).
+  std::string RequestScope(absl::string_view method) const {
+    return tenant() == kImplicitTenant ? std::string(method) : absl::StrCat(method, "@", tenant());
+  }
+  // This context as `tenant` sees it (a copy: handlers keep it for the call): its handles,
+  // its regions (caller.cc).
+  ServiceContext ForTenant(TenantId tenant) const;
 };
 
 }  // namespace replayssm::service

@@ -27,7 +27,7 @@ uint64_t RandomHandle() {
 
 }  // namespace
 
-uint64_t SlotHandles::ToWire(cache::SlotId id) {
+uint64_t SlotHandles::ToWire(cache::SlotId id, TenantId tenant) {
   if (id == cache::kPaddingSlot) return 0;
   absl::MutexLock lock(&mu_);
   Issued& e = by_index_[IndexOf(id)];
@@ -38,20 +38,28 @@ uint64_t SlotHandles::ToWire(cache::SlotId id) {
   if (e.handle != 0) RetireLocked(e);  // the index's older slot, freed meanwhile
   uint64_t h = RandomHandle();
   while (h == 0 || by_handle_.contains(h) || retired_.contains(h)) h = RandomHandle();
-  e = {h, id, absl::Now()};
+  e = {h, id, absl::Now(), tenant};
   by_handle_[h] = id;
   return h;
 }
 
-cache::SlotId SlotHandles::FromWire(uint64_t handle) {
+cache::SlotId SlotHandles::FromWire(uint64_t handle, TenantId tenant) {
   if (handle == 0) return cache::kPaddingSlot;
   absl::MutexLock lock(&mu_);
   auto it = by_handle_.find(handle);
   if (it != by_handle_.end()) {
-    by_index_[IndexOf(it->second)].last_use = absl::Now();
+    Issued& e = by_index_[IndexOf(it->second)];
+    if (e.tenant != tenant) return MissLocked(handle);
+    e.last_use = absl::Now();
     return it->second;
   }
-  if (auto r = retired_.find(handle); r != retired_.end()) return r->second;
+  if (auto r = retired_.find(handle); r != retired_.end() && r->second.tenant == tenant) {
+    return r->second.slot;
+  }
+  return MissLocked(handle);
+}
+
+cache::SlotId SlotHandles::MissLocked(uint64_t handle) {
   const uint32_t n = next_miss_++;
   const cache::SlotId miss = (static_cast<uint64_t>(n) << 32) | kMissIndex;
   misses_[n % kMisses] = {handle, miss, absl::InfinitePast()};
@@ -68,12 +76,12 @@ void SlotHandles::Forget(cache::SlotId id) {
 
 void SlotHandles::RetireLocked(const Issued& e) {
   by_handle_.erase(e.handle);
-  retired_[e.handle] = e.slot;
+  retired_[e.handle] = e;
   retired_ids_[e.slot] = e.handle;
   retired_order_.push_back(e.handle);
   if (retired_order_.size() <= kRetired) return;
   auto old = retired_.find(retired_order_.front());
-  retired_ids_.erase(old->second);
+  retired_ids_.erase(old->second.slot);
   retired_.erase(old);
   retired_order_.pop_front();
 }

@@ -6,6 +6,10 @@
 // neighbours. Errors name the caller's handle, never the cache's id (Describe, installed as
 // the cache's CacheOptions::slot_name).
 //
+// Tenants (tenants.h): each handle belongs to the tenant it was issued to. A handle named by
+// another tenant is exactly an unknown handle (NOT_FOUND, the same message, no lease renewed):
+// a tenant cannot tell another's live handle from one that was never issued.
+//
 // Invariants: one entry per slot index (a SlotId's low half). Issuing a handle for a newer
 // generation of an index retires the older one, so the table never outgrows the pool, and a
 // path that frees a slot without Forget leaves no handle that reaches the index's next slot
@@ -29,6 +33,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
+#include "service/tenants.h"
 
 namespace replayssm::service {
 
@@ -38,12 +43,13 @@ class SlotHandles {
   SlotHandles(const SlotHandles&) = delete;
   SlotHandles& operator=(const SlotHandles&) = delete;
 
-  // The handle of live slot `id`, issued on first use; kPaddingSlot -> 0.
-  uint64_t ToWire(cache::SlotId id);
-  // The slot behind `handle`, and a use of it (renews its lease); 0 -> kPaddingSlot. An unknown
-  // handle maps to an id no slot can have (the cache answers NOT_FOUND) that Describe names as
-  // `handle`.
-  cache::SlotId FromWire(uint64_t handle);
+  // The handle of live slot `id`, issued to `tenant` on first use; kPaddingSlot -> 0. A slot
+  // keeps the tenant of its first handle.
+  uint64_t ToWire(cache::SlotId id, TenantId tenant = kImplicitTenant);
+  // The slot behind `tenant`'s `handle`, and a use of it (renews its lease); 0 -> kPaddingSlot.
+  // An unknown handle, or another tenant's, maps to an id no slot can have (the cache answers
+  // NOT_FOUND) that Describe names as `handle`.
+  cache::SlotId FromWire(uint64_t handle, TenantId tenant = kImplicitTenant);
   // Retires the handle of `id`: its slot was freed, donated or moved away. The handle keeps
   // naming that dead slot (NOT_FOUND, errors name the handle) for the last kRetired ones, so
   // that a retried TransferSlot finds the move it names; it no longer counts as issued.
@@ -55,6 +61,7 @@ class SlotHandles {
     uint64_t handle = 0;
     cache::SlotId slot = cache::kPaddingSlot;
     absl::Time last_use = absl::InfinitePast();  // issued, or named by a call (FromWire)
+    TenantId tenant = kImplicitTenant;
   };
   // Every handle issued and not forgotten (its slot may have been freed since). Not a use.
   std::vector<Issued> List() const;
@@ -69,13 +76,15 @@ class SlotHandles {
   static constexpr size_t kRetired = 4096;
 
   void RetireLocked(const Issued& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An id that Describe names as `handle` and the cache answers NOT_FOUND for.
+  cache::SlotId MissLocked(uint64_t handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint32_t, Issued> by_index_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, cache::SlotId> by_handle_ ABSL_GUARDED_BY(mu_);
   std::array<Issued, kMisses> misses_ ABSL_GUARDED_BY(mu_){};
   uint32_t next_miss_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<uint64_t, cache::SlotId> retired_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, Issued> retired_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<cache::SlotId, uint64_t> retired_ids_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> retired_order_ ABSL_GUARDED_BY(mu_);  // oldest first
 };

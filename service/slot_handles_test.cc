@@ -25,6 +25,23 @@ TEST(SlotHandles, AHandleIsRandomNonZeroAndStableForItsSlot) {
   EXPECT_NE(other.ToWire(kSlot), a);
 }
 
+TEST(SlotHandles, AnotherTenantsHandleIsAnUnknownHandle) {
+  SlotHandles h;
+  const uint64_t a = h.ToWire(kSlot, /*tenant=*/1);
+  const absl::Time issued = h.List().front().last_use;
+  const cache::SlotId seen = h.FromWire(a, /*tenant=*/2);
+  EXPECT_NE(seen, kSlot);
+  EXPECT_EQ(seen & 0xffffffffu, 0xffffffffu) << "the id of a miss, as for a handle never issued";
+  EXPECT_EQ(h.Describe(seen), absl::StrCat(a)) << "the same message as an unknown handle";
+  EXPECT_EQ(h.List().front().last_use, issued) << "another tenant's call renews no lease";
+  EXPECT_EQ(h.List().front().tenant, 1u);
+  EXPECT_EQ(h.FromWire(a, /*tenant=*/1), kSlot);
+  EXPECT_EQ(h.ToWire(kSlot, /*tenant=*/2), a) << "a slot keeps its first tenant";
+  h.Forget(kSlot);  // retired: still another tenant's miss
+  EXPECT_EQ(h.FromWire(a, /*tenant=*/1), kSlot);
+  EXPECT_EQ(h.FromWire(a, /*tenant=*/2) & 0xffffffffu, 0xffffffffu);
+}
+
 TEST(SlotHandles, UnknownNeighbourAndForgottenHandlesReachNoSlot) {
   SlotHandles h;
   const uint64_t a = h.ToWire(kSlot);

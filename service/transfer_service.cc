@@ -1,11 +1,15 @@
 #include "service/transfer_service.h"
 
+#include <functional>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "prometheus/gauge.h"
+#include "service/caller.h"
 #include "service/status_map.h"
 
 namespace replayssm::service {
@@ -44,8 +48,10 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
 // The sender's view of the receiving server, over its SlotTransfer service.
 class GrpcPeer final : public transfer::Peer {
  public:
-  explicit GrpcPeer(std::shared_ptr<grpc::Channel> channel)
-      : stub_(v1::SlotTransfer::NewStub(std::move(channel))) {}
+  // `tenant_of` names the tenant that owns a transfer id's slot ("" without tenants).
+  GrpcPeer(std::shared_ptr<grpc::Channel> channel,
+           std::function<std::string(const std::string&)> tenant_of)
+      : stub_(v1::SlotTransfer::NewStub(std::move(channel))), tenant_of_(std::move(tenant_of)) {}
 
   absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
                                                 const transfer::StateFormat& format,
@@ -58,6 +64,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_seq_len(seq_len);
     req.set_checksum_version(checksum_version);
     req.set_budget_ms(absl::ToInt64Milliseconds(budget));
+    req.set_tenant(tenant_of_(id));
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
     c.set_deadline(absl::ToChronoTime(deadline));
@@ -95,6 +102,7 @@ class GrpcPeer final : public transfer::Peer {
 
  private:
   std::unique_ptr<v1::SlotTransfer::Stub> stub_;
+  std::function<std::string(const std::string&)> tenant_of_;
 };
 
 // The fields both transfer forms need: INVALID_ARGUMENT naming the first one missing.
@@ -194,7 +202,8 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
   s->manager_ = std::make_unique<transfer::TransferManager>(
       s->sender_.get(),
       [self](const std::string& address) -> std::unique_ptr<transfer::Peer> {
-        return std::make_unique<GrpcPeer>(self->Channel(address));
+        return std::make_unique<GrpcPeer>(
+            self->Channel(address), [self](const std::string& id) { return self->TenantOf(id); });
       },
       m);
   s->janitor_ = std::thread([self] {
@@ -260,6 +269,46 @@ std::string TransferService::PeerIdentity(const grpc::CallbackServerContext& c) 
   return colon == std::string::npos ? peer : peer.substr(0, colon);
 }
 
+std::string TransferService::MoveId(TenantId tenant, const std::string& request_id) const {
+  if (ctx_->tokens == nullptr) return request_id;
+  return absl::StrCat(tenant, "/", request_id);
+}
+
+std::string TransferService::TenantOf(const std::string& transfer_id) const {
+  if (ctx_->tokens == nullptr) return "";
+  TenantId tenant = kImplicitTenant;
+  const size_t slash = transfer_id.find('/');
+  if (slash == std::string::npos ||
+      !absl::SimpleAtoi(absl::string_view(transfer_id).substr(0, slash), &tenant)) {
+    return "";
+  }
+  return ctx_->tokens->Name(tenant);
+}
+
+absl::StatusOr<TenantId> TransferService::ReceivingTenant(const std::string& name) const {
+  if (ctx_->tokens == nullptr) return kImplicitTenant;  // one tenant here: it takes every slot
+  if (std::optional<TenantId> t = ctx_->tokens->Find(name); t.has_value()) return *t;
+  return absl::PermissionDeniedError(absl::StrCat(
+      "tenant: expected a tenant of this server's token file (--auth-tokens) to own the slot, "
+      "got ",
+      name.empty() ? "none (the sending server has no tenants)" : absl::StrCat("\"", name, "\"")));
+}
+
+void TransferService::RecordIncoming(const std::string& transfer_id, TenantId tenant) {
+  absl::MutexLock lock(&mu_);
+  if (!incoming_.emplace(transfer_id, tenant).second) return;
+  incoming_order_.push_back(transfer_id);
+  if (incoming_order_.size() <= kIncomingKept) return;
+  incoming_.erase(incoming_order_.front());
+  incoming_order_.pop_front();
+}
+
+TenantId TransferService::IncomingTenant(const std::string& transfer_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = incoming_.find(transfer_id);
+  return it == incoming_.end() ? kImplicitTenant : it->second;
+}
+
 absl::Status TransferService::CheckPeer(const std::string& address) const {
   if (options_.allowed_peers.empty()) return absl::OkStatus();
   for (const std::string& p : options_.allowed_peers) {
@@ -273,15 +322,17 @@ absl::Status TransferService::CheckPeer(const std::string& address) const {
 grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerContext* c,
                                                         const v1::TransferSlotRequest* req,
                                                         v1::TransferSlotResponse* resp) {
+  absl::StatusOr<ServiceContext> caller = CallerContext(*c, *ctx_);
+  if (!caller.ok()) return Reply(c, "TransferSlot", caller.status());
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
   if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
   if (!st.ok()) return Reply(c, "TransferSlot", st);
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-  const cache::SlotId slot = ctx_->slots.FromWire(req->slot());
+  const cache::SlotId slot = caller->slots.FromWire(req->slot());
   const bool keep = req->keep_source();
   manager_->Transfer(
-      {req->request_id(), slot, req->peer_address(), keep},
+      {MoveId(caller->tenant(), req->request_id()), slot, req->peer_address(), keep},
       [this, reactor, resp, slot, keep](const absl::StatusOr<transfer::SendResult>& r) {
         if (r.ok()) {
           if (!keep) ctx_->slots.Forget(slot);  // the source slot was freed
@@ -305,6 +356,8 @@ void TransferService::set_self_address(const std::string& address) {
 grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext* c,
                                                     const v1::PullSlotRequest* req,
                                                     v1::PullSlotResponse* resp) {
+  absl::StatusOr<ServiceContext> caller = CallerContext(*c, *ctx_);
+  if (!caller.ok()) return Reply(c, "PullSlot", caller.status());
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
   if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
@@ -337,6 +390,12 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
   pull->stub = v1::SlotTransfer::NewStub(Channel(req->peer_address()));
   // The peer's own --transfer-timeout bounds its move; this one bounds a peer that hangs.
   pull->context.set_deadline(absl::ToChronoTime(absl::Now() + 2 * options_.timeout));
+  // The peer's TransferSlot acts for the same tenant: the caller's token goes with it (one
+  // token file for the cluster).
+  const auto& md = c->client_metadata();
+  if (auto it = md.find(kAuthorizationKey); it != md.end()) {
+    pull->context.AddMetadata(kAuthorizationKey, std::string(it->second.data(), it->second.size()));
+  }
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
   pulls_.fetch_add(1);
   pull->stub->async()->TransferSlot(
@@ -362,6 +421,11 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
+  absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
+  if (!tenant.ok()) {
+    CountFailure(tenant.status());
+    return Reply(c, "ReserveTransfer", tenant.status());
+  }
   absl::StatusOr<transfer::Reservation> r = receiver_->Reserve(
       req->transfer_id(), FromProto(req->format()), req->seq_len(), req->checksum_version(),
       absl::Milliseconds(req->budget_ms()), PeerIdentity(*c));
@@ -374,6 +438,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   resp->set_rkey(r->rkey);
   resp->set_bytes(r->bytes);
   resp->set_doorbell_addr(r->doorbell_addr);
+  RecordIncoming(req->transfer_id(), *tenant);
   return Reply(c, "ReserveTransfer", absl::OkStatus());
 }
 
@@ -384,13 +449,19 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
   if (!st.ok()) return Reply(c, "CommitTransfer", st);
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
+  const TenantId tenant = IncomingTenant(req->transfer_id());
   absl::StatusOr<cache::SlotId> slot =
       receiver_->Commit(req->transfer_id(), tokens, req->checksum());
   if (!slot.ok()) {
     CountFailure(slot.status());
     return Reply(c, "CommitTransfer", slot.status());
   }
-  resp->set_slot(ctx_->slots.ToWire(*slot));
+  // Nobody has its handle yet: the slot joins its tenant's prefix cache and handles.
+  const ServiceContext owner = ctx_->ForTenant(tenant);
+  if (owner.prefix_namespace() != cache::kDefaultNamespace) {
+    ctx_->cache->SetPrefixNamespace(*slot, owner.prefix_namespace()).IgnoreError();
+  }
+  resp->set_slot(owner.slots.ToWire(*slot));
   return Reply(c, "CommitTransfer", absl::OkStatus());
 }
 
@@ -402,8 +473,8 @@ grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerCon
   }
   const transfer::Decision d = receiver_->Abort(req->transfer_id());
   resp->set_committed(d.committed);
-  if (d.committed) {
-    resp->set_slot(ctx_->slots.ToWire(d.slot));
+  if (d.committed) {  // its handle was issued at the commit, to the reservation's tenant
+    resp->set_slot(ctx_->ForTenant(IncomingTenant(req->transfer_id())).slots.ToWire(d.slot));
     resp->set_seq_len(d.seq_len);
   }
   return Reply(c, "AbortTransfer", absl::OkStatus());

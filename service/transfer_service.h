@@ -7,12 +7,14 @@
 #define REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -79,6 +81,18 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   TransferService(const ServiceContext* ctx, TransferOptions options);
   // Who is calling, for the per-peer reservation bound: the mTLS identity, else the host.
   static std::string PeerIdentity(const grpc::CallbackServerContext& c);
+  // The manager's id of a caller's move: request ids are the tenant's own (with tenants,
+  // "<tenant id>/<request id>"; another tenant's id never joins or replays its move).
+  std::string MoveId(TenantId tenant, const std::string& request_id) const;
+  // The name of the tenant that owns a move (from its transfer id, which starts with MoveId);
+  // "" without tenants. Carried to the receiver in ReserveTransfer.
+  std::string TenantOf(const std::string& transfer_id) const;
+  // Receiver side: the tenant that gets an incoming slot, by the sender's tenant name: the
+  // implicit tenant without --auth-tokens, else the tenant of that name or PERMISSION_DENIED.
+  absl::StatusOr<TenantId> ReceivingTenant(const std::string& name) const;
+  // Remembers a reservation's tenant until the commit or abort asks (the last kIncomingKept).
+  void RecordIncoming(const std::string& transfer_id, TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
+  TenantId IncomingTenant(const std::string& transfer_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // PERMISSION_DENIED naming peer_address unless `address` is an allowed peer.
   absl::Status CheckPeer(const std::string& address) const;
   // Finishes `reactor` with `status` and counts the call.
@@ -102,8 +116,14 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   prometheus::Histogram* seconds_ = nullptr;
   prometheus::Gauge* open_ = nullptr;
   prometheus::Gauge* in_doubt_ = nullptr;
-  absl::Mutex mu_;
+  // Reservations remembered with their tenant: more than --transfer-reservations-per-peer
+  // times any sane number of peers, so a live reservation is never forgotten.
+  static constexpr size_t kIncomingKept = 4096;
+
+  mutable absl::Mutex mu_;
   std::string self_address_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, TenantId> incoming_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> incoming_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> pulls_{0};  // PullSlot calls waiting for their peer
   absl::Notification stop_;

@@ -132,7 +132,8 @@ TEST(CommandLine, CliRefusesMisplacedExtraAndMalformedArguments) {
   ExpectRefused(cli, {}, "missing command");
   ExpectRefused(cli, {"frobnicate"}, "unknown command 'frobnicate'");
   ExpectRefused(cli, {"--keep", "transfer", "1", "h:1"},
-                "unknown option --keep before the command (only --address and --tls-* go there)");
+                "unknown option --keep before the command (only --address, --tls-* and "
+                "--token-file go there)");
   ExpectRefused(cli, {"demo", "--keep"}, "demo: unknown option --keep");
   ExpectRefused(cli, {"--tls-cert", "/nonexistent.pem", "info"},
                 "--tls-key: expected the private key of tls_cert");
@@ -149,6 +150,35 @@ TEST(CommandLine, CliRefusesMisplacedExtraAndMalformedArguments) {
   ExpectRefused(cli, {"bench", "--concurrency=0"}, "--concurrency: expected an integer in 1..");
   ExpectRefused(cli, {"bench", "--seconds=-1"}, "--seconds: expected seconds > 0, got '-1'");
   ExpectRefused(cli, {"health", "--address="}, "--address: expected HOST:PORT, got ''");
+}
+
+TEST(CommandLine, CliSendsTheTokenOfItsTokenFileOrEnvironment) {
+  const std::string dir = ::testing::TempDir();
+  std::ofstream(dir + "/cli-tokens") << "alice alice-token-0123456789abcdef\n";
+  std::ofstream(dir + "/cli-token") << "alice-token-0123456789abcdef\n";
+  auto server = ServerProcess::Start({"--auth-tokens=" + dir + "/cli-tokens"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = "--address=" + (*server)->grpc_address();
+  const Outcome none = RunBinary(REPLAYSSM_CLI_BINARY, {address, "alloc"});
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  EXPECT_TRUE(absl::StrContains(none.output, "UNAUTHENTICATED")) << none.output;
+  for (const char* command : {"alloc", "stats"}) {
+    const Outcome file =
+        RunBinary(REPLAYSSM_CLI_BINARY, {address, "--token-file", dir + "/cli-token", command});
+    EXPECT_EQ(file.exit_code, 0) << file.output;
+  }
+  const Outcome env = RunBinary(REPLAYSSM_CLI_BINARY, {address, "alloc"},
+                                {"REPLAYSSM_TOKEN=alice-token-0123456789abcdef"});
+  EXPECT_EQ(env.exit_code, 0) << env.output;
+  const Outcome bench =
+      RunBinary(REPLAYSSM_CLI_BINARY, {address, "--token-file=" + dir + "/cli-token", "bench",
+                                       "--seconds=0.3"});
+  EXPECT_EQ(bench.exit_code, 0) << bench.output;
+  const Outcome missing =
+      RunBinary(REPLAYSSM_CLI_BINARY, {address, "--token-file=/nonexistent/token", "alloc"});
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_TRUE(absl::StrContains(missing.output, "--token-file: expected a readable file"))
+      << missing.output;
 }
 
 TEST(CommandLine, EveryBinaryPrintsItsUsageOnHelpAndExitsZero) {
@@ -274,6 +304,8 @@ TEST(CommandLine, BadSecurityFlagsStopTheServerNamingTheFlag) {
        "--tls-cert: expected a readable PEM file"},
       {{"--tls-cert=" + dir + "/not-a.pem", "--tls-key=" + dir + "/x.key"}, "no PEM block"},
       {{"--transfer-interface=nonexistent0"}, "--transfer-interface: expected a network"},
+      {{"--auth-tokens=/nonexistent/tokens"}, "--auth-tokens: expected a readable token file"},
+      {{"--auth-tokens=" + dir + "/not-a.pem"}, "/not-a.pem:1: expected `tenant token`, got 1"},
   };
   for (const auto& [flags, message] : cases) {
     std::vector<std::string> args = {"--device=cpu", "--grpc-address=127.0.0.1:0",

@@ -125,6 +125,31 @@ TEST_F(TlsTest, TwoServersMoveASlotOverMtls) {
   EXPECT_TRUE(ca->GetSlot(s2->slot()).ok()) << "the source must stay";
 }
 
+// The hardened deployment end to end: mTLS on every port and dial, tokens for tenants.
+TEST_F(TlsTest, TokensOverMtlsNameTenantsEndToEnd) {
+  const std::string tokens = pki_.Path("tokens");
+  std::ofstream(tokens) << "alice alice-token-0123456789abcdef\nbob bob-token-0123456789abcdef\n";
+  std::vector<std::string> flags = ServerTls(true);
+  flags.push_back("--auth-tokens=" + tokens);
+  auto a = ServerProcess::Start(flags);
+  auto b = ServerProcess::Start(flags);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto anonymous = Connect((*a)->grpc_address(), ClientTls());  // a certificate, no token
+  EXPECT_EQ(anonymous->Allocate().status().code(), absl::StatusCode::kUnauthenticated);
+  auto alice = Connect((*a)->grpc_address(), ClientTls());
+  alice->set_token("alice-token-0123456789abcdef");
+  auto slot = alice->Allocate();
+  ASSERT_TRUE(slot.ok()) << slot.status();
+  auto moved = alice->TransferSlot(slot->slot(), (*b)->grpc_address(), /*keep_source=*/false);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  auto alice_b = Connect((*b)->grpc_address(), ClientTls());
+  alice_b->set_token("alice-token-0123456789abcdef");
+  EXPECT_TRUE(alice_b->GetSlot(moved->remote_slot()).ok());
+  auto bob_b = Connect((*b)->grpc_address(), ClientTls());
+  bob_b->set_token("bob-token-0123456789abcdef");
+  EXPECT_EQ(bob_b->GetSlot(moved->remote_slot()).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST(PeerAllowListTest, OnlyAllowedPeersAreDialled) {
   auto b = ServerProcess::Start({});
   ASSERT_TRUE(b.ok()) << b.status();

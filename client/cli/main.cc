@@ -46,7 +46,8 @@ constexpr char kUsage[] =
     "Options are --name VALUE or --name=VALUE. --address may come before or after the\n"
     "command; it defaults to $REPLAYSSM_ADDRESS, else 127.0.0.1:50051. So may the TLS\n"
     "options: --tls-ca PEM (the server's CA; TLS on), --tls-cert PEM --tls-key PEM (this\n"
-    "client's certificate, for a server that requires one).\n";
+    "client's certificate, for a server that requires one) and --token-file FILE (the\n"
+    "bearer token of a server with --auth-tokens; default $REPLAYSSM_TOKEN).\n";
 
 // What a command accepts: its positional arguments and its options.
 struct Command {
@@ -83,6 +84,7 @@ bool Contains(const std::vector<std::string>& names, absl::string_view name) {
 struct Invocation {
   std::string address;
   replayssm::client::ChannelSecurity security;  // --tls-ca, --tls-cert, --tls-key
+  std::string token_file;                       // --token-file
   const Command* command = nullptr;
   std::vector<std::string> args;                          // positional
   absl::flat_hash_map<std::string, std::string> options;  // name -> value ("" for switches)
@@ -114,14 +116,14 @@ absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::stri
     const size_t eq = arg.find('=');
     const std::string name(arg.substr(0, eq));
     const bool is_switch = inv.command != nullptr && Contains(inv.command->switches, name);
-    const bool global =
-        name == "address" || name == "tls-ca" || name == "tls-cert" || name == "tls-key";
+    const bool global = name == "address" || name == "tls-ca" || name == "tls-cert" ||
+                        name == "tls-key" || name == "token-file";
     if (!global && !is_switch &&
         (inv.command == nullptr || !Contains(inv.command->options, name))) {
       return Invalid(inv.command == nullptr
                          ? absl::StrCat("unknown option --", name,
-                                        " before the command (only --address and --tls-* go "
-                                        "there)")
+                                        " before the command (only --address, --tls-* and "
+                                        "--token-file go there)")
                          : absl::StrCat(inv.command->name, ": unknown option --", name));
     }
     std::string value;
@@ -144,6 +146,8 @@ absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::stri
       inv.security.cert_file = value;
     } else if (name == "tls-key") {
       inv.security.key_file = value;
+    } else if (name == "token-file") {
+      inv.token_file = value;
     } else {
       inv.options[name] = value;
     }
@@ -202,6 +206,7 @@ int Info(Client& c) {
 struct Request {
   std::string command, address;
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string token;            // the bearer token ("" = none)
   std::vector<int32_t> tokens;  // alloc
   uint64_t slot = 0;            // free, transfer, pull
   std::string peer, self;       // transfer, pull
@@ -260,6 +265,14 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
     return Invalid("--" + m);
   }
   r.credentials = *std::move(creds);
+  if (!inv.token_file.empty()) {
+    absl::StatusOr<std::string> token =
+        replayssm::client::ReadTokenFile(inv.token_file, "--token-file");
+    if (!token.ok()) return token.status();
+    r.token = *std::move(token);
+  } else if (const char* env = std::getenv("REPLAYSSM_TOKEN"); env != nullptr) {
+    r.token = env;
+  }
   const std::vector<std::string>& args = inv.args;
   if (r.command == "alloc") {
     for (const std::string& a : args) {
@@ -286,6 +299,8 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
   }
   r.demo.credentials = r.credentials;
   r.bench.credentials = r.credentials;
+  r.demo.token = r.token;
+  r.bench.token = r.token;
   return r;
 }
 
@@ -317,6 +332,7 @@ int Run(const Request& r) {
   if (r.command == "bench") return Bench(r.address, r.bench);
   auto client = Client::Connect(r.address, int64_t{256} << 20, r.credentials);
   Client& c = *client;
+  c.set_token(r.token);
   if (r.command == "info") return Info(c);
   if (r.command == "stats") {
     auto stats = c.Stats();

@@ -190,15 +190,43 @@ function checkService(manifests, alertsDoc) {
   if (ports.grpc !== grpcPort) errs.push(`containerPort grpc ${ports.grpc} != config grpc-address port ${grpcPort}`);
   if (ports.metrics !== metricsPort) errs.push(`containerPort metrics ${ports.metrics} != config metrics-address port ${metricsPort}`);
 
-  // Probes: native gRPC on the gRPC port (grpc.health.v1).
+  // Probes on the gRPC port (grpc.health.v1): native gRPC probes, or, with TLS on (native
+  // probes cannot speak TLS), `replayssm-cli health` run in the container with the pod's
+  // certificate.
+  const tls = Boolean(conf['tls-cert']);
   for (const probe of ['readinessProbe', 'livenessProbe', 'startupProbe']) {
     const p = c[probe];
     if (!p) { errs.push(`${probe} missing`); continue; }
+    if (tls) {
+      const cmd = (p.exec && p.exec.command) || [];
+      if (cmd[0] !== 'replayssm-cli' || !cmd.includes('health')) {
+        errs.push(`${probe} is not a replayssm-cli health exec probe (TLS is on: a native gRPC probe cannot speak it)`);
+        continue;
+      }
+      const address = cmd[cmd.indexOf('--address') + 1] || '';
+      if (portOf(address) !== grpcPort) errs.push(`${probe} port ${portOf(address)} != gRPC port ${grpcPort}`);
+      for (const flag of ['--tls-ca', '--tls-cert', '--tls-key']) {
+        const i = cmd.indexOf(flag);
+        if (i < 0) errs.push(`${probe} lacks ${flag} (the server requires TLS)`);
+        else if (conf['tls-client-ca'] && flag !== '--tls-ca' && cmd[i + 1] !== conf[flag.slice(2)]) {
+          errs.push(`${probe} ${flag} ${cmd[i + 1]} is not the pod's own (${conf[flag.slice(2)]})`);
+        }
+      }
+      continue;
+    }
     if (!p.grpc) errs.push(`${probe} is not a native gRPC probe`);
     else if (p.grpc.port !== grpcPort) errs.push(`${probe} port ${p.grpc.port} != gRPC port ${grpcPort}`);
     if (p.grpc && p.grpc.service && p.grpc.service !== 'replayssm.v1.ReplaySSM') {
       errs.push(`${probe} asks health of unknown service ${p.grpc.service}`);
     }
+  }
+
+  // Key material comes from Secrets, never from the ConfigMap or the image.
+  for (const key of ['tls-cert', 'tls-key', 'tls-client-ca', 'auth-tokens']) {
+    if (!conf[key]) continue;
+    const m = (c.volumeMounts || []).find((x) => conf[key].startsWith(`${x.mountPath}/`));
+    const v = m && (pod.spec.volumes || []).find((x) => x.name === m.name);
+    if (!v || !v.secret) errs.push(`config ${key} = ${conf[key]} is not in a mounted Secret`);
   }
 
   // One GPU per pod, requests = limits for it; memory and CPU requested.
@@ -419,8 +447,17 @@ function selftest(ctx) {
     return k8sErrors(ms, ctx.alertsDoc);
   } });
   const ctr = (get) => get('Deployment').spec.template.spec.containers[0];
-  k8s('httpGet readiness probe', (g) => { ctr(g).readinessProbe = { httpGet: { port: 9400, path: '/' } }; }, /readinessProbe is not a native gRPC probe/);
-  k8s('liveness probe on the metrics port', (g) => { ctr(g).livenessProbe.grpc.port = 9400; }, /livenessProbe port 9400/);
+  k8s('httpGet readiness probe', (g) => { ctr(g).readinessProbe = { httpGet: { port: 9400, path: '/' } }; }, /readinessProbe is not a (native gRPC|replayssm-cli health exec) probe/);
+  k8s('liveness probe on the metrics port', (g) => {
+    const p = ctr(g).livenessProbe;
+    if (p.grpc) p.grpc.port = 9400;
+    else p.exec.command[p.exec.command.indexOf('--address') + 1] = 'localhost:9400';
+  }, /livenessProbe port 9400/);
+  k8s('native gRPC probe on a TLS port', (g) => { ctr(g).startupProbe = { grpc: { port: 50051 } }; }, /startupProbe is not a replayssm-cli health exec probe/);
+  k8s('token file not from a Secret', (g) => {
+    const v = g('Deployment').spec.template.spec.volumes.find((x) => x.secret && x.secret.secretName === 'replayssm-auth');
+    delete v.secret; v.emptyDir = {};
+  }, /auth-tokens = .* is not in a mounted Secret/);
   k8s('two GPUs', (g) => { ctr(g).resources.limits[GPU] = 2; }, /limits.nvidia.com\/gpu is 2/);
   k8s('no GPU', (g) => { delete ctr(g).resources.limits[GPU]; }, /limits.nvidia.com\/gpu is undefined/);
   k8s('containerPort differs from config', (g) => { ctr(g).ports[0].containerPort = 50052; }, /containerPort grpc 50052/);

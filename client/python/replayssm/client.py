@@ -7,6 +7,7 @@ and reused by its retries (replayssm.retry).
 Thread safety: a Client may be shared by threads; a ForwardStream is driven by one at a time.
 """
 
+import collections
 import warnings
 
 import grpc
@@ -29,6 +30,46 @@ def _ints(values):
     return [int(v) for v in values]
 
 
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call of a channel."""
+
+    def __init__(self, token):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        metadata = list(d.metadata or []) + [self._header]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials,
+                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def read_token_file(path):
+    """The bearer token in `path`: the file's text without surrounding whitespace."""
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"token_file: expected a file holding a token, got an empty {path!r}")
+    return token
+
+
 class Client:
     """A connection to one replayssm-server.
 
@@ -39,10 +80,16 @@ class Client:
 
     def __init__(self, address=None, *, channel=None, timeout=60.0, retries=2,
                  retry_backoff=0.05, max_message_bytes=256 << 20, tls_ca=None, tls_cert=None,
-                 tls_key=None):
+                 tls_key=None, token=None, token_file=None):
         """tls_ca (PEM file of the server's CA; None with TLS on: the system roots),
         tls_cert + tls_key (this client's certificate, for a server that requires one): any
-        of them turns TLS on (docs/operations.md, "Security and resource bounds")."""
+        of them turns TLS on (docs/operations.md, "Security and resource bounds").
+        token, or token_file (a file holding it): the bearer token sent with every call, for a
+        server with --auth-tokens; it names the tenant whose slots this client sees."""
+        if token is not None and token_file is not None:
+            raise ValueError("Client: give token or token_file, not both")
+        if token_file is not None:
+            token = read_token_file(token_file)
         if channel is None:
             if address is None:
                 raise ValueError("Client: give an address or a channel")
@@ -64,6 +111,8 @@ class Client:
             else:
                 channel = grpc.insecure_channel(address, options=options)
         self._channel = channel
+        if token:
+            channel = grpc.intercept_channel(channel, _BearerToken(token))
         self.timeout = timeout
         self.retries = retries
         self.retry_backoff = retry_backoff

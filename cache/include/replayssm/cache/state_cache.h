@@ -40,6 +40,13 @@
 
 namespace replayssm::cache {
 
+// Prefix-cache namespaces (a service's tenants): a snapshot is found only from the namespace
+// of the slot it was taken from (its track snapshots and its donation). A slot is in
+// kDefaultNamespace unless it was allocated from a prefix in another or moved there by
+// SetPrefixNamespace.
+using PrefixNamespace = uint32_t;
+inline constexpr PrefixNamespace kDefaultNamespace = 0;
+
 // An opaque slot id (SlotId, slot_io.h): (generation << 32) | index. 0 is never a valid slot;
 // in a forward's rows it marks a padding row.
 inline constexpr SlotId kPaddingSlot = 0;
@@ -178,6 +185,12 @@ class StateCache {
   };
   virtual absl::StatusOr<PrefixAllocation> AllocateFromPrefix(
       absl::Span<const int32_t> tokens) = 0;
+  // AllocateFromPrefix among the snapshots of namespace `ns`; the slot joins `ns`.
+  virtual absl::StatusOr<PrefixAllocation> AllocateFromPrefixIn(
+      PrefixNamespace ns, absl::Span<const int32_t> tokens) = 0;
+  // Puts a live slot in namespace `ns`: the snapshots it makes from now on join ns's prefix
+  // cache (a fresh Allocate, an import's commit). NOT_FOUND as Free.
+  virtual absl::Status SetPrefixNamespace(SlotId slot, PrefixNamespace ns) = 0;
   virtual absl::Status Free(SlotId slot) = 0;
   virtual absl::StatusOr<SlotInfo> Info(SlotId slot) const = 0;
 
@@ -258,7 +271,10 @@ class StateCache {
 
   // Length of the longest snapshot key that is a prefix of `tokens` (0 = none).
   virtual int64_t MatchPrefix(absl::Span<const int32_t> tokens) const = 0;
-  // A finished request: fold it and keep its state as a snapshot keyed by all its tokens.
+  // MatchPrefix among the snapshots of namespace `ns`.
+  virtual int64_t MatchPrefixIn(PrefixNamespace ns, absl::Span<const int32_t> tokens) const = 0;
+  // A finished request: fold it and keep its state as a snapshot keyed by all its tokens
+  // (in the slot's namespace).
   // The slot id is released (it is the caller's no more).
   virtual absl::Status Donate(SlotId slot) = 0;
 };

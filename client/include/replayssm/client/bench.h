@@ -22,6 +22,7 @@ struct DecodeBenchOptions {
   absl::Duration duration = absl::Seconds(2);
   bool unary = false;  // Decode (all layers in one call) instead of the stream
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
+  std::string token;  // the bearer token (--auth-tokens servers); "" = none
 };
 
 struct DecodeBenchResult {

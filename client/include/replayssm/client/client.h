@@ -117,6 +117,11 @@ struct ChannelSecurity {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
     const ChannelSecurity& security);
 
+// The bearer token in a token file (--token-file): the file's text without surrounding
+// whitespace; INVALID_ARGUMENT naming `option` for an unreadable or empty file.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path,
+                                          const std::string& option = "token_file");
+
 class Client {
  public:
   // `address` host:port; messages up to `max_message_bytes` each way; `credentials` null:
@@ -127,6 +132,9 @@ class Client {
   explicit Client(std::shared_ptr<grpc::Channel> channel);
 
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
+  // Sends `authorization: Bearer <token>` with every call (a server with --auth-tokens
+  // requires it; the token names the tenant whose slots this client sees). "": none.
+  void set_token(std::string token) { token_ = std::move(token); }
   // Waits until the channel is connected (true) or the deadline passes.
   bool WaitForConnected(absl::Duration timeout);
 
@@ -186,6 +194,7 @@ class Client {
   std::unique_ptr<v1::SlotTransfer::Stub> transfer_;
   std::unique_ptr<v1::Regions::Stub> regions_;
   absl::Duration timeout_ = absl::Seconds(60);
+  std::string token_;
 };
 
 }  // namespace replayssm::client

@@ -25,6 +25,7 @@ struct DemoOptions {
   // (host:port) with SlotTransfer and decode there. "" = one server does everything.
   std::string decode_address;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // for decode_address; null: insecure
+  std::string token;  // the bearer token (--auth-tokens servers); "" = none
 };
 
 struct DemoReport {

@@ -1,0 +1,53 @@
+#include "service/caller.h"
+
+#include <optional>
+
+#include "absl/strings/string_view.h"
+
+namespace replayssm::service {
+
+namespace {
+
+const char* Reason(AuthFailure f) {
+  switch (f) {
+    case AuthFailure::kMissing: return "missing";
+    case AuthFailure::kMalformed: return "malformed";
+    case AuthFailure::kUnknown: return "unknown";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
+                                             const ServiceContext& ctx) {
+  if (ctx.tokens == nullptr) return ctx.ForTenant(kImplicitTenant);
+  std::optional<absl::string_view> authorization;
+  const auto& md = c.client_metadata();
+  if (auto it = md.find(kAuthorizationKey); it != md.end()) {
+    authorization = absl::string_view(it->second.data(), it->second.size());
+  }
+  AuthFailure failure = AuthFailure::kUnknown;
+  absl::StatusOr<TenantId> tenant = ctx.tokens->Authenticate(authorization, &failure);
+  if (!tenant.ok()) {
+    ctx.metrics->CountAuthFailure(Reason(failure));
+    return tenant.status();
+  }
+  return ctx.ForTenant(*tenant);
+}
+
+ServiceContext ServiceContext::ForTenant(TenantId tenant) const {
+  ServiceContext c = *this;
+  c.slots = SlotCodec(slots.handles(), tenant);
+  if (tenant_regions != nullptr) c.regions = tenant_regions->For(tenant);
+  return c;
+}
+
+cache::RegionTable* TenantRegions::For(TenantId tenant) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<cache::RegionTable>& t = tables_[tenant];
+  if (t == nullptr) t = std::make_unique<cache::RegionTable>(backend_, limits_);
+  return t.get();
+}
+
+}  // namespace replayssm::service

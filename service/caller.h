@@ -1,0 +1,46 @@
+// The caller of an RPC of a client-facing service: its bearer token authenticated against
+// --auth-tokens (tenants.h), and the service context bound to its tenant (its slot handles,
+// request ids, prefix cache and registered regions). One function so that every handler
+// refuses alike: UNAUTHENTICATED, counted in replayssm_auth_failures_total{reason}.
+#ifndef REPLAYSSM_SERVICE_CALLER_H_
+#define REPLAYSSM_SERVICE_CALLER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/grpcpp.h"
+#include "replayssm/cache/regions.h"
+#include "service/service_context.h"
+
+namespace replayssm::service {
+
+// The metadata key of the bearer token (gRPC keys are lower case).
+inline constexpr char kAuthorizationKey[] = "authorization";
+
+// `ctx` as the caller of `c` sees it: kImplicitTenant without a token store, else the tenant
+// of its token. UNAUTHENTICATED (counted in ctx.metrics) when the token is missing or unknown.
+absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
+                                             const ServiceContext& ctx);
+
+// The registered regions of each tenant: a RegionTable of its own (so names never collide
+// and --max-regions / --max-region-bytes bound each tenant), made on first use and kept.
+// Thread-safe.
+class TenantRegions {
+ public:
+  TenantRegions(int32_t backend, cache::RegionLimits limits) : backend_(backend), limits_(limits) {}
+  cache::RegionTable* For(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const int32_t backend_;
+  const cache::RegionLimits limits_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<TenantId, std::unique_ptr<cache::RegionTable>> tables_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace replayssm::service
+
+#endif  // REPLAYSSM_SERVICE_CALLER_H_

@@ -1,0 +1,316 @@
+// Bearer tokens and tenants (--auth-tokens; docs/operations.md, "Security"), against real
+// server processes: a call without a token or with a wrong one is UNAUTHENTICATED; a tenant
+// cannot reach, list, replay or share another tenant's slots, request ids, prefix snapshots or
+// regions (its valid handle is NOT_FOUND exactly as an unknown one); a changed token file is
+// read again; a moved slot belongs to its sender's tenant on the receiver.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "service_fixture.h"
+
+namespace replayssm::testing {
+namespace {
+
+constexpr char kAlice[] = "alice-token-0123456789abcdef";
+constexpr char kAlice2[] = "alice-second-token-0123456789";  // a second token, same tenant
+constexpr char kBob[] = "bob-token-0123456789abcdef";
+constexpr uint64_t kUnknownHandle = 0x5eed5eed5eed5eedULL;  // never issued (2^-64 odds)
+
+// A token file in a temporary directory, replaced atomically (rename) as Kubernetes does.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& text)
+      : path_(absl::StrCat(::testing::TempDir(), "/replayssm-tokens-", getpid(), "-", ++n_)) {
+    Write(text);
+  }
+  ~TokenFile() { std::remove(path_.c_str()); }
+  void Write(const std::string& text) const {
+    std::ofstream(path_ + ".new") << text;
+    std::rename((path_ + ".new").c_str(), path_.c_str());
+  }
+  std::string Flag() const { return "--auth-tokens=" + path_; }
+
+ private:
+  static inline int n_ = 0;
+  std::string path_;
+};
+
+std::string Tokens() {
+  return absl::StrCat("# tenant token\nalice ", kAlice, "\nalice ", kAlice2, "\nbob ", kBob, "\n");
+}
+
+std::unique_ptr<Client> As(const ServerProcess& server, const std::string& token) {
+  auto c = Client::Connect(server.grpc_address());
+  c->set_token(token);
+  return c;
+}
+
+class TenantsTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", tokens_.Flag()};
+  }
+  void SetUp() override {
+    // The fixture's own client speaks as alice.
+    auto server = ServerProcess::Start(ServerFlags());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    client_ = As(*server_, kAlice);
+    bob_ = As(*server_, kBob);
+    auto info = client_->Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    info_ = *info;
+    auto ref = client::CpuReference::Create(info_.model(), 16);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ref_ = *std::move(ref);
+  }
+  double Metric(const std::string& series) {
+    auto text = HttpGet(server_->metrics_address(), "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    return text.ok() ? Sample(*text, series) : -1;
+  }
+
+  TokenFile tokens_{Tokens()};
+  std::unique_ptr<Client> bob_;
+};
+
+TEST_F(TenantsTest, ACallWithoutATokenIsUnauthenticatedAndCounted) {
+  auto anonymous = Client::Connect(server_->grpc_address());
+  for (const absl::Status& s : {anonymous->Info().status(), anonymous->Allocate().status(),
+                                anonymous->ListSlots().status(), anonymous->RegionStatus().status(),
+                                anonymous->TransferSlot(1, "127.0.0.1:1", false, "r").status(),
+                                anonymous->OpenStream()->Begin({}).status()}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
+  }
+  EXPECT_GE(Metric("replayssm_auth_failures_total{reason=\"missing\"}"), 6);
+  EXPECT_GE(Metric("replayssm_rpcs_total{code=\"UNAUTHENTICATED\",method=\"Allocate\"}"), 1);
+  auto health = anonymous->Health();  // probes need no token
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(TenantsTest, AWrongTokenIsUnauthenticatedAndNeverEchoed) {
+  auto wrong = As(*server_, "not-a-token-of-this-server-0123");
+  auto a = wrong->Allocate();
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kUnauthenticated) << a.status();
+  EXPECT_EQ(a.status().message().find("not-a-token"), std::string::npos) << a.status();
+  EXPECT_GE(Metric("replayssm_auth_failures_total{reason=\"unknown\"}"), 1);
+  EXPECT_TRUE(client_->Allocate().ok()) << "alice's token works";
+  EXPECT_TRUE(As(*server_, kAlice2)->Allocate().ok()) << "so does her second one";
+}
+
+TEST_F(TenantsTest, AnotherTenantsValidHandleIsNotFoundExactlyAsAnUnknownOne) {
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 4);
+  const std::string before = Observe(slot);
+  // What bob hears for alice's live handle must be what he hears for a handle never issued.
+  const auto expect_unknown = [&](const absl::Status& got, const absl::Status& unknown,
+                                  const char* call) {
+    EXPECT_EQ(got.code(), absl::StatusCode::kNotFound) << call << ": " << got;
+    EXPECT_EQ(got.message(), absl::StrReplaceAll(unknown.message(), {{absl::StrCat(kUnknownHandle),
+                                                                      absl::StrCat(slot)}}))
+        << call;
+  };
+  expect_unknown(bob_->GetSlot(slot).status(), bob_->GetSlot(kUnknownHandle).status(), "GetSlot");
+  expect_unknown(bob_->Export(slot).status(), bob_->Export(kUnknownHandle).status(), "Export");
+  expect_unknown(bob_->Accept(slot, 0).status(), bob_->Accept(kUnknownHandle, 0).status(),
+                 "Accept");
+  const std::vector<v1::LayerInput> one = Layers(1);
+  expect_unknown(bob_->Decode(DecodeRequest({slot}, one)).status(),
+                 bob_->Decode(DecodeRequest({kUnknownHandle}, one)).status(), "Decode");
+  v1::PrefillRequest prefill;
+  prefill.add_tokens(5);
+  for (const auto& l : one) *prefill.add_layers() = l;
+  prefill.set_slot(slot);
+  v1::PrefillRequest prefill_unknown = prefill;
+  prefill_unknown.set_slot(kUnknownHandle);
+  expect_unknown(bob_->Prefill(prefill).status(), bob_->Prefill(prefill_unknown).status(),
+                 "Prefill");
+  expect_unknown(bob_->Donate(slot), bob_->Donate(kUnknownHandle), "Donate");
+  expect_unknown(bob_->Free(slot), bob_->Free(kUnknownHandle), "Free");
+  auto moved = bob_->TransferSlot(slot, "127.0.0.1:1", false);
+  EXPECT_EQ(moved.status().code(), absl::StatusCode::kNotFound) << moved.status();
+  EXPECT_EQ(Observe(slot), before) << "alice's slot is as it was";
+  auto listed = bob_->ListSlots();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->slots_size(), 0);
+}
+
+TEST_F(TenantsTest, ListSlotsListsTheCallersTenantOnly) {
+  const uint64_t a1 = NewSlot(), a2 = NewSlot();
+  auto b1 = bob_->Allocate();
+  ASSERT_TRUE(b1.ok());
+  auto alice = client_->ListSlots();
+  auto bob = bob_->ListSlots();
+  ASSERT_TRUE(alice.ok() && bob.ok());
+  std::vector<uint64_t> alices;
+  for (const auto& l : alice->slots()) alices.push_back(l.state().slot());
+  std::sort(alices.begin(), alices.end());
+  EXPECT_EQ(alices, (std::vector<uint64_t>{std::min(a1, a2), std::max(a1, a2)}));
+  ASSERT_EQ(bob->slots_size(), 1);
+  EXPECT_EQ(bob->slots(0).state().slot(), b1->slot());
+  // Alice's second token is alice: same slots.
+  auto again = As(*server_, kAlice2)->ListSlots();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->slots_size(), 2);
+}
+
+TEST_F(TenantsTest, ThePrefixCacheIsSharedWithinATenantOnly) {
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 20);  // tokens 100..119
+  ASSERT_TRUE(client_->Donate(slot).ok());
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 24; ++i) prompt.push_back(100 + i);
+  auto bob_match = bob_->MatchPrefix(prompt);
+  ASSERT_TRUE(bob_match.ok());
+  EXPECT_EQ(*bob_match, 0) << "bob must not hit alice's snapshot";
+  auto bob_slot = bob_->AllocateFromPrefix(prompt);
+  ASSERT_TRUE(bob_slot.ok()) << bob_slot.status();
+  EXPECT_EQ(bob_slot->matched(), 0);
+  auto stats = bob_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->snapshot_hits(), 0);
+  // Alice (through either token) hits it.
+  auto alice2 = As(*server_, kAlice2);
+  auto hit = alice2->AllocateFromPrefix(prompt);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->matched(), 20);
+  // A snapshot bob donates stays bob's.
+  ASSERT_TRUE(bob_->Donate(bob_slot->slot()).ok());
+}
+
+TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
+  auto a = client_->Allocate("request-1");
+  auto b = bob_->Allocate("request-1");
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+  EXPECT_NE(a->slot(), b->slot()) << "bob's id must not replay alice's reply (her handle)";
+  auto again = client_->Allocate("request-1");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->slot(), a->slot()) << "alice's retry still replays";
+  EXPECT_TRUE(bob_->GetSlot(b->slot()).ok());
+}
+
+TEST_F(TenantsTest, RegionsAreTheTenantsOwn) {
+  const std::string key = absl::StrCat("/replayssm-tenants-", getpid());
+  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  v1::RegisterSystemRegionRequest r;
+  r.set_name("engine");
+  r.set_key(key);
+  r.set_byte_size(4096);
+  ASSERT_TRUE(client_->RegisterSystemRegion(r).ok());
+  auto bob_all = bob_->RegionStatus();
+  ASSERT_TRUE(bob_all.ok());
+  EXPECT_EQ(bob_all->regions_size(), 0);
+  auto bob_one = bob_->RegionStatus("engine");
+  auto bob_none = bob_->RegionStatus("never-registered");
+  EXPECT_EQ(bob_one.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(bob_one.status().message(),
+            absl::StrReplaceAll(bob_none.status().message(), {{"never-registered", "engine"}}));
+  EXPECT_EQ(bob_->UnregisterRegion("engine").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(bob_->RegisterSystemRegion(r).ok()) << "the same name is free for bob";
+  auto alice_all = client_->RegionStatus();
+  ASSERT_TRUE(alice_all.ok());
+  EXPECT_EQ(alice_all->regions_size(), 1);
+  shm_unlink(key.c_str());
+}
+
+TEST_F(TenantsTest, AChangedTokenFileIsReadAgain) {
+  const std::string carol = "carol-token-0123456789abcdef";
+  EXPECT_EQ(As(*server_, carol)->Allocate().status().code(), absl::StatusCode::kUnauthenticated);
+  tokens_.Write(absl::StrCat("alice ", kAlice, "\ncarol ", carol, "\n"));
+  auto c = As(*server_, carol)->Allocate();
+  EXPECT_TRUE(c.ok()) << "a new token works at its first use: " << c.status();
+  // A removed token stops within a second (the file is looked at once a second at most).
+  absl::Status bob = absl::OkStatus();
+  for (absl::Time end = absl::Now() + absl::Seconds(10); absl::Now() < end && bob.ok();) {
+    bob = bob_->ListSlots().status();
+    if (bob.ok()) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(bob.code(), absl::StatusCode::kUnauthenticated) << bob;
+  // A file that no longer parses keeps the tokens loaded.
+  tokens_.Write("alice\n");
+  auto still = As(*server_, carol)->ListSlots();
+  EXPECT_TRUE(still.ok()) << still.status();
+  EXPECT_TRUE(client_->ListSlots().ok());
+}
+
+// Two servers with the same token file: a slot moved by alice is alice's on the receiver.
+TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
+  TokenFile tokens(Tokens());
+  auto a = ServerProcess::Start({tokens.Flag()});
+  auto b = ServerProcess::Start({tokens.Flag()});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
+  auto slot = alice_a->Allocate();
+  ASSERT_TRUE(slot.ok());
+  auto moved = alice_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false, "move-1");
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  // Bob naming alice's move (its request id and handle) learns nothing of it: no replay.
+  auto bob_a = As(**a, kBob);
+  auto replay = bob_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false, "move-1");
+  EXPECT_EQ(replay.status().code(), absl::StatusCode::kNotFound) << replay.status();
+  auto retry = alice_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false, "move-1");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->remote_slot(), moved->remote_slot()) << "alice's retry replays";
+  EXPECT_TRUE(alice_b->GetSlot(moved->remote_slot()).ok());
+  EXPECT_EQ(bob_b->GetSlot(moved->remote_slot()).status().code(), absl::StatusCode::kNotFound);
+  auto listed = bob_b->ListSlots();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->slots_size(), 0);
+  // The pull form carries the caller's token to the sender: bob pulls a slot of his.
+  auto bobs = bob_a->Allocate();
+  ASSERT_TRUE(bobs.ok());
+  auto pulled = bob_b->PullSlot(bobs->slot(), (*a)->grpc_address(), false);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_TRUE(bob_b->GetSlot(pulled->slot()).ok());
+  EXPECT_EQ(alice_b->GetSlot(pulled->slot()).status().code(), absl::StatusCode::kNotFound);
+  // Nor can alice pull bob's slot: on the sender it is an unknown handle.
+  auto bobs2 = bob_a->Allocate();
+  ASSERT_TRUE(bobs2.ok());
+  auto stolen = alice_b->PullSlot(bobs2->slot(), (*a)->grpc_address(), false);
+  EXPECT_EQ(stolen.status().code(), absl::StatusCode::kNotFound) << stolen.status();
+  EXPECT_TRUE(bob_a->GetSlot(bobs2->slot()).ok());
+}
+
+TEST(TenantTransfers, AReceiverRefusesASlotOfATenantItDoesNotKnow) {
+  TokenFile sender_tokens(Tokens());
+  TokenFile receiver_tokens(absl::StrCat("bob ", kBob, "\n"));
+  auto a = ServerProcess::Start({sender_tokens.Flag()});
+  auto b = ServerProcess::Start({receiver_tokens.Flag()});
+  auto open = ServerProcess::Start({});  // no tenants at all
+  ASSERT_TRUE(a.ok() && b.ok() && open.ok());
+  auto alice_a = As(**a, kAlice);
+  auto slot = alice_a->Allocate();
+  ASSERT_TRUE(slot.ok());
+  auto refused = alice_a->TransferSlot(slot->slot(), (*b)->grpc_address(), false);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("tenant"), std::string::npos) << refused.status();
+  EXPECT_TRUE(alice_a->GetSlot(slot->slot()).ok()) << "the source stays";
+  // A sender without tenants names none: a receiver with tenants cannot place the slot.
+  auto anon = Client::Connect((*open)->grpc_address());
+  auto s = anon->Allocate();
+  ASSERT_TRUE(s.ok());
+  auto none = anon->TransferSlot(s->slot(), (*b)->grpc_address(), false);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kPermissionDenied) << none.status();
+  // A receiver without tenants takes every slot (its one tenant).
+  auto taken = alice_a->TransferSlot(slot->slot(), (*open)->grpc_address(), false);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_TRUE(anon->GetSlot(taken->remote_slot()).ok());
+}
+
+}  // namespace
+}  // namespace replayssm::testing
