@@ -120,35 +120,7 @@ int main(int argc, char** argv) {
     }
     const rssm_state_pool pool{checkpoint, ring_d, ring_k, ring_g, S, 0, 0, 0, 0};
     const rssm_conv_state conv_state{window, ring_x, S, 0, 0};
-    auto decode = [&](int set, bool with_conv) {
-      rssm_decode_args a{};
-      a.launch = {RSSM_BACKEND_CUDA, stream};
-      a.shape = shape;
-      a.params = {d_alog, d_dt, 0.088f, 1};
-      a.pool = pool;
-      a.batch = static_cast<int32_t>(B);
-      a.slot_idx = d_idx[set];
-      a.write_pos = d_pos[set];
-      a.in = {with_conv ? d_y : d_x, d_a, d_b, 0, 0, 0};
-      a.out = {d_o, 0};
-      if (with_conv) {
-        rssm_conv_args c{};
-        c.launch = a.launch;
-        c.shape = conv_shape;
-        c.weight = d_weight;
-        c.state = conv_state;
-        c.mode = RSSM_CONV_APPEND;
-        c.batch = a.batch;
-        c.slot_idx = d_idx[set];
-        c.write_pos = d_pos[set];
-        c.num_tokens = 1;
-        c.x = d_x;
-        c.y = d_y;
-        CHECK_RSSM(rssm_short_conv(&c));
-      }
-      CHECK_RSSM(rssm_replay_decode(&a));
-    };
-    auto conv_only = [&](int set) {
+    auto conv = [&](int set) {
       rssm_conv_args c{};
       c.launch = {RSSM_BACKEND_CUDA, stream};
       c.shape = conv_shape;
@@ -163,6 +135,20 @@ int main(int argc, char** argv) {
       c.y = d_y;
       CHECK_RSSM(rssm_short_conv(&c));
     };
+    auto decode = [&](int set, bool with_conv) {
+      rssm_decode_args a{};
+      a.launch = {RSSM_BACKEND_CUDA, stream};
+      a.shape = shape;
+      a.params = {d_alog, d_dt, 0.088f, 1};
+      a.pool = pool;
+      a.batch = static_cast<int32_t>(B);
+      a.slot_idx = d_idx[set];
+      a.write_pos = d_pos[set];
+      a.in = {with_conv ? d_y : d_x, d_a, d_b, 0, 0, 0};
+      a.out = {d_o, 0};
+      if (with_conv) conv(set);
+      CHECK_RSSM(rssm_replay_decode(&a));
+    };
     // variant 0: decode, 1: conv + decode, 2: conv alone; interleaved call by call.
     std::vector<std::vector<float>> times(3);
     for (int64_t i = 0; i < iters + 8; ++i) {
@@ -172,7 +158,7 @@ int main(int argc, char** argv) {
         CHECK_CUDA(LaunchSpin(20000, stream));  // ~10 us at ~1.9 GHz: the launches queue behind it
         CHECK_CUDA(cudaEventRecord(start, stream));
         if (variant == 2) {
-          conv_only(set);
+          conv(set);
         } else {
           decode(set, variant == 1);
         }

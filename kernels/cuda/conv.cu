@@ -62,32 +62,41 @@ struct Pack<float> {
     (&p.x)[j] = __float_as_uint(v);
   }
 };
-template <>
-struct Pack<__nv_bfloat16> {
+// bf16 and fp16: two values per 32-bit word, converted through their 16-bit patterns (Bits:
+// ToFloat / FromFloat of a pattern).
+template <typename Bits>
+struct Pack16 {
   static constexpr int kN = 8;
   __device__ __forceinline__ static float Get(const uint4& p, int j) {
     const unsigned w = (&p.x)[j / 2];
-    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w >> (16 * (j % 2)))));
+    return Bits::ToFloat(static_cast<unsigned short>(w >> (16 * (j % 2))));
   }
   __device__ __forceinline__ static void Set(uint4& p, int j, float v) {
-    const unsigned h = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    const unsigned h = Bits::FromFloat(v);
     unsigned& w = (&p.x)[j / 2];
     w = j % 2 ? (w & 0xffffu) | (h << 16) : (w & 0xffff0000u) | h;
   }
 };
-template <>
-struct Pack<__half> {
-  static constexpr int kN = 8;
-  __device__ __forceinline__ static float Get(const uint4& p, int j) {
-    const unsigned w = (&p.x)[j / 2];
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> (16 * (j % 2)))));
+struct Bf16Bits {
+  __device__ __forceinline__ static float ToFloat(unsigned short b) {
+    return __bfloat162float(__ushort_as_bfloat16(b));
   }
-  __device__ __forceinline__ static void Set(uint4& p, int j, float v) {
-    const unsigned h = __half_as_ushort(__float2half_rn(v));
-    unsigned& w = (&p.x)[j / 2];
-    w = j % 2 ? (w & 0xffffu) | (h << 16) : (w & 0xffff0000u) | h;
+  __device__ __forceinline__ static unsigned short FromFloat(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
   }
 };
+struct HalfBits {
+  __device__ __forceinline__ static float ToFloat(unsigned short b) {
+    return __half2float(__ushort_as_half(b));
+  }
+  __device__ __forceinline__ static unsigned short FromFloat(float v) {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+};
+template <>
+struct Pack<__nv_bfloat16> : Pack16<Bf16Bits> {};
+template <>
+struct Pack<__half> : Pack16<HalfBits> {};
 
 template <typename A>
 __device__ __forceinline__ uint4 Load16(const A* p) {

@@ -1,5 +1,7 @@
 #include "conv_scenario.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -284,6 +286,35 @@ ConvResult RunConvScenario(const ConvConfig& cfg) {
     }
   }
   return res;
+}
+
+void ConvSweep(int32_t backend, std::initializer_list<int> rings,
+               std::initializer_list<int> channels, uint64_t seed) {
+  for (rssm_dtype dt : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16, RSSM_DTYPE_F16}) {
+    for (int width : {2, 4, 8}) {
+      for (int ring : rings) {
+        for (int c : channels) {
+          ConvConfig cfg;
+          cfg.backend = backend;
+          cfg.act_dtype = dt;
+          cfg.width = width;
+          cfg.ring_len = ring;
+          cfg.channels = c;
+          cfg.bias = seed % 2 == 0;
+          cfg.slot_pad = seed % 3 == 0 ? 8 : 0;
+          cfg.seed = seed++;
+          const ConvResult r = RunConvScenario(cfg);
+          SCOPED_TRACE(std::string(rssm_dtype_name(dt)) + " W=" + std::to_string(width) +
+                       " L=" + std::to_string(ring) + " C=" + std::to_string(c));
+          ASSERT_EQ(r.failure, "");
+          EXPECT_GT(r.outputs, 0);
+          EXPECT_LE(r.max_out_err, ConvTolerance(dt));
+          EXPECT_EQ(r.state_mismatches, 0);
+          EXPECT_EQ(r.untouched_violations, 0);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace replayssm::kernels::testing

@@ -6,6 +6,7 @@
 #define REPLAYSSM_KERNELS_TESTS_CONV_SCENARIO_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "replayssm/kernels.h"
@@ -39,6 +40,11 @@ ConvResult RunConvScenario(const ConvConfig& c);
 
 // Tolerance for max_out_err: one rounding of y to the act dtype plus fp32 accumulation.
 double ConvTolerance(rssm_dtype act_dtype);
+
+// The scenario over every act dtype x width {2, 4, 8} x `rings` x `channels` on `backend`
+// (bias and strided slots alternating, a seed per case from `seed`), as gtest expectations.
+void ConvSweep(int32_t backend, std::initializer_list<int> rings,
+               std::initializer_list<int> channels, uint64_t seed);
 
 }  // namespace replayssm::kernels::testing
 
