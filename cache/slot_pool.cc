@@ -1,5 +1,7 @@
 #include "slot_pool.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace replayssm::cache {
@@ -112,6 +114,44 @@ absl::Status SlotPool::Fold(absl::Span<const int32_t> slots, absl::Span<const in
       st = KernelStatus(rssm_conv_fold(&cf), "conv fold");
     }
   }
+  return st;
+}
+
+absl::Status SlotPool::CountNonfinite(int32_t slot, uint32_t counts_out[2], Lane& lane) {
+  const int32_t layers = model_.num_layers;
+  const size_t ckpt_bytes =
+      rssm_checkpoint_elems(&model_.shape) * rssm_dtype_size(model_.shape.state_dtype);
+  std::vector<const void*> parts;  // the checkpoints, then the conv windows
+  for (int32_t l = 0; l < layers; ++l) parts.push_back(CheckpointPtr(slot, l));
+  if (has_conv()) {
+    for (int32_t l = 0; l < layers; ++l) {
+      parts.push_back(static_cast<const char*>(CheckpointPtr(slot, l)) + ckpt_bytes);
+    }
+  }
+  Scratch& s = lane.scratch;
+  absl::Status st = s.ReserveDigests(backend_, 1, parts.size());  // 8 bytes: two counts
+  if (st.ok()) st = lane.Upload(s.digest_parts.data(), parts.data(), parts.size() * sizeof(void*));
+  uint32_t* counts = s.digests.as<uint32_t>();
+  const void* const* table = s.digest_parts.as<const void* const>();
+  if (st.ok()) {
+    const rssm_launch l = lane.Launch();
+    st = KernelStatus(rssm_count_nonfinite(&l, parts.data(), table, layers,
+                                           rssm_checkpoint_elems(&model_.shape),
+                                           model_.shape.state_dtype, counts),
+                      "count non-finite (checkpoints)");
+  }
+  if (st.ok() && has_conv()) {
+    const rssm_launch l = lane.Launch();
+    const rssm_conv_shape c = model_.ConvShape();
+    st = KernelStatus(rssm_count_nonfinite(&l, parts.data() + layers, table + layers, layers,
+                                           rssm_conv_window_elems(&c), model_.shape.act_dtype,
+                                           counts + 1),
+                      "count non-finite (conv windows)");
+  } else if (st.ok()) {
+    const rssm_launch l = lane.Launch();
+    st = KernelStatus(rssm_memset(&l, counts + 1, 0, sizeof(uint32_t)), "count non-finite");
+  }
+  if (st.ok()) st = lane.Download(counts_out, counts, 2 * sizeof(uint32_t));
   return st;
 }
 

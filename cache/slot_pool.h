@@ -39,6 +39,9 @@ class SlotPool {
   // One layer of one slot's folded state: the checkpoint and, right after it, the conv
   // window (ModelSpec::LayerStateBytes). Everything that copies a state copies these bytes.
   size_t CheckpointBytes() const;
+  // Queues the count of NaN / Inf values in slot `slot`'s folded state: counts[0] over every
+  // layer's checkpoint, counts[1] over the conv windows; there once the lane is synchronized.
+  absl::Status CountNonfinite(int32_t slot, uint32_t counts[2], Lane& lane);
 
   // Folds slots[i] at cursor write_pos[i] in every layer, the convolution's window with the
   // recurrence's checkpoint (the caller resets the cursors).

@@ -481,6 +481,10 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // folds the slot when write_pos != 0, so what leaves is the whole state, and refuses a slot
   // whose verified drafts are not yet accepted or rejected. It waits for its fold.
   absl::Status Materialize(int32_t index, const char* purpose, Lane& lane);
+  // The finiteness policy: OK when slot `index`'s folded state holds no NaN or Inf, else
+  // FAILED_PRECONDITION naming `purpose` (counted). Run on every state about to be shared
+  // with another request (a snapshot, a donation, a move out), after Materialize.
+  absl::Status CheckShareable(int32_t index, const char* purpose, Lane& lane);
 
   // Copies a folded slot's state into a new snapshot keyed by its tokens (skipped when that
   // key is cached already or no slot can be had). Waits for the copy.
@@ -542,6 +546,21 @@ absl::Status StateCacheImpl::Materialize(int32_t index, const char* purpose, Lan
   return absl::OkStatus();
 }
 
+absl::Status StateCacheImpl::CheckShareable(int32_t index, const char* purpose, Lane& lane) {
+  uint32_t counts[2] = {0, 0};
+  absl::Status st = pool_->CountNonfinite(index, counts, lane);
+  const absl::Status done = lane.Synchronize();
+  if (st.ok()) st = done;
+  if (!st.ok()) return st;
+  if (counts[0] == 0 && counts[1] == 0) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  ++stats_.nonfinite_refusals;
+  return absl::FailedPreconditionError(absl::StrCat(
+      purpose, ": the slot's state is not finite (", counts[0],
+      " NaN or Inf values in its checkpoints, ", counts[1],
+      " in its conv windows); it is never shared with another request (free it)"));
+}
+
 absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t max_pos,
                                       int64_t CacheStats::*counter, Lane& lane,
                                       std::vector<int32_t>* folded) {
@@ -573,6 +592,13 @@ absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t 
 absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   absl::Status st = Materialize(index, "snapshot", lane);
   if (!st.ok()) return st;
+  // A state with a NaN or Inf never becomes a snapshot (counted); the request goes on.
+  if (absl::Status finite = CheckShareable(index, "snapshot", lane);
+      absl::IsFailedPrecondition(finite)) {
+    return absl::OkStatus();
+  } else if (!finite.ok()) {
+    return finite;
+  }
   int32_t snap = -1;
   {
     absl::MutexLock lock(&mu_);
@@ -823,8 +849,12 @@ absl::StatusOr<std::unique_ptr<SlotReader>> StateCacheImpl::OpenExport(
     if (!i.ok()) return i.status();
     spec->index = *i;
   }
-  // The guarded path: what leaves is the whole state (write_pos 0), or nothing.
-  absl::Status st = OnLane([&](Lane& lane) { return Materialize(spec->index, "export", lane); });
+  // The guarded path: what leaves is the whole state (write_pos 0), or nothing; and never a
+  // state with a NaN or Inf (it would reach another server's requests).
+  absl::Status st = OnLane([&](Lane& lane) {
+    absl::Status r = Materialize(spec->index, "export", lane);
+    return r.ok() ? CheckShareable(spec->index, "move out", lane) : r;
+  });
   int64_t seq_len = 0;
   std::vector<int32_t> tokens;
   {
@@ -887,7 +917,10 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
     if (!i.ok()) return i.status();
     index = *i;
   }
-  absl::Status st = OnLane([&](Lane& lane) { return Materialize(index, "donate", lane); });
+  absl::Status st = OnLane([&](Lane& lane) {
+    absl::Status r = Materialize(index, "donate", lane);
+    return r.ok() ? CheckShareable(index, "donate", lane) : r;
+  });
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
   if (!st.ok()) {

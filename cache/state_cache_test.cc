@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <thread>
 
 #include "test_model.h"
@@ -432,6 +434,63 @@ TEST_F(CacheTest, ImportThenDecodeContinuesTheExportedRequest) {
   Oracle::State rb = r;
   Step({a, b}, {&h, &hb}, {&r, &rb}, 5);
   ExpectState(b, rb);
+}
+
+}  // namespace
+}  // namespace replayssm::cache
+
+namespace replayssm::cache {
+namespace {
+
+// The finiteness policy: a state with a NaN or Inf (in a checkpoint or in a conv window) is
+// never shared — a donation and a move out are refused (the slot stays as it was), a track
+// snapshot is skipped — and a finite state is shared as before.
+TEST_F(CacheTest, ANonFiniteStateIsNeverShared) {
+  Make(8, /*track=*/2, 4);
+  const SlotId good = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(good, h, r, {1, 2, 3});
+  absl::StatusOr<ExportedState> e = cache_->Export(good);
+  ASSERT_TRUE(e.ok()) << e.status();
+  const size_t ckpt_bytes = rssm_checkpoint_elems(&cache_->model().shape) * 4;
+  // A checkpoint, then the newest entry of a conv window (a v channel: still in the window
+  // after the next step, and it reaches the state through v).
+  const size_t channels = static_cast<size_t>(cache_->model().QkvWidth());
+  const size_t newest_v = ckpt_bytes + (2 * channels + channels - 8) * 4;
+  for (const size_t at : {size_t{12}, newest_v}) {
+    SCOPED_TRACE(at < ckpt_bytes ? "NaN in a checkpoint" : "NaN in a conv window");
+    std::vector<std::vector<uint8_t>> bad = e->checkpoints;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(bad[1].data() + at, &nan, 4);
+    std::vector<absl::Span<const uint8_t>> cps(bad.begin(), bad.end());
+    const SlotId s = *cache_->Allocate();
+    ASSERT_TRUE(cache_->Import(s, {1, 2, 3}, cps).ok());
+    const int64_t refusals = cache_->stats().nonfinite_refusals;
+    absl::Status d = cache_->Donate(s);
+    EXPECT_EQ(d.code(), absl::StatusCode::kFailedPrecondition) << d;
+    EXPECT_NE(d.message().find("donate: the slot's state is not finite"), std::string::npos) << d;
+    ASSERT_TRUE(cache_->Info(s).ok()) << "the refused slot is still the caller's";
+    absl::StatusOr<std::unique_ptr<SlotReader>> out = cache_->OpenExport(s, "move", {});
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition) << out.status();
+    EXPECT_EQ(cache_->stats().nonfinite_refusals, refusals + 2);
+    // One decode step reaches the track boundary (4): the snapshot is skipped, the step is not.
+    const int64_t taken = cache_->stats().snapshots_taken;
+    Batch batch = oracle_->MakeBatch({{4, 3}});
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{s, 4}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (int l = 0; l < cache_->model().num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, batch.io[l]).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+    EXPECT_EQ(cache_->stats().snapshots_taken, taken);
+    EXPECT_EQ(cache_->stats().nonfinite_refusals, refusals + 3);
+    std::vector<int32_t> probe = {1, 2, 3, 4, 9};
+    EXPECT_EQ(cache_->MatchPrefix(probe), 0) << "no snapshot of the NaN state";
+    ASSERT_TRUE(cache_->Free(s).ok());
+  }
+  // The finite request shares as before.
+  ASSERT_TRUE(cache_->Donate(good).ok());
+  std::vector<int32_t> probe = {1, 2, 3, 7};
+  EXPECT_EQ(cache_->MatchPrefix(probe), 3);
 }
 
 }  // namespace

@@ -169,6 +169,7 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
       {"replayssm_donations_total", s.donations},
       {"replayssm_guarded_exits_total", s.guard_calls},
       {"replayssm_invariant_refusals_total", s.invariant_refusals},
+      {"replayssm_nonfinite_refusals_total", s.nonfinite_refusals},
   };
   for (const auto& [name, value] : counters) {
     auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);

@@ -136,6 +136,7 @@ absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
   resp->set_snapshots_taken(s.snapshots_taken);
   resp->set_donations(s.donations);
   resp->set_invariant_refusals(s.invariant_refusals);
+  resp->set_nonfinite_refusals(s.nonfinite_refusals);
   resp->set_forwards_committed(s.forwards_committed);
   resp->set_forwards_abandoned(s.forwards_abandoned);
   resp->set_open_forwards(ctx_->gate->open());

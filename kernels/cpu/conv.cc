@@ -113,4 +113,25 @@ rssm_status ConvFold(const rssm_conv_fold_args& a) {
   }
 }
 
+rssm_status CountNonfinite(const void* const* parts, size_t count, size_t part_elems,
+                           int32_t dtype, uint32_t* result) {
+  uint64_t bad = 0;
+  for (size_t p = 0; p < count && part_elems > 0; ++p) {
+    const void* base = parts[p];
+    for (size_t i = 0; i < part_elems; ++i) {
+      float v;
+      if (dtype == RSSM_DTYPE_BF16) {
+        v = ToFloat(static_cast<const Bf16*>(base)[i]);
+      } else if (dtype == RSSM_DTYPE_F16) {
+        v = ToFloat(static_cast<const F16*>(base)[i]);
+      } else {
+        v = static_cast<const float*>(base)[i];
+      }
+      bad += std::isfinite(v) ? 0 : 1;
+    }
+  }
+  *result = static_cast<uint32_t>(std::min<uint64_t>(bad, UINT32_MAX));
+  return RSSM_OK;
+}
+
 }  // namespace replayssm::kernels::cpu

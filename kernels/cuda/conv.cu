@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -366,6 +367,41 @@ cudaError_t LaunchConvFold(const rssm_conv_fold_args& a) {
   return cudaGetLastError();
 }
 
+// rssm_count_nonfinite: a grid-stride loop per part (blockIdx.y), 16-byte loads where the
+// part allows them, one atomicAdd per block.
+template <typename A>
+__device__ __forceinline__ bool Finite(A v) {
+  return isfinite(ToF(v));
+}
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) CountNonfiniteKernel(const void* const* parts,
+                                                                 size_t part_elems,
+                                                                 uint32_t* result) {
+  const A* p = static_cast<const A*>(parts[blockIdx.y]);
+  unsigned bad = 0;
+  const size_t stride = size_t{gridDim.x} * kThreads;
+  for (size_t i = size_t{blockIdx.x} * kThreads + threadIdx.x; i < part_elems; i += stride) {
+    bad += Finite(p[i]) ? 0u : 1u;
+  }
+  bad = __reduce_add_sync(0xffffffffu, bad);
+  __shared__ unsigned block_bad;
+  if (threadIdx.x == 0) block_bad = 0;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0 && bad > 0) atomicAdd(&block_bad, bad);
+  __syncthreads();
+  if (threadIdx.x == 0 && block_bad > 0) {
+    // Saturating: a count past UINT32_MAX stays there.
+    unsigned old = *result, assumed;
+    do {
+      assumed = old;
+      const unsigned long long sum = static_cast<unsigned long long>(assumed) + block_bad;
+      old = atomicCAS(result, assumed,
+                      sum > 0xffffffffull ? 0xffffffffu : static_cast<unsigned>(sum));
+    } while (old != assumed);
+  }
+}
+
 }  // namespace
 
 rssm_status ShortConv(const rssm_conv_args& a) {
@@ -386,6 +422,34 @@ rssm_status ConvFold(const rssm_conv_fold_args& a) {
     default: e = LaunchConvFold<float>(a); break;
   }
   return ReportConv(e, "rssm_conv_fold");
+}
+
+rssm_status CountNonfinite(const rssm_launch& launch, const void* const* parts_device,
+                           size_t count, size_t part_elems, int32_t dtype, uint32_t* result) {
+  cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
+  cudaError_t e = cudaMemsetAsync(result, 0, sizeof(uint32_t), stream);
+  if (e == cudaSuccess && count > 0 && part_elems > 0) {
+    // Enough blocks per part to cover the device a few times over, at most one per 4096
+    // elements; parts go in gridDim.y.
+    const size_t per_part = std::min<size_t>((part_elems + 4095) / 4096,
+                                             std::max<size_t>(1, 1024 / count));
+    const dim3 grid(static_cast<unsigned>(std::max<size_t>(per_part, 1)),
+                    static_cast<unsigned>(count));
+    const void* const* parts = parts_device;
+    switch (dtype) {
+      case RSSM_DTYPE_BF16:
+        CountNonfiniteKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(parts, part_elems, result);
+        break;
+      case RSSM_DTYPE_F16:
+        CountNonfiniteKernel<__half><<<grid, kThreads, 0, stream>>>(parts, part_elems, result);
+        break;
+      default:
+        CountNonfiniteKernel<float><<<grid, kThreads, 0, stream>>>(parts, part_elems, result);
+        break;
+    }
+    e = cudaGetLastError();
+  }
+  return ReportConv(e, "rssm_count_nonfinite");
 }
 
 }  // namespace replayssm::kernels::cuda

@@ -500,6 +500,41 @@ rssm_status rssm_conv_fold(const rssm_conv_fold_args* in) {
   return IsCpu(a.launch) ? cpu::ConvFold(a) : cuda::ConvFold(a);
 }
 
+rssm_status rssm_count_nonfinite(const rssm_launch* launch, const void* const* parts,
+                                 const void* const* parts_device, size_t count,
+                                 size_t part_elems, int32_t dtype, uint32_t* result) {
+  Check c("rssm_count_nonfinite");
+  if (launch == nullptr) {
+    c.Fail("launch", "a non-null pointer", "NULL");
+    return Finish(c);
+  }
+  CheckLaunch(c, *launch);
+  if (!ValidDtype(dtype)) {
+    c.Fail("dtype", "RSSM_DTYPE_F32 (0), RSSM_DTYPE_BF16 (1) or RSSM_DTYPE_F16 (2)",
+           std::to_string(dtype));
+  }
+  c.NotNull(result, "result");
+  if (c.ok() && (reinterpret_cast<uintptr_t>(result) & 3u) != 0) {
+    c.Fail("result", "a 4-byte aligned pointer", "a misaligned one");
+  }
+  if (c.ok() && count > 0 && part_elems > 0) {
+    c.NotNull(parts, "parts");
+    c.NotNull(parts_device, "parts_device");
+    const size_t es = rssm_dtype_size(dtype);
+    for (size_t i = 0; c.ok() && i < count; ++i) {
+      const std::string field = "parts[" + std::to_string(i) + "]";
+      c.NotNull(parts[i], field);
+      if (c.ok() && (reinterpret_cast<uintptr_t>(parts[i]) % es) != 0) {
+        c.Fail(field, "aligned to its dtype (" + std::to_string(es) + " bytes)", "misaligned");
+      }
+    }
+  }
+  if (!c.ok()) return Finish(c);
+  g_last_error.clear();
+  if (IsCpu(*launch)) return cpu::CountNonfinite(parts, count, part_elems, dtype, result);
+  return cuda::CountNonfinite(*launch, parts_device, count, part_elems, dtype, result);
+}
+
 int64_t rssm_conv_window_elems(const rssm_conv_shape* s) {
   return s == nullptr || s->width < 2 ? 0 : int64_t{s->width - 1} * s->channels;
 }
@@ -629,6 +664,10 @@ rssm_status BaselineDecode(const rssm_decode_args&, const LaunchOverrides&, Laun
 rssm_status Fold(const rssm_fold_args&) { return NotBuilt(); }
 rssm_status ShortConv(const rssm_conv_args&) { return NotBuilt(); }
 rssm_status ConvFold(const rssm_conv_fold_args&) { return NotBuilt(); }
+rssm_status CountNonfinite(const rssm_launch&, const void* const*, size_t, size_t, int32_t,
+                           uint32_t*) {
+  return NotBuilt();
+}
 rssm_status Prefill(const rssm_prefill_args&) { return NotBuilt(); }
 rssm_status Verify(const rssm_verify_args&, const LaunchOverrides&, LaunchPlan*) {
   return NotBuilt();

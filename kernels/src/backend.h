@@ -25,6 +25,9 @@ rssm_status Prefill(const rssm_prefill_args& args);
 rssm_status Verify(const rssm_verify_args& args);
 rssm_status ShortConv(const rssm_conv_args& args);      // cpu/conv.cc
 rssm_status ConvFold(const rssm_conv_fold_args& args);  // cpu/conv.cc
+// rssm_count_nonfinite on host memory (cpu/conv.cc).
+rssm_status CountNonfinite(const void* const* parts, size_t count, size_t part_elems,
+                           int32_t dtype, uint32_t* result);
 // rssm_segment_digests_parts: count * part_bytes > 0; `digests` host memory on CPU.
 rssm_status SegmentDigests(const void* const* parts, size_t count, size_t part_bytes,
                            size_t segment_bytes, uint64_t* digests);
@@ -46,6 +49,9 @@ rssm_status Verify(const rssm_verify_args& args, const LaunchOverrides& override
                    LaunchPlan* plan);
 rssm_status ShortConv(const rssm_conv_args& args);      // cuda/conv.cu
 rssm_status ConvFold(const rssm_conv_fold_args& args);  // cuda/conv.cu
+// rssm_count_nonfinite queued on launch.stream (cuda/conv.cu).
+rssm_status CountNonfinite(const rssm_launch& launch, const void* const* parts_device,
+                           size_t count, size_t part_elems, int32_t dtype, uint32_t* result);
 // As cpu::SegmentDigests, queued on launch.stream: `parts` is the table in device memory, the
 // digests are written into device memory (kernels/cuda/backend.cu).
 rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, size_t count,

@@ -111,3 +111,46 @@ TEST(ConvFold, RefusesABadCursorAndWritesNothing) {
 
 }  // namespace
 }  // namespace replayssm::kernels::testing
+
+namespace replayssm::kernels::testing {
+namespace {
+
+TEST(CountNonfinite, CountsNaNAndInfOverEveryPartAndDtype) {
+  for (rssm_dtype dt : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16, RSSM_DTYPE_F16}) {
+    SCOPED_TRACE(rssm_dtype_name(dt));
+    const size_t es = rssm_dtype_size(dt);
+    // Two parts of 100 elements: all-zero bytes are finite; 0xff bytes are NaN in every dtype;
+    // +Inf's pattern per dtype.
+    std::vector<uint8_t> a(100 * es, 0), b(100 * es, 0);
+    std::memset(a.data() + 3 * es, 0xff, es);
+    std::memset(b.data() + 99 * es, 0xff, es);
+    const uint32_t inf32 = 0x7f800000u;
+    const uint16_t inf16 = dt == RSSM_DTYPE_BF16 ? 0x7f80 : 0x7c00;
+    if (es == 4) {
+      std::memcpy(b.data(), &inf32, 4);
+    } else {
+      std::memcpy(b.data(), &inf16, 2);
+    }
+    const void* parts[2] = {a.data(), b.data()};
+    const rssm_launch cpu{RSSM_BACKEND_CPU, nullptr};
+    uint32_t n = 77;
+    ASSERT_EQ(rssm_count_nonfinite(&cpu, parts, parts, 2, 100, dt, &n), RSSM_OK)
+        << rssm_last_error();
+    EXPECT_EQ(n, 3u);
+    ASSERT_EQ(rssm_count_nonfinite(&cpu, parts, parts, 1, 100, dt, &n), RSSM_OK);
+    EXPECT_EQ(n, 1u);
+    ASSERT_EQ(rssm_count_nonfinite(&cpu, parts, parts, 0, 100, dt, &n), RSSM_OK);
+    EXPECT_EQ(n, 0u) << "no parts: nothing is non-finite";
+  }
+  uint32_t n = 0;
+  const rssm_launch cpu{RSSM_BACKEND_CPU, nullptr};
+  const void* none[1] = {nullptr};
+  EXPECT_EQ(rssm_count_nonfinite(&cpu, none, none, 1, 4, RSSM_DTYPE_F32, &n),
+            RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("parts[0]"), std::string::npos);
+  EXPECT_EQ(rssm_count_nonfinite(&cpu, none, none, 1, 4, 9, &n), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("dtype"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace replayssm::kernels::testing

@@ -383,6 +383,19 @@ rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* co
                                        size_t part_bytes, size_t segment_bytes,
                                        uint64_t* digests);
 
+/* Non-finite values (NaN, +-Inf) of a state held in `count` parts of `part_elems` elements of
+ * `dtype` each (e.g. one layer's checkpoint per part), where the parts lie: *result (BACKEND
+ * memory, 4-byte aligned) becomes the number of non-finite elements (saturating at
+ * UINT32_MAX). As rssm_segment_digests_parts: `parts` is the HOST array the call validates,
+ * `parts_device` the same pointers in BACKEND memory (the table the device reads, uploaded by
+ * the caller on the same stream; on CPU it may be parts itself); nothing is allocated and
+ * nothing synchronizes (CUDA: the count is there once the stream has reached it). Each part
+ * is aligned to its dtype. The cache runs it on every state that would be shared (a snapshot,
+ * a donation, a transfer) so that one request's NaN never reaches another's prefix. */
+rssm_status rssm_count_nonfinite(const rssm_launch* launch, const void* const* parts,
+                                 const void* const* parts_device, size_t count,
+                                 size_t part_elems, int32_t dtype, uint32_t* result);
+
 /* Helpers. */
 const char* rssm_status_name(rssm_status status);
 const char* rssm_dtype_name(int32_t dtype); /* "unknown" for an unknown dtype */

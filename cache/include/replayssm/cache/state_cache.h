@@ -94,6 +94,9 @@ struct CacheStats {
   int64_t snapshot_hits = 0, snapshot_misses = 0, snapshot_evictions = 0;
   int64_t snapshots_taken = 0, donations = 0;
   int64_t guard_calls = 0, invariant_refusals = 0;
+  // States refused from sharing because they hold a NaN or Inf: a donation or a move out
+  // refused, a track-boundary snapshot skipped (the finiteness policy, docs/cache.md).
+  int64_t nonfinite_refusals = 0;
   int64_t forwards_committed = 0, forwards_abandoned = 0;  // decode forwards
   int64_t lanes = 0;  // streams with pinned staging: the most operations that ever ran at once
 };
