@@ -80,6 +80,7 @@ Launch overrides (kernels/cuda/plan.h; default: planned):
   REPLAYSSM_CUDA_NS=1..8                bulk: S0 stages per warp
   REPLAYSSM_CUDA_BULK=0..15             bulk: pieces the copy engine fetches (1 S0, 2 ring d,
                                         4 ring k, 8 ring g; default 15)
+  REPLAYSSM_CUDA_LATE_STAGE=0|1         bulk: fp32 replay's late S0 stage where planned (1)
   REPLAYSSM_CUDA_VERBOSE=0|1            print each case's launch plan
 )";
 
@@ -126,7 +127,8 @@ Settings FromEnvironment() {
       "REPLAYSSM_BENCH_GATE",      "REPLAYSSM_BENCH_STATE",      "REPLAYSSM_BENCH_B",
       "REPLAYSSM_BENCH_OP",        "REPLAYSSM_BENCH_FOLD_FIRST", "REPLAYSSM_CUDA_STEP",
       "REPLAYSSM_CUDA_BULK_MIN_B", "REPLAYSSM_CUDA_RPW",         "REPLAYSSM_CUDA_NW",
-      "REPLAYSSM_CUDA_NS",         "REPLAYSSM_CUDA_BULK",        "REPLAYSSM_CUDA_VERBOSE"};
+      "REPLAYSSM_CUDA_NS",         "REPLAYSSM_CUDA_BULK",        "REPLAYSSM_CUDA_VERBOSE",
+      "REPLAYSSM_CUDA_LATE_STAGE"};
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string var(*e, std::strcspn(*e, "="));
     if (var.rfind("REPLAYSSM_BENCH_", 0) != 0 && var.rfind("REPLAYSSM_CUDA_", 0) != 0) continue;
@@ -182,6 +184,9 @@ Settings FromEnvironment() {
   if (const char* v = std::getenv("REPLAYSSM_CUDA_BULK")) {
     o.bulk_copy = static_cast<int>(ParseInt("REPLAYSSM_CUDA_BULK", v, 0, 15));
   }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_LATE_STAGE")) {
+    o.late_stage = static_cast<int>(ParseInt("REPLAYSSM_CUDA_LATE_STAGE", v, 0, 1));
+  }
   const std::string bad = replayssm::kernels::cuda::CheckOverrides(o);
   if (!bad.empty()) Fail("launch overrides (REPLAYSSM_CUDA_*): " + bad);
   return s;
@@ -193,11 +198,12 @@ std::string Describe(const LaunchPlan& p) {
   if (p.role == replayssm::kernels::cuda::KernelRole::kBulkStep) {
     const auto& c = p.bulk;
     std::snprintf(buf, sizeof buf,
-                  "bulk: TT %d KC %d RB %d, %d warps x %d rows, %d stages, %d chunks, "
+                  "bulk: TT %d KC %d RB %d, %d warps x %d rows, %d stages%s, %d chunks, "
                   "grid %u x %u, smem %zu B, copies s0/d/k/g %d%d%d%d, d %s",
                   c.tokens_per_pass, c.channels_per_lane, c.rows_per_batch, c.warps,
-                  c.rows_per_warp, c.stages, c.chunks, p.grid_x, p.grid_y, p.smem_bytes, c.bulk_s0,
-                  c.bulk_d, c.bulk_k, c.bulk_g, c.d_dense ? "dense" : "padded");
+                  c.rows_per_warp, c.stages, c.late_stage ? " + late" : "", c.chunks, p.grid_x,
+                  p.grid_y, p.smem_bytes, c.bulk_s0, c.bulk_d, c.bulk_k, c.bulk_g,
+                  c.d_dense ? "dense" : "padded");
   } else {
     const auto& c = p.tiled;
     std::snprintf(buf, sizeof buf, "%s: KMAX %d TC %d, %d rows per CTA, grid %u, smem %zu B",

@@ -48,6 +48,9 @@ struct BulkParams {
   int32_t bulk_s0, bulk_d, bulk_k, bulk_g;  // sources aligned for the bulk copy engine
   int32_t vec_s0;                           // the fold's 16/8-byte stores are aligned
   int32_t d_dense;                          // the ring's d rows in one copy (dstride = V)
+  // A further S0 stage per warp at this offset, over the records' k and g (dead once the record
+  // dots are done), for a decode that does not fold; -1: none (BulkConfig::late_stage).
+  int32_t o_late;
   const int32_t* slot_idx;
   const int32_t* write_pos;
   const uint8_t* force_fold;
@@ -154,6 +157,8 @@ struct BulkCta {
   static constexpr int G = 4;  // records per unit of the record dots (up to 4 units for L = 16)
   static constexpr bool kda = KDA;
   static constexpr bool kVerify = TT > 1;
+  // fp32 decode may take the late stage (BulkParams::o_late); the others keep their code.
+  static constexpr bool kLate = TT == 1 && sizeof(T) == 4;
 
   const BulkParams& p;
   unsigned char* const smem;
@@ -180,6 +185,7 @@ struct BulkCta {
   uint64_t* rbar;  // the records' mbarrier
   int dst;         // ring d row stride in shared memory (rows + 16 bytes, or V)
   int ns, nst;     // stages, stages in use
+  int nse;         // decode: stages in the rotation (ns, or ns + 1 with the late stage)
   T* s0s;          // [ns][RB][K] the warp's stages
   T* dsc;          // [j][dst]: the CTA's rows of record j
   T* ds;           // the warp's columns of dsc
@@ -237,7 +243,7 @@ struct BulkCta {
     wbar = reinterpret_cast<uint64_t*>(smem) + warp * kBulkMaxStages;
     rbar = reinterpret_cast<uint64_t*>(smem) + kBulkMaxWarps * kBulkMaxStages;
     dst = p.dstride;
-    ns = p.ns, nst = min(ns, nb);
+    ns = p.ns, nst = min(ns, nb), nse = ns;
     s0s = reinterpret_cast<T*>(smem + p.o_s0) + int64_t{warp} * ns * RB * K;
     dsc = reinterpret_cast<T*>(smem + p.o_d);
     ds = dsc + warp * rpw;
@@ -395,6 +401,8 @@ struct BulkCta {
     rk = RingK(slot);
     rg = RingG(slot);
     bd = p.bulk_d != 0 && w > 0;
+    // The late stage: a decode that does not fold, with batches left once the first ns are out.
+    if (kLate && p.o_late >= 0 && bs0 && !fold && nb > ns) nse = ns + 1;
     bk = p.bulk_k != 0 && w > 0, bg = p.bulk_g != 0 && w > 0;
   }
 
@@ -405,7 +413,7 @@ struct BulkCta {
   __device__ __forceinline__ void IssueS0() {
     if (pad || lane != 0) return;
     if (bs0) {
-      for (int b = 0; b < nst; ++b) MbarInit(wbar + b, 1);
+      for (int b = 0; b < (kLate && nse > ns ? nse : nst); ++b) MbarInit(wbar + b, 1);
     }
     MbarFenceInit();
     if (TT > 1 && warp == 0) IssueRecords();
@@ -642,16 +650,17 @@ struct BulkCta {
   }
 
   // ---- 5. the warp's rows, RB at a time (no CTA barrier from here on) ------------------------
-  // Refills stage si with batch b + ns (rows rb0 + ns * RB) once every lane's reads of it are
-  // done.
+  // Refills stage si with batch b + nsr (rows rb0 + nsr * RB; nsr the stages in the rotation)
+  // once every lane's reads of it are done.
   __device__ __forceinline__ void RefillStage(int b, int rb0, int si, T* stage) const {
-    if (bs0 && b + ns < nb) {
+    const int nsr = kLate ? nse : ns;
+    if (bs0 && b + nsr < nb) {
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) {
         FenceProxyAsync();  // ... and ordered before the bulk engine's writes
         const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
         MbarExpectTx(wbar + si, bb);
-        BulkLoadStream(stage, s0 + int64_t(wv0 + rb0 + ns * RB) * K, bb, wbar + si);
+        BulkLoadStream(stage, s0 + int64_t(wv0 + rb0 + nsr * RB) * K, bb, wbar + si);
       }
     }
   }
@@ -672,19 +681,21 @@ struct BulkCta {
   // The contraction S0·(A∘k), S0·(A∘q) of batch b's rows (stage at st + c0) into the lane's
   // partials. fp32 decode reads the batch's rows all before any use, so that the stage may be
   // refilled before the arithmetic (when `early_refill`).
-  __device__ __forceinline__ void Contract(float (&acc)[NV], const T* st, const float (&ka)[TT][KC],
-                                           const float (&qa)[TT][KC], bool early_refill, int b,
-                                           int rb0, int si, T* stage) const {
-    Slice<T, KC> xs[kEarlyRefill ? RB : 1];
+  __device__ __forceinline__ void Contract(float (&acc)[NV],
+                                           Slice<T, KC> (&xs)[kEarlyRefill ? RB : 1], const T* st,
+                                           const float (&ka)[TT][KC], const float (&qa)[TT][KC],
+                                           bool early_refill, int b, int rb0, int si,
+                                           T* stage) const {
     if constexpr (kEarlyRefill) {
 #pragma unroll
       for (int i = 0; i < RB; ++i) LoadSmemSlice(xs[i], st + i * K);
       if (early_refill) RefillStage(b, rb0, si, stage);  // free once every lane has its rows
     }
+    Slice<T, KC> xl;  // a row at a time otherwise
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
-      if constexpr (!kEarlyRefill) LoadSmemSlice(xs[0], st + i * K);
-      const Slice<T, KC>& x = xs[kEarlyRefill ? i : 0];
+      if constexpr (!kEarlyRefill) LoadSmemSlice(xl, st + i * K);
+      const Slice<T, KC>& x = kEarlyRefill ? xs[i] : xl;
 #pragma unroll
       for (int e = 0; e < KC; ++e) {
         const float s = x.Get(e);
@@ -782,12 +793,16 @@ struct BulkCta {
   // at a time with their KC channels in registers, so that record j's W_j∘k_j and d_j are read
   // once for all of them. The order per element is the CPU's: S0·A, the records in order, the
   // new d.
-  __device__ __forceinline__ void FoldBatch(const T* st, int rb0, float dcur,
-                                            const float (&kn0)[KC], const float (&av)[KC],
-                                            bool vec_s0) const {
+  // fp32 decode passes the batch's rows as Contract read them into registers (`xs`; the stage
+  // is refilled by then); the others read them from the stage again.
+  __device__ __forceinline__ void FoldBatch(const T* st,
+                                            const Slice<T, KC> (&xs)[kEarlyRefill ? RB : 1],
+                                            int rb0, float dcur, const float (&kn0)[KC],
+                                            const float (&av)[KC], bool vec_s0) const {
     constexpr int FA = BulkFoldAccs(sizeof(T), KC);
     constexpr int FR = RB * KC <= FA ? RB : FA / KC;
     static_assert(RB % FR == 0, "fold row groups");
+    static_assert(!kEarlyRefill || FR == RB, "rows in registers: one fold group");
 #pragma unroll 1
     for (int i0 = 0; i0 < RB; i0 += FR) {
       float out[FR][KC];
@@ -795,7 +810,11 @@ struct BulkCta {
 #pragma unroll
         for (int i = 0; i < FR; ++i) {
           Slice<T, KC> x;
-          LoadSmemSlice(x, st + (i0 + i) * K);
+          if constexpr (kEarlyRefill) {
+            x = xs[i];
+          } else {
+            LoadSmemSlice(x, st + (i0 + i) * K);
+          }
 #pragma unroll
           for (int e = 0; e < KC; ++e) out[i][e] = x.Get(e) * av[e];
         }
@@ -874,18 +893,28 @@ struct BulkCta {
     const int64_t orow = tok0 * ly.o_stride + int64_t{h} * V + wv0 + row_l;  // + t * o_stride + rb0
     T* const drow = rd + int64_t{w} * V + wv0 + row_l;                       // + t * V + rb0
 
-    int si = 0;            // the batch's stage (b % ns without a division)
-    uint32_t sphase = 0u;  // ... and its mbarrier phase ((b / ns) & 1)
+    // Decode's late stage, issued now that the record dots (behind the CTA barrier) are done
+    // with the records' k and g beneath it: batch ns.
+    T* const late = reinterpret_cast<T*>(smem + p.o_late) + warp * RB * K;
+    if (kLate && nse > ns && lane == 0) {
+      FenceProxyAsync();  // the record dots' reads of k and g before the bulk engine's writes
+      const uint32_t bb = static_cast<uint32_t>(RB * K * sizeof(T));
+      MbarExpectTx(wbar + ns, bb);
+      BulkLoadStream(late, s0 + int64_t(wv0 + ns * RB) * K, bb, wbar + ns);
+    }
+    int si = 0;            // the batch's stage (b % nse without a division)
+    uint32_t sphase = 0u;  // ... and its mbarrier phase ((b / nse) & 1)
 #pragma unroll 1
     for (int b = 0; b < nb; ++b) {
       const int rb0 = b * RB;  // the batch's first row within the warp
-      T* const stage = s0s + si * RB * K;
+      T* const stage = !kLate || si < ns ? s0s + si * RB * K : late;
       AwaitStage(rb0, wbar + si, sphase, stage);
       const T* const st = stage + c0;
-      // fp32 decode that does not fold refills right after the contraction's loads (its rows
-      // are then in registers); everything else at the batch's end (verify's rows held in
-      // registers spilled, and 16-bit decode measured slower).
-      const bool early_refill = kEarlyRefill && !fold && has_c_all;
+      // fp32 decode refills right after the contraction's loads (its rows are then in
+      // registers, where a folding row's fold reads them); everything else at the batch's end
+      // (verify's rows held in registers spilled, and 16-bit decode measured slower).
+      const bool early_refill = kEarlyRefill && has_c_all;
+      Slice<T, KC> xs[kEarlyRefill ? RB : 1];
       float dcur = 0.f;
 #pragma unroll 1
       for (int pass0 = 0; pass0 < T_; pass0 += TT) {
@@ -894,7 +923,7 @@ struct BulkCta {
         float acc[NV];
 #pragma unroll
         for (int i = 0; i < NV; ++i) acc[i] = 0.f;
-        if (has_c) Contract(acc, st, ka, qa, early_refill, b, rb0, si, stage);
+        if (has_c) Contract(acc, xs, st, ka, qa, early_refill, b, rb0, si, stage);
         AddRingTerms(acc, rb0, pass0, nt, ur, pr);
         if constexpr (kVerify) {
           if (one_pass) {  // lane i < RB chains row i's drafts with register coefficients
@@ -931,10 +960,10 @@ struct BulkCta {
         if (!one_pass) __syncwarp();  // the next pass reads this pass's dds
       }
       if constexpr (TT == 1) {  // decode only: the new checkpoint of the batch rows
-        if (fold) FoldBatch(st, rb0, dcur, kn0, av, vec_s0);
+        if (fold) FoldBatch(st, xs, rb0, dcur, kn0, av, vec_s0);
       }
       if (!early_refill) RefillStage(b, rb0, si, stage);
-      if (++si == ns) si = 0, sphase ^= 1u;
+      if (++si == (kLate ? nse : ns)) si = 0, sphase ^= 1u;
     }
   }
 };

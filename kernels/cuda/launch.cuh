@@ -86,6 +86,7 @@ cudaError_t LaunchBulkT(const LaunchPlan& plan, int device, const StepParams& sp
   p.o_dd = sm.dd;
   p.vec_s0 = c.vec_s0, p.bulk_s0 = c.bulk_s0, p.bulk_d = c.bulk_d, p.bulk_k = c.bulk_k;
   p.bulk_g = c.bulk_g, p.d_dense = c.d_dense;
+  p.o_late = c.late_stage ? sm.kr : -1;
   auto kernel = BulkStepKernel<T, TT, KC, RB, KDA>;
   static FuncSmemLimit limit;  // one per instantiation
   const cudaError_t e = limit.Allow(kernel, device, plan.smem_bytes, true);

@@ -111,6 +111,17 @@ std::optional<LaunchPlan> PlanBulk(const LaunchProblem& pr, const DeviceLimits& 
   const int rows = c.warps * c.rows_per_warp;
   c.d_dense = dense_ok && c.bulk_d && c.chunks == 1 && rows == pr.head_v;
   c.d_stride = c.d_dense ? pr.head_v : DStride(rows, pr.state_bytes);
+  // The late stage: fp32 replay decode whose warps have batches beyond their stages, where the
+  // records' k and g (contiguous from kr to g's end) hold a stage for every warp: KDA at K = V
+  // = 128 (16 KB; KDA fp32 replay −1.4 / −1.6 / −2.3% at B = 64 / 128 / 256, peer method). Not
+  // 16-bit decode (KDA bf16 replay +0.5..+4.7% at B = 16..128: its stages refill at a batch's
+  // end) nor verify (its registers spilled, or with the rotation's arithmetic +1.5..+3.4%).
+  const int late_region = c.smem.g + c.ring_records * (pr.kda ? pr.head_k : 1) * 4 - c.smem.kr;
+  const int stage_bytes = c.warps * c.rows_per_batch * pr.head_k * pr.state_bytes;
+  c.late_stage = ov.late_stage != 0 && c.tokens_per_pass == 1 && pr.state_bytes == 4 &&
+                 c.ring_records > 0 && c.bulk_s0 && c.stages < kBulkMaxStages &&
+                 c.stages < CeilDiv(c.rows_per_warp, c.rows_per_batch) &&
+                 late_region >= stage_bytes;
   plan.grid_x = static_cast<uint32_t>(int64_t{pr.num_v_heads} * c.chunks);
   plan.grid_y = static_cast<uint32_t>(pr.batch);
   plan.threads = c.warps * 32;
@@ -162,6 +173,9 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
   }
   if (ov.bulk_copy < 0 || ov.bulk_copy > 15) {
     return Field("bulk_copy", "a bit mask in 0..15", ov.bulk_copy);
+  }
+  if (ov.late_stage != 0 && ov.late_stage != 1) {
+    return Field("late_stage", "0 or 1", ov.late_stage);
   }
   return "";
 }

@@ -61,6 +61,7 @@ struct LaunchOverrides {
   int stages = 0;              // bulk: S0 stages per warp, 1..8
   int bulk_copy = 15;          // bulk: pieces the copy engine may fetch (1 S0, 2 ring d,
                                // 4 ring k, 8 ring g); the others take plain loads
+  int late_stage = 1;          // bulk: 1 decode's late S0 stage where planned (BulkConfig), 0 none
 };
 
 // "" when every override is in range, else "<field>: expected <range>, got <value>".
@@ -87,6 +88,9 @@ struct BulkConfig {           // kBulkStep
   bool d_dense = false;       // the ring's d rows in one copy (d_stride = V)
   bool vec_s0 = false;        // the checkpoint takes 16-byte stores
   bool bulk_s0 = false, bulk_d = false, bulk_k = false, bulk_g = false;  // by the copy engine
+  // fp32 replay decode: a further S0 stage per warp over the records' k and g (BulkSmem kr to
+  // g's end), dead once the record dots are done; a CTA that does not fold issues it then.
+  bool late_stage = false;
   BulkSmem smem{};
 };
 

@@ -94,6 +94,24 @@ TEST(Plan, DecodeGivesUpAStageRatherThanACtaPerSm) {
   EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 256, true), ov).bulk.stages, 2);
 }
 
+TEST(Plan, Fp32ReplayTakesALateStageWhereTheRecordsHoldOne) {
+  // KDA fp32 replay: its records' k and g (16 KB) hold a batch for each of its 4 warps.
+  const LaunchPlan kda = PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true));
+  EXPECT_TRUE(kda.bulk.late_stage);
+  EXPECT_GE(CtasPerSm(kda), 4);
+  LaunchOverrides none;
+  none.late_stage = 0;
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256, true), none).bulk.late_stage);
+  // GDN's records (8 KB of k) hold none; the baseline has no records; verify and 16-bit
+  // state do not take it.
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256)).bulk.late_stage);
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kBaseline, 256, true)).bulk.late_stage);
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kVerify, 256, true)).bulk.late_stage);
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256, true, /*state_bytes=*/2)).bulk.late_stage);
+  // Small batches: each warp's two batches are both in flight already.
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 1, true)).bulk.late_stage);
+}
+
 TEST(Plan, SmallBatchesSplitAHeadOverCtasOfTwoWarps) {
   const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 1));
   EXPECT_EQ(plan.bulk.warps, 2);
