@@ -7,6 +7,7 @@
 #ifndef REPLAYSSM_SERVICE_SAFETENSORS_H_
 #define REPLAYSSM_SERVICE_SAFETENSORS_H_
 
+#include <map>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -17,7 +18,14 @@ namespace replayssm::service {
 // Fills m->layers[*].a_log / dt_bias from `dir` and clears m->params_from_seed. Returns false
 // (changing nothing) when `dir` holds no safetensors file with such tensors; an error when
 // the tensors it finds do not fit the model.
+// Every header is checked before it is used: its length against the file, each entry's
+// shape (non-negative integers) and data_offsets (within the file's data).
 absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m);
+
+// The same over files given as bytes (name -> contents, read in name order, as the
+// directory's files are): for tests and the fuzz target.
+absl::StatusOr<bool> LoadLayerParamsFromBuffers(const std::map<std::string, std::string>& files,
+                                                const std::string& dir, cache::ModelSpec* m);
 
 }  // namespace replayssm::service
 
