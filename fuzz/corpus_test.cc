@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,8 @@ struct Target {
   const char* name;  // its corpus directory
   int (*body)(const uint8_t*, size_t);
 };
+
+void PrintTo(const Target& t, std::ostream* os) { *os << t.name; }
 
 class FuzzCorpus : public ::testing::TestWithParam<Target> {};
 
