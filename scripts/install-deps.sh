@@ -11,6 +11,8 @@ PKGS=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
   curl openssl
+  # scripts/fuzz.sh: clang and its runtime libraries (libclang_rt.fuzzer, asan, ubsan).
+  clang libclang-rt-dev
   prometheus python3
   # client/python: its runtime, the offline install into a venv (docs/python.md), and
   # protoc's gRPC Python plugin (protobuf-compiler-grpc, above) for its stubs.

@@ -52,7 +52,9 @@ Setter Bytes(int64_t ServerOptions::*field) {
 Setter Seconds(absl::Duration ServerOptions::*field) {
   return [field](ServerFlags& f, const std::string& v) -> absl::Status {
     double s = 0;
-    if (!absl::SimpleAtod(v, &s) || s < 0) return absl::InvalidArgumentError("expected seconds >= 0");
+    if (!absl::SimpleAtod(v, &s) || !(s >= 0)) {  // NaN too
+      return absl::InvalidArgumentError("expected seconds >= 0");
+    }
     f.options.*field = absl::Seconds(s);
     return absl::OkStatus();
   };
@@ -174,6 +176,18 @@ absl::Status ApplyConfigFile(ServerFlags& flags, const std::string& path,
                              const std::map<std::string, std::string>& command_line) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("--config ", path, ": cannot open"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ApplyConfig(text.str(), path, command_line, &flags);
+}
+
+}  // namespace
+
+absl::Status ApplyConfig(absl::string_view text, const std::string& path,
+                         const std::map<std::string, std::string>& command_line,
+                         ServerFlags* flags_out) {
+  ServerFlags& flags = *flags_out;
+  std::istringstream in{std::string(text)};
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
     const std::string uncommented = line.substr(0, line.find('#'));
@@ -191,8 +205,6 @@ absl::Status ApplyConfigFile(ServerFlags& flags, const std::string& path,
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<int64_t> ParseBytes(absl::string_view text) {
   const std::string upper = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));

@@ -5,6 +5,7 @@
 #define REPLAYSSM_SERVICE_CONFIG_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -21,6 +22,13 @@ struct ServerFlags {
 
 absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv);
 std::string ServerUsage();
+
+// The `name = value` lines of a config file's `text` over `flags` (what --config FILE does
+// after reading FILE); names in `command_line` are skipped, as the command line wins. Errors
+// name `path` and the line.
+absl::Status ApplyConfig(absl::string_view text, const std::string& path,
+                         const std::map<std::string, std::string>& command_line,
+                         ServerFlags* flags);
 
 // "1073741824", "512M", "1G", "1GiB", "64KiB" (binary units).
 absl::StatusOr<int64_t> ParseBytes(absl::string_view text);

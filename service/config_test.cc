@@ -112,6 +112,18 @@ TEST(ServerFlags, ConfigFileSetsFlagsAndTheCommandLineWins) {
   std::remove(path.c_str());
 }
 
+TEST(ServerFlags, ConfigTextParsesLikeAFileAndNaNSecondsAreRefused) {
+  ServerFlags flags;
+  ASSERT_TRUE(ApplyConfig("max-batch = 8\nslot-ttl=2.5\n", "x.conf", {}, &flags).ok());
+  EXPECT_EQ(flags.options.max_batch, 8);
+  EXPECT_EQ(flags.options.slot_ttl, absl::Milliseconds(2500));
+  const absl::Status nan = ApplyConfig("\nslot-ttl = nan\n", "x.conf", {}, &flags);
+  EXPECT_EQ(nan.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(nan.message().find("x.conf:2: --slot-ttl=nan: expected seconds >= 0"),
+            std::string::npos)
+      << nan;
+}
+
 TEST(ParseBytes, AcceptsPlainAndBinaryUnitsOnly) {
   EXPECT_EQ(*ParseBytes("1024"), 1024);
   EXPECT_EQ(*ParseBytes("4k"), 4096);

@@ -2,77 +2,11 @@
 
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "service/status_map.h"
 #include "service/tensors.h"
 
 namespace replayssm::service {
-
-absl::Status CheckRows(const google::protobuf::RepeatedPtrField<v1::DecodeRow>& rows,
-                       const ServiceLimits& limits) {
-  if (rows.empty() || rows.size() > limits.max_batch) {
-    return FieldError("rows", absl::StrCat("1..", limits.max_batch, " rows"),
-                      absl::StrCat(rows.size()));
-  }
-  absl::flat_hash_set<uint64_t> seen;
-  for (int i = 0; i < rows.size(); ++i) {
-    if (rows[i].slot() != 0 && !seen.insert(rows[i].slot()).second) {
-      return FieldError(absl::StrCat("rows[", i, "].slot"), "a slot not already in this forward",
-                        absl::StrCat("duplicate ", rows[i].slot()));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckPrefillRows(const google::protobuf::RepeatedPtrField<v1::PrefillRow>& rows,
-                              const ServiceLimits& limits) {
-  if (rows.empty() || rows.size() > limits.max_batch) {
-    return FieldError("rows", absl::StrCat("1..", limits.max_batch, " rows"),
-                      absl::StrCat(rows.size()));
-  }
-  absl::flat_hash_set<uint64_t> seen;
-  int64_t total = 0;
-  for (int i = 0; i < rows.size(); ++i) {
-    if (rows[i].slot() == 0 || !seen.insert(rows[i].slot()).second) {
-      return FieldError(absl::StrCat("rows[", i, "].slot"), "a distinct non-zero slot",
-                        absl::StrCat(rows[i].slot()));
-    }
-    total += rows[i].tokens_size();
-    if (rows[i].tokens().empty() || total > limits.max_prefill_tokens) {
-      return FieldError(
-          absl::StrCat("rows[", i, "].tokens"),
-          absl::StrCat("1 or more tokens, ", limits.max_prefill_tokens, " in all rows at most"),
-          absl::StrCat(rows[i].tokens_size(), " (", total, " in rows 0..", i, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckVerifyRows(const google::protobuf::RepeatedField<uint64_t>& slots,
-                             int32_t num_draft, int64_t draft_tokens, const cache::ModelSpec& model,
-                             const ServiceLimits& limits) {
-  const int64_t b = slots.size();
-  if (b < 1 || b > limits.max_batch) {
-    return FieldError("slots", absl::StrCat("1..", limits.max_batch, " slots"), absl::StrCat(b));
-  }
-  absl::flat_hash_set<uint64_t> seen;
-  for (int i = 0; i < slots.size(); ++i) {
-    if (slots[i] == 0 || !seen.insert(slots[i]).second) {
-      return FieldError(absl::StrCat("slots[", i, "]"), "a distinct non-zero slot",
-                        absl::StrCat(slots[i]));
-    }
-  }
-  if (num_draft < 1 || num_draft > model.shape.ring_len) {
-    return FieldError("num_draft", absl::StrCat("1..", model.shape.ring_len),
-                      absl::StrCat(num_draft));
-  }
-  if (draft_tokens != b * num_draft) {
-    return FieldError("draft_tokens", absl::StrCat(b * num_draft, " tokens (slots x num_draft)"),
-                      absl::StrCat(draft_tokens));
-  }
-  return absl::OkStatus();
-}
 
 namespace {
 

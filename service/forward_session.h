@@ -25,21 +25,10 @@
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/v1/replayssm.pb.h"
 #include "service/planned_forward.h"
+#include "service/request_checks.h"
 #include "service/service_context.h"
 
 namespace replayssm::service {
-
-// Rows of a decode forward: 1..max_batch of them, non-padding slots distinct.
-absl::Status CheckRows(const google::protobuf::RepeatedPtrField<v1::DecodeRow>& rows,
-                       const ServiceLimits& limits);
-// Rows of a prefill forward: 1..max_batch distinct non-zero slots, each with >= 1 token, at
-// most max_prefill_tokens in all.
-absl::Status CheckPrefillRows(const google::protobuf::RepeatedPtrField<v1::PrefillRow>& rows,
-                              const ServiceLimits& limits);
-// A verify's slots (1..max_batch, distinct, non-zero), num_draft (1..L) and draft count (B*T).
-absl::Status CheckVerifyRows(const google::protobuf::RepeatedField<uint64_t>& slots,
-                             int32_t num_draft, int64_t draft_tokens, const cache::ModelSpec& model,
-                             const ServiceLimits& limits);
 
 class ForwardSession {
  public:

@@ -23,6 +23,10 @@ using google::protobuf::Value;
 
 constexpr uint64_t kParamSeed = 0x9e3779b97f4a7c15ULL;  // the presets' seed
 constexpr int32_t kDefaultRingLen = 16;
+// Bounds on what a config.json may ask the server to allocate for its layer parameters (real
+// models: 48 layers, under 200k parameters); beyond them a hostile config ran out of memory.
+constexpr int32_t kMaxLayers = 4096;
+constexpr int64_t kMaxParams = int64_t{1} << 24;  // A_log, dt_bias and conv floats, all layers
 
 const Value* Field(const Struct& s, const std::string& key) {
   auto it = s.fields().find(key);
@@ -205,9 +209,9 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigJson(const std::string& json,
   m.shape.ring_len = ring_len > 0 ? ring_len : kDefaultRingLen;
   m.shape.state_dtype = state_dtype > -1 ? state_dtype : RSSM_DTYPE_F32;
   m.shape.act_dtype = *act;
-  if (m.num_layers < 1) {
-    return FieldError(absl::StrCat(name, ": linear-attention layers"), ">= 1",
-                      absl::StrCat(m.num_layers));
+  if (m.num_layers < 1 || m.num_layers > kMaxLayers) {
+    return FieldError(absl::StrCat(name, ": linear-attention layers"),
+                      absl::StrCat("1..", kMaxLayers), absl::StrCat(m.num_layers));
   }
   if (rssm_check_shape(&m.shape) != RSSM_OK) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", rssm_last_error()));
@@ -215,6 +219,16 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigJson(const std::string& json,
   if (m.conv_width > RSSM_MAX_CONV_WIDTH) {
     return FieldError(absl::StrCat(name, ": the short convolution's kernel size"),
                       absl::StrCat("2 to ", RSSM_MAX_CONV_WIDTH), absl::StrCat(m.conv_width));
+  }
+  const int64_t per_layer =
+      int64_t{m.shape.num_v_heads} * (m.shape.gate == RSSM_GATE_KDA ? 1 + m.shape.head_k : 2) +
+      (2LL * m.shape.num_qk_heads * m.shape.head_k + int64_t{m.shape.num_v_heads} * m.shape.head_v) *
+          m.conv_width;
+  if (per_layer * m.num_layers > kMaxParams) {
+    return FieldError(absl::StrCat(name, ": layer parameters (layers x (value heads x ",
+                                   m.shape.gate == RSSM_GATE_KDA ? "(1 + head_dim)" : "2",
+                                   " + conv channels x conv width))"),
+                      absl::StrCat("at most ", kMaxParams), absl::StrCat(per_layer * m.num_layers));
   }
   m.layers = cache::SeededParams(m.shape, m.num_layers, kParamSeed, m.conv_width);
   m.params_from_seed = true;

@@ -138,5 +138,23 @@ TEST(HfConfig, EveryWrongTypeIsAnErrorNamingTheKey) {
   }
 }
 
+// Found by fuzz/ (hf_config target): a config.json asking for billions of layers or huge
+// heads made the server allocate their parameters (out of memory) instead of refusing it.
+TEST(HfConfig, AConfigAskingForTooManyParametersIsRefusedNamingWhat) {
+  auto many = ModelFromHfConfigJson(R"({"num_hidden_layers": 2147483647,
+      "full_attention_interval": 0, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+      "linear_key_head_dim": 32, "linear_value_head_dim": 32})",
+                                    "c.json", -1, 0);
+  EXPECT_EQ(many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(many.status().message().find("linear-attention layers: expected 1..4096"),
+            std::string::npos)
+      << many.status();
+  auto huge = ModelFromHfConfigJson(R"({"linear_attn_config": {"num_heads": 65536,
+      "head_dim": 256, "kda_layers": [1, 2, 3, 4]}})",
+                                    "c.json", -1, 0);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.status().message().find("layer parameters"), std::string::npos) << huge.status();
+}
+
 }  // namespace
 }  // namespace replayssm::service

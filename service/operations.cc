@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "service/forward_session.h"
 #include "service/planned_forward.h"
+#include "service/request_checks.h"
 #include "service/status_map.h"
 #include "service/tensors.h"
 
@@ -146,10 +147,7 @@ absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
 
 absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateResponse* resp) {
   if (ctx_->gate->draining()) return Draining();
-  if (!req.from_prefix() && req.prefix_tokens_size() > 0) {
-    return FieldError("prefix_tokens", "empty unless from_prefix",
-                      absl::StrCat(req.prefix_tokens_size(), " tokens"));
-  }
+  if (absl::Status s = CheckAllocateRequest(req); !s.ok()) return s;
   return Once("Allocate", req.request_id(), req, resp, [&]() -> absl::Status {
     if (!req.from_prefix()) {
       absl::StatusOr<cache::SlotId> slot = ctx_->cache->Allocate();
@@ -206,49 +204,20 @@ absl::Status Operations::ListSlots(v1::ListSlotsResponse* resp) const {
 absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse* resp) {
   if (ctx_->gate->draining()) return Draining();
   const cache::ModelSpec& m = ctx_->cache->model();
-  if (absl::Status s = CheckImportTokens(req.tokens_size(), ctx_->limits); !s.ok()) return s;
-  if (req.checkpoints_size() != m.num_layers) {
-    return FieldError("checkpoints", absl::StrCat(m.num_layers, " layers"),
-                      absl::StrCat(req.checkpoints_size()));
-  }
+  if (absl::Status s = CheckImportRequest(req, m, ctx_->limits); !s.ok()) return s;
   std::vector<const void*> checkpoints;
   std::map<std::string, cache::RegionLease> leases;  // held until the call ends
   const bool regions = req.checkpoints(0).has_region();
   const bool conv = m.conv_width > 0;
   // Inline with a convolution: each layer's checkpoint and window joined, as the slot holds
   // them.
-  std::vector<std::string> joined;
-  if ((!conv || regions) && req.conv_windows_size() > 0) {
-    return FieldError("conv_windows",
-                      conv ? "none (region checkpoints hold their windows)"
-                           : "none (the model has no short convolution)",
-                      absl::StrCat(req.conv_windows_size(), " tensors"));
-  }
+  std::vector<std::string> joined;  // (CheckImportRequest checked the windows)
   cache::IoMemory memory = cache::IoMemory::kHost;
   for (int l = 0; l < req.checkpoints_size(); ++l) {
     const v1::Tensor& t = req.checkpoints(l);
     const std::string field = absl::StrCat("checkpoints[", l, "]");
-    absl::Status s = CheckTensor(t, field, m.shape.state_dtype, CheckpointShape(m));
-    if (s.ok() && t.has_region() != regions) {
-      s = FieldError(field + ".region",
-                     regions ? "a region, as checkpoints[0]"
-                             : "unset, as "
-                               "checkpoints[0] (inline bytes)",
-                     t.has_region() ? "a region" : "inline bytes");
-    }
-    if (s.ok() && conv && !regions && req.conv_windows_size() != m.num_layers) {
-      s = FieldError(
-          "conv_windows",
-          absl::StrCat(m.num_layers, " layers ([", m.conv_width - 1, ", ", m.QkvWidth(), "] each)"),
-          absl::StrCat(req.conv_windows_size()));
-    }
-    if (!s.ok()) return s;
     if (!regions && conv) {
-      const v1::Tensor& w = req.conv_windows(l);
-      s = CheckTensor(w, absl::StrCat("conv_windows[", l, "]"), m.shape.act_dtype,
-                      ConvWindowShape(m));
-      if (!s.ok()) return s;
-      joined.push_back(t.data() + w.data());
+      joined.push_back(t.data() + req.conv_windows(l).data());
       continue;
     }
     if (!regions) {
@@ -373,11 +342,7 @@ absl::Status Operations::ExportToRegions(const v1::ExportRequest& req, v1::Expor
 absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp) {
   const cache::ModelSpec& m = ctx_->cache->model();
   const int64_t n = req.tokens_size();
-  if (n < 1 || n > ctx_->limits.max_prefill_tokens) {
-    return FieldError("tokens", absl::StrCat("1..", ctx_->limits.max_prefill_tokens, " tokens"),
-                      absl::StrCat(n));
-  }
-  absl::Status s = CheckAllLayers(req.layers(), m, n);
+  absl::Status s = CheckPrefillRequest(req, m, ctx_->limits);
   if (!s.ok()) return s;
   ForwardGate::Ticket ticket;
   s = ctx_->gate->Enter(&ticket);
@@ -408,8 +373,7 @@ absl::Status Operations::Prefill(const v1::PrefillRequest& req, v1::PrefillRespo
 
 absl::Status Operations::Decode(const v1::DecodeRequest& req, v1::DecodeResponse* resp) {
   absl::Status s = ctx_->requests->CheckId(req.request_id());
-  if (s.ok()) s = CheckRows(req.rows(), ctx_->limits);
-  if (s.ok()) s = CheckAllLayers(req.layers(), ctx_->cache->model(), req.rows_size());
+  if (s.ok()) s = CheckDecodeRequest(req, ctx_->cache->model(), ctx_->limits);
   // Every region range checked before any layer runs (the session resolves them again).
   for (int l = 0; s.ok() && l < req.layers_size(); ++l) {
     std::map<std::string, cache::RegionLease> leases;
@@ -436,22 +400,9 @@ absl::Status Operations::Decode(const v1::DecodeRequest& req, v1::DecodeResponse
   return absl::OkStatus();
 }
 
-namespace {
-
-// Every field of a verify request against the model and the limits.
-absl::Status CheckVerify(const v1::VerifyRequest& req, const cache::ModelSpec& m,
-                         const ServiceLimits& limits) {
-  absl::Status s =
-      CheckVerifyRows(req.slots(), req.num_draft(), req.draft_tokens_size(), m, limits);
-  if (!s.ok()) return s;
-  return CheckAllLayers(req.layers(), m, int64_t{req.slots_size()} * req.num_draft());
-}
-
-}  // namespace
-
 absl::Status Operations::Verify(const v1::VerifyRequest& req, v1::VerifyResponse* resp) {
   const cache::ModelSpec& m = ctx_->cache->model();
-  absl::Status s = CheckVerify(req, m, ctx_->limits);
+  absl::Status s = CheckVerifyRequest(req, m, ctx_->limits);
   if (!s.ok()) return s;
   const int64_t n = int64_t{req.slots_size()} * req.num_draft();
   ForwardGate::Ticket ticket;
@@ -484,10 +435,7 @@ absl::Status Operations::Verify(const v1::VerifyRequest& req, v1::VerifyResponse
 }
 
 absl::Status Operations::Accept(const v1::AcceptRequest& req, v1::AcceptResponse* resp) {
-  const int32_t l = ctx_->cache->model().shape.ring_len;
-  if (req.num_accepted() < 0 || req.num_accepted() > l) {
-    return FieldError("num_accepted", absl::StrCat("0..", l), absl::StrCat(req.num_accepted()));
-  }
+  if (absl::Status s = CheckAcceptRequest(req, ctx_->cache->model()); !s.ok()) return s;
   return Once("Accept", req.request_id(), req, resp, [&]() -> absl::Status {
     absl::Status s = ctx_->cache->Accept(ctx_->slots.FromWire(req.slot()), req.num_accepted());
     if (!s.ok()) return s;

@@ -1,14 +1,19 @@
 #include "service/safetensors.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <istream>
 #include <map>
+#include <memory>
 #include <optional>
+#include <sstream>
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -27,18 +32,8 @@ struct TensorRef {
 };
 
 // The per-layer tensors read from a checkpoint, by the end of their Hugging Face names.
-enum class Param {
-  kALog,
-  kDtBias,
-  kConv,
-  kConvBias,
-  kQConv,
-  kKConv,
-  kVConv,
-  kQConvBias,
-  kKConvBias,
-  kVConvBias
-};
+enum class Param { kALog, kDtBias, kConv, kConvBias, kQConv, kKConv, kVConv, kQConvBias,
+                   kKConvBias, kVConvBias };
 constexpr std::pair<const char*, Param> kParamSuffixes[] = {
     {".A_log", Param::kALog},
     {".dt_bias", Param::kDtBias},
@@ -80,12 +75,91 @@ std::optional<std::pair<int, Param>> MatchParam(const std::string& name) {
 
 using TensorMap = std::map<Param, std::map<int, TensorRef>>;
 
+constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 30;  // HF headers are a few MB at most
+constexpr double kMaxOffset = 9007199254740992.0;        // 2^53: exact in a JSON number
+constexpr int64_t kMaxDim = int64_t{1} << 31;
+constexpr int64_t kMaxElements = int64_t{1} << 40;
+
+// Opens a file of the checkpoint by name: a file on disk, or a buffer (fuzz target, tests).
+using Opener = absl::FunctionRef<std::unique_ptr<std::istream>(const std::string&)>;
+
+absl::Status EntryError(const std::string& path, const std::string& name, absl::string_view what,
+                        absl::string_view expected, absl::string_view got) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": ", name, ".", what, ": expected ", expected, ", got ", got));
+}
+
+// `value` as an integer in [0, max]; nullopt for anything else (a string, a fraction, NaN).
+std::optional<double> Whole(const google::protobuf::Value& value, double max) {
+  if (value.kind_case() != google::protobuf::Value::kNumberValue) return std::nullopt;
+  const double x = value.number_value();
+  if (!(x >= 0 && x <= max) || x != std::floor(x)) return std::nullopt;
+  return x;
+}
+
+// The element count of `shape` (non-negative integer dimensions, at most 2^40 elements).
+absl::StatusOr<int64_t> Elements(const google::protobuf::Value& shape, const std::string& path,
+                                 const std::string& name) {
+  if (shape.kind_case() != google::protobuf::Value::kListValue) {
+    return EntryError(path, name, "shape", "a list", "another JSON type");
+  }
+  int64_t numel = 1;
+  for (const auto& d : shape.list_value().values()) {
+    const std::optional<double> x = Whole(d, static_cast<double>(kMaxDim - 1));
+    if (!x) return EntryError(path, name, "shape", "integers in 0..2^31-1", "another value");
+    const int64_t dim = static_cast<int64_t>(*x);
+    if (dim != 0 && numel > kMaxElements / dim) {
+      return EntryError(path, name, "shape", "at most 2^40 elements", "more");
+    }
+    numel *= dim;
+  }
+  return numel;
+}
+
+// One entry of the header: `data_offsets` within the `data_bytes` after the header.
+absl::StatusOr<TensorRef> Entry(const std::string& path, const std::string& name,
+                                const google::protobuf::Value& value, uint64_t data_start,
+                                uint64_t data_bytes) {
+  const auto& f = value.struct_value().fields();
+  if (!f.count("dtype") || !f.count("shape") || !f.count("data_offsets")) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": incomplete entry"));
+  }
+  TensorRef t;
+  t.file = path;
+  t.name = name;
+  t.dtype = f.at("dtype").string_value();
+  absl::StatusOr<int64_t> numel = Elements(f.at("shape"), path, name);
+  if (!numel.ok()) return numel.status();
+  t.numel = *numel;
+  const auto& off = f.at("data_offsets").list_value().values();
+  const std::optional<double> begin = off.size() == 2 ? Whole(off[0], kMaxOffset) : std::nullopt;
+  const std::optional<double> end = off.size() == 2 ? Whole(off[1], kMaxOffset) : std::nullopt;
+  if (!begin || !end || *begin > *end || *end > static_cast<double>(data_bytes)) {
+    return EntryError(
+        path, name, "data_offsets",
+        absl::StrCat("[begin, end] with 0 <= begin <= end <= ", data_bytes, " (the data's bytes)"),
+        "another value");
+  }
+  t.begin = data_start + static_cast<uint64_t>(*begin);
+  t.end = data_start + static_cast<uint64_t>(*end);
+  return t;
+}
+
 // name -> tensor, for every per-layer parameter of a numbered layer in one file.
-absl::Status ScanFile(const std::string& path, TensorMap* found) {
-  std::ifstream in(path, std::ios::binary);
+absl::Status ScanFile(const std::string& path, std::istream& in, TensorMap* found) {
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.seekg(0);
   uint64_t header_len = 0;
-  if (!in.read(reinterpret_cast<char*>(&header_len), 8) || header_len > (uint64_t{1} << 30)) {
+  if (size < 8 || !in.read(reinterpret_cast<char*>(&header_len), 8) ||
+      header_len > kMaxHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a safetensors file"));
+  }
+  const uint64_t bytes = static_cast<uint64_t>(size) - 8;
+  if (header_len > bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": truncated safetensors header (",
+                                                   header_len, " bytes announced, ", bytes,
+                                                   " in the file)"));
   }
   std::string header(header_len, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(header_len))) {
@@ -98,21 +172,12 @@ absl::Status ScanFile(const std::string& path, TensorMap* found) {
   for (const auto& [name, value] : root.fields()) {
     const std::optional<std::pair<int, Param>> m = MatchParam(name);
     if (!m) continue;
-    const auto& f = value.struct_value().fields();
-    if (!f.count("dtype") || !f.count("shape") || !f.count("data_offsets")) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": incomplete entry"));
+    absl::StatusOr<TensorRef> t = Entry(path, name, value, 8 + header_len, bytes - header_len);
+    if (!t.ok()) return t.status();
+    if (!(*found)[m->second].emplace(m->first, *std::move(t)).second) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": layer ", m->first,
+                                                     "'s tensor appears twice in the checkpoint"));
     }
-    TensorRef t;
-    t.file = path;
-    t.name = name;
-    t.dtype = f.at("dtype").string_value();
-    t.numel = 1;
-    for (const auto& d : f.at("shape").list_value().values()) t.numel *= static_cast<int64_t>(d.number_value());
-    const auto& off = f.at("data_offsets").list_value().values();
-    if (off.size() != 2) return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, ": bad data_offsets"));
-    t.begin = 8 + header_len + static_cast<uint64_t>(off[0].number_value());
-    t.end = 8 + header_len + static_cast<uint64_t>(off[1].number_value());
-    (*found)[m->second][m->first] = t;
   }
   return absl::OkStatus();
 }
@@ -140,7 +205,8 @@ float HalfToFloat(uint16_t h, bool bf16) {
   return f;
 }
 
-absl::StatusOr<std::vector<float>> Read(const TensorRef& t, int64_t want, const std::string& what) {
+absl::StatusOr<std::vector<float>> Read(const TensorRef& t, int64_t want, const std::string& what,
+                                        Opener open) {
   if (t.numel != want) {
     return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": expected ", want,
                                                    " elements (", what, "), got ", t.numel));
@@ -153,10 +219,10 @@ absl::StatusOr<std::vector<float>> Read(const TensorRef& t, int64_t want, const 
   if (t.end - t.begin != es * static_cast<uint64_t>(want)) {
     return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": data size mismatch"));
   }
-  std::ifstream in(t.file, std::ios::binary);
+  std::unique_ptr<std::istream> in = open(t.file);
   std::vector<char> raw(t.end - t.begin);
-  in.seekg(static_cast<std::streamoff>(t.begin));
-  if (!in.read(raw.data(), static_cast<std::streamsize>(raw.size()))) {
+  in->seekg(static_cast<std::streamoff>(t.begin));
+  if (!in->read(raw.data(), static_cast<std::streamsize>(raw.size()))) {
     return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": truncated data"));
   }
   std::vector<float> out(want);
@@ -168,22 +234,21 @@ absl::StatusOr<std::vector<float>> Read(const TensorRef& t, int64_t want, const 
       std::memcpy(&h, &raw[i * 2], 2);
       out[i] = HalfToFloat(h, t.dtype == "BF16");
     }
+    if (!std::isfinite(out[i])) {  // a NaN parameter would poison every state
+      return absl::InvalidArgumentError(absl::StrCat(
+          t.file, ": ", t.name, ": expected finite values, got ", out[i], " at index ", i));
+    }
   }
   return out;
 }
 
-}  // namespace
-
-absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m) {
+// LoadLayerParams over `files`, each opened through `open`.
+absl::StatusOr<bool> LoadFrom(const std::vector<std::string>& files, Opener open,
+                              const std::string& dir, cache::ModelSpec* m) {
   TensorMap found;
-  std::error_code ec;
-  std::vector<std::string> files;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
-  }
-  std::sort(files.begin(), files.end());
   for (const std::string& f : files) {
-    absl::Status s = ScanFile(f, &found);
+    std::unique_ptr<std::istream> in = open(f);
+    absl::Status s = ScanFile(f, *in, &found);
     if (!s.ok()) return s;
   }
   std::map<int, TensorRef>& a_log = found[Param::kALog];
@@ -208,9 +273,9 @@ absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m
       return absl::InvalidArgumentError(absl::StrCat(dir, ": layer ", a->first,
                                                      " has A_log but its dt_bias is missing"));
     }
-    absl::StatusOr<std::vector<float>> av = Read(a->second, hv, "HV");
+    absl::StatusOr<std::vector<float>> av = Read(a->second, hv, "HV", open);
     if (!av.ok()) return av.status();
-    absl::StatusOr<std::vector<float>> dv = Read(d->second, dt, dt == hv ? "HV" : "HV*K");
+    absl::StatusOr<std::vector<float>> dv = Read(d->second, dt, dt == hv ? "HV" : "HV*K", open);
     if (!dv.ok()) return dv.status();
     layers[l].a_log = *std::move(av);
     layers[l].dt_bias = *std::move(dv);
@@ -235,15 +300,13 @@ absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m
     for (const Part& p : parts) {
       auto w = found[p.weight].find(a->first);
       if (w == found[p.weight].end()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(dir, ": layer ", a->first,
-                         ": expected the short convolution's weight (a tensor "
-                         "named ...layers.",
-                         a->first, ".<module>.", p.name, ".weight, [", p.channels, ", 1, ", W,
-                         "]) beside its A_log (", a->second.name, "), got none"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            dir, ": layer ", a->first, ": expected the short convolution's weight (a tensor "
+            "named ...layers.", a->first, ".<module>.", p.name, ".weight, [", p.channels, ", 1, ",
+            W, "]) beside its A_log (", a->second.name, "), got none"));
       }
       absl::StatusOr<std::vector<float>> wv =
-          Read(w->second, p.channels * W, absl::StrCat("[", p.channels, ", 1, ", W, "]"));
+          Read(w->second, p.channels * W, absl::StrCat("[", p.channels, ", 1, ", W, "]"), open);
       if (!wv.ok()) return wv.status();
       weight.insert(weight.end(), wv->begin(), wv->end());
       auto b = found[p.bias].find(a->first);
@@ -251,7 +314,7 @@ absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m
         bias.insert(bias.end(), p.channels, 0.f);
         continue;
       }
-      absl::StatusOr<std::vector<float>> bv = Read(b->second, p.channels, "C");
+      absl::StatusOr<std::vector<float>> bv = Read(b->second, p.channels, "C", open);
       if (!bv.ok()) return bv.status();
       bias.insert(bias.end(), bv->begin(), bv->end());
       ++biases;
@@ -266,6 +329,35 @@ absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m
   m->layers = std::move(layers);
   m->params_from_seed = false;
   return true;
+}
+
+}  // namespace
+
+absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m) {
+  std::error_code ec;
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  return LoadFrom(
+      files,
+      [](const std::string& f) -> std::unique_ptr<std::istream> {
+        return std::make_unique<std::ifstream>(f, std::ios::binary);
+      },
+      dir, m);
+}
+
+absl::StatusOr<bool> LoadLayerParamsFromBuffers(const std::map<std::string, std::string>& files,
+                                                const std::string& dir, cache::ModelSpec* m) {
+  std::vector<std::string> names;
+  for (const auto& [name, bytes] : files) names.push_back(name);
+  return LoadFrom(
+      names,
+      [&files](const std::string& f) -> std::unique_ptr<std::istream> {
+        return std::make_unique<std::istringstream>(files.at(f), std::ios::binary);
+      },
+      dir, m);
 }
 
 }  // namespace replayssm::service

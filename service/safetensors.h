@@ -11,6 +11,7 @@
 #ifndef REPLAYSSM_SERVICE_SAFETENSORS_H_
 #define REPLAYSSM_SERVICE_SAFETENSORS_H_
 
+#include <map>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -22,7 +23,14 @@ namespace replayssm::service {
 // m->params_from_seed. Returns false
 // (changing nothing) when `dir` holds no safetensors file with such tensors; an error when
 // the tensors it finds do not fit the model.
+// Every header is checked before it is used: its length against the file, each entry's
+// shape (non-negative integers) and data_offsets (within the file's data).
 absl::StatusOr<bool> LoadLayerParams(const std::string& dir, cache::ModelSpec* m);
+
+// The same over files given as bytes (name -> contents, read in name order, as the
+// directory's files are): for tests and the fuzz target.
+absl::StatusOr<bool> LoadLayerParamsFromBuffers(const std::map<std::string, std::string>& files,
+                                                const std::string& dir, cache::ModelSpec* m);
 
 }  // namespace replayssm::service
 

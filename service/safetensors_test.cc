@@ -169,5 +169,87 @@ TEST_F(Safetensors, TensorsThatDoNotFitAreRefusedByName) {
       << m.status();
 }
 
+// One safetensors file for tiny-gdn (4 layers, HV = 4) whose layer-0 A_log entry is
+// `a_log_entry` (the JSON of its value); the other tensors are valid.
+std::string HostileFile(const std::string& a_log_entry, uint64_t announced_header = 0) {
+  std::string header = "{\"model.layers.0.linear_attn.A_log\":" + a_log_entry;
+  std::string data(16, '\0');
+  for (int l = 0; l < 4; ++l) {
+    for (const char* what : {"A_log", "dt_bias"}) {
+      if (l == 0 && std::string(what) == "A_log") continue;
+      absl::StrAppend(&header, ",\"model.layers.", l, ".linear_attn.", what,
+                      "\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[", data.size(), ",",
+                      data.size() + 16, "]}");
+      data.append(16, '\0');
+    }
+  }
+  header += "}";
+  const uint64_t n = announced_header ? announced_header : header.size();
+  return std::string(reinterpret_cast<const char*>(&n), 8) + header + data;
+}
+
+absl::Status LoadHostile(const std::string& file) {
+  auto m = cache::ModelPreset("tiny-gdn");
+  EXPECT_TRUE(m.ok());
+  const std::vector<float> before = m->layers[0].a_log;
+  absl::StatusOr<bool> loaded = LoadLayerParamsFromBuffers({{"model.safetensors", file}}, ".", &*m);
+  if (!loaded.ok()) {
+    EXPECT_EQ(m->layers[0].a_log, before) << "a refused checkpoint changes nothing";
+  }
+  return loaded.status();
+}
+
+// Found by fuzz/ (safetensors target) or by reading the parser: each was accepted, or cast a
+// JSON number to an integer it cannot hold (undefined behaviour), or allocated what the file
+// announced before looking at the file's size.
+TEST(SafetensorsHeader, HostileEntriesAreRefusedNamingTheTensorAndKey) {
+  const std::string ok = R"({"dtype":"F32","shape":[4],"data_offsets":[0,16]})";
+  ASSERT_TRUE(LoadHostile(HostileFile(ok)).ok()) << LoadHostile(HostileFile(ok));
+  const struct {
+    const char* entry;
+    const char* error;
+  } cases[] = {
+      {R"({"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]})", "A_log.shape: expected"},
+      {R"({"dtype":"F32","shape":[1e30,1e30],"data_offsets":[0,16]})", "A_log.shape: expected"},
+      {R"({"dtype":"F32","shape":[2.5],"data_offsets":[0,16]})", "A_log.shape: expected"},
+      {R"({"dtype":"F32","shape":"4","data_offsets":[0,16]})", "A_log.shape: expected a list"},
+      {R"({"dtype":"F32","shape":[4],"data_offsets":[1e300,1e300]})", "A_log.data_offsets"},
+      {R"({"dtype":"F32","shape":[4],"data_offsets":[-16,0]})", "A_log.data_offsets"},
+      {R"({"dtype":"F32","shape":[4],"data_offsets":[16,0]})", "A_log.data_offsets"},
+      {R"({"dtype":"F32","shape":[4],"data_offsets":[4096,4112]})", "A_log.data_offsets"},
+      {R"({"dtype":"F32","shape":[4],"data_offsets":[0]})", "A_log.data_offsets"},
+  };
+  for (const auto& c : cases) {
+    const absl::Status s = LoadHostile(HostileFile(c.entry));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.entry;
+    EXPECT_NE(s.message().find(c.error), std::string::npos) << c.entry << ": " << s;
+  }
+}
+
+TEST(SafetensorsHeader, AHeaderLongerThanTheFileIsRefusedBeforeAllocating) {
+  const absl::Status s = LoadHostile(
+      HostileFile(R"({"dtype":"F32","shape":[4],"data_offsets":[0,16]})", uint64_t{1} << 29));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("truncated safetensors header (536870912 bytes announced"),
+            std::string::npos)
+      << s;
+}
+
+TEST(SafetensorsHeader, ATensorTwiceOrANonFiniteParameterIsRefused) {
+  std::string twice = HostileFile(R"({"dtype":"F32","shape":[4],"data_offsets":[0,16]})");
+  auto m = cache::ModelPreset("tiny-gdn");
+  ASSERT_TRUE(m.ok());
+  auto loaded =
+      LoadLayerParamsFromBuffers({{"a.safetensors", twice}, {"b.safetensors", twice}}, ".", &*m);
+  EXPECT_NE(loaded.status().message().find("appears twice"), std::string::npos) << loaded.status();
+  std::string nan = twice;
+  const uint32_t bits = 0x7fc00000u;
+  std::memcpy(nan.data() + nan.size() - 8 * 16 + 4, &bits, 4);  // layer 0's A_log, value 1
+  const absl::Status s = LoadHostile(nan);
+  EXPECT_NE(s.message().find("A_log: expected finite values, got nan at index 1"),
+            std::string::npos)
+      << s;
+}
+
 }  // namespace
 }  // namespace replayssm::service

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "service/finite.h"
 #include "service/status_map.h"
 
 namespace replayssm::service {
@@ -129,7 +130,12 @@ absl::Status CheckLayerInput(const v1::LayerInput& input, absl::string_view fiel
                         p.region ? "set" : "unset");
     }
   }
-  return absl::OkStatus();
+  // Inline activations hold no NaN or infinity (finite.h); regions are not read here.
+  if (regions) return absl::OkStatus();
+  s = CheckFinite(input.mixed_qkv(), absl::StrCat(field, ".mixed_qkv"), act, true);
+  if (s.ok()) s = CheckFinite(input.a(), absl::StrCat(field, ".a"), act, true);
+  if (s.ok()) s = CheckFinite(input.b(), absl::StrCat(field, ".b"), act, true);
+  return s;
 }
 
 absl::Status CheckAllLayers(const LayerInputs& layers, const cache::ModelSpec& model, int64_t n) {

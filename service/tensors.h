@@ -36,7 +36,8 @@ std::vector<int64_t> ConvWindowShape(const cache::ModelSpec& model);
 // `field.dtype`, `field.shape` and `field.data` (byte count) against what is expected.
 absl::Status CheckTensor(const v1::Tensor& tensor, absl::string_view field, int32_t dtype,
                          absl::Span<const int64_t> shape);
-// One layer's inputs for N tokens, its layer index included.
+// One layer's inputs for N tokens, its layer index included; inline activations must be
+// finite (finite.h).
 absl::Status CheckLayerInput(const v1::LayerInput& input, absl::string_view field,
                              const cache::ModelSpec& model, int64_t n);
 // Every layer once, in order (layers[i].layer == i), N tokens each: the unary forms. Tensors
