@@ -1,6 +1,6 @@
 // replayssm-bench-conv: what the short convolution adds to a decode step on the GPU — the
 // replay decode kernel alone against rssm_short_conv + the same decode (issue 19's target:
-// <= 1.05x at B >= 64). Method (the peer's, docs/gpu.md "The kernel benchmark"): each timed
+// <= 1.05x at B >= 64); and the finiteness scan of a shared slot (rssm_count_nonfinite). Method (the peer's, docs/gpu.md "The kernel benchmark"): each timed
 // call alone between CUDA events, the L2 flushed before it (a 256 MiB memset), the GPU kept
 // busy by a spin kernel while the host queues the launches, cursors random in [0, L-2] (no
 // row folds: the cache folds before its decode kernels), the median of --iters calls. Shape:
@@ -189,6 +189,34 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaFree(p));
     }
   }
+  // The finiteness scan of a shared state (the cache's guard, issue 21): one Qwen3-Next slot,
+  // 36 layers of 2 MiB checkpoints (fp32) as 36 parts, one launch, L2 flushed first.
+  const size_t layers = 36, part_elems = size_t{32} * 128 * 128;
+  float* slot = static_cast<float*>(DeviceAlloc(layers * part_elems * 4));
+  std::vector<const void*> parts;
+  for (size_t l = 0; l < layers; ++l) parts.push_back(slot + l * part_elems);
+  const void** d_parts = static_cast<const void**>(DeviceAlloc(layers * sizeof(void*)));
+  CHECK_CUDA(cudaMemcpy(d_parts, parts.data(), layers * sizeof(void*), cudaMemcpyHostToDevice));
+  uint32_t* d_count = static_cast<uint32_t*>(DeviceAlloc(4));
+  std::vector<float> scan_us;
+  for (int64_t i = 0; i < 40; ++i) {
+    CHECK_CUDA(cudaMemsetAsync(flush, static_cast<int>(i & 0xff), flush_bytes, stream));
+    CHECK_CUDA(LaunchSpin(20000, stream));
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    const rssm_launch launch{RSSM_BACKEND_CUDA, stream};
+    CHECK_RSSM(rssm_count_nonfinite(&launch, parts.data(), d_parts, layers, part_elems,
+                                    RSSM_DTYPE_F32, d_count));
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= 4) scan_us.push_back(ms * 1000.f);
+  }
+  std::sort(scan_us.begin(), scan_us.end());
+  const double scan = scan_us[scan_us.size() / 2];
+  const double scan_bytes = static_cast<double>(layers * part_elems * 4);
+  std::printf("finiteness scan of a 36-layer fp32 slot (%.1f MB): %.1f us (%.0f GB/s)\n",
+              scan_bytes / 1e6, scan, scan_bytes / scan / 1e3);
   if (!json.empty()) {
     std::ofstream out(json);
     out << "{\n  \"device\": \"" << prop.name << "\",\n  \"method\": \"peer: alone between "
@@ -201,7 +229,8 @@ int main(int argc, char** argv) {
           << ", \"conv_decode_us\": " << r.conv_decode_us << ", \"conv_us\": " << r.conv_us
           << ", \"ratio\": " << r.ratio << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
     }
-    out << "  ]\n}\n";
+    out << "  ],\n  \"nonfinite_scan\": {\"bytes\": " << scan_bytes << ", \"us\": " << scan
+        << "}\n}\n";
   }
   return 0;
 }
