@@ -78,6 +78,12 @@ struct ForwardRows {
 
   int32_t batch() const { return static_cast<int32_t>(index.size()); }
   int64_t n() const { return cu.back(); }
+  // The most tokens of one row (a prefill's launch hint for its kernels).
+  int32_t longest() const {
+    int32_t most = 0;
+    for (size_t r = 0; r + 1 < cu.size(); ++r) most = std::max(most, cu[r + 1] - cu[r]);
+    return most;
+  }
 };
 
 class ForwardImpl final : public Forward {
@@ -137,6 +143,7 @@ class ForwardImpl final : public Forward {
   const bool layer_waits_;
   std::vector<int32_t> unconfirmed_folds_;  // queued by Start, not yet waited for
   std::vector<bool> done_;                  // [layers] ran
+  const int32_t longest_;                   // rows_.longest(), once
   std::vector<bool> touched_;  // [layers] a kernel was queued (a prefill's checkpoint written)
   absl::Status failed_;        // a launch failed: the forward can only be abandoned
   bool finished_ = false;
@@ -485,6 +492,8 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // FAILED_PRECONDITION naming `purpose` (counted). Run on every state about to be shared
   // with another request (a snapshot, a donation, a move out), after Materialize.
   absl::Status CheckShareable(int32_t index, const char* purpose, Lane& lane);
+  // OK for counts[] (CountNonfinite's) of zero, else the refusal (counted).
+  absl::Status ShareRefusal(const char* purpose, const uint32_t counts[2]);
 
   // Copies a folded slot's state into a new snapshot keyed by its tokens (skipped when that
   // key is cached already or no slot can be had). Waits for the copy.
@@ -552,6 +561,10 @@ absl::Status StateCacheImpl::CheckShareable(int32_t index, const char* purpose, 
   const absl::Status done = lane.Synchronize();
   if (st.ok()) st = done;
   if (!st.ok()) return st;
+  return ShareRefusal(purpose, counts);
+}
+
+absl::Status StateCacheImpl::ShareRefusal(const char* purpose, const uint32_t counts[2]) {
   if (counts[0] == 0 && counts[1] == 0) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   ++stats_.nonfinite_refusals;
@@ -592,13 +605,6 @@ absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t 
 absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   absl::Status st = Materialize(index, "snapshot", lane);
   if (!st.ok()) return st;
-  // A state with a NaN or Inf never becomes a snapshot (counted); the request goes on.
-  if (absl::Status finite = CheckShareable(index, "snapshot", lane);
-      absl::IsFailedPrecondition(finite)) {
-    return absl::OkStatus();
-  } else if (!finite.ok()) {
-    return finite;
-  }
   int32_t snap = -1;
   {
     absl::MutexLock lock(&mu_);
@@ -617,12 +623,17 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
     d.tokens = s.tokens;
     d.ns = s.ns;
   }
-  st = pool_->CopyCheckpoints(snap, index, lane);
+  // The finiteness scan and the copy are queued together and waited for once: a state with a
+  // NaN or Inf never becomes a snapshot (counted); the request goes on.
+  uint32_t counts[2] = {0, 0};
+  st = pool_->CountNonfinite(index, counts, lane);
+  if (st.ok()) st = pool_->CopyCheckpoints(snap, index, lane);
   absl::Status done = lane.Synchronize();
   if (st.ok()) st = done;
+  const bool shareable = st.ok() && ShareRefusal("snapshot", counts).ok();
   absl::MutexLock lock(&mu_);
   Slot& d = slots_[snap];
-  if (!st.ok() || !radix_.Insert(d.ns, d.tokens, snap)) {
+  if (!shareable || !radix_.Insert(d.ns, d.tokens, snap)) {
     slots_[snap] = Slot{Kind::kFree, d.generation + 1};
     free_.push_back(snap);
     return st;
@@ -1281,6 +1292,7 @@ ForwardImpl::ForwardImpl(StateCacheImpl* cache, ForwardRows rows, LanePool::Leas
       lane_(std::move(lane)),
       layer_waits_(layer_waits),
       done_(cache->model().num_layers, false),
+      longest_(rows_.longest()),
       touched_(cache->model().num_layers, false) {}
 
 ForwardImpl::~ForwardImpl() {
@@ -1394,9 +1406,7 @@ absl::Status ForwardImpl::Convolve(int32_t layer, rssm_token_inputs& in) {
     a.mode = RSSM_CONV_PREFILL;
     a.cu_seqlens = s.cu.as<const int32_t>();
     a.initial = s.flags.as<const uint8_t>();
-    for (int32_t r = 0; r < batch(); ++r) {
-      a.num_tokens = std::max(a.num_tokens, rows_.cu[r + 1] - rows_.cu[r]);
-    }
+    a.num_tokens = longest_;
   } else {
     // Decode and verify: the tokens' inputs are ring records past the cursor, like theirs.
     a.mode = RSSM_CONV_APPEND;
@@ -1455,9 +1465,7 @@ absl::Status ForwardImpl::Launch(int32_t layer, rssm_token_inputs in,
       a.cu_seqlens = s.cu.as<const int32_t>();
       a.initial = s.flags.as<const uint8_t>();
       a.write_pos = s.write_pos.as<const int32_t>();
-      for (int32_t r = 0; r < batch(); ++r) {
-        a.max_seqlen = std::max(a.max_seqlen, rows_.cu[r + 1] - rows_.cu[r]);
-      }
+      a.max_seqlen = longest_;
       a.in = in;
       a.out = out;
       return KernelStatus(rssm_prefill(&a), "prefill");

@@ -17,39 +17,9 @@ namespace {
 using kernels::Bf16;
 using kernels::F16;
 
-float RoundAct(int32_t dtype, float x) {
-  if (dtype == RSSM_DTYPE_BF16) return kernels::RoundTo<Bf16>(x);
-  if (dtype == RSSM_DTYPE_F16) return kernels::RoundTo<F16>(x);
-  return x;
-}
-
-void Store(int32_t dtype, float x, uint8_t* dst) {
-  if (dtype == RSSM_DTYPE_BF16) {
-    const Bf16 v = kernels::FromFloat<Bf16>(x);
-    std::memcpy(dst, &v.bits, 2);
-  } else if (dtype == RSSM_DTYPE_F16) {
-    const F16 v = kernels::FromFloat<F16>(x);
-    std::memcpy(dst, &v.bits, 2);
-  } else {
-    std::memcpy(dst, &x, 4);
-  }
-}
-
-double Load(int32_t dtype, const uint8_t* src) {
-  if (dtype == RSSM_DTYPE_BF16) {
-    Bf16 v;
-    std::memcpy(&v.bits, src, 2);
-    return kernels::ToFloat(v);
-  }
-  if (dtype == RSSM_DTYPE_F16) {
-    F16 v;
-    std::memcpy(&v.bits, src, 2);
-    return kernels::ToFloat(v);
-  }
-  float f;
-  std::memcpy(&f, src, 4);
-  return f;
-}
+using kernels::LoadAs;
+using kernels::RoundAs;
+using kernels::StoreAs;
 
 }  // namespace
 
@@ -62,9 +32,9 @@ void Oracle::Inputs(Tok t, int layer, std::vector<float>& qkv, std::vector<float
   qkv.resize(m_.QkvWidth());
   a.resize(m_.AWidth());
   b.resize(m_.BWidth());
-  for (float& x : qkv) x = RoundAct(dt, nd(rng));
-  for (float& x : a) x = RoundAct(dt, nd(rng));
-  for (float& x : b) x = RoundAct(dt, nd(rng));
+  for (float& x : qkv) x = RoundAs(dt, nd(rng));
+  for (float& x : a) x = RoundAs(dt, nd(rng));
+  for (float& x : b) x = RoundAs(dt, nd(rng));
 }
 
 Batch Oracle::MakeBatch(const std::vector<Tok>& toks) const {
@@ -84,9 +54,9 @@ Batch Oracle::MakeBatch(const std::vector<Tok>& toks) const {
     batch.out[l].assign(n * m_.OutWidth() * es, 0xff);  // poison: NaN in every dtype
     for (int64_t i = 0; i < n; ++i) {
       Inputs(toks[i], l, qkv, a, b);
-      for (size_t e = 0; e < qkv.size(); ++e) Store(dt, qkv[e], &batch.qkv[l][(i * qkv.size() + e) * es]);
-      for (size_t e = 0; e < a.size(); ++e) Store(dt, a[e], &batch.a[l][(i * a.size() + e) * es]);
-      for (size_t e = 0; e < b.size(); ++e) Store(dt, b[e], &batch.b[l][(i * b.size() + e) * es]);
+      for (size_t e = 0; e < qkv.size(); ++e) StoreAs(dt, qkv[e], &batch.qkv[l][(i * qkv.size() + e) * es]);
+      for (size_t e = 0; e < a.size(); ++e) StoreAs(dt, a[e], &batch.a[l][(i * a.size() + e) * es]);
+      for (size_t e = 0; e < b.size(); ++e) StoreAs(dt, b[e], &batch.b[l][(i * b.size() + e) * es]);
     }
   }
   for (int l = 0; l < m_.num_layers; ++l) {
@@ -100,7 +70,7 @@ std::vector<double> Batch::Output(const ModelSpec& m, int layer, int64_t i) cons
   const int32_t dt = m.shape.act_dtype;
   const size_t es = rssm_dtype_size(dt);
   std::vector<double> o(m.OutWidth());
-  for (size_t e = 0; e < o.size(); ++e) o[e] = Load(dt, &out[layer][(i * o.size() + e) * es]);
+  for (size_t e = 0; e < o.size(); ++e) o[e] = LoadAs(dt, &out[layer][(i * o.size() + e) * es]);
   return o;
 }
 
@@ -122,7 +92,7 @@ void Oracle::Convolve(std::vector<double>& window, int layer, std::vector<float>
     const double y = acc / (1.0 + std::exp(-acc));
     for (int i = 0; i + 1 < H; ++i) window[i * C + c] = window[(i + 1) * C + c];
     window[(H - 1) * C + c] = qkv[c];
-    qkv[c] = RoundAct(m_.shape.act_dtype, static_cast<float>(y));
+    qkv[c] = RoundAs(m_.shape.act_dtype, static_cast<float>(y));
   }
 }
 
@@ -158,10 +128,10 @@ Oracle::State Oracle::FromExport(const ExportedState& e) const {
   const int64_t ckpt = rssm_checkpoint_elems(&m_.shape);
   const size_t as = rssm_dtype_size(m_.shape.act_dtype);
   for (int l = 0; l < m_.num_layers; ++l) {
-    for (int64_t i = 0; i < ckpt; ++i) s[l][i] = Load(dt, &e.checkpoints[l][i * es]);
+    for (int64_t i = 0; i < ckpt; ++i) s[l][i] = LoadAs(dt, &e.checkpoints[l][i * es]);
     // The conv window follows the checkpoint (act dtype).
     for (size_t i = ckpt; i < s[l].size(); ++i) {
-      s[l][i] = Load(m_.shape.act_dtype, &e.checkpoints[l][ckpt * es + (i - ckpt) * as]);
+      s[l][i] = LoadAs(m_.shape.act_dtype, &e.checkpoints[l][ckpt * es + (i - ckpt) * as]);
     }
   }
   return s;

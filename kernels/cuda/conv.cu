@@ -42,11 +42,10 @@ __device__ __forceinline__ RowSpan RowOf(const rssm_conv_args& a, int r) {
   return {t0, int64_t{a.cu_seqlens[r + 1]} - t0};
 }
 
-// Entry p of the slot's history (window[0..H-1] ++ ring_x[0..]).
+// Entry p of the slot's history (window[0..H-1] ++ ring_x[0..]): its row of C channels.
 template <typename A>
-__device__ __forceinline__ float HistAt(const A* win, const A* rx, int64_t C, int H, int p,
-                                        int64_t c) {
-  return ToF(p < H ? win[p * C + c] : rx[(p - H) * C + c]);
+__device__ __forceinline__ const A* HistRow(const A* win, const A* rx, int64_t C, int H, int p) {
+  return p < H ? win + p * C : rx + (p - H) * C;
 }
 
 // 16-byte packs of activations: 4 fp32 or 8 bf16 / fp16 values in a uint4, element j read and
@@ -99,21 +98,40 @@ struct Pack<__nv_bfloat16> : Pack16<Bf16Bits> {};
 template <>
 struct Pack<__half> : Pack16<HalfBits> {};
 
+// How the token kernel reads and writes activations: 16-byte packs (Pack<A>, when every
+// pointer and stride allows them: ConvAligned) or one element at a time.
+template <typename A, bool kVec>
+struct Access;
 template <typename A>
-__device__ __forceinline__ uint4 Load16(const A* p) {
-  return *reinterpret_cast<const uint4*>(p);
-}
+struct Access<A, true> {
+  using Raw = uint4;
+  static constexpr int kN = Pack<A>::kN;
+  __device__ __forceinline__ static Raw Load(const A* p) {
+    return *reinterpret_cast<const uint4*>(p);
+  }
+  __device__ __forceinline__ static void Store(A* p, const Raw& v) {
+    *reinterpret_cast<uint4*>(p) = v;
+  }
+  __device__ __forceinline__ static Raw Zero() { return make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ static float Get(const Raw& r, int j) { return Pack<A>::Get(r, j); }
+  __device__ __forceinline__ static void Set(Raw& r, int j, float v) { Pack<A>::Set(r, j, v); }
+};
 template <typename A>
-__device__ __forceinline__ void Store16(A* p, const uint4& v) {
-  *reinterpret_cast<uint4*>(p) = v;
-}
+struct Access<A, false> {
+  using Raw = A;
+  static constexpr int kN = 1;
+  __device__ __forceinline__ static Raw Load(const A* p) { return *p; }
+  __device__ __forceinline__ static void Store(A* p, const Raw& v) { *p = v; }
+  __device__ __forceinline__ static Raw Zero() { return FromF<A>(0.f); }
+  __device__ __forceinline__ static float Get(const Raw& r, int) { return ToF(r); }
+  __device__ __forceinline__ static void Set(Raw& r, int, float v) { r = FromF<A>(v); }
+};
 
-// The 16-byte form (every pointer, stride and C a multiple of 16 bytes; ConvAligned): a thread
-// takes Pack<A>::kN consecutive channels of a chunk of tokens of one row; W is a template
-// parameter, so the history and the weights live in registers.
-template <typename A, int W>
-__global__ void __launch_bounds__(kThreads) ConvVecKernel(rssm_conv_args a) {
-  using P = Pack<A>;
+// A thread takes Access::kN consecutive channels of a chunk of tokens of one row; W is a
+// template parameter, so the history and the weights live in registers.
+template <typename A, int W, bool kVec>
+__global__ void __launch_bounds__(kThreads) ConvKernel(rssm_conv_args a) {
+  using P = Access<A, kVec>;
   constexpr int N = P::kN, H = W - 1;
   const int64_t C = a.shape.channels;
   const int64_t c0 = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * N;
@@ -129,10 +147,9 @@ __global__ void __launch_bounds__(kThreads) ConvVecKernel(rssm_conv_args a) {
   const int64_t last = min(row.len, first + kTokensPerThread);
   const A* x = static_cast<const A*>(a.x);
   A* y = static_cast<A*>(a.y);
-  const uint4 x_first = Load16(x + (row.t0 + first) * a.x_token_stride + c0);
-  // The weights of the thread's channels: N * W consecutive floats.
-  float wt[N][W];
-  {
+  const typename P::Raw x_first = P::Load(x + (row.t0 + first) * a.x_token_stride + c0);
+  float wt[N][W];  // the thread's channels' weights: N * W consecutive floats
+  if constexpr (kVec) {
     const float4* wp = reinterpret_cast<const float4*>(a.weight + c0 * W);
 #pragma unroll
     for (int q = 0; q < N * W / 4; ++q) {
@@ -141,13 +158,16 @@ __global__ void __launch_bounds__(kThreads) ConvVecKernel(rssm_conv_args a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) wt[(4 * q + e) / W][(4 * q + e) % W] = f[e];
     }
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i) wt[0][i] = a.weight[c0 * W + i];
   }
   float bias[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) bias[j] = a.bias != nullptr ? a.bias[c0 + j] : 0.f;
   if (slot < 0 || slot >= a.state.num_slots) {
     for (int64_t t = first; t < last; ++t) {
-      Store16(y + (row.t0 + t) * a.y_token_stride + c0, make_uint4(0, 0, 0, 0));
+      P::Store(y + (row.t0 + t) * a.y_token_stride + c0, P::Zero());
     }
     return;
   }
@@ -161,19 +181,19 @@ __global__ void __launch_bounds__(kThreads) ConvVecKernel(rssm_conv_args a) {
 #pragma unroll
   for (int i = 0; i < H; ++i) {
     const int64_t t = first - H + i;  // token index in the row; < 0: history
-    uint4 v = make_uint4(0, 0, 0, 0);
+    typename P::Raw v = P::Zero();
     if (t >= 0) {
-      v = Load16(x + (row.t0 + t) * a.x_token_stride + c0);
+      v = P::Load(x + (row.t0 + t) * a.x_token_stride + c0);
     } else if (!from_zero) {
-      const int p = static_cast<int>(w + H + t);
-      v = Load16(p < H ? win + p * C + c0 : rx + (p - H) * C + c0);
+      v = P::Load(HistRow(win, rx, C, H, static_cast<int>(w + H + t)) + c0);
     }
 #pragma unroll
     for (int j = 0; j < N; ++j) hist[i][j] = P::Get(v, j);
   }
   for (int64_t t = first; t < last; ++t) {
-    const uint4 xin = t == first ? x_first : Load16(x + (row.t0 + t) * a.x_token_stride + c0);
-    uint4 out;
+    const typename P::Raw xin =
+        t == first ? x_first : P::Load(x + (row.t0 + t) * a.x_token_stride + c0);
+    typename P::Raw out = P::Zero();
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float xv = P::Get(xin, j);
@@ -186,125 +206,67 @@ __global__ void __launch_bounds__(kThreads) ConvVecKernel(rssm_conv_args a) {
       for (int i = 0; i + 1 < H; ++i) hist[i][j] = hist[i + 1][j];
       hist[H - 1][j] = xv;
     }
-    Store16(y + (row.t0 + t) * a.y_token_stride + c0, out);
-    if (append && w + t < L) Store16(rx + (w + t) * C + c0, xin);
+    P::Store(y + (row.t0 + t) * a.y_token_stride + c0, out);
+    if (append && w + t < L) P::Store(rx + (w + t) * C + c0, xin);
   }
 }
 
-// Any alignment: one channel per thread (W still a template parameter).
-template <typename A, int W>
-__global__ void __launch_bounds__(kThreads) ConvKernel(rssm_conv_args a) {
-  constexpr int H = W - 1;
-  const int64_t C = a.shape.channels;
-  const int64_t c = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  const int r = blockIdx.z;
-  if (c >= C) return;
-  const RowSpan row = RowOf(a, r);
-  const int64_t first = int64_t{blockIdx.y} * kTokensPerThread;
-  if (first >= row.len) return;
-  const int64_t last = min(row.len, first + kTokensPerThread);
-  const A* x = static_cast<const A*>(a.x);
-  A* y = static_cast<A*>(a.y);
-  const int32_t slot = a.slot_idx[r];
-  if (slot < 0 || slot >= a.state.num_slots) {
-    for (int64_t t = first; t < last; ++t) y[(row.t0 + t) * a.y_token_stride + c] = FromF<A>(0.f);
-    return;
-  }
-  const int L = a.shape.ring_len;
-  const bool append = a.mode == RSSM_CONV_APPEND;
-  const bool from_zero = !append && (a.initial == nullptr || a.initial[r] == 0);
-  const int w = from_zero ? 0 : min(max(a.write_pos[r], 0), L);
-  const A* win = static_cast<const A*>(a.state.window) + slot * a.state.window_slot_stride;
-  A* rx = static_cast<A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride;
-  float hist[H];
+// Channel c of a slot's window <- the last H inputs of (its history at cursor w, or zeros)
+// followed by the row's `len` tokens at x. Every entry is read before any is written (entry e
+// may come from entry e + w). A prefill's window (after ConvKernel) and a fold (len 0).
+template <typename A>
+__device__ __forceinline__ void MoveWindow(A* win, const A* rx, const A* x, int64_t x_stride,
+                                           int64_t C, int H, int w, bool from_zero, int64_t len,
+                                           int64_t c) {
+  A vals[kMaxHist];
 #pragma unroll
-  for (int i = 0; i < H; ++i) {
-    const int64_t t = first - H + i;
+  for (int e = 0; e < kMaxHist; ++e) {
+    if (e >= H) break;
+    const int64_t t = len - H + e;  // token index in the row; < 0: history
     if (t >= 0) {
-      hist[i] = ToF(x[(row.t0 + t) * a.x_token_stride + c]);
+      vals[e] = x[t * x_stride + c];
+    } else if (from_zero) {
+      vals[e] = FromF<A>(0.f);
     } else {
-      hist[i] = from_zero ? 0.f : HistAt(win, rx, C, H, static_cast<int>(w + H + t), c);
+      vals[e] = HistRow(win, rx, C, H, static_cast<int>(w + H + t))[c];
     }
   }
-  float wt[W];
 #pragma unroll
-  for (int i = 0; i < W; ++i) wt[i] = a.weight[c * W + i];
-  const float b = a.bias != nullptr ? a.bias[c] : 0.f;
-  for (int64_t t = first; t < last; ++t) {
-    const A xin = x[(row.t0 + t) * a.x_token_stride + c];
-    const float xv = ToF(xin);
-    float acc = b;
-#pragma unroll
-    for (int i = 0; i < H; ++i) acc = __fmaf_rn(wt[i], hist[i], acc);
-    acc = __fmaf_rn(wt[H], xv, acc);
-    y[(row.t0 + t) * a.y_token_stride + c] = FromF<A>(acc / (1.0f + expf(-acc)));
-#pragma unroll
-    for (int i = 0; i + 1 < H; ++i) hist[i] = hist[i + 1];
-    hist[H - 1] = xv;
-    if (append && w + t < L) rx[(w + t) * C + c] = xin;
+  for (int e = 0; e < kMaxHist; ++e) {
+    if (e < H) win[e * C + c] = vals[e];
   }
 }
 
 // PREFILL, after ConvKernel: window <- the last H inputs of history ++ tokens.
 template <typename A>
 __global__ void __launch_bounds__(kThreads) ConvWindowKernel(rssm_conv_args a) {
-  const int64_t C = a.shape.channels;
   const int64_t c = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   const int r = blockIdx.y;
-  if (c >= C) return;
+  if (c >= a.shape.channels) return;
   const int32_t slot = a.slot_idx[r];
   if (slot < 0 || slot >= a.state.num_slots) return;
   const RowSpan row = RowOf(a, r);
-  const int H = a.shape.width - 1, L = a.shape.ring_len;
   const bool from_zero = a.initial == nullptr || a.initial[r] == 0;
-  const int w = from_zero ? 0 : min(max(a.write_pos[r], 0), L);
-  A* win = static_cast<A*>(a.state.window) + slot * a.state.window_slot_stride;
-  const A* rx = static_cast<const A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride;
-  const A* x = static_cast<const A*>(a.x);
-  A vals[kMaxHist];
-#pragma unroll
-  for (int e = 0; e < kMaxHist; ++e) {
-    if (e >= H) break;
-    const int64_t t = row.len - H + e;  // token index in the row; < 0: history
-    if (t >= 0) {
-      vals[e] = x[(row.t0 + t) * a.x_token_stride + c];
-    } else if (from_zero) {
-      vals[e] = FromF<A>(0.f);
-    } else {
-      const int p = static_cast<int>(w + H + t);
-      vals[e] = p < H ? win[p * C + c] : rx[(p - H) * C + c];
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kMaxHist; ++e) {
-    if (e < H) win[e * C + c] = vals[e];
-  }
+  const int w = from_zero ? 0 : min(max(a.write_pos[r], 0), a.shape.ring_len);
+  MoveWindow(static_cast<A*>(a.state.window) + slot * a.state.window_slot_stride,
+             static_cast<const A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride,
+             static_cast<const A*>(a.x) + row.t0 * a.x_token_stride, a.x_token_stride,
+             a.shape.channels, a.shape.width - 1, w, from_zero, row.len, c);
 }
 
 template <typename A>
 __global__ void __launch_bounds__(kThreads) ConvFoldKernel(rssm_conv_fold_args a) {
-  const int64_t C = a.shape.channels;
   const int64_t c = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   const int i = blockIdx.y;
-  if (c >= C) return;
+  if (c >= a.shape.channels) return;
   const int32_t slot = a.slot_idx[i];
   if (slot < 0 || slot >= a.state.num_slots) return;
-  const int H = a.shape.width - 1;
   const int w = min(max(a.write_pos[i], 0), a.shape.ring_len);
   if (w == 0) return;
-  A* win = static_cast<A*>(a.state.window) + slot * a.state.window_slot_stride;
-  const A* rx = static_cast<const A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride;
-  A vals[kMaxHist];
-#pragma unroll
-  for (int e = 0; e < kMaxHist; ++e) {
-    if (e >= H) break;
-    const int p = w + e;
-    vals[e] = p < H ? win[p * C + c] : rx[(p - H) * C + c];
-  }
-#pragma unroll
-  for (int e = 0; e < kMaxHist; ++e) {
-    if (e < H) win[e * C + c] = vals[e];
-  }
+  MoveWindow(static_cast<A*>(a.state.window) + slot * a.state.window_slot_stride,
+             static_cast<const A*>(a.state.ring_x) + slot * a.state.ring_x_slot_stride,
+             static_cast<const A*>(nullptr), 0, a.shape.channels, a.shape.width - 1, w,
+             /*from_zero=*/false, /*len=*/0, c);
 }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -324,9 +286,9 @@ bool ConvAligned(const rssm_conv_args& a) {
 template <typename A, int W>
 void LaunchConvW(const rssm_conv_args& a, dim3 grid, bool vec, cudaStream_t stream) {
   if (vec) {
-    ConvVecKernel<A, W><<<grid, kThreads, 0, stream>>>(a);
+    ConvKernel<A, W, true><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    ConvKernel<A, W><<<grid, kThreads, 0, stream>>>(a);
+    ConvKernel<A, W, false><<<grid, kThreads, 0, stream>>>(a);
   }
 }
 

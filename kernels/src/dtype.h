@@ -85,6 +85,35 @@ inline float RoundTo(float f) {
   return ToFloat(FromFloat<T>(f));
 }
 
+// By a runtime dtype code (RSSM_DTYPE_F32 = 0, BF16 = 1, F16 = 2): for code that handles
+// bytes of any dtype (the tests' buffers, references and oracles).
+inline float LoadAs(int32_t dtype, const void* src) {
+  if (dtype == 1 || dtype == 2) {
+    uint16_t bits;
+    std::memcpy(&bits, src, 2);
+    return dtype == 1 ? ToFloat(Bf16{bits}) : ToFloat(F16{bits});
+  }
+  float f;
+  std::memcpy(&f, src, 4);
+  return f;
+}
+
+inline void StoreAs(int32_t dtype, float x, void* dst) {
+  if (dtype == 1 || dtype == 2) {
+    const uint16_t bits = dtype == 1 ? FromFloat<Bf16>(x).bits : FromFloat<F16>(x).bits;
+    std::memcpy(dst, &bits, 2);
+  } else {
+    std::memcpy(dst, &x, 4);
+  }
+}
+
+// x rounded through the dtype and back.
+inline float RoundAs(int32_t dtype, float x) {
+  if (dtype == 1) return RoundTo<Bf16>(x);
+  if (dtype == 2) return RoundTo<F16>(x);
+  return x;
+}
+
 }  // namespace replayssm::kernels
 
 #endif  // REPLAYSSM_KERNELS_SRC_DTYPE_H_

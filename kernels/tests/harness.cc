@@ -26,41 +26,10 @@ double OutputTolerance(rssm_dtype state_dtype, rssm_dtype act_dtype) {
 }
 
 float Buffer::Get(int64_t i) const {
-  switch (dtype_) {
-    case RSSM_DTYPE_F32: {
-      float f;
-      std::memcpy(&f, &bytes_[i * 4], 4);
-      return f;
-    }
-    case RSSM_DTYPE_BF16: {
-      Bf16 x;
-      std::memcpy(&x.bits, &bytes_[i * 2], 2);
-      return ToFloat(x);
-    }
-    case RSSM_DTYPE_F16: {
-      F16 x;
-      std::memcpy(&x.bits, &bytes_[i * 2], 2);
-      return ToFloat(x);
-    }
-  }
-  return std::numeric_limits<float>::quiet_NaN();
+  return LoadAs(dtype_, &bytes_[i * rssm_dtype_size(dtype_)]);
 }
 
-void Buffer::Set(int64_t i, float v) {
-  switch (dtype_) {
-    case RSSM_DTYPE_F32: std::memcpy(&bytes_[i * 4], &v, 4); break;
-    case RSSM_DTYPE_BF16: {
-      const Bf16 x = FromFloat<Bf16>(v);
-      std::memcpy(&bytes_[i * 2], &x.bits, 2);
-      break;
-    }
-    case RSSM_DTYPE_F16: {
-      const F16 x = FromFloat<F16>(v);
-      std::memcpy(&bytes_[i * 2], &x.bits, 2);
-      break;
-    }
-  }
-}
+void Buffer::Set(int64_t i, float v) { StoreAs(dtype_, v, &bytes_[i * rssm_dtype_size(dtype_)]); }
 
 void Buffer::FillNaN() {
   for (int64_t i = 0; i < n_; ++i) Set(i, std::numeric_limits<float>::quiet_NaN());
@@ -167,6 +136,42 @@ rssm_decode_args Layer::DecodeArgs(int32_t batch, const int32_t* slots, const in
   a.in = tok.Inputs();
   a.out = {out.data(), 0};
   return a;
+}
+
+rssm_verify_args Layer::VerifyArgs(int32_t batch, int32_t num_draft, const int32_t* slots,
+                                   const int32_t* write_pos, const Tokens& tok, Buffer& out) {
+  rssm_verify_args v{};
+  v.launch = {RSSM_BACKEND_CPU, nullptr};
+  v.shape = shape;
+  v.params = Params();
+  v.pool = Pool();
+  v.batch = batch;
+  v.num_draft = num_draft;
+  v.slot_idx = slots;
+  v.write_pos = write_pos;
+  v.in = tok.Inputs();
+  v.out = {out.data(), 0};
+  return v;
+}
+
+rssm_prefill_args Layer::PrefillArgs(int32_t batch, const int32_t* slots,
+                                     const int32_t* cu_seqlens, int32_t max_seqlen,
+                                     const Tokens& tok, Buffer& out, const uint8_t* initial,
+                                     const int32_t* write_pos) {
+  rssm_prefill_args p{};
+  p.launch = {RSSM_BACKEND_CPU, nullptr};
+  p.shape = shape;
+  p.params = Params();
+  p.pool = Pool();
+  p.batch = batch;
+  p.slot_idx = slots;
+  p.cu_seqlens = cu_seqlens;
+  p.initial = initial;
+  p.write_pos = write_pos;
+  p.max_seqlen = max_seqlen;
+  p.in = tok.Inputs();
+  p.out = {out.data(), 0};
+  return p;
 }
 
 Tokens::Tokens(const Layer& layer, int count, std::mt19937_64& rng) : n(count) {

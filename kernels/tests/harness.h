@@ -94,6 +94,15 @@ struct Layer {
   rssm_decode_args DecodeArgs(int32_t batch, const int32_t* slots, const int32_t* write_pos,
                               const Tokens& tok, Buffer& out,
                               const uint8_t* force_fold = nullptr);
+  // Verify arguments likewise: `batch` rows of `num_draft` drafts each.
+  rssm_verify_args VerifyArgs(int32_t batch, int32_t num_draft, const int32_t* slots,
+                              const int32_t* write_pos, const Tokens& tok, Buffer& out);
+  // Prefill arguments likewise: rows' tokens from cu_seqlens; initial / write_pos as the ABI's
+  // (null: every row from zero).
+  rssm_prefill_args PrefillArgs(int32_t batch, const int32_t* slots, const int32_t* cu_seqlens,
+                                int32_t max_seqlen, const Tokens& tok, Buffer& out,
+                                const uint8_t* initial = nullptr,
+                                const int32_t* write_pos = nullptr);
 };
 
 // Activations for n tokens, already rounded to the act dtype; row-major per token.

@@ -120,19 +120,8 @@ TEST(Properties, PrefillEqualsSingleSteps) {
     Tokens tok(pre, cu.back(), rng);
     Buffer out(c.act_dtype, int64_t{cu.back()} * c.hv * c.v);
     out.FillNaN();
-    rssm_prefill_args p{};
-    p.launch = {RSSM_BACKEND_CPU, nullptr};
-    p.shape = pre.shape;
-    p.params = pre.Params();
-    p.pool = pre.Pool();
-    p.batch = 5;
-    p.slot_idx = slots.data();
-    p.cu_seqlens = cu.data();
-    p.initial = initial.data();
-    p.write_pos = w.data();
-    p.max_seqlen = 9;
-    p.in = tok.Inputs();
-    p.out = {out.data(), 0};
+    rssm_prefill_args p =
+        pre.PrefillArgs(5, slots.data(), cu.data(), 9, tok, out, initial.data(), w.data());
     ASSERT_EQ(rssm_prefill(&p), RSSM_OK) << rssm_last_error();
     // The same with single steps: fold to the starting state, then one baseline step per token.
     const Reference ref(pre);
@@ -198,17 +187,7 @@ TEST(Properties, VerifyThenAcceptEqualsDecodeSteps) {
       Buffer vo(c.act_dtype, 3LL * kT * c.hv * c.v);
       vo.FillNaN();
       const std::vector<int32_t> w = {w0, 0, w0};
-      rssm_verify_args v{};
-      v.launch = {RSSM_BACKEND_CPU, nullptr};
-      v.shape = ver.shape;
-      v.params = ver.Params();
-      v.pool = ver.Pool();
-      v.batch = 3;
-      v.num_draft = kT;
-      v.slot_idx = slots.data();
-      v.write_pos = w.data();
-      v.in = drafts.Inputs();
-      v.out = {vo.data(), 0};
+      rssm_verify_args v = ver.VerifyArgs(3, kT, slots.data(), w.data(), drafts, vo);
       ASSERT_EQ(rssm_verify(&v), RSSM_OK) << rssm_last_error();
       for (int t = 0; t < kT; ++t) {  // the padding row's outputs are zeros
         EXPECT_EQ(RelErr(OutputOf(vo, kT + t, c.hv, c.v), std::vector<double>(c.hv * c.v, 0.0)), 0.0);

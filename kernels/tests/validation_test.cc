@@ -29,18 +29,7 @@ class Validation : public ::testing::Test {
   rssm_decode_args Decode() { return layer_.DecodeArgs(2, slots_, pos_, tok_, out_); }
   // A two-row prefill over this layer, rows' lengths from cu_seqlens.
   rssm_prefill_args Prefill(const int32_t* cu_seqlens, int32_t max_seqlen) {
-    rssm_prefill_args p{};
-    p.launch = {RSSM_BACKEND_CPU, nullptr};
-    p.shape = layer_.shape;
-    p.params = layer_.Params();
-    p.pool = layer_.Pool();
-    p.batch = 2;
-    p.slot_idx = slots_;
-    p.cu_seqlens = cu_seqlens;
-    p.max_seqlen = max_seqlen;
-    p.in = tok_.Inputs();
-    p.out = {out_.data(), 0};
-    return p;
+    return layer_.PrefillArgs(2, slots_, cu_seqlens, max_seqlen, tok_, out_);
   }
   // Calls fn and expects INVALID_ARGUMENT with `field` in the message, and no byte changed.
   void ExpectRejected(const std::function<rssm_status()>& fn, const std::string& field) {
@@ -134,17 +123,8 @@ TEST_F(Validation, BadIndicesAndStridesAreRejected) {
 }
 
 TEST_F(Validation, VerifyNeedsRoomForEveryDraft) {
-  rssm_verify_args v{};
-  v.launch = {RSSM_BACKEND_CPU, nullptr};
-  v.shape = layer_.shape;
-  v.params = layer_.Params();
-  v.pool = layer_.Pool();
-  v.batch = 2;
-  v.num_draft = 3;  // row 1 sits at w = 2, L = 4: 2 + 3 > 4
-  v.slot_idx = slots_;
-  v.write_pos = pos_;
-  v.in = tok_.Inputs();
-  v.out = {out_.data(), 0};
+  // Row 1 sits at w = 2, L = 4: 2 + 3 > 4.
+  rssm_verify_args v = layer_.VerifyArgs(2, 3, slots_, pos_, tok_, out_);
   ExpectRejected([&] { return rssm_verify(&v); }, "write_pos[1]");
   v.num_draft = 5;
   ExpectRejected([&] { return rssm_verify(&v); }, "num_draft");
