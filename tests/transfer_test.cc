@@ -371,8 +371,15 @@ TEST_F(TransferTimeoutTest, AReceiverResumedAfterTheSenderGaveUpKeepsNoOrphan) {
   EXPECT_EQ(decode.status().code(), absl::StatusCode::kFailedPrecondition)
       << "in doubt: the source stays locked; " << decode.status();
   b->Signal(SIGCONT);
-  absl::SleepFor(absl::Milliseconds(1500));  // B reads the queued commit and abort
-  EXPECT_EQ(cb->Stats()->slots_live(), 0) << "the late commit left no orphan";
+  // B reads the queued commit and abort; until the abort is read its reservation's slot counts
+  // as live. Waited for up to 10 s (a fixed 1.5 s failed on a loaded 2-core machine).
+  int64_t live = -1;
+  for (const absl::Time end = absl::Now() + absl::Seconds(10); absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(100))) {
+    live = cb->Stats()->slots_live();
+    if (live == 0) break;
+  }
+  EXPECT_EQ(live, 0) << "the late commit left no orphan";
   proxy->set_hooks({});
   auto retry = client_->TransferSlot(s, proxy->address(), false, "move-2");
   ASSERT_TRUE(retry.ok()) << retry.status();
