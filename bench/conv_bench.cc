@@ -1,10 +1,13 @@
 // replayssm-bench-conv: what the short convolution adds to a decode step on the GPU — the
-// replay decode kernel alone against rssm_short_conv + the same decode (issue 19's target:
-// <= 1.05x at B >= 64); and the finiteness scan of a shared slot (rssm_count_nonfinite). Method (the peer's, docs/gpu.md "The kernel benchmark"): each timed
-// call alone between CUDA events, the L2 flushed before it (a 256 MiB memset), the GPU kept
-// busy by a spin kernel while the host queues the launches, cursors random in [0, L-2] (no
-// row folds: the cache folds before its decode kernels), the median of --iters calls. Shape:
-// Qwen3-Next (HV=32 H=16 K=V=128 L=16, W=4), fp32 state, bf16 activations.
+// replay decode kernel alone against the decode with its convolution joined to it
+// (rssm_decode_args.conv: the step overlaps the convolution; what the cache runs) and against
+// rssm_short_conv + the same decode as two plain calls (issue 19's target: <= 1.05x at
+// B >= 64); and the finiteness scan of a shared slot (rssm_count_nonfinite). Method (the peer's,
+// docs/gpu.md "The kernel benchmark"): each timed call alone between CUDA events, the L2 flushed
+// before it (a 256 MiB memset), the GPU kept busy by a spin kernel while the host queues the
+// launches, cursors random in [0, L-2] (no row folds: the cache folds before its decode kernels),
+// the median of --iters calls. Shape: Qwen3-Next (HV=32 H=16 K=V=128 L=16, W=4), fp32 state, bf16
+// activations.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -55,7 +58,7 @@ T* Upload(const std::vector<T>& v) {
 
 struct Row {
   int64_t batch;
-  double decode_us, conv_decode_us, conv_us, ratio;
+  double decode_us, conv_decode_us, conv_us, ratio, fused_us, fused_ratio;
 };
 
 }  // namespace
@@ -135,7 +138,9 @@ int main(int argc, char** argv) {
       c.y = d_y;
       CHECK_RSSM(rssm_short_conv(&c));
     };
-    auto decode = [&](int set, bool with_conv) {
+    void* d_y2 = DeviceAlloc(B * C * as);
+    const rssm_decode_conv fused{W, d_weight, nullptr, conv_state, d_y2};
+    auto decode = [&](int set, bool with_conv, bool fuse) {
       rssm_decode_args a{};
       a.launch = {RSSM_BACKEND_CUDA, stream};
       a.shape = shape;
@@ -146,13 +151,15 @@ int main(int argc, char** argv) {
       a.write_pos = d_pos[set];
       a.in = {with_conv ? d_y : d_x, d_a, d_b, 0, 0, 0};
       a.out = {d_o, 0};
+      if (fuse) a.conv = &fused;
       if (with_conv) conv(set);
       CHECK_RSSM(rssm_replay_decode(&a));
     };
-    // variant 0: decode, 1: conv + decode, 2: conv alone; interleaved call by call.
-    std::vector<std::vector<float>> times(3);
+    // variant 0: decode, 1: conv + decode, 2: conv alone, 3: decode with the convolution
+    // fused; interleaved call by call.
+    std::vector<std::vector<float>> times(4);
     for (int64_t i = 0; i < iters + 8; ++i) {
-      for (int variant = 0; variant < 3; ++variant) {
+      for (int variant = 0; variant < 4; ++variant) {
         const int set = static_cast<int>(i % 2);
         CHECK_CUDA(cudaMemsetAsync(flush, static_cast<int>(i & 0xff), flush_bytes, stream));
         CHECK_CUDA(LaunchSpin(20000, stream));  // ~10 us at ~1.9 GHz: the launches queue behind it
@@ -160,7 +167,7 @@ int main(int argc, char** argv) {
         if (variant == 2) {
           conv(set);
         } else {
-          decode(set, variant == 1);
+          decode(set, variant == 1, variant == 3);
         }
         CHECK_CUDA(cudaEventRecord(stop, stream));
         CHECK_CUDA(cudaEventSynchronize(stop));
@@ -173,17 +180,20 @@ int main(int argc, char** argv) {
       std::sort(v.begin(), v.end());
       return static_cast<double>(v[v.size() / 2]);
     };
-    Row row{B, median(times[0]), median(times[1]), median(times[2]), 0};
+    Row row{B, median(times[0]), median(times[1]), median(times[2]), 0, median(times[3]), 0};
     row.ratio = row.conv_decode_us / row.decode_us;
+    row.fused_ratio = row.fused_us / row.decode_us;
     rows.push_back(row);
-    std::printf("B=%4lld  decode %8.1f us  conv+decode %8.1f us  (%.3fx)  conv alone %6.1f us\n",
-                static_cast<long long>(B), row.decode_us, row.conv_decode_us, row.ratio,
-                row.conv_us);
+    std::printf(
+        "B=%4lld  decode %8.1f us  joined %8.1f us (%.3fx)  conv+decode %8.1f us (%.3fx)  conv "
+        "alone %6.1f us\n",
+        static_cast<long long>(B), row.decode_us, row.fused_us, row.fused_ratio, row.conv_decode_us,
+        row.ratio, row.conv_us);
     std::fflush(stdout);
     for (void* p :
          {checkpoint, ring_d, ring_k, static_cast<void*>(ring_g), window, ring_x,
           static_cast<void*>(d_alog), static_cast<void*>(d_dt), static_cast<void*>(d_weight),
-          static_cast<void*>(d_x), static_cast<void*>(d_a), static_cast<void*>(d_b), d_y, d_o,
+          static_cast<void*>(d_x), static_cast<void*>(d_a), static_cast<void*>(d_b), d_y, d_y2, d_o,
           static_cast<void*>(d_idx[0]), static_cast<void*>(d_idx[1]), static_cast<void*>(d_pos[0]),
           static_cast<void*>(d_pos[1])}) {
       CHECK_CUDA(cudaFree(p));
@@ -227,7 +237,9 @@ int main(int argc, char** argv) {
       const Row& r = rows[i];
       out << "    {\"batch\": " << r.batch << ", \"decode_us\": " << r.decode_us
           << ", \"conv_decode_us\": " << r.conv_decode_us << ", \"conv_us\": " << r.conv_us
-          << ", \"ratio\": " << r.ratio << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+          << ", \"ratio\": " << r.ratio << ", \"fused_us\": " << r.fused_us
+          << ", \"fused_ratio\": " << r.fused_ratio << "}" << (i + 1 < rows.size() ? "," : "")
+          << "\n";
     }
     out << "  ],\n  \"nonfinite_scan\": {\"bytes\": " << scan_bytes << ", \"us\": " << scan
         << "}\n}\n";

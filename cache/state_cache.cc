@@ -126,7 +126,8 @@ class ForwardImpl final : public Forward {
   // buffers that queued layers may still read, so it waits for them first.
   absl::Status ReserveTokens();
   // Queues `layer`'s kernels for every row (a prefill first saves the checkpoints it writes):
-  // the short convolution (a model with one), then the recurrence.
+  // the short convolution (a model with one; decode's is joined to its step), then the
+  // recurrence.
   absl::Status Launch(int32_t layer, rssm_token_inputs in, const rssm_token_outputs& out);
   // Queues the short convolution of `layer` over in.mixed_qkv into the lane's scratch, and
   // points `in` at its outputs.
@@ -1433,7 +1434,9 @@ absl::Status ForwardImpl::Launch(int32_t layer, rssm_token_inputs in,
     absl::Status st = CopySpares(layer, /*restore=*/false);
     if (!st.ok()) return st;
   }
-  if (pool.has_conv()) {
+  // Decode joins its convolution to the step (rssm_decode_args.conv: the step overlaps it);
+  // verify and prefill convolve first.
+  if (pool.has_conv() && rows_.kind != ForwardKind::kDecode) {
     absl::Status st = Convolve(layer, in);
     if (!st.ok()) return st;
   }
@@ -1446,6 +1449,12 @@ absl::Status ForwardImpl::Launch(int32_t layer, rssm_token_inputs in,
       a.force_fold = nullptr;  // never folds: every row has room (Start)
       a.in = in;
       a.out = out;
+      rssm_decode_conv conv{};
+      if (pool.has_conv()) {
+        conv = {m.conv_width, pool.ConvWeight(layer), pool.ConvBias(layer), pool.LayerConv(layer),
+                s.conv.data()};
+        a.conv = &conv;
+      }
       return KernelStatus(rssm_replay_decode(&a), "decode");
     }
     case ForwardKind::kVerify: {

@@ -235,7 +235,18 @@ rssm_status Decode(const rssm_decode_args& a, bool baseline) {
 
 }  // namespace
 
-rssm_status ReplayDecode(const rssm_decode_args& args) { return Decode(args, false); }
+// A joined convolution (args.conv): the APPEND call into conv->y, then the step on it.
+rssm_status ReplayDecode(const rssm_decode_args& args) {
+  if (args.conv == nullptr) return Decode(args, false);
+  const rssm_conv_args c = JoinedConvArgs(args);
+  const rssm_status st = ShortConv(c);
+  if (st != RSSM_OK) return st;
+  rssm_decode_args d = args;
+  d.conv = nullptr;
+  d.in.mixed_qkv = c.y;
+  d.in.qkv_token_stride = c.y_token_stride;
+  return Decode(d, false);
+}
 rssm_status BaselineDecode(const rssm_decode_args& args) { return Decode(args, true); }
 
 rssm_status Fold(const rssm_fold_args& a) {

@@ -187,6 +187,15 @@ rssm_status Decode(const rssm_decode_args& a, int mode, const char* what,
   p.slot_idx = a.slot_idx;
   p.write_pos = mode == kModeBaseline ? nullptr : a.write_pos;
   p.force_fold = mode == kModeBaseline ? nullptr : a.force_fold;
+  if (a.conv != nullptr) {  // api.cc refuses it for the baseline
+    // The convolution first (its kernel lets dependents launch at once), then the step on y.
+    const rssm_conv_args ca = JoinedConvArgs(a);
+    const rssm_status st = ShortConv(ca);
+    if (st != RSSM_OK) return st;
+    p.ly.qkv = ca.y;
+    p.ly.qkv_stride = ca.y_token_stride;
+    p.after_conv = 1;
+  }
   const KernelOp op = mode == kModeBaseline ? KernelOp::kBaseline : KernelOp::kReplay;
   return Report(Step(p, op, a.shape.state_dtype, StreamOf(a.launch), overrides, plan), what);
 }

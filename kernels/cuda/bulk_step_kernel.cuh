@@ -968,15 +968,28 @@ struct BulkCta {
   }
 };
 
-template <typename T, int TT, int KC, int RB, bool KDA>
+// AFTER_CONV (decode only): launched as the programmatic dependent of its convolution
+// (rssm_decode_args.conv), whose outputs are its tokens. The row's metadata, checkpoint and
+// records are not the convolution's to write, so the CTA reads its metadata and issues its S0
+// stages first, then waits for the convolution's grid (griddepcontrol.wait: its writes are
+// visible after it) and loads the tokens: the state streams while the convolution runs.
+template <typename T, int TT, int KC, int RB, bool KDA, bool AFTER_CONV = false>
 __global__ void __launch_bounds__(kBulkMaxWarps * 32,
                                   TT == 1 ? BulkDecodeMinCtas(sizeof(T)) : kBulkVerifyMinCtas)
     BulkStepKernel(const __grid_constant__ BulkParams p) {
+  static_assert(!AFTER_CONV || TT == 1, "only decode joins its convolution");
   extern __shared__ __align__(128) unsigned char smem[];
   BulkCta<T, TT, KC, RB, KDA> cta(p, smem);
-  cta.LoadTokensOfDtype();
-  cta.ReadMetadata();
-  cta.IssueS0();
+  if constexpr (AFTER_CONV) {
+    cta.ReadMetadata();
+    cta.IssueS0();
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    cta.LoadTokensOfDtype();
+  } else {
+    cta.LoadTokensOfDtype();
+    cta.ReadMetadata();
+    cta.IssueS0();
+  }
   if (cta.pad) {
     cta.ZeroOutputs();
     return;

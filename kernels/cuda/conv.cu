@@ -131,6 +131,10 @@ struct Access<A, false> {
 // template parameter, so the history and the weights live in registers.
 template <typename A, int W, bool kVec>
 __global__ void __launch_bounds__(kThreads) ConvKernel(rssm_conv_args a) {
+  // A decode step queued behind this launch as its programmatic dependent (a joined
+  // convolution, backend.cu) may start now: it streams its state and waits for y itself
+  // (griddepcontrol.wait). Without a dependent this does nothing.
+  asm volatile("griddepcontrol.launch_dependents;");
   using P = Access<A, kVec>;
   constexpr int N = P::kN, H = W - 1;
   const int64_t C = a.shape.channels;

@@ -60,7 +60,7 @@ cudaError_t LaunchTiledT(const LaunchPlan& plan, int device, StepParams p, cudaS
   return cudaGetLastError();
 }
 
-template <typename T, int TT, int KC, int RB, bool KDA>
+template <typename T, int TT, int KC, int RB, bool KDA, bool AFTER_CONV = false>
 cudaError_t LaunchBulkT(const LaunchPlan& plan, int device, const StepParams& sp,
                         cudaStream_t stream) {
   const BulkConfig& c = plan.bulk;
@@ -87,10 +87,23 @@ cudaError_t LaunchBulkT(const LaunchPlan& plan, int device, const StepParams& sp
   p.vec_s0 = c.vec_s0, p.bulk_s0 = c.bulk_s0, p.bulk_d = c.bulk_d, p.bulk_k = c.bulk_k;
   p.bulk_g = c.bulk_g, p.d_dense = c.d_dense;
   p.o_late = c.late_stage ? sm.kr : -1;
-  auto kernel = BulkStepKernel<T, TT, KC, RB, KDA>;
+  auto kernel = BulkStepKernel<T, TT, KC, RB, KDA, AFTER_CONV>;
   static FuncSmemLimit limit;  // one per instantiation
   const cudaError_t e = limit.Allow(kernel, device, plan.smem_bytes, true);
   if (e != cudaSuccess) return e;
+  if constexpr (AFTER_CONV) {  // the programmatic dependent of the convolution just queued
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(plan.grid_x, plan.grid_y);
+    cfg.blockDim = dim3(plan.threads);
+    cfg.dynamicSmemBytes = plan.smem_bytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, p);
+  }
   kernel<<<dim3(plan.grid_x, plan.grid_y), plan.threads, plan.smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -100,6 +113,10 @@ template <typename T, bool KDA>
 cudaError_t LaunchBulkGate(const LaunchPlan& plan, int device, const StepParams& p,
                            cudaStream_t stream) {
   const bool wide = plan.bulk.channels_per_lane == 8;
+  if (plan.bulk.tokens_per_pass == 1 && p.after_conv != 0) {
+    return wide ? LaunchBulkT<T, 1, 8, 8, KDA, true>(plan, device, p, stream)
+                : LaunchBulkT<T, 1, 4, 8, KDA, true>(plan, device, p, stream);
+  }
   if (plan.bulk.tokens_per_pass == 1) {
     return wide ? LaunchBulkT<T, 1, 8, 8, KDA>(plan, device, p, stream)
                 : LaunchBulkT<T, 1, 4, 8, KDA>(plan, device, p, stream);

@@ -43,6 +43,9 @@ struct StepParams {
   const int32_t* slot_idx;    // [B]
   const int32_t* write_pos;   // [B] (null for the baseline)
   const uint8_t* force_fold;  // [B] or null
+  // Decode behind its convolution (rssm_decode_args.conv): launched as the convolution's
+  // programmatic dependent, the bulk kernel streams its state before it waits for the tokens.
+  int32_t after_conv;
   SmemLayout sm;
 };
 

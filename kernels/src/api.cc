@@ -194,12 +194,68 @@ void CheckConvShape(Check& c, const rssm_conv_shape& s) {
   }
 }
 
-void CheckConvState(Check& c, rssm_conv_state& st, const rssm_conv_shape& s) {
-  c.NotNull(st.window, "state.window");
-  c.NotNull(st.ring_x, "state.ring_x");
-  if (st.num_slots < 1) c.Fail("state.num_slots", ">= 1", std::to_string(st.num_slots));
-  c.Stride(&st.window_slot_stride, int64_t{s.width - 1} * s.channels, "state.window_slot_stride");
-  c.Stride(&st.ring_x_slot_stride, int64_t{s.ring_len} * s.channels, "state.ring_x_slot_stride");
+}  // namespace
+
+rssm_conv_args JoinedConvArgs(const rssm_decode_args& args) {
+  const rssm_layer_shape& s = args.shape;
+  const int64_t channels =
+      2 * int64_t{s.num_qk_heads} * s.head_k + int64_t{s.num_v_heads} * s.head_v;
+  rssm_conv_args c{};
+  c.launch = args.launch;
+  c.shape = {static_cast<int32_t>(channels), args.conv->width, s.ring_len, s.act_dtype};
+  c.weight = args.conv->weight;
+  c.bias = args.conv->bias;
+  c.state = args.conv->state;
+  c.mode = RSSM_CONV_APPEND;
+  c.batch = args.batch;
+  c.slot_idx = args.slot_idx;
+  c.write_pos = args.write_pos;
+  c.num_tokens = 1;
+  c.x = args.in.mixed_qkv;
+  c.x_token_stride = args.in.qkv_token_stride;
+  c.y = args.conv->y;
+  c.y_token_stride = channels;
+  return c;
+}
+
+namespace {
+
+// `prefix` names the state's fields in messages ("state." or "conv->state.").
+void CheckConvState(Check& c, rssm_conv_state& st, const rssm_conv_shape& s,
+                    const std::string& prefix = "state.") {
+  c.NotNull(st.window, prefix + "window");
+  c.NotNull(st.ring_x, prefix + "ring_x");
+  if (st.num_slots < 1) c.Fail(prefix + "num_slots", ">= 1", std::to_string(st.num_slots));
+  c.Stride(&st.window_slot_stride, int64_t{s.width - 1} * s.channels,
+           prefix + "window_slot_stride");
+  c.Stride(&st.ring_x_slot_stride, int64_t{s.ring_len} * s.channels, prefix + "ring_x_slot_stride");
+}
+
+// rssm_decode_args.conv (non-null): checked against the layer; on return *out holds it with
+// dense strides resolved.
+void CheckDecodeConv(Check& c, const rssm_decode_args& a, bool baseline, rssm_decode_conv* out) {
+  if (baseline) {
+    c.Fail("conv", "NULL (the baseline decode takes convolved inputs)", "a convolution");
+    return;
+  }
+  *out = *a.conv;
+  c.Range(a.batch, 0, 65535, "batch (with conv: the convolution's rows)");
+  c.Range(out->width, 2, RSSM_MAX_CONV_WIDTH, "conv->width");
+  c.NotNull(out->weight, "conv->weight");
+  if (!c.ok()) return;
+  const rssm_layer_shape& s = a.shape;
+  const int64_t channels =
+      2 * int64_t{s.num_qk_heads} * s.head_k + int64_t{s.num_v_heads} * s.head_v;
+  const rssm_conv_shape cs{static_cast<int32_t>(channels), out->width, s.ring_len, s.act_dtype};
+  CheckConvState(c, out->state, cs, "conv->state.");
+  if (c.ok() && out->state.num_slots != a.pool.num_slots) {
+    c.Fail("conv->state.num_slots", "pool.num_slots = " + std::to_string(a.pool.num_slots),
+           std::to_string(out->state.num_slots));
+  }
+  c.NotNull(out->y, "conv->y");
+  if (c.ok() && out->y == a.in.mixed_qkv) {
+    c.Fail("conv->y", "a buffer other than in.mixed_qkv", "y == in.mixed_qkv");
+  }
 }
 
 bool IsCpu(const rssm_launch& l) { return l.backend == RSSM_BACKEND_CPU; }
@@ -230,9 +286,19 @@ rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn,
   if (!baseline) c.NotNull(a.write_pos, "write_pos");
   CheckInputs(c, a.in, a.shape);
   CheckOutputs(c, a.out, a.shape, false);
+  rssm_decode_conv conv{};
+  if (c.ok() && a.conv != nullptr) {
+    CheckDecodeConv(c, a, baseline, &conv);
+    a.conv = &conv;
+  }
   if (c.ok() && IsCpu(a.launch)) {
     CheckSlots(c, a.slot_idx, a.batch, a.pool.num_slots);
-    if (!baseline) CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len, "[0, L]");
+    if (a.conv != nullptr) {  // the input's ring entry: w + 1 <= L
+      CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len - 1,
+                   "room for the input in ring_x (conv): w + 1 <= L, w in");
+    } else if (!baseline) {
+      CheckCursors(c, a.slot_idx, a.write_pos, a.batch, a.shape.ring_len, "[0, L]");
+    }
     if (!baseline) CheckFlags(c, a.force_fold, a.batch, "force_fold");
   }
   if (!c.ok()) return Finish(c);

@@ -1,10 +1,14 @@
 // The short convolution on the device: the CPU tests' scenario (decode, verify + accept,
-// prefill from the slot or from zeros, folds, padding, strides) against the fp64 reference.
+// prefill from the slot or from zeros, folds, padding, strides) against the fp64 reference;
+// and the convolution joined to the decode step against the two plain calls, bit for bit, on
+// each step kernel.
 #include <gtest/gtest.h>
 
 #include <string>
 
+#include "src/launch_overrides.h"
 #include "tests/conv_scenario.h"
+#include "tests/fused_conv_scenario.h"
 
 namespace replayssm::kernels::testing {
 namespace {
@@ -13,6 +17,19 @@ TEST(CudaShortConv, MatchesTheReference) {
   if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
   // L = 24: prefills of up to 48 tokens cross the kernel's 16-token chunks.
   ConvSweep(RSSM_BACKEND_CUDA, {1, 8, 24}, {8, 40, 520}, 100);
+}
+
+TEST(CudaFusedConv, EqualsTheSeparateCallsOnEachStepKernel) {
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
+  using K = cuda::LaunchOverrides::StepKernel;
+  for (K kernel : {K::kTiled, K::kBulk}) {
+    SCOPED_TRACE(kernel == K::kTiled ? "tiled" : "bulk");
+    cuda::LaunchOverrides forced;
+    forced.step_kernel = kernel;
+    FusedConvSweep(
+        RSSM_BACKEND_CUDA, [&](const rssm_decode_args* a) { return ReplayDecodeWith(a, forced); },
+        200);
+  }
 }
 
 }  // namespace

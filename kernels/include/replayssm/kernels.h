@@ -37,7 +37,7 @@
 extern "C" {
 #endif
 
-#define RSSM_ABI_VERSION 1
+#define RSSM_ABI_VERSION 2    /* 2: rssm_decode_args.conv */
 #define RSSM_MAX_HEAD_DIM 256 /* K and V: multiples of 16 in [16, 256] */
 #define RSSM_MAX_RING_LEN 64  /* L in [1, 64] */
 
@@ -143,6 +143,10 @@ typedef struct rssm_decode_args {
                                 on CUDA it is device memory the host does not read) */
   rssm_token_inputs in;       /* N = B */
   rssm_token_outputs out;     /* N = B */
+  /* NULL: in.mixed_qkv is already convolved. Otherwise (replay decode only) the short
+   * convolution joined to the step (section 6, rssm_decode_conv): in.mixed_qkv holds the
+   * pre-convolution inputs. */
+  const struct rssm_decode_conv* conv;
 } rssm_decode_args;
 
 rssm_status rssm_replay_decode(const rssm_decode_args* args);
@@ -272,6 +276,23 @@ typedef struct rssm_conv_args {
 } rssm_conv_args;
 
 rssm_status rssm_short_conv(const rssm_conv_args* args);
+
+/* The convolution joined to rssm_replay_decode (rssm_decode_args.conv): the call is
+ * rssm_short_conv (RSSM_CONV_APPEND, one token per row) of in.mixed_qkv into y followed by the
+ * step on y, bit for bit the same as the two calls (outputs, records, checkpoint, window,
+ * ring_x, y), but on CUDA the step's launch overlaps the convolution's (it streams its state
+ * while the convolution runs and waits for y only where it reads it; docs/math-and-abi.md).
+ * Rule: w + 1 <= L for every row (the input needs a ring entry; the cache folds a full ring
+ * first). A row that folds (force_fold) does not fold the window: the caller calls
+ * rssm_conv_fold with w + 1, as after rssm_short_conv. rssm_baseline_decode refuses it. */
+typedef struct rssm_decode_conv {
+  int32_t width;         /* W in [2, RSSM_MAX_CONV_WIDTH] */
+  const float* weight;   /* [C, W] fp32, C = 2*H*K + HV*V */
+  const float* bias;     /* [C] fp32, or NULL for none */
+  rssm_conv_state state; /* act dtype, L = shape.ring_len, num_slots = pool.num_slots */
+  void* y;               /* [B, C] act dtype, dense: receives the convolved inputs (scratch
+                            the step reads; not in.mixed_qkv) */
+} rssm_decode_conv;
 
 /* Folds the convolution state with the recurrence's fold: for each listed slot, window <- the
  * last W-1 inputs of window + ring_x[0..w-1] (w == 0: unchanged). The caller folds the
