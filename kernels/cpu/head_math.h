@@ -22,7 +22,7 @@ struct HeadDims {
   bool kda;    // g per key channel
 };
 
-// fp32 copies of a head's records 0..n-1, as stored (already rounded to the state dtype).
+// fp32 copies of a head's records 0..n-1, as stored (already rounded to the ring dtype).
 // g is expanded to K values per record for GDN as well.
 struct Records {
   std::vector<float> d;  // [L, V]

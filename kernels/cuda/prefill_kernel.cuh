@@ -13,7 +13,9 @@
 
 namespace replayssm::kernels::cuda {
 
-template <typename T, int KMAX>
+// T: the checkpoint's storage type; Ring: the ring's d and k (read when a row starts from its
+// slot).
+template <typename T, typename Ring, int KMAX>
 __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant__ PrefillParams p) {
   using Cfg = TileCfg<T, KMAX>;
   constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
         }
       }
     }
-    if (w > 0) LoadRecords<T>(ly, sm, s, slot, h, w, v0, VT);
+    if (w > 0) LoadRecords<Ring>(ly, sm, s, slot, h, w, v0, VT);
     __syncthreads();
     if (w > 0) Weights(ly, sm, s, w, 0, true, false);
     __syncthreads();
@@ -104,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
   for (int64_t n = begin; n < end; ++n) {
     LoadToken(ly, sm, s, n, h, 0, 0, v0, VT);
     __syncthreads();
-    NormalizeTokens<T>(ly, sm, s, 1, 0);
+    NormalizeTokens<Ring>(ly, sm, s, 1, 0);
     __syncthreads();
     Weights(ly, sm, s, 0, 0, false, true);
     __syncthreads();
