@@ -52,7 +52,8 @@ uint64_t RangeDigest(const uint8_t* const* parts, size_t part_bytes, size_t begi
 }
 
 HeadDims DimsOf(const rssm_layer_shape& s) {
-  return HeadDims{s.head_k, s.head_v, s.ring_len, s.gate == RSSM_GATE_KDA};
+  return HeadDims{s.head_k, s.head_v, s.ring_len, s.gate == RSSM_GATE_KDA,
+                  rssm_ring_storage_dtype(&s)};
 }
 
 // Typed access to one layer's pool and activations for state dtype S (the checkpoint), ring

@@ -211,7 +211,7 @@ struct BulkCta {
   float* kws;        // [L][K] W_j∘k_j (fold)
   float *kas, *qas;  // [T][K] A∘k, A∘q
   float* avs;        // [K] A (fold)
-  float* kns;        // [K] the normalized k (fold)
+  float* kns;        // [K] the normalized k rounded to R (fold)
   float *us, *ps;    // [T][L] (W_j∘k_j)·k, (W_j∘k_j)·q
   float* dds;        // [T][rows] drafts' d across passes
   bool keep_kw;      // a folding decode keeps W_j∘k_j for the fold
@@ -595,7 +595,7 @@ struct BulkCta {
       if (lane == 0) kqs[0] = kq;
       if (has_c) {
 #pragma unroll
-        for (int e = 0; e < KC; ++e) kns[c0 + e] = kk[e];
+        for (int e = 0; e < KC; ++e) kns[c0 + e] = RoundTo<R>(kk[e]);  // as the ring holds it
       }
       Append(0, kk);
     }
@@ -744,7 +744,7 @@ struct BulkCta {
   }
 
   // Decode, and verify in several passes: the per-row finish of the pass's drafts (lane
-  // i < RB writes row i); returns d of the pass's last draft unrounded (the fold's).
+  // i < RB writes row i); returns d of the pass's last draft as stored (the fold's).
   __device__ __forceinline__ float FinishRows(float (&acc)[NV], int rb0, int pass0, int nt,
                                               bool one_pass) const {
     float dcur = 0.f;
@@ -778,7 +778,7 @@ struct BulkCta {
         const float d = betas[tg_] * (vcur[t] - sk);
         const R dr = FromF<R>(d);
         dd[t] = ToF(dr);
-        dcur = d;
+        dcur = dd[t];  // the fold adds the record as the ring would hold it
         const float o = sq + d * kqs[tg_];
         if (lane < RB) {
           const int v = wv0 + rb0 + row_l;
@@ -836,7 +836,7 @@ struct BulkCta {
       }
 #pragma unroll
       for (int i = 0; i < FR; ++i) {
-        const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // unrounded d of the row
+        const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // the row's d, as stored
         if (!has_c) continue;
         Slice<T, KC> x;
 #pragma unroll

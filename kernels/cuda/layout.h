@@ -43,7 +43,7 @@ struct SmemLayout {
   int vs;              // [TC, VT]    v of the tile rows
   int u, pp;           // [TC, L+1]   (W_j∘k_j)·k, (W_j∘k_j)·q
   int skq;             // [TC, VT, 2] S0 contractions
-  int dcur;            // [VT]        d of the last token, unrounded (fold)
+  int dcur;            // [VT]        d of the last token, rounded to the ring dtype (fold)
   int beta, kq, norm;  // [TC], [TC], [TC, 2]
   int total;           // floats
   static SmemLayout Make(int K, int L, int VT, int TC, bool kda) {

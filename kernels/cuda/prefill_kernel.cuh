@@ -4,7 +4,8 @@
 // of the state in fp32 registers for the whole row: it starts from zero or from the slot's
 // logical state (S0 folded with records 0..w-1), runs the plain recurrence token by token
 // with the arithmetic of a baseline step (contraction with A∘k and A∘q, then
-// S <- S·A + d kᵀ), and rounds to the state dtype once, at the end. The fold op is this
+// S <- S·A + d kᵀ with d, k rounded to the ring dtype, as every record), and rounds to the state
+// dtype once, at the end. The fold op is this
 // kernel with no tokens where every row starts from its slot (and w == 0 writes nothing).
 #ifndef REPLAYSSM_KERNELS_CUDA_PREFILL_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_PREFILL_KERNEL_CUH_
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
       const int row = tid;
       const float d = s[sm.beta] * (s[sm.vs + row] - s[sm.skq + row * 2]);
       const float o = s[sm.skq + row * 2 + 1] + d * s[sm.kq];
-      s[sm.dcur + row] = d;
+      s[sm.dcur + row] = RoundTo<Ring>(d);  // the record enters the state as the ring holds it
       if (ly.o != nullptr && v0 + row < V) {
         StoreAct(ly.o, n * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype, o);
       }
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
         if (c >= K) continue;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          st[i][ch][e] = st[i][ch][e] * s[sm.avec + c + e] + dt * s[sm.ks + c + e];
+          st[i][ch][e] = st[i][ch][e] * s[sm.avec + c + e] + dt * s[sm.kext + c + e];
         }
       }
     }

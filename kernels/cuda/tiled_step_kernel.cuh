@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
         const float o = sq + d * s[sm.kq + t];
         const Ring dr = FromF<Ring>(d);
         s[sm.dext + P * VT + row] = ToF(dr);
-        s[sm.dcur + row] = d;
+        s[sm.dcur + row] = ToF(dr);  // the fold adds the record as the ring would hold it
         if (valid) {
           StoreAct(ly.o, (tok0 + c0 + t) * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype,
                    o);
@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
   }
   if (!fold) return;
 
-    // 5. Fold (decode only: T == 1, token 0): S0·A + Σ_j d_j (W_j∘k_j) + d k, from registers.
+    // 5. Fold (decode only: T == 1, token 0): S0·A + Σ_j d_j (W_j∘k_j) + d k, from registers,
+    // the token's d and k rounded as the ring would hold them (dcur, kext row w).
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int row = Cfg::Row(i, warp, lane);
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
       }
       Chunk<T> out;
 #pragma unroll
-      for (int e = 0; e < E; ++e) out.Set(e, a[e] + dt * s[sm.ks + c + e]);
+      for (int e = 0; e < E; ++e) out.Set(e, a[e] + dt * s[sm.kext + w * K + c + e]);
       StoreChunk(s0 + int64_t{row} * K + c, out, aligned);
     }
   }

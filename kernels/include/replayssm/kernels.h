@@ -185,7 +185,8 @@ rssm_status rssm_fold(const rssm_fold_args* args);
  * starting from zero (initial == NULL or initial[r] == 0) or from the logical state of its
  * slot at cursor write_pos[r] (initial[r] == 1), writes the final state to the checkpoint
  * (the caller sets the cursor to 0) and, when out.o != NULL, the per-token outputs. The state
- * is carried in fp32 across the tokens and rounded to the state dtype once, at the end. */
+ * is carried in fp32 across the tokens (each token's d and k added as the ring dtype holds
+ * them, as a decode step's) and rounded to the state dtype once, at the end. */
 typedef struct rssm_prefill_args {
   rssm_launch launch;
   rssm_layer_shape shape;
