@@ -1,5 +1,6 @@
 // replayssm-bench kernels: the decode kernels of the CUDA backend on the benchmark shape of
-// docs/gpu.md (HV=32, H=16, K=V=128, L=16, bf16 activations), state fp32 and bf16, GDN and KDA,
+// docs/gpu.md (HV=32, H=16, K=V=128, L=16, bf16 activations), state fp32, fp32 with a bf16 ring
+// ("f32+bf16": fp32 checkpoint, ring d and k in bf16) and bf16, GDN and KDA,
 // B in {1, 16, 64, 128, 256}: baseline decode, replay decode, verify of T=4 drafts. Each case is
 // timed by two methods (--method graph|peer|both, default both), which disagree (docs/gpu.md):
 //
@@ -68,7 +69,8 @@ constexpr char kUsage[] = R"(usage: replayssm-bench kernels [--json PATH] [--met
 
 Environment (each optional; a value out of its range is an error):
   REPLAYSSM_BENCH_GATE=GDN|KDA          one gate only
-  REPLAYSSM_BENCH_STATE=f32|bf16        one state dtype only
+  REPLAYSSM_BENCH_STATE=f32|f32+bf16|bf16  one storage only (f32+bf16: fp32 checkpoint,
+                                        bf16 ring d and k)
   REPLAYSSM_BENCH_B=N[,N...]            these batches (default 1,16,64,128,256)
   REPLAYSSM_BENCH_OP=baseline|replay|verify4  one op only
   REPLAYSSM_BENCH_FOLD_FIRST=0|1        each step's folding rows first in the batch
@@ -141,7 +143,7 @@ Settings FromEnvironment() {
     s.gate = ParseChoice("REPLAYSSM_BENCH_GATE", v, {"GDN", "KDA"});
   }
   if (const char* v = std::getenv("REPLAYSSM_BENCH_STATE")) {
-    s.state = ParseChoice("REPLAYSSM_BENCH_STATE", v, {"f32", "bf16"});
+    s.state = ParseChoice("REPLAYSSM_BENCH_STATE", v, {"f32", "f32+bf16", "bf16"});
   }
   if (const char* v = std::getenv("REPLAYSSM_BENCH_OP")) {
     s.op = ParseChoice("REPLAYSSM_BENCH_OP", v, {"baseline", "replay", "verify4"});
@@ -407,23 +409,34 @@ struct Schedule {
   double bytes = 0;  // mean counted bytes per step
 };
 
-// One (gate, state dtype, B): a pool, inputs, and the three operations timed.
+// The storage of a case: the checkpoint's dtype and the ring's (rssm_ring_dtype code).
+struct Storage {
+  const char* name;
+  rssm_dtype state;
+  int32_t ring;
+};
+constexpr Storage kStorages[] = {{"f32", RSSM_DTYPE_F32, RSSM_RING_DTYPE_STATE},
+                                 {"f32+bf16", RSSM_DTYPE_F32, RSSM_RING_DTYPE_BF16},
+                                 {"bf16", RSSM_DTYPE_BF16, RSSM_RING_DTYPE_STATE}};
+
+// One (gate, storage, B): a pool, inputs, and the three operations timed.
 class Bench {
  public:
-  Bench(rssm_gate gate, rssm_dtype st, int batch) : gate_(gate), st_(st), B_(batch) {
-    shape_ = rssm_layer_shape{gate, kH, kHV, kK, kV, kL, st, RSSM_DTYPE_BF16};
-    ts_ = static_cast<int>(rssm_dtype_size(st));
+  Bench(rssm_gate gate, const Storage& st, int batch) : gate_(gate), B_(batch) {
+    shape_ = rssm_layer_shape{gate, kH, kHV, kK, kV, kL, st.state, RSSM_DTYPE_BF16, st.ring};
+    ts_ = static_cast<int>(rssm_dtype_size(st.state));
+    rs_ = static_cast<int>(rssm_dtype_size(rssm_ring_storage_dtype(&shape_)));
     per_g_ = gate == RSSM_GATE_KDA ? kK : 1;
     const double slot_bytes = static_cast<double>(rssm_slot_layer_bytes(&shape_));
     nsets_ = std::max(2, static_cast<int>(std::ceil(kPoolBytes / (slot_bytes * B_))));
     slots_ = int64_t{nsets_} * B_;
     Alloc(&ckpt_, slots_ * rssm_checkpoint_elems(&shape_) * ts_);
-    Alloc(&rd_, slots_ * rssm_ring_d_elems(&shape_) * ts_);
-    Alloc(&rk_, slots_ * rssm_ring_k_elems(&shape_) * ts_);
+    Alloc(&rd_, slots_ * rssm_ring_d_elems(&shape_) * rs_);
+    Alloc(&rk_, slots_ * rssm_ring_k_elems(&shape_) * rs_);
     Alloc(&rg_, slots_ * rssm_ring_g_elems(&shape_) * 4);
     Fill(ckpt_, slots_ * rssm_checkpoint_elems(&shape_), ts_, -0.3f, 0.3f, 1);
-    Fill(rd_, slots_ * rssm_ring_d_elems(&shape_), ts_, -0.3f, 0.3f, 2);
-    Fill(rk_, slots_ * rssm_ring_k_elems(&shape_), ts_, -0.1f, 0.1f, 3);
+    Fill(rd_, slots_ * rssm_ring_d_elems(&shape_), rs_, -0.3f, 0.3f, 2);
+    Fill(rk_, slots_ * rssm_ring_k_elems(&shape_), rs_, -0.1f, 0.1f, 3);
     Fill(rg_, slots_ * rssm_ring_g_elems(&shape_), 4, -0.5f, -0.01f, 4);
     Alloc(&a_log_, kHV * 4);
     Alloc(&dt_bias_, kHV * per_g_ * 4);
@@ -642,7 +655,7 @@ class Bench {
   // Counted bytes of one row (all heads) at cursor w.
   double Bytes(Op op, int w) const {
     const double state = double{kHV} * kV * kK * ts_;
-    const double rec_d = double{kHV} * kV * ts_, rec_k = double{kH} * kK * ts_,
+    const double rec_d = double{kHV} * kV * rs_, rec_k = double{kH} * kK * rs_,
                  rec_g = double{kHV} * per_g_ * 4;
     const double rec = rec_d + rec_k + rec_g;
     if (op == kBaseline) return 2 * state;
@@ -652,10 +665,9 @@ class Bench {
   }
 
   rssm_gate gate_;
-  rssm_dtype st_;
   int B_;
   rssm_layer_shape shape_{};
-  int ts_ = 4, per_g_ = 1, nsets_ = 2;
+  int ts_ = 4, rs_ = 4, per_g_ = 1, nsets_ = 2;  // checkpoint, ring d/k element bytes
   int64_t slots_ = 0;
   void *ckpt_ = nullptr, *rd_ = nullptr, *rk_ = nullptr, *rg_ = nullptr;
   void *a_log_ = nullptr, *dt_bias_ = nullptr, *qkv_ = nullptr, *a_ = nullptr, *b_ = nullptr,
@@ -664,7 +676,8 @@ class Bench {
   cudaStream_t stream_{};
 };
 
-// The peer's figure for the same op as a case (fp32 state only: the peer's figures are).
+// The peer's figure for the same op as a case (fp32 checkpoint only: the peer's figures are;
+// an fp32 checkpoint with a bf16 ring is compared with sglang's replay of that storage).
 struct SameOpRef {
   const char* name = nullptr;  // null: none
   double sgl_us = 0;
@@ -673,7 +686,11 @@ struct SameOpRef {
 SameOpRef FindSameOpRef(const Result& r) {
   SameOpRef ref;
   const PeerRef* p = FindPeer(r.gate, r.batch);
-  if (p == nullptr || r.state != "f32") return ref;
+  if (p == nullptr || (r.state != "f32" && r.state != "f32+bf16")) return ref;
+  if (r.state == "f32+bf16") {
+    if (r.op == "replay") ref = {"sglang replay bf16 ring", p->sgl_replay_bf16_ring, 0};
+    return ref;
+  }
   if (r.op == "baseline") {
     ref = {"sglang packed", p->sgl_packed, p->ours_baseline};
   } else if (r.op == "replay") {
@@ -754,17 +771,21 @@ std::vector<TargetRow> Targets(const std::vector<Result>& rs, const Settings& se
     }
     out.push_back(t);
   }
-  // fp32 checkpoint + bf16 ring: needs the ABI's ring_dtype (issue 20, second part).
+  // fp32 checkpoint + bf16 ring (shape.ring_dtype, issue 20's second part).
   for (const ReplayTarget& rt : {ReplayTarget{"GDN", 64, 1.50}, ReplayTarget{"GDN", 128, 1.65},
                                  ReplayTarget{"GDN", 256, 1.70}}) {
+    const PeerRef* p = FindPeer(rt.gate, rt.batch);
     TargetRow t;
     std::snprintf(buf, sizeof buf,
-                  "%s f32 checkpoint + bf16 ring replay >= %.2fx sglang packed, B=%d", rt.gate,
-                  rt.min_speedup, rt.batch);
+                  "%s f32 checkpoint + bf16 ring replay >= %.2fx sglang packed (%.1f us), B=%d",
+                  rt.gate, rt.min_speedup, p->sgl_packed, rt.batch);
     t.what = buf;
     t.required = rt.min_speedup;
     t.unit = "x";
-    t.note = "not measurable: no ring dtype apart from the state's yet";
+    if (const Result* r = FindResult(rs, rt.gate, "f32+bf16", "replay", rt.batch)) {
+      t.value = r->peer.ran ? r->peer.vs_packed : -1;
+      t.graph_value = r->graph.ran ? r->graph.vs_packed : -1;
+    }
     out.push_back(t);
   }
   // bf16 state replay >= 1.4x the bf16 baseline at B >= 128 (issue 20 lists it under KDA).
@@ -888,26 +909,26 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
   PeerMethod pm;
   if (peer) CHECK_CUDA(cudaMalloc(&pm.flush, kFlushBytes));
   std::vector<Result> results;
-  std::printf("%-4s %-5s %-8s %4s %-6s | %-31s | %-39s | %s\n", "", "", "", "", "", "graph method",
+  std::printf("%-4s %-8s %-8s %4s %-6s | %-31s | %-39s | %s\n", "", "", "", "", "", "graph method",
               "peer method", "reference (issue 20, other run)");
-  std::printf("%-4s %-5s %-8s %4s %-6s | %8s %6s %7s %7s | %8s %6s %7s %7s %7s | %-24s %7s %8s\n",
+  std::printf("%-4s %-8s %-8s %4s %-6s | %8s %6s %7s %7s | %8s %6s %7s %7s %7s | %-24s %7s %8s\n",
               "gate", "state", "op", "B", "kernel", "us/step", "%copy", "x base", "x pk", "us/step",
               "%copy", "x base", "x pk", "x ref", "ref", "us", "ours@ref");
   for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
     const std::string gate_name = gate == RSSM_GATE_GDN ? "GDN" : "KDA";
     if (!settings.gate.empty() && settings.gate != gate_name) continue;
-    for (rssm_dtype st : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16}) {
-      if (!settings.state.empty() && settings.state != rssm_dtype_name(st)) continue;
+    for (const Storage& st : kStorages) {
+      if (!settings.state.empty() && settings.state != st.name) continue;
       for (int B : settings.batches) {
         Bench bench(gate, st, B);
         double graph_base_us = 0, peer_base_us = 0;
         const PeerRef* peer_ref = FindPeer(gate_name, B);
-        const bool f32 = st == RSSM_DTYPE_F32;
+        const bool f32 = st.state == RSSM_DTYPE_F32;  // an fp32 checkpoint
         for (Op op : {kBaseline, kReplay, kVerify}) {
           if (!settings.op.empty() && settings.op != OpName(op)) continue;
           Result r;
           r.gate = gate_name;
-          r.state = rssm_dtype_name(st);
+          r.state = st.name;
           r.op = OpName(op);
           r.batch = B;
           LaunchPlan plan;
@@ -933,7 +954,7 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
           auto pct = [](const Figure& f) { return f.ran ? Num("%.1f%%", f.pct) : "-"; };
           auto x = [](double v) { return Num("%.2fx", v); };
           std::printf(
-              "%-4s %-5s %-8s %4d %-6s | %8s %6s %7s %7s | %8s %6s %7s %7s %7s | %-24s %7s %8s\n",
+              "%-4s %-8s %-8s %4d %-6s | %8s %6s %7s %7s | %8s %6s %7s %7s %7s | %-24s %7s %8s\n",
               r.gate.c_str(), r.state.c_str(), r.op.c_str(), B, r.kernel.c_str(),
               us(r.graph).c_str(), pct(r.graph).c_str(), x(r.graph.speedup).c_str(),
               x(r.graph.vs_packed).c_str(), us(r.peer).c_str(), pct(r.peer).c_str(),

@@ -52,11 +52,13 @@ uint64_t RangeDigest(const uint8_t* const* parts, size_t part_bytes, size_t begi
 }
 
 HeadDims DimsOf(const rssm_layer_shape& s) {
-  return HeadDims{s.head_k, s.head_v, s.ring_len, s.gate == RSSM_GATE_KDA};
+  return HeadDims{s.head_k, s.head_v, s.ring_len, s.gate == RSSM_GATE_KDA,
+                  rssm_ring_storage_dtype(&s)};
 }
 
-// Typed access to one layer's pool and activations for state dtype S and activation dtype A.
-template <typename S, typename A>
+// Typed access to one layer's pool and activations for state dtype S (the checkpoint), ring
+// dtype R (records' d and k) and activation dtype A.
+template <typename S, typename R, typename A>
 class Layer {
  public:
   Layer(const rssm_layer_shape& shape, const rssm_state_pool& pool)
@@ -70,12 +72,12 @@ class Layer {
     return static_cast<S*>(pool_.checkpoint) + slot * pool_.checkpoint_slot_stride +
            static_cast<int64_t>(h) * dims_.v * dims_.k;
   }
-  S* RingD(int64_t slot, int h, int j) const {
-    return static_cast<S*>(pool_.ring_d) + slot * pool_.ring_d_slot_stride +
+  R* RingD(int64_t slot, int h, int j) const {
+    return static_cast<R*>(pool_.ring_d) + slot * pool_.ring_d_slot_stride +
            (static_cast<int64_t>(h) * dims_.l + j) * dims_.v;
   }
-  S* RingK(int64_t slot, int hq, int j) const {
-    return static_cast<S*>(pool_.ring_k) + slot * pool_.ring_k_slot_stride +
+  R* RingK(int64_t slot, int hq, int j) const {
+    return static_cast<R*>(pool_.ring_k) + slot * pool_.ring_k_slot_stride +
            (static_cast<int64_t>(hq) * dims_.l + j) * dims_.k;
   }
   float* RingG(int64_t slot, int h, int j) const {
@@ -99,8 +101,8 @@ class Layer {
   void LoadRecords(int64_t slot, int h, int n, Records& r) const {
     r.n = n;
     for (int j = 0; j < n; ++j) {
-      const S* d = RingD(slot, h, j);
-      const S* k = RingK(slot, QkHead(h), j);
+      const R* d = RingD(slot, h, j);
+      const R* k = RingK(slot, QkHead(h), j);
       const float* g = RingG(slot, h, j);
       for (int i = 0; i < dims_.v; ++i) r.d[static_cast<size_t>(j) * dims_.v + i] = ToFloat(d[i]);
       for (int c = 0; c < dims_.k; ++c) {
@@ -113,9 +115,9 @@ class Layer {
   // Appends the record (d, k, g) of token t as record r.n of r, rounded as it is stored.
   void AppendRecord(const float* d, const TokenHead& t, Records& r) const {
     const int j = r.n++;
-    for (int i = 0; i < dims_.v; ++i) r.d[static_cast<size_t>(j) * dims_.v + i] = RoundTo<S>(d[i]);
+    for (int i = 0; i < dims_.v; ++i) r.d[static_cast<size_t>(j) * dims_.v + i] = RoundTo<R>(d[i]);
     for (int c = 0; c < dims_.k; ++c) {
-      r.k[static_cast<size_t>(j) * dims_.k + c] = RoundTo<S>(t.k[c]);
+      r.k[static_cast<size_t>(j) * dims_.k + c] = RoundTo<R>(t.k[c]);
       r.g[static_cast<size_t>(j) * dims_.k + c] = t.g[c];
     }
   }
@@ -123,11 +125,13 @@ class Layer {
   // Writes record j of r into the ring of (slot, h) at index pos. Only one v-head of each
   // qk-head group writes the shared k row, so concurrent heads never write the same bytes.
   void StoreRecord(int64_t slot, int h, int pos, const Records& r, int j) const {
-    S* d = RingD(slot, h, pos);
-    for (int i = 0; i < dims_.v; ++i) d[i] = FromFloat<S>(r.d[static_cast<size_t>(j) * dims_.v + i]);
+    R* d = RingD(slot, h, pos);
+    for (int i = 0; i < dims_.v; ++i)
+      d[i] = FromFloat<R>(r.d[static_cast<size_t>(j) * dims_.v + i]);
     if (KWriter(h)) {
-      S* k = RingK(slot, QkHead(h), pos);
-      for (int c = 0; c < dims_.k; ++c) k[c] = FromFloat<S>(r.k[static_cast<size_t>(j) * dims_.k + c]);
+      R* k = RingK(slot, QkHead(h), pos);
+      for (int c = 0; c < dims_.k; ++c)
+        k[c] = FromFloat<R>(r.k[static_cast<size_t>(j) * dims_.k + c]);
     }
     float* g = RingG(slot, h, pos);
     const int per = dims_.kda ? dims_.k : 1;
@@ -180,20 +184,28 @@ class Layer {
   int group_;
 };
 
-// Calls fn.template operator()<S, A>() for the runtime dtypes.
+// Calls fn.template operator()<S, R, A>() for the runtime dtypes: the (state, ring) pairs
+// api.cc admits (an fp32 state with any ring, a 16-bit state with its own) x every act dtype.
 template <typename Fn>
 rssm_status Dispatch(const rssm_layer_shape& s, Fn&& fn) {
-  auto with_act = [&]<typename S>() {
+  auto with_act = [&]<typename S, typename R>() {
     switch (s.act_dtype) {
-      case RSSM_DTYPE_F32: fn.template operator()<S, float>(); break;
-      case RSSM_DTYPE_BF16: fn.template operator()<S, Bf16>(); break;
-      case RSSM_DTYPE_F16: fn.template operator()<S, F16>(); break;
+      case RSSM_DTYPE_F32: fn.template operator()<S, R, float>(); break;
+      case RSSM_DTYPE_BF16: fn.template operator()<S, R, Bf16>(); break;
+      case RSSM_DTYPE_F16: fn.template operator()<S, R, F16>(); break;
     }
   };
+  const int32_t ring = rssm_ring_storage_dtype(&s);
   switch (s.state_dtype) {
-    case RSSM_DTYPE_F32: with_act.template operator()<float>(); break;
-    case RSSM_DTYPE_BF16: with_act.template operator()<Bf16>(); break;
-    case RSSM_DTYPE_F16: with_act.template operator()<F16>(); break;
+    case RSSM_DTYPE_F32:
+      switch (ring) {
+        case RSSM_DTYPE_F32: with_act.template operator()<float, float>(); break;
+        case RSSM_DTYPE_BF16: with_act.template operator()<float, Bf16>(); break;
+        case RSSM_DTYPE_F16: with_act.template operator()<float, F16>(); break;
+      }
+      break;
+    case RSSM_DTYPE_BF16: with_act.template operator()<Bf16, Bf16>(); break;
+    case RSSM_DTYPE_F16: with_act.template operator()<F16, F16>(); break;
   }
   return RSSM_OK;
 }
@@ -207,8 +219,8 @@ void ForEachHead(int64_t rows, int heads, Body&& body) {
 }
 
 rssm_status Decode(const rssm_decode_args& a, bool baseline) {
-  return Dispatch(a.shape, [&]<typename S, typename A>() {
-    const Layer<S, A> layer(a.shape, a.pool);
+  return Dispatch(a.shape, [&]<typename S, typename R, typename A>() {
+    const Layer<S, R, A> layer(a.shape, a.pool);
     const HeadDims& dims = layer.dims();
     ForEachHead(a.batch, a.shape.num_v_heads, [&](int64_t row, int h) {
       const int32_t slot = a.slot_idx[row];
@@ -250,8 +262,8 @@ rssm_status ReplayDecode(const rssm_decode_args& args) {
 rssm_status BaselineDecode(const rssm_decode_args& args) { return Decode(args, true); }
 
 rssm_status Fold(const rssm_fold_args& a) {
-  return Dispatch(a.shape, [&]<typename S, typename A>() {
-    const Layer<S, A> layer(a.shape, a.pool);
+  return Dispatch(a.shape, [&]<typename S, typename R, typename A>() {
+    const Layer<S, R, A> layer(a.shape, a.pool);
     ForEachHead(a.count, a.shape.num_v_heads, [&](int64_t i, int h) {
       const int32_t slot = a.slot_idx[i];
       const int w = a.write_pos[i];
@@ -267,8 +279,8 @@ rssm_status Fold(const rssm_fold_args& a) {
 }
 
 rssm_status Prefill(const rssm_prefill_args& a) {
-  return Dispatch(a.shape, [&]<typename S, typename A>() {
-    const Layer<S, A> layer(a.shape, a.pool);
+  return Dispatch(a.shape, [&]<typename S, typename R, typename A>() {
+    const Layer<S, R, A> layer(a.shape, a.pool);
     const HeadDims& dims = layer.dims();
     ForEachHead(a.batch, a.shape.num_v_heads, [&](int64_t row, int h) {
       const int32_t slot = a.slot_idx[row];
@@ -299,8 +311,8 @@ rssm_status Prefill(const rssm_prefill_args& a) {
 }
 
 rssm_status Verify(const rssm_verify_args& a) {
-  return Dispatch(a.shape, [&]<typename S, typename A>() {
-    const Layer<S, A> layer(a.shape, a.pool);
+  return Dispatch(a.shape, [&]<typename S, typename R, typename A>() {
+    const Layer<S, R, A> layer(a.shape, a.pool);
     const HeadDims& dims = layer.dims();
     const int T = a.num_draft;
     ForEachHead(a.batch, a.shape.num_v_heads, [&](int64_t row, int h) {

@@ -20,9 +20,10 @@ struct HeadDims {
   int v;       // V
   int l;       // L
   bool kda;    // g per key channel
+  int32_t ring = RSSM_DTYPE_F32;  // rssm_dtype of the records' d and k
 };
 
-// fp32 copies of a head's records 0..n-1, as stored (already rounded to the state dtype).
+// fp32 copies of a head's records 0..n-1, as stored (already rounded to the ring dtype).
 // g is expanded to K values per record for GDN as well.
 struct Records {
   std::vector<float> d;  // [L, V]
@@ -48,7 +49,10 @@ struct StepScratch {
   std::vector<float> a;         // [K]: A = exp(sum of g)
   std::vector<float> wk;        // [L, K]: W_j ∘ k_j
   std::vector<float> u, p;      // [L]: (W_j∘k_j)·k, (W_j∘k_j)·q
+  std::vector<float> dr, kr;    // [V], [K]: a folding step's d and k as the ring would hold them
   void Reserve(const HeadDims& h) {
+    dr.resize(h.v);
+    kr.resize(h.k);
     a_k.resize(h.k);
     a_q.resize(h.k);
     a.resize(h.k);
@@ -111,7 +115,8 @@ inline void FoldInto(const HeadDims& h, float* state, const Records& r, const St
 
 // One token on one head. `state` [V, K] fp32 is S0; `r` the records since it. Writes the
 // output o [V] and the record's d [V] (unrounded). When `fold`, state becomes
-// S0·diag(A) + Σ_j d_j (W_j∘k_j)ᵀ + d kᵀ (FoldInto).
+// S0·diag(A) + Σ_j d_j (W_j∘k_j)ᵀ + R(d) R(k)ᵀ (FoldInto): the token's own record enters the
+// state as the ring would hold it (R: rounded to the ring dtype), like every record before it.
 inline void StepHead(const HeadDims& h, float* state, const Records& r, const TokenHead& t,
                      bool fold, StepScratch& s, float* o, float* d) {
   Weights(h, r, t.g.data(), s);
@@ -137,7 +142,11 @@ inline void StepHead(const HeadDims& h, float* state, const Records& r, const To
     d[vi] = t.beta * (t.v[vi] - sk);
     o[vi] = sq + d[vi] * kq;
   }
-  if (fold) FoldInto(h, state, r, s, d, t.k.data());
+  if (fold) {
+    for (int vi = 0; vi < h.v; ++vi) s.dr[vi] = RoundAs(h.ring, d[vi]);
+    for (int c = 0; c < h.k; ++c) s.kr[c] = RoundAs(h.ring, t.k[c]);
+    FoldInto(h, state, r, s, s.dr.data(), s.kr.data());
+  }
 }
 
 // Folds records 0..n-1 into `state` with no new token (fold op, prefill's initial state).

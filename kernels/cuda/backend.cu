@@ -1,6 +1,6 @@
 // The CUDA backend of kernels/src/backend.h: maps the (already validated) C ABI arguments
-// onto kernel params, plans the launch (plan.h), dispatches on the state dtype, launches on
-// the caller's stream and reports launch failures as RSSM_ERR_DEVICE with the CUDA error text.
+// onto kernel params, plans the launch (plan.h), dispatches on the (state, ring) dtypes, launches
+// on the caller's stream and reports launch failures as RSSM_ERR_DEVICE with the CUDA error text.
 // No synchronization and no allocation: every kernel works in the caller's buffers and shared
 // memory.
 #include <algorithm>
@@ -62,8 +62,16 @@ bool Aligned16(const void* ptr, int64_t stride, int64_t dense, size_t elem) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0 && (s * int64_t(elem)) % 16 == 0;
 }
 
+// The (state, ring) dtype pair of a shape, as the launchers are keyed.
+struct Storage {
+  int32_t state, ring;
+};
+Storage StorageOf(const rssm_layer_shape& s) {
+  return {s.state_dtype, rssm_ring_storage_dtype(&s)};
+}
+
 LaunchProblem ProblemOf(const LayerDesc& ly, KernelOp op, int64_t batch, int num_draft,
-                        int32_t state_dtype) {
+                        Storage storage) {
   LaunchProblem pr;
   pr.op = op;
   pr.kda = ly.kda != 0;
@@ -71,13 +79,14 @@ LaunchProblem ProblemOf(const LayerDesc& ly, KernelOp op, int64_t batch, int num
   pr.head_k = ly.K;
   pr.head_v = ly.V;
   pr.ring_len = ly.L;
-  pr.state_bytes = state_dtype == RSSM_DTYPE_F32 ? 4 : 2;
+  pr.state_bytes = storage.state == RSSM_DTYPE_F32 ? 4 : 2;
+  pr.ring_bytes = storage.ring == RSSM_DTYPE_F32 ? 4 : 2;
   pr.batch = batch;
   pr.num_draft = num_draft;
-  const size_t sz = static_cast<size_t>(pr.state_bytes);
+  const size_t sz = static_cast<size_t>(pr.state_bytes), rz = static_cast<size_t>(pr.ring_bytes);
   pr.checkpoint_aligned = Aligned16(ly.ckpt, ly.ckpt_stride, int64_t{ly.HV} * ly.V * ly.K, sz);
-  pr.ring_d_aligned = Aligned16(ly.ring_d, ly.d_stride, int64_t{ly.HV} * ly.L * ly.V, sz);
-  pr.ring_k_aligned = Aligned16(ly.ring_k, ly.k_stride, int64_t{ly.H} * ly.L * ly.K, sz);
+  pr.ring_d_aligned = Aligned16(ly.ring_d, ly.d_stride, int64_t{ly.HV} * ly.L * ly.V, rz);
+  pr.ring_k_aligned = Aligned16(ly.ring_k, ly.k_stride, int64_t{ly.H} * ly.L * ly.K, rz);
   pr.ring_g_aligned =
       Aligned16(ly.ring_g, ly.g_stride, int64_t{ly.HV} * ly.L * (ly.kda ? ly.K : 1), 4);
   return pr;
@@ -145,29 +154,43 @@ rssm_status Report(cudaError_t e, const char* what) {
 
 cudaStream_t StreamOf(const rssm_launch& l) { return static_cast<cudaStream_t>(l.stream); }
 
-cudaError_t Step(const StepParams& p, KernelOp op, int32_t state, cudaStream_t stream,
+// The pairs api.cc admits: an f32 state with any ring, a 16-bit state with its own.
+cudaError_t Step(const StepParams& p, KernelOp op, Storage storage, cudaStream_t stream,
                  const LaunchOverrides& overrides, LaunchPlan* used) {
   LaunchPlan plan;
   int device = 0;
   const cudaError_t e =
-      PlanOn(ProblemOf(p.ly, op, p.batch, p.num_draft, state), overrides, &device, &plan);
+      PlanOn(ProblemOf(p.ly, op, p.batch, p.num_draft, storage), overrides, &device, &plan);
   if (e != cudaSuccess) return e;
   if (used != nullptr) *used = plan;
-  switch (state) {
-    case RSSM_DTYPE_F32: return LaunchStepF32(plan, device, p, stream);
+  switch (storage.state) {
+    case RSSM_DTYPE_F32:
+      switch (storage.ring) {
+        case RSSM_DTYPE_F32: return LaunchStepF32(plan, device, p, stream);
+        case RSSM_DTYPE_BF16: return LaunchStepF32RingBf16(plan, device, p, stream);
+        case RSSM_DTYPE_F16: return LaunchStepF32RingF16(plan, device, p, stream);
+      }
+      break;
     case RSSM_DTYPE_BF16: return LaunchStepBf16(plan, device, p, stream);
     case RSSM_DTYPE_F16: return LaunchStepF16(plan, device, p, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-cudaError_t PrefillOrFold(const PrefillParams& p, KernelOp op, int32_t state, cudaStream_t stream) {
+cudaError_t PrefillOrFold(const PrefillParams& p, KernelOp op, Storage storage,
+                          cudaStream_t stream) {
   LaunchPlan plan;
   int device = 0;
-  const cudaError_t e = PlanOn(ProblemOf(p.ly, op, p.batch, 1, state), {}, &device, &plan);
+  const cudaError_t e = PlanOn(ProblemOf(p.ly, op, p.batch, 1, storage), {}, &device, &plan);
   if (e != cudaSuccess) return e;
-  switch (state) {
-    case RSSM_DTYPE_F32: return LaunchPrefillF32(plan, device, p, stream);
+  switch (storage.state) {
+    case RSSM_DTYPE_F32:
+      switch (storage.ring) {
+        case RSSM_DTYPE_F32: return LaunchPrefillF32(plan, device, p, stream);
+        case RSSM_DTYPE_BF16: return LaunchPrefillF32RingBf16(plan, device, p, stream);
+        case RSSM_DTYPE_F16: return LaunchPrefillF32RingF16(plan, device, p, stream);
+      }
+      break;
     case RSSM_DTYPE_BF16: return LaunchPrefillBf16(plan, device, p, stream);
     case RSSM_DTYPE_F16: return LaunchPrefillF16(plan, device, p, stream);
   }
@@ -197,7 +220,7 @@ rssm_status Decode(const rssm_decode_args& a, int mode, const char* what,
     p.after_conv = 1;
   }
   const KernelOp op = mode == kModeBaseline ? KernelOp::kBaseline : KernelOp::kReplay;
-  return Report(Step(p, op, a.shape.state_dtype, StreamOf(a.launch), overrides, plan), what);
+  return Report(Step(p, op, StorageOf(a.shape), StreamOf(a.launch), overrides, plan), what);
 }
 
 }  // namespace
@@ -228,9 +251,8 @@ rssm_status Verify(const rssm_verify_args& a, const LaunchOverrides& overrides, 
   p.mode = kModeVerify;
   p.slot_idx = a.slot_idx;
   p.write_pos = a.write_pos;
-  return Report(
-      Step(p, KernelOp::kVerify, a.shape.state_dtype, StreamOf(a.launch), overrides, plan),
-      "verify launch");
+  return Report(Step(p, KernelOp::kVerify, StorageOf(a.shape), StreamOf(a.launch), overrides, plan),
+                "verify launch");
 }
 
 rssm_status Fold(const rssm_fold_args& a) {
@@ -241,7 +263,7 @@ rssm_status Fold(const rssm_fold_args& a) {
   p.fold_only = 1;
   p.slot_idx = a.slot_idx;
   p.write_pos = a.write_pos;
-  return Report(PrefillOrFold(p, KernelOp::kFold, a.shape.state_dtype, StreamOf(a.launch)),
+  return Report(PrefillOrFold(p, KernelOp::kFold, StorageOf(a.shape), StreamOf(a.launch)),
                 "fold launch");
 }
 
@@ -256,7 +278,7 @@ rssm_status Prefill(const rssm_prefill_args& a) {
   p.cu_seqlens = a.cu_seqlens;
   p.initial = a.initial;
   p.write_pos = a.write_pos;
-  return Report(PrefillOrFold(p, KernelOp::kPrefill, a.shape.state_dtype, StreamOf(a.launch)),
+  return Report(PrefillOrFold(p, KernelOp::kPrefill, StorageOf(a.shape), StreamOf(a.launch)),
                 "prefill launch");
 }
 

@@ -24,6 +24,8 @@
 // Requirements: K, V multiples of 16, rpw a multiple of 16. Sources the copy engine cannot
 // take (a pointer or slot stride not 16-byte aligned; GDN g rows when L % 4 != 0) are copied
 // with plain loads instead (the planner decides, BulkParams::bulk_*).
+// Types: T the checkpoint's storage, R the ring's d and k (T itself, or a 16-bit ring under an
+// fp32 checkpoint); a record's d and k are rounded to R where they are written.
 #ifndef REPLAYSSM_KERNELS_CUDA_BULK_STEP_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_BULK_STEP_KERNEL_CUH_
 
@@ -147,7 +149,7 @@ __host__ __device__ constexpr int BulkFoldAccs(size_t state_bytes, int kc) {
 
 // One CTA of the bulk step kernel: where it sits in the grid, its shared-memory arrays, and
 // the phases of its step. Every member function is inlined into BulkStepKernel.
-template <typename T, int TT, int KC, int RB, bool KDA>
+template <typename T, typename R, int TT, int KC, int RB, bool KDA>
 struct BulkCta {
   static constexpr int NV = 2 * TT * RB;  // values per transposed butterfly (<= 32)
   // fp32 decode holds a batch's rows in registers (32 values) and refills early (Rows)
@@ -187,9 +189,9 @@ struct BulkCta {
   int ns, nst;     // stages, stages in use
   int nse;         // decode: stages in the rotation (ns, or ns + 1 with the late stage)
   T* s0s;          // [ns][RB][K] the warp's stages
-  T* dsc;          // [j][dst]: the CTA's rows of record j
-  T* ds;           // the warp's columns of dsc
-  T* krs;          // [L][K]
+  R* dsc;          // [j][dst]: the CTA's rows of record j
+  R* ds;           // the warp's columns of dsc
+  R* krs;          // [L][K]
   float* gs;       // [L][kg]
   bool bs0;
   float *tq, *tk;  // [T][K]
@@ -203,13 +205,13 @@ struct BulkCta {
   int w;  // ring records this step reads; verify: w + T <= L
   bool fold;
   T* s0;       // the head's checkpoint rows in the slot
-  T *rd, *rk;  // the head's ring d, its qk-head's ring k
+  R *rd, *rk;  // the head's ring d, its qk-head's ring k
   float* rg;
   bool bd, bk, bg;   // records in flight on the copy engine
   float* kws;        // [L][K] W_j∘k_j (fold)
   float *kas, *qas;  // [T][K] A∘k, A∘q
   float* avs;        // [K] A (fold)
-  float* kns;        // [K] the normalized k (fold)
+  float* kns;        // [K] the normalized k rounded to R (fold)
   float *us, *ps;    // [T][L] (W_j∘k_j)·k, (W_j∘k_j)·q
   float* dds;        // [T][rows] drafts' d across passes
   bool keep_kw;      // a folding decode keeps W_j∘k_j for the fold
@@ -245,9 +247,9 @@ struct BulkCta {
     dst = p.dstride;
     ns = p.ns, nst = min(ns, nb), nse = ns;
     s0s = reinterpret_cast<T*>(smem + p.o_s0) + int64_t{warp} * ns * RB * K;
-    dsc = reinterpret_cast<T*>(smem + p.o_d);
+    dsc = reinterpret_cast<R*>(smem + p.o_d);
     ds = dsc + warp * rpw;
-    krs = reinterpret_cast<T*>(smem + p.o_kr);
+    krs = reinterpret_cast<R*>(smem + p.o_kr);
     gs = reinterpret_cast<float*>(smem + p.o_g);
     bs0 = p.bulk_s0 != 0;
   }
@@ -260,11 +262,11 @@ struct BulkCta {
     return p.mode == kModeVerify ? max(min(c, L - T_), 0) : c;  // verify: w + T <= L
   }
   // The head's ring records in slot sl: d [L][V], k [L][K] (its qk-head's), g [L][kg].
-  __device__ __forceinline__ T* RingD(int64_t sl) const {
-    return static_cast<T*>(ly.ring_d) + sl * ly.d_stride + int64_t{h} * L * V;
+  __device__ __forceinline__ R* RingD(int64_t sl) const {
+    return static_cast<R*>(ly.ring_d) + sl * ly.d_stride + int64_t{h} * L * V;
   }
-  __device__ __forceinline__ T* RingK(int64_t sl) const {
-    return static_cast<T*>(ly.ring_k) + sl * ly.k_stride + int64_t{hq} * L * K;
+  __device__ __forceinline__ R* RingK(int64_t sl) const {
+    return static_cast<R*>(ly.ring_k) + sl * ly.k_stride + int64_t{hq} * L * K;
   }
   __device__ __forceinline__ float* RingG(int64_t sl) const {
     return ly.ring_g + sl * ly.g_stride + int64_t{h} * L * kg;
@@ -284,12 +286,12 @@ struct BulkCta {
     const int wr = RingLen(wp);
     if (RowPad(si) || wr == 0 || !(p.bulk_k || p.bulk_g || p.bulk_d)) return;
     const int64_t sl = si;
-    const uint32_t kb = p.bulk_k ? static_cast<uint32_t>(wr * K * sizeof(T)) : 0u;
+    const uint32_t kb = p.bulk_k ? static_cast<uint32_t>(wr * K * sizeof(R)) : 0u;
     // GDN's g row is copied in 16-byte units (the planner allows it only when L % 4 == 0).
     const int gn = kda ? wr * K : (wr + 3) & ~3;
     const uint32_t gb = p.bulk_g ? static_cast<uint32_t>(gn * 4) : 0u;
-    const uint32_t db = p.bulk_d ? static_cast<uint32_t>(wr * nrow * sizeof(T)) : 0u;
-    const T* const rd_ = RingD(sl);
+    const uint32_t db = p.bulk_d ? static_cast<uint32_t>(wr * nrow * sizeof(R)) : 0u;
+    const R* const rd_ = RingD(sl);
     MbarInit(rbar, 1);
     MbarFenceInit();
     MbarExpectTx(rbar, kb + gb + db);
@@ -299,7 +301,7 @@ struct BulkCta {
       BulkLoad(dsc, rd_, db, rbar);
     } else if (db) {  // record j's d for the CTA's rows: one copy per record
       for (int j = 0; j < wr; ++j) {
-        BulkLoad(dsc + j * dst, rd_ + int64_t{j} * V + v0, static_cast<uint32_t>(nrow * sizeof(T)),
+        BulkLoad(dsc + j * dst, rd_ + int64_t{j} * V + v0, static_cast<uint32_t>(nrow * sizeof(R)),
                  rbar);
       }
     }
@@ -496,9 +498,9 @@ struct BulkCta {
     if (fold || chunk != 0 || P >= L) return;
     if (has_c) {
       if (h % ly.group == 0) {
-        T* kd = rk + int64_t{P} * K + c0;
+        R* kd = rk + int64_t{P} * K + c0;
 #pragma unroll
-        for (int e = 0; e < KC; ++e) kd[e] = FromF<T>(kk[e]);
+        for (int e = 0; e < KC; ++e) kd[e] = FromF<R>(kk[e]);
       }
       if constexpr (KDA) {
 #pragma unroll
@@ -546,7 +548,7 @@ struct BulkCta {
           if (has_c) {
             const float gj = KDA ? 0.f : Gate(j, 0);
             const float wj = KDA ? 0.f : expf(acc[0]);  // GDN: one weight per record
-            Slice<T, KC> kr;
+            Slice<R, KC> kr;
             LoadSmemSlice(kr, krs + j * K + c0);
             Slice<float, KC> kw;
 #pragma unroll
@@ -593,7 +595,7 @@ struct BulkCta {
       if (lane == 0) kqs[0] = kq;
       if (has_c) {
 #pragma unroll
-        for (int e = 0; e < KC; ++e) kns[c0 + e] = kk[e];
+        for (int e = 0; e < KC; ++e) kns[c0 + e] = RoundTo<R>(kk[e]);  // as the ring holds it
       }
       Append(0, kk);
     }
@@ -615,7 +617,7 @@ struct BulkCta {
         for (int e = 0; e < KC; ++e) tq[t * K + c0 + e] = q[e], tk[t * K + c0 + e] = kk[e];
         if (P < L) {
 #pragma unroll
-          for (int e = 0; e < KC; ++e) krs[P * K + c0 + e] = FromF<T>(kk[e]);
+          for (int e = 0; e < KC; ++e) krs[P * K + c0 + e] = FromF<R>(kk[e]);
         }
       }
       Append(t, kk);
@@ -713,7 +715,7 @@ struct BulkCta {
   __device__ __forceinline__ void AddRingTerms(float (&acc)[NV], int rb0, int pass0, int nt,
                                                const float (&ur)[TT], const float (&pr)[TT]) const {
     if (lane < w) {
-      Slice<T, RB> dl;
+      Slice<R, RB> dl;
       LoadSmemSlice(dl, ds + lane * dst + rb0);
 #pragma unroll
       for (int i = 0; i < RB; ++i) {
@@ -726,7 +728,7 @@ struct BulkCta {
       }
     }
     for (int j = lane + 32; j < w; j += 32) {  // rings longer than 32 records
-      Slice<T, RB> d2;
+      Slice<R, RB> d2;
       LoadSmemSlice(d2, ds + j * dst + rb0);
 #pragma unroll
       for (int i = 0; i < RB; ++i) {
@@ -742,7 +744,7 @@ struct BulkCta {
   }
 
   // Decode, and verify in several passes: the per-row finish of the pass's drafts (lane
-  // i < RB writes row i); returns d of the pass's last draft unrounded (the fold's).
+  // i < RB writes row i); returns d of the pass's last draft as stored (the fold's).
   __device__ __forceinline__ float FinishRows(float (&acc)[NV], int rb0, int pass0, int nt,
                                               bool one_pass) const {
     float dcur = 0.f;
@@ -774,9 +776,9 @@ struct BulkCta {
           }
         }
         const float d = betas[tg_] * (vcur[t] - sk);
-        const T dr = FromF<T>(d);
+        const R dr = FromF<R>(d);
         dd[t] = ToF(dr);
-        dcur = d;
+        dcur = dd[t];  // the fold adds the record as the ring would hold it
         const float o = sq + d * kqs[tg_];
         if (lane < RB) {
           const int v = wv0 + rb0 + row_l;
@@ -820,7 +822,7 @@ struct BulkCta {
         }
 #pragma unroll 2
         for (int j = 0; j < w; ++j) {
-          Slice<T, FR> dj;
+          Slice<R, FR> dj;
           LoadSmemSlice(dj, ds + j * dst + rb0 + i0);
           Slice<float, KC> kw;
           LoadSmemSlice(kw, kws + j * K + c0);
@@ -834,7 +836,7 @@ struct BulkCta {
       }
 #pragma unroll
       for (int i = 0; i < FR; ++i) {
-        const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // unrounded d of the row
+        const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // the row's d, as stored
         if (!has_c) continue;
         Slice<T, KC> x;
 #pragma unroll
@@ -891,7 +893,7 @@ struct BulkCta {
     }
     const float* const vrow = vsm + (wv0 - v0) + row_l;                      // + t * rows + rb0
     const int64_t orow = tok0 * ly.o_stride + int64_t{h} * V + wv0 + row_l;  // + t * o_stride + rb0
-    T* const drow = rd + int64_t{w} * V + wv0 + row_l;                       // + t * V + rb0
+    R* const drow = rd + int64_t{w} * V + wv0 + row_l;                       // + t * V + rb0
 
     // Decode's late stage, issued now that the record dots (behind the CTA barrier) are done
     // with the records' k and g beneath it: batch ns.
@@ -935,7 +937,7 @@ struct BulkCta {
               sqv[t] = __shfl_sync(0xffffffffu, acc[0], ((t * RB + row_l) * 2 + 1) * SPREAD);
             }
             if (lane < RB) {
-              float dr_prev[TT];  // the drafts' d as stored (rounded to T)
+              float dr_prev[TT];  // the drafts' d as stored (rounded to R)
 #pragma unroll
               for (int t = 0; t < TT; ++t) {
                 dr_prev[t] = 0.f;
@@ -946,7 +948,7 @@ struct BulkCta {
                     sk += dr_prev[t2] * cu[t][t2], sq += dr_prev[t2] * cp[t][t2];
                   }
                   const float d = bt[t] * (vrow[t * rows + rb0] - sk);
-                  const T dr = FromF<T>(d);
+                  const R dr = FromF<R>(d);
                   dr_prev[t] = ToF(dr);
                   StoreAct(ly.o, orow + t * ly.o_stride + rb0, ly.act_dtype, sq + d * kqv[t]);
                   drow[int64_t{t} * V + rb0] = dr;
@@ -973,13 +975,13 @@ struct BulkCta {
 // records are not the convolution's to write, so the CTA reads its metadata and issues its S0
 // stages first, then waits for the convolution's grid (griddepcontrol.wait: its writes are
 // visible after it) and loads the tokens: the state streams while the convolution runs.
-template <typename T, int TT, int KC, int RB, bool KDA, bool AFTER_CONV = false>
+template <typename T, typename R, int TT, int KC, int RB, bool KDA, bool AFTER_CONV = false>
 __global__ void __launch_bounds__(kBulkMaxWarps * 32,
                                   TT == 1 ? BulkDecodeMinCtas(sizeof(T)) : kBulkVerifyMinCtas)
     BulkStepKernel(const __grid_constant__ BulkParams p) {
   static_assert(!AFTER_CONV || TT == 1, "only decode joins its convolution");
   extern __shared__ __align__(128) unsigned char smem[];
-  BulkCta<T, TT, KC, RB, KDA> cta(p, smem);
+  BulkCta<T, R, TT, KC, RB, KDA> cta(p, smem);
   if constexpr (AFTER_CONV) {
     cta.ReadMetadata();
     cta.IssueS0();

@@ -38,6 +38,7 @@ __device__ __forceinline__ void CopyToSmem(float* dst, const T* src, int n) {
 }
 
 // Records 0..w-1 of (slot, h) into shared memory: k [w, K], g [w, Kg], d [w, VT] (tile rows).
+// T: the ring's storage type of d and k.
 template <typename T>
 __device__ __forceinline__ void LoadRecords(const LayerDesc& ly, const SmemLayout& sm, float* s,
                                             int64_t slot, int h, int w, int v0, int VT) {
@@ -128,7 +129,8 @@ __device__ __forceinline__ float WarpDot(const float* x, const float* y, int n, 
 }
 
 // Normalizes q, k of draft slots 0..nt-1 in place (q scaled), computes kq = k·q, and stores the
-// k as the record will hold it into kext row P0 + t. Two barriers inside.
+// k as the record will hold it (rounded to the ring's type T) into kext row P0 + t. Two
+// barriers inside.
 template <typename T>
 __device__ __forceinline__ void NormalizeTokens(const LayerDesc& ly, const SmemLayout& sm, float* s,
                                                 int nt, int P0) {

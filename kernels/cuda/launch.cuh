@@ -1,7 +1,7 @@
-// Host launchers (templated on the state type): carry out a LaunchPlan (plan.h) — the
-// kernel's instantiation, grid, CTA and shared memory — on the caller's stream and return the
-// launch status. They decide nothing: every choice is the planner's. No synchronization, no
-// allocation.
+// Host launchers (templated on the state type T and the ring's type R): carry out a LaunchPlan
+// (plan.h) — the kernel's instantiation, grid, CTA and shared memory — on the caller's stream and
+// return the launch status. They decide nothing: every choice is the planner's. No synchronization,
+// no allocation.
 #ifndef REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 #define REPLAYSSM_KERNELS_CUDA_LAUNCH_CUH_
 
@@ -49,18 +49,19 @@ class FuncSmemLimit {
   std::atomic<int64_t> allowed_[kMaxDevices]{};
 };
 
-template <typename T, int KMAX, int TC>
+template <typename T, typename R, int KMAX, int TC>
 cudaError_t LaunchTiledT(const LaunchPlan& plan, int device, StepParams p, cudaStream_t stream) {
   p.num_vtiles = plan.tiled.num_vtiles;
   p.sm = plan.tiled.smem;
   static FuncSmemLimit limit;
-  const cudaError_t e = limit.Allow(TiledStepKernel<T, KMAX, TC>, device, plan.smem_bytes, false);
+  const cudaError_t e =
+      limit.Allow(TiledStepKernel<T, R, KMAX, TC>, device, plan.smem_bytes, false);
   if (e != cudaSuccess) return e;
-  TiledStepKernel<T, KMAX, TC><<<plan.grid_x, plan.threads, plan.smem_bytes, stream>>>(p);
+  TiledStepKernel<T, R, KMAX, TC><<<plan.grid_x, plan.threads, plan.smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T, int TT, int KC, int RB, bool KDA, bool AFTER_CONV = false>
+template <typename T, typename R, int TT, int KC, int RB, bool KDA, bool AFTER_CONV = false>
 cudaError_t LaunchBulkT(const LaunchPlan& plan, int device, const StepParams& sp,
                         cudaStream_t stream) {
   const BulkConfig& c = plan.bulk;
@@ -87,7 +88,7 @@ cudaError_t LaunchBulkT(const LaunchPlan& plan, int device, const StepParams& sp
   p.vec_s0 = c.vec_s0, p.bulk_s0 = c.bulk_s0, p.bulk_d = c.bulk_d, p.bulk_k = c.bulk_k;
   p.bulk_g = c.bulk_g, p.d_dense = c.d_dense;
   p.o_late = c.late_stage ? sm.kr : -1;
-  auto kernel = BulkStepKernel<T, TT, KC, RB, KDA, AFTER_CONV>;
+  auto kernel = BulkStepKernel<T, R, TT, KC, RB, KDA, AFTER_CONV>;
   static FuncSmemLimit limit;  // one per instantiation
   const cudaError_t e = limit.Allow(kernel, device, plan.smem_bytes, true);
   if (e != cudaSuccess) return e;
@@ -109,57 +110,57 @@ cudaError_t LaunchBulkT(const LaunchPlan& plan, int device, const StepParams& sp
 }
 
 // The gate kind is a template parameter of the bulk kernel (the record dots' weights differ).
-template <typename T, bool KDA>
+template <typename T, typename R, bool KDA>
 cudaError_t LaunchBulkGate(const LaunchPlan& plan, int device, const StepParams& p,
                            cudaStream_t stream) {
   const bool wide = plan.bulk.channels_per_lane == 8;
   if (plan.bulk.tokens_per_pass == 1 && p.after_conv != 0) {
-    return wide ? LaunchBulkT<T, 1, 8, 8, KDA, true>(plan, device, p, stream)
-                : LaunchBulkT<T, 1, 4, 8, KDA, true>(plan, device, p, stream);
+    return wide ? LaunchBulkT<T, R, 1, 8, 8, KDA, true>(plan, device, p, stream)
+                : LaunchBulkT<T, R, 1, 4, 8, KDA, true>(plan, device, p, stream);
   }
   if (plan.bulk.tokens_per_pass == 1) {
-    return wide ? LaunchBulkT<T, 1, 8, 8, KDA>(plan, device, p, stream)
-                : LaunchBulkT<T, 1, 4, 8, KDA>(plan, device, p, stream);
+    return wide ? LaunchBulkT<T, R, 1, 8, 8, KDA>(plan, device, p, stream)
+                : LaunchBulkT<T, R, 1, 4, 8, KDA>(plan, device, p, stream);
   }
-  return wide ? LaunchBulkT<T, 4, 8, 2, KDA>(plan, device, p, stream)
-              : LaunchBulkT<T, 4, 4, 4, KDA>(plan, device, p, stream);
+  return wide ? LaunchBulkT<T, R, 4, 8, 2, KDA>(plan, device, p, stream)
+              : LaunchBulkT<T, R, 4, 4, 4, KDA>(plan, device, p, stream);
 }
 
-template <typename T>
+template <typename T, typename R>
 cudaError_t LaunchStepFor(const LaunchPlan& plan, int device, const StepParams& p,
                           cudaStream_t stream) {
   if (plan.role == KernelRole::kBulkStep) {
-    return p.ly.kda != 0 ? LaunchBulkGate<T, true>(plan, device, p, stream)
-                         : LaunchBulkGate<T, false>(plan, device, p, stream);
+    return p.ly.kda != 0 ? LaunchBulkGate<T, R, true>(plan, device, p, stream)
+                         : LaunchBulkGate<T, R, false>(plan, device, p, stream);
   }
   if (plan.role != KernelRole::kTiledStep) return cudaErrorInvalidConfiguration;
   const bool verify = plan.tiled.tokens_per_pass != 1;
   if (plan.tiled.kmax == 128) {
-    return verify ? LaunchTiledT<T, 128, 4>(plan, device, p, stream)
-                  : LaunchTiledT<T, 128, 1>(plan, device, p, stream);
+    return verify ? LaunchTiledT<T, R, 128, 4>(plan, device, p, stream)
+                  : LaunchTiledT<T, R, 128, 1>(plan, device, p, stream);
   }
-  return verify ? LaunchTiledT<T, 256, 4>(plan, device, p, stream)
-                : LaunchTiledT<T, 256, 1>(plan, device, p, stream);
+  return verify ? LaunchTiledT<T, R, 256, 4>(plan, device, p, stream)
+                : LaunchTiledT<T, R, 256, 1>(plan, device, p, stream);
 }
 
-template <typename T, int KMAX>
+template <typename T, typename R, int KMAX>
 cudaError_t LaunchPrefillT(const LaunchPlan& plan, int device, PrefillParams p,
                            cudaStream_t stream) {
   p.num_vtiles = plan.tiled.num_vtiles;
   p.sm = plan.tiled.smem;
   static FuncSmemLimit limit;
-  const cudaError_t e = limit.Allow(PrefillKernel<T, KMAX>, device, plan.smem_bytes, false);
+  const cudaError_t e = limit.Allow(PrefillKernel<T, R, KMAX>, device, plan.smem_bytes, false);
   if (e != cudaSuccess) return e;
-  PrefillKernel<T, KMAX><<<plan.grid_x, plan.threads, plan.smem_bytes, stream>>>(p);
+  PrefillKernel<T, R, KMAX><<<plan.grid_x, plan.threads, plan.smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename T, typename R>
 cudaError_t LaunchPrefillFor(const LaunchPlan& plan, int device, const PrefillParams& p,
                              cudaStream_t stream) {
   if (plan.role != KernelRole::kPrefill) return cudaErrorInvalidConfiguration;
-  return plan.tiled.kmax == 128 ? LaunchPrefillT<T, 128>(plan, device, p, stream)
-                                : LaunchPrefillT<T, 256>(plan, device, p, stream);
+  return plan.tiled.kmax == 128 ? LaunchPrefillT<T, R, 128>(plan, device, p, stream)
+                                : LaunchPrefillT<T, R, 256>(plan, device, p, stream);
 }
 
 }  // namespace replayssm::kernels::cuda

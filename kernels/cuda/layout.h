@@ -43,7 +43,7 @@ struct SmemLayout {
   int vs;              // [TC, VT]    v of the tile rows
   int u, pp;           // [TC, L+1]   (W_j∘k_j)·k, (W_j∘k_j)·q
   int skq;             // [TC, VT, 2] S0 contractions
-  int dcur;            // [VT]        d of the last token, unrounded (fold)
+  int dcur;            // [VT]        d of the last token, rounded to the ring dtype (fold)
   int beta, kq, norm;  // [TC], [TC], [TC, 2]
   int total;           // floats
   static SmemLayout Make(int K, int L, int VT, int TC, bool kda) {
@@ -85,17 +85,16 @@ constexpr int kBulkBars = kBulkMaxWarps * kBulkMaxStages + 1;  // + the records'
 constexpr int kBulkMinCtas = 4;
 
 // Ring d rows of a CTA in shared memory: its rows + 16 bytes, so that lanes reading their
-// record's row (16-byte loads, lane j at record j) hit distinct banks.
-RSSM_HOST_DEVICE constexpr int DStride(int rows, int state_bytes) {
-  return rows + 16 / state_bytes;
-}
+// record's row (16-byte loads, lane j at record j) hit distinct banks. In ring elements.
+RSSM_HOST_DEVICE constexpr int DStride(int rows, int ring_bytes) { return rows + 16 / ring_bytes; }
 
 // The layout of one bulk CTA's shared memory (byte offsets, multiples of 16; the mbarriers
-// sit at 0). T drafts, TT per pass.
+// sit at 0). T drafts, TT per pass; S0 stages in the state's element size, the records' d and k
+// in the ring's.
 struct BulkSmem {
   int32_t s0, d, kr, kw, g, tq, tk, tg, ka, qa, av, kn, vs, u, p, sc, dd, total;
   static BulkSmem Make(int K, int L, int lr, bool kda, int T, int TT, int nw, int rpw, int ns,
-                       int rb, int state_bytes, bool fold_capable) {
+                       int rb, int state_bytes, int ring_bytes, bool fold_capable) {
     BulkSmem s;
     int o = kBulkBars * 8;
     auto take = [&o](int64_t bytes) {
@@ -106,10 +105,10 @@ struct BulkSmem {
     };
     const int kg = kda ? K : 1, rows = nw * rpw;
     s.s0 = take(int64_t{nw} * ns * rb * K * state_bytes);
-    s.d = take(int64_t{lr} * DStride(rows, state_bytes) * state_bytes);
-    s.kr = take(int64_t{lr} * K * state_bytes);
+    s.d = take(int64_t{lr} * DStride(rows, ring_bytes) * ring_bytes);
+    s.kr = take(int64_t{lr} * K * ring_bytes);
     // W_j∘k_j of a folding decode: in place over the fp32 records, else its own array.
-    s.kw = fold_capable ? (state_bytes == 4 ? s.kr : take(int64_t{lr} * K * 4)) : s.kr;
+    s.kw = fold_capable ? (ring_bytes == 4 ? s.kr : take(int64_t{lr} * K * 4)) : s.kr;
     s.g = take(int64_t{lr} * kg * 4);
     s.tq = take(int64_t{T} * K * 4);
     s.tk = take(int64_t{T} * K * 4);

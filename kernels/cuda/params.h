@@ -22,8 +22,8 @@ struct LayerDesc {
   const float* a_log;    // [HV]
   const float* dt_bias;  // GDN [HV], KDA [HV, K]
   void* ckpt;            // [S, HV, V, K] state dtype
-  void* ring_d;          // [S, HV, L, V]
-  void* ring_k;          // [S, H, L, K]
+  void* ring_d;          // [S, HV, L, V] ring dtype
+  void* ring_k;          // [S, H, L, K] ring dtype
   float* ring_g;         // [S, HV, L] or [S, HV, L, K]
   int64_t num_slots, ckpt_stride, d_stride, k_stride, g_stride;
   const void* qkv;  // [N, 2HK + HV V]
@@ -61,7 +61,8 @@ struct PrefillParams {
   SmemLayout sm;
 };
 
-// Launchers, one per state dtype (explicit instantiations in kernels_<dtype>.cu): launch what
+// Launchers, one per (state, ring) dtype pair (explicit instantiations in kernels_<state>.cu and
+// kernels_f32_ring_<ring>.cu; a 16-bit state keeps its ring in its own dtype): launch what
 // `plan` (Plan(), plan.h) says for `p` on `stream`, on the current device (`device`, its index),
 // and return the launch status.
 cudaError_t LaunchStepF32(const LaunchPlan& plan, int device, const StepParams& p,
@@ -70,12 +71,20 @@ cudaError_t LaunchStepBf16(const LaunchPlan& plan, int device, const StepParams&
                            cudaStream_t stream);
 cudaError_t LaunchStepF16(const LaunchPlan& plan, int device, const StepParams& p,
                           cudaStream_t stream);
+cudaError_t LaunchStepF32RingBf16(const LaunchPlan& plan, int device, const StepParams& p,
+                                  cudaStream_t stream);
+cudaError_t LaunchStepF32RingF16(const LaunchPlan& plan, int device, const StepParams& p,
+                                 cudaStream_t stream);
 cudaError_t LaunchPrefillF32(const LaunchPlan& plan, int device, const PrefillParams& p,
                              cudaStream_t stream);
 cudaError_t LaunchPrefillBf16(const LaunchPlan& plan, int device, const PrefillParams& p,
                               cudaStream_t stream);
 cudaError_t LaunchPrefillF16(const LaunchPlan& plan, int device, const PrefillParams& p,
                              cudaStream_t stream);
+cudaError_t LaunchPrefillF32RingBf16(const LaunchPlan& plan, int device, const PrefillParams& p,
+                                     cudaStream_t stream);
+cudaError_t LaunchPrefillF32RingF16(const LaunchPlan& plan, int device, const PrefillParams& p,
+                                    cudaStream_t stream);
 
 // rssm_segment_digests_parts (checksum.cu; rssm_segment_digests is count 1): the payload is
 // parts[0] | parts[1] | ... (part_bytes each); segment i is payload bytes [i * segment_bytes,

@@ -72,8 +72,9 @@ bool ShapeBulk(const LaunchProblem& pr, const DeviceLimits& dev, const LaunchOve
   // layout fits at all.
   const bool stages_free = ov.stages == 0;
   for (;;) {
-    c->smem = BulkSmem::Make(pr.head_k, pr.ring_len, c->ring_records, pr.kda, pr.num_draft,
-                             c->tokens_per_pass, nw, rpw, ns, rb, pr.state_bytes, !verify);
+    c->smem =
+        BulkSmem::Make(pr.head_k, pr.ring_len, c->ring_records, pr.kda, pr.num_draft,
+                       c->tokens_per_pass, nw, rpw, ns, rb, pr.state_bytes, pr.ring_bytes, !verify);
     const bool few_ctas = stages_free && !verify &&
                           dev.smem_per_sm / (c->smem.total + kReservedSmemPerCta) < kBulkMinCtas;
     if (c->smem.total <= dev.smem_per_block && !(few_ctas && ns > 1)) break;
@@ -110,7 +111,7 @@ std::optional<LaunchPlan> PlanBulk(const LaunchProblem& pr, const DeviceLimits& 
   const bool dense_ok = !(c.tokens_per_pass == 1 && pr.state_bytes == 4 && !pr.kda);
   const int rows = c.warps * c.rows_per_warp;
   c.d_dense = dense_ok && c.bulk_d && c.chunks == 1 && rows == pr.head_v;
-  c.d_stride = c.d_dense ? pr.head_v : DStride(rows, pr.state_bytes);
+  c.d_stride = c.d_dense ? pr.head_v : DStride(rows, pr.ring_bytes);
   // The late stage: fp32 replay decode whose warps have batches beyond their stages, where the
   // records' k and g (contiguous from kr to g's end) hold a stage for every warp: KDA at K = V
   // = 128 (16 KB; KDA fp32 replay −1.4 / −1.6 / −2.3% at B = 64 / 128 / 256, peer method). Not

@@ -35,7 +35,8 @@ struct LaunchProblem {
   int32_t head_k = 0;       // K
   int32_t head_v = 0;       // V
   int32_t ring_len = 0;     // L
-  int32_t state_bytes = 4;  // 4 (f32) or 2 (bf16, f16)
+  int32_t state_bytes = 4;  // 4 (f32) or 2 (bf16, f16): the checkpoint
+  int32_t ring_bytes = 4;   // 4 or 2: the ring's d and k
   int64_t batch = 0;        // rows (> 0)
   int32_t num_draft = 1;    // T (verify)
   // Each pool array's base and slot stride are 16-byte aligned (the bulk copy engine's need).
@@ -84,7 +85,7 @@ struct BulkConfig {           // kBulkStep
   int stages = 0;             // ns
   int chunks = 0;             // CTAs per v-head: ceil(V / (nw * rpw))
   int ring_records = 0;       // records the layout holds (L; 0 for the baseline)
-  int d_stride = 0;           // elements per ring d row in shared memory
+  int d_stride = 0;           // ring-dtype elements per ring d row in shared memory
   bool d_dense = false;       // the ring's d rows in one copy (d_stride = V)
   bool vec_s0 = false;        // the checkpoint takes 16-byte stores
   bool bulk_s0 = false, bulk_d = false, bulk_k = false, bulk_g = false;  // by the copy engine

@@ -4,7 +4,8 @@
 // of the state in fp32 registers for the whole row: it starts from zero or from the slot's
 // logical state (S0 folded with records 0..w-1), runs the plain recurrence token by token
 // with the arithmetic of a baseline step (contraction with A∘k and A∘q, then
-// S <- S·A + d kᵀ), and rounds to the state dtype once, at the end. The fold op is this
+// S <- S·A + d kᵀ with d, k rounded to the ring dtype, as every record), and rounds to the state
+// dtype once, at the end. The fold op is this
 // kernel with no tokens where every row starts from its slot (and w == 0 writes nothing).
 #ifndef REPLAYSSM_KERNELS_CUDA_PREFILL_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_PREFILL_KERNEL_CUH_
@@ -13,7 +14,9 @@
 
 namespace replayssm::kernels::cuda {
 
-template <typename T, int KMAX>
+// T: the checkpoint's storage type; Ring: the ring's d and k (read when a row starts from its
+// slot).
+template <typename T, typename Ring, int KMAX>
 __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant__ PrefillParams p) {
   using Cfg = TileCfg<T, KMAX>;
   constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
@@ -69,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
         }
       }
     }
-    if (w > 0) LoadRecords<T>(ly, sm, s, slot, h, w, v0, VT);
+    if (w > 0) LoadRecords<Ring>(ly, sm, s, slot, h, w, v0, VT);
     __syncthreads();
     if (w > 0) Weights(ly, sm, s, w, 0, true, false);
     __syncthreads();
@@ -104,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
   for (int64_t n = begin; n < end; ++n) {
     LoadToken(ly, sm, s, n, h, 0, 0, v0, VT);
     __syncthreads();
-    NormalizeTokens<T>(ly, sm, s, 1, 0);
+    NormalizeTokens<Ring>(ly, sm, s, 1, 0);
     __syncthreads();
     Weights(ly, sm, s, 0, 0, false, true);
     __syncthreads();
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
       const int row = tid;
       const float d = s[sm.beta] * (s[sm.vs + row] - s[sm.skq + row * 2]);
       const float o = s[sm.skq + row * 2 + 1] + d * s[sm.kq];
-      s[sm.dcur + row] = d;
+      s[sm.dcur + row] = RoundTo<Ring>(d);  // the record enters the state as the ring holds it
       if (ly.o != nullptr && v0 + row < V) {
         StoreAct(ly.o, n * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype, o);
       }
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
         if (c >= K) continue;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          st[i][ch][e] = st[i][ch][e] * s[sm.avec + c + e] + dt * s[sm.ks + c + e];
+          st[i][ch][e] = st[i][ch][e] * s[sm.avec + c + e] + dt * s[sm.kext + c + e];
         }
       }
     }

@@ -21,7 +21,8 @@
 
 namespace replayssm::kernels::cuda {
 
-template <typename T, int KMAX, int TC>
+// T: the checkpoint's storage type; Ring: the ring's d and k (rounded to it where written).
+template <typename T, typename Ring, int KMAX, int TC>
 __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMinBlocks)
     TiledStepKernel(const __grid_constant__ StepParams p) {
   using Cfg = TileCfg<T, KMAX>;
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
   }
 
   // 2. Records.
-  if (w > 0) LoadRecords<T>(ly, sm, s, slot, h, w, v0, VT);
+  if (w > 0) LoadRecords<Ring>(ly, sm, s, slot, h, w, v0, VT);
   const bool k_writer = (h % ly.group) == 0 && vt == 0;
   const int hq = h / ly.group;
 
@@ -89,14 +90,14 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
     const int nt = min(TC, T_ - c0);
     for (int t = 0; t < nt; ++t) LoadToken(ly, sm, s, tok0 + c0 + t, h, t, w + c0 + t, v0, VT);
     __syncthreads();
-    NormalizeTokens<T>(ly, sm, s, nt, w + c0);
+    NormalizeTokens<Ring>(ly, sm, s, nt, w + c0);
     // Appended records' k and g (written once per qk-head group / per head).
     if (!fold && vt == 0) {
       for (int i = tid; i < nt * K; i += kThreads) {
         const int t = i / K, c = i % K, P = w + c0 + t;
         if (k_writer) {
-          T* rk = static_cast<T*>(ly.ring_k) + slot * ly.k_stride + (int64_t{hq} * L + P) * K;
-          rk[c] = FromF<T>(s[sm.ks + i]);
+          Ring* rk = static_cast<Ring*>(ly.ring_k) + slot * ly.k_stride + (int64_t{hq} * L + P) * K;
+          rk[c] = FromF<Ring>(s[sm.ks + i]);
         }
         float* rg = ly.ring_g + slot * ly.g_stride;
         if (ly.kda) {
@@ -163,14 +164,15 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
         }
         const float d = s[sm.beta + t] * (s[sm.vs + t * VT + row] - sk);
         const float o = sq + d * s[sm.kq + t];
-        const T dr = FromF<T>(d);
+        const Ring dr = FromF<Ring>(d);
         s[sm.dext + P * VT + row] = ToF(dr);
-        s[sm.dcur + row] = d;
+        s[sm.dcur + row] = ToF(dr);  // the fold adds the record as the ring would hold it
         if (valid) {
           StoreAct(ly.o, (tok0 + c0 + t) * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype,
                    o);
           if (!fold) {
-            T* rd = static_cast<T*>(ly.ring_d) + slot * ly.d_stride + (int64_t{h} * L + P) * V;
+            Ring* rd =
+                static_cast<Ring*>(ly.ring_d) + slot * ly.d_stride + (int64_t{h} * L + P) * V;
             rd[v0 + row] = dr;
           }
         }
@@ -180,7 +182,8 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
   }
   if (!fold) return;
 
-    // 5. Fold (decode only: T == 1, token 0): S0·A + Σ_j d_j (W_j∘k_j) + d k, from registers.
+    // 5. Fold (decode only: T == 1, token 0): S0·A + Σ_j d_j (W_j∘k_j) + d k, from registers,
+    // the token's d and k rounded as the ring would hold them (dcur, kext row w).
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int row = Cfg::Row(i, warp, lane);
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, TC == 1 ? kStepMinBlocks : kVerifyMi
       }
       Chunk<T> out;
 #pragma unroll
-      for (int e = 0; e < E; ++e) out.Set(e, a[e] + dt * s[sm.ks + c + e]);
+      for (int e = 0; e < E; ++e) out.Set(e, a[e] + dt * s[sm.kext + w * K + c + e]);
       StoreChunk(s0 + int64_t{row} * K + c, out, aligned);
     }
   }

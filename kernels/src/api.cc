@@ -64,6 +64,23 @@ bool ValidDtype(int32_t d) {
   return d == RSSM_DTYPE_F32 || d == RSSM_DTYPE_BF16 || d == RSSM_DTYPE_F16;
 }
 
+// The ring's dtype: a valid code, and a pair the kernels are built for (an fp32 state with any
+// ring dtype, a 16-bit state with its own).
+void CheckRingDtype(Check& c, const rssm_layer_shape& s) {
+  const int32_t ring = rssm_ring_storage_dtype(&s);
+  if (ring < 0) {
+    c.Fail("shape.ring_dtype",
+           "RSSM_RING_DTYPE_STATE (0), RSSM_RING_DTYPE_F32 (16), RSSM_RING_DTYPE_BF16 (17) or "
+           "RSSM_RING_DTYPE_F16 (18)",
+           std::to_string(s.ring_dtype));
+  } else if (s.state_dtype != RSSM_DTYPE_F32 && ring != s.state_dtype) {
+    c.Fail("shape.ring_dtype",
+           std::string("a ring of the state dtype with a ") + rssm_dtype_name(s.state_dtype) +
+               " state (RSSM_RING_DTYPE_STATE; only an f32 state takes another ring dtype)",
+           std::to_string(s.ring_dtype) + " (" + rssm_dtype_name(ring) + " ring)");
+  }
+}
+
 void CheckShape(Check& c, const rssm_layer_shape& s) {
   if (s.gate != RSSM_GATE_GDN && s.gate != RSSM_GATE_KDA) {
     c.Fail("shape.gate", "RSSM_GATE_GDN (0) or RSSM_GATE_KDA (1)", std::to_string(s.gate));
@@ -86,6 +103,7 @@ void CheckShape(Check& c, const rssm_layer_shape& s) {
   if (!ValidDtype(s.act_dtype)) {
     c.Fail("shape.act_dtype", "F32 (0), BF16 (1) or F16 (2)", std::to_string(s.act_dtype));
   }
+  if (c.ok()) CheckRingDtype(c, s);
 }
 
 void CheckLaunch(Check& c, const rssm_launch& l) {
@@ -706,8 +724,16 @@ int64_t rssm_slot_layer_bytes(const rssm_layer_shape* s) {
   CheckShape(c, *s);
   if (!c.ok()) return 0;
   const int64_t es = static_cast<int64_t>(rssm_dtype_size(s->state_dtype));
-  return es * (rssm_checkpoint_elems(s) + rssm_ring_d_elems(s) + rssm_ring_k_elems(s)) +
+  const int64_t rs = static_cast<int64_t>(rssm_dtype_size(rssm_ring_storage_dtype(s)));
+  return es * rssm_checkpoint_elems(s) + rs * (rssm_ring_d_elems(s) + rssm_ring_k_elems(s)) +
          4 * rssm_ring_g_elems(s);
+}
+
+int32_t rssm_ring_storage_dtype(const rssm_layer_shape* s) {
+  if (s == nullptr) return -1;
+  if (s->ring_dtype == RSSM_RING_DTYPE_STATE) return s->state_dtype;
+  const int32_t d = s->ring_dtype - RSSM_RING_DTYPE_F32;
+  return s->ring_dtype >= RSSM_RING_DTYPE_F32 && ValidDtype(d) ? d : -1;
 }
 
 }  // extern "C"

@@ -1,5 +1,6 @@
 #include "harness.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -9,8 +10,8 @@
 
 namespace replayssm::kernels::testing {
 
-double StateTolerance(rssm_dtype state_dtype) {
-  switch (state_dtype) {
+double StateTolerance(rssm_dtype dtype) {
+  switch (dtype) {
     case RSSM_DTYPE_F32: return 2e-5;
     case RSSM_DTYPE_F16: return 2e-3;
     case RSSM_DTYPE_BF16: return 1.5e-2;
@@ -25,6 +26,15 @@ double OutputTolerance(rssm_dtype state_dtype, rssm_dtype act_dtype) {
   return act + StateTolerance(state_dtype);
 }
 
+double StateTolerance(const Config& c) {
+  return std::max(StateTolerance(c.state_dtype), StateTolerance(c.Ring()));
+}
+
+double OutputTolerance(const Config& c) {
+  return std::max(OutputTolerance(c.state_dtype, c.act_dtype),
+                  OutputTolerance(c.Ring(), c.act_dtype));
+}
+
 float Buffer::Get(int64_t i) const {
   return LoadAs(dtype_, &bytes_[i * rssm_dtype_size(dtype_)]);
 }
@@ -36,15 +46,17 @@ void Buffer::FillNaN() {
 }
 
 std::string Config::Name() const {
-  return std::string(gate == RSSM_GATE_GDN ? "gdn" : "kda") + "_s" +
-         rssm_dtype_name(state_dtype) + "_a" + rssm_dtype_name(act_dtype) + "_H" +
-         std::to_string(h) + "_HV" + std::to_string(hv) + "_K" + std::to_string(k) + "_V" +
-         std::to_string(v) + "_L" + std::to_string(l) + (l2norm ? "" : "_nonorm") +
-         (slot_pad ? "_strided" : "");
+  return std::string(gate == RSSM_GATE_GDN ? "gdn" : "kda") + "_s" + rssm_dtype_name(state_dtype) +
+         (ring_dtype >= 0 ? std::string("_r") + rssm_dtype_name(ring_dtype) : "") + "_a" +
+         rssm_dtype_name(act_dtype) + "_H" + std::to_string(h) + "_HV" + std::to_string(hv) + "_K" +
+         std::to_string(k) + "_V" + std::to_string(v) + "_L" + std::to_string(l) +
+         (l2norm ? "" : "_nonorm") + (slot_pad ? "_strided" : "");
 }
 
 Layer::Layer(const Config& c, int slots, std::mt19937_64& rng) : cfg(c), num_slots(slots) {
-  shape = rssm_layer_shape{c.gate, c.h, c.hv, c.k, c.v, c.l, c.state_dtype, c.act_dtype};
+  const int32_t ring_code =
+      c.ring_dtype < 0 ? RSSM_RING_DTYPE_STATE : RSSM_RING_DTYPE_F32 + c.ring_dtype;
+  shape = rssm_layer_shape{c.gate, c.h, c.hv, c.k, c.v, c.l, c.state_dtype, c.act_dtype, ring_code};
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   const int per_g = c.gate == RSSM_GATE_KDA ? c.k : 1;
   for (int h = 0; h < c.hv; ++h) a_log.push_back(-0.25f + 0.75f * u(rng));  // exp: 0.47..1.65
@@ -55,8 +67,8 @@ Layer::Layer(const Config& c, int slots, std::mt19937_64& rng) : cfg(c), num_slo
   k_stride = int64_t{c.h} * c.l * c.k + c.slot_pad;
   g_stride = int64_t{c.hv} * c.l * per_g + c.slot_pad;
   checkpoint = Buffer(c.state_dtype, cp_stride * slots);
-  ring_d = Buffer(c.state_dtype, d_stride * slots);
-  ring_k = Buffer(c.state_dtype, k_stride * slots);
+  ring_d = Buffer(c.Ring(), d_stride * slots);
+  ring_k = Buffer(c.Ring(), k_stride * slots);
   ring_g.assign(g_stride * slots, std::numeric_limits<float>::quiet_NaN());
   checkpoint.FillNaN();
   ring_d.FillNaN();
@@ -116,8 +128,8 @@ std::vector<uint8_t> Layer::SlotBytes(int s) const {
     out.insert(out.end(), p, p + stride * es);
   };
   append(checkpoint.data(), cp_stride, rssm_dtype_size(cfg.state_dtype));
-  append(ring_d.data(), d_stride, rssm_dtype_size(cfg.state_dtype));
-  append(ring_k.data(), k_stride, rssm_dtype_size(cfg.state_dtype));
+  append(ring_d.data(), d_stride, rssm_dtype_size(cfg.Ring()));
+  append(ring_k.data(), k_stride, rssm_dtype_size(cfg.Ring()));
   append(ring_g.data(), g_stride, 4);
   return out;
 }

@@ -26,9 +26,17 @@ namespace replayssm::kernels::testing {
 //  - bf16 state: the same with 2^-8 ~ 3.9e-3: observed 3.4e-3; bound 1.5e-2 (4 roundings).
 //  - output rounding adds at most half an ulp per element: fp16 2^-11, bf16 2^-8; bounds
 //    1e-3 and 8e-3 (observed 2.9e-4 and 2.5e-3 with an fp32 state).
+//  - a ring of its own dtype (fp32 checkpoint, 16-bit ring d, k): the records' roundings are
+//    the same as a 16-bit state's, the checkpoint's are fp32; bound: the coarser dtype's.
+//    Observed (2026-12-01, a fold adding its own record rounded as well): bf16 ring 3.2e-3
+//    state, 8.9e-3 output with bf16 activations (bf16 state: 3.7e-3, 8.8e-3; 3.3e-3 before
+//    that rounding); fp16 ring 4.2e-4 state.
 // Observed figures: the CPU sweep of 2026-11-30 (max over every case).
-double StateTolerance(rssm_dtype state_dtype);
+double StateTolerance(rssm_dtype dtype);
 double OutputTolerance(rssm_dtype state_dtype, rssm_dtype act_dtype);
+struct Config;
+double StateTolerance(const Config& c);   // the coarser of the state and ring dtypes
+double OutputTolerance(const Config& c);  // likewise, plus the act dtype's rounding
 
 // A host buffer of `n` elements of dtype `dt`.
 class Buffer {
@@ -55,11 +63,26 @@ struct Config {
   rssm_gate gate = RSSM_GATE_GDN;
   rssm_dtype state_dtype = RSSM_DTYPE_F32;
   rssm_dtype act_dtype = RSSM_DTYPE_BF16;
+  int32_t ring_dtype = -1;  // rssm_dtype of ring d, k; -1: the state dtype (ring_dtype 0)
   int h = 2, hv = 4, k = 64, v = 64, l = 8;
   bool l2norm = true;
   int64_t slot_pad = 0;  // extra elements between slots, to exercise strides
   std::string Name() const;
+  rssm_dtype Ring() const {
+    return ring_dtype < 0 ? state_dtype : static_cast<rssm_dtype>(ring_dtype);
+  }
 };
+// The (state, ring) dtype pairs the kernels are built for (ring -1: the state dtype).
+struct StoragePair {
+  rssm_dtype state;
+  int32_t ring;
+};
+inline constexpr StoragePair kStoragePairs[] = {{RSSM_DTYPE_F32, -1},
+                                                {RSSM_DTYPE_F32, RSSM_DTYPE_BF16},
+                                                {RSSM_DTYPE_F32, RSSM_DTYPE_F16},
+                                                {RSSM_DTYPE_BF16, -1},
+                                                {RSSM_DTYPE_F16, -1}};
+
 // Prints a Config by name in test output (instead of its bytes).
 inline void PrintTo(const Config& c, std::ostream* os) { *os << c.Name(); }
 

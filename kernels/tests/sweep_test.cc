@@ -1,5 +1,5 @@
 // The sweep: replay decode against the fp64 reference over gates, GQA ratios, ring lengths,
-// head dims and every state × activation dtype pair, with advancing cursors, random forced
+// head dims and every (state, ring) × activation dtype pair, with advancing cursors, random forced
 // folds, padding rows, rows that skip a step, and rows in a new order every step. Outputs
 // and the logical state of every request are checked after every step; slots outside the
 // batch must keep every byte.
@@ -45,8 +45,8 @@ void RunReplayCase(const Config& cfg, int num_requests, uint64_t seed, Stats* wo
     reqs.push_back(Request{slots[i], 0, layer.CheckpointState(slots[i])});
   }
   const Reference ref(layer);
-  const double out_tol = OutputTolerance(cfg.state_dtype, cfg.act_dtype);
-  const double state_tol = StateTolerance(cfg.state_dtype);
+  const double out_tol = OutputTolerance(cfg);
+  const double state_tol = StateTolerance(cfg);
   std::uniform_real_distribution<double> coin(0.0, 1.0);
   for (int step = 0; step < 3 * cfg.l + 2; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -111,7 +111,7 @@ void RunReplayCase(const Config& cfg, int num_requests, uint64_t seed, Stats* wo
   }
 }
 
-// The main sweep: every gate × state dtype × activation dtype × ring length, with head dims,
+// The main sweep: every gate × (state, ring) pair × activation dtype × ring length, with head dims,
 // GQA ratio, strides and l2norm rotating through their values so that each appears with
 // every ring length and gate.
 std::vector<Config> MainSweep() {
@@ -122,12 +122,13 @@ std::vector<Config> MainSweep() {
   std::vector<Config> out;
   int n = 0;
   for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
-    for (rssm_dtype sd : dtypes) {
+    for (auto [sd, rd] : kStoragePairs) {
       for (rssm_dtype ad : dtypes) {
         for (int l : {1, 2, 8, 16, 64}) {
           Config c;
           c.gate = gate;
           c.state_dtype = sd;
+          c.ring_dtype = rd;
           c.act_dtype = ad;
           c.l = l;
           c.k = dims[n % dims.size()].first;
@@ -162,6 +163,7 @@ std::vector<Config> DimsSweep() {
           c.hv = ratio;
           c.l = 2;
           c.state_dtype = n % 2 ? RSSM_DTYPE_BF16 : RSSM_DTYPE_F32;
+          if (n % 4 == 2) c.ring_dtype = RSSM_DTYPE_BF16;  // fp32 state, bf16 ring
           c.act_dtype = n % 3 == 0 ? RSSM_DTYPE_F32 : RSSM_DTYPE_BF16;
           out.push_back(c);
           ++n;

@@ -82,6 +82,9 @@ TEST_F(Validation, BadShapesAreRejected) {
   ExpectDecodeRejected([](auto& a) { a.shape.act_dtype = -1; },
                        "shape.act_dtype");
   ExpectDecodeRejected([](auto& a) { a.shape.gate = 2; }, "shape.gate");
+  // A plain rssm_dtype code is not a ring dtype code (16 + dtype): refused, not misread.
+  ExpectDecodeRejected([](auto& a) { a.shape.ring_dtype = RSSM_DTYPE_BF16; }, "shape.ring_dtype");
+  ExpectDecodeRejected([](auto& a) { a.shape.ring_dtype = 19; }, "shape.ring_dtype");
 }
 
 TEST_F(Validation, NullPointersAreRejected) {
@@ -177,6 +180,49 @@ TEST_F(Validation, CudaWithoutTheBackendIsUnsupported) {
   EXPECT_NE(std::string(rssm_last_error()).find("CUDA"), std::string::npos);
 }
 
+// A 16-bit state keeps its ring in its own dtype: every other pair is refused by name, on
+// every call, before anything is written.
+TEST_F(Validation, SixteenBitStateRefusesOtherRingDtypes) {
+  for (int32_t state : {RSSM_DTYPE_BF16, RSSM_DTYPE_F16}) {
+    for (int32_t ring : {RSSM_RING_DTYPE_F32, RSSM_RING_DTYPE_BF16, RSSM_RING_DTYPE_F16}) {
+      if (ring - RSSM_RING_DTYPE_F32 == state) continue;
+      SCOPED_TRACE(std::string(rssm_dtype_name(state)) + " state, ring code " +
+                   std::to_string(ring));
+      auto refused = [&](rssm_layer_shape& s) { s.state_dtype = state, s.ring_dtype = ring; };
+      ExpectDecodeRejected([&](auto& a) { refused(a.shape); }, "shape.ring_dtype");
+      rssm_verify_args v = layer_.VerifyArgs(2, 1, slots_, pos_, tok_, out_);
+      refused(v.shape);
+      ExpectRejected([&] { return rssm_verify(&v); }, "shape.ring_dtype");
+      rssm_fold_args f{{RSSM_BACKEND_CPU, nullptr}, layer_.shape, layer_.Pool(), 2, slots_, pos_};
+      refused(f.shape);
+      ExpectRejected([&] { return rssm_fold(&f); }, "shape.ring_dtype");
+      const int32_t cu[3] = {0, 1, 2};
+      rssm_prefill_args p = Prefill(cu, 1);
+      refused(p.shape);
+      ExpectRejected([&] { return rssm_prefill(&p); }, "shape.ring_dtype");
+      rssm_layer_shape shape = layer_.shape;
+      refused(shape);
+      EXPECT_EQ(rssm_check_shape(&shape), RSSM_ERR_INVALID_ARGUMENT);
+      EXPECT_EQ(rssm_slot_layer_bytes(&shape), 0);
+    }
+  }
+}
+
+TEST(Helpers, RingDtypeResolves) {
+  rssm_layer_shape s{RSSM_GATE_GDN, 16, 32, 128, 128, 16, RSSM_DTYPE_F32, RSSM_DTYPE_BF16};
+  EXPECT_EQ(rssm_ring_storage_dtype(&s), RSSM_DTYPE_F32);  // zero-initialized: the state's
+  s.state_dtype = RSSM_DTYPE_BF16;
+  EXPECT_EQ(rssm_ring_storage_dtype(&s), RSSM_DTYPE_BF16);
+  s.state_dtype = RSSM_DTYPE_F32;
+  s.ring_dtype = RSSM_RING_DTYPE_F16;
+  EXPECT_EQ(rssm_ring_storage_dtype(&s), RSSM_DTYPE_F16);
+  EXPECT_EQ(rssm_check_shape(&s), RSSM_OK);
+  s.ring_dtype = RSSM_DTYPE_BF16;  // a plain dtype code
+  EXPECT_EQ(rssm_ring_storage_dtype(&s), -1);
+  EXPECT_EQ(rssm_check_shape(&s), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(rssm_ring_storage_dtype(nullptr), -1);
+}
+
 TEST(Helpers, SlotBytesCountCheckpointAndRing) {
   const rssm_layer_shape s{RSSM_GATE_GDN, 16, 32, 128, 128, 16, RSSM_DTYPE_F32, RSSM_DTYPE_BF16};
   // 32*128*128*4 + (32*16*128 + 16*16*128)*4 + 32*16*4
@@ -186,6 +232,13 @@ TEST(Helpers, SlotBytesCountCheckpointAndRing) {
   EXPECT_EQ(rssm_slot_layer_bytes(&bad), 0);
   EXPECT_EQ(rssm_check_shape(&bad), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(rssm_check_shape(&s), RSSM_OK);
+  // An fp32 checkpoint with a bf16 ring: the ring's d and k at 2 bytes, g still fp32.
+  rssm_layer_shape ring16 = s;
+  ring16.ring_dtype = RSSM_RING_DTYPE_BF16;
+  EXPECT_EQ(rssm_ring_d_elems(&ring16), 32 * 16 * 128);
+  EXPECT_EQ(rssm_slot_layer_bytes(&ring16), 2097152 + 393216 / 2 + 2048);
+  ring16.ring_dtype = RSSM_RING_DTYPE_F32;  // named explicitly: as the state's
+  EXPECT_EQ(rssm_slot_layer_bytes(&ring16), rssm_slot_layer_bytes(&s));
 }
 
 }  // namespace

@@ -161,7 +161,7 @@ void ExpectClose(const Buffer& got, const Buffer& ref, double tol, const std::st
 void ComparePools(Layer& host, DevLayer& dev, const std::string& what) {
   Layer got = host;  // same shape and strides; contents replaced below
   dev.DownloadInto(got);
-  const double tol = StateTolerance(host.cfg.state_dtype);
+  const double tol = StateTolerance(host.cfg);
   ExpectClose(got.checkpoint, host.checkpoint, tol, what + " checkpoint");
   ExpectClose(got.ring_d, host.ring_d, tol, what + " ring_d");
   ExpectClose(got.ring_k, host.ring_k, tol, what + " ring_k");
@@ -177,7 +177,7 @@ void CompareOutputs(const Buffer& got, const Buffer& ref, const Config& c,
       return;
     }
   }
-  ExpectClose(got, ref, OutputTolerance(c.state_dtype, c.act_dtype), what + " output");
+  ExpectClose(got, ref, OutputTolerance(c), what + " output");
 }
 
 struct Request {
@@ -400,8 +400,8 @@ constexpr char kNoGpu[] = "no CUDA device: these tests (ctest label gpu) run on 
 
 const rssm_dtype kDtypes[] = {RSSM_DTYPE_F32, RSSM_DTYPE_BF16, RSSM_DTYPE_F16};
 
-// Every gate x state dtype x act dtype, each with shapes rotated through the GQA ratios,
-// ring lengths and head dims so that every value of each appears many times.
+// Every gate x (state, ring) dtype pair x act dtype, each with shapes rotated through the GQA
+// ratios, ring lengths and head dims so that every value of each appears many times.
 TEST(CudaKernels, SweepMatchesCpu) {
   ASSERT_TRUE(HaveGpu()) << kNoGpu;
   const int ratios[] = {1, 2, 4};
@@ -409,12 +409,13 @@ TEST(CudaKernels, SweepMatchesCpu) {
   const int dims[] = {16, 64, 128, 96};
   int i = 0;
   for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
-    for (rssm_dtype st : kDtypes) {
+    for (auto [st, ring] : kStoragePairs) {
       for (rssm_dtype act : kDtypes) {
         for (int rep = 0; rep < 3; ++rep, ++i) {
           Config c;
           c.gate = gate;
           c.state_dtype = st;
+          c.ring_dtype = ring;
           c.act_dtype = act;
           c.h = 2;
           c.hv = 2 * ratios[i % 3];
@@ -432,8 +433,8 @@ TEST(CudaKernels, SweepMatchesCpu) {
   }
 }
 
-// Both step kernels on every gate and state dtype, whatever the planner would choose: the
-// tiled kernel for decode (the bulk kernel's fallback) and the bulk kernel for verify at small
+// Both step kernels on every gate and (state, ring) dtype pair, whatever the planner would choose:
+// the tiled kernel for decode (the bulk kernel's fallback) and the bulk kernel for verify at small
 // batches.
 TEST(CudaKernels, EachStepKernelMatchesCpu) {
   ASSERT_TRUE(HaveGpu()) << kNoGpu;
@@ -445,11 +446,12 @@ TEST(CudaKernels, EachStepKernelMatchesCpu) {
     cuda::LaunchOverrides forced;
     forced.step_kernel = kernel;
     for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
-      for (rssm_dtype st : kDtypes) {
+      for (auto [st, ring] : kStoragePairs) {
         for (int rep = 0; rep < 2; ++rep, ++i) {
           Config c;
           c.gate = gate;
           c.state_dtype = st;
+          c.ring_dtype = ring;
           c.act_dtype = kDtypes[(i + 1) % 3];
           c.h = 2;
           c.hv = 2 * (1 + i % 2);
@@ -507,16 +509,20 @@ TEST(CudaKernels, LargeShapesMatchCpu) {
     rssm_gate gate;
     rssm_dtype st;
     int b;
+    int32_t ring = -1;  // the state's
   };
   const Case cases[] = {{RSSM_GATE_GDN, RSSM_DTYPE_F32, 256},
                         {RSSM_GATE_KDA, RSSM_DTYPE_BF16, 128},
                         {RSSM_GATE_GDN, RSSM_DTYPE_BF16, 64},
-                        {RSSM_GATE_KDA, RSSM_DTYPE_F32, 64}};
+                        {RSSM_GATE_KDA, RSSM_DTYPE_F32, 64},
+                        {RSSM_GATE_GDN, RSSM_DTYPE_F32, 128, RSSM_DTYPE_BF16},
+                        {RSSM_GATE_KDA, RSSM_DTYPE_F32, 256, RSSM_DTYPE_BF16}};
   int i = 0;
   for (const Case& k : cases) {
     Config c;
     c.gate = k.gate;
     c.state_dtype = k.st;
+    c.ring_dtype = k.ring;
     c.act_dtype = RSSM_DTYPE_BF16;
     c.h = 16;
     c.hv = 32;
@@ -530,11 +536,12 @@ TEST(CudaKernels, LargeShapesMatchCpu) {
 // L = 1: every replay step folds at w = 0, which must be the baseline bit for bit.
 TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
   ASSERT_TRUE(HaveGpu()) << kNoGpu;
-  for (rssm_dtype st : kDtypes) {
+  for (auto [st, ring] : kStoragePairs) {
     for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
       Config c;
       c.gate = gate;
       c.state_dtype = st;
+      c.ring_dtype = ring;
       c.act_dtype = RSSM_DTYPE_BF16;
       c.h = 4;
       c.hv = 8;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/launch_overrides.h"
@@ -19,7 +20,9 @@ namespace {
 constexpr DeviceLimits kH200{132, 232448, 233472};
 
 // The benchmark shape: HV = 32, K = V = 128, L = 16.
-LaunchProblem Shape(KernelOp op, int64_t batch, bool kda = false, int state_bytes = 4) {
+// ring_bytes 0: the state's.
+LaunchProblem Shape(KernelOp op, int64_t batch, bool kda = false, int state_bytes = 4,
+                    int ring_bytes = 0) {
   LaunchProblem p;
   p.op = op;
   p.kda = kda;
@@ -27,6 +30,7 @@ LaunchProblem Shape(KernelOp op, int64_t batch, bool kda = false, int state_byte
   p.head_k = p.head_v = 128;
   p.ring_len = 16;
   p.state_bytes = state_bytes;
+  p.ring_bytes = ring_bytes != 0 ? ring_bytes : state_bytes;
   p.batch = batch;
   p.num_draft = op == KernelOp::kVerify ? 4 : 1;
   return p;
@@ -133,12 +137,12 @@ TEST(Plan, WideHeadsTakeEightChannelsPerLane) {
 
 TEST(Plan, BaselineAndReplayShareTheKernelOnEveryShape) {
   for (bool kda : {false, true}) {
-    for (int state_bytes : {4, 2}) {
+    for (auto [state_bytes, ring_bytes] : {std::pair{4, 4}, {4, 2}, {2, 2}}) {
       for (int k : {16, 64, 128, 256}) {
         for (int v : {16, 96, 256}) {
           for (int l : {1, 4, 16, 64}) {
             for (int64_t b : {1, 16, 64, 300, 70000}) {
-              LaunchProblem p = Shape(KernelOp::kReplay, b, kda, state_bytes);
+              LaunchProblem p = Shape(KernelOp::kReplay, b, kda, state_bytes, ring_bytes);
               p.head_k = k;
               p.head_v = v;
               p.ring_len = l;
@@ -146,8 +150,8 @@ TEST(Plan, BaselineAndReplayShareTheKernelOnEveryShape) {
               p.op = KernelOp::kBaseline;
               const LaunchPlan baseline = PlanOf(p);
               ASSERT_EQ(replay.role, baseline.role)
-                  << "kda " << kda << " bytes " << state_bytes << " K " << k << " V " << v << " L "
-                  << l << " B " << b;
+                  << "kda " << kda << " bytes " << state_bytes << "/" << ring_bytes << " K " << k
+                  << " V " << v << " L " << l << " B " << b;
               if (replay.role == KernelRole::kBulkStep) {
                 EXPECT_LE(replay.smem_bytes, static_cast<size_t>(kH200.smem_per_block));
                 EXPECT_EQ(replay.bulk.channels_per_lane, baseline.bulk.channels_per_lane);
@@ -204,6 +208,23 @@ TEST(Plan, RingRowsComeInOneCopyExceptForFp32GdnDecode) {
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 1, false, 2)).bulk.d_dense);
   const BulkConfig padded = PlanOf(Shape(KernelOp::kReplay, 256)).bulk;
   EXPECT_EQ(padded.d_stride, 128 + 4);
+}
+
+// An fp32 checkpoint with a 16-bit ring: S0 stages at 4 bytes, the records' d and k at 2 (so
+// W_j∘k_j of a fold gets its own fp32 array), and the ring d rows padded by 16 bytes.
+TEST(Plan, RingDtypeSizesTheRecordsNotTheStages) {
+  for (bool kda : {false, true}) {
+    const BulkConfig f32 = PlanOf(Shape(KernelOp::kReplay, 256, kda)).bulk;
+    const BulkConfig mixed = PlanOf(Shape(KernelOp::kReplay, 256, kda, 4, 2)).bulk;
+    EXPECT_EQ(mixed.stages, f32.stages);
+    EXPECT_EQ(mixed.smem.d - mixed.smem.s0, f32.smem.d - f32.smem.s0) << "S0 stages";
+    EXPECT_EQ(mixed.smem.kw - mixed.smem.kr, 16 * 128 * 2) << "records' k, then W_j∘k_j";
+    EXPECT_EQ(f32.smem.kw, f32.smem.kr) << "fp32 records: W_j∘k_j in place";
+    EXPECT_EQ(mixed.smem.g - mixed.smem.kw, 16 * 128 * 4);
+    if (!kda) {
+      EXPECT_EQ(mixed.d_stride, 128 + 8);
+    }
+  }
 }
 
 TEST(Plan, PrefillAndFoldTakeThePrefillKernel) {

@@ -37,7 +37,7 @@
 extern "C" {
 #endif
 
-#define RSSM_ABI_VERSION 2    /* 2: rssm_decode_args.conv */
+#define RSSM_ABI_VERSION 2 /* 2: rssm_layer_shape.ring_dtype, rssm_decode_args.conv */
 #define RSSM_MAX_HEAD_DIM 256 /* K and V: multiples of 16 in [16, 256] */
 #define RSSM_MAX_RING_LEN 64  /* L in [1, 64] */
 
@@ -53,6 +53,19 @@ typedef enum rssm_dtype {
   RSSM_DTYPE_BF16 = 1,
   RSSM_DTYPE_F16 = 2,
 } rssm_dtype;
+
+/* rssm_layer_shape.ring_dtype: the dtype of ring d and k. 0 (what a zero-initialized shape
+ * holds) keeps them in the state dtype, as in ABI 1; a ring dtype of its own is named with the
+ * codes below (16 + its rssm_dtype), so that an rssm_dtype written there by mistake (BF16 = 1,
+ * F16 = 2) is refused rather than read as another dtype. Supported pairs: an fp32 state with an
+ * fp32, bf16 or fp16 ring; a bf16 or fp16 state with a ring of its own dtype (other pairs are
+ * RSSM_ERR_INVALID_ARGUMENT naming shape.ring_dtype). */
+typedef enum rssm_ring_dtype {
+  RSSM_RING_DTYPE_STATE = 0, /* the state dtype */
+  RSSM_RING_DTYPE_F32 = 16,
+  RSSM_RING_DTYPE_BF16 = 17,
+  RSSM_RING_DTYPE_F16 = 18,
+} rssm_ring_dtype;
 
 typedef enum rssm_gate {
   RSSM_GATE_GDN = 0, /* g is one scalar per v-head */
@@ -75,8 +88,10 @@ typedef struct rssm_layer_shape {
   int32_t head_k;       /* K, multiple of 16, <= 256 */
   int32_t head_v;       /* V, multiple of 16, <= 256 */
   int32_t ring_len;     /* L in [1, 64] */
-  int32_t state_dtype; /* rssm_dtype: checkpoint and ring d, k (ring g is always fp32) */
+  int32_t state_dtype;  /* rssm_dtype: the checkpoint (and ring d, k unless ring_dtype says) */
   int32_t act_dtype;   /* rssm_dtype: mixed_qkv, a, b and the outputs */
+  int32_t ring_dtype;  /* rssm_ring_dtype of ring d and k, 0 = the state dtype (ring g is
+                          always fp32) */
 } rssm_layer_shape;
 
 /* Per-layer learned parameters (device memory on CUDA), fp32. */
@@ -90,8 +105,8 @@ typedef struct rssm_layer_params {
 /* One layer's state for a pool of S slots. Slot s's tensors start at base + s * stride. */
 typedef struct rssm_state_pool {
   void* checkpoint;  /* [S, HV, V, K] state dtype (the full state S0 of the checkpoint) */
-  void* ring_d;      /* [S, HV, L, V] state dtype: d_j = beta (v - S'k) of record j */
-  void* ring_k;      /* [S, H, L, K]  state dtype: the (normalized) key of record j */
+  void* ring_d;      /* [S, HV, L, V] ring dtype: d_j = beta (v - S'k) of record j */
+  void* ring_k;      /* [S, H, L, K]  ring dtype: the (normalized) key of record j */
   float* ring_g;     /* GDN [S, HV, L], KDA [S, HV, L, K]: log-decay g_j of record j */
   int64_t num_slots; /* S >= 1 */
   int64_t checkpoint_slot_stride; /* >= HV*V*K, 0 = dense */
@@ -174,7 +189,8 @@ rssm_status rssm_fold(const rssm_fold_args* args);
  * starting from zero (initial == NULL or initial[r] == 0) or from the logical state of its
  * slot at cursor write_pos[r] (initial[r] == 1), writes the final state to the checkpoint
  * (the caller sets the cursor to 0) and, when out.o != NULL, the per-token outputs. The state
- * is carried in fp32 across the tokens and rounded to the state dtype once, at the end. */
+ * is carried in fp32 across the tokens (each token's d and k added as the ring dtype holds
+ * them, as a decode step's) and rounded to the state dtype once, at the end. */
 typedef struct rssm_prefill_args {
   rssm_launch launch;
   rssm_layer_shape shape;
@@ -434,6 +450,9 @@ int64_t rssm_ring_d_elems(const rssm_layer_shape* shape);
 int64_t rssm_ring_k_elems(const rssm_layer_shape* shape);
 int64_t rssm_ring_g_elems(const rssm_layer_shape* shape);
 int64_t rssm_slot_layer_bytes(const rssm_layer_shape* shape);
+/* The rssm_dtype ring d and k are stored in (shape.ring_dtype resolved), or -1 when
+ * shape.ring_dtype is not a valid code (the pair itself is rssm_check_shape's to judge). */
+int32_t rssm_ring_storage_dtype(const rssm_layer_shape* shape);
 
 #ifdef __cplusplus
 } /* extern "C" */
