@@ -311,7 +311,9 @@ struct BulkCta {
   // bf16 or half: resolved once, not per element). Every load of a group of TT tokens is issued
   // before any shared-memory store: a store may alias a generic pointer, so a load after it
   // could not be hoisted above it, and each group would cost one round trip per token.
-  template <typename A>
+  // kRecords: decode's warp 0 lane 0 issues the ring records among the loads (false: they
+  // were issued before, behind a joined convolution's wait).
+  template <typename A, bool kRecords>
   __device__ __forceinline__ void LoadTokens() {
     const A* const qkv = static_cast<const A*>(ly.qkv);
     const A* const ga = static_cast<const A*>(ly.a);
@@ -349,7 +351,7 @@ struct BulkCta {
           }
         }
         decay = -expf(alog);
-        if (TT == 1 && tid == 0 && i == 0) IssueRecords();
+        if (kRecords && TT == 1 && tid == 0 && i == 0) IssueRecords();
 #pragma unroll
         for (int u = 0; u < TT; ++u) {
           const int t = t0 + u;
@@ -376,6 +378,7 @@ struct BulkCta {
     }
   }
 
+  template <bool kRecords = true>
   __device__ __forceinline__ void LoadTokensOfDtype() {
     tq = reinterpret_cast<float*>(smem + p.o_tq);
     tk = reinterpret_cast<float*>(smem + p.o_tk);
@@ -384,11 +387,11 @@ struct BulkCta {
     betas = reinterpret_cast<float*>(smem + p.o_sc);
     kqs = betas + T_;
     if (ly.act_dtype == kActBf16) {
-      LoadTokens<__nv_bfloat16>();
+      LoadTokens<__nv_bfloat16, kRecords>();
     } else if (ly.act_dtype == kActF32) {
-      LoadTokens<float>();
+      LoadTokens<float, kRecords>();
     } else {
-      LoadTokens<__half>();
+      LoadTokens<__half, kRecords>();
     }
   }
 
@@ -972,9 +975,10 @@ struct BulkCta {
 
 // AFTER_CONV (decode only): launched as the programmatic dependent of its convolution
 // (rssm_decode_args.conv), whose outputs are its tokens. The row's metadata, checkpoint and
-// records are not the convolution's to write, so the CTA reads its metadata and issues its S0
-// stages first, then waits for the convolution's grid (griddepcontrol.wait: its writes are
-// visible after it) and loads the tokens: the state streams while the convolution runs.
+// records are not the convolution's to write, so the CTA reads its metadata and issues its
+// records and S0 stages first, then waits for the convolution's grid (griddepcontrol.wait: its
+// writes are visible after it) and loads the tokens: the state streams while the convolution
+// runs, and what follows the wait is the tokens' L2 round trip, not the records' DRAM one.
 template <typename T, typename R, int TT, int KC, int RB, bool KDA, bool AFTER_CONV = false>
 __global__ void __launch_bounds__(kBulkMaxWarps * 32,
                                   TT == 1 ? BulkDecodeMinCtas(sizeof(T)) : kBulkVerifyMinCtas)
@@ -984,9 +988,10 @@ __global__ void __launch_bounds__(kBulkMaxWarps * 32,
   BulkCta<T, R, TT, KC, RB, KDA> cta(p, smem);
   if constexpr (AFTER_CONV) {
     cta.ReadMetadata();
+    if (threadIdx.x == 0) cta.IssueRecords();
     cta.IssueS0();
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    cta.LoadTokensOfDtype();
+    cta.template LoadTokensOfDtype<false>();
   } else {
     cta.LoadTokensOfDtype();
     cta.ReadMetadata();

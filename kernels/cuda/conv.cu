@@ -7,7 +7,8 @@
 // and stores are consecutive channels (coalesced). Bytes per decode token: x, y and the ring record
 // (C act values each), at most W-1 history entries and the weights (L2-resident across rows). A
 // prefill rewrites the window that its first tokens read: that is a second launch, one thread per
-// (row, channel), queued after the outputs' (stream order).
+// (row, channel), queued after the outputs' (stream order). A decode's call (APPEND, one token
+// per row) takes ConvDecodeKernel: two rows per thread.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -127,6 +128,21 @@ struct Access<A, false> {
   __device__ __forceinline__ static void Set(Raw& r, int, float v) { r = FromF<A>(v); }
 };
 
+// The weights of channels c0 .. c0 + N - 1 (N * W consecutive floats, 16-byte aligned: the
+// packed kernels' case) into registers.
+template <int N, int W>
+__device__ __forceinline__ void LoadPackWeights(const float* weight, int64_t c0,
+                                                float (&wt)[N][W]) {
+  const float4* wp = reinterpret_cast<const float4*>(weight + c0 * W);
+#pragma unroll
+  for (int q = 0; q < N * W / 4; ++q) {
+    const float4 v = wp[q];
+    const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) wt[(4 * q + e) / W][(4 * q + e) % W] = f[e];
+  }
+}
+
 // A thread takes Access::kN consecutive channels of a chunk of tokens of one row; W is a
 // template parameter, so the history and the weights live in registers.
 template <typename A, int W, bool kVec>
@@ -154,14 +170,7 @@ __global__ void __launch_bounds__(kThreads) ConvKernel(rssm_conv_args a) {
   const typename P::Raw x_first = P::Load(x + (row.t0 + first) * a.x_token_stride + c0);
   float wt[N][W];  // the thread's channels' weights: N * W consecutive floats
   if constexpr (kVec) {
-    const float4* wp = reinterpret_cast<const float4*>(a.weight + c0 * W);
-#pragma unroll
-    for (int q = 0; q < N * W / 4; ++q) {
-      const float4 v = wp[q];
-      const float f[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) wt[(4 * q + e) / W][(4 * q + e) % W] = f[e];
-    }
+    LoadPackWeights(a.weight, c0, wt);
   } else {
 #pragma unroll
     for (int i = 0; i < W; ++i) wt[0][i] = a.weight[c0 * W + i];
@@ -212,6 +221,80 @@ __global__ void __launch_bounds__(kThreads) ConvKernel(rssm_conv_args a) {
     }
     P::Store(y + (row.t0 + t) * a.y_token_stride + c0, out);
     if (append && w + t < L) P::Store(rx + (w + t) * C + c0, xin);
+  }
+}
+
+// APPEND with one token per row and no cu_seqlens (a decode step's convolution; 16-byte
+// packs): ConvKernel's arithmetic with kDecodeRows rows per thread, their slots, cursors,
+// inputs and histories loaded together, so that a thread keeps that many dependent chains
+// (slot and cursor, then history) in flight and the grid is that many times shorter — the
+// kernel is latency-bound, and a decode step joined to it (rssm_decode_args.conv) can launch
+// only once every CTA of it has started.
+constexpr int kDecodeRows = 2;
+
+template <typename A, int W>
+__global__ void __launch_bounds__(kThreads) ConvDecodeKernel(rssm_conv_args a) {
+  asm volatile("griddepcontrol.launch_dependents;");  // as ConvKernel
+  using P = Access<A, true>;
+  constexpr int N = P::kN, H = W - 1, R = kDecodeRows;
+  const int64_t C = a.shape.channels;
+  const int64_t c0 = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * N;
+  if (c0 >= C) return;
+  const int L = a.shape.ring_len;
+  const A* x = static_cast<const A*>(a.x);
+  A* y = static_cast<A*>(a.y);
+  int32_t slot[R], cursor[R];
+  int64_t row[R];
+  typename P::Raw xin[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    row[r] = int64_t{blockIdx.y} * R + r;
+    const bool in = row[r] < a.batch;
+    slot[r] = in ? a.slot_idx[row[r]] : -1;
+    cursor[r] = in ? a.write_pos[row[r]] : 0;
+    xin[r] = in ? P::Load(x + row[r] * a.x_token_stride + c0) : P::Zero();
+  }
+  float wt[N][W];
+  LoadPackWeights(a.weight, c0, wt);
+  float bias[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) bias[j] = a.bias != nullptr ? a.bias[c0 + j] : 0.f;
+  typename P::Raw hist[R][H];
+  bool live[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    live[r] = slot[r] >= 0 && slot[r] < a.state.num_slots;
+    const int w = min(max(cursor[r], 0), L);
+    const A* win = static_cast<const A*>(a.state.window) +
+                   (live[r] ? slot[r] : 0) * a.state.window_slot_stride;
+    const A* rx = static_cast<const A*>(a.state.ring_x) +
+                  (live[r] ? slot[r] : 0) * a.state.ring_x_slot_stride;
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      hist[r][i] = live[r] ? P::Load(HistRow(win, rx, C, H, w + i) + c0) : P::Zero();
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (row[r] >= a.batch) continue;
+    typename P::Raw out = P::Zero();
+    if (live[r]) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        float acc = bias[j];
+#pragma unroll
+        for (int i = 0; i < H; ++i) acc = __fmaf_rn(wt[j][i], P::Get(hist[r][i], j), acc);
+        acc = __fmaf_rn(wt[j][H], P::Get(xin[r], j), acc);
+        P::Set(out, j, acc / (1.0f + expf(-acc)));
+      }
+      const int w = min(max(cursor[r], 0), L);
+      if (w < L) {
+        P::Store(static_cast<A*>(a.state.ring_x) + slot[r] * a.state.ring_x_slot_stride +
+                     int64_t{w} * C + c0,
+                 xin[r]);
+      }
+    }
+    P::Store(y + row[r] * a.y_token_stride + c0, out);
   }
 }
 
@@ -289,7 +372,10 @@ bool ConvAligned(const rssm_conv_args& a) {
 
 template <typename A, int W>
 void LaunchConvW(const rssm_conv_args& a, dim3 grid, bool vec, cudaStream_t stream) {
-  if (vec) {
+  if (vec && a.mode == RSSM_CONV_APPEND && a.cu_seqlens == nullptr && a.num_tokens == 1) {
+    const dim3 rows(grid.x, (grid.z + kDecodeRows - 1) / kDecodeRows);
+    ConvDecodeKernel<A, W><<<rows, kThreads, 0, stream>>>(a);
+  } else if (vec) {
     ConvKernel<A, W, true><<<grid, kThreads, 0, stream>>>(a);
   } else {
     ConvKernel<A, W, false><<<grid, kThreads, 0, stream>>>(a);
