@@ -130,7 +130,7 @@ class ForwardImpl final : public Forward {
   // recurrence.
   absl::Status Launch(int32_t layer, rssm_token_inputs in, const rssm_token_outputs& out);
   // Queues the short convolution of `layer` over in.mixed_qkv into the lane's scratch, and
-  // points `in` at its outputs.
+  // points `in` at its outputs (verify and prefill; decode's is joined to its step).
   absl::Status Convolve(int32_t layer, rssm_token_inputs& in);
   // Queues copies of layer `layer`'s checkpoints between the rows and their spare slots.
   absl::Status CopySpares(int32_t layer, bool restore);
@@ -1409,9 +1409,10 @@ absl::Status ForwardImpl::Convolve(int32_t layer, rssm_token_inputs& in) {
     a.initial = s.flags.as<const uint8_t>();
     a.num_tokens = longest_;
   } else {
-    // Decode and verify: the tokens' inputs are ring records past the cursor, like theirs.
+    // Verify (decode joins its convolution to its step, Launch): the drafts' inputs are ring
+    // records past the cursor, like theirs.
     a.mode = RSSM_CONV_APPEND;
-    a.num_tokens = rows_.kind == ForwardKind::kVerify ? rows_.num_draft : 1;
+    a.num_tokens = rows_.num_draft;
   }
   a.x = in.mixed_qkv;
   a.x_token_stride = in.qkv_token_stride;

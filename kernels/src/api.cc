@@ -138,11 +138,16 @@ void CheckPool(Check& c, rssm_state_pool& p, const rssm_layer_shape& s, bool rin
   c.Stride(&p.ring_g_slot_stride, rssm_ring_g_elems(&s), "pool.ring_g_slot_stride");
 }
 
+// C = 2*H*K + HV*V: the channels of a token's mixed_qkv (and of the short convolution).
+int64_t QkvChannels(const rssm_layer_shape& s) {
+  return 2LL * s.num_qk_heads * s.head_k + int64_t{s.num_v_heads} * s.head_v;
+}
+
 void CheckInputs(Check& c, rssm_token_inputs& in, const rssm_layer_shape& s) {
   c.NotNull(in.mixed_qkv, "in.mixed_qkv");
   c.NotNull(in.a, "in.a");
   c.NotNull(in.b, "in.b");
-  const int64_t qkv = 2LL * s.num_qk_heads * s.head_k + int64_t{s.num_v_heads} * s.head_v;
+  const int64_t qkv = QkvChannels(s);
   const int64_t a = s.gate == RSSM_GATE_KDA ? int64_t{s.num_v_heads} * s.head_k : s.num_v_heads;
   c.Stride(&in.qkv_token_stride, qkv, "in.qkv_token_stride");
   c.Stride(&in.a_token_stride, a, "in.a_token_stride");
@@ -216,8 +221,7 @@ void CheckConvShape(Check& c, const rssm_conv_shape& s) {
 
 rssm_conv_args JoinedConvArgs(const rssm_decode_args& args) {
   const rssm_layer_shape& s = args.shape;
-  const int64_t channels =
-      2 * int64_t{s.num_qk_heads} * s.head_k + int64_t{s.num_v_heads} * s.head_v;
+  const int64_t channels = QkvChannels(s);
   rssm_conv_args c{};
   c.launch = args.launch;
   c.shape = {static_cast<int32_t>(channels), args.conv->width, s.ring_len, s.act_dtype};
@@ -262,8 +266,7 @@ void CheckDecodeConv(Check& c, const rssm_decode_args& a, bool baseline, rssm_de
   c.NotNull(out->weight, "conv->weight");
   if (!c.ok()) return;
   const rssm_layer_shape& s = a.shape;
-  const int64_t channels =
-      2 * int64_t{s.num_qk_heads} * s.head_k + int64_t{s.num_v_heads} * s.head_v;
+  const int64_t channels = QkvChannels(s);
   const rssm_conv_shape cs{static_cast<int32_t>(channels), out->width, s.ring_len, s.act_dtype};
   CheckConvState(c, out->state, cs, "conv->state.");
   if (c.ok() && out->state.num_slots != a.pool.num_slots) {

@@ -9,36 +9,10 @@
 #include <vector>
 
 #include "../src/dtype.h"
+#include "backend_buffer.h"
 
 namespace replayssm::kernels::testing {
 namespace {
-
-// Backend memory holding a host mirror's bytes.
-class DevBuf {
- public:
-  DevBuf(int32_t backend, size_t bytes) : backend_(backend), bytes_(bytes) {
-    rssm_alloc(backend, std::max<size_t>(bytes, 16), &ptr_);
-  }
-  ~DevBuf() { rssm_free(backend_, ptr_); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  void Put(const void* host, size_t n) {
-    const rssm_launch l{backend_, nullptr};
-    rssm_memcpy(&l, ptr_, host, n, RSSM_COPY_HOST_TO_DEVICE);
-    rssm_synchronize(&l);
-  }
-  void Get(void* host, size_t n) const {
-    const rssm_launch l{backend_, nullptr};
-    rssm_memcpy(&l, host, ptr_, n, RSSM_COPY_DEVICE_TO_HOST);
-    rssm_synchronize(&l);
-  }
-  void* get() const { return ptr_; }
-
- private:
-  int32_t backend_;
-  size_t bytes_;
-  void* ptr_ = nullptr;
-};
 
 struct SlotModel {
   std::vector<float> inputs;  // every committed input, [n, C] (already rounded)
@@ -76,8 +50,8 @@ ConvResult RunConvScenario(const ConvConfig& cfg) {
   for (int s = 0; s < S; ++s) {
     std::memset(win_host.data() + s * wstride * es, 0, static_cast<size_t>(H) * C * es);
   }
-  DevBuf d_win(cfg.backend, win_host.size()), d_ring(cfg.backend, ring_host.size());
-  DevBuf d_weight(cfg.backend, weight.size() * 4), d_bias(cfg.backend, bias.size() * 4);
+  BackendBuffer d_win(cfg.backend, win_host.size()), d_ring(cfg.backend, ring_host.size());
+  BackendBuffer d_weight(cfg.backend, weight.size() * 4), d_bias(cfg.backend, bias.size() * 4);
   d_win.Put(win_host.data(), win_host.size());
   d_ring.Put(ring_host.data(), ring_host.size());
   d_weight.Put(weight.data(), weight.size() * 4);
@@ -129,7 +103,7 @@ ConvResult RunConvScenario(const ConvConfig& cfg) {
     std::vector<uint8_t> untouched_before_win = win_host, untouched_before_ring = ring_host;
     if (op == 4) {
       for (int r = 0; r < B; ++r) pos[r] = idx[r] < 0 ? 0 : slots[idx[r]].w;
-      DevBuf d_idx(cfg.backend, B * 4), d_pos(cfg.backend, B * 4);
+      BackendBuffer d_idx(cfg.backend, B * 4), d_pos(cfg.backend, B * 4);
       d_idx.Put(idx.data(), B * 4);
       d_pos.Put(pos.data(), B * 4);
       const rssm_conv_fold_args f{{cfg.backend, nullptr},
@@ -170,9 +144,9 @@ ConvResult RunConvScenario(const ConvConfig& cfg) {
         xf[i] = RoundAs(dt, nd(rng));
         StoreAs(dt, xf[i], xb.data() + i * es);
       }
-      DevBuf d_x(cfg.backend, xb.size()), d_y(cfg.backend, yb.size());
-      DevBuf d_idx(cfg.backend, B * 4), d_pos(cfg.backend, B * 4), d_cu(cfg.backend, (B + 1) * 4),
-          d_init(cfg.backend, B);
+      BackendBuffer d_x(cfg.backend, xb.size()), d_y(cfg.backend, yb.size());
+      BackendBuffer d_idx(cfg.backend, B * 4), d_pos(cfg.backend, B * 4),
+          d_cu(cfg.backend, (B + 1) * 4), d_init(cfg.backend, B);
       d_x.Put(xb.data(), xb.size());
       d_idx.Put(idx.data(), B * 4);
       d_pos.Put(pos.data(), B * 4);

@@ -8,7 +8,7 @@
 
 #include "src/launch_overrides.h"
 #include "tests/conv_scenario.h"
-#include "tests/fused_conv_scenario.h"
+#include "tests/joined_conv_scenario.h"
 
 namespace replayssm::kernels::testing {
 namespace {
@@ -19,14 +19,14 @@ TEST(CudaShortConv, MatchesTheReference) {
   ConvSweep(RSSM_BACKEND_CUDA, {1, 8, 24}, {8, 40, 520}, 100);
 }
 
-TEST(CudaFusedConv, EqualsTheSeparateCallsOnEachStepKernel) {
+TEST(CudaJoinedConv, EqualsTheSeparateCallsOnEachStepKernel) {
   if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
   using K = cuda::LaunchOverrides::StepKernel;
   for (K kernel : {K::kTiled, K::kBulk}) {
     SCOPED_TRACE(kernel == K::kTiled ? "tiled" : "bulk");
     cuda::LaunchOverrides forced;
     forced.step_kernel = kernel;
-    FusedConvSweep(
+    JoinedConvSweep(
         RSSM_BACKEND_CUDA, [&](const rssm_decode_args* a) { return ReplayDecodeWith(a, forced); },
         200);
   }

@@ -1,26 +1,26 @@
 // The convolution joined to the replay decode step (rssm_decode_args.conv) on the CPU
-// backend: equal to the two plain calls (fused_conv_scenario.h), and its argument checks.
+// backend: equal to the two plain calls (joined_conv_scenario.h), and its argument checks.
 #include <gtest/gtest.h>
 
 #include <random>
 #include <string>
 #include <vector>
 
-#include "fused_conv_scenario.h"
 #include "harness.h"
+#include "joined_conv_scenario.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::kernels::testing {
 namespace {
 
-TEST(FusedConv, EqualsTheSeparateCallsBitForBit) {
-  FusedConvSweep(RSSM_BACKEND_CPU, rssm_replay_decode, 1);
+TEST(JoinedConv, EqualsTheSeparateCallsBitForBit) {
+  JoinedConvSweep(RSSM_BACKEND_CPU, rssm_replay_decode, 1);
 }
 
 // A refused call writes nothing: outputs, the recurrent state and the convolution's.
-class FusedConvArgs : public ::testing::Test {
+class JoinedConvArgs : public ::testing::Test {
  protected:
-  FusedConvArgs() : rng_(3), layer_(Cfg(), 2, rng_), tok_(layer_, 1, rng_) {}
+  JoinedConvArgs() : rng_(3), layer_(Cfg(), 2, rng_), tok_(layer_, 1, rng_) {}
   static Config Cfg() {
     Config c;
     c.h = 1, c.hv = 1, c.k = 16, c.v = 16, c.l = 4;
@@ -62,7 +62,7 @@ class FusedConvArgs : public ::testing::Test {
   rssm_decode_args a_{};
 };
 
-TEST_F(FusedConvArgs, AValidCallAppendsTheInput) {
+TEST_F(JoinedConvArgs, AValidCallAppendsTheInput) {
   pos_ = 2;
   ASSERT_EQ(rssm_replay_decode(&a_), RSSM_OK) << rssm_last_error();
   // Slot 1's ring_x[2] holds the raw input (channel 0 is q's first); y its convolution.
@@ -70,7 +70,7 @@ TEST_F(FusedConvArgs, AValidCallAppendsTheInput) {
   EXPECT_NE(y_[0], 0.f);
 }
 
-TEST_F(FusedConvArgs, EachFieldIsChecked) {
+TEST_F(JoinedConvArgs, EachFieldIsChecked) {
   ExpectRefused("conv", /*baseline=*/true);
   conv_.width = 9;
   ExpectRefused("conv->width");

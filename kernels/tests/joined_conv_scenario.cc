@@ -1,4 +1,4 @@
-#include "fused_conv_scenario.h"
+#include "joined_conv_scenario.h"
 
 #include <gtest/gtest.h>
 
@@ -8,61 +8,28 @@
 #include <vector>
 
 #include "../src/dtype.h"
+#include "backend_buffer.h"
 
 namespace replayssm::kernels::testing {
 namespace {
-
-// Backend memory with a host mirror's bytes.
-class Mem {
- public:
-  Mem(int32_t backend, const void* host, size_t bytes) : backend_(backend), bytes_(bytes) {
-    rssm_alloc(backend, std::max<size_t>(bytes, 16), &ptr_);
-    if (host != nullptr) Put(host);
-  }
-  ~Mem() { rssm_free(backend_, ptr_); }
-  Mem(const Mem&) = delete;
-  Mem& operator=(const Mem&) = delete;
-  void Put(const void* host) {
-    const rssm_launch l{backend_, nullptr};
-    rssm_memcpy(&l, ptr_, host, bytes_, RSSM_COPY_HOST_TO_DEVICE);
-    rssm_synchronize(&l);
-  }
-  std::vector<uint8_t> Bytes() const {
-    std::vector<uint8_t> out(bytes_);
-    const rssm_launch l{backend_, nullptr};
-    rssm_synchronize(&l);
-    rssm_memcpy(&l, out.data(), ptr_, bytes_, RSSM_COPY_DEVICE_TO_HOST);
-    rssm_synchronize(&l);
-    return out;
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  int32_t backend_;
-  size_t bytes_;
-  void* ptr_ = nullptr;
-};
 
 // One copy of a layer's recurrent and convolution state on the backend.
 struct State {
   State(int32_t backend, const Layer& l, const std::vector<uint8_t>& win,
         const std::vector<uint8_t>& rx)
-      : cp(backend, l.checkpoint.data(), l.checkpoint.bytes().size()),
-        rd(backend, l.ring_d.data(), l.ring_d.bytes().size()),
-        rk(backend, l.ring_k.data(), l.ring_k.bytes().size()),
-        rg(backend, l.ring_g.data(), l.ring_g.size() * 4),
-        window(backend, win.data(), win.size()),
-        ring_x(backend, rx.data(), rx.size()) {}
-  Mem cp, rd, rk, rg, window, ring_x;
+      : cp(backend, l.checkpoint.bytes().size(), l.checkpoint.data()),
+        rd(backend, l.ring_d.bytes().size(), l.ring_d.data()),
+        rk(backend, l.ring_k.bytes().size(), l.ring_k.data()),
+        rg(backend, l.ring_g.size() * 4, l.ring_g.data()),
+        window(backend, win.size(), win.data()),
+        ring_x(backend, rx.size(), rx.data()) {}
+  BackendBuffer cp, rd, rk, rg, window, ring_x;
 };
 
 }  // namespace
 
-FusedConvResult RunFusedConvScenario(const FusedConvConfig& fc, const DecodeFn& decode) {
-  FusedConvResult res;
+JoinedConvResult RunJoinedConvScenario(const JoinedConvConfig& fc, const DecodeFn& decode) {
+  JoinedConvResult res;
   const Config& c = fc.layer;
   const int32_t be = fc.backend;
   std::mt19937_64 rng(fc.seed);
@@ -80,9 +47,11 @@ FusedConvResult RunFusedConvScenario(const FusedConvConfig& fc, const DecodeFn& 
   for (float& v : weight) v = 0.5f * nd(rng);
   for (float& v : bias) v = 0.25f * nd(rng);
   const std::vector<float> a_log = layer.a_log, dt_bias = layer.dt_bias;
-  Mem d_weight(be, weight.data(), weight.size() * 4), d_bias(be, bias.data(), bias.size() * 4);
-  Mem d_alog(be, a_log.data(), a_log.size() * 4), d_dt(be, dt_bias.data(), dt_bias.size() * 4);
-  State sep(be, layer, win, rx), fused(be, layer, win, rx);  // the two paths' states
+  BackendBuffer d_weight(be, weight.size() * 4, weight.data()),
+      d_bias(be, bias.size() * 4, bias.data());
+  BackendBuffer d_alog(be, a_log.size() * 4, a_log.data()),
+      d_dt(be, dt_bias.size() * 4, dt_bias.data());
+  State sep(be, layer, win, rx), joined(be, layer, win, rx);  // the two paths' states
   const bool dense = c.slot_pad == 0;
   auto pool = [&](State& st) {
     return rssm_state_pool{st.cp.as<void>(),
@@ -119,12 +88,15 @@ FusedConvResult RunFusedConvScenario(const FusedConvConfig& fc, const DecodeFn& 
       force[r] = static_cast<uint8_t>(rng() % 8 == 0);
     }
     Tokens tok(layer, B, rng);
-    Mem d_idx(be, idx.data(), B * 4), d_pos(be, pos.data(), B * 4), d_force(be, force.data(), B);
-    Mem d_qkv(be, tok.qkv.data(), tok.qkv.bytes().size());
-    Mem d_a(be, tok.a.data(), tok.a.bytes().size()), d_b(be, tok.b.data(), tok.b.bytes().size());
-    Mem d_y(be, nullptr, B * C * es), d_y_fused(be, nullptr, B * C * es);
-    Mem o_sep(be, nullptr, B * c.hv * c.v * es), o_fused(be, nullptr, B * c.hv * c.v * es);
-    auto args = [&](State& st, const void* qkv, Mem& o) {
+    BackendBuffer d_idx(be, B * 4, idx.data()), d_pos(be, B * 4, pos.data()),
+        d_force(be, B, force.data());
+    BackendBuffer d_qkv(be, tok.qkv.bytes().size(), tok.qkv.data());
+    BackendBuffer d_a(be, tok.a.bytes().size(), tok.a.data()),
+        d_b(be, tok.b.bytes().size(), tok.b.data());
+    BackendBuffer d_y(be, B * C * es, nullptr), d_y_joined(be, B * C * es, nullptr);
+    BackendBuffer o_sep(be, B * c.hv * c.v * es, nullptr),
+        o_joined(be, B * c.hv * c.v * es, nullptr);
+    auto args = [&](State& st, const void* qkv, BackendBuffer& o) {
       rssm_decode_args a{};
       a.launch = launch;
       a.shape = layer.shape;
@@ -157,13 +129,13 @@ FusedConvResult RunFusedConvScenario(const FusedConvConfig& fc, const DecodeFn& 
       res.failure = std::string("separate: ") + rssm_last_error();
       break;
     }
-    // The fused path on the raw inputs.
-    const rssm_decode_conv conv{W, d_weight.as<const float>(), biasp, conv_state(fused),
-                                d_y_fused.as<void>()};
-    rssm_decode_args af = args(fused, d_qkv.as<void>(), o_fused);
+    // The joined call on the raw inputs.
+    const rssm_decode_conv conv{W, d_weight.as<const float>(), biasp, conv_state(joined),
+                                d_y_joined.as<void>()};
+    rssm_decode_args af = args(joined, d_qkv.as<void>(), o_joined);
     af.conv = &conv;
     if (decode(&af) != RSSM_OK) {
-      res.failure = std::string("fused: ") + rssm_last_error();
+      res.failure = std::string("joined: ") + rssm_last_error();
       break;
     }
     // Rows that folded (w + 1 >= L or forced): both paths fold the window (w + 1 inputs).
@@ -180,8 +152,9 @@ FusedConvResult RunFusedConvScenario(const FusedConvConfig& fc, const DecodeFn& 
       }
     }
     if (!fidx.empty()) {
-      Mem d_fidx(be, fidx.data(), fidx.size() * 4), d_fpos(be, fpos.data(), fpos.size() * 4);
-      for (State* st : {&sep, &fused}) {
+      BackendBuffer d_fidx(be, fidx.size() * 4, fidx.data()),
+          d_fpos(be, fpos.size() * 4, fpos.data());
+      for (State* st : {&sep, &joined}) {
         const rssm_conv_fold_args f{launch,
                                     ca.shape,
                                     conv_state(*st),
@@ -193,10 +166,10 @@ FusedConvResult RunFusedConvScenario(const FusedConvConfig& fc, const DecodeFn& 
     }
     ++res.steps;
     res.outputs += B;
-    if (o_sep.Bytes() != o_fused.Bytes() || d_y.Bytes() != d_y_fused.Bytes()) {
+    if (o_sep.Bytes() != o_joined.Bytes() || d_y.Bytes() != d_y_joined.Bytes()) {
       ++res.output_mismatches;
     }
-    const std::vector<uint8_t> o = o_fused.Bytes();
+    const std::vector<uint8_t> o = o_joined.Bytes();
     for (int r = 0; r < B; ++r) {
       if (idx[r] >= 0) continue;
       for (int64_t i = 0; i < int64_t{c.hv} * c.v; ++i) {
@@ -207,21 +180,21 @@ FusedConvResult RunFusedConvScenario(const FusedConvConfig& fc, const DecodeFn& 
       }
     }
     for (auto [a, b] :
-         {std::pair{&sep.cp, &fused.cp}, std::pair{&sep.rd, &fused.rd},
-          std::pair{&sep.rk, &fused.rk}, std::pair{&sep.rg, &fused.rg},
-          std::pair{&sep.window, &fused.window}, std::pair{&sep.ring_x, &fused.ring_x}}) {
+         {std::pair{&sep.cp, &joined.cp}, std::pair{&sep.rd, &joined.rd},
+          std::pair{&sep.rk, &joined.rk}, std::pair{&sep.rg, &joined.rg},
+          std::pair{&sep.window, &joined.window}, std::pair{&sep.ring_x, &joined.ring_x}}) {
       if (a->Bytes() != b->Bytes()) ++res.state_mismatches;
     }
   }
   return res;
 }
 
-void FusedConvSweep(int32_t backend, const DecodeFn& decode, uint64_t seed) {
+void JoinedConvSweep(int32_t backend, const DecodeFn& decode, uint64_t seed) {
   for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
     for (rssm_dtype state : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16}) {
       for (rssm_dtype act : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16, RSSM_DTYPE_F16}) {
         for (int width : {2, 4, 8}) {
-          FusedConvConfig fc;
+          JoinedConvConfig fc;
           fc.backend = backend;
           fc.layer.gate = gate;
           fc.layer.state_dtype = state;
@@ -232,7 +205,7 @@ void FusedConvSweep(int32_t backend, const DecodeFn& decode, uint64_t seed) {
           fc.bias = seed % 2 == 1;
           fc.seed = seed++;
           SCOPED_TRACE(fc.layer.Name() + " W=" + std::to_string(width) + (fc.bias ? " bias" : ""));
-          const FusedConvResult r = RunFusedConvScenario(fc, decode);
+          const JoinedConvResult r = RunJoinedConvScenario(fc, decode);
           ASSERT_EQ(r.failure, "");
           EXPECT_EQ(r.steps, fc.steps);
           EXPECT_EQ(r.output_mismatches, 0);

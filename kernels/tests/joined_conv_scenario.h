@@ -4,8 +4,8 @@
 // joined call on the raw inputs; outputs, y and every byte of both states (checkpoint, ring d,
 // k, g, window, ring_x) must agree after every step. Folding rows (w + 1 = L, force_fold) fold
 // the window in both (rssm_conv_fold with w + 1). Shared by the CPU and the CUDA tests.
-#ifndef REPLAYSSM_KERNELS_TESTS_FUSED_CONV_SCENARIO_H_
-#define REPLAYSSM_KERNELS_TESTS_FUSED_CONV_SCENARIO_H_
+#ifndef REPLAYSSM_KERNELS_TESTS_JOINED_CONV_SCENARIO_H_
+#define REPLAYSSM_KERNELS_TESTS_JOINED_CONV_SCENARIO_H_
 
 #include <cstdint>
 #include <functional>
@@ -16,7 +16,7 @@
 
 namespace replayssm::kernels::testing {
 
-struct FusedConvConfig {
+struct JoinedConvConfig {
   int32_t backend = RSSM_BACKEND_CPU;
   Config layer;  // shape and dtypes (K, V multiples of 16)
   int width = 4;
@@ -25,7 +25,7 @@ struct FusedConvConfig {
   uint64_t seed = 1;
 };
 
-struct FusedConvResult {
+struct JoinedConvResult {
   int64_t steps = 0, outputs = 0;
   int64_t output_mismatches = 0;  // steps whose outputs or y differ (or a padding row not 0)
   int64_t state_mismatches = 0;   // tensors that differ after a step
@@ -35,12 +35,12 @@ struct FusedConvResult {
 // The decode call under test: rssm_replay_decode, or a launch with forced overrides.
 using DecodeFn = std::function<rssm_status(const rssm_decode_args*)>;
 
-FusedConvResult RunFusedConvScenario(const FusedConvConfig& c, const DecodeFn& decode);
+JoinedConvResult RunJoinedConvScenario(const JoinedConvConfig& c, const DecodeFn& decode);
 
 // The scenario over both gates x fp32 / bf16 state x every act dtype x W {2, 4, 8} (rings of
 // 8 and 4, bias and 1-element slot padding alternating), as gtest expectations.
-void FusedConvSweep(int32_t backend, const DecodeFn& decode, uint64_t seed);
+void JoinedConvSweep(int32_t backend, const DecodeFn& decode, uint64_t seed);
 
 }  // namespace replayssm::kernels::testing
 
-#endif  // REPLAYSSM_KERNELS_TESTS_FUSED_CONV_SCENARIO_H_
+#endif  // REPLAYSSM_KERNELS_TESTS_JOINED_CONV_SCENARIO_H_
