@@ -176,11 +176,12 @@ class BarePath {
       : m_(m), backend_(backend), batch_(batch) {
     const rssm_layer_shape& s = m.shape;
     const size_t es = rssm_dtype_size(s.state_dtype), ae = rssm_dtype_size(s.act_dtype);
+    const size_t rs = rssm_dtype_size(rssm_ring_storage_dtype(&s));
     for (int l = 0; l < m.num_layers; ++l) {
       Layer& y = layers_.emplace_back();
       y.pool = {Alloc(backend, batch * rssm_checkpoint_elems(&s) * es),
-                Alloc(backend, batch * rssm_ring_d_elems(&s) * es),
-                Alloc(backend, batch * rssm_ring_k_elems(&s) * es),
+                Alloc(backend, batch * rssm_ring_d_elems(&s) * rs),
+                Alloc(backend, batch * rssm_ring_k_elems(&s) * rs),
                 static_cast<float*>(Alloc(backend, batch * rssm_ring_g_elems(&s) * 4)),
                 batch,
                 0,
@@ -239,7 +240,7 @@ class BarePath {
       d.shape = m_.shape;
       d.params = {static_cast<const float*>(layers_[l].a_log),
                   static_cast<const float*>(layers_[l].dt_bias), m_.layers[l].scale,
-                  m_.layers[l].use_qk_l2norm ? 1 : 0};
+                  m_.layers[l].use_qk_l2norm ? 1 : 0, m_.round_beta ? 1 : 0};
       d.pool = layers_[l].pool;
       d.batch = batch_;
       d.slot_idx = static_cast<const int32_t*>(idx_);

@@ -38,6 +38,7 @@ int64_t ModelSpec::AWidth() const {
                                      : shape.num_v_heads;
 }
 int64_t ModelSpec::BWidth() const { return shape.num_v_heads; }
+int32_t ModelSpec::RingDtype() const { return rssm_ring_storage_dtype(&shape); }
 int64_t ModelSpec::OutWidth() const { return int64_t{shape.num_v_heads} * shape.head_v; }
 rssm_conv_shape ModelSpec::ConvShape() const {
   return rssm_conv_shape{static_cast<int32_t>(QkvWidth()), conv_width, shape.ring_len,
@@ -86,6 +87,15 @@ std::vector<LayerParams> SeededParams(const rssm_layer_shape& shape, int32_t num
   return layers;
 }
 
+absl::Status ApplyModelOptions(ModelSpec& m, int32_t ring_dtype, int32_t round_beta) {
+  rssm_layer_shape s = m.shape;
+  s.ring_dtype = ring_dtype;
+  if (rssm_check_shape(&s) != RSSM_OK) return absl::InvalidArgumentError(rssm_last_error());
+  m.shape = s;
+  if (round_beta >= 0) m.round_beta = round_beta != 0;
+  return absl::OkStatus();
+}
+
 std::vector<std::string> ModelPresetNames() {
   std::vector<std::string> names;
   for (const Preset& p : kPresets) names.emplace_back(p.name);
@@ -106,6 +116,7 @@ absl::StatusOr<ModelSpec> ModelPreset(std::string_view name, int32_t state_dtype
       return absl::InvalidArgumentError(rssm_last_error());
     }
     m.conv_width = kPresetConvWidth;
+    m.round_beta = DefaultRoundBeta(m.shape.gate);
     m.layers = SeededParams(m.shape, m.num_layers, 0x9e3779b97f4a7c15ULL, m.conv_width);
     m.params_from_seed = true;
     return m;

@@ -10,15 +10,15 @@ absl::StatusOr<std::unique_ptr<SlotPool>> SlotPool::Create(const ModelSpec& mode
                                                            int32_t backend, int64_t num_slots) {
   std::unique_ptr<SlotPool> pool(new SlotPool(model, backend, num_slots));
   const rssm_layer_shape& s = model.shape;
-  const size_t es = rssm_dtype_size(s.state_dtype);
+  const size_t rs = rssm_dtype_size(rssm_ring_storage_dtype(&s));  // ring d, k
   pool->layers_.resize(model.num_layers);
   const size_t state_bytes = static_cast<size_t>(model.LayerStateBytes());
   for (int32_t l = 0; l < model.num_layers; ++l) {
     LayerMemory& m = pool->layers_[l];
     const cache::LayerParams& p = model.layers[l];
     for (auto [buf, bytes] : {std::pair{&m.checkpoint, num_slots * state_bytes},
-                              {&m.ring_d, num_slots * rssm_ring_d_elems(&s) * es},
-                              {&m.ring_k, num_slots * rssm_ring_k_elems(&s) * es},
+                              {&m.ring_d, num_slots * rssm_ring_d_elems(&s) * rs},
+                              {&m.ring_k, num_slots * rssm_ring_k_elems(&s) * rs},
                               {&m.ring_g, num_slots * rssm_ring_g_elems(&s) * 4},
                               {&m.ring_x, static_cast<size_t>(num_slots * model.ConvRingBytes())},
                               {&m.a_log, p.a_log.size() * 4},
@@ -83,7 +83,7 @@ rssm_layer_params SlotPool::LayerParams(int32_t layer) const {
   const LayerMemory& m = layers_[layer];
   const cache::LayerParams& p = model_.layers[layer];
   return rssm_layer_params{m.a_log.as<const float>(), m.dt_bias.as<const float>(), p.scale,
-                           p.use_qk_l2norm ? 1 : 0};
+                           p.use_qk_l2norm ? 1 : 0, model_.round_beta ? 1 : 0};
 }
 
 size_t SlotPool::CheckpointBytes() const { return static_cast<size_t>(model_.LayerStateBytes()); }

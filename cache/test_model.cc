@@ -109,7 +109,7 @@ Oracle::Outputs Oracle::Step(State& s, Tok t) const {
     }
     const LayerParams& p = m_.layers[l];
     kernels::testing::ReferenceStep(m_.shape, p.a_log.data(), p.dt_bias.data(), p.scale,
-                                    p.use_qk_l2norm, qkv.data(), a.data(), b.data(),
+                                    p.use_qk_l2norm, m_.round_beta, qkv.data(), a.data(), b.data(),
                                     s[l].data(), out[l].data());
   }
   return out;

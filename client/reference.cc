@@ -56,13 +56,17 @@ CpuReference::CpuReference(const v1::ModelInfo& model, int32_t capacity)
   shape_.ring_len = 1;
   shape_.state_dtype = RSSM_DTYPE_F32;
   shape_.act_dtype = RssmDtype(model.act_dtype());
+  // The server's records enter its state rounded to its ring dtype: round them the same way
+  // (the fp32 state here follows the recurrence with R(d), R(k); docs/math-and-abi.md).
+  shape_.ring_dtype = RSSM_RING_DTYPE_F32 + RssmDtype(model.ring_dtype());
   layers_.resize(model.num_layers());
   for (int32_t l = 0; l < model.num_layers(); ++l) {
     Layer& L = layers_[l];
     const v1::LayerParams& p = model.layer_params(l);
     L.a_log.assign(p.a_log().begin(), p.a_log().end());
     L.dt_bias.assign(p.dt_bias().begin(), p.dt_bias().end());
-    L.params = {L.a_log.data(), L.dt_bias.data(), p.scale(), p.use_qk_l2norm() ? 1 : 0};
+    L.params = {L.a_log.data(), L.dt_bias.data(), p.scale(), p.use_qk_l2norm() ? 1 : 0,
+                model.round_beta() ? 1 : 0};
     L.state.assign(rssm_checkpoint_elems(&shape_) * capacity, 0.0f);
     L.ring_d.assign(rssm_ring_d_elems(&shape_) * capacity, 0.0f);
     L.ring_k.assign(rssm_ring_k_elems(&shape_) * capacity, 0.0f);

@@ -84,6 +84,13 @@ const std::vector<Flag>& Flags() {
       {"track-interval", "snapshot every N decoded tokens, 0 = never [64]",
        Int(&ServerOptions::track_interval)},
       {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)", Str(&ServerOptions::state_dtype)},
+      {"ring-dtype",
+       "ring d, k: f32 | bf16 | f16 (empty = the state dtype; a 16-bit state takes only its own)",
+       Str(&ServerOptions::ring_dtype)},
+      {"beta-rounding",
+       "act | f32: beta = sigmoid(b) rounded to the act dtype or kept fp32 (empty = the "
+       "model's: act for Gated DeltaNet, f32 for KDA)",
+       Str(&ServerOptions::beta_rounding)},
       {"max-batch", "rows per decode / verify [256]", Int(&ServerOptions::max_batch)},
       {"max-prefill-tokens", "tokens per prefill call [65536]",
        Int(&ServerOptions::max_prefill_tokens)},

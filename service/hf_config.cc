@@ -232,6 +232,7 @@ absl::StatusOr<cache::ModelSpec> ModelFromHfConfigJson(const std::string& json,
   }
   m.layers = cache::SeededParams(m.shape, m.num_layers, kParamSeed, m.conv_width);
   m.params_from_seed = true;
+  m.round_beta = cache::DefaultRoundBeta(m.shape.gate);
   return m;
 }
 

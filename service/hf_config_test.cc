@@ -24,6 +24,9 @@ TEST(HfConfig, Qwen3NextConfigGivesThePresetShape) {
   EXPECT_TRUE(SameShape(m->shape, preset->shape));
   EXPECT_EQ(m->layers[3].a_log, preset->layers[3].a_log);
   EXPECT_TRUE(m->params_from_seed);
+  // Hugging Face's Qwen3-Next takes beta = b.sigmoid() on its bf16 tensor.
+  EXPECT_TRUE(m->round_beta);
+  EXPECT_TRUE(preset->round_beta);
 }
 
 TEST(HfConfig, LayerTypesCountTheLinearAttentionLayers) {
@@ -56,6 +59,33 @@ TEST(HfConfig, KimiLinearConfigGivesThePresetShape) {
   ASSERT_TRUE(preset.ok());
   EXPECT_EQ(m->num_layers, preset->num_layers);
   EXPECT_TRUE(SameShape(m->shape, preset->shape));
+  // Kimi-Linear: b_proj(x).float().sigmoid(), fp32.
+  EXPECT_FALSE(m->round_beta);
+  EXPECT_FALSE(preset->round_beta);
+}
+
+TEST(HfConfig, ModelOptionsSetTheRingDtypeAndBetaRoundingOrNameTheField) {
+  auto m = cache::ModelPreset("qwen3-next-80b-a3b");
+  ASSERT_TRUE(m.ok());
+  const int64_t fp32_ring = m->SlotBytes();
+  ASSERT_TRUE(cache::ApplyModelOptions(*m, RSSM_RING_DTYPE_BF16, 0).ok());
+  EXPECT_EQ(rssm_ring_storage_dtype(&m->shape), RSSM_DTYPE_BF16);
+  EXPECT_FALSE(m->round_beta);
+  // The ring's d and k take half the bytes; checkpoint, g and the conv state are unchanged.
+  const rssm_layer_shape& s = m->shape;
+  EXPECT_EQ(fp32_ring - m->SlotBytes(),
+            m->num_layers * 2 * (rssm_ring_d_elems(&s) + rssm_ring_k_elems(&s)));
+  ASSERT_TRUE(cache::ApplyModelOptions(*m, RSSM_RING_DTYPE_STATE, -1).ok());
+  EXPECT_EQ(m->SlotBytes(), fp32_ring);
+  EXPECT_FALSE(m->round_beta);  // -1 keeps what was set
+
+  auto b = cache::ModelPreset("tiny-kda", RSSM_DTYPE_BF16);
+  ASSERT_TRUE(b.ok());
+  const absl::Status st = cache::ApplyModelOptions(*b, RSSM_RING_DTYPE_F32, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("shape.ring_dtype"), std::string::npos) << st;
+  EXPECT_EQ(b->shape.ring_dtype, RSSM_RING_DTYPE_STATE);  // nothing changed
+  EXPECT_FALSE(b->round_beta);
 }
 
 TEST(HfConfig, TheShortConvolutionsWidthComesFromTheConfig) {

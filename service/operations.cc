@@ -104,6 +104,8 @@ absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
     w->mutable_conv_bias()->Assign(p.conv_bias.begin(), p.conv_bias.end());
   }
   info->set_conv_width(m.conv_width);
+  info->set_ring_dtype(ToWireDtype(m.RingDtype()));
+  info->set_round_beta(m.round_beta);
   const cache::CacheOptions& o = ctx_->cache->options();
   resp->set_backend(ctx_->backend_name);
   resp->set_mps(ctx_->mps);

@@ -25,6 +25,8 @@ struct ServerOptions {
   int32_t ring_length = 0;                         // L; 0 = the preset's
   int32_t track_interval = 64;  // snapshot every this many decoded tokens; 0 = never
   std::string state_dtype;      // f32 | bf16 | f16; "" = the preset's
+  std::string ring_dtype;       // ring d, k: f32 | bf16 | f16; "" = the state dtype
+  std::string beta_rounding;    // act | f32; "" = the model's (cache::DefaultRoundBeta)
   int32_t max_batch = 256;      // rows per decode / verify
   int32_t max_prefill_tokens = 1 << 16;
   int64_t max_message_bytes = int64_t{64} << 20;     // larger requests: RESOURCE_EXHAUSTED

@@ -26,6 +26,8 @@ v1::StateFormat ToProto(const transfer::StateFormat& f) {
   p.set_state_dtype(f.state_dtype);
   p.set_conv_width(f.conv_width);
   p.set_conv_dtype(f.conv_dtype);
+  p.set_ring_dtype(f.ring_dtype);
+  p.set_round_beta(f.round_beta);
   p.set_params_hash(f.params_hash);
   return p;
 }
@@ -41,6 +43,8 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
   f.state_dtype = p.state_dtype();
   f.conv_width = p.conv_width();
   f.conv_dtype = p.conv_dtype();
+  f.ring_dtype = p.ring_dtype();
+  f.round_beta = p.round_beta();
   f.params_hash = p.params_hash();
   return f;
 }

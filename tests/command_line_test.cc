@@ -293,6 +293,30 @@ TEST(CommandLine, ServerExitsNamingTheKeyOfABadModelConfig) {
   }
 }
 
+// Each case's flags stop the CPU server with exit 1 and a message containing the case's text.
+void ExpectServerStops(const std::vector<std::pair<std::vector<std::string>, std::string>>& cases) {
+  for (const auto& [flags, message] : cases) {
+    std::vector<std::string> args = {"--device=cpu", "--grpc-address=127.0.0.1:0",
+                                     "--metrics-address="};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const Outcome o = RunBinary(REPLAYSSM_SERVER_BINARY, args);
+    EXPECT_EQ(o.exit_code, 1) << o.output;
+    EXPECT_TRUE(absl::StrContains(o.output, message)) << "expected: " << message << "\n"
+                                                      << o.output;
+  }
+}
+
+TEST(CommandLine, BadModelOptionsStopTheServerNamingTheFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--ring-dtype=f8"}, "--ring-dtype: expected f32, bf16 or f16, got f8"},
+      {{"--state-dtype=bf16", "--ring-dtype=f32"},
+       "--ring-dtype f32 with a bf16 state: rssm_check_shape: shape.ring_dtype: expected a ring "
+       "of the state dtype"},
+      {{"--beta-rounding=yes"}, "--beta-rounding: expected act or f32, got yes"},
+  };
+  ExpectServerStops(cases);
+}
+
 TEST(CommandLine, BadSecurityFlagsStopTheServerNamingTheFlag) {
   const std::string dir = ::testing::TempDir();
   std::ofstream(dir + "/not-a.pem") << "hello\n";
@@ -307,15 +331,7 @@ TEST(CommandLine, BadSecurityFlagsStopTheServerNamingTheFlag) {
       {{"--auth-tokens=/nonexistent/tokens"}, "--auth-tokens: expected a readable token file"},
       {{"--auth-tokens=" + dir + "/not-a.pem"}, "/not-a.pem:1: expected `tenant token`, got 1"},
   };
-  for (const auto& [flags, message] : cases) {
-    std::vector<std::string> args = {"--device=cpu", "--grpc-address=127.0.0.1:0",
-                                     "--metrics-address="};
-    args.insert(args.end(), flags.begin(), flags.end());
-    const Outcome o = RunBinary(REPLAYSSM_SERVER_BINARY, args);
-    EXPECT_EQ(o.exit_code, 1) << o.output;
-    EXPECT_TRUE(absl::StrContains(o.output, message)) << "expected: " << message << "\n"
-                                                      << o.output;
-  }
+  ExpectServerStops(cases);
 }
 
 }  // namespace

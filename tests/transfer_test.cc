@@ -98,6 +98,24 @@ TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
   EXPECT_EQ(Client::Connect(b->grpc_address())->Stats()->slots_live(), 0);
 }
 
+// Same shapes and bytes, other numerics: a state built with fp32 ring records (or beta rounded)
+// does not continue on a server that rounds them otherwise.
+TEST_F(TransferTest, AServerWithOtherNumericsRefusesTheStateNamingTheOption) {
+  const uint64_t s = PreparedSlot();
+  const std::string before = Observe(s);
+  for (const auto& [flag, field] :
+       {std::pair<std::string, std::string>{"--ring-dtype=bf16", "format.ring_dtype"},
+        {"--beta-rounding=f32", "format.round_beta"}}) {
+    auto b = StartPeer({flag});
+    ASSERT_NE(b, nullptr);
+    auto r = client_->TransferSlot(s, b->grpc_address(), false);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+    EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status();
+    EXPECT_EQ(Observe(s), before);
+    EXPECT_EQ(Client::Connect(b->grpc_address())->Stats()->slots_live(), 0);
+  }
+}
+
 TEST_F(TransferTest, AReceiverDyingBeforeTheCommitLeavesTheSourceLockedUntilAsked) {
   auto b = StartPeer({});
   ASSERT_NE(b, nullptr);

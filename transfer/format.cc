@@ -50,6 +50,8 @@ StateFormat StateFormat::Of(const cache::ModelSpec& m) {
   f.state_dtype = m.shape.state_dtype;
   f.conv_width = m.conv_width;
   f.conv_dtype = m.conv_width > 0 ? m.shape.act_dtype : 0;
+  f.ring_dtype = m.RingDtype();
+  f.round_beta = m.round_beta;
   uint64_t h = 0x5eed;
   for (const cache::LayerParams& p : m.layers) {
     h = HashFloats(HashFloats(h, p.a_log), p.dt_bias);
@@ -71,6 +73,8 @@ absl::Status StateFormat::CheckCompatible(const StateFormat& s) const {
       {"state_dtype", {state_dtype, s.state_dtype}},
       {"conv_width", {conv_width, s.conv_width}},
       {"conv_dtype", {conv_dtype, s.conv_dtype}},
+      {"ring_dtype", {ring_dtype, s.ring_dtype}},
+      {"round_beta", {round_beta, s.round_beta}},
   };
   for (const auto& [name, v] : fields) {
     if (v.first != v.second) {

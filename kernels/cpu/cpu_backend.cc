@@ -169,6 +169,7 @@ class Layer {
     }
     const A* b = static_cast<const A*>(in.b) + tok * in.b_token_stride;
     t.beta = Sigmoid(ToFloat(b[h]));
+    if (p.round_beta) t.beta = ToFloat(FromFloat<A>(t.beta));
   }
 
   void StoreOutput(const rssm_token_outputs& out, int64_t tok, int h, const float* o) const {

@@ -132,6 +132,7 @@ void SetParams(LayerDesc& ly, const rssm_layer_params& p) {
   ly.dt_bias = p.dt_bias;
   ly.scale = p.scale;
   ly.l2norm = p.use_qk_l2norm;
+  ly.round_beta = p.round_beta;
 }
 
 void SetTokens(LayerDesc& ly, const rssm_token_inputs& in, const rssm_token_outputs& out) {

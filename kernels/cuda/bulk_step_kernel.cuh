@@ -369,12 +369,12 @@ struct BulkCta {
     decay = -expf(alog);
     if (tid < T_) {
       if (!kda) tg[tid] = decay * Softplus(ToF(a_t) + dtb_h);
-      betas[tid] = Sigmoid(ToF(b_t));
+      betas[tid] = Beta(ToF(b_t), ly.act_dtype, ly.round_beta);
     }
     for (int t = tid + nthr; t < T_; t += nthr) {  // more tokens than threads (not in practice)
       const int64_t n = tok0 + t;
       if (!kda) tg[t] = decay * Softplus(ToF(ga[n * ly.a_stride + h]) + ly.dt_bias[h]);
-      betas[t] = Sigmoid(ToF(gb[n * ly.b_stride + h]));
+      betas[t] = Beta(ToF(gb[n * ly.b_stride + h]), ly.act_dtype, ly.round_beta);
     }
   }
 

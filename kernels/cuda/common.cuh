@@ -133,6 +133,12 @@ struct TransposeReduce {
 // ---- gates ----------------------------------------------------------------------------------
 __device__ __forceinline__ float Softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// beta = sigmoid(b), rounded to the act dtype where the layer asks (rssm_layer_params.round_beta).
+__device__ __forceinline__ float Beta(float b, int act_dtype, int32_t round_beta) {
+  const float beta = Sigmoid(b);
+  if (round_beta == 0 || act_dtype == kActF32) return beta;
+  return act_dtype == kActBf16 ? RoundTo<__nv_bfloat16>(beta) : RoundTo<__half>(beta);
+}
 
 // ---- register tile geometry -----------------------------------------------------------------
 // One CTA of kThreads threads holds a tile of VT state rows x KMAX key channels in registers.

@@ -117,7 +117,7 @@ __device__ __forceinline__ void LoadToken(const LayerDesc& ly, const SmemLayout&
   if (tid < VT) s[sm.vs + t * VT + tid] = vv;
   if (tid == 0) {
     if (!kda) s[sm.gext + P] = decay * Softplus(ga + gd);
-    s[sm.beta + t] = Sigmoid(bb);
+    s[sm.beta + t] = Beta(bb, ly.act_dtype, ly.round_beta);
   }
 }
 

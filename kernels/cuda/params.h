@@ -17,7 +17,7 @@ namespace replayssm::kernels::cuda {
 // What the layer looks like (shared by every kernel).
 struct LayerDesc {
   int32_t H, HV, K, V, L, group;  // group = HV / H
-  int32_t kda, l2norm, act_dtype;
+  int32_t kda, l2norm, act_dtype, round_beta;
   float scale;
   const float* a_log;    // [HV]
   const float* dt_bias;  // GDN [HV], KDA [HV, K]

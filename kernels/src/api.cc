@@ -121,6 +121,9 @@ void CheckParams(Check& c, const rssm_layer_params& p) {
   if (p.use_qk_l2norm != 0 && p.use_qk_l2norm != 1) {
     c.Fail("params.use_qk_l2norm", "0 or 1", std::to_string(p.use_qk_l2norm));
   }
+  if (p.round_beta != 0 && p.round_beta != 1) {
+    c.Fail("params.round_beta", "0 or 1", std::to_string(p.round_beta));
+  }
   if (!(p.scale == p.scale)) c.Fail("params.scale", "a number", "NaN");
 }
 

@@ -50,7 +50,7 @@ std::string Config::Name() const {
          (ring_dtype >= 0 ? std::string("_r") + rssm_dtype_name(ring_dtype) : "") + "_a" +
          rssm_dtype_name(act_dtype) + "_H" + std::to_string(h) + "_HV" + std::to_string(hv) + "_K" +
          std::to_string(k) + "_V" + std::to_string(v) + "_L" + std::to_string(l) +
-         (l2norm ? "" : "_nonorm") + (slot_pad ? "_strided" : "");
+         (l2norm ? "" : "_nonorm") + (round_beta ? "_rbeta" : "") + (slot_pad ? "_strided" : "");
 }
 
 Layer::Layer(const Config& c, int slots, std::mt19937_64& rng) : cfg(c), num_slots(slots) {
@@ -76,7 +76,8 @@ Layer::Layer(const Config& c, int slots, std::mt19937_64& rng) : cfg(c), num_slo
 }
 
 rssm_layer_params Layer::Params() const {
-  return rssm_layer_params{a_log.data(), dt_bias.data(), scale, cfg.l2norm ? 1 : 0};
+  return rssm_layer_params{a_log.data(), dt_bias.data(), scale, cfg.l2norm ? 1 : 0,
+                           cfg.round_beta ? 1 : 0};
 }
 
 rssm_state_pool Layer::Pool() {
@@ -232,7 +233,7 @@ void Reference::Step(std::vector<double>& st, const Tokens& tok, int i,
                            b = token_of(tok.b, tok.n);
   o.assign(int64_t{c.hv} * c.v, 0.0);
   ReferenceStep(layer->shape, layer->a_log.data(), layer->dt_bias.data(), layer->scale, c.l2norm,
-                qkv.data(), a.data(), b.data(), st.data(), o.data());
+                c.round_beta, qkv.data(), a.data(), b.data(), st.data(), o.data());
 }
 
 double RelErr(const std::vector<double>& x, const std::vector<double>& ref) {

@@ -66,6 +66,7 @@ struct Config {
   int32_t ring_dtype = -1;  // rssm_dtype of ring d, k; -1: the state dtype (ring_dtype 0)
   int h = 2, hv = 4, k = 64, v = 64, l = 8;
   bool l2norm = true;
+  bool round_beta = false;  // rssm_layer_params.round_beta
   int64_t slot_pad = 0;  // extra elements between slots, to exercise strides
   std::string Name() const;
   rssm_dtype Ring() const {

@@ -138,6 +138,7 @@ std::vector<Config> MainSweep() {
           c.hv = 2 * ratios[(n / 2) % 3];
           c.slot_pad = n % 3 == 0 ? 48 : 0;
           c.l2norm = n % 7 != 3;
+          c.round_beta = n % 5 == 1;
           out.push_back(c);
           ++n;
         }
@@ -165,6 +166,7 @@ std::vector<Config> DimsSweep() {
           c.state_dtype = n % 2 ? RSSM_DTYPE_BF16 : RSSM_DTYPE_F32;
           if (n % 4 == 2) c.ring_dtype = RSSM_DTYPE_BF16;  // fp32 state, bf16 ring
           c.act_dtype = n % 3 == 0 ? RSSM_DTYPE_F32 : RSSM_DTYPE_BF16;
+          c.round_beta = n % 5 == 2;
           out.push_back(c);
           ++n;
         }

@@ -164,6 +164,8 @@ TEST_F(Validation, FlagsOtherThanZeroOrOneAreRefused) {
   p.initial = initial;
   p.write_pos = pos;
   ExpectRejected([&] { return rssm_prefill(&p); }, "initial[0]");
+  ExpectDecodeRejected([](auto& d) { d.params.use_qk_l2norm = 2; }, "params.use_qk_l2norm");
+  ExpectDecodeRejected([](auto& d) { d.params.round_beta = -1; }, "params.round_beta");
 }
 
 TEST_F(Validation, FoldChecksCursors) {

@@ -7,7 +7,10 @@ layer: the last W-1 pre-convolution inputs (zeros before the first token). Each 
 mixed_qkv goes through silu(bias + causal depthwise conv) first, its output rounded to the
 activation dtype as the server (and the Hugging Face models) round it. Inputs are rounded to
 the model's activation dtype first, exactly as they travel on the wire, so the reference sees
-what the server sees.
+what the server sees. Two of the model's options change the numbers (GetInfo reports them):
+`round_beta` rounds beta = sigmoid(b) to the activation dtype (Hugging Face's Qwen3-Next in
+bf16), and a 16-bit `ring_dtype` adds each step's d and k to the state rounded to it, as the
+server's ring holds them (the outputs use them unrounded).
 """
 
 import numpy as np
@@ -38,6 +41,11 @@ class Reference:
         self.kda = model.gate == pb.GATE_KDA
         self.width = model.conv_width
         self.channels = 2 * self.h * self.k + self.hv * self.v
+        # Rounding to fp32 activations is no rounding (the server's beta is fp32 then).
+        self.round_beta = model.round_beta and model.act_dtype != pb.DTYPE_F32
+        # DTYPE_UNSPECIFIED (a server before ring dtypes) rounds nothing, as an f32 ring.
+        self.ring_dtype = (model.ring_dtype if model.ring_dtype in (pb.DTYPE_BF16, pb.DTYPE_F16)
+                           else None)
         self._conv = []
         for p in model.layer_params:
             if self.width:
@@ -76,8 +84,12 @@ class Reference:
 
     def _wire(self, x):
         """x as the server receives it: rounded to the activation dtype, in float64."""
-        t = tensors.to_proto(x, self.model.act_dtype)
-        return tensors.to_numpy(t).astype(np.float64)
+        return self._round(x, self.model.act_dtype)
+
+    @staticmethod
+    def _round(x, dtype):
+        """x rounded to a wire dtype (nearest even), in float64."""
+        return tensors.to_numpy(tensors.to_proto(x, dtype)).astype(np.float64)
 
     def run_layer(self, state, layer, mixed_qkv, a, b):
         """N consecutive tokens of one sequence through `layer`: updates state[layer] in place
@@ -114,7 +126,12 @@ class Reference:
         g = -np.exp(a_log)[:, None] * _softplus(a.reshape(self.hv, -1) + dt_bias)
         alpha = np.exp(g)  # GDN [HV, 1], KDA [HV, K]: the decay of each key column
         beta = 1.0 / (1.0 + np.exp(-b))
+        if self.round_beta:
+            beta = self._wire(beta)
         s = s * alpha[:, None, :]
         d = beta[:, None] * (v - np.einsum("hvk,hk->hv", s, k))
-        s = s + d[:, :, None] * k[:, None, :]
-        return s, np.einsum("hvk,hk->hv", s, q)
+        # o = S'q + d (k.q) from the step's own d, k; the state takes them as the ring holds them.
+        o = np.einsum("hvk,hk->hv", s, q) + d * np.sum(k * q, axis=1)[:, None]
+        if self.ring_dtype is not None:
+            d, k = self._round(d, self.ring_dtype), self._round(k, self.ring_dtype)
+        return s + d[:, :, None] * k[:, None, :], o

@@ -79,10 +79,11 @@ class TensorTest(unittest.TestCase):
 
 
 class ReferenceTest(unittest.TestCase):
-    def model(self, kda=False):
+    def model(self, kda=False, act=pb.DTYPE_F32, ring=pb.DTYPE_F32, round_beta=False):
         m = pb.ModelInfo(num_layers=1, gate=pb.GATE_KDA if kda else pb.GATE_GDN,
                          num_qk_heads=1, num_v_heads=2, head_k=2, head_v=2, ring_len=4,
-                         state_dtype=pb.DTYPE_F32, act_dtype=pb.DTYPE_F32)
+                         state_dtype=pb.DTYPE_F32, act_dtype=act, ring_dtype=ring,
+                         round_beta=round_beta)
         m.layer_params.add(a_log=[0.0, 0.0], dt_bias=[0.0] * (4 if kda else 2), scale=1.0,
                            use_qk_l2norm=False)
         return m
@@ -108,6 +109,37 @@ class ReferenceTest(unittest.TestCase):
         decay = np.exp(-np.log1p(np.exp(0.0)))  # g = -exp(0) * softplus(0)
         np.testing.assert_allclose(state[0][0], [[decay, np.exp(-30.0)]] * 2, rtol=1e-12)
         np.testing.assert_allclose(state[0][1], decay, rtol=1e-12)
+
+    def test_round_beta_rounds_sigmoid_b_to_the_act_dtype(self):
+        b = np.full((1, 2), 0.3125, np.float32)  # bf16-exact input; its sigmoid is not
+        x = np.array([[1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]], np.float32)
+        a = np.zeros((1, 2), np.float32)
+        beta = 1.0 / (1.0 + np.exp(-0.3125))
+        beta_bf16 = float(tensors.to_numpy(tensors.to_proto(np.array([beta]), pb.DTYPE_BF16))[0])
+        self.assertNotEqual(beta, beta_bf16)
+        for round_beta, expected in ((False, beta), (True, beta_bf16)):
+            ref = replayssm.Reference(self.model(act=pb.DTYPE_BF16, round_beta=round_beta))
+            out = ref.run_layer(ref.new_state(), 0, x, a, b)
+            np.testing.assert_allclose(out[0], expected, rtol=1e-12)  # k.q = 1, v = 1
+        # With fp32 activations the option changes nothing.
+        ref = replayssm.Reference(self.model(round_beta=True))
+        out = ref.run_layer(ref.new_state(), 0, x, a, b)
+        np.testing.assert_allclose(out[0], beta, rtol=1e-12)
+
+    def test_a_bf16_ring_rounds_the_state_update_but_not_the_output(self):
+        x = np.array([[1.0, 0.0, 1.0, 0.0, 0.3, 0.3, 0.3, 0.3]], np.float32)  # d = 0.15 + ...
+        a, b = np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32)
+        results = {}
+        for ring in (pb.DTYPE_F32, pb.DTYPE_BF16):
+            ref = replayssm.Reference(self.model(ring=ring))
+            state = ref.new_state()
+            results[ring] = (ref.run_layer(state, 0, x, a, b), state[0])
+        d = 0.5 * 0.30000001192092896  # beta * v (the state starts at zero)
+        d_bf16 = float(tensors.to_numpy(tensors.to_proto(np.array([d]), pb.DTYPE_BF16))[0])
+        self.assertNotEqual(d, d_bf16)
+        np.testing.assert_allclose(results[pb.DTYPE_BF16][0], results[pb.DTYPE_F32][0], rtol=0)
+        np.testing.assert_allclose(results[pb.DTYPE_F32][1][:, :, 0], d, rtol=1e-12)
+        np.testing.assert_allclose(results[pb.DTYPE_BF16][1][:, :, 0], d_bf16, rtol=1e-12)
 
 
 if __name__ == "__main__":

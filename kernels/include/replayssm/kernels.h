@@ -37,7 +37,8 @@
 extern "C" {
 #endif
 
-#define RSSM_ABI_VERSION 2 /* 2: rssm_layer_shape.ring_dtype, rssm_decode_args.conv */
+/* 2: rssm_layer_shape.ring_dtype, rssm_decode_args.conv; 3: rssm_layer_params.round_beta */
+#define RSSM_ABI_VERSION 3
 #define RSSM_MAX_HEAD_DIM 256 /* K and V: multiples of 16 in [16, 256] */
 #define RSSM_MAX_RING_LEN 64  /* L in [1, 64] */
 
@@ -100,6 +101,9 @@ typedef struct rssm_layer_params {
   const float* dt_bias; /* GDN [HV], KDA [HV, K] */
   float scale;          /* q multiplier, usually K^-1/2 */
   int32_t use_qk_l2norm; /* 0 or 1 */
+  int32_t round_beta;    /* 0: beta = sigmoid(b) in fp32; 1: beta rounded to the act dtype before
+                            the rule, as Hugging Face's Qwen3-Next computes it in a bf16 model
+                            (b.sigmoid() on a bf16 tensor). No effect with fp32 activations. */
 } rssm_layer_params;
 
 /* One layer's state for a pool of S slots. Slot s's tensors start at base + s * stride. */

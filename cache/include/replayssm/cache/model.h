@@ -37,12 +37,17 @@ struct ModelSpec {
   // (the W-1 inputs before the checkpoint, in the act dtype) is stored right after each
   // layer's checkpoint in the slot, and the inputs of ring records in a ring of its own.
   int32_t conv_width = 0;
+  // beta = sigmoid(b) rounded to the act dtype before the rule (rssm_layer_params.round_beta);
+  // the presets and Hugging Face configs start from DefaultRoundBeta(gate).
+  bool round_beta = false;
 
   // Bytes per token of one layer's inputs (mixed_qkv, a, b) and output, in the act dtype.
   int64_t QkvWidth() const;  // 2*H*K + HV*V elements
   int64_t AWidth() const;    // HV (GDN) or HV*K (KDA) elements
   int64_t BWidth() const;    // HV elements
   int64_t OutWidth() const;  // HV*V elements
+  // The rssm_dtype ring d and k are stored in (shape.ring_dtype resolved).
+  int32_t RingDtype() const;
   // The convolution's shape (channels = QkvWidth(), width, ring_len, act dtype).
   rssm_conv_shape ConvShape() const;
   // One layer's folded state as it leaves a slot (export, import, transfer, snapshots):
@@ -65,6 +70,17 @@ std::vector<std::string> ModelPresetNames();
 // with conv_width > 0, convolution weights of about a unit's gain per channel and no bias.
 std::vector<LayerParams> SeededParams(const rssm_layer_shape& shape, int32_t num_layers,
                                       uint64_t seed, int32_t conv_width = 0);
+
+// How the reference model of each gate rounds beta = sigmoid(b) with bf16 activations: Hugging
+// Face's Qwen3-Next (Gated DeltaNet) takes the sigmoid of its bf16 tensor (beta in bf16);
+// Kimi-Linear (KDA) takes it in fp32 (`.float().sigmoid()`).
+inline bool DefaultRoundBeta(int32_t gate) { return gate == RSSM_GATE_GDN; }
+
+// The service's model options on top of a preset or config (flags --ring-dtype and
+// --beta-rounding): ring_dtype is an rssm_ring_dtype code (0 = the state dtype; the pair must
+// be one the kernels build, else INVALID_ARGUMENT naming `flag`); round_beta -1 keeps the
+// model's default, 0/1 set it.
+absl::Status ApplyModelOptions(ModelSpec& m, int32_t ring_dtype, int32_t round_beta);
 
 // The convolution width of the presets (Qwen3-Next linear_conv_kernel_dim, Kimi-Linear
 // short_conv_kernel_size).

@@ -30,6 +30,10 @@ struct StateFormat {
   int32_t state_dtype = 0;
   int32_t conv_width = 0;    // 0: no convolution (no window in the payload)
   int32_t conv_dtype = 0;    // the window's dtype (the act dtype); 0 without a convolution
+  // How the state was computed (not its bytes): a state moves only between servers that go
+  // on with the same numerics.
+  int32_t ring_dtype = 0;    // rssm_dtype of ring d, k (rssm_ring_storage_dtype)
+  bool round_beta = false;   // rssm_layer_params.round_beta
   uint64_t params_hash = 0;  // the layer parameters: same model, same weights
 
   static StateFormat Of(const cache::ModelSpec& m);
