@@ -424,6 +424,7 @@ TEST(CudaKernels, SweepMatchesCpu) {
           c.v = dims[(i / 4 + i) % 4];
           c.l2norm = (i % 7) != 3;
           c.slot_pad = (i % 5 == 2) ? 3 : 0;  // unaligned slots: the scalar fallback
+          c.round_beta = rep == 1;
           const int steps = c.l == 64 ? 40 : -1;
           RunCase(c, 3 + i % 3, 1000 + i, steps);
           if (::testing::Test::HasFailure()) return;
@@ -459,6 +460,7 @@ TEST(CudaKernels, EachStepKernelMatchesCpu) {
           c.k = dims[i % 3];
           c.v = dims[(i + 1) % 3];
           c.slot_pad = (i % 4 == 3) ? 3 : 0;
+          c.round_beta = rep == 0;
           SCOPED_TRACE(kernel == cuda::LaunchOverrides::StepKernel::kTiled ? "tiled" : "bulk");
           RunCase(c, 3 + i % 2, 5000 + i, -1, &forced);
           if (::testing::Test::HasFailure()) return;
