@@ -83,6 +83,12 @@ Launch overrides (kernels/cuda/plan.h; default: planned):
   REPLAYSSM_CUDA_BULK=0..15             bulk: pieces the copy engine fetches (1 S0, 2 ring d,
                                         4 ring k, 8 ring g; default 15)
   REPLAYSSM_CUDA_LATE_STAGE=0|1         bulk: fp32 replay's late S0 stage where planned (1)
+  REPLAYSSM_CUDA_BASELINE_NW=1|2|4|8    baseline kernel: warps per CTA
+  REPLAYSSM_CUDA_BASELINE_RPW=2|4|8|16  baseline kernel: state rows per warp
+  REPLAYSSM_CUDA_BASELINE_CACHE=1..5    baseline kernel: state loads/stores (1 streaming,
+                                        2 ld.nc.L1::no_allocate, 3 streaming loads, 4 plain,
+                                        5 streaming loads, L2::evict_last stores)
+                                        (only the shapes launch.cuh builds run)
   REPLAYSSM_CUDA_VERBOSE=0|1            print each case's launch plan
 )";
 
@@ -126,11 +132,14 @@ struct Settings {
 
 Settings FromEnvironment() {
   static const char* const kKnown[] = {
-      "REPLAYSSM_BENCH_GATE",      "REPLAYSSM_BENCH_STATE",      "REPLAYSSM_BENCH_B",
-      "REPLAYSSM_BENCH_OP",        "REPLAYSSM_BENCH_FOLD_FIRST", "REPLAYSSM_CUDA_STEP",
-      "REPLAYSSM_CUDA_BULK_MIN_B", "REPLAYSSM_CUDA_RPW",         "REPLAYSSM_CUDA_NW",
-      "REPLAYSSM_CUDA_NS",         "REPLAYSSM_CUDA_BULK",        "REPLAYSSM_CUDA_VERBOSE",
-      "REPLAYSSM_CUDA_LATE_STAGE"};
+      "REPLAYSSM_BENCH_GATE",        "REPLAYSSM_BENCH_STATE",
+      "REPLAYSSM_BENCH_B",           "REPLAYSSM_BENCH_OP",
+      "REPLAYSSM_BENCH_FOLD_FIRST",  "REPLAYSSM_CUDA_STEP",
+      "REPLAYSSM_CUDA_BULK_MIN_B",   "REPLAYSSM_CUDA_RPW",
+      "REPLAYSSM_CUDA_NW",           "REPLAYSSM_CUDA_NS",
+      "REPLAYSSM_CUDA_BULK",         "REPLAYSSM_CUDA_VERBOSE",
+      "REPLAYSSM_CUDA_LATE_STAGE",   "REPLAYSSM_CUDA_BASELINE_NW",
+      "REPLAYSSM_CUDA_BASELINE_RPW", "REPLAYSSM_CUDA_BASELINE_CACHE"};
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string var(*e, std::strcspn(*e, "="));
     if (var.rfind("REPLAYSSM_BENCH_", 0) != 0 && var.rfind("REPLAYSSM_CUDA_", 0) != 0) continue;
@@ -189,6 +198,15 @@ Settings FromEnvironment() {
   if (const char* v = std::getenv("REPLAYSSM_CUDA_LATE_STAGE")) {
     o.late_stage = static_cast<int>(ParseInt("REPLAYSSM_CUDA_LATE_STAGE", v, 0, 1));
   }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_BASELINE_NW")) {
+    o.baseline_warps = static_cast<int>(ParseInt("REPLAYSSM_CUDA_BASELINE_NW", v, 1, 8));
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_BASELINE_RPW")) {
+    o.baseline_rows = static_cast<int>(ParseInt("REPLAYSSM_CUDA_BASELINE_RPW", v, 2, 16));
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_BASELINE_CACHE")) {
+    o.baseline_cache = static_cast<int>(ParseInt("REPLAYSSM_CUDA_BASELINE_CACHE", v, 1, 5));
+  }
   const std::string bad = replayssm::kernels::cuda::CheckOverrides(o);
   if (!bad.empty()) Fail("launch overrides (REPLAYSSM_CUDA_*): " + bad);
   return s;
@@ -206,6 +224,12 @@ std::string Describe(const LaunchPlan& p) {
                   c.rows_per_warp, c.stages, c.late_stage ? " + late" : "", c.chunks, p.grid_x,
                   p.grid_y, p.smem_bytes, c.bulk_s0, c.bulk_d, c.bulk_k, c.bulk_g,
                   c.d_dense ? "dense" : "padded");
+  } else if (p.role == replayssm::kernels::cuda::KernelRole::kBaseline) {
+    const auto& c = p.baseline;
+    std::snprintf(buf, sizeof buf,
+                  "baseline: KC %d, %d warps x %d rows, %d tiles, cache %d, grid %u x %u, %s",
+                  c.channels_per_lane, c.warps, c.rows_per_warp, c.tiles, c.cache, p.grid_x,
+                  p.grid_y, c.vec ? "vector" : "scalar");
   } else {
     const auto& c = p.tiled;
     std::snprintf(buf, sizeof buf, "%s: KMAX %d TC %d, %d rows per CTA, grid %u, smem %zu B",

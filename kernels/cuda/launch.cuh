@@ -7,7 +7,9 @@
 
 #include <atomic>
 #include <mutex>
+#include <type_traits>
 
+#include "baseline_kernel.cuh"
 #include "bulk_step_kernel.cuh"
 #include "prefill_kernel.cuh"
 #include "tiled_step_kernel.cuh"
@@ -126,9 +128,84 @@ cudaError_t LaunchBulkGate(const LaunchPlan& plan, int device, const StepParams&
               : LaunchBulkT<T, R, 4, 4, 4, KDA>(plan, device, p, stream);
 }
 
+template <typename T, typename R, typename A, bool KDA, int KC, int NW, int RPW, int CACHE>
+cudaError_t LaunchBaselineT(const LaunchPlan& plan, const StepParams& sp, cudaStream_t stream) {
+  BaselineParams p{};
+  p.ly = sp.ly;
+  p.tiles = plan.baseline.tiles;
+  p.vec = plan.baseline.vec ? 1 : 0;
+  p.slot_idx = sp.slot_idx;
+  BaselineKernel<T, R, A, KDA, KC, NW, RPW, CACHE>
+      <<<dim3(plan.grid_x, plan.grid_y), NW * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The baseline kernel's CTA shapes built: the planned ones (layout.h) for every type; for the
+// kernel benchmark's overrides, the shapes and cache hints of issue 20's comparison on its
+// types (bf16 activations, K <= 128, fp32 or bf16 state).
+template <typename T, typename R, typename A, bool KDA, int KC>
+cudaError_t LaunchBaselineShape(const LaunchPlan& plan, const StepParams& p, cudaStream_t stream) {
+  const BaselineConfig& c = plan.baseline;
+  auto is = [&c](int nw, int rpw, int cache) {
+    return c.warps == nw && c.rows_per_warp == rpw && c.cache == cache;
+  };
+  constexpr int kNw = kBaselineWarps, kCache = kBaselineCache;
+  constexpr int kRows = KC == 4 ? kBaselineRowsPerWarp : kBaselineRowsPerWarp / 2;
+  constexpr int kWide = KC == 4 ? kBaselineRowsPerWarpWide : kBaselineRowsPerWarpWide / 2;
+  if (is(kNw, kRows, kCache)) {
+    return LaunchBaselineT<T, R, A, KDA, KC, kNw, kRows, kCache>(plan, p, stream);
+  }
+  if (is(kNw, kWide, kCache)) {
+    return LaunchBaselineT<T, R, A, KDA, KC, kNw, kWide, kCache>(plan, p, stream);
+  }
+  constexpr bool kBenchState = std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16>;
+  constexpr bool kBenchTypes =
+      kBenchState && std::is_same_v<R, T> && std::is_same_v<A, __nv_bfloat16> && KC == 4;
+  if constexpr (kBenchTypes) {
+#define RSSM_BASELINE_SHAPE(nw, rpw, cache) \
+  if (is(nw, rpw, cache)) return LaunchBaselineT<T, R, A, KDA, KC, nw, rpw, cache>(plan, p, stream)
+    RSSM_BASELINE_SHAPE(2, 8, kCachePlain);
+    RSSM_BASELINE_SHAPE(2, 16, kCachePlain);
+    RSSM_BASELINE_SHAPE(4, 8, kCacheStream);
+    RSSM_BASELINE_SHAPE(4, 4, kCachePlain);
+    if constexpr (std::is_same_v<T, float>) {
+      RSSM_BASELINE_SHAPE(2, 8, kCacheStream);
+      RSSM_BASELINE_SHAPE(2, 16, kCacheStream);
+      RSSM_BASELINE_SHAPE(2, 16, kCacheNoL1);
+      RSSM_BASELINE_SHAPE(2, 16, kCacheStreamLoad);
+      RSSM_BASELINE_SHAPE(2, 16, kCacheKeepStores);
+      RSSM_BASELINE_SHAPE(2, 8, kCacheKeepStores);
+    }
+#undef RSSM_BASELINE_SHAPE
+  }
+  return cudaErrorInvalidConfiguration;  // a shape not built
+}
+
+template <typename T, typename R, typename A>
+cudaError_t LaunchBaselineAct(const LaunchPlan& plan, const StepParams& p, cudaStream_t stream) {
+  const bool kda = p.ly.kda != 0;
+  if (plan.baseline.channels_per_lane == 4) {
+    return kda ? LaunchBaselineShape<T, R, A, true, 4>(plan, p, stream)
+               : LaunchBaselineShape<T, R, A, false, 4>(plan, p, stream);
+  }
+  return kda ? LaunchBaselineShape<T, R, A, true, 8>(plan, p, stream)
+             : LaunchBaselineShape<T, R, A, false, 8>(plan, p, stream);
+}
+
+// The activations' dtype is a template parameter of the baseline kernel (its token loads).
+template <typename T, typename R>
+cudaError_t LaunchBaselineFor(const LaunchPlan& plan, const StepParams& p, cudaStream_t stream) {
+  switch (p.ly.act_dtype) {
+    case kActF32: return LaunchBaselineAct<T, R, float>(plan, p, stream);
+    case kActBf16: return LaunchBaselineAct<T, R, __nv_bfloat16>(plan, p, stream);
+    default: return LaunchBaselineAct<T, R, __half>(plan, p, stream);
+  }
+}
+
 template <typename T, typename R>
 cudaError_t LaunchStepFor(const LaunchPlan& plan, int device, const StepParams& p,
                           cudaStream_t stream) {
+  if (plan.role == KernelRole::kBaseline) return LaunchBaselineFor<T, R>(plan, p, stream);
   if (plan.role == KernelRole::kBulkStep) {
     return p.ly.kda != 0 ? LaunchBulkGate<T, R, true>(plan, device, p, stream)
                          : LaunchBulkGate<T, R, false>(plan, device, p, stream);

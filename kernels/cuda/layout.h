@@ -76,6 +76,29 @@ struct SmemLayout {
   }
 };
 
+// ---- the baseline kernel (baseline_kernel.cuh) -----------------------------------------------
+// The planned CTA (issue 20, peer method, fp32 state, B = 1..256; bench/results/kernels.md): one
+// warp of 8 state rows at K <= 128 (4 channels per lane; half the rows at K > 128, whose lanes
+// hold 8) — one-warp CTAs measured 1..2.5% faster than two- or four-warp ones of the same rows
+// at B >= 64; 16 rows once the batch has kBaselineWideHeadsPerSm v-heads per SM: twice the bytes
+// in flight per token prologue, at 168 registers (−1.4% at B = 256, +1.7% at B = 64, +11% at
+// B = 1).
+constexpr int kBaselineWarps = 1;
+constexpr int kBaselineRowsPerWarp = 8;
+constexpr int kBaselineRowsPerWarpWide = 16;
+constexpr int kBaselineWideHeadsPerSm = 32;
+// How the baseline kernel loads and stores the state (BaselineConfig::cache): plain, no hint
+// (−0.2..−2.8% against .cs at B >= 64; kCacheKeepStores was faster still in the peer method, but
+// leaves dead state lines in L2 at high priority for the kernels after it).
+enum BaselineCache : int32_t {
+  kCacheStream = 1,      // ld.global.cs, st.global.cs (evict-first)
+  kCacheNoL1 = 2,        // ld.global.nc.L1::no_allocate, st.global.cs
+  kCacheStreamLoad = 3,  // ld.global.cs, plain store
+  kCachePlain = 4,       // plain load and store
+  kCacheKeepStores = 5,  // ld.global.cs, st.global with an L2::evict_last policy
+};
+constexpr int kBaselineCache = kCachePlain;
+
 // ---- the bulk step kernel (bulk_step_kernel.cuh) --------------------------------------------
 constexpr int kBulkMaxWarps = 4;
 constexpr int kBulkMaxStages = 8;  // S0 stages per warp (an mbarrier each)

@@ -130,6 +130,40 @@ std::optional<LaunchPlan> PlanBulk(const LaunchProblem& pr, const DeviceLimits& 
   return plan;
 }
 
+// The baseline kernel: a CTA of NW warps x RPW rows on a grid (HV * tiles, B). nullopt past the
+// grid's 65535 rows, and for a 16-bit state once the bulk kernel's whole-head CTAs fill the GPU
+// twice over (its 8-byte rows leave the small CTAs short of bytes in flight: bf16 baseline
+// −1..+26% against the bulk kernel at B = 16..256, −35% at B = 1; issue 20, peer method).
+std::optional<LaunchPlan> PlanBaseline(const LaunchProblem& pr, const DeviceLimits& dev,
+                                       const LaunchOverrides& ov) {
+  const int64_t row_heads = pr.batch * pr.num_v_heads;
+  if (pr.batch > kMaxGridY) return std::nullopt;
+  if (pr.state_bytes != 4 && row_heads >= 2LL * dev.sms && ov.baseline_warps == 0 &&
+      ov.baseline_rows == 0 && ov.baseline_cache == 0) {
+    return std::nullopt;
+  }
+  LaunchPlan plan;
+  plan.role = KernelRole::kBaseline;
+  BaselineConfig& c = plan.baseline;
+  c.channels_per_lane = pr.head_k <= 128 ? 4 : 8;
+  c.warps = ov.baseline_warps != 0 ? ov.baseline_warps : kBaselineWarps;
+  // Wide heads: half the rows, so that a lane keeps the same state bytes in registers.
+  const bool wide = row_heads >= int64_t{kBaselineWideHeadsPerSm} * dev.sms;
+  const int rows = wide ? kBaselineRowsPerWarpWide : kBaselineRowsPerWarp;
+  c.rows_per_warp =
+      ov.baseline_rows != 0 ? ov.baseline_rows : (c.channels_per_lane == 4 ? rows : rows / 2);
+  c.cache = ov.baseline_cache != 0 ? ov.baseline_cache : kBaselineCache;
+  c.vec = pr.checkpoint_aligned;
+  c.tiles = CeilDiv(pr.head_v, c.warps * c.rows_per_warp);
+  const int64_t grid_x = int64_t{pr.num_v_heads} * c.tiles;
+  if (grid_x > kMaxGridX) return std::nullopt;
+  plan.grid_x = static_cast<uint32_t>(grid_x);
+  plan.grid_y = static_cast<uint32_t>(pr.batch);
+  plan.threads = c.warps * 32;
+  plan.smem_bytes = 0;
+  return plan;
+}
+
 bool UseBulk(const LaunchProblem& pr, const LaunchOverrides& ov) {
   switch (ov.step_kernel) {
     case LaunchOverrides::StepKernel::kTiled: return false;
@@ -151,6 +185,7 @@ const char* KernelRoleName(KernelRole role) {
     case KernelRole::kTiledStep: return "tiled";
     case KernelRole::kBulkStep: return "bulk";
     case KernelRole::kPrefill: return "prefill";
+    case KernelRole::kBaseline: return "baseline";
   }
   return "unknown";
 }
@@ -178,12 +213,26 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
   if (ov.late_stage != 0 && ov.late_stage != 1) {
     return Field("late_stage", "0 or 1", ov.late_stage);
   }
+  if (ov.baseline_warps != 0 && ov.baseline_warps != 1 && ov.baseline_warps != 2 &&
+      ov.baseline_warps != 4 && ov.baseline_warps != 8) {
+    return Field("baseline_warps", "0 (planned), 1, 2, 4 or 8", ov.baseline_warps);
+  }
+  if (ov.baseline_rows != 0 && ov.baseline_rows != 2 && ov.baseline_rows != 4 &&
+      ov.baseline_rows != 8 && ov.baseline_rows != 16) {
+    return Field("baseline_rows", "0 (planned), 2, 4, 8 or 16", ov.baseline_rows);
+  }
+  if (ov.baseline_cache < 0 || ov.baseline_cache > kCacheKeepStores) {
+    return Field("baseline_cache", "0 (planned) or 1..5", ov.baseline_cache);
+  }
   return "";
 }
 
 std::optional<LaunchPlan> Plan(const LaunchProblem& pr, const DeviceLimits& dev,
                                const LaunchOverrides& ov) {
   if (!IsStep(pr.op)) return PlanTiled(pr, KernelRole::kPrefill);
+  if (pr.op == KernelOp::kBaseline && ov.step_kernel == LaunchOverrides::StepKernel::kAuto) {
+    if (std::optional<LaunchPlan> baseline = PlanBaseline(pr, dev, ov)) return baseline;
+  }
   if (UseBulk(pr, ov) && pr.batch <= kMaxGridY) {
     if (std::optional<LaunchPlan> bulk = PlanBulk(pr, dev, ov)) return bulk;
   }

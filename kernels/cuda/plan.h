@@ -23,8 +23,9 @@ enum class KernelRole {
   kTiledStep,  // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
   kBulkStep,   // bulk-staged step: S0 through shared-memory stages filled by the copy engine
   kPrefill,    // prefill and the fold op: the state in registers for the whole row
+  kBaseline,   // baseline decode: small CTAs, each a few of a head's state rows in registers
 };
-const char* KernelRoleName(KernelRole role);  // "tiled", "bulk", "prefill"
+const char* KernelRoleName(KernelRole role);  // "tiled", "bulk", "prefill", "baseline"
 
 enum class KernelOp { kReplay, kBaseline, kVerify, kPrefill, kFold };
 
@@ -63,6 +64,12 @@ struct LaunchOverrides {
   int bulk_copy = 15;          // bulk: pieces the copy engine may fetch (1 S0, 2 ring d,
                                // 4 ring k, 8 ring g); the others take plain loads
   int late_stage = 1;          // bulk: 1 decode's late S0 stage where planned (BulkConfig), 0 none
+  // The baseline kernel (kAuto only; kTiled or kBulk run the baseline there; any of these set
+  // takes the baseline kernel for a 16-bit state too). Only the shapes launch.cuh builds launch
+  // (the planned ones; more for the benchmark's types).
+  int baseline_warps = 0;  // warps per CTA: 1, 2, 4 or 8
+  int baseline_rows = 0;   // state rows per warp: 2, 4, 8 or 16
+  int baseline_cache = 0;  // BaselineCache (layout.h)
 };
 
 // "" when every override is in range, else "<field>: expected <range>, got <value>".
@@ -95,6 +102,15 @@ struct BulkConfig {           // kBulkStep
   BulkSmem smem{};
 };
 
+struct BaselineConfig {       // kBaseline
+  int channels_per_lane = 0;  // KC: 4 for K <= 128, else 8
+  int warps = 0;              // NW
+  int rows_per_warp = 0;      // RPW
+  int tiles = 0;              // CTAs per v-head: ceil(V / (NW * RPW))
+  int cache = 0;              // BaselineCache
+  bool vec = false;           // the checkpoint takes vector loads and stores
+};
+
 struct LaunchPlan {
   KernelRole role = KernelRole::kTiledStep;
   uint32_t grid_x = 0, grid_y = 1;
@@ -102,12 +118,13 @@ struct LaunchPlan {
   size_t smem_bytes = 0;
   TiledConfig tiled;  // kTiledStep, kPrefill
   BulkConfig bulk;    // kBulkStep
+  BaselineConfig baseline;  // kBaseline
 };
 
 // The launch of `problem` on a device with `limits`; nullopt when no grid can cover it (more
-// than 2^31 - 1 CTAs). `overrides` must have passed CheckOverrides. Baseline and replay of one
-// problem take the same kernel (their results are then bit-identical at L = 1) unless the
-// replay's ring does not fit the bulk kernel's shared memory.
+// than 2^31 - 1 CTAs). `overrides` must have passed CheckOverrides. The baseline takes its own
+// kernel (up to 65535 rows), whose arithmetic is the bulk kernel's: replay at L = 1 is the
+// baseline bit for bit wherever replay takes the bulk kernel.
 std::optional<LaunchPlan> Plan(const LaunchProblem& problem, const DeviceLimits& limits,
                                const LaunchOverrides& overrides = {});
 

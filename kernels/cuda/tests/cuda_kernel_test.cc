@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <string>
 #include <utility>
@@ -395,6 +396,48 @@ void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1,
   }
 }
 
+// `steps` baseline steps of a batch of every request in a fresh order plus a padding row, each
+// through both backends (the CUDA one with `forced` overrides), outputs and pools compared.
+// `plan` receives the launch of the last step.
+void RunBaselineCase(const Config& cfg, int num_requests, uint64_t seed, int steps,
+                     const cuda::LaunchOverrides& forced, cuda::LaunchPlan* plan) {
+  SCOPED_TRACE("baseline, config " + cfg.Name() + " seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  Layer host(cfg, num_requests + 2, rng);
+  for (int s = 1; s <= num_requests; ++s) host.RandomCheckpoint(s, rng);
+  DevLayer dev(host);
+  ASSERT_NE(dev.cp.get(), nullptr);
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<int32_t> slot_idx;
+    for (int s = 1; s <= num_requests; ++s) slot_idx.push_back(s);
+    slot_idx.push_back(-1);
+    std::shuffle(slot_idx.begin(), slot_idx.end(), rng);
+    const int B = static_cast<int>(slot_idx.size());
+    Tokens tok(host, B, rng);
+    const int64_t out_n = int64_t{B} * cfg.hv * cfg.v;
+    Buffer out_cpu(cfg.act_dtype, out_n), out_gpu(cfg.act_dtype, out_n);
+    out_cpu.FillNaN();
+    out_gpu.FillNaN();
+    rssm_decode_args a = host.DecodeArgs(B, slot_idx.data(), nullptr, tok, out_cpu);
+    ASSERT_EQ(rssm_baseline_decode(&a), RSSM_OK) << rssm_last_error();
+    DevTokens dtok(tok);
+    DevBuf dslot = ToDevice(slot_idx), dout = ToDevice(out_gpu);
+    a.launch = {RSSM_BACKEND_CUDA, nullptr};
+    a.params = dev.Params(host);
+    a.pool = dev.Pool(host);
+    a.slot_idx = dslot.as<int32_t>();
+    a.in = dtok.Inputs();
+    a.out = rssm_token_outputs{dout.get(), 0};
+    ASSERT_EQ(BaselineDecodeWith(&a, forced, plan), RSSM_OK) << rssm_last_error();
+    CUDA_OK(cudaDeviceSynchronize());
+    dout.Download(out_gpu.data());
+    CompareOutputs(out_gpu, out_cpu, cfg, "baseline");
+    ComparePools(host, dev, "baseline");
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
 bool HaveGpu() { return rssm_backend_available(RSSM_BACKEND_CUDA) == 1; }
 constexpr char kNoGpu[] = "no CUDA device: these tests (ctest label gpu) run on a GPU machine";
 
@@ -535,11 +578,91 @@ TEST(CudaKernels, LargeShapesMatchCpu) {
   }
 }
 
-// L = 1: every replay step folds at w = 0, which must be the baseline bit for bit.
+// The baseline decode on every gate x (state, ring) dtype pair x act dtype: head dims on both
+// sides of 128 (4 and 8 channels per lane), V not a multiple of a CTA's rows, padding rows,
+// unaligned slots; on the planned kernel (the baseline kernel), and on the bulk and tiled
+// kernels forced (the benchmark's comparison).
+TEST(CudaKernels, BaselineMatchesCpu) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  const int dims[] = {16, 64, 96, 128, 256};
+  int i = 0;
+  for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+    for (auto [st, ring] : kStoragePairs) {
+      for (rssm_dtype act : kDtypes) {
+        for (int rep = 0; rep < 2; ++rep, ++i) {
+          Config c;
+          c.gate = gate;
+          c.state_dtype = st;
+          c.ring_dtype = ring;
+          c.act_dtype = act;
+          c.h = 2;
+          c.hv = 2 * (1 + i % 2);
+          c.l = 4;
+          c.k = dims[i % 5];
+          c.v = dims[(i / 5 + 2 * i + 1) % 5];
+          c.l2norm = (i % 4) != 1;
+          c.slot_pad = (i % 3 == 2) ? 3 : 0;  // unaligned slots: the scalar fallback
+          cuda::LaunchPlan plan;
+          RunBaselineCase(c, 3 + i % 3, 9000 + i, 3, {}, &plan);
+          if (::testing::Test::HasFailure()) return;
+          EXPECT_EQ(plan.role, cuda::KernelRole::kBaseline);
+          EXPECT_EQ(plan.baseline.vec, c.slot_pad == 0);
+          cuda::LaunchOverrides forced;
+          forced.step_kernel = i % 2 == 0 ? cuda::LaunchOverrides::StepKernel::kBulk
+                                          : cuda::LaunchOverrides::StepKernel::kTiled;
+          RunBaselineCase(c, 3, 9500 + i, 2, forced, &plan);
+          if (::testing::Test::HasFailure()) return;
+          EXPECT_EQ(plan.role,
+                    i % 2 == 0 ? cuda::KernelRole::kBulkStep : cuda::KernelRole::kTiledStep);
+        }
+      }
+    }
+  }
+}
+
+// The baseline kernel's other CTA shapes (the benchmark's overrides) at the benchmark's dims.
+TEST(CudaKernels, BaselineShapesMatchCpu) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  const int shapes[][3] = {{1, 8, 4}, {1, 16, 4}, {2, 8, 4},  {2, 16, 4}, {4, 8, 1},  {4, 4, 4},
+                           {2, 8, 1}, {2, 16, 1}, {2, 16, 2}, {2, 16, 3}, {2, 16, 5}, {2, 8, 5}};
+  constexpr int kBf16Shapes = 6;  // the first ones are built for a bf16 state too
+  int i = 0;
+  for (rssm_dtype st : {RSSM_DTYPE_F32, RSSM_DTYPE_BF16}) {
+    for (int j = 0; j < (st == RSSM_DTYPE_F32 ? int(std::size(shapes)) : kBf16Shapes); ++j) {
+      const int* sh = shapes[j];
+      Config c;
+      c.gate = i % 2 == 0 ? RSSM_GATE_GDN : RSSM_GATE_KDA;
+      c.state_dtype = st;
+      c.act_dtype = RSSM_DTYPE_BF16;
+      c.h = 2;
+      c.hv = 4;
+      c.k = 128;
+      c.v = i % 3 == 0 ? 96 : 128;
+      c.l = 4;
+      cuda::LaunchOverrides ov;
+      ov.baseline_warps = sh[0];
+      ov.baseline_rows = sh[1];
+      ov.baseline_cache = sh[2];
+      SCOPED_TRACE("shape " + std::to_string(sh[0]) + " x " + std::to_string(sh[1]) + ", cache " +
+                   std::to_string(sh[2]));
+      cuda::LaunchPlan plan;
+      RunBaselineCase(c, 4, 9900 + i++, 2, ov, &plan);
+      if (::testing::Test::HasFailure()) return;
+      EXPECT_EQ(plan.baseline.warps, sh[0]);
+      EXPECT_EQ(plan.baseline.rows_per_warp, sh[1]);
+    }
+  }
+}
+
+// L = 1: every replay step folds at w = 0, which must be the baseline bit for bit (the bulk
+// kernel's replay against the baseline kernel in both its planned row counts).
 TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
   ASSERT_TRUE(HaveGpu()) << kNoGpu;
   for (auto [st, ring] : kStoragePairs) {
-    for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+    for (auto [gate, rows] : {std::pair{RSSM_GATE_GDN, 0},
+                              {RSSM_GATE_KDA, 0},
+                              {RSSM_GATE_GDN, cuda::kBaselineRowsPerWarpWide},
+                              {RSSM_GATE_KDA, cuda::kBaselineRowsPerWarpWide}}) {
       Config c;
       c.gate = gate;
       c.state_dtype = st;
@@ -549,7 +672,9 @@ TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
       c.hv = 8;
       c.k = c.v = 128;
       c.l = 1;
-      SCOPED_TRACE(c.Name());
+      SCOPED_TRACE(c.Name() + (rows != 0 ? ", wide baseline CTAs" : ""));
+      cuda::LaunchOverrides ov;
+      ov.baseline_rows = rows;
       std::mt19937_64 rng(4242);
       const int B = 16;
       Layer host(c, B, rng);
@@ -577,7 +702,7 @@ TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
         ASSERT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
         a.pool = baseline.Pool(host);
         a.out = rssm_token_outputs{d2.get(), 0};
-        ASSERT_EQ(rssm_baseline_decode(&a), RSSM_OK) << rssm_last_error();
+        ASSERT_EQ(BaselineDecodeWith(&a, ov), RSSM_OK) << rssm_last_error();
         CUDA_OK(cudaDeviceSynchronize());
         d1.Download(o1.data());
         d2.Download(o2.data());

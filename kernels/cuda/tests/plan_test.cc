@@ -47,12 +47,67 @@ int CtasPerSm(const LaunchPlan& plan) {
   return kH200.smem_per_sm / (static_cast<int>(plan.smem_bytes) + 1024);
 }
 
-TEST(Plan, DecodeTakesTheBulkKernelAtEveryBatch) {
+TEST(Plan, ReplayTakesTheBulkKernelAtEveryBatch) {
   for (int64_t b : {1, 2, 16, 64, 256, 4096}) {
-    for (KernelOp op : {KernelOp::kReplay, KernelOp::kBaseline}) {
-      EXPECT_EQ(PlanOf(Shape(op, b)).role, KernelRole::kBulkStep) << "batch " << b;
-    }
+    EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b)).role, KernelRole::kBulkStep) << "batch " << b;
   }
+}
+
+TEST(Plan, BaselineTakesItsKernelAtEveryBatch) {
+  for (int64_t b : {1, 2, 16, 64, 128, 131, 132, 256, 4096, 65535}) {
+    const LaunchPlan plan = PlanOf(Shape(KernelOp::kBaseline, b));
+    EXPECT_EQ(plan.role, KernelRole::kBaseline) << "batch " << b;
+    const BaselineConfig& c = plan.baseline;
+    // 16 rows per warp once the batch has 32 v-heads per SM (32 x 132 >= 32 x 132).
+    const int rows = b >= 132 ? kBaselineRowsPerWarpWide : kBaselineRowsPerWarp;
+    EXPECT_EQ(c.channels_per_lane, 4);
+    EXPECT_EQ(c.warps, kBaselineWarps);
+    EXPECT_EQ(c.rows_per_warp, rows) << "batch " << b;
+    EXPECT_EQ(c.cache, kBaselineCache);
+    EXPECT_TRUE(c.vec);
+    EXPECT_EQ(c.tiles, 128 / (kBaselineWarps * rows));
+    EXPECT_EQ(plan.grid_x, 32u * c.tiles);
+    EXPECT_EQ(plan.grid_y, static_cast<uint32_t>(b));
+    EXPECT_EQ(plan.threads, kBaselineWarps * 32);
+    EXPECT_EQ(plan.smem_bytes, 0u);
+  }
+  // Wide heads: 8 channels per lane, half the rows; unaligned slots: scalar loads.
+  LaunchProblem p = Shape(KernelOp::kBaseline, 256);
+  p.head_k = 256;
+  p.head_v = 96;
+  p.checkpoint_aligned = false;
+  const LaunchPlan wide = PlanOf(p);
+  const int rows = kBaselineRowsPerWarpWide / 2;
+  EXPECT_EQ(wide.baseline.channels_per_lane, 8);
+  EXPECT_EQ(wide.baseline.rows_per_warp, rows);
+  EXPECT_EQ(wide.baseline.tiles, (96 + kBaselineWarps * rows - 1) / (kBaselineWarps * rows));
+  EXPECT_FALSE(wide.baseline.vec);
+  // Past the grid's 65535 rows, and when a step kernel is forced: replay's kernel.
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 65536)).role, KernelRole::kTiledStep);
+  LaunchOverrides bulk;
+  bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 64), bulk).role, KernelRole::kBulkStep);
+  // The benchmark's overrides.
+  LaunchOverrides ov;
+  ov.baseline_warps = 4;
+  ov.baseline_rows = 8;
+  ov.baseline_cache = kCacheStream;
+  const BaselineConfig c = PlanOf(Shape(KernelOp::kBaseline, 64), ov).baseline;
+  EXPECT_EQ(c.warps, 4);
+  EXPECT_EQ(c.rows_per_warp, 8);
+  EXPECT_EQ(c.cache, kCacheStream);
+  EXPECT_EQ(c.tiles, 4);
+}
+
+// A 16-bit state takes the baseline kernel only while the bulk kernel's whole-head CTAs do not
+// fill the GPU twice over (or when a baseline override asks for it).
+TEST(Plan, SixteenBitBaselineTakesTheBulkKernelOnceItFillsTheGpu) {
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 8, false, 2)).role, KernelRole::kBaseline);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 9, true, 2)).role, KernelRole::kBulkStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 256, false, 2)).role, KernelRole::kBulkStep);
+  LaunchOverrides ov;
+  ov.baseline_rows = 16;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 256, false, 2), ov).role, KernelRole::kBaseline);
 }
 
 TEST(Plan, VerifyTakesTheTiledKernelBelowSixteenRows) {
@@ -90,8 +145,10 @@ TEST(Plan, DecodeGivesUpAStageRatherThanACtaPerSm) {
   const LaunchPlan replay = PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true));
   EXPECT_EQ(replay.bulk.stages, 1);
   EXPECT_GE(CtasPerSm(replay), 4);
-  // The baseline holds no records: two stages fit.
-  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 256, true)).bulk.stages, 2);
+  // The baseline holds no records: two stages fit (on the bulk kernel, forced).
+  LaunchOverrides bulk;
+  bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 256, true), bulk).bulk.stages, 2);
   // A forced stage count is kept.
   LaunchOverrides ov;
   ov.stages = 2;
@@ -109,7 +166,9 @@ TEST(Plan, Fp32ReplayTakesALateStageWhereTheRecordsHoldOne) {
   // GDN's records (8 KB of k) hold none; the baseline has no records; verify and 16-bit
   // state do not take it.
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256)).bulk.late_stage);
-  EXPECT_FALSE(PlanOf(Shape(KernelOp::kBaseline, 256, true)).bulk.late_stage);
+  LaunchOverrides bulk;
+  bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kBaseline, 256, true), bulk).bulk.late_stage);
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kVerify, 256, true)).bulk.late_stage);
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256, true, /*state_bytes=*/2)).bulk.late_stage);
   // Small batches: each warp's two batches are both in flight already.
@@ -135,7 +194,9 @@ TEST(Plan, WideHeadsTakeEightChannelsPerLane) {
   EXPECT_EQ(PlanOf(p).tiled.kmax, 256);
 }
 
-TEST(Plan, BaselineAndReplayShareTheKernelOnEveryShape) {
+// Forced onto replay's kernels (the benchmark's comparison), the baseline takes replay's kernel
+// and CTA geometry.
+TEST(Plan, ForcedBaselineSharesReplaysKernelOnEveryShape) {
   for (bool kda : {false, true}) {
     for (auto [state_bytes, ring_bytes] : {std::pair{4, 4}, {4, 2}, {2, 2}}) {
       for (int k : {16, 64, 128, 256}) {
@@ -148,7 +209,11 @@ TEST(Plan, BaselineAndReplayShareTheKernelOnEveryShape) {
               p.ring_len = l;
               const LaunchPlan replay = PlanOf(p);
               p.op = KernelOp::kBaseline;
-              const LaunchPlan baseline = PlanOf(p);
+              LaunchOverrides forced;
+              forced.step_kernel = replay.role == KernelRole::kBulkStep
+                                       ? LaunchOverrides::StepKernel::kBulk
+                                       : LaunchOverrides::StepKernel::kTiled;
+              const LaunchPlan baseline = PlanOf(p, forced);
               ASSERT_EQ(replay.role, baseline.role)
                   << "kda " << kda << " bytes " << state_bytes << "/" << ring_bytes << " K " << k
                   << " V " << v << " L " << l << " B " << b;
@@ -289,6 +354,15 @@ TEST(Plan, CheckOverridesNamesTheFieldTheRangeAndTheValue) {
   ov = {};
   ov.bulk_min_batch = -1;
   EXPECT_EQ(CheckOverrides(ov), "bulk_min_batch: expected 0 (planned) or >= 1, got -1");
+  ov = {};
+  ov.baseline_warps = 3;
+  EXPECT_EQ(CheckOverrides(ov), "baseline_warps: expected 0 (planned), 1, 2, 4 or 8, got 3");
+  ov = {};
+  ov.baseline_rows = 32;
+  EXPECT_EQ(CheckOverrides(ov), "baseline_rows: expected 0 (planned), 2, 4, 8 or 16, got 32");
+  ov = {};
+  ov.baseline_cache = 6;
+  EXPECT_EQ(CheckOverrides(ov), "baseline_cache: expected 0 (planned) or 1..5, got 6");
 }
 
 // The internal entry points check the overrides with every other argument, before anything

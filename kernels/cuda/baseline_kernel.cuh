@@ -1,0 +1,294 @@
+// The baseline decode kernel (rssm_baseline_decode): read a head's state, apply one gated delta
+// step, write it back. A grid of small CTAs, each holding NW * RPW of a head's state rows in
+// registers (no shared memory, no barriers): warp w of CTA (x, r) takes rows
+// [(tile * NW + w) * RPW, + RPW) of v-head x / tiles of batch row r, lane l the key channels
+// [KC * l, KC * l + KC) of each (a warp reads a row in one coalesced access). Every warp loads
+// its row's token and normalizes q and k itself, and issues all its state loads before any
+// arithmetic: many independent CTAs keep the state's bytes in flight (the bulk kernel's one CTA
+// per head was latency-bound on this op: bench/results/kernels.md).
+//
+// The arithmetic is the bulk kernel's baseline (bulk_step_kernel.cuh at w = 0) operation for
+// operation: the lane's partials in channel order, then a transposed butterfly over the 32
+// lanes, whose sums are the same tree for any number of values; so replay at L = 1 (the bulk
+// kernel) is still the baseline bit for bit. Types: T the checkpoint's storage, R the ring's
+// (the new d and k enter the state rounded to it, as a folding replay's), A the activations'.
+#ifndef REPLAYSSM_KERNELS_CUDA_BASELINE_KERNEL_CUH_
+#define REPLAYSSM_KERNELS_CUDA_BASELINE_KERNEL_CUH_
+
+#include "common.cuh"
+#include "params.h"
+
+namespace replayssm::kernels::cuda {
+
+struct BaselineParams {
+  LayerDesc ly;
+  int32_t tiles;            // CTAs per v-head: ceil(V / (NW * RPW))
+  int32_t vec;              // the checkpoint's base and slot stride are 16-byte aligned
+  const int32_t* slot_idx;  // [B]
+};
+
+// A token's beta from its raw b: the one place the baseline computes it.
+template <typename A>
+__device__ __forceinline__ float StepBeta(const LayerDesc& ly, A b) {
+  (void)ly;
+  return Sigmoid(ToF(b));
+}
+
+// How the state's rows are loaded and stored: BaselineCache (layout.h).
+template <int CACHE>
+__device__ __forceinline__ uint4 LoadState16(const void* p) {
+  if constexpr (CACHE == kCacheStream || CACHE == kCacheStreamLoad || CACHE == kCacheKeepStores) {
+    return __ldcs(static_cast<const uint4*>(p));
+  } else if constexpr (CACHE == kCacheNoL1) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+  } else {
+    return *static_cast<const uint4*>(p);
+  }
+}
+template <int CACHE>
+__device__ __forceinline__ uint2 LoadState8(const void* p) {
+  if constexpr (CACHE == kCacheStream || CACHE == kCacheStreamLoad || CACHE == kCacheKeepStores) {
+    return __ldcs(static_cast<const uint2*>(p));
+  } else if constexpr (CACHE == kCacheNoL1) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p));
+    return v;
+  } else {
+    return *static_cast<const uint2*>(p);
+  }
+}
+// An L2 policy that keeps the lines it touches past normal ones (kCacheKeepStores).
+__device__ __forceinline__ uint64_t EvictLastPolicy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+template <int CACHE>
+__device__ __forceinline__ void StoreState16(void* p, uint4 v) {
+  if constexpr (CACHE == kCacheStream || CACHE == kCacheNoL1) {
+    __stcs(static_cast<uint4*>(p), v);
+  } else if constexpr (CACHE == kCacheKeepStores) {
+    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w), "l"(EvictLastPolicy())
+                 : "memory");
+  } else {
+    *static_cast<uint4*>(p) = v;
+  }
+}
+template <int CACHE>
+__device__ __forceinline__ void StoreState8(void* p, uint2 v) {
+  if constexpr (CACHE == kCacheStream || CACHE == kCacheNoL1) {
+    __stcs(static_cast<uint2*>(p), v);
+  } else if constexpr (CACHE == kCacheKeepStores) {
+    asm volatile("st.global.L2::cache_hint.v2.u32 [%0], {%1, %2}, %3;" ::"l"(p), "r"(v.x), "r"(v.y),
+                 "l"(EvictLastPolicy())
+                 : "memory");
+  } else {
+    *static_cast<uint2*>(p) = v;
+  }
+}
+
+// KC channels of one state row in registers, raw (converted on use).
+template <typename T, int KC>
+struct StateRow {
+  static constexpr int kBytes = KC * int(sizeof(T));
+  static_assert(kBytes % 8 == 0, "8- or 16-byte pieces");
+  uint32_t w[kBytes / 4];
+  __device__ __forceinline__ float Get(int e) const {
+    return ToF(reinterpret_cast<const T*>(w)[e]);
+  }
+  __device__ __forceinline__ void Set(int e, float x) { reinterpret_cast<T*>(w)[e] = FromF<T>(x); }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int i = 0; i < kBytes / 4; ++i) w[i] = 0u;
+  }
+  // From p: vector loads when `vec` (p aligned to 16 bytes, or 8 for an 8-byte row), else
+  // element by element.
+  template <int CACHE>
+  __device__ __forceinline__ void Load(const T* p, bool vec) {
+    if (vec) {
+      if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < kBytes / 16; ++i) {
+          const uint4 x = LoadState16<CACHE>(reinterpret_cast<const uint4*>(p) + i);
+          w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+        }
+      } else {
+        const uint2 x = LoadState8<CACHE>(p);
+        w[0] = x.x, w[1] = x.y;
+      }
+      return;
+    }
+    T* d = reinterpret_cast<T*>(w);
+#pragma unroll
+    for (int e = 0; e < KC; ++e) d[e] = p[e];
+  }
+  template <int CACHE>
+  __device__ __forceinline__ void Store(T* p, bool vec) const {
+    if (vec) {
+      if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < kBytes / 16; ++i) {
+          StoreState16<CACHE>(reinterpret_cast<uint4*>(p) + i,
+                              make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]));
+        }
+      } else {
+        StoreState8<CACHE>(p, make_uint2(w[0], w[1]));
+      }
+      return;
+    }
+    const T* s = reinterpret_cast<const T*>(w);
+#pragma unroll
+    for (int e = 0; e < KC; ++e) p[e] = s[e];
+  }
+};
+
+// Grid (HV * tiles, B), NW warps per CTA. Requirements: K <= 32 * KC, 2 * RPW <= 32.
+template <typename T, typename R, typename A, bool KDA, int KC, int NW, int RPW, int CACHE>
+__global__ void __launch_bounds__(NW * 32)
+    BaselineKernel(const __grid_constant__ BaselineParams p) {
+  constexpr int NV = 2 * RPW;  // values per transposed butterfly: ·(A∘k), ·(A∘q) per row
+  constexpr int SPREAD = 32 / NV;
+  static_assert(NV <= 32, "2 * RPW values must fit one butterfly");
+  constexpr unsigned kAll = 0xffffffffu;
+  const LayerDesc& ly = p.ly;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = blockIdx.y;
+  const int h = blockIdx.x / p.tiles, tile = blockIdx.x - h * p.tiles;
+  const int K = ly.K, V = ly.V, H = ly.H;
+  const int v0 = (tile * NW + warp) * RPW;  // the warp's first row
+  if (v0 >= V) return;                      // a last tile's idle warp (no CTA barrier here)
+  const int nrows = min(RPW, V - v0);
+  // The slot first (the state's address waits for it), then every token load.
+  const int slot_i = p.slot_idx[r];
+  const int hq = h / ly.group;
+  const int c0 = lane * KC;
+  const bool has_c = c0 < K;
+  const int row_l = lane % RPW;  // the row whose d, o this lane finishes
+  const A* const qkv = static_cast<const A*>(ly.qkv) + int64_t{r} * ly.qkv_stride;
+  const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
+  A qr[KC], kr[KC], ar[KC];
+  float db[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    qr[e] = kr[e] = ar[e] = A{};
+    db[e] = 0.f;
+    if (has_c) {
+      qr[e] = qkv[int64_t{hq} * K + c0 + e];
+      kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
+      if constexpr (KDA) {
+        ar[e] = ga[int64_t{h} * K + c0 + e];
+        db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
+      }
+    }
+  }
+  if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
+  const A b_raw = static_cast<const A*>(ly.b)[int64_t{r} * ly.b_stride + h];
+  const float alog = ly.a_log[h];
+  const bool row_on = row_l < nrows;
+  const A v_raw = row_on ? qkv[int64_t{2 * H} * K + int64_t{h} * V + v0 + row_l] : A{};
+  A* const orow = static_cast<A*>(ly.o) + int64_t{r} * ly.o_stride + int64_t{h} * V + v0;
+  if (slot_i < 0 || slot_i >= ly.num_slots) {  // a padding row: zero outputs
+    if (lane < nrows) orow[lane] = FromF<A>(0.f);
+    return;
+  }
+  T* const s0 =
+      static_cast<T*>(ly.ckpt) + int64_t{slot_i} * ly.ckpt_stride + (int64_t{h} * V + v0) * K + c0;
+  const bool vec = p.vec != 0;
+  StateRow<T, KC> x[RPW];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    if (has_c && i < nrows) {
+      x[i].template Load<CACHE>(s0 + int64_t{i} * K, vec);
+    } else {
+      x[i].Zero();
+    }
+  }
+
+  // q and k normalized (q scaled), k·q: the bulk kernel's NormDraft.
+  float q[KC], kk[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    q[e] = has_c ? ToF(qr[e]) : 0.f;
+    kk[e] = has_c ? ToF(kr[e]) : 0.f;
+  }
+  if (ly.l2norm) {
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += kk[e] * kk[e];
+    sq = WarpSum(sq);
+    sk = WarpSum(sk);
+    const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < KC; ++e) q[e] *= iq, kk[e] *= ik;
+  }
+  float dkq = 0.f;
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    q[e] *= ly.scale;
+    dkq += kk[e] * q[e];
+  }
+  const float kq = WarpSum(dkq);
+  // The decay A = exp(g), A∘k, A∘q and the new k as the ring would hold it (the fold's).
+  const float decay = -expf(alog);
+  float av[KC], ka[KC], qa[KC], kn[KC];
+  const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(ar[0]) + db[0]);
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    const float g = KDA ? (has_c ? decay * Softplus(ToF(ar[e]) + db[e]) : 0.f) : g_gdn;
+    const float a = expf(g);
+    av[e] = has_c ? a : 0.f;
+    ka[e] = has_c ? a * kk[e] : 0.f;
+    qa[e] = has_c ? a * q[e] : 0.f;
+    kn[e] = has_c ? RoundTo<R>(kk[e]) : 0.f;
+  }
+  const float beta = StepBeta<A>(ly, b_raw);
+
+  // S0·(A∘k), S0·(A∘q) per row: the lane's partials, then one butterfly for all rows.
+  float acc[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+    for (int e = 0; e < KC; ++e) {
+      const float s = x[i].Get(e);
+      acc[2 * i] += s * ka[e];
+      acc[2 * i + 1] += s * qa[e];
+    }
+  }
+  TransposeReduce<NV, 16>::Run(acc, lane);
+  const float sk = __shfl_sync(kAll, acc[0], (row_l * 2) * SPREAD);
+  const float sq = __shfl_sync(kAll, acc[0], (row_l * 2 + 1) * SPREAD);
+  const float d = beta * (ToF(v_raw) - sk);
+  const float dcur = ToF(FromF<R>(d));  // the new d as the ring would hold it (the fold's)
+  const float o = sq + d * kq;
+  if (lane < nrows) orow[lane] = FromF<A>(o);
+
+  // The new rows: S0·A + R(d) R(k)ᵀ, the bulk kernel's FoldBatch at w = 0.
+  float out[RPW][KC];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+    for (int e = 0; e < KC; ++e) out[i][e] = x[i].Get(e) * av[e];
+  }
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const float di = __shfl_sync(kAll, dcur, i);
+    if (!has_c || i >= nrows) continue;
+    StateRow<T, KC> y;
+#pragma unroll
+    for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
+    y.template Store<CACHE>(s0 + int64_t{i} * K, vec);
+  }
+}
+
+}  // namespace replayssm::kernels::cuda
+
+#endif  // REPLAYSSM_KERNELS_CUDA_BASELINE_KERNEL_CUH_
