@@ -602,6 +602,7 @@ TEST(CudaKernels, BaselineMatchesCpu) {
           c.v = dims[(i / 5 + 2 * i + 1) % 5];
           c.l2norm = (i % 4) != 1;
           c.slot_pad = (i % 3 == 2) ? 3 : 0;  // unaligned slots: the scalar fallback
+          c.round_beta = rep == 1;
           cuda::LaunchPlan plan;
           RunBaselineCase(c, 3 + i % 3, 9000 + i, 3, {}, &plan);
           if (::testing::Test::HasFailure()) return;
@@ -672,6 +673,7 @@ TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
       c.hv = 8;
       c.k = c.v = 128;
       c.l = 1;
+      c.round_beta = rows != 0;
       SCOPED_TRACE(c.Name() + (rows != 0 ? ", wide baseline CTAs" : ""));
       cuda::LaunchOverrides ov;
       ov.baseline_rows = rows;
