@@ -169,7 +169,9 @@ class CachePath {
 };
 
 // The bare path over a pool of its own: the same folds, copies, launches and waits, with the
-// same kind of stream and pinned staging as a cache lane, and nothing else.
+// same kind of stream and pinned staging as a cache lane, and nothing else. With the model's
+// short convolution (every preset) each layer's decode joins it, and a fold folds its window,
+// as the cache does.
 class BarePath {
  public:
   BarePath(const ModelSpec& m, int32_t backend, int batch)
@@ -190,6 +192,15 @@ class BarePath {
                 0};
       y.a_log = Upload(m.layers[l].a_log.data(), m.layers[l].a_log.size() * 4);
       y.dt_bias = Upload(m.layers[l].dt_bias.data(), m.layers[l].dt_bias.size() * 4);
+      if (m.conv_width > 0) {
+        const rssm_conv_shape cs = m.ConvShape();
+        y.conv = {Alloc(backend, batch * rssm_conv_window_elems(&cs) * ae),
+                  Alloc(backend, batch * rssm_conv_ring_elems(&cs) * ae), batch, 0, 0};
+        y.conv_weight = Upload(m.layers[l].conv_weight.data(), m.layers[l].conv_weight.size() * 4);
+        if (!m.layers[l].conv_bias.empty()) {
+          y.conv_bias = Upload(m.layers[l].conv_bias.data(), m.layers[l].conv_bias.size() * 4);
+        }
+      }
     }
     for (auto [buf, bytes] : {std::pair{&qkv_, batch * m.QkvWidth() * ae},
                               {&a_, batch * m.AWidth() * ae},
@@ -198,7 +209,8 @@ class BarePath {
                               {&idx_, int64_t{batch} * 4},
                               {&pos_, int64_t{batch} * 4},
                               {&fold_idx_, int64_t{batch} * 4},
-                              {&fold_pos_, int64_t{batch} * 4}}) {
+                              {&fold_pos_, int64_t{batch} * 4},
+                              {&conv_y_, batch * m.QkvWidth() * ae}}) {
       *buf = Alloc(backend, bytes);
     }
     pinned_bytes_ =
@@ -214,12 +226,15 @@ class BarePath {
     const rssm_launch l = Launch();
     rssm_synchronize(&l);
     for (Layer& y : layers_) {
-      for (void* p : {y.pool.checkpoint, y.pool.ring_d, y.pool.ring_k,
-                      static_cast<void*>(y.pool.ring_g), y.a_log, y.dt_bias}) {
-        rssm_free(backend_, p);
+      for (void* p :
+           {y.pool.checkpoint, y.pool.ring_d, y.pool.ring_k, static_cast<void*>(y.pool.ring_g),
+            y.a_log, y.dt_bias, y.conv.window, y.conv.ring_x, y.conv_weight, y.conv_bias}) {
+        if (p != nullptr) rssm_free(backend_, p);
       }
     }
-    for (void* p : {qkv_, a_, b_, out_, idx_, pos_, fold_idx_, fold_pos_}) rssm_free(backend_, p);
+    for (void* p : {qkv_, a_, b_, out_, idx_, pos_, fold_idx_, fold_pos_, conv_y_}) {
+      rssm_free(backend_, p);
+    }
     rssm_free_host(backend_, pinned_);
     rssm_stream_destroy(backend_, stream_);
   }
@@ -247,6 +262,12 @@ class BarePath {
       d.write_pos = static_cast<const int32_t*>(pos_);
       d.in = {io[l].mixed_qkv, io[l].a, io[l].b, 0, 0, 0};
       d.out = {io[l].out, 0};
+      rssm_decode_conv conv{};
+      if (m_.conv_width > 0) {
+        conv = {m_.conv_width, static_cast<const float*>(layers_[l].conv_weight),
+                static_cast<const float*>(layers_[l].conv_bias), layers_[l].conv, conv_y_};
+        d.conv = &conv;
+      }
       if (host) {
         Stage(qkv_, io[l].mixed_qkv, batch_ * m_.QkvWidth() * ae);
         Stage(a_, io[l].a, batch_ * m_.AWidth() * ae);
@@ -274,6 +295,8 @@ class BarePath {
   struct Layer {
     rssm_state_pool pool;
     void *a_log, *dt_bias;
+    rssm_conv_state conv{};  // window, ring x (with a convolution)
+    void *conv_weight = nullptr, *conv_bias = nullptr;
   };
   rssm_launch Launch() const { return {backend_, stream_}; }
   void* Upload(const void* src, size_t bytes) {
@@ -317,6 +340,15 @@ class BarePath {
                              static_cast<const int32_t*>(fold_idx_),
                              static_cast<const int32_t*>(fold_pos_)};
       CHECK_RSSM(rssm_fold(&f));
+      if (m_.conv_width > 0) {
+        const rssm_conv_fold_args cf{Launch(),
+                                     m_.ConvShape(),
+                                     layers_[l].conv,
+                                     n,
+                                     static_cast<const int32_t*>(fold_idx_),
+                                     static_cast<const int32_t*>(fold_pos_)};
+        CHECK_RSSM(rssm_conv_fold(&cf));
+      }
     }
   }
 
@@ -324,7 +356,7 @@ class BarePath {
   const int32_t backend_;
   const int batch_;
   std::vector<Layer> layers_;
-  void *qkv_, *a_, *b_, *out_, *idx_, *pos_, *fold_idx_, *fold_pos_;
+  void *qkv_, *a_, *b_, *out_, *idx_, *pos_, *fold_idx_, *fold_pos_, *conv_y_;
   void* pinned_ = nullptr;
   size_t pinned_bytes_ = 0, used_ = 0;
   void* stream_ = nullptr;
