@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda_util.h"
 #include "bench/flags.h"
 #include "replayssm/kernels.h"
 
@@ -25,36 +26,8 @@ cudaError_t LaunchSpin(long long cycles, cudaStream_t stream);
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                          \
-  do {                                                                                         \
-    const cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-#define CHECK_RSSM(x)                                                                     \
-  do {                                                                                    \
-    const rssm_status s_ = (x);                                                           \
-    if (s_ != RSSM_OK) {                                                                  \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, rssm_last_error()); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-
-void* DeviceAlloc(size_t bytes) {
-  void* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, bytes));
-  CHECK_CUDA(cudaMemset(p, 0, bytes));
-  return p;
-}
-
-template <typename T>
-T* Upload(const std::vector<T>& v) {
-  T* p = static_cast<T*>(DeviceAlloc(v.size() * sizeof(T)));
-  CHECK_CUDA(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
+using replayssm::bench::DeviceAlloc;
+using replayssm::bench::Upload;
 
 struct Row {
   int64_t batch;

@@ -28,34 +28,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda_util.h"
 #include "bench/flags.h"
 #include "replayssm/kernels.h"
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                          \
-  do {                                                                                         \
-    const cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-#define CHECK_RSSM(x)                                                                     \
-  do {                                                                                    \
-    const rssm_status s_ = (x);                                                           \
-    if (s_ != RSSM_OK) {                                                                  \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, rssm_last_error()); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-
-void* DeviceAlloc(size_t bytes) {
-  void* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, bytes));
-  CHECK_CUDA(cudaMemset(p, 0, bytes));
-  return p;
-}
+using replayssm::bench::DeviceAlloc;
+using replayssm::bench::Upload;
 
 // n bf16 values uniform in [-1, 1].
 void* RandomBf16(size_t n, std::mt19937& rng) {
@@ -69,13 +49,6 @@ void* RandomBf16(size_t n, std::mt19937& rng) {
   }
   void* p = DeviceAlloc(n * 2);
   CHECK_CUDA(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
-  return p;
-}
-
-template <typename T>
-T* Upload(const std::vector<T>& v) {
-  T* p = static_cast<T*>(DeviceAlloc(v.size() * sizeof(T)));
-  CHECK_CUDA(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return p;
 }
 
