@@ -30,8 +30,7 @@ struct BaselineParams {
 // A token's beta from its raw b: the one place the baseline computes it.
 template <typename A>
 __device__ __forceinline__ float StepBeta(const LayerDesc& ly, A b) {
-  (void)ly;
-  return Sigmoid(ToF(b));
+  return Beta(ToF(b), ly.act_dtype, ly.round_beta);
 }
 
 // How the state's rows are loaded and stored: BaselineCache (layout.h).
