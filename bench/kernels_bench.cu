@@ -89,6 +89,9 @@ Launch overrides (kernels/cuda/plan.h; default: planned):
                                         2 ld.nc.L1::no_allocate, 3 streaming loads, 4 plain,
                                         5 streaming loads, L2::evict_last stores)
                                         (only the shapes launch.cuh builds run)
+  REPLAYSSM_CUDA_SMALL_MAX_B=-1|N       small-batch replay kernel: replay takes it up to batch
+                                        N (-1: never; default B * HV <= 256)
+  REPLAYSSM_CUDA_SMALL_RPW=8|16         small-batch replay kernel: state rows per warp
   REPLAYSSM_CUDA_VERBOSE=0|1            print each case's launch plan
 )";
 
@@ -132,14 +135,12 @@ struct Settings {
 
 Settings FromEnvironment() {
   static const char* const kKnown[] = {
-      "REPLAYSSM_BENCH_GATE",        "REPLAYSSM_BENCH_STATE",
-      "REPLAYSSM_BENCH_B",           "REPLAYSSM_BENCH_OP",
-      "REPLAYSSM_BENCH_FOLD_FIRST",  "REPLAYSSM_CUDA_STEP",
-      "REPLAYSSM_CUDA_BULK_MIN_B",   "REPLAYSSM_CUDA_RPW",
-      "REPLAYSSM_CUDA_NW",           "REPLAYSSM_CUDA_NS",
-      "REPLAYSSM_CUDA_BULK",         "REPLAYSSM_CUDA_VERBOSE",
-      "REPLAYSSM_CUDA_LATE_STAGE",   "REPLAYSSM_CUDA_BASELINE_NW",
-      "REPLAYSSM_CUDA_BASELINE_RPW", "REPLAYSSM_CUDA_BASELINE_CACHE"};
+      "REPLAYSSM_BENCH_GATE",       "REPLAYSSM_BENCH_STATE",       "REPLAYSSM_BENCH_B",
+      "REPLAYSSM_BENCH_OP",         "REPLAYSSM_BENCH_FOLD_FIRST",  "REPLAYSSM_CUDA_STEP",
+      "REPLAYSSM_CUDA_BULK_MIN_B",  "REPLAYSSM_CUDA_RPW",          "REPLAYSSM_CUDA_NW",
+      "REPLAYSSM_CUDA_NS",          "REPLAYSSM_CUDA_BULK",         "REPLAYSSM_CUDA_VERBOSE",
+      "REPLAYSSM_CUDA_SMALL_MAX_B", "REPLAYSSM_CUDA_SMALL_RPW",    "REPLAYSSM_CUDA_LATE_STAGE",
+      "REPLAYSSM_CUDA_BASELINE_NW", "REPLAYSSM_CUDA_BASELINE_RPW", "REPLAYSSM_CUDA_BASELINE_CACHE"};
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string var(*e, std::strcspn(*e, "="));
     if (var.rfind("REPLAYSSM_BENCH_", 0) != 0 && var.rfind("REPLAYSSM_CUDA_", 0) != 0) continue;
@@ -207,6 +208,13 @@ Settings FromEnvironment() {
   if (const char* v = std::getenv("REPLAYSSM_CUDA_BASELINE_CACHE")) {
     o.baseline_cache = static_cast<int>(ParseInt("REPLAYSSM_CUDA_BASELINE_CACHE", v, 1, 5));
   }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_SMALL_MAX_B")) {
+    o.small_replay_max_batch = ParseInt("REPLAYSSM_CUDA_SMALL_MAX_B", v, -1, 65535);
+    if (o.small_replay_max_batch == 0) Fail("REPLAYSSM_CUDA_SMALL_MAX_B: expected -1 or >= 1");
+  }
+  if (const char* v = std::getenv("REPLAYSSM_CUDA_SMALL_RPW")) {
+    o.small_replay_rows = static_cast<int>(ParseInt("REPLAYSSM_CUDA_SMALL_RPW", v, 8, 16));
+  }
   const std::string bad = replayssm::kernels::cuda::CheckOverrides(o);
   if (!bad.empty()) Fail("launch overrides (REPLAYSSM_CUDA_*): " + bad);
   return s;
@@ -230,6 +238,11 @@ std::string Describe(const LaunchPlan& p) {
                   "baseline: KC %d, %d warps x %d rows, %d tiles, cache %d, grid %u x %u, %s",
                   c.channels_per_lane, c.warps, c.rows_per_warp, c.tiles, c.cache, p.grid_x,
                   p.grid_y, c.vec ? "vector" : "scalar");
+  } else if (p.role == replayssm::kernels::cuda::KernelRole::kSmallReplay) {
+    const auto& c = p.small;
+    std::snprintf(buf, sizeof buf,
+                  "small-replay: 1 warp x %d rows, %d tiles, grid %u x %u, smem %zu B",
+                  c.rows_per_warp, c.tiles, p.grid_x, p.grid_y, p.smem_bytes);
   } else {
     const auto& c = p.tiled;
     std::snprintf(buf, sizeof buf, "%s: KMAX %d TC %d, %d rows per CTA, grid %u, smem %zu B",

@@ -12,6 +12,7 @@
 #include "baseline_kernel.cuh"
 #include "bulk_step_kernel.cuh"
 #include "prefill_kernel.cuh"
+#include "small_replay_kernel.cuh"
 #include "tiled_step_kernel.cuh"
 
 namespace replayssm::kernels::cuda {
@@ -202,10 +203,80 @@ cudaError_t LaunchBaselineFor(const LaunchPlan& plan, const StepParams& p, cudaS
   }
 }
 
+template <typename R, typename A, bool KDA, int RPW, bool AFTER_CONV>
+cudaError_t LaunchSmallReplayT(const LaunchPlan& plan, int device, const StepParams& sp,
+                               cudaStream_t stream) {
+  const SmallReplayConfig& c = plan.small;
+  SmallReplayParams p{};
+  p.ly = sp.ly;
+  p.tiles = c.tiles;
+  p.o_k = c.smem.k, p.o_g = c.smem.g, p.o_d = c.smem.d, p.o_kw = c.smem.kw;
+  p.o_u = c.smem.u, p.o_p = c.smem.p;
+  p.slot_idx = sp.slot_idx;
+  p.write_pos = sp.write_pos;
+  p.force_fold = sp.force_fold;
+  auto kernel = SmallReplayKernel<R, A, KDA, 4, RPW, AFTER_CONV>;
+  static FuncSmemLimit limit;  // one per instantiation
+  const cudaError_t e = limit.Allow(kernel, device, plan.smem_bytes, false);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(plan.grid_x, plan.grid_y);
+  cfg.blockDim = dim3(32);
+  cfg.dynamicSmemBytes = plan.smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};  // AFTER_CONV: the programmatic dependent of the convolution
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = AFTER_CONV ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+template <typename R, typename A, bool KDA>
+cudaError_t LaunchSmallReplayRows(const LaunchPlan& plan, int device, const StepParams& p,
+                                  cudaStream_t stream) {
+  const bool after = p.after_conv != 0;
+  switch (plan.small.rows_per_warp) {
+    case 8:
+      return after ? LaunchSmallReplayT<R, A, KDA, 8, true>(plan, device, p, stream)
+                   : LaunchSmallReplayT<R, A, KDA, 8, false>(plan, device, p, stream);
+    case 16:
+      return after ? LaunchSmallReplayT<R, A, KDA, 16, true>(plan, device, p, stream)
+                   : LaunchSmallReplayT<R, A, KDA, 16, false>(plan, device, p, stream);
+  }
+  return cudaErrorInvalidConfiguration;
+}
+
+// The small-batch replay kernel: an fp32 checkpoint only (the planner's), activations' dtype
+// and gate as template parameters.
+template <typename T, typename R>
+cudaError_t LaunchSmallReplayFor(const LaunchPlan& plan, int device, const StepParams& p,
+                                 cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return cudaErrorInvalidConfiguration;
+  } else {
+    const bool kda = p.ly.kda != 0;
+    switch (p.ly.act_dtype) {
+      case kActF32:
+        return kda ? LaunchSmallReplayRows<R, float, true>(plan, device, p, stream)
+                   : LaunchSmallReplayRows<R, float, false>(plan, device, p, stream);
+      case kActBf16:
+        return kda ? LaunchSmallReplayRows<R, __nv_bfloat16, true>(plan, device, p, stream)
+                   : LaunchSmallReplayRows<R, __nv_bfloat16, false>(plan, device, p, stream);
+      default:
+        return kda ? LaunchSmallReplayRows<R, __half, true>(plan, device, p, stream)
+                   : LaunchSmallReplayRows<R, __half, false>(plan, device, p, stream);
+    }
+  }
+}
+
 template <typename T, typename R>
 cudaError_t LaunchStepFor(const LaunchPlan& plan, int device, const StepParams& p,
                           cudaStream_t stream) {
   if (plan.role == KernelRole::kBaseline) return LaunchBaselineFor<T, R>(plan, p, stream);
+  if (plan.role == KernelRole::kSmallReplay) {
+    return LaunchSmallReplayFor<T, R>(plan, device, p, stream);
+  }
   if (plan.role == KernelRole::kBulkStep) {
     return p.ly.kda != 0 ? LaunchBulkGate<T, R, true>(plan, device, p, stream)
                          : LaunchBulkGate<T, R, false>(plan, device, p, stream);

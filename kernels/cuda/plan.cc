@@ -164,6 +164,38 @@ std::optional<LaunchPlan> PlanBaseline(const LaunchProblem& pr, const DeviceLimi
   return plan;
 }
 
+// The small-batch replay kernel: replay decode of an fp32 state at K <= 128 while the batch is
+// too small for the bulk kernel's CTAs to fill the GPU (B * HV <= kSmallReplayMaxRowHeads),
+// every pool array 16-byte aligned (its record copies and S0 loads are vector-wide; GDN's g
+// goes in 4-byte copies); nullopt otherwise.
+std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceLimits& dev,
+                                          const LaunchOverrides& ov) {
+  if (ov.small_replay_max_batch < 0 || pr.batch > kMaxGridY) return std::nullopt;
+  const bool small = ov.small_replay_max_batch != 0
+                         ? pr.batch <= ov.small_replay_max_batch
+                         : pr.batch * pr.num_v_heads <= kSmallReplayMaxRowHeads;
+  const int rpw = ov.small_replay_rows != 0 ? ov.small_replay_rows : kSmallReplayRowsPerWarp;
+  if (!small || pr.state_bytes != 4 || pr.head_k > 128 || pr.head_v % rpw != 0 ||
+      !pr.checkpoint_aligned || !pr.ring_d_aligned || !pr.ring_k_aligned ||
+      (pr.kda && !pr.ring_g_aligned)) {
+    return std::nullopt;
+  }
+  LaunchPlan plan;
+  plan.role = KernelRole::kSmallReplay;
+  SmallReplayConfig& c = plan.small;
+  c.rows_per_warp = rpw;
+  c.tiles = pr.head_v / rpw;
+  c.smem = SmallReplaySmem::Make(pr.head_k, pr.ring_len, pr.kda, rpw, pr.ring_bytes);
+  if (c.smem.total > dev.smem_per_block) return std::nullopt;
+  const int64_t grid_x = int64_t{pr.num_v_heads} * c.tiles;
+  if (grid_x > kMaxGridX) return std::nullopt;
+  plan.grid_x = static_cast<uint32_t>(grid_x);
+  plan.grid_y = static_cast<uint32_t>(pr.batch);
+  plan.threads = 32;
+  plan.smem_bytes = static_cast<size_t>(c.smem.total);
+  return plan;
+}
+
 bool UseBulk(const LaunchProblem& pr, const LaunchOverrides& ov) {
   switch (ov.step_kernel) {
     case LaunchOverrides::StepKernel::kTiled: return false;
@@ -186,6 +218,7 @@ const char* KernelRoleName(KernelRole role) {
     case KernelRole::kBulkStep: return "bulk";
     case KernelRole::kPrefill: return "prefill";
     case KernelRole::kBaseline: return "baseline";
+    case KernelRole::kSmallReplay: return "small-replay";
   }
   return "unknown";
 }
@@ -224,6 +257,13 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
   if (ov.baseline_cache < 0 || ov.baseline_cache > kCacheKeepStores) {
     return Field("baseline_cache", "0 (planned) or 1..5", ov.baseline_cache);
   }
+  if (ov.small_replay_max_batch < -1) {
+    return Field("small_replay_max_batch", "0 (planned), -1 (never) or >= 1",
+                 ov.small_replay_max_batch);
+  }
+  if (ov.small_replay_rows != 0 && ov.small_replay_rows != 8 && ov.small_replay_rows != 16) {
+    return Field("small_replay_rows", "0 (planned), 8 or 16", ov.small_replay_rows);
+  }
   return "";
 }
 
@@ -232,6 +272,9 @@ std::optional<LaunchPlan> Plan(const LaunchProblem& pr, const DeviceLimits& dev,
   if (!IsStep(pr.op)) return PlanTiled(pr, KernelRole::kPrefill);
   if (pr.op == KernelOp::kBaseline && ov.step_kernel == LaunchOverrides::StepKernel::kAuto) {
     if (std::optional<LaunchPlan> baseline = PlanBaseline(pr, dev, ov)) return baseline;
+  }
+  if (pr.op == KernelOp::kReplay && ov.step_kernel == LaunchOverrides::StepKernel::kAuto) {
+    if (std::optional<LaunchPlan> small = PlanSmallReplay(pr, dev, ov)) return small;
   }
   if (UseBulk(pr, ov) && pr.batch <= kMaxGridY) {
     if (std::optional<LaunchPlan> bulk = PlanBulk(pr, dev, ov)) return bulk;

@@ -20,12 +20,14 @@ namespace replayssm::kernels::cuda {
 
 // The kernels, by role.
 enum class KernelRole {
-  kTiledStep,  // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
-  kBulkStep,   // bulk-staged step: S0 through shared-memory stages filled by the copy engine
-  kPrefill,    // prefill and the fold op: the state in registers for the whole row
-  kBaseline,   // baseline decode: small CTAs, each a few of a head's state rows in registers
+  kTiledStep,    // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
+  kBulkStep,     // bulk-staged step: S0 through shared-memory stages filled by the copy engine
+  kPrefill,      // prefill and the fold op: the state in registers for the whole row
+  kBaseline,     // baseline decode: small CTAs, each a few of a head's state rows in registers
+  kSmallReplay,  // replay decode at small batch: the baseline's one-warp CTAs, records copied
 };
-const char* KernelRoleName(KernelRole role);  // "tiled", "bulk", "prefill", "baseline"
+// "tiled", "bulk", "prefill", "baseline", "small-replay"
+const char* KernelRoleName(KernelRole role);
 
 enum class KernelOp { kReplay, kBaseline, kVerify, kPrefill, kFold };
 
@@ -70,6 +72,11 @@ struct LaunchOverrides {
   int baseline_warps = 0;  // warps per CTA: 1, 2, 4 or 8
   int baseline_rows = 0;   // state rows per warp: 2, 4, 8 or 16
   int baseline_cache = 0;  // BaselineCache (layout.h)
+  // The small-batch replay kernel (kAuto only): replay decode takes it up to this batch (0:
+  // B * HV <= kSmallReplayMaxRowHeads; -1: never), with this many rows per warp (0: planned; 8
+  // or 16).
+  int64_t small_replay_max_batch = 0;
+  int small_replay_rows = 0;
 };
 
 // "" when every override is in range, else "<field>: expected <range>, got <value>".
@@ -111,6 +118,12 @@ struct BaselineConfig {       // kBaseline
   bool vec = false;           // the checkpoint takes vector loads and stores
 };
 
+struct SmallReplayConfig {  // kSmallReplay
+  int rows_per_warp = 0;    // RPW (KC is 4: K <= 128)
+  int tiles = 0;            // CTAs per v-head: V / RPW
+  SmallReplaySmem smem{};
+};
+
 struct LaunchPlan {
   KernelRole role = KernelRole::kTiledStep;
   uint32_t grid_x = 0, grid_y = 1;
@@ -119,6 +132,7 @@ struct LaunchPlan {
   TiledConfig tiled;  // kTiledStep, kPrefill
   BulkConfig bulk;    // kBulkStep
   BaselineConfig baseline;  // kBaseline
+  SmallReplayConfig small;  // kSmallReplay
 };
 
 // The launch of `problem` on a device with `limits`; nullopt when no grid can cover it (more

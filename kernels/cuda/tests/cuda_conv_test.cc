@@ -22,8 +22,8 @@ TEST(CudaShortConv, MatchesTheReference) {
 TEST(CudaJoinedConv, EqualsTheSeparateCallsOnEachStepKernel) {
   if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
   using K = cuda::LaunchOverrides::StepKernel;
-  for (K kernel : {K::kTiled, K::kBulk}) {
-    SCOPED_TRACE(kernel == K::kTiled ? "tiled" : "bulk");
+  for (K kernel : {K::kAuto, K::kTiled, K::kBulk}) {  // kAuto: small-batch replay (fp32 state)
+    SCOPED_TRACE(kernel == K::kTiled ? "tiled" : kernel == K::kBulk ? "bulk" : "planned");
     cuda::LaunchOverrides forced;
     forced.step_kernel = kernel;
     JoinedConvSweep(

@@ -188,9 +188,11 @@ struct Request {
 
 // One configuration: >= 3L + 2 replay steps with advancing cursors, forced folds and padding
 // rows; then fold of some rows, verify of T drafts, and a prefill (some rows from their slot).
-// With `forced`, replay and verify run on that step kernel (launch_overrides.h).
+// With `forced`, replay and verify run on that step kernel (launch_overrides.h); `roles`, when
+// given, receives each replay step's planned kernel.
 void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1,
-             const cuda::LaunchOverrides* forced = nullptr) {
+             const cuda::LaunchOverrides* forced = nullptr,
+             std::vector<cuda::KernelRole>* roles = nullptr) {
   SCOPED_TRACE("config " + cfg.Name() + " seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int num_slots = num_requests + 2;
@@ -252,8 +254,11 @@ void RunCase(const Config& cfg, int num_requests, uint64_t seed, int steps = -1,
     a.force_fold = dforce.as<uint8_t>();
     a.in = dtok.Inputs();
     a.out = rssm_token_outputs{dout.get(), 0};
-    ASSERT_EQ(forced != nullptr ? ReplayDecodeWith(&a, *forced) : rssm_replay_decode(&a), RSSM_OK)
+    cuda::LaunchPlan plan;
+    ASSERT_EQ(ReplayDecodeWith(&a, forced != nullptr ? *forced : cuda::LaunchOverrides{}, &plan),
+              RSSM_OK)
         << rssm_last_error();
+    if (roles != nullptr) roles->push_back(plan.role);
     CUDA_OK(cudaDeviceSynchronize());
     dout.Download(out_gpu.data());
     CompareOutputs(out_gpu, out_cpu, cfg, "replay");
@@ -655,8 +660,128 @@ TEST(CudaKernels, BaselineShapesMatchCpu) {
   }
 }
 
-// L = 1: every replay step folds at w = 0, which must be the baseline bit for bit (the bulk
-// kernel's replay against the baseline kernel in both its planned row counts).
+// The small-batch replay kernel on every gate x fp32-state pair x act dtype: ring lengths from
+// 1 (every step folds) to 64 (rings past 32 records), head dims on both sides of a warp's
+// channels, forced folds, padding rows, strided (aligned) slots, round_beta; each replay step
+// on that kernel (the planner's choice at these batches).
+TEST(CudaKernels, SmallReplayMatchesCpu) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  const int ls[] = {1, 2, 8, 16, 64};
+  const int dims[] = {16, 64, 96, 128};
+  int i = 0;
+  for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+    for (auto [st, ring] : kStoragePairs) {
+      if (st != RSSM_DTYPE_F32) continue;
+      for (rssm_dtype act : kDtypes) {
+        for (int rep = 0; rep < 2; ++rep, ++i) {
+          Config c;
+          c.gate = gate;
+          c.state_dtype = st;
+          c.ring_dtype = ring;
+          c.act_dtype = act;
+          c.h = 2;
+          c.hv = 2 * (1 + i % 3);
+          c.l = ls[(i / 2 + i) % 5];
+          c.k = dims[i % 4];
+          c.v = dims[(i / 4 + i + 1) % 4];
+          c.l2norm = (i % 5) != 2;
+          c.slot_pad = (i % 3 == 1) ? 8 : 0;  // strided slots, still 16-byte aligned
+          c.round_beta = rep == 1;
+          cuda::LaunchOverrides small;  // past the planned batches too (up to B * HV = 36)
+          small.small_replay_max_batch = 64;
+          std::vector<cuda::KernelRole> roles;
+          RunCase(c, 2 + i % 3, 7000 + i, c.l == 64 ? 70 : -1, &small, &roles);
+          if (::testing::Test::HasFailure()) return;
+          for (cuda::KernelRole role : roles) {
+            ASSERT_EQ(role, cuda::KernelRole::kSmallReplay) << c.Name();
+          }
+        }
+      }
+    }
+  }
+}
+
+// The small-batch replay kernel and the bulk kernel give the same bits (the same operations in
+// the same order): outputs, checkpoints and rings after steps that advance every cursor through
+// the ring, fold, and force folds.
+TEST(CudaKernels, SmallReplayIsTheBulkKernelBitForBit) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  int n = 0;
+  for (auto [st, ring] : kStoragePairs) {
+    if (st != RSSM_DTYPE_F32) continue;
+    for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+      Config c;
+      c.gate = gate;
+      c.state_dtype = st;
+      c.ring_dtype = ring;
+      c.act_dtype = RSSM_DTYPE_BF16;
+      c.h = 2;
+      c.hv = 4;
+      c.k = c.v = 128;
+      c.l = 16;
+      c.round_beta = n % 2 == 1;
+      SCOPED_TRACE(c.Name());
+      std::mt19937_64 rng(515 + n++);
+      const int B = 6;
+      Layer host(c, B, rng);
+      for (int s = 0; s < B; ++s) host.RandomCheckpoint(s, rng);
+      DevLayer small(host), bulk(host);
+      std::vector<int32_t> slots(B), pos(B);
+      for (int s = 0; s < B; ++s) slots[s] = s, pos[s] = (5 * s) % c.l;
+      DevBuf dslot = ToDevice(slots);
+      cuda::LaunchOverrides forced_bulk;
+      forced_bulk.step_kernel = cuda::LaunchOverrides::StepKernel::kBulk;
+      for (int step = 0; step < c.l + 4; ++step) {
+        std::vector<uint8_t> force(B);
+        for (int s = 0; s < B; ++s) force[s] = (step + s) % 7 == 0 ? 1 : 0;
+        DevBuf dpos = ToDevice(pos), dforce = ToDevice(force);
+        Tokens tok(host, B, rng);
+        DevTokens dtok(tok);
+        const int64_t out_n = int64_t{B} * c.hv * c.v;
+        Buffer o1(c.act_dtype, out_n), o2(c.act_dtype, out_n);
+        DevBuf d1(out_n * rssm_dtype_size(c.act_dtype)), d2(out_n * rssm_dtype_size(c.act_dtype));
+        rssm_decode_args a{};
+        a.launch = {RSSM_BACKEND_CUDA, nullptr};
+        a.shape = host.shape;
+        a.params = small.Params(host);
+        a.batch = B;
+        a.slot_idx = dslot.as<int32_t>();
+        a.write_pos = dpos.as<int32_t>();
+        a.force_fold = dforce.as<uint8_t>();
+        a.in = dtok.Inputs();
+        a.pool = small.Pool(host);
+        a.out = rssm_token_outputs{d1.get(), 0};
+        cuda::LaunchPlan plan;
+        cuda::LaunchOverrides forced_small;
+        forced_small.small_replay_max_batch = B;
+        ASSERT_EQ(ReplayDecodeWith(&a, forced_small, &plan), RSSM_OK) << rssm_last_error();
+        ASSERT_EQ(plan.role, cuda::KernelRole::kSmallReplay);
+        a.pool = bulk.Pool(host);
+        a.out = rssm_token_outputs{d2.get(), 0};
+        ASSERT_EQ(ReplayDecodeWith(&a, forced_bulk, &plan), RSSM_OK) << rssm_last_error();
+        ASSERT_EQ(plan.role, cuda::KernelRole::kBulkStep);
+        CUDA_OK(cudaDeviceSynchronize());
+        d1.Download(o1.data());
+        d2.Download(o2.data());
+        ASSERT_EQ(o1.bytes(), o2.bytes()) << "outputs differ at step " << step;
+        Layer s1 = host, s2 = host;
+        small.DownloadInto(s1);
+        bulk.DownloadInto(s2);
+        ASSERT_EQ(s1.checkpoint.bytes(), s2.checkpoint.bytes()) << "states differ at step " << step;
+        ASSERT_EQ(s1.ring_d.bytes(), s2.ring_d.bytes()) << "ring d differs at step " << step;
+        ASSERT_EQ(s1.ring_k.bytes(), s2.ring_k.bytes()) << "ring k differs at step " << step;
+        ASSERT_EQ(std::memcmp(s1.ring_g.data(), s2.ring_g.data(), s1.ring_g.size() * sizeof(float)),
+                  0)
+            << "ring g differs at step " << step;
+        for (int s = 0; s < B; ++s) pos[s] = (pos[s] + 1 >= c.l || force[s]) ? 0 : pos[s] + 1;
+      }
+    }
+  }
+}
+
+// L = 1: every replay step folds at w = 0, which must be the baseline bit for bit (the planned
+// replay kernel's and the bulk kernel's against the baseline kernel in both its planned row
+// counts).
 TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
   ASSERT_TRUE(HaveGpu()) << kNoGpu;
   for (auto [st, ring] : kStoragePairs) {
@@ -677,42 +802,50 @@ TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
       SCOPED_TRACE(c.Name() + (rows != 0 ? ", wide baseline CTAs" : ""));
       cuda::LaunchOverrides ov;
       ov.baseline_rows = rows;
-      std::mt19937_64 rng(4242);
-      const int B = 16;
-      Layer host(c, B, rng);
-      for (int s = 0; s < B; ++s) host.RandomCheckpoint(s, rng);
-      DevLayer replay(host), baseline(host);
-      std::vector<int32_t> slots(B), pos(B, 0);
-      for (int s = 0; s < B; ++s) slots[s] = s;
-      DevBuf dslot = ToDevice(slots), dpos = ToDevice(pos);
-      for (int step = 0; step < 5; ++step) {
-        Tokens tok(host, B, rng);
-        DevTokens dtok(tok);
-        const int64_t out_n = int64_t{B} * c.hv * c.v;
-        Buffer o1(c.act_dtype, out_n), o2(c.act_dtype, out_n);
-        DevBuf d1(out_n * rssm_dtype_size(c.act_dtype)), d2(out_n * rssm_dtype_size(c.act_dtype));
-        rssm_decode_args a{};
-        a.launch = {RSSM_BACKEND_CUDA, nullptr};
-        a.shape = host.shape;
-        a.params = replay.Params(host);
-        a.batch = B;
-        a.slot_idx = dslot.as<int32_t>();
-        a.write_pos = dpos.as<int32_t>();
-        a.in = dtok.Inputs();
-        a.pool = replay.Pool(host);
-        a.out = rssm_token_outputs{d1.get(), 0};
-        ASSERT_EQ(rssm_replay_decode(&a), RSSM_OK) << rssm_last_error();
-        a.pool = baseline.Pool(host);
-        a.out = rssm_token_outputs{d2.get(), 0};
-        ASSERT_EQ(BaselineDecodeWith(&a, ov), RSSM_OK) << rssm_last_error();
-        CUDA_OK(cudaDeviceSynchronize());
-        d1.Download(o1.data());
-        d2.Download(o2.data());
-        ASSERT_EQ(o1.bytes(), o2.bytes()) << "outputs differ at step " << step;
-        Layer s1 = host, s2 = host;
-        replay.DownloadInto(s1);
-        baseline.DownloadInto(s2);
-        ASSERT_EQ(s1.checkpoint.bytes(), s2.checkpoint.bytes()) << "states differ at step " << step;
+      // Replay on the small-batch kernel (an fp32 state) and on the bulk one.
+      for (auto replay_kernel :
+           {cuda::LaunchOverrides::StepKernel::kAuto, cuda::LaunchOverrides::StepKernel::kBulk}) {
+        cuda::LaunchOverrides replay_ov;
+        replay_ov.step_kernel = replay_kernel;
+        replay_ov.small_replay_max_batch = 16;  // kAuto: the small-batch kernel at B = 16 too
+        std::mt19937_64 rng(4242);
+        const int B = 16;
+        Layer host(c, B, rng);
+        for (int s = 0; s < B; ++s) host.RandomCheckpoint(s, rng);
+        DevLayer replay(host), baseline(host);
+        std::vector<int32_t> slots(B), pos(B, 0);
+        for (int s = 0; s < B; ++s) slots[s] = s;
+        DevBuf dslot = ToDevice(slots), dpos = ToDevice(pos);
+        for (int step = 0; step < 5; ++step) {
+          Tokens tok(host, B, rng);
+          DevTokens dtok(tok);
+          const int64_t out_n = int64_t{B} * c.hv * c.v;
+          Buffer o1(c.act_dtype, out_n), o2(c.act_dtype, out_n);
+          DevBuf d1(out_n * rssm_dtype_size(c.act_dtype)), d2(out_n * rssm_dtype_size(c.act_dtype));
+          rssm_decode_args a{};
+          a.launch = {RSSM_BACKEND_CUDA, nullptr};
+          a.shape = host.shape;
+          a.params = replay.Params(host);
+          a.batch = B;
+          a.slot_idx = dslot.as<int32_t>();
+          a.write_pos = dpos.as<int32_t>();
+          a.in = dtok.Inputs();
+          a.pool = replay.Pool(host);
+          a.out = rssm_token_outputs{d1.get(), 0};
+          ASSERT_EQ(ReplayDecodeWith(&a, replay_ov), RSSM_OK) << rssm_last_error();
+          a.pool = baseline.Pool(host);
+          a.out = rssm_token_outputs{d2.get(), 0};
+          ASSERT_EQ(BaselineDecodeWith(&a, ov), RSSM_OK) << rssm_last_error();
+          CUDA_OK(cudaDeviceSynchronize());
+          d1.Download(o1.data());
+          d2.Download(o2.data());
+          ASSERT_EQ(o1.bytes(), o2.bytes()) << "outputs differ at step " << step;
+          Layer s1 = host, s2 = host;
+          replay.DownloadInto(s1);
+          baseline.DownloadInto(s2);
+          ASSERT_EQ(s1.checkpoint.bytes(), s2.checkpoint.bytes())
+              << "states differ at step " << step;
+        }
       }
     }
   }

@@ -47,10 +47,52 @@ int CtasPerSm(const LaunchPlan& plan) {
   return kH200.smem_per_sm / (static_cast<int>(plan.smem_bytes) + 1024);
 }
 
-TEST(Plan, ReplayTakesTheBulkKernelAtEveryBatch) {
-  for (int64_t b : {1, 2, 16, 64, 256, 4096}) {
-    EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b)).role, KernelRole::kBulkStep) << "batch " << b;
+// fp32 replay takes the small-batch kernel while B * HV <= kSmallReplayMaxRowHeads, then the
+// bulk kernel; a 16-bit state always the bulk kernel.
+TEST(Plan, ReplayTakesTheSmallKernelAtSmallBatchesThenTheBulkKernel) {
+  for (int64_t b : {1, 2, 4, 16, 64, 256, 4096}) {
+    const bool small = b * 32 <= kSmallReplayMaxRowHeads;
+    const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, b));
+    EXPECT_EQ(plan.role, small ? KernelRole::kSmallReplay : KernelRole::kBulkStep) << "batch " << b;
+    if (small) {
+      EXPECT_EQ(plan.small.rows_per_warp, kSmallReplayRowsPerWarp);
+      EXPECT_EQ(plan.grid_x, 32u * 128 / kSmallReplayRowsPerWarp);
+      EXPECT_EQ(plan.grid_y, static_cast<uint32_t>(b));
+      EXPECT_EQ(plan.threads, 32);
+    }
+    EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, false, 2)).role, KernelRole::kBulkStep);
+    EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, true, 4, 2)).role,
+              small ? KernelRole::kSmallReplay : KernelRole::kBulkStep);
   }
+}
+
+// The small-batch kernel takes an fp32 checkpoint at K <= 128 in an aligned pool, unforced.
+TEST(Plan, SmallReplayNeedsAnAlignedFp32PoolAndNarrowHeads) {
+  LaunchProblem p = Shape(KernelOp::kReplay, 1);
+  p.ring_k_aligned = false;
+  EXPECT_EQ(PlanOf(p).role, KernelRole::kBulkStep);
+  p = Shape(KernelOp::kReplay, 1);
+  p.ring_g_aligned = false;  // GDN's g goes in 4-byte copies, KDA's in 16-byte ones
+  EXPECT_EQ(PlanOf(p).role, KernelRole::kSmallReplay);
+  p.kda = true;
+  EXPECT_EQ(PlanOf(p).role, KernelRole::kBulkStep);
+  p = Shape(KernelOp::kReplay, 1);
+  p.head_k = 256;
+  EXPECT_EQ(PlanOf(p).role, KernelRole::kBulkStep);
+  LaunchOverrides ov;
+  ov.step_kernel = LaunchOverrides::StepKernel::kBulk;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 1), ov).role, KernelRole::kBulkStep);
+  ov = {};
+  ov.small_replay_max_batch = -1;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 1), ov).role, KernelRole::kBulkStep);
+  ov.small_replay_max_batch = 64;
+  ov.small_replay_rows = 16;
+  const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 64, true), ov);
+  EXPECT_EQ(plan.role, KernelRole::kSmallReplay);
+  EXPECT_EQ(plan.small.rows_per_warp, 16);
+  EXPECT_EQ(plan.grid_x, 32u * 8);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, 1)).role, KernelRole::kTiledStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 1)).role, KernelRole::kBaseline);
 }
 
 TEST(Plan, BaselineTakesItsKernelAtEveryBatch) {
@@ -172,11 +214,13 @@ TEST(Plan, Fp32ReplayTakesALateStageWhereTheRecordsHoldOne) {
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kVerify, 256, true)).bulk.late_stage);
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256, true, /*state_bytes=*/2)).bulk.late_stage);
   // Small batches: each warp's two batches are both in flight already.
-  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 1, true)).bulk.late_stage);
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 1, true), bulk).bulk.late_stage);
 }
 
 TEST(Plan, SmallBatchesSplitAHeadOverCtasOfTwoWarps) {
-  const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 1));
+  LaunchOverrides bulk;
+  bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
+  const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 1), bulk);
   EXPECT_EQ(plan.bulk.warps, 2);
   EXPECT_EQ(plan.bulk.rows_per_warp, 16);
   EXPECT_EQ(plan.bulk.chunks, 4);
@@ -207,7 +251,9 @@ TEST(Plan, ForcedBaselineSharesReplaysKernelOnEveryShape) {
               p.head_k = k;
               p.head_v = v;
               p.ring_len = l;
-              const LaunchPlan replay = PlanOf(p);
+              LaunchOverrides no_small;
+              no_small.small_replay_max_batch = -1;
+              const LaunchPlan replay = PlanOf(p, no_small);
               p.op = KernelOp::kBaseline;
               LaunchOverrides forced;
               forced.step_kernel = replay.role == KernelRole::kBulkStep
@@ -363,6 +409,13 @@ TEST(Plan, CheckOverridesNamesTheFieldTheRangeAndTheValue) {
   ov = {};
   ov.baseline_cache = 6;
   EXPECT_EQ(CheckOverrides(ov), "baseline_cache: expected 0 (planned) or 1..5, got 6");
+  ov = {};
+  ov.small_replay_max_batch = -2;
+  EXPECT_EQ(CheckOverrides(ov),
+            "small_replay_max_batch: expected 0 (planned), -1 (never) or >= 1, got -2");
+  ov = {};
+  ov.small_replay_rows = 4;
+  EXPECT_EQ(CheckOverrides(ov), "small_replay_rows: expected 0 (planned), 8 or 16, got 4");
 }
 
 // The internal entry points check the overrides with every other argument, before anything

@@ -1,0 +1,354 @@
+// The small-batch replay decode kernel: replay decode in the baseline kernel's one-warp CTAs
+// (baseline_kernel.cuh), for batches too small to fill the GPU with the bulk kernel's CTAs
+// (one per row and head: latency-bound). Warp (x, r) takes RPW rows of v-head x / tiles of batch
+// row r in registers (lane l the key channels [KC * l, KC * l + KC)); it copies the ring records
+// it reads (k, g, its rows' d) into its shared memory with cp.async, loads its S0 rows, and
+// while they fly normalizes the token. Then, with no other warp involved:
+//   the record dots: the weights from the top record down (the CPU order), u_j = (W_j∘k_j)·k,
+//     p_j = (W_j∘k_j)·q in one transposed butterfly per 16 records; A = Π α;
+//   the rows: S0·(A∘k), S0·(A∘q) plus the ring terms d_j·u_j, d_j·p_j, one butterfly, the
+//     per-row finish; the new d appended (and k once per qk-head group, g once per head), or,
+//     when the row folds, the new checkpoint rows S0·A + Σ_j d_j (W_j∘k_j)ᵀ + d kᵀ.
+// Every operation is the bulk kernel's replay decode, in its order (its record dots, Contract,
+// AddRingTerms, FinishRows, FoldBatch): the two kernels give the same bits, and at w = 0 both
+// are the baseline kernel's.
+// Requirements (the planner's): fp32 checkpoint, K <= 32 * KC, V a multiple of RPW, every pool
+// array 16-byte aligned (base and slot stride). Types: R the ring's d and k, A the activations'.
+// AFTER_CONV: launched as the programmatic dependent of its convolution (rssm_decode_args.conv),
+// whose outputs are its tokens: the metadata, records and S0 are issued before the grid
+// dependency wait, the tokens after it (the bulk kernel's AFTER_CONV).
+#ifndef REPLAYSSM_KERNELS_CUDA_SMALL_REPLAY_KERNEL_CUH_
+#define REPLAYSSM_KERNELS_CUDA_SMALL_REPLAY_KERNEL_CUH_
+
+#include "baseline_kernel.cuh"
+#include "bulk_step_kernel.cuh"
+#include "common.cuh"
+#include "params.h"
+
+namespace replayssm::kernels::cuda {
+
+struct SmallReplayParams {
+  LayerDesc ly;
+  int32_t tiles;  // CTAs per v-head: V / RPW
+  // Shared-memory offsets in bytes (SmallReplaySmem, layout.h).
+  int32_t o_k, o_g, o_d, o_kw, o_u, o_p;
+  const int32_t* slot_idx;    // [B]
+  const int32_t* write_pos;   // [B]
+  const uint8_t* force_fold;  // [B] or null
+};
+
+// cp.async of N bytes (4, 8 or 16; both addresses aligned to N) from global to shared memory.
+template <int N>
+__device__ __forceinline__ void CopyAsync(void* dst, const void* src) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async sizes");
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddr(dst)), "l"(src)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(SmemAddr(dst)), "l"(src), "n"(N)
+                 : "memory");
+  }
+}
+// N bytes (a multiple of 16, or 8 or 4) in pieces of up to 16.
+template <int N>
+__device__ __forceinline__ void CopyAsyncSpan(void* dst, const void* src) {
+  if constexpr (N >= 16) {
+    static_assert(N % 16 == 0, "16-byte pieces");
+#pragma unroll
+    for (int i = 0; i < N / 16; ++i) {
+      CopyAsync<16>(static_cast<char*>(dst) + 16 * i, static_cast<const char*>(src) + 16 * i);
+    }
+  } else {
+    CopyAsync<N>(dst, src);
+  }
+}
+__device__ __forceinline__ void CopyAsyncWaitAll() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// Grid (HV * tiles, B), one warp per CTA, dynamic shared memory SmallReplaySmem::total.
+template <typename R, typename A, bool KDA, int KC, int RPW, bool AFTER_CONV>
+__global__ void __launch_bounds__(32)
+    SmallReplayKernel(const __grid_constant__ SmallReplayParams p) {
+  using T = float;
+  constexpr int NV = 2 * RPW;  // values per row butterfly: ·(A∘k), ·(A∘q) per row
+  constexpr int SPREAD = 32 / NV;
+  constexpr int G = 16;  // records per record-dot butterfly (u and p: 32 values)
+  static_assert(NV <= 32, "2 * RPW values must fit one butterfly");
+  constexpr unsigned kAll = 0xffffffffu;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const LayerDesc& ly = p.ly;
+  const int lane = threadIdx.x;
+  const int r = blockIdx.y;
+  const int h = blockIdx.x / p.tiles, tile = blockIdx.x - h * p.tiles;
+  const int K = ly.K, V = ly.V, H = ly.H, L = ly.L;
+  const int v0 = tile * RPW;  // the warp's first row
+  const int hq = h / ly.group;
+  const int c0 = lane * KC;
+  const bool has_c = c0 < K;
+  const int row_l = lane % RPW;  // the row whose d, o this lane finishes
+  // The metadata first (every address waits for it).
+  const int slot_i = p.slot_idx[r];
+  const int wraw = p.write_pos[r];
+  const int ffold = p.force_fold != nullptr ? p.force_fold[r] : 0;
+  const bool pad = slot_i < 0 || slot_i >= ly.num_slots;
+  const int64_t slot = pad ? 0 : slot_i;
+  const int w = min(max(wraw, 0), L);
+  const bool fold = w + 1 >= L || ffold != 0;
+  R* const ring_d = static_cast<R*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
+  R* const ring_k = static_cast<R*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
+  float* const ring_g = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * (KDA ? K : 1);
+  R* const ks = reinterpret_cast<R*>(smem + p.o_k);            // [L][K]
+  float* const gs = reinterpret_cast<float*>(smem + p.o_g);    // [L][kg]
+  R* const ds = reinterpret_cast<R*>(smem + p.o_d);            // [L][RPW] the warp's rows
+  float* const kws = reinterpret_cast<float*>(smem + p.o_kw);  // [L][K] W_j∘k_j (fold)
+  float* const us = reinterpret_cast<float*>(smem + p.o_u);    // [L]
+  float* const ps = reinterpret_cast<float*>(smem + p.o_p);    // [L]
+  T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + (int64_t{h} * V + v0) * K + c0;
+
+  // The records and S0 in flight (nothing of the convolution's is read here).
+  auto issue_state = [&](StateRow<T, KC>(&x)[RPW]) {
+    if (pad) return;
+    for (int j = 0; j < w; ++j) {
+      if (has_c) {
+        CopyAsyncSpan<KC* int(sizeof(R))>(ks + j * K + c0, ring_k + int64_t{j} * K + c0);
+        if constexpr (KDA) CopyAsyncSpan<KC * 4>(gs + j * K + c0, ring_g + int64_t{j} * K + c0);
+      }
+    }
+    for (int j = lane; j < w; j += 32) {
+      if constexpr (!KDA) CopyAsync<4>(gs + j, ring_g + j);
+      CopyAsyncSpan<RPW* int(sizeof(R))>(ds + j * RPW, ring_d + int64_t{j} * V + v0);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      if (has_c) {
+        x[i].template Load<kCachePlain>(s0 + int64_t{i} * K, true);
+      } else {
+        x[i].Zero();
+      }
+    }
+  };
+  StateRow<T, KC> x[RPW];
+  if constexpr (AFTER_CONV) {
+    issue_state(x);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
+  // The token: q, k, gates, beta, v (the baseline kernel's loads).
+  const A* const qkv = static_cast<const A*>(ly.qkv) + int64_t{r} * ly.qkv_stride;
+  const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
+  A qr[KC], kr[KC], ar[KC];
+  float db[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    qr[e] = kr[e] = ar[e] = A{};
+    db[e] = 0.f;
+    if (has_c) {
+      qr[e] = qkv[int64_t{hq} * K + c0 + e];
+      kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
+      if constexpr (KDA) {
+        ar[e] = ga[int64_t{h} * K + c0 + e];
+        db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
+      }
+    }
+  }
+  if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
+  const A b_raw = static_cast<const A*>(ly.b)[int64_t{r} * ly.b_stride + h];
+  const float alog = ly.a_log[h];
+  const A v_raw = qkv[int64_t{2 * H} * K + int64_t{h} * V + v0 + row_l];
+  A* const orow = static_cast<A*>(ly.o) + int64_t{r} * ly.o_stride + int64_t{h} * V + v0;
+  if (pad) {  // a padding row: zero outputs
+    if (lane < RPW) orow[lane] = FromF<A>(0.f);
+    return;
+  }
+  if constexpr (!AFTER_CONV) issue_state(x);
+
+  // q and k normalized (q scaled), k·q: the bulk kernel's NormDraft.
+  float q[KC], kk[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    q[e] = has_c ? ToF(qr[e]) : 0.f;
+    kk[e] = has_c ? ToF(kr[e]) : 0.f;
+  }
+  if (ly.l2norm) {
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += kk[e] * kk[e];
+    sq = WarpSum(sq);
+    sk = WarpSum(sk);
+    const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < KC; ++e) q[e] *= iq, kk[e] *= ik;
+  }
+  float dkq = 0.f;
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    q[e] *= ly.scale;
+    dkq += kk[e] * q[e];
+  }
+  const float kq = WarpSum(dkq);
+  // The token's gate (the records' chain starts from it) and beta.
+  const float decay = -expf(alog);
+  float acc[KC];
+  const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(ar[0]) + db[0]);
+  float gt[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    gt[e] = KDA ? (has_c ? decay * Softplus(ToF(ar[e]) + db[e]) : 0.f) : g_gdn;
+    acc[e] = gt[e];
+  }
+  const float beta = Beta(ToF(b_raw), ly.act_dtype, ly.round_beta);
+
+  // The record dots, from the top record down: acc = g_P + Σ_{i>j} g_i, W_j = exp(acc).
+  CopyAsyncWaitAll();
+  __syncwarp();  // every lane's copies (the GDN gates, the rows' d) visible to all
+  if (w > 0) {
+    for (int jb = (w - 1) / G * G; jb >= 0; jb -= G) {
+      float v[2 * G];
+#pragma unroll
+      for (int jj = G - 1; jj >= 0; --jj) {
+        const int j = jb + jj;
+        float su = 0.f, sp = 0.f;
+        if (j < w) {
+          if (has_c) {
+            const float gj = KDA ? 0.f : gs[j];
+            const float wj = KDA ? 0.f : expf(acc[0]);  // GDN: one weight per record
+            Slice<R, KC> kr_j;
+            LoadSmemSlice(kr_j, ks + j * K + c0);
+            [[maybe_unused]] Slice<float, KC> kg_j;
+            if constexpr (KDA) LoadSmemSlice(kg_j, gs + j * K + c0);
+            Slice<float, KC> kw;
+#pragma unroll
+            for (int e = 0; e < KC; ++e) {
+              const float xw = (KDA ? expf(acc[e]) : wj) * kr_j.Get(e);
+              su += xw * kk[e];
+              sp += xw * q[e];
+              kw.Set(e, xw);
+              acc[e] += KDA ? kg_j.Get(e) : gj;
+            }
+            if (fold) StoreSmemSlice(kws + j * K + c0, kw);
+          } else if (!KDA) {
+            const float gj = gs[j];
+#pragma unroll
+            for (int e = 0; e < KC; ++e) acc[e] += gj;
+          }
+        }
+        v[jj] = su;
+        v[G + jj] = sp;
+      }
+      TransposeReduce<2 * G, 16>::Run(v, lane);  // lane l: index l (u of jb + l, p of jb + l - G)
+      const int j = jb + (lane % G);
+      if (j < w) (lane < G ? us : ps)[j] = v[0];
+    }
+    __syncwarp();
+  }
+  // A = Π α, A∘k, A∘q, and the new k as the ring holds it (the fold's).
+  float av[KC], ka[KC], qa[KC], kn[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    const float a = expf(acc[e]);
+    av[e] = has_c ? a : 0.f;
+    ka[e] = has_c ? a * kk[e] : 0.f;
+    qa[e] = has_c ? a * q[e] : 0.f;
+    kn[e] = has_c ? RoundTo<R>(kk[e]) : 0.f;
+  }
+
+  // The rows: S0·(A∘k), S0·(A∘q) per row in the lane's partials, the ring terms (lane j holds
+  // record j), one butterfly for all rows.
+  float racc[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) racc[i] = 0.f;
+  if (has_c) {
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+      for (int e = 0; e < KC; ++e) {
+        const float s = x[i].Get(e);
+        racc[2 * i] += s * ka[e];
+        racc[2 * i + 1] += s * qa[e];
+      }
+    }
+  }
+  if (lane < w) {
+    const float ur = us[lane], pr = ps[lane];
+    Slice<R, RPW> dl;
+    LoadSmemSlice(dl, ds + lane * RPW);
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      const float xd = dl.Get(i);
+      racc[2 * i] += xd * ur;
+      racc[2 * i + 1] += xd * pr;
+    }
+  }
+  for (int j = lane + 32; j < w; j += 32) {  // rings longer than 32 records
+    Slice<R, RPW> d2;
+    LoadSmemSlice(d2, ds + j * RPW);
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      racc[2 * i] += d2.Get(i) * us[j];
+      racc[2 * i + 1] += d2.Get(i) * ps[j];
+    }
+  }
+  TransposeReduce<NV, 16>::Run(racc, lane);
+  const float sk = __shfl_sync(kAll, racc[0], (row_l * 2) * SPREAD);
+  const float sq = __shfl_sync(kAll, racc[0], (row_l * 2 + 1) * SPREAD);
+  const float d = beta * (ToF(v_raw) - sk);
+  const R dr = FromF<R>(d);
+  const float dcur = ToF(dr);  // the fold adds the record as the ring would hold it
+  const float o = sq + d * kq;
+  if (lane < RPW) {
+    orow[lane] = FromF<A>(o);
+    if (!fold) ring_d[int64_t{w} * V + v0 + lane] = dr;
+  }
+
+  if (!fold) {  // the record's k (once per qk-head group) and g (once per head)
+    if (tile == 0 && has_c) {
+      if (h % ly.group == 0) {
+#pragma unroll
+        for (int e = 0; e < KC; ++e) ring_k[int64_t{w} * K + c0 + e] = FromF<R>(kk[e]);
+      }
+      if constexpr (KDA) {
+#pragma unroll
+        for (int e = 0; e < KC; ++e) ring_g[int64_t{w} * K + c0 + e] = gt[e];
+      }
+    }
+    if (!KDA && tile == 0 && lane == 0) ring_g[w] = gt[0];
+    return;
+  }
+
+  // The fold: S0·A, the records in order, the new d (the CPU's order per element).
+  float out[RPW][KC];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+    for (int e = 0; e < KC; ++e) out[i][e] = x[i].Get(e) * av[e];
+  }
+  if (has_c) {
+#pragma unroll 2
+    for (int j = 0; j < w; ++j) {
+      Slice<R, RPW> dj;
+      LoadSmemSlice(dj, ds + j * RPW);
+      Slice<float, KC> kw;
+      LoadSmemSlice(kw, kws + j * K + c0);
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const float dd = dj.Get(i);
+#pragma unroll
+        for (int e = 0; e < KC; ++e) out[i][e] += dd * kw.Get(e);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const float di = __shfl_sync(kAll, dcur, i);
+    if (!has_c) continue;
+    StateRow<T, KC> y;
+#pragma unroll
+    for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
+    y.template Store<kCachePlain>(s0 + int64_t{i} * K, true);
+  }
+}
+
+}  // namespace replayssm::kernels::cuda
+
+#endif  // REPLAYSSM_KERNELS_CUDA_SMALL_REPLAY_KERNEL_CUH_
