@@ -211,30 +211,14 @@ __global__ void __launch_bounds__(NW * 32)
     }
   }
 
-  // q and k normalized (q scaled), k·q: the bulk kernel's NormDraft.
+  // q and k normalized (q scaled), k·q: NormalizeQk, as the bulk kernel's NormDraft.
   float q[KC], kk[KC];
 #pragma unroll
   for (int e = 0; e < KC; ++e) {
     q[e] = has_c ? ToF(qr[e]) : 0.f;
     kk[e] = has_c ? ToF(kr[e]) : 0.f;
   }
-  if (ly.l2norm) {
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += kk[e] * kk[e];
-    sq = WarpSum(sq);
-    sk = WarpSum(sk);
-    const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
-#pragma unroll
-    for (int e = 0; e < KC; ++e) q[e] *= iq, kk[e] *= ik;
-  }
-  float dkq = 0.f;
-#pragma unroll
-  for (int e = 0; e < KC; ++e) {
-    q[e] *= ly.scale;
-    dkq += kk[e] * q[e];
-  }
-  const float kq = WarpSum(dkq);
+  const float kq = NormalizeQk<KC>(ly, q, kk);
   // The decay A = exp(g), A∘k, A∘q and the new k as the ring would hold it (the fold's).
   const float decay = -expf(alog);
   float av[KC], ka[KC], qa[KC], kn[KC];

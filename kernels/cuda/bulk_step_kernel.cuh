@@ -475,23 +475,7 @@ struct BulkCta {
       q[e] = has_c ? tq[t * K + c0 + e] : 0.f;
       kk[e] = has_c ? tk[t * K + c0 + e] : 0.f;
     }
-    if (ly.l2norm) {
-      float sq = 0.f, sk = 0.f;
-#pragma unroll
-      for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += kk[e] * kk[e];
-      sq = WarpSum(sq);
-      sk = WarpSum(sk);
-      const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
-#pragma unroll
-      for (int e = 0; e < KC; ++e) q[e] *= iq, kk[e] *= ik;
-    }
-    float dkq = 0.f;
-#pragma unroll
-    for (int e = 0; e < KC; ++e) {
-      q[e] *= ly.scale;
-      dkq += kk[e] * q[e];
-    }
-    return WarpSum(dkq);
+    return NormalizeQk<KC>(ly, q, kk);
   }
 
   // Appends draft t's k (once per qk-head group) and g to the ring (a decode that does not

@@ -105,6 +105,31 @@ __device__ __forceinline__ float WarpSum(float x) {
   return x;
 }
 
+// A token's q and k, KC channels per lane of one warp (already loaded): both divided by their
+// norm sqrt(Σx² + 1e-6) when ly.l2norm, q then scaled by ly.scale; returns k·q. The one
+// definition of the kernels that hold a token across a warp's registers (bulk, baseline,
+// small replay), so that their results agree bit for bit.
+template <int KC, typename Layer>
+__device__ __forceinline__ float NormalizeQk(const Layer& ly, float (&q)[KC], float (&kk)[KC]) {
+  if (ly.l2norm) {
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int e = 0; e < KC; ++e) sq += q[e] * q[e], sk += kk[e] * kk[e];
+    sq = WarpSum(sq);
+    sk = WarpSum(sk);
+    const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < KC; ++e) q[e] *= iq, kk[e] *= ik;
+  }
+  float dkq = 0.f;
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    q[e] *= ly.scale;
+    dkq += kk[e] * q[e];
+  }
+  return WarpSum(dkq);
+}
+
 // Reduces N values per lane across aligned groups of G lanes (N, G powers of two) with the
 // transposed butterfly: each step halves the values a lane carries, so N values cost
 // N-1 shuffles instead of N*log2(G). On return v[0..max(N/G,1)) hold totals; value v[i] of
