@@ -33,24 +33,14 @@ class ModelOptionsTest : public ServiceTest {
     ASSERT_TRUE(other.ok()) << other.status();
     const uint64_t slot = NewSlot();
     const int32_t seq = *ref_->NewSequence(), other_seq = *(*other)->NewSequence();
-    std::vector<v1::LayerInput> prompt = Layers(5);
-    v1::PrefillRequest req;
-    req.set_slot(slot);
-    for (int i = 0; i < 5; ++i) req.add_tokens(100 + i);
-    for (const auto& l : prompt) *req.add_layers() = l;
-    req.set_return_outputs(true);
-    auto got = client_->Prefill(req);
-    ASSERT_TRUE(got.ok()) << got.status();
-    auto want = ref_->Prefill(seq, prompt);
-    ASSERT_TRUE(want.ok() && (*other)->Prefill(other_seq, prompt).ok());
-    for (int l = 0; l < num_layers(); ++l) ExpectClose(got->layers(l).out(), (*want)[l]);
+    std::vector<v1::LayerInput> layers;
+    Prefill(slot, seq, 5, &layers);  // outputs checked against ref_
+    ASSERT_FALSE(HasFatalFailure());
+    ASSERT_TRUE((*other)->Prefill(other_seq, layers).ok());
     for (int step = 0; step < 2 * model().ring_len() + 3; ++step) {
-      std::vector<v1::LayerInput> layers = Layers(1);
-      auto out = client_->Decode(DecodeRequest({slot}, layers));
-      ASSERT_TRUE(out.ok()) << out.status();
-      auto w = ref_->Decode({seq}, layers);
-      ASSERT_TRUE(w.ok() && (*other)->Decode({other_seq}, layers).ok());
-      for (int l = 0; l < num_layers(); ++l) ExpectClose(out->layers(l).out(), (*w)[l]);
+      DecodeStep({slot}, {seq}, &layers);
+      ASSERT_FALSE(HasFatalFailure());
+      ASSERT_TRUE((*other)->Decode({other_seq}, layers).ok());
     }
     auto exported = client_->Export(slot);
     ASSERT_TRUE(exported.ok()) << exported.status();

@@ -52,8 +52,10 @@ class ServiceTest : public ::testing::Test {
   }
 
   // Prefills `n` tokens into the server's slot and the reference's sequence.
-  void Prefill(uint64_t slot, int32_t seq, int64_t n) {
+  // `used` (optional) receives the layers' inputs, for feeding them elsewhere too.
+  void Prefill(uint64_t slot, int32_t seq, int64_t n, std::vector<v1::LayerInput>* used = nullptr) {
     std::vector<v1::LayerInput> layers = Layers(n);
+    if (used != nullptr) *used = layers;
     v1::PrefillRequest req;
     req.set_slot(slot);
     for (int64_t i = 0; i < n; ++i) req.add_tokens(static_cast<int32_t>(100 + i));
@@ -79,8 +81,10 @@ class ServiceTest : public ::testing::Test {
   }
 
   // One decode step on the server (unary) and the reference; outputs must agree.
-  void DecodeStep(const std::vector<uint64_t>& slots, const std::vector<int32_t>& seqs) {
+  void DecodeStep(const std::vector<uint64_t>& slots, const std::vector<int32_t>& seqs,
+                  std::vector<v1::LayerInput>* used = nullptr) {
     std::vector<v1::LayerInput> layers = Layers(static_cast<int64_t>(slots.size()));
+    if (used != nullptr) *used = layers;
     auto got = client_->Decode(DecodeRequest(slots, layers));
     ASSERT_TRUE(got.ok()) << got.status();
     auto want = ref_->Decode(seqs, layers);
