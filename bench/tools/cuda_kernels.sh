@@ -14,7 +14,7 @@ root=$(cd "${1:-$here/../..}" && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 source "$here/cuda_nvcc.sh"
-for dtype in f32 bf16 f16; do
+for dtype in f32 bf16 f16 f32_ring_bf16 f32_ring_f16; do
   kernels_nvcc "$root" -cubin -Xptxas -v -o "$tmp/$dtype.cubin" \
     "$root/kernels/cuda/kernels_$dtype.cu" > "$tmp/$dtype.log" 2>&1 || { cat "$tmp/$dtype.log"; exit 1; }
 done
@@ -45,7 +45,7 @@ def label(mangled):
     return f"{ROLE.get(m.group(1), m.group(1))}<{','.join(args)}>"
 
 tmp = sys.argv[1]
-for dtype in ("f32", "bf16", "f16"):
+for dtype in ("f32", "bf16", "f16", "f32_ring_bf16", "f32_ring_f16"):
     info, cur = {}, None
     for line in open(f"{tmp}/{dtype}.log"):
         m = re.search(r"Compiling entry function '(\S+)'", line)
