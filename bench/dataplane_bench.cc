@@ -3,7 +3,9 @@
 // replayssm-server (CUDA) as a second process, registers a CUDA IPC region holding every
 // layer's inputs, outputs and doorbells, and measures per forward, B in --batch:
 //   (a) kernels  the same forward in this process, no service: the cache's decode forward
-//                (36 replay launches + its folds) on device-resident inputs
+//                (36 replay launches + its folds) on device-resident inputs, layer by layer
+//   (a1) at once the same, every layer queued by one Forward::RunLayers: from its second
+//                forward one recorded CUDA graph (docs/cache.md, "A forward as one graph")
 //   (b) planned  through the server with regions + doorbells: one Begin carrying the plan,
 //                then per layer the engine rings ready[l] on its stream and waits for done[l]
 //                before ringing ready[l+1] (layer l+1's inputs depend on layer l's outputs),
@@ -18,7 +20,9 @@
 // Run under MPS (nvidia-cuda-mps-control -d): without it each hand-over costs ~280 us.
 //
 //   replayssm-bench-dataplane --server PATH [--model qwen3-next-80b-a3b] [--batch 1,16,64,256]
-//                             [--forwards 30] [--warmup 5] [--json PATH]
+//                             [--forwards 30] [--warmup 5] [--forward-graphs true|false]
+//                             [--json PATH]
+// --forward-graphs is passed to the server: whether its planned forwards run as recorded graphs.
 #include <arpa/inet.h>
 #include <cuda_runtime_api.h>
 #include <netinet/in.h>
@@ -37,6 +41,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -79,6 +84,7 @@ struct Options {
   std::string server, model = "qwen3-next-80b-a3b", json;
   std::vector<int> batches = {1, 16, 64, 256};
   int forwards = 30, warmup = 5;
+  std::string forward_graphs = "true";
 };
 
 Options Parse(int argc, char** argv) {
@@ -107,6 +113,11 @@ Options Parse(int argc, char** argv) {
       o.forwards = number(value());
     } else if (name == "--warmup") {
       o.warmup = number(value());
+    } else if (name == "--forward-graphs") {
+      o.forward_graphs = value();
+      if (o.forward_graphs != "true" && o.forward_graphs != "false") {
+        Die(absl::StrCat("--forward-graphs: expected true or false, got ", o.forward_graphs));
+      }
     } else if (name == "--batch") {
       o.batches.clear();
       for (absl::string_view b : absl::StrSplit(value(), ',')) o.batches.push_back(number(std::string(b)));
@@ -132,6 +143,7 @@ struct ServerChild {
                                      "--metrics-address=127.0.0.1:0",
                                      absl::StrCat("--memory-budget=", budget),
                                      "--track-interval=0",
+                                     "--forward-graphs=" + o.forward_graphs,
                                      "--max-message-bytes=1G",
                                      "--ready-file=" + ready};
     pid = fork();
@@ -450,23 +462,29 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
     }
   }
   // Export into the CUDA IPC region and Import back from it (device-to-device copies): the
-  // region's bytes are the inline export's, and the imported slot exports the same state.
+  // region's bytes are the inline export's, and the imported slot exports the same state. A
+  // layer's range holds its checkpoint, then (a model with a convolution) its conv window.
   const v1::ExportResponse want = Value(c.Export(planned[0]), "export");
   const uint64_t cp = want.checkpoints(0).data().size();
-  if (static_cast<uint64_t>(r.m.num_layers) * cp > r.bytes) Die("region too small for a slot");
+  const uint64_t window = want.conv_windows_size() > 0 ? want.conv_windows(0).data().size() : 0;
+  const uint64_t stride = cp + window;
+  if (static_cast<uint64_t>(r.m.num_layers) * stride > r.bytes) Die("region too small for a slot");
   v1::ExportRequest ex;
   ex.set_slot(planned[0]);
   for (int32_t l = 0; l < r.m.num_layers; ++l) {
     v1::RegionRef* ref = ex.add_checkpoints_out();
     ref->set_region("engine");
-    ref->set_offset(l * cp);
+    ref->set_offset(l * stride);
   }
   Value(c.Export(ex), "export into the region");
   for (int32_t l = 0; l < r.m.num_layers; ++l) {
-    std::string got(cp, '\0');
-    CheckCuda(cudaMemcpy(got.data(), r.dev + l * cp, cp, cudaMemcpyDeviceToHost), "download");
-    if (got != want.checkpoints(l).data()) {
-      std::printf("check: layer %d checkpoint exported into the region differs\n", l);
+    std::string got(stride, '\0');
+    CheckCuda(cudaMemcpy(got.data(), r.dev + l * stride, stride, cudaMemcpyDeviceToHost),
+              "download");
+    const std::string expect =
+        want.checkpoints(l).data() + (window > 0 ? want.conv_windows(l).data() : std::string());
+    if (got != expect) {
+      std::printf("check: layer %d state exported into the region differs\n", l);
       same = false;
     }
   }
@@ -506,8 +524,9 @@ Stat Summarize(std::vector<double> v) {
 }
 
 // (a): the cache's decode forward in this process on device-resident copies of the inputs.
-Stat InProcess(const cache::ModelSpec& m, int64_t B, const Options& o,
-               const std::vector<std::array<std::vector<uint8_t>, 3>>& in) {
+// (a) layer by layer, then (a1) every layer at once (recorded from its second forward).
+std::pair<Stat, Stat> InProcess(const cache::ModelSpec& m, int64_t B, const Options& o,
+                                const std::vector<std::array<std::vector<uint8_t>, 3>>& in) {
   cache::CacheOptions co;
   co.backend = RSSM_BACKEND_CUDA;
   co.memory_budget_bytes = (B + 1) * m.SlotBytes();
@@ -529,16 +548,26 @@ Stat InProcess(const cache::ModelSpec& m, int64_t B, const Options& o,
     }
     io[l] = {p[0], p[1], p[2], p[3], cache::IoMemory::kBackend};
   }
-  std::vector<double> t;
-  for (int f = 0; f < o.warmup + o.forwards; ++f) {
-    const double t0 = Now();
-    auto fwd = Value(cache->BeginForward(rows), "begin");
-    for (int32_t l = 0; l < m.num_layers; ++l) Check(fwd->RunLayer(l, io[l]), "layer");
-    Check(fwd->Commit(), "commit");
-    if (f >= o.warmup) t.push_back(Now() - t0);
+  std::vector<double> t[2];
+  for (int at_once = 0; at_once < 2; ++at_once) {
+    for (int f = 0; f < o.warmup + o.forwards; ++f) {
+      const double t0 = Now();
+      auto fwd = Value(cache->BeginForward(rows), "begin");
+      if (at_once) {
+        Check(fwd->RunLayers(io, {}, 0), "layers");
+      } else {
+        for (int32_t l = 0; l < m.num_layers; ++l) Check(fwd->RunLayer(l, io[l]), "layer");
+      }
+      Check(fwd->Commit(), "commit");
+      if (f >= o.warmup) t[at_once].push_back(Now() - t0);
+    }
+  }
+  if (cache->stats().forwards_graphed == 0) {
+    std::printf("note: (a1) ran call by call (recording failures: %ld)\n",
+                static_cast<long>(cache->stats().forward_recording_failures));
   }
   for (void* p : buffers) cudaFree(p);
-  return Summarize(t);
+  return {Summarize(t[0]), Summarize(t[1])};
 }
 
 }  // namespace
@@ -593,7 +622,7 @@ int main(int argc, char** argv) {
   for (size_t bi = 0; bi < o.batches.size(); ++bi) {
     const int64_t B = o.batches[bi];
     const auto in = RandomInputs(region, B, 7 + B);
-    const Stat a = InProcess(m, B, o, in);
+    const auto [a, a1] = InProcess(m, B, o, in);
     Upload(region, in);
     const std::vector<uint64_t> slots = AllocSlots(*c, B);
     std::vector<double> tb, tc;
@@ -639,6 +668,8 @@ int main(int argc, char** argv) {
     std::printf("%6ld %10.3f %10.3f %10.3f %10.3f %8.3f %8.1f %8s\n", static_cast<long>(B), a.p50,
                 b.p50, p.p50, cst.p50, ratio, extra_us,
                 B >= 64 || B == 1 ? (met ? "met" : "NOT met") : "-");
+    std::printf("%6s (a1) every layer at once: %.3f ms median, %.3f mean = %.3f x (a)\n", "",
+                a1.p50, a1.mean, a1.p50 / a.p50);
     std::printf("%6s (b)  begin round trip %.3f, doorbell chain %.3f, commit round trip %.3f ms\n",
                 "", pb.p50, pch.p50, pco.p50);
     std::printf("%6s (b') begin written %.3f, doorbell chain %.3f, begin's reply read %.3f ms\n",
@@ -662,9 +693,10 @@ int main(int argc, char** argv) {
       return j.str();
     };
     json << (bi ? ", " : "") << "{\"B\": " << B << ", \"a_ms\": " << stat(a)
-         << ", \"b_ms\": " << stat(b) << ", \"b_pipelined_ms\": " << stat(p)
-         << ", \"c_ms\": " << stat(cst) << ", \"b_phases_p50_ms\": {\"begin\": " << pb.p50
-         << ", \"chain\": " << pch.p50 << ", \"commit\": " << pco.p50
+         << ", \"a_at_once_ms\": " << stat(a1) << ", \"b_ms\": " << stat(b)
+         << ", \"b_pipelined_ms\": " << stat(p) << ", \"c_ms\": " << stat(cst)
+         << ", \"b_phases_p50_ms\": {\"begin\": " << pb.p50 << ", \"chain\": " << pch.p50
+         << ", \"commit\": " << pco.p50
          << "}, \"b_pipelined_phases_p50_ms\": {\"send\": " << ppb.p50
          << ", \"chain\": " << ppch.p50 << ", \"reply\": " << ppco.p50
          << "}, \"b_run_ahead_mean_ms\": " << ahead_ms << ", \"server_mean_us\": {\"b\": \""
@@ -674,7 +706,17 @@ int main(int argc, char** argv) {
          << ", \"run_ahead_over_a_mean\": " << ahead_ratio
          << ", \"run_ahead_target_met\": " << (ahead_met ? "true" : "false") << "}";
   }
-  json << "]}\n";
+  json << "]";
+  const absl::StatusOr<v1::GetStatsResponse> st = c->Stats();
+  Check(st.status(), "stats");
+  std::printf(
+      "server: --forward-graphs=%s, %ld planned forwards graphed, %ld recordings, %ld failed\n",
+      o.forward_graphs.c_str(), static_cast<long>(st->forwards_graphed()),
+      static_cast<long>(st->forward_recordings()),
+      static_cast<long>(st->forward_recording_failures()));
+  json << ", \"forward_graphs\": " << o.forward_graphs
+       << ", \"server_forwards_graphed\": " << st->forwards_graphed()
+       << ", \"server_forward_recordings\": " << st->forward_recordings() << "}\n";
   if (!o.json.empty()) std::ofstream(o.json) << json.str();
   cudaStreamDestroy(s);
   return same ? 0 : 2;

@@ -37,6 +37,15 @@ absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32
   return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
 }
 
+bool Doorbells::Expect(absl::Span<const uint32_t* const> waits, uint32_t* last_signal,
+                       uint32_t value) {
+  absl::MutexLock lock(&mu_);
+  if (released_) return false;
+  for (const uint32_t* addr : waits) awaited_.push_back({const_cast<uint32_t*>(addr), value});
+  if (last_signal != nullptr) last_signal_ = {last_signal, value};
+  return true;
+}
+
 bool Doorbells::LastSignalReached(const rssm_launch& launch) {
   Awaited last;
   {

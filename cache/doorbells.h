@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::cache {
@@ -25,6 +26,12 @@ class Doorbells {
   absl::Status Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value);
+  // For waits and signals queued inside a recorded sequence (rssm_graph_launch) rather than
+  // through Wait and Signal: records `waits` (in queue order) and the last signal as those
+  // would, all with `value`. False, recording nothing, once released (the caller then queues
+  // them one by one through Wait, which skips the waits).
+  bool Expect(absl::Span<const uint32_t* const> waits, uint32_t* last_signal, uint32_t value)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Writes every awaited word (past and future) so that no wait blocks any more. Returns the
   // index (in queue order) of the first wait whose word had not reached its value, or -1.
   int32_t Release(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);

@@ -3,10 +3,14 @@
 // abandoned after any number of layers they change nothing; their spare slots; bad calls.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <ostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -52,6 +56,37 @@ absl::Status RunLayers(Forward& f, const std::vector<LayerIo>& io, int layers = 
   }
   return absl::OkStatus();
 }
+
+// `n` doorbell words in backend memory, set and read from the host (the legacy stream, waited
+// for).
+class BackendWords {
+ public:
+  BackendWords(int32_t backend, size_t n) : backend_(backend), n_(n) {
+    EXPECT_EQ(rssm_alloc(backend, n * 4, &p_), RSSM_OK);
+    Fill(0);
+  }
+  ~BackendWords() { rssm_free(backend_, p_); }
+  uint32_t* at(size_t i) const { return static_cast<uint32_t*>(p_) + i; }
+  void Fill(uint32_t v, size_t from = 0, size_t to = SIZE_MAX) {
+    std::vector<uint32_t> w = Read();
+    for (size_t i = from; i < std::min(to, n_); ++i) w[i] = v;
+    const rssm_launch l{backend_, nullptr};
+    EXPECT_EQ(rssm_memcpy(&l, p_, w.data(), n_ * 4, RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);
+    EXPECT_EQ(rssm_synchronize(&l), RSSM_OK);
+  }
+  std::vector<uint32_t> Read() const {
+    std::vector<uint32_t> w(n_);
+    const rssm_launch l{backend_, nullptr};
+    EXPECT_EQ(rssm_memcpy(&l, w.data(), p_, n_ * 4, RSSM_COPY_DEVICE_TO_HOST), RSSM_OK);
+    EXPECT_EQ(rssm_synchronize(&l), RSSM_OK);
+    return w;
+  }
+
+ private:
+  int32_t backend_;
+  size_t n_;
+  void* p_ = nullptr;
+};
 
 class ForwardKindsTest : public ::testing::TestWithParam<KindParams> {
  protected:
@@ -301,6 +336,104 @@ TEST_P(ForwardKindsTest, AForwardAbandonedAfterAnyLayerChangesNothing) {
   EXPECT_EQ(cache_->stats().forwards_abandoned, 0) << "the counters are decode forwards'";
 }
 
+// RunLayers: every layer queued at once, with and without doorbells, gives the outputs and
+// states of layer-by-layer forwards, bit for bit, across ring folds. On CUDA a key's first
+// forward runs call by call and its repeats as one recording, whose doorbells take each
+// forward's own value (a fresh one every forward here); the CPU never records.
+TEST_P(ForwardKindsTest, DecodeForwardsQueuedAtOnceEqualLayerByLayerOnesBitForBit) {
+  const int32_t backend = cache_->options().backend;
+  const int layers = model().num_layers;
+  const SlotId a1 = Build({1, 2, 3}, 2), c1 = Build({4, 5}, 1);
+  const SlotId a2 = Build({1, 2, 3}, 2), c2 = Build({4, 5}, 1);
+  // One set of buffers and doorbells for every forward: a recording's key is its addresses.
+  BackendBatch dev(backend, oracle_->MakeBatch({{0, 0}, {0, 0}}));
+  BackendWords words(backend, 2 * layers);  // ready[l] = l, done[l] = layers + l
+  std::vector<LayerDoorbells> bells(layers);
+  for (int l = 0; l < layers; ++l) bells[l] = {words.at(l), words.at(layers + l)};
+  const CacheStats before = cache_->stats();
+  for (int step = 0; step < 9; ++step) {  // L = 4: every row folds on the way
+    SCOPED_TRACE(step);
+    const int32_t t = 20 + step;
+    const std::vector<Tok> toks = {{t, 3 + step}, {t, 2 + step}};
+    Batch want = oracle_->MakeBatch(toks), got = oracle_->MakeBatch(toks);
+    {
+      BackendBatch want_dev(backend, want);
+      absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a2, t}, {c2, t}});
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_TRUE(RunLayers(**f, want_dev.io).ok());
+      ASSERT_TRUE((*f)->Commit().ok());
+      want_dev.CopyOutputsTo(want);
+    }
+    dev.CopyInputsFrom(got);
+    // Doorbells on the even steps, none on the odd ones: two keys, recorded side by side.
+    const bool ringing = step % 2 == 0;
+    const uint32_t value = 1000 + 17 * step;
+    words.Fill(value, 0, layers);  // every ready word rung
+    words.Fill(0, layers);
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a1, t}, {c1, t}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE(
+        (*f)->RunLayers(dev.io, ringing ? bells : std::vector<LayerDoorbells>{}, value).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+    dev.CopyOutputsTo(got);
+    for (int l = 0; l < layers; ++l) EXPECT_EQ(got.out[l], want.out[l]) << "layer " << l;
+    const std::vector<uint32_t> w = words.Read();
+    for (int l = 0; l < layers; ++l) EXPECT_EQ(w[layers + l], ringing ? value : 0u) << l;
+  }
+  EXPECT_TRUE(Observe(a1) == Observe(a2));
+  EXPECT_TRUE(Observe(c1) == Observe(c2));
+  const CacheStats after = cache_->stats();
+  const bool records = backend == RSSM_BACKEND_CUDA;
+  // Steps 0 and 1 call by call (each key's first), 2 and 3 record, 2..8 launch recordings.
+  EXPECT_EQ(after.forward_recordings - before.forward_recordings, records ? 2 : 0);
+  EXPECT_EQ(after.forwards_graphed - before.forwards_graphed, records ? 7 : 0);
+  EXPECT_EQ(after.forward_recording_failures, 0);
+}
+
+// A forward queued at once whose doorbells are never rung (recorded on CUDA: its key ran
+// twice before) drains once ReleaseWaits rings them, names the first unrung wait, and,
+// abandoned, changes nothing.
+TEST_P(ForwardKindsTest, AnUnrungForwardQueuedAtOnceIsReleasedAndChangesNothing) {
+  const int32_t backend = cache_->options().backend;
+  const int layers = model().num_layers;
+  const SlotId a = Build({1, 2, 3}, 2), twin = Build({1, 2, 3}, 2);
+  BackendBatch dev(backend, oracle_->MakeBatch({{7, 3}}));
+  BackendWords words(backend, 2 * layers);
+  std::vector<LayerDoorbells> bells(layers);
+  for (int l = 0; l < layers; ++l) bells[l] = {words.at(l), words.at(layers + l)};
+  for (int step = 0; step < 2; ++step) {  // rung: the key's first run, then its recording
+    words.Fill(5 + step, 0, layers);
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 7}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE((*f)->RunLayers(dev.io, bells, 5 + step).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+    Decode(twin, 7, 3);  // the inputs dev holds
+  }
+  Observe(a);  // both folded by their export: observed again at write_pos 0
+  Observe(twin);
+  const std::string before = Observe(a);
+  ASSERT_TRUE(before == Observe(twin));
+  const int64_t graphed = cache_->stats().forwards_graphed;
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 7}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    absl::Status queued;
+    // CPU: RunLayers blocks on layer 0's doorbell until released.
+    std::thread driver([&] { queued = (*f)->RunLayers(dev.io, bells, 9); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ((*f)->ReleaseWaits(), 0) << "layer 0's doorbell was never rung";
+    driver.join();
+    EXPECT_TRUE(queued.ok()) << queued;
+    EXPECT_TRUE((*f)->Synchronize().ok()) << "the stream drained";
+  }  // abandoned
+  EXPECT_EQ(cache_->stats().forwards_graphed - graphed, backend == RSSM_BACKEND_CUDA ? 1 : 0);
+  EXPECT_TRUE(Observe(a) == before);
+  Batch oa, ot;
+  Decode(a, 8, 5, &oa);
+  Decode(twin, 8, 5, &ot);
+  for (int l = 0; l < layers; ++l) EXPECT_EQ(Outputs(oa, l, 0, 1), Outputs(ot, l, 0, 1));
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardKindsTest,
                          ::testing::Values(KindParams{"tiny-gdn", RSSM_DTYPE_F32},
                                            KindParams{"tiny-gdn", RSSM_DTYPE_BF16},
@@ -414,6 +547,62 @@ TEST_F(ForwardRulesTest, BadBeginsAndLayerCallsAreRefusedAndChangeNothing) {
   EXPECT_EQ(cache_->Info(a)->seq_len, 0);
   EXPECT_EQ(cache_->Info(a)->pending_drafts, 0);
   EXPECT_EQ(cache_->stats().slots_free, 2);
+}
+
+// RunLayers checks every argument before it queues anything: a refused call leaves the
+// forward as it was, and the same forward then runs and commits as its twin does.
+TEST_F(ForwardRulesTest, RunLayersChecksEverythingFirstAndARefusalChangesNothing) {
+  Make(4);
+  const int32_t backend = cache_->options().backend;
+  const SlotId a = *cache_->Allocate(), twin = *cache_->Allocate();
+  Batch batch = oracle_->MakeBatch({{3, 0}}), want = oracle_->MakeBatch({{3, 0}});
+  BackendBatch dev(backend, batch);
+  BackendWords words(backend, 5);
+  words.Fill(1);
+  const std::vector<LayerDoorbells> bells = {{words.at(0), words.at(1)},
+                                             {words.at(2), words.at(3)}};
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 3}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto refused = [&](std::vector<LayerIo> io, std::vector<LayerDoorbells> b, absl::StatusCode code,
+                     const std::string& says) {
+    const absl::Status st = (*f)->RunLayers(io, b, 1);
+    EXPECT_EQ(st.code(), code) << st;
+    EXPECT_NE(st.message().find(says), std::string::npos) << st;
+  };
+  const absl::StatusCode invalid = absl::StatusCode::kInvalidArgument;
+  refused({dev.io[0]}, {}, invalid, "layers: expected 2 layers of inputs, got 1");
+  std::vector<LayerIo> missing = dev.io;
+  missing[1].b = nullptr;
+  refused(missing, {}, invalid, "layers[1]: expected mixed_qkv, a, b and out buffers");
+  refused(dev.io, {bells[0]}, invalid, "bells: expected none or 2 layers' doorbells, got 1");
+  std::vector<LayerDoorbells> bad = bells;
+  bad[1].done = nullptr;
+  refused(dev.io, bad, invalid, "bells[1].done: expected a doorbell word, got NULL");
+  bad = bells;
+  bad[0].ready = reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(words.at(4)) + 2);
+  refused(dev.io, bad, invalid, "bells[0].ready: expected a 4-byte aligned word, got one 2 bytes");
+  EXPECT_EQ(words.Read(), std::vector<uint32_t>(5, 1)) << "no doorbell written";
+  // Nothing was queued: the forward runs now and matches its twin.
+  ASSERT_TRUE((*f)->RunLayers(dev.io, bells, 1).ok());
+  ASSERT_TRUE((*f)->Commit().ok());
+  dev.CopyOutputsTo(batch);
+  absl::StatusOr<std::unique_ptr<Forward>> g = cache_->BeginForward({{twin, 3}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_TRUE(RunLayers(**g, want.io).ok());
+  ASSERT_TRUE((*g)->Commit().ok());
+  EXPECT_EQ(batch.out, want.out);
+  EXPECT_EQ(cache_->Info(a)->seq_len, 1);
+  // A layer that ran already: refused, and the forward goes on layer by layer.
+  absl::StatusOr<std::unique_ptr<Forward>> h = cache_->BeginForward({{a, 4}});
+  ASSERT_TRUE(h.ok()) << h.status();
+  Batch next = oracle_->MakeBatch({{4, 1}});
+  ASSERT_TRUE((*h)->RunLayer(0, next.io[0]).ok());
+  const absl::Status again = (*h)->RunLayers(next.io, {}, 0);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  EXPECT_NE(again.message().find("layer 0 already ran"), std::string::npos) << again;
+  ASSERT_TRUE((*h)->RunLayer(1, next.io[1]).ok());
+  ASSERT_TRUE((*h)->Commit().ok());
+  EXPECT_EQ(cache_->Info(a)->seq_len, 2);
 }
 
 }  // namespace

@@ -22,11 +22,12 @@
 #include <utility>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "device_buffer.h"
+#include "forward_graphs.h"
 #include "replayssm/cache/model.h"
 
 namespace replayssm::cache {
@@ -71,6 +72,7 @@ class Lane {
   bool idle() const { return !queued_ && downloads_.empty(); }
 
   Scratch scratch;
+  ForwardGraphs graphs;  // the decode forwards recorded on this lane's stream
 
  private:
   Lane(int32_t backend, void* stream, void* host, size_t host_bytes)

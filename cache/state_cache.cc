@@ -108,6 +108,8 @@ class ForwardImpl final : public Forward {
   int32_t batch() const override { return rows_.batch(); }
   int64_t tokens() const override { return rows_.n(); }
   absl::Status RunLayer(int32_t layer, const LayerIo& io) override;
+  absl::Status RunLayers(absl::Span<const LayerIo> layers, absl::Span<const LayerDoorbells> bells,
+                         uint32_t value) override;
   absl::Status Synchronize() override;
   void* stream() const override { return lane_ ? lane_->stream() : nullptr; }
   absl::Status QueueWait(const uint32_t* addr, uint32_t value) override {
@@ -129,6 +131,15 @@ class ForwardImpl final : public Forward {
   // the short convolution (a model with one; decode's is joined to its step), then the
   // recurrence.
   absl::Status Launch(int32_t layer, rssm_token_inputs in, const rssm_token_outputs& out);
+  // RunLayers as one recorded sequence of the lane (ForwardGraphs): *ran false when it was not
+  // (not a decode on backend memory, the key's first forward, the backend cannot record, the
+  // doorbells released): then nothing was queued and the caller queues it call by call.
+  absl::Status RunGraphed(absl::Span<const LayerIo> layers, absl::Span<const LayerDoorbells> bells,
+                          uint32_t value, bool* ran);
+  // Records RunLayers' calls on the lane's stream (nothing runs); null when the backend cannot
+  // (the lane's forwards then run call by call from now on).
+  rssm_graph* Record(absl::Span<const LayerIo> layers, absl::Span<const LayerDoorbells> bells,
+                     uint32_t value);
   // Queues the short convolution of `layer` over in.mixed_qkv into the lane's scratch, and
   // points `in` at its outputs (verify and prefill; decode's is joined to its step).
   absl::Status Convolve(int32_t layer, rssm_token_inputs& in);
@@ -352,6 +363,10 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   void MarkBroken(const std::vector<int32_t>& rows) {
     absl::MutexLock lock(&mu_);
     for (int32_t i : rows) slots_[i].broken = true;
+  }
+  void Count(int64_t CacheStats::*counter) {
+    absl::MutexLock lock(&mu_);
+    ++(stats_.*counter);
   }
 
  private:
@@ -1514,6 +1529,148 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   }
   done_[layer] = true;
   return st;
+}
+
+// A doorbell of RunLayers' `bells` (field names it): a 4-byte aligned word.
+absl::Status CheckBell(const void* addr, const std::string& field) {
+  if (addr == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected a doorbell word, got NULL"));
+  }
+  const uintptr_t past = reinterpret_cast<uintptr_t>(addr) % 4;
+  if (past != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected a 4-byte aligned word, got one ", past, " bytes past it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ForwardImpl::RunLayers(absl::Span<const LayerIo> layers,
+                                    absl::Span<const LayerDoorbells> bells, uint32_t value) {
+  const ModelSpec& m = cache_->model();
+  if (finished_) return absl::FailedPreconditionError("forward: already committed");
+  if (!failed_.ok()) return failed_;
+  absl::Status st = CheckIo(m, layers, /*need_out=*/rows_.kind != ForwardKind::kPrefill);
+  if (!st.ok()) return st;
+  if (!bells.empty() && bells.size() != layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("bells: expected none or ", m.num_layers,
+                                                   " layers' doorbells, got ", bells.size()));
+  }
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (done_[l]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer: layer ", l, " already ran in this forward"));
+    }
+    if (bells.empty()) continue;
+    st = CheckBell(bells[l].ready, absl::StrCat("bells[", l, "].ready"));
+    if (st.ok()) st = CheckBell(bells[l].done, absl::StrCat("bells[", l, "].done"));
+    if (!st.ok()) return st;
+  }
+  bool ran = false;
+  st = RunGraphed(layers, bells, value, &ran);
+  if (!st.ok() || ran) return st;
+  for (size_t l = 0; l < layers.size() && st.ok(); ++l) {
+    if (!bells.empty()) st = QueueWait(bells[l].ready, value);  // CPU: blocks until rung
+    if (st.ok()) st = RunLayer(static_cast<int32_t>(l), layers[l]);
+    if (st.ok() && !bells.empty()) st = QueueSignal(bells[l].done, value);
+  }
+  return st;
+}
+
+absl::Status ForwardImpl::RunGraphed(absl::Span<const LayerIo> layers,
+                                     absl::Span<const LayerDoorbells> bells, uint32_t value,
+                                     bool* ran) {
+  *ran = false;
+  ForwardGraphs& graphs = lane_->graphs;
+  if (rows_.kind != ForwardKind::kDecode || !cache_->options().forward_graphs ||
+      graphs.disabled()) {
+    return absl::OkStatus();
+  }
+  for (const LayerIo& io : layers) {
+    if (io.memory != IoMemory::kBackend) return absl::OkStatus();
+  }
+  // What the calls take that can change between forwards (ForwardGraphs, at the top).
+  const Scratch& s = lane_->scratch;
+  std::string key;
+  auto put = [&key](auto v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(batch());
+  put(lane_->stream());
+  put(s.slot_idx.data());
+  put(s.write_pos.data());
+  put(s.conv.data());
+  put(bells.empty());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    put(layers[l].mixed_qkv);
+    put(layers[l].a);
+    put(layers[l].b);
+    put(layers[l].out);
+    if (!bells.empty()) {
+      put(bells[l].ready);
+      put(bells[l].done);
+    }
+  }
+  rssm_graph* graph = graphs.Find(key);
+  if (graph == nullptr) {
+    if (!graphs.Repeats(key)) return absl::OkStatus();  // its first forward runs call by call
+    graph = Record(layers, bells, value);
+    if (graph == nullptr) return absl::OkStatus();
+    graphs.Add(std::move(key), graph);
+    cache_->Count(&CacheStats::forward_recordings);
+  }
+  if (!bells.empty()) {
+    std::vector<const uint32_t*> waits(bells.size());
+    for (size_t l = 0; l < bells.size(); ++l) waits[l] = bells[l].ready;
+    // Released already: call by call, which skips the waits.
+    if (!doorbells_.Expect(waits, bells.back().done, value)) return absl::OkStatus();
+  }
+  std::fill(touched_.begin(), touched_.end(), true);
+  const rssm_launch launch = lane_->Launch();
+  absl::Status st = KernelStatus(rssm_graph_launch(&launch, graph, value), "recorded forward");
+  if (!st.ok()) {
+    failed_ = absl::FailedPreconditionError(
+        absl::StrCat("forward: its recorded layers failed (", st.message(), "); abandon it"));
+    return st;
+  }
+  std::fill(done_.begin(), done_.end(), true);
+  cache_->Count(&CacheStats::forwards_graphed);
+  *ran = true;
+  return absl::OkStatus();
+}
+
+rssm_graph* ForwardImpl::Record(absl::Span<const LayerIo> layers,
+                                absl::Span<const LayerDoorbells> bells, uint32_t value) {
+  const rssm_launch launch = lane_->Launch();
+  if (rssm_capture_begin(&launch) != RSSM_OK) {
+    lane_->graphs.Disable();  // CPU, or a device that cannot record
+    return nullptr;
+  }
+  absl::Status st;
+  for (size_t l = 0; l < layers.size() && st.ok(); ++l) {
+    const LayerIo& io = layers[l];
+    if (!bells.empty()) {
+      st = KernelStatus(rssm_stream_wait_value32(&launch, bells[l].ready, value), "doorbell wait");
+    }
+    if (st.ok()) {
+      st = Launch(static_cast<int32_t>(l), rssm_token_inputs{io.mixed_qkv, io.a, io.b, 0, 0, 0},
+                  rssm_token_outputs{io.out, 0});
+    }
+    if (st.ok() && !bells.empty()) {
+      st =
+          KernelStatus(rssm_stream_write_value32(&launch, bells[l].done, value), "doorbell signal");
+    }
+  }
+  rssm_graph* graph = nullptr;
+  const rssm_status ended = rssm_capture_end(&launch, st.ok() ? 1 : 0, &graph);
+  // Every doorbell operation must be one the launch can set (else a later forward's value
+  // would not reach it).
+  const int64_t doorbells = bells.empty() ? 0 : 2 * static_cast<int64_t>(bells.size());
+  if (!st.ok() || ended != RSSM_OK || graph == nullptr ||
+      rssm_graph_doorbells(graph) != doorbells) {
+    rssm_graph_destroy(graph);
+    lane_->graphs.Disable();
+    cache_->Count(&CacheStats::forward_recording_failures);
+    return nullptr;
+  }
+  return graph;
 }
 
 int32_t ForwardImpl::ReleaseWaits() {

@@ -173,6 +173,19 @@ void BackendBatch::CopyOutputsTo(Batch& host) const {
   rssm_synchronize(&l);
 }
 
+void BackendBatch::CopyInputsFrom(const Batch& host) {
+  const rssm_launch l{backend, nullptr};
+  for (size_t i = 0; i < io.size(); ++i) {
+    rssm_memcpy(&l, const_cast<void*>(io[i].mixed_qkv), host.qkv[i].data(), host.qkv[i].size(),
+                RSSM_COPY_HOST_TO_DEVICE);
+    rssm_memcpy(&l, const_cast<void*>(io[i].a), host.a[i].data(), host.a[i].size(),
+                RSSM_COPY_HOST_TO_DEVICE);
+    rssm_memcpy(&l, const_cast<void*>(io[i].b), host.b[i].data(), host.b[i].size(),
+                RSSM_COPY_HOST_TO_DEVICE);
+  }
+  rssm_synchronize(&l);
+}
+
 int32_t TestBackend() {
   const char* env = std::getenv("REPLAYSSM_TEST_BACKEND");
   return env != nullptr && std::string(env) == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;

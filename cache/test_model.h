@@ -35,6 +35,8 @@ struct BackendBatch {
   BackendBatch& operator=(const BackendBatch&) = delete;
   // host.out <- the outputs (once the work writing them is done).
   void CopyOutputsTo(Batch& host) const;
+  // The inputs <- host's (same shapes), into the same buffers.
+  void CopyInputsFrom(const Batch& host);
 
   int32_t backend;
   std::vector<void*> buffers;  // every allocation, freed by the destructor

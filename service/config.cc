@@ -60,6 +60,16 @@ Setter Seconds(absl::Duration ServerOptions::*field) {
   };
 }
 
+Setter Bool(bool ServerOptions::*field) {
+  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
+    if (v != "true" && v != "false") {
+      return absl::InvalidArgumentError("expected true or false");
+    }
+    f.options.*field = v == "true";
+    return absl::OkStatus();
+  };
+}
+
 Setter Str(std::string ServerOptions::*field) {
   return [field](ServerFlags& f, const std::string& v) {
     f.options.*field = v;
@@ -92,6 +102,9 @@ const std::vector<Flag>& Flags() {
        "model's: act for Gated DeltaNet, f32 for KDA)",
        Str(&ServerOptions::beta_rounding)},
       {"max-batch", "rows per decode / verify [256]", Int(&ServerOptions::max_batch)},
+      {"forward-graphs",
+       "true | false: a planned decode forward that repeats runs as one CUDA graph [true]",
+       Bool(&ServerOptions::forward_graphs)},
       {"max-prefill-tokens", "tokens per prefill call [65536]",
        Int(&ServerOptions::max_prefill_tokens)},
       {"max-message-bytes", "largest request accepted [64M]",

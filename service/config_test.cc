@@ -22,6 +22,18 @@ TEST(ServerFlags, DefaultsMatchTheIssue) {
   EXPECT_EQ(f->options.grpc_address, "127.0.0.1:50051");
   EXPECT_EQ(f->options.metrics_address, "127.0.0.1:9400");
   EXPECT_EQ(f->options.device, "auto");
+  EXPECT_TRUE(f->options.forward_graphs);
+}
+
+TEST(ServerFlags, ForwardGraphsTakeTrueOrFalseOnly) {
+  auto off = Parse({"--forward-graphs=false"});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->options.forward_graphs);
+  auto bad = Parse({"--forward-graphs=yes"});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--forward-graphs=yes: expected true or false"),
+            std::string::npos)
+      << bad.status();
 }
 
 TEST(ServerFlags, BothSpellingsAndByteSuffixesParse) {

@@ -170,6 +170,9 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
       {"replayssm_guarded_exits_total", s.guard_calls},
       {"replayssm_invariant_refusals_total", s.invariant_refusals},
       {"replayssm_nonfinite_refusals_total", s.nonfinite_refusals},
+      {"replayssm_forwards_graphed_total", s.forwards_graphed},
+      {"replayssm_forward_recordings_total", s.forward_recordings},
+      {"replayssm_forward_recording_failures_total", s.forward_recording_failures},
   };
   for (const auto& [name, value] : counters) {
     auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);

@@ -142,6 +142,9 @@ absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
   resp->set_nonfinite_refusals(s.nonfinite_refusals);
   resp->set_forwards_committed(s.forwards_committed);
   resp->set_forwards_abandoned(s.forwards_abandoned);
+  resp->set_forwards_graphed(s.forwards_graphed);
+  resp->set_forward_recordings(s.forward_recordings);
+  resp->set_forward_recording_failures(s.forward_recording_failures);
   resp->set_open_forwards(ctx_->gate->open());
   resp->set_draining(ctx_->gate->draining());
   return absl::OkStatus();

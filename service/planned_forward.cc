@@ -244,13 +244,17 @@ PlannedForward::~PlannedForward() {
 }
 
 void PlannedForward::Queue() {
-  absl::Status st;
-  for (size_t l = 0; l < plan_.layers.size() && st.ok(); ++l) {
-    const ResolvedPlan::Layer& layer = plan_.layers[l];
-    st = forward_->QueueWait(layer.ready, plan_.value);  // CPU: blocks until rung
-    if (st.ok()) st = forward_->RunLayer(static_cast<int32_t>(l), layer.io);
-    if (st.ok()) st = forward_->QueueSignal(layer.done, plan_.value);
+  // One call for every layer (CUDA: a recorded sequence once the plan repeats; CPU: blocks on
+  // each layer's doorbell in turn).
+  std::vector<cache::LayerIo> ios;
+  std::vector<cache::LayerDoorbells> bells;
+  ios.reserve(plan_.layers.size());
+  bells.reserve(plan_.layers.size());
+  for (const ResolvedPlan::Layer& layer : plan_.layers) {
+    ios.push_back(layer.io);
+    bells.push_back({layer.ready, layer.done});
   }
+  const absl::Status st = forward_->RunLayers(ios, bells, plan_.value);
   absl::MutexLock lock(&mu_);
   queue_status_ = st;
   queued_.Notify();

@@ -327,6 +327,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.memory_budget_bytes = options.memory_budget_bytes;
   cache_options.track_interval = options.track_interval;
   cache_options.max_batch = options.max_batch;
+  cache_options.forward_graphs = options.forward_graphs;
   cache_options.max_prefill_tokens = options.max_prefill_tokens;
   auto handles = std::make_unique<SlotHandles>();
   cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };

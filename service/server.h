@@ -28,6 +28,7 @@ struct ServerOptions {
   std::string ring_dtype;       // ring d, k: f32 | bf16 | f16; "" = the state dtype
   std::string beta_rounding;    // act | f32; "" = the model's (cache::DefaultRoundBeta)
   int32_t max_batch = 256;      // rows per decode / verify
+  bool forward_graphs = true;   // cache::CacheOptions::forward_graphs
   int32_t max_prefill_tokens = 1 << 16;
   int64_t max_message_bytes = int64_t{64} << 20;     // larger requests: RESOURCE_EXHAUSTED
   int64_t dedup_entries = 4096;                      // request ids remembered ...

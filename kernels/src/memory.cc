@@ -4,20 +4,10 @@
 #include <cstring>
 #include <string>
 
-#include "backend.h"
-#include "replayssm/kernels.h"
-
-#ifdef REPLAYSSM_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "calls.h"
 
 namespace replayssm::kernels {
 namespace {
-
-rssm_status Invalid(const std::string& fn, const std::string& what) {
-  SetLastError(fn + ": " + what);
-  return RSSM_ERR_INVALID_ARGUMENT;
-}
 
 bool KnownBackend(int32_t b) { return b == RSSM_BACKEND_CPU || b == RSSM_BACKEND_CUDA; }
 
@@ -26,19 +16,6 @@ rssm_status CheckBackend(const char* fn, int32_t backend) {
   if (KnownBackend(backend)) return RSSM_OK;
   return Invalid(fn, "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
 }
-
-#ifdef REPLAYSSM_WITH_CUDA
-rssm_status CudaCheck(cudaError_t e, const char* fn) {
-  if (e == cudaSuccess) return RSSM_OK;
-  SetLastError(std::string(fn) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-  return RSSM_ERR_DEVICE;
-}
-#else
-rssm_status NoCuda(const char* fn) {
-  SetLastError(std::string(fn) + ": the CUDA backend is not built into this library");
-  return RSSM_ERR_UNSUPPORTED;
-}
-#endif
 
 }  // namespace
 }  // namespace replayssm::kernels

@@ -11,21 +11,10 @@
 #include <string>
 #include <thread>
 
-#include "backend.h"
-#include "replayssm/kernels.h"
-
-#ifdef REPLAYSSM_WITH_CUDA
-#include <cuda.h>
-#include <cuda_runtime_api.h>
-#endif
+#include "calls.h"
 
 namespace replayssm::kernels {
 namespace {
-
-rssm_status Invalid(const std::string& fn, const std::string& what) {
-  SetLastError(fn + ": " + what);
-  return RSSM_ERR_INVALID_ARGUMENT;
-}
 
 rssm_status CheckLaunch(const char* fn, const rssm_launch* launch) {
   if (launch != nullptr &&
@@ -62,12 +51,6 @@ void WaitOnHost(const uint32_t* addr, uint32_t value) {
 }
 
 #ifdef REPLAYSSM_WITH_CUDA
-rssm_status CudaCheck(cudaError_t e, const char* fn) {
-  if (e == cudaSuccess) return RSSM_OK;
-  SetLastError(std::string(fn) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-  return RSSM_ERR_DEVICE;
-}
-
 using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using WriteValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -79,32 +62,11 @@ struct StreamMemOps {
   AddressRangeFn range = nullptr;
 };
 
-template <typename Fn>
-Fn Lookup(const char* symbol) {
-  cudaDriverEntryPointQueryResult q{};
-  void* fn = nullptr;
-  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess) {
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
 const StreamMemOps& MemOps() {
-  static const StreamMemOps ops{Lookup<WaitValueFn>("cuStreamWaitValue32"),
-                                Lookup<WriteValueFn>("cuStreamWriteValue32"),
-                                Lookup<AddressRangeFn>("cuMemGetAddressRange")};
+  static const StreamMemOps ops{LookupDriver<WaitValueFn>("cuStreamWaitValue32"),
+                                LookupDriver<WriteValueFn>("cuStreamWriteValue32"),
+                                LookupDriver<AddressRangeFn>("cuMemGetAddressRange")};
   return ops;
-}
-
-rssm_status DriverCheck(CUresult r, const char* fn) {
-  if (r == CUDA_SUCCESS) return RSSM_OK;
-  SetLastError(std::string(fn) + ": driver error " + std::to_string(static_cast<int>(r)));
-  return RSSM_ERR_DEVICE;
-}
-#else
-rssm_status NoCuda(const char* fn) {
-  SetLastError(std::string(fn) + ": the CUDA backend is not built into this library");
-  return RSSM_ERR_UNSUPPORTED;
 }
 #endif
 

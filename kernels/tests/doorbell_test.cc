@@ -82,6 +82,36 @@ TEST(SharedMemory, IpcOpenRefusesAHandleOfTheWrongSizeByName) {
   EXPECT_NE(msg.find("got 8 bytes"), std::string::npos) << msg;
 }
 
+TEST(RecordedSequence, IsRefusedOnTheCpuBackendWithWhatToDoInstead) {
+  EXPECT_EQ(rssm_capture_begin(&kCpu), RSSM_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(rssm_last_error()).find("run them directly"), std::string::npos)
+      << rssm_last_error();
+  rssm_graph* graph = reinterpret_cast<rssm_graph*>(1);
+  EXPECT_EQ(rssm_capture_end(&kCpu, 1, &graph), RSSM_ERR_UNSUPPORTED);
+  EXPECT_EQ(graph, nullptr) << "out is cleared whatever the outcome";
+}
+
+TEST(RecordedSequence, BadArgumentsAreRefusedByName) {
+  const rssm_launch bad{7, nullptr};
+  EXPECT_EQ(rssm_capture_begin(nullptr), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(rssm_capture_begin(&bad), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(
+      std::string(rssm_last_error()).find("launch.backend: expected 0 (CPU) or 1 (CUDA), got 7"),
+      std::string::npos)
+      << rssm_last_error();
+  EXPECT_EQ(rssm_capture_end(&kCpu, 1, nullptr), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("out: expected a pointer"), std::string::npos);
+  rssm_graph* graph = nullptr;
+  EXPECT_EQ(rssm_capture_end(&kCpu, 2, &graph), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("keep: expected 0 or 1, got 2"), std::string::npos)
+      << rssm_last_error();
+  EXPECT_EQ(rssm_graph_launch(&kCpu, nullptr, 1), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("graph: expected a recording, got NULL"),
+            std::string::npos);
+  EXPECT_EQ(rssm_graph_doorbells(nullptr), 0);
+  EXPECT_EQ(rssm_graph_destroy(nullptr), RSSM_OK);
+}
+
 TEST(SharedMemory, MpsDetectionFollowsThePipeDirectory) {
   setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent-replayssm-test", 1);
   EXPECT_EQ(rssm_mps_active(), 0);

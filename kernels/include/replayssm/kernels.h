@@ -398,6 +398,32 @@ rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr,
  * on one GPU time-slice and every cross-process doorbell costs ~280 us instead of ~5 us. */
 int rssm_mps_active(void);
 
+/* Recorded sequences (CUDA graphs), so that a caller who queues the same calls again and
+ * again (a whole decode forward: a doorbell wait, the layer's kernels and a doorbell write per
+ * layer) pays the host's cost of queueing them once (docs/math-and-abi.md, "Recorded
+ * sequences"). CPU: RSSM_ERR_UNSUPPORTED (CPU calls run at once; run them directly).
+ * rssm_capture_begin: the calls queued on launch->stream from now on (kernels, copies, memsets,
+ *   doorbell operations) are recorded instead of run, until rssm_capture_end on the same
+ *   thread. Nothing in between may synchronize or allocate (rssm_synchronize, rssm_alloc and
+ *   rssm_memcpy to or from pageable host memory fail and spoil the recording).
+ * rssm_capture_end: ends the recording; the stream runs calls again and nothing recorded has
+ *   run. keep = 1: *out is the recording, ready to launch (RSSM_ERR_DEVICE, *out = NULL, when
+ *   a call in between spoiled it); keep = 0 (a call in between failed): discarded, *out = NULL.
+ * rssm_graph_doorbells: how many doorbell operations (waits and writes) the recording holds.
+ * rssm_graph_launch: queues the recording on launch->stream (any stream of its backend;
+ *   launches of one recording run one after the other). Every doorbell operation in it waits
+ *   for, or writes, `doorbell_value`, whatever value it was recorded with: one recording
+ *   serves forwards whose doorbells ring with different values.
+ * rssm_graph_destroy: frees it (launches already queued still run). NULL is a no-op.
+ * A recording is used by one thread at a time. */
+typedef struct rssm_graph rssm_graph;
+rssm_status rssm_capture_begin(const rssm_launch* launch);
+rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph** out);
+int64_t rssm_graph_doorbells(const rssm_graph* graph);
+rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
+                              uint32_t doorbell_value);
+rssm_status rssm_graph_destroy(rssm_graph* graph);
+
 /* Slot checksums (docs/transfer.md): the segment hash (replayssm/checksum_v2.h; bit-identical
  * to the host's) of each segment of a payload held as parts[0] | parts[1] | ... |
  * parts[count - 1] (count * part_bytes bytes), hashed where the parts lie (no gather):

@@ -57,6 +57,9 @@ struct CacheOptions {
   int32_t track_interval = 64;  // snapshot every this many tokens in decode; 0 = never
   int32_t max_batch = 256;      // rows per forward / verify
   int32_t max_prefill_tokens = 1 << 16;  // tokens per prefill call
+  // A decode forward queued at once (Forward::RunLayers) on backend memory runs as one
+  // recorded sequence (a CUDA graph) once it repeats; false: always call by call.
+  bool forward_graphs = true;
   // How error messages name a slot (called under the cache's lock: it must not call back into
   // the cache). Unset: the id in hex. A service that hands out handles of its own names them
   // here, so that errors never reveal ids.
@@ -82,6 +85,12 @@ struct LayerIo {
   IoMemory memory = IoMemory::kHost;  // where all four live
 };
 
+// A layer's doorbells in Forward::RunLayers: the layer waits for `ready`, then writes `done`.
+struct LayerDoorbells {
+  const uint32_t* ready = nullptr;
+  uint32_t* done = nullptr;
+};
+
 struct SlotInfo {
   int64_t seq_len = 0;    // tokens applied to the state
   int32_t write_pos = 0;  // records in the ring since the checkpoint
@@ -98,6 +107,10 @@ struct CacheStats {
   // refused, a track-boundary snapshot skipped (the finiteness policy, docs/cache.md).
   int64_t nonfinite_refusals = 0;
   int64_t forwards_committed = 0, forwards_abandoned = 0;  // decode forwards
+  // Decode forwards queued as one recorded sequence (RunLayers), and the recordings made.
+  int64_t forwards_graphed = 0, forward_recordings = 0;
+  // Recordings that failed (the lane's forwards then run call by call; CPU never records).
+  int64_t forward_recording_failures = 0;
   int64_t lanes = 0;  // streams with pinned staging: the most operations that ever ran at once
 };
 
@@ -124,6 +137,17 @@ class Forward {
   // written once Synchronize (or Commit) returns, and before any work the caller queues on
   // stream() after this call. A prefill's io.out may be null (no outputs).
   virtual absl::Status RunLayer(int32_t layer, const LayerIo& io) = 0;
+  // Queues every layer at once, in order: what QueueWait(bells[l].ready, value),
+  // RunLayer(l, layers[l]), QueueSignal(bells[l].done, value) for each layer l would queue
+  // (bells empty: no doorbells), except that every argument is checked before anything is
+  // queued (an error then changes nothing). layers.size() and a non-empty bells.size() are
+  // num_layers; no layer may have run. A decode forward whose io is all backend memory is
+  // queued as one recorded sequence (CUDA: a graph, one host call instead of two to four per
+  // layer) once the same forward — batch, addresses, doorbells; the value may differ —
+  // repeats on this forward's stream (CacheOptions::forward_graphs); otherwise call by call.
+  // CPU backend: call by call, so it blocks on each wait as QueueWait does.
+  virtual absl::Status RunLayers(absl::Span<const LayerIo> layers,
+                                 absl::Span<const LayerDoorbells> bells, uint32_t value) = 0;
   // Waits for every layer queued so far.
   virtual absl::Status Synchronize() = 0;
   // The stream this forward's work is queued on (rssm_launch.stream: a cudaStream_t on CUDA,

@@ -1,0 +1,99 @@
+// Recorded sequences on the device (rssm_capture_begin / end, rssm_graph_launch): a recording
+// of doorbell waits, copies and doorbell writes runs nothing until launched, then runs as
+// recorded, and each launch's doorbell value reaches every wait and write in it — a wait for a
+// value not yet rung holds the recording back, and ringing it lets it finish.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "replayssm/kernels.h"
+
+namespace {
+
+#define ASSERT_RSSM(call) ASSERT_EQ((call), RSSM_OK) << rssm_last_error()
+
+// `n` device words, read and written from the host on a stream of their own.
+class DeviceWords {
+ public:
+  explicit DeviceWords(size_t n) : n_(n) {
+    EXPECT_EQ(rssm_alloc(RSSM_BACKEND_CUDA, n * 4, &p_), RSSM_OK);
+    EXPECT_EQ(rssm_stream_create(RSSM_BACKEND_CUDA, &side_.stream), RSSM_OK);
+  }
+  ~DeviceWords() {
+    rssm_synchronize(&side_);
+    rssm_stream_destroy(RSSM_BACKEND_CUDA, side_.stream);
+    rssm_free(RSSM_BACKEND_CUDA, p_);
+  }
+  uint32_t* at(size_t i) const { return static_cast<uint32_t*>(p_) + i; }
+  void Set(size_t i, uint32_t v) {
+    ASSERT_RSSM(rssm_memcpy(&side_, at(i), &v, 4, RSSM_COPY_HOST_TO_DEVICE));
+    ASSERT_RSSM(rssm_synchronize(&side_));
+  }
+  std::vector<uint32_t> Read() {
+    std::vector<uint32_t> v(n_);
+    EXPECT_EQ(rssm_memcpy(&side_, v.data(), p_, n_ * 4, RSSM_COPY_DEVICE_TO_HOST), RSSM_OK);
+    EXPECT_EQ(rssm_synchronize(&side_), RSSM_OK);
+    return v;
+  }
+
+ private:
+  size_t n_;
+  void* p_ = nullptr;
+  rssm_launch side_{RSSM_BACKEND_CUDA, nullptr};
+};
+
+TEST(CudaRecordedSequence, EachLaunchCarriesItsDoorbellValue) {
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
+  // Words: 0 ready, 1 done, 2 payload source, 3 payload copy.
+  DeviceWords w(4);
+  for (size_t i = 0; i < 4; ++i) w.Set(i, 0);
+  rssm_launch l{RSSM_BACKEND_CUDA, nullptr};
+  ASSERT_RSSM(rssm_stream_create(RSSM_BACKEND_CUDA, &l.stream));
+  // Recorded with value 5: wait ready >= 5, copy the payload, write done = 5.
+  ASSERT_RSSM(rssm_capture_begin(&l));
+  ASSERT_RSSM(rssm_stream_wait_value32(&l, w.at(0), 5));
+  ASSERT_RSSM(rssm_memcpy(&l, w.at(3), w.at(2), 4, RSSM_COPY_DEVICE_TO_DEVICE));
+  ASSERT_RSSM(rssm_stream_write_value32(&l, w.at(1), 5));
+  rssm_graph* g = nullptr;
+  ASSERT_RSSM(rssm_capture_end(&l, 1, &g));
+  ASSERT_NE(g, nullptr);
+  EXPECT_EQ(rssm_graph_doorbells(g), 2);
+  ASSERT_RSSM(rssm_synchronize(&l));
+  EXPECT_EQ(w.Read(), (std::vector<uint32_t>{0, 0, 0, 0})) << "recording runs nothing";
+
+  for (uint32_t value : {5u, 9u, 12u, 0xFFFFFFFEu, 3u /* past the wrap */}) {
+    SCOPED_TRACE(value);
+    w.Set(2, value * 7);
+    w.Set(0, value - 1);  // not yet rung for this launch (rung for the recorded 5 at 9 and up)
+    ASSERT_RSSM(rssm_graph_launch(&l, g, value));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::vector<uint32_t> now = w.Read();
+    EXPECT_NE(now[1], value) << "done written before its ready word was rung";
+    w.Set(0, value);  // ring
+    ASSERT_RSSM(rssm_synchronize(&l));
+    now = w.Read();
+    EXPECT_EQ(now[1], value);
+    EXPECT_EQ(now[3], value * 7);
+  }
+  // Ended with keep = 0 (what a caller whose call failed asks): discarded, nothing ran, and
+  // the stream runs calls again.
+  ASSERT_RSSM(rssm_capture_begin(&l));
+  EXPECT_EQ(rssm_memcpy(&l, w.at(3), w.at(2), 4, RSSM_COPY_DEVICE_TO_DEVICE), RSSM_OK);
+  rssm_graph* dropped = reinterpret_cast<rssm_graph*>(1);
+  ASSERT_RSSM(rssm_capture_end(&l, 0, &dropped));
+  EXPECT_EQ(dropped, nullptr);
+  ASSERT_RSSM(rssm_synchronize(&l));
+  EXPECT_EQ(w.Read()[3], 3u * 7);
+  w.Set(2, 77);
+  ASSERT_RSSM(rssm_memcpy(&l, w.at(3), w.at(2), 4, RSSM_COPY_DEVICE_TO_DEVICE));
+  ASSERT_RSSM(rssm_synchronize(&l));
+  EXPECT_EQ(w.Read()[3], 77u);
+  ASSERT_RSSM(rssm_graph_destroy(g));
+  ASSERT_RSSM(rssm_stream_destroy(RSSM_BACKEND_CUDA, l.stream));
+}
+
+}  // namespace

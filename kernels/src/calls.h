@@ -1,0 +1,58 @@
+// Helpers of the C ABI's memory, stream, doorbell and graph calls (memory.cc,
+// shared_memory.cc, graph.cc): the error they report, and the CUDA runtime and driver calls
+// checked into an rssm_status. The driver is reached through the runtime's entry-point query,
+// so that nothing links libcuda.
+#ifndef REPLAYSSM_KERNELS_SRC_CALLS_H_
+#define REPLAYSSM_KERNELS_SRC_CALLS_H_
+
+#include <string>
+
+#include "backend.h"
+#include "replayssm/kernels.h"
+
+#ifdef REPLAYSSM_WITH_CUDA
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace replayssm::kernels {
+
+inline rssm_status Invalid(const std::string& fn, const std::string& what) {
+  SetLastError(fn + ": " + what);
+  return RSSM_ERR_INVALID_ARGUMENT;
+}
+
+#ifdef REPLAYSSM_WITH_CUDA
+inline rssm_status CudaCheck(cudaError_t e, const char* fn) {
+  if (e == cudaSuccess) return RSSM_OK;
+  SetLastError(std::string(fn) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+  return RSSM_ERR_DEVICE;
+}
+
+inline rssm_status DriverCheck(CUresult r, const char* fn) {
+  if (r == CUDA_SUCCESS) return RSSM_OK;
+  SetLastError(std::string(fn) + ": driver error " + std::to_string(static_cast<int>(r)));
+  return RSSM_ERR_DEVICE;
+}
+
+// A driver function of CUDA 12.0's signature, or null when the driver has none.
+template <typename Fn>
+Fn LookupDriver(const char* symbol) {
+  cudaDriverEntryPointQueryResult q{};
+  void* fn = nullptr;
+  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+#else
+inline rssm_status NoCuda(const char* fn) {
+  SetLastError(std::string(fn) + ": the CUDA backend is not built into this library");
+  return RSSM_ERR_UNSUPPORTED;
+}
+#endif
+
+}  // namespace replayssm::kernels
+
+#endif  // REPLAYSSM_KERNELS_SRC_CALLS_H_

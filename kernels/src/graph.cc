@@ -1,0 +1,218 @@
+// rssm_capture_begin / end and rssm_graph_*: recorded sequences, as CUDA graphs (stream
+// capture). The doorbell operations a recording holds are the driver's batch memory-operation
+// nodes; a launch with another doorbell value rewrites their values in the instantiated graph
+// (cuGraphExecBatchMemOpNodeSetParams) before cudaGraphLaunch. CPU: unsupported.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "calls.h"
+
+struct rssm_graph {
+#ifdef REPLAYSSM_WITH_CUDA
+  // One batch memory-operation node (a doorbell wait or write), its operations as recorded.
+  struct MemOp {
+    CUgraphNode node = nullptr;
+    std::vector<CUstreamBatchMemOpParams> ops;
+    CUDA_BATCH_MEM_OP_NODE_PARAMS params{};
+  };
+  cudaGraph_t graph = nullptr;  // kept: the memop nodes are named by its nodes
+  cudaGraphExec_t exec = nullptr;
+  std::vector<MemOp> memops;
+  int64_t doorbells = 0;
+  bool value_set = false;  // the memops carry `value` (else the values they were recorded with)
+  uint32_t value = 0;
+#endif
+};
+
+namespace replayssm::kernels {
+namespace {
+
+// RSSM_OK for a CUDA launch; UNSUPPORTED (CPU) or INVALID_ARGUMENT with the message set.
+rssm_status CheckCudaLaunch(const char* fn, const rssm_launch* launch) {
+  if (launch == nullptr) return Invalid(fn, "launch: expected a pointer, got NULL");
+  if (launch->backend == RSSM_BACKEND_CPU) {
+    SetLastError(std::string(fn) +
+                 ": recorded sequences need the CUDA backend (CPU calls run at once: run them "
+                 "directly)");
+    return RSSM_ERR_UNSUPPORTED;
+  }
+  if (launch->backend != RSSM_BACKEND_CUDA) {
+    return Invalid(
+        fn, "launch.backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(launch->backend));
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  return RSSM_OK;
+#else
+  return NoCuda(fn);
+#endif
+}
+
+#ifdef REPLAYSSM_WITH_CUDA
+using NodeTypeFn = CUresult (*)(CUgraphNode, CUgraphNodeType*);
+using MemOpGetFn = CUresult (*)(CUgraphNode, CUDA_BATCH_MEM_OP_NODE_PARAMS*);
+using MemOpExecSetFn = CUresult (*)(CUgraphExec, CUgraphNode, const CUDA_BATCH_MEM_OP_NODE_PARAMS*);
+
+// The driver's graph calls the runtime has no form of, looked up once (null when missing).
+struct GraphCalls {
+  NodeTypeFn node_type = nullptr;
+  MemOpGetFn memop_get = nullptr;
+  MemOpExecSetFn memop_exec_set = nullptr;
+};
+const GraphCalls& Calls() {
+  static const GraphCalls calls{LookupDriver<NodeTypeFn>("cuGraphNodeGetType"),
+                                LookupDriver<MemOpGetFn>("cuGraphBatchMemOpNodeGetParams"),
+                                LookupDriver<MemOpExecSetFn>("cuGraphExecBatchMemOpNodeSetParams")};
+  return calls;
+}
+
+bool IsDoorbell(const CUstreamBatchMemOpParams& op) {
+  return op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_32 ||
+         op.operation == CU_STREAM_MEM_OP_WRITE_VALUE_32;
+}
+
+// Finds the recording's doorbell operations (its batch memory-operation nodes).
+rssm_status CollectMemOps(rssm_graph& g, const char* fn) {
+  const GraphCalls& calls = Calls();
+  if (calls.node_type == nullptr || calls.memop_get == nullptr || calls.memop_exec_set == nullptr) {
+    SetLastError(std::string(fn) + ": the driver has no batch memory-operation node calls");
+    return RSSM_ERR_UNSUPPORTED;
+  }
+  size_t n = 0;
+  if (const rssm_status st = CudaCheck(cudaGraphGetNodes(g.graph, nullptr, &n), fn);
+      st != RSSM_OK) {
+    return st;
+  }
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (const rssm_status st = CudaCheck(cudaGraphGetNodes(g.graph, nodes.data(), &n), fn);
+      st != RSSM_OK) {
+    return st;
+  }
+  for (cudaGraphNode_t node : nodes) {
+    CUgraphNodeType type{};
+    if (const rssm_status st = DriverCheck(calls.node_type(node, &type), fn); st != RSSM_OK) {
+      return st;
+    }
+    if (type != CU_GRAPH_NODE_TYPE_BATCH_MEM_OP) continue;
+    CUDA_BATCH_MEM_OP_NODE_PARAMS p{};
+    if (const rssm_status st = DriverCheck(calls.memop_get(node, &p), fn); st != RSSM_OK) return st;
+    rssm_graph::MemOp m;
+    m.node = node;
+    m.ops.assign(p.paramArray, p.paramArray + p.count);
+    m.params = p;
+    for (const CUstreamBatchMemOpParams& op : m.ops) g.doorbells += IsDoorbell(op) ? 1 : 0;
+    g.memops.push_back(std::move(m));
+  }
+  for (rssm_graph::MemOp& m : g.memops) m.params.paramArray = m.ops.data();  // after the moves
+  return RSSM_OK;
+}
+
+// Gives every doorbell operation of the recording `value`.
+rssm_status SetDoorbells(rssm_graph& g, uint32_t value, const char* fn) {
+  for (rssm_graph::MemOp& m : g.memops) {
+    for (CUstreamBatchMemOpParams& op : m.ops) {
+      if (op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_32) op.waitValue.value = value;
+      if (op.operation == CU_STREAM_MEM_OP_WRITE_VALUE_32) op.writeValue.value = value;
+    }
+    if (const rssm_status st = DriverCheck(Calls().memop_exec_set(g.exec, m.node, &m.params), fn);
+        st != RSSM_OK) {
+      return st;
+    }
+  }
+  g.value_set = true;
+  g.value = value;
+  return RSSM_OK;
+}
+
+void Free(rssm_graph* g) {
+  if (g->exec != nullptr) cudaGraphExecDestroy(g->exec);
+  if (g->graph != nullptr) cudaGraphDestroy(g->graph);
+  delete g;
+}
+#endif
+
+}  // namespace
+}  // namespace replayssm::kernels
+
+using namespace replayssm::kernels;  // NOLINT: the C ABI below is a thin shell
+
+extern "C" {
+
+rssm_status rssm_capture_begin(const rssm_launch* launch) {
+  const char* fn = "rssm_capture_begin";
+  if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaStreamBeginCapture(static_cast<cudaStream_t>(launch->stream),
+                                          cudaStreamCaptureModeThreadLocal),
+                   fn);
+#else
+  return RSSM_ERR_UNSUPPORTED;
+#endif
+}
+
+rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph** out) {
+  const char* fn = "rssm_capture_end";
+  if (out == nullptr) return Invalid(fn, "out: expected a pointer, got NULL");
+  *out = nullptr;
+  if (keep != 0 && keep != 1) {
+    return Invalid(fn, "keep: expected 0 or 1, got " + std::to_string(keep));
+  }
+  if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
+#ifdef REPLAYSSM_WITH_CUDA
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(static_cast<cudaStream_t>(launch->stream), &graph);
+  cudaGetLastError();  // a call that spoiled the recording must not fail the next launch's check
+  if (keep == 0) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    return RSSM_OK;
+  }
+  if (const rssm_status st = CudaCheck(ended, fn); st != RSSM_OK) return st;
+  auto* g = new rssm_graph;
+  g->graph = graph;
+  rssm_status st = CudaCheck(cudaGraphInstantiate(&g->exec, graph, 0), fn);
+  if (st == RSSM_OK) st = CollectMemOps(*g, fn);
+  if (st != RSSM_OK) {
+    Free(g);
+    return st;
+  }
+  *out = g;
+  return RSSM_OK;
+#else
+  return RSSM_ERR_UNSUPPORTED;
+#endif
+}
+
+int64_t rssm_graph_doorbells(const rssm_graph* graph) {
+#ifdef REPLAYSSM_WITH_CUDA
+  return graph == nullptr ? 0 : graph->doorbells;
+#else
+  (void)graph;
+  return 0;
+#endif
+}
+
+rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
+                              uint32_t doorbell_value) {
+  const char* fn = "rssm_graph_launch";
+  if (graph == nullptr) return Invalid(fn, "graph: expected a recording, got NULL");
+  if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
+#ifdef REPLAYSSM_WITH_CUDA
+  if (graph->doorbells > 0 && (!graph->value_set || graph->value != doorbell_value)) {
+    if (const rssm_status st = SetDoorbells(*graph, doorbell_value, fn); st != RSSM_OK) return st;
+  }
+  return CudaCheck(cudaGraphLaunch(graph->exec, static_cast<cudaStream_t>(launch->stream)), fn);
+#else
+  (void)doorbell_value;
+  return RSSM_ERR_UNSUPPORTED;
+#endif
+}
+
+rssm_status rssm_graph_destroy(rssm_graph* graph) {
+  if (graph == nullptr) return RSSM_OK;
+#ifdef REPLAYSSM_WITH_CUDA
+  Free(graph);
+#endif
+  return RSSM_OK;
+}
+
+}  // extern "C"
