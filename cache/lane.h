@@ -1,6 +1,7 @@
 // Lane: what one cache operation needs to drive the backend: a stream of its own, a pinned
-// host staging buffer for copies to and from ordinary host memory, and backend scratch for
-// the operation's activations and index arrays. StateCache keeps a free list of lanes (as
+// host staging buffer for copies to and from ordinary host memory, backend scratch for the
+// operation's activations and index arrays, and the decode forwards recorded on its stream
+// (ForwardGraphs: their addresses are the stream's and the scratch's). StateCache keeps a free list of lanes (as
 // many as operations ever ran at once), so steady-state operations allocate nothing and
 // operations on disjoint slots overlap on the device. StagingRing: pinned buffers with a
 // stream each for bulk slot I/O (a move's chunks), kept between moves by a StagingPool.
