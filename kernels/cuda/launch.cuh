@@ -221,7 +221,7 @@ cudaError_t LaunchSmallReplayT(const LaunchPlan& plan, int device, const StepPar
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(plan.grid_x, plan.grid_y);
-  cfg.blockDim = dim3(32);
+  cfg.blockDim = dim3(plan.threads);
   cfg.dynamicSmemBytes = plan.smem_bytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr{};  // AFTER_CONV: the programmatic dependent of the convolution

@@ -151,19 +151,24 @@ struct BulkSmem {
 };
 
 // ---- the small-batch replay kernel (small_replay_kernel.cuh) --------------------------------
-// The planned rows per one-warp CTA (the baseline kernel's; 16 rows measured 6% slower at
-// B = 1), and the batch up to which replay decode takes the kernel: B * HV <= 32 (B = 1 at HV =
-// 32: −18% GDN, −15% KDA against the bulk kernel; at B = 4 it was 2% / 26% slower; peer method,
-// bench/results/kernels.md).
+// The planned rows per warp (the baseline kernel's; 16 rows measured 6% slower at B = 1 in
+// one-warp CTAs, and no faster in the 4-warp ones), and the batch up to which replay decode takes
+// the kernel: B * HV <= 32 (B = 1 at HV = 32: −18% GDN, −15% KDA against the bulk kernel in
+// one-warp CTAs; at B = 4 it was 2% / 26% slower; peer method, bench/results/kernels.md).
 constexpr int kSmallReplayRowsPerWarp = 8;
 constexpr int kSmallReplayMaxRowHeads = 32;
+// Warps per small-replay CTA, which share its record dots (each those of every 4th record; a
+// last CTA's warps past the head's rows do only those), and the records per block of its chain
+// (the k and g copies are padded to whole blocks).
+constexpr int kSmallReplayWarps = 4;
+constexpr int kSmallReplayRecordBlock = 16;
 
 // The layout of one small-replay CTA's shared memory (byte offsets, multiples of 16): the ring
-// records it reads (k, g, its rows' d), W_j∘k_j of a folding row (in place over an fp32 ring's
-// k), the record dots u, p.
+// records it reads (k, g, the d of its `rows` rows), W_j∘k_j of a folding row (in place over an
+// fp32 ring's k), the record dots u, p.
 struct SmallReplaySmem {
   int32_t k, g, d, kw, u, p, total;
-  static SmallReplaySmem Make(int K, int L, bool kda, int rpw, int ring_bytes) {
+  static SmallReplaySmem Make(int K, int L, bool kda, int rows, int ring_bytes) {
     SmallReplaySmem s;
     int o = 0;
     auto take = [&o](int64_t bytes) {
@@ -172,10 +177,12 @@ struct SmallReplaySmem {
       o += static_cast<int>(bytes);
       return at;
     };
-    s.k = take(int64_t{L} * K * ring_bytes);
+    const int64_t lb = (L + kSmallReplayRecordBlock - 1) / kSmallReplayRecordBlock *
+                       kSmallReplayRecordBlock;  // whole blocks: the chain reads past L
+    s.k = take(lb * K * ring_bytes);
     s.kw = ring_bytes == 4 ? s.k : take(int64_t{L} * K * 4);
-    s.g = take(int64_t{L} * (kda ? K : 1) * 4);
-    s.d = take(int64_t{L} * rpw * ring_bytes);
+    s.g = take(lb * (kda ? K : 1) * 4);
+    s.d = take(int64_t{L} * rows * ring_bytes);
     s.u = take(int64_t{L} * 4);
     s.p = take(int64_t{L} * 4);
     s.total = (o + 15) & ~15;

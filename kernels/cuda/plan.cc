@@ -183,15 +183,17 @@ std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceL
   LaunchPlan plan;
   plan.role = KernelRole::kSmallReplay;
   SmallReplayConfig& c = plan.small;
+  const int nw = kSmallReplayWarps;
   c.rows_per_warp = rpw;
-  c.tiles = pr.head_v / rpw;
-  c.smem = SmallReplaySmem::Make(pr.head_k, pr.ring_len, pr.kda, rpw, pr.ring_bytes);
+  c.warps = nw;
+  c.tiles = (pr.head_v + rpw * nw - 1) / (rpw * nw);
+  c.smem = SmallReplaySmem::Make(pr.head_k, pr.ring_len, pr.kda, rpw * nw, pr.ring_bytes);
   if (c.smem.total > dev.smem_per_block) return std::nullopt;
   const int64_t grid_x = int64_t{pr.num_v_heads} * c.tiles;
   if (grid_x > kMaxGridX) return std::nullopt;
   plan.grid_x = static_cast<uint32_t>(grid_x);
   plan.grid_y = static_cast<uint32_t>(pr.batch);
-  plan.threads = 32;
+  plan.threads = 32 * nw;
   plan.smem_bytes = static_cast<size_t>(c.smem.total);
   return plan;
 }

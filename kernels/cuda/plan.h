@@ -24,7 +24,7 @@ enum class KernelRole {
   kBulkStep,     // bulk-staged step: S0 through shared-memory stages filled by the copy engine
   kPrefill,      // prefill and the fold op: the state in registers for the whole row
   kBaseline,     // baseline decode: small CTAs, each a few of a head's state rows in registers
-  kSmallReplay,  // replay decode at small batch: the baseline's one-warp CTAs, records copied
+  kSmallReplay,  // replay decode at small batch: CTAs of 4 baseline warps, records copied
 };
 // "tiled", "bulk", "prefill", "baseline", "small-replay"
 const char* KernelRoleName(KernelRole role);
@@ -120,7 +120,8 @@ struct BaselineConfig {       // kBaseline
 
 struct SmallReplayConfig {  // kSmallReplay
   int rows_per_warp = 0;    // RPW (KC is 4: K <= 128)
-  int tiles = 0;            // CTAs per v-head: V / RPW
+  int warps = 0;            // NW: warps per CTA (they share the record dots)
+  int tiles = 0;            // CTAs per v-head: ceil(V / (NW * RPW))
   SmallReplaySmem smem{};
 };
 

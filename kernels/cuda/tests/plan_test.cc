@@ -56,9 +56,10 @@ TEST(Plan, ReplayTakesTheSmallKernelAtSmallBatchesThenTheBulkKernel) {
     EXPECT_EQ(plan.role, small ? KernelRole::kSmallReplay : KernelRole::kBulkStep) << "batch " << b;
     if (small) {
       EXPECT_EQ(plan.small.rows_per_warp, kSmallReplayRowsPerWarp);
-      EXPECT_EQ(plan.grid_x, 32u * 128 / kSmallReplayRowsPerWarp);
+      EXPECT_EQ(plan.small.warps, kSmallReplayWarps);
+      EXPECT_EQ(plan.grid_x, 32u * 128 / (kSmallReplayRowsPerWarp * kSmallReplayWarps));
       EXPECT_EQ(plan.grid_y, static_cast<uint32_t>(b));
-      EXPECT_EQ(plan.threads, 32);
+      EXPECT_EQ(plan.threads, 32 * kSmallReplayWarps);
     }
     EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, false, 2)).role, KernelRole::kBulkStep);
     EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, true, 4, 2)).role,
@@ -90,7 +91,17 @@ TEST(Plan, SmallReplayNeedsAnAlignedFp32PoolAndNarrowHeads) {
   const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 64, true), ov);
   EXPECT_EQ(plan.role, KernelRole::kSmallReplay);
   EXPECT_EQ(plan.small.rows_per_warp, 16);
-  EXPECT_EQ(plan.grid_x, 32u * 8);
+  EXPECT_EQ(plan.grid_x, 32u * 128 / (16 * kSmallReplayWarps));
+  // Heads of rows that fill no whole CTA: the last CTA's spare warps do record dots only.
+  p = Shape(KernelOp::kReplay, 1);
+  for (auto [v, tiles] : {std::pair{16, 1}, {96, 3}, {104, 4}}) {
+    p.head_v = v;
+    const LaunchPlan narrow = PlanOf(p);
+    EXPECT_EQ(narrow.role, KernelRole::kSmallReplay) << "V " << v;
+    EXPECT_EQ(narrow.small.tiles, tiles) << "V " << v;
+    EXPECT_EQ(narrow.grid_x, 32u * tiles) << "V " << v;
+    EXPECT_EQ(narrow.threads, 32 * kSmallReplayWarps) << "V " << v;
+  }
   EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, 1)).role, KernelRole::kTiledStep);
   EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 1)).role, KernelRole::kBaseline);
 }
