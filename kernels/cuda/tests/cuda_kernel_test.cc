@@ -701,6 +701,38 @@ TEST(CudaKernels, SmallReplayMatchesCpu) {
   }
 }
 
+// One decode step of `a` (rows, cursors, tokens; its pool and outputs are set here) on two twin
+// device layers: `run_x` launches it on `x`, `run_y` on `y`. The outputs and the checkpoints
+// must agree byte for byte, and the rings too when `rings`. Failures are reported with `step`.
+void ExpectTwinStepBitForBit(Layer& host, rssm_decode_args a, DevLayer& x, DevLayer& y,
+                             const std::function<rssm_status(rssm_decode_args*)>& run_x,
+                             const std::function<rssm_status(rssm_decode_args*)>& run_y, int step,
+                             bool rings) {
+  const Config& c = host.cfg;
+  const int64_t out_n = int64_t{a.batch} * c.hv * c.v;
+  Buffer o1(c.act_dtype, out_n), o2(c.act_dtype, out_n);
+  DevBuf d1(out_n * rssm_dtype_size(c.act_dtype)), d2(out_n * rssm_dtype_size(c.act_dtype));
+  a.pool = x.Pool(host);
+  a.out = rssm_token_outputs{d1.get(), 0};
+  ASSERT_EQ(run_x(&a), RSSM_OK) << rssm_last_error();
+  a.pool = y.Pool(host);
+  a.out = rssm_token_outputs{d2.get(), 0};
+  ASSERT_EQ(run_y(&a), RSSM_OK) << rssm_last_error();
+  CUDA_OK(cudaDeviceSynchronize());
+  d1.Download(o1.data());
+  d2.Download(o2.data());
+  ASSERT_EQ(o1.bytes(), o2.bytes()) << "outputs differ at step " << step;
+  Layer s1 = host, s2 = host;
+  x.DownloadInto(s1);
+  y.DownloadInto(s2);
+  ASSERT_EQ(s1.checkpoint.bytes(), s2.checkpoint.bytes()) << "states differ at step " << step;
+  if (!rings) return;
+  ASSERT_EQ(s1.ring_d.bytes(), s2.ring_d.bytes()) << "ring d differs at step " << step;
+  ASSERT_EQ(s1.ring_k.bytes(), s2.ring_k.bytes()) << "ring k differs at step " << step;
+  ASSERT_EQ(std::memcmp(s1.ring_g.data(), s2.ring_g.data(), s1.ring_g.size() * sizeof(float)), 0)
+      << "ring g differs at step " << step;
+}
+
 // The small-batch replay kernel and the bulk kernel give the same bits (the same operations in
 // the same order): outputs, checkpoints and rings after steps that advance every cursor through
 // the ring, fold, and force folds.
@@ -737,9 +769,6 @@ TEST(CudaKernels, SmallReplayIsTheBulkKernelBitForBit) {
         DevBuf dpos = ToDevice(pos), dforce = ToDevice(force);
         Tokens tok(host, B, rng);
         DevTokens dtok(tok);
-        const int64_t out_n = int64_t{B} * c.hv * c.v;
-        Buffer o1(c.act_dtype, out_n), o2(c.act_dtype, out_n);
-        DevBuf d1(out_n * rssm_dtype_size(c.act_dtype)), d2(out_n * rssm_dtype_size(c.act_dtype));
         rssm_decode_args a{};
         a.launch = {RSSM_BACKEND_CUDA, nullptr};
         a.shape = host.shape;
@@ -749,30 +778,17 @@ TEST(CudaKernels, SmallReplayIsTheBulkKernelBitForBit) {
         a.write_pos = dpos.as<int32_t>();
         a.force_fold = dforce.as<uint8_t>();
         a.in = dtok.Inputs();
-        a.pool = small.Pool(host);
-        a.out = rssm_token_outputs{d1.get(), 0};
-        cuda::LaunchPlan plan;
+        cuda::LaunchPlan small_plan, bulk_plan;
         cuda::LaunchOverrides forced_small;
         forced_small.small_replay_max_batch = B;
-        ASSERT_EQ(ReplayDecodeWith(&a, forced_small, &plan), RSSM_OK) << rssm_last_error();
-        ASSERT_EQ(plan.role, cuda::KernelRole::kSmallReplay);
-        a.pool = bulk.Pool(host);
-        a.out = rssm_token_outputs{d2.get(), 0};
-        ASSERT_EQ(ReplayDecodeWith(&a, forced_bulk, &plan), RSSM_OK) << rssm_last_error();
-        ASSERT_EQ(plan.role, cuda::KernelRole::kBulkStep);
-        CUDA_OK(cudaDeviceSynchronize());
-        d1.Download(o1.data());
-        d2.Download(o2.data());
-        ASSERT_EQ(o1.bytes(), o2.bytes()) << "outputs differ at step " << step;
-        Layer s1 = host, s2 = host;
-        small.DownloadInto(s1);
-        bulk.DownloadInto(s2);
-        ASSERT_EQ(s1.checkpoint.bytes(), s2.checkpoint.bytes()) << "states differ at step " << step;
-        ASSERT_EQ(s1.ring_d.bytes(), s2.ring_d.bytes()) << "ring d differs at step " << step;
-        ASSERT_EQ(s1.ring_k.bytes(), s2.ring_k.bytes()) << "ring k differs at step " << step;
-        ASSERT_EQ(std::memcmp(s1.ring_g.data(), s2.ring_g.data(), s1.ring_g.size() * sizeof(float)),
-                  0)
-            << "ring g differs at step " << step;
+        ExpectTwinStepBitForBit(
+            host, a, small, bulk,
+            [&](rssm_decode_args* x) { return ReplayDecodeWith(x, forced_small, &small_plan); },
+            [&](rssm_decode_args* x) { return ReplayDecodeWith(x, forced_bulk, &bulk_plan); },
+            step, /*rings=*/true);
+        ASSERT_FALSE(HasFatalFailure());
+        ASSERT_EQ(small_plan.role, cuda::KernelRole::kSmallReplay);
+        ASSERT_EQ(bulk_plan.role, cuda::KernelRole::kBulkStep);
         for (int s = 0; s < B; ++s) pos[s] = (pos[s] + 1 >= c.l || force[s]) ? 0 : pos[s] + 1;
       }
     }
@@ -819,9 +835,6 @@ TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
         for (int step = 0; step < 5; ++step) {
           Tokens tok(host, B, rng);
           DevTokens dtok(tok);
-          const int64_t out_n = int64_t{B} * c.hv * c.v;
-          Buffer o1(c.act_dtype, out_n), o2(c.act_dtype, out_n);
-          DevBuf d1(out_n * rssm_dtype_size(c.act_dtype)), d2(out_n * rssm_dtype_size(c.act_dtype));
           rssm_decode_args a{};
           a.launch = {RSSM_BACKEND_CUDA, nullptr};
           a.shape = host.shape;
@@ -830,21 +843,12 @@ TEST(CudaKernels, ReplayAtL1IsBaselineBitForBit) {
           a.slot_idx = dslot.as<int32_t>();
           a.write_pos = dpos.as<int32_t>();
           a.in = dtok.Inputs();
-          a.pool = replay.Pool(host);
-          a.out = rssm_token_outputs{d1.get(), 0};
-          ASSERT_EQ(ReplayDecodeWith(&a, replay_ov), RSSM_OK) << rssm_last_error();
-          a.pool = baseline.Pool(host);
-          a.out = rssm_token_outputs{d2.get(), 0};
-          ASSERT_EQ(BaselineDecodeWith(&a, ov), RSSM_OK) << rssm_last_error();
-          CUDA_OK(cudaDeviceSynchronize());
-          d1.Download(o1.data());
-          d2.Download(o2.data());
-          ASSERT_EQ(o1.bytes(), o2.bytes()) << "outputs differ at step " << step;
-          Layer s1 = host, s2 = host;
-          replay.DownloadInto(s1);
-          baseline.DownloadInto(s2);
-          ASSERT_EQ(s1.checkpoint.bytes(), s2.checkpoint.bytes())
-              << "states differ at step " << step;
+          ExpectTwinStepBitForBit(
+              host, a, replay, baseline,
+              [&](rssm_decode_args* x) { return ReplayDecodeWith(x, replay_ov); },
+              [&](rssm_decode_args* x) { return BaselineDecodeWith(x, ov); }, step,
+              /*rings=*/false);
+          ASSERT_FALSE(HasFatalFailure());
         }
       }
     }
