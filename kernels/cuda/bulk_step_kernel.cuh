@@ -924,22 +924,28 @@ struct BulkCta {
               sqv[t] = __shfl_sync(0xffffffffu, acc[0], ((t * RB + row_l) * 2 + 1) * SPREAD);
             }
             if (lane < RB) {
-              float dr_prev[TT];  // the drafts' d as stored (rounded to R)
+              // The chain without a branch (a draft past T_ has zero coefficients, beta and v;
+              // its values are never stored and enter no earlier draft's), then the stores, the
+              // activation dtype resolved once for all drafts.
+              float dr_prev[TT], ov[TT];  // the drafts' d as stored (rounded to R); outputs
+              R drs[TT];
 #pragma unroll
               for (int t = 0; t < TT; ++t) {
-                dr_prev[t] = 0.f;
-                if (t < T_) {
-                  float sk = skv[t], sq = sqv[t];
+                float sk = skv[t], sq = sqv[t];
 #pragma unroll
-                  for (int t2 = 0; t2 < t; ++t2) {
-                    sk += dr_prev[t2] * cu[t][t2], sq += dr_prev[t2] * cp[t][t2];
-                  }
-                  const float d = bt[t] * (vrow[t * rows + rb0] - sk);
-                  const R dr = FromF<R>(d);
-                  dr_prev[t] = ToF(dr);
-                  StoreAct(ly.o, orow + t * ly.o_stride + rb0, ly.act_dtype, sq + d * kqv[t]);
-                  drow[int64_t{t} * V + rb0] = dr;
+                for (int t2 = 0; t2 < t; ++t2) {
+                  sk += dr_prev[t2] * cu[t][t2], sq += dr_prev[t2] * cp[t][t2];
                 }
+                const float vt = t < T_ ? vrow[t * rows + rb0] : 0.f;
+                const float d = bt[t] * (vt - sk);
+                drs[t] = FromF<R>(d);
+                dr_prev[t] = ToF(drs[t]);
+                ov[t] = sq + d * kqv[t];
+              }
+              StoreActs(ly.o, orow + rb0, ly.o_stride, ly.act_dtype, ov, T_);
+#pragma unroll
+              for (int t = 0; t < TT; ++t) {
+                if (t < T_) drow[int64_t{t} * V + rb0] = drs[t];
               }
             }
             continue;  // the only pass

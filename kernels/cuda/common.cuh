@@ -57,6 +57,28 @@ __device__ __forceinline__ void StoreAct(void* base, int64_t i, int dt, float x)
   }
 }
 
+// x[t] to base[i0 + t * stride] for t < n (<= N): one dtype switch for the N values.
+template <int N>
+__device__ __forceinline__ void StoreActs(void* base, int64_t i0, int64_t stride, int dt,
+                                          const float (&x)[N], int n) {
+  if (dt == kActBf16) {
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      if (t < n) static_cast<__nv_bfloat16*>(base)[i0 + t * stride] = FromF<__nv_bfloat16>(x[t]);
+    }
+  } else if (dt == kActF32) {
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      if (t < n) static_cast<float*>(base)[i0 + t * stride] = x[t];
+    }
+  } else {
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      if (t < n) static_cast<__half*>(base)[i0 + t * stride] = FromF<__half>(x[t]);
+    }
+  }
+}
+
 // ---- 16-byte chunks of the state ------------------------------------------------------------
 // A chunk is 16 bytes: E = 16 / sizeof(T) consecutive key channels of one state row.
 template <typename T>
