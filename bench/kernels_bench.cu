@@ -90,7 +90,7 @@ Launch overrides (kernels/cuda/plan.h; default: planned):
                                         5 streaming loads, L2::evict_last stores)
                                         (only the shapes launch.cuh builds run)
   REPLAYSSM_CUDA_SMALL_MAX_B=-1|N       small-batch replay kernel: replay takes it up to batch
-                                        N (-1: never; default B * HV <= 256)
+                                        N (-1: never; default B * HV <= 128 GDN, 64 KDA)
   REPLAYSSM_CUDA_SMALL_RPW=8|16         small-batch replay kernel: state rows per warp
   REPLAYSSM_CUDA_VERBOSE=0|1            print each case's launch plan
 )";

@@ -153,10 +153,16 @@ struct BulkSmem {
 // ---- the small-batch replay kernel (small_replay_kernel.cuh) --------------------------------
 // The planned rows per warp (the baseline kernel's; 16 rows measured 6% slower at B = 1 in
 // one-warp CTAs, and no faster in the 4-warp ones), and the batch up to which replay decode takes
-// the kernel: B * HV <= 32 (B = 1 at HV = 32: −18% GDN, −15% KDA against the bulk kernel in
-// one-warp CTAs; at B = 4 it was 2% / 26% slower; peer method, bench/results/kernels.md).
+// the kernel, per gate: GDN while B * HV <= 128, KDA while B * HV <= 64. At HV = 32, against the
+// bulk kernel (peer method, bench/results/kernels.md): GDN −24 / −15 / −7% at B = 1 / 2 / 4,
+// −1% at B = 8 (graph method +4%: not taken); KDA −22 / −13% at B = 1 / 2, +10% at B = 4 (its
+// per-channel gates' chain is repeated by each of a head's CTAs).
 constexpr int kSmallReplayRowsPerWarp = 8;
-constexpr int kSmallReplayMaxRowHeads = 32;
+constexpr int kSmallReplayMaxRowHeadsGdn = 128;
+constexpr int kSmallReplayMaxRowHeadsKda = 64;
+constexpr int SmallReplayMaxRowHeads(bool kda) {
+  return kda ? kSmallReplayMaxRowHeadsKda : kSmallReplayMaxRowHeadsGdn;
+}
 // Warps per small-replay CTA, which share its record dots (each those of every 4th record; a
 // last CTA's warps past the head's rows do only those), and the records per block of its chain
 // (the k and g copies are padded to whole blocks).

@@ -165,7 +165,7 @@ std::optional<LaunchPlan> PlanBaseline(const LaunchProblem& pr, const DeviceLimi
 }
 
 // The small-batch replay kernel: replay decode of an fp32 state at K <= 128 while the batch is
-// too small for the bulk kernel's CTAs to fill the GPU (B * HV <= kSmallReplayMaxRowHeads),
+// too small for the bulk kernel's CTAs to fill the GPU (B * HV <= SmallReplayMaxRowHeads),
 // every pool array 16-byte aligned (its record copies and S0 loads are vector-wide; GDN's g
 // goes in 4-byte copies); nullopt otherwise.
 std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceLimits& dev,
@@ -173,7 +173,7 @@ std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceL
   if (ov.small_replay_max_batch < 0 || pr.batch > kMaxGridY) return std::nullopt;
   const bool small = ov.small_replay_max_batch != 0
                          ? pr.batch <= ov.small_replay_max_batch
-                         : pr.batch * pr.num_v_heads <= kSmallReplayMaxRowHeads;
+                         : pr.batch * pr.num_v_heads <= SmallReplayMaxRowHeads(pr.kda);
   const int rpw = ov.small_replay_rows != 0 ? ov.small_replay_rows : kSmallReplayRowsPerWarp;
   if (!small || pr.state_bytes != 4 || pr.head_k > 128 || pr.head_v % rpw != 0 ||
       !pr.checkpoint_aligned || !pr.ring_d_aligned || !pr.ring_k_aligned ||

@@ -73,7 +73,7 @@ struct LaunchOverrides {
   int baseline_rows = 0;   // state rows per warp: 2, 4, 8 or 16
   int baseline_cache = 0;  // BaselineCache (layout.h)
   // The small-batch replay kernel (kAuto only): replay decode takes it up to this batch (0:
-  // B * HV <= kSmallReplayMaxRowHeads; -1: never), with this many rows per warp (0: planned; 8
+  // B * HV <= SmallReplayMaxRowHeads(kda); -1: never), with this many rows per warp (0: planned; 8
   // or 16).
   int64_t small_replay_max_batch = 0;
   int small_replay_rows = 0;

@@ -47,11 +47,18 @@ int CtasPerSm(const LaunchPlan& plan) {
   return kH200.smem_per_sm / (static_cast<int>(plan.smem_bytes) + 1024);
 }
 
-// fp32 replay takes the small-batch kernel while B * HV <= kSmallReplayMaxRowHeads, then the
-// bulk kernel; a 16-bit state always the bulk kernel.
+// fp32 replay takes the small-batch kernel while B * HV <= SmallReplayMaxRowHeads(kda) (at
+// HV = 32: GDN up to B = 4, KDA up to B = 2), then the bulk kernel; a 16-bit state always the
+// bulk kernel.
 TEST(Plan, ReplayTakesTheSmallKernelAtSmallBatchesThenTheBulkKernel) {
-  for (int64_t b : {1, 2, 4, 16, 64, 256, 4096}) {
-    const bool small = b * 32 <= kSmallReplayMaxRowHeads;
+  for (int64_t b : {1, 2, 3, 4, 5, 8, 16, 64, 256, 4096}) {
+    const bool small = b <= 4;
+    const bool small_kda = b <= 2;
+    EXPECT_EQ(small, b * 32 <= SmallReplayMaxRowHeads(false));
+    EXPECT_EQ(small_kda, b * 32 <= SmallReplayMaxRowHeads(true));
+    EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, true)).role,
+              small_kda ? KernelRole::kSmallReplay : KernelRole::kBulkStep)
+        << "KDA batch " << b;
     const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, b));
     EXPECT_EQ(plan.role, small ? KernelRole::kSmallReplay : KernelRole::kBulkStep) << "batch " << b;
     if (small) {
@@ -63,7 +70,7 @@ TEST(Plan, ReplayTakesTheSmallKernelAtSmallBatchesThenTheBulkKernel) {
     }
     EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, false, 2)).role, KernelRole::kBulkStep);
     EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, true, 4, 2)).role,
-              small ? KernelRole::kSmallReplay : KernelRole::kBulkStep);
+              small_kda ? KernelRole::kSmallReplay : KernelRole::kBulkStep);
   }
 }
 
