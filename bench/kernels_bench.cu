@@ -76,7 +76,7 @@ Environment (each optional; a value out of its range is an error):
   REPLAYSSM_BENCH_FOLD_FIRST=0|1        each step's folding rows first in the batch
 Launch overrides (kernels/cuda/plan.h; default: planned):
   REPLAYSSM_CUDA_STEP=tiled|bulk        one step kernel for every op and batch
-  REPLAYSSM_CUDA_BULK_MIN_B=N           verify takes the bulk kernel from batch N (16)
+  REPLAYSSM_CUDA_BULK_MIN_B=N           verify takes the bulk kernel from batch N (1; K > 128: 16)
   REPLAYSSM_CUDA_RPW=16|32|48|64        bulk: state rows per warp
   REPLAYSSM_CUDA_NW=1..4                bulk: warps per CTA
   REPLAYSSM_CUDA_NS=1..8                bulk: S0 stages per warp

@@ -9,9 +9,14 @@ namespace replayssm::kernels::cuda {
 namespace {
 
 constexpr int kVerifyTokensPerPass = 4;
-// Verify takes the bulk kernel from this batch: below it, one CTA per head has too little
-// work to overlap the drafts' chain, and the tiled kernel is faster.
-constexpr int64_t kBulkVerifyMinBatch = 16;
+// Verify takes the bulk kernel from this batch: at K <= 128 every batch (measured 2026-12-02 on
+// the H200, peer method, T = 4, K = V = 128: the bulk kernel 17.9 / 18.4 / 21.1 / 21.9 µs at
+// B = 1 / 2 / 4 / 8 against the tiled kernel's 24.0 / 25.3 / 28.0 / 49.5, fp32 GDN; KDA,
+// 16-bit states and the bf16 ring alike: −10..−56%); wider heads (8 channels a lane, not
+// measured at small batches) from 16 rows, the rule that was measured before the bulk kernel's
+// later changes.
+constexpr int64_t kBulkVerifyMinBatch = 1;
+constexpr int64_t kBulkVerifyMinBatchWide = 16;
 constexpr int kBulkDefaultStages = 2;  // more stages cost CTAs per SM and measured slower
 constexpr int64_t kMaxGridX = 0x7fffffff;
 constexpr int64_t kMaxGridY = 65535;
@@ -205,7 +210,8 @@ bool UseBulk(const LaunchProblem& pr, const LaunchOverrides& ov) {
     case LaunchOverrides::StepKernel::kAuto: break;
   }
   if (pr.op != KernelOp::kVerify) return true;
-  return pr.batch >= (ov.bulk_min_batch != 0 ? ov.bulk_min_batch : kBulkVerifyMinBatch);
+  const int64_t planned = pr.head_k <= 128 ? kBulkVerifyMinBatch : kBulkVerifyMinBatchWide;
+  return pr.batch >= (ov.bulk_min_batch != 0 ? ov.bulk_min_batch : planned);
 }
 
 std::string Field(const std::string& field, const std::string& expected, int64_t got) {

@@ -59,7 +59,7 @@ struct DeviceLimits {
 struct LaunchOverrides {
   enum class StepKernel { kAuto, kTiled, kBulk };
   StepKernel step_kernel = StepKernel::kAuto;  // one step kernel for every op and batch
-  int64_t bulk_min_batch = 0;  // verify takes the bulk kernel from this batch (0: 16)
+  int64_t bulk_min_batch = 0;  // verify takes the bulk kernel from this batch (0: 1; 16 at K > 128)
   int rows_per_warp = 0;       // bulk: state rows per warp, 16..64 in steps of 16
   int warps = 0;               // bulk: warps per CTA, 1..4
   int stages = 0;              // bulk: S0 stages per warp, 1..8

@@ -109,7 +109,7 @@ TEST(Plan, SmallReplayNeedsAnAlignedFp32PoolAndNarrowHeads) {
     EXPECT_EQ(narrow.grid_x, 32u * tiles) << "V " << v;
     EXPECT_EQ(narrow.threads, 32 * kSmallReplayWarps) << "V " << v;
   }
-  EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, 1)).role, KernelRole::kTiledStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, 1)).role, KernelRole::kBulkStep);
   EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 1)).role, KernelRole::kBaseline);
 }
 
@@ -170,13 +170,18 @@ TEST(Plan, SixteenBitBaselineTakesTheBulkKernelOnceItFillsTheGpu) {
   EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 256, false, 2), ov).role, KernelRole::kBaseline);
 }
 
-TEST(Plan, VerifyTakesTheTiledKernelBelowSixteenRows) {
-  for (int64_t b : {1, 15}) {
-    const LaunchPlan plan = PlanOf(Shape(KernelOp::kVerify, b));
-    EXPECT_EQ(plan.role, KernelRole::kTiledStep) << "batch " << b;
-    EXPECT_EQ(plan.tiled.tokens_per_pass, 4);
+// Verify takes the bulk kernel at every batch at K <= 128 (the tiled kernel only as the fallback,
+// or forced by its override); wider heads below 16 rows the tiled kernel.
+TEST(Plan, VerifyTakesTheBulkKernelAtEveryBatch) {
+  for (int64_t b : {1, 2, 8, 15, 16, 256}) {
+    for (bool kda : {false, true}) {
+      for (int state_bytes : {4, 2}) {
+        EXPECT_EQ(PlanOf(Shape(KernelOp::kVerify, b, kda, state_bytes)).role, KernelRole::kBulkStep)
+            << "batch " << b << " kda " << kda << " state bytes " << state_bytes;
+      }
+    }
   }
-  for (int64_t b : {16, 256}) {
+  for (int64_t b : {1, 16, 256}) {
     const LaunchPlan plan = PlanOf(Shape(KernelOp::kVerify, b));
     EXPECT_EQ(plan.role, KernelRole::kBulkStep) << "batch " << b;
     EXPECT_EQ(plan.bulk.tokens_per_pass, 4);
@@ -252,8 +257,11 @@ TEST(Plan, WideHeadsTakeEightChannelsPerLane) {
   EXPECT_EQ(PlanOf(p).bulk.channels_per_lane, 8);
   p.op = KernelOp::kVerify;
   EXPECT_EQ(PlanOf(p).bulk.rows_per_batch, 2);
-  p.batch = 1;
+  p.batch = 15;
+  EXPECT_EQ(PlanOf(p).role, KernelRole::kTiledStep);
   EXPECT_EQ(PlanOf(p).tiled.kmax, 256);
+  p.batch = 16;
+  EXPECT_EQ(PlanOf(p).role, KernelRole::kBulkStep);
 }
 
 // Forced onto replay's kernels (the benchmark's comparison), the baseline takes replay's kernel
