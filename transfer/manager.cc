@@ -16,6 +16,7 @@ struct TransferManager::Entry {
   SendResult result;                            // kSucceeded
   std::unique_ptr<cache::SlotReader> in_doubt;  // kInDoubt, and while it is resolved
   bool resolving = false;  // a thread took in_doubt to ask the peer: still in doubt until Finish
+  bool asked = false;      // the run in progress began with callers waiting (not the resolver's)
   std::string transfer_id;                      // the last attempt's
   absl::Time deadline;                          // of the run queued or running
 };
@@ -139,6 +140,7 @@ SendOutcome TransferManager::Run(const std::string& id) {
     transfer_id = e.transfer_id;
     deadline = e.deadline;
     waited_for = !e.waiters.empty();
+    e.asked = waited_for;
   }
   std::unique_ptr<Peer> peer = peers_(req.peer_address);
   if (in_doubt != nullptr) {
@@ -176,6 +178,17 @@ void TransferManager::Finish(const std::string& id, SendOutcome outcome) {
     waiters = std::move(e.waiters);
     e.waiters.clear();
     e.resolving = false;
+    if (!outcome.result.ok() && !e.asked && !waiters.empty() && !stop_) {
+      // Callers joined a run the resolver began on its own (it asked the peer before they
+      // did, perhaps of a peer since restarted): they get a run of their own, not its answer.
+      // In doubt still, it asks the peer again; resolved as aborted, it moves afresh.
+      e.waiters = std::move(waiters);
+      e.in_doubt = std::move(outcome.in_doubt);
+      e.state = Entry::State::kQueued;
+      e.deadline = absl::Now() + options_.timeout;
+      queue_.push_back(id);
+      return;
+    }
     if (outcome.result.ok()) {
       e.state = Entry::State::kSucceeded;
       e.result = *outcome.result;

@@ -157,6 +157,43 @@ TEST_F(ManagerTest, AMoveInDoubtKeepsItsSourceUntilARetryOrTheResolverLearnsTheO
   EXPECT_EQ(b_->stats().slots_live, 1);
 }
 
+// A retry that joins the resolver's asking of the peer (begun before the caller asked; the peer
+// has come back since) gets an attempt of its own, not that attempt's failure.
+TEST_F(ManagerTest, ARetryJoiningTheResolversAskGetsAnAskOfItsOwn) {
+  absl::Notification asking, release;
+  std::atomic<bool> armed{false};
+  std::atomic<int> aborts{0};
+  peer_->before_abort = [&] {
+    if (!armed) return;
+    if (++aborts == 1) {  // the resolver asks while the peer is still gone
+      asking.Notify();
+      release.WaitForNotification();
+    } else {
+      peer_->drop_abort = false;  // the peer is back for every later ask
+    }
+  };
+  auto m = Manager({.timeout = absl::Seconds(5), .resolve_interval = absl::Milliseconds(20)});
+  const SlotId s = NewSlot();
+  peer_->drop_commit = peer_->drop_abort = true;  // the peer is gone: the move is in doubt
+  Answer lost;
+  m->Transfer({"r6", s, "b", false}, lost.Callback());
+  EXPECT_EQ(lost.Wait().status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_EQ(m->in_doubt(), 1);
+  armed = true;
+  ASSERT_TRUE(asking.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  Answer retry;
+  m->Transfer({"r6", s, "b", false}, retry.Callback());  // joins the resolver's ask
+  peer_->drop_commit = false;
+  release.Notify();  // the resolver's ask fails: the peer was gone when it asked
+  ASSERT_TRUE(retry.Wait().ok()) << retry.result.status();
+  EXPECT_GE(aborts.load(), 2) << "the retry asked the peer itself";
+  EXPECT_EQ(b_->stats().slots_live, 1) << "moved afresh once the peer said: aborted";
+  EXPECT_EQ(a_->Info(s).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m->in_doubt(), 0);
+  m.reset();  // its threads gone before the hook's captures are
+  peer_->before_abort = nullptr;
+}
+
 TEST_F(ManagerTest, TransfersToAHungPeerHoldNoCallerAndEndByTheirTimeout) {
   constexpr absl::Duration kTimeout = absl::Milliseconds(600);
   auto m = Manager({.timeout = kTimeout});

@@ -109,6 +109,7 @@ absl::StatusOr<uint64_t> DirectPeer::Commit(const std::string& id,
 }
 
 absl::StatusOr<Decision> DirectPeer::Abort(const std::string& id, absl::Time) {
+  if (before_abort) before_abort();
   if (drop_abort) return absl::UnavailableError("peer AbortTransfer: connection reset");
   return r_->Abort(id);
 }

@@ -67,6 +67,7 @@ class DirectPeer : public Peer {
   std::atomic<bool> corrupt_checksum{false};   // the commit's checksum is off by one bit
   std::atomic<bool> lose_commit_reply{false};  // applied, but the answer is lost
   std::function<void()> before_commit;         // runs first in Commit
+  std::function<void()> before_abort;          // runs first in Abort
   std::atomic<int> reserves{0};
 
  private:

@@ -9,7 +9,10 @@
 //    set when it arrives and bounds everything, waiting included.
 //  - By request id: a retry while the move is in flight joins it; after success it gets the
 //    original result (the last `remembered` successes are kept); after a failure it runs
-//    anew (a failed move changed nothing); in doubt, it first asks the peer what it decided.
+//    anew (a failed move changed nothing); in doubt, it first asks the peer what it decided. A
+//    retry that joins the resolver's asking (begun before the caller asked, perhaps of a peer
+//    since restarted) is not answered with that attempt's failure: it gets an attempt of its
+//    own (asking again, or moving afresh once the peer said aborted).
 //  - In doubt (the peer answered neither the commit nor the abort): the source stays MOVING,
 //    the caller is told to retry with the same request id, and the peer is asked again every
 //    resolve_interval until it answers.
