@@ -35,6 +35,7 @@
 #include "replayssm/cache/state_cache.h"
 #include "slot_io_internal.h"
 #include "slot_pool.h"
+#include "tp_group.h"
 
 namespace replayssm::cache {
 namespace {
@@ -1715,6 +1716,7 @@ absl::Status ForwardImpl::Commit() {
 
 absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
                                                                CacheOptions options) {
+  if (options.tp_size != 1) return CreateTpGroup(std::move(model), std::move(options));
   if (rssm_check_shape(&model.shape) != RSSM_OK) {
     return absl::InvalidArgumentError(absl::StrCat("model.", rssm_last_error()));
   }

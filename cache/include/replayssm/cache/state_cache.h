@@ -64,6 +64,11 @@ struct CacheOptions {
   // the cache). Unset: the id in hex. A service that hands out handles of its own names them
   // here, so that errors never reveal ids.
   std::function<std::string(SlotId)> slot_name;
+  // Tensor parallelism (tp.h): > 1 makes the cache a group of this many shards, each holding
+  // HV/tp_size v heads (and H/tp_size qk heads) of every slot, with memory_budget_bytes each.
+  // Activations are then the ranks' tensors one after another, rank-major, and states that
+  // enter or leave a slot are unsharded (docs/cache.md, "Tensor parallelism").
+  int32_t tp_size = 1;
 };
 
 // Where the buffers of a LayerIo live.

@@ -1,0 +1,704 @@
+#include "tp_group.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "replayssm/cache/tp.h"
+
+namespace replayssm::cache {
+namespace {
+
+class TpGroup;
+
+const void* Advance(const void* p, int64_t bytes) {
+  return p == nullptr ? nullptr : static_cast<const uint8_t*>(p) + bytes;
+}
+void* Advance(void* p, int64_t bytes) {
+  return p == nullptr ? nullptr : static_cast<uint8_t*>(p) + bytes;
+}
+
+// Rank r's view of a rank-major io of n tokens.
+LayerIo ShardIo(const ModelSpec& shard, const LayerIo& io, int64_t n, int32_t rank) {
+  const int64_t at = rank * n * rssm_dtype_size(shard.shape.act_dtype);
+  return LayerIo{Advance(io.mixed_qkv, at * shard.QkvWidth()), Advance(io.a, at * shard.AWidth()),
+                 Advance(io.b, at * shard.BWidth()), Advance(io.out, at * shard.OutWidth()),
+                 io.memory};
+}
+
+// A forward of the group: one forward per shard, driven together.
+class TpForward final : public Forward {
+ public:
+  TpForward(TpGroup* group, std::vector<std::unique_ptr<Forward>> shards)
+      : group_(group), shards_(std::move(shards)) {}
+  ~TpForward() override;
+
+  int32_t batch() const override { return shards_[0]->batch(); }
+  int64_t tokens() const override { return shards_[0]->tokens(); }
+  absl::Status RunLayer(int32_t layer, const LayerIo& io) override;
+  absl::Status RunLayers(absl::Span<const LayerIo> layers, absl::Span<const LayerDoorbells> bells,
+                         uint32_t value) override;
+  absl::Status Synchronize() override {
+    for (auto& f : shards_) {
+      if (absl::Status st = f->Synchronize(); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  void* stream() const override { return shards_[0]->stream(); }
+  absl::Status QueueWait(const uint32_t* addr, uint32_t value) override {
+    for (auto& f : shards_) {
+      if (absl::Status st = f->QueueWait(addr, value); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  // The word means "every rank's work before it is done": the other ranks' streams are
+  // waited for on the host, then the last rank's stream writes it.
+  absl::Status QueueSignal(uint32_t* addr, uint32_t value) override {
+    for (size_t r = 0; r + 1 < shards_.size(); ++r) {
+      if (absl::Status st = shards_[r]->Synchronize(); !st.ok()) return st;
+    }
+    return shards_.back()->QueueSignal(addr, value);
+  }
+  int32_t ReleaseWaits() override {
+    int32_t first = -1;
+    for (auto& f : shards_) {
+      const int32_t i = f->ReleaseWaits();
+      if (first < 0) first = i;
+    }
+    return first;
+  }
+  absl::Status Commit() override;
+
+  std::vector<std::unique_ptr<Forward>>& shards() { return shards_; }
+
+ private:
+  TpGroup* group_;
+  std::vector<std::unique_ptr<Forward>> shards_;
+};
+
+class TpGroup final : public StateCache {
+ public:
+  TpGroup(ModelSpec full, CacheOptions options) : full_(std::move(full)), options_(options) {}
+
+  absl::Status Init() {
+    for (int32_t r = 0; r < options_.tp_size; ++r) {
+      layouts_.push_back(ShardOf(full_, options_.tp_size, r));
+      models_.push_back(ShardModel(full_, layouts_.back()));
+      state_runs_.push_back(LayerStateRuns(full_, layouts_.back()));
+    }
+    for (int32_t r = 0; r < options_.tp_size; ++r) {
+      CacheOptions o = options_;
+      o.tp_size = 1;
+      o.slot_name = [this, r](SlotId id) { return ShardSlotName(r, id); };
+      absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(models_[r], o);
+      if (!c.ok()) {
+        return absl::Status(c.status().code(),
+                            absl::StrCat("tp rank ", r, ": ", c.status().message()));
+      }
+      shards_.push_back(*std::move(c));
+    }
+    return absl::OkStatus();
+  }
+
+  const ModelSpec& model() const override { return full_; }
+  const CacheOptions& options() const override { return options_; }
+  int64_t capacity() const override { return shards_[0]->capacity(); }
+  CacheStats stats() const override {
+    CacheStats s = shards_[0]->stats();
+    for (size_t r = 1; r < shards_.size(); ++r) s.lanes += shards_[r]->stats().lanes;
+    return s;
+  }
+
+  absl::StatusOr<SlotId> Allocate() override {
+    absl::MutexLock ops(&ops_mu_);
+    std::vector<SlotId> ids;
+    for (auto& c : shards_) {
+      absl::StatusOr<SlotId> id = c->Allocate();
+      if (!id.ok()) return FreeAll(ids, id.status());
+      ids.push_back(*id);
+    }
+    return Bind(std::move(ids));
+  }
+  absl::StatusOr<PrefixAllocation> AllocateFromPrefix(absl::Span<const int32_t> tokens) override {
+    return AllocateFromPrefixIn(kDefaultNamespace, tokens);
+  }
+  absl::StatusOr<PrefixAllocation> AllocateFromPrefixIn(PrefixNamespace ns,
+                                                        absl::Span<const int32_t> tokens) override;
+  absl::Status SetPrefixNamespace(SlotId id, PrefixNamespace ns) override {
+    return Fan(id, [&](size_t, StateCache& c, SlotId s) { return c.SetPrefixNamespace(s, ns); });
+  }
+  absl::Status Free(SlotId id) override {
+    absl::Status st = Fan(id, [](size_t, StateCache& c, SlotId s) { return c.Free(s); });
+    if (st.ok()) Unbind(id);
+    return st;
+  }
+  absl::StatusOr<SlotInfo> Info(SlotId id) const override {
+    return shards_[0]->Info(Members(id)[0]);
+  }
+
+  absl::Status Prefill(SlotId id, absl::Span<const int32_t> tokens,
+                       absl::Span<const LayerIo> layers) override {
+    const std::vector<SlotId> ids = Members(id);
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      const std::vector<LayerIo> io = ShardLayers(r, layers, static_cast<int64_t>(tokens.size()));
+      if (absl::Status st = shards_[r]->Prefill(ids[r], tokens, io); !st.ok()) {
+        return RankStatus(r, st);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Import(SlotId id, absl::Span<const int32_t> tokens,
+                      absl::Span<const absl::Span<const uint8_t>> checkpoints) override {
+    if (static_cast<int32_t>(checkpoints.size()) != full_.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", full_.num_layers,
+                                                     " layers, got ", checkpoints.size()));
+    }
+    std::vector<const void*> ptrs;
+    for (size_t l = 0; l < checkpoints.size(); ++l) {
+      if (static_cast<int64_t>(checkpoints[l].size()) != full_.LayerStateBytes()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoints[", l, "]: expected ", full_.LayerStateBytes(),
+                         " bytes (the unsharded layer state), got ", checkpoints[l].size()));
+      }
+      ptrs.push_back(checkpoints[l].data());
+    }
+    return ImportFrom(id, tokens, ptrs, IoMemory::kHost);
+  }
+  absl::StatusOr<ExportedState> Export(SlotId id) override {
+    std::vector<std::vector<uint8_t>> checkpoints(
+        full_.num_layers, std::vector<uint8_t>(full_.LayerStateBytes()));
+    std::vector<void*> ptrs;
+    for (std::vector<uint8_t>& c : checkpoints) ptrs.push_back(c.data());
+    absl::StatusOr<ExportedState> out = ExportInto(id, ptrs, IoMemory::kHost);
+    if (out.ok()) out->checkpoints = std::move(checkpoints);
+    return out;
+  }
+  absl::Status ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
+                          absl::Span<const void* const> checkpoints, IoMemory memory) override;
+  absl::StatusOr<ExportedState> ExportInto(SlotId id, absl::Span<void* const> checkpoints,
+                                           IoMemory memory) override;
+  absl::StatusOr<std::unique_ptr<SlotReader>> OpenExport(SlotId id, absl::string_view move_id,
+                                                         const SlotIoOptions& options) override;
+  absl::StatusOr<std::unique_ptr<SlotWriter>> OpenImport(int64_t seq_len,
+                                                         const SlotIoOptions& options) override;
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> AllocateBackendBuffer(size_t bytes) override {
+    return shards_[0]->AllocateBackendBuffer(bytes);
+  }
+
+  absl::StatusOr<std::unique_ptr<Forward>> BeginForward(
+      absl::Span<const DecodeRow> rows) override {
+    return Open([&](size_t r, StateCache& c) {
+      std::vector<DecodeRow> mine(rows.begin(), rows.end());
+      for (DecodeRow& row : mine) row.slot = Member(row.slot, r);
+      return c.BeginForward(mine);
+    });
+  }
+  absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
+      std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) override;
+  absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(
+      absl::Span<const PrefillRow> rows) override {
+    return Open([&](size_t r, StateCache& c) {
+      std::vector<PrefillRow> mine(rows.begin(), rows.end());
+      for (PrefillRow& row : mine) row.slot = Member(row.slot, r);
+      return c.BeginPrefill(mine);
+    });
+  }
+  absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
+      absl::Span<const SlotId> slots, int32_t num_draft,
+      absl::Span<const int32_t> draft_tokens) override {
+    return Open([&](size_t r, StateCache& c) {
+      return c.BeginVerify(MemberIds(slots, r), num_draft, draft_tokens);
+    });
+  }
+  absl::Status Verify(absl::Span<const SlotId> slots, int32_t num_draft,
+                      absl::Span<const int32_t> draft_tokens,
+                      absl::Span<const LayerIo> layers) override {
+    absl::StatusOr<std::unique_ptr<Forward>> f = BeginVerify(slots, num_draft, draft_tokens);
+    if (!f.ok()) return f.status();
+    for (int32_t l = 0; l < full_.num_layers && l < static_cast<int32_t>(layers.size()); ++l) {
+      if (absl::Status st = (*f)->RunLayer(l, layers[l]); !st.ok()) return st;
+    }
+    if (static_cast<int32_t>(layers.size()) != full_.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("layers: expected ", full_.num_layers,
+                                                     " layers, got ", layers.size()));
+    }
+    return (*f)->Commit();
+  }
+  absl::Status Accept(SlotId id, int32_t n) override {
+    return Fan(id, [&](size_t, StateCache& c, SlotId s) { return c.Accept(s, n); });
+  }
+
+  int64_t MatchPrefix(absl::Span<const int32_t> tokens) const override {
+    return MatchPrefixIn(kDefaultNamespace, tokens);
+  }
+  int64_t MatchPrefixIn(PrefixNamespace ns, absl::Span<const int32_t> tokens) const override {
+    int64_t m = static_cast<int64_t>(tokens.size());
+    for (;;) {  // the longest prefix every shard holds: m only shrinks
+      int64_t lo = m, hi = 0;
+      for (auto& c : shards_) {
+        const int64_t got = c->MatchPrefixIn(ns, tokens.subspan(0, m));
+        lo = std::min(lo, got);
+        hi = std::max(hi, got);
+      }
+      if (lo == hi) return lo;
+      m = lo;
+    }
+  }
+  absl::Status Donate(SlotId id) override {
+    absl::Status st = Fan(id, [](size_t, StateCache& c, SlotId s) { return c.Donate(s); });
+    if (st.ok()) Unbind(id);
+    return st;
+  }
+
+  // --- for TpForward, the readers and writers ---
+  absl::Mutex& ops_mu() { return ops_mu_; }
+  const ModelSpec& shard_model(size_t r) const { return models_[r]; }
+  size_t size() const { return shards_.size(); }
+  StateCache& shard(size_t r) { return *shards_[r]; }
+  const std::vector<SliceRun>& state_runs(size_t r) const { return state_runs_[r]; }
+  std::vector<LayerIo> ShardLayers(size_t r, absl::Span<const LayerIo> layers, int64_t n) const {
+    std::vector<LayerIo> io;
+    for (const LayerIo& l : layers) io.push_back(ShardIo(models_[r], l, n, static_cast<int32_t>(r)));
+    return io;
+  }
+  SlotId Bind(std::vector<SlotId> ids) {
+    absl::MutexLock lock(&map_mu_);
+    const SlotId group = ids[0];
+    for (size_t r = 1; r < ids.size(); ++r) group_of_[r][ids[r]] = group;
+    members_[group] = std::move(ids);
+    return group;
+  }
+  void Unbind(SlotId group) {
+    absl::MutexLock lock(&map_mu_);
+    auto it = members_.find(group);
+    if (it == members_.end()) return;
+    for (size_t r = 1; r < it->second.size(); ++r) group_of_[r].erase(it->second[r]);
+    members_.erase(it);
+  }
+  // A failure of rank r > 0 after rank 0 accepted the same call names the rank.
+  static absl::Status RankStatus(size_t r, const absl::Status& st) {
+    if (r == 0 || st.ok()) return st;
+    return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
+  }
+  // Frees `ids` (one per shard, in order) and returns `why`.
+  absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) {
+    for (size_t r = 0; r < ids.size(); ++r) shards_[r]->Free(ids[r]).IgnoreError();
+    return why;
+  }
+
+ private:
+  // Every shard's id of a group id. An id the group does not know maps to itself on every
+  // shard: rank 0 then refuses it with its own message (NOT_FOUND), before any other rank.
+  std::vector<SlotId> Members(SlotId id) const {
+    absl::MutexLock lock(&map_mu_);
+    auto it = members_.find(id);
+    if (it != members_.end()) return it->second;
+    return std::vector<SlotId>(shards_.size(), id);
+  }
+  SlotId Member(SlotId id, size_t r) const {
+    if (id == kPaddingSlot || r == 0) return id;
+    return Members(id)[r];
+  }
+  std::vector<SlotId> MemberIds(absl::Span<const SlotId> ids, size_t r) const {
+    std::vector<SlotId> out;
+    for (SlotId id : ids) out.push_back(Member(id, r));
+    return out;
+  }
+  std::string ShardSlotName(int32_t r, SlotId id) const {
+    SlotId group = id;
+    if (r > 0) {
+      absl::MutexLock lock(&map_mu_);
+      auto it = group_of_[r].find(id);
+      if (it != group_of_[r].end()) group = it->second;
+    }
+    return options_.slot_name ? options_.slot_name(group) : absl::StrCat("0x", absl::Hex(group));
+  }
+  // Runs `op` on every shard, rank 0 first (it decides refusals), in order under ops_mu_.
+  template <typename Op>
+  absl::Status Fan(SlotId id, Op op) {
+    absl::MutexLock ops(&ops_mu_);
+    const std::vector<SlotId> ids = Members(id);
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      if (absl::Status st = op(r, *shards_[r], ids[r]); !st.ok()) return RankStatus(r, st);
+    }
+    return absl::OkStatus();
+  }
+  template <typename Begin>
+  absl::StatusOr<std::unique_ptr<Forward>> Open(Begin begin) {
+    absl::MutexLock ops(&ops_mu_);
+    std::vector<std::unique_ptr<Forward>> fs;
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      absl::StatusOr<std::unique_ptr<Forward>> f = begin(r, *shards_[r]);
+      if (!f.ok()) return RankStatus(r, f.status());  // the opened ones are abandoned
+      fs.push_back(*std::move(f));
+    }
+    return std::unique_ptr<Forward>(std::make_unique<TpForward>(this, std::move(fs)));
+  }
+
+  const ModelSpec full_;
+  const CacheOptions options_;
+  std::vector<TpShard> layouts_;
+  std::vector<ModelSpec> models_;
+  std::vector<std::vector<SliceRun>> state_runs_;
+  std::vector<std::unique_ptr<StateCache>> shards_;
+  absl::Mutex ops_mu_;  // orders the shards' slot decisions the same way on every shard
+  mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
+  absl::flat_hash_map<SlotId, std::vector<SlotId>> members_ ABSL_GUARDED_BY(map_mu_);
+  absl::flat_hash_map<SlotId, SlotId> group_of_[kMaxTpSize] ABSL_GUARDED_BY(map_mu_);
+};
+
+// ---- forwards ----
+
+TpForward::~TpForward() {
+  absl::MutexLock ops(&group_->ops_mu());  // abandonment returns spares: in order
+  for (auto& f : shards_) f.reset();
+}
+
+absl::Status TpForward::RunLayer(int32_t layer, const LayerIo& io) {
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    const LayerIo mine = ShardIo(group_->shard_model(r), io, tokens(), static_cast<int32_t>(r));
+    if (absl::Status st = shards_[r]->RunLayer(layer, mine); !st.ok()) {
+      return TpGroup::RankStatus(r, st);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Layer by layer, each rank's wait, layer and signal in turn: a rank's doorbells are its own
+// (its engine rings and watches them), and on the CPU backend a wait blocks the caller, so
+// every rank must reach layer l before any waits for layer l + 1.
+absl::Status TpForward::RunLayers(absl::Span<const LayerIo> layers,
+                                  absl::Span<const LayerDoorbells> bells, uint32_t value) {
+  const size_t num_layers = static_cast<size_t>(group_->model().num_layers);
+  const size_t ranks = shards_.size();
+  if (layers.size() != num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layers: expected ", num_layers, " layers, got ", layers.size()));
+  }
+  if (!bells.empty() && bells.size() != num_layers * ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bells: expected none or ", num_layers * ranks, " (", num_layers,
+                     " layers for each of ", ranks, " ranks, rank-major), got ", bells.size()));
+  }
+  for (size_t i = 0; i < bells.size(); ++i) {
+    if (bells[i].ready == nullptr || bells[i].done == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("bells[", i, "]: expected two words, got null"));
+    }
+  }
+  for (size_t l = 0; l < num_layers; ++l) {
+    for (size_t r = 0; r < ranks; ++r) {
+      Forward& f = *shards_[r];
+      const LayerDoorbells* b = bells.empty() ? nullptr : &bells[r * num_layers + l];
+      absl::Status st = b != nullptr ? f.QueueWait(b->ready, value) : absl::OkStatus();
+      if (st.ok()) {
+        st = f.RunLayer(static_cast<int32_t>(l),
+                        ShardIo(group_->shard_model(r), layers[l], tokens(), static_cast<int32_t>(r)));
+      }
+      if (st.ok() && b != nullptr) st = f.QueueSignal(b->done, value);
+      if (!st.ok()) return TpGroup::RankStatus(r, st);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TpForward::Commit() {
+  // Every rank's device work is confirmed before any cursor moves.
+  if (absl::Status st = Synchronize(); !st.ok()) return st;
+  absl::MutexLock ops(&group_->ops_mu());
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    if (absl::Status st = shards_[r]->Commit(); !st.ok()) return TpGroup::RankStatus(r, st);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
+    std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) {
+  auto* prev = dynamic_cast<TpForward*>(previous.get());
+  if (prev == nullptr) {
+    return absl::InvalidArgumentError("previous: expected a forward of this cache");
+  }
+  absl::ReleasableMutexLock ops(&ops_mu_);
+  std::vector<std::unique_ptr<Forward>> next;
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    std::vector<DecodeRow> mine(rows.begin(), rows.end());
+    for (DecodeRow& row : mine) row.slot = Member(row.slot, r);
+    std::unique_ptr<Forward>& p = prev->shards()[r];
+    absl::StatusOr<std::unique_ptr<Forward>> f = shards_[r]->ContinueForward(p, mine);
+    if (!f.ok()) return RankStatus(r, f.status());
+    if (*f == nullptr) {
+      if (r == 0) return std::unique_ptr<Forward>();  // previous untouched
+      // Rank 0 continued, so this rank must go on too: commit and begin as the caller would.
+      absl::Status st = p->Commit();
+      if (st.ok()) {
+        p.reset();
+        f = shards_[r]->BeginForward(mine);
+        st = f.status();
+      }
+      if (!st.ok()) return RankStatus(r, st);
+    }
+    next.push_back(*std::move(f));
+  }
+  ops.Release();
+  previous.reset();  // every rank's part is owned by the new forward now
+  return std::unique_ptr<Forward>(std::make_unique<TpForward>(this, std::move(next)));
+}
+
+absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
+    PrefixNamespace ns, absl::Span<const int32_t> tokens) {
+  absl::MutexLock ops(&ops_mu_);
+  int64_t m = static_cast<int64_t>(tokens.size());
+  for (;;) {  // the longest prefix every shard holds: m only shrinks
+    std::vector<SlotId> ids;
+    int64_t lo = m, hi = 0;
+    for (auto& c : shards_) {
+      absl::StatusOr<PrefixAllocation> a = c->AllocateFromPrefixIn(ns, tokens.subspan(0, m));
+      if (!a.ok()) return FreeAll(ids, RankStatus(ids.size(), a.status()));
+      ids.push_back(a->slot);
+      lo = std::min(lo, a->matched);
+      hi = std::max(hi, a->matched);
+    }
+    if (lo == hi) return PrefixAllocation{Bind(std::move(ids)), lo};
+    FreeAll(ids, absl::OkStatus()).IgnoreError();
+    m = lo;
+  }
+}
+
+// ---- states in and out: unsharded bytes ----
+
+absl::Status TpGroup::ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
+                                 absl::Span<const void* const> checkpoints, IoMemory memory) {
+  if (static_cast<int32_t>(checkpoints.size()) != full_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", full_.num_layers,
+                                                   " layers, got ", checkpoints.size()));
+  }
+  if (memory == IoMemory::kBackend && options_.backend != RSSM_BACKEND_CPU) {
+    return absl::InvalidArgumentError(
+        "checkpoints: a tensor-parallel group imports unsharded states from host memory only");
+  }
+  std::vector<std::vector<std::vector<uint8_t>>> parts(shards_.size());
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    for (int32_t l = 0; l < full_.num_layers; ++l) {
+      std::vector<uint8_t> b(models_[r].LayerStateBytes());
+      CopyToShard(checkpoints[l], 0, b.data(), 0, 1, state_runs_[r], 1);
+      parts[r].push_back(std::move(b));
+    }
+  }
+  return Fan(id, [&](size_t r, StateCache& c, SlotId s) {
+    std::vector<const void*> ptrs;
+    for (const std::vector<uint8_t>& b : parts[r]) ptrs.push_back(b.data());
+    return c.ImportFrom(s, tokens, ptrs, IoMemory::kHost);
+  });
+}
+
+absl::StatusOr<ExportedState> TpGroup::ExportInto(SlotId id, absl::Span<void* const> checkpoints,
+                                                  IoMemory memory) {
+  if (static_cast<int32_t>(checkpoints.size()) != full_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", full_.num_layers,
+                                                   " layers, got ", checkpoints.size()));
+  }
+  if (memory == IoMemory::kBackend && options_.backend != RSSM_BACKEND_CPU) {
+    return absl::InvalidArgumentError(
+        "checkpoints: a tensor-parallel group exports unsharded states to host memory only");
+  }
+  ExportedState out;
+  absl::Status st = Fan(id, [&](size_t r, StateCache& c, SlotId s) {
+    absl::StatusOr<ExportedState> e = c.Export(s);
+    if (!e.ok()) return e.status();
+    for (int32_t l = 0; l < full_.num_layers; ++l) {
+      CopyFromShard(e->checkpoints[l].data(), 0, checkpoints[l], 0, 1, state_runs_[r], 1);
+    }
+    if (r == 0) {
+      out.seq_len = e->seq_len;
+      out.tokens = std::move(e->tokens);
+    }
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
+  return out;
+}
+
+// A move out of the group: every shard's reader (each folded and MOVING), read whole into the
+// unsharded payload, then served from host memory.
+class GroupReader final : public SlotReader {
+ public:
+  GroupReader(TpGroup* group, SlotId id, std::vector<std::unique_ptr<SlotReader>> shards,
+              std::vector<uint8_t> payload, size_t chunk_bytes)
+      : group_(group), id_(id), shards_(std::move(shards)), payload_(std::move(payload)) {
+    const size_t layer = static_cast<size_t>(group->model().LayerStateBytes());
+    for (size_t at = 0; at < payload_.size(); at += layer) {
+      for (size_t o = 0; o < layer; o += chunk_bytes) {
+        chunks_.push_back({at + o, std::min(chunk_bytes, layer - o)});
+      }
+    }
+    checksum_ = PayloadChecksum(payload_.data(), payload_.size());
+  }
+  ~GroupReader() override { Finish(false); }
+
+  int64_t seq_len() const override { return shards_[0]->seq_len(); }
+  const std::vector<int32_t>& tokens() const override { return shards_[0]->tokens(); }
+  size_t bytes() const override { return payload_.size(); }
+  SlotIoPath path() const override { return SlotIoPath::kHostDirect; }
+  size_t num_chunks() const override { return chunks_.size(); }
+  size_t depth() const override { return chunks_.size(); }
+  absl::StatusOr<SlotChunk> Next() override {
+    if (next_ >= chunks_.size()) {
+      return absl::OutOfRangeError(absl::StrCat("chunks: all ", chunks_.size(), " were read"));
+    }
+    const auto [offset, size] = chunks_[next_];
+    return SlotChunk{next_++, offset, size, payload_.data() + offset, false};
+  }
+  void Done(size_t) override {}
+  absl::StatusOr<uint64_t> Checksum() override { return checksum_; }
+  void Finish(bool moved) override {
+    if (finished_.exchange(true)) return;
+    absl::MutexLock ops(&group_->ops_mu());
+    for (auto& s : shards_) s->Finish(moved);
+    if (moved) group_->Unbind(id_);
+  }
+
+ private:
+  TpGroup* group_;
+  SlotId id_;
+  std::vector<std::unique_ptr<SlotReader>> shards_;
+  std::vector<uint8_t> payload_;
+  std::vector<std::pair<size_t, size_t>> chunks_;  // offset, size
+  size_t next_ = 0;
+  uint64_t checksum_ = 0;
+  std::atomic<bool> finished_{false};
+};
+
+absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
+                                                                absl::string_view move_id,
+                                                                const SlotIoOptions& options) {
+  SlotIoOptions mine = options;  // the shards' chunks are copied on the host here
+  mine.path = SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+  std::vector<std::unique_ptr<SlotReader>> readers;
+  {
+    absl::MutexLock ops(&ops_mu_);
+    const std::vector<SlotId> ids = Members(id);
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      absl::StatusOr<std::unique_ptr<SlotReader>> rd = shards_[r]->OpenExport(ids[r], move_id, mine);
+      if (!rd.ok()) return RankStatus(r, rd.status());  // the opened ones are released
+      readers.push_back(*std::move(rd));
+    }
+  }
+  std::vector<uint8_t> payload(SlotPayloadBytes(full_));
+  const size_t layer = full_.LayerStateBytes();
+  for (size_t r = 0; r < readers.size(); ++r) {
+    SlotReader& rd = *readers[r];
+    std::vector<uint8_t> mine_bytes(rd.bytes());
+    for (size_t i = 0; i < rd.num_chunks(); ++i) {
+      absl::StatusOr<SlotChunk> c = rd.Next();
+      if (!c.ok()) return RankStatus(r, c.status());
+      std::memcpy(mine_bytes.data() + c->offset, c->data, c->size);
+      rd.Done(c->index);
+    }
+    const size_t shard_layer = models_[r].LayerStateBytes();
+    for (int32_t l = 0; l < full_.num_layers; ++l) {
+      CopyFromShard(mine_bytes.data() + l * shard_layer, 0, payload.data() + l * layer, 0, 1,
+                    state_runs_[r], 1);
+    }
+  }
+  return std::unique_ptr<SlotReader>(std::make_unique<GroupReader>(
+      this, id, std::move(readers), std::move(payload), std::max<size_t>(options.chunk_bytes, 1)));
+}
+
+// A move into the group: the unsharded payload lands in host memory; Commit checks it whole,
+// then writes each shard's part through its own writer.
+class GroupWriter final : public SlotWriter {
+ public:
+  GroupWriter(TpGroup* group, std::vector<std::unique_ptr<SlotWriter>> shards)
+      : group_(group),
+        shards_(std::move(shards)),
+        payload_(SlotPayloadBytes(group->model())) {}
+  ~GroupWriter() override {
+    absl::MutexLock ops(&group_->ops_mu());  // uncommitted shards free their slots: in order
+    shards_.clear();
+  }
+
+  size_t bytes() const override { return payload_.size(); }
+  SlotIoPath path() const override { return SlotIoPath::kHostDirect; }
+  absl::Status Write(size_t offset, const void* src, size_t size, bool backend_memory) override {
+    if (offset > payload_.size() || size > payload_.size() - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("offset: expected a range inside the ",
+                                                     payload_.size(), "-byte payload, got [",
+                                                     offset, ", ", offset + size, ")"));
+    }
+    if (backend_memory && group_->options().backend != RSSM_BACKEND_CPU) {
+      return absl::InvalidArgumentError(
+          "src: a tensor-parallel group takes the unsharded payload from host memory only");
+    }
+    std::memcpy(payload_.data() + offset, src, size);
+    written_.fetch_add(size);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<SlotId> Commit(absl::Span<const int32_t> tokens, uint64_t checksum) override {
+    if (written_.load() != payload_.size()) {
+      return absl::DataLossError(absl::StrCat("payload: expected ", payload_.size(),
+                                              " bytes written, got ", written_.load()));
+    }
+    const uint64_t got = PayloadChecksum(payload_.data(), payload_.size());
+    if (got != checksum) {
+      return absl::DataLossError(absl::StrCat("checksum: expected 0x", absl::Hex(checksum),
+                                              " (the sender's), got 0x", absl::Hex(got)));
+    }
+    const ModelSpec& full = group_->model();
+    const size_t layer = full.LayerStateBytes();
+    absl::MutexLock ops(&group_->ops_mu());
+    std::vector<SlotId> ids;
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      const size_t shard_layer = group_->shard_model(r).LayerStateBytes();
+      std::vector<uint8_t> mine(shards_[r]->bytes());
+      for (int32_t l = 0; l < full.num_layers; ++l) {
+        CopyToShard(payload_.data() + l * layer, 0, mine.data() + l * shard_layer, 0, 1,
+                    group_->state_runs(r), 1);
+      }
+      const absl::Status st = shards_[r]->Write(0, mine.data(), mine.size());
+      absl::StatusOr<SlotId> id =
+          st.ok() ? shards_[r]->Commit(tokens, PayloadChecksum(mine.data(), mine.size()))
+                  : absl::StatusOr<SlotId>(st);
+      if (!id.ok()) return group_->FreeAll(ids, TpGroup::RankStatus(r, id.status()));
+      ids.push_back(*id);
+    }
+    return group_->Bind(std::move(ids));
+  }
+
+ private:
+  TpGroup* group_;
+  std::vector<std::unique_ptr<SlotWriter>> shards_;
+  std::vector<uint8_t> payload_;
+  std::atomic<size_t> written_{0};
+};
+
+absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
+                                                                const SlotIoOptions& options) {
+  SlotIoOptions mine = options;
+  mine.path = SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+  absl::MutexLock ops(&ops_mu_);
+  std::vector<std::unique_ptr<SlotWriter>> writers;
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    absl::StatusOr<std::unique_ptr<SlotWriter>> w = shards_[r]->OpenImport(seq_len, mine);
+    if (!w.ok()) return RankStatus(r, w.status());  // the opened ones free their slots
+    writers.push_back(*std::move(w));
+  }
+  return std::unique_ptr<SlotWriter>(std::make_unique<GroupWriter>(this, std::move(writers)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StateCache>> CreateTpGroup(ModelSpec full, CacheOptions options) {
+  if (absl::Status st = CheckTpSize(full, options.tp_size, "options.tp_size"); !st.ok()) {
+    return st;
+  }
+  auto group = std::make_unique<TpGroup>(std::move(full), options);
+  if (absl::Status st = group->Init(); !st.ok()) return st;
+  return std::unique_ptr<StateCache>(std::move(group));
+}
+
+}  // namespace replayssm::cache

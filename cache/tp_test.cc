@@ -1,0 +1,345 @@
+// Tensor parallelism (tp.h, tp_group.h): each rank's slices against the unsharded model, and a
+// TP group of 2 or 4 shards on one backend against a TP = 1 cache — forwards of every kind
+// bit-identical per head, and slots moved mid-sequence between every pair of TP degrees
+// decoding on exactly as if they had never moved.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "replayssm/cache/state_cache.h"
+#include "replayssm/cache/tp.h"
+#include "test_model.h"
+
+namespace replayssm::cache {
+namespace {
+
+using testing::Batch;
+using testing::Oracle;
+using testing::Tok;
+
+// H = 4, HV = 8: splits 1, 2 and 4 ways; a convolution in bf16 so that windows are sliced in
+// 2-byte channels.
+ModelSpec TpModel(int32_t gate, int32_t state_dtype) {
+  ModelSpec m;
+  m.name = "tp-test";
+  m.num_layers = 3;
+  m.shape = {gate, 4, 8, 16, 16, 4, state_dtype, RSSM_DTYPE_BF16};
+  m.conv_width = 4;
+  m.round_beta = DefaultRoundBeta(gate);
+  m.layers = SeededParams(m.shape, m.num_layers, 7, m.conv_width);
+  for (LayerParams& p : m.layers) {  // a bias, so that its slicing is checked too
+    p.conv_bias.resize(m.QkvWidth());
+    for (size_t c = 0; c < p.conv_bias.size(); ++c) p.conv_bias[c] = 0.01f * (c % 7);
+  }
+  return m;
+}
+
+std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t tp) {
+  CacheOptions o;
+  o.backend = testing::TestBackend();
+  o.memory_budget_bytes = 64 * m.SlotBytes();
+  o.track_interval = 0;
+  o.tp_size = tp;
+  absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *std::move(c) : nullptr;
+}
+
+// The tensors of a batch of n tokens, [n, width] each, rearranged into the rank-major layout
+// of a TP group (rank r's [n, width / tp] blocks one after another), or back.
+void ToRankMajor(const ModelSpec& m, int32_t tp, int64_t n, Batch& b, bool back = false) {
+  const int64_t es = rssm_dtype_size(m.shape.act_dtype);
+  auto convert = [&](std::vector<uint8_t>& buf, int64_t width, auto runs_of) {
+    std::vector<uint8_t> out(buf.size());
+    int64_t at = 0;
+    for (int32_t r = 0; r < tp; ++r) {
+      const TpShard s = ShardOf(m, tp, r);
+      const std::vector<SliceRun> runs = runs_of(s);
+      int64_t w = 0;
+      for (const SliceRun& x : runs) w += x.count;
+      if (back) {
+        CopyFromShard(buf.data() + at, w, out.data(), width, n, runs, es);
+      } else {
+        CopyToShard(buf.data(), width, out.data() + at, w, n, runs, es);
+      }
+      at += n * w * es;
+    }
+    buf = std::move(out);
+  };
+  for (int32_t l = 0; l < m.num_layers; ++l) {
+    convert(b.qkv[l], m.QkvWidth(), [&](const TpShard& s) { return QkvColumns(m, s); });
+    convert(b.a[l], m.AWidth(), [&](const TpShard& s) { return std::vector{AColumns(m, s)}; });
+    convert(b.b[l], m.BWidth(), [&](const TpShard& s) { return std::vector{BColumns(m, s)}; });
+    convert(b.out[l], m.OutWidth(), [&](const TpShard& s) { return std::vector{OutColumns(m, s)}; });
+    b.io[l] = LayerIo{b.qkv[l].data(), b.a[l].data(), b.b[l].data(), b.out[l].data(),
+                      IoMemory::kHost};
+  }
+}
+
+TEST(TpLayout, RefusesDegreesThatSplitAHead) {
+  const ModelSpec m = TpModel(RSSM_GATE_GDN, RSSM_DTYPE_F32);
+  for (int32_t tp : {0, 3, 8, 9}) {
+    const absl::Status st = CheckTpSize(m, tp);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << tp;
+    EXPECT_NE(st.message().find("tp_size"), std::string::npos) << st;
+    EXPECT_NE(st.message().find(absl::StrCat("got ", tp)), std::string::npos) << st;
+  }
+  CacheOptions o;
+  o.tp_size = 3;
+  EXPECT_EQ(StateCache::Create(m, o).status().code(), absl::StatusCode::kInvalidArgument);
+  for (int32_t tp : {1, 2, 4}) EXPECT_TRUE(CheckTpSize(m, tp).ok()) << tp;
+}
+
+// Every byte of a layer's unsharded state belongs to exactly one rank.
+TEST(TpLayout, RanksTileTheLayerStateExactly) {
+  for (int32_t tp : {1, 2, 4}) {
+    const ModelSpec m = TpModel(RSSM_GATE_KDA, RSSM_DTYPE_BF16);
+    std::vector<int> owner(m.LayerStateBytes(), 0);
+    for (int32_t r = 0; r < tp; ++r) {
+      const TpShard s = ShardOf(m, tp, r);
+      const ModelSpec sm = ShardModel(m, s);
+      int64_t covered = 0;
+      for (const SliceRun& x : LayerStateRuns(m, s)) {
+        for (int64_t i = 0; i < x.count; ++i) ++owner[x.full + i];
+        covered += x.count;
+      }
+      EXPECT_EQ(covered, sm.LayerStateBytes()) << tp << " " << r;
+    }
+    for (size_t i = 0; i < owner.size(); ++i) ASSERT_EQ(owner[i], 1) << "byte " << i << " tp " << tp;
+  }
+}
+
+// The convolution's channels are sliced per section: rank r's q, k and v channels are the
+// unsharded model's q heads, k heads and v heads of that rank — not one range of q|k|v.
+TEST(TpLayout, ConvChannelsAreSlicedPerSection) {
+  const ModelSpec m = TpModel(RSSM_GATE_GDN, RSSM_DTYPE_F32);
+  const int64_t k = m.shape.head_k, v = m.shape.head_v, h = m.shape.num_qk_heads;
+  const int64_t w = m.conv_width;
+  for (int32_t tp : {2, 4}) {
+    for (int32_t r = 0; r < tp; ++r) {
+      const TpShard s = ShardOf(m, tp, r);
+      const ModelSpec sm = ShardModel(m, s);
+      const int64_t hq = h / tp, hv = m.shape.num_v_heads / tp;
+      // The unsharded channel of each of the rank's channels, written out per section.
+      std::vector<int64_t> expect;
+      for (int64_t c = 0; c < hq * k; ++c) expect.push_back(r * hq * k + c);             // q
+      for (int64_t c = 0; c < hq * k; ++c) expect.push_back(h * k + r * hq * k + c);     // k
+      for (int64_t c = 0; c < hv * v; ++c) expect.push_back(2 * h * k + r * hv * v + c); // v
+      ASSERT_EQ(static_cast<int64_t>(expect.size()), sm.QkvWidth());
+      for (int32_t l = 0; l < m.num_layers; ++l) {
+        for (size_t c = 0; c < expect.size(); ++c) {
+          for (int64_t j = 0; j < w; ++j) {
+            ASSERT_EQ(sm.layers[l].conv_weight[c * w + j], m.layers[l].conv_weight[expect[c] * w + j])
+                << "tp " << tp << " rank " << r << " channel " << c;
+          }
+          ASSERT_EQ(sm.layers[l].conv_bias[c], m.layers[l].conv_bias[expect[c]]);
+        }
+        for (int64_t i = 0; i < hv; ++i) {
+          EXPECT_EQ(sm.layers[l].a_log[i], m.layers[l].a_log[r * hv + i]);
+          EXPECT_EQ(sm.layers[l].dt_bias[i], m.layers[l].dt_bias[r * hv + i]);
+        }
+      }
+    }
+  }
+}
+
+struct Params {
+  int32_t gate;
+  int32_t state_dtype;
+};
+
+class TpGroupTest : public ::testing::TestWithParam<Params> {
+ protected:
+  TpGroupTest() : m_(TpModel(GetParam().gate, GetParam().state_dtype)), oracle_(m_) {}
+
+  // One decode step of `slot` in `c` with token t at position pos; returns the outputs in the
+  // unsharded layout.
+  Batch Decode(StateCache& c, int32_t tp, SlotId slot, Tok t) {
+    Batch b = oracle_.MakeBatch({t});
+    ToRankMajor(m_, tp, 1, b);
+    absl::StatusOr<std::unique_ptr<Forward>> f = c.BeginForward({{slot, t.id}});
+    EXPECT_TRUE(f.ok()) << f.status();
+    for (int32_t l = 0; l < m_.num_layers; ++l) EXPECT_TRUE((*f)->RunLayer(l, b.io[l]).ok());
+    EXPECT_TRUE((*f)->Commit().ok());
+    ToRankMajor(m_, tp, 1, b, /*back=*/true);
+    return b;
+  }
+  absl::Status Prefill(StateCache& c, int32_t tp, SlotId slot, const std::vector<int32_t>& ids,
+                       int64_t start) {
+    std::vector<Tok> toks;
+    for (int32_t id : ids) toks.push_back({id, start + static_cast<int64_t>(toks.size())});
+    Batch b = oracle_.MakeBatch(toks);
+    ToRankMajor(m_, tp, static_cast<int64_t>(toks.size()), b);
+    return c.Prefill(slot, ids, b.io);
+  }
+  // Verify of drafts then Accept(n); the drafts' outputs, unsharded.
+  Batch VerifyAccept(StateCache& c, int32_t tp, SlotId slot, const std::vector<Tok>& drafts,
+                     int32_t n) {
+    Batch b = oracle_.MakeBatch(drafts);
+    ToRankMajor(m_, tp, static_cast<int64_t>(drafts.size()), b);
+    std::vector<int32_t> ids;
+    for (const Tok& t : drafts) ids.push_back(t.id);
+    const SlotId slots[] = {slot};
+    EXPECT_TRUE(c.Verify(slots, static_cast<int32_t>(drafts.size()), ids, b.io).ok());
+    EXPECT_TRUE(c.Accept(slot, n).ok());
+    ToRankMajor(m_, tp, static_cast<int64_t>(drafts.size()), b, /*back=*/true);
+    return b;
+  }
+
+  ModelSpec m_;
+  Oracle oracle_;
+};
+
+void ExpectSameOutputs(const Batch& got, const Batch& want, const std::string& where) {
+  for (size_t l = 0; l < want.out.size(); ++l) {
+    ASSERT_EQ(got.out[l], want.out[l]) << where << " layer " << l;
+  }
+}
+
+void ExpectSameState(StateCache& a, SlotId sa, StateCache& b, SlotId sb, const std::string& where) {
+  absl::StatusOr<ExportedState> ea = a.Export(sa), eb = b.Export(sb);
+  ASSERT_TRUE(ea.ok() && eb.ok()) << ea.status() << eb.status();
+  EXPECT_EQ(ea->seq_len, eb->seq_len) << where;
+  EXPECT_EQ(ea->tokens, eb->tokens) << where;
+  for (size_t l = 0; l < ea->checkpoints.size(); ++l) {
+    ASSERT_EQ(ea->checkpoints[l], eb->checkpoints[l]) << where << " layer " << l;
+  }
+}
+
+// Prefill, decode across folds, verify + accept: a TP group's outputs, cursors and exported
+// (unsharded) states are those of a TP = 1 cache, bit for bit.
+TEST_P(TpGroupTest, ForwardsAreBitIdenticalToOneRank) {
+  std::unique_ptr<StateCache> one = MakeCache(m_, 1);
+  for (int32_t tp : {2, 4}) {
+    std::unique_ptr<StateCache> group = MakeCache(m_, tp);
+    ASSERT_NE(group, nullptr);
+    EXPECT_EQ(group->model().shape.num_v_heads, m_.shape.num_v_heads);
+    absl::StatusOr<SlotId> a = one->Allocate(), b = group->Allocate();
+    ASSERT_TRUE(a.ok() && b.ok());
+    const std::vector<int32_t> prompt = {5, 9, 2, 7, 1};
+    ASSERT_TRUE(Prefill(*one, 1, *a, prompt, 0).ok());
+    ASSERT_TRUE(Prefill(*group, tp, *b, prompt, 0).ok());
+    int64_t pos = static_cast<int64_t>(prompt.size());
+    for (int step = 0; step < 9; ++step, ++pos) {  // L = 4: folds every few steps
+      const Tok t{static_cast<int32_t>(11 + step), pos};
+      ExpectSameOutputs(Decode(*group, tp, *b, t), Decode(*one, 1, *a, t),
+                        absl::StrCat("tp ", tp, " decode ", step));
+      EXPECT_EQ(group->Info(*b)->write_pos, one->Info(*a)->write_pos);
+    }
+    const std::vector<Tok> drafts = {{40, pos}, {41, pos + 1}, {42, pos + 2}};
+    ExpectSameOutputs(VerifyAccept(*group, tp, *b, drafts, 2), VerifyAccept(*one, 1, *a, drafts, 2),
+                      absl::StrCat("tp ", tp, " verify"));
+    EXPECT_EQ(group->Info(*b)->seq_len, one->Info(*a)->seq_len);
+    ExpectSameState(*group, *b, *one, *a, absl::StrCat("tp ", tp));
+    EXPECT_TRUE(one->Free(*a).ok());
+    EXPECT_TRUE(group->Free(*b).ok());
+    EXPECT_EQ(group->Info(*b).status().code(), absl::StatusCode::kNotFound);
+  }
+}
+
+// Moves a slot mid-sequence (write_pos > 0) out of a cache of TP degree p into one of degree d
+// through slot I/O, as a transfer does; both the moved slot and a TP = 1 twin that never moved
+// go on decoding, bit for bit alike. (A move folds the state first; the twin is folded at the
+// same token by the same guard, Export, so that both add the same records in the same order.)
+TEST_P(TpGroupTest, MovesBetweenEveryPairOfDegreesAreExact) {
+  for (int32_t p : {1, 2, 4}) {
+    for (int32_t d : {1, 2, 4}) {
+      const std::string where = absl::StrCat("tp ", p, " -> ", d);
+      std::unique_ptr<StateCache> src = MakeCache(m_, p), dst = MakeCache(m_, d);
+      std::unique_ptr<StateCache> twin = MakeCache(m_, 1);
+      absl::StatusOr<SlotId> s = src->Allocate(), t = twin->Allocate();
+      ASSERT_TRUE(s.ok() && t.ok());
+      const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9};
+      ASSERT_TRUE(Prefill(*src, p, *s, prompt, 0).ok());
+      ASSERT_TRUE(Prefill(*twin, 1, *t, prompt, 0).ok());
+      int64_t pos = static_cast<int64_t>(prompt.size());
+      for (int i = 0; i < 2; ++i, ++pos) {
+        Decode(*src, p, *s, {20 + i, pos});
+        Decode(*twin, 1, *t, {20 + i, pos});
+      }
+      ASSERT_GT(src->Info(*s)->write_pos, 0) << where;
+      ASSERT_TRUE(twin->Export(*t).ok());  // the twin's fold at this token
+
+      SlotIoOptions io;
+      io.chunk_bytes = 1000;  // many chunks, none aligned to a rank's part
+      absl::StatusOr<std::unique_ptr<SlotReader>> reader = src->OpenExport(*s, "move-1", io);
+      ASSERT_TRUE(reader.ok()) << reader.status();
+      EXPECT_EQ(src->Free(*s).code(), absl::StatusCode::kFailedPrecondition) << "moving";
+      absl::StatusOr<std::unique_ptr<SlotWriter>> writer = dst->OpenImport((*reader)->seq_len(), io);
+      ASSERT_TRUE(writer.ok()) << writer.status();
+      ASSERT_EQ((*writer)->bytes(), (*reader)->bytes());
+      for (size_t i = 0; i < (*reader)->num_chunks(); ++i) {
+        absl::StatusOr<SlotChunk> c = (*reader)->Next();
+        ASSERT_TRUE(c.ok()) << c.status();
+        ASSERT_TRUE((*writer)->Write(c->offset, c->data, c->size, c->backend_memory).ok());
+        (*reader)->Done(c->index);
+      }
+      absl::StatusOr<uint64_t> sum = (*reader)->Checksum();
+      ASSERT_TRUE(sum.ok());
+      absl::StatusOr<SlotId> moved = (*writer)->Commit((*reader)->tokens(), *sum);
+      ASSERT_TRUE(moved.ok()) << where << ": " << moved.status();
+      (*reader)->Finish(/*moved=*/true);
+      EXPECT_EQ(src->Info(*s).status().code(), absl::StatusCode::kNotFound) << where;
+      EXPECT_EQ(dst->Info(*moved)->write_pos, 0);
+      EXPECT_EQ(dst->Info(*moved)->seq_len, pos);
+
+      for (int i = 0; i < 6; ++i, ++pos) {  // across a fold
+        ExpectSameOutputs(Decode(*dst, d, *moved, {30 + i, pos}), Decode(*twin, 1, *t, {30 + i, pos}),
+                          absl::StrCat(where, " step ", i));
+      }
+      ExpectSameState(*dst, *moved, *twin, *t, where);
+    }
+  }
+}
+
+// A corrupted payload is refused at the commit and nothing becomes live.
+TEST_P(TpGroupTest, AMoveWithABadChecksumLeavesNothing) {
+  std::unique_ptr<StateCache> dst = MakeCache(m_, 2);
+  const int64_t live = dst->stats().slots_live;
+  absl::StatusOr<std::unique_ptr<SlotWriter>> w = dst->OpenImport(1, SlotIoOptions{});
+  ASSERT_TRUE(w.ok());
+  std::vector<uint8_t> bytes((*w)->bytes(), 0);
+  ASSERT_TRUE((*w)->Write(0, bytes.data(), bytes.size()).ok());
+  const int32_t tokens[] = {1};
+  EXPECT_EQ((*w)->Commit(tokens, PayloadChecksum(bytes.data(), bytes.size()) ^ 1).status().code(),
+            absl::StatusCode::kDataLoss);
+  w->reset();
+  EXPECT_EQ(dst->stats().slots_live, live);
+}
+
+// The prefix cache of a group: a donation is found by a later request, at the same length as
+// on one rank, and the new slot continues the donated state.
+TEST_P(TpGroupTest, DonatedPrefixIsFoundByTheGroup) {
+  std::unique_ptr<StateCache> one = MakeCache(m_, 1), group = MakeCache(m_, 2);
+  absl::StatusOr<SlotId> a = one->Allocate(), b = group->Allocate();
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::vector<int32_t> prompt = {8, 6, 7, 5, 3};
+  ASSERT_TRUE(Prefill(*one, 1, *a, prompt, 0).ok());
+  ASSERT_TRUE(Prefill(*group, 2, *b, prompt, 0).ok());
+  ASSERT_TRUE(one->Donate(*a).ok());
+  ASSERT_TRUE(group->Donate(*b).ok());
+  const std::vector<int32_t> turn2 = {8, 6, 7, 5, 3, 0, 9};
+  EXPECT_EQ(group->MatchPrefix(turn2), 5);
+  absl::StatusOr<StateCache::PrefixAllocation> pa = one->AllocateFromPrefix(turn2);
+  absl::StatusOr<StateCache::PrefixAllocation> pb = group->AllocateFromPrefix(turn2);
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  EXPECT_EQ(pb->matched, 5);
+  ExpectSameOutputs(Decode(*group, 2, pb->slot, {0, 5}), Decode(*one, 1, pa->slot, {0, 5}), "hit");
+  ExpectSameState(*group, pb->slot, *one, pa->slot, "hit");
+}
+
+INSTANTIATE_TEST_SUITE_P(Gates, TpGroupTest,
+                         ::testing::Values(Params{RSSM_GATE_GDN, RSSM_DTYPE_F32},
+                                           Params{RSSM_GATE_GDN, RSSM_DTYPE_BF16},
+                                           Params{RSSM_GATE_KDA, RSSM_DTYPE_F32}),
+                         [](const ::testing::TestParamInfo<Params>& i) {
+                           return absl::StrCat(i.param.gate == RSSM_GATE_GDN ? "gdn_" : "kda_",
+                                               rssm_dtype_name(i.param.state_dtype));
+                         });
+
+}  // namespace
+}  // namespace replayssm::cache
