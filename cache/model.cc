@@ -26,6 +26,8 @@ constexpr Preset kPresets[] = {
      {RSSM_GATE_KDA, 32, 32, 128, 128, 16, RSSM_DTYPE_F32, RSSM_DTYPE_BF16}},
     {"tiny-gdn", 4, {RSSM_GATE_GDN, 2, 4, 32, 32, 8, RSSM_DTYPE_F32, RSSM_DTYPE_F32}},
     {"tiny-kda", 4, {RSSM_GATE_KDA, 2, 4, 32, 32, 8, RSSM_DTYPE_F32, RSSM_DTYPE_F32}},
+    // Heads that split 1, 2 and 4 ways (--tp-size), for tensor-parallel demos and tests.
+    {"tiny-gdn-tp", 4, {RSSM_GATE_GDN, 4, 8, 32, 32, 8, RSSM_DTYPE_F32, RSSM_DTYPE_BF16}},
 };
 
 }  // namespace

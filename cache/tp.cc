@@ -51,6 +51,7 @@ SliceRun OutColumns(const ModelSpec& full, const TpShard& s) {
 
 ModelSpec ShardModel(const ModelSpec& full, const TpShard& s) {
   ModelSpec m = full;
+  m.tp_size = 1;
   m.shape.num_qk_heads = s.qk_heads;
   m.shape.num_v_heads = s.v_heads;
   const SliceRun heads{s.v_head_begin, 0, s.v_heads};

@@ -83,7 +83,9 @@ class TpForward final : public Forward {
 
 class TpGroup final : public StateCache {
  public:
-  TpGroup(ModelSpec full, CacheOptions options) : full_(std::move(full)), options_(options) {}
+  TpGroup(ModelSpec full, CacheOptions options) : full_(std::move(full)), options_(options) {
+    full_.tp_size = options_.tp_size;
+  }
 
   absl::Status Init() {
     for (int32_t r = 0; r < options_.tp_size; ++r) {
@@ -341,7 +343,7 @@ class TpGroup final : public StateCache {
     return std::unique_ptr<Forward>(std::make_unique<TpForward>(this, std::move(fs)));
   }
 
-  const ModelSpec full_;
+  ModelSpec full_;  // the unsharded model, tp_size = the group's
   const CacheOptions options_;
   std::vector<TpShard> layouts_;
   std::vector<ModelSpec> models_;

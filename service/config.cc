@@ -87,7 +87,11 @@ const std::vector<Flag>& Flags() {
        "preset (tiny-gdn, tiny-kda, qwen3-next-80b-a3b, kimi-linear-48b-a3b) or a HF config.json",
        Str(&ServerOptions::model)},
       {"device", "auto | cpu | cuda | cuda:N [auto]", Str(&ServerOptions::device)},
-      {"memory-budget", "bytes for slots and snapshots, e.g. 512M, 4G [1G]",
+      {"tp-size",
+       "tensor-parallel ranks of the engine served: one cache shard per rank, each with "
+       "HV/tp-size v heads and --memory-budget of its own; activations rank-major [1]",
+       Int(&ServerOptions::tp_size)},
+      {"memory-budget", "bytes for slots and snapshots (per TP rank), e.g. 512M, 4G [1G]",
        Bytes(&ServerOptions::memory_budget_bytes)},
       {"ring-length", "replay ring length L, 1..64 (0 = the preset's)",
        Int(&ServerOptions::ring_length)},

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "replayssm/cache/tp.h"
 #include "service/forward_session.h"
 #include "service/planned_forward.h"
 #include "service/request_checks.h"
@@ -106,6 +107,16 @@ absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
   info->set_conv_width(m.conv_width);
   info->set_ring_dtype(ToWireDtype(m.RingDtype()));
   info->set_round_beta(m.round_beta);
+  info->set_tp_size(m.tp_size);
+  for (int32_t r = 0; r < m.tp_size; ++r) {
+    const cache::TpShard s = cache::ShardOf(m, m.tp_size, r);
+    v1::TpShard* w = info->add_shards();
+    w->set_rank(r);
+    w->set_qk_head_begin(s.qk_head_begin);
+    w->set_qk_heads(s.qk_heads);
+    w->set_v_head_begin(s.v_head_begin);
+    w->set_v_heads(s.v_heads);
+  }
   const cache::CacheOptions& o = ctx_->cache->options();
   resp->set_backend(ctx_->backend_name);
   resp->set_mps(ctx_->mps);

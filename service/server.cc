@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "replayssm/cache/tp.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -324,6 +325,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!model.ok()) return model.status();
   cache::CacheOptions cache_options;
   cache_options.backend = device->backend;
+  if (absl::Status s = cache::CheckTpSize(*model, options.tp_size, "--tp-size"); !s.ok()) return s;
+  cache_options.tp_size = options.tp_size;
   cache_options.memory_budget_bytes = options.memory_budget_bytes;
   cache_options.track_interval = options.track_interval;
   cache_options.max_batch = options.max_batch;

@@ -39,23 +39,32 @@ std::string DtypeName(v1::DType dtype) {
                   : rssm_dtype_name(rssm);
 }
 
+namespace {
+
+// A TP group's activations: [tp, N, ...] with each rank's heads (TP = 1: no leading dim).
+std::vector<int64_t> RankMajor(const cache::ModelSpec& model, std::vector<int64_t> shape) {
+  if (model.tp_size > 1) shape.insert(shape.begin(), model.tp_size);
+  return shape;
+}
+
+}  // namespace
+
 std::vector<int64_t> QkvShape(const cache::ModelSpec& model, int64_t n) {
-  return {n, model.QkvWidth()};
+  return RankMajor(model, {n, model.QkvWidth() / model.tp_size});
 }
 
 std::vector<int64_t> AShape(const cache::ModelSpec& model, int64_t n) {
-  if (model.shape.gate == RSSM_GATE_KDA) {
-    return {n, model.shape.num_v_heads, model.shape.head_k};
-  }
-  return {n, model.shape.num_v_heads};
+  const int64_t hv = model.shape.num_v_heads / model.tp_size;
+  if (model.shape.gate == RSSM_GATE_KDA) return RankMajor(model, {n, hv, model.shape.head_k});
+  return RankMajor(model, {n, hv});
 }
 
 std::vector<int64_t> BShape(const cache::ModelSpec& model, int64_t n) {
-  return {n, model.shape.num_v_heads};
+  return RankMajor(model, {n, model.shape.num_v_heads / model.tp_size});
 }
 
 std::vector<int64_t> OutShape(const cache::ModelSpec& model, int64_t n) {
-  return {n, model.shape.num_v_heads, model.shape.head_v};
+  return RankMajor(model, {n, model.shape.num_v_heads / model.tp_size, model.shape.head_v});
 }
 
 std::vector<int64_t> CheckpointShape(const cache::ModelSpec& model) {

@@ -29,6 +29,8 @@ v1::StateFormat ToProto(const transfer::StateFormat& f) {
   p.set_ring_dtype(f.ring_dtype);
   p.set_round_beta(f.round_beta);
   p.set_params_hash(f.params_hash);
+  p.set_head_layout(static_cast<v1::HeadLayout>(f.head_layout));
+  p.set_tp_size(f.tp_size);
   return p;
 }
 
@@ -46,6 +48,8 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
   f.ring_dtype = p.ring_dtype();
   f.round_beta = p.round_beta();
   f.params_hash = p.params_hash();
+  f.head_layout = p.head_layout();
+  f.tp_size = p.tp_size();
   return f;
 }
 

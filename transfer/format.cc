@@ -52,6 +52,7 @@ StateFormat StateFormat::Of(const cache::ModelSpec& m) {
   f.conv_dtype = m.conv_width > 0 ? m.shape.act_dtype : 0;
   f.ring_dtype = m.RingDtype();
   f.round_beta = m.round_beta;
+  f.tp_size = m.tp_size;
   uint64_t h = 0x5eed;
   for (const cache::LayerParams& p : m.layers) {
     h = HashFloats(HashFloats(h, p.a_log), p.dt_bias);
@@ -64,6 +65,7 @@ StateFormat StateFormat::Of(const cache::ModelSpec& m) {
 
 absl::Status StateFormat::CheckCompatible(const StateFormat& s) const {
   const std::pair<const char*, std::pair<int64_t, int64_t>> fields[] = {
+      {"head_layout", {head_layout, s.head_layout}},
       {"num_layers", {num_layers, s.num_layers}},
       {"gate", {gate, s.gate}},
       {"num_qk_heads", {num_qk_heads, s.num_qk_heads}},

@@ -40,6 +40,10 @@ struct ModelSpec {
   // beta = sigmoid(b) rounded to the act dtype before the rule (rssm_layer_params.round_beta);
   // the presets and Hugging Face configs start from DefaultRoundBeta(gate).
   bool round_beta = false;
+  // The TP degree of the group serving this model (CacheOptions::tp_size; tp.h): its
+  // activations arrive as tp_size ranks' tensors, rank-major ([tp_size, N, width / tp_size]).
+  // A rank's own model (ShardModel) has 1. States leave a slot unsharded whatever it is.
+  int32_t tp_size = 1;
 
   // Bytes per token of one layer's inputs (mixed_qkv, a, b) and output, in the act dtype.
   int64_t QkvWidth() const;  // 2*H*K + HV*V elements
@@ -59,7 +63,8 @@ struct ModelSpec {
   int64_t SlotBytes() const;
 };
 
-// Built-in presets: "qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "tiny-gdn", "tiny-kda".
+// Built-in presets: "qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "tiny-gdn", "tiny-kda",
+// "tiny-gdn-tp" (4 qk and 8 v heads: splits over 1, 2 or 4 ranks).
 // Parameters come from a fixed seed (params_from_seed = true). `state_dtype`, `ring_len`
 // override the preset's defaults when > -1 / > 0.
 absl::StatusOr<ModelSpec> ModelPreset(std::string_view name, int32_t state_dtype = -1,

@@ -35,6 +35,13 @@ struct StateFormat {
   int32_t ring_dtype = 0;    // rssm_dtype of ring d, k (rssm_ring_storage_dtype)
   bool round_beta = false;   // rssm_layer_params.round_beta
   uint64_t params_hash = 0;  // the layer parameters: same model, same weights
+  // How the payload's heads are laid out. kUnshardedHeads: every layer's checkpoint
+  // [HV, V, K] and conv window [W-1, C] whole, whatever TP degree holds the slot (a TP group
+  // assembles and splits them), so servers of any TP degrees exchange states. Anything else
+  // is refused naming format.head_layout.
+  static constexpr int32_t kUnshardedHeads = 1;
+  int32_t head_layout = kUnshardedHeads;
+  int32_t tp_size = 1;  // the sender's TP degree (informational: the payload is unsharded)
 
   static StateFormat Of(const cache::ModelSpec& m);
   // OK, or FAILED_PRECONDITION naming the first field that differs (expected vs got).
