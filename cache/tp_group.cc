@@ -44,32 +44,22 @@ class TpForward final : public Forward {
   absl::Status RunLayers(absl::Span<const LayerIo> layers, absl::Span<const LayerDoorbells> bells,
                          uint32_t value) override;
   absl::Status Synchronize() override {
-    for (auto& f : shards_) {
-      if (absl::Status st = f->Synchronize(); !st.ok()) return st;
-    }
-    return absl::OkStatus();
+    return Each([](Forward& f) { return f.Synchronize(); });
   }
   void* stream() const override { return shards_[0]->stream(); }
   absl::Status QueueWait(const uint32_t* addr, uint32_t value) override {
-    for (auto& f : shards_) {
-      if (absl::Status st = f->QueueWait(addr, value); !st.ok()) return st;
-    }
-    return absl::OkStatus();
+    return Each([&](Forward& f) { return f.QueueWait(addr, value); });
   }
   // The word means "every rank's work before it is done": the other ranks' streams are
   // waited for on the host, then the last rank's stream writes it.
-  absl::Status QueueSignal(uint32_t* addr, uint32_t value) override {
-    for (size_t r = 0; r + 1 < shards_.size(); ++r) {
-      if (absl::Status st = shards_[r]->Synchronize(); !st.ok()) return st;
-    }
-    return shards_.back()->QueueSignal(addr, value);
-  }
+  absl::Status QueueSignal(uint32_t* addr, uint32_t value) override;
   int32_t ReleaseWaits() override {
     int32_t first = -1;
-    for (auto& f : shards_) {
-      const int32_t i = f->ReleaseWaits();
+    Each([&](Forward& f) {
+      const int32_t i = f.ReleaseWaits();
       if (first < 0) first = i;
-    }
+      return absl::OkStatus();
+    }).IgnoreError();
     return first;
   }
   absl::Status Commit() override;
@@ -77,6 +67,10 @@ class TpForward final : public Forward {
   std::vector<std::unique_ptr<Forward>>& shards() { return shards_; }
 
  private:
+  // Runs `op` on every rank's forward in order, each on its rank's device; the first error.
+  template <typename Op>
+  absl::Status Each(Op op);
+
   TpGroup* group_;
   std::vector<std::unique_ptr<Forward>> shards_;
 };
@@ -87,7 +81,20 @@ class TpGroup final : public StateCache {
     full_.tp_size = options_.tp_size;
   }
 
+  ~TpGroup() override {
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      Use(r);  // a shard frees its memory on its own device
+      shards_[r].reset();
+    }
+  }
+
   absl::Status Init() {
+    if (!options_.devices.empty() &&
+        static_cast<int32_t>(options_.devices.size()) != options_.tp_size) {
+      return absl::InvalidArgumentError(absl::StrCat("options.devices: expected ", options_.tp_size,
+                                                     " devices (one per rank), got ",
+                                                     options_.devices.size()));
+    }
     for (int32_t r = 0; r < options_.tp_size; ++r) {
       layouts_.push_back(ShardOf(full_, options_.tp_size, r));
       models_.push_back(ShardModel(full_, layouts_.back()));
@@ -97,6 +104,13 @@ class TpGroup final : public StateCache {
       CacheOptions o = options_;
       o.tp_size = 1;
       o.slot_name = [this, r](SlotId id) { return ShardSlotName(r, id); };
+      o.devices.clear();
+      if (!options_.devices.empty()) {
+        if (rssm_status st = rssm_set_device(options_.backend, options_.devices[r]); st != RSSM_OK) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("options.devices[", r, "]: ", rssm_last_error()));
+        }
+      }
       absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(models_[r], o);
       if (!c.ok()) {
         return absl::Status(c.status().code(),
@@ -119,8 +133,9 @@ class TpGroup final : public StateCache {
   absl::StatusOr<SlotId> Allocate() override {
     absl::MutexLock ops(&ops_mu_);
     std::vector<SlotId> ids;
-    for (auto& c : shards_) {
-      absl::StatusOr<SlotId> id = c->Allocate();
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      Use(r);
+      absl::StatusOr<SlotId> id = shards_[r]->Allocate();
       if (!id.ok()) return FreeAll(ids, id.status());
       ids.push_back(*id);
     }
@@ -140,6 +155,7 @@ class TpGroup final : public StateCache {
     return st;
   }
   absl::StatusOr<SlotInfo> Info(SlotId id) const override {
+    Use(0);
     return shards_[0]->Info(Members(id)[0]);
   }
 
@@ -148,6 +164,7 @@ class TpGroup final : public StateCache {
     const std::vector<SlotId> ids = Members(id);
     for (size_t r = 0; r < shards_.size(); ++r) {
       const std::vector<LayerIo> io = ShardLayers(r, layers, static_cast<int64_t>(tokens.size()));
+      Use(r);
       if (absl::Status st = shards_[r]->Prefill(ids[r], tokens, io); !st.ok()) {
         return RankStatus(r, st);
       }
@@ -190,6 +207,7 @@ class TpGroup final : public StateCache {
   absl::StatusOr<std::unique_ptr<SlotWriter>> OpenImport(int64_t seq_len,
                                                          const SlotIoOptions& options) override;
   absl::StatusOr<std::unique_ptr<BackendBuffer>> AllocateBackendBuffer(size_t bytes) override {
+    Use(0);
     return shards_[0]->AllocateBackendBuffer(bytes);
   }
 
@@ -243,8 +261,9 @@ class TpGroup final : public StateCache {
     int64_t m = static_cast<int64_t>(tokens.size());
     for (;;) {  // the longest prefix every shard holds: m only shrinks
       int64_t lo = m, hi = 0;
-      for (auto& c : shards_) {
-        const int64_t got = c->MatchPrefixIn(ns, tokens.subspan(0, m));
+      for (size_t r = 0; r < shards_.size(); ++r) {
+        Use(r);
+        const int64_t got = shards_[r]->MatchPrefixIn(ns, tokens.subspan(0, m));
         lo = std::min(lo, got);
         hi = std::max(hi, got);
       }
@@ -256,6 +275,12 @@ class TpGroup final : public StateCache {
     absl::Status st = Fan(id, [](size_t, StateCache& c, SlotId s) { return c.Donate(s); });
     if (st.ok()) Unbind(id);
     return st;
+  }
+
+  // Makes rank r's device the calling thread's current one (before every call into shard r:
+  // what it allocates and the streams it makes belong there). No-op without devices.
+  void Use(size_t r) const {
+    if (!options_.devices.empty()) rssm_set_device(options_.backend, options_.devices[r]);
   }
 
   // --- for TpForward, the readers and writers ---
@@ -290,7 +315,10 @@ class TpGroup final : public StateCache {
   }
   // Frees `ids` (one per shard, in order) and returns `why`.
   absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) {
-    for (size_t r = 0; r < ids.size(); ++r) shards_[r]->Free(ids[r]).IgnoreError();
+    for (size_t r = 0; r < ids.size(); ++r) {
+      Use(r);
+      shards_[r]->Free(ids[r]).IgnoreError();
+    }
     return why;
   }
 
@@ -327,6 +355,7 @@ class TpGroup final : public StateCache {
     absl::MutexLock ops(&ops_mu_);
     const std::vector<SlotId> ids = Members(id);
     for (size_t r = 0; r < shards_.size(); ++r) {
+      Use(r);
       if (absl::Status st = op(r, *shards_[r], ids[r]); !st.ok()) return RankStatus(r, st);
     }
     return absl::OkStatus();
@@ -336,6 +365,7 @@ class TpGroup final : public StateCache {
     absl::MutexLock ops(&ops_mu_);
     std::vector<std::unique_ptr<Forward>> fs;
     for (size_t r = 0; r < shards_.size(); ++r) {
+      Use(r);
       absl::StatusOr<std::unique_ptr<Forward>> f = begin(r, *shards_[r]);
       if (!f.ok()) return RankStatus(r, f.status());  // the opened ones are abandoned
       fs.push_back(*std::move(f));
@@ -359,12 +389,37 @@ class TpGroup final : public StateCache {
 
 TpForward::~TpForward() {
   absl::MutexLock ops(&group_->ops_mu());  // abandonment returns spares: in order
-  for (auto& f : shards_) f.reset();
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    group_->Use(r);
+    shards_[r].reset();
+  }
+}
+
+template <typename Op>
+absl::Status TpForward::Each(Op op) {
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    group_->Use(r);
+    if (absl::Status st = op(*shards_[r]); !st.ok()) return TpGroup::RankStatus(r, st);
+  }
+  return absl::OkStatus();
+}
+
+// The word means "every rank's work before it is done": the other ranks' streams are waited
+// for on the host, then the last rank's stream writes it.
+absl::Status TpForward::QueueSignal(uint32_t* addr, uint32_t value) {
+  const size_t last = shards_.size() - 1;
+  for (size_t r = 0; r < last; ++r) {
+    group_->Use(r);
+    if (absl::Status st = shards_[r]->Synchronize(); !st.ok()) return TpGroup::RankStatus(r, st);
+  }
+  group_->Use(last);
+  return TpGroup::RankStatus(last, shards_[last]->QueueSignal(addr, value));
 }
 
 absl::Status TpForward::RunLayer(int32_t layer, const LayerIo& io) {
   for (size_t r = 0; r < shards_.size(); ++r) {
     const LayerIo mine = ShardIo(group_->shard_model(r), io, tokens(), static_cast<int32_t>(r));
+    group_->Use(r);
     if (absl::Status st = shards_[r]->RunLayer(layer, mine); !st.ok()) {
       return TpGroup::RankStatus(r, st);
     }
@@ -372,9 +427,11 @@ absl::Status TpForward::RunLayer(int32_t layer, const LayerIo& io) {
   return absl::OkStatus();
 }
 
-// Layer by layer, each rank's wait, layer and signal in turn: a rank's doorbells are its own
-// (its engine rings and watches them), and on the CPU backend a wait blocks the caller, so
-// every rank must reach layer l before any waits for layer l + 1.
+// Layer by layer, each rank's wait, layer and signal in turn (on the CPU backend a wait blocks
+// the caller, so every rank must reach layer l before any waits for layer l + 1). Bells are
+// either each rank's own (num_layers per rank, rank-major: its engine rank rings and watches
+// them) or one pair per layer for the whole group: every rank waits for its ready, and its done
+// is written once every rank's layer is done (QueueSignal).
 absl::Status TpForward::RunLayers(absl::Span<const LayerIo> layers,
                                   absl::Span<const LayerDoorbells> bells, uint32_t value) {
   const size_t num_layers = static_cast<size_t>(group_->model().num_layers);
@@ -383,10 +440,12 @@ absl::Status TpForward::RunLayers(absl::Span<const LayerIo> layers,
     return absl::InvalidArgumentError(
         absl::StrCat("layers: expected ", num_layers, " layers, got ", layers.size()));
   }
-  if (!bells.empty() && bells.size() != num_layers * ranks) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bells: expected none or ", num_layers * ranks, " (", num_layers,
-                     " layers for each of ", ranks, " ranks, rank-major), got ", bells.size()));
+  const bool shared = bells.size() == num_layers;
+  if (!bells.empty() && !shared && bells.size() != num_layers * ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bells: expected none, ", num_layers, " (one pair per layer for the group) or ",
+        num_layers * ranks, " (", num_layers, " layers for each of ", ranks,
+        " ranks, rank-major), got ", bells.size()));
   }
   for (size_t i = 0; i < bells.size(); ++i) {
     if (bells[i].ready == nullptr || bells[i].done == nullptr) {
@@ -396,14 +455,19 @@ absl::Status TpForward::RunLayers(absl::Span<const LayerIo> layers,
   for (size_t l = 0; l < num_layers; ++l) {
     for (size_t r = 0; r < ranks; ++r) {
       Forward& f = *shards_[r];
-      const LayerDoorbells* b = bells.empty() ? nullptr : &bells[r * num_layers + l];
+      group_->Use(r);
+      const LayerDoorbells* b = nullptr;
+      if (!bells.empty()) b = shared ? &bells[l] : &bells[r * num_layers + l];
       absl::Status st = b != nullptr ? f.QueueWait(b->ready, value) : absl::OkStatus();
       if (st.ok()) {
         st = f.RunLayer(static_cast<int32_t>(l),
                         ShardIo(group_->shard_model(r), layers[l], tokens(), static_cast<int32_t>(r)));
       }
-      if (st.ok() && b != nullptr) st = f.QueueSignal(b->done, value);
+      if (st.ok() && b != nullptr && !shared) st = f.QueueSignal(b->done, value);
       if (!st.ok()) return TpGroup::RankStatus(r, st);
+    }
+    if (shared) {
+      if (absl::Status st = QueueSignal(bells[l].done, value); !st.ok()) return st;
     }
   }
   return absl::OkStatus();
@@ -413,10 +477,7 @@ absl::Status TpForward::Commit() {
   // Every rank's device work is confirmed before any cursor moves.
   if (absl::Status st = Synchronize(); !st.ok()) return st;
   absl::MutexLock ops(&group_->ops_mu());
-  for (size_t r = 0; r < shards_.size(); ++r) {
-    if (absl::Status st = shards_[r]->Commit(); !st.ok()) return TpGroup::RankStatus(r, st);
-  }
-  return absl::OkStatus();
+  return Each([](Forward& f) { return f.Commit(); });
 }
 
 absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
@@ -431,6 +492,7 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
     std::vector<DecodeRow> mine(rows.begin(), rows.end());
     for (DecodeRow& row : mine) row.slot = Member(row.slot, r);
     std::unique_ptr<Forward>& p = prev->shards()[r];
+    Use(r);
     absl::StatusOr<std::unique_ptr<Forward>> f = shards_[r]->ContinueForward(p, mine);
     if (!f.ok()) return RankStatus(r, f.status());
     if (*f == nullptr) {
@@ -458,8 +520,9 @@ absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
   for (;;) {  // the longest prefix every shard holds: m only shrinks
     std::vector<SlotId> ids;
     int64_t lo = m, hi = 0;
-    for (auto& c : shards_) {
-      absl::StatusOr<PrefixAllocation> a = c->AllocateFromPrefixIn(ns, tokens.subspan(0, m));
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      Use(r);
+      absl::StatusOr<PrefixAllocation> a = shards_[r]->AllocateFromPrefixIn(ns, tokens.subspan(0, m));
       if (!a.ok()) return FreeAll(ids, RankStatus(ids.size(), a.status()));
       ids.push_back(a->slot);
       lo = std::min(lo, a->matched);
@@ -560,7 +623,10 @@ class GroupReader final : public SlotReader {
   void Finish(bool moved) override {
     if (finished_.exchange(true)) return;
     absl::MutexLock ops(&group_->ops_mu());
-    for (auto& s : shards_) s->Finish(moved);
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      group_->Use(r);
+      shards_[r]->Finish(moved);
+    }
     if (moved) group_->Unbind(id_);
   }
 
@@ -585,6 +651,7 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
     absl::MutexLock ops(&ops_mu_);
     const std::vector<SlotId> ids = Members(id);
     for (size_t r = 0; r < shards_.size(); ++r) {
+      Use(r);
       absl::StatusOr<std::unique_ptr<SlotReader>> rd = shards_[r]->OpenExport(ids[r], move_id, mine);
       if (!rd.ok()) return RankStatus(r, rd.status());  // the opened ones are released
       readers.push_back(*std::move(rd));
@@ -594,6 +661,7 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
   const size_t layer = full_.LayerStateBytes();
   for (size_t r = 0; r < readers.size(); ++r) {
     SlotReader& rd = *readers[r];
+    Use(r);
     std::vector<uint8_t> mine_bytes(rd.bytes());
     for (size_t i = 0; i < rd.num_chunks(); ++i) {
       absl::StatusOr<SlotChunk> c = rd.Next();
@@ -621,7 +689,10 @@ class GroupWriter final : public SlotWriter {
         payload_(SlotPayloadBytes(group->model())) {}
   ~GroupWriter() override {
     absl::MutexLock ops(&group_->ops_mu());  // uncommitted shards free their slots: in order
-    shards_.clear();
+    for (size_t r = 0; r < shards_.size(); ++r) {
+      group_->Use(r);
+      shards_[r].reset();
+    }
   }
 
   size_t bytes() const override { return payload_.size(); }
@@ -661,6 +732,7 @@ class GroupWriter final : public SlotWriter {
         CopyToShard(payload_.data() + l * layer, 0, mine.data() + l * shard_layer, 0, 1,
                     group_->state_runs(r), 1);
       }
+      group_->Use(r);
       const absl::Status st = shards_[r]->Write(0, mine.data(), mine.size());
       absl::StatusOr<SlotId> id =
           st.ok() ? shards_[r]->Commit(tokens, PayloadChecksum(mine.data(), mine.size()))
@@ -685,6 +757,7 @@ absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
   absl::MutexLock ops(&ops_mu_);
   std::vector<std::unique_ptr<SlotWriter>> writers;
   for (size_t r = 0; r < shards_.size(); ++r) {
+    Use(r);
     absl::StatusOr<std::unique_ptr<SlotWriter>> w = shards_[r]->OpenImport(seq_len, mine);
     if (!w.ok()) return RankStatus(r, w.status());  // the opened ones free their slots
     writers.push_back(*std::move(w));

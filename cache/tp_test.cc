@@ -38,12 +38,18 @@ ModelSpec TpModel(int32_t gate, int32_t state_dtype) {
   return m;
 }
 
+// A group's ranks spread over the backend's devices round-robin (on the H200 x2 machine: ranks
+// on both GPUs; on the CPU: all on device 0, through the same per-rank device calls).
 std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t tp) {
   CacheOptions o;
   o.backend = testing::TestBackend();
   o.memory_budget_bytes = 64 * m.SlotBytes();
   o.track_interval = 0;
   o.tp_size = tp;
+  if (tp > 1) {
+    const int count = rssm_device_count(o.backend);
+    for (int32_t r = 0; r < tp; ++r) o.devices.push_back(r % count);
+  }
   absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;
@@ -92,6 +98,22 @@ TEST(TpLayout, RefusesDegreesThatSplitAHead) {
   o.tp_size = 3;
   EXPECT_EQ(StateCache::Create(m, o).status().code(), absl::StatusCode::kInvalidArgument);
   for (int32_t tp : {1, 2, 4}) EXPECT_TRUE(CheckTpSize(m, tp).ok()) << tp;
+}
+
+TEST(TpLayout, DevicesAreOnePerRank) {
+  const ModelSpec m = TpModel(RSSM_GATE_GDN, RSSM_DTYPE_F32);
+  CacheOptions o;
+  o.backend = testing::TestBackend();
+  o.memory_budget_bytes = 8 * m.SlotBytes();
+  o.tp_size = 2;
+  o.devices = {0};
+  absl::Status st = StateCache::Create(m, o).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("options.devices: expected 2 devices"), std::string::npos) << st;
+  o.devices = {0, 64};
+  st = StateCache::Create(m, o).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("options.devices[1]"), std::string::npos) << st;
 }
 
 // Every byte of a layer's unsharded state belongs to exactly one rank.

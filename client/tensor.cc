@@ -1,5 +1,6 @@
 #include "replayssm/client/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -183,17 +184,26 @@ std::vector<v1::LayerInput> SyntheticLayers(const v1::ModelInfo& model, int64_t 
     for (float& e : x) e = u(rng);
     return x;
   };
+  // A TP server takes each rank's tensors rank-major: [tp, n, width / tp] (random values
+  // either way, so only the shape differs).
+  const int64_t tp = std::max<int64_t>(1, model.tp_size());
+  auto shape = [&](std::vector<int64_t> dims) {
+    if (tp == 1) return dims;
+    dims[1] /= tp;
+    dims.insert(dims.begin(), tp);
+    return dims;
+  };
   std::vector<v1::LayerInput> layers(static_cast<size_t>(model.num_layers()));
   for (int32_t l = 0; l < model.num_layers(); ++l) {
     v1::LayerInput& in = layers[l];
     in.set_layer(l);
-    *in.mutable_mixed_qkv() = MakeTensor(model.act_dtype(), {n, qkv}, fill(n * qkv));
+    *in.mutable_mixed_qkv() = MakeTensor(model.act_dtype(), shape({n, qkv}), fill(n * qkv));
     if (kda) {
-      *in.mutable_a() = MakeTensor(model.act_dtype(), {n, hv, k}, fill(n * hv * k));
+      *in.mutable_a() = MakeTensor(model.act_dtype(), shape({n, hv, k}), fill(n * hv * k));
     } else {
-      *in.mutable_a() = MakeTensor(model.act_dtype(), {n, hv}, fill(n * hv));
+      *in.mutable_a() = MakeTensor(model.act_dtype(), shape({n, hv}), fill(n * hv));
     }
-    *in.mutable_b() = MakeTensor(model.act_dtype(), {n, hv}, fill(n * hv));
+    *in.mutable_b() = MakeTensor(model.act_dtype(), shape({n, hv}), fill(n * hv));
   }
   return layers;
 }

@@ -91,6 +91,10 @@ const std::vector<Flag>& Flags() {
        "tensor-parallel ranks of the engine served: one cache shard per rank, each with "
        "HV/tp-size v heads and --memory-budget of its own; activations rank-major [1]",
        Int(&ServerOptions::tp_size)},
+      {"devices",
+       "CUDA devices of the TP ranks, one per rank, e.g. 0,1,2,3 (sets --tp-size when it is 1); "
+       "empty: every rank on --device's GPU",
+       Str(&ServerOptions::devices)},
       {"memory-budget", "bytes for slots and snapshots (per TP rank), e.g. 512M, 4G [1G]",
        Bytes(&ServerOptions::memory_budget_bytes)},
       {"ring-length", "replay ring length L, 1..64 (0 = the preset's)",

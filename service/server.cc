@@ -14,6 +14,8 @@
 #include "replayssm/cache/tp.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -69,6 +71,39 @@ absl::StatusOr<Device> ResolveDevice(const std::string& device) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--device: expected auto, cpu, cuda or cuda:N, got ", device));
+}
+
+// --tp-size and --devices into the cache's options: one device per rank, and --tp-size taken
+// from --devices when it was left at 1.
+absl::Status ResolveRanks(const ServerOptions& o, const Device& device, cache::CacheOptions& c) {
+  c.tp_size = o.tp_size;
+  if (o.devices.empty()) return absl::OkStatus();
+  for (absl::string_view d : absl::StrSplit(o.devices, ',')) {
+    int32_t index = -1;
+    if (!absl::SimpleAtoi(d, &index) || index < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--devices: expected device indices like 0,1,2,3, got ", o.devices));
+    }
+    c.devices.push_back(index);
+  }
+  if (device.backend != RSSM_BACKEND_CUDA) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--devices: expected a CUDA backend (--device auto or cuda), got ", device.name));
+  }
+  const int32_t n = static_cast<int32_t>(c.devices.size());
+  if (c.tp_size == 1) c.tp_size = n;
+  if (c.tp_size != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--devices: expected ", c.tp_size, " devices (one per --tp-size rank), got ", n));
+  }
+  const int count = rssm_device_count(RSSM_BACKEND_CUDA);
+  for (int32_t d : c.devices) {
+    if (d >= count) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices: expected indices below ", count,
+                                                     " (the GPUs visible), got ", d));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // An rssm_dtype by name; -1 for "" (the default).
@@ -325,8 +360,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!model.ok()) return model.status();
   cache::CacheOptions cache_options;
   cache_options.backend = device->backend;
-  if (absl::Status s = cache::CheckTpSize(*model, options.tp_size, "--tp-size"); !s.ok()) return s;
-  cache_options.tp_size = options.tp_size;
+  absl::Status s = ResolveRanks(options, *device, cache_options);
+  if (s.ok()) s = cache::CheckTpSize(*model, cache_options.tp_size, "--tp-size");
+  if (!s.ok()) return s;
+  if (!cache_options.devices.empty()) {
+    device->name = absl::StrCat("cuda:", absl::StrJoin(cache_options.devices, ","));
+  }
   cache_options.memory_budget_bytes = options.memory_budget_bytes;
   cache_options.track_interval = options.track_interval;
   cache_options.max_batch = options.max_batch;
@@ -339,7 +378,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              *std::move(cache));
-  absl::Status s = server->LoadTokens();
+  s = server->LoadTokens();
   if (s.ok()) s = server->StartTransfers();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;

@@ -23,6 +23,7 @@ struct ServerOptions {
   std::string device = "auto";                     // auto | cpu | cuda | cuda:N
   int64_t memory_budget_bytes = int64_t{1} << 30;  // slots + snapshots, per TP rank
   int32_t tp_size = 1;  // ranks of the tensor-parallel engine served (cache/tp.h)
+  std::string devices;  // CUDA devices of the ranks, "0,1,..."; "" = all on --device's
   int32_t ring_length = 0;                         // L; 0 = the preset's
   int32_t track_interval = 64;  // snapshot every this many decoded tokens; 0 = never
   std::string state_dtype;      // f32 | bf16 | f16; "" = the preset's

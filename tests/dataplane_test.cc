@@ -192,6 +192,34 @@ TEST_F(DataPlaneTest, PlannedDecodeMatchesInlineBitForBitAcrossFolds) {
   EXPECT_EQ(InUse("engine"), 0);
 }
 
+// A TP = 2 server (one cache shard per rank): a planned decode forward, its region tensors
+// rank-major as the inline ones, equals the inline forward bit for bit; the doorbells are one
+// pair per layer for the group.
+class TpDataPlaneTest : public DataPlaneTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--model=tiny-gdn-tp", "--tp-size=2", "--track-interval=16", "--forward-timeout=1"};
+  }
+};
+
+TEST_F(TpDataPlaneTest, PlannedDecodeOfATpGroupMatchesInlineAcrossFolds) {
+  ASSERT_EQ(model().tp_size(), 2);
+  const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
+  auto stream = client_->OpenStream();
+  for (uint32_t f = 1; f <= 10; ++f) {  // past a ring fold (L = 8 for tiny-gdn-tp)
+    const std::vector<v1::LayerInput> layers = Layers(2);
+    ASSERT_EQ(layers[0].mixed_qkv().shape(0), 2) << "rank-major";
+    ASSERT_TRUE(RunPlanned(*stream, PlannedDecode(planned, f), layers, f).ok());
+    auto want = stream->Forward(Rows(inl), layers);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (int l = 0; l < num_layers(); ++l) {
+      EXPECT_EQ(mem_->Out(l, OutBytes(2)), want->layers(l).out().data()) << "forward " << f;
+    }
+  }
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
+  EXPECT_EQ(InUse("engine"), 0);
+}
+
 TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
   const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "backend.h"
+#include "calls.h"
 #include "launch_overrides.h"
 #include "replayssm/kernels.h"
 
@@ -328,6 +329,7 @@ rssm_status Decode(const rssm_decode_args* in, bool baseline, const char* fn,
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
   if (IsCpu(a.launch)) return baseline ? cpu::BaselineDecode(a) : cpu::ReplayDecode(a);
+  if (const rssm_status st = UseStreamDevice(&a.launch, fn); st != RSSM_OK) return st;
   const cuda::LaunchOverrides ov = overrides != nullptr ? *overrides : cuda::LaunchOverrides{};
   return baseline ? cuda::BaselineDecode(a, ov, plan) : cuda::ReplayDecode(a, ov, plan);
 }
@@ -362,6 +364,7 @@ rssm_status Verify(const rssm_verify_args* in, const char* fn,
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
   if (IsCpu(a.launch)) return cpu::Verify(a);
+  if (const rssm_status st = UseStreamDevice(&a.launch, fn); st != RSSM_OK) return st;
   const cuda::LaunchOverrides ov = overrides != nullptr ? *overrides : cuda::LaunchOverrides{};
   return cuda::Verify(a, ov, plan);
 }
@@ -402,6 +405,7 @@ rssm_status RunSegmentDigests(const rssm_launch& l, const void* const* parts,
                               size_t segment_bytes, uint64_t* digests) {
   g_last_error.clear();
   if (IsCpu(l)) return cpu::SegmentDigests(parts, count, part_bytes, segment_bytes, digests);
+  if (const rssm_status st = UseStreamDevice(&l, "rssm_segment_digests"); st != RSSM_OK) return st;
   return cuda::SegmentDigests(l, parts_device, count, part_bytes, segment_bytes, digests);
 }
 
@@ -459,7 +463,9 @@ rssm_status rssm_fold(const rssm_fold_args* in) {
   }
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
-  return IsCpu(a.launch) ? cpu::Fold(a) : cuda::Fold(a);
+  if (IsCpu(a.launch)) return cpu::Fold(a);
+  if (const rssm_status st = UseStreamDevice(&a.launch, "rssm_fold"); st != RSSM_OK) return st;
+  return cuda::Fold(a);
 }
 
 rssm_status rssm_prefill(const rssm_prefill_args* in) {
@@ -497,7 +503,9 @@ rssm_status rssm_prefill(const rssm_prefill_args* in) {
   }
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
-  return IsCpu(a.launch) ? cpu::Prefill(a) : cuda::Prefill(a);
+  if (IsCpu(a.launch)) return cpu::Prefill(a);
+  if (const rssm_status st = UseStreamDevice(&a.launch, "rssm_prefill"); st != RSSM_OK) return st;
+  return cuda::Prefill(a);
 }
 
 rssm_status rssm_verify(const rssm_verify_args* args) {
@@ -563,7 +571,9 @@ rssm_status rssm_short_conv(const rssm_conv_args* in) {
   }
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
-  return IsCpu(a.launch) ? cpu::ShortConv(a) : cuda::ShortConv(a);
+  if (IsCpu(a.launch)) return cpu::ShortConv(a);
+  if (const rssm_status st = UseStreamDevice(&a.launch, "rssm_short_conv"); st != RSSM_OK) return st;
+  return cuda::ShortConv(a);
 }
 
 rssm_status rssm_conv_fold(const rssm_conv_fold_args* in) {
@@ -587,7 +597,9 @@ rssm_status rssm_conv_fold(const rssm_conv_fold_args* in) {
   }
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
-  return IsCpu(a.launch) ? cpu::ConvFold(a) : cuda::ConvFold(a);
+  if (IsCpu(a.launch)) return cpu::ConvFold(a);
+  if (const rssm_status st = UseStreamDevice(&a.launch, "rssm_conv_fold"); st != RSSM_OK) return st;
+  return cuda::ConvFold(a);
 }
 
 rssm_status rssm_count_nonfinite(const rssm_launch* launch, const void* const* parts,
@@ -622,6 +634,9 @@ rssm_status rssm_count_nonfinite(const rssm_launch* launch, const void* const* p
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
   if (IsCpu(*launch)) return cpu::CountNonfinite(parts, count, part_elems, dtype, result);
+  if (const rssm_status st = UseStreamDevice(launch, "rssm_count_nonfinite"); st != RSSM_OK) {
+    return st;
+  }
   return cuda::CountNonfinite(*launch, parts_device, count, part_elems, dtype, result);
 }
 

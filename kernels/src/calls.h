@@ -22,6 +22,11 @@ inline rssm_status Invalid(const std::string& fn, const std::string& what) {
   return RSSM_ERR_INVALID_ARGUMENT;
 }
 
+// Makes the device of launch->stream (a stream of rssm_stream_create) the calling thread's
+// current one, so that work queued on it runs there whichever thread queues it. A no-op on CPU,
+// for NULL (the current device's legacy stream) and for streams the ABI did not create.
+rssm_status UseStreamDevice(const rssm_launch* launch, const char* fn);
+
 #ifdef REPLAYSSM_WITH_CUDA
 inline rssm_status CudaCheck(cudaError_t e, const char* fn) {
   if (e == cudaSuccess) return RSSM_OK;

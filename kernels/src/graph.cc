@@ -142,6 +142,7 @@ rssm_status rssm_capture_begin(const rssm_launch* launch) {
   const char* fn = "rssm_capture_begin";
   if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
   return CudaCheck(cudaStreamBeginCapture(static_cast<cudaStream_t>(launch->stream),
                                           cudaStreamCaptureModeThreadLocal),
                    fn);
@@ -159,6 +160,7 @@ rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph
   }
   if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(static_cast<cudaStream_t>(launch->stream), &graph);
   cudaGetLastError();  // a call that spoiled the recording must not fail the next launch's check
@@ -197,6 +199,7 @@ rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
   if (graph == nullptr) return Invalid(fn, "graph: expected a recording, got NULL");
   if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
   if (graph->doorbells > 0 && (!graph->value_set || graph->value != doorbell_value)) {
     if (const rssm_status st = SetDoorbells(*graph, doorbell_value, fn); st != RSSM_OK) return st;
   }

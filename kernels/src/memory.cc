@@ -2,7 +2,9 @@
 // the CUDA runtime when built with it.
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "calls.h"
 
@@ -17,7 +19,40 @@ rssm_status CheckBackend(const char* fn, int32_t backend) {
   return Invalid(fn, "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
 }
 
+#ifdef REPLAYSSM_WITH_CUDA
+// The device of every stream rssm_stream_create made (a lookup per launch: no runtime query).
+std::mutex stream_devices_mu;
+std::unordered_map<void*, int>& StreamDevices() {
+  static auto* m = new std::unordered_map<void*, int>();
+  return *m;
+}
+#endif
+
 }  // namespace
+
+rssm_status UseStreamDevice(const rssm_launch* launch, const char* fn) {
+#ifdef REPLAYSSM_WITH_CUDA
+  if (launch == nullptr || launch->backend != RSSM_BACKEND_CUDA || launch->stream == nullptr) {
+    return RSSM_OK;
+  }
+  int device = -1;
+  {
+    std::lock_guard<std::mutex> lock(stream_devices_mu);
+    auto it = StreamDevices().find(launch->stream);
+    if (it == StreamDevices().end()) return RSSM_OK;
+    device = it->second;
+  }
+  int current = -1;
+  if (const rssm_status st = CudaCheck(cudaGetDevice(&current), fn); st != RSSM_OK) return st;
+  if (current == device) return RSSM_OK;
+  return CudaCheck(cudaSetDevice(device), fn);
+#else
+  (void)launch;
+  (void)fn;
+  return RSSM_OK;
+#endif
+}
+
 }  // namespace replayssm::kernels
 
 using namespace replayssm::kernels;  // NOLINT: the C ABI below is a thin shell
@@ -75,6 +110,7 @@ rssm_status rssm_memcpy(const rssm_launch* launch, void* dst, const void* src, s
     return RSSM_OK;
   }
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, "rssm_memcpy"); st != RSSM_OK) return st;
   const cudaMemcpyKind k = kind == RSSM_COPY_HOST_TO_DEVICE   ? cudaMemcpyHostToDevice
                            : kind == RSSM_COPY_DEVICE_TO_HOST ? cudaMemcpyDeviceToHost
                                                               : cudaMemcpyDeviceToDevice;
@@ -96,6 +132,7 @@ rssm_status rssm_memset(const rssm_launch* launch, void* dst, int32_t value, siz
     return RSSM_OK;
   }
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, "rssm_memset"); st != RSSM_OK) return st;
   return CudaCheck(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(launch->stream)),
                    "rssm_memset");
 #else
@@ -109,6 +146,7 @@ rssm_status rssm_synchronize(const rssm_launch* launch) {
   }
   if (launch->backend == RSSM_BACKEND_CPU) return RSSM_OK;
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, "rssm_synchronize"); st != RSSM_OK) return st;
   return CudaCheck(cudaStreamSynchronize(static_cast<cudaStream_t>(launch->stream)),
                    "rssm_synchronize");
 #else
@@ -151,10 +189,16 @@ rssm_status rssm_stream_create(int32_t backend, void** out) {
   if (backend == RSSM_BACKEND_CPU) return RSSM_OK;
 #ifdef REPLAYSSM_WITH_CUDA
   cudaStream_t s = nullptr;
-  const rssm_status st =
-      CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rssm_stream_create");
-  if (st == RSSM_OK) *out = s;
-  return st;
+  int device = 0;
+  rssm_status st = CudaCheck(cudaGetDevice(&device), "rssm_stream_create");
+  if (st == RSSM_OK) {
+    st = CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rssm_stream_create");
+  }
+  if (st != RSSM_OK) return st;
+  std::lock_guard<std::mutex> lock(stream_devices_mu);
+  StreamDevices()[s] = device;
+  *out = s;
+  return RSSM_OK;
 #else
   return NoCuda("rssm_stream_create");
 #endif
@@ -167,10 +211,40 @@ rssm_status rssm_stream_destroy(int32_t backend, void* stream) {
     return Invalid("rssm_stream_destroy", "stream: expected NULL on the CPU backend, got a pointer");
   }
 #ifdef REPLAYSSM_WITH_CUDA
+  const rssm_launch on{backend, stream};
+  if (const rssm_status st = UseStreamDevice(&on, "rssm_stream_destroy"); st != RSSM_OK) return st;
+  {
+    std::lock_guard<std::mutex> lock(stream_devices_mu);
+    StreamDevices().erase(stream);
+  }
   return CudaCheck(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "rssm_stream_destroy");
 #else
   return NoCuda("rssm_stream_destroy");
 #endif
+}
+
+rssm_status rssm_set_device(int32_t backend, int32_t device) {
+  if (const rssm_status st = CheckBackend("rssm_set_device", backend); st != RSSM_OK) return st;
+  const int count = rssm_device_count(backend);
+  if (device < 0 || device >= count) {
+    return Invalid("rssm_set_device", "device: expected 0.." + std::to_string(count - 1) +
+                                          ", got " + std::to_string(device));
+  }
+  if (backend == RSSM_BACKEND_CPU) return RSSM_OK;
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaSetDevice(device), "rssm_set_device");
+#else
+  return NoCuda("rssm_set_device");
+#endif
+}
+
+int rssm_device_count(int32_t backend) {
+  if (backend == RSSM_BACKEND_CPU) return 1;
+#ifdef REPLAYSSM_WITH_CUDA
+  int n = 0;
+  if (backend == RSSM_BACKEND_CUDA && cudaGetDeviceCount(&n) == cudaSuccess) return n;
+#endif
+  return 0;
 }
 
 }  // extern "C"

@@ -157,6 +157,7 @@ rssm_status rssm_stream_wait_value32(const rssm_launch* launch, const uint32_t* 
     return RSSM_OK;
   }
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
   if (MemOps().wait == nullptr) {
     SetLastError(std::string(fn) + ": the driver has no cuStreamWaitValue32");
     return RSSM_ERR_UNSUPPORTED;
@@ -180,6 +181,7 @@ rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr,
     return RSSM_OK;
   }
 #ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
   if (MemOps().write == nullptr) {
     SetLastError(std::string(fn) + ": the driver has no cuStreamWriteValue32");
     return RSSM_ERR_UNSUPPORTED;

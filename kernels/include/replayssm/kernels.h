@@ -364,6 +364,14 @@ rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
 rssm_status rssm_stream_create(int32_t backend, void** out);
 rssm_status rssm_stream_destroy(int32_t backend, void* stream);
 
+/* Devices, for one process over several GPUs (a tensor-parallel group: one cache shard per
+ * GPU). rssm_set_device makes `device` (0 .. rssm_device_count - 1) the calling thread's current
+ * device: where rssm_alloc and rssm_stream_create allocate from then on. Work on a stream
+ * created by rssm_stream_create runs on the stream's device whatever the calling thread's is:
+ * every call that takes a launch makes that device current first. CPU: one device, 0. */
+rssm_status rssm_set_device(int32_t backend, int32_t device);
+int rssm_device_count(int32_t backend);
+
 /* Shared memory of co-located clients (registered regions) and GPU-side doorbells, so that a
  * client's GPU work and ours hand over without a host round trip (docs/data-plane.md).
  *

@@ -69,6 +69,9 @@ struct CacheOptions {
   // Activations are then the ranks' tensors one after another, rank-major, and states that
   // enter or leave a slot are unsharded (docs/cache.md, "Tensor parallelism").
   int32_t tp_size = 1;
+  // The device of each rank (rssm_set_device), [tp_size]; empty: every rank on the device
+  // current when the cache is created (and the CPU backend's one).
+  std::vector<int32_t> devices;
 };
 
 // Where the buffers of a LayerIo live.

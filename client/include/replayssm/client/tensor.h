@@ -36,7 +36,8 @@ bool AllClose(const v1::Tensor& got, const v1::Tensor& want, double atol, double
 double OutputTolerance(v1::DType act_dtype);
 
 // Activations for `n` tokens of every layer, uniform in [-1, 1], a pure function of
-// (model shape, n, seed): layers[i].layer == i.
+// (model shape, n, seed): layers[i].layer == i. With model.tp_size > 1 the tensors have the
+// shapes a TP server takes, [tp_size, n, width / tp_size].
 std::vector<v1::LayerInput> SyntheticLayers(const v1::ModelInfo& model, int64_t n, uint64_t seed);
 
 }  // namespace replayssm::client
