@@ -5,7 +5,12 @@
 //   replayssm-bench-transfer [--model qwen3-next-80b-a3b] [--state-dtype f32|bf16]
 //                            [--backend cpu|cuda] [--slots N] [--chunk BYTES]
 //                            [--lanes N] [--import-threads N] [--put-thp]
-//                            [--json PATH]
+//                            [--sender-tp N] [--receiver-tp N] [--json PATH]
+//
+// --sender-tp / --receiver-tp (default 1): A's and B's caches as tensor-parallel groups of that
+// many ranks (on CUDA spread over the visible GPUs round-robin): the move then carries the
+// unsharded payload, assembled from A's ranks and split over B's (resharding), to be set beside
+// the same bench at 1 -> 1.
 //
 // B is a forked child with its own StateCache, UcxTransport and transfer::Receiver; the
 // control messages (reserve, commit, free) go over a socketpair in place of gRPC, so what is
@@ -66,6 +71,7 @@
 #include "absl/strings/strip.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
+#include "replayssm/cache/tp.h"
 #include "replayssm/transfer/receiver.h"
 #include "replayssm/transfer/sender.h"
 #include "replayssm/transfer/ucx_transport.h"
@@ -337,10 +343,12 @@ int Run(int argc, char** argv) {
   int64_t chunk_flag = 4 << 20;
   int32_t import_threads = ReceiverOptions{}.import_threads;
   int32_t lanes = 4;  // the service's --transfer-lanes default
+  int64_t sender_tp = 1, receiver_tp = 1;
   bool put_thp = false;
   bench::Flags flags("replayssm-bench-transfer",
                      "[--model M] [--state-dtype f32|bf16] [--backend cpu|cuda] [--slots N] "
-                     "[--chunk BYTES] [--lanes N] [--import-threads N] [--put-thp] [--json PATH]");
+                     "[--chunk BYTES] [--lanes N] [--import-threads N] [--put-thp] "
+                     "[--sender-tp N] [--receiver-tp N] [--json PATH]");
   flags.Choice("model", cache::ModelPresetNames(), &model);
   flags.Choice("state-dtype", {"f32", "bf16"}, &dtype);
   flags.Choice("backend", {"cpu", "cuda"}, &backend_name);
@@ -349,6 +357,8 @@ int Run(int argc, char** argv) {
   flags.Int("lanes", 1, 16, &lanes);  // the service's --transfer-lanes range
   flags.Int("import-threads", 1, 32, &import_threads);
   flags.Switch("put-thp", &put_thp);
+  flags.Int("sender-tp", int64_t{1}, int64_t{cache::kMaxTpSize}, &sender_tp);
+  flags.Int("receiver-tp", int64_t{1}, int64_t{cache::kMaxTpSize}, &receiver_tp);
   flags.String("json", &json);
   if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
   const size_t chunk = static_cast<size_t>(chunk_flag);
@@ -375,12 +385,20 @@ int Run(int argc, char** argv) {
   cache::CacheOptions o;
   o.backend = backend;
   o.memory_budget_bytes = 3 * m->SlotBytes();
+  auto group = [&](int64_t tp) {  // a TP group's options, its ranks over the GPUs round-robin
+    cache::CacheOptions g = o;
+    g.tp_size = static_cast<int32_t>(tp);
+    if (tp > 1 && backend == RSSM_BACKEND_CUDA) {
+      for (int32_t r = 0; r < tp; ++r) g.devices.push_back(r % rssm_device_count(backend));
+    }
+    return g;
+  };
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return 1;
   const pid_t child = fork();
   if (child == 0) {  // instance B
     close(sv[0]);
-    auto cache = cache::StateCache::Create(*m, o);
+    auto cache = cache::StateCache::Create(*m, group(receiver_tp));
     CHECK_OK(cache.status());
     auto ucx = UcxTransport::Create();
     CHECK_OK(ucx.status());
@@ -388,7 +406,7 @@ int Run(int argc, char** argv) {
     std::_Exit(0);
   }
   close(sv[1]);
-  auto cache = cache::StateCache::Create(*m, o);
+  auto cache = cache::StateCache::Create(*m, group(sender_tp));
   CHECK_OK(cache.status());
   auto ucx = UcxTransport::Create();
   CHECK_OK(ucx.status());
@@ -512,9 +530,10 @@ int Run(int argc, char** argv) {
   auto gbs = [bytes](double s) { return bytes / s / 1e9; };
   std::printf("transfer bench: %s, state %s, backend %s (%s), %.1f MB per slot, %d slots, "
               "chunk %zu, %d lanes, %d import threads, sender hash in the cache on the %s "
-              "(phases interleaved per round)\n",
+              "(phases interleaved per round), TP %lld -> %lld\n",
               m->name.c_str(), dtype.c_str(), backend_name.c_str(), path, bytes / 1e6, slots,
-              chunk, lanes, import_threads, backend == RSSM_BACKEND_CPU ? "host" : "device");
+              chunk, lanes, import_threads, backend == RSSM_BACKEND_CPU ? "host" : "device",
+              static_cast<long long>(sender_tp), static_cast<long long>(receiver_tp));
   std::printf("  whole move over %d lanes (fold+reserve+stage/hash/put+import+commit): median %.2f ms "
               "= %.2f GB/s (%.2f..%.2f ms)\n", lanes, t_med * 1e3, whole, total.Min() * 1e3,
               total.Max() * 1e3);
@@ -554,14 +573,16 @@ int Run(int argc, char** argv) {
                  "\"stage_hash_put_ms\": %.3f, \"commit_ms\": %.3f, "
                  "\"put_ms\": %.3f, \"put_gbs\": %.3f, \"put_lanes_ms\": %.3f, \"put_lanes_gbs\": %.3f, "
                  "\"put_thp_ms\": %s, \"hash_host_ms\": %.3f, \"hash_slot_ms\": %.3f, "
-                 "\"put_bytes\": %zu, %s, \"target\": %.2f, \"path\": \"%s\"}\n",
+                 "\"put_bytes\": %zu, %s, \"target\": %.2f, \"path\": \"%s\", "
+                 "\"sender_tp\": %lld, \"receiver_tp\": %lld}\n",
                  m->name.c_str(), dtype.c_str(), backend_name.c_str(), bytes, slots, chunk, lanes,
                  import_threads, t_med * 1e3, total.Min() * 1e3, total.Max() * 1e3, whole,
                  fold.Median() * 1e3, reserve.Median() * 1e3, put.Median() * 1e3,
                  commit.Median() * 1e3, p_med * 1e3, gbs(p_med), pn_med * 1e3, gbs(pn_med),
                  put_thp ? absl::StrFormat("%.3f", putthp.Median() * 1e3).c_str() : "null",
                  hash.Median() * 1e3, hash_slot.Median() * 1e3, put_bytes,
-                 JsonReferences(refs, whole).c_str(), kTarget, path);
+                 JsonReferences(refs, whole).c_str(), kTarget, path,
+                 static_cast<long long>(sender_tp), static_cast<long long>(receiver_tp));
     std::fclose(f);
   }
   return 0;

@@ -67,7 +67,10 @@ class ReaderBase : public SlotReader {
         tokens_(std::move(tokens)),
         chunks_(SplitRange(0, PayloadBytes(owner->pool()), owner->pool().CheckpointBytes(),
                            spec.chunk_bytes)),
+        digest_(absl::FailedPreconditionError(
+            "checksum: this reader was opened without one (SlotIoOptions::checksum)")),
         hasher_([this] {
+          if (!spec_.checksum) return;
           absl::StatusOr<LanePool::Lease> lane = owner_->lanes().Take();
           digest_ = lane.ok() ? SlotDigest(owner_->pool(), spec_.index, **lane) : lane.status();
         }) {}
@@ -457,6 +460,7 @@ absl::StatusOr<SlotIoSpec> ResolveSlotIo(int32_t backend, const SlotIoOptions& o
   }
   spec.chunk_bytes = options.chunk_bytes;
   spec.staging_buffers = options.staging_buffers;
+  spec.checksum = options.checksum;
   return spec;
 }
 

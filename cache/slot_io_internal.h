@@ -38,6 +38,7 @@ struct SlotIoSpec {
   SlotIoPath path = SlotIoPath::kHostDirect;
   size_t chunk_bytes = 0;  // > 0
   int32_t staging_buffers = 4;
+  bool checksum = true;  // a reader hashes the slot (SlotIoOptions::checksum)
 };
 
 // OK, or INVALID_ARGUMENT naming the option: the path `options` ask for (or the cache's

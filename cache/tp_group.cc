@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "replayssm/cache/tp.h"
+#include "tp_slot_io.h"
 
 namespace replayssm::cache {
 namespace {
@@ -75,7 +76,7 @@ class TpForward final : public Forward {
   std::vector<std::unique_ptr<Forward>> shards_;
 };
 
-class TpGroup final : public StateCache {
+class TpGroup final : public StateCache, public TpSlotIoHost {
  public:
   TpGroup(ModelSpec full, CacheOptions options) : full_(std::move(full)), options_(options) {
     full_.tp_size = options_.tp_size;
@@ -100,6 +101,7 @@ class TpGroup final : public StateCache {
       models_.push_back(ShardModel(full_, layouts_.back()));
       state_runs_.push_back(LayerStateRuns(full_, layouts_.back()));
     }
+    map_ = TpLayerMap::Of(full_, models_, state_runs_);
     for (int32_t r = 0; r < options_.tp_size; ++r) {
       CacheOptions o = options_;
       o.tp_size = 1;
@@ -279,29 +281,27 @@ class TpGroup final : public StateCache {
 
   // Makes rank r's device the calling thread's current one (before every call into shard r:
   // what it allocates and the streams it makes belong there). No-op without devices.
-  void Use(size_t r) const {
+  void Use(size_t r) const override {
     if (!options_.devices.empty()) rssm_set_device(options_.backend, options_.devices[r]);
   }
 
   // --- for TpForward, the readers and writers ---
-  absl::Mutex& ops_mu() { return ops_mu_; }
+  absl::Mutex& ops_mu() override { return ops_mu_; }
+  int32_t backend() const override { return options_.backend; }
   const ModelSpec& shard_model(size_t r) const { return models_[r]; }
-  size_t size() const { return shards_.size(); }
-  StateCache& shard(size_t r) { return *shards_[r]; }
-  const std::vector<SliceRun>& state_runs(size_t r) const { return state_runs_[r]; }
   std::vector<LayerIo> ShardLayers(size_t r, absl::Span<const LayerIo> layers, int64_t n) const {
     std::vector<LayerIo> io;
     for (const LayerIo& l : layers) io.push_back(ShardIo(models_[r], l, n, static_cast<int32_t>(r)));
     return io;
   }
-  SlotId Bind(std::vector<SlotId> ids) {
+  SlotId Bind(std::vector<SlotId> ids) override {
     absl::MutexLock lock(&map_mu_);
     const SlotId group = ids[0];
     for (size_t r = 1; r < ids.size(); ++r) group_of_[r][ids[r]] = group;
     members_[group] = std::move(ids);
     return group;
   }
-  void Unbind(SlotId group) {
+  void Unbind(SlotId group) override {
     absl::MutexLock lock(&map_mu_);
     auto it = members_.find(group);
     if (it == members_.end()) return;
@@ -314,7 +314,7 @@ class TpGroup final : public StateCache {
     return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
   }
   // Frees `ids` (one per shard, in order) and returns `why`.
-  absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) {
+  absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) override {
     for (size_t r = 0; r < ids.size(); ++r) {
       Use(r);
       shards_[r]->Free(ids[r]).IgnoreError();
@@ -378,6 +378,7 @@ class TpGroup final : public StateCache {
   std::vector<TpShard> layouts_;
   std::vector<ModelSpec> models_;
   std::vector<std::vector<SliceRun>> state_runs_;
+  TpLayerMap map_;  // the ranks' bytes in an unsharded layer state (slot I/O)
   std::vector<std::unique_ptr<StateCache>> shards_;
   absl::Mutex ops_mu_;  // orders the shards' slot decisions the same way on every shard
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
@@ -588,167 +589,23 @@ absl::StatusOr<ExportedState> TpGroup::ExportInto(SlotId id, absl::Span<void* co
   return out;
 }
 
-// A move out of the group: every shard's reader (each folded and MOVING), read whole into the
-// unsharded payload, then served from host memory.
-class GroupReader final : public SlotReader {
- public:
-  GroupReader(TpGroup* group, SlotId id, std::vector<std::unique_ptr<SlotReader>> shards,
-              std::vector<uint8_t> payload, size_t chunk_bytes)
-      : group_(group), id_(id), shards_(std::move(shards)), payload_(std::move(payload)) {
-    const size_t layer = static_cast<size_t>(group->model().LayerStateBytes());
-    for (size_t at = 0; at < payload_.size(); at += layer) {
-      for (size_t o = 0; o < layer; o += chunk_bytes) {
-        chunks_.push_back({at + o, std::min(chunk_bytes, layer - o)});
-      }
-    }
-    checksum_ = PayloadChecksum(payload_.data(), payload_.size());
-  }
-  ~GroupReader() override { Finish(false); }
-
-  int64_t seq_len() const override { return shards_[0]->seq_len(); }
-  const std::vector<int32_t>& tokens() const override { return shards_[0]->tokens(); }
-  size_t bytes() const override { return payload_.size(); }
-  SlotIoPath path() const override { return SlotIoPath::kHostDirect; }
-  size_t num_chunks() const override { return chunks_.size(); }
-  size_t depth() const override { return chunks_.size(); }
-  absl::StatusOr<SlotChunk> Next() override {
-    if (next_ >= chunks_.size()) {
-      return absl::OutOfRangeError(absl::StrCat("chunks: all ", chunks_.size(), " were read"));
-    }
-    const auto [offset, size] = chunks_[next_];
-    return SlotChunk{next_++, offset, size, payload_.data() + offset, false};
-  }
-  void Done(size_t) override {}
-  absl::StatusOr<uint64_t> Checksum() override { return checksum_; }
-  void Finish(bool moved) override {
-    if (finished_.exchange(true)) return;
-    absl::MutexLock ops(&group_->ops_mu());
-    for (size_t r = 0; r < shards_.size(); ++r) {
-      group_->Use(r);
-      shards_[r]->Finish(moved);
-    }
-    if (moved) group_->Unbind(id_);
-  }
-
- private:
-  TpGroup* group_;
-  SlotId id_;
-  std::vector<std::unique_ptr<SlotReader>> shards_;
-  std::vector<uint8_t> payload_;
-  std::vector<std::pair<size_t, size_t>> chunks_;  // offset, size
-  size_t next_ = 0;
-  uint64_t checksum_ = 0;
-  std::atomic<bool> finished_{false};
-};
-
 absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
                                                                 absl::string_view move_id,
                                                                 const SlotIoOptions& options) {
-  SlotIoOptions mine = options;  // the shards' chunks are copied on the host here
+  SlotIoOptions mine = options;  // the ranks' chunks are copied on the host (tp_slot_io.h)
   mine.path = SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+  mine.checksum = false;  // the group hashes the unsharded payload as it assembles it
   std::vector<std::unique_ptr<SlotReader>> readers;
-  {
-    absl::MutexLock ops(&ops_mu_);
-    const std::vector<SlotId> ids = Members(id);
-    for (size_t r = 0; r < shards_.size(); ++r) {
-      Use(r);
-      absl::StatusOr<std::unique_ptr<SlotReader>> rd = shards_[r]->OpenExport(ids[r], move_id, mine);
-      if (!rd.ok()) return RankStatus(r, rd.status());  // the opened ones are released
-      readers.push_back(*std::move(rd));
-    }
-  }
-  std::vector<uint8_t> payload(SlotPayloadBytes(full_));
-  const size_t layer = full_.LayerStateBytes();
-  for (size_t r = 0; r < readers.size(); ++r) {
-    SlotReader& rd = *readers[r];
+  absl::MutexLock ops(&ops_mu_);
+  const std::vector<SlotId> ids = Members(id);
+  for (size_t r = 0; r < shards_.size(); ++r) {
     Use(r);
-    std::vector<uint8_t> mine_bytes(rd.bytes());
-    for (size_t i = 0; i < rd.num_chunks(); ++i) {
-      absl::StatusOr<SlotChunk> c = rd.Next();
-      if (!c.ok()) return RankStatus(r, c.status());
-      std::memcpy(mine_bytes.data() + c->offset, c->data, c->size);
-      rd.Done(c->index);
-    }
-    const size_t shard_layer = models_[r].LayerStateBytes();
-    for (int32_t l = 0; l < full_.num_layers; ++l) {
-      CopyFromShard(mine_bytes.data() + l * shard_layer, 0, payload.data() + l * layer, 0, 1,
-                    state_runs_[r], 1);
-    }
+    absl::StatusOr<std::unique_ptr<SlotReader>> rd = shards_[r]->OpenExport(ids[r], move_id, mine);
+    if (!rd.ok()) return RankStatus(r, rd.status());  // the opened ones are released
+    readers.push_back(*std::move(rd));
   }
-  return std::unique_ptr<SlotReader>(std::make_unique<GroupReader>(
-      this, id, std::move(readers), std::move(payload), std::max<size_t>(options.chunk_bytes, 1)));
+  return NewTpReader(this, id, std::move(readers), &map_, options.chunk_bytes);
 }
-
-// A move into the group: the unsharded payload lands in host memory; Commit checks it whole,
-// then writes each shard's part through its own writer.
-class GroupWriter final : public SlotWriter {
- public:
-  GroupWriter(TpGroup* group, std::vector<std::unique_ptr<SlotWriter>> shards)
-      : group_(group),
-        shards_(std::move(shards)),
-        payload_(SlotPayloadBytes(group->model())) {}
-  ~GroupWriter() override {
-    absl::MutexLock ops(&group_->ops_mu());  // uncommitted shards free their slots: in order
-    for (size_t r = 0; r < shards_.size(); ++r) {
-      group_->Use(r);
-      shards_[r].reset();
-    }
-  }
-
-  size_t bytes() const override { return payload_.size(); }
-  SlotIoPath path() const override { return SlotIoPath::kHostDirect; }
-  absl::Status Write(size_t offset, const void* src, size_t size, bool backend_memory) override {
-    if (offset > payload_.size() || size > payload_.size() - offset) {
-      return absl::InvalidArgumentError(absl::StrCat("offset: expected a range inside the ",
-                                                     payload_.size(), "-byte payload, got [",
-                                                     offset, ", ", offset + size, ")"));
-    }
-    if (backend_memory && group_->options().backend != RSSM_BACKEND_CPU) {
-      return absl::InvalidArgumentError(
-          "src: a tensor-parallel group takes the unsharded payload from host memory only");
-    }
-    std::memcpy(payload_.data() + offset, src, size);
-    written_.fetch_add(size);
-    return absl::OkStatus();
-  }
-  absl::StatusOr<SlotId> Commit(absl::Span<const int32_t> tokens, uint64_t checksum) override {
-    if (written_.load() != payload_.size()) {
-      return absl::DataLossError(absl::StrCat("payload: expected ", payload_.size(),
-                                              " bytes written, got ", written_.load()));
-    }
-    const uint64_t got = PayloadChecksum(payload_.data(), payload_.size());
-    if (got != checksum) {
-      return absl::DataLossError(absl::StrCat("checksum: expected 0x", absl::Hex(checksum),
-                                              " (the sender's), got 0x", absl::Hex(got)));
-    }
-    const ModelSpec& full = group_->model();
-    const size_t layer = full.LayerStateBytes();
-    absl::MutexLock ops(&group_->ops_mu());
-    std::vector<SlotId> ids;
-    for (size_t r = 0; r < shards_.size(); ++r) {
-      const size_t shard_layer = group_->shard_model(r).LayerStateBytes();
-      std::vector<uint8_t> mine(shards_[r]->bytes());
-      for (int32_t l = 0; l < full.num_layers; ++l) {
-        CopyToShard(payload_.data() + l * layer, 0, mine.data() + l * shard_layer, 0, 1,
-                    group_->state_runs(r), 1);
-      }
-      group_->Use(r);
-      const absl::Status st = shards_[r]->Write(0, mine.data(), mine.size());
-      absl::StatusOr<SlotId> id =
-          st.ok() ? shards_[r]->Commit(tokens, PayloadChecksum(mine.data(), mine.size()))
-                  : absl::StatusOr<SlotId>(st);
-      if (!id.ok()) return group_->FreeAll(ids, TpGroup::RankStatus(r, id.status()));
-      ids.push_back(*id);
-    }
-    return group_->Bind(std::move(ids));
-  }
-
- private:
-  TpGroup* group_;
-  std::vector<std::unique_ptr<SlotWriter>> shards_;
-  std::vector<uint8_t> payload_;
-  std::atomic<size_t> written_{0};
-};
 
 absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
                                                                 const SlotIoOptions& options) {
@@ -762,7 +619,7 @@ absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
     if (!w.ok()) return RankStatus(r, w.status());  // the opened ones free their slots
     writers.push_back(*std::move(w));
   }
-  return std::unique_ptr<SlotWriter>(std::make_unique<GroupWriter>(this, std::move(writers)));
+  return NewTpWriter(this, std::move(writers), &map_);
 }
 
 }  // namespace

@@ -66,6 +66,9 @@ struct SlotIoOptions {
   std::optional<SlotIoPath> path;
   // Staged path: pinned buffers, i.e. the chunks a reader may hold at once (at least 2).
   int32_t staging_buffers = 4;
+  // false: a reader computes no checksum (its Checksum() is FAILED_PRECONDITION), for a mover
+  // that hashes what it sends itself (a TP group re-lays its ranks' bytes out and hashes those).
+  bool checksum = true;
 };
 
 // A chunk of the payload handed to or by a mover.

@@ -1,0 +1,299 @@
+#include "tp_slot_io.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "slot_checksum.h"
+
+namespace replayssm::cache {
+
+TpLayerMap TpLayerMap::Of(const ModelSpec& full, const std::vector<ModelSpec>& shards,
+                          const std::vector<std::vector<SliceRun>>& runs) {
+  TpLayerMap m;
+  m.layer_bytes = full.LayerStateBytes();
+  m.num_layers = full.num_layers;
+  for (size_t r = 0; r < shards.size(); ++r) {
+    m.shard_bytes.push_back(shards[r].LayerStateBytes());
+    m.ckpt_bytes.push_back(shards[r].LayerStateBytes() - shards[r].ConvWindowBytes());
+    for (const SliceRun& x : runs[r]) {
+      m.runs.push_back({x.full, x.shard, x.count, static_cast<int32_t>(r)});
+    }
+  }
+  std::sort(m.runs.begin(), m.runs.end(), [](const Run& a, const Run& b) { return a.full < b.full; });
+  return m;
+}
+
+namespace {
+
+// Calls f(run, begin, n) for the parts of `map`'s runs inside [lo, hi) of a layer: the
+// part [begin, begin + n) of the layer lies in `run`.
+template <typename F>
+void ForRuns(const TpLayerMap& map, int64_t lo, int64_t hi, F f) {
+  auto it = std::upper_bound(map.runs.begin(), map.runs.end(), lo,
+                             [](int64_t v, const TpLayerMap::Run& r) { return v < r.full; });
+  if (it != map.runs.begin()) --it;
+  for (; it != map.runs.end() && it->full < hi; ++it) {
+    const int64_t b = std::max(lo, it->full), e = std::min(hi, it->full + it->count);
+    if (e > b) f(*it, b, e - b);
+  }
+}
+
+// Layers are assembled in order on a thread of the reader's own, ahead of the mover (a chunk
+// of layer l is handed out once layer l is in place), so copying and hashing overlap the puts.
+class TpReader final : public SlotReader {
+ public:
+  TpReader(TpSlotIoHost* host, SlotId group, std::vector<std::unique_ptr<SlotReader>> ranks,
+           const TpLayerMap* map, size_t chunk_bytes)
+      : host_(host),
+        group_(group),
+        ranks_(std::move(ranks)),
+        map_(*map),
+        bytes_(static_cast<size_t>(map->layer_bytes) * map->num_layers),
+        payload_(new uint8_t[bytes_]),
+        sum_(bytes_) {
+    const size_t layer = static_cast<size_t>(map_.layer_bytes);
+    for (size_t at = 0; at < bytes_; at += layer) {
+      for (size_t o = 0; o < layer; o += chunk_bytes) {
+        chunks_.push_back({at + o, std::min(chunk_bytes, layer - o)});
+      }
+    }
+    assembler_ = std::thread([this] { Assemble(); });
+  }
+  ~TpReader() override { Finish(false); }
+
+  int64_t seq_len() const override { return ranks_[0]->seq_len(); }
+  const std::vector<int32_t>& tokens() const override { return ranks_[0]->tokens(); }
+  size_t bytes() const override { return bytes_; }
+  SlotIoPath path() const override { return SlotIoPath::kHostDirect; }
+  size_t num_chunks() const override { return chunks_.size(); }
+  size_t depth() const override { return chunks_.size(); }
+
+  absl::StatusOr<SlotChunk> Next() override {
+    absl::MutexLock lock(&mu_);
+    if (next_ >= chunks_.size()) {
+      return absl::OutOfRangeError(absl::StrCat("chunks: all ", chunks_.size(), " were read"));
+    }
+    const auto [offset, size] = chunks_[next_];
+    if (absl::Status st = AwaitLayersLocked(offset / map_.layer_bytes + 1); !st.ok()) return st;
+    return SlotChunk{next_++, offset, size, payload_.get() + offset, false};
+  }
+  void Done(size_t) override {}
+  absl::StatusOr<uint64_t> Checksum() override {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status st = AwaitLayersLocked(map_.num_layers); !st.ok()) return st;
+    return sum_.Digest();
+  }
+  void Finish(bool moved) override {
+    if (finished_.exchange(true)) return;
+    if (assembler_.joinable()) assembler_.join();  // it stops at the next layer
+    absl::MutexLock ops(&host_->ops_mu());
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      host_->Use(r);
+      ranks_[r]->Finish(moved);
+    }
+    if (moved) host_->Unbind(group_);
+  }
+
+ private:
+  absl::Status AwaitLayersLocked(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto ready = [this, n]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return assembled_ >= n || !error_.ok();
+    };
+    mu_.Await(absl::Condition(&ready));
+    return assembled_ >= n ? absl::OkStatus() : error_;
+  }
+
+  void Assemble() {
+    for (int64_t l = 0; l < map_.num_layers && !finished_.load(); ++l) {
+      absl::Status st = AssembleLayer(l);
+      absl::MutexLock lock(&mu_);
+      if (!st.ok()) {
+        error_ = st;
+        return;
+      }
+      assembled_ = l + 1;
+    }
+  }
+
+  // Every rank's chunks of layer l, copied to their places in the unsharded layer and hashed.
+  absl::Status AssembleLayer(int64_t l) {
+    uint8_t* layer = payload_.get() + l * map_.layer_bytes;
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      host_->Use(r);
+      int64_t got = l * map_.shard_bytes[r];
+      const int64_t end = got + map_.shard_bytes[r];
+      while (got < end) {  // a chunk never crosses a layer
+        absl::StatusOr<SlotChunk> c = ranks_[r]->Next();
+        if (!c.ok()) {
+          return absl::Status(c.status().code(),
+                              absl::StrCat("tp rank ", r, ": ", c.status().message()));
+        }
+        const int64_t in_layer = static_cast<int64_t>(c->offset) - l * map_.shard_bytes[r];
+        const auto* src = static_cast<const uint8_t*>(c->data);
+        for (const TpLayerMap::Run& run : map_.runs) {
+          if (run.rank != static_cast<int32_t>(r)) continue;
+          const int64_t b = std::max(in_layer, run.shard);
+          const int64_t e = std::min<int64_t>(in_layer + c->size, run.shard + run.count);
+          if (e <= b) continue;
+          const int64_t full = run.full + (b - run.shard);
+          sum_.CopyAndAdd(layer + full, src + (b - in_layer), l * map_.layer_bytes + full, e - b);
+        }
+        got += static_cast<int64_t>(c->size);
+        ranks_[r]->Done(c->index);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  TpSlotIoHost* const host_;
+  const SlotId group_;
+  std::vector<std::unique_ptr<SlotReader>> ranks_;  // Next/Done: the assembler thread only
+  const TpLayerMap& map_;
+  const size_t bytes_;
+  std::unique_ptr<uint8_t[]> payload_;  // not zeroed: a layer is handed out once assembled
+  SegmentedChecksum sum_;
+  std::vector<std::pair<size_t, size_t>> chunks_;  // offset, size
+  absl::Mutex mu_;
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t assembled_ ABSL_GUARDED_BY(mu_) = 0;  // layers [0, assembled_) are in payload_
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> finished_{false};
+  std::thread assembler_;  // last: starts once everything else is set
+};
+
+class TpWriter final : public SlotWriter {
+ public:
+  TpWriter(TpSlotIoHost* host, std::vector<std::unique_ptr<SlotWriter>> ranks,
+           const TpLayerMap* map)
+      : host_(host),
+        ranks_(std::move(ranks)),
+        map_(*map),
+        bytes_(static_cast<size_t>(map->layer_bytes) * map->num_layers),
+        sum_(bytes_) {
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      rank_sums_.push_back(std::make_unique<SegmentedChecksum>(ranks_[r]->bytes()));
+      const int64_t window = map_.shard_bytes[r] - map_.ckpt_bytes[r];
+      for (int32_t l = 0; l < map_.num_layers && window > 0; ++l) {
+        windows_.push_back(std::make_unique<Window>(window));
+      }
+    }
+  }
+  ~TpWriter() override {
+    absl::MutexLock ops(&host_->ops_mu());  // uncommitted ranks free their slots: in order
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      host_->Use(r);
+      ranks_[r].reset();
+    }
+  }
+
+  size_t bytes() const override { return bytes_; }
+  SlotIoPath path() const override { return SlotIoPath::kHostDirect; }
+
+  absl::Status Write(size_t offset, const void* src, size_t size, bool backend_memory) override {
+    if (offset > bytes_ || size > bytes_ - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("offset: expected a range inside the ",
+                                                     bytes_, "-byte payload, got [", offset, ", ",
+                                                     offset + size, ")"));
+    }
+    if (backend_memory && host_->backend() != RSSM_BACKEND_CPU) {
+      return absl::InvalidArgumentError(
+          "src: a tensor-parallel group takes the unsharded payload from host memory only");
+    }
+    sum_.Add(offset, src, size);
+    const auto* p = static_cast<const uint8_t*>(src);
+    const int64_t lb = map_.layer_bytes;
+    absl::Status st;
+    for (int64_t at = offset, end = offset + size; at < end && st.ok();) {
+      const int64_t l = at / lb, stop = std::min(end, (l + 1) * lb);
+      ForRuns(map_, at - l * lb, stop - l * lb, [&](const TpLayerMap::Run& run, int64_t b, int64_t n) {
+        if (!st.ok()) return;
+        const uint8_t* piece = p + (l * lb + b - static_cast<int64_t>(offset));
+        st = Put(run, l, run.shard + (b - run.full), piece, n);
+      });
+      at = stop;
+    }
+    if (st.ok()) written_.fetch_add(size);
+    return st;
+  }
+
+  absl::StatusOr<SlotId> Commit(absl::Span<const int32_t> tokens, uint64_t checksum) override {
+    if (written_.load() != bytes_) {
+      return absl::DataLossError(
+          absl::StrCat("payload: expected ", bytes_, " bytes written, got ", written_.load()));
+    }
+    const uint64_t got = sum_.Digest();
+    if (got != checksum) {
+      return absl::DataLossError(absl::StrCat("checksum: expected 0x", absl::Hex(checksum),
+                                              " (the sender's), got 0x", absl::Hex(got)));
+    }
+    absl::MutexLock ops(&host_->ops_mu());
+    std::vector<SlotId> ids;
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      host_->Use(r);
+      absl::StatusOr<SlotId> id = ranks_[r]->Commit(tokens, rank_sums_[r]->Digest());
+      if (!id.ok()) {
+        return host_->FreeAll(ids, absl::Status(id.status().code(),
+                                                absl::StrCat("tp rank ", r, ": ", id.status().message())));
+      }
+      ids.push_back(*id);
+    }
+    return host_->Bind(std::move(ids));
+  }
+
+ private:
+  // A rank's conv window of one layer, gathered until whole, then written as one piece.
+  struct Window {
+    explicit Window(int64_t n) : bytes(n) {}
+    std::vector<uint8_t> bytes;
+    std::atomic<int64_t> have{0};
+  };
+
+  // `n` bytes of rank run.rank's layer l state at in-layer offset `shard`.
+  absl::Status Put(const TpLayerMap::Run& run, int64_t l, int64_t shard, const uint8_t* src,
+                   int64_t n) {
+    const size_t r = static_cast<size_t>(run.rank);
+    const int64_t ckpt = map_.ckpt_bytes[r];
+    if (shard < ckpt) return PutRank(r, l * map_.shard_bytes[r] + shard, src, n);
+    Window& w = *windows_[r * map_.num_layers + l];
+    std::memcpy(w.bytes.data() + (shard - ckpt), src, n);
+    if (w.have.fetch_add(n) + n != static_cast<int64_t>(w.bytes.size())) return absl::OkStatus();
+    return PutRank(r, l * map_.shard_bytes[r] + ckpt, w.bytes.data(), w.bytes.size());
+  }
+  absl::Status PutRank(size_t r, int64_t offset, const uint8_t* src, int64_t n) {
+    host_->Use(r);
+    rank_sums_[r]->Add(offset, src, n);
+    absl::Status st = ranks_[r]->Write(offset, src, n);
+    if (st.ok()) return st;
+    return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
+  }
+
+  TpSlotIoHost* const host_;
+  std::vector<std::unique_ptr<SlotWriter>> ranks_;
+  const TpLayerMap& map_;
+  const size_t bytes_;
+  SegmentedChecksum sum_;  // of the unsharded payload: the sender's checksum
+  std::vector<std::unique_ptr<SegmentedChecksum>> rank_sums_;  // of what each rank's writer got
+  std::vector<std::unique_ptr<Window>> windows_;               // [rank][layer]
+  std::atomic<size_t> written_{0};
+};
+
+}  // namespace
+
+std::unique_ptr<SlotReader> NewTpReader(TpSlotIoHost* host, SlotId group,
+                                        std::vector<std::unique_ptr<SlotReader>> ranks,
+                                        const TpLayerMap* map, size_t chunk_bytes) {
+  return std::make_unique<TpReader>(host, group, std::move(ranks), map,
+                                    std::max<size_t>(chunk_bytes, 1));
+}
+
+std::unique_ptr<SlotWriter> NewTpWriter(TpSlotIoHost* host,
+                                        std::vector<std::unique_ptr<SlotWriter>> ranks,
+                                        const TpLayerMap* map) {
+  return std::make_unique<TpWriter>(host, std::move(ranks), map);
+}
+
+}  // namespace replayssm::cache

@@ -1,0 +1,66 @@
+// Slot I/O of a tensor-parallel group (tp_group.h): a move out or in carries the unsharded
+// payload (every layer's [HV, V, K] checkpoint and [W-1, C] conv window whole), streamed to and
+// from the ranks' own readers and writers as it goes — no whole-payload copy first.
+//
+// Out: layer l's bytes are assembled from each rank's layer-l chunks (the checkpoint parts are
+// one run per rank; the window is interleaved) into a host buffer when the mover first asks
+// for a chunk of layer l, copied and hashed in one pass (SegmentedChecksum::CopyAndAdd).
+// In: each piece is split at the ranks' runs and written to their writers at once (checkpoint
+// parts) or gathered per (layer, rank) and written whole when complete (window parts: a few KB
+// each), hashed as the unsharded payload (checked at Commit) and as each rank's (what its
+// writer must have got).
+#ifndef REPLAYSSM_CACHE_TP_SLOT_IO_H_
+#define REPLAYSSM_CACHE_TP_SLOT_IO_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "replayssm/cache/slot_io.h"
+#include "replayssm/cache/tp.h"
+
+namespace replayssm::cache {
+
+// Where each rank's bytes lie in one unsharded layer state (the same for every layer).
+struct TpLayerMap {
+  struct Run {
+    int64_t full = 0;   // offset in the unsharded layer state
+    int64_t shard = 0;  // offset in rank `rank`'s layer state
+    int64_t count = 0;  // bytes
+    int32_t rank = 0;
+  };
+  std::vector<Run> runs;             // sorted by full, tiling the layer exactly
+  int64_t layer_bytes = 0;           // unsharded
+  std::vector<int64_t> shard_bytes;  // [ranks]: each rank's layer state
+  std::vector<int64_t> ckpt_bytes;   // [ranks]: the checkpoint part of it (the window follows)
+  int32_t num_layers = 0;
+
+  static TpLayerMap Of(const ModelSpec& full, const std::vector<ModelSpec>& shards,
+                       const std::vector<std::vector<SliceRun>>& runs);
+};
+
+// What the readers and writers need of their group.
+class TpSlotIoHost {
+ public:
+  virtual ~TpSlotIoHost() = default;
+  virtual void Use(size_t rank) const = 0;  // rank's device current on this thread
+  virtual absl::Mutex& ops_mu() = 0;        // orders the shards' slot decisions
+  virtual int32_t backend() const = 0;
+  virtual SlotId Bind(std::vector<SlotId> ids) = 0;  // a group id for the ranks' slots
+  virtual void Unbind(SlotId group) = 0;
+  // Frees ids (one per rank, in order) and returns `why`.
+  virtual absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) = 0;
+};
+
+std::unique_ptr<SlotReader> NewTpReader(TpSlotIoHost* host, SlotId group,
+                                        std::vector<std::unique_ptr<SlotReader>> ranks,
+                                        const TpLayerMap* map, size_t chunk_bytes);
+std::unique_ptr<SlotWriter> NewTpWriter(TpSlotIoHost* host,
+                                        std::vector<std::unique_ptr<SlotWriter>> ranks,
+                                        const TpLayerMap* map);
+
+}  // namespace replayssm::cache
+
+#endif  // REPLAYSSM_CACHE_TP_SLOT_IO_H_
