@@ -2,6 +2,10 @@
 // activations, and slots moved between servers of every pair of TP degrees in {1, 2, 4} —
 // by TransferSlot and by PullSlot — decoding on bit for bit as on a TP = 1 server that never
 // moved (folded at the same token, as a move folds).
+#include <sys/stat.h>
+
+#include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,10 +28,10 @@ struct Node {
   std::unique_ptr<Client> client;
 };
 
-Node StartNode(int32_t tp) {
+Node StartNode(int32_t tp, const std::string& model = "tiny-gdn-tp") {
   Node n;
   n.tp = tp;
-  auto p = ServerProcess::Start({"--model=tiny-gdn-tp", absl::StrCat("--tp-size=", tp),
+  auto p = ServerProcess::Start({"--model=" + model, absl::StrCat("--tp-size=", tp),
                                  "--memory-budget=64M", "--track-interval=0"});
   EXPECT_TRUE(p.ok()) << p.status();
   if (!p.ok()) return n;
@@ -105,6 +109,49 @@ std::string Unsharded(const v1::Tensor& out, const cache::ModelSpec& m, int32_t 
   const int64_t n = out.shape(1);
   return Rearrange(out.data(), m, tp, n, int64_t{m.shape.num_v_heads} * m.shape.head_v,
                    cache::OutColumns, false, true);
+}
+
+// A Qwen3-Next-style checkpoint (config.json + model.safetensors, 2 linear-attention layers,
+// 4 qk and 8 v heads of 32) whose parameters differ per head and per convolution channel, so
+// that a rank given another rank's slice computes other outputs.
+std::string CheckpointWithDistinctParams() {
+  const std::string dir = ::testing::TempDir() + "/tp-checkpoint";
+  mkdir(dir.c_str(), 0755);
+  std::ofstream(dir + "/config.json") << R"({"model_type": "qwen3_next", "num_hidden_layers": 4,
+      "full_attention_interval": 2, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+      "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+      "torch_dtype": "bfloat16"})";
+  const int channels = 2 * 4 * 32 + 8 * 32, width = 4;
+  std::vector<std::pair<std::string, std::vector<float>>> tensors;
+  for (int layer : {0, 2}) {  // the linear-attention layers (every second is full attention)
+    const std::string p = absl::StrCat("model.layers.", layer, ".linear_attn.");
+    std::vector<float> a_log, dt_bias, conv;
+    for (int h = 0; h < 8; ++h) {
+      a_log.push_back(-0.5f + 0.15f * h + 0.01f * layer);
+      dt_bias.push_back(0.3f - 0.07f * h);
+    }
+    for (int c = 0; c < channels; ++c) {
+      for (int j = 0; j < width; ++j) conv.push_back(0.1f + 0.003f * (c % 89) + 0.05f * j);
+    }
+    tensors.push_back({p + "A_log", a_log});
+    tensors.push_back({p + "dt_bias", dt_bias});
+    tensors.push_back({p + "conv1d.weight", conv});
+  }
+  std::string header = "{", data;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t begin = data.size();
+    data.append(reinterpret_cast<const char*>(tensors[i].second.data()),
+                tensors[i].second.size() * sizeof(float));
+    absl::StrAppend(&header, i ? "," : "", "\"", tensors[i].first,
+                    "\":{\"dtype\":\"F32\",\"shape\":[", tensors[i].second.size(),
+                    "],\"data_offsets\":[", begin, ",", data.size(), "]}");
+  }
+  header += "}";
+  std::ofstream out(dir + "/model.safetensors", std::ios::binary);
+  const uint64_t n = header.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << header << data;
+  return dir + "/config.json";
 }
 
 class TpServiceTest : public ::testing::Test {
@@ -207,6 +254,41 @@ TEST_F(TpServiceTest, TpServersDecodeAsOneRank) {
     auto ea = twin_.client->Export(a), eb = node.client->Export(b);
     ASSERT_TRUE(ea.ok() && eb.ok()) << ea.status() << eb.status();
     EXPECT_EQ(eb->SerializeAsString(), ea->SerializeAsString()) << "tp " << tp;
+  }
+}
+
+// A checkpoint's parameters (safetensors) reach each rank sliced as the reference models slice
+// them: a TP = 2 and a TP = 4 server decode bit for bit as a TP = 1 server of the same files.
+TEST_F(TpServiceTest, ACheckpointsParametersAreSlicedPerRank) {
+  const std::string config = CheckpointWithDistinctParams();
+  Node one = StartNode(1, config);
+  ASSERT_NE(one.client, nullptr);
+  auto info = one.client->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_FALSE(info->model().params_from_seed()) << "the checkpoint's parameters";
+  const cache::ModelSpec spec = SpecOf(info->model());
+  for (int32_t tp : {2, 4}) {
+    Node node = StartNode(tp, config);
+    ASSERT_NE(node.client, nullptr);
+    const uint64_t a = NewSlot(one), b = NewSlot(node);
+    for (int i = 0; i < 6; ++i) {
+      const std::vector<v1::LayerInput> step = client::SyntheticLayers(info->model(), 1, 90 + i);
+      auto decode = [&](Node& n, uint64_t slot) {
+        v1::DecodeRequest req;
+        v1::DecodeRow* row = req.add_rows();
+        row->set_slot(slot);
+        row->set_token_id(i);
+        for (const auto& l : Sharded(step, spec, n.tp)) *req.add_layers() = l;
+        auto got = n.client->Decode(req);
+        EXPECT_TRUE(got.ok()) << got.status();
+        std::vector<std::string> out;
+        if (got.ok()) {
+          for (const auto& l : got->layers()) out.push_back(Unsharded(l.out(), spec, n.tp));
+        }
+        return out;
+      };
+      ASSERT_EQ(decode(node, b), decode(one, a)) << "tp " << tp << " step " << i;
+    }
   }
 }
 
