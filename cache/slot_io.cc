@@ -4,6 +4,7 @@
 // slot where it lies at the commit when the bytes came from backend memory).
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -259,7 +260,8 @@ class WriterBase : public SlotWriter {
       st = absl::DataLossError(absl::StrCat("payload: ", written_.load(), " of ", total_,
                                             " bytes arrived before the commit"));
     }
-    absl::StatusOr<uint64_t> got = st.ok() ? Digest() : absl::StatusOr<uint64_t>(st);
+    absl::StatusOr<uint64_t> got =
+        !st.ok() ? absl::StatusOr<uint64_t>(st) : spec_.checksum ? Digest() : checksum;
     if (got.ok() && *got != checksum) got = ChecksumMismatch();
     if (!got.ok()) {
       owner_->DropImport(spec_.index);
@@ -269,6 +271,15 @@ class WriterBase : public SlotWriter {
   }
 
  protected:
+  // dst <- src, and (unless the writer was opened without a checksum) the bytes hashed as
+  // payload bytes [offset, offset + n) into `sum`.
+  void CopyHashed(SegmentedChecksum& sum, void* dst, const void* src, size_t offset, size_t n) {
+    if (spec_.checksum) {
+      sum.CopyAndAdd(dst, src, offset, n);
+    } else {
+      std::memcpy(dst, src, n);
+    }
+  }
   // Copies one piece (inside one layer) into the slot and hashes it.
   virtual absl::Status Copy(const Piece& p, const uint8_t* src, bool backend_memory) = 0;
   // Waits for every copy queued; the first error of one.
@@ -302,7 +313,7 @@ class HostWriter final : public WriterBase {
 
  private:
   absl::Status Copy(const Piece& p, const uint8_t* src, bool) override {
-    sum_.CopyAndAdd(SlotBytes(owner_->pool(), spec_.index, p), src, p.offset, p.size);
+    CopyHashed(sum_, SlotBytes(owner_->pool(), spec_.index, p), src, p.offset, p.size);
     return absl::OkStatus();
   }
   absl::Status Drain() override { return absl::OkStatus(); }
@@ -334,7 +345,7 @@ class StagedWriter final : public WriterBase {
       const int32_t k = TakeBuffer();
       st = ring_->Sync(k);  // its last copy into a slot has landed
       if (st.ok()) {
-        sum_.CopyAndAdd(ring_->buffer(k), src + done, p.offset + done, n);
+        CopyHashed(sum_, ring_->buffer(k), src + done, p.offset + done, n);
         Piece part = p;
         part.layer_offset += done;
         st = ring_->Copy(k, SlotBytes(owner_->pool(), spec_.index, part), ring_->buffer(k), n,

@@ -148,6 +148,37 @@ TEST_F(SlotIoTest, ReadersOnEveryPathYieldTheFoldedPayloadAndItsChecksum) {
   }
 }
 
+// SlotIoOptions::checksum = false (a mover that checks the bytes itself): the reader has no
+// checksum to give, the writer commits what came whatever checksum it is told; the bytes are
+// the same on every path.
+TEST_F(SlotIoTest, WithoutAChecksumReadersAndWritersMoveTheSameBytes) {
+  Make();
+  const SlotId s = Prepared(2);
+  const std::vector<uint8_t> want = Payload(s);
+  for (SlotIoPath path : Paths()) {
+    SCOPED_TRACE(SlotIoPathName(path));
+    const SlotIoOptions o{.chunk_bytes = 1000, .path = path, .checksum = false};
+    absl::StatusOr<std::unique_ptr<SlotReader>> r = cache_->OpenExport(s, "bare", o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)->Checksum().status().code(), absl::StatusCode::kFailedPrecondition);
+    absl::StatusOr<std::unique_ptr<SlotWriter>> w = cache_->OpenImport((*r)->seq_len(), o);
+    ASSERT_TRUE(w.ok()) << w.status();
+    for (size_t i = 0; i < (*r)->num_chunks(); ++i) {
+      absl::StatusOr<SlotChunk> c = (*r)->Next();
+      ASSERT_TRUE(c.ok()) << c.status();
+      std::vector<uint8_t> bytes(c->size);
+      CopyOut(*c, bytes.data());
+      ASSERT_TRUE((*w)->Write(c->offset, bytes.data(), bytes.size()).ok());
+      (*r)->Done(i);
+    }
+    absl::StatusOr<SlotId> moved = (*w)->Commit((*r)->tokens(), /*checksum=*/12345);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    (*r)->Finish(/*moved=*/false);
+    EXPECT_TRUE(Payload(*moved) == want);
+    ASSERT_TRUE(cache_->Free(*moved).ok());
+  }
+}
+
 TEST_F(SlotIoTest, AStagedReaderHoldsNoMoreChunksThanItsBuffers) {
   Make();
   const SlotId s = Prepared(1);

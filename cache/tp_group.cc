@@ -611,6 +611,7 @@ absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
                                                                 const SlotIoOptions& options) {
   SlotIoOptions mine = options;
   mine.path = SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+  mine.checksum = false;  // the group checks the unsharded payload it receives
   absl::MutexLock ops(&ops_mu_);
   std::vector<std::unique_ptr<SlotWriter>> writers;
   for (size_t r = 0; r < shards_.size(); ++r) {

@@ -42,10 +42,14 @@ void ForRuns(const TpLayerMap& map, int64_t lo, int64_t hi, F f) {
   }
 }
 
-// Layers are assembled in order on a thread of the reader's own, ahead of the mover (a chunk
-// of layer l is handed out once layer l is in place), so copying and hashing overlap the puts.
+// One thread per rank copies that rank's chunks into their places, layer after layer, ahead
+// of the mover; a chunk of layer l is handed out once every rank's part of layer l is in place.
+// kHashThreads more hash the 1 MiB segments of the unsharded payload as the layers under them
+// complete (the checksum's segments are independent: CombineSegmentDigests mixes them).
 class TpReader final : public SlotReader {
  public:
+  static constexpr int kHashThreads = 4;
+
   TpReader(TpSlotIoHost* host, SlotId group, std::vector<std::unique_ptr<SlotReader>> ranks,
            const TpLayerMap* map, size_t chunk_bytes)
       : host_(host),
@@ -54,14 +58,17 @@ class TpReader final : public SlotReader {
         map_(*map),
         bytes_(static_cast<size_t>(map->layer_bytes) * map->num_layers),
         payload_(new uint8_t[bytes_]),
-        sum_(bytes_) {
+        segments_((bytes_ + kChecksumSegmentBytes - 1) / kChecksumSegmentBytes),
+        digests_(segments_),
+        layer_ranks_(map->num_layers) {
     const size_t layer = static_cast<size_t>(map_.layer_bytes);
     for (size_t at = 0; at < bytes_; at += layer) {
       for (size_t o = 0; o < layer; o += chunk_bytes) {
         chunks_.push_back({at + o, std::min(chunk_bytes, layer - o)});
       }
     }
-    assembler_ = std::thread([this] { Assemble(); });
+    for (size_t r = 0; r < ranks_.size(); ++r) threads_.emplace_back([this, r] { CopyRank(r); });
+    for (int h = 0; h < kHashThreads; ++h) threads_.emplace_back([this] { HashSegments(); });
   }
   ~TpReader() override { Finish(false); }
 
@@ -78,18 +85,31 @@ class TpReader final : public SlotReader {
       return absl::OutOfRangeError(absl::StrCat("chunks: all ", chunks_.size(), " were read"));
     }
     const auto [offset, size] = chunks_[next_];
-    if (absl::Status st = AwaitLayersLocked(offset / map_.layer_bytes + 1); !st.ok()) return st;
+    const int64_t layers = static_cast<int64_t>(offset) / map_.layer_bytes + 1;
+    auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return copied_ >= layers || !error_.ok();
+    };
+    mu_.Await(absl::Condition(&ready));
+    if (copied_ < layers) return error_;
     return SlotChunk{next_++, offset, size, payload_.get() + offset, false};
   }
   void Done(size_t) override {}
   absl::StatusOr<uint64_t> Checksum() override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status st = AwaitLayersLocked(map_.num_layers); !st.ok()) return st;
-    return sum_.Digest();
+    auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return hashed_ == segments_ || !error_.ok();
+    };
+    mu_.Await(absl::Condition(&ready));
+    if (hashed_ < segments_) return error_;
+    return CombineSegmentDigests(digests_.data(), segments_, bytes_);
   }
   void Finish(bool moved) override {
     if (finished_.exchange(true)) return;
-    if (assembler_.joinable()) assembler_.join();  // it stops at the next layer
+    {
+      absl::MutexLock lock(&mu_);  // wakes the threads that wait for layers: they stop
+      if (error_.ok() && copied_ < map_.num_layers) error_ = absl::CancelledError("move finished");
+    }
+    for (std::thread& t : threads_) t.join();
     absl::MutexLock ops(&host_->ops_mu());
     for (size_t r = 0; r < ranks_.size(); ++r) {
       host_->Use(r);
@@ -99,70 +119,94 @@ class TpReader final : public SlotReader {
   }
 
  private:
-  absl::Status AwaitLayersLocked(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto ready = [this, n]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return assembled_ >= n || !error_.ok();
-    };
-    mu_.Await(absl::Condition(&ready));
-    return assembled_ >= n ? absl::OkStatus() : error_;
-  }
-
-  void Assemble() {
-    for (int64_t l = 0; l < map_.num_layers && !finished_.load(); ++l) {
-      absl::Status st = AssembleLayer(l);
+  // Rank r's chunks, layer after layer, copied to their places in the unsharded layers.
+  void CopyRank(size_t r) {
+    host_->Use(r);
+    for (int64_t l = 0; l < map_.num_layers; ++l) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (!error_.ok()) return;
+      }
+      absl::Status st = CopyLayer(r, l);
       absl::MutexLock lock(&mu_);
       if (!st.ok()) {
-        error_ = st;
+        if (error_.ok()) error_ = st;
         return;
       }
-      assembled_ = l + 1;
+      if (++layer_ranks_[l] == static_cast<int32_t>(ranks_.size())) {
+        while (copied_ < map_.num_layers &&
+               layer_ranks_[copied_] == static_cast<int32_t>(ranks_.size())) {
+          ++copied_;
+        }
+      }
     }
   }
 
-  // Every rank's chunks of layer l, copied to their places in the unsharded layer and hashed.
-  absl::Status AssembleLayer(int64_t l) {
+  absl::Status CopyLayer(size_t r, int64_t l) {
     uint8_t* layer = payload_.get() + l * map_.layer_bytes;
-    for (size_t r = 0; r < ranks_.size(); ++r) {
-      host_->Use(r);
-      int64_t got = l * map_.shard_bytes[r];
-      const int64_t end = got + map_.shard_bytes[r];
-      while (got < end) {  // a chunk never crosses a layer
-        absl::StatusOr<SlotChunk> c = ranks_[r]->Next();
-        if (!c.ok()) {
-          return absl::Status(c.status().code(),
-                              absl::StrCat("tp rank ", r, ": ", c.status().message()));
-        }
-        const int64_t in_layer = static_cast<int64_t>(c->offset) - l * map_.shard_bytes[r];
-        const auto* src = static_cast<const uint8_t*>(c->data);
-        for (const TpLayerMap::Run& run : map_.runs) {
-          if (run.rank != static_cast<int32_t>(r)) continue;
-          const int64_t b = std::max(in_layer, run.shard);
-          const int64_t e = std::min<int64_t>(in_layer + c->size, run.shard + run.count);
-          if (e <= b) continue;
-          const int64_t full = run.full + (b - run.shard);
-          sum_.CopyAndAdd(layer + full, src + (b - in_layer), l * map_.layer_bytes + full, e - b);
-        }
-        got += static_cast<int64_t>(c->size);
-        ranks_[r]->Done(c->index);
+    int64_t got = l * map_.shard_bytes[r];
+    const int64_t end = got + map_.shard_bytes[r];
+    while (got < end) {  // a chunk never crosses a layer
+      absl::StatusOr<SlotChunk> c = ranks_[r]->Next();
+      if (!c.ok()) {
+        return absl::Status(c.status().code(),
+                            absl::StrCat("tp rank ", r, ": ", c.status().message()));
       }
+      const int64_t in_layer = static_cast<int64_t>(c->offset) - l * map_.shard_bytes[r];
+      const auto* src = static_cast<const uint8_t*>(c->data);
+      for (const TpLayerMap::Run& run : map_.runs) {
+        if (run.rank != static_cast<int32_t>(r)) continue;
+        const int64_t b = std::max(in_layer, run.shard);
+        const int64_t e = std::min<int64_t>(in_layer + c->size, run.shard + run.count);
+        if (e > b) std::memcpy(layer + run.full + (b - run.shard), src + (b - in_layer), e - b);
+      }
+      got += static_cast<int64_t>(c->size);
+      ranks_[r]->Done(c->index);
     }
     return absl::OkStatus();
   }
 
+  // Claims segments in order and hashes each once the layers under it are in place.
+  void HashSegments() {
+    for (;;) {
+      size_t s = 0, end = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        if (claimed_ == segments_) return;
+        s = claimed_++;
+        end = std::min(bytes_, (s + 1) * kChecksumSegmentBytes);
+        const int64_t layers = (static_cast<int64_t>(end) + map_.layer_bytes - 1) / map_.layer_bytes;
+        auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return copied_ >= layers || !error_.ok();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (copied_ < layers) return;
+      }
+      const size_t begin = s * kChecksumSegmentBytes;
+      digests_[s] = checksum_v2::Digest(payload_.get() + begin, end - begin);
+      absl::MutexLock lock(&mu_);
+      ++hashed_;
+    }
+  }
+
   TpSlotIoHost* const host_;
   const SlotId group_;
-  std::vector<std::unique_ptr<SlotReader>> ranks_;  // Next/Done: the assembler thread only
+  std::vector<std::unique_ptr<SlotReader>> ranks_;  // rank r's: its copier thread only
   const TpLayerMap& map_;
   const size_t bytes_;
   std::unique_ptr<uint8_t[]> payload_;  // not zeroed: a layer is handed out once assembled
-  SegmentedChecksum sum_;
+  const size_t segments_;
+  std::vector<uint64_t> digests_;  // [segments_], each written by the thread that hashed it
   std::vector<std::pair<size_t, size_t>> chunks_;  // offset, size
   absl::Mutex mu_;
-  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t assembled_ ABSL_GUARDED_BY(mu_) = 0;  // layers [0, assembled_) are in payload_
+  std::vector<int32_t> layer_ranks_ ABSL_GUARDED_BY(mu_);  // ranks done with each layer
+  int64_t copied_ ABSL_GUARDED_BY(mu_) = 0;   // layers [0, copied_) are in payload_
+  size_t claimed_ ABSL_GUARDED_BY(mu_) = 0;   // segments taken by a hash thread
+  size_t hashed_ ABSL_GUARDED_BY(mu_) = 0;    // segments hashed
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;      // the mover's next chunk
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> finished_{false};
-  std::thread assembler_;  // last: starts once everything else is set
+  std::vector<std::thread> threads_;  // last: they start once everything else is set
 };
 
 class TpWriter final : public SlotWriter {
@@ -175,7 +219,6 @@ class TpWriter final : public SlotWriter {
         bytes_(static_cast<size_t>(map->layer_bytes) * map->num_layers),
         sum_(bytes_) {
     for (size_t r = 0; r < ranks_.size(); ++r) {
-      rank_sums_.push_back(std::make_unique<SegmentedChecksum>(ranks_[r]->bytes()));
       const int64_t window = map_.shard_bytes[r] - map_.ckpt_bytes[r];
       for (int32_t l = 0; l < map_.num_layers && window > 0; ++l) {
         windows_.push_back(std::make_unique<Window>(window));
@@ -234,7 +277,8 @@ class TpWriter final : public SlotWriter {
     std::vector<SlotId> ids;
     for (size_t r = 0; r < ranks_.size(); ++r) {
       host_->Use(r);
-      absl::StatusOr<SlotId> id = ranks_[r]->Commit(tokens, rank_sums_[r]->Digest());
+      // Opened without a checksum (the unsharded payload's was checked above): any value.
+      absl::StatusOr<SlotId> id = ranks_[r]->Commit(tokens, 0);
       if (!id.ok()) {
         return host_->FreeAll(ids, absl::Status(id.status().code(),
                                                 absl::StrCat("tp rank ", r, ": ", id.status().message())));
@@ -265,7 +309,6 @@ class TpWriter final : public SlotWriter {
   }
   absl::Status PutRank(size_t r, int64_t offset, const uint8_t* src, int64_t n) {
     host_->Use(r);
-    rank_sums_[r]->Add(offset, src, n);
     absl::Status st = ranks_[r]->Write(offset, src, n);
     if (st.ok()) return st;
     return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
@@ -276,7 +319,6 @@ class TpWriter final : public SlotWriter {
   const TpLayerMap& map_;
   const size_t bytes_;
   SegmentedChecksum sum_;  // of the unsharded payload: the sender's checksum
-  std::vector<std::unique_ptr<SegmentedChecksum>> rank_sums_;  // of what each rank's writer got
   std::vector<std::unique_ptr<Window>> windows_;               // [rank][layer]
   std::atomic<size_t> written_{0};
 };

@@ -2,13 +2,14 @@
 // payload (every layer's [HV, V, K] checkpoint and [W-1, C] conv window whole), streamed to and
 // from the ranks' own readers and writers as it goes — no whole-payload copy first.
 //
-// Out: layer l's bytes are assembled from each rank's layer-l chunks (the checkpoint parts are
-// one run per rank; the window is interleaved) into a host buffer when the mover first asks
-// for a chunk of layer l, copied and hashed in one pass (SegmentedChecksum::CopyAndAdd).
-// In: each piece is split at the ranks' runs and written to their writers at once (checkpoint
-// parts) or gathered per (layer, rank) and written whole when complete (window parts: a few KB
-// each), hashed as the unsharded payload (checked at Commit) and as each rank's (what its
-// writer must have got).
+// Out: a thread per rank copies its chunks into the unsharded layers (the checkpoint part is
+// one run per rank; the window is interleaved), ahead of the mover, and hash threads digest the
+// payload's 1 MiB segments as the layers under them complete.
+// In: each piece is hashed as the unsharded payload (checked against the sender's at Commit),
+// split at the ranks' runs and written to their writers at once (checkpoint parts) or gathered
+// per (layer, rank) and written whole when complete (window parts: a few KB each).
+// The ranks' readers and writers are opened without checksums of their own
+// (SlotIoOptions::checksum): the group checks the payload the wire carries.
 #ifndef REPLAYSSM_CACHE_TP_SLOT_IO_H_
 #define REPLAYSSM_CACHE_TP_SLOT_IO_H_
 

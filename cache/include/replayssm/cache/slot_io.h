@@ -66,8 +66,9 @@ struct SlotIoOptions {
   std::optional<SlotIoPath> path;
   // Staged path: pinned buffers, i.e. the chunks a reader may hold at once (at least 2).
   int32_t staging_buffers = 4;
-  // false: a reader computes no checksum (its Checksum() is FAILED_PRECONDITION), for a mover
-  // that hashes what it sends itself (a TP group re-lays its ranks' bytes out and hashes those).
+  // false: a reader computes no checksum (its Checksum() is FAILED_PRECONDITION) and a writer
+  // neither hashes nor checks one at Commit, for a mover that hashes the bytes itself (a TP
+  // group re-lays its ranks' bytes out and checks the payload it sends or receives whole).
   bool checksum = true;
 };
 
