@@ -3,7 +3,13 @@
 // B >= 64).
 //
 //   replayssm-bench-cache [--model qwen3-next-80b-a3b] [--backend cuda|cpu] [--batch 1,64,256]
-//                         [--io host,device] [--steps N] [--rounds R] [--warmup W] [--json PATH]
+//                         [--io host,device] [--steps N] [--rounds R] [--warmup W]
+//                         [--tp-size N] [--json PATH]
+//
+// --tp-size N: the cache path is a tensor-parallel group of N ranks (cache/tp_group.h) on this
+// backend's devices round-robin (one GPU: all on it), its activations rank-major; the bare path
+// stays one launch per layer for the whole model. On one GPU this is the group's own cost: the
+// same bytes in N launches per layer on N streams, N ranks' host calls.
 //
 // Two data paths, each measured through the cache and bare:
 //  - host:   activations in ordinary host memory (what the gRPC service hands over). Per layer:
@@ -130,9 +136,12 @@ struct Activations {
 class CachePath {
  public:
   // `spread` holds host activations of at least `batch` rows for every layer.
-  CachePath(const ModelSpec& m, int32_t backend, int batch, const std::vector<LayerIo>& spread) {
+  CachePath(const ModelSpec& m, int32_t backend, int batch, const std::vector<LayerIo>& spread,
+            int32_t tp) {
     CacheOptions o;
     o.backend = backend;
+    o.tp_size = tp;
+    for (int32_t r = 0; tp > 1 && r < tp; ++r) o.devices.push_back(r % rssm_device_count(backend));
     o.memory_budget_bytes = (batch + 2) * m.SlotBytes();
     o.track_interval = 0;
     o.max_batch = batch;
@@ -404,12 +413,12 @@ double TimeSteps(int steps, F&& step) {
 }
 
 Result Measure(const ModelSpec& m, int32_t backend, int batch, bool device_io, int steps,
-               int rounds, int warmup) {
+               int rounds, int warmup, int32_t tp) {
   Result r;
   r.io = device_io ? "device" : "host";
   r.batch = batch;
   const Activations act(m, backend, batch, 7);
-  CachePath cache(m, backend, batch, act.host);
+  CachePath cache(m, backend, batch, act.host, tp);
   BarePath bare(m, backend, batch);
   const std::vector<LayerIo>& io = device_io ? act.device : act.host;
   auto cache_step = [&] { cache.Step(io); };
@@ -480,10 +489,10 @@ int Run(int argc, char** argv) {
   std::string model_name = "qwen3-next-80b-a3b", backend_name = "cuda", json;
   std::vector<int64_t> batches = {1, 64, 256};
   std::vector<std::string> ios = {"host", "device"};
-  int32_t steps = 20, rounds = 11, warmup = -1;
+  int32_t steps = 20, rounds = 11, warmup = -1, tp = 1;
   bench::Flags flags("replayssm-bench-cache",
                      "[--model M] [--backend cuda|cpu] [--batch 1,64,256] [--io host,device] "
-                     "[--steps N] [--rounds R] [--warmup W] [--json PATH]");
+                     "[--steps N] [--rounds R] [--warmup W] [--tp-size N] [--json PATH]");
   flags.Choice("model", ModelPresetNames(), &model_name);
   flags.Choice("backend", {"cuda", "cpu"}, &backend_name);
   flags.IntList("batch", 1, 1 << 16, &batches);
@@ -491,6 +500,7 @@ int Run(int argc, char** argv) {
   flags.Int("steps", 1, 1 << 20, &steps);
   flags.Int("rounds", 1, 1 << 20, &rounds);
   flags.Int("warmup", 0, 1 << 20, &warmup);
+  flags.Int("tp-size", 1, 8, &tp);
   flags.String("json", &json);
   if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
   const int32_t backend = backend_name == "cpu" ? RSSM_BACKEND_CPU : RSSM_BACKEND_CUDA;
@@ -498,17 +508,19 @@ int Run(int argc, char** argv) {
   CHECK_OK(m.status());
   if (warmup < 0) warmup = m->shape.ring_len;  // every row folds at least once
   std::printf(
-      "cache bench: %s (%d layers, HV=%d H=%d K=%d V=%d L=%d, state %s, act %s), backend %s\n"
+      "cache bench: %s (%d layers, HV=%d H=%d K=%d V=%d L=%d, state %s, act %s), backend %s, "
+      "cache path TP %d\n"
       "%d rounds of %d steps per path, alternating, after %d warm-up steps; overhead = cache/bare "
       "- 1 per round pair\n",
       m->name.c_str(), m->num_layers, m->shape.num_v_heads, m->shape.num_qk_heads, m->shape.head_k,
       m->shape.head_v, m->shape.ring_len, rssm_dtype_name(m->shape.state_dtype),
-      rssm_dtype_name(m->shape.act_dtype), backend_name.c_str(), rounds, steps, warmup);
+      rssm_dtype_name(m->shape.act_dtype), backend_name.c_str(), tp, rounds, steps, warmup);
   std::vector<Result> results;
   for (const std::string& io_name : ios) {
     for (const int64_t batch : batches) {
       const Result r =
-          Measure(*m, backend, static_cast<int>(batch), io_name == "device", steps, rounds, warmup);
+          Measure(*m, backend, static_cast<int>(batch), io_name == "device", steps, rounds, warmup,
+                  tp);
       std::printf(
           "io=%-6s B=%-4d cache %9.1f us/step [%.1f..%.1f]  bare %9.1f us/step [%.1f..%.1f]  "
           "overhead median %+6.2f%% (IQR %+.2f%%..%+.2f%%, range %+.2f%%..%+.2f%%)  %s\n",

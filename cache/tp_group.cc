@@ -314,6 +314,19 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
   }
   // Frees `ids` (one per shard, in order) and returns `why`.
+  std::unique_ptr<uint8_t[]> TakePayloadBuffer() override {
+    absl::MutexLock lock(&buffers_mu_);
+    if (spare_buffers_.empty()) return std::make_unique_for_overwrite<uint8_t[]>(payload_bytes_);
+    std::unique_ptr<uint8_t[]> b = std::move(spare_buffers_.back());
+    spare_buffers_.pop_back();
+    return b;
+  }
+  void ReturnPayloadBuffer(std::unique_ptr<uint8_t[]> buffer) override {
+    absl::MutexLock lock(&buffers_mu_);
+    if (buffer != nullptr && spare_buffers_.size() < kSpareBuffers) {
+      spare_buffers_.push_back(std::move(buffer));
+    }
+  }
   absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) override {
     for (size_t r = 0; r < ids.size(); ++r) {
       Use(r);
@@ -379,6 +392,12 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   std::vector<ModelSpec> models_;
   std::vector<std::vector<SliceRun>> state_runs_;
   TpLayerMap map_;  // the ranks' bytes in an unsharded layer state (slot I/O)
+  // Payload buffers of finished moves out, kept for the next ones (a few moves at once; more
+  // allocate their own).
+  static constexpr size_t kSpareBuffers = 4;
+  const size_t payload_bytes_ = SlotPayloadBytes(full_);
+  absl::Mutex buffers_mu_;
+  std::vector<std::unique_ptr<uint8_t[]>> spare_buffers_ ABSL_GUARDED_BY(buffers_mu_);
   std::vector<std::unique_ptr<StateCache>> shards_;
   absl::Mutex ops_mu_;  // orders the shards' slot decisions the same way on every shard
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one

@@ -57,7 +57,7 @@ class TpReader final : public SlotReader {
         ranks_(std::move(ranks)),
         map_(*map),
         bytes_(static_cast<size_t>(map->layer_bytes) * map->num_layers),
-        payload_(new uint8_t[bytes_]),
+        payload_(host->TakePayloadBuffer()),
         segments_((bytes_ + kChecksumSegmentBytes - 1) / kChecksumSegmentBytes),
         digests_(segments_),
         layer_ranks_(map->num_layers) {
@@ -116,6 +116,7 @@ class TpReader final : public SlotReader {
       ranks_[r]->Finish(moved);
     }
     if (moved) host_->Unbind(group_);
+    host_->ReturnPayloadBuffer(std::move(payload_));  // no chunk is held past Finish
   }
 
  private:
@@ -194,7 +195,7 @@ class TpReader final : public SlotReader {
   std::vector<std::unique_ptr<SlotReader>> ranks_;  // rank r's: its copier thread only
   const TpLayerMap& map_;
   const size_t bytes_;
-  std::unique_ptr<uint8_t[]> payload_;  // not zeroed: a layer is handed out once assembled
+  std::unique_ptr<uint8_t[]> payload_;  // the host's; a layer is handed out once assembled
   const size_t segments_;
   std::vector<uint64_t> digests_;  // [segments_], each written by the thread that hashed it
   std::vector<std::pair<size_t, size_t>> chunks_;  // offset, size

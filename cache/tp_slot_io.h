@@ -53,6 +53,10 @@ class TpSlotIoHost {
   virtual void Unbind(SlotId group) = 0;
   // Frees ids (one per rank, in order) and returns `why`.
   virtual absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) = 0;
+  // A host buffer of a whole unsharded payload, reused from move to move: a fresh one would
+  // be faulted in, and registered by the transport, on every move.
+  virtual std::unique_ptr<uint8_t[]> TakePayloadBuffer() = 0;
+  virtual void ReturnPayloadBuffer(std::unique_ptr<uint8_t[]> buffer) = 0;
 };
 
 std::unique_ptr<SlotReader> NewTpReader(TpSlotIoHost* host, SlotId group,
