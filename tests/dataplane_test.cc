@@ -173,23 +173,29 @@ class DataPlaneTest : public ServiceTest {
     return committed.status();
   }
 
+  // `forwards` planned decode forwards of two rows against the same inline forwards of two
+  // other rows: outputs, cursors and states bit for bit; the region released after.
+  void ExpectPlannedDecodeMatchesInline(uint32_t forwards) {
+    const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
+    auto stream = client_->OpenStream();
+    for (uint32_t f = 1; f <= forwards; ++f) {
+      const std::vector<v1::LayerInput> layers = Layers(2);
+      ASSERT_TRUE(RunPlanned(*stream, PlannedDecode(planned, f), layers, f).ok());
+      auto want = stream->Forward(Rows(inl), layers);
+      ASSERT_TRUE(want.ok()) << want.status();
+      for (int l = 0; l < num_layers(); ++l) {
+        EXPECT_EQ(mem_->Out(l, OutBytes(2)), want->layers(l).out().data()) << "forward " << f;
+      }
+    }
+    for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
+    EXPECT_EQ(InUse("engine"), 0);
+  }
+
   std::unique_ptr<EngineMemory> mem_;
 };
 
 TEST_F(DataPlaneTest, PlannedDecodeMatchesInlineBitForBitAcrossFolds) {
-  const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
-  auto stream = client_->OpenStream();
-  for (uint32_t f = 1; f <= 6; ++f) {  // past a ring fold (L = 4 for tiny-gdn)
-    const std::vector<v1::LayerInput> layers = Layers(2);
-    ASSERT_TRUE(RunPlanned(*stream, PlannedDecode(planned, f), layers, f).ok());
-    auto want = stream->Forward(Rows(inl), layers);
-    ASSERT_TRUE(want.ok()) << want.status();
-    for (int l = 0; l < num_layers(); ++l) {
-      EXPECT_EQ(mem_->Out(l, OutBytes(2)), want->layers(l).out().data()) << "forward " << f;
-    }
-  }
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
-  EXPECT_EQ(InUse("engine"), 0);
+  ExpectPlannedDecodeMatchesInline(6);  // past a ring fold (L = 4 for tiny-gdn)
 }
 
 // A TP = 2 server (one cache shard per rank): a planned decode forward, its region tensors
@@ -204,20 +210,8 @@ class TpDataPlaneTest : public DataPlaneTest {
 
 TEST_F(TpDataPlaneTest, PlannedDecodeOfATpGroupMatchesInlineAcrossFolds) {
   ASSERT_EQ(model().tp_size(), 2);
-  const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
-  auto stream = client_->OpenStream();
-  for (uint32_t f = 1; f <= 10; ++f) {  // past a ring fold (L = 8 for tiny-gdn-tp)
-    const std::vector<v1::LayerInput> layers = Layers(2);
-    ASSERT_EQ(layers[0].mixed_qkv().shape(0), 2) << "rank-major";
-    ASSERT_TRUE(RunPlanned(*stream, PlannedDecode(planned, f), layers, f).ok());
-    auto want = stream->Forward(Rows(inl), layers);
-    ASSERT_TRUE(want.ok()) << want.status();
-    for (int l = 0; l < num_layers(); ++l) {
-      EXPECT_EQ(mem_->Out(l, OutBytes(2)), want->layers(l).out().data()) << "forward " << f;
-    }
-  }
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
-  EXPECT_EQ(InUse("engine"), 0);
+  ASSERT_EQ(Layers(1)[0].mixed_qkv().shape(0), 2) << "rank-major";
+  ExpectPlannedDecodeMatchesInline(10);  // past a ring fold (L = 8 for tiny-gdn-tp)
 }
 
 TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
