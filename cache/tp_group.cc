@@ -448,7 +448,9 @@ absl::Status TpForward::RunLayer(int32_t layer, const LayerIo& io) {
 }
 
 // Layer by layer, each rank's wait, layer and signal in turn (on the CPU backend a wait blocks
-// the caller, so every rank must reach layer l before any waits for layer l + 1). Bells are
+// the caller, so every rank must reach layer l before any waits for layer l + 1). The io is
+// either num_layers rank-major ios (ShardIo) or num_layers per rank, each the rank's own
+// tensors (its engine's memory, on its GPU), rank-major. Bells are
 // either each rank's own (num_layers per rank, rank-major: its engine rank rings and watches
 // them) or one pair per layer for the whole group: every rank waits for its ready, and its done
 // is written once every rank's layer is done (QueueSignal).
@@ -456,9 +458,11 @@ absl::Status TpForward::RunLayers(absl::Span<const LayerIo> layers,
                                   absl::Span<const LayerDoorbells> bells, uint32_t value) {
   const size_t num_layers = static_cast<size_t>(group_->model().num_layers);
   const size_t ranks = shards_.size();
-  if (layers.size() != num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layers: expected ", num_layers, " layers, got ", layers.size()));
+  const bool per_rank = layers.size() == num_layers * ranks && ranks > 1;
+  if (layers.size() != num_layers && !per_rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers: expected ", num_layers, " (each io rank-major) or ", num_layers * ranks,
+        " (each rank's own io, rank-major), got ", layers.size()));
   }
   const bool shared = bells.size() == num_layers;
   if (!bells.empty() && !shared && bells.size() != num_layers * ranks) {
@@ -481,7 +485,9 @@ absl::Status TpForward::RunLayers(absl::Span<const LayerIo> layers,
       absl::Status st = b != nullptr ? f.QueueWait(b->ready, value) : absl::OkStatus();
       if (st.ok()) {
         st = f.RunLayer(static_cast<int32_t>(l),
-                        ShardIo(group_->shard_model(r), layers[l], tokens(), static_cast<int32_t>(r)));
+                        per_rank ? layers[r * num_layers + l]
+                                 : ShardIo(group_->shard_model(r), layers[l], tokens(),
+                                           static_cast<int32_t>(r)));
       }
       if (st.ok() && b != nullptr && !shared) st = f.QueueSignal(b->done, value);
       if (!st.ok()) return TpGroup::RankStatus(r, st);

@@ -41,39 +41,41 @@ absl::StatusOr<void*> Take(const v1::RegionRef& ref, absl::FunctionRef<std::stri
 
 }  // namespace
 
-absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std::string& field,
-                                         const cache::RegionTable& regions,
-                                         const cache::ModelSpec& m, int64_t n) {
+namespace {
+
+// One set of layers and doorbells (the plan's own, or one rank's) into r.layers; `ranks`: the
+// share of each tensor's width these layers hold (1, or T for one rank of a TP group).
+template <typename Layers>
+absl::Status ResolveLayers(const Layers& layers, const v1::RegionRef& ready_ref,
+                           const v1::RegionRef& done_ref, const std::string& field,
+                           const cache::RegionTable& regions, const cache::ModelSpec& m, int64_t n,
+                           int32_t ranks, ResolvedPlan& r) {
   const int32_t L = m.num_layers;
-  if (plan.layers_size() != L) {
+  if (layers.size() != L) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".layers: expected ", L,
-                                                   " (one per layer), got ",
-                                                   plan.layers_size()));
+                                                   " (one per layer), got ", layers.size()));
   }
   const uint64_t es = rssm_dtype_size(m.shape.act_dtype);
   const uint64_t un = static_cast<uint64_t>(n);
-  ResolvedPlan r;
-  r.value = plan.value();
-  r.layers.resize(L);
   absl::StatusOr<void*> ready = Take(
-      plan.ready(), [&] { return field + ".ready"; }, 4 * L, 4, regions, r);
+      ready_ref, [&] { return field + ".ready"; }, 4 * L, 4, regions, r);
   if (!ready.ok()) return ready.status();
   absl::StatusOr<void*> done = Take(
-      plan.done(), [&] { return field + ".done"; }, 4 * L, 4, regions, r);
+      done_ref, [&] { return field + ".done"; }, 4 * L, 4, regions, r);
   if (!done.ok()) return done.status();
   for (int32_t l = 0; l < L; ++l) {
-    const v1::PlannedLayer& p = plan.layers(l);
-    ResolvedPlan::Layer& out = r.layers[l];
+    const v1::PlannedLayer& p = layers[l];
+    ResolvedPlan::Layer& out = r.layers.emplace_back();
     struct Part {
       const v1::RegionRef& ref;
       const char* name;
       int64_t width;
     };
     void* ptrs[4] = {};
-    const Part parts[4] = {{p.mixed_qkv(), ".mixed_qkv", m.QkvWidth()},
-                           {p.a(), ".a", m.AWidth()},
-                           {p.b(), ".b", m.BWidth()},
-                           {p.out(), ".out", m.OutWidth()}};
+    const Part parts[4] = {{p.mixed_qkv(), ".mixed_qkv", m.QkvWidth() / ranks},
+                           {p.a(), ".a", m.AWidth() / ranks},
+                           {p.b(), ".b", m.BWidth() / ranks},
+                           {p.out(), ".out", m.OutWidth() / ranks}};
     for (int i = 0; i < 4; ++i) {
       absl::StatusOr<void*> ptr = Take(
           parts[i].ref, [&] { return absl::StrCat(field, ".layers[", l, "]", parts[i].name); },
@@ -84,6 +86,40 @@ absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std:
     out.io = cache::LayerIo{ptrs[0], ptrs[1], ptrs[2], ptrs[3], cache::IoMemory::kBackend};
     out.ready = static_cast<const uint32_t*>(*ready) + l;
     out.done = static_cast<uint32_t*>(*done) + l;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ResolvedPlan> ResolvePlan(const v1::ForwardPlan& plan, const std::string& field,
+                                         const cache::RegionTable& regions,
+                                         const cache::ModelSpec& m, int64_t n) {
+  ResolvedPlan r;
+  r.value = plan.value();
+  r.num_layers = m.num_layers;
+  if (plan.ranks_size() == 0) {
+    absl::Status st =
+        ResolveLayers(plan.layers(), plan.ready(), plan.done(), field, regions, m, n, 1, r);
+    if (!st.ok()) return st;
+    return r;
+  }
+  if (plan.ranks_size() != m.tp_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".ranks: expected ", m.tp_size, " (one per TP rank, --tp-size) or none, got ",
+        plan.ranks_size()));
+  }
+  if (plan.layers_size() > 0 || !plan.ready().region().empty() || !plan.done().region().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".layers, .ready, .done: expected none beside ranks (each rank names its own), got ",
+        plan.layers_size(), " layers"));
+  }
+  for (int32_t k = 0; k < plan.ranks_size(); ++k) {
+    const v1::RankPlan& rank = plan.ranks(k);
+    absl::Status st = ResolveLayers(rank.layers(), rank.ready(), rank.done(),
+                                    absl::StrCat(field, ".ranks[", k, "]"), regions, m, n,
+                                    m.tp_size, r);
+    if (!st.ok()) return st;
   }
   return r;
 }
@@ -128,11 +164,14 @@ absl::StatusOr<cache::LayerIo> ResolveLayerRegions(const v1::LayerInput& input,
 
 void RingRefused(const v1::ForwardPlan& plan, const cache::RegionTable& regions,
                  int32_t num_layers) {
-  if (num_layers <= 0 || plan.done().region().empty()) return;
-  absl::StatusOr<cache::RegionLease> lease =
-      regions.Acquire(plan.done().region(), plan.done().offset(),
-                      4 * static_cast<uint64_t>(num_layers), 4, "plan.done");
-  if (lease.ok()) regions.RingAll(*lease, plan.value()).IgnoreError();
+  auto ring = [&](const v1::RegionRef& done) {
+    if (num_layers <= 0 || done.region().empty()) return;
+    absl::StatusOr<cache::RegionLease> lease = regions.Acquire(
+        done.region(), done.offset(), 4 * static_cast<uint64_t>(num_layers), 4, "plan.done");
+    if (lease.ok()) regions.RingAll(*lease, plan.value()).IgnoreError();
+  };
+  ring(plan.done());
+  for (const v1::RankPlan& rank : plan.ranks()) ring(rank.done());
 }
 
 PlanWatch& PlanWatch::Default() {
@@ -327,7 +366,7 @@ absl::Status PlannedForward::Commit() {
     finishing_ = true;
   }
   Finish();
-  const int32_t layers = static_cast<int32_t>(plan_.layers.size());
+  const int32_t layers = plan_.num_layers;  // a wait's index counts one rank's layers
   if (unrung >= 0 && predecessor_ != nullptr && unrung < layers) {
     return absl::DataLossError(absl::StrCat(
         "plan.ready: layer ", unrung, "'s doorbell of the forward before this one (value ",

@@ -43,7 +43,10 @@ struct ResolvedPlan {
     const uint32_t* ready = nullptr;
     uint32_t* done = nullptr;
   };
-  std::vector<Layer> layers;  // [num_layers]
+  // [num_layers], or [tp_size * num_layers] rank-major for a plan of per-rank parts (each
+  // io then the rank's own tensors, each doorbell pair the rank's)
+  std::vector<Layer> layers;
+  int32_t num_layers = 0;
   uint32_t value = 0;
   std::map<std::string, cache::RegionLease> leases;  // one hold per region (GetRegionStatus
                                                      // counts forwards, not ranges)

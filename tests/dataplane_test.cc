@@ -214,6 +214,72 @@ TEST_F(TpDataPlaneTest, PlannedDecodeOfATpGroupMatchesInlineAcrossFolds) {
   ExpectPlannedDecodeMatchesInline(10);  // past a ring fold (L = 8 for tiny-gdn-tp)
 }
 
+// A plan of per-rank parts (ForwardPlan.ranks): each rank's own tensors (here rank r's block of
+// the engine region's rank-major tensors) and its own doorbells (rank 1's in a region of their
+// own), as the engine's ranks on their own GPUs would register them. The engine rings both
+// ranks' ready[l] and waits for both done[l]; outputs and states equal the inline forward's.
+TEST_F(TpDataPlaneTest, APlanOfEachRanksOwnTensorsAndDoorbellsMatchesInline) {
+  EngineMemory rank1_bells(model(), 1);
+  ASSERT_TRUE(client_->RegisterSystemRegion(rank1_bells.Registration("rank1-bells")).ok());
+  const int64_t n = 2, tp = 2, es = model().act_dtype() == v1::DTYPE_F32 ? 4 : 2;
+  const int64_t hv = model().num_v_heads();
+  const int64_t widths[4] = {2 * model().num_qk_heads() * model().head_k() + hv * model().head_v(),
+                             hv, hv, hv * model().head_v()};
+  const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
+  auto stream = client_->OpenStream();
+  for (uint32_t f = 1; f <= 10; ++f) {
+    const v1::ForwardPlan whole = mem_->Plan("engine", f);
+    v1::DecodeStreamRequest begin = PlannedDecode(planned, f);
+    v1::ForwardPlan* plan = begin.mutable_begin()->mutable_plan();
+    plan->Clear();
+    plan->set_value(f);
+    for (int64_t r = 0; r < tp; ++r) {
+      v1::RankPlan* rank = plan->add_ranks();
+      *rank->mutable_ready() = whole.ready();
+      *rank->mutable_done() = whole.done();
+      if (r == 1) {
+        rank->mutable_ready()->set_region("rank1-bells");
+        rank->mutable_done()->set_region("rank1-bells");
+      }
+      for (const v1::PlannedLayer& l : whole.layers()) {
+        v1::PlannedLayer* mine = rank->add_layers();
+        *mine = l;
+        v1::RegionRef* refs[4] = {mine->mutable_mixed_qkv(), mine->mutable_a(), mine->mutable_b(),
+                                  mine->mutable_out()};
+        for (int i = 0; i < 4; ++i) refs[i]->set_offset(refs[i]->offset() + r * n * widths[i] / tp * es);
+      }
+    }
+    const std::vector<v1::LayerInput> layers = Layers(n);
+    auto begun = stream->BeginWith(begin);
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    std::thread engine([&] {
+      for (int l = 0; l < num_layers(); ++l) {
+        mem_->Write(layers[l], l);
+        mem_->Ring(l, f);
+        rank1_bells.Ring(l, f);
+        ASSERT_TRUE(mem_->WaitDone(l, f, absl::Seconds(20))) << "rank 0, layer " << l;
+        ASSERT_TRUE(rank1_bells.WaitDone(l, f, absl::Seconds(20))) << "rank 1, layer " << l;
+      }
+    });
+    auto committed = stream->Commit();
+    engine.join();
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    auto want = stream->Forward(Rows(inl), layers);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (int l = 0; l < num_layers(); ++l) {
+      EXPECT_EQ(mem_->Out(l, OutBytes(n)), want->layers(l).out().data()) << "forward " << f;
+    }
+  }
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
+  // A plan of the wrong number of ranks is refused naming the field.
+  v1::DecodeStreamRequest bad = PlannedDecode(planned, 11);
+  bad.mutable_begin()->mutable_plan()->add_ranks();
+  auto refused = client_->OpenStream()->BeginWith(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("begin.plan.ranks: expected 2"), std::string::npos)
+      << refused.status();
+}
+
 TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
   const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();

@@ -154,6 +154,9 @@ class Forward {
   // layer) once the same forward — batch, addresses, doorbells; the value may differ —
   // repeats on this forward's stream (CacheOptions::forward_graphs); otherwise call by call.
   // CPU backend: call by call, so it blocks on each wait as QueueWait does.
+  // A TP group's forward (CacheOptions::tp_size = T) also takes T * num_layers ios, each rank's
+  // own tensors (rank r's layer l at r * num_layers + l), and bells of one pair per layer for
+  // the group (num_layers) or per rank (T * num_layers, rank-major); docs/cache.md.
   virtual absl::Status RunLayers(absl::Span<const LayerIo> layers,
                                  absl::Span<const LayerDoorbells> bells, uint32_t value) = 0;
   // Waits for every layer queued so far.
