@@ -108,6 +108,21 @@ class GrpcPeer final : public transfer::Peer {
     return transfer::Decision{resp.committed(), resp.slot(), resp.seq_len()};
   }
 
+  // Asynchronous: the move's reply does not wait for it (a lost one only keeps the peer's
+  // decision until its horizon).
+  void Acknowledge(const std::string& id) override {
+    struct Call {
+      grpc::ClientContext context;
+      v1::AcknowledgeTransferRequest req;
+      v1::AcknowledgeTransferResponse resp;
+    };
+    auto* call = new Call;
+    call->req.set_transfer_id(id);
+    call->context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    stub_->async()->AcknowledgeTransfer(&call->context, &call->req, &call->resp,
+                                         [call](grpc::Status) { delete call; });
+  }
+
  private:
   std::unique_ptr<v1::SlotTransfer::Stub> stub_;
   std::function<std::string(const std::string&)> tenant_of_;
@@ -302,21 +317,6 @@ absl::StatusOr<TenantId> TransferService::ReceivingTenant(const std::string& nam
       name.empty() ? "none (the sending server has no tenants)" : absl::StrCat("\"", name, "\"")));
 }
 
-void TransferService::RecordIncoming(const std::string& transfer_id, TenantId tenant) {
-  absl::MutexLock lock(&mu_);
-  if (!incoming_.emplace(transfer_id, tenant).second) return;
-  incoming_order_.push_back(transfer_id);
-  if (incoming_order_.size() <= kIncomingKept) return;
-  incoming_.erase(incoming_order_.front());
-  incoming_order_.pop_front();
-}
-
-TenantId TransferService::IncomingTenant(const std::string& transfer_id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = incoming_.find(transfer_id);
-  return it == incoming_.end() ? kImplicitTenant : it->second;
-}
-
 absl::Status TransferService::CheckPeer(const std::string& address) const {
   if (options_.allowed_peers.empty()) return absl::OkStatus();
   for (const std::string& p : options_.allowed_peers) {
@@ -434,9 +434,10 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
     CountFailure(tenant.status());
     return Reply(c, "ReserveTransfer", tenant.status());
   }
+  // The tenant travels with the reservation (its owner) into the decision.
   absl::StatusOr<transfer::Reservation> r = receiver_->Reserve(
       req->transfer_id(), FromProto(req->format()), req->seq_len(), req->checksum_version(),
-      absl::Milliseconds(req->budget_ms()), PeerIdentity(*c));
+      absl::Milliseconds(req->budget_ms()), PeerIdentity(*c), *tenant);
   if (!r.ok()) {
     CountFailure(r.status());
     return Reply(c, "ReserveTransfer", r.status());
@@ -446,7 +447,6 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   resp->set_rkey(r->rkey);
   resp->set_bytes(r->bytes);
   resp->set_doorbell_addr(r->doorbell_addr);
-  RecordIncoming(req->transfer_id(), *tenant);
   return Reply(c, "ReserveTransfer", absl::OkStatus());
 }
 
@@ -457,19 +457,19 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
   if (!st.ok()) return Reply(c, "CommitTransfer", st);
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
-  const TenantId tenant = IncomingTenant(req->transfer_id());
-  absl::StatusOr<cache::SlotId> slot =
+  absl::StatusOr<transfer::Decision> d =
       receiver_->Commit(req->transfer_id(), tokens, req->checksum());
-  if (!slot.ok()) {
-    CountFailure(slot.status());
-    return Reply(c, "CommitTransfer", slot.status());
+  if (!d.ok()) {
+    CountFailure(d.status());
+    return Reply(c, "CommitTransfer", d.status());
   }
-  // Nobody has its handle yet: the slot joins its tenant's prefix cache and handles.
-  const ServiceContext owner = ctx_->ForTenant(tenant);
+  // Nobody has its handle yet: the slot joins its reservation's tenant's prefix cache and
+  // handles.
+  const ServiceContext owner = ctx_->ForTenant(static_cast<TenantId>(d->owner));
   if (owner.prefix_namespace() != cache::kDefaultNamespace) {
-    ctx_->cache->SetPrefixNamespace(*slot, owner.prefix_namespace()).IgnoreError();
+    ctx_->cache->SetPrefixNamespace(d->slot, owner.prefix_namespace()).IgnoreError();
   }
-  resp->set_slot(owner.slots.ToWire(*slot));
+  resp->set_slot(owner.slots.ToWire(d->slot));
   return Reply(c, "CommitTransfer", absl::OkStatus());
 }
 
@@ -482,10 +482,20 @@ grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerCon
   const transfer::Decision d = receiver_->Abort(req->transfer_id());
   resp->set_committed(d.committed);
   if (d.committed) {  // its handle was issued at the commit, to the reservation's tenant
-    resp->set_slot(ctx_->ForTenant(IncomingTenant(req->transfer_id())).slots.ToWire(d.slot));
+    resp->set_slot(ctx_->ForTenant(static_cast<TenantId>(d.owner)).slots.ToWire(d.slot));
     resp->set_seq_len(d.seq_len);
   }
   return Reply(c, "AbortTransfer", absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* TransferService::AcknowledgeTransfer(
+    grpc::CallbackServerContext* c, const v1::AcknowledgeTransferRequest* req,
+    v1::AcknowledgeTransferResponse*) {
+  if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
+    return Reply(c, "AcknowledgeTransfer", st);
+  }
+  receiver_->Acknowledge(req->transfer_id(), PeerIdentity(*c));  // only the reserving peer's
+  return Reply(c, "AcknowledgeTransfer", absl::OkStatus());
 }
 
 }  // namespace replayssm::service

@@ -7,14 +7,12 @@
 #define REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
 
 #include <atomic>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -76,6 +74,9 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   grpc::ServerUnaryReactor* AbortTransfer(grpc::CallbackServerContext* c,
                                           const v1::AbortTransferRequest* req,
                                           v1::AbortTransferResponse* resp) override;
+  grpc::ServerUnaryReactor* AcknowledgeTransfer(grpc::CallbackServerContext* c,
+                                                const v1::AcknowledgeTransferRequest* req,
+                                                v1::AcknowledgeTransferResponse* resp) override;
 
  private:
   TransferService(const ServiceContext* ctx, TransferOptions options);
@@ -90,9 +91,6 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   // Receiver side: the tenant that gets an incoming slot, by the sender's tenant name: the
   // implicit tenant without --auth-tokens, else the tenant of that name or PERMISSION_DENIED.
   absl::StatusOr<TenantId> ReceivingTenant(const std::string& name) const;
-  // Remembers a reservation's tenant until the commit or abort asks (the last kIncomingKept).
-  void RecordIncoming(const std::string& transfer_id, TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
-  TenantId IncomingTenant(const std::string& transfer_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // PERMISSION_DENIED naming peer_address unless `address` is an allowed peer.
   absl::Status CheckPeer(const std::string& address) const;
   // Finishes `reactor` with `status` and counts the call.
@@ -116,14 +114,8 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   prometheus::Histogram* seconds_ = nullptr;
   prometheus::Gauge* open_ = nullptr;
   prometheus::Gauge* in_doubt_ = nullptr;
-  // Reservations remembered with their tenant: more than --transfer-reservations-per-peer
-  // times any sane number of peers, so a live reservation is never forgotten.
-  static constexpr size_t kIncomingKept = 4096;
-
   mutable absl::Mutex mu_;
   std::string self_address_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, TenantId> incoming_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> incoming_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> pulls_{0};  // PullSlot calls waiting for their peer
   absl::Notification stop_;

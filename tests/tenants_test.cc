@@ -12,12 +12,15 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
+#include "absl/synchronization/notification.h"
 #include "service_fixture.h"
+#include "transfer_proxy.h"
 
 namespace replayssm::testing {
 namespace {
@@ -284,6 +287,62 @@ TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
   auto stolen = alice_b->PullSlot(bobs2->slot(), (*a)->grpc_address(), false);
   EXPECT_EQ(stolen.status().code(), absl::StatusCode::kNotFound) << stolen.status();
   EXPECT_TRUE(bob_a->GetSlot(bobs2->slot()).ok());
+}
+
+// Issue 31 §2: the receiver looked a commit's tenant up in a side table of the last 4096
+// reservations and fell back to the implicit tenant: reservations made (and aborted) while
+// a sender paused before its commit pushed the entry out, and the committed slot belonged to
+// nobody (its owner got NOT_FOUND, nothing freed it). The tenant now travels with the
+// reservation.
+TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhile) {
+  TokenFile tokens(Tokens());
+  auto a = ServerProcess::Start({tokens.Flag(), "--transfer-timeout=300"});
+  auto b = ServerProcess::Start({tokens.Flag(), "--transfer-lease=300"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto proxy = TransferProxy::Start((*b)->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  v1::ReserveTransferRequest seen;
+  absl::Notification committing, flooded;
+  proxy->set_hooks({.reserve = [&](v1::ReserveTransferRequest& r) {
+                      seen = r;
+                      return TransferProxy::Action::kForward;
+                    },
+                    .commit = [&](v1::CommitTransferRequest&) {
+                      committing.Notify();
+                      flooded.WaitForNotification();  // the sender pauses before its commit
+                      return TransferProxy::Action::kForward;
+                    }});
+  auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
+  auto slot = alice_a->Allocate();
+  ASSERT_TRUE(slot.ok());
+  absl::StatusOr<v1::TransferSlotResponse> moved;
+  std::thread t([&] { moved = alice_a->TransferSlot(slot->slot(), proxy->address(), false); });
+  ASSERT_TRUE(committing.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel((*b)->grpc_address(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 4200; ++i) {  // another tenant's reservations, each aborted
+    v1::ReserveTransferRequest r = seen;
+    r.set_transfer_id("flood-" + std::to_string(i));
+    r.set_tenant("bob");
+    v1::ReserveTransferResponse reserved;
+    grpc::ClientContext rc;
+    const grpc::Status st = stub->ReserveTransfer(&rc, r, &reserved);
+    ASSERT_TRUE(st.ok()) << i << ": " << st.error_message();
+    v1::AbortTransferRequest abort;
+    abort.set_transfer_id(r.transfer_id());
+    v1::AbortTransferResponse aborted;
+    grpc::ClientContext ac;
+    ASSERT_TRUE(stub->AbortTransfer(&ac, abort, &aborted).ok()) << i;
+  }
+  flooded.Notify();
+  t.join();
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_TRUE(alice_b->GetSlot(moved->remote_slot()).ok()) << "alice's slot is alice's";
+  EXPECT_EQ(bob_b->GetSlot(moved->remote_slot()).status().code(), absl::StatusCode::kNotFound);
+  auto listed = alice_b->ListSlots();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->slots_size(), 1);
+  EXPECT_TRUE(alice_b->Free(moved->remote_slot()).ok()) << "and its owner can free it";
 }
 
 TEST(TenantTransfers, AReceiverRefusesASlotOfATenantItDoesNotKnow) {

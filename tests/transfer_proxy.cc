@@ -64,7 +64,11 @@ grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp*
   }
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
-  return ((*Stub()).*call)(&cc, forwarded, resp);
+  const grpc::Status forwarded_status = ((*Stub()).*call)(&cc, forwarded, resp);
+  if (action == Action::kForwardLoseReply) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "proxy: the peer's reply was lost");
+  }
+  return forwarded_status;
 }
 
 grpc::Status TransferProxy::ReserveTransfer(grpc::ServerContext* c,
@@ -86,6 +90,13 @@ grpc::Status TransferProxy::AbortTransfer(grpc::ServerContext* c,
                                           v1::AbortTransferResponse* resp) {
   ++aborts_;
   return Handle(c, *req, resp, &Hooks::abort, &v1::SlotTransfer::Stub::AbortTransfer);
+}
+
+grpc::Status TransferProxy::AcknowledgeTransfer(grpc::ServerContext* c,
+                                                const v1::AcknowledgeTransferRequest* req,
+                                                v1::AcknowledgeTransferResponse* resp) {
+  return Handle(c, *req, resp, &Hooks::acknowledge,
+                &v1::SlotTransfer::Stub::AcknowledgeTransfer);
 }
 
 }  // namespace replayssm::testing

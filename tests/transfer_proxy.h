@@ -24,12 +24,14 @@ class TransferProxy final : public v1::SlotTransfer::Service {
     kForward,  // pass the (possibly edited) request to the target and its answer back
     kRefuse,   // answer UNAVAILABLE without forwarding, as a peer that went away would
     kHang,     // never answer (until the proxy stops or the caller gives up)
+    kForwardLoseReply,  // forward it, then answer UNAVAILABLE: the target's reply was lost
   };
   // Called on the proxy's gRPC thread before a call is forwarded; may block, edit the request.
   struct Hooks {
     std::function<Action(v1::ReserveTransferRequest&)> reserve;
     std::function<Action(v1::CommitTransferRequest&)> commit;
     std::function<Action(v1::AbortTransferRequest&)> abort;
+    std::function<Action(v1::AcknowledgeTransferRequest&)> acknowledge;
   };
 
   // Listens on a free loopback port and forwards to `target` (host:port).
@@ -50,6 +52,9 @@ class TransferProxy final : public v1::SlotTransfer::Service {
                               v1::CommitTransferResponse* resp) override;
   grpc::Status AbortTransfer(grpc::ServerContext* c, const v1::AbortTransferRequest* req,
                              v1::AbortTransferResponse* resp) override;
+  grpc::Status AcknowledgeTransfer(grpc::ServerContext* c,
+                                   const v1::AcknowledgeTransferRequest* req,
+                                   v1::AcknowledgeTransferResponse* resp) override;
 
  private:
   TransferProxy() = default;

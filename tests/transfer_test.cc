@@ -245,6 +245,40 @@ TEST_F(TransferTest, DisaggregatedDemoPrefillsHereAndDecodesThere) {
   EXPECT_GT(Client::Connect(b->grpc_address())->Stats()->forwards_committed(), 0);
 }
 
+// Issue 31 §1: the receiver kept its decisions in one FIFO of 4096 that AbortTransfer calls
+// of unknown ids (anyone's) filled too. A sender whose commit reply was lost then asked, heard
+// "aborted" for a transfer the receiver had committed, and released its source: the state
+// existed twice. A committed decision now stays until its sender acknowledges it.
+TEST_F(TransferTest, AFloodOfUnknownIdsNeverMakesTheReceiverForgetACommit) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  proxy->set_hooks({.commit = [](v1::CommitTransferRequest&) { return Action::kForwardLoseReply; },
+                    .abort = [](v1::AbortTransferRequest&) { return Action::kRefuse; }});
+  const uint64_t s = PreparedSlot();
+  auto r = client_->TransferSlot(s, proxy->address(), false, "flooded-1");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << "in doubt: " << r.status();
+  EXPECT_EQ(cb->Stats()->slots_live(), 1) << "B committed it";
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel(b->grpc_address(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 4200; ++i) {
+    v1::AbortTransferRequest req;
+    req.set_transfer_id("junk-" + std::to_string(i));
+    v1::AbortTransferResponse resp;
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub->AbortTransfer(&c, req, &resp).ok()) << i;
+    EXPECT_FALSE(resp.committed());
+  }
+  proxy->set_hooks({});  // A may ask B again
+  auto retry = client_->TransferSlot(s, proxy->address(), false, "flooded-1");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(cb->Stats()->slots_live(), 1) << "the state exists once";
+  EXPECT_TRUE(cb->GetSlot(retry->remote_slot()).ok());
+  EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved";
+}
+
 // A with --transfer-lanes N and chunks small enough that the slot is many of them (their
 // count not a multiple of 3); B imports in chunks of its own size.
 class TransferLanesTest : public TransferTest, public ::testing::WithParamInterface<int> {
