@@ -27,6 +27,7 @@
 #include "service/regions_service.h"
 #include "service/replayssm_service.h"
 #include "service/request_log.h"
+#include "service/secrets.h"
 #include "service/service_context.h"
 #include "service/slot_handles.h"
 #include "service/slot_leases.h"
@@ -156,6 +157,7 @@ class ServerImpl final : public Server {
         TokenStore::Load(options_.auth_tokens_file);
     if (!tokens.ok()) return tokens.status();
     tokens_ = *std::move(tokens);
+    if (auto w = ExposureWarning("auth-tokens", options_.auth_tokens_file)) warnings_.push_back(*w);
     tenant_regions_ = std::make_unique<TenantRegions>(
         device_.backend, cache::RegionLimits{options_.max_regions,
                                              static_cast<uint64_t>(options_.max_region_bytes)});
@@ -237,6 +239,7 @@ class ServerImpl final : public Server {
   std::string backend_name() const override { return device_.name; }
   std::string model_name() const override { return cache_->model().name; }
   bool mps_active() const override { return ctx_.mps; }
+  std::vector<std::string> warnings() const override { return warnings_; }
 
   void Drain() override {
     gate_.Drain();
@@ -289,6 +292,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string grpc_address_;
   std::string metrics_address_;
+  std::vector<std::string> warnings_;  // for main to print
 };
 
 }  // namespace

@@ -73,6 +73,9 @@ class Server {
   // CUDA backend: whether this process's GPU work goes through MPS (co-located engines need
   // it: docs/data-plane.md). Always false on the CPU backend.
   virtual bool mps_active() const = 0;
+  // What the operator should hear about at start: settings that work but are unsafe (secret
+  // files others may read, ...). main prints each as a warning.
+  virtual std::vector<std::string> warnings() const = 0;
 
   // Refuse new forwards, report NOT_SERVING, wait for open forwards (up to the drain
   // timeout), then stop serving. Returns when the gRPC server is shut down.

@@ -139,6 +139,12 @@ absl::Status RequireSet(const std::string& request_id, uint64_t slot, const std:
                     slot == 0 && missing[0] == 's' ? "0" : "\"\"");
 }
 
+// Reconnect backoff of the channels to peers (issue 31 §7): a second at most between
+// attempts, so a restarted peer is reachable again at once; a dead one costs a failed
+// connect per second.
+constexpr int kPeerReconnectInitialMs = 100;
+constexpr int kPeerReconnectMaxMs = 1000;
+
 bool WildcardHost(absl::string_view address) {
   return absl::StartsWith(address, "0.0.0.0:") || absl::StartsWith(address, "[::]:") ||
          absl::StartsWith(address, ":");
@@ -252,9 +258,17 @@ std::shared_ptr<grpc::Channel> TransferService::Channel(const std::string& addre
   absl::MutexLock lock(&mu_);
   std::shared_ptr<grpc::Channel>& c = channels_[address];
   if (c == nullptr) {
-    c = grpc::CreateChannel(address, options_.peer_credentials != nullptr
-                                         ? options_.peer_credentials
-                                         : grpc::InsecureChannelCredentials());
+    // A peer that was down is dialled again within a second of coming back (gRPC's default
+    // backoff grows to 120 s, and every transfer to it fails fast meanwhile).
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kPeerReconnectInitialMs);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kPeerReconnectInitialMs);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kPeerReconnectMaxMs);
+    c = grpc::CreateCustomChannel(address,
+                                  options_.peer_credentials != nullptr
+                                      ? options_.peer_credentials
+                                      : grpc::InsecureChannelCredentials(),
+                                  args);
   }
   return c;
 }

@@ -57,7 +57,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   if (p->pid_ < 0) return absl::InternalError("fork failed");
   if (p->pid_ == 0) {
     FILE* f = std::freopen(log.c_str(), "w", stdout);
-    (void)f;
+    if (f != nullptr) dup2(fileno(f), STDERR_FILENO);
     execv(argv[0], argv.data());
     _exit(127);
   }
@@ -72,6 +72,13 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     absl::SleepFor(absl::Milliseconds(10));
   }
   return absl::DeadlineExceededError("replayssm-server did not become ready");
+}
+
+std::string ServerProcess::Log() const {
+  std::ifstream in(dir_ + "/server.log");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 absl::StatusOr<int64_t> ServerProcess::ResidentBytes() const {

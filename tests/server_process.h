@@ -28,6 +28,8 @@ class ServerProcess {
   void Signal(int sig);
   // The exit status (WEXITSTATUS), or an error when it did not exit within `timeout`.
   absl::StatusOr<int> WaitExit(absl::Duration timeout);
+  // What it printed so far (stdout and stderr).
+  std::string Log() const;
   // Its resident set size (VmRSS of /proc/PID/status) in bytes.
   absl::StatusOr<int64_t> ResidentBytes() const;
 

@@ -5,6 +5,7 @@
 // read again; a moved slot belongs to its sender's tenant on the receiver.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -249,6 +250,26 @@ TEST_F(TenantsTest, AChangedTokenFileIsReadAgain) {
   auto still = As(*server_, carol)->ListSlots();
   EXPECT_TRUE(still.ok()) << still.status();
   EXPECT_TRUE(client_->ListSlots().ok());
+}
+
+// Issue 31 §7: a token file its group or others may read is named in a warning at start
+// (never its tokens); one only its owner may read is not.
+TEST(TokenFilePermissions, AFileOthersMayReadIsWarnedAbout) {
+  TokenFile tokens(Tokens());
+  const std::string path = tokens.Flag().substr(std::string("--auth-tokens=").size());
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  auto open = ServerProcess::Start({tokens.Flag()});
+  ASSERT_TRUE(open.ok()) << open.status();
+  const std::string log = (*open)->Log();
+  EXPECT_NE(log.find("warning: --auth-tokens " + path + " may be read by its group and others"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find(kAlice), std::string::npos) << "never a token";
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  auto private_file = ServerProcess::Start({tokens.Flag()});
+  ASSERT_TRUE(private_file.ok()) << private_file.status();
+  EXPECT_EQ((*private_file)->Log().find("--auth-tokens"), std::string::npos)
+      << (*private_file)->Log();
 }
 
 // Two servers with the same token file: a slot moved by alice is alice's on the receiver.

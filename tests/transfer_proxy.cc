@@ -8,12 +8,13 @@
 
 namespace replayssm::testing {
 
-std::unique_ptr<TransferProxy> TransferProxy::Start(const std::string& target) {
+std::unique_ptr<TransferProxy> TransferProxy::Start(const std::string& target, int at) {
   std::unique_ptr<TransferProxy> p(new TransferProxy());
   p->set_target(target);
   int port = 0;
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::StrCat("127.0.0.1:", at), grpc::InsecureServerCredentials(),
+                           &port);
   builder.RegisterService(p.get());
   p->server_ = builder.BuildAndStart();
   if (p->server_ == nullptr || port == 0) return nullptr;

@@ -34,8 +34,8 @@ class TransferProxy final : public v1::SlotTransfer::Service {
     std::function<Action(v1::AcknowledgeTransferRequest&)> acknowledge;
   };
 
-  // Listens on a free loopback port and forwards to `target` (host:port).
-  static std::unique_ptr<TransferProxy> Start(const std::string& target);
+  // Listens on a loopback port (0: a free one) and forwards to `target` (host:port).
+  static std::unique_ptr<TransferProxy> Start(const std::string& target, int port = 0);
   ~TransferProxy() override;  // ends held calls, then stops
 
   const std::string& address() const { return address_; }

@@ -279,6 +279,36 @@ TEST_F(TransferTest, AFloodOfUnknownIdsNeverMakesTheReceiverForgetACommit) {
   EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved";
 }
 
+// Issue 31 §7: the channel to a peer retries its connection at least once a second. A peer
+// that was down for ten seconds is reached again within about a second of coming back; with
+// gRPC's default backoff (1 s growing by 1.6x to 120 s) the next attempt was 4-8 s away, and
+// every transfer to it failed at once meanwhile.
+TEST_F(TransferTest, APeerThatComesBackIsReachedWithinASecond) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto gone = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(gone, nullptr);
+  const std::string address = gone->address();
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  gone.reset();  // the peer goes away
+  const uint64_t s = NewSlot();
+  for (const absl::Time end = absl::Now() + absl::Seconds(10); absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(200))) {
+    EXPECT_FALSE(client_->TransferSlot(s, address, /*keep_source=*/true).ok());
+  }
+  auto back = TransferProxy::Start(b->grpc_address(), port);
+  ASSERT_NE(back, nullptr) << "port " << port << " was taken meanwhile";
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<v1::TransferSlotResponse> moved;
+  while (absl::Now() - t0 < absl::Seconds(30)) {
+    moved = client_->TransferSlot(s, address, /*keep_source=*/true);
+    if (moved.ok()) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_LT(absl::Now() - t0, absl::Milliseconds(2500)) << "reconnect backoff: 1 s at most";
+}
+
 // A with --transfer-lanes N and chunks small enough that the slot is many of them (their
 // count not a multiple of 3); B imports in chunks of its own size.
 class TransferLanesTest : public TransferTest, public ::testing::WithParamInterface<int> {
