@@ -20,7 +20,7 @@ flags=(grpc-address metrics-address model device memory-budget ring-length track
        transfer-reservations-per-peer
        max-regions max-region-bytes forward-timeout drain-timeout transfer-chunk-bytes
        transfer-lanes transfer-import-threads transfer-timeout transfer-lease
-       transfer-max-concurrent auth-tokens ready-file)
+       transfer-max-concurrent auth-tokens peer-token ready-file)
 
 args=()
 if [[ -f "$config" ]]; then

@@ -175,6 +175,10 @@ const std::vector<Flag>& Flags() {
        "file of `tenant token` lines: every client call needs `authorization: Bearer <token>` "
        "and sees its tenant's slots only (re-read when it changes) [off]",
        Str(&ServerOptions::auth_tokens_file)},
+      {"peer-token",
+       "file of the cluster's peer token: transfer peers must present it (a client's token "
+       "or certificate never suffices) and this server presents it [off]",
+       Str(&ServerOptions::peer_token_file)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        [](ServerFlags& f, const std::string& v) {
          f.ready_file = v;

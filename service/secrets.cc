@@ -1,14 +1,36 @@
 #include "service/secrets.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace replayssm::service {
+namespace {
+
+constexpr size_t kMinTokenBytes = 16;  // as a tenant's: a guessable token is no authentication
+constexpr size_t kMaxTokenBytes = 256;
+
+// Whether `gid` is the server's user's effective or a supplementary group.
+bool InOwnGroups(gid_t gid) {
+  if (gid == getegid()) return true;
+  const int n = getgroups(0, nullptr);
+  if (n <= 0) return false;
+  std::vector<gid_t> groups(static_cast<size_t>(n));
+  groups.resize(static_cast<size_t>(std::max(getgroups(n, groups.data()), 0)));
+  return std::find(groups.begin(), groups.end(), gid) != groups.end();
+}
+
+}  // namespace
 
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   // Every byte of the longer one is looked at whatever the others hold; the accumulator is
@@ -26,16 +48,56 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 std::optional<std::string> ExposureWarning(absl::string_view flag, const std::string& path) {
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) return std::nullopt;
-  const bool group = (st.st_mode & S_IRGRP) != 0, others = (st.st_mode & S_IROTH) != 0;
+  // A group the server's user is in is the server's own (Kubernetes: the pod's fsGroup).
+  const bool group = (st.st_mode & S_IRGRP) != 0 && !InOwnGroups(st.st_gid);
+  const bool others = (st.st_mode & S_IROTH) != 0;
   if (!group && !others) return std::nullopt;
   char mode[8];
   std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
   return absl::StrCat("--", flag, " ", path, " may be read by ",
-                      group && others ? "its group and others"
-                      : group         ? "its group"
+                      group && others ? "another group and others"
+                      : group         ? "another group"
                                       : "others",
-                      " (mode ", mode, "): a secret should be readable by the server's user only "
-                      "(chmod 600, or 400)");
+                      " (mode ", mode, "): a secret should be readable by the server's user "
+                      "(and its own groups) only: chmod 600");
+}
+
+absl::StatusOr<std::unique_ptr<PeerTokens>> PeerTokens::Load(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peer-token: expected a readable file, got \"", path, "\""));
+  }
+  std::vector<std::string> tokens;
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(text.str(), '\n')) {
+    ++n;
+    if (size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty()) continue;
+    bool printable = line.size() >= kMinTokenBytes && line.size() <= kMaxTokenBytes;
+    for (char c : line) printable = printable && c > ' ' && c <= '~';
+    if (!printable) {  // the token itself is never echoed
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ":", n, ": token: expected ", kMinTokenBytes, "..", kMaxTokenBytes,
+          " printable ASCII characters without spaces, got ", line.size(),
+          " characters or others"));
+    }
+    tokens.emplace_back(line);
+  }
+  if (tokens.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": expected a peer token (one per line), got none"));
+  }
+  return std::unique_ptr<PeerTokens>(new PeerTokens(std::move(tokens)));
+}
+
+bool PeerTokens::Accepts(absl::string_view token) const {
+  bool accepted = false;
+  for (const std::string& t : tokens_) accepted = ConstantTimeEquals(t, token) || accepted;
+  return accepted;
 }
 
 }  // namespace replayssm::service

@@ -190,9 +190,30 @@ class ServerImpl final : public Server {
     if (!peers.ok()) return peers.status();
     t.peer_credentials = *std::move(peers);
     t.allowed_peers = options_.transfer_peers;
+    if (absl::Status st = LoadPeerTokens(t); !st.ok()) return st;
     absl::StatusOr<std::unique_ptr<TransferService>> ts = TransferService::Create(&ctx_, t);
     if (!ts.ok()) return ts.status();
     transfers_ = std::move(*ts);
+    return absl::OkStatus();
+  }
+
+  // --peer-token: peers authenticate with it; without it a server that authenticates its
+  // clients takes no incoming transfers (a client's credentials are never a peer's).
+  absl::Status LoadPeerTokens(TransferOptions& t) {
+    t.clients_authenticated =
+        !options_.auth_tokens_file.empty() || !options_.tls_client_ca_file.empty();
+    if (options_.peer_token_file.empty()) {
+      if (t.clients_authenticated) {
+        warnings_.push_back(
+            "incoming slot transfers are refused: clients are authenticated (--auth-tokens, "
+            "--tls-client-ca) and peers cannot be without --peer-token");
+      }
+      return absl::OkStatus();
+    }
+    absl::StatusOr<std::unique_ptr<PeerTokens>> tokens = PeerTokens::Load(options_.peer_token_file);
+    if (!tokens.ok()) return tokens.status();
+    t.peer_tokens = *std::move(tokens);
+    if (auto w = ExposureWarning("peer-token", options_.peer_token_file)) warnings_.push_back(*w);
     return absl::OkStatus();
   }
 

@@ -56,10 +56,13 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
 // The sender's view of the receiving server, over its SlotTransfer service.
 class GrpcPeer final : public transfer::Peer {
  public:
-  // `tenant_of` names the tenant that owns a transfer id's slot ("" without tenants).
+  // `tenant_of` names the tenant that owns a transfer id's slot ("" without tenants);
+  // `peer_token` goes with every call ("": none).
   GrpcPeer(std::shared_ptr<grpc::Channel> channel,
-           std::function<std::string(const std::string&)> tenant_of)
-      : stub_(v1::SlotTransfer::NewStub(std::move(channel))), tenant_of_(std::move(tenant_of)) {}
+           std::function<std::string(const std::string&)> tenant_of, std::string peer_token)
+      : stub_(v1::SlotTransfer::NewStub(std::move(channel))),
+        tenant_of_(std::move(tenant_of)),
+        peer_token_(std::move(peer_token)) {}
 
   absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
                                                 const transfer::StateFormat& format,
@@ -75,7 +78,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_tenant(tenant_of_(id));
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(c, deadline);
     absl::Status st =
         FromGrpcStatus(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
     if (!st.ok()) return st;
@@ -91,7 +94,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_checksum(checksum);
     v1::CommitTransferResponse resp;
     grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(c, deadline);
     absl::Status st = FromGrpcStatus(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
     if (!st.ok()) return st;
     return resp.slot();  // the peer's wire handle
@@ -102,7 +105,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_transfer_id(id);
     v1::AbortTransferResponse resp;
     grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(c, deadline);
     absl::Status st = FromGrpcStatus(stub_->AbortTransfer(&c, req, &resp), "peer AbortTransfer");
     if (!st.ok()) return st;
     return transfer::Decision{resp.committed(), resp.slot(), resp.seq_len()};
@@ -118,14 +121,20 @@ class GrpcPeer final : public transfer::Peer {
     };
     auto* call = new Call;
     call->req.set_transfer_id(id);
-    call->context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    Prepare(call->context, absl::Now() + absl::Seconds(10));
     stub_->async()->AcknowledgeTransfer(&call->context, &call->req, &call->resp,
                                          [call](grpc::Status) { delete call; });
   }
 
  private:
+  void Prepare(grpc::ClientContext& c, absl::Time deadline) const {
+    c.set_deadline(absl::ToChronoTime(deadline));
+    if (!peer_token_.empty()) c.AddMetadata(kPeerTokenKey, peer_token_);
+  }
+
   std::unique_ptr<v1::SlotTransfer::Stub> stub_;
   std::function<std::string(const std::string&)> tenant_of_;
+  const std::string peer_token_;
 };
 
 // The fields both transfer forms need: INVALID_ARGUMENT naming the first one missing.
@@ -232,7 +241,8 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
       s->sender_.get(),
       [self](const std::string& address) -> std::unique_ptr<transfer::Peer> {
         return std::make_unique<GrpcPeer>(
-            self->Channel(address), [self](const std::string& id) { return self->TenantOf(id); });
+            self->Channel(address), [self](const std::string& id) { return self->TenantOf(id); },
+            self->options_.peer_tokens != nullptr ? self->options_.peer_tokens->own() : "");
       },
       m);
   s->janitor_ = std::thread([self] {
@@ -304,6 +314,31 @@ std::string TransferService::PeerIdentity(const grpc::CallbackServerContext& c) 
   std::string peer = c.peer();
   const size_t colon = peer.rfind(':');
   return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
+absl::Status TransferService::AuthenticatePeer(const grpc::CallbackServerContext& c,
+                                              absl::string_view method) const {
+  if (options_.peer_tokens == nullptr) {
+    if (!options_.clients_authenticated) return absl::OkStatus();  // a trusted network
+    return absl::PermissionDeniedError(absl::StrCat(
+        method, ": this server takes no incoming transfers: it authenticates its clients "
+        "(--auth-tokens, --tls-client-ca) but has no --peer-token to authenticate peers, and a "
+        "client's credentials are never a peer's"));
+  }
+  const auto& md = c.client_metadata();
+  auto it = md.find(kPeerTokenKey);
+  if (it == md.end()) {
+    ctx_->metrics->CountAuthFailure("missing");
+    return absl::UnauthenticatedError(absl::StrCat(
+        kPeerTokenKey, ": expected the cluster's peer token (--peer-token) in the metadata of ",
+        method, ", got none"));
+  }
+  if (!options_.peer_tokens->Accepts(absl::string_view(it->second.data(), it->second.size()))) {
+    ctx_->metrics->CountAuthFailure("unknown");
+    return absl::UnauthenticatedError(absl::StrCat(
+        kPeerTokenKey, ": expected the cluster's peer token (--peer-token), got another"));
+  }
+  return absl::OkStatus();
 }
 
 std::string TransferService::MoveId(TenantId tenant, const std::string& request_id) const {
@@ -440,6 +475,10 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerContext* c,
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
+  if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer"); !st.ok()) {
+    CountFailure(st);
+    return Reply(c, "ReserveTransfer", st);
+  }
   if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
@@ -467,7 +506,8 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
 grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
                                                           const v1::CommitTransferRequest* req,
                                                           v1::CommitTransferResponse* resp) {
-  absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id());
+  absl::Status st = AuthenticatePeer(*c, "CommitTransfer");
+  if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
   if (!st.ok()) return Reply(c, "CommitTransfer", st);
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
@@ -490,9 +530,9 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerContext* c,
                                                          const v1::AbortTransferRequest* req,
                                                          v1::AbortTransferResponse* resp) {
-  if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
-    return Reply(c, "AbortTransfer", st);
-  }
+  absl::Status st = AuthenticatePeer(*c, "AbortTransfer");
+  if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
+  if (!st.ok()) return Reply(c, "AbortTransfer", st);
   const transfer::Decision d = receiver_->Abort(req->transfer_id());
   resp->set_committed(d.committed);
   if (d.committed) {  // its handle was issued at the commit, to the reservation's tenant
@@ -505,9 +545,9 @@ grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* TransferService::AcknowledgeTransfer(
     grpc::CallbackServerContext* c, const v1::AcknowledgeTransferRequest* req,
     v1::AcknowledgeTransferResponse*) {
-  if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
-    return Reply(c, "AcknowledgeTransfer", st);
-  }
+  absl::Status st = AuthenticatePeer(*c, "AcknowledgeTransfer");
+  if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
+  if (!st.ok()) return Reply(c, "AcknowledgeTransfer", st);
   receiver_->Acknowledge(req->transfer_id(), PeerIdentity(*c));  // only the reserving peer's
   return Reply(c, "AcknowledgeTransfer", absl::OkStatus());
 }

@@ -50,6 +50,21 @@ class TokenFile {
   std::string path_;
 };
 
+// The cluster's peer token (--peer-token), owner-readable only.
+class PeerTokenFile {
+ public:
+  PeerTokenFile() : path_(absl::StrCat(::testing::TempDir(), "/replayssm-peer-", getpid())) {
+    std::ofstream(path_) << kPeerToken << "\n";
+    chmod(path_.c_str(), 0600);
+  }
+  ~PeerTokenFile() { std::remove(path_.c_str()); }
+  std::string Flag() const { return "--peer-token=" + path_; }
+  static constexpr char kPeerToken[] = "peer-token-0123456789abcdef";
+
+ private:
+  std::string path_;
+};
+
 std::string Tokens() {
   return absl::StrCat("# tenant token\nalice ", kAlice, "\nalice ", kAlice2, "\nbob ", kBob, "\n");
 }
@@ -252,8 +267,8 @@ TEST_F(TenantsTest, AChangedTokenFileIsReadAgain) {
   EXPECT_TRUE(client_->ListSlots().ok());
 }
 
-// Issue 31 §7: a token file its group or others may read is named in a warning at start
-// (never its tokens); one only its owner may read is not.
+// Issue 31 §7: a token file others may read is named in a warning at start (never its
+// tokens); one only its owner may read is not.
 TEST(TokenFilePermissions, AFileOthersMayReadIsWarnedAbout) {
   TokenFile tokens(Tokens());
   const std::string path = tokens.Flag().substr(std::string("--auth-tokens=").size());
@@ -261,22 +276,23 @@ TEST(TokenFilePermissions, AFileOthersMayReadIsWarnedAbout) {
   auto open = ServerProcess::Start({tokens.Flag()});
   ASSERT_TRUE(open.ok()) << open.status();
   const std::string log = (*open)->Log();
-  EXPECT_NE(log.find("warning: --auth-tokens " + path + " may be read by its group and others"),
+  EXPECT_NE(log.find("warning: --auth-tokens " + path + " may be read by others (mode 0644)"),
             std::string::npos)
       << log;
   EXPECT_EQ(log.find(kAlice), std::string::npos) << "never a token";
   ASSERT_EQ(chmod(path.c_str(), 0600), 0);
   auto private_file = ServerProcess::Start({tokens.Flag()});
   ASSERT_TRUE(private_file.ok()) << private_file.status();
-  EXPECT_EQ((*private_file)->Log().find("--auth-tokens"), std::string::npos)
+  EXPECT_EQ((*private_file)->Log().find("may be read"), std::string::npos)
       << (*private_file)->Log();
 }
 
 // Two servers with the same token file: a slot moved by alice is alice's on the receiver.
 TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
   TokenFile tokens(Tokens());
-  auto a = ServerProcess::Start({tokens.Flag()});
-  auto b = ServerProcess::Start({tokens.Flag()});
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag()});
   ASSERT_TRUE(a.ok() && b.ok());
   auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
   auto slot = alice_a->Allocate();
@@ -317,8 +333,9 @@ TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
 // reservation.
 TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhile) {
   TokenFile tokens(Tokens());
-  auto a = ServerProcess::Start({tokens.Flag(), "--transfer-timeout=300"});
-  auto b = ServerProcess::Start({tokens.Flag(), "--transfer-lease=300"});
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag(), "--transfer-timeout=300"});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag(), "--transfer-lease=300"});
   ASSERT_TRUE(a.ok() && b.ok());
   auto proxy = TransferProxy::Start((*b)->grpc_address());
   ASSERT_NE(proxy, nullptr);
@@ -347,12 +364,14 @@ TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhil
     r.set_tenant("bob");
     v1::ReserveTransferResponse reserved;
     grpc::ClientContext rc;
+    rc.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);  // a peer's calls
     const grpc::Status st = stub->ReserveTransfer(&rc, r, &reserved);
     ASSERT_TRUE(st.ok()) << i << ": " << st.error_message();
     v1::AbortTransferRequest abort;
     abort.set_transfer_id(r.transfer_id());
     v1::AbortTransferResponse aborted;
     grpc::ClientContext ac;
+    ac.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);
     ASSERT_TRUE(stub->AbortTransfer(&ac, abort, &aborted).ok()) << i;
   }
   flooded.Notify();
@@ -366,12 +385,88 @@ TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhil
   EXPECT_TRUE(alice_b->Free(moved->remote_slot()).ok()) << "and its owner can free it";
 }
 
+// Issue 31 §3: ReserveTransfer, CommitTransfer and AbortTransfer checked no credential: a
+// tenant's client could create slots in any tenant, and anonymous reservations from the host
+// of a real peer used up that host's share (--transfer-reservations-per-peer) and locked the
+// peer out for a whole lease. Peer calls now need the cluster's peer token; a tenant's token
+// is never enough, and calls without it reserve nothing.
+TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
+  TokenFile tokens(Tokens());
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  ASSERT_TRUE(a.ok() && b.ok());
+  // A real reservation's request, to replay as others.
+  auto proxy = TransferProxy::Start((*b)->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  v1::ReserveTransferRequest seen;
+  proxy->set_hooks({.reserve = [&](v1::ReserveTransferRequest& r) {
+    seen = r;
+    return TransferProxy::Action::kForward;
+  }});
+  auto alice_a = As(**a, kAlice);
+  auto first = alice_a->Allocate();
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(alice_a->TransferSlot(first->slot(), proxy->address(), false).ok());
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel((*b)->grpc_address(), grpc::InsecureChannelCredentials()));
+  const auto reserve = [&](const std::string& id, const std::string& key,
+                           const std::string& value) {
+    v1::ReserveTransferRequest r = seen;
+    r.set_transfer_id(id);
+    v1::ReserveTransferResponse resp;
+    grpc::ClientContext c;
+    if (!key.empty()) c.AddMetadata(key, value);
+    return stub->ReserveTransfer(&c, r, &resp).error_code();
+  };
+  for (int i = 0; i < 8; ++i) {  // from this host, as the servers are
+    EXPECT_EQ(reserve("anon-" + std::to_string(i), "", ""), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(reserve("tenant", "authorization", absl::StrCat("Bearer ", kAlice)),
+            grpc::StatusCode::UNAUTHENTICATED)
+      << "a client's token is no peer's";
+  EXPECT_EQ(reserve("guess", "replayssm-peer-token", "peer-token-0123456789abcdeX"),
+            grpc::StatusCode::UNAUTHENTICATED);
+  for (const char* method : {"commit", "abort", "acknowledge"}) {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
+    grpc::Status st;
+    if (method[0] == 'c') {
+      v1::CommitTransferRequest r;
+      r.set_transfer_id("x");
+      v1::CommitTransferResponse resp;
+      st = stub->CommitTransfer(&c, r, &resp);
+    } else if (method[1] == 'b') {
+      v1::AbortTransferRequest r;
+      r.set_transfer_id("x");
+      v1::AbortTransferResponse resp;
+      st = stub->AbortTransfer(&c, r, &resp);
+    } else {
+      v1::AcknowledgeTransferRequest r;
+      r.set_transfer_id("x");
+      v1::AcknowledgeTransferResponse resp;
+      st = stub->AcknowledgeTransfer(&c, r, &resp);
+    }
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << method;
+  }
+  auto metrics = HttpGet((*b)->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, "replayssm_slots{state=\"live\"}"), 1)
+      << "only the real transfer's slot";
+  // The real peer on the same host is not locked out.
+  auto next = alice_a->Allocate();
+  ASSERT_TRUE(next.ok());
+  auto moved = alice_a->TransferSlot(next->slot(), (*b)->grpc_address(), false);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
 TEST(TenantTransfers, AReceiverRefusesASlotOfATenantItDoesNotKnow) {
   TokenFile sender_tokens(Tokens());
   TokenFile receiver_tokens(absl::StrCat("bob ", kBob, "\n"));
-  auto a = ServerProcess::Start({sender_tokens.Flag()});
-  auto b = ServerProcess::Start({receiver_tokens.Flag()});
-  auto open = ServerProcess::Start({});  // no tenants at all
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({sender_tokens.Flag(), peer.Flag()});
+  auto b = ServerProcess::Start({receiver_tokens.Flag(), peer.Flag()});
+  auto open = ServerProcess::Start({peer.Flag()});  // no tenants at all
   ASSERT_TRUE(a.ok() && b.ok() && open.ok());
   auto alice_a = As(**a, kAlice);
   auto slot = alice_a->Allocate();

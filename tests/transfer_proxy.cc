@@ -65,6 +65,12 @@ grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp*
   }
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  // The sender's peer token (--peer-token) goes on to the receiver.
+  for (const auto& [key, value] : c->client_metadata()) {
+    if (key == "replayssm-peer-token") {
+      cc.AddMetadata(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
+    }
+  }
   const grpc::Status forwarded_status = ((*Stub()).*call)(&cc, forwarded, resp);
   if (action == Action::kForwardLoseReply) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "proxy: the peer's reply was lost");

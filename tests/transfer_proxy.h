@@ -3,7 +3,8 @@
 // AbortTransfer to its target, and a test decides per call what happens first: forward it
 // (after a delay, a SIGSTOP of the receiver, an edit of the request, ...), answer it with an
 // error without forwarding, or never answer it (a hung peer). The bytes themselves go over
-// UCX straight from the sender to the receiver named in the reservation.
+// UCX straight from the sender to the receiver named in the reservation. The sender's peer
+// token (metadata replayssm-peer-token) is passed on.
 #ifndef REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 #define REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 
