@@ -13,7 +13,7 @@ server=${REPLAYSSM_SERVER_BIN:-replayssm-server}
 config=${REPLAYSSM_CONFIG:-/etc/replayssm/replayssm.conf}
 
 # Every flag of `replayssm-server --help` but --config (deploy/tests/check_flags.py checks it).
-flags=(grpc-address metrics-address model device memory-budget ring-length track-interval
+flags=(grpc-address metrics-address model device tp-size memory-budget ring-length track-interval
        state-dtype ring-dtype beta-rounding max-batch forward-graphs max-prefill-tokens max-message-bytes dedup-entries dedup-bytes
        max-request-id-bytes max-import-tokens max-streams slot-ttl
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
