@@ -22,6 +22,7 @@
 #include "replayssm/cache/state_cache.h"
 #include "service/caller.h"
 #include "service/hf_config.h"
+#include "service/interfaces.h"
 #include "service/malformed_requests.h"
 #include "service/metrics.h"
 #include "service/regions_service.h"
@@ -177,6 +178,8 @@ class ServerImpl final : public Server {
                          options_.transfer_interface, "\""));
       }
       setenv("UCX_NET_DEVICES", options_.transfer_interface.c_str(), /*overwrite=*/1);
+    } else if (getenv("UCX_NET_DEVICES") == nullptr) {
+      DefaultTransferInterface();
     }
     TransferOptions t;
     t.chunk_bytes = static_cast<size_t>(options_.transfer_chunk_bytes);
@@ -195,6 +198,37 @@ class ServerImpl final : public Server {
     if (!ts.ok()) return ts.status();
     transfers_ = std::move(*ts);
     return absl::OkStatus();
+  }
+
+  // Without --transfer-interface (or UCX_NET_DEVICES set by the operator) UCX listens where
+  // gRPC does: on the interface of --grpc-address (loopback by default), on every one for a
+  // wildcard address.
+  void DefaultTransferInterface() {
+    const std::string host = HostOfAddress(options_.grpc_address);
+    if (std::optional<std::string> i = InterfaceHolding(host); i.has_value()) {
+      setenv("UCX_NET_DEVICES", i->c_str(), /*overwrite=*/1);
+      return;
+    }
+    if (host.empty() || host == "0.0.0.0" || host == "::") return;  // gRPC is everywhere too
+    warnings_.push_back(absl::StrCat(
+        "UCX transfers listen on every interface: no interface of this host holds the "
+        "--grpc-address host \"", host, "\"; name one with --transfer-interface"));
+  }
+
+  // Settings that run but expose more than the operator may think.
+  void SecurityWarnings() {
+    const bool tls = !options_.tls_cert_file.empty();
+    if (!options_.auth_tokens_file.empty() && !tls) {
+      warnings_.push_back(
+          "--auth-tokens without TLS (--tls-cert, --tls-key): bearer tokens and request states "
+          "cross the network in plaintext; anyone on the path can read and replay them");
+    }
+    if (tls && options_.tls_client_ca_file.empty()) {
+      warnings_.push_back(
+          "TLS without client certificates (--tls-client-ca): any host that reaches the port "
+          "can call it; with neither --tls-client-ca nor --auth-tokens, it can use any slot "
+          "handle it learns");
+    }
   }
 
   // --peer-token: peers authenticate with it; without it a server that authenticates its
@@ -364,6 +398,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              *std::move(cache));
+  server->SecurityWarnings();
   absl::Status s = server->LoadTokens();
   if (s.ok()) s = server->StartTransfers();
   if (s.ok()) s = server->Listen();

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "replayssm/client/client.h"
@@ -220,6 +221,42 @@ TEST(PeerAllowListTest, OnlyAllowedPeersAreDialled) {
   EXPECT_TRUE(c->GetSlot(s->slot()).ok());
   auto moved = c->TransferSlot(s->slot(), (*b)->grpc_address(), false);
   EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
+// Issue 31 §5: UCX listened on every interface while gRPC was on loopback (the default). It
+// now follows the gRPC address's interface: a default server listens on loopback only.
+TEST(TransferInterfaceTest, ADefaultServerListensOnLoopbackOnly) {
+  auto server = ServerProcess::Start({});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto listening = (*server)->ListeningAddresses();
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  EXPECT_GE(listening->size(), 2u) << "gRPC and /metrics at least";
+  for (const std::string& a : *listening) {
+    EXPECT_TRUE(absl::StartsWith(a, "127.") || absl::StartsWith(a, "[::1]:") ||
+                absl::StartsWith(a, "[::ffff:127."))
+        << a << " is not a loopback address";
+  }
+}
+
+// Issue 31 §5: settings that run but expose more than they seem to are named at start.
+TEST_F(TlsTest, UnsafeSecuritySettingsAreWarnedAboutAtStart) {
+  const std::string tokens = pki_.Path("tokens");
+  std::ofstream(tokens) << "alice alice-token-0123456789abcdef\n";
+  auto plain = ServerProcess::Start({"--auth-tokens=" + tokens});
+  auto no_client_ca = ServerProcess::Start(ServerTls(false));
+  std::vector<std::string> hardened = ServerTls(true);
+  hardened.push_back("--auth-tokens=" + tokens);
+  hardened.push_back(PeerToken());
+  auto safe = ServerProcess::Start(hardened);
+  ASSERT_TRUE(plain.ok() && no_client_ca.ok() && safe.ok());
+  EXPECT_NE((*plain)->Log().find("warning: --auth-tokens without TLS"), std::string::npos)
+      << (*plain)->Log();
+  EXPECT_NE((*no_client_ca)->Log().find("warning: TLS without client certificates"),
+            std::string::npos)
+      << (*no_client_ca)->Log();
+  const std::string log = (*safe)->Log();
+  EXPECT_EQ(log.find("without TLS"), std::string::npos) << log;
+  EXPECT_EQ(log.find("without client certificates"), std::string::npos) << log;
 }
 
 TEST(TransferInterfaceTest, ServersBoundToLoopbackStillTransfer) {
