@@ -15,7 +15,7 @@ config=${REPLAYSSM_CONFIG:-/etc/replayssm/replayssm.conf}
 # Every flag of `replayssm-server --help` but --config (deploy/tests/check_flags.py checks it).
 flags=(grpc-address metrics-address model device tp-size memory-budget ring-length track-interval
        state-dtype ring-dtype beta-rounding max-batch forward-graphs max-prefill-tokens max-message-bytes dedup-entries dedup-bytes
-       max-request-id-bytes max-import-tokens max-streams slot-ttl
+       max-request-id-bytes max-import-tokens max-streams tenant-max-slots slot-ttl
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
        transfer-reservations-per-peer
        max-regions max-region-bytes forward-timeout drain-timeout transfer-chunk-bytes

@@ -1,7 +1,9 @@
 #include "service/caller.h"
 
+#include <algorithm>
 #include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace replayssm::service {
@@ -41,6 +43,17 @@ ServiceContext ServiceContext::ForTenant(TenantId tenant) const {
   c.slots = SlotCodec(slots.handles(), tenant);
   if (tenant_regions != nullptr) c.regions = tenant_regions->For(tenant);
   return c;
+}
+
+absl::Status ServiceContext::CheckSlotQuota(int64_t adding) const {
+  const int64_t max = limits.tenant_max_slots;
+  if (tokens == nullptr || max <= 0) return absl::OkStatus();
+  const int64_t held = slots.handles()->Count(tenant());
+  if (held + adding <= max) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "slots: tenant \"", tokens->Name(tenant()), "\" holds ", std::min(held, max),
+      " live slots, the most one tenant may (--tenant-max-slots ", max,
+      "); free one (or let --slot-ttl expire it)"));
 }
 
 cache::RegionTable* TenantRegions::For(TenantId tenant) {

@@ -121,6 +121,10 @@ const std::vector<Flag>& Flags() {
       {"max-import-tokens", "tokens an Import (or an incoming transfer) may bring [1048576]",
        Int(&ServerOptions::max_import_tokens)},
       {"max-streams", "DecodeStream streams open at once [1024]", Int(&ServerOptions::max_streams)},
+      {"tenant-max-slots",
+       "live slots one tenant may hold (with --auth-tokens; allocations and incoming transfers "
+       "past it: RESOURCE_EXHAUSTED), 0 = no bound [0]",
+       Int(&ServerOptions::tenant_max_slots)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
       {"max-regions", "memory regions clients may register at once [64]",

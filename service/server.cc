@@ -137,7 +137,7 @@ class ServerImpl final : public Server {
     ctx_.streams = &streams_;
     ctx_.slots = SlotCodec(handles_.get());
     ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes,
-                   options.max_import_tokens};
+                   options.max_import_tokens, options.tenant_max_slots};
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
     ctx_.slot_ttl = options.slot_ttl;
@@ -364,6 +364,7 @@ absl::Status CheckBounds(const ServerOptions& o) {
       {"--max-request-id-bytes", o.max_request_id_bytes, 1, 65536},
       {"--max-import-tokens", o.max_import_tokens, 1, std::numeric_limits<int32_t>::max()},
       {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
+      {"--tenant-max-slots", o.tenant_max_slots, 0, std::numeric_limits<int64_t>::max()},
   };
   for (const auto& b : bounds) {
     if (b.value < b.min || b.value > b.max) {

@@ -37,6 +37,7 @@ struct ServerOptions {
   int32_t max_request_id_bytes = 128;                // longer request ids: INVALID_ARGUMENT
   int64_t max_import_tokens = int64_t{1} << 20;      // tokens an Import or a transfer brings
   int32_t max_streams = 1024;                        // open DecodeStream streams at once
+  int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with --auth-tokens); 0: any
   int32_t max_regions = 64;                          // registered memory regions at once
   absl::Duration slot_ttl = absl::ZeroDuration();    // idle live slots expire; 0 = never
   int64_t max_region_bytes = int64_t{64} << 30;      // their bytes together (mapped, not owned)

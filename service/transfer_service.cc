@@ -483,9 +483,10 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
     return Reply(c, "ReserveTransfer", st);
   }
   absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
-  if (!tenant.ok()) {
-    CountFailure(tenant.status());
-    return Reply(c, "ReserveTransfer", tenant.status());
+  absl::Status quota = tenant.ok() ? ctx_->ForTenant(*tenant).CheckSlotQuota(1) : tenant.status();
+  if (!quota.ok()) {
+    CountFailure(quota);
+    return Reply(c, "ReserveTransfer", quota);
   }
   // The tenant travels with the reservation (its owner) into the decision.
   absl::StatusOr<transfer::Reservation> r = receiver_->Reserve(

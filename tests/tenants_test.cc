@@ -209,6 +209,57 @@ TEST_F(TenantsTest, ThePrefixCacheIsSharedWithinATenantOnly) {
   ASSERT_TRUE(bob_->Donate(bob_slot->slot()).ok());
 }
 
+// Issue 31 §6: one tenant could fill the pool (evicting the others' prefix snapshots), and
+// GetStats showed every tenant's counters to each. A tenant now holds at most
+// --tenant-max-slots live slots, and its GetStats is its own view.
+class TenantQuotaTest : public TenantsTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    // 8 slots of tiny-gdn (135,680 bytes each); bob may hold 3 of them.
+    return {"--track-interval=16", tokens_.Flag(), "--memory-budget=1100K",
+            "--tenant-max-slots=3"};
+  }
+};
+
+TEST_F(TenantQuotaTest, ATenantHoldsAtMostItsSlotsAndSeesItsOwnCountersOnly) {
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 20);  // tokens 100..119
+  ASSERT_TRUE(client_->Donate(slot).ok());  // alice's prefix snapshot
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 20; ++i) prompt.push_back(100 + i);
+  ASSERT_EQ(*client_->MatchPrefix(prompt), 20);
+  std::vector<uint64_t> bobs;
+  for (int i = 0; i < 3; ++i) {
+    auto s = bob_->Allocate();
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+    bobs.push_back(s->slot());
+  }
+  for (int i = 0; i < 6; ++i) {  // would fill the pool and evict alice's snapshot
+    auto more = bob_->Allocate();
+    EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted) << more.status();
+    EXPECT_NE(more.status().message().find("--tenant-max-slots 3"), std::string::npos)
+        << more.status();
+  }
+  auto from_prefix = bob_->AllocateFromPrefix(prompt);
+  EXPECT_EQ(from_prefix.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(*client_->MatchPrefix(prompt), 20) << "alice's snapshot was not evicted";
+  auto bob_stats = bob_->Stats();
+  ASSERT_TRUE(bob_stats.ok());
+  EXPECT_TRUE(bob_stats->tenant_view());
+  EXPECT_EQ(bob_stats->slots_live(), 3);
+  EXPECT_EQ(bob_stats->tenant_max_slots(), 3);
+  EXPECT_EQ(bob_stats->slots_snapshot(), 0) << "alice's snapshot is not bob's to count";
+  EXPECT_EQ(bob_stats->snapshots_taken(), 0);
+  EXPECT_EQ(bob_stats->forwards_committed(), 0) << "alice's prefill is not bob's to count";
+  auto alice_stats = client_->Stats();
+  ASSERT_TRUE(alice_stats.ok());
+  EXPECT_EQ(alice_stats->slots_live(), 0) << "alice donated hers";
+  // Freeing one gives the share back.
+  ASSERT_TRUE(bob_->Free(bobs[0]).ok());
+  EXPECT_TRUE(bob_->Allocate().ok());
+  EXPECT_TRUE(client_->Allocate().ok()) << "alice has a share of her own";
+}
+
 TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
   auto a = client_->Allocate("request-1");
   auto b = bob_->Allocate("request-1");
