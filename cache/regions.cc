@@ -9,6 +9,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "device_buffer.h"
 #include "replayssm/kernels.h"
@@ -53,20 +54,19 @@ absl::Status MapSystem(const RegionSpec& spec, int32_t backend, Mapping& m) {
                                            "'/', at most 255 characters), got \"",
                                            spec.shm_key.substr(0, 64), "\""));
   }
+  // Missing, not openable and too short are one answer: no existence or size oracle.
+  const absl::Status unusable = Invalid(
+      "key", absl::StrCat("expected a shm object this server can open read-write that holds "
+                          "offset + byte_size bytes, got \"", spec.shm_key, "\" with offset ",
+                          spec.offset, " and byte_size ", spec.bytes));
   const int fd = shm_open(spec.shm_key.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    return Invalid("key", absl::StrCat("expected an existing shm object this server can "
-                                           "open read-write, got \"", spec.shm_key, "\" (",
-                                           std::strerror(errno), ")"));
-  }
+  if (fd < 0) return unusable;
   struct stat st {};
-  const bool sized = fstat(fd, &st) == 0;
+  const bool sized = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
   const uint64_t size = sized ? static_cast<uint64_t>(st.st_size) : 0;
   if (!sized || spec.offset > size || spec.bytes > size - spec.offset) {
     close(fd);
-    return Invalid("byte_size", absl::StrCat("expected offset + byte_size within the shm object (",
-                                         size, " bytes), got ", spec.offset, " + ",
-                                         spec.bytes));
+    return unusable;
   }
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t start = spec.offset / page * page;
@@ -130,6 +130,11 @@ RegionTable::~RegionTable() = default;
 
 absl::Status RegionTable::Register(const RegionSpec& spec) {
   if (absl::Status st = CheckSpec(spec); !st.ok()) return st;
+  if (spec.kind == RegionKind::kSystem && !absl::StartsWith(spec.shm_key, limits_.key_prefix)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "key: expected a shm name that starts with \"", limits_.key_prefix,
+        "\" (the caller's tenant's), got \"", spec.shm_key, "\""));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (regions_.count(spec.name) != 0) {

@@ -41,7 +41,7 @@ absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
 ServiceContext ServiceContext::ForTenant(TenantId tenant) const {
   ServiceContext c = *this;
   c.slots = SlotCodec(slots.handles(), tenant);
-  if (tenant_regions != nullptr) c.regions = tenant_regions->For(tenant);
+  if (tenant_regions != nullptr) c.regions = tenant_regions->For(tenant, tokens->Name(tenant));
   return c;
 }
 
@@ -56,10 +56,14 @@ absl::Status ServiceContext::CheckSlotQuota(int64_t adding) const {
       "); free one (or let --slot-ttl expire it)"));
 }
 
-cache::RegionTable* TenantRegions::For(TenantId tenant) {
+cache::RegionTable* TenantRegions::For(TenantId tenant, const std::string& name) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<cache::RegionTable>& t = tables_[tenant];
-  if (t == nullptr) t = std::make_unique<cache::RegionTable>(backend_, limits_);
+  if (t == nullptr) {
+    cache::RegionLimits limits = limits_;
+    limits.key_prefix = absl::StrCat("/", name, ":");
+    t = std::make_unique<cache::RegionTable>(backend_, limits);
+  }
   return t.get();
 }
 

@@ -271,12 +271,26 @@ TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
   EXPECT_TRUE(bob_->GetSlot(b->slot()).ok());
 }
 
+// A POSIX shm object of `bytes` named `key`, unlinked when it goes.
+class Shm {
+ public:
+  Shm(std::string key, off_t bytes) : key_(std::move(key)) {
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << key_;
+    EXPECT_EQ(ftruncate(fd, bytes), 0);
+    close(fd);
+  }
+  ~Shm() { shm_unlink(key_.c_str()); }
+  const std::string& key() const { return key_; }
+
+ private:
+  std::string key_;
+};
+
 TEST_F(TenantsTest, RegionsAreTheTenantsOwn) {
-  const std::string key = absl::StrCat("/replayssm-tenants-", getpid());
-  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, 4096), 0);
-  close(fd);
+  Shm alices(absl::StrCat("/alice:tenants-", getpid()), 4096);
+  Shm bobs(absl::StrCat("/bob:tenants-", getpid()), 4096);
+  const std::string key = alices.key();
   v1::RegisterSystemRegionRequest r;
   r.set_name("engine");
   r.set_key(key);
@@ -291,11 +305,46 @@ TEST_F(TenantsTest, RegionsAreTheTenantsOwn) {
   EXPECT_EQ(bob_one.status().message(),
             absl::StrReplaceAll(bob_none.status().message(), {{"never-registered", "engine"}}));
   EXPECT_EQ(bob_->UnregisterRegion("engine").code(), absl::StatusCode::kNotFound);
+  r.set_key(bobs.key());
   EXPECT_TRUE(bob_->RegisterSystemRegion(r).ok()) << "the same name is free for bob";
   auto alice_all = client_->RegionStatus();
   ASSERT_TRUE(alice_all.ok());
   EXPECT_EQ(alice_all->regions_size(), 1);
-  shm_unlink(key.c_str());
+}
+
+// Issue 31 §4: any tenant could register any shm object of the host (another engine's
+// memory, read and written through forwards), and the errors said whether a name existed and
+// how large it was. A tenant now maps only "/<tenant>:..." objects, and a missing object and a
+// short one get the same answer.
+TEST_F(TenantsTest, ATenantMapsOnlyItsOwnShmObjectsAndLearnsNothingOfOthers) {
+  Shm alices(absl::StrCat("/alice:engine-", getpid()), 4096);
+  Shm others(absl::StrCat("/replayssm-other-engine-", getpid()), 4096);
+  const auto reg = [](const std::string& key, uint64_t bytes) {
+    v1::RegisterSystemRegionRequest r;
+    r.set_name("engine");
+    r.set_key(key);
+    r.set_byte_size(bytes);
+    return r;
+  };
+  // Bob names alice's object, another engine's, and one that does not exist: one answer.
+  const std::string missing = absl::StrCat("/alice:nothing-", getpid());
+  const absl::Status theirs = bob_->RegisterSystemRegion(reg(alices.key(), 4096));
+  EXPECT_EQ(theirs.code(), absl::StatusCode::kPermissionDenied) << theirs;
+  EXPECT_NE(theirs.message().find("starts with \"/bob:\""), std::string::npos) << theirs;
+  const absl::Status none = bob_->RegisterSystemRegion(reg(missing, 4096));
+  EXPECT_EQ(none.message(),
+            absl::StrReplaceAll(theirs.message(), {{alices.key(), missing}}));
+  EXPECT_EQ(client_->RegisterSystemRegion(reg(others.key(), 4096)).code(),
+            absl::StatusCode::kPermissionDenied)
+      << "nor does alice map an object outside her prefix";
+  // Within her prefix: a short object and a missing one read alike, sizes never shown.
+  const absl::Status short_one = client_->RegisterSystemRegion(reg(alices.key(), 8192));
+  const absl::Status gone = client_->RegisterSystemRegion(reg(missing, 8192));
+  EXPECT_EQ(short_one.code(), absl::StatusCode::kInvalidArgument) << short_one;
+  EXPECT_EQ(gone.message(), absl::StrReplaceAll(short_one.message(), {{alices.key(), missing}}));
+  EXPECT_EQ(short_one.message().find("4096"), std::string::npos) << short_one;
+  EXPECT_TRUE(client_->RegisterSystemRegion(reg(alices.key(), 4096)).ok());
+  EXPECT_EQ(bob_->RegionStatus()->regions_size(), 0);
 }
 
 TEST_F(TenantsTest, AChangedTokenFileIsReadAgain) {

@@ -42,6 +42,8 @@ struct RegionSpec {
 struct RegionLimits {
   int32_t max_regions = 64;           // registered at once
   uint64_t max_bytes = 64ULL << 30;   // all registered regions together (address space only)
+  // kSystem keys must start with it (the service: "/<tenant>:" with tenants); "": any name.
+  std::string key_prefix;
 };
 
 struct RegionInfo {
@@ -95,7 +97,10 @@ class RegionTable {
 
   // Maps the region. INVALID_ARGUMENT naming the field by its wire name (name, key, device,
   // byte_size: the object or allocation must hold offset + byte_size), ALREADY_EXISTS for a
-  // registered name, RESOURCE_EXHAUSTED past the limits, UNIMPLEMENTED for CUDA on the CPU.
+  // registered name, RESOURCE_EXHAUSTED past the limits, UNIMPLEMENTED for CUDA on the CPU,
+  // PERMISSION_DENIED for a shm key outside limits.key_prefix (before it is opened). A shm
+  // object that is missing, not openable or too short gets one message that names only what
+  // the caller sent: errors never tell whether an object exists or how large it is.
   absl::Status Register(const RegionSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND for an unknown name. The memory stays mapped while leases hold it.
   absl::Status Unregister(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
