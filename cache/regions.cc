@@ -154,7 +154,7 @@ absl::Status RegionTable::Register(const RegionSpec& spec) {
   }
   auto m = std::make_shared<Mapping>();
   m->backend = backend_;
-  m->info = RegionInfo{spec.name, spec.kind, spec.bytes, spec.device, 0};
+  m->info = RegionInfo{spec.name, spec.kind, spec.bytes, spec.device, 0, absl::Now()};
   absl::Status st = spec.kind == RegionKind::kSystem ? MapSystem(spec, backend_, *m)
                                                      : MapCuda(spec, backend_, *m);
   if (!st.ok()) return st;  // m unmaps what was mapped
@@ -181,6 +181,22 @@ absl::Status RegionTable::Unregister(const std::string& name) {
   bytes_ -= it->second->info.bytes;
   regions_.erase(it);  // leases keep the mapping until they end
   return absl::OkStatus();
+}
+
+int32_t RegionTable::ExpireIdle(absl::Time cutoff) {
+  absl::MutexLock lock(&mu_);
+  int32_t n = 0;
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    const bool leased = it->second.use_count() > 1;  // the table's own reference is not one
+    if (leased || it->second->info.last_use > cutoff) {
+      ++it;
+      continue;
+    }
+    bytes_ -= it->second->info.bytes;
+    it = regions_.erase(it);
+    ++n;
+  }
+  return n;
 }
 
 absl::StatusOr<std::vector<RegionInfo>> RegionTable::Status(const std::string& name) const {
@@ -222,6 +238,7 @@ absl::StatusOr<RegionLease> RegionTable::AcquireWhole(const std::string& name,
                                               "\" is registered (unknown or unregistered)"));
     }
     m = it->second;
+    m->info.last_use = absl::Now();  // under mu_: ExpireIdle reads it there
   }
   RegionLease lease;
   lease.data_ = m->data;

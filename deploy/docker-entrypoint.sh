@@ -18,7 +18,7 @@ flags=(grpc-address metrics-address model device tp-size memory-budget ring-leng
        max-request-id-bytes max-import-tokens max-streams tenant-max-slots slot-ttl
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
        transfer-reservations-per-peer
-       max-regions max-region-bytes forward-timeout drain-timeout transfer-chunk-bytes
+       region-ttl max-regions max-region-bytes forward-timeout drain-timeout transfer-chunk-bytes
        transfer-lanes transfer-import-threads transfer-timeout transfer-lease
        transfer-max-concurrent auth-tokens peer-token ready-file)
 

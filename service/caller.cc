@@ -56,6 +56,13 @@ absl::Status ServiceContext::CheckSlotQuota(int64_t adding) const {
       "); free one (or let --slot-ttl expire it)"));
 }
 
+int32_t TenantRegions::ExpireIdle(absl::Time cutoff) {
+  absl::MutexLock lock(&mu_);  // tables are never removed: their pointers stay valid
+  int32_t n = 0;
+  for (auto& [tenant, table] : tables_) n += table->ExpireIdle(cutoff);
+  return n;
+}
+
 cache::RegionTable* TenantRegions::For(TenantId tenant, const std::string& name) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<cache::RegionTable>& t = tables_[tenant];

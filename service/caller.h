@@ -36,6 +36,8 @@ class TenantRegions {
   TenantRegions(int32_t backend, cache::RegionLimits limits) : backend_(backend), limits_(limits) {}
   // `name`: the tenant's name (its shm key prefix).
   cache::RegionTable* For(TenantId tenant, const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // RegionTable::ExpireIdle over every tenant's table (--region-ttl).
+  int32_t ExpireIdle(absl::Time cutoff) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const int32_t backend_;

@@ -127,6 +127,10 @@ const std::vector<Flag>& Flags() {
        Int(&ServerOptions::tenant_max_slots)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
+      {"region-ttl",
+       "seconds a registered region may go unused (no forward, no call naming it) before it is "
+       "unregistered: a dead engine's regions, 0 = never [0]",
+       Seconds(&ServerOptions::region_ttl)},
       {"max-regions", "memory regions clients may register at once [64]",
        Int(&ServerOptions::max_regions)},
       {"max-region-bytes", "bytes of all registered regions together [64G]",

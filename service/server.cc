@@ -25,6 +25,7 @@
 #include "service/interfaces.h"
 #include "service/malformed_requests.h"
 #include "service/metrics.h"
+#include "service/region_leases.h"
 #include "service/regions_service.h"
 #include "service/replayssm_service.h"
 #include "service/request_log.h"
@@ -152,6 +153,13 @@ class ServerImpl final : public Server {
 
   // --auth-tokens: every client-facing call names its tenant (tenants.h), and each tenant
   // gets regions of its own.
+  // --region-ttl: after the tables exist (LoadTokens makes the tenants').
+  void StartRegionLeases() {
+    if (options_.region_ttl <= absl::ZeroDuration()) return;
+    region_leases_ =
+        std::make_unique<RegionLeases>(&regions_, tenant_regions_.get(), options_.region_ttl);
+  }
+
   absl::Status LoadTokens() {
     if (options_.auth_tokens_file.empty()) return absl::OkStatus();
     absl::StatusOr<std::unique_ptr<TokenStore>> tokens =
@@ -339,6 +347,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<SlotLeases> leases_;  // --slot-ttl; stopped before the cache goes
   std::unique_ptr<TokenStore> tokens_;  // --auth-tokens; null: one tenant
   std::unique_ptr<TenantRegions> tenant_regions_;  // with tokens_: each tenant's regions
+  std::unique_ptr<RegionLeases> region_leases_;    // --region-ttl; stopped before the tables
   std::unique_ptr<ReplaySsmService> service_;
   std::unique_ptr<RegionsService> regions_service_;
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
@@ -401,6 +410,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                                              *std::move(cache));
   server->SecurityWarnings();
   absl::Status s = server->LoadTokens();
+  if (s.ok()) server->StartRegionLeases();
   if (s.ok()) s = server->StartTransfers();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;

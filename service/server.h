@@ -40,6 +40,7 @@ struct ServerOptions {
   int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with --auth-tokens); 0: any
   int32_t max_regions = 64;                          // registered memory regions at once
   absl::Duration slot_ttl = absl::ZeroDuration();    // idle live slots expire; 0 = never
+  absl::Duration region_ttl = absl::ZeroDuration();  // idle registered regions go; 0 = never
   int64_t max_region_bytes = int64_t{64} << 30;      // their bytes together (mapped, not owned)
   absl::Duration forward_timeout = absl::Seconds(10);  // a doorbell forward, begin to commit
   absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this

@@ -23,6 +23,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
 
 namespace replayssm::cache {
@@ -52,6 +54,7 @@ struct RegionInfo {
   uint64_t bytes = 0;
   int32_t device = 0;
   int64_t leases = 0;  // forwards (and other users) holding a range of it now
+  absl::Time last_use = absl::InfinitePast();  // registered, or a lease taken (Acquire*)
 };
 
 namespace internal {
@@ -118,6 +121,11 @@ class RegionTable {
   // it, each then checked by RegionLease::Within.
   absl::StatusOr<RegionLease> AcquireWhole(const std::string& name, const std::string& field) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Unregisters every region that no lease holds and that nobody used (registered or
+  // acquired a range of) since `cutoff`: the regions of a client that died (--region-ttl).
+  // Status is not a use. Returns how many went.
+  int32_t ExpireIdle(absl::Time cutoff) ABSL_LOCKS_EXCLUDED(mu_);
 
   int32_t backend() const { return backend_; }
 
