@@ -175,6 +175,12 @@ class SocketPeer : public Peer {
     d.seq_len = Take<int64_t>(r, off);
     return d;
   }
+  void Acknowledge(const std::string& id) override {
+    std::string m = "N";
+    PutStr(m, id);
+    SendMsg(fd_, m);
+    RecvMsg(fd_);
+  }
   void FreeRemote(cache::SlotId slot) {
     std::string m = "F";
     Put(m, slot);
@@ -215,14 +221,16 @@ void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx, size_t c
       const uint64_t sum = Take<uint64_t>(m, off);
       std::vector<int32_t> tokens(tok.size() / 4);
       std::memcpy(tokens.data(), tok.data(), tok.size());
-      absl::StatusOr<cache::SlotId> s = rx.Commit(id, tokens, sum);
+      absl::StatusOr<Decision> s = rx.Commit(id, tokens, sum);
       if (!s.ok()) reply = absl::StrCat("E", s.status().ToString());
-      else Put(reply, *s);
+      else Put(reply, s->slot);
     } else if (m[0] == 'A') {
       const Decision d = rx.Abort(TakeStr(m, off));
       Put(reply, d.committed);
       Put(reply, d.slot);
       Put(reply, d.seq_len);
+    } else if (m[0] == 'N') {
+      rx.Acknowledge(TakeStr(m, off), "");
     } else if (m[0] == 'F') {
       cache.Free(Take<uint64_t>(m, off)).IgnoreError();
     }

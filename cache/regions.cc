@@ -9,6 +9,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "device_buffer.h"
 #include "replayssm/kernels.h"
@@ -53,20 +54,19 @@ absl::Status MapSystem(const RegionSpec& spec, int32_t backend, Mapping& m) {
                                            "'/', at most 255 characters), got \"",
                                            spec.shm_key.substr(0, 64), "\""));
   }
+  // Missing, not openable and too short are one answer: no existence or size oracle.
+  const absl::Status unusable = Invalid(
+      "key", absl::StrCat("expected a shm object this server can open read-write that holds "
+                          "offset + byte_size bytes, got \"", spec.shm_key, "\" with offset ",
+                          spec.offset, " and byte_size ", spec.bytes));
   const int fd = shm_open(spec.shm_key.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    return Invalid("key", absl::StrCat("expected an existing shm object this server can "
-                                           "open read-write, got \"", spec.shm_key, "\" (",
-                                           std::strerror(errno), ")"));
-  }
+  if (fd < 0) return unusable;
   struct stat st {};
-  const bool sized = fstat(fd, &st) == 0;
+  const bool sized = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
   const uint64_t size = sized ? static_cast<uint64_t>(st.st_size) : 0;
   if (!sized || spec.offset > size || spec.bytes > size - spec.offset) {
     close(fd);
-    return Invalid("byte_size", absl::StrCat("expected offset + byte_size within the shm object (",
-                                         size, " bytes), got ", spec.offset, " + ",
-                                         spec.bytes));
+    return unusable;
   }
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t start = spec.offset / page * page;
@@ -130,6 +130,11 @@ RegionTable::~RegionTable() = default;
 
 absl::Status RegionTable::Register(const RegionSpec& spec) {
   if (absl::Status st = CheckSpec(spec); !st.ok()) return st;
+  if (spec.kind == RegionKind::kSystem && !absl::StartsWith(spec.shm_key, limits_.key_prefix)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "key: expected a shm name that starts with \"", limits_.key_prefix,
+        "\" (the caller's tenant's), got \"", spec.shm_key, "\""));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (regions_.count(spec.name) != 0) {
@@ -149,7 +154,7 @@ absl::Status RegionTable::Register(const RegionSpec& spec) {
   }
   auto m = std::make_shared<Mapping>();
   m->backend = backend_;
-  m->info = RegionInfo{spec.name, spec.kind, spec.bytes, spec.device, 0};
+  m->info = RegionInfo{spec.name, spec.kind, spec.bytes, spec.device, 0, absl::Now()};
   absl::Status st = spec.kind == RegionKind::kSystem ? MapSystem(spec, backend_, *m)
                                                      : MapCuda(spec, backend_, *m);
   if (!st.ok()) return st;  // m unmaps what was mapped
@@ -176,6 +181,22 @@ absl::Status RegionTable::Unregister(const std::string& name) {
   bytes_ -= it->second->info.bytes;
   regions_.erase(it);  // leases keep the mapping until they end
   return absl::OkStatus();
+}
+
+int32_t RegionTable::ExpireIdle(absl::Time cutoff) {
+  absl::MutexLock lock(&mu_);
+  int32_t n = 0;
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    const bool leased = it->second.use_count() > 1;  // the table's own reference is not one
+    if (leased || it->second->info.last_use > cutoff) {
+      ++it;
+      continue;
+    }
+    bytes_ -= it->second->info.bytes;
+    it = regions_.erase(it);
+    ++n;
+  }
+  return n;
 }
 
 absl::StatusOr<std::vector<RegionInfo>> RegionTable::Status(const std::string& name) const {
@@ -217,6 +238,7 @@ absl::StatusOr<RegionLease> RegionTable::AcquireWhole(const std::string& name,
                                               "\" is registered (unknown or unregistered)"));
     }
     m = it->second;
+    m->info.last_use = absl::Now();  // under mu_: ExpireIdle reads it there
   }
   RegionLease lease;
   lease.data_ = m->data;

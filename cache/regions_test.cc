@@ -8,6 +8,8 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/str_replace.h"
+
 namespace replayssm::cache {
 namespace {
 
@@ -112,6 +114,21 @@ TEST(RegionTable, AcquireRefusesOutOfBoundsMisalignedAndEmptyRangesByField) {
   EXPECT_EQ(t.Status("r")->at(0).leases, 0);
 }
 
+// Issue 31 §4: with a key prefix (the service: "/<tenant>:") a name outside it is refused
+// before anything is opened, the same for an object that exists and one that does not.
+TEST(RegionTable, AKeyOutsideThePrefixIsRefusedUnopened) {
+  ShmObject shm(4096);  // "/replayssm-test-...": another engine's
+  RegionTable t(RSSM_BACKEND_CPU, {4, 1 << 20, "/alice:"});
+  absl::Status other = t.Register(System("r", shm, 0, 16));
+  EXPECT_EQ(other.code(), absl::StatusCode::kPermissionDenied) << other;
+  EXPECT_NE(other.message().find("starts with \"/alice:\""), std::string::npos) << other;
+  RegionSpec none = System("r", shm, 0, 16);
+  none.shm_key = "/replayssm-test-does-not-exist";
+  EXPECT_EQ(t.Register(none).message(),
+            absl::StrReplaceAll(other.message(), {{shm.key(), none.shm_key}}));
+  EXPECT_TRUE(t.Status("")->empty());
+}
+
 TEST(RegionTable, RegisterRefusesBadSpecsAndChangesNothing) {
   ShmObject shm(4096);
   RegionTable t(RSSM_BACKEND_CPU, {2, 1 << 20});
@@ -119,12 +136,17 @@ TEST(RegionTable, RegisterRefusesBadSpecsAndChangesNothing) {
   EXPECT_EQ(t.Register(System("r", shm, 0, 0)).code(), absl::StatusCode::kInvalidArgument);
   absl::Status big = t.Register(System("r", shm, 4000, 200));
   EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(big.message().find("within the shm object (4096 bytes)"), std::string::npos) << big;
-  RegionSpec missing = System("r", shm, 0, 16);
+  EXPECT_NE(big.message().find("holds offset + byte_size bytes, got \"" + shm.key() +
+                               "\" with offset 4000 and byte_size 200"),
+            std::string::npos)
+      << big;
+  EXPECT_EQ(big.message().find("4096"), std::string::npos) << "never the object's size";
+  RegionSpec missing = System("r", shm, 4000, 200);
   missing.shm_key = "/replayssm-test-does-not-exist";
   absl::Status m = t.Register(missing);
   EXPECT_EQ(m.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(m.message().find("key: expected"), std::string::npos) << m;
+  EXPECT_EQ(m.message(), absl::StrReplaceAll(big.message(), {{shm.key(), missing.shm_key}}))
+      << "a missing object and a short one are one answer: no existence oracle";
   missing.shm_key = "no-slash";
   EXPECT_EQ(t.Register(missing).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(t.Status("")->empty());

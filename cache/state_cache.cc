@@ -1286,7 +1286,7 @@ absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
     Slot& s = slots_[index];
     if (n < 0 || n > s.pending) {
       s.busy = false;
-      return absl::InvalidArgumentError(absl::StrCat("n: expected 0 to ", s.pending,
+      return absl::InvalidArgumentError(absl::StrCat("num_accepted: expected 0 to ", s.pending,
                                                      " (the drafts verified), got ", n));
     }
     s.write_pos += n;

@@ -1,7 +1,9 @@
 #include "service/caller.h"
 
+#include <algorithm>
 #include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace replayssm::service {
@@ -39,14 +41,36 @@ absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
 ServiceContext ServiceContext::ForTenant(TenantId tenant) const {
   ServiceContext c = *this;
   c.slots = SlotCodec(slots.handles(), tenant);
-  if (tenant_regions != nullptr) c.regions = tenant_regions->For(tenant);
+  if (tenant_regions != nullptr) c.regions = tenant_regions->For(tenant, tokens->Name(tenant));
   return c;
 }
 
-cache::RegionTable* TenantRegions::For(TenantId tenant) {
+absl::Status ServiceContext::CheckSlotQuota(int64_t adding) const {
+  const int64_t max = limits.tenant_max_slots;
+  if (tokens == nullptr || max <= 0) return absl::OkStatus();
+  const int64_t held = slots.handles()->Count(tenant());
+  if (held + adding <= max) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "slots: tenant \"", tokens->Name(tenant()), "\" holds ", std::min(held, max),
+      " live slots, the most one tenant may (--tenant-max-slots ", max,
+      "); free one (or let --slot-ttl expire it)"));
+}
+
+int32_t TenantRegions::ExpireIdle(absl::Time cutoff) {
+  absl::MutexLock lock(&mu_);  // tables are never removed: their pointers stay valid
+  int32_t n = 0;
+  for (auto& [tenant, table] : tables_) n += table->ExpireIdle(cutoff);
+  return n;
+}
+
+cache::RegionTable* TenantRegions::For(TenantId tenant, const std::string& name) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<cache::RegionTable>& t = tables_[tenant];
-  if (t == nullptr) t = std::make_unique<cache::RegionTable>(backend_, limits_);
+  if (t == nullptr) {
+    cache::RegionLimits limits = limits_;
+    limits.key_prefix = absl::StrCat("/", name, ":");
+    t = std::make_unique<cache::RegionTable>(backend_, limits);
+  }
   return t.get();
 }
 

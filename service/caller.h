@@ -27,12 +27,17 @@ absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
                                              const ServiceContext& ctx);
 
 // The registered regions of each tenant: a RegionTable of its own (so names never collide
-// and --max-regions / --max-region-bytes bound each tenant), made on first use and kept.
-// Thread-safe.
+// and --max-regions / --max-region-bytes bound each tenant), made on first use and kept. A
+// tenant maps only POSIX shm objects named "/<tenant>:..." (tenant names never hold ':'), so
+// it can neither read nor write another tenant's engine memory, nor learn whether such an
+// object exists. Thread-safe.
 class TenantRegions {
  public:
   TenantRegions(int32_t backend, cache::RegionLimits limits) : backend_(backend), limits_(limits) {}
-  cache::RegionTable* For(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
+  // `name`: the tenant's name (its shm key prefix).
+  cache::RegionTable* For(TenantId tenant, const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // RegionTable::ExpireIdle over every tenant's table (--region-ttl).
+  int32_t ExpireIdle(absl::Time cutoff) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const int32_t backend_;

@@ -125,8 +125,16 @@ const std::vector<Flag>& Flags() {
       {"max-import-tokens", "tokens an Import (or an incoming transfer) may bring [1048576]",
        Int(&ServerOptions::max_import_tokens)},
       {"max-streams", "DecodeStream streams open at once [1024]", Int(&ServerOptions::max_streams)},
+      {"tenant-max-slots",
+       "live slots one tenant may hold (with --auth-tokens; allocations and incoming transfers "
+       "past it: RESOURCE_EXHAUSTED), 0 = no bound [0]",
+       Int(&ServerOptions::tenant_max_slots)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
+      {"region-ttl",
+       "seconds a registered region may go unused (no forward, no call naming it) before it is "
+       "unregistered: a dead engine's regions, 0 = never [0]",
+       Seconds(&ServerOptions::region_ttl)},
       {"max-regions", "memory regions clients may register at once [64]",
        Int(&ServerOptions::max_regions)},
       {"max-region-bytes", "bytes of all registered regions together [64G]",
@@ -179,6 +187,10 @@ const std::vector<Flag>& Flags() {
        "file of `tenant token` lines: every client call needs `authorization: Bearer <token>` "
        "and sees its tenant's slots only (re-read when it changes) [off]",
        Str(&ServerOptions::auth_tokens_file)},
+      {"peer-token",
+       "file of the cluster's peer token: transfer peers must present it (a client's token "
+       "or certificate never suffices) and this server presents it [off]",
+       Str(&ServerOptions::peer_token_file)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        [](ServerFlags& f, const std::string& v) {
          f.ready_file = v;

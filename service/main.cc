@@ -60,6 +60,9 @@ int main(int argc, char** argv) {
   std::printf("replayssm-server: model %s on %s; gRPC %s; metrics %s\n",
               (*server)->model_name().c_str(), (*server)->backend_name().c_str(),
               (*server)->grpc_address().c_str(), metrics.c_str());
+  for (const std::string& w : (*server)->warnings()) {
+    std::printf("replayssm-server: warning: %s\n", w.c_str());
+  }
   if (absl::StartsWith((*server)->backend_name(), "cuda") && !(*server)->mps_active()) {
     std::printf(
         "replayssm-server: warning: MPS is off: an engine sharing this GPU time-slices with "

@@ -137,6 +137,14 @@ absl::Status Operations::GetInfo(v1::GetInfoResponse* resp) const {
 
 absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
   const cache::CacheStats s = ctx_->cache->stats();
+  if (ctx_->tenant_view()) {  // other tenants' work is not the caller's to see (/metrics is)
+    resp->set_tenant_view(true);
+    resp->set_slots_total(s.slots_total);
+    resp->set_slots_live(ctx_->slots.handles()->Count(ctx_->tenant()));
+    resp->set_tenant_max_slots(ctx_->limits.tenant_max_slots);
+    resp->set_draining(ctx_->gate->draining());
+    return absl::OkStatus();
+  }
   resp->set_slots_total(s.slots_total);
   resp->set_slots_live(s.slots_live);
   resp->set_slots_snapshot(s.slots_snapshot);
@@ -165,6 +173,8 @@ absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateRe
   if (ctx_->gate->draining()) return Draining();
   if (absl::Status s = CheckAllocateRequest(req); !s.ok()) return s;
   return Once("Allocate", req.request_id(), req, resp, [&]() -> absl::Status {
+    // Before the cache makes room (evicting snapshots) for a tenant at its bound.
+    if (absl::Status q = ctx_->CheckSlotQuota(1); !q.ok()) return q;
     if (!req.from_prefix()) {
       absl::StatusOr<cache::SlotId> slot = ctx_->cache->Allocate();
       if (!slot.ok()) return slot.status();
@@ -172,16 +182,24 @@ absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateRe
         absl::Status s = ctx_->cache->SetPrefixNamespace(*slot, ctx_->prefix_namespace());
         if (!s.ok()) return s;  // nobody had its id: it cannot be gone
       }
-      resp->set_slot(ctx_->slots.ToWire(*slot));
-      return absl::OkStatus();
+      return IssueWithinQuota(*slot, resp);
     }
     absl::StatusOr<cache::StateCache::PrefixAllocation> a =
         ctx_->cache->AllocateFromPrefixIn(ctx_->prefix_namespace(), Tokens(req.prefix_tokens()));
     if (!a.ok()) return a.status();
-    resp->set_slot(ctx_->slots.ToWire(a->slot));
     resp->set_matched(a->matched);
-    return absl::OkStatus();
+    return IssueWithinQuota(a->slot, resp);
   });
+}
+
+absl::Status Operations::IssueWithinQuota(cache::SlotId slot, v1::AllocateResponse* resp) {
+  resp->set_slot(ctx_->slots.ToWire(slot));
+  absl::Status q = ctx_->CheckSlotQuota(0);  // concurrent allocations raced past the bound
+  if (q.ok()) return q;
+  ctx_->cache->Free(slot).IgnoreError();  // nobody else has its handle yet
+  ctx_->slots.Forget(slot);
+  resp->Clear();
+  return q;
 }
 
 absl::Status Operations::Free(const v1::FreeRequest& req, v1::FreeResponse* resp) {

@@ -45,6 +45,9 @@ class Operations {
                     const google::protobuf::Message& key, google::protobuf::Message* resp,
                     absl::FunctionRef<absl::Status()> apply);
   absl::Status SlotStateOf(uint64_t handle, v1::SlotState* state) const;
+  // Hands a new slot's handle to the caller unless that took its tenant past
+  // --tenant-max-slots (then the slot is freed again: RESOURCE_EXHAUSTED).
+  absl::Status IssueWithinQuota(cache::SlotId slot, v1::AllocateResponse* resp);
   // Export with checkpoints_out: into the named region ranges.
   absl::Status ExportToRegions(const v1::ExportRequest& req, v1::ExportResponse* resp);
   // Layer `layer`'s checkpoint range of `ref` (one [HV, V, K] in the state dtype, 16-byte

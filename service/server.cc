@@ -24,11 +24,14 @@
 #include "replayssm/cache/state_cache.h"
 #include "service/caller.h"
 #include "service/hf_config.h"
+#include "service/interfaces.h"
 #include "service/malformed_requests.h"
 #include "service/metrics.h"
+#include "service/region_leases.h"
 #include "service/regions_service.h"
 #include "service/replayssm_service.h"
 #include "service/request_log.h"
+#include "service/secrets.h"
 #include "service/service_context.h"
 #include "service/slot_handles.h"
 #include "service/slot_leases.h"
@@ -170,7 +173,7 @@ class ServerImpl final : public Server {
     ctx_.streams = &streams_;
     ctx_.slots = SlotCodec(handles_.get());
     ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes,
-                   options.max_import_tokens};
+                   options.max_import_tokens, options.tenant_max_slots};
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
     ctx_.slot_ttl = options.slot_ttl;
@@ -185,12 +188,20 @@ class ServerImpl final : public Server {
 
   // --auth-tokens: every client-facing call names its tenant (tenants.h), and each tenant
   // gets regions of its own.
+  // --region-ttl: after the tables exist (LoadTokens makes the tenants').
+  void StartRegionLeases() {
+    if (options_.region_ttl <= absl::ZeroDuration()) return;
+    region_leases_ =
+        std::make_unique<RegionLeases>(&regions_, tenant_regions_.get(), options_.region_ttl);
+  }
+
   absl::Status LoadTokens() {
     if (options_.auth_tokens_file.empty()) return absl::OkStatus();
     absl::StatusOr<std::unique_ptr<TokenStore>> tokens =
         TokenStore::Load(options_.auth_tokens_file);
     if (!tokens.ok()) return tokens.status();
     tokens_ = *std::move(tokens);
+    if (auto w = ExposureWarning("auth-tokens", options_.auth_tokens_file)) warnings_.push_back(*w);
     tenant_regions_ = std::make_unique<TenantRegions>(
         device_.backend, cache::RegionLimits{options_.max_regions,
                                              static_cast<uint64_t>(options_.max_region_bytes)});
@@ -210,6 +221,8 @@ class ServerImpl final : public Server {
                          options_.transfer_interface, "\""));
       }
       setenv("UCX_NET_DEVICES", options_.transfer_interface.c_str(), /*overwrite=*/1);
+    } else if (getenv("UCX_NET_DEVICES") == nullptr) {
+      DefaultTransferInterface();
     }
     TransferOptions t;
     t.chunk_bytes = static_cast<size_t>(options_.transfer_chunk_bytes);
@@ -223,9 +236,61 @@ class ServerImpl final : public Server {
     if (!peers.ok()) return peers.status();
     t.peer_credentials = *std::move(peers);
     t.allowed_peers = options_.transfer_peers;
+    if (absl::Status st = LoadPeerTokens(t); !st.ok()) return st;
     absl::StatusOr<std::unique_ptr<TransferService>> ts = TransferService::Create(&ctx_, t);
     if (!ts.ok()) return ts.status();
     transfers_ = std::move(*ts);
+    return absl::OkStatus();
+  }
+
+  // Without --transfer-interface (or UCX_NET_DEVICES set by the operator) UCX listens where
+  // gRPC does: on the interface of --grpc-address (loopback by default), on every one for a
+  // wildcard address.
+  void DefaultTransferInterface() {
+    const std::string host = HostOfAddress(options_.grpc_address);
+    if (std::optional<std::string> i = InterfaceHolding(host); i.has_value()) {
+      setenv("UCX_NET_DEVICES", i->c_str(), /*overwrite=*/1);
+      return;
+    }
+    if (host.empty() || host == "0.0.0.0" || host == "::") return;  // gRPC is everywhere too
+    warnings_.push_back(absl::StrCat(
+        "UCX transfers listen on every interface: no interface of this host holds the "
+        "--grpc-address host \"", host, "\"; name one with --transfer-interface"));
+  }
+
+  // Settings that run but expose more than the operator may think.
+  void SecurityWarnings() {
+    const bool tls = !options_.tls_cert_file.empty();
+    if (!options_.auth_tokens_file.empty() && !tls) {
+      warnings_.push_back(
+          "--auth-tokens without TLS (--tls-cert, --tls-key): bearer tokens and request states "
+          "cross the network in plaintext; anyone on the path can read and replay them");
+    }
+    if (tls && options_.tls_client_ca_file.empty()) {
+      warnings_.push_back(
+          "TLS without client certificates (--tls-client-ca): any host that reaches the port "
+          "can call it; with neither --tls-client-ca nor --auth-tokens, it can use any slot "
+          "handle it learns");
+    }
+  }
+
+  // --peer-token: peers authenticate with it; without it a server that authenticates its
+  // clients takes no incoming transfers (a client's credentials are never a peer's).
+  absl::Status LoadPeerTokens(TransferOptions& t) {
+    t.clients_authenticated =
+        !options_.auth_tokens_file.empty() || !options_.tls_client_ca_file.empty();
+    if (options_.peer_token_file.empty()) {
+      if (t.clients_authenticated) {
+        warnings_.push_back(
+            "incoming slot transfers are refused: clients are authenticated (--auth-tokens, "
+            "--tls-client-ca) and peers cannot be without --peer-token");
+      }
+      return absl::OkStatus();
+    }
+    absl::StatusOr<std::unique_ptr<PeerTokens>> tokens = PeerTokens::Load(options_.peer_token_file);
+    if (!tokens.ok()) return tokens.status();
+    t.peer_tokens = *std::move(tokens);
+    if (auto w = ExposureWarning("peer-token", options_.peer_token_file)) warnings_.push_back(*w);
     return absl::OkStatus();
   }
 
@@ -272,6 +337,7 @@ class ServerImpl final : public Server {
   std::string backend_name() const override { return device_.name; }
   std::string model_name() const override { return cache_->model().name; }
   bool mps_active() const override { return ctx_.mps; }
+  std::vector<std::string> warnings() const override { return warnings_; }
 
   void Drain() override {
     gate_.Drain();
@@ -316,6 +382,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<SlotLeases> leases_;  // --slot-ttl; stopped before the cache goes
   std::unique_ptr<TokenStore> tokens_;  // --auth-tokens; null: one tenant
   std::unique_ptr<TenantRegions> tenant_regions_;  // with tokens_: each tenant's regions
+  std::unique_ptr<RegionLeases> region_leases_;    // --region-ttl; stopped before the tables
   std::unique_ptr<ReplaySsmService> service_;
   std::unique_ptr<RegionsService> regions_service_;
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
@@ -324,6 +391,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string grpc_address_;
   std::string metrics_address_;
+  std::vector<std::string> warnings_;  // for main to print
 };
 
 }  // namespace
@@ -340,6 +408,7 @@ absl::Status CheckBounds(const ServerOptions& o) {
       {"--max-request-id-bytes", o.max_request_id_bytes, 1, 65536},
       {"--max-import-tokens", o.max_import_tokens, 1, std::numeric_limits<int32_t>::max()},
       {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
+      {"--tenant-max-slots", o.tenant_max_slots, 0, std::numeric_limits<int64_t>::max()},
   };
   for (const auto& b : bounds) {
     if (b.value < b.min || b.value > b.max) {
@@ -378,7 +447,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              *std::move(cache));
+  server->SecurityWarnings();
   s = server->LoadTokens();
+  if (s.ok()) server->StartRegionLeases();
   if (s.ok()) s = server->StartTransfers();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;

@@ -38,8 +38,10 @@ struct ServerOptions {
   int32_t max_request_id_bytes = 128;                // longer request ids: INVALID_ARGUMENT
   int64_t max_import_tokens = int64_t{1} << 20;      // tokens an Import or a transfer brings
   int32_t max_streams = 1024;                        // open DecodeStream streams at once
+  int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with --auth-tokens); 0: any
   int32_t max_regions = 64;                          // registered memory regions at once
   absl::Duration slot_ttl = absl::ZeroDuration();    // idle live slots expire; 0 = never
+  absl::Duration region_ttl = absl::ZeroDuration();  // idle registered regions go; 0 = never
   int64_t max_region_bytes = int64_t{64} << 30;      // their bytes together (mapped, not owned)
   absl::Duration forward_timeout = absl::Seconds(10);  // a doorbell forward, begin to commit
   absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this
@@ -58,6 +60,10 @@ struct ServerOptions {
   // Bearer tokens of tenants (service/tenants.h): every client-facing call needs one; "": off,
   // one implicit tenant (localhost and trusted networks).
   std::string auth_tokens_file;
+  // The cluster's peer token (service/secrets.h): SlotTransfer's peer methods need it, and
+  // this server presents it to its peers. "": with --auth-tokens or --tls-client-ca incoming
+  // transfers are refused; without either, peers are anyone who can connect (trusted network).
+  std::string peer_token_file;
   // The network interface UCX uses and listens on for transfers (UCX_NET_DEVICES); "": all.
   std::string transfer_interface;
 };
@@ -74,6 +80,9 @@ class Server {
   // CUDA backend: whether this process's GPU work goes through MPS (co-located engines need
   // it: docs/data-plane.md). Always false on the CPU backend.
   virtual bool mps_active() const = 0;
+  // What the operator should hear about at start: settings that work but are unsafe (secret
+  // files others may read, ...). main prints each as a warning.
+  virtual std::vector<std::string> warnings() const = 0;
 
   // Refuse new forwards, report NOT_SERVING, wait for open forwards (up to the drain
   // timeout), then stop serving. Returns when the gRPC server is shut down.

@@ -112,6 +112,7 @@ struct ServiceLimits {
   int32_t max_prefill_tokens = 1 << 16;
   int64_t max_message_bytes = 64 << 20;
   int64_t max_import_tokens = 1 << 20;  // the history an Import or a transfer brings
+  int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with tokens); 0: no bound
 };
 
 // INVALID_ARGUMENT naming `tokens` when an imported history is longer than the limit: the
@@ -170,6 +171,12 @@ struct ServiceContext {
   // This context as `tenant` sees it (a copy: handlers keep it for the call): its handles,
   // its regions (caller.cc).
   ServiceContext ForTenant(TenantId tenant) const;
+  // With tokens and --tenant-max-slots: RESOURCE_EXHAUSTED naming the flag when the caller's
+  // tenant's live slots and `adding` more exceed the bound (1 before making a slot; 0 after,
+  // to catch a race past it) (caller.cc).
+  absl::Status CheckSlotQuota(int64_t adding) const;
+  // Whether counters must be the caller's tenant's only (GetStats with tokens).
+  bool tenant_view() const { return tokens != nullptr; }
 };
 
 }  // namespace replayssm::service

@@ -107,6 +107,13 @@ std::vector<SlotHandles::Issued> SlotHandles::List() const {
   return out;
 }
 
+int64_t SlotHandles::Count(TenantId tenant) const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& [index, e] : by_index_) n += e.handle != 0 && e.tenant == tenant ? 1 : 0;
+  return n;
+}
+
 bool SlotHandles::IdleSince(cache::SlotId id, absl::Time cutoff) const {
   absl::MutexLock lock(&mu_);
   auto it = by_index_.find(IndexOf(id));

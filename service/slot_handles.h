@@ -65,6 +65,8 @@ class SlotHandles {
   };
   // Every handle issued and not forgotten (its slot may have been freed since). Not a use.
   std::vector<Issued> List() const;
+  // Handles issued to `tenant` and not forgotten: its live slots (--tenant-max-slots).
+  int64_t Count(TenantId tenant) const;
   // Whether `id` has a handle that no call named since `cutoff` (slot leases).
   bool IdleSince(cache::SlotId id, absl::Time cutoff) const;
 

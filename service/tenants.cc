@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "service/secrets.h"
 
 namespace replayssm::service {
 
@@ -129,7 +130,7 @@ absl::Status TokenStore::ReloadLocked(bool force) {
   tokens_.clear();
   listed_.clear();
   for (const auto& [tenant, token] : *pairs) {
-    tokens_[token] = IdLocked(tenant);
+    tokens_.emplace_back(token, IdLocked(tenant));
     listed_[tenant] = true;
   }
   file_ = id;
@@ -164,20 +165,25 @@ absl::StatusOr<TenantId> TokenStore::Authenticate(std::optional<absl::string_vie
     return Unauthenticated(AuthFailure::kMalformed, failure,
                            "authorization: expected `Bearer <token>`, got another form");
   }
-  bool stale = false;
   {
     absl::MutexLock lock(&mu_);
-    auto it = tokens_.find(token);
-    if (it != tokens_.end() && absl::Now() - checked_ < kRecheck) return it->second;
-    stale = true;
+    std::optional<TenantId> t = FindLocked(token);
+    if (t.has_value() && absl::Now() - checked_ < kRecheck) return *t;
   }
-  if (stale) Reload(/*force=*/false).IgnoreError();  // logged and counted there
+  Reload(/*force=*/false).IgnoreError();  // logged and counted there
   absl::MutexLock lock(&mu_);
-  auto it = tokens_.find(token);
-  if (it != tokens_.end()) return it->second;
+  if (std::optional<TenantId> t = FindLocked(token); t.has_value()) return *t;
   return Unauthenticated(AuthFailure::kUnknown, failure,
                          "authorization: expected a token of the server's token file, got an "
                          "unknown token");
+}
+
+std::optional<TenantId> TokenStore::FindLocked(absl::string_view token) const {
+  std::optional<TenantId> found;
+  for (const auto& [known, tenant] : tokens_) {  // no early exit: every token is compared
+    if (ConstantTimeEquals(known, token)) found = tenant;
+  }
+  return found;
 }
 
 std::optional<TenantId> TokenStore::Find(absl::string_view name) const {

@@ -57,7 +57,8 @@ class TokenStore {
 
   // The tenant of an `authorization` metadata value (nullopt: none came). UNAUTHENTICATED
   // with a message that says which of missing / malformed / unknown, never whose; `failure`
-  // (optional) gets the reason.
+  // (optional) gets the reason. The token is compared with every known one in a time that
+  // does not depend on which matches or how much of one.
   absl::StatusOr<TenantId> Authenticate(std::optional<absl::string_view> authorization,
                                         AuthFailure* failure = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // The id of the tenant named `name` when the file names it now.
@@ -82,13 +83,18 @@ class TokenStore {
   explicit TokenStore(std::string path) : path_(std::move(path)) {}
   absl::Status ReloadLocked(bool force) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   TenantId IdLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tenant of `token`, every known token compared (constant time).
+  std::optional<TenantId> FindLocked(absl::string_view token) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string path_;
   mutable absl::Mutex mu_;
   FileId file_ ABSL_GUARDED_BY(mu_);    // loaded
   FileId failed_ ABSL_GUARDED_BY(mu_);  // the last that did not parse (not read again)
   absl::Time checked_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  absl::flat_hash_map<std::string, TenantId> tokens_ ABSL_GUARDED_BY(mu_);  // token -> tenant
+  // token -> tenant, compared one by one in constant time (a hash lookup's time depends on
+  // the token).
+  std::vector<std::pair<std::string, TenantId>> tokens_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, TenantId> ids_ ABSL_GUARDED_BY(mu_);     // every name seen
   absl::flat_hash_map<std::string, bool> listed_ ABSL_GUARDED_BY(mu_);      // names in the file
   std::vector<std::string> names_ ABSL_GUARDED_BY(mu_) = {""};              // by id

@@ -56,10 +56,13 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
 // The sender's view of the receiving server, over its SlotTransfer service.
 class GrpcPeer final : public transfer::Peer {
  public:
-  // `tenant_of` names the tenant that owns a transfer id's slot ("" without tenants).
+  // `tenant_of` names the tenant that owns a transfer id's slot ("" without tenants);
+  // `peer_token` goes with every call ("": none).
   GrpcPeer(std::shared_ptr<grpc::Channel> channel,
-           std::function<std::string(const std::string&)> tenant_of)
-      : stub_(v1::SlotTransfer::NewStub(std::move(channel))), tenant_of_(std::move(tenant_of)) {}
+           std::function<std::string(const std::string&)> tenant_of, std::string peer_token)
+      : stub_(v1::SlotTransfer::NewStub(std::move(channel))),
+        tenant_of_(std::move(tenant_of)),
+        peer_token_(std::move(peer_token)) {}
 
   absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
                                                 const transfer::StateFormat& format,
@@ -75,7 +78,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_tenant(tenant_of_(id));
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(c, deadline);
     absl::Status st =
         FromGrpcStatus(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
     if (!st.ok()) return st;
@@ -91,7 +94,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_checksum(checksum);
     v1::CommitTransferResponse resp;
     grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(c, deadline);
     absl::Status st = FromGrpcStatus(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
     if (!st.ok()) return st;
     return resp.slot();  // the peer's wire handle
@@ -102,15 +105,36 @@ class GrpcPeer final : public transfer::Peer {
     req.set_transfer_id(id);
     v1::AbortTransferResponse resp;
     grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(c, deadline);
     absl::Status st = FromGrpcStatus(stub_->AbortTransfer(&c, req, &resp), "peer AbortTransfer");
     if (!st.ok()) return st;
     return transfer::Decision{resp.committed(), resp.slot(), resp.seq_len()};
   }
 
+  // Asynchronous: the move's reply does not wait for it (a lost one only keeps the peer's
+  // decision until its horizon).
+  void Acknowledge(const std::string& id) override {
+    struct Call {
+      grpc::ClientContext context;
+      v1::AcknowledgeTransferRequest req;
+      v1::AcknowledgeTransferResponse resp;
+    };
+    auto* call = new Call;
+    call->req.set_transfer_id(id);
+    Prepare(call->context, absl::Now() + absl::Seconds(10));
+    stub_->async()->AcknowledgeTransfer(&call->context, &call->req, &call->resp,
+                                         [call](grpc::Status) { delete call; });
+  }
+
  private:
+  void Prepare(grpc::ClientContext& c, absl::Time deadline) const {
+    c.set_deadline(absl::ToChronoTime(deadline));
+    if (!peer_token_.empty()) c.AddMetadata(kPeerTokenKey, peer_token_);
+  }
+
   std::unique_ptr<v1::SlotTransfer::Stub> stub_;
   std::function<std::string(const std::string&)> tenant_of_;
+  const std::string peer_token_;
 };
 
 // The fields both transfer forms need: INVALID_ARGUMENT naming the first one missing.
@@ -123,6 +147,12 @@ absl::Status RequireSet(const std::string& request_id, uint64_t slot, const std:
   return FieldError(missing, "it set (request_id, slot and peer_address all are)",
                     slot == 0 && missing[0] == 's' ? "0" : "\"\"");
 }
+
+// Reconnect backoff of the channels to peers (issue 31 §7): a second at most between
+// attempts, so a restarted peer is reachable again at once; a dead one costs a failed
+// connect per second.
+constexpr int kPeerReconnectInitialMs = 100;
+constexpr int kPeerReconnectMaxMs = 1000;
 
 bool WildcardHost(absl::string_view address) {
   return absl::StartsWith(address, "0.0.0.0:") || absl::StartsWith(address, "[::]:") ||
@@ -211,7 +241,8 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
       s->sender_.get(),
       [self](const std::string& address) -> std::unique_ptr<transfer::Peer> {
         return std::make_unique<GrpcPeer>(
-            self->Channel(address), [self](const std::string& id) { return self->TenantOf(id); });
+            self->Channel(address), [self](const std::string& id) { return self->TenantOf(id); },
+            self->options_.peer_tokens != nullptr ? self->options_.peer_tokens->own() : "");
       },
       m);
   s->janitor_ = std::thread([self] {
@@ -237,9 +268,17 @@ std::shared_ptr<grpc::Channel> TransferService::Channel(const std::string& addre
   absl::MutexLock lock(&mu_);
   std::shared_ptr<grpc::Channel>& c = channels_[address];
   if (c == nullptr) {
-    c = grpc::CreateChannel(address, options_.peer_credentials != nullptr
-                                         ? options_.peer_credentials
-                                         : grpc::InsecureChannelCredentials());
+    // A peer that was down is dialled again within a second of coming back (gRPC's default
+    // backoff grows to 120 s, and every transfer to it fails fast meanwhile).
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kPeerReconnectInitialMs);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kPeerReconnectInitialMs);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kPeerReconnectMaxMs);
+    c = grpc::CreateCustomChannel(address,
+                                  options_.peer_credentials != nullptr
+                                      ? options_.peer_credentials
+                                      : grpc::InsecureChannelCredentials(),
+                                  args);
   }
   return c;
 }
@@ -277,6 +316,31 @@ std::string TransferService::PeerIdentity(const grpc::CallbackServerContext& c) 
   return colon == std::string::npos ? peer : peer.substr(0, colon);
 }
 
+absl::Status TransferService::AuthenticatePeer(const grpc::CallbackServerContext& c,
+                                              absl::string_view method) const {
+  if (options_.peer_tokens == nullptr) {
+    if (!options_.clients_authenticated) return absl::OkStatus();  // a trusted network
+    return absl::PermissionDeniedError(absl::StrCat(
+        method, ": this server takes no incoming transfers: it authenticates its clients "
+        "(--auth-tokens, --tls-client-ca) but has no --peer-token to authenticate peers, and a "
+        "client's credentials are never a peer's"));
+  }
+  const auto& md = c.client_metadata();
+  auto it = md.find(kPeerTokenKey);
+  if (it == md.end()) {
+    ctx_->metrics->CountAuthFailure("missing");
+    return absl::UnauthenticatedError(absl::StrCat(
+        kPeerTokenKey, ": expected the cluster's peer token (--peer-token) in the metadata of ",
+        method, ", got none"));
+  }
+  if (!options_.peer_tokens->Accepts(absl::string_view(it->second.data(), it->second.size()))) {
+    ctx_->metrics->CountAuthFailure("unknown");
+    return absl::UnauthenticatedError(absl::StrCat(
+        kPeerTokenKey, ": expected the cluster's peer token (--peer-token), got another"));
+  }
+  return absl::OkStatus();
+}
+
 std::string TransferService::MoveId(TenantId tenant, const std::string& request_id) const {
   if (ctx_->tokens == nullptr) return request_id;
   return absl::StrCat(tenant, "/", request_id);
@@ -300,21 +364,6 @@ absl::StatusOr<TenantId> TransferService::ReceivingTenant(const std::string& nam
       "tenant: expected a tenant of this server's token file (--auth-tokens) to own the slot, "
       "got ",
       name.empty() ? "none (the sending server has no tenants)" : absl::StrCat("\"", name, "\"")));
-}
-
-void TransferService::RecordIncoming(const std::string& transfer_id, TenantId tenant) {
-  absl::MutexLock lock(&mu_);
-  if (!incoming_.emplace(transfer_id, tenant).second) return;
-  incoming_order_.push_back(transfer_id);
-  if (incoming_order_.size() <= kIncomingKept) return;
-  incoming_.erase(incoming_order_.front());
-  incoming_order_.pop_front();
-}
-
-TenantId TransferService::IncomingTenant(const std::string& transfer_id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = incoming_.find(transfer_id);
-  return it == incoming_.end() ? kImplicitTenant : it->second;
 }
 
 absl::Status TransferService::CheckPeer(const std::string& address) const {
@@ -426,17 +475,23 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerContext* c,
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
+  if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer"); !st.ok()) {
+    CountFailure(st);
+    return Reply(c, "ReserveTransfer", st);
+  }
   if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
   absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
-  if (!tenant.ok()) {
-    CountFailure(tenant.status());
-    return Reply(c, "ReserveTransfer", tenant.status());
+  absl::Status quota = tenant.ok() ? ctx_->ForTenant(*tenant).CheckSlotQuota(1) : tenant.status();
+  if (!quota.ok()) {
+    CountFailure(quota);
+    return Reply(c, "ReserveTransfer", quota);
   }
+  // The tenant travels with the reservation (its owner) into the decision.
   absl::StatusOr<transfer::Reservation> r = receiver_->Reserve(
       req->transfer_id(), FromProto(req->format()), req->seq_len(), req->checksum_version(),
-      absl::Milliseconds(req->budget_ms()), PeerIdentity(*c));
+      absl::Milliseconds(req->budget_ms()), PeerIdentity(*c), *tenant);
   if (!r.ok()) {
     CountFailure(r.status());
     return Reply(c, "ReserveTransfer", r.status());
@@ -446,46 +501,56 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   resp->set_rkey(r->rkey);
   resp->set_bytes(r->bytes);
   resp->set_doorbell_addr(r->doorbell_addr);
-  RecordIncoming(req->transfer_id(), *tenant);
   return Reply(c, "ReserveTransfer", absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
                                                           const v1::CommitTransferRequest* req,
                                                           v1::CommitTransferResponse* resp) {
-  absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id());
+  absl::Status st = AuthenticatePeer(*c, "CommitTransfer");
+  if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
   if (!st.ok()) return Reply(c, "CommitTransfer", st);
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
-  const TenantId tenant = IncomingTenant(req->transfer_id());
-  absl::StatusOr<cache::SlotId> slot =
+  absl::StatusOr<transfer::Decision> d =
       receiver_->Commit(req->transfer_id(), tokens, req->checksum());
-  if (!slot.ok()) {
-    CountFailure(slot.status());
-    return Reply(c, "CommitTransfer", slot.status());
+  if (!d.ok()) {
+    CountFailure(d.status());
+    return Reply(c, "CommitTransfer", d.status());
   }
-  // Nobody has its handle yet: the slot joins its tenant's prefix cache and handles.
-  const ServiceContext owner = ctx_->ForTenant(tenant);
+  // Nobody has its handle yet: the slot joins its reservation's tenant's prefix cache and
+  // handles.
+  const ServiceContext owner = ctx_->ForTenant(static_cast<TenantId>(d->owner));
   if (owner.prefix_namespace() != cache::kDefaultNamespace) {
-    ctx_->cache->SetPrefixNamespace(*slot, owner.prefix_namespace()).IgnoreError();
+    ctx_->cache->SetPrefixNamespace(d->slot, owner.prefix_namespace()).IgnoreError();
   }
-  resp->set_slot(owner.slots.ToWire(*slot));
+  resp->set_slot(owner.slots.ToWire(d->slot));
   return Reply(c, "CommitTransfer", absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerContext* c,
                                                          const v1::AbortTransferRequest* req,
                                                          v1::AbortTransferResponse* resp) {
-  if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
-    return Reply(c, "AbortTransfer", st);
-  }
+  absl::Status st = AuthenticatePeer(*c, "AbortTransfer");
+  if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
+  if (!st.ok()) return Reply(c, "AbortTransfer", st);
   const transfer::Decision d = receiver_->Abort(req->transfer_id());
   resp->set_committed(d.committed);
   if (d.committed) {  // its handle was issued at the commit, to the reservation's tenant
-    resp->set_slot(ctx_->ForTenant(IncomingTenant(req->transfer_id())).slots.ToWire(d.slot));
+    resp->set_slot(ctx_->ForTenant(static_cast<TenantId>(d.owner)).slots.ToWire(d.slot));
     resp->set_seq_len(d.seq_len);
   }
   return Reply(c, "AbortTransfer", absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* TransferService::AcknowledgeTransfer(
+    grpc::CallbackServerContext* c, const v1::AcknowledgeTransferRequest* req,
+    v1::AcknowledgeTransferResponse*) {
+  absl::Status st = AuthenticatePeer(*c, "AcknowledgeTransfer");
+  if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
+  if (!st.ok()) return Reply(c, "AcknowledgeTransfer", st);
+  receiver_->Acknowledge(req->transfer_id(), PeerIdentity(*c));  // only the reserving peer's
+  return Reply(c, "AcknowledgeTransfer", absl::OkStatus());
 }
 
 }  // namespace replayssm::service

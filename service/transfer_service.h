@@ -7,14 +7,12 @@
 #define REPLAYSSM_SERVICE_TRANSFER_SERVICE_H_
 
 #include <atomic>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -27,6 +25,7 @@
 #include "replayssm/transfer/sender.h"
 #include "replayssm/transfer/ucx_transport.h"
 #include "replayssm/v1/transfer.grpc.pb.h"
+#include "service/secrets.h"
 #include "service/service_context.h"
 
 namespace replayssm::service {
@@ -49,6 +48,10 @@ struct TransferOptions {
   // The peers this server may dial (TransferSlot's and PullSlot's peer_address, host:port as
   // given); empty: any (--transfer-peers).
   std::vector<std::string> allowed_peers;
+  // --peer-token: peers present its token, and this server presents it to them. Null: peer
+  // calls carry none; they are then refused when clients_authenticated.
+  std::shared_ptr<const PeerTokens> peer_tokens;
+  bool clients_authenticated = false;  // --auth-tokens or --tls-client-ca
 };
 
 class TransferService final : public v1::SlotTransfer::CallbackService {
@@ -76,11 +79,19 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   grpc::ServerUnaryReactor* AbortTransfer(grpc::CallbackServerContext* c,
                                           const v1::AbortTransferRequest* req,
                                           v1::AbortTransferResponse* resp) override;
+  grpc::ServerUnaryReactor* AcknowledgeTransfer(grpc::CallbackServerContext* c,
+                                                const v1::AcknowledgeTransferRequest* req,
+                                                v1::AcknowledgeTransferResponse* resp) override;
 
  private:
   TransferService(const ServiceContext* ctx, TransferOptions options);
   // Who is calling, for the per-peer reservation bound: the mTLS identity, else the host.
   static std::string PeerIdentity(const grpc::CallbackServerContext& c);
+  // A peer method's caller must be a peer: with --peer-token it presents that token
+  // (UNAUTHENTICATED otherwise, counted as an auth failure); without one, a server that
+  // authenticates its clients takes no peer calls at all (PERMISSION_DENIED).
+  absl::Status AuthenticatePeer(const grpc::CallbackServerContext& c,
+                                absl::string_view method) const;
   // The manager's id of a caller's move: request ids are the tenant's own (with tenants,
   // "<tenant id>/<request id>"; another tenant's id never joins or replays its move).
   std::string MoveId(TenantId tenant, const std::string& request_id) const;
@@ -90,9 +101,6 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   // Receiver side: the tenant that gets an incoming slot, by the sender's tenant name: the
   // implicit tenant without --auth-tokens, else the tenant of that name or PERMISSION_DENIED.
   absl::StatusOr<TenantId> ReceivingTenant(const std::string& name) const;
-  // Remembers a reservation's tenant until the commit or abort asks (the last kIncomingKept).
-  void RecordIncoming(const std::string& transfer_id, TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
-  TenantId IncomingTenant(const std::string& transfer_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // PERMISSION_DENIED naming peer_address unless `address` is an allowed peer.
   absl::Status CheckPeer(const std::string& address) const;
   // Finishes `reactor` with `status` and counts the call.
@@ -116,14 +124,8 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   prometheus::Histogram* seconds_ = nullptr;
   prometheus::Gauge* open_ = nullptr;
   prometheus::Gauge* in_doubt_ = nullptr;
-  // Reservations remembered with their tenant: more than --transfer-reservations-per-peer
-  // times any sane number of peers, so a live reservation is never forgotten.
-  static constexpr size_t kIncomingKept = 4096;
-
   mutable absl::Mutex mu_;
   std::string self_address_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, TenantId> incoming_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> incoming_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> pulls_{0};  // PullSlot calls waiting for their peer
   absl::Notification stop_;

@@ -599,6 +599,68 @@ TEST_F(DataPlaneTest, PipelinedBeginsCloseThePlannedForwardBeforeThem) {
   EXPECT_EQ(InUse("engine"), 0);
 }
 
+// Issue 31 §8 (docs/data-plane.md, "Continued forwards"), on the CPU backend: the engine is
+// lost mid-way through a chain of continued planned forwards. On the CPU a doorbell wait
+// blocks the queueing thread, so a begin continues forward f only once f's layers all ran:
+// - the engine stops ringing in f while f+1's begin waits to continue it: past
+//   --forward-timeout f is abandoned (DEADLINE_EXCEEDED, "not committed"), no cursor moved;
+// - the engine dies in f+1 after f ran whole: f was committed by f+1's begin, f+1 is
+//   abandoned; the rows hold exactly f's token.
+// Either way the rows are usable and the region is released. (The DATA_LOSS "broken" path
+// needs a backend whose waits are queued, CUDA: see docs/data-plane.md.)
+class ContinuedForwardFailureTest : public DataPlaneTest,
+                                    public ::testing::WithParamInterface<bool> {};
+
+TEST_P(ContinuedForwardFailureTest, AnEngineLostMidChainLeavesConsistentRows) {
+  const bool dies_in_next = GetParam();
+  const std::vector<uint64_t> s = {NewSlot(), NewSlot()};
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->SendBegin(PlannedDecode(s, 1)).ok());
+  const std::vector<v1::LayerInput> layers = Layers(2);
+  if (dies_in_next) {
+    mem_->Drive(layers, 1);  // forward 1 whole
+  } else {
+    mem_->Write(layers[0], 0);
+    mem_->Ring(0, 1);  // forward 1's layer 0; then the engine stops ringing
+    ASSERT_TRUE(mem_->WaitDone(0, 1, absl::Seconds(10)));
+  }
+  ASSERT_TRUE(stream->AwaitBegun().ok());
+  ASSERT_TRUE(stream->SendBegin(PlannedDecode(s, 2)).ok());  // would continue forward 1
+  auto begun = stream->AwaitBegun();
+  int64_t seq_len = 0;
+  if (dies_in_next) {
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    ASSERT_EQ(begun->closed().rows_size(), 2) << "forward 1 committed by the continuing begin";
+    EXPECT_EQ(begun->closed().rows(0).seq_len(), 1);
+    mem_->Write(layers[0], 0);
+    mem_->Ring(0, 2);  // forward 2's layer 0, then the engine's process dies
+    ASSERT_TRUE(mem_->WaitDone(0, 2, absl::Seconds(10)));
+    stream->Cancel();
+    seq_len = 1;
+  } else {
+    EXPECT_EQ(begun.status().code(), absl::StatusCode::kDeadlineExceeded) << begun.status();
+    EXPECT_NE(begun.status().message().find("layer 1"), std::string::npos) << begun.status();
+    EXPECT_NE(begun.status().message().find("not committed"), std::string::npos)
+        << begun.status();
+  }
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (InUse("engine") != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(InUse("engine"), 0) << "every forward released the region";
+  auto again = client_->OpenStream();
+  for (uint64_t slot : s) {
+    auto info = client_->GetSlot(slot);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->seq_len(), seq_len);
+    EXPECT_TRUE(again->Forward(Rows({slot}), Layers(1)).ok()) << "the row takes the next forward";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, ContinuedForwardFailureTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? std::string("DiesInTheNextForward")
+                                          : std::string("StopsRingingInTheContinuedOne");
+                         });
+
 TEST_F(DataPlaneTest, ARefusedPlannedBeginRingsItsDoneDoorbellsAndChangesNothing) {
   const std::vector<uint64_t> s = {NewSlot()};
   const std::string before = Observe(s[0]);
@@ -729,6 +791,44 @@ TEST_F(RegionLimitTest, RegionsBeyondMaxRegionsAreResourceExhaustedUntilOneGoes)
   EXPECT_NE(refused.message().find("the limit (--max-regions) is 1"), std::string::npos) << refused;
   ASSERT_TRUE(client_->UnregisterRegion("engine").ok());
   EXPECT_TRUE(client_->RegisterSystemRegion(mem_->Registration("second")).ok());
+}
+
+class RegionTtlTest : public DataPlaneTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--forward-timeout=20", "--region-ttl=1"};
+  }
+  // The names of the registered regions (GetRegionStatus is no use of them).
+  std::vector<std::string> Registered() {
+    std::vector<std::string> names;
+    auto all = client_->RegionStatus();
+    if (all.ok()) {
+      for (const auto& r : all->regions()) names.push_back(r.name());
+    }
+    return names;
+  }
+};
+
+// Issue 31 §8: the regions of an engine that died stayed mapped until the server stopped. With
+// --region-ttl a region that no forward or call used for the TTL is unregistered; one a
+// forward holds stays however long that takes, and goes once idle after it.
+TEST_F(RegionTtlTest, ADeadEnginesRegionsAreReclaimedButNeverMidForward) {
+  EngineMemory other(model(), 1);
+  ASSERT_TRUE(client_->RegisterSystemRegion(other.Registration("idle")).ok());
+  const std::vector<uint64_t> s = {NewSlot()};
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->BeginWith(PlannedDecode(s, 1)).ok());  // holds "engine"
+  absl::SleepFor(absl::Milliseconds(2500));
+  EXPECT_EQ(Registered(), std::vector<std::string>{"engine"})
+      << "the idle one went; the one a forward holds stayed";
+  std::thread engine([&] { mem_->Drive(Layers(1), 1); });
+  EXPECT_TRUE(stream->Commit().ok());
+  engine.join();
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (!Registered().empty() && absl::Now() < end) absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_TRUE(Registered().empty()) << "idle after the forward: reclaimed";
+  auto refused = client_->OpenStream()->BeginWith(PlannedDecode(s, 2));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound) << refused.status();
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "grpcpp/generic/generic_stub.h"
+#include "absl/strings/match.h"
 #include "service_fixture.h"
 
 namespace replayssm::testing {
@@ -242,7 +243,11 @@ TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
   EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(v.status().message().find("num_draft"), std::string::npos) << v.status();
 
-  EXPECT_EQ(client_->Accept(slot_, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  auto accept = client_->Accept(slot_, 1);
+  EXPECT_EQ(accept.status().code(), absl::StatusCode::kInvalidArgument);
+  // Issue 31 §7: the error names the request's field (it said `n`).
+  EXPECT_TRUE(absl::StartsWith(accept.status().message(), "num_accepted: expected 0 to 0"))
+      << accept.status();
   EXPECT_EQ(Observe(slot_), before);
 }
 

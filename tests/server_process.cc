@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -57,7 +58,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   if (p->pid_ < 0) return absl::InternalError("fork failed");
   if (p->pid_ == 0) {
     FILE* f = std::freopen(log.c_str(), "w", stdout);
-    (void)f;
+    if (f != nullptr) dup2(fileno(f), STDERR_FILENO);
     execv(argv[0], argv.data());
     _exit(127);
   }
@@ -72,6 +73,61 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     absl::SleepFor(absl::Milliseconds(10));
   }
   return absl::DeadlineExceededError("replayssm-server did not become ready");
+}
+
+std::string ServerProcess::Log() const {
+  std::ifstream in(dir_ + "/server.log");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+namespace {
+
+// "0100007F:1F90" (IPv4) or 32 hex digits of four little-endian words (IPv6) and a port.
+std::string ProcAddress(const std::string& hex) {
+  const size_t colon = hex.find(':');
+  const std::string ip = hex.substr(0, colon);
+  const int port = std::stoi(hex.substr(colon + 1), nullptr, 16);
+  unsigned char bytes[16] = {};
+  const size_t n = ip.size() / 2;
+  for (size_t w = 0; w < n / 4; ++w) {  // each 32-bit word is little-endian
+    const uint32_t word = static_cast<uint32_t>(std::stoul(ip.substr(w * 8, 8), nullptr, 16));
+    std::memcpy(bytes + 4 * w, &word, 4);
+  }
+  char text[INET6_ADDRSTRLEN] = {};
+  inet_ntop(n == 4 ? AF_INET : AF_INET6, bytes, text, sizeof(text));
+  return n == 4 ? absl::StrCat(text, ":", port) : absl::StrCat("[", text, "]:", port);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> ServerProcess::ListeningAddresses() const {
+  std::vector<std::string> inodes;
+  const std::string fds = absl::StrCat("/proc/", pid_, "/fd");
+  for (int fd = 0; fd < 4096; ++fd) {
+    char target[256] = {};
+    const std::string link = absl::StrCat(fds, "/", fd);
+    const ssize_t len = readlink(link.c_str(), target, sizeof(target) - 1);
+    if (len > 0 && absl::StartsWith(target, "socket:[")) {
+      inodes.push_back(std::string(target + 8, static_cast<size_t>(len) - 9));
+    }
+  }
+  std::vector<std::string> out;
+  for (const char* table : {"tcp", "tcp6"}) {
+    std::ifstream in(absl::StrCat("/proc/", pid_, "/net/", table));
+    if (!in) return absl::NotFoundError(absl::StrCat("/proc/", pid_, "/net/", table));
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() < 10 || f[3] != "0A") continue;  // 0A: LISTEN
+      if (std::find(inodes.begin(), inodes.end(), f[9]) != inodes.end()) {
+        out.push_back(ProcAddress(f[1]));
+      }
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<int64_t> ServerProcess::ResidentBytes() const {

@@ -28,6 +28,11 @@ class ServerProcess {
   void Signal(int sig);
   // The exit status (WEXITSTATUS), or an error when it did not exit within `timeout`.
   absl::StatusOr<int> WaitExit(absl::Duration timeout);
+  // What it printed so far (stdout and stderr).
+  std::string Log() const;
+  // The addresses its TCP sockets listen on ("127.0.0.1:50051", "[::1]:9400"), from
+  // /proc/PID/fd and /proc/PID/net/tcp{,6}.
+  absl::StatusOr<std::vector<std::string>> ListeningAddresses() const;
   // Its resident set size (VmRSS of /proc/PID/status) in bytes.
   absl::StatusOr<int64_t> ResidentBytes() const;
 

@@ -5,6 +5,7 @@
 // read again; a moved slot belongs to its sender's tenant on the receiver.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,12 +13,15 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
+#include "absl/synchronization/notification.h"
 #include "service_fixture.h"
+#include "transfer_proxy.h"
 
 namespace replayssm::testing {
 namespace {
@@ -43,6 +47,21 @@ class TokenFile {
 
  private:
   static inline int n_ = 0;
+  std::string path_;
+};
+
+// The cluster's peer token (--peer-token), owner-readable only.
+class PeerTokenFile {
+ public:
+  PeerTokenFile() : path_(absl::StrCat(::testing::TempDir(), "/replayssm-peer-", getpid())) {
+    std::ofstream(path_) << kPeerToken << "\n";
+    chmod(path_.c_str(), 0600);
+  }
+  ~PeerTokenFile() { std::remove(path_.c_str()); }
+  std::string Flag() const { return "--peer-token=" + path_; }
+  static constexpr char kPeerToken[] = "peer-token-0123456789abcdef";
+
+ private:
   std::string path_;
 };
 
@@ -190,6 +209,57 @@ TEST_F(TenantsTest, ThePrefixCacheIsSharedWithinATenantOnly) {
   ASSERT_TRUE(bob_->Donate(bob_slot->slot()).ok());
 }
 
+// Issue 31 §6: one tenant could fill the pool (evicting the others' prefix snapshots), and
+// GetStats showed every tenant's counters to each. A tenant now holds at most
+// --tenant-max-slots live slots, and its GetStats is its own view.
+class TenantQuotaTest : public TenantsTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    // 8 slots of tiny-gdn (135,680 bytes each); bob may hold 3 of them.
+    return {"--track-interval=16", tokens_.Flag(), "--memory-budget=1100K",
+            "--tenant-max-slots=3"};
+  }
+};
+
+TEST_F(TenantQuotaTest, ATenantHoldsAtMostItsSlotsAndSeesItsOwnCountersOnly) {
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 20);  // tokens 100..119
+  ASSERT_TRUE(client_->Donate(slot).ok());  // alice's prefix snapshot
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 20; ++i) prompt.push_back(100 + i);
+  ASSERT_EQ(*client_->MatchPrefix(prompt), 20);
+  std::vector<uint64_t> bobs;
+  for (int i = 0; i < 3; ++i) {
+    auto s = bob_->Allocate();
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+    bobs.push_back(s->slot());
+  }
+  for (int i = 0; i < 6; ++i) {  // would fill the pool and evict alice's snapshot
+    auto more = bob_->Allocate();
+    EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted) << more.status();
+    EXPECT_NE(more.status().message().find("--tenant-max-slots 3"), std::string::npos)
+        << more.status();
+  }
+  auto from_prefix = bob_->AllocateFromPrefix(prompt);
+  EXPECT_EQ(from_prefix.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(*client_->MatchPrefix(prompt), 20) << "alice's snapshot was not evicted";
+  auto bob_stats = bob_->Stats();
+  ASSERT_TRUE(bob_stats.ok());
+  EXPECT_TRUE(bob_stats->tenant_view());
+  EXPECT_EQ(bob_stats->slots_live(), 3);
+  EXPECT_EQ(bob_stats->tenant_max_slots(), 3);
+  EXPECT_EQ(bob_stats->slots_snapshot(), 0) << "alice's snapshot is not bob's to count";
+  EXPECT_EQ(bob_stats->snapshots_taken(), 0);
+  EXPECT_EQ(bob_stats->forwards_committed(), 0) << "alice's prefill is not bob's to count";
+  auto alice_stats = client_->Stats();
+  ASSERT_TRUE(alice_stats.ok());
+  EXPECT_EQ(alice_stats->slots_live(), 0) << "alice donated hers";
+  // Freeing one gives the share back.
+  ASSERT_TRUE(bob_->Free(bobs[0]).ok());
+  EXPECT_TRUE(bob_->Allocate().ok());
+  EXPECT_TRUE(client_->Allocate().ok()) << "alice has a share of her own";
+}
+
 TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
   auto a = client_->Allocate("request-1");
   auto b = bob_->Allocate("request-1");
@@ -201,12 +271,26 @@ TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
   EXPECT_TRUE(bob_->GetSlot(b->slot()).ok());
 }
 
+// A POSIX shm object of `bytes` named `key`, unlinked when it goes.
+class Shm {
+ public:
+  Shm(std::string key, off_t bytes) : key_(std::move(key)) {
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << key_;
+    EXPECT_EQ(ftruncate(fd, bytes), 0);
+    close(fd);
+  }
+  ~Shm() { shm_unlink(key_.c_str()); }
+  const std::string& key() const { return key_; }
+
+ private:
+  std::string key_;
+};
+
 TEST_F(TenantsTest, RegionsAreTheTenantsOwn) {
-  const std::string key = absl::StrCat("/replayssm-tenants-", getpid());
-  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, 4096), 0);
-  close(fd);
+  Shm alices(absl::StrCat("/alice:tenants-", getpid()), 4096);
+  Shm bobs(absl::StrCat("/bob:tenants-", getpid()), 4096);
+  const std::string key = alices.key();
   v1::RegisterSystemRegionRequest r;
   r.set_name("engine");
   r.set_key(key);
@@ -221,11 +305,46 @@ TEST_F(TenantsTest, RegionsAreTheTenantsOwn) {
   EXPECT_EQ(bob_one.status().message(),
             absl::StrReplaceAll(bob_none.status().message(), {{"never-registered", "engine"}}));
   EXPECT_EQ(bob_->UnregisterRegion("engine").code(), absl::StatusCode::kNotFound);
+  r.set_key(bobs.key());
   EXPECT_TRUE(bob_->RegisterSystemRegion(r).ok()) << "the same name is free for bob";
   auto alice_all = client_->RegionStatus();
   ASSERT_TRUE(alice_all.ok());
   EXPECT_EQ(alice_all->regions_size(), 1);
-  shm_unlink(key.c_str());
+}
+
+// Issue 31 §4: any tenant could register any shm object of the host (another engine's
+// memory, read and written through forwards), and the errors said whether a name existed and
+// how large it was. A tenant now maps only "/<tenant>:..." objects, and a missing object and a
+// short one get the same answer.
+TEST_F(TenantsTest, ATenantMapsOnlyItsOwnShmObjectsAndLearnsNothingOfOthers) {
+  Shm alices(absl::StrCat("/alice:engine-", getpid()), 4096);
+  Shm others(absl::StrCat("/replayssm-other-engine-", getpid()), 4096);
+  const auto reg = [](const std::string& key, uint64_t bytes) {
+    v1::RegisterSystemRegionRequest r;
+    r.set_name("engine");
+    r.set_key(key);
+    r.set_byte_size(bytes);
+    return r;
+  };
+  // Bob names alice's object, another engine's, and one that does not exist: one answer.
+  const std::string missing = absl::StrCat("/alice:nothing-", getpid());
+  const absl::Status theirs = bob_->RegisterSystemRegion(reg(alices.key(), 4096));
+  EXPECT_EQ(theirs.code(), absl::StatusCode::kPermissionDenied) << theirs;
+  EXPECT_NE(theirs.message().find("starts with \"/bob:\""), std::string::npos) << theirs;
+  const absl::Status none = bob_->RegisterSystemRegion(reg(missing, 4096));
+  EXPECT_EQ(none.message(),
+            absl::StrReplaceAll(theirs.message(), {{alices.key(), missing}}));
+  EXPECT_EQ(client_->RegisterSystemRegion(reg(others.key(), 4096)).code(),
+            absl::StatusCode::kPermissionDenied)
+      << "nor does alice map an object outside her prefix";
+  // Within her prefix: a short object and a missing one read alike, sizes never shown.
+  const absl::Status short_one = client_->RegisterSystemRegion(reg(alices.key(), 8192));
+  const absl::Status gone = client_->RegisterSystemRegion(reg(missing, 8192));
+  EXPECT_EQ(short_one.code(), absl::StatusCode::kInvalidArgument) << short_one;
+  EXPECT_EQ(gone.message(), absl::StrReplaceAll(short_one.message(), {{alices.key(), missing}}));
+  EXPECT_EQ(short_one.message().find("4096"), std::string::npos) << short_one;
+  EXPECT_TRUE(client_->RegisterSystemRegion(reg(alices.key(), 4096)).ok());
+  EXPECT_EQ(bob_->RegionStatus()->regions_size(), 0);
 }
 
 TEST_F(TenantsTest, AChangedTokenFileIsReadAgain) {
@@ -248,11 +367,32 @@ TEST_F(TenantsTest, AChangedTokenFileIsReadAgain) {
   EXPECT_TRUE(client_->ListSlots().ok());
 }
 
+// Issue 31 §7: a token file others may read is named in a warning at start (never its
+// tokens); one only its owner may read is not.
+TEST(TokenFilePermissions, AFileOthersMayReadIsWarnedAbout) {
+  TokenFile tokens(Tokens());
+  const std::string path = tokens.Flag().substr(std::string("--auth-tokens=").size());
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  auto open = ServerProcess::Start({tokens.Flag()});
+  ASSERT_TRUE(open.ok()) << open.status();
+  const std::string log = (*open)->Log();
+  EXPECT_NE(log.find("warning: --auth-tokens " + path + " may be read by others (mode 0644)"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find(kAlice), std::string::npos) << "never a token";
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  auto private_file = ServerProcess::Start({tokens.Flag()});
+  ASSERT_TRUE(private_file.ok()) << private_file.status();
+  EXPECT_EQ((*private_file)->Log().find("may be read"), std::string::npos)
+      << (*private_file)->Log();
+}
+
 // Two servers with the same token file: a slot moved by alice is alice's on the receiver.
 TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
   TokenFile tokens(Tokens());
-  auto a = ServerProcess::Start({tokens.Flag()});
-  auto b = ServerProcess::Start({tokens.Flag()});
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag()});
   ASSERT_TRUE(a.ok() && b.ok());
   auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
   auto slot = alice_a->Allocate();
@@ -286,12 +426,147 @@ TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
   EXPECT_TRUE(bob_a->GetSlot(bobs2->slot()).ok());
 }
 
+// Issue 31 §2: the receiver looked a commit's tenant up in a side table of the last 4096
+// reservations and fell back to the implicit tenant: reservations made (and aborted) while
+// a sender paused before its commit pushed the entry out, and the committed slot belonged to
+// nobody (its owner got NOT_FOUND, nothing freed it). The tenant now travels with the
+// reservation.
+TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhile) {
+  TokenFile tokens(Tokens());
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag(), "--transfer-timeout=300"});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag(), "--transfer-lease=300"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto proxy = TransferProxy::Start((*b)->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  v1::ReserveTransferRequest seen;
+  absl::Notification committing, flooded;
+  proxy->set_hooks({.reserve = [&](v1::ReserveTransferRequest& r) {
+                      seen = r;
+                      return TransferProxy::Action::kForward;
+                    },
+                    .commit = [&](v1::CommitTransferRequest&) {
+                      committing.Notify();
+                      flooded.WaitForNotification();  // the sender pauses before its commit
+                      return TransferProxy::Action::kForward;
+                    }});
+  auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
+  auto slot = alice_a->Allocate();
+  ASSERT_TRUE(slot.ok());
+  absl::StatusOr<v1::TransferSlotResponse> moved;
+  std::thread t([&] { moved = alice_a->TransferSlot(slot->slot(), proxy->address(), false); });
+  ASSERT_TRUE(committing.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel((*b)->grpc_address(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 4200; ++i) {  // another tenant's reservations, each aborted
+    v1::ReserveTransferRequest r = seen;
+    r.set_transfer_id("flood-" + std::to_string(i));
+    r.set_tenant("bob");
+    v1::ReserveTransferResponse reserved;
+    grpc::ClientContext rc;
+    rc.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);  // a peer's calls
+    const grpc::Status st = stub->ReserveTransfer(&rc, r, &reserved);
+    ASSERT_TRUE(st.ok()) << i << ": " << st.error_message();
+    v1::AbortTransferRequest abort;
+    abort.set_transfer_id(r.transfer_id());
+    v1::AbortTransferResponse aborted;
+    grpc::ClientContext ac;
+    ac.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);
+    ASSERT_TRUE(stub->AbortTransfer(&ac, abort, &aborted).ok()) << i;
+  }
+  flooded.Notify();
+  t.join();
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_TRUE(alice_b->GetSlot(moved->remote_slot()).ok()) << "alice's slot is alice's";
+  EXPECT_EQ(bob_b->GetSlot(moved->remote_slot()).status().code(), absl::StatusCode::kNotFound);
+  auto listed = alice_b->ListSlots();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->slots_size(), 1);
+  EXPECT_TRUE(alice_b->Free(moved->remote_slot()).ok()) << "and its owner can free it";
+}
+
+// Issue 31 §3: ReserveTransfer, CommitTransfer and AbortTransfer checked no credential: a
+// tenant's client could create slots in any tenant, and anonymous reservations from the host
+// of a real peer used up that host's share (--transfer-reservations-per-peer) and locked the
+// peer out for a whole lease. Peer calls now need the cluster's peer token; a tenant's token
+// is never enough, and calls without it reserve nothing.
+TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
+  TokenFile tokens(Tokens());
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  ASSERT_TRUE(a.ok() && b.ok());
+  // A real reservation's request, to replay as others.
+  auto proxy = TransferProxy::Start((*b)->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  v1::ReserveTransferRequest seen;
+  proxy->set_hooks({.reserve = [&](v1::ReserveTransferRequest& r) {
+    seen = r;
+    return TransferProxy::Action::kForward;
+  }});
+  auto alice_a = As(**a, kAlice);
+  auto first = alice_a->Allocate();
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(alice_a->TransferSlot(first->slot(), proxy->address(), false).ok());
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel((*b)->grpc_address(), grpc::InsecureChannelCredentials()));
+  const auto reserve = [&](const std::string& id, const std::string& key,
+                           const std::string& value) {
+    v1::ReserveTransferRequest r = seen;
+    r.set_transfer_id(id);
+    v1::ReserveTransferResponse resp;
+    grpc::ClientContext c;
+    if (!key.empty()) c.AddMetadata(key, value);
+    return stub->ReserveTransfer(&c, r, &resp).error_code();
+  };
+  for (int i = 0; i < 8; ++i) {  // from this host, as the servers are
+    EXPECT_EQ(reserve("anon-" + std::to_string(i), "", ""), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(reserve("tenant", "authorization", absl::StrCat("Bearer ", kAlice)),
+            grpc::StatusCode::UNAUTHENTICATED)
+      << "a client's token is no peer's";
+  EXPECT_EQ(reserve("guess", "replayssm-peer-token", "peer-token-0123456789abcdeX"),
+            grpc::StatusCode::UNAUTHENTICATED);
+  for (const char* method : {"commit", "abort", "acknowledge"}) {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
+    grpc::Status st;
+    if (method[0] == 'c') {
+      v1::CommitTransferRequest r;
+      r.set_transfer_id("x");
+      v1::CommitTransferResponse resp;
+      st = stub->CommitTransfer(&c, r, &resp);
+    } else if (method[1] == 'b') {
+      v1::AbortTransferRequest r;
+      r.set_transfer_id("x");
+      v1::AbortTransferResponse resp;
+      st = stub->AbortTransfer(&c, r, &resp);
+    } else {
+      v1::AcknowledgeTransferRequest r;
+      r.set_transfer_id("x");
+      v1::AcknowledgeTransferResponse resp;
+      st = stub->AcknowledgeTransfer(&c, r, &resp);
+    }
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << method;
+  }
+  auto metrics = HttpGet((*b)->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(Sample(*metrics, "replayssm_slots{state=\"live\"}"), 1)
+      << "only the real transfer's slot";
+  // The real peer on the same host is not locked out.
+  auto next = alice_a->Allocate();
+  ASSERT_TRUE(next.ok());
+  auto moved = alice_a->TransferSlot(next->slot(), (*b)->grpc_address(), false);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
 TEST(TenantTransfers, AReceiverRefusesASlotOfATenantItDoesNotKnow) {
   TokenFile sender_tokens(Tokens());
   TokenFile receiver_tokens(absl::StrCat("bob ", kBob, "\n"));
-  auto a = ServerProcess::Start({sender_tokens.Flag()});
-  auto b = ServerProcess::Start({receiver_tokens.Flag()});
-  auto open = ServerProcess::Start({});  // no tenants at all
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({sender_tokens.Flag(), peer.Flag()});
+  auto b = ServerProcess::Start({receiver_tokens.Flag(), peer.Flag()});
+  auto open = ServerProcess::Start({peer.Flag()});  // no tenants at all
   ASSERT_TRUE(a.ok() && b.ok() && open.ok());
   auto alice_a = As(**a, kAlice);
   auto slot = alice_a->Allocate();

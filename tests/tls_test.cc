@@ -10,8 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
 #include "replayssm/client/client.h"
+#include "replayssm/v1/transfer.grpc.pb.h"
 #include "server_process.h"
 
 namespace replayssm::testing {
@@ -68,6 +71,13 @@ class TlsTest : public ::testing::Test {
     if (mtls) f.push_back("--tls-client-ca=" + pki_.Path("ca.pem"));
     return f;
   }
+  // --peer-token with the cluster's peer token (a file of the test PKI's directory).
+  std::string PeerToken() const {
+    const std::string path = pki_.Path("peer-token");
+    std::ofstream(path) << kPeerToken << "\n";
+    return "--peer-token=" + path;
+  }
+  static constexpr char kPeerToken[] = "peer-token-0123456789abcdef";
   client::ChannelSecurity ClientTls(const std::string& who = "client") const {
     return {pki_.Path("ca.pem"), who.empty() ? "" : pki_.Path(who + ".pem"),
             who.empty() ? "" : pki_.Path(who + ".key")};
@@ -102,8 +112,10 @@ TEST_F(TlsTest, WithAClientCaOnlyClientsItSignedAreServed) {
 }
 
 TEST_F(TlsTest, TwoServersMoveASlotOverMtls) {
-  auto a = ServerProcess::Start(ServerTls(true));
-  auto b = ServerProcess::Start(ServerTls(true));
+  std::vector<std::string> flags = ServerTls(true);
+  flags.push_back(PeerToken());
+  auto a = ServerProcess::Start(flags);
+  auto b = ServerProcess::Start(flags);
   ASSERT_TRUE(a.ok() && b.ok());
   auto ca = Connect((*a)->grpc_address(), ClientTls());
   auto slot = ca->Allocate();
@@ -116,7 +128,7 @@ TEST_F(TlsTest, TwoServersMoveASlotOverMtls) {
   // A peer that does not trust this server's certificate refuses the transfer: nothing moves.
   auto c = ServerProcess::Start({"--tls-cert=" + pki_.Path("server.pem"),
                                  "--tls-key=" + pki_.Path("server.key"),
-                                 "--tls-client-ca=" + pki_.Path("other.pem")});
+                                 "--tls-client-ca=" + pki_.Path("other.pem"), PeerToken()});
   ASSERT_TRUE(c.ok());
   auto s2 = ca->Allocate();
   ASSERT_TRUE(s2.ok());
@@ -125,12 +137,56 @@ TEST_F(TlsTest, TwoServersMoveASlotOverMtls) {
   EXPECT_TRUE(ca->GetSlot(s2->slot()).ok()) << "the source must stay";
 }
 
+// Issue 31 §3: under mTLS any certificate the cluster CA signed used to act as a peer
+// (ReserveTransfer creates a slot in any named tenant). A client's certificate is no peer
+// credential: peer calls need the peer token, and without --peer-token a server that
+// authenticates its clients takes no incoming transfers.
+TEST_F(TlsTest, AClientCertificateIsNoPeerCredential) {
+  std::vector<std::string> flags = ServerTls(true);
+  flags.push_back(PeerToken());
+  auto b = ServerProcess::Start(flags);
+  auto no_peer_token = ServerProcess::Start(ServerTls(true));
+  ASSERT_TRUE(b.ok() && no_peer_token.ok());
+  auto creds = client::ChannelCredentialsFor(ClientTls());
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  for (const auto* server : {b->get(), no_peer_token->get()}) {
+    auto stub = v1::SlotTransfer::NewStub(grpc::CreateChannel(server->grpc_address(), *creds));
+    v1::ReserveTransferRequest req;
+    req.set_transfer_id("from-a-client");
+    req.set_seq_len(0);
+    req.set_budget_ms(10000);
+    v1::ReserveTransferResponse resp;
+    grpc::ClientContext c;
+    const grpc::Status st = stub->ReserveTransfer(&c, req, &resp);
+    EXPECT_EQ(st.error_code(), server == b->get() ? grpc::StatusCode::UNAUTHENTICATED
+                                                  : grpc::StatusCode::PERMISSION_DENIED)
+        << st.error_message();
+  }
+  EXPECT_NE((*no_peer_token)->Log().find("warning: incoming slot transfers are refused"),
+            std::string::npos)
+      << (*no_peer_token)->Log();
+  // Servers that share the peer token move slots; one without it refuses them.
+  auto a = ServerProcess::Start(flags);
+  ASSERT_TRUE(a.ok());
+  auto ca = Connect((*a)->grpc_address(), ClientTls());
+  auto s = ca->Allocate();
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto refused = ca->TransferSlot(s->slot(), (*no_peer_token)->grpc_address(), false);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("--peer-token"), std::string::npos)
+      << refused.status();
+  EXPECT_TRUE(ca->GetSlot(s->slot()).ok()) << "the source stays";
+  auto moved = ca->TransferSlot(s->slot(), (*b)->grpc_address(), false);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
 // The hardened deployment end to end: mTLS on every port and dial, tokens for tenants.
 TEST_F(TlsTest, TokensOverMtlsNameTenantsEndToEnd) {
   const std::string tokens = pki_.Path("tokens");
   std::ofstream(tokens) << "alice alice-token-0123456789abcdef\nbob bob-token-0123456789abcdef\n";
   std::vector<std::string> flags = ServerTls(true);
   flags.push_back("--auth-tokens=" + tokens);
+  flags.push_back(PeerToken());
   auto a = ServerProcess::Start(flags);
   auto b = ServerProcess::Start(flags);
   ASSERT_TRUE(a.ok() && b.ok());
@@ -165,6 +221,42 @@ TEST(PeerAllowListTest, OnlyAllowedPeersAreDialled) {
   EXPECT_TRUE(c->GetSlot(s->slot()).ok());
   auto moved = c->TransferSlot(s->slot(), (*b)->grpc_address(), false);
   EXPECT_TRUE(moved.ok()) << moved.status();
+}
+
+// Issue 31 §5: UCX listened on every interface while gRPC was on loopback (the default). It
+// now follows the gRPC address's interface: a default server listens on loopback only.
+TEST(TransferInterfaceTest, ADefaultServerListensOnLoopbackOnly) {
+  auto server = ServerProcess::Start({});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto listening = (*server)->ListeningAddresses();
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  EXPECT_GE(listening->size(), 2u) << "gRPC and /metrics at least";
+  for (const std::string& a : *listening) {
+    EXPECT_TRUE(absl::StartsWith(a, "127.") || absl::StartsWith(a, "[::1]:") ||
+                absl::StartsWith(a, "[::ffff:127."))
+        << a << " is not a loopback address";
+  }
+}
+
+// Issue 31 §5: settings that run but expose more than they seem to are named at start.
+TEST_F(TlsTest, UnsafeSecuritySettingsAreWarnedAboutAtStart) {
+  const std::string tokens = pki_.Path("tokens");
+  std::ofstream(tokens) << "alice alice-token-0123456789abcdef\n";
+  auto plain = ServerProcess::Start({"--auth-tokens=" + tokens});
+  auto no_client_ca = ServerProcess::Start(ServerTls(false));
+  std::vector<std::string> hardened = ServerTls(true);
+  hardened.push_back("--auth-tokens=" + tokens);
+  hardened.push_back(PeerToken());
+  auto safe = ServerProcess::Start(hardened);
+  ASSERT_TRUE(plain.ok() && no_client_ca.ok() && safe.ok());
+  EXPECT_NE((*plain)->Log().find("warning: --auth-tokens without TLS"), std::string::npos)
+      << (*plain)->Log();
+  EXPECT_NE((*no_client_ca)->Log().find("warning: TLS without client certificates"),
+            std::string::npos)
+      << (*no_client_ca)->Log();
+  const std::string log = (*safe)->Log();
+  EXPECT_EQ(log.find("without TLS"), std::string::npos) << log;
+  EXPECT_EQ(log.find("without client certificates"), std::string::npos) << log;
 }
 
 TEST(TransferInterfaceTest, ServersBoundToLoopbackStillTransfer) {

@@ -8,12 +8,13 @@
 
 namespace replayssm::testing {
 
-std::unique_ptr<TransferProxy> TransferProxy::Start(const std::string& target) {
+std::unique_ptr<TransferProxy> TransferProxy::Start(const std::string& target, int at) {
   std::unique_ptr<TransferProxy> p(new TransferProxy());
   p->set_target(target);
   int port = 0;
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::StrCat("127.0.0.1:", at), grpc::InsecureServerCredentials(),
+                           &port);
   builder.RegisterService(p.get());
   p->server_ = builder.BuildAndStart();
   if (p->server_ == nullptr || port == 0) return nullptr;
@@ -64,7 +65,17 @@ grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp*
   }
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
-  return ((*Stub()).*call)(&cc, forwarded, resp);
+  // The sender's peer token (--peer-token) goes on to the receiver.
+  for (const auto& [key, value] : c->client_metadata()) {
+    if (key == "replayssm-peer-token") {
+      cc.AddMetadata(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
+    }
+  }
+  const grpc::Status forwarded_status = ((*Stub()).*call)(&cc, forwarded, resp);
+  if (action == Action::kForwardLoseReply) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "proxy: the peer's reply was lost");
+  }
+  return forwarded_status;
 }
 
 grpc::Status TransferProxy::ReserveTransfer(grpc::ServerContext* c,
@@ -86,6 +97,13 @@ grpc::Status TransferProxy::AbortTransfer(grpc::ServerContext* c,
                                           v1::AbortTransferResponse* resp) {
   ++aborts_;
   return Handle(c, *req, resp, &Hooks::abort, &v1::SlotTransfer::Stub::AbortTransfer);
+}
+
+grpc::Status TransferProxy::AcknowledgeTransfer(grpc::ServerContext* c,
+                                                const v1::AcknowledgeTransferRequest* req,
+                                                v1::AcknowledgeTransferResponse* resp) {
+  return Handle(c, *req, resp, &Hooks::acknowledge,
+                &v1::SlotTransfer::Stub::AcknowledgeTransfer);
 }
 
 }  // namespace replayssm::testing

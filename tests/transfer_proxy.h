@@ -3,7 +3,8 @@
 // AbortTransfer to its target, and a test decides per call what happens first: forward it
 // (after a delay, a SIGSTOP of the receiver, an edit of the request, ...), answer it with an
 // error without forwarding, or never answer it (a hung peer). The bytes themselves go over
-// UCX straight from the sender to the receiver named in the reservation.
+// UCX straight from the sender to the receiver named in the reservation. The sender's peer
+// token (metadata replayssm-peer-token) is passed on.
 #ifndef REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 #define REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 
@@ -24,16 +25,18 @@ class TransferProxy final : public v1::SlotTransfer::Service {
     kForward,  // pass the (possibly edited) request to the target and its answer back
     kRefuse,   // answer UNAVAILABLE without forwarding, as a peer that went away would
     kHang,     // never answer (until the proxy stops or the caller gives up)
+    kForwardLoseReply,  // forward it, then answer UNAVAILABLE: the target's reply was lost
   };
   // Called on the proxy's gRPC thread before a call is forwarded; may block, edit the request.
   struct Hooks {
     std::function<Action(v1::ReserveTransferRequest&)> reserve;
     std::function<Action(v1::CommitTransferRequest&)> commit;
     std::function<Action(v1::AbortTransferRequest&)> abort;
+    std::function<Action(v1::AcknowledgeTransferRequest&)> acknowledge;
   };
 
-  // Listens on a free loopback port and forwards to `target` (host:port).
-  static std::unique_ptr<TransferProxy> Start(const std::string& target);
+  // Listens on a loopback port (0: a free one) and forwards to `target` (host:port).
+  static std::unique_ptr<TransferProxy> Start(const std::string& target, int port = 0);
   ~TransferProxy() override;  // ends held calls, then stops
 
   const std::string& address() const { return address_; }
@@ -50,6 +53,9 @@ class TransferProxy final : public v1::SlotTransfer::Service {
                               v1::CommitTransferResponse* resp) override;
   grpc::Status AbortTransfer(grpc::ServerContext* c, const v1::AbortTransferRequest* req,
                              v1::AbortTransferResponse* resp) override;
+  grpc::Status AcknowledgeTransfer(grpc::ServerContext* c,
+                                   const v1::AcknowledgeTransferRequest* req,
+                                   v1::AcknowledgeTransferResponse* resp) override;
 
  private:
   TransferProxy() = default;

@@ -6,7 +6,11 @@
 // slot as it was (or moved exactly once) and B with nothing leaked. The pull form (B asks A to
 // send) with the same outcomes. A sends over its default 4 put lanes (--transfer-lanes);
 // TransferLanesTest runs A with 1 and 3 lanes and small, uneven chunks.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -243,6 +247,90 @@ TEST_F(TransferTest, DisaggregatedDemoPrefillsHereAndDecodesThere) {
   EXPECT_EQ(report->prefix_matched, report->prefix_expected);
   EXPECT_EQ(client_->Stats()->slots_live(), 0) << "every request moved to the decode server";
   EXPECT_GT(Client::Connect(b->grpc_address())->Stats()->forwards_committed(), 0);
+}
+
+// Issue 31 §1: the receiver kept its decisions in one FIFO of 4096 that AbortTransfer calls
+// of unknown ids (anyone's) filled too. A sender whose commit reply was lost then asked, heard
+// "aborted" for a transfer the receiver had committed, and released its source: the state
+// existed twice. A committed decision now stays until its sender acknowledges it.
+TEST_F(TransferTest, AFloodOfUnknownIdsNeverMakesTheReceiverForgetACommit) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  proxy->set_hooks({.commit = [](v1::CommitTransferRequest&) { return Action::kForwardLoseReply; },
+                    .abort = [](v1::AbortTransferRequest&) { return Action::kRefuse; }});
+  const uint64_t s = PreparedSlot();
+  auto r = client_->TransferSlot(s, proxy->address(), false, "flooded-1");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << "in doubt: " << r.status();
+  EXPECT_EQ(cb->Stats()->slots_live(), 1) << "B committed it";
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel(b->grpc_address(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 4200; ++i) {
+    v1::AbortTransferRequest req;
+    req.set_transfer_id("junk-" + std::to_string(i));
+    v1::AbortTransferResponse resp;
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub->AbortTransfer(&c, req, &resp).ok()) << i;
+    EXPECT_FALSE(resp.committed());
+  }
+  proxy->set_hooks({});  // A may ask B again
+  auto retry = client_->TransferSlot(s, proxy->address(), false, "flooded-1");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(cb->Stats()->slots_live(), 1) << "the state exists once";
+  EXPECT_TRUE(cb->GetSlot(retry->remote_slot()).ok());
+  EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound) << "moved";
+}
+
+// Issue 31 §7: the channel to a peer retries its connection at least once a second. While
+// the peer is away a socket on its port counts the server's connection attempts (accepting
+// and closing each); right after one, ten seconds into the outage, the peer comes back. It is
+// reached within about a second; with gRPC's default backoff (1 s growing by 1.6x to 120 s)
+// the next attempt was ~5 s away, every transfer to it failing at once meanwhile.
+TEST_F(TransferTest, APeerThatComesBackIsReachedWithinASecond) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  const int away = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(at);
+  ASSERT_EQ(bind(away, reinterpret_cast<sockaddr*>(&at), sizeof(at)), 0);
+  ASSERT_EQ(listen(away, 16), 0);
+  ASSERT_EQ(getsockname(away, reinterpret_cast<sockaddr*>(&at), &len), 0);
+  const int port = ntohs(at.sin_port);
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  std::atomic<int> attempts{0};
+  std::thread counter([&] {
+    for (int c; (c = accept(away, nullptr, nullptr)) >= 0;) {
+      close(c);  // the peer is away: the connection fails
+      ++attempts;
+    }
+  });
+  const uint64_t s = NewSlot();
+  const absl::Time outage = absl::Now() + absl::Seconds(10);
+  for (int seen = 0; absl::Now() < outage || attempts.load() == seen;
+       absl::SleepFor(absl::Milliseconds(100))) {
+    if (absl::Now() < outage) seen = attempts.load();
+    EXPECT_FALSE(client_->TransferSlot(s, address, /*keep_source=*/true).ok());
+    ASSERT_LT(absl::Now(), outage + absl::Seconds(60)) << "no connection attempt";
+  }
+  shutdown(away, SHUT_RDWR);  // just after an attempt: the peer comes back
+  close(away);
+  counter.join();
+  auto back = TransferProxy::Start(b->grpc_address(), port);
+  ASSERT_NE(back, nullptr) << "port " << port << " was taken meanwhile";
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<v1::TransferSlotResponse> moved;
+  while (absl::Now() - t0 < absl::Seconds(30)) {
+    moved = client_->TransferSlot(s, address, /*keep_source=*/true);
+    if (moved.ok()) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_LT(absl::Now() - t0, absl::Milliseconds(2500))
+      << "reconnect backoff: 1 s at most; " << attempts.load() << " attempts in the outage";
 }
 
 // A with --transfer-lanes N and chunks small enough that the slot is many of them (their

@@ -37,6 +37,7 @@ class Forward final : public Peer {
   absl::StatusOr<Decision> Abort(const std::string& id, absl::Time d) override {
     return to_->Abort(id, d);
   }
+  void Acknowledge(const std::string& id) override { to_->Acknowledge(id); }
 
  private:
   Peer* to_;

@@ -81,17 +81,36 @@ Receiver::~Receiver() {
 }
 
 const Decision* Receiver::DecisionLocked(const std::string& transfer_id) const {
-  auto it = decided_.find(transfer_id);
-  return it == decided_.end() ? nullptr : &it->second;
+  if (auto it = committed_.find(transfer_id); it != committed_.end()) return &it->second.decision;
+  auto it = aborted_.find(transfer_id);
+  return it == aborted_.end() ? nullptr : &it->second;
 }
 
-void Receiver::DecideLocked(const std::string& transfer_id, Decision d) {
-  if (!decided_.emplace(transfer_id, d).second) return;  // decided once
-  decided_order_.push_back(transfer_id);
-  while (static_cast<int32_t>(decided_order_.size()) > std::max(options_.remembered, 1)) {
-    decided_.erase(decided_order_.front());
-    decided_order_.pop_front();
+void Receiver::DecideLocked(const std::string& transfer_id, Decision d, const std::string& peer) {
+  if (DecisionLocked(transfer_id) != nullptr) return;  // decided once
+  if (d.committed) {
+    committed_.emplace(transfer_id, Committed{d, peer, Clock::now()});
+    ++unacknowledged_[peer];
+    return;
   }
+  aborted_.emplace(transfer_id, d);
+  aborted_order_.push_back(transfer_id);
+  while (static_cast<int32_t>(aborted_order_.size()) > std::max(options_.remembered, 1)) {
+    aborted_.erase(aborted_order_.front());  // harmless: unknown ids are answered "aborted"
+    aborted_order_.pop_front();
+  }
+}
+
+void Receiver::ForgetCommitLocked(std::map<std::string, Committed>::iterator it) {
+  auto count = unacknowledged_.find(it->second.peer);
+  if (count != unacknowledged_.end() && --count->second <= 0) unacknowledged_.erase(count);
+  committed_.erase(it);
+}
+
+void Receiver::Acknowledge(const std::string& transfer_id, const std::string& peer) {
+  absl::MutexLock lock(&mu_);
+  auto it = committed_.find(transfer_id);
+  if (it != committed_.end() && it->second.peer == peer) ForgetCommitLocked(it);
 }
 
 void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
@@ -134,10 +153,17 @@ int Receiver::ExpireLeases() {
   for (auto it = pending_.begin(); it != pending_.end();) {
     const Pending& p = it->second;
     if (!p.committing && now > p.commit_by) {
-      const std::string id = it->first;
+      const std::string id = it->first, peer = it->second.peer;
       DropLocked(it++);
-      DecideLocked(id, Decision{});
+      DecideLocked(id, Decision{}, peer);
       ++n;
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = committed_.begin(); it != committed_.end();) {
+    if (now - it->second.decided > absl::ToChronoNanoseconds(options_.decision_horizon)) {
+      ForgetCommitLocked(it++);
     } else {
       ++it;
     }
@@ -153,7 +179,7 @@ int Receiver::open() const {
 absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
                                               const StateFormat& format, int64_t seq_len,
                                               uint32_t checksum_version, absl::Duration budget,
-                                              const std::string& peer) {
+                                              const std::string& peer, uint64_t owner) {
   if (transfer_id.empty()) {
     return absl::InvalidArgumentError("transfer_id: expected a non-empty id, got \"\"");
   }
@@ -189,6 +215,13 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
     return absl::ResourceExhaustedError(
         absl::StrCat("transfers: ", options_.max_open, " reservations are open already"));
   }
+  if (auto it = unacknowledged_.find(peer);
+      it != unacknowledged_.end() && it->second >= options_.max_unacknowledged_per_peer) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "transfers: peer ", peer.empty() ? "(unnamed)" : peer, " has ", it->second,
+        " committed transfers it never acknowledged, the most one peer may; they are kept ",
+        absl::FormatDuration(options_.decision_horizon), " after their commit"));
+  }
   if (options_.max_open_per_peer > 0) {
     int32_t held = 0;
     for (const auto& [id, pending] : pending_) held += pending.peer == peer ? 1 : 0;
@@ -208,6 +241,7 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
   if (!buffer.ok()) return buffer.status();
   Pending p;
   p.peer = peer;
+  p.owner = owner;
   p.writer = *std::move(writer);
   p.buffer = *std::move(buffer);
   // The sender's commit deadline, never later than the lease.
@@ -283,27 +317,27 @@ absl::Status Receiver::Import(Buffer& buf, Importer& in, cache::SlotWriter& writ
   return in.AwaitCommit() ? absl::OkStatus() : absl::AbortedError("transfer: aborted");
 }
 
-absl::StatusOr<cache::SlotId> Receiver::Commit(const std::string& transfer_id,
-                                               const std::vector<int32_t>& tokens,
-                                               uint64_t checksum) {
+absl::StatusOr<Decision> Receiver::Commit(const std::string& transfer_id,
+                                          const std::vector<int32_t>& tokens,
+                                          uint64_t checksum) {
   Importer* in = nullptr;
   cache::SlotWriter* writer = nullptr;
   {
     absl::MutexLock lock(&mu_);
     AwaitNoCommitLocked(transfer_id);  // a retry while the first is being committed
     if (const Decision* d = DecisionLocked(transfer_id)) {
-      if (d->committed) return d->slot;
+      if (d->committed) return *d;
       return absl::AbortedError(absl::StrCat("transfer_id: ", transfer_id, " was aborted"));
     }
     auto it = pending_.find(transfer_id);
-    if (it == pending_.end()) {
-      DecideLocked(transfer_id, Decision{});  // it can never commit later
+    if (it == pending_.end()) {  // nothing to remember: an unknown id can never commit
       return absl::NotFoundError(absl::StrCat("transfer_id: ", transfer_id,
                                               " has no open reservation (expired or never made)"));
     }
     if (Clock::now() > it->second.commit_by) {
+      const std::string peer = it->second.peer;
       DropLocked(it);
-      DecideLocked(transfer_id, Decision{});
+      DecideLocked(transfer_id, Decision{}, peer);
       return absl::AbortedError(
           absl::StrCat("transfer_id: ", transfer_id,
                        " came after its commit-by time (the sender had given up on it); aborted"));
@@ -316,18 +350,22 @@ absl::StatusOr<cache::SlotId> Receiver::Commit(const std::string& transfer_id,
   absl::StatusOr<cache::SlotId> slot = in->result.ok() ? writer->Commit(tokens, checksum)
                                                        : absl::StatusOr<cache::SlotId>(in->result);
   Pending done;
+  Decision decision;  // aborted unless the slot committed
   {
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(transfer_id);
     done = std::move(it->second);
     pending_.erase(it);
-    DecideLocked(transfer_id, slot.ok() ? Decision{true, *slot, static_cast<int64_t>(tokens.size())}
-                                        : Decision{});
+    if (slot.ok()) {
+      decision = Decision{true, *slot, static_cast<int64_t>(tokens.size()), done.owner};
+    }
+    DecideLocked(transfer_id, decision, done.peer);
     if (static_cast<int32_t>(spare_.size()) < options_.max_open) {
       spare_.push_back(std::move(done.buffer));
     }
   }
-  return slot;  // `done` goes: an uncommitted writer frees its slot
+  if (!slot.ok()) return slot.status();  // `done` goes: an uncommitted writer frees its slot
+  return decision;
 }
 
 void Receiver::AwaitNoCommitLocked(const std::string& transfer_id) {
@@ -347,8 +385,12 @@ Decision Receiver::Abort(const std::string& transfer_id) {
   absl::MutexLock lock(&mu_);
   AwaitNoCommitLocked(transfer_id);
   if (const Decision* d = DecisionLocked(transfer_id)) return *d;
-  if (auto it = pending_.find(transfer_id); it != pending_.end()) DropLocked(it);
-  DecideLocked(transfer_id, Decision{});
+  std::string peer;
+  if (auto it = pending_.find(transfer_id); it != pending_.end()) {
+    peer = it->second.peer;
+    DropLocked(it);
+  }
+  DecideLocked(transfer_id, Decision{}, peer);  // the aborts' FIFO: commits are never evicted
   return Decision{};
 }
 

@@ -284,6 +284,7 @@ SendOutcome Sender::Send(Peer& peer, cache::SlotId slot, const std::string& move
   out.path = done.result->path;
   out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   done.result = out;
+  if (remote.ok()) peer.Acknowledge(transfer_id);  // (Resolve acknowledges what it learns)
   return done;
 }
 
@@ -292,6 +293,7 @@ SendOutcome Sender::Resolve(Peer& peer, std::unique_ptr<cache::SlotReader> in_do
                             bool keep_source, absl::Time deadline) {
   absl::StatusOr<Decision> d = peer.Abort(transfer_id, deadline);
   if (d.ok()) {
+    if (d->committed) peer.Acknowledge(transfer_id);
     return Decided(
         *d, std::move(in_doubt), keep_source,
         absl::AbortedError(absl::StrCat("transfer ", transfer_id, ": the peer aborted it")));

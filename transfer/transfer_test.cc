@@ -109,9 +109,10 @@ class TransferTest : public testing::TwoInstancesTest {
   // in one put and rings the doorbell.
   absl::StatusOr<Reservation> ReserveAndPut(Receiver& rx, const std::string& id,
                                             const std::vector<uint8_t>& payload, int64_t seq_len,
-                                            size_t landed) {
+                                            size_t landed, uint64_t owner = 0) {
     absl::StatusOr<Reservation> r = rx.Reserve(id, StateFormat::Of(a_->model()), seq_len,
-                                               cache::kChecksumVersion, absl::Seconds(30));
+                                               cache::kChecksumVersion, absl::Seconds(30), "",
+                                               owner);
     if (!r.ok()) return r;
     EXPECT_TRUE(ucx_a_
                     ->Put(r->worker_address, payload.data(), landed, r->remote_addr, r->rkey, 1000,
@@ -330,12 +331,13 @@ TEST_F(TransferTest, EachTransferIsDecidedOnce) {
       rx.Reserve("t6", f, 3, cache::kChecksumVersion, absl::Seconds(30));
   ASSERT_TRUE(r1.ok() && r2.ok());
   EXPECT_EQ(r1->remote_addr, r2->remote_addr);
-  absl::StatusOr<SlotId> c1 = rx.Commit("t6", e->tokens, sum), c2 = rx.Commit("t6", e->tokens, sum);
+  absl::StatusOr<Decision> c1 = rx.Commit("t6", e->tokens, sum),
+                           c2 = rx.Commit("t6", e->tokens, sum);
   ASSERT_TRUE(c1.ok() && c2.ok()) << c1.status() << c2.status();
-  EXPECT_EQ(*c1, *c2);
+  EXPECT_EQ(c1->slot, c2->slot);
   const Decision d = rx.Abort("t6");
   EXPECT_TRUE(d.committed) << "an abort after the commit learns the commit";
-  EXPECT_EQ(d.slot, *c1);
+  EXPECT_EQ(d.slot, c1->slot);
   EXPECT_EQ(d.seq_len, 3);
   EXPECT_EQ(rx.Reserve("t6", f, 3, cache::kChecksumVersion, absl::Seconds(30)).status().code(),
             absl::StatusCode::kAlreadyExists);
@@ -351,7 +353,7 @@ TEST_F(TransferTest, EachTransferIsDecidedOnce) {
   // A commit read after its commit-by time (the sender gave up long ago) is refused.
   ASSERT_TRUE(rx.Reserve("late", f, 3, cache::kChecksumVersion, absl::Milliseconds(40)).ok());
   absl::SleepFor(absl::Milliseconds(60));
-  absl::StatusOr<SlotId> late = rx.Commit("late", e->tokens, sum);
+  absl::StatusOr<Decision> late = rx.Commit("late", e->tokens, sum);
   EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << late.status();
   EXPECT_NE(late.status().message().find("commit-by"), std::string::npos) << late.status();
   EXPECT_EQ(rx.open(), 0);
@@ -383,11 +385,50 @@ TEST_F(TransferTest, ReservationsAreCheckedBeforeAnyByteMoves) {
   EXPECT_EQ(b_->stats().slots_live, 0);
 }
 
+// Issue 31 §1: a commit stays decided while its sender may ask, whatever other ids come
+// (aborts of ids never seen, other transfers' decisions); it goes when the sender
+// acknowledges it or after the horizon, and a peer that never acknowledges is refused new
+// reservations rather than have an older commit forgotten.
+TEST_F(TransferTest, ACommitIsRememberedUntilAcknowledgedWhateverOtherIdsCome) {
+  const SlotId s = Prepare(0);
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  ASSERT_TRUE(e.ok());
+  const std::vector<uint8_t> payload = testing::Payload(*e);
+  const uint64_t sum = testing::Checksum(payload);
+  const StateFormat f = StateFormat::Of(a_->model());
+  Receiver rx(b_.get(), ucx_b_.get(),
+              {.remembered = 8, .decision_horizon = absl::Milliseconds(300),
+               .max_unacknowledged_per_peer = 1});
+  ASSERT_TRUE(ReserveAndPut(rx, "kept", payload, 3, payload.size(), /*owner=*/7).ok());
+  absl::StatusOr<Decision> c = rx.Commit("kept", e->tokens, sum);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->owner, 7u) << "the owner travels with the reservation (issue 31 §2)";
+  for (int i = 0; i < 100; ++i) EXPECT_FALSE(rx.Abort(absl::StrCat("junk-", i)).committed);
+  EXPECT_TRUE(rx.Abort("kept").committed) << "100 unknown ids evicted nothing";
+  EXPECT_EQ(rx.Abort("kept").owner, 7u);
+  EXPECT_EQ(rx.Reserve("next", f, 3, cache::kChecksumVersion, absl::Seconds(30)).status().code(),
+            absl::StatusCode::kResourceExhausted)
+      << "one unacknowledged commit is this peer's most";
+  rx.Acknowledge("kept", "another-peer");
+  EXPECT_TRUE(rx.Abort("kept").committed) << "only the peer that reserved it may acknowledge";
+  rx.Acknowledge("kept", "");
+  EXPECT_FALSE(rx.Abort("kept").committed) << "acknowledged: forgotten";
+  ASSERT_TRUE(ReserveAndPut(rx, "next", payload, 3, payload.size()).ok());
+  ASSERT_TRUE(rx.Commit("next", e->tokens, sum).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  rx.ExpireLeases();
+  EXPECT_TRUE(rx.Abort("next").committed) << "within the horizon";
+  absl::SleepFor(absl::Milliseconds(300));
+  rx.ExpireLeases();
+  EXPECT_FALSE(rx.Abort("next").committed) << "past the horizon";
+  EXPECT_EQ(b_->stats().slots_live, 2) << "forgetting a decision frees nothing";
+}
+
 TEST_F(TransferTest, ACommitBeforeEveryByteLandedIsDataLoss) {
   Receiver rx(b_.get(), ucx_b_.get(), {});
   std::vector<uint8_t> payload(cache::SlotPayloadBytes(a_->model()), 3);
   ASSERT_TRUE(ReserveAndPut(rx, "half", payload, 0, payload.size() / 2).ok());
-  absl::StatusOr<SlotId> c = rx.Commit("half", {}, testing::Checksum(payload));
+  absl::StatusOr<Decision> c = rx.Commit("half", {}, testing::Checksum(payload));
   EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << c.status();
   EXPECT_NE(c.status().message().find("of " + std::to_string(payload.size()) + " bytes"),
             std::string::npos)
@@ -416,10 +457,10 @@ TEST_F(TransferTest, TheReservedSlotKeepsNoStaleByteAndIsFreedOnAbortExpiryAndMi
   EXPECT_EQ(rx.Commit("mismatch", e->tokens, 12345).status().code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(b_->stats().slots_live, 0);
   ASSERT_TRUE(ReserveAndPut(rx, "ok", payload, 3, payload.size()).ok());
-  absl::StatusOr<SlotId> c = rx.Commit("ok", e->tokens, testing::Checksum(payload));
+  absl::StatusOr<Decision> c = rx.Commit("ok", e->tokens, testing::Checksum(payload));
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(b_->Export(*c)->checkpoints, e->checkpoints) << "every stale byte was overwritten";
-  EXPECT_EQ(Step(*a_, s, 42, 3), Step(*b_, *c, 42, 3));
+  EXPECT_EQ(b_->Export(c->slot)->checkpoints, e->checkpoints) << "every stale byte was overwritten";
+  EXPECT_EQ(Step(*a_, s, 42, 3), Step(*b_, c->slot, 42, 3));
   EXPECT_EQ(rx.open(), 0);
 }
 

@@ -101,17 +101,21 @@ absl::StatusOr<uint64_t> DirectPeer::Commit(const std::string& id,
                                             absl::Time) {
   if (before_commit) before_commit();
   if (drop_commit) return absl::UnavailableError("peer CommitTransfer: connection reset");
-  absl::StatusOr<cache::SlotId> c =
-      r_->Commit(id, tokens, corrupt_checksum ? checksum ^ 1 : checksum);
+  absl::StatusOr<Decision> c = r_->Commit(id, tokens, corrupt_checksum ? checksum ^ 1 : checksum);
   if (lose_commit_reply) return absl::UnavailableError("peer CommitTransfer: reply lost");
   if (!c.ok()) return c.status();
-  return *c;
+  return c->slot;
 }
 
 absl::StatusOr<Decision> DirectPeer::Abort(const std::string& id, absl::Time) {
   if (before_abort) before_abort();
   if (drop_abort) return absl::UnavailableError("peer AbortTransfer: connection reset");
   return r_->Abort(id);
+}
+
+void DirectPeer::Acknowledge(const std::string& id) {
+  ++acknowledged;
+  r_->Acknowledge(id, "");
 }
 
 absl::StatusOr<Reservation> HungPeer::Reserve(const std::string&, const StateFormat&, int64_t,

@@ -61,6 +61,7 @@ class DirectPeer : public Peer {
   absl::StatusOr<uint64_t> Commit(const std::string& id, const std::vector<int32_t>& tokens,
                                   uint64_t checksum, absl::Time deadline) override;
   absl::StatusOr<Decision> Abort(const std::string& id, absl::Time deadline) override;
+  void Acknowledge(const std::string& id) override;
 
   std::atomic<bool> drop_commit{false};        // never reaches the receiver: UNAVAILABLE
   std::atomic<bool> drop_abort{false};         // likewise
@@ -69,6 +70,7 @@ class DirectPeer : public Peer {
   std::function<void()> before_commit;         // runs first in Commit
   std::function<void()> before_abort;          // runs first in Abort
   std::atomic<int> reserves{0};
+  std::atomic<int> acknowledged{0};
 
  private:
   Receiver* r_;
@@ -82,6 +84,7 @@ class HungPeer : public Peer {
   absl::StatusOr<uint64_t> Commit(const std::string&, const std::vector<int32_t>&, uint64_t,
                                   absl::Time deadline) override;
   absl::StatusOr<Decision> Abort(const std::string&, absl::Time deadline) override;
+  void Acknowledge(const std::string&) override {}
 };
 
 }  // namespace replayssm::transfer::testing

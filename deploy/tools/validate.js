@@ -222,7 +222,7 @@ function checkService(manifests, alertsDoc) {
   }
 
   // Key material comes from Secrets, never from the ConfigMap or the image.
-  for (const key of ['tls-cert', 'tls-key', 'tls-client-ca', 'auth-tokens']) {
+  for (const key of ['tls-cert', 'tls-key', 'tls-client-ca', 'auth-tokens', 'peer-token']) {
     if (!conf[key]) continue;
     const m = (c.volumeMounts || []).find((x) => conf[key].startsWith(`${x.mountPath}/`));
     const v = m && (pod.spec.volumes || []).find((x) => x.name === m.name);

@@ -23,6 +23,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
 
 namespace replayssm::cache {
@@ -42,6 +44,8 @@ struct RegionSpec {
 struct RegionLimits {
   int32_t max_regions = 64;           // registered at once
   uint64_t max_bytes = 64ULL << 30;   // all registered regions together (address space only)
+  // kSystem keys must start with it (the service: "/<tenant>:" with tenants); "": any name.
+  std::string key_prefix;
 };
 
 struct RegionInfo {
@@ -50,6 +54,7 @@ struct RegionInfo {
   uint64_t bytes = 0;
   int32_t device = 0;
   int64_t leases = 0;  // forwards (and other users) holding a range of it now
+  absl::Time last_use = absl::InfinitePast();  // registered, or a lease taken (Acquire*)
 };
 
 namespace internal {
@@ -95,7 +100,10 @@ class RegionTable {
 
   // Maps the region. INVALID_ARGUMENT naming the field by its wire name (name, key, device,
   // byte_size: the object or allocation must hold offset + byte_size), ALREADY_EXISTS for a
-  // registered name, RESOURCE_EXHAUSTED past the limits, UNIMPLEMENTED for CUDA on the CPU.
+  // registered name, RESOURCE_EXHAUSTED past the limits, UNIMPLEMENTED for CUDA on the CPU,
+  // PERMISSION_DENIED for a shm key outside limits.key_prefix (before it is opened). A shm
+  // object that is missing, not openable or too short gets one message that names only what
+  // the caller sent: errors never tell whether an object exists or how large it is.
   absl::Status Register(const RegionSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND for an unknown name. The memory stays mapped while leases hold it.
   absl::Status Unregister(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
@@ -113,6 +121,11 @@ class RegionTable {
   // it, each then checked by RegionLease::Within.
   absl::StatusOr<RegionLease> AcquireWhole(const std::string& name, const std::string& field) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Unregisters every region that no lease holds and that nobody used (registered or
+  // acquired a range of) since `cutoff`: the regions of a client that died (--region-ttl).
+  // Status is not a use. Returns how many went.
+  int32_t ExpireIdle(absl::Time cutoff) ABSL_LOCKS_EXCLUDED(mu_);
 
   int32_t backend() const { return backend_; }
 

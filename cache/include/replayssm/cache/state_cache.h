@@ -305,6 +305,7 @@ class StateCache {
                               absl::Span<const int32_t> draft_tokens,
                               absl::Span<const LayerIo> layers) = 0;
   // Keeps the first n drafts of the last Verify (cursor += n, seq_len += n); 0 rejects all.
+  // INVALID_ARGUMENT naming `num_accepted` (the wire's name of n) beyond the drafts verified.
   virtual absl::Status Accept(SlotId slot, int32_t n) = 0;
 
   // Length of the longest snapshot key that is a prefix of `tokens` (0 = none).

@@ -5,7 +5,8 @@
 //
 // Decided once: a receiver decides each transfer id once, commit or abort, under its lock,
 // and remembers the decision; Abort is also the question "what did you decide?". A sender
-// that cannot get that answer does not know the outcome and keeps its source locked.
+// that cannot get that answer does not know the outcome and keeps its source locked. Once a
+// sender knows a transfer committed it acknowledges it, and the receiver may forget it.
 #ifndef REPLAYSSM_TRANSFER_PEER_H_
 #define REPLAYSSM_TRANSFER_PEER_H_
 
@@ -65,6 +66,9 @@ struct Decision {
   bool committed = false;
   uint64_t slot = 0;  // committed: the slot's handle on the receiver
   int64_t seq_len = 0;
+  // Receiver side: the owner its Reserve was given (the service: the slot's tenant), kept
+  // with the reservation and the decision. Not sent on the wire.
+  uint64_t owner = 0;
 };
 
 // How long, of a transfer's remaining `budget`, is kept for the abort that asks the receiver
@@ -88,6 +92,10 @@ class Peer {
                                           absl::Time deadline) = 0;
   // Aborts the transfer unless the peer committed it already; either way the decision.
   virtual absl::StatusOr<Decision> Abort(const std::string& transfer_id, absl::Time deadline) = 0;
+  // Tells the peer that this sender learned the commit of transfer_id (it will never ask
+  // again), so the peer may forget the decision. Best effort: it may return before the peer
+  // has it, and a lost one only keeps the decision until the peer's horizon.
+  virtual void Acknowledge(const std::string& transfer_id) = 0;
 };
 
 }  // namespace replayssm::transfer

@@ -4,10 +4,18 @@
 //
 // Decided once, under the lock: a transfer id is committed (Commit: every byte arrived, the
 // seq_len and the checksum match, before its commit-by time) or aborted (Abort, any failed
-// Commit, a commit that comes too late, lease expiry), never both, and the decision is kept
-// (the last `remembered` ids) so that retried calls and the sender's question "what did you
-// decide?" (Abort) get the same answer. Abort of an id never seen decides it aborted: a
-// reservation or commit that arrives late is then refused.
+// Commit, a commit that comes too late, lease expiry), never both, and the decision is kept so
+// that retried calls and the sender's question "what did you decide?" (Abort) get the same
+// answer. The two are kept apart:
+//  - a commit is kept until its sender acknowledges it (Acknowledge: it learned the outcome)
+//    or for decision_horizon, far beyond any retry; nothing else evicts it. A peer holds at
+//    most max_unacknowledged_per_peer of them: past that its Reserve is refused, never an
+//    older commit forgotten. A sender asking about a forgotten commit would hear "aborted"
+//    and release its source while the slot lives here: the state twice.
+//  - an abort is kept among the last `remembered` aborts. Forgetting one is harmless: an id
+//    this receiver does not know is answered "aborted" too, and only an open reservation can
+//    commit. Abort of an id never seen decides it aborted (into this FIFO only): a reservation
+//    that arrives late is then refused.
 //
 // Commit-by: a reservation must be committed by its receipt time (a monotonic clock, which
 // keeps running while the process is stopped) + the sender's budget - AbortReserve(budget);
@@ -52,7 +60,12 @@ struct ReceiverOptions {
   // Threads that write landed chunks into reserved slots, several at once (each hashes what
   // it writes); shared by all reservations. 8: on the H200 host 4 were the whole move's limit.
   int32_t import_threads = 8;
-  int32_t remembered = 4096;  // decisions kept for retries and the senders' questions
+  int32_t remembered = 4096;  // aborts kept for retries and late reservations (FIFO)
+  // Commits are kept until acknowledged or this old: far beyond any sender's retries (a
+  // sender in doubt asks every second; its --transfer-timeout is 30 s by default).
+  absl::Duration decision_horizon = absl::Hours(24);
+  // Unacknowledged commits one peer may hold; past that its reservations are refused.
+  int32_t max_unacknowledged_per_peer = 1024;
   // The slot I/O path (a benchmark, or a test of another path on CPU); default: the cache's
   // choice for this transport.
   std::optional<cache::SlotIoPath> path;
@@ -67,18 +80,26 @@ class Receiver {
   // else FAILED_PRECONDITION / INVALID_ARGUMENT before any byte moves. A retried Reserve of an
   // open id returns the same reservation; of a decided id: ALREADY_EXISTS (committed) or
   // ABORTED.
-  // `peer` names the sender (its certificate's identity or its host) for max_open_per_peer.
+  // `peer` names the sender (its certificate's identity or its host) for max_open_per_peer
+  // and max_unacknowledged_per_peer. RESOURCE_EXHAUSTED past either. `owner` is the caller's
+  // (the slot's tenant): kept with the reservation and its decision, never looked up elsewhere.
   absl::StatusOr<Reservation> Reserve(const std::string& transfer_id, const StateFormat& format,
                                       int64_t seq_len, uint32_t checksum_version,
-                                      absl::Duration budget, const std::string& peer = "");
-  // Waits for the last bytes, checks and makes the slot live; its cache id. A retry of a
-  // committed id returns the same slot. Any failure aborts the transfer (ABORTED for a commit
-  // past its commit-by time or of an aborted id; NOT_FOUND for an id never reserved).
-  absl::StatusOr<cache::SlotId> Commit(const std::string& transfer_id,
-                                       const std::vector<int32_t>& tokens, uint64_t checksum);
+                                      absl::Duration budget, const std::string& peer = "",
+                                      uint64_t owner = 0);
+  // Waits for the last bytes, checks and makes the slot live; the decision (slot: its cache
+  // id, owner: the reservation's). A retry of a committed id returns the same decision. Any
+  // failure aborts the transfer (ABORTED for a commit past its commit-by time or of an
+  // aborted id; NOT_FOUND for an id never reserved, which is not remembered).
+  absl::StatusOr<Decision> Commit(const std::string& transfer_id,
+                                  const std::vector<int32_t>& tokens, uint64_t checksum);
   // Aborts an open transfer (waits for a commit in progress); the decision (slot: cache id).
   Decision Abort(const std::string& transfer_id);
-  // Drops reservations past their commit-by time or lease (also done on every Reserve).
+  // The sender `peer` learned that transfer_id committed: the decision may go. A commit of
+  // another peer, an abort or an unknown id is left alone.
+  void Acknowledge(const std::string& transfer_id, const std::string& peer);
+  // Drops reservations past their commit-by time or lease, and commits past the decision
+  // horizon (also done on every Reserve).
   int ExpireLeases();
   int open() const;
   cache::SlotIoPath path() const { return path_; }
@@ -94,6 +115,12 @@ class Receiver {
     Clock::time_point commit_by;  // see the top; never later than the lease
     bool committing = false;  // Commit took it: Abort waits for the decision
     std::string peer;         // who reserved it (max_open_per_peer)
+    uint64_t owner = 0;       // Reserve's owner, into the decision
+  };
+  struct Committed {
+    Decision decision;
+    std::string peer;             // the sender that may acknowledge it
+    Clock::time_point decided;    // forgotten decision_horizon after this
   };
   absl::StatusOr<std::unique_ptr<Buffer>> TakeBufferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartImporter(Pending& p);
@@ -102,7 +129,11 @@ class Receiver {
   absl::Status Import(Buffer& buf, Importer& in, cache::SlotWriter& writer);
   // Ends a reservation's import (abort) and frees its slot; the buffer goes back to the pool.
   void DropLocked(std::map<std::string, Pending>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DecideLocked(const std::string& transfer_id, Decision d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records the decision once (a commit: `peer`'s until acknowledged; an abort: in the FIFO).
+  void DecideLocked(const std::string& transfer_id, Decision d, const std::string& peer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ForgetCommitLocked(std::map<std::string, Committed>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits while a Commit of transfer_id is checking its bytes (mu_ is released meanwhile).
   void AwaitNoCommitLocked(const std::string& transfer_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Decision* DecisionLocked(const std::string& transfer_id) const
@@ -117,8 +148,10 @@ class Receiver {
   std::unique_ptr<TaskPool> writers_;  // options_.import_threads; idle between imports
   mutable absl::Mutex mu_;
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Decision> decided_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> decided_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::map<std::string, Committed> committed_ ABSL_GUARDED_BY(mu_);  // until acknowledged
+  std::map<std::string, int32_t> unacknowledged_ ABSL_GUARDED_BY(mu_);  // commits per peer
+  std::map<std::string, Decision> aborted_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> aborted_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::vector<std::unique_ptr<Buffer>> spare_ ABSL_GUARDED_BY(mu_);
 };
 
