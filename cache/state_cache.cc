@@ -27,6 +27,7 @@
 #include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -430,19 +431,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
 
   // A free slot, evicting the least recently used unreferenced snapshot when none is free.
   absl::StatusOr<int32_t> TakeFreeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (free_.empty()) {
-      for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
-        Slot& s = slots_[*it];
-        if (s.refs > 0 || s.busy) continue;
-        const int32_t victim = *it;
-        radix_.Erase(s.ns, s.tokens);
-        lru_.erase(s.lru);
-        ++stats_.snapshot_evictions;
-        s = Slot{Kind::kFree, s.generation + 1};
-        free_.push_back(victim);
-        break;
-      }
-    }
+    if (free_.empty()) EvictLruLocked([](const Slot&) { return true; });
     if (free_.empty()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "no free slot: all ", slots_.size(), " slots (", model_.SlotBytes(),
@@ -451,6 +440,41 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     const int32_t index = free_.back();
     free_.pop_back();
     return index;
+  }
+
+  // Evicts the least recently used snapshot that `which` accepts and nothing uses; false when
+  // there is none.
+  template <typename Which>
+  bool EvictLruLocked(Which which) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+      Slot& s = slots_[*it];
+      if (s.refs > 0 || s.busy || !which(s)) continue;
+      const int32_t victim = *it;
+      radix_.Erase(s.ns, s.tokens);
+      lru_.erase(s.lru);
+      --ns_snapshots_[s.ns];
+      ++stats_.snapshot_evictions;
+      s = Slot{Kind::kFree, s.generation + 1};
+      free_.push_back(victim);
+      return true;
+    }
+    return false;
+  }
+
+  // Room for one more snapshot in namespace `ns` (CacheOptions::max_snapshots_per_namespace):
+  // true when it is under its bound, or once its own least recently used snapshot is evicted.
+  // A true answer counts the new snapshot; SnapshotDroppedLocked takes it back.
+  bool ReserveSnapshotLocked(PrefixNamespace ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t bound = options_.max_snapshots_per_namespace;
+    if (bound > 0 && ns_snapshots_[ns] >= bound &&
+        !EvictLruLocked([ns](const Slot& s) { return s.ns == ns; })) {
+      return false;
+    }
+    ++ns_snapshots_[ns];
+    return true;
+  }
+  void SnapshotDroppedLocked(PrefixNamespace ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    --ns_snapshots_[ns];
   }
 
   void StartLiveLocked(int32_t index, std::vector<int32_t> tokens)
@@ -535,6 +559,8 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);
   std::list<int32_t> lru_ ABSL_GUARDED_BY(mu_);  // snapshots, most recent first
+  // Snapshots per namespace (taken or being taken), for max_snapshots_per_namespace.
+  absl::flat_hash_map<PrefixNamespace, int64_t> ns_snapshots_ ABSL_GUARDED_BY(mu_);
   PrefixForest radix_ ABSL_GUARDED_BY(mu_);      // snapshots by namespace
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
   LanePool lanes_;  // one lane per operation in flight
@@ -630,8 +656,13 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
       TouchLocked(radix_.Find(s.ns, s.tokens));
       return absl::OkStatus();
     }
+    // No room (in the pool, or in the namespace's share): a snapshot is an optimization.
+    if (!ReserveSnapshotLocked(s.ns)) return absl::OkStatus();
     absl::StatusOr<int32_t> i = TakeFreeLocked();
-    if (!i.ok()) return absl::OkStatus();  // no room: a snapshot is an optimization
+    if (!i.ok()) {
+      SnapshotDroppedLocked(s.ns);
+      return absl::OkStatus();
+    }
     snap = *i;
     Slot& d = slots_[snap];
     d.kind = Kind::kSnapshot;
@@ -651,6 +682,7 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   absl::MutexLock lock(&mu_);
   Slot& d = slots_[snap];
   if (!shareable || !radix_.Insert(d.ns, d.tokens, snap)) {
+    SnapshotDroppedLocked(d.ns);
     slots_[snap] = Slot{Kind::kFree, d.generation + 1};
     free_.push_back(snap);
     return st;
@@ -958,6 +990,10 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
   ++stats_.donations;
   if (s.seq_len == 0 || radix_.Find(s.ns, s.tokens) >= 0) {  // nothing new to keep
     if (s.seq_len > 0) TouchLocked(radix_.Find(s.ns, s.tokens));
+    ReleaseLocked(index);
+    return absl::OkStatus();
+  }
+  if (!ReserveSnapshotLocked(s.ns)) {  // the namespace's share is full and all in use
     ReleaseLocked(index);
     return absl::OkStatus();
   }

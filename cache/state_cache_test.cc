@@ -25,7 +25,7 @@ constexpr double kStateTol = 1e-4;
 
 class CacheTest : public ::testing::Test {
  protected:
-  void Make(int64_t slots, int32_t track = 0, int32_t ring = 4) {
+  void Make(int64_t slots, int32_t track = 0, int32_t ring = 4, int64_t ns_snapshots = 0) {
     absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, ring);
     ASSERT_TRUE(m.ok()) << m.status();
     m->num_layers = 2;
@@ -34,6 +34,7 @@ class CacheTest : public ::testing::Test {
     o.backend = testing::TestBackend();
     o.memory_budget_bytes = slots * m->SlotBytes();
     o.track_interval = track;
+    o.max_snapshots_per_namespace = ns_snapshots;
     absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);
     ASSERT_TRUE(c.ok()) << c.status();
     cache_ = std::move(*c);
@@ -250,6 +251,30 @@ TEST_F(CacheTest, PrefixNamespacesNeverShareSnapshots) {
   EXPECT_EQ(cache_->MatchPrefixIn(8, {11, 12, 13, 14}), 3);
   EXPECT_EQ(cache_->MatchPrefixIn(7, {11, 12, 13, 14}), 0);
   EXPECT_EQ(cache_->SetPrefixNamespace(c, 7).code(), absl::StatusCode::kNotFound);
+}
+
+// max_snapshots_per_namespace: a namespace at its bound evicts its own oldest snapshot for a new
+// one, never another namespace's, although the pool has room only by evicting.
+TEST_F(CacheTest, ANamespaceAtItsSnapshotBoundEvictsOnlyItsOwn) {
+  Make(4, /*track=*/0, /*ring=*/4, /*ns_snapshots=*/2);
+  auto donate = [&](PrefixNamespace ns, std::vector<int32_t> tokens) {
+    absl::StatusOr<StateCache::PrefixAllocation> a = cache_->AllocateFromPrefixIn(ns, {});
+    ASSERT_TRUE(a.ok()) << a.status();
+    std::vector<int32_t> h;
+    Oracle::State r = oracle_->Zero();
+    Prefill(a->slot, h, r, tokens);
+    ASSERT_TRUE(cache_->Donate(a->slot).ok());
+  };
+  donate(2, {50, 51});  // the other tenant's one snapshot
+  for (int i = 0; i < 5; ++i) donate(1, {i, i + 1, i + 2});
+  EXPECT_EQ(cache_->MatchPrefixIn(2, {50, 51, 52}), 2) << "never evicted by namespace 1";
+  EXPECT_EQ(cache_->MatchPrefixIn(1, {4, 5, 6}), 3) << "the newest kept";
+  EXPECT_EQ(cache_->MatchPrefixIn(1, {3, 4, 5}), 3);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(cache_->MatchPrefixIn(1, {i, i + 1, i + 2}), 0) << "the oldest went: " << i;
+  }
+  EXPECT_EQ(cache_->stats().slots_snapshot, 3);
+  EXPECT_EQ(cache_->stats().snapshot_evictions, 3);
 }
 
 TEST_F(CacheTest, SecondTurnRestoresTheStateAfterAllOfTurnOne) {

@@ -129,6 +129,10 @@ const std::vector<Flag>& Flags() {
        "live slots one tenant may hold (with --auth-tokens; allocations and incoming transfers "
        "past it: RESOURCE_EXHAUSTED), 0 = no bound [0]",
        Int(&ServerOptions::tenant_max_slots)},
+      {"tenant-max-snapshots",
+       "prefix snapshots one tenant (prefix namespace) may hold; a new one past it evicts that "
+       "tenant's own oldest, never another's; 0 = no bound [0]",
+       Int(&ServerOptions::tenant_max_snapshots)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
       {"region-ttl",

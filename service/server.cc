@@ -409,6 +409,7 @@ absl::Status CheckBounds(const ServerOptions& o) {
       {"--max-import-tokens", o.max_import_tokens, 1, std::numeric_limits<int32_t>::max()},
       {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
       {"--tenant-max-slots", o.tenant_max_slots, 0, std::numeric_limits<int64_t>::max()},
+      {"--tenant-max-snapshots", o.tenant_max_snapshots, 0, std::numeric_limits<int64_t>::max()},
   };
   for (const auto& b : bounds) {
     if (b.value < b.min || b.value > b.max) {
@@ -440,6 +441,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.max_batch = options.max_batch;
   cache_options.forward_graphs = options.forward_graphs;
   cache_options.max_prefill_tokens = options.max_prefill_tokens;
+  cache_options.max_snapshots_per_namespace = options.tenant_max_snapshots;
   auto handles = std::make_unique<SlotHandles>();
   cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };
   absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =

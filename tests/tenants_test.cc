@@ -260,6 +260,44 @@ TEST_F(TenantQuotaTest, ATenantHoldsAtMostItsSlotsAndSeesItsOwnCountersOnly) {
   EXPECT_TRUE(client_->Allocate().ok()) << "alice has a share of her own";
 }
 
+// Within its slot bound a tenant could still donate until the pool's snapshots were its own,
+// pushing the others' out by LRU. With --tenant-max-snapshots its donations evict only its own.
+class TenantSnapshotBoundTest : public TenantsTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    // 8 slots of tiny-gdn; bob keeps at most 2 snapshots.
+    return {"--track-interval=0", tokens_.Flag(), "--memory-budget=1100K",
+            "--tenant-max-snapshots=2"};
+  }
+};
+
+TEST_F(TenantSnapshotBoundTest, ATenantsDonationsEvictOnlyItsOwnSnapshots) {
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 10);  // tokens 100..109
+  ASSERT_TRUE(client_->Donate(slot).ok());  // alice's prefix snapshot
+  std::vector<int32_t> alice_prompt;
+  for (int i = 0; i < 10; ++i) alice_prompt.push_back(100 + i);
+  ASSERT_EQ(*client_->MatchPrefix(alice_prompt), 10);
+  std::vector<std::vector<int32_t>> bobs;
+  for (int d = 0; d < 10; ++d) {  // more donations than the pool has slots
+    auto s = bob_->Allocate();
+    ASSERT_TRUE(s.ok()) << d << ": " << s.status();
+    v1::PrefillRequest req;
+    req.set_slot(s->slot());
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 4; ++i) tokens.push_back(1000 * (d + 1) + i);
+    for (int32_t t : tokens) req.add_tokens(t);
+    for (const auto& l : Layers(4)) *req.add_layers() = l;
+    ASSERT_TRUE(bob_->Prefill(req).ok());
+    ASSERT_TRUE(bob_->Donate(s->slot()).ok());
+    bobs.push_back(tokens);
+  }
+  EXPECT_EQ(*client_->MatchPrefix(alice_prompt), 10) << "alice's snapshot outlived bob's ten";
+  EXPECT_EQ(*bob_->MatchPrefix(bobs[9]), 4) << "bob's newest kept";
+  EXPECT_EQ(*bob_->MatchPrefix(bobs[8]), 4);
+  EXPECT_EQ(*bob_->MatchPrefix(bobs[0]), 0) << "bob's oldest evicted for his newer ones";
+}
+
 TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
   auto a = client_->Allocate("request-1");
   auto b = bob_->Allocate("request-1");

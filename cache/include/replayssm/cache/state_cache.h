@@ -57,6 +57,10 @@ struct CacheOptions {
   int32_t track_interval = 64;  // snapshot every this many tokens in decode; 0 = never
   int32_t max_batch = 256;      // rows per forward / verify
   int32_t max_prefill_tokens = 1 << 16;  // tokens per prefill call
+  // Snapshots one prefix namespace (a service's tenant) may hold at once; 0 = no bound. A new
+  // snapshot or donation in a namespace at its bound evicts that namespace's own least recently
+  // used snapshot (or is skipped when all of them are in use), never another namespace's.
+  int64_t max_snapshots_per_namespace = 0;
   // A decode forward queued at once (Forward::RunLayers) on backend memory runs as one
   // recorded sequence (a CUDA graph) once it repeats; false: always call by call.
   bool forward_graphs = true;
