@@ -294,9 +294,6 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
 
   absl::Status Prefill(SlotId id, absl::Span<const int32_t> tokens,
                        absl::Span<const LayerIo> layers) override;
-  absl::Status Import(SlotId id, absl::Span<const int32_t> tokens,
-                      absl::Span<const absl::Span<const uint8_t>> checkpoints) override;
-  absl::StatusOr<ExportedState> Export(SlotId id) override;
   absl::Status ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
                           absl::Span<const void* const> checkpoints, IoMemory memory) override;
   absl::StatusOr<ExportedState> ExportInto(SlotId id, absl::Span<void* const> checkpoints,
@@ -798,29 +795,6 @@ absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens
   return RunAllLayers(**f, layers);
 }
 
-absl::Status StateCacheImpl::Import(SlotId id, absl::Span<const int32_t> tokens,
-                                    absl::Span<const absl::Span<const uint8_t>> checkpoints) {
-  if (static_cast<int32_t>(checkpoints.size()) != model_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", model_.num_layers,
-                                                   " layers, got ", checkpoints.size()));
-  }
-  std::vector<const void*> ptrs;
-  for (size_t l = 0; l < checkpoints.size(); ++l) {
-    if (checkpoints[l].size() != pool_->CheckpointBytes()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "checkpoints[", l, "]: expected ", pool_->CheckpointBytes(), " bytes ([HV, V, K] in ",
-          rssm_dtype_name(model_.shape.state_dtype),
-          model_.conv_width > 0
-              ? absl::StrCat(", then the conv window [", model_.conv_width - 1, ", ",
-                             model_.QkvWidth(), "] in ", rssm_dtype_name(model_.shape.act_dtype))
-              : std::string(),
-          "), got ", checkpoints[l].size()));
-    }
-    ptrs.push_back(checkpoints[l].data());
-  }
-  return ImportFrom(id, tokens, ptrs, IoMemory::kHost);
-}
-
 absl::Status StateCacheImpl::ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
                                         absl::Span<const void* const> checkpoints,
                                         IoMemory memory) {
@@ -853,16 +827,6 @@ absl::Status StateCacheImpl::ImportFrom(SlotId id, absl::Span<const int32_t> tok
   s.seq_len = static_cast<int64_t>(tokens.size());
   s.tokens.assign(tokens.begin(), tokens.end());
   return absl::OkStatus();
-}
-
-absl::StatusOr<ExportedState> StateCacheImpl::Export(SlotId id) {
-  std::vector<std::vector<uint8_t>> checkpoints(model_.num_layers,
-                                                std::vector<uint8_t>(pool_->CheckpointBytes()));
-  std::vector<void*> ptrs;
-  for (std::vector<uint8_t>& c : checkpoints) ptrs.push_back(c.data());
-  absl::StatusOr<ExportedState> out = ExportInto(id, ptrs, IoMemory::kHost);
-  if (out.ok()) out->checkpoints = std::move(checkpoints);
-  return out;
 }
 
 absl::StatusOr<ExportedState> StateCacheImpl::ExportInto(SlotId id,
@@ -1749,6 +1713,42 @@ absl::Status ForwardImpl::Commit() {
 }
 
 }  // namespace
+
+absl::Status StateCache::Import(SlotId id, absl::Span<const int32_t> tokens,
+                                absl::Span<const absl::Span<const uint8_t>> checkpoints) {
+  const ModelSpec& m = model();
+  if (static_cast<int32_t>(checkpoints.size()) != m.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", m.num_layers,
+                                                   " layers, got ", checkpoints.size()));
+  }
+  const size_t bytes = static_cast<size_t>(m.LayerStateBytes());
+  std::vector<const void*> ptrs;
+  for (size_t l = 0; l < checkpoints.size(); ++l) {
+    if (checkpoints[l].size() != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checkpoints[", l, "]: expected ", bytes, " bytes ([HV, V, K] in ",
+          rssm_dtype_name(m.shape.state_dtype),
+          m.conv_width > 0
+              ? absl::StrCat(", then the conv window [", m.conv_width - 1, ", ", m.QkvWidth(),
+                             "] in ", rssm_dtype_name(m.shape.act_dtype))
+              : std::string(),
+          "), got ", checkpoints[l].size()));
+    }
+    ptrs.push_back(checkpoints[l].data());
+  }
+  return ImportFrom(id, tokens, ptrs, IoMemory::kHost);
+}
+
+absl::StatusOr<ExportedState> StateCache::Export(SlotId id) {
+  const ModelSpec& m = model();
+  std::vector<std::vector<uint8_t>> checkpoints(
+      m.num_layers, std::vector<uint8_t>(static_cast<size_t>(m.LayerStateBytes())));
+  std::vector<void*> ptrs;
+  for (std::vector<uint8_t>& c : checkpoints) ptrs.push_back(c.data());
+  absl::StatusOr<ExportedState> out = ExportInto(id, ptrs, IoMemory::kHost);
+  if (out.ok()) out->checkpoints = std::move(checkpoints);
+  return out;
+}
 
 absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
                                                                CacheOptions options) {

@@ -174,32 +174,6 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     return absl::OkStatus();
   }
 
-  absl::Status Import(SlotId id, absl::Span<const int32_t> tokens,
-                      absl::Span<const absl::Span<const uint8_t>> checkpoints) override {
-    if (static_cast<int32_t>(checkpoints.size()) != full_.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", full_.num_layers,
-                                                     " layers, got ", checkpoints.size()));
-    }
-    std::vector<const void*> ptrs;
-    for (size_t l = 0; l < checkpoints.size(); ++l) {
-      if (static_cast<int64_t>(checkpoints[l].size()) != full_.LayerStateBytes()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("checkpoints[", l, "]: expected ", full_.LayerStateBytes(),
-                         " bytes (the unsharded layer state), got ", checkpoints[l].size()));
-      }
-      ptrs.push_back(checkpoints[l].data());
-    }
-    return ImportFrom(id, tokens, ptrs, IoMemory::kHost);
-  }
-  absl::StatusOr<ExportedState> Export(SlotId id) override {
-    std::vector<std::vector<uint8_t>> checkpoints(
-        full_.num_layers, std::vector<uint8_t>(full_.LayerStateBytes()));
-    std::vector<void*> ptrs;
-    for (std::vector<uint8_t>& c : checkpoints) ptrs.push_back(c.data());
-    absl::StatusOr<ExportedState> out = ExportInto(id, ptrs, IoMemory::kHost);
-    if (out.ok()) out->checkpoints = std::move(checkpoints);
-    return out;
-  }
   absl::Status ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
                           absl::Span<const void* const> checkpoints, IoMemory memory) override;
   absl::StatusOr<ExportedState> ExportInto(SlotId id, absl::Span<void* const> checkpoints,
@@ -215,27 +189,22 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
 
   absl::StatusOr<std::unique_ptr<Forward>> BeginForward(
       absl::Span<const DecodeRow> rows) override {
-    return Open([&](size_t r, StateCache& c) {
-      std::vector<DecodeRow> mine(rows.begin(), rows.end());
-      for (DecodeRow& row : mine) row.slot = Member(row.slot, r);
-      return c.BeginForward(mine);
-    });
+    const std::vector<std::vector<DecodeRow>> mine = RankRows(rows);
+    return Open([&](size_t r, StateCache& c) { return c.BeginForward(mine[r]); });
   }
   absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
       std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(
       absl::Span<const PrefillRow> rows) override {
-    return Open([&](size_t r, StateCache& c) {
-      std::vector<PrefillRow> mine(rows.begin(), rows.end());
-      for (PrefillRow& row : mine) row.slot = Member(row.slot, r);
-      return c.BeginPrefill(mine);
-    });
+    const std::vector<std::vector<PrefillRow>> mine = RankRows(rows);
+    return Open([&](size_t r, StateCache& c) { return c.BeginPrefill(mine[r]); });
   }
   absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
       absl::Span<const SlotId> slots, int32_t num_draft,
       absl::Span<const int32_t> draft_tokens) override {
+    const std::vector<std::vector<SlotId>> mine = RankRows(slots);
     return Open([&](size_t r, StateCache& c) {
-      return c.BeginVerify(MemberIds(slots, r), num_draft, draft_tokens);
+      return c.BeginVerify(mine[r], num_draft, draft_tokens);
     });
   }
   absl::Status Verify(absl::Span<const SlotId> slots, int32_t num_draft,
@@ -344,15 +313,25 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     if (it != members_.end()) return it->second;
     return std::vector<SlotId>(shards_.size(), id);
   }
-  SlotId Member(SlotId id, size_t r) const {
-    if (id == kPaddingSlot || r == 0) return id;
-    return Members(id)[r];
-  }
-  std::vector<SlotId> MemberIds(absl::Span<const SlotId> ids, size_t r) const {
-    std::vector<SlotId> out;
-    for (SlotId id : ids) out.push_back(Member(id, r));
+  // Each rank's copy of `rows` (slot ids, or rows with a `slot`), its ids in place of the
+  // group's: one lookup per row for all ranks. Padding and unknown ids stay as they are.
+  template <typename Row>
+  std::vector<std::vector<Row>> RankRows(absl::Span<const Row> rows) const {
+    std::vector<std::vector<Row>> out(shards_.size(), std::vector<Row>(rows.begin(), rows.end()));
+    absl::MutexLock lock(&map_mu_);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      auto it = members_.find(SlotOf(rows[i]));
+      if (it == members_.end()) continue;
+      for (size_t r = 1; r < out.size(); ++r) SlotOf(out[r][i]) = it->second[r];
+    }
     return out;
   }
+  static SlotId& SlotOf(SlotId& id) { return id; }
+  static SlotId SlotOf(const SlotId& id) { return id; }
+  template <typename Row>
+  static SlotId& SlotOf(Row& row) { return row.slot; }
+  template <typename Row>
+  static SlotId SlotOf(const Row& row) { return row.slot; }
   std::string ShardSlotName(int32_t r, SlotId id) const {
     SlotId group = id;
     if (r > 0) {
@@ -512,11 +491,11 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
   if (prev == nullptr) {
     return absl::InvalidArgumentError("previous: expected a forward of this cache");
   }
+  const std::vector<std::vector<DecodeRow>> rank_rows = RankRows(rows);
   absl::ReleasableMutexLock ops(&ops_mu_);
   std::vector<std::unique_ptr<Forward>> next;
   for (size_t r = 0; r < shards_.size(); ++r) {
-    std::vector<DecodeRow> mine(rows.begin(), rows.end());
-    for (DecodeRow& row : mine) row.slot = Member(row.slot, r);
+    const std::vector<DecodeRow>& mine = rank_rows[r];
     std::unique_ptr<Forward>& p = prev->shards()[r];
     Use(r);
     absl::StatusOr<std::unique_ptr<Forward>> f = shards_[r]->ContinueForward(p, mine);

@@ -8,17 +8,12 @@ namespace replayssm::service {
 
 RegionLeases::RegionLeases(cache::RegionTable* shared, TenantRegions* tenants,
                            absl::Duration ttl)
-    : shared_(shared), tenants_(tenants), ttl_(ttl) {
-  const absl::Duration period = std::clamp(ttl_ / 4, absl::Milliseconds(10), absl::Seconds(1));
-  thread_ = std::thread([this, period] {
-    while (!stop_.WaitForNotificationWithTimeout(period)) ExpireIdle(absl::Now());
-  });
-}
+    : shared_(shared),
+      tenants_(tenants),
+      ttl_(ttl),
+      sweep_(ttl, [this](absl::Time now) { ExpireIdle(now); }) {}
 
-RegionLeases::~RegionLeases() {
-  stop_.Notify();
-  if (thread_.joinable()) thread_.join();
-}
+RegionLeases::~RegionLeases() = default;
 
 int32_t RegionLeases::ExpireIdle(absl::Time now) {
   const absl::Time cutoff = now - ttl_;

@@ -10,12 +10,11 @@
 #define REPLAYSSM_SERVICE_REGION_LEASES_H_
 
 #include <cstdint>
-#include <thread>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/regions.h"
 #include "service/caller.h"
+#include "service/periodic_sweep.h"
 
 namespace replayssm::service {
 
@@ -35,8 +34,7 @@ class RegionLeases {
   cache::RegionTable* shared_;
   TenantRegions* tenants_;
   const absl::Duration ttl_;
-  absl::Notification stop_;
-  std::thread thread_;
+  PeriodicSweep sweep_;  // last: stops before the members above go
 };
 
 }  // namespace replayssm::service

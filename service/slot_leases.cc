@@ -10,17 +10,13 @@ namespace replayssm::service {
 
 SlotLeases::SlotLeases(cache::StateCache* cache, SlotHandles* handles, absl::Duration ttl,
                        std::function<void()> on_expiry)
-    : cache_(cache), handles_(handles), ttl_(ttl), on_expiry_(std::move(on_expiry)) {
-  const absl::Duration period = std::clamp(ttl_ / 4, absl::Milliseconds(10), absl::Seconds(1));
-  thread_ = std::thread([this, period] {
-    while (!stop_.WaitForNotificationWithTimeout(period)) ExpireIdle(absl::Now());
-  });
-}
+    : cache_(cache),
+      handles_(handles),
+      ttl_(ttl),
+      on_expiry_(std::move(on_expiry)),
+      sweep_(ttl, [this](absl::Time now) { ExpireIdle(now); }) {}
 
-SlotLeases::~SlotLeases() {
-  stop_.Notify();
-  if (thread_.joinable()) thread_.join();
-}
+SlotLeases::~SlotLeases() = default;
 
 int32_t SlotLeases::ExpireIdle(absl::Time now) {
   const absl::Time cutoff = now - ttl_;

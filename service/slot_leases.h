@@ -11,11 +11,10 @@
 
 #include <cstdint>
 #include <functional>
-#include <thread>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
+#include "service/periodic_sweep.h"
 #include "service/slot_handles.h"
 
 namespace replayssm::service {
@@ -37,8 +36,7 @@ class SlotLeases {
   SlotHandles* handles_;
   const absl::Duration ttl_;
   std::function<void()> on_expiry_;
-  absl::Notification stop_;
-  std::thread thread_;
+  PeriodicSweep sweep_;  // last: stops before the members above go
 };
 
 }  // namespace replayssm::service

@@ -242,13 +242,14 @@ class StateCache {
   virtual absl::Status Prefill(SlotId slot, absl::Span<const int32_t> tokens,
                                absl::Span<const LayerIo> layers) = 0;
 
-  // Replaces the slot's state: checkpoints[l] is layer l's [HV, V, K] in the state dtype;
-  // the slot's seq_len becomes tokens.size().
-  virtual absl::Status Import(SlotId slot, absl::Span<const int32_t> tokens,
-                              absl::Span<const absl::Span<const uint8_t>> checkpoints) = 0;
+  // Replaces the slot's state: checkpoints[l] is layer l's [HV, V, K] in the state dtype
+  // (then its conv window: ModelSpec::LayerStateBytes); the slot's seq_len becomes
+  // tokens.size(). ImportFrom with host memory, after checking each layer's size.
+  absl::Status Import(SlotId slot, absl::Span<const int32_t> tokens,
+                      absl::Span<const absl::Span<const uint8_t>> checkpoints);
   // The slot's full state, folded first (the guarded path: write_pos -> 0, the logical state
-  // and seq_len unchanged).
-  virtual absl::StatusOr<ExportedState> Export(SlotId slot) = 0;
+  // and seq_len unchanged): ExportInto host buffers of its own.
+  absl::StatusOr<ExportedState> Export(SlotId slot);
   // Import and Export with the checkpoints in the caller's memory (a co-located client's
   // registered regions): checkpoints[l] points at layer l's [HV, V, K] bytes, host memory
   // (staged) or backend memory (copied on the device) as `memory` says. Same rules and
