@@ -448,6 +448,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
       if (s.refs > 0 || s.busy || !which(s)) continue;
       const int32_t victim = *it;
       radix_.Erase(s.ns, s.tokens);
+      EmitLocked(CacheEvent::Type::kRemoved, s);
       lru_.erase(s.lru);
       --ns_snapshots_[s.ns];
       ++stats_.snapshot_evictions;
@@ -492,6 +493,17 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   void ReleaseLocked(int32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     slots_[index] = Slot{Kind::kFree, slots_[index].generation + 1};
     free_.push_back(index);
+  }
+
+  // Reports a snapshot stored in or removed from the prefix cache (CacheOptions::event_sink).
+  void EmitLocked(CacheEvent::Type type, const Slot& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!options_.event_sink) return;
+    CacheEvent e;
+    e.type = type;
+    e.ns = s.ns;
+    e.medium = Medium::kBackend;
+    e.tokens = s.tokens;
+    options_.event_sink(e);
   }
 
   void TouchLocked(int32_t snapshot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -688,6 +700,7 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   lru_.push_front(snap);
   d.lru = lru_.begin();
   ++stats_.snapshots_taken;
+  EmitLocked(CacheEvent::Type::kStored, d);
   return absl::OkStatus();
 }
 
@@ -967,6 +980,7 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
   radix_.Insert(s.ns, s.tokens, index);
   lru_.push_front(index);
   s.lru = lru_.begin();
+  EmitLocked(CacheEvent::Type::kStored, s);
   return absl::OkStatus();
 }
 

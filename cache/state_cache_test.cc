@@ -35,6 +35,7 @@ class CacheTest : public ::testing::Test {
     o.memory_budget_bytes = slots * m->SlotBytes();
     o.track_interval = track;
     o.max_snapshots_per_namespace = ns_snapshots;
+    if (record_events_) o.event_sink = [this](const CacheEvent& e) { events_.push_back(e); };
     absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);
     ASSERT_TRUE(c.ok()) << c.status();
     cache_ = std::move(*c);
@@ -92,6 +93,8 @@ class CacheTest : public ::testing::Test {
     EXPECT_LE(testing::RelErr(oracle_->FromExport(*e), ref), kStateTol);
   }
 
+  bool record_events_ = false;
+  std::vector<CacheEvent> events_;
   std::unique_ptr<StateCache> cache_;
   std::unique_ptr<Oracle> oracle_;
 };
@@ -275,6 +278,36 @@ TEST_F(CacheTest, ANamespaceAtItsSnapshotBoundEvictsOnlyItsOwn) {
   }
   EXPECT_EQ(cache_->stats().slots_snapshot, 3);
   EXPECT_EQ(cache_->stats().snapshot_evictions, 3);
+}
+
+// CacheOptions::event_sink: a track snapshot and a donation are reported stored, each eviction
+// removed, in the order they happened, with the namespace and the whole key.
+TEST_F(CacheTest, EventsReportEverySnapshotStoredAndRemoved) {
+  record_events_ = true;
+  Make(3, /*track=*/4, /*ring=*/4);
+  absl::StatusOr<StateCache::PrefixAllocation> a = cache_->AllocateFromPrefixIn(7, {});
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a->slot, h, r, {11, 12, 13, 14, 15});
+  for (int t = 0; t < 4; ++t) Step({a->slot}, {&h}, {&r}, 20 + t);  // the track snapshot at 8
+  ASSERT_TRUE(cache_->Donate(a->slot).ok());                         // the donation at 9
+  const std::vector<int32_t> at8(h.begin(), h.begin() + 8);
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_EQ(events_[0].type, CacheEvent::Type::kStored);
+  EXPECT_EQ(events_[0].tokens, at8);
+  EXPECT_EQ(events_[1].type, CacheEvent::Type::kStored);
+  EXPECT_EQ(events_[1].tokens, h);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(cache_->Allocate().ok());  // evicts both, oldest first
+  ASSERT_EQ(events_.size(), 4u);
+  EXPECT_EQ(events_[2].type, CacheEvent::Type::kRemoved);
+  EXPECT_EQ(events_[2].tokens, at8);
+  EXPECT_EQ(events_[3].type, CacheEvent::Type::kRemoved);
+  EXPECT_EQ(events_[3].tokens, h);
+  for (const CacheEvent& e : events_) {
+    EXPECT_EQ(e.ns, 7u);
+    EXPECT_EQ(e.medium, Medium::kBackend);
+  }
 }
 
 TEST_F(CacheTest, SecondTurnRestoresTheStateAfterAllOfTurnOne) {

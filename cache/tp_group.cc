@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -107,6 +108,9 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       o.tp_size = 1;
       o.slot_name = [this, r](SlotId id) { return ShardSlotName(r, id); };
       o.devices.clear();
+      if (options_.event_sink) {
+        o.event_sink = [this](const CacheEvent& e) { OnShardEvent(e); };
+      }
       if (!options_.devices.empty()) {
         if (rssm_status st = rssm_set_device(options_.backend, options_.devices[r]); st != RSSM_OK) {
           return absl::InvalidArgumentError(
@@ -121,6 +125,22 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       shards_.push_back(*std::move(c));
     }
     return absl::OkStatus();
+  }
+
+  // A shard's event (under that shard's lock): the group reports a snapshot stored once all
+  // shards hold it, and removed when the first one drops it (CacheOptions::event_sink).
+  void OnShardEvent(const CacheEvent& e) {
+    absl::MutexLock lock(&events_mu_);
+    const std::tuple<PrefixNamespace, Medium, std::vector<int32_t>> key{e.ns, e.medium, e.tokens};
+    const int32_t n = options_.tp_size;
+    if (e.type == CacheEvent::Type::kStored) {
+      if (++held_[key] == n) options_.event_sink(e);
+      return;
+    }
+    auto it = held_.find(key);
+    if (it == held_.end()) return;
+    if (it->second-- == n) options_.event_sink(e);
+    if (it->second == 0) held_.erase(it);
   }
 
   const ModelSpec& model() const override { return full_; }
@@ -382,6 +402,10 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
   absl::flat_hash_map<SlotId, std::vector<SlotId>> members_ ABSL_GUARDED_BY(map_mu_);
   absl::flat_hash_map<SlotId, SlotId> group_of_[kMaxTpSize] ABSL_GUARDED_BY(map_mu_);
+  // Shards holding each snapshot (OnShardEvent); after a shard's lock, never before one.
+  absl::Mutex events_mu_;
+  absl::flat_hash_map<std::tuple<PrefixNamespace, Medium, std::vector<int32_t>>, int32_t> held_
+      ABSL_GUARDED_BY(events_mu_);
 };
 
 // ---- forwards ----

@@ -40,10 +40,12 @@ ModelSpec TpModel(int32_t gate, int32_t state_dtype) {
 
 // A group's ranks spread over the backend's devices round-robin (on the H200 x2 machine: ranks
 // on both GPUs; on the CPU: all on device 0, through the same per-rank device calls).
-std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t tp) {
+std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t tp,
+                                      CacheEventSink sink = nullptr, int64_t slots = 64) {
   CacheOptions o;
+  o.event_sink = std::move(sink);
   o.backend = testing::TestBackend();
-  o.memory_budget_bytes = 64 * m.SlotBytes();
+  o.memory_budget_bytes = slots * m.SlotBytes();
   o.track_interval = 0;
   o.tp_size = tp;
   if (tp > 1) {
@@ -408,6 +410,27 @@ TEST_P(TpGroupTest, DonatedPrefixIsFoundByTheGroup) {
   EXPECT_EQ(pb->matched, 5);
   ExpectSameOutputs(Decode(*group, 2, pb->slot, {0, 5}), Decode(*one, 1, pa->slot, {0, 5}), "hit");
   ExpectSameState(*group, pb->slot, *one, pa->slot, "hit");
+}
+
+// A group reports a snapshot once, when every shard holds it, and its eviction once.
+TEST_P(TpGroupTest, AGroupReportsEachSnapshotOnce) {
+  std::vector<CacheEvent> events;
+  std::unique_ptr<StateCache> group =
+      MakeCache(m_, 2, [&](const CacheEvent& e) { events.push_back(e); },
+                /*slots=*/1);  // each shard holds 2 half-size slots
+  absl::StatusOr<SlotId> b = group->Allocate();
+  ASSERT_TRUE(b.ok());
+  const std::vector<int32_t> prompt = {8, 6, 7, 5, 3};
+  ASSERT_TRUE(Prefill(*group, 2, *b, prompt, 0).ok());
+  ASSERT_TRUE(group->Donate(*b).ok());
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].type, CacheEvent::Type::kStored);
+  EXPECT_EQ(events[0].tokens, prompt);
+  ASSERT_TRUE(group->Allocate().ok());
+  ASSERT_TRUE(group->Allocate().ok());  // evicts the snapshot on both shards
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[1].type, CacheEvent::Type::kRemoved);
+  EXPECT_EQ(events[1].tokens, prompt);
 }
 
 INSTANTIATE_TEST_SUITE_P(Gates, TpGroupTest,

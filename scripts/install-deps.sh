@@ -8,6 +8,8 @@ PKGS=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev
+  # Cache events (docs/api.md): the ZMQ publisher in vLLM's KV-events wire format (msgpack).
+  libzmq3-dev libmsgpack-cxx-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libssl-dev zlib1g-dev libc-ares-dev libre2-dev
   curl openssl
@@ -17,6 +19,7 @@ PKGS=(
   # client/python: its runtime, the offline install into a venv (docs/python.md), and
   # protoc's gRPC Python plugin (protobuf-compiler-grpc, above) for its stubs.
   python3-grpcio python3-protobuf python3-numpy python3-setuptools python3-wheel
+  python3-zmq python3-msgpack
   python3-pip python3-venv
 )
 # deploy/ checks (ctest -R deploy): node + npm for `npm ci` of deploy/tools. Machines whose

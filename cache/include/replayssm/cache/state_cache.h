@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "replayssm/cache/events.h"
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/slot_io.h"
 
@@ -44,7 +45,6 @@ namespace replayssm::cache {
 // of the slot it was taken from (its track snapshots and its donation). A slot is in
 // kDefaultNamespace unless it was allocated from a prefix in another or moved there by
 // SetPrefixNamespace.
-using PrefixNamespace = uint32_t;
 inline constexpr PrefixNamespace kDefaultNamespace = 0;
 
 // An opaque slot id (SlotId, slot_io.h): (generation << 32) | index. 0 is never a valid slot;
@@ -76,6 +76,10 @@ struct CacheOptions {
   // The device of each rank (rssm_set_device), [tp_size]; empty: every rank on the device
   // current when the cache is created (and the CPU backend's one).
   std::vector<int32_t> devices;
+  // Receives every snapshot stored and removed (events.h); unset: no events. A TP group
+  // reports a snapshot once, when every shard holds it, and removed when the first shard drops
+  // it.
+  CacheEventSink event_sink;
 };
 
 // Where the buffers of a LayerIo live.
