@@ -133,6 +133,23 @@ const std::vector<Flag>& Flags() {
        "prefix snapshots one tenant (prefix namespace) may hold; a new one past it evicts that "
        "tenant's own oldest, never another's; 0 = no bound [0]",
        Int(&ServerOptions::tenant_max_snapshots)},
+      {"cache-events-retain",
+       "cache event batches kept per tenant for a router that reconnects (WatchCache, ZMQ "
+       "replay), 1..1048576 [4096]",
+       Int(&ServerOptions::cache_events_retain)},
+      {"max-watchers", "WatchCache streams open at once [64]", Int(&ServerOptions::max_watchers)},
+      {"kv-events-endpoint",
+       "ZMQ PUB endpoint of the cache events in vLLM's KV-events format, e.g. "
+       "tcp://127.0.0.1:5557; empty = off (unauthenticated: one tenant, a private interface) []",
+       Str(&ServerOptions::kv_events_endpoint)},
+      {"kv-events-replay-endpoint",
+       "ZMQ ROUTER endpoint answering replay requests for missed batches; empty = none []",
+       Str(&ServerOptions::kv_events_replay_endpoint)},
+      {"kv-events-topic", "topic frame of the ZMQ cache events [kv-events]",
+       Str(&ServerOptions::kv_events_topic)},
+      {"kv-events-tenant",
+       "tenant (of --auth-tokens) whose cache events ZMQ carries; empty = the implicit one []",
+       Str(&ServerOptions::kv_events_tenant)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
       {"region-ttl",

@@ -191,6 +191,19 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
   auto draining = Family("replayssm_draining", "1 while the server drains", MetricType::Gauge);
   AddSample(draining, g.draining ? 1 : 0);
   out.push_back(std::move(draining));
+  auto batches = Family("replayssm_cache_event_batches_total",
+                        "Cache event batches numbered (all tenants)", MetricType::Counter);
+  AddSample(batches, g.cache_event_batches);
+  out.push_back(std::move(batches));
+  auto watchers = Family("replayssm_cache_event_watchers",
+                         "Listeners of cache events: WatchCache streams and the ZMQ publisher",
+                         MetricType::Gauge);
+  AddSample(watchers, g.cache_event_watchers);
+  out.push_back(std::move(watchers));
+  auto zmq = Family("replayssm_kv_events_published_total",
+                    "Cache event batches sent on the ZMQ PUB socket", MetricType::Counter);
+  AddSample(zmq, g.kv_events_published);
+  out.push_back(std::move(zmq));
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include "service/caller.h"
 #include "service/forward_session.h"
 #include "service/status_map.h"
+#include "service/watch_cache.h"
 
 namespace replayssm::service {
 
@@ -206,6 +207,11 @@ grpc::ServerUnaryReactor* ReplaySsmService::Donate(grpc::CallbackServerContext* 
                                                    const v1::DonateRequest* req,
                                                    v1::DonateResponse* resp) {
   return Run(c, "Donate", [&](Operations& ops) { return ops.Donate(*req, resp); });
+}
+
+grpc::ServerWriteReactor<v1::CacheEventBatch>* ReplaySsmService::WatchCache(
+    grpc::CallbackServerContext* c, const v1::WatchCacheRequest* req) {
+  return NewWatchCacheReactor(ctx_, c, *req);
 }
 
 }  // namespace replayssm::service

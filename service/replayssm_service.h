@@ -49,6 +49,8 @@ class ReplaySsmService final : public v1::ReplaySsm::CallbackService {
                                         v1::MatchPrefixResponse* resp) override;
   grpc::ServerUnaryReactor* Donate(grpc::CallbackServerContext* c, const v1::DonateRequest* req,
                                    v1::DonateResponse* resp) override;
+  grpc::ServerWriteReactor<v1::CacheEventBatch>* WatchCache(
+      grpc::CallbackServerContext* c, const v1::WatchCacheRequest* req) override;
 
  private:
   // Counts the RPC and finishes it with the mapped status.

@@ -22,6 +22,7 @@
 #include "prometheus/exposer.h"
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/state_cache.h"
+#include "service/cache_events.h"
 #include "service/caller.h"
 #include "service/hf_config.h"
 #include "service/interfaces.h"
@@ -38,6 +39,7 @@
 #include "service/tenants.h"
 #include "service/tls.h"
 #include "service/transfer_service.h"
+#include "service/zmq_events.h"
 
 namespace replayssm::service {
 
@@ -155,13 +157,15 @@ std::string HostOf(const std::string& address) {
 class ServerImpl final : public Server {
  public:
   ServerImpl(const ServerOptions& options, Device device, std::unique_ptr<SlotHandles> handles,
-             std::unique_ptr<cache::StateCache> cache)
+             std::unique_ptr<CacheEventLog> events, std::unique_ptr<cache::StateCache> cache)
       : options_(options),
         device_(std::move(device)),
         handles_(std::move(handles)),
+        events_(std::move(events)),
         cache_(std::move(cache)),
         requests_(options.dedup_entries, options.dedup_bytes, options.max_request_id_bytes),
         streams_(options.max_streams),
+        watchers_(options.max_watchers, "WatchCache", "--max-watchers"),
         regions_(device_.backend,
                  cache::RegionLimits{options.max_regions,
                                      static_cast<uint64_t>(options.max_region_bytes)}) {
@@ -171,6 +175,8 @@ class ServerImpl final : public Server {
     ctx_.metrics = &metrics_;
     ctx_.gate = &gate_;
     ctx_.streams = &streams_;
+    ctx_.events = events_.get();
+    ctx_.watchers = &watchers_;
     ctx_.slots = SlotCodec(handles_.get());
     ctx_.limits = {options.max_batch, options.max_prefill_tokens, options.max_message_bytes,
                    options.max_import_tokens, options.tenant_max_slots};
@@ -207,6 +213,36 @@ class ServerImpl final : public Server {
                                              static_cast<uint64_t>(options_.max_region_bytes)});
     ctx_.tokens = tokens_.get();
     ctx_.tenant_regions = tenant_regions_.get();
+    return absl::OkStatus();
+  }
+
+  // --kv-events-endpoint: the ZMQ publisher of one tenant's cache events (after LoadTokens,
+  // which knows the tenants).
+  absl::Status StartEventPublisher() {
+    if (options_.kv_events_endpoint.empty()) {
+      if (!options_.kv_events_replay_endpoint.empty()) {
+        return absl::InvalidArgumentError(
+            "--kv-events-replay-endpoint: expected --kv-events-endpoint too, got none");
+      }
+      return absl::OkStatus();
+    }
+    ZmqEventsOptions z;
+    z.endpoint = options_.kv_events_endpoint;
+    z.replay_endpoint = options_.kv_events_replay_endpoint;
+    z.topic = options_.kv_events_topic;
+    if (!options_.kv_events_tenant.empty()) {
+      std::optional<TenantId> t = tokens_ ? tokens_->Find(options_.kv_events_tenant) : std::nullopt;
+      if (!t.has_value()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--kv-events-tenant: expected a tenant of the --auth-tokens file, got \"",
+            options_.kv_events_tenant, "\""));
+      }
+      z.tenant = *t;
+    }
+    absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> p =
+        ZmqEventPublisher::Start(events_.get(), std::move(z));
+    if (!p.ok()) return p.status();
+    publisher_ = *std::move(p);
     return absl::OkStatus();
   }
 
@@ -359,7 +395,8 @@ class ServerImpl final : public Server {
                                                  ": cannot listen: ", e.what()));
     }
     collector_ = std::make_shared<CacheCollector>(cache_.get(), [this] {
-      return ServiceGauges{gate_.open(), gate_.draining()};
+      return ServiceGauges{gate_.open(), gate_.draining(), events_->batches(),
+                           events_->watchers(), publisher_ ? publisher_->published() : 0};
     });
     exposer_->RegisterCollectable(metrics_.registry());
     exposer_->RegisterCollectable(collector_);
@@ -372,9 +409,11 @@ class ServerImpl final : public Server {
   const ServerOptions options_;
   const Device device_;
   std::unique_ptr<SlotHandles> handles_;  // before cache_: the cache names slots through it
+  std::unique_ptr<CacheEventLog> events_;  // before cache_: the cache reports to it
   std::unique_ptr<cache::StateCache> cache_;
   RequestLog requests_;
   StreamLimit streams_;
+  StreamLimit watchers_;
   cache::RegionTable regions_;  // leases held by open forwards keep their mappings alive
   Metrics metrics_;
   ForwardGate gate_;
@@ -387,6 +426,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<RegionsService> regions_service_;
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ZmqEventPublisher> publisher_;  // after server_: gone before the log
   std::shared_ptr<CacheCollector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string grpc_address_;
@@ -410,6 +450,8 @@ absl::Status CheckBounds(const ServerOptions& o) {
       {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
       {"--tenant-max-slots", o.tenant_max_slots, 0, std::numeric_limits<int64_t>::max()},
       {"--tenant-max-snapshots", o.tenant_max_snapshots, 0, std::numeric_limits<int64_t>::max()},
+      {"--cache-events-retain", o.cache_events_retain, 1, 1 << 20},
+      {"--max-watchers", o.max_watchers, 1, std::numeric_limits<int32_t>::max()},
   };
   for (const auto& b : bounds) {
     if (b.value < b.min || b.value > b.max) {
@@ -442,16 +484,22 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.forward_graphs = options.forward_graphs;
   cache_options.max_prefill_tokens = options.max_prefill_tokens;
   cache_options.max_snapshots_per_namespace = options.tenant_max_snapshots;
+  CacheEventLogOptions event_options;
+  event_options.block_size = options.track_interval > 0 ? options.track_interval : 64;
+  event_options.retain = options.cache_events_retain;
+  auto events = std::make_unique<CacheEventLog>(event_options);
+  cache_options.event_sink = events->Sink();
   auto handles = std::make_unique<SlotHandles>();
   cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };
   absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =
       cache::StateCache::Create(*std::move(model), cache_options);
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
-                                             *std::move(cache));
+                                             std::move(events), *std::move(cache));
   server->SecurityWarnings();
   s = server->LoadTokens();
   if (s.ok()) server->StartRegionLeases();
+  if (s.ok()) s = server->StartEventPublisher();
   if (s.ok()) s = server->StartTransfers();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -21,6 +22,7 @@
 
 namespace replayssm::service {
 
+class CacheEventLog;
 class TenantRegions;
 
 // The wire face of the server's SlotHandles (slot_handles.h) for one tenant, a value so that
@@ -124,22 +126,26 @@ inline absl::Status CheckImportTokens(int64_t tokens, const ServiceLimits& limit
                                                  " tokens (--max-import-tokens), got ", tokens));
 }
 
-// Open DecodeStream streams against --max-streams. Thread-safe.
+// Open streams of one RPC (`method`) against their limit (`flag`, e.g. --max-streams).
+// Thread-safe.
 class StreamLimit {
  public:
-  explicit StreamLimit(int32_t max) : max_(max) {}
+  explicit StreamLimit(int32_t max, std::string method = "DecodeStream",
+                       std::string flag = "--max-streams")
+      : max_(max), method_(std::move(method)), flag_(std::move(flag)) {}
   // RESOURCE_EXHAUSTED when `max` streams are open; else counts one more.
   absl::Status Open() {
     if (open_.fetch_add(1) < max_) return absl::OkStatus();
     open_.fetch_sub(1);
     return absl::ResourceExhaustedError(absl::StrCat(
-        "DecodeStream: ", max_, " streams are open, the limit (--max-streams); close one"));
+        method_, ": ", max_, " streams are open, the limit (", flag_, "); close one"));
   }
   void Close() { open_.fetch_sub(1); }
   int32_t open() const { return open_.load(); }
 
  private:
   const int32_t max_;
+  const std::string method_, flag_;
   std::atomic<int32_t> open_{0};
 };
 
@@ -150,6 +156,8 @@ struct ServiceContext {
   Metrics* metrics = nullptr;
   ForwardGate* gate = nullptr;
   StreamLimit* streams = nullptr;  // open DecodeStream streams
+  CacheEventLog* events = nullptr;  // the cache events (WatchCache)
+  StreamLimit* watchers = nullptr;  // open WatchCache streams
   SlotCodec slots;                 // the server's handle table, as the caller's tenant sees it
   // --auth-tokens; null: every call is kImplicitTenant. ForCaller binds a copy to the caller.
   TokenStore* tokens = nullptr;

@@ -152,6 +152,34 @@ TEST(CommandLine, CliRefusesMisplacedExtraAndMalformedArguments) {
   ExpectRefused(cli, {"health", "--address="}, "--address: expected HOST:PORT, got ''");
 }
 
+// Cache-event flags the server cannot honour stop it at start, naming the flag.
+TEST(CommandLine, ServerRefusesCacheEventFlagsItCannotHonour) {
+  const std::vector<std::string> base = {"--device=cpu", "--grpc-address=127.0.0.1:0",
+                                         "--metrics-address="};
+  const struct {
+    std::string flag, message;
+  } cases[] = {
+      {"--kv-events-replay-endpoint=tcp://127.0.0.1:5999",
+       "--kv-events-replay-endpoint: expected --kv-events-endpoint too"},
+      {"--kv-events-endpoint=bogus", "--kv-events-endpoint bogus: cannot bind"},
+      {"--cache-events-retain=0", "--cache-events-retain: expected 1..1048576, got 0"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = base;
+    args.push_back(c.flag);
+    const Outcome o = RunBinary(REPLAYSSM_SERVER_BINARY, args);
+    EXPECT_EQ(o.exit_code, 1) << c.flag << "\n" << o.output;
+    EXPECT_TRUE(absl::StrContains(o.output, c.message)) << c.flag << "\n" << o.output;
+  }
+  const Outcome tenant = RunBinary(
+      REPLAYSSM_SERVER_BINARY,
+      {"--device=cpu", "--grpc-address=127.0.0.1:0", "--metrics-address=",
+       "--kv-events-endpoint=tcp://127.0.0.1:0", "--kv-events-tenant=nobody"});
+  EXPECT_EQ(tenant.exit_code, 1) << tenant.output;
+  EXPECT_TRUE(absl::StrContains(tenant.output, "--kv-events-tenant: expected a tenant"))
+      << tenant.output;
+}
+
 TEST(CommandLine, CliSendsTheTokenOfItsTokenFileOrEnvironment) {
   const std::string dir = ::testing::TempDir();
   std::ofstream(dir + "/cli-tokens") << "alice alice-token-0123456789abcdef\n";

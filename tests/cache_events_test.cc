@@ -1,0 +1,312 @@
+// Cache events against real server processes (docs/api.md, "Cache events"): WatchCache streams
+// every snapshot stored (track snapshots, donations) and removed (evictions) with chained block
+// hashes; a reconnecting watcher gets exactly what it missed, or a resync; tenants see only
+// their own events; the ZMQ publisher speaks vLLM's KV-events wire format, with replay.
+#include <zmq.h>
+
+#include <cstdlib>
+#include <memory>
+#include <msgpack.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "replayssm/v1/replayssm.grpc.pb.h"
+#include "service_fixture.h"
+
+namespace replayssm::testing {
+namespace {
+
+// A WatchCache call as a test reads it.
+class Watch {
+ public:
+  Watch(const std::string& address, uint64_t epoch, uint64_t from_seq, const std::string& token = "")
+      : stub_(v1::ReplaySsm::NewStub(
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {
+    if (!token.empty()) ctx_.AddMetadata("authorization", "Bearer " + token);
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::WatchCacheRequest req;
+    req.set_epoch(epoch);
+    req.set_from_seq(from_seq);
+    reader_ = stub_->WatchCache(&ctx_, req);
+  }
+  ~Watch() {
+    if (finished_) return;
+    ctx_.TryCancel();
+    v1::CacheEventBatch b;
+    while (reader_->Read(&b)) {
+    }
+    reader_->Finish().ok();
+  }
+  // The next batch; fails the test when the stream ends.
+  v1::CacheEventBatch Next() {
+    v1::CacheEventBatch b;
+    if (!reader_->Read(&b)) ADD_FAILURE() << "the stream ended: " << Finish().error_message();
+    return b;
+  }
+  // Events until `n` of them came (batches may group them as they like).
+  std::vector<v1::CacheEvent> Events(size_t n, uint64_t* last_seq = nullptr) {
+    std::vector<v1::CacheEvent> out;
+    while (out.size() < n) {
+      v1::CacheEventBatch b = Next();
+      if (finished_) break;
+      if (last_seq != nullptr) *last_seq = b.seq();
+      for (const auto& e : b.events()) out.push_back(e);
+    }
+    return out;
+  }
+  grpc::Status Finish() {
+    finished_ = true;
+    return reader_->Finish();
+  }
+
+ private:
+  bool finished_ = false;
+  std::unique_ptr<v1::ReplaySsm::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::CacheEventBatch>> reader_;
+};
+
+class CacheEventsTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--memory-budget=725000"};  // ~8 tiny-gdn slots
+  }
+
+  // A slot with the 10 prompt tokens 100.. and `steps` decode steps: its tokens.
+  std::vector<int32_t> Run(uint64_t slot, int32_t seq, int steps) {
+    Prefill(slot, seq, 10);
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 10; ++i) tokens.push_back(100 + i);
+    for (int i = 0; i < steps; ++i) {
+      DecodeStep({slot}, {seq});
+      tokens.push_back(static_cast<int32_t>(7 + slot % 1000));
+    }
+    return tokens;
+  }
+};
+
+// A track snapshot at 16 tokens and a donation at 20 are streamed as stored, the donation
+// chained to the snapshot's hash; evictions as removed, with the same hashes.
+TEST_F(CacheEventsTest, SnapshotsAreStreamedStoredThenRemoved) {
+  Watch w(server_->grpc_address(), 0, 0);
+  const v1::CacheEventBatch first = w.Next();
+  EXPECT_TRUE(first.resync());
+  ASSERT_EQ(first.events_size(), 1);
+  EXPECT_TRUE(first.events(0).has_cleared()) << "a resync starts with AllBlocksCleared";
+  const uint64_t slot = NewSlot();
+  const std::vector<int32_t> tokens = Run(slot, 0, 10);  // seq_len 20, a track snapshot at 16
+  ASSERT_TRUE(client_->Donate(slot).ok());
+  uint64_t seq = 0;
+  const std::vector<v1::CacheEvent> stored = w.Events(2, &seq);
+  ASSERT_EQ(stored.size(), 2u);
+  ASSERT_TRUE(stored[0].has_stored() && stored[1].has_stored());
+  const v1::BlockStored& track = stored[0].stored();
+  const v1::BlockStored& donation = stored[1].stored();
+  EXPECT_EQ(track.num_tokens(), 16);
+  EXPECT_FALSE(track.has_parent()) << "a key of one block has no parent";
+  EXPECT_EQ(std::vector<int32_t>(track.token_ids().begin(), track.token_ids().end()),
+            std::vector<int32_t>(tokens.begin(), tokens.begin() + 16));
+  EXPECT_EQ(donation.num_tokens(), 20);
+  EXPECT_TRUE(donation.has_parent());
+  EXPECT_EQ(donation.parent_block_hash(), track.block_hashes(0))
+      << "the donation's parent is the block the track snapshot ends";
+  EXPECT_EQ(std::vector<int32_t>(donation.token_ids().begin(), donation.token_ids().end()),
+            std::vector<int32_t>(tokens.begin() + 16, tokens.end()));
+  EXPECT_EQ(track.block_size(), 16);
+  EXPECT_EQ(track.medium(), "GPU");
+  EXPECT_NE(track.block_hashes(0), donation.block_hashes(0));
+  // Fill the pool: both snapshots are evicted, oldest first.
+  std::vector<uint64_t> slots;
+  for (int64_t i = 0; i < info_.capacity_slots(); ++i) slots.push_back(NewSlot());
+  const std::vector<v1::CacheEvent> removed = w.Events(2, &seq);
+  ASSERT_EQ(removed.size(), 2u);
+  ASSERT_TRUE(removed[0].has_removed() && removed[1].has_removed());
+  EXPECT_EQ(removed[0].removed().block_hashes(0), track.block_hashes(0));
+  EXPECT_EQ(removed[1].removed().block_hashes(0), donation.block_hashes(0));
+  EXPECT_EQ(removed[1].removed().medium(), "GPU");
+}
+
+// A watcher that reconnects from its next sequence number gets exactly the batches it missed;
+// one from another epoch (a restart) or too far back gets a resync with what is stored now.
+TEST_F(CacheEventsTest, AReconnectingWatcherGetsWhatItMissedOrAResync) {
+  uint64_t epoch = 0, seq = 0;
+  {
+    Watch w(server_->grpc_address(), 0, 0);
+    const v1::CacheEventBatch first = w.Next();
+    epoch = first.epoch();
+    seq = first.seq();
+    EXPECT_NE(epoch, 0u);
+  }
+  const uint64_t a = NewSlot();
+  Prefill(a, 0, 10);
+  ASSERT_TRUE(client_->Donate(a).ok());
+  const uint64_t b = NewSlot();
+  Prefill(b, 1, 12);
+  ASSERT_TRUE(client_->Donate(b).ok());
+  absl::SleepFor(absl::Milliseconds(100));  // the log numbers its batches every 10 ms
+  std::vector<v1::CacheEvent> missed;
+  {
+    Watch w(server_->grpc_address(), epoch, seq + 1);
+    uint64_t last = 0;
+    missed = w.Events(2, &last);
+    EXPECT_GT(last, seq);
+  }
+  ASSERT_EQ(missed.size(), 2u);
+  EXPECT_EQ(missed[0].stored().num_tokens(), 10);
+  EXPECT_EQ(missed[1].stored().num_tokens(), 12);
+  {
+    Watch w(server_->grpc_address(), epoch, seq + 1);
+    const v1::CacheEventBatch replayed = w.Next();
+    EXPECT_FALSE(replayed.resync()) << "the same batches again, not a resync";
+  }
+  Watch restarted(server_->grpc_address(), epoch + 1, seq + 1);  // as after a restart
+  const v1::CacheEventBatch r = restarted.Next();
+  EXPECT_TRUE(r.resync());
+  ASSERT_EQ(r.events_size(), 3);
+  EXPECT_TRUE(r.events(0).has_cleared());
+  EXPECT_EQ(r.events(1).stored().num_tokens(), 10) << "shorter keys first";
+  EXPECT_EQ(r.events(2).stored().num_tokens(), 12);
+  EXPECT_EQ(r.events(1).stored().block_hashes(0), missed[0].stored().block_hashes(0));
+}
+
+// With --auth-tokens a watcher sees its own tenant's snapshots only, and needs a token.
+class CacheEventsTenantsTest : public CacheEventsTest {
+ protected:
+  void SetUp() override {
+    tokens_path_ = absl::StrCat(::testing::TempDir(), "/replayssm-events-tokens-", getpid());
+    FILE* f = std::fopen(tokens_path_.c_str(), "w");
+    std::fputs("alice alice-token-0123456789abcdef\nbob bob-token-0123456789abcdef\n", f);
+    std::fclose(f);
+    auto server = ServerProcess::Start(ServerFlags());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    client_ = Client::Connect(server_->grpc_address());
+    client_->set_token("alice-token-0123456789abcdef");
+    auto info = client_->Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    info_ = *info;
+    auto ref = CpuReference::Create(info_.model(), 16);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ref_ = *std::move(ref);
+  }
+  void TearDown() override { std::remove(tokens_path_.c_str()); }
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--auth-tokens=" + tokens_path_};
+  }
+  std::string tokens_path_;
+};
+
+TEST_F(CacheEventsTenantsTest, AWatcherSeesOnlyItsTenantsSnapshots) {
+  {
+    Watch anonymous(server_->grpc_address(), 0, 0);
+    EXPECT_EQ(anonymous.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  Watch bob(server_->grpc_address(), 0, 0, "bob-token-0123456789abcdef");
+  Watch alice(server_->grpc_address(), 0, 0, "alice-token-0123456789abcdef");
+  EXPECT_TRUE(bob.Next().resync());
+  EXPECT_TRUE(alice.Next().resync());
+  const uint64_t slot = NewSlot();  // alice's
+  Prefill(slot, 0, 10);
+  ASSERT_TRUE(client_->Donate(slot).ok());
+  const std::vector<v1::CacheEvent> got = alice.Events(1);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].stored().num_tokens(), 10);
+  // Bob's stream carries nothing of alice's: a resync of bob's shows no snapshot either.
+  Watch bob_again(server_->grpc_address(), 1, 1, "bob-token-0123456789abcdef");
+  const v1::CacheEventBatch r = bob_again.Next();
+  EXPECT_TRUE(r.resync());
+  EXPECT_EQ(r.events_size(), 1) << "only AllBlocksCleared";
+}
+
+// --kv-events-endpoint: vLLM's wire format, (topic, seq, msgpack [ts, [events]]), and replay.
+class ZmqEventsTest : public CacheEventsTest {
+ protected:
+  void SetUp() override {
+    port_ = 20000 + (getpid() * 7 + static_cast<int>(absl::ToUnixMicros(absl::Now()) % 9973)) % 30000;
+    CacheEventsTest::SetUp();
+  }
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", absl::StrCat("--kv-events-endpoint=tcp://127.0.0.1:", port_),
+            absl::StrCat("--kv-events-replay-endpoint=tcp://127.0.0.1:", port_ + 1),
+            "--kv-events-topic=replayssm"};
+  }
+  int port_ = 0;
+};
+
+std::vector<std::string> Frames(void* socket) {
+  std::vector<std::string> out;
+  for (;;) {
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, socket, 0) < 0) {
+      zmq_msg_close(&m);
+      return out;
+    }
+    out.emplace_back(static_cast<const char*>(zmq_msg_data(&m)), zmq_msg_size(&m));
+    const bool more = zmq_msg_more(&m) != 0;
+    zmq_msg_close(&m);
+    if (!more) return out;
+  }
+}
+
+int64_t Seq(const std::string& bytes) {
+  uint64_t v = 0;
+  for (unsigned char c : bytes) v = (v << 8) | c;
+  return static_cast<int64_t>(v);
+}
+
+TEST_F(ZmqEventsTest, BatchesAreVllmKvEventsWithReplay) {
+  void* ctx = zmq_ctx_new();
+  void* sub = zmq_socket(ctx, ZMQ_SUB);
+  const int timeout_ms = 10000;
+  zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout_ms, sizeof(timeout_ms));
+  zmq_setsockopt(sub, ZMQ_SUBSCRIBE, "replayssm", 9);
+  ASSERT_EQ(zmq_connect(sub, absl::StrCat("tcp://127.0.0.1:", port_).c_str()), 0);
+  absl::SleepFor(absl::Milliseconds(300));  // the subscription reaches the publisher
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 20);
+  ASSERT_TRUE(client_->Donate(slot).ok());
+  const std::vector<std::string> f = Frames(sub);
+  ASSERT_EQ(f.size(), 3u) << "topic, sequence number, payload";
+  EXPECT_EQ(f[0], "replayssm");
+  ASSERT_EQ(f[1].size(), 8u);
+  EXPECT_EQ(Seq(f[1]), 2) << "1 was the start's AllBlocksCleared";
+  msgpack::object_handle h = msgpack::unpack(f[2].data(), f[2].size());
+  const msgpack::object& batch = h.get();
+  ASSERT_EQ(batch.type, msgpack::type::ARRAY);
+  ASSERT_EQ(batch.via.array.size, 2u) << "[ts, events]";
+  EXPECT_EQ(batch.via.array.ptr[0].type, msgpack::type::FLOAT64);
+  const msgpack::object& events = batch.via.array.ptr[1];
+  ASSERT_EQ(events.via.array.size, 1u);
+  const msgpack::object& e = events.via.array.ptr[0];
+  ASSERT_EQ(e.via.array.size, 7u)
+      << "[tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]";
+  EXPECT_EQ(e.via.array.ptr[0].as<std::string>(), "BlockStored");
+  EXPECT_EQ(e.via.array.ptr[1].via.array.size, 1u);
+  EXPECT_EQ(e.via.array.ptr[2].type, msgpack::type::POSITIVE_INTEGER) << "20 tokens: a parent";
+  const std::vector<int32_t> tail = e.via.array.ptr[3].as<std::vector<int32_t>>();
+  EXPECT_EQ(tail, (std::vector<int32_t>{116, 117, 118, 119}));
+  EXPECT_EQ(e.via.array.ptr[4].as<int32_t>(), 16);
+  EXPECT_TRUE(e.via.array.ptr[5].is_nil());
+  EXPECT_EQ(e.via.array.ptr[6].as<std::string>(), "GPU");
+
+  void* req = zmq_socket(ctx, ZMQ_REQ);
+  zmq_setsockopt(req, ZMQ_RCVTIMEO, &timeout_ms, sizeof(timeout_ms));
+  ASSERT_EQ(zmq_connect(req, absl::StrCat("tcp://127.0.0.1:", port_ + 1).c_str()), 0);
+  const std::string from(7, '\0');
+  ASSERT_EQ(zmq_send(req, (from + '\1').data(), 8, 0), 8);  // from seq 1
+  std::vector<std::string> r = Frames(req);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(Seq(r[0]), 1);
+  msgpack::object_handle cleared = msgpack::unpack(r[1].data(), r[1].size());
+  EXPECT_EQ(cleared.get().via.array.ptr[1].via.array.ptr[0].via.array.ptr[0].as<std::string>(),
+            "AllBlocksCleared");
+  zmq_close(req);
+  zmq_close(sub);
+  zmq_ctx_term(ctx);
+}
+
+}  // namespace
+}  // namespace replayssm::testing
