@@ -18,6 +18,8 @@ flags=(grpc-address metrics-address model device tp-size devices memory-budget r
        state-dtype ring-dtype beta-rounding max-batch forward-graphs max-prefill-tokens max-message-bytes dedup-entries dedup-bytes
        max-request-id-bytes max-import-tokens max-streams tenant-max-slots
        tenant-max-snapshots slot-ttl
+       cache-events-retain max-watchers kv-events-endpoint kv-events-replay-endpoint
+       kv-events-topic kv-events-tenant
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
        transfer-reservations-per-peer
        region-ttl max-regions max-region-bytes forward-timeout drain-timeout transfer-chunk-bytes

@@ -293,6 +293,15 @@ class Client:
         request = pb.DonateRequest(request_id=request_id or new_request_id(), slot=slot)
         self._call("Donate", self.stub.Donate, request)
 
+    # ---- cache events ----
+
+    def watch_cache(self, epoch=0, from_seq=0, timeout=None):
+        """The caller's cache events (docs/api.md, "Cache events"): an iterator of
+        pb.CacheEventBatch, live until cancelled (the iterator's .cancel()) or the server goes.
+        epoch, from_seq: of the next batch wanted after a reconnect (0, 0: a resync first)."""
+        request = pb.WatchCacheRequest(epoch=epoch, from_seq=from_seq)
+        return self.stub.WatchCache(request, timeout=timeout)
+
     # ---- transfer between servers ----
 
     def transfer_slot(self, slot, peer_address, *, keep_source=False, request_id=None):

@@ -1,0 +1,153 @@
+"""examples/router.py against three real CPU servers: placement follows the cache events (the
+server holding the longest state wins, a removed state stops counting), a stream that breaks
+gets exactly the batches it missed, and a restarted server's old states are forgotten (a
+resync). Also the ZMQ publisher's vLLM wire format as a Python consumer decodes it."""
+
+import os
+import socket
+import sys
+import time
+import unittest
+
+import msgpack
+import numpy as np
+import zmq
+
+import replayssm
+from support import ServerProcess, activations
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import router  # noqa: E402
+
+FLAGS = ("--track-interval=16",)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class RouterTest(unittest.TestCase):
+    def setUp(self):
+        self.ports = [free_port() for _ in range(3)]
+        self.servers = [self.start(p) for p in self.ports]
+        self.router = router.Router([s.grpc_address for s in self.servers])
+        self.addCleanup(self.router.close)
+        self.rng = np.random.default_rng(7)
+        wait_for(lambda: all(s.batches > 0 for s in self.router.subscriptions), "subscriptions")
+
+    def start(self, port):
+        server = ServerProcess(*FLAGS, f"--grpc-address=127.0.0.1:{port}")
+        self.addCleanup(lambda: server.stop())
+        return server
+
+    def donate(self, server, tokens):
+        """A request of `tokens` prefilled on server `server` and donated: a snapshot."""
+        with replayssm.Client(self.servers[server].grpc_address) as c:
+            model = c.info().model
+            slot = c.allocate().slot
+            c.prefill(slot, tokens, activations(model, len(tokens), self.rng))
+            c.donate(slot)
+
+    def placed(self, tokens, want, matched):
+        wait_for(lambda: self.router.place(tokens)[:2] == (want, matched),
+                 f"placement on server {want} with {matched} tokens "
+                 f"(got {self.router.place(tokens)})")
+
+    def test_placement_follows_the_events(self):
+        prompt = list(range(1000, 1040))  # 40 tokens: keys of 2 blocks + 8
+        self.donate(1, prompt[:20])
+        self.donate(2, prompt[:36])
+        self.placed(prompt + [5, 6], want=2, matched=36)
+        self.assertEqual(self.router.place(prompt[:30])[:2], (1, 20), "only a prefix counts")
+        self.assertEqual(self.router.place([1, 2, 3])[1], 0, "nobody holds it: by load")
+        self.assertEqual(self.router.place(prompt)[2], "GPU")
+        # Server 2's pool fills up with live slots: its snapshot is evicted, server 1 wins.
+        with replayssm.Client(self.servers[2].grpc_address) as c:
+            for _ in range(c.info().capacity_slots):
+                c.allocate()
+        self.placed(prompt, want=1, matched=20)
+        self.assertEqual(sum(i.bad_hashes for i in self.router.indexes), 0,
+                         "every stored hash is the chained hash of its tokens")
+
+    def test_a_broken_stream_gets_what_it_missed(self):
+        sub = self.router.subscriptions[0]
+        resyncs = sub.resyncs
+        sub.disconnect()
+        self.donate(0, list(range(50, 70)))
+        self.placed(list(range(50, 75)), want=0, matched=20)
+        self.assertEqual(sub.resyncs, resyncs, "a replay of the missed batches, not a resync")
+        self.assertGreater(sub.reconnects, 0)
+
+    def test_a_restarted_server_is_forgotten_then_learned_again(self):
+        prompt = list(range(2000, 2040))
+        self.donate(0, prompt[:20])
+        self.donate(1, prompt[:36])
+        self.placed(prompt, want=1, matched=36)
+        old = self.servers[1]
+        old.stop()
+        self.servers[1] = self.start(self.ports[1])  # same address, a new epoch, empty
+        self.placed(prompt, want=0, matched=20)
+        self.assertGreaterEqual(self.router.subscriptions[1].resyncs, 2)
+        self.donate(1, prompt[:33])
+        self.placed(prompt, want=1, matched=33)
+
+
+class ZmqWireFormatTest(unittest.TestCase):
+    """The payload decodes as vLLM's KVEventBatch does: [ts, [[tag, fields...], ...]]."""
+
+    def test_a_donation_is_a_block_stored_event_with_replay(self):
+        pub, rep = free_port(), free_port()
+        server = ServerProcess(*FLAGS, f"--kv-events-endpoint=tcp://127.0.0.1:{pub}",
+                               f"--kv-events-replay-endpoint=tcp://127.0.0.1:{rep}")
+        self.addCleanup(server.stop)
+        ctx = zmq.Context()
+        self.addCleanup(ctx.destroy, 0)
+        sub = ctx.socket(zmq.SUB)
+        self.addCleanup(sub.close, 0)
+        sub.connect(f"tcp://127.0.0.1:{pub}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        time.sleep(0.3)
+        tokens = list(range(300, 320))
+        with replayssm.Client(server.grpc_address) as c:
+            slot = c.allocate().slot
+            c.prefill(slot, tokens, activations(c.info().model, 20, np.random.default_rng(1)))
+            c.donate(slot)
+        self.assertTrue(sub.poll(10000), "no event published")
+        topic, seq, payload = sub.recv_multipart()
+        self.assertEqual(topic, b"kv-events")
+        ts, events = msgpack.unpackb(payload)
+        self.assertIsInstance(ts, float)
+        tag, hashes, parent, token_ids, block_size, lora_id, medium = events[0]
+        self.assertEqual((tag, block_size, lora_id, medium), ("BlockStored", 16, None, "GPU"))
+        self.assertEqual(token_ids, tokens[16:])
+        self.assertEqual(parent, router.block_hash(None, tokens[:16]))
+        self.assertEqual(hashes, [router.block_hash(parent, tokens[16:])])
+        # Replay from the first batch (a DEALER gets every kept batch, then the end marker).
+        dealer = ctx.socket(zmq.DEALER)
+        self.addCleanup(dealer.close, 0)
+        dealer.connect(f"tcp://127.0.0.1:{rep}")
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        got = []
+        while dealer.poll(10000):
+            _, seq_bytes, body = dealer.recv_multipart()
+            if not body:
+                self.assertEqual(int.from_bytes(seq_bytes, "big", signed=True), -1)
+                break
+            got.append((int.from_bytes(seq_bytes, "big"), msgpack.unpackb(body)[1]))
+        self.assertEqual([s for s, _ in got], [1, int.from_bytes(seq, "big")])
+        self.assertEqual(got[0][1], [["AllBlocksCleared"]], "the publisher's start")
+
+
+if __name__ == "__main__":
+    unittest.main()
