@@ -15,10 +15,21 @@
 
 #include "service_fixture.h"
 
+#ifdef REPLAYSSM_TEST_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace replayssm::testing {
 namespace {
 
 constexpr uint32_t kAlign = 64;
+
+#ifdef REPLAYSSM_TEST_CUDA
+// The engine's memory kind: a CUDA allocation registered by IPC handle when the servers run on
+// the GPU (REPLAYSSM_TEST_DEVICE=cuda..., a build with CUDA), else POSIX shared memory.
+bool EngineOnGpu() { return ServerProcess::Device() != "cpu"; }
+#endif
+
 
 // A shm object the test (the "engine") writes and the server maps. Layout: ready [L],
 // done [L], then per layer qkv | a | b | out for up to `max_tokens` tokens.
@@ -39,6 +50,17 @@ class EngineMemory {
       offsets_.push_back(off);
     }
     bytes_ = at;
+#ifdef REPLAYSSM_TEST_CUDA
+    if (EngineOnGpu()) {
+      void* p = nullptr;
+      EXPECT_EQ(cudaMalloc(&p, bytes_), cudaSuccess);
+      EXPECT_EQ(cudaMemset(p, 0, bytes_), cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(cudaIpcGetMemHandle(&handle_, p), cudaSuccess);
+      device_ = static_cast<uint8_t*>(p);
+      return;
+    }
+#endif
     key_ = "/replayssm-dp-" + std::to_string(getpid()) + "-" + std::to_string(next_++);
     const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd, 0);
@@ -48,8 +70,30 @@ class EngineMemory {
     close(fd);
   }
   ~EngineMemory() {
+#ifdef REPLAYSSM_TEST_CUDA
+    if (device_ != nullptr) {
+      cudaFree(device_);
+      return;
+    }
+#endif
     munmap(base_, bytes_);
     shm_unlink(key_.c_str());
+  }
+  // Registers the memory as region `name` (a CUDA region on the GPU, else a system one).
+  absl::Status Register(Client& client, const std::string& name) const {
+#ifdef REPLAYSSM_TEST_CUDA
+    if (device_ != nullptr) {
+      v1::RegisterCudaRegionRequest r;
+      r.set_name(name);
+      r.set_ipc_handle(std::string(reinterpret_cast<const char*>(&handle_), sizeof(handle_)));
+      int device = 0;
+      cudaGetDevice(&device);
+      r.set_device_id(device);
+      r.set_byte_size(bytes_);
+      return client.RegisterCudaRegion(r);
+    }
+#endif
+    return client.RegisterSystemRegion(Registration(name));
   }
   static uint64_t Up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -80,21 +124,35 @@ class EngineMemory {
   // Layer l's inputs into the region (what the engine's previous layer would have written).
   void Write(const v1::LayerInput& in, int l) {
     const v1::Tensor* t[3] = {&in.mixed_qkv(), &in.a(), &in.b()};
-    for (int i = 0; i < 3; ++i) std::memcpy(base_ + offsets_[l][i], t[i]->data().data(), t[i]->data().size());
+    for (int i = 0; i < 3; ++i) Put(offsets_[l][i], t[i]->data().data(), t[i]->data().size());
   }
   std::string Out(int l, size_t bytes) const {
-    return std::string(reinterpret_cast<const char*>(base_ + offsets_[l][3]), bytes);
+    std::string out(bytes, '\0');
+    Get(offsets_[l][3], out.data(), bytes);
+    return out;
   }
   uint32_t* Ready(int l) { return reinterpret_cast<uint32_t*>(base_) + l; }
   uint32_t* Done(int l) { return reinterpret_cast<uint32_t*>(base_) + layers_ + l; }
-  void Ring(int l, uint32_t v) { std::atomic_ref<uint32_t>(*Ready(l)).store(v); }
+  void Ring(int l, uint32_t v) {
+    if (device_ != nullptr) return Put(4ULL * l, &v, 4);
+    std::atomic_ref<uint32_t>(*Ready(l)).store(v);
+  }
   bool WaitDone(int l, uint32_t v, absl::Duration timeout) {
     const absl::Time end = absl::Now() + timeout;
-    while (std::atomic_ref<uint32_t>(*Done(l)).load() != v) {
+    while (DoneWord(l) != v) {
       if (absl::Now() > end) return false;
       std::this_thread::yield();
     }
     return true;
+  }
+  uint32_t DoneWord(int l) const {
+    uint32_t w = 0;
+    if (device_ != nullptr) {
+      Get(4ULL * (layers_ + l), &w, 4);
+      return w;
+    }
+    return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(base_ + 4ULL * (layers_ + l)))
+        .load();
   }
   // The engine's loop: layer by layer, each layer's inputs written only after the previous
   // layer's outputs are done (as in a model).
@@ -124,8 +182,33 @@ class EngineMemory {
   int layers_;
   std::vector<std::array<uint64_t, 4>> offsets_;
   uint64_t bytes_ = 0;
+  // Bytes into or out of the memory (a synchronous copy on the GPU: the server's queued waits
+  // and kernels see it, and a ring after it is ordered behind it).
+  void Put(uint64_t offset, const void* src, size_t n) {
+#ifdef REPLAYSSM_TEST_CUDA
+    if (device_ != nullptr) {
+      EXPECT_EQ(cudaMemcpy(device_ + offset, src, n, cudaMemcpyHostToDevice), cudaSuccess);
+      return;
+    }
+#endif
+    std::memcpy(base_ + offset, src, n);
+  }
+  void Get(uint64_t offset, void* dst, size_t n) const {
+#ifdef REPLAYSSM_TEST_CUDA
+    if (device_ != nullptr) {
+      EXPECT_EQ(cudaMemcpy(dst, device_ + offset, n, cudaMemcpyDeviceToHost), cudaSuccess);
+      return;
+    }
+#endif
+    std::memcpy(dst, base_ + offset, n);
+  }
+
   std::string key_;
   uint8_t* base_ = nullptr;
+  uint8_t* device_ = nullptr;  // the GPU's memory instead of base_
+#ifdef REPLAYSSM_TEST_CUDA
+  cudaIpcMemHandle_t handle_{};
+#endif
 };
 
 class DataPlaneTest : public ServiceTest {
@@ -136,7 +219,8 @@ class DataPlaneTest : public ServiceTest {
   void SetUp() override {
     ServiceTest::SetUp();
     mem_ = std::make_unique<EngineMemory>(model(), 64);
-    ASSERT_TRUE(client_->RegisterSystemRegion(mem_->Registration("engine")).ok());
+    const absl::Status registered = mem_->Register(*client_, "engine");
+    ASSERT_TRUE(registered.ok()) << registered;
   }
   std::vector<v1::DecodeRow> Rows(const std::vector<uint64_t>& slots) {
     std::vector<v1::DecodeRow> rows(slots.size());
@@ -220,7 +304,7 @@ TEST_F(TpDataPlaneTest, PlannedDecodeOfATpGroupMatchesInlineAcrossFolds) {
 // ranks' ready[l] and waits for both done[l]; outputs and states equal the inline forward's.
 TEST_F(TpDataPlaneTest, APlanOfEachRanksOwnTensorsAndDoorbellsMatchesInline) {
   EngineMemory rank1_bells(model(), 1);
-  ASSERT_TRUE(client_->RegisterSystemRegion(rank1_bells.Registration("rank1-bells")).ok());
+  ASSERT_TRUE(rank1_bells.Register(*client_, "rank1-bells").ok());
   const int64_t n = 2, tp = 2, es = model().act_dtype() == v1::DTYPE_F32 ? 4 : 2;
   const int64_t hv = model().num_v_heads();
   const int64_t widths[4] = {2 * model().num_qk_heads() * model().head_k() + hv * model().head_v(),
@@ -599,20 +683,26 @@ TEST_F(DataPlaneTest, PipelinedBeginsCloseThePlannedForwardBeforeThem) {
   EXPECT_EQ(InUse("engine"), 0);
 }
 
-// Issue 31 §8 (docs/data-plane.md, "Continued forwards"), on the CPU backend: the engine is
-// lost mid-way through a chain of continued planned forwards. On the CPU a doorbell wait
-// blocks the queueing thread, so a begin continues forward f only once f's layers all ran:
-// - the engine stops ringing in f while f+1's begin waits to continue it: past
-//   --forward-timeout f is abandoned (DEADLINE_EXCEEDED, "not committed"), no cursor moved;
-// - the engine dies in f+1 after f ran whole: f was committed by f+1's begin, f+1 is
-//   abandoned; the rows hold exactly f's token.
-// Either way the rows are usable and the region is released. (The DATA_LOSS "broken" path
-// needs a backend whose waits are queued, CUDA: see docs/data-plane.md.)
+// Issue 31 §8 (docs/data-plane.md, "Continued forwards"): the engine is lost mid-way through
+// a chain of continued planned forwards.
+// - The engine stops ringing in forward f while f+1's begin continues it.
+//   CPU backend (a doorbell wait blocks the queueing thread, so a begin continues f only once
+//   f's layers all ran): past --forward-timeout f is abandoned (DEADLINE_EXCEEDED, "not
+//   committed"), no cursor moved, the rows stay usable.
+//   GPU (waits are queued, so f+1's begin commits f at once and queues behind it): at f's
+//   deadline the server rings f's doorbells itself, f's rows are marked broken, f+1's commit
+//   fails with DATA_LOSS naming f's unrung layer, and every later forward on the rows is
+//   DATA_LOSS ("free it"); freeing them works.
+// - The engine dies in f+1 after f ran whole: f was committed by f+1's begin, f+1 is abandoned;
+//   the rows hold exactly f's token, on both backends.
+// Either way the region is released. On the GPU it runs with REPLAYSSM_TEST_DEVICE=cuda
+// against a CUDA-backend server under MPS, the engine's memory a CUDA region.
 class ContinuedForwardFailureTest : public DataPlaneTest,
                                     public ::testing::WithParamInterface<bool> {};
 
 TEST_P(ContinuedForwardFailureTest, AnEngineLostMidChainLeavesConsistentRows) {
   const bool dies_in_next = GetParam();
+  const bool queued_waits = info_.backend() != "cpu";
   const std::vector<uint64_t> s = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();
   ASSERT_TRUE(stream->SendBegin(PlannedDecode(s, 1)).ok());
@@ -628,6 +718,7 @@ TEST_P(ContinuedForwardFailureTest, AnEngineLostMidChainLeavesConsistentRows) {
   ASSERT_TRUE(stream->SendBegin(PlannedDecode(s, 2)).ok());  // would continue forward 1
   auto begun = stream->AwaitBegun();
   int64_t seq_len = 0;
+  bool broken = false;
   if (dies_in_next) {
     ASSERT_TRUE(begun.ok()) << begun.status();
     ASSERT_EQ(begun->closed().rows_size(), 2) << "forward 1 committed by the continuing begin";
@@ -637,6 +728,16 @@ TEST_P(ContinuedForwardFailureTest, AnEngineLostMidChainLeavesConsistentRows) {
     ASSERT_TRUE(mem_->WaitDone(0, 2, absl::Seconds(10)));
     stream->Cancel();
     seq_len = 1;
+  } else if (queued_waits) {
+    ASSERT_TRUE(begun.ok()) << begun.status();
+    ASSERT_EQ(begun->closed().rows_size(), 2) << "forward 1 committed at once (queued)";
+    auto committed = stream->Commit();  // forward 2: its predecessor never ran layer 1
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kDataLoss) << committed.status();
+    EXPECT_NE(committed.status().message().find("layer 1's doorbell of the forward before"),
+              std::string::npos)
+        << committed.status();
+    seq_len = 1;
+    broken = true;
   } else {
     EXPECT_EQ(begun.status().code(), absl::StatusCode::kDeadlineExceeded) << begun.status();
     EXPECT_NE(begun.status().message().find("layer 1"), std::string::npos) << begun.status();
@@ -651,7 +752,15 @@ TEST_P(ContinuedForwardFailureTest, AnEngineLostMidChainLeavesConsistentRows) {
     auto info = client_->GetSlot(slot);
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->seq_len(), seq_len);
-    EXPECT_TRUE(again->Forward(Rows({slot}), Layers(1)).ok()) << "the row takes the next forward";
+    auto next = again->Forward(Rows({slot}), Layers(1));
+    if (broken) {
+      EXPECT_EQ(next.status().code(), absl::StatusCode::kDataLoss) << next.status();
+      EXPECT_NE(next.status().message().find("free it"), std::string::npos) << next.status();
+      again = client_->OpenStream();  // the error ended that stream
+      EXPECT_TRUE(client_->Free(slot).ok()) << "a broken row can be freed";
+    } else {
+      EXPECT_TRUE(next.ok()) << "the row takes the next forward: " << next.status();
+    }
   }
 }
 
@@ -713,7 +822,7 @@ TEST_F(DataPlaneTest, ABeginWhoseClosingCommitFailsIsRefusedAndMovesNoCursor) {
   EXPECT_EQ(next.status().code(), absl::StatusCode::kDeadlineExceeded) << next.status();
   EXPECT_NE(next.status().message().find("not committed"), std::string::npos) << next.status();
   EXPECT_EQ(Observe(s[0]), before);
-  for (int l = 0; l < num_layers(); ++l) EXPECT_EQ(*mem_->Done(l), 12u);  // rung for the refusal
+  for (int l = 0; l < num_layers(); ++l) EXPECT_EQ(mem_->DoneWord(l), 12u);  // rung for the refusal
   EXPECT_EQ(InUse("engine"), 0);
 }
 

@@ -36,6 +36,11 @@ bool ReadReady(const std::string& path, std::string* grpc, std::string* metrics)
 
 }  // namespace
 
+std::string ServerProcess::Device() {
+  const char* d = std::getenv("REPLAYSSM_TEST_DEVICE");
+  return d != nullptr && *d != '\0' ? d : "cpu";
+}
+
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     std::vector<std::string> flags) {
   auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
@@ -43,9 +48,10 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   if (mkdtemp(dir) == nullptr) return absl::InternalError("mkdtemp failed");
   p->dir_ = dir;
   const std::string ready = p->dir_ + "/ready";
-  std::vector<std::string> args = {REPLAYSSM_SERVER_BINARY,
+  const char* binary = std::getenv("REPLAYSSM_SERVER_BINARY");
+  std::vector<std::string> args = {binary != nullptr ? binary : REPLAYSSM_SERVER_BINARY,
                                    "--model=tiny-gdn",
-                                   "--device=cpu",
+                                   "--device=" + Device(),
                                    "--grpc-address=127.0.0.1:0",
                                    "--metrics-address=127.0.0.1:0",
                                    "--ready-file=" + ready};

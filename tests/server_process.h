@@ -20,6 +20,9 @@ class ServerProcess {
  public:
   // Starts replayssm-server --model tiny-gdn --device cpu plus `flags`, waits until serving.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(std::vector<std::string> flags);
+  // The servers' --device: $REPLAYSSM_TEST_DEVICE, else cpu (CI has no GPU). The binary is
+  // $REPLAYSSM_SERVER_BINARY when set (a bundle run elsewhere), else the one this build made.
+  static std::string Device();
   ~ServerProcess();  // SIGKILL if still running
 
   const std::string& grpc_address() const { return grpc_address_; }
