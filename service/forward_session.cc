@@ -107,9 +107,7 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
   }
   // Everything that can refuse the new begin first: on any refusal the general path commits
   // the open forward, then refuses the same way.
-  absl::StatusOr<ResolvedPlan> plan = ResolvePlan(*opening.plan, "begin.plan", *ctx_->regions,
-                                                  ctx_->cache->model(), opening.tokens);
-  if (!plan.ok()) return absl::OkStatus();
+  if (!opening.resolved->ok()) return absl::OkStatus();
   absl::Status s = Claim(opening);
   if (!s.ok() || replay_) {
     replay_.reset();
@@ -133,15 +131,19 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
                                                       " (the planned forward open before this "
                                                       "begin was committed)")));
   }
-  planned_ =
-      std::make_unique<PlannedForward>(*std::move(next), *std::move(plan), ctx_->forward_timeout,
-                                       worker_.get(), PlanWatch::Default(), std::move(planned_));
+  planned_ = std::make_unique<PlannedForward>(*std::move(next), **std::move(opening.resolved),
+                                              ctx_->forward_timeout, worker_.get(),
+                                              PlanWatch::Default(), std::move(planned_));
   retain_ = false;  // the outputs are in the client's region: the log keeps the rows only
   Opened(opening, begun);
   return absl::OkStatus();
 }
 
 absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun) {
+  if (opening.plan != nullptr) {
+    opening.resolved = ResolvePlan(*opening.plan, "begin.plan", *ctx_->regions,
+                                   ctx_->cache->model(), opening.tokens);
+  }
   const bool closing = open_;  // a planned forward (CheckBegin): this begin commits it first
   if (closing) {
     bool chained = false;
@@ -218,11 +220,9 @@ absl::Status ForwardSession::Claim(const Opening& opening) {
 absl::Status ForwardSession::Open(Opening& opening) {
   const cache::ModelSpec& m = ctx_->cache->model();
   std::optional<ResolvedPlan> plan;
-  if (opening.plan != nullptr) {  // checked whole before anything opens
-    absl::StatusOr<ResolvedPlan> r =
-        ResolvePlan(*opening.plan, "begin.plan", *ctx_->regions, m, opening.tokens);
-    if (!r.ok()) return r.status();
-    plan = *std::move(r);
+  if (opening.resolved.has_value()) {  // checked whole before anything opens
+    if (!opening.resolved->ok()) return opening.resolved->status();
+    plan = **std::move(opening.resolved);
   }
   ForwardGate::Ticket ticket;
   absl::Status s = ctx_->gate->Enter(&ticket);

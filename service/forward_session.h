@@ -61,6 +61,9 @@ class ForwardSession {
     std::vector<cache::SlotId> slots;  // [B], kPaddingSlot for a padding row
     std::function<absl::StatusOr<std::unique_ptr<cache::Forward>>()> open;
     const v1::ForwardPlan* plan = nullptr;  // set: a planned forward (docs/data-plane.md)
+    // The plan checked against the regions and the model, once per begin (StartTimed): both
+    // the continuation and the general path take it from here.
+    std::optional<absl::StatusOr<ResolvedPlan>> resolved;
     std::vector<cache::DecodeRow> decode_rows;  // a decode forward's rows (to continue one)
   };
   // A planned decode begin while a planned decode forward over the same rows is open: that

@@ -1,5 +1,5 @@
-"""The plain recurrence (DESIGN.md §1, docs/math-and-abi.md) in numpy float64: the oracle a
-client checks the server's outputs against, built from GetInfo's model and layer parameters.
+"""The plain recurrence (docs/math-and-abi.md, "One step of the recurrence") in numpy
+float64: the oracle a client checks the server's outputs against, built from GetInfo's model and layer parameters.
 
 A sequence's state is a list of per-layer arrays S [HV, V, K] (value rows x key columns),
 followed, for a model with a short convolution (conv_width W > 0), by one window [W-1, C] per
