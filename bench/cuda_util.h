@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "bench/check.h"
 #include "replayssm/kernels.h"
 
 #define CHECK_CUDA(x)                                                                          \
@@ -20,16 +21,12 @@
       std::exit(1);                                                                            \
     }                                                                                          \
   } while (0)
-#define CHECK_RSSM(x)                                                                     \
-  do {                                                                                    \
-    const rssm_status s_ = (x);                                                           \
-    if (s_ != RSSM_OK) {                                                                  \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, rssm_last_error()); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
 namespace replayssm::bench {
+
+inline void CheckCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) Die(std::string(what) + ": " + cudaGetErrorString(e));
+}
 
 // `bytes` of device memory, zeroed.
 inline void* DeviceAlloc(size_t bytes) {

@@ -48,6 +48,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/check.h"
+#include "bench/cuda_util.h"
+#include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/client/client.h"
 #include "replayssm/kernels.h"
@@ -56,24 +59,6 @@
 namespace replayssm::bench {
 namespace {
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "replayssm-bench-dataplane: %s\n", what.c_str());
-  std::exit(1);
-}
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) Die(absl::StrCat(what, ": ", s.ToString()));
-}
-void CheckCuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) Die(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-void CheckRssm(rssm_status s, const char* what) {
-  if (s != RSSM_OK) Die(absl::StrCat(what, ": ", rssm_last_error()));
-}
-template <typename T>
-T Value(absl::StatusOr<T> v, const char* what) {
-  Check(v.status(), what);
-  return *std::move(v);
-}
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -82,50 +67,31 @@ uint64_t Align(uint64_t x) { return (x + 255) / 256 * 256; }
 
 struct Options {
   std::string server, model = "qwen3-next-80b-a3b", json;
-  std::vector<int> batches = {1, 16, 64, 256};
-  int forwards = 30, warmup = 5;
+  std::vector<int64_t> batches = {1, 16, 64, 256};
+  int32_t forwards = 30, warmup = 5;
   std::string forward_graphs = "true";
 };
 
+// The command line (bench/flags.h); exits with 2 naming a bad argument, 0 after --help.
 Options Parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      const size_t eq = a.find('=');
-      if (eq != std::string::npos) return a.substr(eq + 1);
-      if (i + 1 >= argc) Die(absl::StrCat(a, ": expected a value"));
-      return argv[++i];
-    };
-    auto number = [&](const std::string& v) {
-      int n = 0;
-      if (!absl::SimpleAtoi(v, &n) || n < 1) Die(absl::StrCat(a, ": expected a count, got ", v));
-      return n;
-    };
-    const std::string name = a.substr(0, a.find('='));
-    if (name == "--server") {
-      o.server = value();
-    } else if (name == "--model") {
-      o.model = value();
-    } else if (name == "--json") {
-      o.json = value();
-    } else if (name == "--forwards") {
-      o.forwards = number(value());
-    } else if (name == "--warmup") {
-      o.warmup = number(value());
-    } else if (name == "--forward-graphs") {
-      o.forward_graphs = value();
-      if (o.forward_graphs != "true" && o.forward_graphs != "false") {
-        Die(absl::StrCat("--forward-graphs: expected true or false, got ", o.forward_graphs));
-      }
-    } else if (name == "--batch") {
-      o.batches.clear();
-      for (absl::string_view b : absl::StrSplit(value(), ',')) o.batches.push_back(number(std::string(b)));
-    } else {
-      Die(absl::StrCat("unknown argument ", a));
-    }
+  Flags flags("replayssm-bench-dataplane",
+              "--server PATH [--model NAME] [--batch 1,16,64,256] [--forwards 30] [--warmup 5] "
+              "[--forward-graphs true|false] [--json PATH]");
+  flags.String("server", &o.server);
+  flags.String("model", &o.model);
+  flags.String("json", &o.json);
+  flags.IntList("batch", 1, 4096, &o.batches);
+  flags.Int("forwards", 1, 1 << 20, &o.forwards);
+  flags.Int("warmup", 1, 1 << 20, &o.warmup);
+  flags.Choice("forward-graphs", {"true", "false"}, &o.forward_graphs);
+  const int code = flags.ParseOrExitCode(argc, argv);
+  if (code >= 0) std::exit(code);
+  if (o.server.empty()) {
+    std::fprintf(stderr, "replayssm-bench-dataplane: --server: expected the replayssm-server binary\n%s",
+                 flags.Usage().c_str());
+    std::exit(2);
   }
-  if (o.server.empty()) Die("--server: expected the replayssm-server binary");
   return o;
 }
 
@@ -364,12 +330,12 @@ void PlannedForward(client::ForwardStream& stream, EngineRegion& r, cudaStream_t
                     Phases* phases = nullptr) {
   const double t0 = Now();
   const v1::DecodeStreamRequest req = PlannedBegin(r, slots, value);
-  Check(pipelined ? stream.SendBegin(req) : stream.BeginWith(req).status(), "planned begin");
+  CheckOk(pipelined ? stream.SendBegin(req) : stream.BeginWith(req).status(), "planned begin");
   const double t1 = Now();
   QueueChain(r, s, value);
   CheckCuda(cudaStreamSynchronize(s), "engine stream");
   const double t2 = Now();
-  Check(pipelined ? stream.AwaitBegun().status() : stream.Commit().status(),
+  CheckOk(pipelined ? stream.AwaitBegun().status() : stream.Commit().status(),
         pipelined ? "planned begin's reply" : "planned commit");
   if (phases != nullptr) {
     phases->begin.push_back(t1 - t0);
@@ -388,9 +354,9 @@ double RunAhead(client::ForwardStream& stream, EngineRegion& r, cudaStream_t s,
   const double t0 = Now();
   for (int f = 0; f < forwards; ++f) {
     const uint32_t v = ++*value;
-    Check(stream.SendBegin(PlannedBegin(r, slots, v)), "run-ahead begin");
+    CheckOk(stream.SendBegin(PlannedBegin(r, slots, v)), "run-ahead begin");
     QueueChain(r, s, v);
-    Check(stream.AwaitBegun().status(), "run-ahead begin's reply");
+    CheckOk(stream.AwaitBegun().status(), "run-ahead begin's reply");
   }
   CheckCuda(cudaStreamSynchronize(s), "engine stream");
   return (Now() - t0) / forwards;
@@ -422,7 +388,7 @@ std::vector<v1::LayerInput> InlineLayers(const EngineRegion& r,
 
 std::vector<uint64_t> AllocSlots(client::Client& c, int64_t n) {
   std::vector<uint64_t> s;
-  for (int64_t i = 0; i < n; ++i) s.push_back(Value(c.Allocate(), "allocate").slot());
+  for (int64_t i = 0; i < n; ++i) s.push_back(ValueOrDie(c.Allocate(), "allocate").slot());
   return s;
 }
 
@@ -441,8 +407,8 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
       PlannedForward(*stream, r, s, planned, ++*value, /*pipelined=*/false);
     }
     const v1::DecodeResponse ref =
-        Value(stream->Forward(Rows(inl), InlineLayers(r, in, B)), "inline forward");
-    Check(stream->Finish(), "stream");
+        ValueOrDie(stream->Forward(Rows(inl), InlineLayers(r, in, B)), "inline forward");
+    CheckOk(stream->Finish(), "stream");
     for (int32_t l = 0; l < r.m.num_layers; ++l) {
       std::vector<uint8_t> out(B * r.Width(3) * r.es);
       CheckCuda(cudaMemcpy(out.data(), r.dev + r.layer[l][3], out.size(), cudaMemcpyDeviceToHost),
@@ -454,8 +420,8 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
     }
   }
   for (int64_t i = 0; i < B; ++i) {
-    const v1::ExportResponse a = Value(c.Export(planned[i]), "export");
-    const v1::ExportResponse b = Value(c.Export(inl[i]), "export");
+    const v1::ExportResponse a = ValueOrDie(c.Export(planned[i]), "export");
+    const v1::ExportResponse b = ValueOrDie(c.Export(inl[i]), "export");
     if (a.SerializeAsString() != b.SerializeAsString()) {
       std::printf("check: row %ld states differ\n", static_cast<long>(i));
       same = false;
@@ -464,7 +430,7 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
   // Export into the CUDA IPC region and Import back from it (device-to-device copies): the
   // region's bytes are the inline export's, and the imported slot exports the same state. A
   // layer's range holds its checkpoint, then (a model with a convolution) its conv window.
-  const v1::ExportResponse want = Value(c.Export(planned[0]), "export");
+  const v1::ExportResponse want = ValueOrDie(c.Export(planned[0]), "export");
   const uint64_t cp = want.checkpoints(0).data().size();
   const uint64_t window = want.conv_windows_size() > 0 ? want.conv_windows(0).data().size() : 0;
   const uint64_t stride = cp + window;
@@ -476,7 +442,7 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
     ref->set_region("engine");
     ref->set_offset(l * stride);
   }
-  Value(c.Export(ex), "export into the region");
+  ValueOrDie(c.Export(ex), "export into the region");
   for (int32_t l = 0; l < r.m.num_layers; ++l) {
     std::string got(stride, '\0');
     CheckCuda(cudaMemcpy(got.data(), r.dev + l * stride, stride, cudaMemcpyDeviceToHost),
@@ -489,7 +455,7 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
     }
   }
   v1::ImportRequest im;
-  im.set_slot(Value(c.Allocate(), "allocate").slot());
+  im.set_slot(ValueOrDie(c.Allocate(), "allocate").slot());
   *im.mutable_tokens() = want.tokens();
   for (int32_t l = 0; l < r.m.num_layers; ++l) {
     v1::Tensor* t = im.add_checkpoints();
@@ -497,15 +463,15 @@ bool CheckBitIdentical(client::Client& c, EngineRegion& r, cudaStream_t s, uint3
     t->clear_data();
     *t->mutable_region() = ex.checkpoints_out(l);
   }
-  Value(c.Import(im), "import from the region");
-  if (Value(c.Export(im.slot()), "export").SerializeAsString() != want.SerializeAsString()) {
+  ValueOrDie(c.Import(im), "import from the region");
+  if (ValueOrDie(c.Export(im.slot()), "export").SerializeAsString() != want.SerializeAsString()) {
     std::printf("check: the state imported from the region differs\n");
     same = false;
   }
-  Check(c.Free(im.slot()), "free");
+  CheckOk(c.Free(im.slot()), "free");
   for (int64_t i = 0; i < B; ++i) {
-    Check(c.Free(planned[i]), "free");
-    Check(c.Free(inl[i]), "free");
+    CheckOk(c.Free(planned[i]), "free");
+    CheckOk(c.Free(inl[i]), "free");
   }
   return same;
 }
@@ -532,9 +498,9 @@ std::pair<Stat, Stat> InProcess(const cache::ModelSpec& m, int64_t B, const Opti
   co.memory_budget_bytes = (B + 1) * m.SlotBytes();
   co.track_interval = 0;
   co.max_batch = static_cast<int32_t>(B);
-  auto cache = Value(cache::StateCache::Create(m, co), "in-process cache");
+  auto cache = ValueOrDie(cache::StateCache::Create(m, co), "in-process cache");
   std::vector<cache::DecodeRow> rows;
-  for (int64_t i = 0; i < B; ++i) rows.push_back({Value(cache->Allocate(), "allocate"), 1});
+  for (int64_t i = 0; i < B; ++i) rows.push_back({ValueOrDie(cache->Allocate(), "allocate"), 1});
   std::vector<cache::LayerIo> io(m.num_layers);
   std::vector<void*> buffers;
   const size_t es = rssm_dtype_size(m.shape.act_dtype);
@@ -552,13 +518,13 @@ std::pair<Stat, Stat> InProcess(const cache::ModelSpec& m, int64_t B, const Opti
   for (int at_once = 0; at_once < 2; ++at_once) {
     for (int f = 0; f < o.warmup + o.forwards; ++f) {
       const double t0 = Now();
-      auto fwd = Value(cache->BeginForward(rows), "begin");
+      auto fwd = ValueOrDie(cache->BeginForward(rows), "begin");
       if (at_once) {
-        Check(fwd->RunLayers(io, {}, 0), "layers");
+        CheckOk(fwd->RunLayers(io, {}, 0), "layers");
       } else {
-        for (int32_t l = 0; l < m.num_layers; ++l) Check(fwd->RunLayer(l, io[l]), "layer");
+        for (int32_t l = 0; l < m.num_layers; ++l) CheckOk(fwd->RunLayer(l, io[l]), "layer");
       }
-      Check(fwd->Commit(), "commit");
+      CheckOk(fwd->Commit(), "commit");
       if (f >= o.warmup) t[at_once].push_back(Now() - t0);
     }
   }
@@ -577,7 +543,7 @@ int main(int argc, char** argv) {
   using namespace replayssm;         // NOLINT
   using namespace replayssm::bench;  // NOLINT
   const Options o = Parse(argc, argv);
-  const cache::ModelSpec m = Value(cache::ModelPreset(o.model), "--model");
+  const cache::ModelSpec m = ValueOrDie(cache::ModelPreset(o.model), "--model");
   const int64_t max_b = *std::max_element(o.batches.begin(), o.batches.end());
   const bool mps = rssm_mps_active() != 0;
   std::printf("dataplane: model %s, %d layers, MPS %s\n", o.model.c_str(), m.num_layers,
@@ -599,7 +565,7 @@ int main(int argc, char** argv) {
     req.set_byte_size(region.bytes);
     v1::RegisterRegionResponse resp;
     grpc::ClientContext ctx;
-    Check(client::FromGrpc(regions->RegisterCudaRegion(&ctx, req, &resp)), "register region");
+    CheckOk(client::FromGrpc(regions->RegisterCudaRegion(&ctx, req, &resp)), "register region");
   }
   cudaStream_t s;
   CheckCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
@@ -647,15 +613,15 @@ int main(int argc, char** argv) {
     const OpTimes ops2 = ScrapeOps(server.metrics);
     RunAhead(*stream, region, s, slots, &value, o.warmup);
     const double ahead_ms = RunAhead(*stream, region, s, slots, &value, o.forwards) * 1e3;
-    Check(stream->Commit().status(), "pipelined commit");  // the last one
+    CheckOk(stream->Commit().status(), "pipelined commit");  // the last one
     const std::vector<v1::LayerInput> layers = InlineLayers(region, in, B);
     for (int f = 0; f < o.warmup + o.forwards; ++f) {
       const double t0 = Now();
-      Check(stream->Forward(Rows(slots), layers).status(), "inline forward");
+      CheckOk(stream->Forward(Rows(slots), layers).status(), "inline forward");
       if (f >= o.warmup) tc.push_back(Now() - t0);
     }
-    Check(stream->Finish(), "stream");
-    for (uint64_t slot : slots) Check(c->Free(slot), "free");
+    CheckOk(stream->Finish(), "stream");
+    for (uint64_t slot : slots) CheckOk(c->Free(slot), "free");
     const Stat b = Summarize(tb), cst = Summarize(tc);
     const Stat pb = Summarize(phases.begin), pch = Summarize(phases.chain),
                pco = Summarize(phases.commit);
@@ -708,7 +674,7 @@ int main(int argc, char** argv) {
   }
   json << "]";
   const absl::StatusOr<v1::GetStatsResponse> st = c->Stats();
-  Check(st.status(), "stats");
+  CheckOk(st.status(), "stats");
   std::printf(
       "server: --forward-graphs=%s, %ld planned forwards graphed, %ld recordings, %ld failed\n",
       o.forward_graphs.c_str(), static_cast<long>(st->forwards_graphed()),

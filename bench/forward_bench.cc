@@ -21,21 +21,13 @@
 #include <string>
 #include <vector>
 
+#include "bench/check.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::cache {
 namespace {
-
-#define CHECK_OK(x)                                                                  \
-  do {                                                                               \
-    const absl::Status s_ = (x);                                                     \
-    if (!s_.ok()) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

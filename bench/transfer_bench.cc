@@ -352,10 +352,10 @@ int Run(int argc, char** argv) {
   int32_t import_threads = ReceiverOptions{}.import_threads;
   int32_t lanes = 4;  // the service's --transfer-lanes default
   int64_t sender_tp = 1, receiver_tp = 1;
-  bool put_thp = false;
+  bool put_thp = false, verbose = false;
   bench::Flags flags("replayssm-bench-transfer",
                      "[--model M] [--state-dtype f32|bf16] [--backend cpu|cuda] [--slots N] "
-                     "[--chunk BYTES] [--lanes N] [--import-threads N] [--put-thp] "
+                     "[--chunk BYTES] [--lanes N] [--import-threads N] [--put-thp] [--verbose] "
                      "[--sender-tp N] [--receiver-tp N] [--json PATH]");
   flags.Choice("model", cache::ModelPresetNames(), &model);
   flags.Choice("state-dtype", {"f32", "bf16"}, &dtype);
@@ -365,6 +365,7 @@ int Run(int argc, char** argv) {
   flags.Int("lanes", 1, 16, &lanes);  // the service's --transfer-lanes range
   flags.Int("import-threads", 1, 32, &import_threads);
   flags.Switch("put-thp", &put_thp);
+  flags.Switch("verbose", &verbose);  // every round's phases
   flags.Int("sender-tp", int64_t{1}, int64_t{cache::kMaxTpSize}, &sender_tp);
   flags.Int("receiver-tp", int64_t{1}, int64_t{cache::kMaxTpSize}, &receiver_tp);
   flags.String("json", &json);
@@ -519,7 +520,7 @@ int Run(int argc, char** argv) {
     putthp.Add(ph);
     hash.Add(hs);
     hash_slot.Add(hs3);
-    if (std::getenv("REPLAYSSM_BENCH_VERBOSE") != nullptr) {
+    if (verbose) {
       std::printf("  round %d (%s, %d lanes): whole %.2f ms (fold %.2f, reserve %.2f, "
                   "stage+hash+put %.2f, commit %.2f); bare put %.2f ms, over %d lanes %.2f ms; "
                   "hash on one thread %.2f ms, the slot in the cache %.2f ms\n", i,
