@@ -52,6 +52,7 @@
 #include "bench/cuda_util.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
+#include "replayssm/cache/tp.h"
 #include "replayssm/client/client.h"
 #include "replayssm/kernels.h"
 #include "replayssm/v1/regions.grpc.pb.h"
@@ -69,6 +70,7 @@ struct Options {
   std::string server, model = "qwen3-next-80b-a3b", json;
   std::vector<int64_t> batches = {1, 16, 64, 256};
   int32_t forwards = 30, warmup = 5;
+  int32_t tp_size = 1;
   std::string forward_graphs = "true";
 };
 
@@ -77,7 +79,7 @@ Options Parse(int argc, char** argv) {
   Options o;
   Flags flags("replayssm-bench-dataplane",
               "--server PATH [--model NAME] [--batch 1,16,64,256] [--forwards 30] [--warmup 5] "
-              "[--forward-graphs true|false] [--json PATH]");
+              "[--forward-graphs true|false] [--tp-size N] [--json PATH]");
   flags.String("server", &o.server);
   flags.String("model", &o.model);
   flags.String("json", &o.json);
@@ -85,6 +87,7 @@ Options Parse(int argc, char** argv) {
   flags.Int("forwards", 1, 1 << 20, &o.forwards);
   flags.Int("warmup", 1, 1 << 20, &o.warmup);
   flags.Choice("forward-graphs", {"true", "false"}, &o.forward_graphs);
+  flags.Int("tp-size", 1, 8, &o.tp_size);
   const int code = flags.ParseOrExitCode(argc, argv);
   if (code >= 0) std::exit(code);
   if (o.server.empty()) {
@@ -110,6 +113,7 @@ struct ServerChild {
                                      absl::StrCat("--memory-budget=", budget),
                                      "--track-interval=0",
                                      "--forward-graphs=" + o.forward_graphs,
+                                     absl::StrCat("--tp-size=", o.tp_size),
                                      "--max-message-bytes=1G",
                                      "--ready-file=" + ready};
     pid = fork();
@@ -491,9 +495,12 @@ Stat Summarize(std::vector<double> v) {
 
 // (a): the cache's decode forward in this process on device-resident copies of the inputs.
 // (a) layer by layer, then (a1) every layer at once (recorded from its second forward).
+// tp > 1: a TP group of `tp` ranks of `m` on this GPU (activations rank-major, same bytes).
 std::pair<Stat, Stat> InProcess(const cache::ModelSpec& m, int64_t B, const Options& o,
-                                const std::vector<std::array<std::vector<uint8_t>, 3>>& in) {
+                                const std::vector<std::array<std::vector<uint8_t>, 3>>& in,
+                                int32_t tp = 1) {
   cache::CacheOptions co;
+  co.tp_size = tp;
   co.backend = RSSM_BACKEND_CUDA;
   co.memory_budget_bytes = (B + 1) * m.SlotBytes();
   co.track_interval = 0;
@@ -536,6 +543,124 @@ std::pair<Stat, Stat> InProcess(const cache::ModelSpec& m, int64_t B, const Opti
   return {Summarize(t[0]), Summarize(t[1])};
 }
 
+
+// --tp-size N: the server serves a TP group of N ranks, all on this GPU (the one-GPU machine;
+// on N GPUs each rank has its own). The engine is N ranks, each with its own CUDA IPC region
+// (its shard's tensors and doorbells) and its own stream ringing and waiting on its own
+// doorbells; the plan names them in ForwardPlan.ranks. Per B:
+//   (a) rank    one rank's forward in-process (a TP = 1 cache of the shard model)
+//   (a) group   the N-rank group's forward in-process on this GPU (what the ranks' kernels
+//               cost together here)
+//   (b'') run ahead through the server, as the TP = 1 form
+// The target compares (b'') with the slower rank's (a) when each rank has its own GPU;
+// on one GPU the ranks' kernels take turns, so (b'') is judged against (a) group here.
+void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
+  const int32_t n = o.tp_size;
+  const int64_t max_b = *std::max_element(o.batches.begin(), o.batches.end());
+  ServerChild server(o, (max_b + 10) * m.SlotBytes());
+  auto c = client::Client::Connect(server.address, int64_t{1} << 30);
+  if (!c->WaitForConnected(absl::Seconds(30))) Die("cannot connect to the server");
+  std::vector<cache::ModelSpec> shards;
+  shards.reserve(n);
+  for (int32_t r = 0; r < n; ++r) shards.push_back(cache::ShardModel(m, cache::ShardOf(m, n, r)));
+  std::vector<std::unique_ptr<EngineRegion>> regions;
+  std::vector<cudaStream_t> streams(n);
+  auto stub = v1::Regions::NewStub(
+      grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials()));
+  for (int32_t r = 0; r < n; ++r) {
+    regions.push_back(std::make_unique<EngineRegion>(shards[r], max_b));
+    cudaIpcMemHandle_t handle;
+    CheckCuda(cudaIpcGetMemHandle(&handle, regions[r]->dev), "cudaIpcGetMemHandle");
+    v1::RegisterCudaRegionRequest req;
+    req.set_name(absl::StrCat("engine-", r));
+    req.set_raw_handle(&handle, sizeof handle);
+    req.set_device_id(0);
+    req.set_byte_size(regions[r]->bytes);
+    v1::RegisterRegionResponse resp;
+    grpc::ClientContext ctx;
+    CheckOk(client::FromGrpc(stub->RegisterCudaRegion(&ctx, req, &resp)), "register region");
+    CheckCuda(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), "stream");
+  }
+  const auto begin = [&](const std::vector<uint64_t>& slots, uint32_t value) {
+    v1::DecodeStreamRequest req;
+    v1::DecodeBegin* b = req.mutable_begin();
+    b->set_request_id(client::NewRequestId());
+    for (const v1::DecodeRow& row : Rows(slots)) *b->add_rows() = row;
+    b->mutable_plan()->set_value(value);
+    for (int32_t r = 0; r < n; ++r) {
+      v1::ForwardPlan one = Plan(*regions[r], value);
+      v1::RankPlan* rank = b->mutable_plan()->add_ranks();
+      *rank->mutable_layers() = one.layers();
+      *rank->mutable_ready() = one.ready();
+      *rank->mutable_done() = one.done();
+      for (auto* ref : {rank->mutable_ready(), rank->mutable_done()}) {
+        ref->set_region(absl::StrCat("engine-", r));
+      }
+      for (v1::PlannedLayer& l : *rank->mutable_layers()) {
+        for (v1::RegionRef* ref : {l.mutable_mixed_qkv(), l.mutable_a(), l.mutable_b(),
+                                   l.mutable_out()}) {
+          ref->set_region(absl::StrCat("engine-", r));
+        }
+      }
+    }
+    return req;
+  };
+  std::printf("tp: %d ranks on one GPU, each rank its own region, stream and doorbells\n", n);
+  std::printf("%6s %12s %12s %14s %14s %8s\n", "B", "(a) rank ms", "(a) group ms",
+              "(b'') ahead ms", "(b'')/group", "target");
+  std::ostringstream json;
+  json << "{\"model\": \"" << o.model << "\", \"tp_size\": " << n
+       << ", \"ranks_on_one_gpu\": true, \"mps\": " << (mps ? "true" : "false")
+       << ", \"forwards\": " << o.forwards << ", \"rows\": [";
+  uint32_t value = 0;
+  for (size_t bi = 0; bi < o.batches.size(); ++bi) {
+    const int64_t B = o.batches[bi];
+    std::vector<std::vector<std::array<std::vector<uint8_t>, 3>>> in;
+    for (int32_t r = 0; r < n; ++r) {
+      in.push_back(RandomInputs(*regions[r], B, 7 + B + r));
+      Upload(*regions[r], in.back());
+    }
+    const Stat rank = InProcess(shards[0], B, o, in[0]).first;
+    // The group's inputs: each layer's tensors rank-major, the ranks' blocks one after another.
+    std::vector<std::array<std::vector<uint8_t>, 3>> joined(m.num_layers);
+    for (int32_t l = 0; l < m.num_layers; ++l) {
+      for (int i = 0; i < 3; ++i) {
+        for (int32_t r = 0; r < n; ++r) {
+          joined[l][i].insert(joined[l][i].end(), in[r][l][i].begin(), in[r][l][i].end());
+        }
+      }
+    }
+    const Stat group = InProcess(m, B, o, joined, n).first;
+    const std::vector<uint64_t> slots = AllocSlots(*c, B);
+    auto stream = c->OpenStream();
+    double ahead = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+      const int forwards = pass == 0 ? o.warmup : o.forwards;
+      const double t0 = Now();
+      for (int f = 0; f < forwards; ++f) {
+        const uint32_t v = ++value;
+        CheckOk(stream->SendBegin(begin(slots, v)), "tp begin");
+        for (int32_t r = 0; r < n; ++r) QueueChain(*regions[r], streams[r], v);
+        CheckOk(stream->AwaitBegun().status(), "tp begin's reply");
+      }
+      for (int32_t r = 0; r < n; ++r) CheckCuda(cudaStreamSynchronize(streams[r]), "rank stream");
+      ahead = (Now() - t0) / forwards * 1e3;
+    }
+    CheckOk(stream->Commit().status(), "tp commit");
+    CheckOk(stream->Finish(), "stream");
+    for (uint64_t slot : slots) CheckOk(c->Free(slot), "free");
+    const double ratio = ahead / group.mean;
+    std::printf("%6ld %12.3f %12.3f %14.3f %14.3f %8s\n", static_cast<long>(B), rank.mean,
+                group.mean, ahead, ratio, B >= 64 ? (ratio <= 1.10 ? "met" : "NOT met") : "-");
+    json << (bi ? ", " : "") << "{\"B\": " << B << ", \"a_rank_mean_ms\": " << rank.mean
+         << ", \"a_group_mean_ms\": " << group.mean << ", \"run_ahead_mean_ms\": " << ahead
+         << ", \"run_ahead_over_group\": " << ratio << "}";
+  }
+  json << "]}\n";
+  if (!o.json.empty()) std::ofstream(o.json) << json.str();
+  for (cudaStream_t st : streams) cudaStreamDestroy(st);
+}
+
 }  // namespace
 }  // namespace replayssm::bench
 
@@ -548,6 +673,10 @@ int main(int argc, char** argv) {
   const bool mps = rssm_mps_active() != 0;
   std::printf("dataplane: model %s, %d layers, MPS %s\n", o.model.c_str(), m.num_layers,
               mps ? "on" : "OFF (each hand-over time-slices: expect ~280 us per layer)");
+  if (o.tp_size > 1) {
+    RunTp(o, m, mps);
+    return 0;
+  }
   ServerChild server(o, (max_b + 10) * m.SlotBytes());
   auto c = client::Client::Connect(server.address, int64_t{1} << 30);
   if (!c->WaitForConnected(absl::Seconds(30))) Die("cannot connect to the server");
