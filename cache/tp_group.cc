@@ -623,6 +623,8 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
   SlotIoOptions mine = options;  // the ranks' chunks are copied on the host (tp_slot_io.h)
   mine.path = SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
   mine.checksum = false;  // the group hashes the unsharded payload as it assembles it
+  // Staged: enough chunks in flight per rank for the group's copier threads to share.
+  mine.staging_buffers = std::max(options.staging_buffers, 8);
   std::vector<std::unique_ptr<SlotReader>> readers;
   absl::MutexLock ops(&ops_mu_);
   const std::vector<SlotId> ids = Members(id);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <thread>
 #include <utility>
 
@@ -42,13 +43,16 @@ void ForRuns(const TpLayerMap& map, int64_t lo, int64_t hi, F f) {
   }
 }
 
-// One thread per rank copies that rank's chunks into their places, layer after layer, ahead
-// of the mover; a chunk of layer l is handed out once every rank's part of layer l is in place.
-// kHashThreads more hash the 1 MiB segments of the unsharded payload as the layers under them
-// complete (the checksum's segments are independent: CombineSegmentDigests mixes them).
+// A feeder thread per rank takes that rank's chunks in order (as many at once as the rank's
+// reader lends) and hands them to kCopyThreads copier threads, which copy each chunk's runs to
+// their places in the unsharded layers; a chunk of layer l is handed out once every byte of
+// layer l is in place. kHashThreads more hash the 1 MiB segments of the unsharded payload as
+// the layers under them complete (the checksum's segments are independent:
+// CombineSegmentDigests mixes them).
 class TpReader final : public SlotReader {
  public:
   static constexpr int kHashThreads = 4;
+  static constexpr int kCopyThreads = 6;
 
   TpReader(TpSlotIoHost* host, SlotId group, std::vector<std::unique_ptr<SlotReader>> ranks,
            const TpLayerMap* map, size_t chunk_bytes)
@@ -60,14 +64,16 @@ class TpReader final : public SlotReader {
         payload_(host->TakePayloadBuffer()),
         segments_((bytes_ + kChecksumSegmentBytes - 1) / kChecksumSegmentBytes),
         digests_(segments_),
-        layer_ranks_(map->num_layers) {
+        layer_bytes_(map->num_layers, 0),
+        lent_(ranks_.size(), 0) {
     const size_t layer = static_cast<size_t>(map_.layer_bytes);
     for (size_t at = 0; at < bytes_; at += layer) {
       for (size_t o = 0; o < layer; o += chunk_bytes) {
         chunks_.push_back({at + o, std::min(chunk_bytes, layer - o)});
       }
     }
-    for (size_t r = 0; r < ranks_.size(); ++r) threads_.emplace_back([this, r] { CopyRank(r); });
+    for (size_t r = 0; r < ranks_.size(); ++r) threads_.emplace_back([this, r] { Feed(r); });
+    for (int c = 0; c < kCopyThreads; ++c) threads_.emplace_back([this] { CopyChunks(); });
     for (int h = 0; h < kHashThreads; ++h) threads_.emplace_back([this] { HashSegments(); });
   }
   ~TpReader() override { Finish(false); }
@@ -106,7 +112,7 @@ class TpReader final : public SlotReader {
   void Finish(bool moved) override {
     if (finished_.exchange(true)) return;
     {
-      absl::MutexLock lock(&mu_);  // wakes the threads that wait for layers: they stop
+      absl::MutexLock lock(&mu_);  // wakes the threads that wait: they stop
       if (error_.ok() && copied_ < map_.num_layers) error_ = absl::CancelledError("move finished");
     }
     for (std::thread& t : threads_) t.join();
@@ -120,51 +126,67 @@ class TpReader final : public SlotReader {
   }
 
  private:
-  // Rank r's chunks, layer after layer, copied to their places in the unsharded layers.
-  void CopyRank(size_t r) {
+  // Rank r's chunks in order, lent to the copiers, at most as many at once as its reader lends.
+  void Feed(size_t r) {
     host_->Use(r);
-    for (int64_t l = 0; l < map_.num_layers; ++l) {
+    const size_t depth = ranks_[r]->depth();
+    const size_t count = ranks_[r]->num_chunks();
+    for (size_t i = 0; i < count; ++i) {
       {
         absl::MutexLock lock(&mu_);
-        if (!error_.ok()) return;
+        auto room = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return lent_[r] < depth || !error_.ok();
+        };
+        mu_.Await(absl::Condition(&room));
+        if (!error_.ok()) break;
+        ++lent_[r];
       }
-      absl::Status st = CopyLayer(r, l);
+      absl::StatusOr<SlotChunk> c = ranks_[r]->Next();
       absl::MutexLock lock(&mu_);
-      if (!st.ok()) {
-        if (error_.ok()) error_ = st;
-        return;
-      }
-      if (++layer_ranks_[l] == static_cast<int32_t>(ranks_.size())) {
-        while (copied_ < map_.num_layers &&
-               layer_ranks_[copied_] == static_cast<int32_t>(ranks_.size())) {
-          ++copied_;
+      if (!c.ok()) {
+        if (error_.ok()) {
+          error_ = absl::Status(c.status().code(),
+                                absl::StrCat("tp rank ", r, ": ", c.status().message()));
         }
+        break;
       }
+      work_.push_back({r, *c});
     }
+    absl::MutexLock lock(&mu_);
+    ++feeders_done_;
   }
 
-  absl::Status CopyLayer(size_t r, int64_t l) {
-    uint8_t* layer = payload_.get() + l * map_.layer_bytes;
-    int64_t got = l * map_.shard_bytes[r];
-    const int64_t end = got + map_.shard_bytes[r];
-    while (got < end) {  // a chunk never crosses a layer
-      absl::StatusOr<SlotChunk> c = ranks_[r]->Next();
-      if (!c.ok()) {
-        return absl::Status(c.status().code(),
-                            absl::StrCat("tp rank ", r, ": ", c.status().message()));
+  // Copies lent chunks to their places, gives them back, and counts each layer's bytes.
+  void CopyChunks() {
+    for (;;) {
+      std::pair<size_t, SlotChunk> job;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return !work_.empty() || feeders_done_ >= ranks_.size() || !error_.ok();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (work_.empty() || !error_.ok()) return;
+        job = work_.front();
+        work_.pop_front();
       }
-      const int64_t in_layer = static_cast<int64_t>(c->offset) - l * map_.shard_bytes[r];
-      const auto* src = static_cast<const uint8_t*>(c->data);
+      const auto& [r, c] = job;
+      const int64_t l = static_cast<int64_t>(c.offset) / map_.shard_bytes[r];  // never crosses
+      const int64_t in_layer = static_cast<int64_t>(c.offset) - l * map_.shard_bytes[r];
+      uint8_t* layer = payload_.get() + l * map_.layer_bytes;
+      const auto* src = static_cast<const uint8_t*>(c.data);
       for (const TpLayerMap::Run& run : map_.runs) {
         if (run.rank != static_cast<int32_t>(r)) continue;
         const int64_t b = std::max(in_layer, run.shard);
-        const int64_t e = std::min<int64_t>(in_layer + c->size, run.shard + run.count);
+        const int64_t e = std::min<int64_t>(in_layer + c.size, run.shard + run.count);
         if (e > b) std::memcpy(layer + run.full + (b - run.shard), src + (b - in_layer), e - b);
       }
-      got += static_cast<int64_t>(c->size);
-      ranks_[r]->Done(c->index);
+      ranks_[r]->Done(c.index);
+      absl::MutexLock lock(&mu_);
+      --lent_[r];
+      layer_bytes_[l] += static_cast<int64_t>(c.size);
+      while (copied_ < map_.num_layers && layer_bytes_[copied_] == map_.layer_bytes) ++copied_;
     }
-    return absl::OkStatus();
   }
 
   // Claims segments in order and hashes each once the layers under it are in place.
@@ -192,7 +214,7 @@ class TpReader final : public SlotReader {
 
   TpSlotIoHost* const host_;
   const SlotId group_;
-  std::vector<std::unique_ptr<SlotReader>> ranks_;  // rank r's: its copier thread only
+  std::vector<std::unique_ptr<SlotReader>> ranks_;  // Next: rank r's feeder only
   const TpLayerMap& map_;
   const size_t bytes_;
   std::unique_ptr<uint8_t[]> payload_;  // the host's; a layer is handed out once assembled
@@ -200,7 +222,10 @@ class TpReader final : public SlotReader {
   std::vector<uint64_t> digests_;  // [segments_], each written by the thread that hashed it
   std::vector<std::pair<size_t, size_t>> chunks_;  // offset, size
   absl::Mutex mu_;
-  std::vector<int32_t> layer_ranks_ ABSL_GUARDED_BY(mu_);  // ranks done with each layer
+  std::vector<int64_t> layer_bytes_ ABSL_GUARDED_BY(mu_);  // bytes of each layer in place
+  std::vector<size_t> lent_ ABSL_GUARDED_BY(mu_);          // each rank's chunks out
+  std::deque<std::pair<size_t, SlotChunk>> work_ ABSL_GUARDED_BY(mu_);  // (rank, chunk)
+  size_t feeders_done_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t copied_ ABSL_GUARDED_BY(mu_) = 0;   // layers [0, copied_) are in payload_
   size_t claimed_ ABSL_GUARDED_BY(mu_) = 0;   // segments taken by a hash thread
   size_t hashed_ ABSL_GUARDED_BY(mu_) = 0;    // segments hashed
@@ -212,6 +237,7 @@ class TpReader final : public SlotReader {
 
 class TpWriter final : public SlotWriter {
  public:
+  static constexpr int64_t kPieceBytes = int64_t{256} << 10;  // hashed, then copied
   TpWriter(TpSlotIoHost* host, std::vector<std::unique_ptr<SlotWriter>> ranks,
            const TpLayerMap* map)
       : host_(host),
@@ -247,12 +273,16 @@ class TpWriter final : public SlotWriter {
       return absl::InvalidArgumentError(
           "src: a tensor-parallel group takes the unsharded payload from host memory only");
     }
-    sum_.Add(offset, src, size);
     const auto* p = static_cast<const uint8_t*>(src);
     const int64_t lb = map_.layer_bytes;
     absl::Status st;
+    // Piece by piece, each hashed and then copied to its ranks while it is in the core's cache:
+    // one pass over memory, as a TP = 1 writer's copy that hashes.
     for (int64_t at = offset, end = offset + size; at < end && st.ok();) {
-      const int64_t l = at / lb, stop = std::min(end, (l + 1) * lb);
+      const int64_t l = at / lb;
+      const int64_t stop = std::min({end, (l + 1) * lb, at + kPieceBytes});
+      sum_.Add(static_cast<size_t>(at), p + (at - static_cast<int64_t>(offset)),
+               static_cast<size_t>(stop - at));
       ForRuns(map_, at - l * lb, stop - l * lb, [&](const TpLayerMap::Run& run, int64_t b, int64_t n) {
         if (!st.ok()) return;
         const uint8_t* piece = p + (l * lb + b - static_cast<int64_t>(offset));
