@@ -20,6 +20,7 @@ from replayssm.regions import CudaRegion, RegionTensor, SharedMemoryRegion
 from replayssm.results import Allocation, DecodeResult, ExportedState, PrefillResult
 from replayssm.retry import RETRYABLE, new_request_id
 from replayssm.stream import ForwardStream
+from replayssm import tp
 from replayssm.tensors import Activations
 from replayssm.v1 import replayssm_pb2 as pb
 
@@ -32,5 +33,5 @@ __all__ = [
     "InvalidArgument", "NotFound", "OutOfRange", "PermissionDenied", "PlannedLayer",
     "PrefillResult", "RETRYABLE", "Reference", "RegionTensor", "ReplaySSMError",
     "ResourceExhausted", "SharedMemoryRegion", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Unknown", "new_request_id", "pb",
+    "Unimplemented", "Unknown", "new_request_id", "pb", "tp",
 ]
