@@ -85,7 +85,7 @@ class EngineMemory {
     if (device_ != nullptr) {
       v1::RegisterCudaRegionRequest r;
       r.set_name(name);
-      r.set_ipc_handle(std::string(reinterpret_cast<const char*>(&handle_), sizeof(handle_)));
+      r.set_raw_handle(&handle_, sizeof(handle_));
       int device = 0;
       cudaGetDevice(&device);
       r.set_device_id(device);
