@@ -621,7 +621,10 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
                                                                 absl::string_view move_id,
                                                                 const SlotIoOptions& options) {
   SlotIoOptions mine = options;  // the ranks' chunks are copied on the host (tp_slot_io.h)
-  mine.path = SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+  // Host memory (or a test's choice of path): the group re-lays the bytes out on the host.
+  mine.path = options.path.has_value() && *options.path != SlotIoPath::kDeviceDirect
+                  ? *options.path
+                  : SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
   mine.checksum = false;  // the group hashes the unsharded payload as it assembles it
   // Staged: enough chunks in flight per rank for the group's copier threads to share.
   mine.staging_buffers = std::max(options.staging_buffers, 8);

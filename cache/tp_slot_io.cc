@@ -65,7 +65,8 @@ class TpReader final : public SlotReader {
         segments_((bytes_ + kChecksumSegmentBytes - 1) / kChecksumSegmentBytes),
         digests_(segments_),
         layer_bytes_(map->num_layers, 0),
-        lent_(ranks_.size(), 0) {
+        given_back_(ranks_.size()) {
+    for (size_t r = 0; r < ranks_.size(); ++r) given_back_[r].assign(ranks_[r]->num_chunks(), 0);
     const size_t layer = static_cast<size_t>(map_.layer_bytes);
     for (size_t at = 0; at < bytes_; at += layer) {
       for (size_t o = 0; o < layer; o += chunk_bytes) {
@@ -126,7 +127,9 @@ class TpReader final : public SlotReader {
   }
 
  private:
-  // Rank r's chunks in order, lent to the copiers, at most as many at once as its reader lends.
+  // Rank r's chunks in order, lent to the copiers. A staged reader's chunk i takes the
+  // buffer of chunk i - depth, so it is asked for once that one is given back (copiers give
+  // chunks back in any order).
   void Feed(size_t r) {
     host_->Use(r);
     const size_t depth = ranks_[r]->depth();
@@ -135,11 +138,10 @@ class TpReader final : public SlotReader {
       {
         absl::MutexLock lock(&mu_);
         auto room = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-          return lent_[r] < depth || !error_.ok();
+          return i < depth || given_back_[r][i - depth] != 0 || !error_.ok();
         };
         mu_.Await(absl::Condition(&room));
         if (!error_.ok()) break;
-        ++lent_[r];
       }
       absl::StatusOr<SlotChunk> c = ranks_[r]->Next();
       absl::MutexLock lock(&mu_);
@@ -183,7 +185,7 @@ class TpReader final : public SlotReader {
       }
       ranks_[r]->Done(c.index);
       absl::MutexLock lock(&mu_);
-      --lent_[r];
+      given_back_[r][c.index] = 1;
       layer_bytes_[l] += static_cast<int64_t>(c.size);
       while (copied_ < map_.num_layers && layer_bytes_[copied_] == map_.layer_bytes) ++copied_;
     }
@@ -223,7 +225,7 @@ class TpReader final : public SlotReader {
   std::vector<std::pair<size_t, size_t>> chunks_;  // offset, size
   absl::Mutex mu_;
   std::vector<int64_t> layer_bytes_ ABSL_GUARDED_BY(mu_);  // bytes of each layer in place
-  std::vector<size_t> lent_ ABSL_GUARDED_BY(mu_);          // each rank's chunks out
+  std::vector<std::vector<char>> given_back_ ABSL_GUARDED_BY(mu_);  // [rank][chunk]: Done
   std::deque<std::pair<size_t, SlotChunk>> work_ ABSL_GUARDED_BY(mu_);  // (rank, chunk)
   size_t feeders_done_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t copied_ ABSL_GUARDED_BY(mu_) = 0;   // layers [0, copied_) are in payload_

@@ -339,39 +339,44 @@ TEST(TpSlotIo, AGroupMovesTheUnshardedPayloadWithItsChecksum) {
     ToRankMajor(*m, tp, 3, b);
     ASSERT_TRUE(c->Prefill(*s, ids, b.io).ok());
     for (size_t chunk : {size_t{1000}, (size_t{1} << 20) + 17, size_t{1} << 30}) {
-      SCOPED_TRACE(absl::StrCat("tp ", tp, ", chunk ", chunk));
-      absl::StatusOr<std::unique_ptr<SlotReader>> r =
-          c->OpenExport(*s, "read", {.chunk_bytes = chunk});
-      ASSERT_TRUE(r.ok()) << r.status();
-      std::vector<uint8_t> got((*r)->bytes());
-      for (size_t i = 0; i < (*r)->num_chunks(); ++i) {
-        absl::StatusOr<SlotChunk> ch = (*r)->Next();
-        ASSERT_TRUE(ch.ok()) << ch.status();
-        std::memcpy(got.data() + ch->offset, ch->data, ch->size);
-        (*r)->Done(i);
+      // The ranks' readers staged too (the GPU's path: a few pinned buffers, given back in
+      // any order by the group's copiers), on every backend.
+      for (const bool staged : {false, true}) {
+        SCOPED_TRACE(absl::StrCat("tp ", tp, ", chunk ", chunk, staged ? ", staged" : ""));
+        SlotIoOptions read{.chunk_bytes = chunk};
+        if (staged) read.path = SlotIoPath::kStaged;
+        absl::StatusOr<std::unique_ptr<SlotReader>> r = c->OpenExport(*s, "read", read);
+        ASSERT_TRUE(r.ok()) << r.status();
+        std::vector<uint8_t> got((*r)->bytes());
+        for (size_t i = 0; i < (*r)->num_chunks(); ++i) {
+          absl::StatusOr<SlotChunk> ch = (*r)->Next();
+          ASSERT_TRUE(ch.ok()) << ch.status();
+          std::memcpy(got.data() + ch->offset, ch->data, ch->size);
+          (*r)->Done(i);
+        }
+        absl::StatusOr<uint64_t> sum = (*r)->Checksum();
+        ASSERT_TRUE(sum.ok()) << sum.status();
+        EXPECT_EQ(*sum, PayloadChecksum(got.data(), got.size()));
+        if (want.empty()) want = got;
+        EXPECT_TRUE(got == want) << "the TP = 1 payload";
+        (*r)->Finish(false);
+        absl::StatusOr<std::unique_ptr<SlotWriter>> w = c->OpenImport(3, {.chunk_bytes = chunk});
+        ASSERT_TRUE(w.ok());
+        for (size_t at = 0; at < got.size(); at += chunk) {  // back to front
+          const size_t from = got.size() - std::min(got.size(), at + chunk);
+          const size_t n = got.size() - at - from;
+          ASSERT_TRUE((*w)->Write(from, got.data() + from, n).ok());
+        }
+        absl::StatusOr<SlotId> back = (*w)->Commit(ids, *sum);
+        ASSERT_TRUE(back.ok()) << back.status();
+        absl::StatusOr<ExportedState> e = c->Export(*back);
+        ASSERT_TRUE(e.ok());
+        for (int32_t l = 0; l < m->num_layers; ++l) {
+          ASSERT_TRUE(std::memcmp(e->checkpoints[l].data(), want.data() + l * m->LayerStateBytes(),
+                                  m->LayerStateBytes()) == 0);
+        }
+        ASSERT_TRUE(c->Free(*back).ok());
       }
-      absl::StatusOr<uint64_t> sum = (*r)->Checksum();
-      ASSERT_TRUE(sum.ok()) << sum.status();
-      EXPECT_EQ(*sum, PayloadChecksum(got.data(), got.size()));
-      if (want.empty()) want = got;
-      EXPECT_TRUE(got == want) << "the TP = 1 payload";
-      (*r)->Finish(false);
-      absl::StatusOr<std::unique_ptr<SlotWriter>> w = c->OpenImport(3, {.chunk_bytes = chunk});
-      ASSERT_TRUE(w.ok());
-      for (size_t at = 0; at < got.size(); at += chunk) {  // back to front
-        const size_t from = got.size() - std::min(got.size(), at + chunk);
-        const size_t n = got.size() - at - from;
-        ASSERT_TRUE((*w)->Write(from, got.data() + from, n).ok());
-      }
-      absl::StatusOr<SlotId> back = (*w)->Commit(ids, *sum);
-      ASSERT_TRUE(back.ok()) << back.status();
-      absl::StatusOr<ExportedState> e = c->Export(*back);
-      ASSERT_TRUE(e.ok());
-      for (int32_t l = 0; l < m->num_layers; ++l) {
-        ASSERT_TRUE(std::memcmp(e->checkpoints[l].data(), want.data() + l * m->LayerStateBytes(),
-                                m->LayerStateBytes()) == 0);
-      }
-      ASSERT_TRUE(c->Free(*back).ok());
     }
   }
 }

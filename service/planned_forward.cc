@@ -315,9 +315,11 @@ void PlannedForward::Finish() {
   finished_ = true;
   {
     absl::MutexLock lock(&mu_);
+    // Abandoned (neither committed nor handed over), or still queueing (CPU: blocked on a
+    // doorbell): nobody rings its doorbells any more once we give up, and a wait queued on a
+    // GPU stream ends only when rung -- so ring them now, or abandoning would wait for ever.
+    if (!finishing_ || !queued_.HasBeenNotified()) Release();
     finishing_ = true;
-    // Still queueing (CPU: blocked on a doorbell): nobody rings any more once we give up.
-    if (!queued_.HasBeenNotified()) Release();
   }
   watch_.Remove(this);
   if (worker_ != nullptr) worker_->WaitIdle();
