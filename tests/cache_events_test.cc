@@ -179,22 +179,13 @@ class CacheEventsTenantsTest : public CacheEventsTest {
     FILE* f = std::fopen(tokens_path_.c_str(), "w");
     std::fputs("alice alice-token-0123456789abcdef\nbob bob-token-0123456789abcdef\n", f);
     std::fclose(f);
-    auto server = ServerProcess::Start(ServerFlags());
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    client_ = Client::Connect(server_->grpc_address());
-    client_->set_token("alice-token-0123456789abcdef");
-    auto info = client_->Info();
-    ASSERT_TRUE(info.ok()) << info.status();
-    info_ = *info;
-    auto ref = CpuReference::Create(info_.model(), 16);
-    ASSERT_TRUE(ref.ok()) << ref.status();
-    ref_ = *std::move(ref);
+    CacheEventsTest::SetUp();
   }
   void TearDown() override { std::remove(tokens_path_.c_str()); }
   std::vector<std::string> ServerFlags() const override {
     return {"--track-interval=16", "--auth-tokens=" + tokens_path_};
   }
+  std::string ClientToken() const override { return "alice-token-0123456789abcdef"; }
   std::string tokens_path_;
 };
 

@@ -23,12 +23,15 @@ class ServiceTest : public ::testing::Test {
  protected:
   // Flags for the server of each test; a small track interval makes snapshots cheap to reach.
   virtual std::vector<std::string> ServerFlags() const { return {"--track-interval=16"}; }
+  // The bearer token the fixture's client sends ("" none: a server without --auth-tokens).
+  virtual std::string ClientToken() const { return ""; }
 
   void SetUp() override {
     auto server = ServerProcess::Start(ServerFlags());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     client_ = Client::Connect(server_->grpc_address());
+    client_->set_token(ClientToken());
     auto info = client_->Info();
     ASSERT_TRUE(info.ok()) << info.status();
     info_ = *info;

@@ -32,16 +32,19 @@ def _qkv_columns(model, rank):
                            np.arange(2 * h * k + v0, 2 * h * k + v0 + vh)])
 
 
+def _check(name):
+    if name not in ("mixed_qkv", "a", "b", "out"):
+        raise ValueError(f"name: expected mixed_qkv, a, b or out, got {name!r}")
+
+
 def shard(model, name, x):
     """Unsharded `x` -> the rank-major tensor a TP server takes (`[N, tokens, ...]`)."""
-    n = _n(model)
-    x = np.asarray(x)
+    _check(name)
+    n, x = _n(model), np.asarray(x)
     if n == 1:
         return x
     if name == "mixed_qkv":
         return np.stack([x[:, _qkv_columns(model, r)] for r in range(n)])
-    if name not in ("a", "b", "out"):
-        raise ValueError(f"name: expected mixed_qkv, a, b or out, got {name!r}")
     heads = x.shape[1]  # a, b, out: the v heads are the second axis
     split = x.reshape(x.shape[0], n, heads // n, *x.shape[2:])
     return np.ascontiguousarray(np.moveaxis(split, 1, 0))
@@ -49,8 +52,8 @@ def shard(model, name, x):
 
 def unshard(model, name, y):
     """A TP server's rank-major tensor -> the unsharded one."""
-    n = _n(model)
-    y = np.asarray(y)
+    _check(name)
+    n, y = _n(model), np.asarray(y)
     if n == 1:
         return y
     if name == "mixed_qkv":
@@ -60,8 +63,6 @@ def unshard(model, name, y):
         for r in range(n):
             x[:, _qkv_columns(model, r)] = y[r]
         return x
-    if name not in ("a", "b", "out"):
-        raise ValueError(f"name: expected mixed_qkv, a, b or out, got {name!r}")
     joined = np.moveaxis(y, 0, 1)  # [tokens, N, heads/N, ...]
     return np.ascontiguousarray(joined.reshape(joined.shape[0], -1, *joined.shape[3:]))
 
