@@ -338,7 +338,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::Status WarmLanes() { return lanes_.Take().status(); }
 
   // --- used by ForwardImpl ---
-  SlotPool& pool() { return *pool_; }
+  SlotPool& pool() override { return *pool_; }
   // Books a forward's end: Commit's effect on every row (commit), or releases the rows
   // unchanged (marked broken when `broken`). Returns the spare slots to the pool either way.
   void EndForward(const ForwardRows& rows, bool commit, bool broken);
