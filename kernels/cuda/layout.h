@@ -196,6 +196,64 @@ struct SmallReplaySmem {
   }
 };
 
+// ---- the stream replay kernel (stream_replay_kernel.cuh) ------------------------------------
+// Persistent CTAs of kStreamConsumerWarps consumer warps and one producer warp; an item is one
+// (row, v-head). S0 streams through a ring of `stages` stages of kStreamStageRows rows each.
+constexpr int kStreamConsumerWarps = 4;
+constexpr int kStreamThreads = (kStreamConsumerWarps + 1) * 32;
+constexpr int kStreamStageRows = 8;   // rows per S0 stage (the bulk kernel's decode batch)
+constexpr int kStreamMaxStages = 32;  // an mbarrier pair each
+constexpr int kStreamCtasPerSm = 2;   // each with half the SM's shared memory
+constexpr int kStreamMinStages = 4;
+constexpr int kStreamHeaders = 2;     // items whose records are in shared memory at once
+// Replay decode takes the stream kernel from this many (row, v-head) items: below it the
+// persistent CTAs get too few items each to stream across them (bench/results/kernels.md).
+constexpr int64_t kStreamMinRowHeads = 512;
+
+// One stream CTA's shared memory (byte offsets, multiples of 16). At 0 the mbarriers: stage
+// full[kStreamMaxStages], stage empty[kStreamMaxStages], header full[2], header empty[2]. Then
+// `stages` S0 stages [RB][K] (fp32); two item headers (hdr_bytes apart) of the ring records
+// (d rows padded to dst, k, g, W_j∘k_j for a 16-bit ring, the item's metadata); two scratch
+// sets (sc_bytes apart) of the record dots' results.
+struct StreamSmem {
+  int32_t s0, hdr, hdr_bytes, h_d, h_k, h_g, h_kw, h_meta;
+  int32_t sc, sc_bytes, s_u, s_p, s_ka, s_qa, s_av, s_kn;
+  int32_t fixed;  // bytes before the stages and after them (everything but the stages)
+  int32_t total;
+  static StreamSmem Make(int K, int L, bool kda, int dst, int stages, int ring_bytes) {
+    StreamSmem s;
+    auto r16 = [](int64_t x) { return static_cast<int32_t>((x + 15) & ~int64_t{15}); };
+    const int bars = r16(int64_t{2 * kStreamMaxStages + 2 * kStreamHeaders} * 8);
+    const int stage_bytes = kStreamStageRows * K * 4;
+    int o = 0;
+    auto take = [&o, &r16](int64_t bytes) {
+      const int at = o;
+      o = r16(o + bytes);
+      return at;
+    };
+    s.h_d = take(int64_t{L} * dst * ring_bytes);
+    s.h_k = take(int64_t{L} * K * ring_bytes);
+    s.h_g = take(kda ? int64_t{L} * K * 4 : int64_t{(L + 3) & ~3} * 4);
+    s.h_kw = ring_bytes == 4 ? s.h_k : take(int64_t{L} * K * 4);
+    s.h_meta = take(16);
+    s.hdr_bytes = o;
+    o = 0;
+    s.s_u = take(int64_t{L} * 4);
+    s.s_p = take(int64_t{L} * 4);
+    s.s_ka = take(int64_t{K} * 4);
+    s.s_qa = take(int64_t{K} * 4);
+    s.s_av = take(int64_t{K} * 4);
+    s.s_kn = take(int64_t{K} * 4);
+    s.sc_bytes = o;
+    s.s0 = bars;
+    s.hdr = bars + stages * stage_bytes;
+    s.sc = s.hdr + kStreamHeaders * s.hdr_bytes;
+    s.total = s.sc + kStreamHeaders * s.sc_bytes;
+    s.fixed = s.total - stages * stage_bytes;
+    return s;
+  }
+};
+
 }  // namespace replayssm::kernels::cuda
 
 #endif  // REPLAYSSM_KERNELS_CUDA_LAYOUT_H_

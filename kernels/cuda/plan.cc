@@ -203,6 +203,48 @@ std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceL
   return plan;
 }
 
+// The stream replay kernel: replay decode of an fp32 checkpoint at large batches (B * HV >=
+// kStreamMinRowHeads), on persistent CTAs that each get half an SM's shared memory, filled with
+// S0 stages; nullopt where its requirements (stream_replay_kernel.cuh) do not hold.
+std::optional<LaunchPlan> PlanStreamReplay(const LaunchProblem& pr, const DeviceLimits& dev,
+                                           const LaunchOverrides& ov) {
+  const int K = pr.head_k, V = pr.head_v, L = pr.ring_len;
+  const int64_t items = pr.batch * pr.num_v_heads;
+  const bool wanted = ov.stream_min_batch != 0 ? ov.stream_min_batch > 0 &&
+                                                     pr.batch >= ov.stream_min_batch
+                                               : items >= kStreamMinRowHeads;
+  const int per_item_rows = kStreamConsumerWarps * kStreamStageRows;
+  if (!wanted || pr.op != KernelOp::kReplay || pr.state_bytes != 4 || K > 128 || K % 16 != 0 ||
+      V > 128 || V % per_item_rows != 0 || L < 1 || L > 32 || (!pr.kda && L % 4 != 0) ||
+      !pr.checkpoint_aligned || !pr.ring_d_aligned || !pr.ring_k_aligned ||
+      !pr.ring_g_aligned || items > 0x7fffffff || dev.sms <= 0) {
+    return std::nullopt;
+  }
+  LaunchPlan plan;
+  plan.role = KernelRole::kStreamReplay;
+  StreamConfig& c = plan.stream;
+  c.d_stride = DStride(V, pr.ring_bytes);
+  // Half the SM's shared memory per CTA; as many stages per warp as fit in it.
+  c.ctas_per_sm = ov.stream_ctas_per_sm != 0 ? ov.stream_ctas_per_sm : kStreamCtasPerSm;
+  const int budget =
+      std::min(dev.smem_per_sm / c.ctas_per_sm - kReservedSmemPerCta, dev.smem_per_block);
+  const StreamSmem fixed = StreamSmem::Make(K, L, pr.kda, c.d_stride, 0, pr.ring_bytes);
+  const int stage_bytes = kStreamStageRows * K * 4;
+  int nsw = std::min((budget - fixed.total) / (stage_bytes * kStreamConsumerWarps),
+                     kStreamMaxStages / kStreamConsumerWarps);
+  if (ov.stream_stages != 0) nsw = std::min(nsw, ov.stream_stages);
+  if (nsw * kStreamConsumerWarps < kStreamMinStages) return std::nullopt;
+  c.stages_per_warp = nsw;
+  c.smem = StreamSmem::Make(K, L, pr.kda, c.d_stride, nsw * kStreamConsumerWarps, pr.ring_bytes);
+  int64_t grid = std::min<int64_t>(items, int64_t{c.ctas_per_sm} * dev.sms);
+  if (ov.stream_grid > 0) grid = std::min<int64_t>(grid, ov.stream_grid);
+  plan.grid_x = static_cast<uint32_t>(grid);
+  plan.grid_y = 1;
+  plan.threads = kStreamThreads;
+  plan.smem_bytes = static_cast<size_t>(c.smem.total);
+  return plan;
+}
+
 bool UseBulk(const LaunchProblem& pr, const LaunchOverrides& ov) {
   switch (ov.step_kernel) {
     case LaunchOverrides::StepKernel::kTiled: return false;
@@ -227,6 +269,7 @@ const char* KernelRoleName(KernelRole role) {
     case KernelRole::kPrefill: return "prefill";
     case KernelRole::kBaseline: return "baseline";
     case KernelRole::kSmallReplay: return "small-replay";
+    case KernelRole::kStreamReplay: return "stream-replay";
   }
   return "unknown";
 }
@@ -272,6 +315,19 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
   if (ov.small_replay_rows != 0 && ov.small_replay_rows != 8 && ov.small_replay_rows != 16) {
     return Field("small_replay_rows", "0 (planned), 8 or 16", ov.small_replay_rows);
   }
+  if (ov.stream_min_batch < -1) {
+    return Field("stream_min_batch", "0 (planned), -1 (never) or >= 1", ov.stream_min_batch);
+  }
+  if (ov.stream_grid < 0) return Field("stream_grid", "0 (planned) or >= 1", ov.stream_grid);
+  if (ov.stream_ctas_per_sm < 0 || ov.stream_ctas_per_sm > kStreamCtasPerSm) {
+    return Field("stream_ctas_per_sm", "0 (planned) or 1.." + std::to_string(kStreamCtasPerSm),
+                 ov.stream_ctas_per_sm);
+  }
+  if (ov.stream_stages < 0 || ov.stream_stages > kStreamMaxStages / kStreamConsumerWarps) {
+    return Field("stream_stages",
+                 "0 (planned) or 1.." + std::to_string(kStreamMaxStages / kStreamConsumerWarps),
+                 ov.stream_stages);
+  }
   return "";
 }
 
@@ -282,7 +338,15 @@ std::optional<LaunchPlan> Plan(const LaunchProblem& pr, const DeviceLimits& dev,
     if (std::optional<LaunchPlan> baseline = PlanBaseline(pr, dev, ov)) return baseline;
   }
   if (pr.op == KernelOp::kReplay && ov.step_kernel == LaunchOverrides::StepKernel::kAuto) {
+    // The planned batches of the two do not meet; a forced stream kernel goes first.
+    const bool stream_first = ov.stream_min_batch > 0;
+    if (stream_first) {
+      if (std::optional<LaunchPlan> stream = PlanStreamReplay(pr, dev, ov)) return stream;
+    }
     if (std::optional<LaunchPlan> small = PlanSmallReplay(pr, dev, ov)) return small;
+    if (!stream_first) {
+      if (std::optional<LaunchPlan> stream = PlanStreamReplay(pr, dev, ov)) return stream;
+    }
   }
   if (UseBulk(pr, ov) && pr.batch <= kMaxGridY) {
     if (std::optional<LaunchPlan> bulk = PlanBulk(pr, dev, ov)) return bulk;
