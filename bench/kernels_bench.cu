@@ -95,7 +95,8 @@ Launch overrides (kernels/cuda/plan.h; default: planned):
   REPLAYSSM_CUDA_STREAM_MIN_B=-1|N      stream replay kernel: replay takes it from batch N
                                         (-1: never; default B * HV >= 512)
   REPLAYSSM_CUDA_STREAM_GRID=N          stream replay kernel: at most N persistent CTAs
-  REPLAYSSM_CUDA_STREAM_CTAS=1|2        stream replay kernel: CTAs per SM (2)
+  REPLAYSSM_CUDA_STREAM_CTAS=1..3       stream replay kernel: CTAs per SM (planned: 3 where
+                                        their shares of shared memory hold 4 stages, else 2)
   REPLAYSSM_CUDA_STREAM_NS=1..8         stream replay kernel: at most N S0 stages per warp
   REPLAYSSM_CUDA_VERBOSE=0|1            print each case's launch plan
 )";
@@ -227,7 +228,7 @@ Settings FromEnvironment() {
     o.stream_grid = static_cast<int>(ParseInt("REPLAYSSM_CUDA_STREAM_GRID", v, 1, 1 << 20));
   }
   if (const char* v = std::getenv("REPLAYSSM_CUDA_STREAM_CTAS")) {
-    o.stream_ctas_per_sm = static_cast<int>(ParseInt("REPLAYSSM_CUDA_STREAM_CTAS", v, 1, 2));
+    o.stream_ctas_per_sm = static_cast<int>(ParseInt("REPLAYSSM_CUDA_STREAM_CTAS", v, 1, 3));
   }
   if (const char* v = std::getenv("REPLAYSSM_CUDA_STREAM_NS")) {
     o.stream_stages = static_cast<int>(ParseInt("REPLAYSSM_CUDA_STREAM_NS", v, 1, 8));

@@ -271,7 +271,7 @@ cudaError_t LaunchSmallReplayFor(const LaunchPlan& plan, int device, const StepP
   }
 }
 
-template <typename R, bool KDA>
+template <typename R, bool KDA, int MINB>
 cudaError_t LaunchStreamReplayT(const LaunchPlan& plan, int device, const StepParams& sp,
                                 cudaStream_t stream) {
   const StreamConfig& c = plan.stream;
@@ -285,7 +285,8 @@ cudaError_t LaunchStreamReplayT(const LaunchPlan& plan, int device, const StepPa
   p.slot_idx = sp.slot_idx;
   p.write_pos = sp.write_pos;
   p.force_fold = sp.force_fold;
-  auto kernel = StreamReplayKernel<R, KDA>;
+  if (c.ctas_per_sm > MINB) return cudaErrorInvalidConfiguration;  // not this instantiation
+  auto kernel = StreamReplayKernel<R, KDA, MINB>;
   static FuncSmemLimit limit;  // one per instantiation
   const cudaError_t e = limit.Allow(kernel, device, plan.smem_bytes, true);
   if (e != cudaSuccess) return e;
@@ -309,8 +310,13 @@ cudaError_t LaunchStreamReplayFor(const LaunchPlan& plan, int device, const Step
   if constexpr (!std::is_same_v<T, float>) {
     return cudaErrorInvalidConfiguration;
   } else {
-    return p.ly.kda != 0 ? LaunchStreamReplayT<R, true>(plan, device, p, stream)
-                         : LaunchStreamReplayT<R, false>(plan, device, p, stream);
+    // Registers for 3 CTAs per SM, or for 2 (fewer CTAs take the latter).
+    if (plan.stream.ctas_per_sm == 3) {
+      return p.ly.kda != 0 ? LaunchStreamReplayT<R, true, 3>(plan, device, p, stream)
+                           : LaunchStreamReplayT<R, false, 3>(plan, device, p, stream);
+    }
+    return p.ly.kda != 0 ? LaunchStreamReplayT<R, true, 2>(plan, device, p, stream)
+                         : LaunchStreamReplayT<R, false, 2>(plan, device, p, stream);
   }
 }
 

@@ -203,12 +203,22 @@ constexpr int kStreamConsumerWarps = 4;
 constexpr int kStreamThreads = (kStreamConsumerWarps + 1) * 32;
 constexpr int kStreamStageRows = 8;   // rows per S0 stage (the bulk kernel's decode batch)
 constexpr int kStreamMaxStages = 32;  // an mbarrier pair each
-constexpr int kStreamCtasPerSm = 2;   // each with half the SM's shared memory
+// CTAs per SM: the most, up to kStreamMaxCtasPerSm, whose share of the SM's shared memory
+// still holds kStreamPlannedStages stages. Each CTA adds an item in flight, and the consumers'
+// chain per item, not the bytes in flight, bounds the kernel; but 4 stages a CTA (KDA at 3
+// CTAs) starve it (bench/results/kernels.md). A forced shape runs with kStreamMinStages.
+constexpr int kStreamMaxCtasPerSm = 3;
+constexpr int kStreamPlannedStages = 8;
 constexpr int kStreamMinStages = 4;
 constexpr int kStreamHeaders = 2;     // items whose records are in shared memory at once
-// Replay decode takes the stream kernel from this many (row, v-head) items: below it the
-// persistent CTAs get too few items each to stream across them (bench/results/kernels.md).
-constexpr int64_t kStreamMinRowHeads = 512;
+// Replay decode takes the stream kernel from this many (row, v-head) items, per gate: GDN from
+// B * HV = 512, where it measured faster than the bulk kernel; KDA never (its records leave 3
+// CTAs per SM 4 stages each, and at 2 it did not beat the bulk kernel; bench/results/kernels.md).
+constexpr int64_t kStreamMinRowHeadsGdn = 512;
+constexpr int64_t kStreamMinRowHeadsKda = INT64_MAX;
+RSSM_HOST_DEVICE constexpr int64_t StreamMinRowHeads(bool kda) {
+  return kda ? kStreamMinRowHeadsKda : kStreamMinRowHeadsGdn;
+}
 
 // One stream CTA's shared memory (byte offsets, multiples of 16). At 0 the mbarriers: stage
 // full[kStreamMaxStages], stage empty[kStreamMaxStages], header full[2], header empty[2]. Then

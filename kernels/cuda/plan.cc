@@ -204,15 +204,15 @@ std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceL
 }
 
 // The stream replay kernel: replay decode of an fp32 checkpoint at large batches (B * HV >=
-// kStreamMinRowHeads), on persistent CTAs that each get half an SM's shared memory, filled with
-// S0 stages; nullopt where its requirements (stream_replay_kernel.cuh) do not hold.
+// StreamMinRowHeads(kda)), on persistent CTAs that share an SM's shared memory, each filling its
+// share with S0 stages; nullopt where its requirements (stream_replay_kernel.cuh) do not hold.
 std::optional<LaunchPlan> PlanStreamReplay(const LaunchProblem& pr, const DeviceLimits& dev,
                                            const LaunchOverrides& ov) {
   const int K = pr.head_k, V = pr.head_v, L = pr.ring_len;
   const int64_t items = pr.batch * pr.num_v_heads;
   const bool wanted = ov.stream_min_batch != 0 ? ov.stream_min_batch > 0 &&
                                                      pr.batch >= ov.stream_min_batch
-                                               : items >= kStreamMinRowHeads;
+                                               : items >= StreamMinRowHeads(pr.kda);
   const int per_item_rows = kStreamConsumerWarps * kStreamStageRows;
   if (!wanted || pr.op != KernelOp::kReplay || pr.state_bytes != 4 || K > 128 || K % 16 != 0 ||
       V > 128 || V % per_item_rows != 0 || L < 1 || L > 32 || (!pr.kda && L % 4 != 0) ||
@@ -224,14 +224,25 @@ std::optional<LaunchPlan> PlanStreamReplay(const LaunchProblem& pr, const Device
   plan.role = KernelRole::kStreamReplay;
   StreamConfig& c = plan.stream;
   c.d_stride = DStride(V, pr.ring_bytes);
-  // Half the SM's shared memory per CTA; as many stages per warp as fit in it.
-  c.ctas_per_sm = ov.stream_ctas_per_sm != 0 ? ov.stream_ctas_per_sm : kStreamCtasPerSm;
-  const int budget =
-      std::min(dev.smem_per_sm / c.ctas_per_sm - kReservedSmemPerCta, dev.smem_per_block);
+  // The most CTAs per SM whose share of its shared memory holds kStreamPlannedStages stages;
+  // as many stages per consumer warp as fit in that share.
   const StreamSmem fixed = StreamSmem::Make(K, L, pr.kda, c.d_stride, 0, pr.ring_bytes);
   const int stage_bytes = kStreamStageRows * K * 4;
-  int nsw = std::min((budget - fixed.total) / (stage_bytes * kStreamConsumerWarps),
-                     kStreamMaxStages / kStreamConsumerWarps);
+  auto stages_per_warp = [&](int ctas) {
+    const int budget =
+        std::min(dev.smem_per_sm / ctas - kReservedSmemPerCta, dev.smem_per_block);
+    return std::min((budget - fixed.total) / (stage_bytes * kStreamConsumerWarps),
+                    kStreamMaxStages / kStreamConsumerWarps);
+  };
+  c.ctas_per_sm = ov.stream_ctas_per_sm;
+  if (c.ctas_per_sm == 0) {
+    c.ctas_per_sm = kStreamMaxCtasPerSm;
+    while (c.ctas_per_sm > 1 &&
+           stages_per_warp(c.ctas_per_sm) * kStreamConsumerWarps < kStreamPlannedStages) {
+      --c.ctas_per_sm;
+    }
+  }
+  int nsw = stages_per_warp(c.ctas_per_sm);
   if (ov.stream_stages != 0) nsw = std::min(nsw, ov.stream_stages);
   if (nsw * kStreamConsumerWarps < kStreamMinStages) return std::nullopt;
   c.stages_per_warp = nsw;
@@ -319,8 +330,8 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
     return Field("stream_min_batch", "0 (planned), -1 (never) or >= 1", ov.stream_min_batch);
   }
   if (ov.stream_grid < 0) return Field("stream_grid", "0 (planned) or >= 1", ov.stream_grid);
-  if (ov.stream_ctas_per_sm < 0 || ov.stream_ctas_per_sm > kStreamCtasPerSm) {
-    return Field("stream_ctas_per_sm", "0 (planned) or 1.." + std::to_string(kStreamCtasPerSm),
+  if (ov.stream_ctas_per_sm < 0 || ov.stream_ctas_per_sm > kStreamMaxCtasPerSm) {
+    return Field("stream_ctas_per_sm", "0 (planned) or 1.." + std::to_string(kStreamMaxCtasPerSm),
                  ov.stream_ctas_per_sm);
   }
   if (ov.stream_stages < 0 || ov.stream_stages > kStreamMaxStages / kStreamConsumerWarps) {

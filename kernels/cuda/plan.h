@@ -79,11 +79,11 @@ struct LaunchOverrides {
   int64_t small_replay_max_batch = 0;
   int small_replay_rows = 0;
   // The stream replay kernel (kAuto only): replay decode takes it from this batch (0: planned,
-  // B * HV >= kStreamMinRowHeads; -1: never) on `stream_grid` CTAs (0: planned; else at most
+  // B * HV >= StreamMinRowHeads(kda); -1: never) on `stream_grid` CTAs (0: planned; else at most
   // this many, each then walking more items: the tests' way to wrap the stage rings).
   int64_t stream_min_batch = 0;
   int stream_grid = 0;
-  int stream_ctas_per_sm = 0;  // 0: kStreamCtasPerSm; 1 or 2 (the shared memory per CTA)
+  int stream_ctas_per_sm = 0;  // 1..kStreamMaxCtasPerSm (0: planned; the shared memory per CTA)
   int stream_stages = 0;       // S0 stages per consumer warp: 0 as many as fit, else at most
 };
 

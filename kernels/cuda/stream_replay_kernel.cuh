@@ -1,7 +1,7 @@
 // The stream replay kernel: replay decode of an fp32 checkpoint at large batches, with the
 // checkpoint's bytes kept in flight across items rather than per CTA.
 //
-// Persistent CTAs (kStreamCtasPerSm per SM, each half the SM's shared memory), warp-specialized:
+// Persistent CTAs (up to kStreamMaxCtasPerSm per SM, sharing its shared memory), warp-specialized:
 //   - the producer warp (its lane 0) walks the CTA's items (item i = (row, v-head), i = CTA,
 //     CTA + grid, ...): it loads the next item's slot and cursor while it issues this one's,
 //     copies the item's ring records (k, g, one copy per record of d into padded rows) into one
@@ -13,11 +13,12 @@
 //     that a wait on a stage's parity can never see a fill two rounds old.)
 //   - the consumer warps take the item's tokens (loaded one item ahead into registers), the
 //     record dots (one unit of 4 records a warp), one named barrier, then the rows: stage s of
-//     the item is warp (s mod NC)'s, read into registers, released, contracted, finished, and
-//     folded when the row folds; then the header is released.
+//     the item is warp (s mod NC)'s, contracted a row at a time, finished, folded when the row
+//     folds, and released; then the header is released.
 // Every value is the bulk kernel's replay decode in its order (NormalizeQk, DotUnit, Contract,
-// AddRingTerms, FinishRows, FoldBatch of bulk_step_kernel.cuh, with the rows read into
-// registers as fp32 decode does): the two give the same bits, and the GPU tests check it.
+// AddRingTerms, FinishRows, FoldBatch of bulk_step_kernel.cuh): the two give the same bits,
+// and the GPU tests check it. Registers: ~125, so that 3 CTAs fit an SM (at 128 with spills,
+// 3 CTAs ran up to 27% slower than 2; bench/results/kernels.md).
 // Requirements (the planner's, PlanStreamReplay): fp32 checkpoint; K <= 128, a multiple of 16;
 // V <= 128, a multiple of NC * kStreamStageRows (every warp the same stages per item); L <= 32 (GDN: a multiple of 4, its g row goes in
 // 16-byte units); every pool array 16-byte aligned.
@@ -141,8 +142,8 @@ struct StreamCta {
       const int w = min(max(wp, 0), L);
       const bool fold = w + 1 >= L || ff != 0;
       const int hb = it & 1;
+      // The consumers fenced their accesses to the header before releasing it.
       MbarWait(hempty + hb, ((it >> 1) & 1) ^ 1u);
-      FenceProxyAsync();  // the consumers' accesses to the header before the copy engine's
       unsigned char* const hdr = Header(hb);
       *reinterpret_cast<StreamMeta*>(hdr + p.sm.h_meta) =
           StreamMeta{pad ? 1 : 0, static_cast<int32_t>(sl), w, fold ? 1 : 0};
@@ -167,8 +168,7 @@ struct StreamCta {
 #pragma unroll
           for (int c = 0; c < NC; ++c) {
             const int b = c * p.nsw + wslot;
-            MbarWait(empty + b, wphase ^ 1u);
-            FenceProxyAsync();
+            MbarWait(empty + b, wphase ^ 1u);  // the consumer read the stage into registers
             MbarExpectTx(full + b, stage_bytes);
             BulkLoadStream(stages + int64_t{b} * RB * K, s0 + int64_t(s0w + c) * RB * K,
                            stage_bytes, full + b);
@@ -233,11 +233,32 @@ struct StreamCta {
     int r, h, hq, w;
     bool fold;
     int64_t slot;
-    const R* ds;     // header: [L][dst] records' d
-    const R* krs;    // header: [L][K] records' k
-    const float* gs; // header: [L][kg]
-    float* kws;      // [L][K] W_j∘k_j (fold)
-    float *us, *ps, *kas, *qas, *avs, *kns;
+    // Shared memory, as 32-bit addresses off the CTA's base (cheap to keep: 3 CTAs per SM
+    // budget ~130 registers): the header and the scratch set of the item.
+    uint32_t hdr, sc;
+    const StreamParams* pp;
+    unsigned char* base;
+    __device__ __forceinline__ const R* ds() const {  // [L][dst] records' d
+      return reinterpret_cast<const R*>(base + hdr + pp->sm.h_d);
+    }
+    __device__ __forceinline__ const R* krs() const {  // [L][K] records' k
+      return reinterpret_cast<const R*>(base + hdr + pp->sm.h_k);
+    }
+    __device__ __forceinline__ const float* gs() const {  // [L][kg]
+      return reinterpret_cast<const float*>(base + hdr + pp->sm.h_g);
+    }
+    __device__ __forceinline__ float* kws() const {  // [L][K] W_j∘k_j (fold)
+      return reinterpret_cast<float*>(base + hdr + pp->sm.h_kw);
+    }
+    __device__ __forceinline__ float* F(int32_t o) const {
+      return reinterpret_cast<float*>(base + sc + o);
+    }
+    __device__ __forceinline__ float* us() const { return F(pp->sm.s_u); }
+    __device__ __forceinline__ float* ps() const { return F(pp->sm.s_p); }
+    __device__ __forceinline__ float* kas() const { return F(pp->sm.s_ka); }
+    __device__ __forceinline__ float* qas() const { return F(pp->sm.s_qa); }
+    __device__ __forceinline__ float* avs() const { return F(pp->sm.s_av); }
+    __device__ __forceinline__ float* kns() const { return F(pp->sm.s_kn); }
   };
 
   // Unit bi of the record dots (bulk_step_kernel.cuh DotUnit at t = 0): records w-1-bi*G down
@@ -252,8 +273,8 @@ struct StreamCta {
 #pragma unroll
     for (int e = 0; e < KC; ++e) acc[e] = KDA ? (has_c ? tg[e] : 0.f) : tg[0];
     auto gate = [&](int i, int e) -> float {
-      if constexpr (KDA) return x.gs[i * K + c0 + e];
-      return x.gs[i];
+      if constexpr (KDA) return x.gs()[i * K + c0 + e];
+      return x.gs()[i];
     };
     for (int i = P - 1; i > jtop; --i) {
       if constexpr (KDA) {
@@ -278,7 +299,7 @@ struct StreamCta {
             const float gj = KDA ? 0.f : gate(j, 0);
             const float wj = KDA ? 0.f : expf(acc[0]);
             Slice<R, KC> kr;
-            LoadSmemSlice(kr, x.krs + j * K + c0);
+            LoadSmemSlice(kr, x.krs() + j * K + c0);
             Slice<float, KC> kw;
 #pragma unroll
             for (int e = 0; e < KC; ++e) {
@@ -288,7 +309,7 @@ struct StreamCta {
               kw.Set(e, y);
               acc[e] += KDA ? gate(j, e) : gj;
             }
-            if (x.fold) StoreSmemSlice(x.kws + j * K + c0, kw);
+            if (x.fold) StoreSmemSlice(x.kws() + j * K + c0, kw);
           } else if (!KDA) {
             const float gj = gate(j, 0);
 #pragma unroll
@@ -302,55 +323,68 @@ struct StreamCta {
       constexpr int kSpread = 32 / (2 * G);
       const int i = lane / kSpread;
       const int j = jtop - (i % G);
-      if (lane % kSpread == 0 && j >= 0) (i < G ? x.us : x.ps)[j] = v[0];
+      if (lane % kSpread == 0 && j >= 0) (i < G ? x.us() : x.ps())[j] = v[0];
     }
     if (jtop < G && has_c) {  // the unit that reached record 0: acc is the whole decay
 #pragma unroll
       for (int e = 0; e < KC; ++e) {
         const float A = expf(acc[e]);
-        x.kas[c0 + e] = A * kk[e];
-        x.qas[c0 + e] = A * q[e];
-        x.avs[c0 + e] = A;
+        x.kas()[c0 + e] = A * kk[e];
+        x.qas()[c0 + e] = A * q[e];
+        x.avs()[c0 + e] = A;
       }
     }
   }
 
-  // The new checkpoint rows of a folding item's stage (bulk FoldBatch with the rows in
-  // registers): S0·A + Σ_j d_j (W_j∘k_j) + d k, in the CPU's order per element.
-  __device__ __forceinline__ void FoldStage(const Item& x, const Slice<T, KC> (&xs)[RB], int rb0,
-                                            float dcur, const float (&kn0)[KC],
-                                            const float (&av)[KC], bool has_c) const {
+  // The new checkpoint rows of a folding item's stage (bulk FoldBatch; the rows read from the
+  // stage at st): S0·A + Σ_j d_j (W_j∘k_j) + d k, in the CPU's order per element.
+  // FR rows at a time (the accumulators of 3 CTAs per SM's register budget).
+  __device__ __forceinline__ void FoldStage(const Item& x, const T* st, int rb0, float dcur,
+                                            bool has_c) const {
+    constexpr int FR = 4;
+    static_assert(RB % FR == 0, "fold row groups");
     const int c0 = lane * KC;
-    float out[RB][KC];
-    if (has_c) {
+    float kn0[KC], av[KC];  // the normalized k as the ring holds it; A
 #pragma unroll
-      for (int i = 0; i < RB; ++i) {
-#pragma unroll
-        for (int e = 0; e < KC; ++e) out[i][e] = xs[i].Get(e) * av[e];
-      }
-#pragma unroll 2
-      for (int j = 0; j < x.w; ++j) {
-        Slice<R, RB> dj;
-        LoadSmemSlice(dj, x.ds + j * p.dst + rb0);
-        Slice<float, KC> kw;
-        LoadSmemSlice(kw, x.kws + j * K + c0);
-#pragma unroll
-        for (int i = 0; i < RB; ++i) {
-          const float d = dj.Get(i);
-#pragma unroll
-          for (int e = 0; e < KC; ++e) out[i][e] += d * kw.Get(e);
-        }
-      }
+    for (int e = 0; e < KC; ++e) {
+      kn0[e] = has_c ? x.kns()[c0 + e] : 0.f;
+      av[e] = has_c ? x.avs()[c0 + e] : 0.f;
     }
     T* const s0 = static_cast<T*>(ly.ckpt) + x.slot * ly.ckpt_stride + int64_t{x.h} * V * K;
 #pragma unroll
-    for (int i = 0; i < RB; ++i) {
-      const float di = __shfl_sync(0xffffffffu, dcur, i);  // the row's d, as stored
-      if (!has_c) continue;
-      Slice<T, KC> y;
+    for (int i0 = 0; i0 < RB; i0 += FR) {
+      float out[FR][KC];
+      if (has_c) {
 #pragma unroll
-      for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn0[e]);
-      StoreSlice(s0 + int64_t(rb0 + i) * K + c0, y, true);
+        for (int i = 0; i < FR; ++i) {
+          Slice<T, KC> xr;
+          LoadSmemSlice(xr, st + (i0 + i) * K);
+#pragma unroll
+          for (int e = 0; e < KC; ++e) out[i][e] = xr.Get(e) * av[e];
+        }
+#pragma unroll 2
+        for (int j = 0; j < x.w; ++j) {
+          Slice<R, FR> dj;
+          LoadSmemSlice(dj, x.ds() + j * p.dst + rb0 + i0);
+          Slice<float, KC> kw;
+          LoadSmemSlice(kw, x.kws() + j * K + c0);
+#pragma unroll
+          for (int i = 0; i < FR; ++i) {
+            const float d = dj.Get(i);
+#pragma unroll
+            for (int e = 0; e < KC; ++e) out[i][e] += d * kw.Get(e);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < FR; ++i) {
+        const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // the row's d, as stored
+        if (!has_c) continue;
+        Slice<T, KC> y;
+#pragma unroll
+        for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn0[e]);
+        StoreSlice(s0 + int64_t(rb0 + i0 + i) * K + c0, y, true);
+      }
     }
   }
 
@@ -389,17 +423,10 @@ struct StreamCta {
         continue;
       }
       x.w = m.w, x.fold = m.fold != 0, x.slot = m.slot;
-      x.ds = reinterpret_cast<const R*>(hdr + p.sm.h_d);
-      x.krs = reinterpret_cast<const R*>(hdr + p.sm.h_k);
-      x.gs = reinterpret_cast<const float*>(hdr + p.sm.h_g);
-      x.kws = reinterpret_cast<float*>(hdr + p.sm.h_kw);
-      unsigned char* const sc = Scratch(live++ & 1);
-      x.us = reinterpret_cast<float*>(sc + p.sm.s_u);
-      x.ps = reinterpret_cast<float*>(sc + p.sm.s_p);
-      x.kas = reinterpret_cast<float*>(sc + p.sm.s_ka);
-      x.qas = reinterpret_cast<float*>(sc + p.sm.s_qa);
-      x.avs = reinterpret_cast<float*>(sc + p.sm.s_av);
-      x.kns = reinterpret_cast<float*>(sc + p.sm.s_kn);
+      x.hdr = static_cast<uint32_t>(hdr - smem);
+      x.sc = static_cast<uint32_t>(Scratch(live++ & 1) - smem);
+      x.pp = &p;
+      x.base = smem;
 
       // The token: norms, gates, beta (the bulk kernel's expressions).
       float q[KC], kk[KC], tg[KC];
@@ -426,7 +453,7 @@ struct StreamCta {
       if (warp == 0) {
         if (x.fold && has_c) {
 #pragma unroll
-          for (int e = 0; e < KC; ++e) x.kns[c0 + e] = RoundTo<R>(kk[e]);  // as the ring holds it
+          for (int e = 0; e < KC; ++e) x.kns()[c0 + e] = RoundTo<R>(kk[e]);  // as the ring holds it
         }
         if (!x.fold && P < L) {  // the ring appends of k (once per qk-head group) and g
           if (has_c) {
@@ -449,16 +476,8 @@ struct StreamCta {
       NamedBarrierSync(1, NC * 32);
 
       // The rows: stage s of the item is warp (s mod NC)'s.
-      float ka[KC], qa[KC], kn0[KC], av[KC];
-#pragma unroll
-      for (int e = 0; e < KC; ++e) {
-        ka[e] = has_c ? x.kas[c0 + e] : 0.f;
-        qa[e] = has_c ? x.qas[c0 + e] : 0.f;
-        kn0[e] = x.fold && has_c ? x.kns[c0 + e] : 0.f;
-        av[e] = x.fold && has_c ? x.avs[c0 + e] : 0.f;
-      }
-      const float ur = lane < x.w ? x.us[lane] : 0.f;
-      const float pr = lane < x.w ? x.ps[lane] : 0.f;
+      const float ur = lane < x.w ? x.us()[lane] : 0.f;
+      const float pr = lane < x.w ? x.ps()[lane] : 0.f;
       R* const rdw = RingD(x.slot, x.h) + int64_t{P} * V;
       const int64_t orow = tok * ly.o_stride + int64_t{x.h} * V;
       for (int s = warp; s < nsi; s += NC) {
@@ -466,31 +485,31 @@ struct StreamCta {
           const int rb0 = s * RB;
           const int b = warp * p.nsw + wslot;
           MbarWait(full + b, wphase);
+          // The stage is read a row at a time and released once the row is done (its fold
+          // reads it again): no stage's rows held in registers, for 3 CTAs per SM.
           const T* const st = stages + int64_t{b} * RB * K + c0;
-          Slice<T, KC> xs[RB];
-          if (has_c) {
-#pragma unroll
-            for (int i = 0; i < RB; ++i) LoadSmemSlice(xs[i], st + i * K);
-          }
-          __syncwarp();
-          if (lane == 0) MbarArrive(empty + b);  // the stage's rows are in registers
           float acc[NV];
 #pragma unroll
           for (int i = 0; i < NV; ++i) acc[i] = 0.f;
-          if (has_c) {
+          if (has_c) {  // A∘k, A∘q from shared memory per stage (registers: 3 CTAs per SM)
+            Slice<float, KC> ka, qa;
+            LoadSmemSlice(ka, x.kas() + c0);
+            LoadSmemSlice(qa, x.qas() + c0);
 #pragma unroll
             for (int i = 0; i < RB; ++i) {
+              Slice<T, KC> xr;
+              LoadSmemSlice(xr, st + i * K);
 #pragma unroll
               for (int e = 0; e < KC; ++e) {
-                const float sv = xs[i].Get(e);
-                acc[i * 2] += sv * ka[e];
-                acc[i * 2 + 1] += sv * qa[e];
+                const float sv = xr.Get(e);
+                acc[i * 2] += sv * ka.Get(e);
+                acc[i * 2 + 1] += sv * qa.Get(e);
               }
             }
           }
           if (lane < x.w) {  // the ring terms: lane j holds record j
             Slice<R, RB> dl;
-            LoadSmemSlice(dl, x.ds + lane * p.dst + rb0);
+            LoadSmemSlice(dl, x.ds() + lane * p.dst + rb0);
 #pragma unroll
             for (int i = 0; i < RB; ++i) {
               const float y = dl.Get(i);
@@ -511,7 +530,9 @@ struct StreamCta {
             StoreAct(ly.o, orow + v, dt, o);
             if (!x.fold) rdw[v] = dr;
           }
-          if (x.fold) FoldStage(x, xs, rb0, dcur, kn0, av, has_c);
+          if (x.fold) FoldStage(x, st, rb0, dcur, has_c);
+          __syncwarp();
+          if (lane == 0) MbarArrive(empty + b);  // every lane is done with the stage
         }
         if (++wslot == p.nsw) wslot = 0, wphase ^= 1u;
       }
@@ -524,9 +545,10 @@ struct StreamCta {
 };
 
 // Grid: min(items, CTAs per SM x SMs) persistent CTAs of kStreamThreads threads (the last warp
-// the producer), dynamic shared memory StreamSmem::total.
-template <typename R, bool KDA>
-__global__ void __launch_bounds__(kStreamThreads, kStreamCtasPerSm)
+// the producer), dynamic shared memory StreamSmem::total; registers budgeted for MINB CTAs per
+// SM (StreamConfig::ctas_per_sm).
+template <typename R, bool KDA, int MINB>
+__global__ void __launch_bounds__(kStreamThreads, MINB)
     StreamReplayKernel(const __grid_constant__ StreamParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   StreamCta<R, KDA> cta(p, smem);

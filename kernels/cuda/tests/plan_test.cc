@@ -57,22 +57,23 @@ int CtasPerSm(const LaunchPlan& plan) {
 
 // fp32 replay takes the small-batch kernel while B * HV <= SmallReplayMaxRowHeads(kda) (at
 // HV = 32: GDN up to B = 4, KDA up to B = 2), then the bulk kernel, then from B * HV >=
-// kStreamMinRowHeads the stream kernel; a 16-bit state always the bulk kernel.
+// StreamMinRowHeads(kda) the stream kernel; a 16-bit state always the bulk kernel.
 TEST(Plan, ReplayTakesTheSmallKernelAtSmallBatchesThenTheBulkKernel) {
   for (int64_t b : {1, 2, 3, 4, 5, 8, 16, 64, 256, 4096}) {
     const bool small = b <= 4;
     const bool small_kda = b <= 2;
-    const bool stream = b * 32 >= kStreamMinRowHeads;
+    const bool stream = b * 32 >= StreamMinRowHeads(false);
     for (bool kda : {false, true}) {
+      const bool stream_here = b * 32 >= StreamMinRowHeads(kda);
       for (int ring_bytes : {4, 2}) {
         EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, kda, 4, ring_bytes)).role,
-                  stream ? KernelRole::kStreamReplay
-                         : (kda ? small_kda : small) ? KernelRole::kSmallReplay
-                                                     : KernelRole::kBulkStep)
+                  stream_here ? KernelRole::kStreamReplay
+                  : (kda ? small_kda : small) ? KernelRole::kSmallReplay
+                                              : KernelRole::kBulkStep)
             << "batch " << b << " kda " << kda << " ring bytes " << ring_bytes;
       }
     }
-    if (stream) {
+    if (stream || b * 32 >= StreamMinRowHeads(true)) {
       EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, false, 2)).role, KernelRole::kBulkStep);
       continue;
     }
@@ -434,23 +435,27 @@ TEST(Plan, OverridesForceTheCtaShapeAndCopies) {
   EXPECT_TRUE(c.vec_s0);  // the fold's stores do not depend on the copy engine
 }
 
-// The stream kernel: persistent CTAs, two per SM, each with as many S0 stages per consumer
-// warp as half the SM's shared memory holds; never more CTAs than items.
-TEST(Plan, StreamReplayFillsHalfAnSmWithStages) {
+// The stream kernel: persistent CTAs, as many per SM (up to kStreamMaxCtasPerSm) as keep
+// kStreamPlannedStages stages each (GDN 3, KDA's larger records 2), each with as many S0 stages
+// per consumer warp as its share of the SM's shared memory holds; never more CTAs than items.
+TEST(Plan, StreamReplayFillsItsShareOfAnSmWithStages) {
   for (bool kda : {false, true}) {
     for (int ring_bytes : {4, 2}) {
-      const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 64, kda, 4, ring_bytes));
+      LaunchOverrides forced;  // KDA is not planned on it (StreamMinRowHeads)
+      forced.stream_min_batch = kda ? 1 : 0;
+      const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 256, kda, 4, ring_bytes), forced);
       ASSERT_EQ(plan.role, KernelRole::kStreamReplay);
       const StreamConfig& c = plan.stream;
-      EXPECT_EQ(c.ctas_per_sm, kStreamCtasPerSm);
-      EXPECT_EQ(plan.grid_x, static_cast<uint32_t>(kStreamCtasPerSm * kH200.sms));
+      EXPECT_EQ(c.ctas_per_sm, kda ? 2 : 3) << "kda " << kda;
+      EXPECT_EQ(plan.grid_x, static_cast<uint32_t>(c.ctas_per_sm * kH200.sms));
       EXPECT_EQ(plan.threads, kStreamThreads);
       EXPECT_EQ(plan.smem_bytes, static_cast<size_t>(c.smem.total));
-      EXPECT_LE(kStreamCtasPerSm * (c.smem.total + 1024), kH200.smem_per_sm);
-      EXPECT_GT(kStreamCtasPerSm * (c.smem.total + 1024 + kStreamConsumerWarps * 8 * 128 * 4),
+      EXPECT_LE(c.ctas_per_sm * (c.smem.total + 1024), kH200.smem_per_sm);
+      EXPECT_GT(c.ctas_per_sm * (c.smem.total + 1024 + kStreamConsumerWarps * 8 * 128 * 4),
                 kH200.smem_per_sm)
           << "one more stage per warp would not fit";
-      EXPECT_GE(c.stages_per_warp * kStreamConsumerWarps, kStreamMinStages);
+      EXPECT_GE(c.stages_per_warp * kStreamConsumerWarps, kStreamPlannedStages);
+      EXPECT_EQ(c.stages_per_warp, kda ? 3 : 2);
       EXPECT_EQ(c.d_stride, 128 + 16 / ring_bytes);
       EXPECT_EQ(c.smem.s0 % 16, 0);
       EXPECT_EQ(c.smem.hdr_bytes % 16, 0);
@@ -462,13 +467,26 @@ TEST(Plan, StreamReplayFillsHalfAnSmWithStages) {
   EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 1), ov).grid_x, 32u);  // one CTA per item
   ov.stream_grid = 5;
   EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 1), ov).grid_x, 5u);
+  ov = {};
+  ov.stream_ctas_per_sm = 2;
+  const LaunchPlan two = PlanOf(Shape(KernelOp::kReplay, 256), ov);
+  EXPECT_EQ(two.stream.ctas_per_sm, 2);
+  EXPECT_EQ(two.stream.stages_per_warp, 4);
+  EXPECT_EQ(two.grid_x, 2u * kH200.sms);
+  ov.stream_ctas_per_sm = 3;  // KDA forced to 3 CTAs: one stage per warp
+  ov.stream_min_batch = 1;
+  const LaunchPlan three = PlanOf(Shape(KernelOp::kReplay, 256, true), ov);
+  EXPECT_EQ(three.stream.ctas_per_sm, 3);
+  EXPECT_EQ(three.stream.stages_per_warp, 1);
 }
 
 // What the stream kernel requires (stream_replay_kernel.cuh); elsewhere replay keeps the bulk
 // kernel.
 TEST(Plan, StreamReplayNeedsAnAlignedFp32PoolAndItsShapes) {
-  auto role = [](LaunchProblem p) { return PlanOf(p).role; };
-  LaunchProblem p = Shape(KernelOp::kReplay, 64);
+  LaunchOverrides from1;
+  from1.stream_min_batch = 1;
+  auto role = [&from1](LaunchProblem p) { return PlanOf(p, from1).role; };
+  LaunchProblem p = Shape(KernelOp::kReplay, 256);
   EXPECT_EQ(role(p), KernelRole::kStreamReplay);
   for (auto unalign : {&LaunchProblem::checkpoint_aligned, &LaunchProblem::ring_d_aligned,
                        &LaunchProblem::ring_k_aligned, &LaunchProblem::ring_g_aligned}) {
@@ -481,13 +499,17 @@ TEST(Plan, StreamReplayNeedsAnAlignedFp32PoolAndItsShapes) {
         {128, 256, 16, false, false}, {128, 48, 16, false, false}, {128, 96, 16, false, true},
         {64, 64, 8, false, true}, {128, 128, 6, false, false}, {128, 128, 6, true, true},
         {128, 128, 64, true, false}, {128, 128, 32, false, true}}) {
-    LaunchProblem q = Shape(KernelOp::kReplay, 64, kda);
+    LaunchProblem q = Shape(KernelOp::kReplay, 256, kda);
     q.head_k = k, q.head_v = v, q.ring_len = l;
     EXPECT_EQ(role(q) == KernelRole::kStreamReplay, stream)
         << "K " << k << " V " << v << " L " << l << " kda " << kda;
   }
   EXPECT_EQ(role(Shape(KernelOp::kBaseline, 256)), KernelRole::kBaseline);
   EXPECT_EQ(role(Shape(KernelOp::kVerify, 256)), KernelRole::kBulkStep);
+  // Planned: GDN from B * HV = 512; KDA keeps the bulk kernel.
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 16)).role, KernelRole::kStreamReplay);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 15)).role, KernelRole::kBulkStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 4096, true)).role, KernelRole::kBulkStep);
   LaunchOverrides bulk;
   bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
   EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 256), bulk).role, KernelRole::kBulkStep);
