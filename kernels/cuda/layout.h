@@ -77,19 +77,18 @@ struct SmemLayout {
 };
 
 // ---- the baseline kernel (baseline_kernel.cuh) -----------------------------------------------
-// The planned CTA (issue 20, peer method, fp32 state, B = 1..256; bench/results/kernels.md): one
-// warp of 8 state rows at K <= 128 (4 channels per lane; half the rows at K > 128, whose lanes
-// hold 8) — one-warp CTAs measured 1..2.5% faster than two- or four-warp ones of the same rows
-// at B >= 64; 16 rows once the batch has kBaselineWideHeadsPerSm v-heads per SM: twice the bytes
-// in flight per token prologue, at 168 registers (−1.4% at B = 256, +1.7% at B = 64, +11% at
-// B = 1).
+// The planned CTA (issue 20; the figures in bench/results/kernels.md): one warp of 8 state rows
+// at K <= 128 (4 channels per lane; half the rows at K > 128, whose lanes hold 8) — one-warp
+// CTAs measured faster than two- or four-warp ones of the same rows at B >= 64; 16 rows once the
+// batch has kBaselineWideHeadsPerSm v-heads per SM: twice the bytes in flight per token
+// prologue, at 168 registers (faster at the largest batches only).
 constexpr int kBaselineWarps = 1;
 constexpr int kBaselineRowsPerWarp = 8;
 constexpr int kBaselineRowsPerWarpWide = 16;
 constexpr int kBaselineWideHeadsPerSm = 32;
 // How the baseline kernel loads and stores the state (BaselineConfig::cache): plain, no hint
-// (−0.2..−2.8% against .cs at B >= 64; kCacheKeepStores was faster still in the peer method, but
-// leaves dead state lines in L2 at high priority for the kernels after it).
+// (faster than .cs at B >= 64; kCacheKeepStores was faster still in the peer method, but leaves
+// dead state lines in L2 at high priority for the kernels after it).
 enum BaselineCache : int32_t {
   kCacheStream = 1,      // ld.global.cs, st.global.cs (evict-first)
   kCacheNoL1 = 2,        // ld.global.nc.L1::no_allocate, st.global.cs
@@ -151,12 +150,11 @@ struct BulkSmem {
 };
 
 // ---- the small-batch replay kernel (small_replay_kernel.cuh) --------------------------------
-// The planned rows per warp (the baseline kernel's; 16 rows measured 6% slower at B = 1 in
-// one-warp CTAs, and no faster in the 4-warp ones), and the batch up to which replay decode takes
-// the kernel, per gate: GDN while B * HV <= 128, KDA while B * HV <= 64. At HV = 32, against the
-// bulk kernel (peer method, bench/results/kernels.md): GDN −24 / −15 / −7% at B = 1 / 2 / 4,
-// −1% at B = 8 (graph method +4%: not taken); KDA −22 / −13% at B = 1 / 2, +10% at B = 4 (its
-// per-channel gates' chain is repeated by each of a head's CTAs).
+// The planned rows per warp (the baseline kernel's; 16 rows measured slower at B = 1 in one-warp
+// CTAs, and no faster in the 4-warp ones), and the batch up to which replay decode takes the
+// kernel, per gate: GDN while B * HV <= 128, KDA while B * HV <= 64 — where it measured faster
+// than the bulk kernel (bench/results/kernels.md; KDA's per-channel gates' chain is repeated by
+// each of a head's CTAs, which costs more from B = 4 at HV = 32).
 constexpr int kSmallReplayRowsPerWarp = 8;
 constexpr int kSmallReplayMaxRowHeadsGdn = 128;
 constexpr int kSmallReplayMaxRowHeadsKda = 64;
@@ -210,7 +208,7 @@ constexpr int kStreamMaxStages = 32;  // an mbarrier pair each
 constexpr int kStreamMaxCtasPerSm = 3;
 constexpr int kStreamPlannedStages = 8;
 constexpr int kStreamMinStages = 4;
-constexpr int kStreamHeaders = 2;     // items whose records are in shared memory at once
+constexpr int kStreamHeaders = 2;  // items whose records are in shared memory at once
 // Replay decode takes the stream kernel from this many (row, v-head) items, per gate: GDN from
 // B * HV = 512, where it measured faster than the bulk kernel; KDA never (its records leave 3
 // CTAs per SM 4 stages each, and at 2 it did not beat the bulk kernel; bench/results/kernels.md).

@@ -20,11 +20,11 @@ namespace replayssm::kernels::cuda {
 
 // The kernels, by role.
 enum class KernelRole {
-  kTiledStep,    // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
-  kBulkStep,     // bulk-staged step: S0 through shared-memory stages filled by the copy engine
-  kPrefill,      // prefill and the fold op: the state in registers for the whole row
-  kBaseline,     // baseline decode: small CTAs, each a few of a head's state rows in registers
-  kSmallReplay,  // replay decode at small batch: CTAs of 4 baseline warps, records copied
+  kTiledStep,     // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
+  kBulkStep,      // bulk-staged step: S0 through shared-memory stages filled by the copy engine
+  kPrefill,       // prefill and the fold op: the state in registers for the whole row
+  kBaseline,      // baseline decode: small CTAs, each a few of a head's state rows in registers
+  kSmallReplay,   // replay decode at small batch: CTAs of 4 baseline warps, records copied
   kStreamReplay,  // replay decode at large batch: persistent CTAs, a producer warp streaming S0
 };
 // "tiled", "bulk", "prefill", "baseline", "small-replay", "stream-replay"
@@ -133,10 +133,10 @@ struct SmallReplayConfig {  // kSmallReplay
   SmallReplaySmem smem{};
 };
 
-struct StreamConfig {  // kStreamReplay
+struct StreamConfig {       // kStreamReplay
   int stages_per_warp = 0;  // nsw: each consumer warp's ring of S0 stages
   int ctas_per_sm = 0;
-  int d_stride = 0;         // ring-dtype elements per ring d row in shared memory
+  int d_stride = 0;  // ring-dtype elements per ring d row in shared memory
   StreamSmem smem{};
 };
 
@@ -145,8 +145,8 @@ struct LaunchPlan {
   uint32_t grid_x = 0, grid_y = 1;
   int threads = 0;
   size_t smem_bytes = 0;
-  TiledConfig tiled;  // kTiledStep, kPrefill
-  BulkConfig bulk;    // kBulkStep
+  TiledConfig tiled;        // kTiledStep, kPrefill
+  BulkConfig bulk;          // kBulkStep
   BaselineConfig baseline;  // kBaseline
   SmallReplayConfig small;  // kSmallReplay
   StreamConfig stream;      // kStreamReplay

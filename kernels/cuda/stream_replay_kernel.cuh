@@ -17,11 +17,11 @@
 //     folds, and released; then the header is released.
 // Every value is the bulk kernel's replay decode in its order (NormalizeQk, DotUnit, Contract,
 // AddRingTerms, FinishRows, FoldBatch of bulk_step_kernel.cuh): the two give the same bits,
-// and the GPU tests check it. Registers: ~125, so that 3 CTAs fit an SM (at 128 with spills,
-// 3 CTAs ran up to 27% slower than 2; bench/results/kernels.md).
+// and the GPU tests check it. Registers: no more than 3 CTAs per SM allow, without spills (with
+// spills 3 CTAs ran slower than 2; bench/results/kernels.md): no stage's rows are held.
 // Requirements (the planner's, PlanStreamReplay): fp32 checkpoint; K <= 128, a multiple of 16;
-// V <= 128, a multiple of NC * kStreamStageRows (every warp the same stages per item); L <= 32 (GDN: a multiple of 4, its g row goes in
-// 16-byte units); every pool array 16-byte aligned.
+// V <= 128, a multiple of NC * kStreamStageRows (every warp the same stages per item); L <= 32
+// (GDN: a multiple of 4, its g row goes in 16-byte units); every pool array 16-byte aligned.
 #ifndef REPLAYSSM_KERNELS_CUDA_STREAM_REPLAY_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_STREAM_REPLAY_KERNEL_CUH_
 
@@ -162,8 +162,8 @@ struct StreamCta {
         }
       }
       if (!pad) {
-        const T* const s0 = static_cast<const T*>(ly.ckpt) + sl * ly.ckpt_stride +
-                            int64_t{h} * V * K;
+        const T* const s0 =
+            static_cast<const T*>(ly.ckpt) + sl * ly.ckpt_stride + int64_t{h} * V * K;
         for (int s0w = 0; s0w < nsi; s0w += NC) {
 #pragma unroll
           for (int c = 0; c < NC; ++c) {

@@ -67,7 +67,7 @@ TEST(Plan, ReplayTakesTheSmallKernelAtSmallBatchesThenTheBulkKernel) {
       const bool stream_here = b * 32 >= StreamMinRowHeads(kda);
       for (int ring_bytes : {4, 2}) {
         EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, kda, 4, ring_bytes)).role,
-                  stream_here ? KernelRole::kStreamReplay
+                  stream_here                 ? KernelRole::kStreamReplay
                   : (kda ? small_kda : small) ? KernelRole::kSmallReplay
                                               : KernelRole::kBulkStep)
             << "batch " << b << " kda " << kda << " ring bytes " << ring_bytes;
@@ -494,11 +494,16 @@ TEST(Plan, StreamReplayNeedsAnAlignedFp32PoolAndItsShapes) {
     q.*unalign = false;
     EXPECT_EQ(role(q), KernelRole::kBulkStep);
   }
-  for (auto [k, v, l, kda, stream] :
-       {std::tuple{256, 128, 16, false, false}, {120, 128, 16, false, false},
-        {128, 256, 16, false, false}, {128, 48, 16, false, false}, {128, 96, 16, false, true},
-        {64, 64, 8, false, true}, {128, 128, 6, false, false}, {128, 128, 6, true, true},
-        {128, 128, 64, true, false}, {128, 128, 32, false, true}}) {
+  for (auto [k, v, l, kda, stream] : {std::tuple{256, 128, 16, false, false},
+                                      {120, 128, 16, false, false},
+                                      {128, 256, 16, false, false},
+                                      {128, 48, 16, false, false},
+                                      {128, 96, 16, false, true},
+                                      {64, 64, 8, false, true},
+                                      {128, 128, 6, false, false},
+                                      {128, 128, 6, true, true},
+                                      {128, 128, 64, true, false},
+                                      {128, 128, 32, false, true}}) {
     LaunchProblem q = Shape(KernelOp::kReplay, 256, kda);
     q.head_k = k, q.head_v = v, q.ring_len = l;
     EXPECT_EQ(role(q) == KernelRole::kStreamReplay, stream)
