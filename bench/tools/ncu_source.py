@@ -2,10 +2,10 @@
 """Read ncu's source page (CSV) of one kernel: where the stall samples and instructions are.
 
 Profile (a build with -lineinfo in CMAKE_CUDA_FLAGS, on the GPU machine):
-  REPLAYSSM_BENCH_GATE=GDN REPLAYSSM_BENCH_STATE=f32 REPLAYSSM_BENCH_OP=replay \
-  REPLAYSSM_BENCH_B=64 ncu --clock-control none -k regex:BulkStep --launch-skip 20 -c 1 \
+  ncu --clock-control none -k regex:BulkStep --launch-skip 20 -c 1 \
     --section SourceCounters --section WarpStateStats --page source \
-    --print-source cuda,sass --csv replayssm-bench kernels > src.csv
+    --print-source cuda,sass --csv replayssm-bench kernels --gate GDN --state f32 \
+    --op replay --batches 64 > src.csv
 Then here:
   bench/tools/ncu_source.py src.csv lines [N]   top N source lines by stall samples
   bench/tools/ncu_source.py src.csv sass        the SASS in address order: offset, samples,

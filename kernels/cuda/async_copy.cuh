@@ -33,6 +33,14 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
         : "memory");
   } while (!ok);
 }
+// A plain arrival (no transaction bytes): a consumer's release of a buffer.
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
+}
+// Barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (a multiple of 32).
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // Bulk copy global -> shared of `bytes` (multiple of 16, both addresses 16-byte aligned).
 __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes,
                                          uint64_t* bar) {

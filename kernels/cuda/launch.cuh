@@ -13,6 +13,7 @@
 #include "bulk_step_kernel.cuh"
 #include "prefill_kernel.cuh"
 #include "small_replay_kernel.cuh"
+#include "stream_replay_kernel.cuh"
 #include "tiled_step_kernel.cuh"
 
 namespace replayssm::kernels::cuda {
@@ -270,12 +271,64 @@ cudaError_t LaunchSmallReplayFor(const LaunchPlan& plan, int device, const StepP
   }
 }
 
+template <typename R, bool KDA, int MINB>
+cudaError_t LaunchStreamReplayT(const LaunchPlan& plan, int device, const StepParams& sp,
+                                cudaStream_t stream) {
+  const StreamConfig& c = plan.stream;
+  StreamParams p{};
+  p.ly = sp.ly;
+  p.items = static_cast<int32_t>(int64_t{sp.batch} * sp.ly.HV);
+  p.nsw = c.stages_per_warp;
+  p.dst = c.d_stride;
+  p.after_conv = sp.after_conv;
+  p.sm = c.smem;
+  p.slot_idx = sp.slot_idx;
+  p.write_pos = sp.write_pos;
+  p.force_fold = sp.force_fold;
+  if (c.ctas_per_sm > MINB) return cudaErrorInvalidConfiguration;  // not this instantiation
+  auto kernel = StreamReplayKernel<R, KDA, MINB>;
+  static FuncSmemLimit limit;  // one per instantiation
+  const cudaError_t e = limit.Allow(kernel, device, plan.smem_bytes, true);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(plan.grid_x);
+  cfg.blockDim = dim3(plan.threads);
+  cfg.dynamicSmemBytes = plan.smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};  // after_conv: the programmatic dependent of the convolution
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = sp.after_conv != 0 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+// The stream replay kernel: an fp32 checkpoint only (the planner's).
+template <typename T, typename R>
+cudaError_t LaunchStreamReplayFor(const LaunchPlan& plan, int device, const StepParams& p,
+                                  cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return cudaErrorInvalidConfiguration;
+  } else {
+    // Registers for 3 CTAs per SM, or for 2 (fewer CTAs take the latter).
+    if (plan.stream.ctas_per_sm == 3) {
+      return p.ly.kda != 0 ? LaunchStreamReplayT<R, true, 3>(plan, device, p, stream)
+                           : LaunchStreamReplayT<R, false, 3>(plan, device, p, stream);
+    }
+    return p.ly.kda != 0 ? LaunchStreamReplayT<R, true, 2>(plan, device, p, stream)
+                         : LaunchStreamReplayT<R, false, 2>(plan, device, p, stream);
+  }
+}
+
 template <typename T, typename R>
 cudaError_t LaunchStepFor(const LaunchPlan& plan, int device, const StepParams& p,
                           cudaStream_t stream) {
   if (plan.role == KernelRole::kBaseline) return LaunchBaselineFor<T, R>(plan, p, stream);
   if (plan.role == KernelRole::kSmallReplay) {
     return LaunchSmallReplayFor<T, R>(plan, device, p, stream);
+  }
+  if (plan.role == KernelRole::kStreamReplay) {
+    return LaunchStreamReplayFor<T, R>(plan, device, p, stream);
   }
   if (plan.role == KernelRole::kBulkStep) {
     return p.ly.kda != 0 ? LaunchBulkGate<T, R, true>(plan, device, p, stream)

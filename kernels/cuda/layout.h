@@ -77,19 +77,18 @@ struct SmemLayout {
 };
 
 // ---- the baseline kernel (baseline_kernel.cuh) -----------------------------------------------
-// The planned CTA (issue 20, peer method, fp32 state, B = 1..256; bench/results/kernels.md): one
-// warp of 8 state rows at K <= 128 (4 channels per lane; half the rows at K > 128, whose lanes
-// hold 8) — one-warp CTAs measured 1..2.5% faster than two- or four-warp ones of the same rows
-// at B >= 64; 16 rows once the batch has kBaselineWideHeadsPerSm v-heads per SM: twice the bytes
-// in flight per token prologue, at 168 registers (−1.4% at B = 256, +1.7% at B = 64, +11% at
-// B = 1).
+// The planned CTA (issue 20; the figures in bench/results/kernels.md): one warp of 8 state rows
+// at K <= 128 (4 channels per lane; half the rows at K > 128, whose lanes hold 8) — one-warp
+// CTAs measured faster than two- or four-warp ones of the same rows at B >= 64; 16 rows once the
+// batch has kBaselineWideHeadsPerSm v-heads per SM: twice the bytes in flight per token
+// prologue, at 168 registers (faster at the largest batches only).
 constexpr int kBaselineWarps = 1;
 constexpr int kBaselineRowsPerWarp = 8;
 constexpr int kBaselineRowsPerWarpWide = 16;
 constexpr int kBaselineWideHeadsPerSm = 32;
 // How the baseline kernel loads and stores the state (BaselineConfig::cache): plain, no hint
-// (−0.2..−2.8% against .cs at B >= 64; kCacheKeepStores was faster still in the peer method, but
-// leaves dead state lines in L2 at high priority for the kernels after it).
+// (faster than .cs at B >= 64; kCacheKeepStores was faster still in the peer method, but leaves
+// dead state lines in L2 at high priority for the kernels after it).
 enum BaselineCache : int32_t {
   kCacheStream = 1,      // ld.global.cs, st.global.cs (evict-first)
   kCacheNoL1 = 2,        // ld.global.nc.L1::no_allocate, st.global.cs
@@ -151,12 +150,11 @@ struct BulkSmem {
 };
 
 // ---- the small-batch replay kernel (small_replay_kernel.cuh) --------------------------------
-// The planned rows per warp (the baseline kernel's; 16 rows measured 6% slower at B = 1 in
-// one-warp CTAs, and no faster in the 4-warp ones), and the batch up to which replay decode takes
-// the kernel, per gate: GDN while B * HV <= 128, KDA while B * HV <= 64. At HV = 32, against the
-// bulk kernel (peer method, bench/results/kernels.md): GDN −24 / −15 / −7% at B = 1 / 2 / 4,
-// −1% at B = 8 (graph method +4%: not taken); KDA −22 / −13% at B = 1 / 2, +10% at B = 4 (its
-// per-channel gates' chain is repeated by each of a head's CTAs).
+// The planned rows per warp (the baseline kernel's; 16 rows measured slower at B = 1 in one-warp
+// CTAs, and no faster in the 4-warp ones), and the batch up to which replay decode takes the
+// kernel, per gate: GDN while B * HV <= 128, KDA while B * HV <= 64 — where it measured faster
+// than the bulk kernel (bench/results/kernels.md; KDA's per-channel gates' chain is repeated by
+// each of a head's CTAs, which costs more from B = 4 at HV = 32).
 constexpr int kSmallReplayRowsPerWarp = 8;
 constexpr int kSmallReplayMaxRowHeadsGdn = 128;
 constexpr int kSmallReplayMaxRowHeadsKda = 64;
@@ -192,6 +190,74 @@ struct SmallReplaySmem {
     s.u = take(int64_t{L} * 4);
     s.p = take(int64_t{L} * 4);
     s.total = (o + 15) & ~15;
+    return s;
+  }
+};
+
+// ---- the stream replay kernel (stream_replay_kernel.cuh) ------------------------------------
+// Persistent CTAs of kStreamConsumerWarps consumer warps and one producer warp; an item is one
+// (row, v-head). S0 streams through a ring of `stages` stages of kStreamStageRows rows each.
+constexpr int kStreamConsumerWarps = 4;
+constexpr int kStreamThreads = (kStreamConsumerWarps + 1) * 32;
+constexpr int kStreamStageRows = 8;   // rows per S0 stage (the bulk kernel's decode batch)
+constexpr int kStreamMaxStages = 32;  // an mbarrier pair each
+// CTAs per SM: the most, up to kStreamMaxCtasPerSm, whose share of the SM's shared memory
+// still holds kStreamPlannedStages stages. Each CTA adds an item in flight, and the consumers'
+// chain per item, not the bytes in flight, bounds the kernel; but 4 stages a CTA (KDA at 3
+// CTAs) starve it (bench/results/kernels.md). A forced shape runs with kStreamMinStages.
+constexpr int kStreamMaxCtasPerSm = 3;
+constexpr int kStreamPlannedStages = 8;
+constexpr int kStreamMinStages = 4;
+constexpr int kStreamHeaders = 2;  // items whose records are in shared memory at once
+// Replay decode takes the stream kernel from this many (row, v-head) items, per gate: GDN from
+// B * HV = 512, where it measured faster than the bulk kernel; KDA never (its records leave 3
+// CTAs per SM 4 stages each, and at 2 it did not beat the bulk kernel; bench/results/kernels.md).
+constexpr int64_t kStreamMinRowHeadsGdn = 512;
+constexpr int64_t kStreamMinRowHeadsKda = INT64_MAX;
+RSSM_HOST_DEVICE constexpr int64_t StreamMinRowHeads(bool kda) {
+  return kda ? kStreamMinRowHeadsKda : kStreamMinRowHeadsGdn;
+}
+
+// One stream CTA's shared memory (byte offsets, multiples of 16). At 0 the mbarriers: stage
+// full[kStreamMaxStages], stage empty[kStreamMaxStages], header full[2], header empty[2]. Then
+// `stages` S0 stages [RB][K] (fp32); two item headers (hdr_bytes apart) of the ring records
+// (d rows padded to dst, k, g, W_j∘k_j for a 16-bit ring, the item's metadata); two scratch
+// sets (sc_bytes apart) of the record dots' results.
+struct StreamSmem {
+  int32_t s0, hdr, hdr_bytes, h_d, h_k, h_g, h_kw, h_meta;
+  int32_t sc, sc_bytes, s_u, s_p, s_ka, s_qa, s_av, s_kn;
+  int32_t fixed;  // bytes before the stages and after them (everything but the stages)
+  int32_t total;
+  static StreamSmem Make(int K, int L, bool kda, int dst, int stages, int ring_bytes) {
+    StreamSmem s;
+    auto r16 = [](int64_t x) { return static_cast<int32_t>((x + 15) & ~int64_t{15}); };
+    const int bars = r16(int64_t{2 * kStreamMaxStages + 2 * kStreamHeaders} * 8);
+    const int stage_bytes = kStreamStageRows * K * 4;
+    int o = 0;
+    auto take = [&o, &r16](int64_t bytes) {
+      const int at = o;
+      o = r16(o + bytes);
+      return at;
+    };
+    s.h_d = take(int64_t{L} * dst * ring_bytes);
+    s.h_k = take(int64_t{L} * K * ring_bytes);
+    s.h_g = take(kda ? int64_t{L} * K * 4 : int64_t{(L + 3) & ~3} * 4);
+    s.h_kw = ring_bytes == 4 ? s.h_k : take(int64_t{L} * K * 4);
+    s.h_meta = take(16);
+    s.hdr_bytes = o;
+    o = 0;
+    s.s_u = take(int64_t{L} * 4);
+    s.s_p = take(int64_t{L} * 4);
+    s.s_ka = take(int64_t{K} * 4);
+    s.s_qa = take(int64_t{K} * 4);
+    s.s_av = take(int64_t{K} * 4);
+    s.s_kn = take(int64_t{K} * 4);
+    s.sc_bytes = o;
+    s.s0 = bars;
+    s.hdr = bars + stages * stage_bytes;
+    s.sc = s.hdr + kStreamHeaders * s.hdr_bytes;
+    s.total = s.sc + kStreamHeaders * s.sc_bytes;
+    s.fixed = s.total - stages * stage_bytes;
     return s;
   }
 };

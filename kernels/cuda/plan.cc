@@ -9,12 +9,10 @@ namespace replayssm::kernels::cuda {
 namespace {
 
 constexpr int kVerifyTokensPerPass = 4;
-// Verify takes the bulk kernel from this batch: at K <= 128 every batch (measured 2026-12-02 on
-// the H200, peer method, T = 4, K = V = 128: the bulk kernel 17.9 / 18.4 / 21.1 / 21.9 µs at
-// B = 1 / 2 / 4 / 8 against the tiled kernel's 24.0 / 25.3 / 28.0 / 49.5, fp32 GDN; KDA,
-// 16-bit states and the bf16 ring alike: −10..−56%); wider heads (8 channels a lane, not
-// measured at small batches) from 16 rows, the rule that was measured before the bulk kernel's
-// later changes.
+// Verify takes the bulk kernel from this batch: at K <= 128 every batch (faster than the tiled
+// kernel at every small batch, gate and dtype); wider heads (8 channels a lane, not measured at
+// small batches) from 16 rows, the rule measured before the bulk kernel's later changes.
+// The figures behind this file's choices: bench/results/kernels.md and docs/gpu.md.
 constexpr int64_t kBulkVerifyMinBatch = 1;
 constexpr int64_t kBulkVerifyMinBatchWide = 16;
 constexpr int kBulkDefaultStages = 2;  // more stages cost CTAs per SM and measured slower
@@ -119,9 +117,8 @@ std::optional<LaunchPlan> PlanBulk(const LaunchProblem& pr, const DeviceLimits& 
   c.d_stride = c.d_dense ? pr.head_v : DStride(rows, pr.ring_bytes);
   // The late stage: fp32 replay decode whose warps have batches beyond their stages, where the
   // records' k and g (contiguous from kr to g's end) hold a stage for every warp: KDA at K = V
-  // = 128 (16 KB; KDA fp32 replay −1.4 / −1.6 / −2.3% at B = 64 / 128 / 256, peer method). Not
-  // 16-bit decode (KDA bf16 replay +0.5..+4.7% at B = 16..128: its stages refill at a batch's
-  // end) nor verify (its registers spilled, or with the rotation's arithmetic +1.5..+3.4%).
+  // = 128 (16 KB; faster there). Not 16-bit decode (slower: its stages refill at a batch's end)
+  // nor verify (its registers spilled, or the rotation's arithmetic cost more).
   const int late_region = c.smem.g + c.ring_records * (pr.kda ? pr.head_k : 1) * 4 - c.smem.kr;
   const int stage_bytes = c.warps * c.rows_per_batch * pr.head_k * pr.state_bytes;
   c.late_stage = ov.late_stage != 0 && c.tokens_per_pass == 1 && pr.state_bytes == 4 &&
@@ -137,8 +134,8 @@ std::optional<LaunchPlan> PlanBulk(const LaunchProblem& pr, const DeviceLimits& 
 
 // The baseline kernel: a CTA of NW warps x RPW rows on a grid (HV * tiles, B). nullopt past the
 // grid's 65535 rows, and for a 16-bit state once the bulk kernel's whole-head CTAs fill the GPU
-// twice over (its 8-byte rows leave the small CTAs short of bytes in flight: bf16 baseline
-// −1..+26% against the bulk kernel at B = 16..256, −35% at B = 1; issue 20, peer method).
+// twice over (its 8-byte rows leave the small CTAs short of bytes in flight: slower than the
+// bulk kernel there, faster at B = 1; issue 20).
 std::optional<LaunchPlan> PlanBaseline(const LaunchProblem& pr, const DeviceLimits& dev,
                                        const LaunchOverrides& ov) {
   const int64_t row_heads = pr.batch * pr.num_v_heads;
@@ -203,6 +200,58 @@ std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceL
   return plan;
 }
 
+// The stream replay kernel: replay decode of an fp32 checkpoint at large batches (B * HV >=
+// StreamMinRowHeads(kda)), on persistent CTAs that share an SM's shared memory, each filling its
+// share with S0 stages; nullopt where its requirements (stream_replay_kernel.cuh) do not hold.
+std::optional<LaunchPlan> PlanStreamReplay(const LaunchProblem& pr, const DeviceLimits& dev,
+                                           const LaunchOverrides& ov) {
+  const int K = pr.head_k, V = pr.head_v, L = pr.ring_len;
+  const int64_t items = pr.batch * pr.num_v_heads;
+  const bool wanted = ov.stream_min_batch != 0
+                          ? ov.stream_min_batch > 0 && pr.batch >= ov.stream_min_batch
+                          : items >= StreamMinRowHeads(pr.kda);
+  const int per_item_rows = kStreamConsumerWarps * kStreamStageRows;
+  if (!wanted || pr.op != KernelOp::kReplay || pr.state_bytes != 4 || K > 128 || K % 16 != 0 ||
+      V > 128 || V % per_item_rows != 0 || L < 1 || L > 32 || (!pr.kda && L % 4 != 0) ||
+      !pr.checkpoint_aligned || !pr.ring_d_aligned || !pr.ring_k_aligned || !pr.ring_g_aligned ||
+      items > 0x7fffffff || dev.sms <= 0) {
+    return std::nullopt;
+  }
+  LaunchPlan plan;
+  plan.role = KernelRole::kStreamReplay;
+  StreamConfig& c = plan.stream;
+  c.d_stride = DStride(V, pr.ring_bytes);
+  // The most CTAs per SM whose share of its shared memory holds kStreamPlannedStages stages;
+  // as many stages per consumer warp as fit in that share.
+  const StreamSmem fixed = StreamSmem::Make(K, L, pr.kda, c.d_stride, 0, pr.ring_bytes);
+  const int stage_bytes = kStreamStageRows * K * 4;
+  auto stages_per_warp = [&](int ctas) {
+    const int budget = std::min(dev.smem_per_sm / ctas - kReservedSmemPerCta, dev.smem_per_block);
+    return std::min((budget - fixed.total) / (stage_bytes * kStreamConsumerWarps),
+                    kStreamMaxStages / kStreamConsumerWarps);
+  };
+  c.ctas_per_sm = ov.stream_ctas_per_sm;
+  if (c.ctas_per_sm == 0) {
+    c.ctas_per_sm = kStreamMaxCtasPerSm;
+    while (c.ctas_per_sm > 1 &&
+           stages_per_warp(c.ctas_per_sm) * kStreamConsumerWarps < kStreamPlannedStages) {
+      --c.ctas_per_sm;
+    }
+  }
+  int nsw = stages_per_warp(c.ctas_per_sm);
+  if (ov.stream_stages != 0) nsw = std::min(nsw, ov.stream_stages);
+  if (nsw * kStreamConsumerWarps < kStreamMinStages) return std::nullopt;
+  c.stages_per_warp = nsw;
+  c.smem = StreamSmem::Make(K, L, pr.kda, c.d_stride, nsw * kStreamConsumerWarps, pr.ring_bytes);
+  int64_t grid = std::min<int64_t>(items, int64_t{c.ctas_per_sm} * dev.sms);
+  if (ov.stream_grid > 0) grid = std::min<int64_t>(grid, ov.stream_grid);
+  plan.grid_x = static_cast<uint32_t>(grid);
+  plan.grid_y = 1;
+  plan.threads = kStreamThreads;
+  plan.smem_bytes = static_cast<size_t>(c.smem.total);
+  return plan;
+}
+
 bool UseBulk(const LaunchProblem& pr, const LaunchOverrides& ov) {
   switch (ov.step_kernel) {
     case LaunchOverrides::StepKernel::kTiled: return false;
@@ -227,6 +276,7 @@ const char* KernelRoleName(KernelRole role) {
     case KernelRole::kPrefill: return "prefill";
     case KernelRole::kBaseline: return "baseline";
     case KernelRole::kSmallReplay: return "small-replay";
+    case KernelRole::kStreamReplay: return "stream-replay";
   }
   return "unknown";
 }
@@ -272,6 +322,19 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
   if (ov.small_replay_rows != 0 && ov.small_replay_rows != 8 && ov.small_replay_rows != 16) {
     return Field("small_replay_rows", "0 (planned), 8 or 16", ov.small_replay_rows);
   }
+  if (ov.stream_min_batch < -1) {
+    return Field("stream_min_batch", "0 (planned), -1 (never) or >= 1", ov.stream_min_batch);
+  }
+  if (ov.stream_grid < 0) return Field("stream_grid", "0 (planned) or >= 1", ov.stream_grid);
+  if (ov.stream_ctas_per_sm < 0 || ov.stream_ctas_per_sm > kStreamMaxCtasPerSm) {
+    return Field("stream_ctas_per_sm", "0 (planned) or 1.." + std::to_string(kStreamMaxCtasPerSm),
+                 ov.stream_ctas_per_sm);
+  }
+  if (ov.stream_stages < 0 || ov.stream_stages > kStreamMaxStages / kStreamConsumerWarps) {
+    return Field("stream_stages",
+                 "0 (planned) or 1.." + std::to_string(kStreamMaxStages / kStreamConsumerWarps),
+                 ov.stream_stages);
+  }
   return "";
 }
 
@@ -282,7 +345,15 @@ std::optional<LaunchPlan> Plan(const LaunchProblem& pr, const DeviceLimits& dev,
     if (std::optional<LaunchPlan> baseline = PlanBaseline(pr, dev, ov)) return baseline;
   }
   if (pr.op == KernelOp::kReplay && ov.step_kernel == LaunchOverrides::StepKernel::kAuto) {
+    // The planned batches of the two do not meet; a forced stream kernel goes first.
+    const bool stream_first = ov.stream_min_batch > 0;
+    if (stream_first) {
+      if (std::optional<LaunchPlan> stream = PlanStreamReplay(pr, dev, ov)) return stream;
+    }
     if (std::optional<LaunchPlan> small = PlanSmallReplay(pr, dev, ov)) return small;
+    if (!stream_first) {
+      if (std::optional<LaunchPlan> stream = PlanStreamReplay(pr, dev, ov)) return stream;
+    }
   }
   if (UseBulk(pr, ov) && pr.batch <= kMaxGridY) {
     if (std::optional<LaunchPlan> bulk = PlanBulk(pr, dev, ov)) return bulk;

@@ -20,13 +20,14 @@ namespace replayssm::kernels::cuda {
 
 // The kernels, by role.
 enum class KernelRole {
-  kTiledStep,    // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
-  kBulkStep,     // bulk-staged step: S0 through shared-memory stages filled by the copy engine
-  kPrefill,      // prefill and the fold op: the state in registers for the whole row
-  kBaseline,     // baseline decode: small CTAs, each a few of a head's state rows in registers
-  kSmallReplay,  // replay decode at small batch: CTAs of 4 baseline warps, records copied
+  kTiledStep,     // register-tiled step: a CTA of 256 threads per (row, v-head, tile of rows)
+  kBulkStep,      // bulk-staged step: S0 through shared-memory stages filled by the copy engine
+  kPrefill,       // prefill and the fold op: the state in registers for the whole row
+  kBaseline,      // baseline decode: small CTAs, each a few of a head's state rows in registers
+  kSmallReplay,   // replay decode at small batch: CTAs of 4 baseline warps, records copied
+  kStreamReplay,  // replay decode at large batch: persistent CTAs, a producer warp streaming S0
 };
-// "tiled", "bulk", "prefill", "baseline", "small-replay"
+// "tiled", "bulk", "prefill", "baseline", "small-replay", "stream-replay"
 const char* KernelRoleName(KernelRole role);
 
 enum class KernelOp { kReplay, kBaseline, kVerify, kPrefill, kFold };
@@ -77,6 +78,13 @@ struct LaunchOverrides {
   // or 16).
   int64_t small_replay_max_batch = 0;
   int small_replay_rows = 0;
+  // The stream replay kernel (kAuto only): replay decode takes it from this batch (0: planned,
+  // B * HV >= StreamMinRowHeads(kda); -1: never) on `stream_grid` CTAs (0: planned; else at most
+  // this many, each then walking more items: the tests' way to wrap the stage rings).
+  int64_t stream_min_batch = 0;
+  int stream_grid = 0;
+  int stream_ctas_per_sm = 0;  // 1..kStreamMaxCtasPerSm (0: planned; the shared memory per CTA)
+  int stream_stages = 0;       // S0 stages per consumer warp: 0 as many as fit, else at most
 };
 
 // "" when every override is in range, else "<field>: expected <range>, got <value>".
@@ -125,15 +133,23 @@ struct SmallReplayConfig {  // kSmallReplay
   SmallReplaySmem smem{};
 };
 
+struct StreamConfig {       // kStreamReplay
+  int stages_per_warp = 0;  // nsw: each consumer warp's ring of S0 stages
+  int ctas_per_sm = 0;
+  int d_stride = 0;  // ring-dtype elements per ring d row in shared memory
+  StreamSmem smem{};
+};
+
 struct LaunchPlan {
   KernelRole role = KernelRole::kTiledStep;
   uint32_t grid_x = 0, grid_y = 1;
   int threads = 0;
   size_t smem_bytes = 0;
-  TiledConfig tiled;  // kTiledStep, kPrefill
-  BulkConfig bulk;    // kBulkStep
+  TiledConfig tiled;        // kTiledStep, kPrefill
+  BulkConfig bulk;          // kBulkStep
   BaselineConfig baseline;  // kBaseline
   SmallReplayConfig small;  // kSmallReplay
+  StreamConfig stream;      // kStreamReplay
 };
 
 // The launch of `problem` on a device with `limits`; nullopt when no grid can cover it (more

@@ -30,6 +30,15 @@ TEST(CudaJoinedConv, EqualsTheSeparateCallsOnEachStepKernel) {
         RSSM_BACKEND_CUDA, [&](const rssm_decode_args* a) { return ReplayDecodeWith(a, forced); },
         200);
   }
+  // The stream replay kernel forced (fp32 state, where its shape requirements hold): launched as
+  // the convolution's programmatic dependent, its consumers wait for the grid before the tokens.
+  SCOPED_TRACE("stream");
+  cuda::LaunchOverrides stream;
+  stream.stream_min_batch = 1;
+  stream.stream_grid = 3;
+  JoinedConvSweep(
+      RSSM_BACKEND_CUDA, [&](const rssm_decode_args* a) { return ReplayDecodeWith(a, stream); },
+      200);
 }
 
 }  // namespace

@@ -795,6 +795,110 @@ TEST(CudaKernels, SmallReplayIsTheBulkKernelBitForBit) {
   }
 }
 
+// The stream replay kernel against the CPU: every gate x fp32-checkpoint ring dtype x act dtype,
+// the head dims and ring lengths it takes, padding rows, forced folds, and few persistent CTAs
+// (each walks many items, its stage rings and headers wrapping many times).
+TEST(CudaKernels, StreamReplayMatchesCpu) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  const int ks[] = {128, 64, 16, 96};
+  const int vs[] = {128, 32, 96, 64};
+  const int ls[] = {16, 4, 32, 8};
+  int i = 0;
+  for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+    for (auto [st, ring] : kStoragePairs) {
+      if (st != RSSM_DTYPE_F32) continue;
+      for (rssm_dtype act : kDtypes) {
+        Config c;
+        c.gate = gate;
+        c.state_dtype = st;
+        c.ring_dtype = ring;
+        c.act_dtype = act;
+        c.h = 2;
+        c.hv = 2 * (1 + i % 2);
+        c.k = ks[i % 4];
+        c.v = vs[(i + 1) % 4];
+        c.l = gate == RSSM_GATE_KDA && i % 3 == 0 ? 3 : ls[i % 4];
+        c.round_beta = i % 2 == 0;
+        cuda::LaunchOverrides forced;
+        forced.stream_min_batch = 1;
+        forced.stream_grid = 1 + i % 3;
+        std::vector<cuda::KernelRole> roles;
+        RunCase(c, 5 + i % 4, 9100 + i, -1, &forced, &roles);
+        if (::testing::Test::HasFailure()) return;
+        for (cuda::KernelRole r : roles) ASSERT_EQ(r, cuda::KernelRole::kStreamReplay) << c.Name();
+        ++i;
+      }
+    }
+  }
+}
+
+// The stream replay kernel and the bulk kernel give the same bits: outputs, checkpoints and
+// rings after steps that advance every cursor through the ring, fold, force folds, with a
+// padding row, on the planned grid, on one of 3 CTAs, and at 2 CTAs per SM (the other register
+// budget).
+TEST(CudaKernels, StreamReplayIsTheBulkKernelBitForBit) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  int n = 0;
+  for (auto [st, ring] : kStoragePairs) {
+    if (st != RSSM_DTYPE_F32) continue;
+    for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
+      for (auto [grid, ctas] : {std::pair{0, 0}, {3, 0}, {0, 2}}) {
+        Config c;
+        c.gate = gate;
+        c.state_dtype = st;
+        c.ring_dtype = ring;
+        c.act_dtype = RSSM_DTYPE_BF16;
+        c.h = 2;
+        c.hv = 4;
+        c.k = c.v = 128;
+        c.l = 16;
+        c.round_beta = n % 2 == 1;
+        SCOPED_TRACE(c.Name() + " grid " + std::to_string(grid) + " CTAs per SM " +
+                     std::to_string(ctas));
+        std::mt19937_64 rng(615 + n++);
+        const int B = 40;
+        Layer host(c, B, rng);
+        for (int s = 0; s < B; ++s) host.RandomCheckpoint(s, rng);
+        DevLayer stream(host), bulk(host);
+        std::vector<int32_t> slots(B), pos(B);
+        for (int s = 0; s < B; ++s) slots[s] = s == 7 ? -1 : s, pos[s] = (5 * s) % c.l;
+        DevBuf dslot = ToDevice(slots);
+        cuda::LaunchOverrides forced_bulk, forced_stream;
+        forced_bulk.step_kernel = cuda::LaunchOverrides::StepKernel::kBulk;
+        forced_stream.stream_min_batch = 1;
+        forced_stream.stream_grid = grid;
+        forced_stream.stream_ctas_per_sm = ctas;
+        for (int step = 0; step < c.l + 4; ++step) {
+          std::vector<uint8_t> force(B);
+          for (int s = 0; s < B; ++s) force[s] = (step + s) % 7 == 0 ? 1 : 0;
+          DevBuf dpos = ToDevice(pos), dforce = ToDevice(force);
+          Tokens tok(host, B, rng);
+          DevTokens dtok(tok);
+          rssm_decode_args a{};
+          a.launch = {RSSM_BACKEND_CUDA, nullptr};
+          a.shape = host.shape;
+          a.params = stream.Params(host);
+          a.batch = B;
+          a.slot_idx = dslot.as<int32_t>();
+          a.write_pos = dpos.as<int32_t>();
+          a.force_fold = dforce.as<uint8_t>();
+          a.in = dtok.Inputs();
+          cuda::LaunchPlan stream_plan, bulk_plan;
+          ExpectTwinStepBitForBit(
+              host, a, stream, bulk,
+              [&](rssm_decode_args* x) { return ReplayDecodeWith(x, forced_stream, &stream_plan); },
+              [&](rssm_decode_args* x) { return ReplayDecodeWith(x, forced_bulk, &bulk_plan); },
+              step, /*rings=*/true);
+          ASSERT_FALSE(HasFatalFailure());
+          ASSERT_EQ(stream_plan.role, cuda::KernelRole::kStreamReplay);
+          ASSERT_EQ(bulk_plan.role, cuda::KernelRole::kBulkStep);
+          for (int s = 0; s < B; ++s) pos[s] = (pos[s] + 1 >= c.l || force[s]) ? 0 : pos[s] + 1;
+        }
+      }
+    }
+  }
+}
+
 // L = 1: every replay step folds at w = 0, which must be the baseline bit for bit (the planned
 // replay kernel's and the bulk kernel's against the baseline kernel in both its planned row
 // counts).

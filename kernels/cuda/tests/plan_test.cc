@@ -8,6 +8,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -43,17 +44,39 @@ LaunchPlan PlanOf(const LaunchProblem& p, const LaunchOverrides& ov = {},
   return plan.value_or(LaunchPlan{});
 }
 
+// Replay decode without the stream kernel: the tests of the bulk kernel's replay shapes.
+LaunchOverrides NoStream() {
+  LaunchOverrides ov;
+  ov.stream_min_batch = -1;
+  return ov;
+}
+
 int CtasPerSm(const LaunchPlan& plan) {
   return kH200.smem_per_sm / (static_cast<int>(plan.smem_bytes) + 1024);
 }
 
 // fp32 replay takes the small-batch kernel while B * HV <= SmallReplayMaxRowHeads(kda) (at
-// HV = 32: GDN up to B = 4, KDA up to B = 2), then the bulk kernel; a 16-bit state always the
-// bulk kernel.
+// HV = 32: GDN up to B = 4, KDA up to B = 2), then the bulk kernel, then from B * HV >=
+// StreamMinRowHeads(kda) the stream kernel; a 16-bit state always the bulk kernel.
 TEST(Plan, ReplayTakesTheSmallKernelAtSmallBatchesThenTheBulkKernel) {
   for (int64_t b : {1, 2, 3, 4, 5, 8, 16, 64, 256, 4096}) {
     const bool small = b <= 4;
     const bool small_kda = b <= 2;
+    const bool stream = b * 32 >= StreamMinRowHeads(false);
+    for (bool kda : {false, true}) {
+      const bool stream_here = b * 32 >= StreamMinRowHeads(kda);
+      for (int ring_bytes : {4, 2}) {
+        EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, kda, 4, ring_bytes)).role,
+                  stream_here                 ? KernelRole::kStreamReplay
+                  : (kda ? small_kda : small) ? KernelRole::kSmallReplay
+                                              : KernelRole::kBulkStep)
+            << "batch " << b << " kda " << kda << " ring bytes " << ring_bytes;
+      }
+    }
+    if (stream || b * 32 >= StreamMinRowHeads(true)) {
+      EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, false, 2)).role, KernelRole::kBulkStep);
+      continue;
+    }
     EXPECT_EQ(small, b * 32 <= SmallReplayMaxRowHeads(false));
     EXPECT_EQ(small_kda, b * 32 <= SmallReplayMaxRowHeads(true));
     EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, b, true)).role,
@@ -95,6 +118,7 @@ TEST(Plan, SmallReplayNeedsAnAlignedFp32PoolAndNarrowHeads) {
   EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 1), ov).role, KernelRole::kBulkStep);
   ov.small_replay_max_batch = 64;
   ov.small_replay_rows = 16;
+  ov.stream_min_batch = -1;
   const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 64, true), ov);
   EXPECT_EQ(plan.role, KernelRole::kSmallReplay);
   EXPECT_EQ(plan.small.rows_per_warp, 16);
@@ -190,7 +214,7 @@ TEST(Plan, VerifyTakesTheBulkKernelAtEveryBatch) {
 }
 
 TEST(Plan, LargeBatchesGetAWholeHeadPerCtaInTwoStages) {
-  const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 256));
+  const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 256), NoStream());
   const BulkConfig& c = plan.bulk;
   EXPECT_EQ(c.warps, 4);
   EXPECT_EQ(c.rows_per_warp, 32);
@@ -207,7 +231,7 @@ TEST(Plan, LargeBatchesGetAWholeHeadPerCtaInTwoStages) {
 
 TEST(Plan, DecodeGivesUpAStageRatherThanACtaPerSm) {
   // KDA fp32 replay's [L][K] gates leave room for 3 CTAs per SM at two stages.
-  const LaunchPlan replay = PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true));
+  const LaunchPlan replay = PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true), NoStream());
   EXPECT_EQ(replay.bulk.stages, 1);
   EXPECT_GE(CtasPerSm(replay), 4);
   // The baseline holds no records: two stages fit (on the bulk kernel, forced).
@@ -215,22 +239,22 @@ TEST(Plan, DecodeGivesUpAStageRatherThanACtaPerSm) {
   bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
   EXPECT_EQ(PlanOf(Shape(KernelOp::kBaseline, 256, true), bulk).bulk.stages, 2);
   // A forced stage count is kept.
-  LaunchOverrides ov;
+  LaunchOverrides ov = NoStream();
   ov.stages = 2;
   EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 256, true), ov).bulk.stages, 2);
 }
 
 TEST(Plan, Fp32ReplayTakesALateStageWhereTheRecordsHoldOne) {
   // KDA fp32 replay: its records' k and g (16 KB) hold a batch for each of its 4 warps.
-  const LaunchPlan kda = PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true));
+  const LaunchPlan kda = PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true), NoStream());
   EXPECT_TRUE(kda.bulk.late_stage);
   EXPECT_GE(CtasPerSm(kda), 4);
-  LaunchOverrides none;
+  LaunchOverrides none = NoStream();
   none.late_stage = 0;
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256, true), none).bulk.late_stage);
   // GDN's records (8 KB of k) hold none; the baseline has no records; verify and 16-bit
   // state do not take it.
-  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256)).bulk.late_stage);
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256), NoStream()).bulk.late_stage);
   LaunchOverrides bulk;
   bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kBaseline, 256, true), bulk).bulk.late_stage);
@@ -277,7 +301,7 @@ TEST(Plan, ForcedBaselineSharesReplaysKernelOnEveryShape) {
               p.head_k = k;
               p.head_v = v;
               p.ring_len = l;
-              LaunchOverrides no_small;
+              LaunchOverrides no_small = NoStream();
               no_small.small_replay_max_batch = -1;
               const LaunchPlan replay = PlanOf(p, no_small);
               p.op = KernelOp::kBaseline;
@@ -303,8 +327,10 @@ TEST(Plan, ForcedBaselineSharesReplaysKernelOnEveryShape) {
 }
 
 TEST(Plan, BatchesPastTheGridsRowLimitTakeTheTiledKernel) {
-  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 65535)).role, KernelRole::kBulkStep);
-  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 65536)).role, KernelRole::kTiledStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 65535), NoStream()).role, KernelRole::kBulkStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 65536), NoStream()).role, KernelRole::kTiledStep);
+  // The stream kernel's persistent grid has no row limit.
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 65536)).role, KernelRole::kStreamReplay);
 }
 
 TEST(Plan, LayoutsThatDoNotFitFallBackToTheTiledKernel) {
@@ -337,13 +363,13 @@ TEST(Plan, UnalignedPoolsTakePlainLoads) {
 }
 
 TEST(Plan, RingRowsComeInOneCopyExceptForFp32GdnDecode) {
-  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256)).bulk.d_dense);
-  EXPECT_TRUE(PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true)).bulk.d_dense);
+  EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 256), NoStream()).bulk.d_dense);
+  EXPECT_TRUE(PlanOf(Shape(KernelOp::kReplay, 256, /*kda=*/true), NoStream()).bulk.d_dense);
   EXPECT_TRUE(PlanOf(Shape(KernelOp::kReplay, 256, false, /*state_bytes=*/2)).bulk.d_dense);
   EXPECT_TRUE(PlanOf(Shape(KernelOp::kVerify, 256)).bulk.d_dense);
   // Not when a CTA covers part of a head.
   EXPECT_FALSE(PlanOf(Shape(KernelOp::kReplay, 1, false, 2)).bulk.d_dense);
-  const BulkConfig padded = PlanOf(Shape(KernelOp::kReplay, 256)).bulk;
+  const BulkConfig padded = PlanOf(Shape(KernelOp::kReplay, 256), NoStream()).bulk;
   EXPECT_EQ(padded.d_stride, 128 + 4);
 }
 
@@ -351,8 +377,8 @@ TEST(Plan, RingRowsComeInOneCopyExceptForFp32GdnDecode) {
 // W_j∘k_j of a fold gets its own fp32 array), and the ring d rows padded by 16 bytes.
 TEST(Plan, RingDtypeSizesTheRecordsNotTheStages) {
   for (bool kda : {false, true}) {
-    const BulkConfig f32 = PlanOf(Shape(KernelOp::kReplay, 256, kda)).bulk;
-    const BulkConfig mixed = PlanOf(Shape(KernelOp::kReplay, 256, kda, 4, 2)).bulk;
+    const BulkConfig f32 = PlanOf(Shape(KernelOp::kReplay, 256, kda), NoStream()).bulk;
+    const BulkConfig mixed = PlanOf(Shape(KernelOp::kReplay, 256, kda, 4, 2), NoStream()).bulk;
     EXPECT_EQ(mixed.stages, f32.stages);
     EXPECT_EQ(mixed.smem.d - mixed.smem.s0, f32.smem.d - f32.smem.s0) << "S0 stages";
     EXPECT_EQ(mixed.smem.kw - mixed.smem.kr, 16 * 128 * 2) << "records' k, then W_j∘k_j";
@@ -392,7 +418,7 @@ TEST(Plan, OverridesForceTheKernel) {
 }
 
 TEST(Plan, OverridesForceTheCtaShapeAndCopies) {
-  LaunchOverrides ov;
+  LaunchOverrides ov = NoStream();
   ov.warps = 1;
   ov.rows_per_warp = 64;
   ov.stages = 3;
@@ -407,6 +433,91 @@ TEST(Plan, OverridesForceTheCtaShapeAndCopies) {
   EXPECT_FALSE(c.bulk_k);
   EXPECT_FALSE(c.bulk_g);
   EXPECT_TRUE(c.vec_s0);  // the fold's stores do not depend on the copy engine
+}
+
+// The stream kernel: persistent CTAs, as many per SM (up to kStreamMaxCtasPerSm) as keep
+// kStreamPlannedStages stages each (GDN 3, KDA's larger records 2), each with as many S0 stages
+// per consumer warp as its share of the SM's shared memory holds; never more CTAs than items.
+TEST(Plan, StreamReplayFillsItsShareOfAnSmWithStages) {
+  for (bool kda : {false, true}) {
+    for (int ring_bytes : {4, 2}) {
+      LaunchOverrides forced;  // KDA is not planned on it (StreamMinRowHeads)
+      forced.stream_min_batch = kda ? 1 : 0;
+      const LaunchPlan plan = PlanOf(Shape(KernelOp::kReplay, 256, kda, 4, ring_bytes), forced);
+      ASSERT_EQ(plan.role, KernelRole::kStreamReplay);
+      const StreamConfig& c = plan.stream;
+      EXPECT_EQ(c.ctas_per_sm, kda ? 2 : 3) << "kda " << kda;
+      EXPECT_EQ(plan.grid_x, static_cast<uint32_t>(c.ctas_per_sm * kH200.sms));
+      EXPECT_EQ(plan.threads, kStreamThreads);
+      EXPECT_EQ(plan.smem_bytes, static_cast<size_t>(c.smem.total));
+      EXPECT_LE(c.ctas_per_sm * (c.smem.total + 1024), kH200.smem_per_sm);
+      EXPECT_GT(c.ctas_per_sm * (c.smem.total + 1024 + kStreamConsumerWarps * 8 * 128 * 4),
+                kH200.smem_per_sm)
+          << "one more stage per warp would not fit";
+      EXPECT_GE(c.stages_per_warp * kStreamConsumerWarps, kStreamPlannedStages);
+      EXPECT_EQ(c.stages_per_warp, kda ? 3 : 2);
+      EXPECT_EQ(c.d_stride, 128 + 16 / ring_bytes);
+      EXPECT_EQ(c.smem.s0 % 16, 0);
+      EXPECT_EQ(c.smem.hdr_bytes % 16, 0);
+      EXPECT_EQ(c.smem.sc_bytes % 16, 0);
+    }
+  }
+  LaunchOverrides ov;
+  ov.stream_min_batch = 1;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 1), ov).grid_x, 32u);  // one CTA per item
+  ov.stream_grid = 5;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 1), ov).grid_x, 5u);
+  ov = {};
+  ov.stream_ctas_per_sm = 2;
+  const LaunchPlan two = PlanOf(Shape(KernelOp::kReplay, 256), ov);
+  EXPECT_EQ(two.stream.ctas_per_sm, 2);
+  EXPECT_EQ(two.stream.stages_per_warp, 4);
+  EXPECT_EQ(two.grid_x, 2u * kH200.sms);
+  ov.stream_ctas_per_sm = 3;  // KDA forced to 3 CTAs: one stage per warp
+  ov.stream_min_batch = 1;
+  const LaunchPlan three = PlanOf(Shape(KernelOp::kReplay, 256, true), ov);
+  EXPECT_EQ(three.stream.ctas_per_sm, 3);
+  EXPECT_EQ(three.stream.stages_per_warp, 1);
+}
+
+// What the stream kernel requires (stream_replay_kernel.cuh); elsewhere replay keeps the bulk
+// kernel.
+TEST(Plan, StreamReplayNeedsAnAlignedFp32PoolAndItsShapes) {
+  LaunchOverrides from1;
+  from1.stream_min_batch = 1;
+  auto role = [&from1](LaunchProblem p) { return PlanOf(p, from1).role; };
+  LaunchProblem p = Shape(KernelOp::kReplay, 256);
+  EXPECT_EQ(role(p), KernelRole::kStreamReplay);
+  for (auto unalign : {&LaunchProblem::checkpoint_aligned, &LaunchProblem::ring_d_aligned,
+                       &LaunchProblem::ring_k_aligned, &LaunchProblem::ring_g_aligned}) {
+    LaunchProblem q = p;
+    q.*unalign = false;
+    EXPECT_EQ(role(q), KernelRole::kBulkStep);
+  }
+  for (auto [k, v, l, kda, stream] : {std::tuple{256, 128, 16, false, false},
+                                      {120, 128, 16, false, false},
+                                      {128, 256, 16, false, false},
+                                      {128, 48, 16, false, false},
+                                      {128, 96, 16, false, true},
+                                      {64, 64, 8, false, true},
+                                      {128, 128, 6, false, false},
+                                      {128, 128, 6, true, true},
+                                      {128, 128, 64, true, false},
+                                      {128, 128, 32, false, true}}) {
+    LaunchProblem q = Shape(KernelOp::kReplay, 256, kda);
+    q.head_k = k, q.head_v = v, q.ring_len = l;
+    EXPECT_EQ(role(q) == KernelRole::kStreamReplay, stream)
+        << "K " << k << " V " << v << " L " << l << " kda " << kda;
+  }
+  EXPECT_EQ(role(Shape(KernelOp::kBaseline, 256)), KernelRole::kBaseline);
+  EXPECT_EQ(role(Shape(KernelOp::kVerify, 256)), KernelRole::kBulkStep);
+  // Planned: GDN from B * HV = 512; KDA keeps the bulk kernel.
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 16)).role, KernelRole::kStreamReplay);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 15)).role, KernelRole::kBulkStep);
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 4096, true)).role, KernelRole::kBulkStep);
+  LaunchOverrides bulk;
+  bulk.step_kernel = LaunchOverrides::StepKernel::kBulk;
+  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 256), bulk).role, KernelRole::kBulkStep);
 }
 
 TEST(Plan, CheckOverridesNamesTheFieldTheRangeAndTheValue) {
