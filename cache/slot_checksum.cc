@@ -10,7 +10,7 @@ constexpr uint64_t kSeed = 0x5eed0003;
 constexpr size_t kL1Piece = 16 << 10;  // copied, then hashed while still in L1
 
 // Copies (when dst is set) and hashes src[0, n) into `sum` in L1-sized pieces.
-void CopyAndUpdate(checksum_v2::Stream& sum, uint8_t* dst, const uint8_t* src, size_t n) {
+void CopyAndUpdate(segment_hash::Stream& sum, uint8_t* dst, const uint8_t* src, size_t n) {
   if (dst == nullptr) {
     sum.Update(src, n);
     return;
@@ -26,8 +26,8 @@ void CopyAndUpdate(checksum_v2::Stream& sum, uint8_t* dst, const uint8_t* src, s
 
 uint64_t CombineSegmentDigests(const uint64_t* digests, size_t count, size_t total) {
   uint64_t h = kSeed;
-  for (size_t i = 0; i < count; ++i) h = checksum_v2::Mix(h, digests[i]);
-  return checksum_v2::Mix(h, total);
+  for (size_t i = 0; i < count; ++i) h = segment_hash::Mix(h, digests[i]);
+  return segment_hash::Mix(h, total);
 }
 
 SegmentedChecksum::SegmentedChecksum(size_t total, size_t segment)
@@ -92,7 +92,7 @@ uint64_t PayloadChecksumOfSegments(const void* data, size_t size, size_t segment
   const auto* p = static_cast<const uint8_t*>(data);
   std::vector<uint64_t> d;
   for (size_t off = 0; off < size; off += segment) {
-    d.push_back(checksum_v2::Digest(p + off, std::min(segment, size - off)));
+    d.push_back(segment_hash::Digest(p + off, std::min(segment, size - off)));
   }
   return CombineSegmentDigests(d.data(), d.size(), size);
 }

@@ -3,7 +3,7 @@
 //
 // The payload is cut into segments at fixed payload offsets (kChecksumSegmentBytes; the last
 // one shorter). Each segment is hashed on its own with the segment hash of
-// replayssm/checksum_v2.h (eight 64-bit lanes, one xxHash64-style round per 8-byte word, the
+// replayssm/segment_hash.h (eight 64-bit lanes, one xxHash64-style round per 8-byte word, the
 // lanes, tail and length mixed at the end); the segment digests are then mixed in segment
 // order, and the payload's length. The digest does not depend on how either side splits the
 // payload into chunks, and different segments are hashed on different threads in any order.
@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "replayssm/cache/slot_io.h"
-#include "replayssm/checksum_v2.h"
+#include "replayssm/segment_hash.h"
 
 namespace replayssm::cache {
 
@@ -49,7 +49,7 @@ class SegmentedChecksum {
  private:
   struct Segment {
     mutable std::mutex mu;
-    checksum_v2::Stream sum;                       // the segment's bytes [begin, next) in order
+    segment_hash::Stream sum;                       // the segment's bytes [begin, next) in order
     size_t next = 0;                               // payload offset
     std::map<size_t, std::vector<uint8_t>> early;  // parts after a gap, by payload offset
   };

@@ -25,7 +25,7 @@ uint64_t Reference(const std::vector<uint8_t>& x, size_t segment) {
   };
   uint64_t h = 0x5eed0003;
   for (size_t off = 0; off < x.size(); off += segment) {
-    h = mix(h, checksum_v2::Digest(x.data() + off, std::min(segment, x.size() - off)));
+    h = mix(h, segment_hash::Digest(x.data() + off, std::min(segment, x.size() - off)));
   }
   return mix(h, x.size());
 }

@@ -208,7 +208,7 @@ class TpReader final : public SlotReader {
         if (copied_ < layers) return;
       }
       const size_t begin = s * kChecksumSegmentBytes;
-      digests_[s] = checksum_v2::Digest(payload_.get() + begin, end - begin);
+      digests_[s] = segment_hash::Digest(payload_.get() + begin, end - begin);
       absl::MutexLock lock(&mu_);
       ++hashed_;
     }

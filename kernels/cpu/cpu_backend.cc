@@ -6,7 +6,7 @@
 
 #include "../src/backend.h"
 #include "head_math.h"
-#include "replayssm/checksum_v2.h"
+#include "replayssm/segment_hash.h"
 #include "thread_pool.h"
 
 namespace replayssm::kernels::cpu {
@@ -38,10 +38,10 @@ Workspace& LocalWorkspace() {
   return ws;
 }
 
-// The version 2 digest (checksum_v2.h) of payload bytes [begin, end) of parts[0] | parts[1] |
+// The segment hash (segment_hash.h) of payload bytes [begin, end) of parts[0] | parts[1] |
 // ... (part_bytes each), fed part by part.
 uint64_t RangeDigest(const uint8_t* const* parts, size_t part_bytes, size_t begin, size_t end) {
-  checksum_v2::Stream h;
+  segment_hash::Stream h;
   for (size_t off = begin; off < end;) {
     const size_t part = off / part_bytes, in_part = off - part * part_bytes;
     const size_t n = std::min(part_bytes - in_part, end - off);

@@ -1,5 +1,5 @@
 // rssm_segment_digests_parts on the device (rssm_segment_digests is its count-1 case): the
-// version 2 digest (replayssm/checksum_v2.h, the same Round and Finish as the host's
+// version 2 digest (replayssm/segment_hash.h, the same Round and Finish as the host's
 // Checksummer) of each segment of a payload held as `count` device parts of part_bytes each,
 // hashed where the parts lie (a slot's layers need no gather into one buffer first).
 //
@@ -23,12 +23,12 @@
 // last size % 64 bytes, read byte by byte by v2::Finish) may span parts: it is copied into
 // shared memory first, one byte per thread, beside the first tile's loads.
 #include "params.h"
-#include "replayssm/checksum_v2.h"
+#include "replayssm/segment_hash.h"
 
 namespace replayssm::kernels::cuda {
 namespace {
 
-namespace v2 = ::replayssm::checksum_v2;
+namespace v2 = ::replayssm::segment_hash;
 
 constexpr int kThreads = 128;
 constexpr size_t kTileBytes = 8192;                     // one stage; two in shared memory

@@ -1,5 +1,5 @@
 // rssm_segment_digests_parts on the CPU backend: the segment hash of each segment, equal to the
-// one-buffer digest of that segment (replayssm/checksum_v2.h, what the cache's host checksum
+// one-buffer digest of that segment (replayssm/segment_hash.h, what the cache's host checksum
 // computes), pinned to digests the host computed before the round moved into that header;
 // over several parts equal to it on their concatenation; bad arguments write nothing.
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "replayssm/checksum_v2.h"
+#include "replayssm/segment_hash.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::kernels::testing {
@@ -52,7 +52,7 @@ rssm_status Whole(const rssm_launch* l, const void* data, size_t bytes, size_t s
 std::vector<uint64_t> Expected(const uint8_t* p, size_t bytes, size_t segment) {
   std::vector<uint64_t> out;
   for (size_t off = 0; off < bytes; off += segment) {
-    out.push_back(checksum_v2::Digest(p + off, std::min(segment, bytes - off)));
+    out.push_back(segment_hash::Digest(p + off, std::min(segment, bytes - off)));
   }
   return out;
 }
@@ -85,21 +85,21 @@ TEST(SegmentDigests, EachSegmentIsItsVersion2Digest) {
 
 TEST(SegmentDigests, PinnedToTheHostDigestsOfTheReleasedFormat) {
   // Computed by service/transfer/checksum.cc at cccb1a8 (before the round was shared): a
-  // change to checksum_v2.h that breaks older peers fails here, not only between backends.
+  // change to segment_hash.h that breaks older peers fails here, not only between backends.
   std::vector<uint8_t> x(3 * 4096 + 100);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint8_t>(i * 131 + 7);
   const std::pair<size_t, uint64_t> v2[] = {
       {0, 0x0f1ebb2e1103a1aaULL},  {1, 0xb1130e46ca861578ULL},    {63, 0x16243157ff091893ULL},
       {64, 0xa62fde8116eb48d7ULL}, {65, 0x86b941db9632437bULL},   {4096, 0xa5a1683d42537b42ULL},
       {x.size(), 0xc93669db67d85552ULL}};
-  for (const auto& [n, want] : v2) EXPECT_EQ(checksum_v2::Digest(x.data(), n), want) << n;
+  for (const auto& [n, want] : v2) EXPECT_EQ(segment_hash::Digest(x.data(), n), want) << n;
   std::mt19937_64 rng(1);
   HostData d(x.size(), rng);
   std::memcpy(d.data(), x.data(), x.size());
   uint64_t got[4];
   ASSERT_EQ(Whole(&kCpu, d.data(), x.size(), 4096, got), RSSM_OK);
   EXPECT_EQ(got[0], 0xa5a1683d42537b42ULL);
-  EXPECT_EQ(got[3], checksum_v2::Digest(x.data() + 3 * 4096, 100));
+  EXPECT_EQ(got[3], segment_hash::Digest(x.data() + 3 * 4096, 100));
 }
 
 // Calls fn and expects INVALID_ARGUMENT naming `function: field` (expected ..., got ...) and

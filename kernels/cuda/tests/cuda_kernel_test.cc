@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "replayssm/checksum_v2.h"
+#include "replayssm/segment_hash.h"
 #include "src/launch_overrides.h"
 #include "tests/harness.h"
 
@@ -1138,7 +1138,7 @@ TEST(CudaSegmentDigests, PartsMatchTheHostDigestOfTheirConcatenation) {
     std::vector<uint64_t> want(n), got(n + 1, 0x5a5a);
     for (size_t i = 0; i < n; ++i) {
       const size_t off = i * k.segment;
-      want[i] = checksum_v2::Digest(whole.data() + off, std::min(k.segment, bytes - off));
+      want[i] = segment_hash::Digest(whole.data() + off, std::min(k.segment, bytes - off));
     }
     ASSERT_EQ(DeviceDigests(cuda, parts.data(), k.count, k.part_bytes, k.segment, got.data()),
               RSSM_OK) << rssm_last_error();

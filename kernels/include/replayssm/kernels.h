@@ -432,7 +432,7 @@ rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
                               uint32_t doorbell_value);
 rssm_status rssm_graph_destroy(rssm_graph* graph);
 
-/* Slot checksums (docs/transfer.md): the segment hash (replayssm/checksum_v2.h; bit-identical
+/* Slot checksums (docs/transfer.md): the segment hash (replayssm/segment_hash.h; bit-identical
  * to the host's) of each segment of a payload held as parts[0] | parts[1] | ... |
  * parts[count - 1] (count * part_bytes bytes), hashed where the parts lie (no gather):
  * digests[i] is the hash of payload bytes [i * segment_bytes, min((i + 1) * segment_bytes,

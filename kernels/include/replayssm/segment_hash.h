@@ -1,27 +1,30 @@
-// Checksum version 2 of a transfer payload (docs/transfer.md): the one definition of its
-// round, lanes and finish (and, on the host, the carry of a digest fed in pieces: Stream),
-// shared by the host's Checksummer (service/transfer/checksum.h), the CPU backend's and the
-// CUDA kernel's rssm_segment_digests(_parts) (kernels.h), so that they cannot drift. C++ only (the C ABI does not depend on it); the round and the finish are
-// __host__ __device__ when compiled by nvcc.
+// The segment hash of a transfer payload's checksum (docs/transfer.md, "Checksum"): each
+// 1 MiB segment is hashed on its own with this function, and the segment digests are mixed
+// in order (cache/slot_checksum.h). The one definition of its round, lanes and finish (and,
+// on the host, the carry of a digest fed in pieces: Stream), shared by the host's
+// SegmentedChecksum, the CPU backend's and the CUDA kernel's rssm_segment_digests(_parts)
+// (kernels.h), so that they cannot drift. C++ only (the C ABI does not depend on it); the
+// round and the finish are __host__ __device__ when compiled by nvcc. (It was the whole
+// payload's checksum in version 2 of the format, hence its constants.)
 //
 // The function: eight 64-bit lanes (initially 1..8) over the 64-byte blocks of the data, lane
 // k taking word k (8 bytes, little-endian) of each block through Round; then, from seed
 // kSeed, Mix of each lane in order, of each byte of the tail (the last size % 64 bytes) in
 // order, and of the length in bytes. Not cryptographic: it catches corruption.
-#ifndef REPLAYSSM_CHECKSUM_V2_H_
-#define REPLAYSSM_CHECKSUM_V2_H_
+#ifndef REPLAYSSM_SEGMENT_HASH_H_
+#define REPLAYSSM_SEGMENT_HASH_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 #ifdef __CUDACC__
-#define RSSM_CHECKSUM_HD __host__ __device__ __forceinline__
+#define RSSM_SEGMENT_HASH_HD __host__ __device__ __forceinline__
 #else
-#define RSSM_CHECKSUM_HD inline
+#define RSSM_SEGMENT_HASH_HD inline
 #endif
 
-namespace replayssm::checksum_v2 {
+namespace replayssm::segment_hash {
 
 inline constexpr int kLanes = 8;
 inline constexpr size_t kBlockBytes = 64;  // kLanes words of 8 bytes
@@ -30,17 +33,17 @@ inline constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4FULL;
 inline constexpr uint64_t kSeed = 0x5eed;
 
 // Lane k's value before the first block.
-RSSM_CHECKSUM_HD uint64_t LaneInit(int k) { return static_cast<uint64_t>(k) + 1; }
+RSSM_SEGMENT_HASH_HD uint64_t LaneInit(int k) { return static_cast<uint64_t>(k) + 1; }
 
-RSSM_CHECKSUM_HD uint64_t Rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+RSSM_SEGMENT_HASH_HD uint64_t Rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
 // One lane takes one word (xxHash64's round: multiply, rotate, multiply).
-RSSM_CHECKSUM_HD uint64_t Round(uint64_t lane, uint64_t word) {
+RSSM_SEGMENT_HASH_HD uint64_t Round(uint64_t lane, uint64_t word) {
   return Rotl(lane + word * kPrime2, 31) * kPrime1;
 }
 
 // The finish's mix (also what version 3 mixes its segment digests with).
-RSSM_CHECKSUM_HD uint64_t Mix(uint64_t h, uint64_t v) {
+RSSM_SEGMENT_HASH_HD uint64_t Mix(uint64_t h, uint64_t v) {
   h ^= v * 0x9E3779B97F4A7C15ULL;
   h ^= h >> 29;
   h *= 0xBF58476D1CE4E5B9ULL;
@@ -48,7 +51,7 @@ RSSM_CHECKSUM_HD uint64_t Mix(uint64_t h, uint64_t v) {
 }
 
 // The digest from the lanes after every whole block, the tail (< 64 bytes) and the length.
-RSSM_CHECKSUM_HD uint64_t Finish(const uint64_t* lanes, const uint8_t* tail, size_t tail_size,
+RSSM_SEGMENT_HASH_HD uint64_t Finish(const uint64_t* lanes, const uint8_t* tail, size_t tail_size,
                                  uint64_t total) {
   uint64_t h = kSeed;
   for (int k = 0; k < kLanes; ++k) h = Mix(h, lanes[k]);
@@ -114,6 +117,6 @@ inline uint64_t Digest(const void* data, size_t size) {
   return Finish(lanes, p + whole, size - whole, size);
 }
 
-}  // namespace replayssm::checksum_v2
+}  // namespace replayssm::segment_hash
 
-#endif  // REPLAYSSM_CHECKSUM_V2_H_
+#endif  // REPLAYSSM_SEGMENT_HASH_H_
