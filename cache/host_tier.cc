@@ -29,7 +29,7 @@ double HostTier::Priority(const Entry& e) {
 }
 
 int32_t HostTier::Victim(bool only_ns, PrefixNamespace ns) const {
-  // Linear: the table holds host_snapshot_bytes / ~75 MB entries (a few thousand at most).
+  // Linear: the table holds host_snapshot_bytes / ~77 MB entries (a few thousand at most).
   int32_t best = -1;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];

@@ -410,6 +410,7 @@ absl::Status CheckBounds(const ServerOptions& o) {
       {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
       {"--tenant-max-slots", o.tenant_max_slots, 0, std::numeric_limits<int64_t>::max()},
       {"--tenant-max-snapshots", o.tenant_max_snapshots, 0, std::numeric_limits<int64_t>::max()},
+      {"--host-snapshot-bytes", o.host_snapshot_bytes, 0, std::numeric_limits<int64_t>::max()},
   };
   for (const auto& b : bounds) {
     if (b.value < b.min || b.value > b.max) {
@@ -442,10 +443,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.forward_graphs = options.forward_graphs;
   cache_options.max_prefill_tokens = options.max_prefill_tokens;
   cache_options.max_snapshots_per_namespace = options.tenant_max_snapshots;
+  cache_options.host_snapshot_bytes = options.host_snapshot_bytes;
+  if (options.host_snapshot_policy != "lru" && options.host_snapshot_policy != "value") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--host-snapshot-policy: expected lru or value, got ", options.host_snapshot_policy));
+  }
+  cache_options.host_policy = options.host_snapshot_policy == "value" ? cache::HostPolicy::kValue
+                                                                      : cache::HostPolicy::kLru;
   auto handles = std::make_unique<SlotHandles>();
   cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };
   absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =
       cache::StateCache::Create(*std::move(model), cache_options);
+  if (!cache.ok() && absl::StrContains(cache.status().message(), "host_snapshot_bytes: ")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--host-snapshot-bytes (per TP rank): ", cache.status().message()));
+  }
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              *std::move(cache));

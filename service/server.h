@@ -40,6 +40,9 @@ struct ServerOptions {
   int32_t max_streams = 1024;                        // open DecodeStream streams at once
   int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with --auth-tokens); 0: any
   int64_t tenant_max_snapshots = 0;  // snapshots one tenant's prefix namespace may hold; 0: any
+  // The host tier (cache::CacheOptions::host_snapshot_bytes, host_policy), per TP rank.
+  int64_t host_snapshot_bytes = 0;              // pinned host bytes for evicted snapshots; 0: off
+  std::string host_snapshot_policy = "lru";     // lru | value
   int32_t max_regions = 64;                          // registered memory regions at once
   absl::Duration slot_ttl = absl::ZeroDuration();    // idle live slots expire; 0 = never
   absl::Duration region_ttl = absl::ZeroDuration();  // idle registered regions go; 0 = never

@@ -59,7 +59,7 @@ enum class HostPolicy : int32_t {
 };
 
 // Upper bounds (seconds) of the promotion latency histogram's buckets (CacheStats), then +Inf:
-// a Qwen3-Next snapshot (75 MB) takes ~1.5-3 ms over PCIe 5; the low end is the CPU backend.
+// a Qwen3-Next snapshot (77 MB) takes ~1.5-3 ms over PCIe 5; the low end is the CPU backend.
 inline constexpr std::array<double, 11> kPromotionLatencyBounds = {
     1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2, 0.25};
 
@@ -257,7 +257,9 @@ class StateCache {
   // even after evicting every unreferenced snapshot.
   virtual absl::StatusOr<SlotId> Allocate() = 0;
   // A slot that starts from the longest snapshot whose key is a prefix of `tokens` (copy-on-
-  // write; write_pos 0, seq_len = matched), or a fresh one when none matches.
+  // write; write_pos 0, seq_len = matched), or a fresh one when none matches. A snapshot in
+  // the host tier is copied back first (and kept in backend memory again when a slot is free
+  // for it): the caller waits for that copy, nothing else does (docs/cache.md, "Host tier").
   struct PrefixAllocation {
     SlotId slot = kPaddingSlot;
     int64_t matched = 0;
