@@ -132,6 +132,9 @@ class ForwardImpl final : public Forward {
   // Grows the lane's activation scratch to tokens() for a host-memory layer. Growing replaces
   // buffers that queued layers may still read, so it waits for them first.
   absl::Status ReserveTokens();
+  // The same for a prefill's or verify's layer on backend memory: only the convolution's
+  // outputs go to the lane's scratch (Start reserved max_batch tokens of them).
+  absl::Status ReserveConv();
   // Queues `layer`'s kernels for every row (a prefill first saves the checkpoints it writes):
   // the short convolution (a model with one; decode's is joined to its step), then the
   // recurrence.
@@ -1621,6 +1624,15 @@ absl::Status ForwardImpl::ReserveTokens() {
   return st;
 }
 
+absl::Status ForwardImpl::ReserveConv() {
+  const ModelSpec& m = cache_->model();
+  const size_t need = static_cast<size_t>(tokens() * m.QkvWidth()) * rssm_dtype_size(m.shape.act_dtype);
+  if (m.conv_width == 0 || lane_->scratch.conv.size() >= need) return absl::OkStatus();
+  absl::Status st = Synchronize();  // queued layers may still read the old buffer
+  if (st.ok()) st = lane_->scratch.ReserveConv(cache_->options().backend, m, tokens());
+  return st;
+}
+
 absl::Status ForwardImpl::CopySpares(int32_t layer, bool restore) {
   SlotPool& pool = cache_->pool();
   const size_t bytes = pool.CheckpointBytes();
@@ -1760,6 +1772,7 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   if (!st.ok()) return st;
   const bool host = io.memory == IoMemory::kHost;
   if (host) st = ReserveTokens();
+  if (!host && rows_.kind != ForwardKind::kDecode) st = ReserveConv();
   if (!st.ok()) return st;
   absl::StatusOr<rssm_token_inputs> in = StageInputs(*lane_, m, io, tokens());
   if (!in.ok()) return in.status();
