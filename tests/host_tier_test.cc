@@ -4,7 +4,7 @@
 
 #include "service_fixture.h"
 
-namespace replayssm {
+namespace replayssm::testing {
 namespace {
 
 class HostTierTest : public ServiceTest {
@@ -49,4 +49,4 @@ TEST_F(HostTierTest, TheSecondTurnHitsAfterTheFirstWasPushedToHost) {
 }
 
 }  // namespace
-}  // namespace replayssm
+}  // namespace replayssm::testing
