@@ -27,7 +27,8 @@ class HostTierTest : public ::testing::Test {
  protected:
   // A cache of `slots` backend slots and `host` host snapshots.
   std::unique_ptr<StateCache> Make(int64_t slots, int64_t host,
-                                   HostPolicy policy = HostPolicy::kLru, int64_t ns_bound = 0) {
+                                   HostPolicy policy = HostPolicy::kLru, int64_t ns_bound = 0,
+                                   int32_t track = 0) {
     absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, 4);
     EXPECT_TRUE(m.ok()) << m.status();
     m->num_layers = 2;
@@ -35,7 +36,7 @@ class HostTierTest : public ::testing::Test {
     CacheOptions o;
     o.backend = testing::TestBackend();
     o.memory_budget_bytes = slots * m->SlotBytes();
-    o.track_interval = 0;
+    o.track_interval = track;
     o.max_snapshots_per_namespace = ns_bound;
     o.host_snapshot_bytes = host * m->LayerStateBytes() * m->num_layers;
     o.host_policy = policy;
@@ -165,6 +166,31 @@ TEST_F(HostTierTest, EventsFollowTheSnapshotAcrossTiers) {
   EXPECT_EQ(c->stats().host_evictions, 1);
 }
 
+// A decode forward's track snapshot never waits for a spill: with the pool full it evicts a
+// snapshot whose state the host holds (no loss) before an older one it does not.
+TEST_F(HostTierTest, ATrackSnapshotEvictsAHostBackedSnapshotFirst) {
+  std::unique_ptr<StateCache> c = Make(3, 4, HostPolicy::kLru, 0, /*track=*/8);
+  Donate(*c, {1, 2, 3});
+  Flush(*c);  // {1, 2, 3} on the host
+  Donate(*c, {4, 5, 6});  // in GPU memory only: now the least recently used
+  absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix({1, 2, 3, 9});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(c->stats().host_promotions, 1);  // {1, 2, 3} in GPU memory too: the pool is full
+  for (int i = 0; i < 5; ++i) {  // seq_len 3 -> 8: a track snapshot
+    const int32_t t = 30 + i;
+    Batch one = oracle_->MakeBatch({{t, 3 + i}});
+    absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{p->slot, t}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (int l = 0; l < c->model().num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+  }
+  EXPECT_EQ(c->stats().snapshots_taken, 1);
+  EXPECT_EQ(c->MatchPrefix({4, 5, 6, 7}), 3) << "the older GPU-only snapshot stays";
+  EXPECT_EQ(c->MatchPrefix({1, 2, 3, 7}), 3) << "still on the host";
+  EXPECT_EQ(c->MatchPrefix({1, 2, 3, 30, 31, 32, 33, 34, 0}), 8);
+  EXPECT_EQ(c->stats().host_hits, 1);
+}
+
 // The host tier never holds more than host_snapshot_bytes; LRU keeps the most recent.
 TEST_F(HostTierTest, HostBytesAreNeverExceeded) {
   std::unique_ptr<StateCache> c = Make(2, 2);
@@ -250,39 +276,54 @@ TEST_F(HostTierTest, ANonFiniteStateNeverReachesTheHost) {
   EXPECT_EQ(c->MatchPrefix({1, 2, 3, 1}), 3);
 }
 
-// A promotion copies without the cache's lock, on a lane of its own: forwards on other slots
-// go on while promotions are in flight, and both give the right states.
+// A promotion copies without the cache's lock, on a lane of its own: it goes through while a
+// forward on another slot is open, and promotions in a loop on one thread and forwards on
+// another both go on (each until the other has done its share), with the right states.
 TEST_F(HostTierTest, PromotionsDoNotBlockAnUnrelatedForward) {
   std::unique_ptr<StateCache> c = Make(6, 4);
   Donate(*c, {1, 2, 3, 4});
   Flush(*c);
   const SlotId busy = Run(*c, {40, 41});
-  std::atomic<bool> promoting{true};
-  std::atomic<int> during{0};
-  std::thread promoter([&] {
-    for (int i = 0; i < 40; ++i) {
-      absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix({1, 2, 3, 4, 5});
-      ASSERT_TRUE(p.ok()) << p.status();
-      EXPECT_EQ(p->matched, 4);
-      ASSERT_TRUE(c->Free(p->slot).ok());
-      Flush(*c);  // back to the host, so that every round is a promotion
-    }
-    promoting = false;
-  });
   std::vector<int32_t> history = {40, 41};
-  for (int step = 0; promoting && step < 2000; ++step) {
-    const int32_t t = 100 + step % 50;
+  auto promote = [&]() -> bool {
+    absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix({1, 2, 3, 4, 5});
+    if (!p.ok() || p->matched != 4 || !c->Free(p->slot).ok()) return false;
+    Flush(*c);  // back to the host, so that every round is a promotion
+    return true;
+  };
+  auto forward = [&](int32_t t, bool promote_between_layers) {
     Batch one = oracle_->MakeBatch({{t, static_cast<int64_t>(history.size())}});
     absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{busy, t}});
     ASSERT_TRUE(f.ok()) << f.status();
-    for (int l = 0; l < c->model().num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+    for (int l = 0; l < c->model().num_layers; ++l) {
+      ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+      if (l == 0 && promote_between_layers) {
+        ASSERT_TRUE(promote()) << "beside an open forward";
+      }
+    }
     ASSERT_TRUE((*f)->Commit().ok());
     history.push_back(t);
-    if (promoting) ++during;
+  };
+  forward(99, /*promote_between_layers=*/true);
+  constexpr int kShare = 20;
+  std::atomic<int> promotions{0}, forwards{0};
+  std::thread promoter([&] {
+    for (int i = 0; i < 1000 && (i < kShare || forwards < kShare); ++i) {
+      if (!promote()) {
+        ADD_FAILURE() << "promotion " << i;
+        return;
+      }
+      ++promotions;
+    }
+  });
+  for (int i = 0; i < 1000 && (i < kShare || promotions < kShare); ++i) {
+    forward(100 + i % 50, false);
+    ++forwards;
   }
   promoter.join();
-  EXPECT_GT(during.load(), 0);
-  EXPECT_EQ(c->stats().host_hits, 40);
+  EXPECT_GE(promotions.load(), kShare);
+  EXPECT_GE(forwards.load(), kShare);
+  EXPECT_EQ(c->stats().host_hits, 1 + promotions.load());
   absl::StatusOr<ExportedState> e = c->Export(busy);
   ASSERT_TRUE(e.ok());
   EXPECT_LE(testing::RelErr(oracle_->FromExport(*e), oracle_->Run(history, history.size())),

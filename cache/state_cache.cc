@@ -457,8 +457,15 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     return i;
   }
 
-  // A free slot, evicting the least recently used unreferenced snapshot when none is free.
+  // A free slot, evicting the least recently used unreferenced snapshot when none is free:
+  // with the host tier, one whose state the host holds first (no loss), then any (dropped:
+  // this path never waits for a spill; MakeRoom is the one that spills).
   absl::StatusOr<int32_t> TakeFreeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (free_.empty() && host_ != nullptr) {
+      EvictLruLocked([this](const Slot& s) {
+        return s.host >= 0 || host_->Find(s.ns, s.tokens) >= 0;
+      });
+    }
     if (free_.empty()) EvictLruLocked([](const Slot&) { return true; });
     if (free_.empty()) {
       return absl::ResourceExhaustedError(absl::StrCat(
