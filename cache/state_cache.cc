@@ -748,9 +748,9 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::PromoteFromHost(
 absl::Status StateCacheImpl::StartPromotionLocked(PrefixNamespace ns,
                                                   absl::Span<const int32_t> prefix, int32_t e,
                                                   Promotion* p) {
-  ++stats_.snapshot_misses;  // the backend's
   absl::StatusOr<int32_t> i = TakeFreeLocked();
   if (!i.ok()) return i.status();
+  ++stats_.snapshot_misses;  // the backend's
   ++stats_.host_hits;
   p->entry = e;
   p->slot = *i;
