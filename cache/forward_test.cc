@@ -153,6 +153,24 @@ class ForwardKindsTest : public ::testing::TestWithParam<KindParams> {
   std::unique_ptr<Oracle> oracle_;
 };
 
+// A prefill on backend memory longer than max_batch tokens: the convolution's outputs still go
+// to the lane's scratch, which Start sized for max_batch tokens (it overflowed before).
+TEST_P(ForwardKindsTest, ALongPrefillOnBackendMemoryEqualsHostMemoryBitForBit) {
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < 300; ++i) tokens.push_back(i % 7);
+  ASSERT_GT(static_cast<int64_t>(tokens.size()), cache_->options().max_batch);
+  Batch host = oracle_->MakeBatch(Toks(tokens, 0)), dev_out = oracle_->MakeBatch(Toks(tokens, 0));
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  ASSERT_TRUE(cache_->Prefill(a, tokens, host.io).ok());
+  BackendBatch dev(cache_->options().backend, host);
+  ASSERT_TRUE(cache_->Prefill(b, tokens, dev.io).ok());
+  dev.CopyOutputsTo(dev_out);
+  for (int l = 0; l < model().num_layers; ++l) {
+    EXPECT_EQ(Outputs(dev_out, l, 0, 300), Outputs(host, l, 0, 300)) << "layer " << l;
+  }
+  EXPECT_EQ(Observe(b), Observe(a));
+}
+
 TEST_P(ForwardKindsTest, LayerByLayerPrefillEqualsUnaryPrefillBitForBit) {
   const std::vector<int32_t> ha = {1, 2, 3, 4, 5}, hb = {7, 8};
   const std::vector<int32_t> x = {11, 12, 13, 14, 15, 16}, y = {21};  // x is longer than L

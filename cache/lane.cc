@@ -41,6 +41,12 @@ absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t token
   return absl::OkStatus();
 }
 
+absl::Status Scratch::ReserveConv(int32_t backend, const ModelSpec& m, int64_t tokens) {
+  if (m.conv_width == 0) return absl::OkStatus();
+  const size_t es = rssm_dtype_size(m.shape.act_dtype);
+  return Grow(conv, backend, static_cast<size_t>(tokens * m.QkvWidth()) * es);
+}
+
 absl::Status Scratch::ReserveDigests(int32_t backend, size_t segments, size_t parts) {
   absl::Status s = Grow(digests, backend, segments * sizeof(uint64_t));
   if (s.ok()) s = Grow(digest_parts, backend, parts * sizeof(void*));

@@ -42,6 +42,9 @@ struct Scratch {
   DeviceBuffer flags;                    // uint8
   DeviceBuffer digests, digest_parts;    // a slot checksum: its segment digests, part table
   absl::Status Reserve(int32_t backend, const ModelSpec& m, int64_t tokens, int64_t rows);
+  // Room for the convolution's outputs of `tokens` tokens (conv only: a forward on backend
+  // memory stages nothing else).
+  absl::Status ReserveConv(int32_t backend, const ModelSpec& m, int64_t tokens);
   // Room for the digests of `segments` segments and a table of `parts` part pointers.
   absl::Status ReserveDigests(int32_t backend, size_t segments, size_t parts);
 };

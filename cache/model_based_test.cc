@@ -39,11 +39,13 @@ struct Params {
   bool bf16_act = false;
   int32_t round_beta = -1;
   int32_t ring_dtype = -1;
+  int64_t host_snapshots = 0;  // the host tier's size in snapshots (0: off)
   std::string Name() const {
     return std::string(gate_preset ? "kda" : "gdn") + "_s" + rssm_dtype_name(state_dtype) +
            (ring_dtype >= 0 ? std::string("_r") + rssm_dtype_name(ring_dtype) : "") +
            (bf16_act ? "_abf16" : "") + (round_beta == 1 ? "_rbeta" : "") +
-           (round_beta == 0 ? "_f32beta" : "") + "_seed" + std::to_string(seed);
+           (round_beta == 0 ? "_f32beta" : "") + (host_snapshots > 0 ? "_host" : "") + "_seed" +
+           std::to_string(seed);
   }
 };
 void PrintTo(const Params& p, std::ostream* os) { *os << p.Name() << ", " << p.ops << " ops"; }
@@ -71,6 +73,7 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
   o.backend = testing::TestBackend();
   o.memory_budget_bytes = 10 * m->SlotBytes();
   o.track_interval = 5;
+  o.host_snapshot_bytes = p.host_snapshots * m->LayerStateBytes() * m->num_layers;
   auto cache = std::move(*StateCache::Create(*m, o));
   const Oracle oracle(cache->model());
   const bool f32 = p.state_dtype == RSSM_DTYPE_F32;
@@ -299,6 +302,11 @@ TEST_P(ModelBased, EveryOutputAndExportMatchesTheModel) {
   const CacheStats s = cache->stats();
   EXPECT_GT(s.snapshot_hits, 0);
   EXPECT_GT(s.folds_ring_full + s.folds_track, 0);
+  if (p.host_snapshots > 0) {
+    EXPECT_GT(s.snapshot_spills, 0);
+    EXPECT_GT(s.host_hits, 0);
+    EXPECT_LE(s.host_bytes, s.host_capacity_bytes);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -308,7 +316,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // GDN: beta rounded by default; a bf16 ring
                       Params{RSSM_DTYPE_F32, 0, 5, 1000, true, -1, RSSM_DTYPE_BF16},
                       // KDA with beta rounded by option; an fp16 ring
-                      Params{RSSM_DTYPE_F32, 1, 6, 1000, true, 1, RSSM_DTYPE_F16}),
+                      Params{RSSM_DTYPE_F32, 1, 6, 1000, true, 1, RSSM_DTYPE_F16},
+                      // a host tier: snapshots spill and come back
+                      Params{RSSM_DTYPE_F32, 0, 7, 2000, false, -1, -1, 6},
+                      Params{RSSM_DTYPE_BF16, 1, 8, 800, true, -1, -1, 3}),
     ParamName);
 
 }  // namespace

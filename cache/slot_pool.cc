@@ -202,4 +202,29 @@ absl::Status SlotPool::WriteCheckpoint(int32_t slot, int32_t layer, const void* 
                       "checkpoint copy");
 }
 
+absl::Status SlotPool::SaveState(int32_t slot, void* pinned, Lane& lane) const {
+  for (int32_t l = 0; l < model_.num_layers; ++l) {
+    const rssm_launch launch = lane.Launch();
+    absl::Status s = KernelStatus(
+        rssm_memcpy(&launch, static_cast<char*>(pinned) + l * CheckpointBytes(),
+                    CheckpointPtr(slot, l), CheckpointBytes(), RSSM_COPY_DEVICE_TO_HOST),
+        "spill a snapshot to host memory");
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SlotPool::LoadState(int32_t slot, const void* pinned, Lane& lane) {
+  for (int32_t l = 0; l < model_.num_layers; ++l) {
+    const rssm_launch launch = lane.Launch();
+    absl::Status s = KernelStatus(
+        rssm_memcpy(&launch, CheckpointPtr(slot, l),
+                    static_cast<const char*>(pinned) + l * CheckpointBytes(), CheckpointBytes(),
+                    RSSM_COPY_HOST_TO_DEVICE),
+        "promote a snapshot from host memory");
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace replayssm::cache

@@ -61,6 +61,12 @@ class SlotPool {
                               Lane& lane) const;
   absl::Status WriteCheckpoint(int32_t slot, int32_t layer, const void* src, IoMemory memory,
                                Lane& lane);
+  // A whole folded state (every layer's CheckpointBytes(), layer after layer: StateBytes())
+  // between a slot and pinned host memory (rssm_alloc_host), one DMA per layer on the lane:
+  // the host tier's spill (Save) and promotion (Load). Done when the lane is synchronized.
+  size_t StateBytes() const { return CheckpointBytes() * model_.num_layers; }
+  absl::Status SaveState(int32_t slot, void* pinned, Lane& lane) const;
+  absl::Status LoadState(int32_t slot, const void* pinned, Lane& lane);
 
  private:
   SlotPool(const ModelSpec& model, int32_t backend, int64_t num_slots)

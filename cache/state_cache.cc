@@ -31,7 +31,9 @@
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "doorbells.h"
+#include "host_tier.h"
 #include "radix_tree.h"
 #include "replayssm/cache/state_cache.h"
 #include "slot_io_internal.h"
@@ -59,6 +61,7 @@ struct Slot {
   std::vector<int32_t> drafts;
   int32_t refs = 0;  // snapshots: copies in progress
   std::list<int32_t>::iterator lru;
+  int32_t host = -1;  // snapshots: the host tier's entry holding the same state, or -1
 };
 
 SlotId MakeId(int32_t index, uint32_t generation) {
@@ -129,6 +132,9 @@ class ForwardImpl final : public Forward {
   // Grows the lane's activation scratch to tokens() for a host-memory layer. Growing replaces
   // buffers that queued layers may still read, so it waits for them first.
   absl::Status ReserveTokens();
+  // The same for a prefill's or verify's layer on backend memory: only the convolution's
+  // outputs go to the lane's scratch (Start reserved max_batch tokens of them).
+  absl::Status ReserveConv();
   // Queues `layer`'s kernels for every row (a prefill first saves the checkpoints it writes):
   // the short convolution (a model with one; decode's is joined to its step), then the
   // recurrence.
@@ -180,6 +186,13 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
         staging_(options_.backend, kIdleStagingRings) {
     slots_.resize(pool_->num_slots());
     for (int64_t i = pool_->num_slots() - 1; i >= 0; --i) free_.push_back(static_cast<int32_t>(i));
+    const int64_t host_entries =
+        options_.host_snapshot_bytes / static_cast<int64_t>(pool_->StateBytes());
+    if (host_entries > 0) {
+      host_ = std::make_unique<HostTier>(options_.backend, pool_->StateBytes(), host_entries,
+                                         options_.host_policy,
+                                         options_.max_snapshots_per_namespace);
+    }
   }
 
   const ModelSpec& model() const override { return model_; }
@@ -198,10 +211,18 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     s.slots_snapshot = radix_.size();
     s.slots_live = s.slots_total - s.slots_free - s.slots_snapshot;
     s.lanes = lanes_.size();
+    s.backend_snapshot_bytes = s.slots_snapshot * model_.SlotBytes();
+    if (host_ != nullptr) {
+      const int64_t entry = static_cast<int64_t>(host_->entry_bytes());
+      s.host_snapshots = host_->stored();
+      s.host_bytes = s.host_snapshots * entry;
+      s.host_capacity_bytes = host_->capacity() * entry;
+    }
     return s;
   }
 
   absl::StatusOr<SlotId> Allocate() override {
+    MakeRoom(1);
     int32_t index;
     {
       absl::MutexLock lock(&mu_);
@@ -226,25 +247,34 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
 
   absl::StatusOr<PrefixAllocation> AllocateFromPrefixIn(PrefixNamespace ns,
                                                         absl::Span<const int32_t> tokens) override {
-    int32_t src = -1, index = -1;
+    int32_t src = -1, index = -1, entry = -1;
     RadixTree::Match m;
     {
       absl::MutexLock lock(&mu_);
       m = radix_.LongestPrefix(ns, tokens);
-      if (m.length == 0) {
+      const RadixTree::Match h =
+          host_ != nullptr ? host_->LongestPrefix(ns, tokens) : RadixTree::Match{};
+      if (h.length > m.length) {
+        m = h;
+        entry = h.value;
+        ++host_->entry(entry).refs;  // pins it: no host eviction takes it
+      } else if (m.length == 0) {
         ++stats_.snapshot_misses;
+        if (host_ != nullptr) ++stats_.host_misses;
       } else {
         src = m.value;
         ++slots_[src].refs;  // pins the snapshot while it is copied
         TouchLocked(src);
       }
     }
+    if (entry >= 0) return PromoteFromHost(ns, tokens.subspan(0, m.length), entry);
     if (m.length == 0) {
       absl::StatusOr<SlotId> id = Allocate();
       if (!id.ok()) return id.status();
       if (absl::Status s = SetPrefixNamespace(*id, ns); !s.ok()) return s;
       return PrefixAllocation{*id, 0};
     }
+    MakeRoom(1);  // the pinned snapshot is no victim
     {
       absl::MutexLock lock(&mu_);
       absl::StatusOr<int32_t> i = TakeFreeLocked();
@@ -322,7 +352,8 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   }
   int64_t MatchPrefixIn(PrefixNamespace ns, absl::Span<const int32_t> tokens) const override {
     absl::MutexLock lock(&mu_);
-    return radix_.LongestPrefix(ns, tokens).length;
+    const int64_t backend = radix_.LongestPrefix(ns, tokens).length;
+    return host_ == nullptr ? backend : std::max(backend, host_->LongestPrefix(ns, tokens).length);
   }
   absl::Status SetPrefixNamespace(SlotId id, PrefixNamespace ns) override {
     absl::MutexLock lock(&mu_);
@@ -426,8 +457,15 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     return i;
   }
 
-  // A free slot, evicting the least recently used unreferenced snapshot when none is free.
+  // A free slot, evicting the least recently used unreferenced snapshot when none is free:
+  // with the host tier, one whose state the host holds first (no loss), then any (dropped:
+  // this path never waits for a spill; MakeRoom is the one that spills).
   absl::StatusOr<int32_t> TakeFreeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (free_.empty() && host_ != nullptr) {
+      EvictLruLocked([this](const Slot& s) {
+        return s.host >= 0 || host_->Find(s.ns, s.tokens) >= 0;
+      });
+    }
     if (free_.empty()) EvictLruLocked([](const Slot&) { return true; });
     if (free_.empty()) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -446,18 +484,87 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
     for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
       Slot& s = slots_[*it];
       if (s.refs > 0 || s.busy || !which(s)) continue;
-      const int32_t victim = *it;
-      radix_.Erase(s.ns, s.tokens);
-      EmitLocked(CacheEvent::Type::kRemoved, s);
-      lru_.erase(s.lru);
-      --ns_snapshots_[s.ns];
-      ++stats_.snapshot_evictions;
-      s = Slot{Kind::kFree, s.generation + 1};
-      free_.push_back(victim);
+      DropBackendLocked(*it);
       return true;
     }
     return false;
   }
+
+  // Takes an unused snapshot out of backend memory: reported removed there; when the host tier
+  // holds its state it stays findable there (reported stored in kHost if it was not), else it
+  // is gone.
+  void DropBackendLocked(int32_t victim) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Slot& s = slots_[victim];
+    radix_.Erase(s.ns, s.tokens);
+    EmitLocked(CacheEvent::Type::kRemoved, s.ns, s.tokens, Medium::kBackend);
+    const int32_t e = s.host >= 0 ? s.host : host_ != nullptr ? host_->Find(s.ns, s.tokens) : -1;
+    if (e >= 0) {
+      HostTier::Entry& h = host_->entry(e);
+      h.backend_slot = -1;
+      if (!h.reported) EmitLocked(CacheEvent::Type::kStored, h.ns, h.tokens, Medium::kHost);
+      h.reported = true;
+      ++stats_.snapshot_spills;
+    }
+    lru_.erase(s.lru);
+    --ns_snapshots_[s.ns];
+    ++stats_.snapshot_evictions;
+    s = Slot{Kind::kFree, s.generation + 1};
+    free_.push_back(victim);
+  }
+
+  // The least recently used snapshot nothing uses, or -1.
+  int32_t LruVictimLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+      const Slot& s = slots_[*it];
+      if (s.refs == 0 && !s.busy) return *it;
+    }
+    return -1;
+  }
+
+  // Books host entries that HostTier::Reserve evicted: reported removed from kHost, unlinked
+  // from a backend snapshot holding the same state.
+  void HostEvictedLocked(const std::vector<HostTier::Entry>& evicted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const HostTier::Entry& h : evicted) {
+      if (h.reported) EmitLocked(CacheEvent::Type::kRemoved, h.ns, h.tokens, Medium::kHost);
+      if (h.backend_slot >= 0) slots_[h.backend_slot].host = -1;
+      ++stats_.host_evictions;
+    }
+  }
+
+  // A new backend snapshot at `index` whose key the host tier holds shares that entry (its
+  // eviction then costs no copy).
+  void LinkHostLocked(int32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (host_ == nullptr) return;
+    Slot& s = slots_[index];
+    s.host = host_->Find(s.ns, s.tokens);
+    if (s.host >= 0) host_->entry(s.host).backend_slot = index;
+  }
+
+  // Spills the least recently used snapshots to the host tier until `n` slots are free (or
+  // none can be spilled: everything live or in use, the host tier full of entries in use).
+  // Each copy runs on a lane of its own without the lock; the snapshot stays findable in
+  // backend memory until its state is on the host. Nothing without the host tier.
+  void MakeRoom(size_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  // Spills snapshot `victim` (busy) into host entry `e` (reserved): the copy, waited for.
+  absl::Status Spill(int32_t victim, int32_t e);
+  // AllocateFromPrefixIn's host hit: the new slot (busy), the host entry it comes from
+  // (pinned) and the backend snapshot it is promoted into (busy; -1 when no slot was free).
+  struct Promotion {
+    int32_t entry = -1, slot = -1, snapshot = -1;
+    int64_t matched = 0;
+  };
+  // A host hit on entry `e` (pinned by the caller; key `prefix`): room for the slot and the
+  // promoted snapshot, then StartPromotionLocked and FinishPromotion.
+  absl::StatusOr<PrefixAllocation> PromoteFromHost(PrefixNamespace ns,
+                                                   absl::Span<const int32_t> prefix, int32_t e)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes what a host hit on entry `e` (key `prefix`) needs; counts the hit.
+  absl::Status StartPromotionLocked(PrefixNamespace ns, absl::Span<const int32_t> prefix,
+                                    int32_t e, Promotion* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The copies (without the lock, on a lane of their own), then the bookkeeping: the slot is
+  // the caller's, the snapshot findable in backend memory beside its host copy.
+  absl::StatusOr<PrefixAllocation> FinishPromotion(const Promotion& p) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Room for one more snapshot in namespace `ns` (CacheOptions::max_snapshots_per_namespace):
   // true when it is under its bound, or once its own least recently used snapshot is evicted.
@@ -496,13 +603,14 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   }
 
   // Reports a snapshot stored in or removed from the prefix cache (CacheOptions::event_sink).
-  void EmitLocked(CacheEvent::Type type, const Slot& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void EmitLocked(CacheEvent::Type type, PrefixNamespace ns, const std::vector<int32_t>& tokens,
+                  Medium medium) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!options_.event_sink) return;
     CacheEvent e;
     e.type = type;
-    e.ns = s.ns;
-    e.medium = Medium::kBackend;
-    e.tokens = s.tokens;
+    e.ns = ns;
+    e.medium = medium;
+    e.tokens = tokens;
     options_.event_sink(e);
   }
 
@@ -571,12 +679,140 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // Snapshots per namespace (taken or being taken), for max_snapshots_per_namespace.
   absl::flat_hash_map<PrefixNamespace, int64_t> ns_snapshots_ ABSL_GUARDED_BY(mu_);
   PrefixForest radix_ ABSL_GUARDED_BY(mu_);      // snapshots by namespace
+  // The host tier (CacheOptions::host_snapshot_bytes > 0), else null. Guarded by mu_ but for
+  // the buffers of the entries an operation holds (HostTier).
+  std::unique_ptr<HostTier> host_;
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
   LanePool lanes_;  // one lane per operation in flight
   StagingPool staging_;  // slot I/O's staged path
 
   friend class ForwardImpl;
 };
+
+void StateCacheImpl::MakeRoom(size_t n) {
+  if (host_ == nullptr) return;
+  for (;;) {
+    int32_t victim = -1, e = -1;
+    {
+      absl::MutexLock lock(&mu_);
+      if (free_.size() >= n) return;
+      victim = LruVictimLocked();
+      if (victim < 0) return;
+      Slot& s = slots_[victim];
+      if (s.host >= 0 || host_->Find(s.ns, s.tokens) >= 0) {  // on the host already: no copy
+        DropBackendLocked(victim);
+        continue;
+      }
+      std::vector<HostTier::Entry> evicted;
+      e = host_->Reserve(s.ns, &evicted);
+      HostEvictedLocked(evicted);
+      if (e < 0) return;  // every host entry in use: an eviction now drops
+      s.busy = true;      // no other eviction takes it; prefix hits still copy from it
+    }
+    const absl::Status st = Spill(victim, e);
+    absl::MutexLock lock(&mu_);
+    Slot& s = slots_[victim];
+    s.busy = false;
+    if (!st.ok()) {  // the snapshot stays in backend memory
+      host_->Unreserve(e);
+      return;
+    }
+    host_->Store(e, s.ns, s.tokens);
+    s.host = e;
+    host_->entry(e).backend_slot = victim;
+    if (s.refs == 0) DropBackendLocked(victim);  // else a copy from it goes on: it stays, clean
+  }
+}
+
+absl::Status StateCacheImpl::Spill(int32_t victim, int32_t e) {
+  absl::StatusOr<void*> buffer = host_->Buffer(e);
+  if (!buffer.ok()) return buffer.status();
+  return OnLane([&](Lane& lane) { return pool_->SaveState(victim, *buffer, lane); });
+}
+
+absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::PromoteFromHost(
+    PrefixNamespace ns, absl::Span<const int32_t> prefix, int32_t e) {
+  MakeRoom(2);
+  Promotion p;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::Status st = StartPromotionLocked(ns, prefix, e, &p);
+    if (!st.ok()) {
+      --host_->entry(e).refs;
+      return st;
+    }
+  }
+  return FinishPromotion(p);
+}
+
+absl::Status StateCacheImpl::StartPromotionLocked(PrefixNamespace ns,
+                                                  absl::Span<const int32_t> prefix, int32_t e,
+                                                  Promotion* p) {
+  absl::StatusOr<int32_t> i = TakeFreeLocked();
+  if (!i.ok()) return i.status();
+  ++stats_.snapshot_misses;  // the backend's
+  ++stats_.host_hits;
+  p->entry = e;
+  p->slot = *i;
+  p->matched = static_cast<int64_t>(prefix.size());
+  StartLiveLocked(p->slot, std::vector<int32_t>(prefix.begin(), prefix.end()));
+  slots_[p->slot].ns = ns;
+  host_->Hit(e);
+  // A promotion never evicts: it takes a free slot, within the namespace's bound.
+  if (free_.empty() || !ReserveSnapshotLocked(ns)) return absl::OkStatus();
+  p->snapshot = free_.back();
+  free_.pop_back();
+  Slot& d = slots_[p->snapshot];
+  d.kind = Kind::kSnapshot;
+  d.busy = true;
+  d.seq_len = p->matched;
+  d.tokens = slots_[p->slot].tokens;
+  d.ns = ns;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::FinishPromotion(const Promotion& p) {
+  const void* data = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    data = host_->entry(p.entry).data;
+  }
+  const absl::Time start = absl::Now();
+  const absl::Status st = OnLane([&](Lane& lane) {
+    if (p.snapshot < 0) return pool_->LoadState(p.slot, data, lane);
+    absl::Status s = pool_->LoadState(p.snapshot, data, lane);
+    return s.ok() ? pool_->CopyCheckpoints(p.slot, p.snapshot, lane) : s;
+  });
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  absl::MutexLock lock(&mu_);
+  --host_->entry(p.entry).refs;
+  if (p.snapshot >= 0) {
+    Slot& d = slots_[p.snapshot];
+    // Another promotion or snapshot of the same key may have got there first: keep that one.
+    if (!st.ok() || !radix_.Insert(d.ns, d.tokens, p.snapshot)) {
+      SnapshotDroppedLocked(d.ns);
+      ReleaseLocked(p.snapshot);
+    } else {
+      d.busy = false;
+      lru_.push_front(p.snapshot);
+      d.lru = lru_.begin();
+      d.host = p.entry;
+      host_->entry(p.entry).backend_slot = p.snapshot;
+      ++stats_.host_promotions;
+      EmitLocked(CacheEvent::Type::kStored, d.ns, d.tokens, Medium::kBackend);
+    }
+  }
+  if (!st.ok()) {
+    ReleaseLocked(p.slot);
+    return st;
+  }
+  const auto bucket = std::lower_bound(kPromotionLatencyBounds.begin(),
+                                       kPromotionLatencyBounds.end(), seconds);
+  ++stats_.promotion_latency_counts[bucket - kPromotionLatencyBounds.begin()];
+  stats_.promotion_seconds += seconds;
+  slots_[p.slot].busy = false;
+  return PrefixAllocation{MakeId(p.slot, slots_[p.slot].generation), p.matched};
+}
 
 absl::Status StateCacheImpl::Materialize(int32_t index, const char* purpose, Lane& lane) {
   int32_t w;
@@ -700,7 +936,8 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   lru_.push_front(snap);
   d.lru = lru_.begin();
   ++stats_.snapshots_taken;
-  EmitLocked(CacheEvent::Type::kStored, d);
+  LinkHostLocked(snap);
+  EmitLocked(CacheEvent::Type::kStored, d.ns, d.tokens, Medium::kBackend);
   return absl::OkStatus();
 }
 
@@ -916,6 +1153,7 @@ absl::StatusOr<std::unique_ptr<SlotWriter>> StateCacheImpl::OpenImport(
   }
   absl::StatusOr<SlotIoSpec> spec = ResolveSlotIo(options_.backend, options);
   if (!spec.ok()) return spec.status();
+  MakeRoom(1);
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = TakeFreeLocked();
@@ -980,7 +1218,8 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
   radix_.Insert(s.ns, s.tokens, index);
   lru_.push_front(index);
   s.lru = lru_.begin();
-  EmitLocked(CacheEvent::Type::kStored, s);
+  LinkHostLocked(index);
+  EmitLocked(CacheEvent::Type::kStored, s.ns, s.tokens, Medium::kBackend);
   return absl::OkStatus();
 }
 
@@ -1174,6 +1413,7 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginPrefill(
     ids.push_back(rows[r].slot);
   }
   f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
+  MakeRoom(ids.size());  // the spare slots
   return Open(std::move(f), ids, RowSlotField, /*spares=*/true, /*layer_waits=*/true);
 }
 
@@ -1391,6 +1631,15 @@ absl::Status ForwardImpl::ReserveTokens() {
   return st;
 }
 
+absl::Status ForwardImpl::ReserveConv() {
+  const ModelSpec& m = cache_->model();
+  const size_t need = static_cast<size_t>(tokens() * m.QkvWidth()) * rssm_dtype_size(m.shape.act_dtype);
+  if (m.conv_width == 0 || lane_->scratch.conv.size() >= need) return absl::OkStatus();
+  absl::Status st = Synchronize();  // queued layers may still read the old buffer
+  if (st.ok()) st = lane_->scratch.ReserveConv(cache_->options().backend, m, tokens());
+  return st;
+}
+
 absl::Status ForwardImpl::CopySpares(int32_t layer, bool restore) {
   SlotPool& pool = cache_->pool();
   const size_t bytes = pool.CheckpointBytes();
@@ -1530,6 +1779,7 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   if (!st.ok()) return st;
   const bool host = io.memory == IoMemory::kHost;
   if (host) st = ReserveTokens();
+  if (!host && rows_.kind != ForwardKind::kDecode) st = ReserveConv();
   if (!st.ok()) return st;
   absl::StatusOr<rssm_token_inputs> in = StageInputs(*lane_, m, io, tokens());
   if (!in.ok()) return in.status();
@@ -1809,6 +2059,20 @@ absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
     return absl::InvalidArgumentError("options: max_batch and max_prefill_tokens must be >= 1 and track_interval >= 0");
   }
   const int64_t slot_bytes = model.SlotBytes();
+  const int64_t state_bytes = model.LayerStateBytes() * model.num_layers;
+  if (options.host_snapshot_bytes != 0 && options.host_snapshot_bytes < state_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host_snapshot_bytes: expected 0 (no host tier) or at least one snapshot (", state_bytes,
+        " bytes: checkpoints and conv windows of ", model.num_layers, " layers), got ",
+        options.host_snapshot_bytes));
+  }
+  if (options.host_snapshot_bytes / state_bytes > 0x7fffffff) {
+    return absl::InvalidArgumentError("host_snapshot_bytes: more than 2^31 snapshots");
+  }
+  if (options.host_policy != HostPolicy::kLru && options.host_policy != HostPolicy::kValue) {
+    return absl::InvalidArgumentError(absl::StrCat("host_policy: expected kLru or kValue, got ",
+                                                   static_cast<int32_t>(options.host_policy)));
+  }
   const int64_t n = options.memory_budget_bytes / slot_bytes;
   if (n < 1) {
     return absl::ResourceExhaustedError(absl::StrCat("memory_budget: expected at least one slot (",

@@ -148,7 +148,13 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   int64_t capacity() const override { return shards_[0]->capacity(); }
   CacheStats stats() const override {
     CacheStats s = shards_[0]->stats();
-    for (size_t r = 1; r < shards_.size(); ++r) s.lanes += shards_[r]->stats().lanes;
+    for (size_t r = 1; r < shards_.size(); ++r) {  // the counters agree; bytes and lanes add
+      const CacheStats t = shards_[r]->stats();
+      s.lanes += t.lanes;
+      s.backend_snapshot_bytes += t.backend_snapshot_bytes;
+      s.host_bytes += t.host_bytes;
+      s.host_capacity_bytes += t.host_capacity_bytes;
+    }
     return s;
   }
 

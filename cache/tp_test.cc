@@ -41,8 +41,10 @@ ModelSpec TpModel(int32_t gate, int32_t state_dtype) {
 // A group's ranks spread over the backend's devices round-robin (on the H200 x2 machine: ranks
 // on both GPUs; on the CPU: all on device 0, through the same per-rank device calls).
 std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t tp,
-                                      CacheEventSink sink = nullptr, int64_t slots = 64) {
+                                      CacheEventSink sink = nullptr, int64_t slots = 64,
+                                      int64_t host_bytes = 0) {
   CacheOptions o;
+  o.host_snapshot_bytes = host_bytes;
   o.event_sink = std::move(sink);
   o.backend = testing::TestBackend();
   o.memory_budget_bytes = slots * m.SlotBytes();
@@ -415,6 +417,40 @@ TEST_P(TpGroupTest, DonatedPrefixIsFoundByTheGroup) {
   EXPECT_EQ(pb->matched, 5);
   ExpectSameOutputs(Decode(*group, 2, pb->slot, {0, 5}), Decode(*one, 1, pa->slot, {0, 5}), "hit");
   ExpectSameState(*group, pb->slot, *one, pa->slot, "hit");
+}
+
+// Per-shard host tiers: a donation pushed out of every shard's backend memory is found by the
+// group's prefix match on the host, and the slot it gives decodes as a TP = 1 host hit, bit for
+// bit.
+TEST_P(TpGroupTest, AGroupHitFromHostEqualsATp1Hit) {
+  const int64_t host = 4 * m_.LayerStateBytes() * m_.num_layers;
+  // Two backend slots each: a TP = 1 slot is twice a rank's.
+  std::unique_ptr<StateCache> one = MakeCache(m_, 1, nullptr, 2, host),
+                              group = MakeCache(m_, 2, nullptr, 1, host);
+  const std::vector<int32_t> prompt = {8, 6, 7, 5, 3}, turn2 = {8, 6, 7, 5, 3, 0, 9};
+  for (auto [c, tp] : {std::pair{one.get(), 1}, {group.get(), 2}}) {
+    absl::StatusOr<SlotId> a = c->Allocate();
+    ASSERT_TRUE(a.ok());
+    ASSERT_TRUE(Prefill(*c, tp, *a, prompt, 0).ok());
+    ASSERT_TRUE(c->Donate(*a).ok());
+    absl::StatusOr<SlotId> x = c->Allocate(), y = c->Allocate();  // spills the donation
+    ASSERT_TRUE(x.ok() && y.ok()) << x.status() << y.status();
+    ASSERT_TRUE(c->Free(*x).ok() && c->Free(*y).ok());
+    EXPECT_EQ(c->stats().slots_snapshot, 0) << tp;
+    EXPECT_EQ(c->stats().snapshot_spills, 1) << tp;
+    EXPECT_EQ(c->MatchPrefix(turn2), 5) << tp;
+  }
+  EXPECT_EQ(group->stats().host_bytes, one->stats().host_bytes) << "the ranks' halves add up";
+  absl::StatusOr<StateCache::PrefixAllocation> pa = one->AllocateFromPrefix(turn2);
+  absl::StatusOr<StateCache::PrefixAllocation> pb = group->AllocateFromPrefix(turn2);
+  ASSERT_TRUE(pa.ok() && pb.ok()) << pa.status() << pb.status();
+  EXPECT_EQ(pb->matched, 5);
+  EXPECT_EQ(group->stats().host_hits, 1);
+  EXPECT_EQ(one->stats().host_hits, 1);
+  ExpectSameState(*group, pb->slot, *one, pa->slot, "host hit");
+  ExpectSameOutputs(Decode(*group, 2, pb->slot, {0, 5}), Decode(*one, 1, pa->slot, {0, 5}),
+                    "host hit");
+  ExpectSameState(*group, pb->slot, *one, pa->slot, "host hit, then decode");
 }
 
 // A group reports a snapshot once, when every shard holds it, and its eviction once.

@@ -150,6 +150,14 @@ const std::vector<Flag>& Flags() {
       {"kv-events-tenant",
        "tenant (of --auth-tokens) whose cache events ZMQ carries; empty = the implicit one []",
        Str(&ServerOptions::kv_events_tenant)},
+      {"host-snapshot-bytes",
+       "pinned host memory for snapshots evicted from the GPU (per TP rank), e.g. 64G; a prefix "
+       "hit there is copied back; 0 = off (evicted snapshots are dropped) [0]",
+       Bytes(&ServerOptions::host_snapshot_bytes)},
+      {"host-snapshot-policy",
+       "lru | value: which host snapshot goes first when the host tier is full: the least "
+       "recently used, or the one saving the fewest tokens per byte (by its hits, aged) [lru]",
+       Str(&ServerOptions::host_snapshot_policy)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
       {"region-ttl",

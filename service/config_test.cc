@@ -55,6 +55,13 @@ TEST(ServerFlags, UnknownFlagsAndBadValuesNameTheFlag) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("--memory-budget"), std::string::npos);
   EXPECT_FALSE(Parse({"--model"}).ok());  // no value
+  auto host = Parse({"--host-snapshot-bytes=lots"});
+  EXPECT_EQ(host.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(host.status().message().find("--host-snapshot-bytes"), std::string::npos);
+  auto on = Parse({"--host-snapshot-bytes=64G", "--host-snapshot-policy=value"});
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_EQ(on->options.host_snapshot_bytes, int64_t{64} << 30);
+  EXPECT_EQ(on->options.host_snapshot_policy, "value");
 }
 
 TEST(ServerFlags, AFlagWithoutItsValueDoesNotSwallowTheNextFlag) {

@@ -1,5 +1,6 @@
 #include "service/metrics.h"
 
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -60,6 +61,62 @@ void AddSample(prometheus::MetricFamily& f, double value,
     m.gauge.value = value;
   }
   f.metric.push_back(std::move(m));
+}
+
+// The snapshot tiers (docs/operations.md, "Host tier"): lookups, moves and bytes per tier, and
+// the promotion latency histogram (CacheStats counts per bucket; Prometheus wants them
+// cumulative).
+void AddTierFamilies(const cache::CacheStats& s, std::vector<prometheus::MetricFamily>& out) {
+  using prometheus::MetricType;
+  auto lookups = Family("replayssm_snapshot_lookups_total",
+                        "Prefix lookups by tier asked and result: gpu first, a gpu miss asks host",
+                        MetricType::Counter);
+  AddSample(lookups, s.snapshot_hits, {{"tier", "gpu"}, {"result", "hit"}});
+  AddSample(lookups, s.snapshot_misses, {{"tier", "gpu"}, {"result", "miss"}});
+  AddSample(lookups, s.host_hits, {{"tier", "host"}, {"result", "hit"}});
+  AddSample(lookups, s.host_misses, {{"tier", "host"}, {"result", "miss"}});
+  out.push_back(std::move(lookups));
+  auto evictions = Family("replayssm_snapshot_tier_evictions_total",
+                          "Snapshots that left a tier: gpu (to host or dropped), host (dropped)",
+                          MetricType::Counter);
+  AddSample(evictions, s.snapshot_evictions, {{"tier", "gpu"}});
+  AddSample(evictions, s.host_evictions, {{"tier", "host"}});
+  out.push_back(std::move(evictions));
+  const std::pair<const char*, int64_t> counters[] = {
+      {"replayssm_snapshot_spills_total", s.snapshot_spills},
+      {"replayssm_snapshot_promotions_total", s.host_promotions},
+  };
+  for (const auto& [name, value] : counters) {
+    auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);
+    AddSample(f, value);
+    out.push_back(std::move(f));
+  }
+  auto bytes = Family("replayssm_snapshot_bytes", "Bytes of snapshots held, by tier",
+                      MetricType::Gauge);
+  AddSample(bytes, s.backend_snapshot_bytes, {{"tier", "gpu"}});
+  AddSample(bytes, s.host_bytes, {{"tier", "host"}});
+  out.push_back(std::move(bytes));
+  auto capacity = Family("replayssm_host_snapshot_capacity_bytes",
+                         "--host-snapshot-bytes usable (whole snapshots), all ranks",
+                         MetricType::Gauge);
+  AddSample(capacity, s.host_capacity_bytes);
+  out.push_back(std::move(capacity));
+  auto latency = Family("replayssm_snapshot_promotion_seconds",
+                        "Host hits: the copy of the state back to the GPU, seconds",
+                        MetricType::Histogram);
+  prometheus::ClientMetric m;
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < s.promotion_latency_counts.size(); ++i) {
+    cumulative += static_cast<uint64_t>(s.promotion_latency_counts[i]);
+    const double bound = i < cache::kPromotionLatencyBounds.size()
+                             ? cache::kPromotionLatencyBounds[i]
+                             : std::numeric_limits<double>::infinity();
+    m.histogram.bucket.push_back({cumulative, bound});
+  }
+  m.histogram.sample_count = cumulative;
+  m.histogram.sample_sum = s.promotion_seconds;
+  latency.metric.push_back(std::move(m));
+  out.push_back(std::move(latency));
 }
 
 }  // namespace
@@ -179,6 +236,7 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
     AddSample(f, value);
     out.push_back(std::move(f));
   }
+  AddTierFamilies(s, out);
   auto forwards =
       Family("replayssm_forwards_total", "Decode forwards by outcome", MetricType::Counter);
   AddSample(forwards, s.forwards_committed, {{"outcome", "committed"}});

@@ -164,6 +164,15 @@ absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
   resp->set_forwards_graphed(s.forwards_graphed);
   resp->set_forward_recordings(s.forward_recordings);
   resp->set_forward_recording_failures(s.forward_recording_failures);
+  resp->set_host_hits(s.host_hits);
+  resp->set_host_misses(s.host_misses);
+  resp->set_snapshot_spills(s.snapshot_spills);
+  resp->set_host_promotions(s.host_promotions);
+  resp->set_host_evictions(s.host_evictions);
+  resp->set_host_snapshots(s.host_snapshots);
+  resp->set_host_bytes(s.host_bytes);
+  resp->set_host_capacity_bytes(s.host_capacity_bytes);
+  resp->set_backend_snapshot_bytes(s.backend_snapshot_bytes);
   resp->set_open_forwards(ctx_->gate->open());
   resp->set_draining(ctx_->gate->draining());
   return absl::OkStatus();

@@ -452,6 +452,7 @@ absl::Status CheckBounds(const ServerOptions& o) {
       {"--tenant-max-snapshots", o.tenant_max_snapshots, 0, std::numeric_limits<int64_t>::max()},
       {"--cache-events-retain", o.cache_events_retain, 1, 1 << 20},
       {"--max-watchers", o.max_watchers, 1, std::numeric_limits<int32_t>::max()},
+      {"--host-snapshot-bytes", o.host_snapshot_bytes, 0, std::numeric_limits<int64_t>::max()},
   };
   for (const auto& b : bounds) {
     if (b.value < b.min || b.value > b.max) {
@@ -489,10 +490,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   event_options.retain = options.cache_events_retain;
   auto events = std::make_unique<CacheEventLog>(event_options);
   cache_options.event_sink = events->Sink();
+  cache_options.host_snapshot_bytes = options.host_snapshot_bytes;
+  if (options.host_snapshot_policy != "lru" && options.host_snapshot_policy != "value") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--host-snapshot-policy: expected lru or value, got ", options.host_snapshot_policy));
+  }
+  cache_options.host_policy = options.host_snapshot_policy == "value" ? cache::HostPolicy::kValue
+                                                                      : cache::HostPolicy::kLru;
   auto handles = std::make_unique<SlotHandles>();
   cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };
   absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =
       cache::StateCache::Create(*std::move(model), cache_options);
+  if (!cache.ok() && absl::StrContains(cache.status().message(), "host_snapshot_bytes: ")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--host-snapshot-bytes (per TP rank): ", cache.status().message()));
+  }
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              std::move(events), *std::move(cache));

@@ -39,14 +39,17 @@ struct ServerOptions {
   int64_t max_import_tokens = int64_t{1} << 20;      // tokens an Import or a transfer brings
   int32_t max_streams = 1024;                        // open DecodeStream streams at once
   int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with --auth-tokens); 0: any
-  int64_t tenant_max_snapshots = 0;
+  int64_t tenant_max_snapshots = 0;  // snapshots one tenant's prefix namespace may hold; 0: any
+  // The host tier (cache::CacheOptions::host_snapshot_bytes, host_policy), per TP rank.
+  int64_t host_snapshot_bytes = 0;              // pinned host bytes for evicted snapshots; 0: off
+  std::string host_snapshot_policy = "lru";     // lru | value
   // Cache events (cache_events.h, zmq_events.h).
   int64_t cache_events_retain = 4096;  // batches kept per tenant for replay
   int32_t max_watchers = 64;           // WatchCache streams open at once
   std::string kv_events_endpoint;      // ZMQ PUB; empty: no ZMQ publisher
   std::string kv_events_replay_endpoint;
   std::string kv_events_topic = "kv-events";
-  std::string kv_events_tenant;        // the tenant whose events ZMQ carries ("": implicit)  // snapshots one tenant's prefix namespace may hold; 0: any
+  std::string kv_events_tenant;        // the tenant whose events ZMQ carries ("": implicit)
   int32_t max_regions = 64;                          // registered memory regions at once
   absl::Duration slot_ttl = absl::ZeroDuration();    // idle live slots expire; 0 = never
   absl::Duration region_ttl = absl::ZeroDuration();  // idle registered regions go; 0 = never

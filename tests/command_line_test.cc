@@ -57,7 +57,8 @@ const std::vector<std::string>& Binaries() {
   static const std::vector<std::string> kBinaries = {
       REPLAYSSM_SERVER_BINARY,        REPLAYSSM_CLI_BINARY,
       REPLAYSSM_BENCH_CACHE_BINARY,   REPLAYSSM_BENCH_FORWARDS_BINARY,
-      REPLAYSSM_BENCH_SERVICE_BINARY, REPLAYSSM_BENCH_TRANSFER_BINARY};
+      REPLAYSSM_BENCH_SERVICE_BINARY, REPLAYSSM_BENCH_TRANSFER_BINARY,
+      REPLAYSSM_BENCH_HOST_TIER_BINARY};
   return kBinaries;
 }
 
@@ -116,6 +117,10 @@ TEST(CommandLine, BenchesRefuseMalformedAndOutOfRangeValuesNamingTheFlag) {
                 "--tokens: expected an integer, comma-separated, got '1,x'");
   ExpectRefused(REPLAYSSM_BENCH_FORWARDS_BINARY, {"--backend=gpu"},
                 "--backend: expected one of cuda, cpu, got 'gpu'");
+  ExpectRefused(REPLAYSSM_BENCH_HOST_TIER_BINARY, {"--gpu-slots=2"},
+                "--gpu-slots: expected 4..1048576, got '2'");
+  ExpectRefused(REPLAYSSM_BENCH_HOST_TIER_BINARY, {"--sessions=many"},
+                "--sessions: expected an integer");
   ExpectRefused(REPLAYSSM_BENCH_SERVICE_BINARY, {"--seconds=0"}, "--seconds: expected seconds > 0");
   ExpectRefused(REPLAYSSM_BENCH_SERVICE_BINARY, {"--unary=yes"}, "--unary takes no value");
   ExpectRefused(REPLAYSSM_BENCH_TRANSFER_BINARY, {"--slots=0"},
@@ -341,6 +346,16 @@ TEST(CommandLine, BadModelOptionsStopTheServerNamingTheFlag) {
        "--ring-dtype f32 with a bf16 state: rssm_check_shape: shape.ring_dtype: expected a ring "
        "of the state dtype"},
       {{"--beta-rounding=yes"}, "--beta-rounding: expected act or f32, got yes"},
+  };
+  ExpectServerStops(cases);
+}
+
+TEST(CommandLine, BadHostTierFlagsStopTheServerNamingTheFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--host-snapshot-policy=mru"}, "--host-snapshot-policy: expected lru or value, got mru"},
+      {{"--host-snapshot-bytes=1K"},
+       "--host-snapshot-bytes (per TP rank): host_snapshot_bytes: expected 0 (no host tier) or "
+       "at least one snapshot ("},
   };
   ExpectServerStops(cases);
 }

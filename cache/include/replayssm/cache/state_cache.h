@@ -25,6 +25,7 @@
 #ifndef REPLAYSSM_CACHE_STATE_CACHE_H_
 #define REPLAYSSM_CACHE_STATE_CACHE_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -50,6 +51,17 @@ inline constexpr PrefixNamespace kDefaultNamespace = 0;
 // An opaque slot id (SlotId, slot_io.h): (generation << 32) | index. 0 is never a valid slot;
 // in a forward's rows it marks a padding row.
 inline constexpr SlotId kPaddingSlot = 0;
+
+// Which host snapshot the host tier drops first when it is full (docs/cache.md, "Host tier").
+enum class HostPolicy : int32_t {
+  kLru = 0,    // the least recently used
+  kValue = 1,  // the one worth least: tokens it saves per byte, by its hits, aged (GDSF)
+};
+
+// Upper bounds (seconds) of the promotion latency histogram's buckets (CacheStats), then +Inf:
+// a Qwen3-Next snapshot (77 MB) takes ~1.5-3 ms over PCIe 5; the low end is the CPU backend.
+inline constexpr std::array<double, 11> kPromotionLatencyBounds = {
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2, 0.25};
 
 struct CacheOptions {
   int32_t backend = RSSM_BACKEND_CPU;     // where the state lives and kernels run
@@ -80,6 +92,12 @@ struct CacheOptions {
   // reports a snapshot once, when every shard holds it, and removed when the first shard drops
   // it.
   CacheEventSink event_sink;
+  // The host tier: bytes of pinned host memory (per TP rank, as memory_budget_bytes) that keep
+  // snapshots evicted from backend memory, their folded state (checkpoints and conv windows,
+  // ModelSpec::LayerStateBytes per layer; no ring); 0 = off (an evicted snapshot is dropped).
+  // A prefix hit on a host snapshot copies it back (docs/cache.md, "Host tier").
+  int64_t host_snapshot_bytes = 0;
+  HostPolicy host_policy = HostPolicy::kLru;  // which host snapshot goes first
 };
 
 // Where the buffers of a LayerIo live.
@@ -128,6 +146,21 @@ struct CacheStats {
   // Recordings that failed (the lane's forwards then run call by call; CPU never records).
   int64_t forward_recording_failures = 0;
   int64_t lanes = 0;  // streams with pinned staging: the most operations that ever ran at once
+  // Tiers (docs/cache.md, "Host tier"). A prefix lookup (AllocateFromPrefix) asks backend
+  // memory first: snapshot_hits + snapshot_misses = lookups. With the host tier on, a backend
+  // miss (no match, or a shorter one than the host holds) asks the host tier:
+  // host_hits + host_misses = snapshot_misses. snapshot_evictions counts every snapshot that
+  // left backend memory; snapshot_spills those of them that went on to the host tier.
+  int64_t host_hits = 0, host_misses = 0;
+  int64_t snapshot_spills = 0;
+  int64_t host_promotions = 0;  // host hits copied back into a backend snapshot
+  int64_t host_evictions = 0;   // host snapshots dropped (policy, namespace bound)
+  int64_t backend_snapshot_bytes = 0;  // slots_snapshot x ModelSpec::SlotBytes()
+  int64_t host_snapshots = 0, host_bytes = 0, host_capacity_bytes = 0;
+  // The host -> backend copy of each host hit, seconds: counts per bucket of
+  // kPromotionLatencyBounds (not cumulative), the last one past the largest bound; their sum.
+  std::array<int64_t, kPromotionLatencyBounds.size() + 1> promotion_latency_counts{};
+  double promotion_seconds = 0;
 };
 
 // A forward over a batch of rows, driven layer by layer: RunLayer once per layer (any order),
@@ -224,7 +257,9 @@ class StateCache {
   // even after evicting every unreferenced snapshot.
   virtual absl::StatusOr<SlotId> Allocate() = 0;
   // A slot that starts from the longest snapshot whose key is a prefix of `tokens` (copy-on-
-  // write; write_pos 0, seq_len = matched), or a fresh one when none matches.
+  // write; write_pos 0, seq_len = matched), or a fresh one when none matches. A snapshot in
+  // the host tier is copied back first (and kept in backend memory again when a slot is free
+  // for it): the caller waits for that copy, nothing else does (docs/cache.md, "Host tier").
   struct PrefixAllocation {
     SlotId slot = kPaddingSlot;
     int64_t matched = 0;
@@ -317,7 +352,8 @@ class StateCache {
   // INVALID_ARGUMENT naming `num_accepted` (the wire's name of n) beyond the drafts verified.
   virtual absl::Status Accept(SlotId slot, int32_t n) = 0;
 
-  // Length of the longest snapshot key that is a prefix of `tokens` (0 = none).
+  // Length of the longest snapshot key that is a prefix of `tokens` (0 = none), in any tier:
+  // what AllocateFromPrefix would start from.
   virtual int64_t MatchPrefix(absl::Span<const int32_t> tokens) const = 0;
   // MatchPrefix among the snapshots of namespace `ns`.
   virtual int64_t MatchPrefixIn(PrefixNamespace ns, absl::Span<const int32_t> tokens) const = 0;

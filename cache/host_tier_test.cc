@@ -1,0 +1,356 @@
+// The host tier (host_tier.h; docs/cache.md, "Host tier"): snapshots evicted from backend
+// memory spill to pinned host memory and come back on a prefix hit bit for bit; the bound, the
+// policies, namespaces, the finiteness rule and the events across tiers; promotions beside
+// unrelated forwards.
+#include "host_tier.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <thread>
+
+#include "replayssm/cache/state_cache.h"
+#include "test_model.h"
+
+namespace replayssm::cache {
+namespace {
+
+using testing::Batch;
+using testing::Oracle;
+using testing::Tok;
+
+constexpr double kStateTol = 1e-4;  // fp32 state against fp64
+
+class HostTierTest : public ::testing::Test {
+ protected:
+  // A cache of `slots` backend slots and `host` host snapshots.
+  std::unique_ptr<StateCache> Make(int64_t slots, int64_t host,
+                                   HostPolicy policy = HostPolicy::kLru, int64_t ns_bound = 0,
+                                   int32_t track = 0) {
+    absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, 4);
+    EXPECT_TRUE(m.ok()) << m.status();
+    m->num_layers = 2;
+    m->layers.resize(2);
+    CacheOptions o;
+    o.backend = testing::TestBackend();
+    o.memory_budget_bytes = slots * m->SlotBytes();
+    o.track_interval = track;
+    o.max_snapshots_per_namespace = ns_bound;
+    o.host_snapshot_bytes = host * m->LayerStateBytes() * m->num_layers;
+    o.host_policy = policy;
+    o.event_sink = [this](const CacheEvent& e) { events_.push_back(e); };
+    absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return nullptr;
+    oracle_ = std::make_unique<Oracle>((*c)->model());
+    return *std::move(c);
+  }
+
+  // A request in namespace ns that prefills `tokens`, then decodes `decode` more; returns it.
+  SlotId Run(StateCache& c, const std::vector<int32_t>& tokens, PrefixNamespace ns = 0,
+             const std::vector<int32_t>& decode = {}) {
+    absl::StatusOr<StateCache::PrefixAllocation> a = c.AllocateFromPrefixIn(ns, {});
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (!a.ok()) return kPaddingSlot;
+    std::vector<Tok> toks;
+    for (size_t i = 0; i < tokens.size(); ++i) toks.push_back({tokens[i], static_cast<int64_t>(i)});
+    Batch batch = oracle_->MakeBatch(toks);
+    EXPECT_TRUE(c.Prefill(a->slot, tokens, batch.io).ok());
+    for (size_t i = 0; i < decode.size(); ++i) {
+      Batch one = oracle_->MakeBatch({{decode[i], static_cast<int64_t>(tokens.size() + i)}});
+      absl::StatusOr<std::unique_ptr<Forward>> f = c.BeginForward({{a->slot, decode[i]}});
+      EXPECT_TRUE(f.ok()) << f.status();
+      for (int l = 0; l < c.model().num_layers; ++l) EXPECT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+      EXPECT_TRUE((*f)->Commit().ok());
+    }
+    return a->slot;
+  }
+  void Donate(StateCache& c, const std::vector<int32_t>& tokens, PrefixNamespace ns = 0) {
+    ASSERT_TRUE(c.Donate(Run(c, tokens, ns)).ok());
+  }
+  // Takes every backend slot (spilling every snapshot it can), then frees them again.
+  void Flush(StateCache& c) {
+    std::vector<SlotId> held;
+    for (absl::StatusOr<SlotId> s = c.Allocate(); s.ok(); s = c.Allocate()) held.push_back(*s);
+    for (SlotId s : held) ASSERT_TRUE(c.Free(s).ok());
+    ASSERT_EQ(c.stats().slots_snapshot, 0);
+  }
+  std::vector<uint8_t> State(StateCache& c, SlotId slot) {
+    absl::StatusOr<ExportedState> e = c.Export(slot);
+    EXPECT_TRUE(e.ok()) << e.status();
+    std::vector<uint8_t> bytes;
+    if (!e.ok()) return bytes;
+    for (const auto& l : e->checkpoints) bytes.insert(bytes.end(), l.begin(), l.end());
+    return bytes;
+  }
+
+  std::vector<CacheEvent> events_;
+  std::unique_ptr<Oracle> oracle_;
+};
+
+// Turn 1 is donated, pushed out of backend memory by other requests, and turn 2 starts from the
+// host copy: the same bits as a twin cache that never evicted it, the reference state, and a
+// backend snapshot again (promoted) for the turn after.
+TEST_F(HostTierTest, ASpilledSnapshotComesBackBitForBit) {
+  std::unique_ptr<StateCache> c = Make(3, 4), twin = Make(8, 0);
+  const std::vector<int32_t> turn1 = {11, 12, 13, 14, 15}, decode = {20, 21, 22, 23, 24, 25};
+  std::vector<int32_t> history = turn1;
+  history.insert(history.end(), decode.begin(), decode.end());
+  ASSERT_TRUE(c->Donate(Run(*c, turn1, 0, decode)).ok());
+  ASSERT_TRUE(twin->Donate(Run(*twin, turn1, 0, decode)).ok());
+  Flush(*c);
+  CacheStats s = c->stats();
+  EXPECT_EQ(s.snapshot_spills, 1);
+  EXPECT_EQ(s.snapshot_evictions, 1);
+  EXPECT_EQ(s.host_snapshots, 1);
+  EXPECT_EQ(s.host_bytes, c->model().LayerStateBytes() * c->model().num_layers);
+  std::vector<int32_t> turn2 = history;
+  turn2.insert(turn2.end(), {30, 31});
+  EXPECT_EQ(c->MatchPrefix(turn2), 11) << "MatchPrefix sees the host tier";
+  absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix(turn2);
+  absl::StatusOr<StateCache::PrefixAllocation> q = twin->AllocateFromPrefix(turn2);
+  ASSERT_TRUE(p.ok() && q.ok()) << p.status() << q.status();
+  EXPECT_EQ(p->matched, 11);
+  EXPECT_EQ(c->Info(p->slot)->seq_len, 11);
+  EXPECT_EQ(State(*c, p->slot), State(*twin, q->slot)) << "bit for bit";
+  absl::StatusOr<ExportedState> e = c->Export(p->slot);
+  ASSERT_TRUE(e.ok());
+  EXPECT_LE(testing::RelErr(oracle_->FromExport(*e), oracle_->Run(history, 11)), kStateTol);
+  s = c->stats();
+  EXPECT_EQ(s.host_hits, 1);
+  EXPECT_EQ(s.snapshot_hits, 0);
+  EXPECT_EQ(s.snapshot_misses, 2) << "the backend's: turn 1's empty prefix and this one";
+  EXPECT_EQ(s.host_promotions, 1);
+  EXPECT_EQ(s.slots_snapshot, 1) << "promoted: a backend snapshot again";
+  int64_t counted = 0;
+  for (int64_t n : s.promotion_latency_counts) counted += n;
+  EXPECT_EQ(counted, 1);
+  EXPECT_GE(s.promotion_seconds, 0);
+  // The next hit is the backend's.
+  absl::StatusOr<StateCache::PrefixAllocation> r = c->AllocateFromPrefix(turn2);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(State(*c, r->slot), State(*twin, q->slot));
+  EXPECT_EQ(c->stats().snapshot_hits, 1);
+  EXPECT_EQ(c->stats().host_hits, 1);
+}
+
+// A spill is reported removed from kBackend then stored in kHost; a promotion stored in
+// kBackend while the host copy stays; evicting the promoted copy again costs no copy and only
+// removes it from kBackend; a host eviction removes it from kHost.
+TEST_F(HostTierTest, EventsFollowTheSnapshotAcrossTiers) {
+  std::unique_ptr<StateCache> c = Make(2, 1);
+  const std::vector<int32_t> a = {1, 2, 3}, b = {4, 5, 6};
+  Donate(*c, a);
+  Flush(*c);
+  const std::vector<int32_t> probe = {1, 2, 3, 9};
+  ASSERT_TRUE(c->AllocateFromPrefix(probe).ok());  // a promoted: a backend snapshot again
+  Flush(*c);  // its backend copy is dropped: the host holds it already
+  EXPECT_EQ(c->stats().snapshot_spills, 2);
+  Donate(*c, b);
+  Flush(*c);  // b spills: the one host entry is a's, which goes
+  using T = CacheEvent::Type;
+  const std::vector<std::tuple<T, Medium, std::vector<int32_t>>> want = {
+      {T::kStored, Medium::kBackend, a},  {T::kRemoved, Medium::kBackend, a},
+      {T::kStored, Medium::kHost, a},     {T::kStored, Medium::kBackend, a},
+      {T::kRemoved, Medium::kBackend, a}, {T::kStored, Medium::kBackend, b},
+      {T::kRemoved, Medium::kHost, a},    {T::kRemoved, Medium::kBackend, b},
+      {T::kStored, Medium::kHost, b}};
+  ASSERT_EQ(events_.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(events_[i].type, std::get<0>(want[i])) << i;
+    EXPECT_EQ(events_[i].medium, std::get<1>(want[i])) << i;
+    EXPECT_EQ(events_[i].tokens, std::get<2>(want[i])) << i;
+  }
+  EXPECT_EQ(c->stats().host_evictions, 1);
+}
+
+// A decode forward's track snapshot never waits for a spill: with the pool full it evicts a
+// snapshot whose state the host holds (no loss) before an older one it does not.
+TEST_F(HostTierTest, ATrackSnapshotEvictsAHostBackedSnapshotFirst) {
+  std::unique_ptr<StateCache> c = Make(3, 4, HostPolicy::kLru, 0, /*track=*/8);
+  Donate(*c, {1, 2, 3});
+  Flush(*c);  // {1, 2, 3} on the host
+  Donate(*c, {4, 5, 6});  // in GPU memory only: now the least recently used
+  absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix({1, 2, 3, 9});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(c->stats().host_promotions, 1);  // {1, 2, 3} in GPU memory too: the pool is full
+  for (int i = 0; i < 5; ++i) {  // seq_len 3 -> 8: a track snapshot
+    const int32_t t = 30 + i;
+    Batch one = oracle_->MakeBatch({{t, 3 + i}});
+    absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{p->slot, t}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (int l = 0; l < c->model().num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+  }
+  EXPECT_EQ(c->stats().snapshots_taken, 1);
+  EXPECT_EQ(c->MatchPrefix({4, 5, 6, 7}), 3) << "the older GPU-only snapshot stays";
+  EXPECT_EQ(c->MatchPrefix({1, 2, 3, 7}), 3) << "still on the host";
+  EXPECT_EQ(c->MatchPrefix({1, 2, 3, 30, 31, 32, 33, 34, 0}), 8);
+  EXPECT_EQ(c->stats().host_hits, 1);
+}
+
+// The host tier never holds more than host_snapshot_bytes; LRU keeps the most recent.
+TEST_F(HostTierTest, HostBytesAreNeverExceeded) {
+  std::unique_ptr<StateCache> c = Make(2, 2);
+  const int64_t entry = c->model().LayerStateBytes() * c->model().num_layers;
+  EXPECT_EQ(c->stats().host_capacity_bytes, 2 * entry);
+  for (int i = 0; i < 6; ++i) {
+    Donate(*c, {i, i + 1, i + 2});
+    Flush(*c);
+    const CacheStats s = c->stats();
+    EXPECT_LE(s.host_bytes, s.host_capacity_bytes);
+    EXPECT_LE(s.host_snapshots, 2);
+  }
+  EXPECT_EQ(c->stats().host_evictions, 4);
+  EXPECT_EQ(c->MatchPrefix({5, 6, 7, 8}), 3);
+  EXPECT_EQ(c->MatchPrefix({4, 5, 6, 8}), 3);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(c->MatchPrefix({i, i + 1, i + 2, 9}), 0) << i;
+}
+
+// The value policy keeps the snapshot that saves the most tokens per byte (a long one) over
+// more recent short ones; LRU drops it as the oldest.
+TEST_F(HostTierTest, TheValuePolicyKeepsTheHighValueSnapshot) {
+  const std::vector<int32_t> long_one = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  for (HostPolicy policy : {HostPolicy::kValue, HostPolicy::kLru}) {
+    SCOPED_TRACE(policy == HostPolicy::kValue ? "value" : "lru");
+    std::unique_ptr<StateCache> c = Make(2, 2, policy);
+    Donate(*c, long_one);
+    Flush(*c);
+    for (int i = 0; i < 3; ++i) {
+      Donate(*c, {50 + i, 60});
+      Flush(*c);
+    }
+    EXPECT_EQ(c->MatchPrefix({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}),
+              policy == HostPolicy::kValue ? 12 : 0);
+    EXPECT_EQ(c->MatchPrefix({52, 60, 1}), 2) << "the newest short one is kept by both";
+  }
+}
+
+// Namespaces never share across tiers, and max_snapshots_per_namespace bounds each tier: a
+// namespace at its bound on the host replaces its own entry, never another's.
+TEST_F(HostTierTest, NamespacesAndTheirBoundHoldOnTheHost) {
+  std::unique_ptr<StateCache> c = Make(2, 4, HostPolicy::kLru, /*ns_bound=*/1);
+  Donate(*c, {50, 51}, 2);
+  Flush(*c);
+  Donate(*c, {1, 2, 3}, 1);
+  Flush(*c);
+  Donate(*c, {4, 5, 6}, 1);
+  Flush(*c);
+  EXPECT_EQ(c->stats().host_snapshots, 2);
+  EXPECT_EQ(c->MatchPrefixIn(2, {50, 51, 52}), 2) << "namespace 1 never evicts namespace 2's";
+  EXPECT_EQ(c->MatchPrefixIn(1, {4, 5, 6, 7}), 3);
+  EXPECT_EQ(c->MatchPrefixIn(1, {1, 2, 3, 7}), 0) << "its own older one went";
+  EXPECT_EQ(c->MatchPrefixIn(1, {50, 51, 52}), 0) << "never found from another namespace";
+  EXPECT_EQ(c->MatchPrefix({4, 5, 6, 7}), 0);
+  const int64_t misses = c->stats().host_misses;
+  absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefixIn(3, {4, 5, 6, 7});
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->matched, 0);
+  EXPECT_EQ(c->stats().host_hits, 0);
+  EXPECT_EQ(c->stats().host_misses, misses + 1);
+  absl::StatusOr<StateCache::PrefixAllocation> q = c->AllocateFromPrefixIn(1, {4, 5, 6, 7});
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->matched, 3);
+}
+
+// A state with a NaN never becomes a snapshot, so no pressure can move it to the host.
+TEST_F(HostTierTest, ANonFiniteStateNeverReachesTheHost) {
+  std::unique_ptr<StateCache> c = Make(3, 4);
+  const SlotId good = Run(*c, {1, 2, 3});
+  absl::StatusOr<ExportedState> e = c->Export(good);
+  ASSERT_TRUE(e.ok());
+  std::vector<std::vector<uint8_t>> bad = e->checkpoints;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bad[1].data() + 12, &nan, 4);
+  std::vector<absl::Span<const uint8_t>> cps(bad.begin(), bad.end());
+  const SlotId s = *c->Allocate();
+  ASSERT_TRUE(c->Import(s, {7, 8, 9}, cps).ok());
+  EXPECT_EQ(c->Donate(s).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(c->Free(s).ok());
+  ASSERT_TRUE(c->Donate(good).ok());
+  Flush(*c);
+  EXPECT_EQ(c->stats().host_snapshots, 1) << "only the finite one";
+  EXPECT_EQ(c->MatchPrefix({7, 8, 9, 1}), 0);
+  EXPECT_EQ(c->MatchPrefix({1, 2, 3, 1}), 3);
+}
+
+// A promotion copies without the cache's lock, on a lane of its own: it goes through while a
+// forward on another slot is open, and promotions in a loop on one thread and forwards on
+// another both go on (each until the other has done its share), with the right states.
+TEST_F(HostTierTest, PromotionsDoNotBlockAnUnrelatedForward) {
+  std::unique_ptr<StateCache> c = Make(6, 4);
+  Donate(*c, {1, 2, 3, 4});
+  Flush(*c);
+  const SlotId busy = Run(*c, {40, 41});
+  std::vector<int32_t> history = {40, 41};
+  auto promote = [&]() -> bool {
+    absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix({1, 2, 3, 4, 5});
+    if (!p.ok() || p->matched != 4 || !c->Free(p->slot).ok()) return false;
+    Flush(*c);  // back to the host, so that every round is a promotion
+    return true;
+  };
+  auto forward = [&](int32_t t, bool promote_between_layers) {
+    Batch one = oracle_->MakeBatch({{t, static_cast<int64_t>(history.size())}});
+    absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{busy, t}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (int l = 0; l < c->model().num_layers; ++l) {
+      ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+      if (l == 0 && promote_between_layers) {
+        ASSERT_TRUE(promote()) << "beside an open forward";
+      }
+    }
+    ASSERT_TRUE((*f)->Commit().ok());
+    history.push_back(t);
+  };
+  forward(99, /*promote_between_layers=*/true);
+  constexpr int kShare = 20;
+  std::atomic<int> promotions{0}, forwards{0};
+  std::thread promoter([&] {
+    for (int i = 0; i < 1000 && (i < kShare || forwards < kShare); ++i) {
+      if (!promote()) {
+        ADD_FAILURE() << "promotion " << i;
+        return;
+      }
+      ++promotions;
+    }
+  });
+  for (int i = 0; i < 1000 && (i < kShare || promotions < kShare); ++i) {
+    forward(100 + i % 50, false);
+    ++forwards;
+  }
+  promoter.join();
+  EXPECT_GE(promotions.load(), kShare);
+  EXPECT_GE(forwards.load(), kShare);
+  EXPECT_EQ(c->stats().host_hits, 1 + promotions.load());
+  absl::StatusOr<ExportedState> e = c->Export(busy);
+  ASSERT_TRUE(e.ok());
+  EXPECT_LE(testing::RelErr(oracle_->FromExport(*e), oracle_->Run(history, history.size())),
+            kStateTol);
+}
+
+TEST_F(HostTierTest, BadOptionsAreRefused) {
+  absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, 4);
+  ASSERT_TRUE(m.ok());
+  CacheOptions o;
+  o.backend = testing::TestBackend();
+  o.memory_budget_bytes = 4 * m->SlotBytes();
+  for (int64_t bytes : {int64_t{-1}, int64_t{100}}) {
+    o.host_snapshot_bytes = bytes;
+    const absl::Status st = StateCache::Create(*m, o).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bytes;
+    EXPECT_NE(st.message().find("host_snapshot_bytes: expected 0 (no host tier) or at least one"),
+              std::string::npos)
+        << st;
+  }
+  o.host_snapshot_bytes = 0;
+  o.host_policy = static_cast<HostPolicy>(7);
+  const absl::Status st = StateCache::Create(*m, o).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("host_policy: expected kLru or kValue, got 7"), std::string::npos)
+      << st;
+}
+
+}  // namespace
+}  // namespace replayssm::cache
