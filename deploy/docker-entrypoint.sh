@@ -19,7 +19,7 @@ flags=(grpc-address metrics-address model device tp-size devices memory-budget r
        max-request-id-bytes max-import-tokens max-streams tenant-max-slots
        tenant-max-snapshots host-snapshot-bytes host-snapshot-policy slot-ttl
        cache-events-retain max-watchers kv-events-endpoint kv-events-replay-endpoint
-       kv-events-topic kv-events-tenant
+       kv-events-topic kv-events-tenant kv-events-curve-secret-file kv-events-clients-file
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
        transfer-reservations-per-peer
        region-ttl max-regions max-region-bytes forward-timeout drain-timeout transfer-chunk-bytes

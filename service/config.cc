@@ -147,6 +147,14 @@ const std::vector<Flag>& Flags() {
        Str(&ServerOptions::kv_events_replay_endpoint)},
       {"kv-events-topic", "topic frame of the ZMQ cache events [kv-events]",
        Str(&ServerOptions::kv_events_topic)},
+      {"kv-events-curve-secret-file",
+       "file of the ZMQ sockets' CURVE secret key (Z85, 40 characters): encrypted, and only the "
+       "keys of --kv-events-clients-file admitted; empty = open sockets []",
+       Str(&ServerOptions::kv_events_curve_secret_file)},
+      {"kv-events-clients-file",
+       "file of the CURVE public keys (Z85, one per line; # starts a comment line) of the "
+       "routers admitted to the ZMQ sockets; with --kv-events-curve-secret-file []",
+       Str(&ServerOptions::kv_events_clients_file)},
       {"kv-events-tenant",
        "tenant (of --auth-tokens) whose cache events ZMQ carries; empty = the implicit one []",
        Str(&ServerOptions::kv_events_tenant)},

@@ -60,6 +60,10 @@ int main(int argc, char** argv) {
   std::printf("replayssm-server: model %s on %s; gRPC %s; metrics %s\n",
               (*server)->model_name().c_str(), (*server)->backend_name().c_str(),
               (*server)->grpc_address().c_str(), metrics.c_str());
+  if (!(*server)->kv_events_public_key().empty()) {
+    std::printf("replayssm-server: ZMQ cache events: CURVE server key %s\n",
+                (*server)->kv_events_public_key().c_str());
+  }
   for (const std::string& w : (*server)->warnings()) {
     std::printf("replayssm-server: warning: %s\n", w.c_str());
   }

@@ -230,6 +230,8 @@ class ServerImpl final : public Server {
     z.endpoint = options_.kv_events_endpoint;
     z.replay_endpoint = options_.kv_events_replay_endpoint;
     z.topic = options_.kv_events_topic;
+    z.curve_secret_file = options_.kv_events_curve_secret_file;
+    z.clients_file = options_.kv_events_clients_file;
     if (!options_.kv_events_tenant.empty()) {
       std::optional<TenantId> t = tokens_ ? tokens_->Find(options_.kv_events_tenant) : std::nullopt;
       if (!t.has_value()) {
@@ -243,6 +245,18 @@ class ServerImpl final : public Server {
         ZmqEventPublisher::Start(events_.get(), std::move(z));
     if (!p.ok()) return p.status();
     publisher_ = *std::move(p);
+    const std::string& secret_file = options_.kv_events_curve_secret_file;
+    if (!secret_file.empty()) {
+      if (auto w = ExposureWarning("kv-events-curve-secret-file", secret_file)) {
+        warnings_.push_back(*w);
+      }
+      absl::StatusOr<std::string> key = CurvePublicKey(secret_file);
+      if (key.ok()) kv_events_public_key_ = *key;
+    } else {
+      warnings_.push_back(
+          "--kv-events-endpoint without --kv-events-curve-secret-file: the ZMQ cache events are "
+          "open to whoever reaches the endpoint; keep it on a private interface");
+    }
     return absl::OkStatus();
   }
 
@@ -370,6 +384,7 @@ class ServerImpl final : public Server {
 
   std::string grpc_address() const override { return grpc_address_; }
   std::string metrics_address() const override { return metrics_address_; }
+  std::string kv_events_public_key() const override { return kv_events_public_key_; }
   std::string backend_name() const override { return device_.name; }
   std::string model_name() const override { return cache_->model().name; }
   bool mps_active() const override { return ctx_.mps; }
@@ -427,6 +442,7 @@ class ServerImpl final : public Server {
   std::unique_ptr<TransferService> transfers_;  // after cache_: destroyed before it
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<ZmqEventPublisher> publisher_;  // after server_: gone before the log
+  std::string kv_events_public_key_;  // the routers' CURVE server key ("" without CURVE)
   std::shared_ptr<CacheCollector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string grpc_address_;

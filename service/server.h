@@ -50,6 +50,8 @@ struct ServerOptions {
   std::string kv_events_replay_endpoint;
   std::string kv_events_topic = "kv-events";
   std::string kv_events_tenant;        // the tenant whose events ZMQ carries ("": implicit)
+  std::string kv_events_curve_secret_file;  // CURVE: the server's secret key (Z85)
+  std::string kv_events_clients_file;       // CURVE: the routers' public keys admitted
   int32_t max_regions = 64;                          // registered memory regions at once
   absl::Duration slot_ttl = absl::ZeroDuration();    // idle live slots expire; 0 = never
   absl::Duration region_ttl = absl::ZeroDuration();  // idle registered regions go; 0 = never
@@ -94,6 +96,8 @@ class Server {
   // What the operator should hear about at start: settings that work but are unsafe (secret
   // files others may read, ...). main prints each as a warning.
   virtual std::vector<std::string> warnings() const = 0;
+  // The CURVE public key (Z85) routers use for the ZMQ cache events; "" without CURVE.
+  virtual std::string kv_events_public_key() const = 0;
 
   // Refuse new forwards, report NOT_SERVING, wait for open forwards (up to the drain
   // timeout), then stop serving. Returns when the gRPC server is shut down.

@@ -3,9 +3,14 @@
 #include <zmq.h>
 
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <msgpack.hpp>
+#include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace replayssm::service {
 
@@ -43,7 +48,54 @@ std::vector<std::string> ReceiveFrames(void* socket) {
   }
 }
 
+// The file's text, or INVALID_ARGUMENT naming `flag`.
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": expected a readable file, got \"", path, "\""));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// 32 key bytes from Z85 text (40 characters), or nullopt.
+std::optional<std::string> DecodeKey(absl::string_view z85) {
+  if (z85.size() != 40) return std::nullopt;
+  std::string key(32, '\0');
+  const std::string text(z85);
+  if (zmq_z85_decode(reinterpret_cast<uint8_t*>(key.data()), text.c_str()) == nullptr) {
+    return std::nullopt;
+  }
+  return key;
+}
+
+absl::StatusOr<std::string> ReadSecret(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path, "--kv-events-curve-secret-file");
+  if (!text.ok()) return text.status();
+  const std::string secret(absl::StripAsciiWhitespace(*text));
+  if (!DecodeKey(secret).has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-events-curve-secret-file: expected a CURVE secret key (40 Z85 characters), got ",
+        secret.size(), " characters in \"", path, "\""));
+  }
+  return secret;
+}
+
 }  // namespace
+
+absl::StatusOr<std::string> CurvePublicKey(const std::string& secret_file) {
+  absl::StatusOr<std::string> secret = ReadSecret(secret_file);
+  if (!secret.ok()) return secret.status();
+  char pub[41] = {};
+  if (zmq_curve_public(pub, secret->c_str()) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-events-curve-secret-file: expected a CURVE secret key, got one ZMQ refuses (",
+        zmq_strerror(zmq_errno()), ")"));
+  }
+  return std::string(pub);
+}
 
 std::string EncodeKvEventBatch(const KvEventBatch& batch, int32_t block_size) {
   msgpack::sbuffer buf;
@@ -88,10 +140,59 @@ std::string EncodeKvEventBatch(const KvEventBatch& batch, int32_t block_size) {
 absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(
     CacheEventLog* log, ZmqEventsOptions options) {
   std::unique_ptr<ZmqEventPublisher> z(new ZmqEventPublisher(log, std::move(options)));
+  const ZmqEventsOptions& o = z->options_;
+  if (o.curve_secret_file.empty() != o.clients_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        o.clients_file.empty() ? "--kv-events-clients-file" : "--kv-events-curve-secret-file",
+        ": expected it with ",
+        o.clients_file.empty() ? "--kv-events-curve-secret-file" : "--kv-events-clients-file",
+        " (CURVE needs the server's key and the routers' keys), got none"));
+  }
+  std::string secret;
+  if (!o.curve_secret_file.empty()) {
+    absl::StatusOr<std::string> s = ReadSecret(o.curve_secret_file);
+    if (!s.ok()) return s.status();
+    secret = *s;
+    absl::StatusOr<std::string> text = ReadFile(o.clients_file, "--kv-events-clients-file");
+    if (!text.ok()) return text.status();
+    int line = 0;
+    for (absl::string_view l : absl::StrSplit(*text, '\n')) {
+      ++line;
+      l = absl::StripAsciiWhitespace(l);
+      if (l.empty() || l[0] == '#') continue;  // Z85 has '#': only whole-line comments
+      std::optional<std::string> key = DecodeKey(l);
+      if (!key.has_value()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--kv-events-clients-file: ", o.clients_file, ":", line,
+            ": expected a CURVE public key (40 Z85 characters), got ", l.size(), " characters"));
+      }
+      z->clients_.push_back(*key);
+    }
+    if (z->clients_.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv-events-clients-file: expected at least one client public key in \"",
+          o.clients_file, "\", got none"));
+    }
+  }
   z->context_ = zmq_ctx_new();
-  z->pub_ = zmq_socket(z->context_, ZMQ_PUB);
   const int linger = 0;
+  if (!secret.empty()) {  // the ZAP handler first: CURVE handshakes consult it from then on
+    z->zap_ = zmq_socket(z->context_, ZMQ_REP);
+    zmq_setsockopt(z->zap_, ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_bind(z->zap_, "inproc://zeromq.zap.01") != 0) {
+      return absl::InternalError(
+          absl::StrCat("kv events: the ZAP handler cannot bind: ", zmq_strerror(zmq_errno())));
+    }
+  }
+  const auto curve = [&](void* socket) {
+    if (secret.empty()) return;
+    const int on = 1;
+    zmq_setsockopt(socket, ZMQ_CURVE_SERVER, &on, sizeof(on));
+    zmq_setsockopt(socket, ZMQ_CURVE_SECRETKEY, secret.c_str(), secret.size());
+  };
+  z->pub_ = zmq_socket(z->context_, ZMQ_PUB);
   zmq_setsockopt(z->pub_, ZMQ_LINGER, &linger, sizeof(linger));
+  curve(z->pub_);
   if (zmq_bind(z->pub_, z->options_.endpoint.c_str()) != 0) {
     return absl::UnavailableError(absl::StrCat("--kv-events-endpoint ", z->options_.endpoint,
                                                ": cannot bind: ", zmq_strerror(zmq_errno())));
@@ -99,6 +200,7 @@ absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(
   if (!z->options_.replay_endpoint.empty()) {
     z->replay_ = zmq_socket(z->context_, ZMQ_ROUTER);
     zmq_setsockopt(z->replay_, ZMQ_LINGER, &linger, sizeof(linger));
+    curve(z->replay_);
     if (zmq_bind(z->replay_, z->options_.replay_endpoint.c_str()) != 0) {
       return absl::UnavailableError(absl::StrCat("--kv-events-replay-endpoint ",
                                                  z->options_.replay_endpoint, ": cannot bind: ",
@@ -117,6 +219,7 @@ ZmqEventPublisher::~ZmqEventPublisher() {
   if (thread_.joinable()) thread_.join();
   if (pub_ != nullptr) zmq_close(pub_);
   if (replay_ != nullptr) zmq_close(replay_);
+  if (zap_ != nullptr) zmq_close(zap_);
   if (context_ != nullptr) zmq_ctx_term(context_);
 }
 
@@ -138,13 +241,34 @@ void ZmqEventPublisher::Run() {
         ++published_;
       }
     }
-    zmq_pollitem_t item{replay_, 0, ZMQ_POLLIN, 0};
-    if (replay_ == nullptr) {
+    zmq_pollitem_t items[2];
+    int n = 0;
+    if (replay_ != nullptr) items[n++] = {replay_, 0, ZMQ_POLLIN, 0};
+    if (zap_ != nullptr) items[n++] = {zap_, 0, ZMQ_POLLIN, 0};
+    if (n == 0) {
       absl::SleepFor(absl::Milliseconds(5));
       continue;
     }
-    if (zmq_poll(&item, 1, 5) > 0 && (item.revents & ZMQ_POLLIN) != 0) Replay(replay_);
+    if (zmq_poll(items, n, 5) <= 0) continue;
+    for (int i = 0; i < n; ++i) {
+      if ((items[i].revents & ZMQ_POLLIN) == 0) continue;
+      if (items[i].socket == replay_) Replay(replay_);
+      if (items[i].socket == zap_) Authenticate(zap_);
+    }
   }
+}
+
+// One ZAP request (RFC 27): [version, request id, domain, address, identity, mechanism,
+// credentials...]; CURVE's credential is the client's 32-byte public key. 200 admits it.
+void ZmqEventPublisher::Authenticate(void* zap) {
+  const std::vector<std::string> f = ReceiveFrames(zap);
+  if (f.size() < 2) return;
+  bool admitted = false;
+  if (f.size() >= 7 && f[5] == "CURVE") {
+    for (const std::string& key : clients_) admitted = admitted || key == f[6];
+  }
+  SendFrames(zap, {"1.0", f[1], admitted ? "200" : "400",
+                   admitted ? "OK" : "client key not admitted", "", ""});
 }
 
 // One replay request: [identity, "", start] (a REQ client) or [identity, start] (DEALER).

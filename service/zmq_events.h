@@ -8,9 +8,14 @@
 //  - a ROUTER socket (--kv-events-replay-endpoint) answers a request of one frame, the first
 //    sequence number wanted (8 bytes, big-endian), with a message [seq, batch] per kept batch
 //    from there and an end marker [-1 (8 bytes), empty] (REQ or DEALER clients).
-// ZMQ has no authentication here: the endpoint carries one tenant's events (--kv-events-tenant)
-// and belongs on an interface only the routers reach (loopback by default). WatchCache is the
-// authenticated, multi-tenant path. The publisher announces its start with AllBlocksCleared.
+// The endpoint carries one tenant's events (--kv-events-tenant). Authentication
+// (--kv-events-curve-secret-file, --kv-events-clients-file): both sockets are CURVE servers
+// (ZMQ's encryption and key authentication) and a ZAP handler admits only the client public
+// keys of the clients file, so only the routers holding those keys subscribe or replay; the
+// routers need the server's public key (logged at start). Without them the sockets are open
+// (as vLLM's) and belong on an interface only the routers reach. WatchCache is the other
+// authenticated path (tokens, multi-tenant). The publisher announces its start with
+// AllBlocksCleared.
 #ifndef REPLAYSSM_SERVICE_ZMQ_EVENTS_H_
 #define REPLAYSSM_SERVICE_ZMQ_EVENTS_H_
 
@@ -36,7 +41,16 @@ struct ZmqEventsOptions {
   std::string replay_endpoint;  // ROUTER; empty: no replay
   std::string topic = "kv-events";
   TenantId tenant = kImplicitTenant;
+  // CURVE (both set, or neither): the server's secret key file (Z85, 40 characters) and the
+  // file of the client public keys admitted (Z85, one per line; lines starting with `#` are
+  // comments: Z85 itself uses '#', so never after a key).
+  std::string curve_secret_file;
+  std::string clients_file;
 };
+
+// The server's public key (Z85) for the secret key in `secret_file`, for the routers;
+// INVALID_ARGUMENT naming the flag when the file holds no CURVE secret key.
+absl::StatusOr<std::string> CurvePublicKey(const std::string& secret_file);
 
 class ZmqEventPublisher final : public KvEventListener {
  public:
@@ -53,12 +67,15 @@ class ZmqEventPublisher final : public KvEventListener {
       : log_(log), options_(std::move(options)) {}
   void Run();
   void Replay(void* socket);
+  void Authenticate(void* zap);  // one ZAP request: admits the clients file's keys only
 
   CacheEventLog* const log_;
   const ZmqEventsOptions options_;
   void* context_ = nullptr;
   void* pub_ = nullptr;     // used by the thread only (ZMQ sockets are single-threaded)
   void* replay_ = nullptr;
+  void* zap_ = nullptr;                  // the ZAP handler (CURVE only)
+  std::vector<std::string> clients_;     // admitted client public keys, 32 bytes each
   absl::Mutex mu_;
   std::vector<std::pair<uint64_t, std::string>> outbox_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> stop_{false};

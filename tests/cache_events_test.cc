@@ -21,7 +21,8 @@ namespace {
 // A WatchCache call as a test reads it.
 class Watch {
  public:
-  Watch(const std::string& address, uint64_t epoch, uint64_t from_seq, const std::string& token = "")
+  Watch(const std::string& address, uint64_t epoch, uint64_t from_seq,
+        const std::string& token = "")
       : stub_(v1::ReplaySsm::NewStub(
             grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {
     if (!token.empty()) ctx_.AddMetadata("authorization", "Bearer " + token);
@@ -215,7 +216,8 @@ TEST_F(CacheEventsTenantsTest, AWatcherSeesOnlyItsTenantsSnapshots) {
 class ZmqEventsTest : public CacheEventsTest {
  protected:
   void SetUp() override {
-    port_ = 20000 + (getpid() * 7 + static_cast<int>(absl::ToUnixMicros(absl::Now()) % 9973)) % 30000;
+    const int64_t now = absl::ToUnixMicros(absl::Now());
+    port_ = 20000 + static_cast<int>((getpid() * 7 + now % 9973) % 30000);
     CacheEventsTest::SetUp();
   }
   std::vector<std::string> ServerFlags() const override {
@@ -296,6 +298,74 @@ TEST_F(ZmqEventsTest, BatchesAreVllmKvEventsWithReplay) {
             "AllBlocksCleared");
   zmq_close(req);
   zmq_close(sub);
+  zmq_ctx_term(ctx);
+}
+
+
+// --kv-events-curve-secret-file + --kv-events-clients-file: only a router holding an admitted
+// key hears the events; one with another key, or without CURVE, hears nothing.
+class ZmqCurveEventsTest : public ZmqEventsTest {
+ protected:
+  void SetUp() override {
+    char pub[41], sec[41];
+    ASSERT_EQ(zmq_curve_keypair(pub, sec), 0);
+    client_public_ = pub;
+    client_secret_ = sec;
+    dir_ = absl::StrCat(::testing::TempDir(), "/replayssm-curve-", getpid());
+    std::string mkdir = "mkdir -p " + dir_;
+    ASSERT_EQ(std::system(mkdir.c_str()), 0);
+    char server_secret[41];
+    ASSERT_EQ(zmq_curve_keypair(pub, server_secret), 0);
+    server_public_ = pub;
+    Write(dir_ + "/secret", std::string(server_secret) + "\n");
+    Write(dir_ + "/clients", "# routers\n" + client_public_ + "\n");
+    ZmqEventsTest::SetUp();
+  }
+  static void Write(const std::string& path, const std::string& text) {
+    FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  }
+  std::vector<std::string> ServerFlags() const override {
+    std::vector<std::string> f = ZmqEventsTest::ServerFlags();
+    f.push_back("--kv-events-curve-secret-file=" + dir_ + "/secret");
+    f.push_back("--kv-events-clients-file=" + dir_ + "/clients");
+    return f;
+  }
+  // A SUB socket (CURVE with `public`/`secret` unless empty), subscribed.
+  void* Subscriber(void* ctx, const std::string& public_key, const std::string& secret_key) {
+    void* sub = zmq_socket(ctx, ZMQ_SUB);
+    const int timeout_ms = 1500;
+    zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout_ms, sizeof(timeout_ms));
+    if (!public_key.empty()) {
+      zmq_setsockopt(sub, ZMQ_CURVE_SERVERKEY, server_public_.c_str(), 40);
+      zmq_setsockopt(sub, ZMQ_CURVE_PUBLICKEY, public_key.c_str(), 40);
+      zmq_setsockopt(sub, ZMQ_CURVE_SECRETKEY, secret_key.c_str(), 40);
+    }
+    zmq_setsockopt(sub, ZMQ_SUBSCRIBE, "replayssm", 9);
+    EXPECT_EQ(zmq_connect(sub, absl::StrCat("tcp://127.0.0.1:", port_).c_str()), 0);
+    return sub;
+  }
+  std::string dir_, server_public_, client_public_, client_secret_;
+};
+
+TEST_F(ZmqCurveEventsTest, OnlyAnAdmittedRouterHearsTheEvents) {
+  void* ctx = zmq_ctx_new();
+  char stranger_public[41], stranger_secret[41];
+  ASSERT_EQ(zmq_curve_keypair(stranger_public, stranger_secret), 0);
+  void* admitted = Subscriber(ctx, client_public_, client_secret_);
+  void* stranger = Subscriber(ctx, stranger_public, stranger_secret);
+  void* plain = Subscriber(ctx, "", "");
+  absl::SleepFor(absl::Milliseconds(500));  // handshakes, subscriptions
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 20);
+  ASSERT_TRUE(client_->Donate(slot).ok());
+  const std::vector<std::string> got = Frames(admitted);
+  ASSERT_EQ(got.size(), 3u) << "the admitted router hears the donation";
+  EXPECT_EQ(got[0], "replayssm");
+  EXPECT_TRUE(Frames(stranger).empty()) << "a key not in the clients file is refused";
+  EXPECT_TRUE(Frames(plain).empty()) << "a socket without CURVE is refused";
+  for (void* s : {admitted, stranger, plain}) zmq_close(s);
   zmq_ctx_term(ctx);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "server_process.h"
 
@@ -168,10 +169,15 @@ TEST(CommandLine, ServerRefusesCacheEventFlagsItCannotHonour) {
        "--kv-events-replay-endpoint: expected --kv-events-endpoint too"},
       {"--kv-events-endpoint=bogus", "--kv-events-endpoint bogus: cannot bind"},
       {"--cache-events-retain=0", "--cache-events-retain: expected 1..1048576, got 0"},
+      {"--kv-events-endpoint=tcp://127.0.0.1:0 --kv-events-clients-file=/dev/null",
+       "--kv-events-curve-secret-file: expected it with --kv-events-clients-file"},
+      {"--kv-events-endpoint=tcp://127.0.0.1:0 --kv-events-curve-secret-file=/dev/null "
+       "--kv-events-clients-file=/dev/null",
+       "--kv-events-curve-secret-file: expected a CURVE secret key (40 Z85 characters), got 0"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = base;
-    args.push_back(c.flag);
+    for (absl::string_view f : absl::StrSplit(c.flag, ' ')) args.emplace_back(f);
     const Outcome o = RunBinary(REPLAYSSM_SERVER_BINARY, args);
     EXPECT_EQ(o.exit_code, 1) << c.flag << "\n" << o.output;
     EXPECT_TRUE(absl::StrContains(o.output, c.message)) << c.flag << "\n" << o.output;
