@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bench/check.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
@@ -49,22 +50,6 @@ namespace {
 
 constexpr double kTarget = 0.05;  // issue 4: overhead under 5% at B >= 64
 constexpr int kMinRounds = 5;     // fewer rounds have no quartiles worth a verdict
-
-#define CHECK_OK(x)                                                                  \
-  do {                                                                               \
-    const absl::Status s_ = (x);                                                     \
-    if (!s_.ok()) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-#define CHECK_RSSM(x)                                                            \
-  do {                                                                           \
-    if ((x) != RSSM_OK) {                                                        \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, rssm_last_error()); \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

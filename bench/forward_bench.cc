@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench/check.h"
+#include "bench/device_inputs.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
@@ -29,48 +30,12 @@
 namespace replayssm::cache {
 namespace {
 
+using bench::DeviceInputs;
+
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// T tokens of activations in backend memory, small random values, shared by every layer.
-class DeviceInputs {
- public:
-  DeviceInputs(int32_t backend, const ModelSpec& m, int64_t t) : backend_(backend) {
-    const size_t es = rssm_dtype_size(m.shape.act_dtype);
-    LayerIo io;
-    io.memory = IoMemory::kBackend;
-    io.mixed_qkv = Upload(t * m.QkvWidth() * es);
-    io.a = Upload(t * m.AWidth() * es);
-    io.b = Upload(t * m.BWidth() * es);
-    io.out = Upload(t * m.OutWidth() * es);
-    layers.assign(m.num_layers, io);
-  }
-  ~DeviceInputs() {
-    for (void* p : buffers_) rssm_free(backend_, p);
-  }
-  std::vector<LayerIo> layers;
-
- private:
-  // Random bytes whose 16-bit halves are small numbers in fp32, bf16 and fp16 alike.
-  void* Upload(size_t bytes) {
-    std::vector<uint16_t> host(bytes / 2);
-    std::mt19937 rng(static_cast<uint32_t>(bytes));
-    for (uint16_t& x : host) x = static_cast<uint16_t>(0x3000 + rng() % 0x0c00);
-    void* p = nullptr;
-    const rssm_launch l{backend_, nullptr};
-    if (rssm_alloc(backend_, bytes, &p) != RSSM_OK ||
-        rssm_memcpy(&l, p, host.data(), bytes, RSSM_COPY_HOST_TO_DEVICE) != RSSM_OK ||
-        rssm_synchronize(&l) != RSSM_OK) {
-      std::fprintf(stderr, "upload: %s\n", rssm_last_error());
-      std::exit(1);
-    }
-    buffers_.push_back(p);
-    return p;
-  }
-  int32_t backend_;
-  std::vector<void*> buffers_;
-};
 
 absl::Status RunForward(Forward& f, const std::vector<LayerIo>& layers) {
   for (size_t l = 0; l < layers.size(); ++l) {

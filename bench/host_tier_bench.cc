@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "bench/check.h"
+#include "bench/device_inputs.h"
 #include "bench/flags.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
@@ -31,21 +33,8 @@
 namespace replayssm::cache {
 namespace {
 
-#define CHECK_OK(x)                                                                  \
-  do {                                                                               \
-    const absl::Status s_ = (x);                                                     \
-    if (!s_.ok()) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
-void CheckRssm(rssm_status s, const char* what) {
-  if (s != RSSM_OK) {
-    std::fprintf(stderr, "%s: %s\n", what, rssm_last_error());
-    std::exit(1);
-  }
-}
+using bench::CheckRssm;
+using bench::DeviceInputs;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -56,42 +45,6 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
-
-// T tokens of activations in backend memory, small random values, shared by every layer.
-class DeviceInputs {
- public:
-  DeviceInputs(int32_t backend, const ModelSpec& m, int64_t t) : backend_(backend) {
-    const size_t es = rssm_dtype_size(m.shape.act_dtype);
-    LayerIo io;
-    io.memory = IoMemory::kBackend;
-    io.mixed_qkv = Upload(t * m.QkvWidth() * es);
-    io.a = Upload(t * m.AWidth() * es);
-    io.b = Upload(t * m.BWidth() * es);
-    io.out = Upload(t * m.OutWidth() * es);
-    layers.assign(m.num_layers, io);
-  }
-  ~DeviceInputs() {
-    for (void* p : buffers_) rssm_free(backend_, p);
-  }
-  std::vector<LayerIo> layers;
-
- private:
-  // Random bytes whose 16-bit halves are small numbers in fp32, bf16 and fp16 alike.
-  void* Upload(size_t bytes) {
-    std::vector<uint16_t> host(bytes / 2);
-    std::mt19937 rng(static_cast<uint32_t>(bytes));
-    for (uint16_t& x : host) x = static_cast<uint16_t>(0x3000 + rng() % 0x0c00);
-    void* p = nullptr;
-    const rssm_launch l{backend_, nullptr};
-    CheckRssm(rssm_alloc(backend_, bytes, &p), "alloc");
-    CheckRssm(rssm_memcpy(&l, p, host.data(), bytes, RSSM_COPY_HOST_TO_DEVICE), "upload");
-    CheckRssm(rssm_synchronize(&l), "upload");
-    buffers_.push_back(p);
-    return p;
-  }
-  int32_t backend_;
-  std::vector<void*> buffers_;
-};
 
 std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t backend, int64_t slots,
                                       int64_t host_snapshots) {
