@@ -82,15 +82,6 @@ void AddTierFamilies(const cache::CacheStats& s, std::vector<prometheus::MetricF
   AddSample(evictions, s.snapshot_evictions, {{"tier", "gpu"}});
   AddSample(evictions, s.host_evictions, {{"tier", "host"}});
   out.push_back(std::move(evictions));
-  const std::pair<const char*, int64_t> counters[] = {
-      {"replayssm_snapshot_spills_total", s.snapshot_spills},
-      {"replayssm_snapshot_promotions_total", s.host_promotions},
-  };
-  for (const auto& [name, value] : counters) {
-    auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);
-    AddSample(f, value);
-    out.push_back(std::move(f));
-  }
   auto bytes = Family("replayssm_snapshot_bytes", "Bytes of snapshots held, by tier",
                       MetricType::Gauge);
   AddSample(bytes, s.backend_snapshot_bytes, {{"tier", "gpu"}});
@@ -230,6 +221,8 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
       {"replayssm_forwards_graphed_total", s.forwards_graphed},
       {"replayssm_forward_recordings_total", s.forward_recordings},
       {"replayssm_forward_recording_failures_total", s.forward_recording_failures},
+      {"replayssm_snapshot_spills_total", s.snapshot_spills},
+      {"replayssm_snapshot_promotions_total", s.host_promotions},
   };
   for (const auto& [name, value] : counters) {
     auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);
