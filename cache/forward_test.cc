@@ -464,16 +464,11 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardKindsTest,
 class ForwardRulesTest : public ::testing::Test {
  protected:
   void Make(int64_t slots, int32_t track = 0) {
-    absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, 4);
-    ASSERT_TRUE(m.ok());
-    m->num_layers = 2;
-    m->layers.resize(2);
-    CacheOptions o;
-    o.backend = testing::TestBackend();
-    o.memory_budget_bytes = slots * m->SlotBytes();
+    const ModelSpec m = testing::TwoLayerTinyGdn();
+    CacheOptions o = testing::TestOptions(m, slots);
     o.track_interval = track;
     o.max_prefill_tokens = 8;
-    cache_ = std::move(*StateCache::Create(*m, o));
+    cache_ = std::move(*StateCache::Create(m, o));
     oracle_ = std::make_unique<Oracle>(cache_->model());
   }
 

@@ -29,19 +29,14 @@ class HostTierTest : public ::testing::Test {
   std::unique_ptr<StateCache> Make(int64_t slots, int64_t host,
                                    HostPolicy policy = HostPolicy::kLru, int64_t ns_bound = 0,
                                    int32_t track = 0) {
-    absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, 4);
-    EXPECT_TRUE(m.ok()) << m.status();
-    m->num_layers = 2;
-    m->layers.resize(2);
-    CacheOptions o;
-    o.backend = testing::TestBackend();
-    o.memory_budget_bytes = slots * m->SlotBytes();
+    const ModelSpec m = testing::TwoLayerTinyGdn();
+    CacheOptions o = testing::TestOptions(m, slots);
     o.track_interval = track;
     o.max_snapshots_per_namespace = ns_bound;
-    o.host_snapshot_bytes = host * m->LayerStateBytes() * m->num_layers;
+    o.host_snapshot_bytes = host * m.LayerStateBytes() * m.num_layers;
     o.host_policy = policy;
     o.event_sink = [this](const CacheEvent& e) { events_.push_back(e); };
-    absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);
+    absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);
     EXPECT_TRUE(c.ok()) << c.status();
     if (!c.ok()) return nullptr;
     oracle_ = std::make_unique<Oracle>((*c)->model());

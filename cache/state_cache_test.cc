@@ -26,17 +26,12 @@ constexpr double kStateTol = 1e-4;
 class CacheTest : public ::testing::Test {
  protected:
   void Make(int64_t slots, int32_t track = 0, int32_t ring = 4, int64_t ns_snapshots = 0) {
-    absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, ring);
-    ASSERT_TRUE(m.ok()) << m.status();
-    m->num_layers = 2;
-    m->layers.resize(2);
-    CacheOptions o;
-    o.backend = testing::TestBackend();
-    o.memory_budget_bytes = slots * m->SlotBytes();
+    const ModelSpec m = testing::TwoLayerTinyGdn(ring);
+    CacheOptions o = testing::TestOptions(m, slots);
     o.track_interval = track;
     o.max_snapshots_per_namespace = ns_snapshots;
     if (record_events_) o.event_sink = [this](const CacheEvent& e) { events_.push_back(e); };
-    absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(*m, o);
+    absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);
     ASSERT_TRUE(c.ok()) << c.status();
     cache_ = std::move(*c);
     oracle_ = std::make_unique<Oracle>(cache_->model());

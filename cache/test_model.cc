@@ -186,6 +186,21 @@ void BackendBatch::CopyInputsFrom(const Batch& host) {
   rssm_synchronize(&l);
 }
 
+ModelSpec TwoLayerTinyGdn(int32_t ring) {
+  absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, ring);
+  if (!m.ok()) std::abort();  // a preset of the repository: never
+  m->num_layers = 2;
+  m->layers.resize(2);
+  return *std::move(m);
+}
+
+CacheOptions TestOptions(const ModelSpec& m, int64_t slots) {
+  CacheOptions o;
+  o.backend = TestBackend();
+  o.memory_budget_bytes = slots * m.SlotBytes();
+  return o;
+}
+
 int32_t TestBackend() {
   const char* env = std::getenv("REPLAYSSM_TEST_BACKEND");
   return env != nullptr && std::string(env) == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;

@@ -74,6 +74,11 @@ class Oracle {
 // same suite runs on the H200 through the device tool).
 int32_t TestBackend();
 
+// The small model of the cache's rule tests: tiny-gdn, fp32, ring length `ring`, cut to two
+// layers; and options for a cache of `slots` of its slots on TestBackend().
+ModelSpec TwoLayerTinyGdn(int32_t ring = 4);
+CacheOptions TestOptions(const ModelSpec& m, int64_t slots);
+
 // ‖x − ref‖ / ‖ref‖ over all layers (NaN if any value is NaN).
 double RelErr(const std::vector<std::vector<double>>& x, const std::vector<std::vector<double>>& ref);
 double RelErr(const std::vector<double>& x, const std::vector<double>& ref);
