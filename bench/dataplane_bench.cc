@@ -266,11 +266,24 @@ void Upload(EngineRegion& r, const std::vector<std::array<std::vector<uint8_t>, 
   }
 }
 
-v1::ForwardPlan Plan(const EngineRegion& r, uint32_t value) {
+// Registers `r`'s memory with the server as CUDA IPC region `name`.
+void Register(client::Client& c, const EngineRegion& r, const std::string& name) {
+  cudaIpcMemHandle_t handle;
+  CheckCuda(cudaIpcGetMemHandle(&handle, r.dev), "cudaIpcGetMemHandle");
+  v1::RegisterCudaRegionRequest req;
+  req.set_name(name);
+  req.set_raw_handle(&handle, sizeof handle);
+  req.set_device_id(0);
+  req.set_byte_size(r.bytes);
+  CheckOk(c.RegisterCudaRegion(req), "register region");
+}
+
+// The plan of a forward over `r` (registered as `name`) at doorbell value `value`.
+v1::ForwardPlan Plan(const EngineRegion& r, uint32_t value, const std::string& name = "engine") {
   v1::ForwardPlan p;
-  p.mutable_ready()->set_region("engine");
+  p.mutable_ready()->set_region(name);
   p.mutable_ready()->set_offset(r.ready);
-  p.mutable_done()->set_region("engine");
+  p.mutable_done()->set_region(name);
   p.mutable_done()->set_offset(r.done);
   p.set_value(value);
   for (int32_t l = 0; l < r.m.num_layers; ++l) {
@@ -278,7 +291,7 @@ v1::ForwardPlan Plan(const EngineRegion& r, uint32_t value) {
     v1::RegionRef* refs[4] = {pl->mutable_mixed_qkv(), pl->mutable_a(), pl->mutable_b(),
                               pl->mutable_out()};
     for (int i = 0; i < 4; ++i) {
-      refs[i]->set_region("engine");
+      refs[i]->set_region(name);
       refs[i]->set_offset(r.layer[l][i]);
     }
   }
@@ -565,20 +578,9 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
   for (int32_t r = 0; r < n; ++r) shards.push_back(cache::ShardModel(m, cache::ShardOf(m, n, r)));
   std::vector<std::unique_ptr<EngineRegion>> regions;
   std::vector<cudaStream_t> streams(n);
-  auto stub = v1::Regions::NewStub(
-      grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials()));
   for (int32_t r = 0; r < n; ++r) {
     regions.push_back(std::make_unique<EngineRegion>(shards[r], max_b));
-    cudaIpcMemHandle_t handle;
-    CheckCuda(cudaIpcGetMemHandle(&handle, regions[r]->dev), "cudaIpcGetMemHandle");
-    v1::RegisterCudaRegionRequest req;
-    req.set_name(absl::StrCat("engine-", r));
-    req.set_raw_handle(&handle, sizeof handle);
-    req.set_device_id(0);
-    req.set_byte_size(regions[r]->bytes);
-    v1::RegisterRegionResponse resp;
-    grpc::ClientContext ctx;
-    CheckOk(client::FromGrpc(stub->RegisterCudaRegion(&ctx, req, &resp)), "register region");
+    Register(*c, *regions[r], absl::StrCat("engine-", r));
     CheckCuda(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), "stream");
   }
   const auto begin = [&](const std::vector<uint64_t>& slots, uint32_t value) {
@@ -588,20 +590,11 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
     for (const v1::DecodeRow& row : Rows(slots)) *b->add_rows() = row;
     b->mutable_plan()->set_value(value);
     for (int32_t r = 0; r < n; ++r) {
-      v1::ForwardPlan one = Plan(*regions[r], value);
+      v1::ForwardPlan one = Plan(*regions[r], value, absl::StrCat("engine-", r));
       v1::RankPlan* rank = b->mutable_plan()->add_ranks();
-      *rank->mutable_layers() = one.layers();
+      *rank->mutable_layers() = std::move(*one.mutable_layers());
       *rank->mutable_ready() = one.ready();
       *rank->mutable_done() = one.done();
-      for (auto* ref : {rank->mutable_ready(), rank->mutable_done()}) {
-        ref->set_region(absl::StrCat("engine-", r));
-      }
-      for (v1::PlannedLayer& l : *rank->mutable_layers()) {
-        for (v1::RegionRef* ref : {l.mutable_mixed_qkv(), l.mutable_a(), l.mutable_b(),
-                                   l.mutable_out()}) {
-          ref->set_region(absl::StrCat("engine-", r));
-        }
-      }
     }
     return req;
   };
@@ -682,20 +675,7 @@ int main(int argc, char** argv) {
   if (!c->WaitForConnected(absl::Seconds(30))) Die("cannot connect to the server");
 
   EngineRegion region(m, max_b);
-  cudaIpcMemHandle_t handle;
-  CheckCuda(cudaIpcGetMemHandle(&handle, region.dev), "cudaIpcGetMemHandle");
-  auto regions = v1::Regions::NewStub(
-      grpc::CreateChannel(server.address, grpc::InsecureChannelCredentials()));
-  {
-    v1::RegisterCudaRegionRequest req;
-    req.set_name("engine");
-    req.set_raw_handle(&handle, sizeof handle);
-    req.set_device_id(0);
-    req.set_byte_size(region.bytes);
-    v1::RegisterRegionResponse resp;
-    grpc::ClientContext ctx;
-    CheckOk(client::FromGrpc(regions->RegisterCudaRegion(&ctx, req, &resp)), "register region");
-  }
+  Register(*c, region, "engine");
   cudaStream_t s;
   CheckCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   uint32_t value = 0;
