@@ -14,7 +14,7 @@ from replayssm.errors import (Aborted, AlreadyExists, Cancelled, DataLoss, Deadl
                               FailedPrecondition, Internal, InvalidArgument, NotFound,
                               OutOfRange, PermissionDenied, ReplaySSMError, ResourceExhausted,
                               Unauthenticated, Unavailable, Unimplemented, Unknown)
-from replayssm.plan import Doorbells, ForwardPlan, PlannedLayer
+from replayssm.plan import Doorbells, ForwardPlan, PlannedLayer, RankedForwardPlan
 from replayssm.reference import Reference
 from replayssm.regions import CudaRegion, RegionTensor, SharedMemoryRegion
 from replayssm.results import Allocation, DecodeResult, ExportedState, PrefillResult
@@ -31,7 +31,7 @@ __all__ = [
     "CudaRegion", "DataLoss", "DeadlineExceeded", "DecodeResult", "Doorbells", "ExportedState",
     "F16", "F32", "FailedPrecondition", "ForwardPlan", "ForwardStream", "Internal",
     "InvalidArgument", "NotFound", "OutOfRange", "PermissionDenied", "PlannedLayer",
-    "PrefillResult", "RETRYABLE", "Reference", "RegionTensor", "ReplaySSMError",
-    "ResourceExhausted", "SharedMemoryRegion", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Unknown", "new_request_id", "pb", "tp",
+    "PrefillResult", "RETRYABLE", "RankedForwardPlan", "Reference", "RegionTensor",
+    "ReplaySSMError", "ResourceExhausted", "SharedMemoryRegion", "Unauthenticated",
+    "Unavailable", "Unimplemented", "Unknown", "new_request_id", "pb", "tp",
 ]

@@ -120,27 +120,49 @@ class Doorbells:
 
 
 class PlannedLayer(NamedTuple):
-    """One layer's RegionTensors, shaped for the plan's capacity in tokens."""
+    """One layer's RegionTensors, shaped for the plan's capacity in tokens. On a TP server's
+    group form each holds the T ranks' tensors rank-major: [T, N, width / T]."""
 
     mixed_qkv: RegionTensor  # [N, 2*H*K + HV*V]
     a: RegionTensor  # GDN [N, HV], KDA [N, HV, K]
     b: RegionTensor  # [N, HV]
     out: RegionTensor  # [N, HV, V]
 
-    def head(self, n):
-        """The first n tokens of each (what a forward of n tokens reads and writes)."""
-        return PlannedLayer(*(t.head(n) for t in self))
+    def head(self, n, ranks=1):
+        """What a forward of n tokens reads and writes: the first n tokens of each; with
+        ranks = T > 1 (tensors [T, N, ...]) each rank's n tokens, packed: [T, n, ...] from the
+        same offset, as the server reads a group tensor of n tokens."""
+        if ranks == 1:
+            return PlannedLayer(*(t.head(n) for t in self))
+        return PlannedLayer(*(_group_head(t, n) for t in self))
 
     def proto(self):
         return regions_pb2.PlannedLayer(mixed_qkv=self.mixed_qkv.ref(), a=self.a.ref(),
                                         b=self.b.ref(), out=self.out.ref())
 
 
-def layer_shapes(model, n):
-    """The shapes of one layer's mixed_qkv, a, b, out for n tokens of `model` (a ModelInfo)."""
-    h, hv, k, v = model.num_qk_heads, model.num_v_heads, model.head_k, model.head_v
-    a = (n, hv, k) if model.gate == pb.GATE_KDA else (n, hv)
-    return (n, 2 * h * k + hv * v), a, (n, hv), (n, hv, v)
+def _group_head(t, n):
+    if not 0 <= n <= t.shape[1]:
+        raise errors.InvalidArgument(f"{t.region.name}@{t.offset}: n: expected "
+                                     f"0..{t.shape[1]}, got {n}")
+    return t._replace(shape=(t.shape[0], n, *t.shape[2:]))
+
+
+def _ranks(model):
+    return max(int(getattr(model, "tp_size", 1)), 1)
+
+
+def layer_shapes(model, n, rank=False):
+    """The shapes of one layer's mixed_qkv, a, b, out for n tokens of `model` (a ModelInfo).
+    On a TP server (model.tp_size = T > 1, docs/api.md "Tensor parallelism") they are the
+    group's rank-major tensors, [T, n, width / T]; rank=True: one rank's own, [n, width / T]
+    (what a RankPlan names)."""
+    t = _ranks(model)
+    h, hv, k, v = model.num_qk_heads // t, model.num_v_heads // t, model.head_k, model.head_v
+    a = (hv, k) if model.gate == pb.GATE_KDA else (hv,)
+    shapes = (2 * h * k + hv * v,), a, (hv,), (hv, v)
+    lead = (n,) if t == 1 or rank else (t, n)
+    return tuple(lead + s for s in shapes)
 
 
 def _up(x):
@@ -153,39 +175,47 @@ class ForwardPlan:
     advances it (next_value), ring / wait_done use it. It starts past every word already in
     the doorbells, so memory reused from an earlier plan cannot satisfy a new wait."""
 
-    def __init__(self, layers, ready, done):
+    def __init__(self, layers, ready, done, ranks=1):
+        """`ranks`: T when the tensors are a TP group's, rank-major [T, N, ...]; else 1."""
         layers = [PlannedLayer(*layer) for layer in layers]
         for name, bells in (("ready", ready), ("done", done)):
             if bells.count != len(layers):
                 raise errors.InvalidArgument(f"plan.{name}: expected {len(layers)} doorbells "
                                              f"(one per layer), got {bells.count}")
-        self.layers, self.ready, self.done = layers, ready, done
+        self.layers, self.ready, self.done, self.ranks = layers, ready, done, ranks
         self.value = _latest(ready.words() + done.words())
 
     @staticmethod
-    def nbytes(model, max_tokens):
-        """Bytes layout() needs for `model` and forwards of up to max_tokens tokens."""
+    def nbytes(model, max_tokens, rank=False):
+        """Bytes layout() needs for `model` and forwards of up to max_tokens tokens (rank=True:
+        one rank's part of a TP server's RankedForwardPlan)."""
         per_layer = sum(_up(int(np.prod(s)) * _itemsize(model)) for s in
-                        layer_shapes(model, max_tokens))
+                        layer_shapes(model, max_tokens, rank))
         return _up(8 * model.num_layers) + model.num_layers * per_layer
 
     @classmethod
-    def layout(cls, region, model, max_tokens, offset=0):
+    def layout(cls, region, model, max_tokens, offset=0, rank=False, field="plan"):
         """A plan over `region` from `offset`: ready [L], done [L], then per layer mixed_qkv,
-        a, b, out for max_tokens tokens in the model's activation dtype (nbytes() in all)."""
+        a, b, out for max_tokens tokens in the model's activation dtype (nbytes() in all). On a
+        TP server the tensors are the group's, [T, max_tokens, width / T]; rank=True: one
+        rank's (RankedForwardPlan.layout)."""
         num_layers = model.num_layers
-        ready = Doorbells(region, offset, num_layers, "plan.ready")
-        done = Doorbells(region, offset + 4 * num_layers, num_layers, "plan.done")
+        ready = Doorbells(region, offset, num_layers, f"{field}.ready")
+        done = Doorbells(region, offset + 4 * num_layers, num_layers, f"{field}.done")
         at = offset + _up(8 * num_layers)
         layers = []
         for l in range(num_layers):
             tensors = []
-            for part, shape in zip(PlannedLayer._fields, layer_shapes(model, max_tokens)):
+            for part, shape in zip(PlannedLayer._fields, layer_shapes(model, max_tokens, rank)):
                 tensors.append(RegionTensor.at(region, at, model.act_dtype, shape,
-                                               f"plan.layers[{l}].{part}"))
+                                               f"{field}.layers[{l}].{part}"))
                 at = _up(at + int(np.prod(shape)) * _itemsize(model))
             layers.append(PlannedLayer(*tensors))
-        return cls(layers, ready, done)
+        return cls(layers, ready, done, 1 if rank else _ranks(model))
+
+    def layer(self, l, n):
+        """Layer l's tensors for a forward of n tokens (PlannedLayer.head)."""
+        return self.layers[l].head(n, self.ranks)
 
     def next_value(self):
         """A new forward: the next value (cyclic uint32; never reuses the last one)."""
@@ -209,3 +239,63 @@ class ForwardPlan:
 
 def _itemsize(model):
     return dtypes.itemsize(model.act_dtype)
+
+
+class RankedForwardPlan:
+    """A TP server's planned forward in its `ranks` form (docs/api.md, "Tensor parallelism"):
+    one ForwardPlan per rank, each in memory that rank's engine registered (its GPU), with the
+    rank's own tensors ([N, width / T]) and doorbells. Rank r's layer l waits for its
+    ready[l] and writes its done[l]; one value for all ranks per forward."""
+
+    def __init__(self, ranks):
+        if not ranks:
+            raise errors.InvalidArgument("plan.ranks: expected one ForwardPlan per rank, got none")
+        for r, p in enumerate(ranks):
+            if p.ranks != 1 or len(p.layers) != len(ranks[0].layers):
+                raise errors.InvalidArgument(f"plan.ranks[{r}]: expected a rank's plan of "
+                                             f"{len(ranks[0].layers)} layers (layout(rank=True))")
+        self.plans = list(ranks)
+        self.value = _latest([p.value for p in self.plans])
+        for p in self.plans:
+            p.value = self.value
+
+    @staticmethod
+    def nbytes(model, max_tokens):
+        """Bytes each rank's region needs from its offset."""
+        return ForwardPlan.nbytes(model, max_tokens, rank=True)
+
+    @classmethod
+    def layout(cls, regions, model, max_tokens, offsets=None):
+        """One rank's plan in each of `regions` (rank order, model.tp_size of them), from
+        offsets[r] (0 when not given)."""
+        if len(regions) != _ranks(model):
+            raise errors.InvalidArgument(f"regions: expected {_ranks(model)} (one per rank, "
+                                         f"tp_size), got {len(regions)}")
+        offsets = offsets or [0] * len(regions)
+        return cls([ForwardPlan.layout(region, model, max_tokens, offset, rank=True,
+                                       field=f"plan.ranks[{r}]")
+                    for r, (region, offset) in enumerate(zip(regions, offsets))])
+
+    def next_value(self):
+        self.value = (self.value + 1) & _WORD
+        for p in self.plans:
+            p.value = self.value
+        return self.value
+
+    def proto(self):
+        return regions_pb2.ForwardPlan(
+            ranks=[regions_pb2.RankPlan(layers=[layer.proto() for layer in p.layers],
+                                        ready=p.ready.ref(), done=p.done.ref())
+                   for p in self.plans], value=self.value)
+
+    def layer(self, rank, l, n):
+        """Rank `rank`'s layer l tensors for a forward of n tokens."""
+        return self.plans[rank].layer(l, n)
+
+    def ring(self, rank, layer, stream=None):
+        """Rank `rank`'s layer `layer` inputs are written."""
+        self.plans[rank].ring(layer, stream)
+
+    def wait_done(self, rank, layer, timeout=10.0, stream=None):
+        """Until the server has written rank `rank`'s layer `layer` output."""
+        self.plans[rank].wait_done(layer, timeout, stream)
