@@ -218,7 +218,7 @@ class StagedReader final : public ReaderBase {
 
 // What every writer does: range checks, the count of bytes written, the commit's checks and
 // the end of the import.
-class WriterBase : public SlotWriter {
+class WriterBase : public ShardSlotWriter {
  public:
   WriterBase(SlotIoOwner* owner, const SlotIoSpec& spec, int64_t seq_len)
       : owner_(owner), spec_(spec), seq_len_(seq_len), total_(PayloadBytes(owner->pool())) {}
@@ -228,23 +228,12 @@ class WriterBase : public SlotWriter {
   SlotIoPath path() const override { return spec_.path; }
 
   absl::Status Write(size_t offset, const void* src, size_t size, bool backend_memory) override {
-    if (ended_.load()) return absl::FailedPreconditionError("slot writer: already committed");
-    if (offset > total_ || size > total_ - offset) {
-      return absl::InvalidArgumentError(absl::StrCat("offset, size: expected a range inside the ",
-                                                     total_, "-byte payload, got [", offset, ", ",
-                                                     offset + size, ")"));
-    }
-    if (size > 0 && src == nullptr) {
-      return absl::InvalidArgumentError("src: expected a non-null pointer, got NULL");
-    }
-    absl::Status st = absl::OkStatus();
-    for (const Piece& p :
-         SplitRange(offset, offset + size, owner_->pool().CheckpointBytes(), total_)) {
-      st = Copy(p, static_cast<const uint8_t*>(src) + (p.offset - offset), backend_memory);
-      if (!st.ok()) break;
-    }
-    if (st.ok()) written_ += size;
-    return st;
+    return WriteRange(offset, src, size, backend_memory, HashAs{});
+  }
+  absl::Status WriteAndHash(size_t offset, const void* src, size_t size, SegmentedChecksum& sum,
+                            size_t sum_offset) override {
+    return WriteRange(offset, src, size, false,
+                      HashAs{&sum, static_cast<int64_t>(sum_offset) - static_cast<int64_t>(offset)});
   }
 
   absl::StatusOr<SlotId> Commit(absl::Span<const int32_t> tokens, uint64_t checksum) override {
@@ -271,17 +260,28 @@ class WriterBase : public SlotWriter {
   }
 
  protected:
-  // dst <- src, and (unless the writer was opened without a checksum) the bytes hashed as
-  // payload bytes [offset, offset + n) into `sum`.
-  void CopyHashed(SegmentedChecksum& sum, void* dst, const void* src, size_t offset, size_t n) {
-    if (spec_.checksum) {
-      sum.CopyAndAdd(dst, src, offset, n);
+  // Where a write's bytes are hashed besides (or instead of) the writer's own checksum: into
+  // `sum` as its bytes [offset + shift, ...) (WriteAndHash); none: sum == nullptr.
+  struct HashAs {
+    SegmentedChecksum* sum = nullptr;
+    int64_t shift = 0;
+  };
+
+  // dst <- src, and the bytes hashed as payload bytes [offset, offset + n): into `as.sum` when
+  // set, else into `own` unless the writer was opened without a checksum.
+  void CopyHashed(SegmentedChecksum& own, const HashAs& as, void* dst, const void* src,
+                  size_t offset, size_t n) {
+    if (as.sum != nullptr) {
+      as.sum->CopyAndAdd(dst, src, static_cast<size_t>(static_cast<int64_t>(offset) + as.shift), n);
+    } else if (spec_.checksum) {
+      own.CopyAndAdd(dst, src, offset, n);
     } else {
       std::memcpy(dst, src, n);
     }
   }
-  // Copies one piece (inside one layer) into the slot and hashes it.
-  virtual absl::Status Copy(const Piece& p, const uint8_t* src, bool backend_memory) = 0;
+  // Copies one piece (inside one layer) into the slot and hashes it (CopyHashed).
+  virtual absl::Status Copy(const Piece& p, const uint8_t* src, bool backend_memory,
+                            const HashAs& as) = 0;
   // Waits for every copy queued; the first error of one.
   virtual absl::Status Drain() = 0;
   // The checksum of what the slot got, once drained.
@@ -299,6 +299,27 @@ class WriterBase : public SlotWriter {
   const size_t total_;
 
  private:
+  absl::Status WriteRange(size_t offset, const void* src, size_t size, bool backend_memory,
+                          const HashAs& as) {
+    if (ended_.load()) return absl::FailedPreconditionError("slot writer: already committed");
+    if (offset > total_ || size > total_ - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("offset, size: expected a range inside the ",
+                                                     total_, "-byte payload, got [", offset, ", ",
+                                                     offset + size, ")"));
+    }
+    if (size > 0 && src == nullptr) {
+      return absl::InvalidArgumentError("src: expected a non-null pointer, got NULL");
+    }
+    absl::Status st = absl::OkStatus();
+    for (const Piece& p :
+         SplitRange(offset, offset + size, owner_->pool().CheckpointBytes(), total_)) {
+      st = Copy(p, static_cast<const uint8_t*>(src) + (p.offset - offset), backend_memory, as);
+      if (!st.ok()) break;
+    }
+    if (st.ok()) written_ += size;
+    return st;
+  }
+
   std::atomic<size_t> written_{0};
   std::atomic<bool> ended_{false};
 };
@@ -312,8 +333,8 @@ class HostWriter final : public WriterBase {
   ~HostWriter() override { End(); }
 
  private:
-  absl::Status Copy(const Piece& p, const uint8_t* src, bool) override {
-    CopyHashed(sum_, SlotBytes(owner_->pool(), spec_.index, p), src, p.offset, p.size);
+  absl::Status Copy(const Piece& p, const uint8_t* src, bool, const HashAs& as) override {
+    CopyHashed(sum_, as, SlotBytes(owner_->pool(), spec_.index, p), src, p.offset, p.size);
     return absl::OkStatus();
   }
   absl::Status Drain() override { return absl::OkStatus(); }
@@ -334,7 +355,8 @@ class StagedWriter final : public WriterBase {
   ~StagedWriter() override { End(); }
 
  private:
-  absl::Status Copy(const Piece& p, const uint8_t* src, bool backend_memory) override {
+  absl::Status Copy(const Piece& p, const uint8_t* src, bool backend_memory,
+                    const HashAs& as) override {
     if (backend_memory) {
       return absl::InvalidArgumentError(
           "backend_memory: the staged path takes host memory; expected false, got true");
@@ -345,7 +367,7 @@ class StagedWriter final : public WriterBase {
       const int32_t k = TakeBuffer();
       st = ring_->Sync(k);  // its last copy into a slot has landed
       if (st.ok()) {
-        CopyHashed(sum_, ring_->buffer(k), src + done, p.offset + done, n);
+        CopyHashed(sum_, as, ring_->buffer(k), src + done, p.offset + done, n);
         Piece part = p;
         part.layer_offset += done;
         st = ring_->Copy(k, SlotBytes(owner_->pool(), spec_.index, part), ring_->buffer(k), n,
@@ -397,10 +419,16 @@ class DeviceWriter final : public WriterBase {
   ~DeviceWriter() override { End(); }
 
  private:
-  absl::Status Copy(const Piece& p, const uint8_t* src, bool backend_memory) override {
+  absl::Status Copy(const Piece& p, const uint8_t* src, bool backend_memory,
+                    const HashAs& as) override {
     absl::StatusOr<LanePool::Lease> lane = owner_->lanes().Take();
     if (!lane.ok()) return lane.status();
     uint8_t* dst = SlotBytes(owner_->pool(), spec_.index, p);
+    // A group's payload bytes (WriteAndHash: host memory) are hashed here; the writer's own
+    // checksum hashes the slot where it lies at the commit.
+    if (as.sum != nullptr) {
+      as.sum->Add(static_cast<size_t>(static_cast<int64_t>(p.offset) + as.shift), src, p.size);
+    }
     absl::Status st;
     if (backend_memory) {
       const rssm_launch l = (*lane)->Launch();
@@ -487,8 +515,9 @@ absl::StatusOr<std::unique_ptr<SlotReader>> NewSlotReader(SlotIoOwner* owner,
   return std::make_unique<StagedReader>(owner, spec, seq_len, std::move(tokens), *std::move(ring));
 }
 
-absl::StatusOr<std::unique_ptr<SlotWriter>> NewSlotWriter(SlotIoOwner* owner,
-                                                          const SlotIoSpec& spec, int64_t seq_len) {
+absl::StatusOr<std::unique_ptr<ShardSlotWriter>> NewSlotWriter(SlotIoOwner* owner,
+                                                               const SlotIoSpec& spec,
+                                                               int64_t seq_len) {
   switch (spec.path) {
     case SlotIoPath::kHostDirect:
       return std::make_unique<HostWriter>(owner, spec, seq_len);

@@ -18,6 +18,8 @@
 
 namespace replayssm::cache {
 
+class SegmentedChecksum;
+
 class SlotIoOwner {
  public:
   virtual ~SlotIoOwner() = default;
@@ -41,6 +43,18 @@ struct SlotIoSpec {
   bool checksum = true;  // a reader hashes the slot (SlotIoOptions::checksum)
 };
 
+// The writers NewSlotWriter makes. A rank of a tensor-parallel group (tp_slot_io.h) writes
+// its part of an unsharded payload with WriteAndHash: the bytes it copies into its slot are
+// also the group's payload bytes, hashed into the group's checksum in the same pass (the
+// rank's writer is opened without a checksum of its own).
+class ShardSlotWriter : public SlotWriter {
+ public:
+  // Write(offset, src, size, /*backend_memory=*/false), adding the bytes to `sum` as its
+  // payload bytes [sum_offset, sum_offset + size).
+  virtual absl::Status WriteAndHash(size_t offset, const void* src, size_t size,
+                                    SegmentedChecksum& sum, size_t sum_offset) = 0;
+};
+
 // OK, or INVALID_ARGUMENT naming the option: the path `options` ask for (or the cache's
 // choice) on `backend`, and sane sizes.
 absl::StatusOr<SlotIoSpec> ResolveSlotIo(int32_t backend, const SlotIoOptions& options);
@@ -49,8 +63,9 @@ absl::StatusOr<SlotIoSpec> ResolveSlotIo(int32_t backend, const SlotIoOptions& o
 absl::StatusOr<std::unique_ptr<SlotReader>> NewSlotReader(SlotIoOwner* owner,
                                                           const SlotIoSpec& spec, int64_t seq_len,
                                                           std::vector<int32_t> tokens);
-absl::StatusOr<std::unique_ptr<SlotWriter>> NewSlotWriter(SlotIoOwner* owner,
-                                                          const SlotIoSpec& spec, int64_t seq_len);
+absl::StatusOr<std::unique_ptr<ShardSlotWriter>> NewSlotWriter(SlotIoOwner* owner,
+                                                               const SlotIoSpec& spec,
+                                                               int64_t seq_len);
 // Backend memory of `bytes` (rssm_alloc).
 absl::StatusOr<std::unique_ptr<BackendBuffer>> NewBackendBuffer(int32_t backend, size_t bytes);
 

@@ -649,15 +649,24 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
 absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
                                                                 const SlotIoOptions& options) {
   SlotIoOptions mine = options;
-  mine.path = SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+  // Host memory (or a test's choice of path), as OpenExport.
+  mine.path = options.path.has_value() && *options.path != SlotIoPath::kDeviceDirect
+                  ? *options.path
+                  : SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
   mine.checksum = false;  // the group checks the unsharded payload it receives
   absl::MutexLock ops(&ops_mu_);
-  std::vector<std::unique_ptr<SlotWriter>> writers;
+  std::vector<std::unique_ptr<ShardSlotWriter>> writers;
   for (size_t r = 0; r < shards_.size(); ++r) {
     Use(r);
     absl::StatusOr<std::unique_ptr<SlotWriter>> w = shards_[r]->OpenImport(seq_len, mine);
     if (!w.ok()) return RankStatus(r, w.status());  // the opened ones free their slots
-    writers.push_back(*std::move(w));
+    // A shard is a StateCache of this library: its writers are NewSlotWriter's.
+    auto* shard_writer = dynamic_cast<ShardSlotWriter*>(w->get());
+    if (shard_writer == nullptr) {
+      return RankStatus(r, absl::InternalError("the shard's slot writer cannot hash for a group"));
+    }
+    w->release();
+    writers.emplace_back(shard_writer);
   }
   return NewTpWriter(this, std::move(writers), &map_);
 }

@@ -239,8 +239,7 @@ class TpReader final : public SlotReader {
 
 class TpWriter final : public SlotWriter {
  public:
-  static constexpr int64_t kPieceBytes = int64_t{256} << 10;  // hashed, then copied
-  TpWriter(TpSlotIoHost* host, std::vector<std::unique_ptr<SlotWriter>> ranks,
+  TpWriter(TpSlotIoHost* host, std::vector<std::unique_ptr<ShardSlotWriter>> ranks,
            const TpLayerMap* map)
       : host_(host),
         ranks_(std::move(ranks)),
@@ -278,17 +277,16 @@ class TpWriter final : public SlotWriter {
     const auto* p = static_cast<const uint8_t*>(src);
     const int64_t lb = map_.layer_bytes;
     absl::Status st;
-    // Piece by piece, each hashed and then copied to its ranks while it is in the core's cache:
-    // one pass over memory, as a TP = 1 writer's copy that hashes.
+    // Layer by layer, split at the ranks' runs: each byte is read once, by the rank writer's
+    // copy that hashes it (a checkpoint run: one contiguous part of up to a whole layer's, so
+    // the rank's staging buffers fill as a TP = 1 writer's do) or by the window's gathering.
     for (int64_t at = offset, end = offset + size; at < end && st.ok();) {
       const int64_t l = at / lb;
-      const int64_t stop = std::min({end, (l + 1) * lb, at + kPieceBytes});
-      sum_.Add(static_cast<size_t>(at), p + (at - static_cast<int64_t>(offset)),
-               static_cast<size_t>(stop - at));
+      const int64_t stop = std::min(end, (l + 1) * lb);
       ForRuns(map_, at - l * lb, stop - l * lb, [&](const TpLayerMap::Run& run, int64_t b, int64_t n) {
         if (!st.ok()) return;
         const uint8_t* piece = p + (l * lb + b - static_cast<int64_t>(offset));
-        st = Put(run, l, run.shard + (b - run.full), piece, n);
+        st = Put(run, l, run.shard + (b - run.full), piece, n, l * lb + b);
       });
       at = stop;
     }
@@ -329,29 +327,36 @@ class TpWriter final : public SlotWriter {
     std::atomic<int64_t> have{0};
   };
 
-  // `n` bytes of rank run.rank's layer l state at in-layer offset `shard`.
+  // `n` bytes of rank run.rank's layer l state at in-layer offset `shard`: the unsharded
+  // payload's bytes [at, at + n).
   absl::Status Put(const TpLayerMap::Run& run, int64_t l, int64_t shard, const uint8_t* src,
-                   int64_t n) {
+                   int64_t n, int64_t at) {
     const size_t r = static_cast<size_t>(run.rank);
     const int64_t ckpt = map_.ckpt_bytes[r];
-    if (shard < ckpt) return PutRank(r, l * map_.shard_bytes[r] + shard, src, n);
-    Window& w = *windows_[r * map_.num_layers + l];
-    std::memcpy(w.bytes.data() + (shard - ckpt), src, n);
-    if (w.have.fetch_add(n) + n != static_cast<int64_t>(w.bytes.size())) return absl::OkStatus();
-    return PutRank(r, l * map_.shard_bytes[r] + ckpt, w.bytes.data(), w.bytes.size());
-  }
-  absl::Status PutRank(size_t r, int64_t offset, const uint8_t* src, int64_t n) {
+    const int64_t dst = l * map_.shard_bytes[r] + shard;
     host_->Use(r);
-    absl::Status st = ranks_[r]->Write(offset, src, n);
+    if (shard < ckpt) {  // a checkpoint run never reaches into the window
+      return RankStatus(r, ranks_[r]->WriteAndHash(static_cast<size_t>(dst), src,
+                                                   static_cast<size_t>(n), sum_,
+                                                   static_cast<size_t>(at)));
+    }
+    Window& w = *windows_[r * map_.num_layers + l];
+    sum_.CopyAndAdd(w.bytes.data() + (shard - ckpt), src, static_cast<size_t>(at),
+                    static_cast<size_t>(n));
+    if (w.have.fetch_add(n) + n != static_cast<int64_t>(w.bytes.size())) return absl::OkStatus();
+    return RankStatus(r, ranks_[r]->Write(static_cast<size_t>(l * map_.shard_bytes[r] + ckpt),
+                                          w.bytes.data(), w.bytes.size()));
+  }
+  static absl::Status RankStatus(size_t r, const absl::Status& st) {
     if (st.ok()) return st;
     return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
   }
 
   TpSlotIoHost* const host_;
-  std::vector<std::unique_ptr<SlotWriter>> ranks_;
+  std::vector<std::unique_ptr<ShardSlotWriter>> ranks_;
   const TpLayerMap& map_;
   const size_t bytes_;
-  SegmentedChecksum sum_;  // of the unsharded payload: the sender's checksum
+  SegmentedChecksum sum_;  // of the unsharded payload (the sender's checksum): rank writers add
   std::vector<std::unique_ptr<Window>> windows_;               // [rank][layer]
   std::atomic<size_t> written_{0};
 };
@@ -366,7 +371,7 @@ std::unique_ptr<SlotReader> NewTpReader(TpSlotIoHost* host, SlotId group,
 }
 
 std::unique_ptr<SlotWriter> NewTpWriter(TpSlotIoHost* host,
-                                        std::vector<std::unique_ptr<SlotWriter>> ranks,
+                                        std::vector<std::unique_ptr<ShardSlotWriter>> ranks,
                                         const TpLayerMap* map) {
   return std::make_unique<TpWriter>(host, std::move(ranks), map);
 }

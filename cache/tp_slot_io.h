@@ -5,9 +5,10 @@
 // Out: a thread per rank copies its chunks into the unsharded layers (the checkpoint part is
 // one run per rank; the window is interleaved), ahead of the mover, and hash threads digest the
 // payload's 1 MiB segments as the layers under them complete.
-// In: each piece is hashed as the unsharded payload (checked against the sender's at Commit),
-// split at the ranks' runs and written to their writers at once (checkpoint parts) or gathered
-// per (layer, rank) and written whole when complete (window parts: a few KB each).
+// In: each range is split at the ranks' runs; a checkpoint part goes to its rank's writer at
+// once, which hashes it as the unsharded payload's bytes in the pass that copies it
+// (ShardSlotWriter::WriteAndHash; checked against the sender's checksum at Commit); window
+// parts are hashed, gathered per (layer, rank) and written whole when complete (a few KB each).
 // The ranks' readers and writers are opened without checksums of their own
 // (SlotIoOptions::checksum): the group checks the payload the wire carries.
 #ifndef REPLAYSSM_CACHE_TP_SLOT_IO_H_
@@ -21,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "replayssm/cache/slot_io.h"
 #include "replayssm/cache/tp.h"
+#include "slot_io_internal.h"
 
 namespace replayssm::cache {
 
@@ -63,7 +65,7 @@ std::unique_ptr<SlotReader> NewTpReader(TpSlotIoHost* host, SlotId group,
                                         std::vector<std::unique_ptr<SlotReader>> ranks,
                                         const TpLayerMap* map, size_t chunk_bytes);
 std::unique_ptr<SlotWriter> NewTpWriter(TpSlotIoHost* host,
-                                        std::vector<std::unique_ptr<SlotWriter>> ranks,
+                                        std::vector<std::unique_ptr<ShardSlotWriter>> ranks,
                                         const TpLayerMap* map);
 
 }  // namespace replayssm::cache

@@ -362,7 +362,9 @@ TEST(TpSlotIo, AGroupMovesTheUnshardedPayloadWithItsChecksum) {
         if (want.empty()) want = got;
         EXPECT_TRUE(got == want) << "the TP = 1 payload";
         (*r)->Finish(false);
-        absl::StatusOr<std::unique_ptr<SlotWriter>> w = c->OpenImport(3, {.chunk_bytes = chunk});
+        SlotIoOptions write{.chunk_bytes = chunk};
+        if (staged) write.path = SlotIoPath::kStaged;  // the ranks hash through their staging
+        absl::StatusOr<std::unique_ptr<SlotWriter>> w = c->OpenImport(3, write);
         ASSERT_TRUE(w.ok());
         for (size_t at = 0; at < got.size(); at += chunk) {  // back to front
           const size_t from = got.size() - std::min(got.size(), at + chunk);
