@@ -324,6 +324,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   }
   absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) override {
     for (size_t r = 0; r < ids.size(); ++r) {
+      if (ids[r] == kPaddingSlot) continue;  // that rank has none
       Use(r);
       shards_[r]->Free(ids[r]).IgnoreError();
     }
@@ -634,14 +635,19 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
   mine.checksum = false;  // the group hashes the unsharded payload as it assembles it
   // Staged: enough chunks in flight per rank for the group's copier threads to share.
   mine.staging_buffers = std::max(options.staging_buffers, 8);
-  std::vector<std::unique_ptr<SlotReader>> readers;
+  std::vector<std::unique_ptr<SlotReader>> readers(shards_.size());
   absl::MutexLock ops(&ops_mu_);
   const std::vector<SlotId> ids = Members(id);
-  for (size_t r = 0; r < shards_.size(); ++r) {
-    Use(r);
+  // The ranks fold and open together; if one refuses, the opened ones are released (a fold
+  // keeps the logical state) and the first refusal by rank is returned.
+  const std::vector<absl::Status> st = OnEachRank(*this, shards_.size(), [&](size_t r) {
     absl::StatusOr<std::unique_ptr<SlotReader>> rd = shards_[r]->OpenExport(ids[r], move_id, mine);
-    if (!rd.ok()) return RankStatus(r, rd.status());  // the opened ones are released
-    readers.push_back(*std::move(rd));
+    if (!rd.ok()) return rd.status();
+    readers[r] = *std::move(rd);
+    return absl::OkStatus();
+  });
+  for (size_t r = 0; r < st.size(); ++r) {
+    if (!st[r].ok()) return RankStatus(r, st[r]);
   }
   return NewTpReader(this, id, std::move(readers), &map_, options.chunk_bytes);
 }
@@ -655,18 +661,22 @@ absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
                   : SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
   mine.checksum = false;  // the group checks the unsharded payload it receives
   absl::MutexLock ops(&ops_mu_);
-  std::vector<std::unique_ptr<ShardSlotWriter>> writers;
-  for (size_t r = 0; r < shards_.size(); ++r) {
-    Use(r);
+  std::vector<std::unique_ptr<ShardSlotWriter>> writers(shards_.size());
+  // The ranks reserve together; if one refuses, the opened ones free their slots.
+  const std::vector<absl::Status> st = OnEachRank(*this, shards_.size(), [&](size_t r) {
     absl::StatusOr<std::unique_ptr<SlotWriter>> w = shards_[r]->OpenImport(seq_len, mine);
-    if (!w.ok()) return RankStatus(r, w.status());  // the opened ones free their slots
+    if (!w.ok()) return w.status();
     // A shard is a StateCache of this library: its writers are NewSlotWriter's.
     auto* shard_writer = dynamic_cast<ShardSlotWriter*>(w->get());
     if (shard_writer == nullptr) {
-      return RankStatus(r, absl::InternalError("the shard's slot writer cannot hash for a group"));
+      return absl::InternalError("the shard's slot writer cannot hash for a group");
     }
     w->release();
-    writers.emplace_back(shard_writer);
+    writers[r].reset(shard_writer);
+    return absl::OkStatus();
+  });
+  for (size_t r = 0; r < st.size(); ++r) {
+    if (!st[r].ok()) return RankStatus(r, st[r]);
   }
   return NewTpWriter(this, std::move(writers), &map_);
 }

@@ -28,6 +28,24 @@ TpLayerMap TpLayerMap::Of(const ModelSpec& full, const std::vector<ModelSpec>& s
   return m;
 }
 
+std::vector<absl::Status> OnEachRank(const TpSlotIoHost& host, size_t n,
+                                     absl::FunctionRef<absl::Status(size_t)> f) {
+  std::vector<absl::Status> out(n);
+  std::vector<std::thread> threads;
+  for (size_t r = 1; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      host.Use(r);
+      out[r] = f(r);
+    });
+  }
+  if (n > 0) {
+    host.Use(0);
+    out[0] = f(0);
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
 namespace {
 
 // Calls f(run, begin, n) for the parts of `map`'s runs inside [lo, hi) of a layer: the
@@ -305,16 +323,18 @@ class TpWriter final : public SlotWriter {
                                               " (the sender's), got 0x", absl::Hex(got)));
     }
     absl::MutexLock ops(&host_->ops_mu());
-    std::vector<SlotId> ids;
-    for (size_t r = 0; r < ranks_.size(); ++r) {
-      host_->Use(r);
+    // The ranks drain their copies and commit together; if one fails, the others' slots are
+    // freed (an uncommitted rank's writer frees its own).
+    std::vector<SlotId> ids(ranks_.size(), 0);
+    const std::vector<absl::Status> st = OnEachRank(*host_, ranks_.size(), [&](size_t r) {
       // Opened without a checksum (the unsharded payload's was checked above): any value.
       absl::StatusOr<SlotId> id = ranks_[r]->Commit(tokens, 0);
-      if (!id.ok()) {
-        return host_->FreeAll(ids, absl::Status(id.status().code(),
-                                                absl::StrCat("tp rank ", r, ": ", id.status().message())));
-      }
-      ids.push_back(*id);
+      if (!id.ok()) return id.status();
+      ids[r] = *id;
+      return absl::OkStatus();
+    });
+    for (size_t r = 0; r < st.size(); ++r) {
+      if (!st[r].ok()) return host_->FreeAll(ids, RankStatus(r, st[r]));
     }
     return host_->Bind(std::move(ids));
   }

@@ -18,6 +18,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "replayssm/cache/slot_io.h"
@@ -60,6 +61,13 @@ class TpSlotIoHost {
   virtual std::unique_ptr<uint8_t[]> TakePayloadBuffer() = 0;
   virtual void ReturnPayloadBuffer(std::unique_ptr<uint8_t[]> buffer) = 0;
 };
+
+// Runs f(r) for every rank r < n at once: rank 0 on the calling thread, each other rank on a
+// thread of its own with its device current (host.Use). The statuses, by rank. A group's
+// per-rank opens and commits (a fold, a reservation, the staged copies' drain) go together:
+// on separate GPUs their device waits overlap.
+std::vector<absl::Status> OnEachRank(const TpSlotIoHost& host, size_t n,
+                                     absl::FunctionRef<absl::Status(size_t)> f);
 
 std::unique_ptr<SlotReader> NewTpReader(TpSlotIoHost* host, SlotId group,
                                         std::vector<std::unique_ptr<SlotReader>> ranks,

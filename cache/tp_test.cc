@@ -400,6 +400,59 @@ TEST_P(TpGroupTest, AMoveWithABadChecksumLeavesNothing) {
   EXPECT_EQ(dst->stats().slots_live, live);
 }
 
+// A move a rank refuses leaves every rank as it was (the ranks open and commit together): a
+// move out of a slot in an open forward, a commit with the wrong tokens, a move in with no
+// free slot.
+TEST_P(TpGroupTest, RefusedMovesLeaveEveryRankAsItWas) {
+  std::unique_ptr<StateCache> c = MakeCache(m_, 2, nullptr, /*slots=*/4);
+  absl::StatusOr<SlotId> s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(Prefill(*c, 2, *s, {1, 2, 3}, 0).ok());
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{*s, 4}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(c->OpenExport(*s, "busy", SlotIoOptions{}).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }  // abandoned
+  {
+    absl::StatusOr<std::unique_ptr<SlotReader>> r = c->OpenExport(*s, "now", SlotIoOptions{});
+    ASSERT_TRUE(r.ok()) << r.status();  // no rank was left MOVING
+    (*r)->Finish(false);
+  }
+  Decode(*c, 2, *s, {4, 3});
+  absl::StatusOr<SlotInfo> info = c->Info(*s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->seq_len, 4);
+
+  const int64_t live = c->stats().slots_live;
+  absl::StatusOr<std::unique_ptr<SlotWriter>> w = c->OpenImport(2, SlotIoOptions{});
+  ASSERT_TRUE(w.ok()) << w.status();
+  std::vector<uint8_t> bytes((*w)->bytes(), 0);
+  ASSERT_TRUE((*w)->Write(0, bytes.data(), bytes.size()).ok());
+  const int32_t one_token[] = {1};
+  EXPECT_EQ((*w)->Commit(one_token, PayloadChecksum(bytes.data(), bytes.size())).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  w->reset();
+  EXPECT_EQ(c->stats().slots_live, live);
+
+  std::vector<SlotId> all;
+  for (;;) {
+    absl::StatusOr<SlotId> a = c->Allocate();
+    if (!a.ok()) {
+      ASSERT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted) << a.status();
+      break;
+    }
+    all.push_back(*a);
+  }
+  const int64_t full = c->stats().slots_live;
+  EXPECT_EQ(c->OpenImport(1, SlotIoOptions{}).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(c->stats().slots_live, full);
+  ASSERT_TRUE(c->Free(all.back()).ok());
+  absl::StatusOr<std::unique_ptr<SlotWriter>> room = c->OpenImport(1, SlotIoOptions{});
+  EXPECT_TRUE(room.ok()) << room.status();  // the refused one reserved nothing on any rank
+}
+
 // The prefix cache of a group: a donation is found by a later request, at the same length as
 // on one rank, and the new slot continues the donated state.
 TEST_P(TpGroupTest, DonatedPrefixIsFoundByTheGroup) {
