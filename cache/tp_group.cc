@@ -279,6 +279,12 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   void Use(size_t r) const override {
     if (!options_.devices.empty()) rssm_set_device(options_.backend, options_.devices[r]);
   }
+  bool ranks_apart() const override {
+    if (options_.backend == RSSM_BACKEND_CPU || options_.devices.empty()) return false;
+    std::vector<int32_t> d = options_.devices;
+    std::sort(d.begin(), d.end());
+    return std::adjacent_find(d.begin(), d.end()) == d.end();
+  }
 
   // --- for TpForward, the readers and writers ---
   absl::Mutex& ops_mu() override { return ops_mu_; }

@@ -31,6 +31,13 @@ TpLayerMap TpLayerMap::Of(const ModelSpec& full, const std::vector<ModelSpec>& s
 std::vector<absl::Status> OnEachRank(const TpSlotIoHost& host, size_t n,
                                      absl::FunctionRef<absl::Status(size_t)> f) {
   std::vector<absl::Status> out(n);
+  if (!host.ranks_apart()) {
+    for (size_t r = 0; r < n; ++r) {
+      host.Use(r);
+      out[r] = f(r);
+    }
+    return out;
+  }
   std::vector<std::thread> threads;
   for (size_t r = 1; r < n; ++r) {
     threads.emplace_back([&, r] {

@@ -4,15 +4,18 @@
 // decoding on exactly as if they had never moved.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/cache/tp.h"
 #include "test_model.h"
+#include "tp_slot_io.h"
 
 namespace replayssm::cache {
 namespace {
@@ -400,6 +403,56 @@ TEST_P(TpGroupTest, AMoveWithABadChecksumLeavesNothing) {
   EXPECT_EQ(dst->stats().slots_live, live);
 }
 
+// OnEachRank: ranks apart run at once, each on its own thread with its device made current
+// there; ranks on one device run in turn on the caller's thread. Statuses come back by rank.
+thread_local int current_rank = -1;  // the fake host's "device" of the calling thread
+
+class FakeTpHost final : public TpSlotIoHost {
+ public:
+  explicit FakeTpHost(bool apart) : apart_(apart) {}
+  void Use(size_t rank) const override { current_rank = static_cast<int>(rank); }
+  bool ranks_apart() const override { return apart_; }
+  absl::Mutex& ops_mu() override { return mu_; }
+  int32_t backend() const override { return RSSM_BACKEND_CPU; }
+  SlotId Bind(std::vector<SlotId>) override { return 0; }
+  void Unbind(SlotId) override {}
+  absl::Status FreeAll(const std::vector<SlotId>&, absl::Status why) override { return why; }
+  std::unique_ptr<uint8_t[]> TakePayloadBuffer() override { return nullptr; }
+  void ReturnPayloadBuffer(std::unique_ptr<uint8_t[]>) override {}
+
+ private:
+  const bool apart_;
+  absl::Mutex mu_;
+};
+
+TEST(TpSlotIo, OnEachRankRunsRanksApartAtOnce) {
+  for (const bool apart : {false, true}) {
+    FakeTpHost host(apart);
+    std::vector<std::thread::id> threads(4);
+    std::atomic<int> inside{0}, most{0};
+    const std::vector<absl::Status> st = OnEachRank(host, 4, [&](size_t r) {
+      threads[r] = std::this_thread::get_id();
+      const int now = ++inside;
+      int seen = most.load();
+      while (now > seen && !most.compare_exchange_weak(seen, now)) {
+      }
+      if (apart) {  // every rank waits until all four are inside: they must run at once
+        while (most.load() < 4) std::this_thread::yield();
+      }
+      --inside;
+      if (current_rank != static_cast<int>(r)) return absl::InternalError("wrong device");
+      return r == 2 ? absl::UnavailableError("rank 2") : absl::OkStatus();
+    });
+    ASSERT_EQ(st.size(), 4u);
+    for (size_t r = 0; r < 4; ++r) {
+      EXPECT_EQ(st[r].code(), r == 2 ? absl::StatusCode::kUnavailable : absl::StatusCode::kOk)
+          << st[r];
+    }
+    EXPECT_EQ(threads[0], std::this_thread::get_id());
+    EXPECT_EQ(threads[3] == std::this_thread::get_id(), !apart);
+    EXPECT_EQ(most.load(), apart ? 4 : 1);
+  }
+}
 // A move a rank refuses leaves every rank as it was (the ranks open and commit together): a
 // move out of a slot in an open forward, a commit with the wrong tokens, a move in with no
 // free slot.
