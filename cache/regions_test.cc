@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_replace.h"
+#include "replayssm/kernels.h"
 
 namespace replayssm::cache {
 namespace {

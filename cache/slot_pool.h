@@ -16,8 +16,8 @@
 #include "absl/types/span.h"
 #include "device_buffer.h"
 #include "lane.h"
+#include "replayssm/cache/io_memory.h"
 #include "replayssm/cache/model.h"
-#include "replayssm/cache/state_cache.h"
 
 namespace replayssm::cache {
 

@@ -25,7 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "replayssm/cache/state_cache.h"
+#include "replayssm/cache/io_memory.h"
 
 namespace replayssm::cache {
 

@@ -37,6 +37,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "replayssm/cache/events.h"
+#include "replayssm/cache/io_memory.h"
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/slot_io.h"
 
@@ -98,16 +99,6 @@ struct CacheOptions {
   // A prefix hit on a host snapshot copies it back (docs/cache.md, "Host tier").
   int64_t host_snapshot_bytes = 0;
   HostPolicy host_policy = HostPolicy::kLru;  // which host snapshot goes first
-};
-
-// Where the buffers of a LayerIo live.
-enum class IoMemory : int32_t {
-  // Ordinary host memory (e.g. a gRPC message): copied through the cache's pinned staging.
-  kHost = 0,
-  // The backend's own memory (device memory on CUDA, host memory on CPU), for co-located
-  // callers: used in place, no copies. Work on it is queued on the operation's stream (see
-  // Forward::RunLayer); the inputs must stay unchanged until that work is done.
-  kBackend = 1,
 };
 
 // One layer's activations and outputs for N tokens, dense, act dtype.
