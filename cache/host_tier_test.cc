@@ -11,6 +11,9 @@
 #include <limits>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "replayssm/cache/state_cache.h"
 #include "test_model.h"
 
@@ -28,10 +31,11 @@ class HostTierTest : public ::testing::Test {
   // A cache of `slots` backend slots and `host` host snapshots.
   std::unique_ptr<StateCache> Make(int64_t slots, int64_t host,
                                    HostPolicy policy = HostPolicy::kLru, int64_t ns_bound = 0,
-                                   int32_t track = 0) {
+                                   int32_t track = 0, int32_t spill_ahead = 0) {
     const ModelSpec m = testing::TwoLayerTinyGdn();
     CacheOptions o = testing::TestOptions(m, slots);
     o.track_interval = track;
+    o.host_spill_ahead = spill_ahead;
     o.max_snapshots_per_namespace = ns_bound;
     o.host_snapshot_bytes = host * m.LayerStateBytes() * m.num_layers;
     o.host_policy = policy;
@@ -184,6 +188,76 @@ TEST_F(HostTierTest, ATrackSnapshotEvictsAHostBackedSnapshotFirst) {
   EXPECT_EQ(c->MatchPrefix({1, 2, 3, 7}), 3) << "still on the host";
   EXPECT_EQ(c->MatchPrefix({1, 2, 3, 30, 31, 32, 33, 34, 0}), 8);
   EXPECT_EQ(c->stats().host_hits, 1);
+}
+
+// Until the spiller has made `ahead` slots obtainable without loss (or 10 s: it never should).
+void AwaitSpills(const StateCache& c, int64_t ahead) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  for (;;) {
+    const CacheStats s = c.stats();
+    if (s.slots_free + s.host_backed_snapshots >= ahead) return;
+    ASSERT_LT(absl::Now(), deadline) << "free " << s.slots_free << ", host-backed "
+                                     << s.host_backed_snapshots;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+// With host_spill_ahead, the least recently used snapshots are copied to the host before any
+// call needs their slots, and stay hits in backend memory meanwhile.
+TEST_F(HostTierTest, SpillingAheadCopiesTheOldestSnapshotsAndKeepsThem) {
+  std::unique_ptr<StateCache> c = Make(4, 8, HostPolicy::kLru, 0, 0, /*spill_ahead=*/2);
+  Donate(*c, {1, 2, 3});
+  Donate(*c, {4, 5, 6});
+  EXPECT_EQ(c->stats().spills_ahead, 0) << "2 of 4 slots free: nothing to do";
+  Donate(*c, {7, 8, 9});  // 1 free: the oldest snapshot is copied
+  AwaitSpills(*c, 2);
+  CacheStats s = c->stats();
+  EXPECT_EQ(s.spills_ahead, 1);
+  EXPECT_EQ(s.host_backed_snapshots, 1);
+  EXPECT_EQ(s.host_snapshots, 1);
+  EXPECT_EQ(s.snapshot_evictions, 0);
+  absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix({1, 2, 3, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->matched, 3);
+  EXPECT_EQ(c->stats().snapshot_hits, 1) << "still a hit in backend memory";
+}
+
+// The hole spilling ahead closes: a decode forward's track snapshot at a full pool evicts
+// without waiting for a spill. With the spiller every evicted snapshot is on the host and
+// found again; without it the same decode drops them.
+TEST_F(HostTierTest, DecodeTimeEvictionsMoveSnapshotsToTheHost) {
+  for (const int32_t ahead : {2, 0}) {
+    SCOPED_TRACE(absl::StrCat("host_spill_ahead ", ahead));
+    std::unique_ptr<StateCache> c = Make(4, 16, HostPolicy::kLru, 0, /*track=*/4, ahead);
+    absl::StatusOr<StateCache::PrefixAllocation> a = c->AllocateFromPrefix({});
+    ASSERT_TRUE(a.ok()) << a.status();
+    std::vector<int32_t> history;
+    for (int32_t i = 0; i < 40; ++i) {  // a track snapshot every 4 tokens: 10, 3 slots for them
+      const int32_t t = 100 + i;
+      Batch one = oracle_->MakeBatch({{t, i}});
+      absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{a->slot, t}});
+      ASSERT_TRUE(f.ok()) << f.status();
+      for (int l = 0; l < c->model().num_layers; ++l) {
+        ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+      }
+      ASSERT_TRUE((*f)->Commit().ok());
+      history.push_back(t);
+      if (ahead > 0) AwaitSpills(*c, ahead);
+    }
+    const CacheStats s = c->stats();
+    EXPECT_EQ(s.snapshots_taken, 10);
+    EXPECT_GE(s.snapshot_evictions, 7);
+    if (ahead == 0) {
+      EXPECT_EQ(s.snapshot_spills, 0) << "no call waited for a spill: every eviction dropped";
+      continue;
+    }
+    EXPECT_EQ(s.snapshot_spills, s.snapshot_evictions) << "every eviction went to the host";
+    for (size_t k = 4; k <= history.size(); k += 4) {
+      std::vector<int32_t> probe(history.begin(), history.begin() + k);
+      probe.push_back(0);
+      EXPECT_EQ(c->MatchPrefix(probe), static_cast<int64_t>(k)) << "the snapshot at " << k;
+    }
+  }
 }
 
 // The host tier never holds more than host_snapshot_bytes; LRU keeps the most recent.

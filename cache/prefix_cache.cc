@@ -153,29 +153,83 @@ void StateCacheImpl::MakeRoom(size_t n) {
       if (free_.size() >= n) return;
       victim = LruVictimLocked();
       if (victim < 0) return;
-      Slot& s = slots_[victim];
-      if (s.host >= 0 || host_->Find(s.ns, s.tokens) >= 0) {  // on the host already: no copy
+      if (HostBackedLocked(slots_[victim])) {  // on the host already: no copy
         DropBackendLocked(victim);
         continue;
       }
-      std::vector<HostTier::Entry> evicted;
-      e = host_->Reserve(s.ns, &evicted);
-      HostEvictedLocked(evicted);
+      e = StartSpillLocked(victim);
       if (e < 0) return;  // every host entry in use: an eviction now drops
-      s.busy = true;      // no other eviction takes it; prefix hits still copy from it
     }
     const absl::Status st = Spill(victim, e);
     absl::MutexLock lock(&mu_);
-    Slot& s = slots_[victim];
-    s.busy = false;
-    if (!st.ok()) {  // the snapshot stays in backend memory
-      host_->Unreserve(e);
-      return;
+    if (!EndSpillLocked(victim, e, st)) return;
+    // Else a copy from it goes on: it stays, backed by the host.
+    if (slots_[victim].refs == 0) DropBackendLocked(victim);
+  }
+}
+
+int32_t StateCacheImpl::StartSpillLocked(int32_t victim) {
+  Slot& s = slots_[victim];
+  std::vector<HostTier::Entry> evicted;
+  const int32_t e = host_->Reserve(s.ns, &evicted);
+  HostEvictedLocked(evicted);
+  if (e >= 0) s.busy = true;  // no other eviction takes it; prefix hits still copy from it
+  return e;
+}
+
+bool StateCacheImpl::EndSpillLocked(int32_t victim, int32_t e, const absl::Status& st) {
+  Slot& s = slots_[victim];
+  s.busy = false;
+  if (!st.ok()) {  // the snapshot stays in backend memory
+    host_->Unreserve(e);
+    return false;
+  }
+  host_->Store(e, s.ns, s.tokens);
+  s.host = e;
+  host_->entry(e).backend_slot = victim;
+  return true;
+}
+
+int32_t StateCacheImpl::SpillAheadVictimLocked() const {
+  int64_t obtainable = static_cast<int64_t>(free_.size());
+  for (auto it = lru_.rbegin(); it != lru_.rend() && obtainable < options_.host_spill_ahead;
+       ++it) {
+    const Slot& s = slots_[*it];
+    if (s.refs > 0 || s.busy) continue;  // no eviction takes it now either
+    if (HostBackedLocked(s)) {
+      ++obtainable;
+      continue;
     }
-    host_->Store(e, s.ns, s.tokens);
-    s.host = e;
-    host_->entry(e).backend_slot = victim;
-    if (s.refs == 0) DropBackendLocked(victim);  // else a copy from it goes on: it stays, clean
+    return *it;
+  }
+  return -1;
+}
+
+void StateCacheImpl::SpillAhead() {
+  uint64_t seen = 0;
+  bool look = false;  // a spill just ended: look again before sleeping
+  for (;;) {
+    int32_t victim = -1, e = -1;
+    {
+      absl::MutexLock lock(&mu_);
+      auto wake = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || look || slots_taken_ != seen;
+      };
+      mu_.Await(absl::Condition(&wake));
+      if (stopping_) return;
+      seen = slots_taken_;
+      look = false;
+      victim = SpillAheadVictimLocked();
+      if (victim < 0) continue;
+      e = StartSpillLocked(victim);
+      if (e < 0) continue;  // every host entry in use: retried when the next slot is taken
+    }
+    const absl::Status st = Spill(victim, e);
+    absl::MutexLock lock(&mu_);
+    if (EndSpillLocked(victim, e, st)) {
+      ++stats_.spills_ahead;
+      look = true;
+    }
   }
 }
 

@@ -95,9 +95,7 @@ absl::StatusOr<int32_t> StateCacheImpl::AcquireLocked(SlotId id, const std::stri
 
 absl::StatusOr<int32_t> StateCacheImpl::TakeFreeLocked() {
   if (free_.empty() && host_ != nullptr) {
-    EvictLruLocked([this](const Slot& s) {
-      return s.host >= 0 || host_->Find(s.ns, s.tokens) >= 0;
-    });
+    EvictLruLocked([this](const Slot& s) { return HostBackedLocked(s); });
   }
   if (free_.empty()) EvictLruLocked([](const Slot&) { return true; });
   if (free_.empty()) {
@@ -107,6 +105,7 @@ absl::StatusOr<int32_t> StateCacheImpl::TakeFreeLocked() {
   }
   const int32_t index = free_.back();
   free_.pop_back();
+  ++slots_taken_;  // the spiller looks again
   return index;
 }
 

@@ -26,7 +26,16 @@ StateCacheImpl::StateCacheImpl(ModelSpec model, CacheOptions options,
     host_ = std::make_unique<HostTier>(options_.backend, pool_->StateBytes(), host_entries,
                                        options_.host_policy,
                                        options_.max_snapshots_per_namespace);
+    if (options_.host_spill_ahead > 0) spiller_ = std::thread([this] { SpillAhead(); });
   }
+}
+
+StateCacheImpl::~StateCacheImpl() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (spiller_.joinable()) spiller_.join();
 }
 
 CacheStats StateCacheImpl::stats() const {
@@ -41,6 +50,7 @@ CacheStats StateCacheImpl::stats() const {
   if (host_ != nullptr) {
     const int64_t entry = static_cast<int64_t>(host_->entry_bytes());
     s.host_snapshots = host_->stored();
+    for (int32_t i : lru_) s.host_backed_snapshots += slots_[i].host >= 0 ? 1 : 0;
     s.host_bytes = s.host_snapshots * entry;
     s.host_capacity_bytes = host_->capacity() * entry;
   }

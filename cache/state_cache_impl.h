@@ -15,6 +15,7 @@
 #include <list>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -171,6 +172,7 @@ class ForwardImpl final : public Forward {
 class StateCacheImpl final : public StateCache, private SlotIoOwner {
  public:
   StateCacheImpl(ModelSpec model, CacheOptions options, std::unique_ptr<SlotPool> pool);
+  ~StateCacheImpl() override;  // stops the spiller first
 
   const ModelSpec& model() const override { return model_; }
   const CacheOptions& options() const override { return options_; }
@@ -317,6 +319,22 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // Each copy runs on a lane of its own without the lock; the snapshot stays findable in
   // backend memory until its state is on the host. Nothing without the host tier.
   void MakeRoom(size_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  // Spilling `victim` (an unused snapshot without a host copy): a host entry reserved and the
+  // snapshot marked busy, or -1 (every host entry in use).
+  int32_t StartSpillLocked(int32_t victim) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After Spill: the entry holds the snapshot's state (true), or is given back.
+  bool EndSpillLocked(int32_t victim, int32_t e, const absl::Status& st)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The spiller's thread (host_spill_ahead > 0): woken when a slot is taken, it copies the
+  // least recently used snapshots to the host until host_spill_ahead slots are obtainable
+  // without loss. A forward never waits for it.
+  void SpillAhead() ABSL_LOCKS_EXCLUDED(mu_);
+  // The snapshot the spiller copies next, or -1 when enough slots are obtainable already.
+  int32_t SpillAheadVictimLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the host tier holds snapshot s's state.
+  bool HostBackedLocked(const Slot& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return s.host >= 0 || host_->Find(s.ns, s.tokens) >= 0;
+  }
   // Spills snapshot `victim` (busy) into host entry `e` (reserved): the copy, waited for.
   absl::Status Spill(int32_t victim, int32_t e);
   // AllocateFromPrefixIn's host hit: the new slot (busy), the host entry it comes from
@@ -429,6 +447,9 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
   LanePool lanes_;  // one lane per operation in flight
   StagingPool staging_;  // slot I/O's staged path
+  uint64_t slots_taken_ ABSL_GUARDED_BY(mu_) = 0;  // wakes the spiller
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread spiller_;  // last: started once everything else is
 
   friend class ForwardImpl;
 };

@@ -154,6 +154,9 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       s.backend_snapshot_bytes += t.backend_snapshot_bytes;
       s.host_bytes += t.host_bytes;
       s.host_capacity_bytes += t.host_capacity_bytes;
+      // Each shard spills ahead on its own thread: the group's lossless evictions are those
+      // every shard's are.
+      s.host_backed_snapshots = std::min(s.host_backed_snapshots, t.host_backed_snapshots);
     }
     return s;
   }

@@ -166,6 +166,12 @@ const std::vector<Flag>& Flags() {
        "lru | value: which host snapshot goes first when the host tier is full: the least "
        "recently used, or the one saving the fewest tokens per byte (by its hits, aged) [lru]",
        Str(&ServerOptions::host_snapshot_policy)},
+      {"host-spill-ahead",
+       "with the host tier: GPU slots kept obtainable without loss (free, or snapshots the host "
+       "holds too) by copying the least recently used snapshots to the host in the background, "
+       "so decode-time evictions move snapshots instead of dropping them; 0 = spill only when a "
+       "slot-taking call needs room [4]",
+       Int(&ServerOptions::host_spill_ahead)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
       {"region-ttl",

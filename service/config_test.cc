@@ -62,6 +62,10 @@ TEST(ServerFlags, UnknownFlagsAndBadValuesNameTheFlag) {
   ASSERT_TRUE(on.ok()) << on.status();
   EXPECT_EQ(on->options.host_snapshot_bytes, int64_t{64} << 30);
   EXPECT_EQ(on->options.host_snapshot_policy, "value");
+  EXPECT_EQ(on->options.host_spill_ahead, 4);
+  auto ahead = Parse({"--host-spill-ahead=0"});
+  ASSERT_TRUE(ahead.ok()) << ahead.status();
+  EXPECT_EQ(ahead->options.host_spill_ahead, 0);
 }
 
 TEST(ServerFlags, AFlagWithoutItsValueDoesNotSwallowTheNextFlag) {

@@ -92,6 +92,11 @@ void AddTierFamilies(const cache::CacheStats& s, std::vector<prometheus::MetricF
                          MetricType::Gauge);
   AddSample(capacity, s.host_capacity_bytes);
   out.push_back(std::move(capacity));
+  auto backed = Family("replayssm_host_backed_snapshots",
+                       "GPU snapshots whose state the host tier holds too (evicted at no loss)",
+                       MetricType::Gauge);
+  AddSample(backed, s.host_backed_snapshots);
+  out.push_back(std::move(backed));
   auto latency = Family("replayssm_snapshot_promotion_seconds",
                         "Host hits: the copy of the state back to the GPU, seconds",
                         MetricType::Histogram);
@@ -223,6 +228,7 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
       {"replayssm_forward_recording_failures_total", s.forward_recording_failures},
       {"replayssm_snapshot_spills_total", s.snapshot_spills},
       {"replayssm_snapshot_promotions_total", s.host_promotions},
+      {"replayssm_snapshot_spills_ahead_total", s.spills_ahead},
   };
   for (const auto& [name, value] : counters) {
     auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);

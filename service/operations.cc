@@ -173,6 +173,8 @@ absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
   resp->set_host_bytes(s.host_bytes);
   resp->set_host_capacity_bytes(s.host_capacity_bytes);
   resp->set_backend_snapshot_bytes(s.backend_snapshot_bytes);
+  resp->set_spills_ahead(s.spills_ahead);
+  resp->set_host_backed_snapshots(s.host_backed_snapshots);
   resp->set_open_forwards(ctx_->gate->open());
   resp->set_draining(ctx_->gate->draining());
   return absl::OkStatus();

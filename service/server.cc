@@ -469,6 +469,7 @@ absl::Status CheckBounds(const ServerOptions& o) {
       {"--cache-events-retain", o.cache_events_retain, 1, 1 << 20},
       {"--max-watchers", o.max_watchers, 1, std::numeric_limits<int32_t>::max()},
       {"--host-snapshot-bytes", o.host_snapshot_bytes, 0, std::numeric_limits<int64_t>::max()},
+      {"--host-spill-ahead", o.host_spill_ahead, 0, 1 << 16},
   };
   for (const auto& b : bounds) {
     if (b.value < b.min || b.value > b.max) {
@@ -507,6 +508,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   auto events = std::make_unique<CacheEventLog>(event_options);
   cache_options.event_sink = events->Sink();
   cache_options.host_snapshot_bytes = options.host_snapshot_bytes;
+  cache_options.host_spill_ahead = options.host_spill_ahead;
   if (options.host_snapshot_policy != "lru" && options.host_snapshot_policy != "value") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--host-snapshot-policy: expected lru or value, got ", options.host_snapshot_policy));

@@ -362,6 +362,7 @@ TEST(CommandLine, BadHostTierFlagsStopTheServerNamingTheFlag) {
       {{"--host-snapshot-bytes=1K"},
        "--host-snapshot-bytes (per TP rank): host_snapshot_bytes: expected 0 (no host tier) or "
        "at least one snapshot ("},
+      {{"--host-spill-ahead=-1"}, "--host-spill-ahead: expected 0..65536, got -1"},
   };
   ExpectServerStops(cases);
 }

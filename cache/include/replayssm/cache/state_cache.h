@@ -99,6 +99,14 @@ struct CacheOptions {
   // A prefix hit on a host snapshot copies it back (docs/cache.md, "Host tier").
   int64_t host_snapshot_bytes = 0;
   HostPolicy host_policy = HostPolicy::kLru;  // which host snapshot goes first
+  // With the host tier: backend slots kept obtainable without loss (free, or snapshots whose
+  // state the host tier holds too). When fewer are, a thread of the cache copies the least
+  // recently used snapshots to the host ahead of need (they stay in backend memory, still
+  // hit there), so an eviction that no call waits for a spill before — a decode forward's
+  // track snapshot at a full pool — moves a snapshot to the host instead of dropping it.
+  // 0: spill only when a slot-taking call needs room (docs/cache.md, "Host tier"); the
+  // server's --host-spill-ahead defaults to 4.
+  int32_t host_spill_ahead = 0;
 };
 
 // One layer's activations and outputs for N tokens, dense, act dtype.
@@ -145,6 +153,9 @@ struct CacheStats {
   int64_t host_hits = 0, host_misses = 0;
   int64_t snapshot_spills = 0;
   int64_t host_promotions = 0;  // host hits copied back into a backend snapshot
+  // Snapshots copied to the host tier ahead of need (host_spill_ahead), and the backend
+  // snapshots whose state the host tier holds now (evicting one loses nothing).
+  int64_t spills_ahead = 0, host_backed_snapshots = 0;
   int64_t host_evictions = 0;   // host snapshots dropped (policy, namespace bound)
   int64_t backend_snapshot_bytes = 0;  // slots_snapshot x ModelSpec::SlotBytes()
   int64_t host_snapshots = 0, host_bytes = 0, host_capacity_bytes = 0;
