@@ -2,7 +2,8 @@
 //
 //   replayssm-bench-host-tier [--model qwen3-next-80b-a3b] [--backend cuda|cpu] [--rounds R]
 //                             [--gpu-slots N] [--sessions S] [--turns T] [--user-tokens U]
-//                             [--reply-tokens D] [--host-snapshots H] [--json PATH]
+//                             [--reply-tokens D] [--host-snapshots H] [--track-interval I]
+//                             [--spill-ahead N] [--json PATH]
 //
 // 1. Promotion against the copy it is made of, alternating in one run: a plain host -> device
 //    copy of one folded state (pinned memory, one copy on a stream of its own) and a host hit
@@ -14,7 +15,10 @@
 //    matched, D decode steps and a Donate of the whole history. More sessions than the GPU pool
 //    holds snapshots, run with the host tier off and on (same seed, same order). Reported: hits
 //    per tier, the share of history tokens that did not need a prefill, and the time of a
-//    turn's forwards (the prefill and the decode steps).
+//    turn's forwards (the prefill and the decode steps). With --track-interval I the decode
+//    steps take track snapshots, which at a full pool evict at once (no spill: a forward never
+//    waits for a copy), and --spill-ahead N adds a third run with the host tier spilling the
+//    oldest snapshots ahead of need: dropped snapshots and the decode step's time compared.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -47,11 +51,13 @@ double Median(std::vector<double> v) {
 }
 
 std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t backend, int64_t slots,
-                                      int64_t host_snapshots) {
+                                      int64_t host_snapshots, int32_t track_interval = 0,
+                                      int32_t spill_ahead = 0) {
   CacheOptions o;
   o.backend = backend;
   o.memory_budget_bytes = slots * m.SlotBytes();
-  o.track_interval = 0;
+  o.track_interval = track_interval;
+  o.host_spill_ahead = spill_ahead;
   o.max_prefill_tokens = 1 << 20;
   o.host_snapshot_bytes = host_snapshots * m.LayerStateBytes() * m.num_layers;
   absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);
@@ -148,17 +154,21 @@ PromotionResult MeasurePromotion(const ModelSpec& m, int32_t backend, int rounds
 struct TraceOptions {
   int64_t gpu_slots = 16, sessions = 48, turns = 4, user_tokens = 128, reply_tokens = 16;
   int64_t host_snapshots = 64;
+  int32_t track_interval = 0;  // > 0: decode takes track snapshots (evicting at a full pool)
+  int32_t spill_ahead = 0;     // > 0: a third run, the host tier spilling ahead
   uint64_t seed = 1;
 };
 
 struct TraceResult {
   int64_t turns = 0, history_tokens = 0, reused_tokens = 0, prefill_tokens = 0;
   CacheStats stats;
-  std::vector<double> turn_s, prefill_s;
+  std::vector<double> turn_s, prefill_s, step_s;
 };
 
-TraceResult RunTrace(const ModelSpec& m, int32_t backend, const TraceOptions& t, bool host) {
-  std::unique_ptr<StateCache> c = MakeCache(m, backend, t.gpu_slots, host ? t.host_snapshots : 0);
+TraceResult RunTrace(const ModelSpec& m, int32_t backend, const TraceOptions& t, bool host,
+                     int32_t spill_ahead) {
+  std::unique_ptr<StateCache> c = MakeCache(m, backend, t.gpu_slots, host ? t.host_snapshots : 0,
+                                            t.track_interval, spill_ahead);
   const int64_t longest = t.turns * (t.user_tokens + t.reply_tokens);
   DeviceInputs prefill_in(backend, m, longest), decode_in(backend, m, 1);
   std::vector<std::vector<int32_t>> history(t.sessions);
@@ -185,7 +195,9 @@ TraceResult RunTrace(const ModelSpec& m, int32_t backend, const TraceOptions& t,
     const double t2 = Now();
     for (int64_t d = 0; d < t.reply_tokens; ++d) {
       const int32_t token = static_cast<int32_t>(500000 + 1000 * s + h.size() % 997);
+      const double s0 = Now();
       CHECK_OK(DecodeStep(*c, a->slot, token, decode_in));
+      r.step_s.push_back(Now() - s0);
       h.push_back(token);
     }
     const double t3 = Now();
@@ -214,7 +226,9 @@ void PrintTrace(FILE* f, const char* name, const TraceResult& r, bool last) {
                "\"misses\": %lld, \"spills\": %lld, \"promotions\": %lld, "
                "\"host_evictions\": %lld, \"history_tokens\": %lld, \"reused_tokens\": %lld, "
                "\"prefill_tokens\": %lld, \"mean_turn_ms\": %.3f, \"median_turn_ms\": %.3f, "
-               "\"mean_prefill_ms\": %.3f, \"total_s\": %.3f}%s\n",
+               "\"mean_prefill_ms\": %.3f, \"total_s\": %.3f, \"gpu_evictions\": %lld, "
+               "\"dropped\": %lld, \"spills_ahead\": %lld, \"mean_step_ms\": %.4f, "
+               "\"median_step_ms\": %.4f}%s\n",
                name, static_cast<long long>(r.turns), static_cast<long long>(s.snapshot_hits),
                static_cast<long long>(s.host_hits),
                static_cast<long long>(s.snapshot_misses - s.host_hits),
@@ -222,21 +236,28 @@ void PrintTrace(FILE* f, const char* name, const TraceResult& r, bool last) {
                static_cast<long long>(s.host_evictions), static_cast<long long>(r.history_tokens),
                static_cast<long long>(r.reused_tokens), static_cast<long long>(r.prefill_tokens),
                Mean(r.turn_s) * 1e3, Median(r.turn_s) * 1e3, Mean(r.prefill_s) * 1e3,
-               Mean(r.turn_s) * static_cast<double>(r.turns), last ? "" : ",");
+               Mean(r.turn_s) * static_cast<double>(r.turns),
+               static_cast<long long>(s.snapshot_evictions),
+               static_cast<long long>(s.snapshot_evictions - s.snapshot_spills),
+               static_cast<long long>(s.spills_ahead), Mean(r.step_s) * 1e3,
+               Median(r.step_s) * 1e3, last ? "" : ",");
 }
 
 void Report(const char* name, const TraceResult& r) {
   const CacheStats& s = r.stats;
   std::printf(
-      "  host tier %-3s: %lld turns, hits gpu %lld host %lld, misses %lld; history reused "
+      "  host tier %-8s: %lld turns, hits gpu %lld host %lld, misses %lld; history reused "
       "%.1f%% (%lld of %lld tokens), prefilled %lld tokens; turn %.2f ms mean (%.2f median), "
-      "prefill %.2f ms mean\n",
+      "prefill %.2f ms mean; GPU evictions %lld (dropped %lld), spilled ahead %lld; decode "
+      "step %.3f ms mean (%.3f median)\n",
       name, static_cast<long long>(r.turns), static_cast<long long>(s.snapshot_hits),
       static_cast<long long>(s.host_hits), static_cast<long long>(s.snapshot_misses - s.host_hits),
       r.history_tokens ? 100.0 * r.reused_tokens / r.history_tokens : 0.0,
       static_cast<long long>(r.reused_tokens), static_cast<long long>(r.history_tokens),
       static_cast<long long>(r.prefill_tokens), Mean(r.turn_s) * 1e3, Median(r.turn_s) * 1e3,
-      Mean(r.prefill_s) * 1e3);
+      Mean(r.prefill_s) * 1e3, static_cast<long long>(s.snapshot_evictions),
+      static_cast<long long>(s.snapshot_evictions - s.snapshot_spills),
+      static_cast<long long>(s.spills_ahead), Mean(r.step_s) * 1e3, Median(r.step_s) * 1e3);
 }
 
 int Main(int argc, char** argv) {
@@ -247,7 +268,8 @@ int Main(int argc, char** argv) {
   bench::Flags flags("replayssm-bench-host-tier",
                      "[--model M] [--backend cuda|cpu] [--rounds R] [--gpu-slots N] "
                      "[--sessions S] [--turns T] [--user-tokens U] [--reply-tokens D] "
-                     "[--host-snapshots H] [--json PATH]");
+                     "[--host-snapshots H] [--track-interval I] [--spill-ahead N] "
+                     "[--json PATH]");
   flags.Choice("model", ModelPresetNames(), &model_name);
   flags.Choice("backend", {"cuda", "cpu"}, &backend_name);
   flags.Int("rounds", 1, 1 << 20, &rounds);
@@ -257,6 +279,8 @@ int Main(int argc, char** argv) {
   flags.Int("user-tokens", int64_t{1}, int64_t{1} << 16, &t.user_tokens);
   flags.Int("reply-tokens", int64_t{0}, int64_t{1} << 16, &t.reply_tokens);
   flags.Int("host-snapshots", int64_t{1}, int64_t{1} << 20, &t.host_snapshots);
+  flags.Int("track-interval", 0, 1 << 20, &t.track_interval);
+  flags.Int("spill-ahead", 0, 1 << 16, &t.spill_ahead);
   flags.String("json", &json);
   if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
   const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
@@ -284,10 +308,15 @@ int Main(int argc, char** argv) {
               static_cast<long long>(t.sessions), static_cast<long long>(t.turns),
               static_cast<long long>(t.user_tokens), static_cast<long long>(t.reply_tokens),
               static_cast<long long>(t.gpu_slots), static_cast<long long>(t.host_snapshots));
-  const TraceResult off = RunTrace(*m, backend, t, false);
+  const TraceResult off = RunTrace(*m, backend, t, false, 0);
   Report("off", off);
-  const TraceResult on = RunTrace(*m, backend, t, true);
+  const TraceResult on = RunTrace(*m, backend, t, true, 0);
   Report("on", on);
+  TraceResult ahead;
+  if (t.spill_ahead > 0) {
+    ahead = RunTrace(*m, backend, t, true, t.spill_ahead);
+    Report("on+ahead", ahead);
+  }
 
   if (json.empty()) return 0;
   FILE* f = std::fopen(json.c_str(), "w");
@@ -305,12 +334,15 @@ int Main(int argc, char** argv) {
                allocate * 1e6);
   std::fprintf(f,
                "  \"trace\": {\"sessions\": %lld, \"turns\": %lld, \"user_tokens\": %lld, "
-               "\"reply_tokens\": %lld, \"gpu_slots\": %lld, \"host_snapshots\": %lld,\n",
+               "\"reply_tokens\": %lld, \"gpu_slots\": %lld, \"host_snapshots\": %lld, "
+               "\"track_interval\": %d, \"spill_ahead\": %d,\n",
                static_cast<long long>(t.sessions), static_cast<long long>(t.turns),
                static_cast<long long>(t.user_tokens), static_cast<long long>(t.reply_tokens),
-               static_cast<long long>(t.gpu_slots), static_cast<long long>(t.host_snapshots));
+               static_cast<long long>(t.gpu_slots), static_cast<long long>(t.host_snapshots),
+               t.track_interval, t.spill_ahead);
   PrintTrace(f, "host_off", off, false);
-  PrintTrace(f, "host_on", on, true);
+  PrintTrace(f, "host_on", on, t.spill_ahead == 0);
+  if (t.spill_ahead > 0) PrintTrace(f, "host_on_spill_ahead", ahead, true);
   std::fprintf(f, "  }\n}\n");
   std::fclose(f);
   return 0;
