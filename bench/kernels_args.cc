@@ -27,12 +27,11 @@ std::string ParseKernelsArgs(int argc, const char* const* argv, KernelsArgs* arg
   flags.Int("baseline-rpw", 2, 16, &parsed.baseline_rpw);
   flags.Int("baseline-cache", 1, 5, &parsed.baseline_cache);
   flags.Int("small-max-b", int64_t{-1}, int64_t{65535}, &parsed.small_max_b);
-  flags.Int("small-rpw", 4, 16, &parsed.small_rpw);
+  flags.Int("small-rpw", 8, 16, &parsed.small_rpw);
   flags.Int("stream-min-b", int64_t{-1}, int64_t{65535}, &parsed.stream_min_b);
   flags.Int("stream-grid", 1, 1 << 20, &parsed.stream_grid);
   flags.Int("stream-ctas", 1, 3, &parsed.stream_ctas);
   flags.Int("stream-ns", 1, 8, &parsed.stream_ns);
-  flags.Int("stream-parts", 1, 4, &parsed.stream_parts);
   const absl::Status s = flags.Parse(argc, argv);
   if (!s.ok()) return std::string(s.message());
   if (!flags.help() && parsed.json.empty() && argc > 1) {

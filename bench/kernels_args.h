@@ -30,7 +30,7 @@ struct KernelsArgs {
   int64_t small_max_b = 0;      // small_replay_max_batch (-1: never, 0: planned)
   int32_t small_rpw = 0;        // small_replay_rows
   int64_t stream_min_b = 0;     // stream_min_batch (-1: never, 0: planned)
-  int32_t stream_grid = 0, stream_ctas = 0, stream_ns = 0, stream_parts = 0;
+  int32_t stream_grid = 0, stream_ctas = 0, stream_ns = 0;
 };
 
 // argv[0] is the command ("kernels"); argv[1..argc) its arguments. Empty when they parse,

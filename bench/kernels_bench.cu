@@ -91,15 +91,13 @@ Launch overrides (kernels/cuda/plan.h LaunchOverrides; absent or 0: planned):
                                  (only the shapes launch.cuh builds run)
   --small-max-b -1|N             small-batch replay kernel: replay takes it up to batch N
                                  (-1: never; planned: B * HV <= 128 GDN, 64 KDA)
-  --small-rpw 4|8|16             small-batch replay kernel: state rows per warp
+  --small-rpw 8|16               small-batch replay kernel: state rows per warp
   --stream-min-b -1|N            stream replay kernel: replay takes it from batch N, KDA too
                                  (-1: never; planned: GDN from B * HV = 512, KDA never)
   --stream-grid N                stream replay kernel: at most N persistent CTAs
   --stream-ctas 1..3             stream replay kernel: CTAs per SM (planned: 3 where their
                                  shares of shared memory hold 8 stages, else 2)
   --stream-ns 1..8               stream replay kernel: at most N S0 stages per consumer warp
-  --stream-parts 1|2|4           stream replay kernel: the last round's items in N parts each
-                                 (planned: as many as the grid's idle CTAs take)
 )";
 
 // A bad command line: the message and the usage, exit status 2.
@@ -142,7 +140,6 @@ Settings FromArgs(const replayssm::bench::KernelsArgs& a) {
   o.small_replay_max_batch = a.small_max_b, o.small_replay_rows = a.small_rpw;
   o.stream_min_batch = a.stream_min_b, o.stream_grid = a.stream_grid;
   o.stream_ctas_per_sm = a.stream_ctas, o.stream_stages = a.stream_ns;
-  o.stream_parts = a.stream_parts;
   const std::string bad = replayssm::kernels::cuda::CheckOverrides(o);
   if (!bad.empty()) Fail("launch overrides: " + bad);
   return s;
@@ -169,15 +166,13 @@ std::string Describe(const LaunchPlan& p) {
   } else if (p.role == replayssm::kernels::cuda::KernelRole::kSmallReplay) {
     const auto& c = p.small;
     std::snprintf(buf, sizeof buf,
-                  "small-replay: %d warps x %d rows, %d tiles, grid %u x %u, smem %zu B",
-                  c.warps, c.rows_per_warp, c.tiles, p.grid_x, p.grid_y, p.smem_bytes);
+                  "small-replay: 1 warp x %d rows, %d tiles, grid %u x %u, smem %zu B",
+                  c.rows_per_warp, c.tiles, p.grid_x, p.grid_y, p.smem_bytes);
   } else if (p.role == replayssm::kernels::cuda::KernelRole::kStreamReplay) {
     const auto& c = p.stream;
     std::snprintf(buf, sizeof buf,
-                  "stream-replay: %d CTAs per SM, %d stages per warp, grid %u, smem %zu B, "
-                  "items from %lld in %d parts",
-                  c.ctas_per_sm, c.stages_per_warp, p.grid_x, p.smem_bytes,
-                  static_cast<long long>(c.split_from), c.parts);
+                  "stream-replay: %d CTAs per SM, %d stages per warp, grid %u, smem %zu B",
+                  c.ctas_per_sm, c.stages_per_warp, p.grid_x, p.smem_bytes);
   } else {
     const auto& c = p.tiled;
     std::snprintf(buf, sizeof buf, "%s: KMAX %d TC %d, %d rows per CTA, grid %u, smem %zu B",

@@ -238,9 +238,6 @@ cudaError_t LaunchSmallReplayRows(const LaunchPlan& plan, int device, const Step
                                   cudaStream_t stream) {
   const bool after = p.after_conv != 0;
   switch (plan.small.rows_per_warp) {
-    case 4:
-      return after ? LaunchSmallReplayT<R, A, KDA, 4, true>(plan, device, p, stream)
-                   : LaunchSmallReplayT<R, A, KDA, 4, false>(plan, device, p, stream);
     case 8:
       return after ? LaunchSmallReplayT<R, A, KDA, 8, true>(plan, device, p, stream)
                    : LaunchSmallReplayT<R, A, KDA, 8, false>(plan, device, p, stream);
@@ -281,9 +278,6 @@ cudaError_t LaunchStreamReplayT(const LaunchPlan& plan, int device, const StepPa
   StreamParams p{};
   p.ly = sp.ly;
   p.items = static_cast<int32_t>(int64_t{sp.batch} * sp.ly.HV);
-  p.split_from = static_cast<int32_t>(c.split_from);
-  p.parts = c.parts;
-  p.units = static_cast<int32_t>(c.units);
   p.nsw = c.stages_per_warp;
   p.dst = c.d_stride;
   p.after_conv = sp.after_conv;

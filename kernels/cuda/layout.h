@@ -209,7 +209,6 @@ constexpr int kStreamMaxCtasPerSm = 3;
 constexpr int kStreamPlannedStages = 8;
 constexpr int kStreamMinStages = 4;
 constexpr int kStreamHeaders = 2;  // items whose records are in shared memory at once
-constexpr int kStreamMaxParts = 4;  // the last round's items split in up to 4 units each
 // Replay decode takes the stream kernel from this many (row, v-head) items, per gate: GDN from
 // B * HV = 512, where it measured faster than the bulk kernel; KDA never (its records leave 3
 // CTAs per SM 4 stages each, and at 2 it did not beat the bulk kernel; bench/results/kernels.md).

@@ -245,21 +245,6 @@ std::optional<LaunchPlan> PlanStreamReplay(const LaunchProblem& pr, const Device
   c.smem = StreamSmem::Make(K, L, pr.kda, c.d_stride, nsw * kStreamConsumerWarps, pr.ring_bytes);
   int64_t grid = std::min<int64_t>(items, int64_t{c.ctas_per_sm} * dev.sms);
   if (ov.stream_grid > 0) grid = std::min<int64_t>(grid, ov.stream_grid);
-  // The last round's items, when it leaves CTAs idle, in as many parts (of whole stages per
-  // warp) as the grid takes: the step's end is then a part of an item's rows, not a whole item
-  // on one CTA of some SMs (B = 64: 2048 items over 396 CTAs, 68 in the last round).
-  c.split_from = items / grid * grid;
-  const int64_t rest = items - c.split_from;
-  c.parts = 1;
-  for (int parts = 2; parts <= kStreamMaxParts; parts *= 2) {
-    const bool fits = V % (parts * per_item_rows) == 0;
-    if (fits && (ov.stream_parts != 0 ? parts <= ov.stream_parts : rest * parts <= grid)) {
-      c.parts = parts;
-    }
-  }
-  if (ov.stream_parts > 1 && c.parts != ov.stream_parts) return std::nullopt;
-  c.units = c.split_from + rest * c.parts;
-  if (c.units > 0x7fffffff) return std::nullopt;
   plan.grid_x = static_cast<uint32_t>(grid);
   plan.grid_y = 1;
   plan.threads = kStreamThreads;
@@ -334,9 +319,8 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
     return Field("small_replay_max_batch", "0 (planned), -1 (never) or >= 1",
                  ov.small_replay_max_batch);
   }
-  if (ov.small_replay_rows != 0 && ov.small_replay_rows != 4 && ov.small_replay_rows != 8 &&
-      ov.small_replay_rows != 16) {
-    return Field("small_replay_rows", "0 (planned), 4, 8 or 16", ov.small_replay_rows);
+  if (ov.small_replay_rows != 0 && ov.small_replay_rows != 8 && ov.small_replay_rows != 16) {
+    return Field("small_replay_rows", "0 (planned), 8 or 16", ov.small_replay_rows);
   }
   if (ov.stream_min_batch < -1) {
     return Field("stream_min_batch", "0 (planned), -1 (never) or >= 1", ov.stream_min_batch);
@@ -345,10 +329,6 @@ std::string CheckOverrides(const LaunchOverrides& ov) {
   if (ov.stream_ctas_per_sm < 0 || ov.stream_ctas_per_sm > kStreamMaxCtasPerSm) {
     return Field("stream_ctas_per_sm", "0 (planned) or 1.." + std::to_string(kStreamMaxCtasPerSm),
                  ov.stream_ctas_per_sm);
-  }
-  if (ov.stream_parts != 0 && ov.stream_parts != 1 && ov.stream_parts != 2 &&
-      ov.stream_parts != kStreamMaxParts) {
-    return Field("stream_parts", "0 (planned), 1, 2 or 4", ov.stream_parts);
   }
   if (ov.stream_stages < 0 || ov.stream_stages > kStreamMaxStages / kStreamConsumerWarps) {
     return Field("stream_stages",

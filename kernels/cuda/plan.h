@@ -85,7 +85,6 @@ struct LaunchOverrides {
   int stream_grid = 0;
   int stream_ctas_per_sm = 0;  // 1..kStreamMaxCtasPerSm (0: planned; the shared memory per CTA)
   int stream_stages = 0;       // S0 stages per consumer warp: 0 as many as fit, else at most
-  int stream_parts = 0;        // the last round's items in 1, 2 or 4 parts (0: planned)
 };
 
 // "" when every override is in range, else "<field>: expected <range>, got <value>".
@@ -138,12 +137,6 @@ struct StreamConfig {       // kStreamReplay
   int stages_per_warp = 0;  // nsw: each consumer warp's ring of S0 stages
   int ctas_per_sm = 0;
   int d_stride = 0;  // ring-dtype elements per ring d row in shared memory
-  // Units of work: items [0, split_from) whole, the rest each in `parts` units of V / parts
-  // rows (the items of the grid's last, partial round, where parts CTAs share each); `units` in
-  // all.
-  int64_t split_from = 0;
-  int parts = 1;
-  int64_t units = 0;
   StreamSmem smem{};
 };
 

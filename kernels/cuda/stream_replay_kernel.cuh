@@ -1,11 +1,9 @@
 // The stream replay kernel: replay decode of an fp32 checkpoint at large batches, with the
 // checkpoint's bytes kept in flight across items rather than per CTA.
 //
-// Persistent CTAs (up to kStreamMaxCtasPerSm per SM, sharing its shared memory), warp-specialized,
-// walking units of work u = CTA, CTA + grid, ...: unit u is item u = (row, v-head) whole up to
-// split_from, then a part of an item (V / parts rows: the last round's items split, so that its
-// work spreads over every CTA rather than one CTA on some SMs; StreamParams). Per unit:
-//   - the producer warp (its lane 0) loads the next unit's slot and cursor while it issues this one's,
+// Persistent CTAs (up to kStreamMaxCtasPerSm per SM, sharing its shared memory), warp-specialized:
+//   - the producer warp (its lane 0) walks the CTA's items (item i = (row, v-head), i = CTA,
+//     CTA + grid, ...): it loads the next item's slot and cursor while it issues this one's,
 //     copies the item's ring records (k, g, one copy per record of d into padded rows) into one
 //     of two headers and then its S0 rows, kStreamStageRows at a time: stage s of the item
 //     into consumer warp (s mod NC)'s ring of `nsw` stages, each on its own mbarriers (full:
@@ -22,7 +20,7 @@
 // and the GPU tests check it. Registers: no more than 3 CTAs per SM allow, without spills (with
 // spills 3 CTAs ran slower than 2; bench/results/kernels.md): no stage's rows are held.
 // Requirements (the planner's, PlanStreamReplay): fp32 checkpoint; K <= 128, a multiple of 16;
-// V <= 128, V / parts a multiple of NC * kStreamStageRows (every warp the same stages per unit); L <= 32
+// V <= 128, a multiple of NC * kStreamStageRows (every warp the same stages per item); L <= 32
 // (GDN: a multiple of 4, its g row goes in 16-byte units); every pool array 16-byte aligned.
 #ifndef REPLAYSSM_KERNELS_CUDA_STREAM_REPLAY_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_STREAM_REPLAY_KERNEL_CUH_
@@ -39,9 +37,6 @@ namespace replayssm::kernels::cuda {
 struct StreamParams {
   LayerDesc ly;
   int32_t items;  // B * HV
-  // Units of work: items [0, split_from) whole, then each later item in `parts` units of
-  // V / parts rows (the last round's items split over the CTAs that would idle; StreamConfig).
-  int32_t split_from, parts, units;
   int32_t nsw;    // S0 stages per consumer warp's ring
   int32_t dst;    // ring d row stride in shared memory (elements)
   int32_t after_conv;
@@ -54,12 +49,6 @@ struct StreamParams {
 // An item's metadata as the producer hands it to the consumers (header h_meta).
 struct StreamMeta {
   int32_t pad, slot, w, fold;
-};
-
-// A unit of work: rows [v0, v0 + rows) of item (row item / HV, v-head item % HV).
-struct StreamUnit {
-  int item, v0, rows;
-  __device__ __forceinline__ bool Lead() const { return v0 == 0; }  // appends k and g
 };
 
 // An item's token as loaded, raw (converted on use, so that the loads of the next item stay in
@@ -89,7 +78,7 @@ struct StreamCta {
   const LayerDesc& ly;
   unsigned char* const smem;
   int lane, warp;
-  int K, V, L, H, HV, kg;
+  int K, V, L, H, HV, kg, nsi;
   uint64_t *full, *empty, *hfull, *hempty;
   T* stages;
 
@@ -98,17 +87,12 @@ struct StreamCta {
     lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     K = ly.K, V = ly.V, L = ly.L, H = ly.H, HV = ly.HV;
     kg = KDA ? K : 1;
+    nsi = V / RB;
     full = reinterpret_cast<uint64_t*>(smem);
     empty = full + kStreamMaxStages;
     hfull = empty + kStreamMaxStages;
     hempty = hfull + kStreamHeaders;
     stages = reinterpret_cast<T*>(smem + p.sm.s0);
-  }
-
-  __device__ __forceinline__ StreamUnit UnitOf(int u) const {
-    if (u < p.split_from) return StreamUnit{u, 0, V};
-    const int t = u - p.split_from, rows = V / p.parts;
-    return StreamUnit{p.split_from + t / p.parts, (t % p.parts) * rows, rows};
   }
 
   __device__ __forceinline__ unsigned char* Header(int hb) const {
@@ -136,8 +120,8 @@ struct StreamCta {
   // ---- the producer (one lane) ---------------------------------------------------------------
   __device__ __forceinline__ void Produce() const {
     const int grid = gridDim.x;
-    int u = blockIdx.x;
-    if (u >= p.units) return;
+    int item = blockIdx.x;
+    if (item >= p.items) return;
     auto load_meta = [&](int it, int& si, int& wp, int& ff) {
       const int r = it / HV;
       si = p.slot_idx[r];
@@ -145,15 +129,13 @@ struct StreamCta {
       ff = p.force_fold != nullptr ? p.force_fold[r] : 0;
     };
     int si, wp, ff;
-    load_meta(UnitOf(u).item, si, wp, ff);
-    int wslot = 0;  // the warps' rings' position (the same for every warp between units)
+    load_meta(item, si, wp, ff);
+    int wslot = 0;  // the warps' rings' position (the same for every warp between items)
     uint32_t wphase = 0u;
     const uint32_t stage_bytes = static_cast<uint32_t>(RB * K * sizeof(T));
-    for (int it = 0; u < p.units; ++it, u += grid) {
-      const StreamUnit un = UnitOf(u);
-      const int item = un.item;
+    for (int it = 0; item < p.items; ++it, item += grid) {
       int nsi_ = 0, nwp = 0, nff = 0;
-      if (u + grid < p.units) load_meta(UnitOf(u + grid).item, nsi_, nwp, nff);  // next round
+      if (item + grid < p.items) load_meta(item + grid, nsi_, nwp, nff);  // used next round
       const int h = item % HV, hq = h / ly.group;
       const bool pad = si < 0 || si >= ly.num_slots;
       const int64_t sl = pad ? 0 : si;
@@ -168,21 +150,21 @@ struct StreamCta {
       const int wr = pad ? 0 : w;
       const uint32_t kb = static_cast<uint32_t>(wr * K * sizeof(R));
       const uint32_t gb = static_cast<uint32_t>((KDA ? wr * K : (wr + 3) & ~3) * 4);
-      const uint32_t db = static_cast<uint32_t>(un.rows * sizeof(R));
+      const uint32_t db = static_cast<uint32_t>(V * sizeof(R));
       MbarExpectTx(hfull + hb, wr > 0 ? kb + gb + wr * db : 0u);
       if (wr > 0) {
         BulkLoad(hdr + p.sm.h_k, RingK(sl, hq), kb, hfull + hb);
         BulkLoadStream(hdr + p.sm.h_g, RingG(sl, h), gb, hfull + hb);
         R* const dsm = reinterpret_cast<R*>(hdr + p.sm.h_d);
-        const R* const dg = RingD(sl, h) + un.v0;
+        const R* const dg = RingD(sl, h);
         for (int j = 0; j < wr; ++j) {
           BulkLoadStream(dsm + j * p.dst, dg + int64_t{j} * V, db, hfull + hb);
         }
       }
       if (!pad) {
-        const T* const s0 = static_cast<const T*>(ly.ckpt) + sl * ly.ckpt_stride +
-                            (int64_t{h} * V + un.v0) * K;
-        for (int s0w = 0; s0w < un.rows / RB; s0w += NC) {
+        const T* const s0 =
+            static_cast<const T*>(ly.ckpt) + sl * ly.ckpt_stride + int64_t{h} * V * K;
+        for (int s0w = 0; s0w < nsi; s0w += NC) {
 #pragma unroll
           for (int c = 0; c < NC; ++c) {
             const int b = c * p.nsw + wslot;
@@ -200,8 +182,8 @@ struct StreamCta {
 
   // ---- the consumers: tokens ------------------------------------------------------------------
   template <typename A>
-  __device__ __forceinline__ void LoadTokensAs(const StreamUnit& un, StreamTokens& t) const {
-    const int r = un.item / HV, h = un.item % HV, hq = h / ly.group;
+  __device__ __forceinline__ void LoadTokensAs(int item, StreamTokens& t) const {
+    const int r = item / HV, h = item % HV, hq = h / ly.group;
     const A* const qkv = static_cast<const A*>(ly.qkv);
     const A* const q0 = qkv + int64_t{r} * ly.qkv_stride + int64_t{hq} * K;
     const A* const ga = static_cast<const A*>(ly.a);
@@ -233,15 +215,15 @@ struct StreamCta {
     t.b = raw(gb[int64_t{r} * ly.b_stride + h]);
     t.alog = ly.a_log[h];
     const int row = (warp + NC * (lane / RB)) * RB + lane % RB;  // the lane's row of v
-    t.v = row < un.rows ? raw(q0[int64_t{2 * H - hq} * K + int64_t{h} * V + un.v0 + row]) : 0u;
+    t.v = row < V ? raw(q0[int64_t{2 * H - hq} * K + int64_t{h} * V + row]) : 0u;
   }
-  __device__ __forceinline__ void LoadTokens(const StreamUnit& un, StreamTokens& t) const {
+  __device__ __forceinline__ void LoadTokens(int item, StreamTokens& t) const {
     if (ly.act_dtype == kActBf16) {
-      LoadTokensAs<__nv_bfloat16>(un, t);
+      LoadTokensAs<__nv_bfloat16>(item, t);
     } else if (ly.act_dtype == kActF32) {
-      LoadTokensAs<float>(un, t);
+      LoadTokensAs<float>(item, t);
     } else {
-      LoadTokensAs<__half>(un, t);
+      LoadTokensAs<__half>(item, t);
     }
   }
 
@@ -249,7 +231,6 @@ struct StreamCta {
   // The item's state: where it lives, what the record dots left.
   struct Item {
     int r, h, hq, w;
-    int v0, rows;  // the unit's rows of the head
     bool fold;
     int64_t slot;
     // Shared memory, as 32-bit addresses off the CTA's base (cheap to keep: 3 CTAs per SM
@@ -356,8 +337,7 @@ struct StreamCta {
   }
 
   // The new checkpoint rows of a folding item's stage (bulk FoldBatch; the rows read from the
-  // stage at st, rb0 the stage's first row in the unit): S0·A + Σ_j d_j (W_j∘k_j) + d k, in the
-  // CPU's order per element.
+  // stage at st): S0·A + Σ_j d_j (W_j∘k_j) + d k, in the CPU's order per element.
   // FR rows at a time (the accumulators of 3 CTAs per SM's register budget).
   __device__ __forceinline__ void FoldStage(const Item& x, const T* st, int rb0, float dcur,
                                             bool has_c) const {
@@ -403,48 +383,43 @@ struct StreamCta {
         Slice<T, KC> y;
 #pragma unroll
         for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn0[e]);
-        StoreSlice(s0 + int64_t(x.v0 + rb0 + i0 + i) * K + c0, y, true);
+        StoreSlice(s0 + int64_t(rb0 + i0 + i) * K + c0, y, true);
       }
     }
   }
 
   __device__ __forceinline__ void Consume() const {
     const int grid = gridDim.x;
-    int u = blockIdx.x;
-    if (u >= p.units) return;
+    int item = blockIdx.x;
+    if (item >= p.items) return;
     if (p.after_conv) asm volatile("griddepcontrol.wait;" ::: "memory");
     const int c0 = lane * KC;
     const bool has_c = c0 < K;
     const int row_l = lane % RB;
     const int dt = ly.act_dtype;
     StreamTokens cur;
-    StreamUnit un = UnitOf(u);
-    LoadTokens(un, cur);
+    LoadTokens(item, cur);
     int wslot = 0;  // this warp's ring position
     uint32_t wphase = 0u;
     int live = 0;  // items not padding so far: the scratch set's parity (the consumers are at
                    // most one such item apart: one named barrier each)
-    for (int it = 0; u < p.units; ++it, u += grid) {
+    for (int it = 0; item < p.items; ++it, item += grid) {
       StreamTokens nxt{};
-      const StreamUnit nun = u + grid < p.units ? UnitOf(u + grid) : un;
-      if (u + grid < p.units) LoadTokens(nun, nxt);
+      if (item + grid < p.items) LoadTokens(item + grid, nxt);
       const int hb = it & 1;
       MbarWait(hfull + hb, (it >> 1) & 1);
       unsigned char* const hdr = Header(hb);
       const StreamMeta m = *reinterpret_cast<const StreamMeta*>(hdr + p.sm.h_meta);
       Item x;
-      x.r = un.item / HV, x.h = un.item % HV, x.hq = x.h / ly.group;
-      x.v0 = un.v0, x.rows = un.rows;
-      const bool lead = un.Lead();
+      x.r = item / HV, x.h = item % HV, x.hq = x.h / ly.group;
       const int64_t tok = x.r;
       if (m.pad) {
-        for (int v = warp * 32 + lane; v < x.rows; v += NC * 32) {
-          StoreAct(ly.o, tok * ly.o_stride + int64_t{x.h} * V + x.v0 + v, dt, 0.f);
+        for (int v = warp * 32 + lane; v < V; v += NC * 32) {
+          StoreAct(ly.o, tok * ly.o_stride + int64_t{x.h} * V + v, dt, 0.f);
         }
         __syncwarp();
         if (lane == 0) MbarArrive(hempty + hb);
         cur = nxt;
-        un = nun;
         continue;
       }
       x.w = m.w, x.fold = m.fold != 0, x.slot = m.slot;
@@ -480,7 +455,7 @@ struct StreamCta {
 #pragma unroll
           for (int e = 0; e < KC; ++e) x.kns()[c0 + e] = RoundTo<R>(kk[e]);  // as the ring holds it
         }
-        if (!x.fold && P < L && lead) {  // the ring appends of k (once per qk-head group), g
+        if (!x.fold && P < L) {  // the ring appends of k (once per qk-head group) and g
           if (has_c) {
             if (x.h % ly.group == 0) {
               R* const kd = RingK(x.slot, x.hq) + int64_t{P} * K + c0;
@@ -503,9 +478,9 @@ struct StreamCta {
       // The rows: stage s of the item is warp (s mod NC)'s.
       const float ur = lane < x.w ? x.us()[lane] : 0.f;
       const float pr = lane < x.w ? x.ps()[lane] : 0.f;
-      R* const rdw = RingD(x.slot, x.h) + int64_t{P} * V + x.v0;
-      const int64_t orow = tok * ly.o_stride + int64_t{x.h} * V + x.v0;
-      for (int s = warp; s < x.rows / RB; s += NC) {
+      R* const rdw = RingD(x.slot, x.h) + int64_t{P} * V;
+      const int64_t orow = tok * ly.o_stride + int64_t{x.h} * V;
+      for (int s = warp; s < nsi; s += NC) {
         {
           const int rb0 = s * RB;
           const int b = warp * p.nsw + wslot;
@@ -565,7 +540,6 @@ struct StreamCta {
       __syncwarp();
       if (lane == 0) MbarArrive(hempty + hb);
       cur = nxt;
-      un = nun;
     }
   }
 };

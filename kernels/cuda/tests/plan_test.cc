@@ -480,28 +480,6 @@ TEST(Plan, StreamReplayFillsItsShareOfAnSmWithStages) {
   EXPECT_EQ(three.stream.stages_per_warp, 1);
 }
 
-// The grid's last, partial round of items is split into as many parts as its idle CTAs take
-// (each part whole stages per consumer warp); a full last round is not.
-TEST(Plan, StreamReplaySplitsTheLastRoundOverIdleCtas) {
-  for (auto [b, split_from, parts] : {std::tuple{64, 1980, 4}, {128, 3960, 2}, {256, 7920, 1},
-                                      {99, 3168, 1}}) {
-    const StreamConfig c = PlanOf(Shape(KernelOp::kReplay, b)).stream;
-    EXPECT_EQ(c.split_from, split_from) << "B " << b;
-    EXPECT_EQ(c.parts, parts) << "B " << b;
-    EXPECT_EQ(c.units, split_from + (b * 32 - split_from) * parts) << "B " << b;
-  }
-  LaunchOverrides ov;
-  ov.stream_parts = 1;
-  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 64), ov).stream.parts, 1);
-  ov.stream_parts = 4;
-  EXPECT_EQ(PlanOf(Shape(KernelOp::kReplay, 128), ov).stream.parts, 4);
-  LaunchProblem v96 = Shape(KernelOp::kReplay, 64);
-  v96.head_v = 96;  // 24 rows per part: not whole stages per warp
-  EXPECT_EQ(PlanOf(v96, ov).role, KernelRole::kBulkStep);
-  ov.stream_parts = 3;
-  EXPECT_NE(CheckOverrides(ov), "");
-}
-
 // What the stream kernel requires (stream_replay_kernel.cuh); elsewhere replay keeps the bulk
 // kernel.
 TEST(Plan, StreamReplayNeedsAnAlignedFp32PoolAndItsShapes) {
