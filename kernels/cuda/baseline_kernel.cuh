@@ -16,6 +16,7 @@
 #define REPLAYSSM_KERNELS_CUDA_BASELINE_KERNEL_CUH_
 
 #include "common.cuh"
+#include "loads.cuh"
 #include "params.h"
 
 namespace replayssm::kernels::cuda {
@@ -33,121 +34,6 @@ template <typename A>
 __device__ __forceinline__ float StepBeta(const LayerDesc& ly, A b) {
   return Beta(ToF(b), ly.act_dtype, ly.round_beta);
 }
-
-// How the state's rows are loaded and stored: BaselineCache (layout.h).
-template <int CACHE>
-__device__ __forceinline__ uint4 LoadState16(const void* p) {
-  if constexpr (CACHE == kCacheStream || CACHE == kCacheStreamLoad || CACHE == kCacheKeepStores) {
-    return __ldcs(static_cast<const uint4*>(p));
-  } else if constexpr (CACHE == kCacheNoL1) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-  } else {
-    return *static_cast<const uint4*>(p);
-  }
-}
-template <int CACHE>
-__device__ __forceinline__ uint2 LoadState8(const void* p) {
-  if constexpr (CACHE == kCacheStream || CACHE == kCacheStreamLoad || CACHE == kCacheKeepStores) {
-    return __ldcs(static_cast<const uint2*>(p));
-  } else if constexpr (CACHE == kCacheNoL1) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
-                 : "=r"(v.x), "=r"(v.y)
-                 : "l"(p));
-    return v;
-  } else {
-    return *static_cast<const uint2*>(p);
-  }
-}
-// An L2 policy that keeps the lines it touches past normal ones (kCacheKeepStores).
-__device__ __forceinline__ uint64_t EvictLastPolicy() {
-  uint64_t pol;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-template <int CACHE>
-__device__ __forceinline__ void StoreState16(void* p, uint4 v) {
-  if constexpr (CACHE == kCacheStream || CACHE == kCacheNoL1) {
-    __stcs(static_cast<uint4*>(p), v);
-  } else if constexpr (CACHE == kCacheKeepStores) {
-    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
-                 "r"(v.y), "r"(v.z), "r"(v.w), "l"(EvictLastPolicy())
-                 : "memory");
-  } else {
-    *static_cast<uint4*>(p) = v;
-  }
-}
-template <int CACHE>
-__device__ __forceinline__ void StoreState8(void* p, uint2 v) {
-  if constexpr (CACHE == kCacheStream || CACHE == kCacheNoL1) {
-    __stcs(static_cast<uint2*>(p), v);
-  } else if constexpr (CACHE == kCacheKeepStores) {
-    asm volatile("st.global.L2::cache_hint.v2.u32 [%0], {%1, %2}, %3;" ::"l"(p), "r"(v.x), "r"(v.y),
-                 "l"(EvictLastPolicy())
-                 : "memory");
-  } else {
-    *static_cast<uint2*>(p) = v;
-  }
-}
-
-// KC channels of one state row in registers, raw (converted on use).
-template <typename T, int KC>
-struct StateRow {
-  static constexpr int kBytes = KC * int(sizeof(T));
-  static_assert(kBytes % 8 == 0, "8- or 16-byte pieces");
-  uint32_t w[kBytes / 4];
-  __device__ __forceinline__ float Get(int e) const {
-    return ToF(reinterpret_cast<const T*>(w)[e]);
-  }
-  __device__ __forceinline__ void Set(int e, float x) { reinterpret_cast<T*>(w)[e] = FromF<T>(x); }
-  __device__ __forceinline__ void Zero() {
-#pragma unroll
-    for (int i = 0; i < kBytes / 4; ++i) w[i] = 0u;
-  }
-  // From p: vector loads when `vec` (p aligned to 16 bytes, or 8 for an 8-byte row), else
-  // element by element.
-  template <int CACHE>
-  __device__ __forceinline__ void Load(const T* p, bool vec) {
-    if (vec) {
-      if constexpr (kBytes % 16 == 0) {
-#pragma unroll
-        for (int i = 0; i < kBytes / 16; ++i) {
-          const uint4 x = LoadState16<CACHE>(reinterpret_cast<const uint4*>(p) + i);
-          w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
-        }
-      } else {
-        const uint2 x = LoadState8<CACHE>(p);
-        w[0] = x.x, w[1] = x.y;
-      }
-      return;
-    }
-    T* d = reinterpret_cast<T*>(w);
-#pragma unroll
-    for (int e = 0; e < KC; ++e) d[e] = p[e];
-  }
-  template <int CACHE>
-  __device__ __forceinline__ void Store(T* p, bool vec) const {
-    if (vec) {
-      if constexpr (kBytes % 16 == 0) {
-#pragma unroll
-        for (int i = 0; i < kBytes / 16; ++i) {
-          StoreState16<CACHE>(reinterpret_cast<uint4*>(p) + i,
-                              make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]));
-        }
-      } else {
-        StoreState8<CACHE>(p, make_uint2(w[0], w[1]));
-      }
-      return;
-    }
-    const T* s = reinterpret_cast<const T*>(w);
-#pragma unroll
-    for (int e = 0; e < KC; ++e) p[e] = s[e];
-  }
-};
 
 // Grid (HV * tiles, B), NW warps per CTA. Requirements: K <= 32 * KC, 2 * RPW <= 32.
 template <typename T, typename R, typename A, bool KDA, int KC, int NW, int RPW, int CACHE>
@@ -201,7 +87,7 @@ __global__ void __launch_bounds__(NW * 32)
   T* const s0 =
       static_cast<T*>(ly.ckpt) + int64_t{slot_i} * ly.ckpt_stride + (int64_t{h} * V + v0) * K + c0;
   const bool vec = p.vec != 0;
-  StateRow<T, KC> x[RPW];
+  Vec<T, KC> x[RPW];
 #pragma unroll
   for (int i = 0; i < RPW; ++i) {
     if (has_c && i < nrows) {
@@ -266,7 +152,7 @@ __global__ void __launch_bounds__(NW * 32)
   for (int i = 0; i < RPW; ++i) {
     const float di = __shfl_sync(kAll, dcur, i);
     if (!has_c || i >= nrows) continue;
-    StateRow<T, KC> y;
+    Vec<T, KC> y;
 #pragma unroll
     for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
     y.template Store<CACHE>(s0 + int64_t{i} * K, vec);

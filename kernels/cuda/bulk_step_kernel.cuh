@@ -31,6 +31,7 @@
 
 #include "async_copy.cuh"
 #include "common.cuh"
+#include "loads.cuh"
 #include "params.h"
 
 namespace replayssm::kernels::cuda {
@@ -57,82 +58,6 @@ struct BulkParams {
   const int32_t* write_pos;
   const uint8_t* force_fold;
 };
-
-// N consecutive elements of T kept raw in registers (converted on use).
-template <typename T, int N>
-struct Slice {
-  static constexpr int kBytes = N * int(sizeof(T));
-  static constexpr int kWords = (kBytes + 3) / 4;
-  uint32_t w[kWords];
-  __device__ __forceinline__ float Get(int e) const {
-    return ToF(reinterpret_cast<const T*>(w)[e]);
-  }
-  __device__ __forceinline__ void Set(int e, float x) { reinterpret_cast<T*>(w)[e] = FromF<T>(x); }
-  __device__ __forceinline__ void Zero() {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w[i] = 0u;
-  }
-};
-
-// Stores a slice to global memory: 16/8-byte streaming stores when `vec` (p aligned to the
-// slice's width), else element by element.
-template <typename T, int N>
-__device__ __forceinline__ void StoreSlice(T* p, const Slice<T, N>& s, bool vec) {
-  constexpr int B = Slice<T, N>::kBytes;
-  if (vec) {
-    if constexpr (B % 16 == 0) {
-#pragma unroll
-      for (int i = 0; i < B / 16; ++i) {
-        __stcs(reinterpret_cast<uint4*>(p) + i,
-               make_uint4(s.w[4 * i], s.w[4 * i + 1], s.w[4 * i + 2], s.w[4 * i + 3]));
-      }
-      return;
-    } else if constexpr (B % 8 == 0) {
-#pragma unroll
-      for (int i = 0; i < B / 8; ++i) {
-        __stcs(reinterpret_cast<uint2*>(p) + i, make_uint2(s.w[2 * i], s.w[2 * i + 1]));
-      }
-      return;
-    }
-  }
-  const T* d = reinterpret_cast<const T*>(s.w);
-#pragma unroll
-  for (int e = 0; e < N; ++e) p[e] = d[e];
-}
-
-// N elements of T from shared memory at p (aligned to the slice's width, at most 16 bytes).
-template <typename T, int N>
-__device__ __forceinline__ void LoadSmemSlice(Slice<T, N>& s, const T* p) {
-  constexpr int B = Slice<T, N>::kBytes;
-  if constexpr (B % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 16; ++i) {
-      const uint4 x = reinterpret_cast<const uint4*>(p)[i];
-      s.w[4 * i] = x.x, s.w[4 * i + 1] = x.y, s.w[4 * i + 2] = x.z, s.w[4 * i + 3] = x.w;
-    }
-  } else if constexpr (B % 8 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 8; ++i) {
-      const uint2 x = reinterpret_cast<const uint2*>(p)[i];
-      s.w[2 * i] = x.x, s.w[2 * i + 1] = x.y;
-    }
-  } else {
-    T* d = reinterpret_cast<T*>(s.w);
-#pragma unroll
-    for (int e = 0; e < N; ++e) d[e] = p[e];
-  }
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void StoreSmemSlice(T* p, const Slice<T, N>& s) {
-  constexpr int B = Slice<T, N>::kBytes;
-  static_assert(B % 16 == 0, "16-byte slices only");
-#pragma unroll
-  for (int i = 0; i < B / 16; ++i) {
-    reinterpret_cast<uint4*>(p)[i] =
-        make_uint4(s.w[4 * i], s.w[4 * i + 1], s.w[4 * i + 2], s.w[4 * i + 3]);
-  }
-}
 
 // CTAs per SM the registers are budgeted for. Decode: fp32 state 4 (128 registers; its layout
 // allows no more, and at 96 the fold spilled), 16-bit state 5 (96 registers; half the shared
@@ -535,9 +460,9 @@ struct BulkCta {
           if (has_c) {
             const float gj = KDA ? 0.f : Gate(j, 0);
             const float wj = KDA ? 0.f : expf(acc[0]);  // GDN: one weight per record
-            Slice<R, KC> kr;
-            LoadSmemSlice(kr, krs + j * K + c0);
-            Slice<float, KC> kw;
+            Vec<R, KC> kr;
+            kr.LoadShared(krs + j * K + c0);
+            Vec<float, KC> kw;
 #pragma unroll
             for (int e = 0; e < KC; ++e) {
               const float x = (KDA ? expf(acc[e]) : wj) * kr.Get(e);
@@ -546,7 +471,7 @@ struct BulkCta {
               kw.Set(e, x);
               acc[e] += KDA ? Gate(j, e) : gj;
             }
-            if (keep_kw) StoreSmemSlice(kws + j * K + c0, kw);
+            if (keep_kw) kw.StoreShared(kws + j * K + c0);
           } else if (!KDA) {
             const float gj = Gate(j, 0);
 #pragma unroll
@@ -671,20 +596,20 @@ struct BulkCta {
   // partials. fp32 decode reads the batch's rows all before any use, so that the stage may be
   // refilled before the arithmetic (when `early_refill`).
   __device__ __forceinline__ void Contract(float (&acc)[NV],
-                                           Slice<T, KC> (&xs)[kEarlyRefill ? RB : 1], const T* st,
+                                           Vec<T, KC> (&xs)[kEarlyRefill ? RB : 1], const T* st,
                                            const float (&ka)[TT][KC], const float (&qa)[TT][KC],
                                            bool early_refill, int b, int rb0, int si,
                                            T* stage) const {
     if constexpr (kEarlyRefill) {
 #pragma unroll
-      for (int i = 0; i < RB; ++i) LoadSmemSlice(xs[i], st + i * K);
+      for (int i = 0; i < RB; ++i) xs[i].LoadShared(st + i * K);
       if (early_refill) RefillStage(b, rb0, si, stage);  // free once every lane has its rows
     }
-    Slice<T, KC> xl;  // a row at a time otherwise
+    Vec<T, KC> xl;  // a row at a time otherwise
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
-      if constexpr (!kEarlyRefill) LoadSmemSlice(xl, st + i * K);
-      const Slice<T, KC>& x = kEarlyRefill ? xs[i] : xl;
+      if constexpr (!kEarlyRefill) xl.LoadShared(st + i * K);
+      const Vec<T, KC>& x = kEarlyRefill ? xs[i] : xl;
 #pragma unroll
       for (int e = 0; e < KC; ++e) {
         const float s = x.Get(e);
@@ -702,8 +627,8 @@ struct BulkCta {
   __device__ __forceinline__ void AddRingTerms(float (&acc)[NV], int rb0, int pass0, int nt,
                                                const float (&ur)[TT], const float (&pr)[TT]) const {
     if (lane < w) {
-      Slice<R, RB> dl;
-      LoadSmemSlice(dl, ds + lane * dst + rb0);
+      Vec<R, RB> dl;
+      dl.LoadShared(ds + lane * dst + rb0);
 #pragma unroll
       for (int i = 0; i < RB; ++i) {
         const float x = dl.Get(i);
@@ -715,8 +640,8 @@ struct BulkCta {
       }
     }
     for (int j = lane + 32; j < w; j += 32) {  // rings longer than 32 records
-      Slice<R, RB> d2;
-      LoadSmemSlice(d2, ds + j * dst + rb0);
+      Vec<R, RB> d2;
+      d2.LoadShared(ds + j * dst + rb0);
 #pragma unroll
       for (int i = 0; i < RB; ++i) {
 #pragma unroll
@@ -785,8 +710,8 @@ struct BulkCta {
   // fp32 decode passes the batch's rows as Contract read them into registers (`xs`; the stage
   // is refilled by then); the others read them from the stage again.
   __device__ __forceinline__ void FoldBatch(const T* st,
-                                            const Slice<T, KC> (&xs)[kEarlyRefill ? RB : 1],
-                                            int rb0, float dcur, const float (&kn0)[KC],
+                                            const Vec<T, KC> (&xs)[kEarlyRefill ? RB : 1], int rb0,
+                                            float dcur, const float (&kn0)[KC],
                                             const float (&av)[KC], bool vec_s0) const {
     constexpr int FA = BulkFoldAccs(sizeof(T), KC);
     constexpr int FR = RB * KC <= FA ? RB : FA / KC;
@@ -798,21 +723,21 @@ struct BulkCta {
       if (has_c) {
 #pragma unroll
         for (int i = 0; i < FR; ++i) {
-          Slice<T, KC> x;
+          Vec<T, KC> x;
           if constexpr (kEarlyRefill) {
             x = xs[i];
           } else {
-            LoadSmemSlice(x, st + (i0 + i) * K);
+            x.LoadShared(st + (i0 + i) * K);
           }
 #pragma unroll
           for (int e = 0; e < KC; ++e) out[i][e] = x.Get(e) * av[e];
         }
 #pragma unroll 2
         for (int j = 0; j < w; ++j) {
-          Slice<R, FR> dj;
-          LoadSmemSlice(dj, ds + j * dst + rb0 + i0);
-          Slice<float, KC> kw;
-          LoadSmemSlice(kw, kws + j * K + c0);
+          Vec<R, FR> dj;
+          dj.LoadShared(ds + j * dst + rb0 + i0);
+          Vec<float, KC> kw;
+          kw.LoadShared(kws + j * K + c0);
 #pragma unroll
           for (int i = 0; i < FR; ++i) {
             const float d = dj.Get(i);
@@ -825,10 +750,10 @@ struct BulkCta {
       for (int i = 0; i < FR; ++i) {
         const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // the row's d, as stored
         if (!has_c) continue;
-        Slice<T, KC> x;
+        Vec<T, KC> x;
 #pragma unroll
         for (int e = 0; e < KC; ++e) x.Set(e, out[i][e] + di * kn0[e]);
-        StoreSlice(s0 + int64_t(wv0 + rb0 + i0 + i) * K + c0, x, vec_s0);
+        x.Store(s0 + int64_t(wv0 + rb0 + i0 + i) * K + c0, vec_s0);
       }
     }
   }
@@ -903,7 +828,7 @@ struct BulkCta {
       // registers, where a folding row's fold reads them); everything else at the batch's end
       // (verify's rows held in registers spilled, and 16-bit decode measured slower).
       const bool early_refill = kEarlyRefill && has_c_all;
-      Slice<T, KC> xs[kEarlyRefill ? RB : 1];
+      Vec<T, KC> xs[kEarlyRefill ? RB : 1];
       float dcur = 0.f;
 #pragma unroll 1
       for (int pass0 = 0; pass0 < T_; pass0 += TT) {

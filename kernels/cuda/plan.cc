@@ -170,6 +170,11 @@ std::optional<LaunchPlan> PlanBaseline(const LaunchProblem& pr, const DeviceLimi
 // too small for the bulk kernel's CTAs to fill the GPU (B * HV <= SmallReplayMaxRowHeads),
 // every pool array 16-byte aligned (its record copies and S0 loads are vector-wide; GDN's g
 // goes in 4-byte copies); nullopt otherwise.
+// At B = 1 it is the cheapest replay kernel measured (the bulk kernel, 4 or 16 rows per warp
+// were slower), yet slower than the baseline kernel: the step is one latency chain, and replay's
+// record dots and CTA barrier sit between the loads' arrival and the rows. No kernel can take a
+// replay call's place here: the planner does not see the cursors, and a row with records must
+// read them (docs/gpu.md, "B = 1").
 std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceLimits& dev,
                                           const LaunchOverrides& ov) {
   if (ov.small_replay_max_batch < 0 || pr.batch > kMaxGridY) return std::nullopt;

@@ -24,9 +24,9 @@
 #ifndef REPLAYSSM_KERNELS_CUDA_SMALL_REPLAY_KERNEL_CUH_
 #define REPLAYSSM_KERNELS_CUDA_SMALL_REPLAY_KERNEL_CUH_
 
-#include "baseline_kernel.cuh"
-#include "bulk_step_kernel.cuh"
+#include "async_copy.cuh"
 #include "common.cuh"
+#include "loads.cuh"
 #include "params.h"
 
 namespace replayssm::kernels::cuda {
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
 
   // The records and S0 in flight (nothing of the convolution's is read here). Record j is warp
   // (j mod NW)'s: it copies j's k (and KDA's g) and the CTA's d rows of j, and does j's dots.
-  auto issue_state = [&](StateRow<T, KC>(&x)[RPW]) {
+  auto issue_state = [&](Vec<T, KC>(&x)[RPW]) {
     if (pad) return;
     constexpr int DE = 16 / int(sizeof(R));  // d elements per 16-byte piece
     const bool d_on = lane * DE < min(CR, V - vc);
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
       }
     }
   };
-  StateRow<T, KC> x[RPW];
+  Vec<T, KC> x[RPW];
   if constexpr (AFTER_CONV) {
     issue_state(x);
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
 #pragma unroll
     for (int jj = 0; jj < RB; ++jj) {
       if constexpr (KDA) {
-        Slice<float, KC> kg_j;
-        LoadSmemSlice(kg_j, gs + (jb + jj) * K + cl);
+        Vec<float, KC> kg_j;
+        kg_j.LoadShared(gs + (jb + jj) * K + cl);
 #pragma unroll
         for (int e = 0; e < KC; ++e) gb[jj][e] = has_c && jb + jj < w ? kg_j.Get(e) : 0.f;
       } else if (jj % 4 == 0) {
@@ -247,13 +247,13 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
     }
     // The warp's records: their weights and dots, independent of each other (no branch).
     float v[2 * MO];
-    Slice<float, KC> kw[MO];
+    Vec<float, KC> kw[MO];
 #pragma unroll
     for (int m = 0; m < MO; ++m) {
       const int j = jb + NW * m + warp;
       const float wj = KDA ? 0.f : expf(ao[m][0]);  // GDN: one weight per record
-      Slice<R, KC> kr_j;
-      LoadSmemSlice(kr_j, ks + j * K + cl);
+      Vec<R, KC> kr_j;
+      kr_j.LoadShared(ks + j * K + cl);
       float su = 0.f, sp = 0.f;
 #pragma unroll
       for (int e = 0; e < KC; ++e) {
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
 #pragma unroll
       for (int m = 0; m < MO; ++m) {
         const int j = jb + NW * m + warp;
-        if (j < w) StoreSmemSlice(kws + j * K + c0, kw[m]);
+        if (j < w) kw[m].StoreShared(kws + j * K + c0);
       }
     }
     TransposeReduce<2 * MO, 16>::Run(v, lane);  // lane l: index l / GS
@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
       }
     }
   }
-  Slice<R, RPW> dl;
-  if (rows_on && lane < w) LoadSmemSlice(dl, dw + lane * CR);
+  Vec<R, RPW> dl;
+  if (rows_on && lane < w) dl.LoadShared(dw + lane * CR);
   __syncthreads();  // every record's u, p (and the fold's W_j∘k_j) visible to all
   if (!rows_on) return;
   if (lane < w) {
@@ -319,8 +319,8 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
     }
   }
   for (int j = lane + 32; j < w; j += 32) {  // rings longer than 32 records
-    Slice<R, RPW> d2;
-    LoadSmemSlice(d2, dw + j * CR);
+    Vec<R, RPW> d2;
+    d2.LoadShared(dw + j * CR);
 #pragma unroll
     for (int i = 0; i < RPW; ++i) {
       racc[2 * i] += d2.Get(i) * us[j];
@@ -364,10 +364,10 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   if (has_c) {
 #pragma unroll 2
     for (int j = 0; j < w; ++j) {
-      Slice<R, RPW> dj;
-      LoadSmemSlice(dj, dw + j * CR);
-      Slice<float, KC> kw;
-      LoadSmemSlice(kw, kws + j * K + c0);
+      Vec<R, RPW> dj;
+      dj.LoadShared(dw + j * CR);
+      Vec<float, KC> kw;
+      kw.LoadShared(kws + j * K + c0);
 #pragma unroll
       for (int i = 0; i < RPW; ++i) {
         const float dd = dj.Get(i);
@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   for (int i = 0; i < RPW; ++i) {
     const float di = __shfl_sync(kAll, dcur, i);
     if (!has_c) continue;
-    StateRow<T, KC> y;
+    Vec<T, KC> y;
 #pragma unroll
     for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
     y.template Store<kCachePlain>(s0 + int64_t{i} * K, true);

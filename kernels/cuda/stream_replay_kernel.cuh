@@ -298,9 +298,9 @@ struct StreamCta {
           if (has_c) {
             const float gj = KDA ? 0.f : gate(j, 0);
             const float wj = KDA ? 0.f : expf(acc[0]);
-            Slice<R, KC> kr;
-            LoadSmemSlice(kr, x.krs() + j * K + c0);
-            Slice<float, KC> kw;
+            Vec<R, KC> kr;
+            kr.LoadShared(x.krs() + j * K + c0);
+            Vec<float, KC> kw;
 #pragma unroll
             for (int e = 0; e < KC; ++e) {
               const float y = (KDA ? expf(acc[e]) : wj) * kr.Get(e);
@@ -309,7 +309,7 @@ struct StreamCta {
               kw.Set(e, y);
               acc[e] += KDA ? gate(j, e) : gj;
             }
-            if (x.fold) StoreSmemSlice(x.kws() + j * K + c0, kw);
+            if (x.fold) kw.StoreShared(x.kws() + j * K + c0);
           } else if (!KDA) {
             const float gj = gate(j, 0);
 #pragma unroll
@@ -357,17 +357,17 @@ struct StreamCta {
       if (has_c) {
 #pragma unroll
         for (int i = 0; i < FR; ++i) {
-          Slice<T, KC> xr;
-          LoadSmemSlice(xr, st + (i0 + i) * K);
+          Vec<T, KC> xr;
+          xr.LoadShared(st + (i0 + i) * K);
 #pragma unroll
           for (int e = 0; e < KC; ++e) out[i][e] = xr.Get(e) * av[e];
         }
 #pragma unroll 2
         for (int j = 0; j < x.w; ++j) {
-          Slice<R, FR> dj;
-          LoadSmemSlice(dj, x.ds() + j * p.dst + rb0 + i0);
-          Slice<float, KC> kw;
-          LoadSmemSlice(kw, x.kws() + j * K + c0);
+          Vec<R, FR> dj;
+          dj.LoadShared(x.ds() + j * p.dst + rb0 + i0);
+          Vec<float, KC> kw;
+          kw.LoadShared(x.kws() + j * K + c0);
 #pragma unroll
           for (int i = 0; i < FR; ++i) {
             const float d = dj.Get(i);
@@ -380,10 +380,10 @@ struct StreamCta {
       for (int i = 0; i < FR; ++i) {
         const float di = __shfl_sync(0xffffffffu, dcur, i0 + i);  // the row's d, as stored
         if (!has_c) continue;
-        Slice<T, KC> y;
+        Vec<T, KC> y;
 #pragma unroll
         for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn0[e]);
-        StoreSlice(s0 + int64_t(rb0 + i0 + i) * K + c0, y, true);
+        y.Store(s0 + int64_t(rb0 + i0 + i) * K + c0, true);
       }
     }
   }
@@ -492,13 +492,13 @@ struct StreamCta {
 #pragma unroll
           for (int i = 0; i < NV; ++i) acc[i] = 0.f;
           if (has_c) {  // A∘k, A∘q from shared memory per stage (registers: 3 CTAs per SM)
-            Slice<float, KC> ka, qa;
-            LoadSmemSlice(ka, x.kas() + c0);
-            LoadSmemSlice(qa, x.qas() + c0);
+            Vec<float, KC> ka, qa;
+            ka.LoadShared(x.kas() + c0);
+            qa.LoadShared(x.qas() + c0);
 #pragma unroll
             for (int i = 0; i < RB; ++i) {
-              Slice<T, KC> xr;
-              LoadSmemSlice(xr, st + i * K);
+              Vec<T, KC> xr;
+              xr.LoadShared(st + i * K);
 #pragma unroll
               for (int e = 0; e < KC; ++e) {
                 const float sv = xr.Get(e);
@@ -508,8 +508,8 @@ struct StreamCta {
             }
           }
           if (lane < x.w) {  // the ring terms: lane j holds record j
-            Slice<R, RB> dl;
-            LoadSmemSlice(dl, x.ds() + lane * p.dst + rb0);
+            Vec<R, RB> dl;
+            dl.LoadShared(x.ds() + lane * p.dst + rb0);
 #pragma unroll
             for (int i = 0; i < RB; ++i) {
               const float y = dl.Get(i);
