@@ -95,7 +95,8 @@ absl::StatusOr<int32_t> StateCacheImpl::AcquireLocked(SlotId id, const std::stri
 
 absl::StatusOr<int32_t> StateCacheImpl::TakeFreeLocked() {
   if (free_.empty() && host_ != nullptr) {
-    EvictLruLocked([this](const Slot& s) { return HostBackedLocked(s); });
+    EvictLruLocked(
+        [this](const Slot& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return HostBackedLocked(s); });
   }
   if (free_.empty()) EvictLruLocked([](const Slot&) { return true; });
   if (free_.empty()) {
