@@ -3,7 +3,7 @@
 //   replayssm-bench-host-tier [--model qwen3-next-80b-a3b] [--backend cuda|cpu] [--rounds R]
 //                             [--gpu-slots N] [--sessions S] [--turns T] [--user-tokens U]
 //                             [--reply-tokens D] [--host-snapshots H] [--track-interval I]
-//                             [--spill-ahead N] [--json PATH]
+//                             [--spill-ahead N] [--pin-host-at-start] [--json PATH]
 //
 // 1. Promotion against the copy it is made of, alternating in one run: a plain host -> device
 //    copy of one folded state (pinned memory, one copy on a stream of its own) and a host hit
@@ -52,12 +52,13 @@ double Median(std::vector<double> v) {
 
 std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t backend, int64_t slots,
                                       int64_t host_snapshots, int32_t track_interval = 0,
-                                      int32_t spill_ahead = 0) {
+                                      int32_t spill_ahead = 0, bool pin = false) {
   CacheOptions o;
   o.backend = backend;
   o.memory_budget_bytes = slots * m.SlotBytes();
   o.track_interval = track_interval;
   o.host_spill_ahead = spill_ahead;
+  o.host_pin_at_start = pin && host_snapshots > 0;
   o.max_prefill_tokens = 1 << 20;
   o.host_snapshot_bytes = host_snapshots * m.LayerStateBytes() * m.num_layers;
   absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);
@@ -156,6 +157,7 @@ struct TraceOptions {
   int64_t host_snapshots = 64;
   int32_t track_interval = 0;  // > 0: decode takes track snapshots (evicting at a full pool)
   int32_t spill_ahead = 0;     // > 0: a third run, the host tier spilling ahead
+  bool pin = false;            // host entries pinned when the cache is made
   uint64_t seed = 1;
 };
 
@@ -168,7 +170,7 @@ struct TraceResult {
 TraceResult RunTrace(const ModelSpec& m, int32_t backend, const TraceOptions& t, bool host,
                      int32_t spill_ahead) {
   std::unique_ptr<StateCache> c = MakeCache(m, backend, t.gpu_slots, host ? t.host_snapshots : 0,
-                                            t.track_interval, spill_ahead);
+                                            t.track_interval, spill_ahead, t.pin);
   const int64_t longest = t.turns * (t.user_tokens + t.reply_tokens);
   DeviceInputs prefill_in(backend, m, longest), decode_in(backend, m, 1);
   std::vector<std::vector<int32_t>> history(t.sessions);
@@ -269,7 +271,7 @@ int Main(int argc, char** argv) {
                      "[--model M] [--backend cuda|cpu] [--rounds R] [--gpu-slots N] "
                      "[--sessions S] [--turns T] [--user-tokens U] [--reply-tokens D] "
                      "[--host-snapshots H] [--track-interval I] [--spill-ahead N] "
-                     "[--json PATH]");
+                     "[--pin-host-at-start] [--json PATH]");
   flags.Choice("model", ModelPresetNames(), &model_name);
   flags.Choice("backend", {"cuda", "cpu"}, &backend_name);
   flags.Int("rounds", 1, 1 << 20, &rounds);
@@ -281,6 +283,7 @@ int Main(int argc, char** argv) {
   flags.Int("host-snapshots", int64_t{1}, int64_t{1} << 20, &t.host_snapshots);
   flags.Int("track-interval", 0, 1 << 20, &t.track_interval);
   flags.Int("spill-ahead", 0, 1 << 16, &t.spill_ahead);
+  flags.Switch("pin-host-at-start", &t.pin);
   flags.String("json", &json);
   if (const int code = flags.ParseOrExitCode(argc, argv); code >= 0) return code;
   const int32_t backend = backend_name == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
@@ -335,11 +338,11 @@ int Main(int argc, char** argv) {
   std::fprintf(f,
                "  \"trace\": {\"sessions\": %lld, \"turns\": %lld, \"user_tokens\": %lld, "
                "\"reply_tokens\": %lld, \"gpu_slots\": %lld, \"host_snapshots\": %lld, "
-               "\"track_interval\": %d, \"spill_ahead\": %d,\n",
+               "\"track_interval\": %d, \"spill_ahead\": %d, \"pin_host_at_start\": %s,\n",
                static_cast<long long>(t.sessions), static_cast<long long>(t.turns),
                static_cast<long long>(t.user_tokens), static_cast<long long>(t.reply_tokens),
                static_cast<long long>(t.gpu_slots), static_cast<long long>(t.host_snapshots),
-               t.track_interval, t.spill_ahead);
+               t.track_interval, t.spill_ahead, t.pin ? "true" : "false");
   PrintTrace(f, "host_off", off, false);
   PrintTrace(f, "host_on", on, t.spill_ahead == 0);
   if (t.spill_ahead > 0) PrintTrace(f, "host_on_spill_ahead", ahead, true);

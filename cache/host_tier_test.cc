@@ -31,11 +31,12 @@ class HostTierTest : public ::testing::Test {
   // A cache of `slots` backend slots and `host` host snapshots.
   std::unique_ptr<StateCache> Make(int64_t slots, int64_t host,
                                    HostPolicy policy = HostPolicy::kLru, int64_t ns_bound = 0,
-                                   int32_t track = 0, int32_t spill_ahead = 0) {
+                                   int32_t track = 0, int32_t spill_ahead = 0, bool pin = false) {
     const ModelSpec m = testing::TwoLayerTinyGdn();
     CacheOptions o = testing::TestOptions(m, slots);
     o.track_interval = track;
     o.host_spill_ahead = spill_ahead;
+    o.host_pin_at_start = pin;
     o.max_snapshots_per_namespace = ns_bound;
     o.host_snapshot_bytes = host * m.LayerStateBytes() * m.num_layers;
     o.host_policy = policy;
@@ -188,6 +189,24 @@ TEST_F(HostTierTest, ATrackSnapshotEvictsAHostBackedSnapshotFirst) {
   EXPECT_EQ(c->MatchPrefix({1, 2, 3, 7}), 3) << "still on the host";
   EXPECT_EQ(c->MatchPrefix({1, 2, 3, 30, 31, 32, 33, 34, 0}), 8);
   EXPECT_EQ(c->stats().host_hits, 1);
+}
+
+// Host entries pinned at Create hold spilled states as entries pinned at first use do.
+TEST_F(HostTierTest, PinnedAtStartTheTierWorksAsPinnedOnFirstUse) {
+  std::unique_ptr<StateCache> c = Make(3, 4, HostPolicy::kLru, 0, 0, 0, /*pin=*/true),
+                              twin = Make(8, 0);
+  ASSERT_NE(c, nullptr);
+  const std::vector<int32_t> turn1 = {11, 12, 13, 14, 15};
+  ASSERT_TRUE(c->Donate(Run(*c, turn1)).ok());
+  ASSERT_TRUE(twin->Donate(Run(*twin, turn1)).ok());
+  Flush(*c);
+  EXPECT_EQ(c->stats().snapshot_spills, 1);
+  absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefix({11, 12, 13, 14, 15, 0});
+  absl::StatusOr<StateCache::PrefixAllocation> q =
+      twin->AllocateFromPrefix({11, 12, 13, 14, 15, 0});
+  ASSERT_TRUE(p.ok() && q.ok()) << p.status() << q.status();
+  EXPECT_EQ(c->stats().host_hits, 1);
+  EXPECT_EQ(State(*c, p->slot), State(*twin, q->slot));
 }
 
 // Until the spiller has made `ahead` slots obtainable without loss (or 10 s: it never should).

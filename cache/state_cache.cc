@@ -129,6 +129,7 @@ absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
   auto cache =
       std::make_unique<internal::StateCacheImpl>(std::move(model), options, std::move(*pool));
   absl::Status st = cache->WarmLanes();
+  if (st.ok() && options.host_pin_at_start) st = cache->PinHostTier();
   if (!st.ok()) return st;
   return std::unique_ptr<StateCache>(std::move(cache));
 }

@@ -228,6 +228,14 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
 
   // Makes the first lane, so that a cache that cannot get one fails at Create.
   absl::Status WarmLanes() { return lanes_.Take().status(); }
+  // Every host entry's pinned buffer allocated now (CacheOptions::host_pin_at_start).
+  absl::Status PinHostTier() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    for (int32_t e = 0; host_ != nullptr && e < host_->capacity(); ++e) {
+      if (absl::StatusOr<void*> b = host_->Buffer(e); !b.ok()) return b.status();
+    }
+    return absl::OkStatus();
+  }
 
   // --- used by ForwardImpl ---
   SlotPool& pool() override { return *pool_; }

@@ -17,7 +17,7 @@ flags=(grpc-address metrics-address model device tp-size devices memory-budget r
        track-interval
        state-dtype ring-dtype beta-rounding max-batch forward-graphs max-prefill-tokens max-message-bytes dedup-entries dedup-bytes
        max-request-id-bytes max-import-tokens max-streams tenant-max-slots
-       tenant-max-snapshots host-snapshot-bytes host-snapshot-policy host-spill-ahead slot-ttl
+       tenant-max-snapshots host-snapshot-bytes host-snapshot-policy host-spill-ahead host-pin-at-start slot-ttl
        cache-events-retain max-watchers kv-events-endpoint kv-events-replay-endpoint
        kv-events-topic kv-events-tenant kv-events-curve-secret-file kv-events-clients-file
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface

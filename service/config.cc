@@ -172,6 +172,10 @@ const std::vector<Flag>& Flags() {
        "so decode-time evictions move snapshots instead of dropping them; 0 = spill only when a "
        "slot-taking call needs room [4]",
        Int(&ServerOptions::host_spill_ahead)},
+      {"host-pin-at-start",
+       "true | false: pin all of --host-snapshot-bytes when the server starts (seconds per tens "
+       "of GiB) instead of each entry at its first spill, where the allocation would fall [false]",
+       Bool(&ServerOptions::host_pin_at_start)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},
       {"region-ttl",

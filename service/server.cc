@@ -509,6 +509,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.event_sink = events->Sink();
   cache_options.host_snapshot_bytes = options.host_snapshot_bytes;
   cache_options.host_spill_ahead = options.host_spill_ahead;
+  cache_options.host_pin_at_start = options.host_pin_at_start;
   if (options.host_snapshot_policy != "lru" && options.host_snapshot_policy != "value") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--host-snapshot-policy: expected lru or value, got ", options.host_snapshot_policy));

@@ -107,6 +107,9 @@ struct CacheOptions {
   // 0: spill only when a slot-taking call needs room (docs/cache.md, "Host tier"); the
   // server's --host-spill-ahead defaults to 4.
   int32_t host_spill_ahead = 0;
+  // Pin every host entry's buffer at Create (seconds per tens of GiB) instead of at its first
+  // use, where the allocation (cudaHostAlloc of a snapshot's bytes) falls inside that spill.
+  bool host_pin_at_start = false;
 };
 
 // One layer's activations and outputs for N tokens, dense, act dtype.
