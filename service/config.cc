@@ -174,7 +174,8 @@ const std::vector<Flag>& Flags() {
        Int(&ServerOptions::host_spill_ahead)},
       {"host-pin-at-start",
        "true | false: pin all of --host-snapshot-bytes when the server starts (seconds per tens "
-       "of GiB) instead of each entry at its first spill, where the allocation would fall [false]",
+       "of GiB) instead of each entry at its first spill, where the allocation stalls the "
+       "decode steps beside it [true]",
        Bool(&ServerOptions::host_pin_at_start)},
       {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
        Seconds(&ServerOptions::slot_ttl)},

@@ -63,6 +63,7 @@ TEST(ServerFlags, UnknownFlagsAndBadValuesNameTheFlag) {
   EXPECT_EQ(on->options.host_snapshot_bytes, int64_t{64} << 30);
   EXPECT_EQ(on->options.host_snapshot_policy, "value");
   EXPECT_EQ(on->options.host_spill_ahead, 4);
+  EXPECT_TRUE(on->options.host_pin_at_start);
   auto ahead = Parse({"--host-spill-ahead=0"});
   ASSERT_TRUE(ahead.ok()) << ahead.status();
   EXPECT_EQ(ahead->options.host_spill_ahead, 0);

@@ -44,7 +44,7 @@ struct ServerOptions {
   int64_t host_snapshot_bytes = 0;              // pinned host bytes for evicted snapshots; 0: off
   std::string host_snapshot_policy = "lru";     // lru | value
   int32_t host_spill_ahead = 4;                 // slots kept obtainable without loss; 0: off
-  bool host_pin_at_start = false;               // pin the whole host tier at start
+  bool host_pin_at_start = true;                // pin the whole host tier at start
   // Cache events (cache_events.h, zmq_events.h).
   int64_t cache_events_retain = 4096;  // batches kept per tenant for replay
   int32_t max_watchers = 64;           // WatchCache streams open at once
