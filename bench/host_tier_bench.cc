@@ -163,14 +163,17 @@ struct TraceOptions {
 
 struct TraceResult {
   int64_t turns = 0, history_tokens = 0, reused_tokens = 0, prefill_tokens = 0;
+  double create_s = 0;  // StateCache::Create (pinning the host tier with --pin-host-at-start)
   CacheStats stats;
   std::vector<double> turn_s, prefill_s, step_s;
 };
 
 TraceResult RunTrace(const ModelSpec& m, int32_t backend, const TraceOptions& t, bool host,
                      int32_t spill_ahead) {
+  const double created = Now();
   std::unique_ptr<StateCache> c = MakeCache(m, backend, t.gpu_slots, host ? t.host_snapshots : 0,
                                             t.track_interval, spill_ahead, t.pin);
+  const double create_s = Now() - created;
   const int64_t longest = t.turns * (t.user_tokens + t.reply_tokens);
   DeviceInputs prefill_in(backend, m, longest), decode_in(backend, m, 1);
   std::vector<std::vector<int32_t>> history(t.sessions);
@@ -182,6 +185,7 @@ TraceResult RunTrace(const ModelSpec& m, int32_t backend, const TraceOptions& t,
   // Each session's turns stay in order; sessions interleave at random.
   std::shuffle(order.begin(), order.end(), rng);
   TraceResult r;
+  r.create_s = create_s;
   for (int64_t s : order) {
     std::vector<int32_t>& h = history[s];
     const int64_t before = static_cast<int64_t>(h.size());
@@ -230,7 +234,7 @@ void PrintTrace(FILE* f, const char* name, const TraceResult& r, bool last) {
                "\"prefill_tokens\": %lld, \"mean_turn_ms\": %.3f, \"median_turn_ms\": %.3f, "
                "\"mean_prefill_ms\": %.3f, \"total_s\": %.3f, \"gpu_evictions\": %lld, "
                "\"dropped\": %lld, \"spills_ahead\": %lld, \"mean_step_ms\": %.4f, "
-               "\"median_step_ms\": %.4f}%s\n",
+               "\"median_step_ms\": %.4f, \"create_s\": %.3f}%s\n",
                name, static_cast<long long>(r.turns), static_cast<long long>(s.snapshot_hits),
                static_cast<long long>(s.host_hits),
                static_cast<long long>(s.snapshot_misses - s.host_hits),
@@ -242,7 +246,7 @@ void PrintTrace(FILE* f, const char* name, const TraceResult& r, bool last) {
                static_cast<long long>(s.snapshot_evictions),
                static_cast<long long>(s.snapshot_evictions - s.snapshot_spills),
                static_cast<long long>(s.spills_ahead), Mean(r.step_s) * 1e3,
-               Median(r.step_s) * 1e3, last ? "" : ",");
+               Median(r.step_s) * 1e3, r.create_s, last ? "" : ",");
 }
 
 void Report(const char* name, const TraceResult& r) {
@@ -251,7 +255,7 @@ void Report(const char* name, const TraceResult& r) {
       "  host tier %-8s: %lld turns, hits gpu %lld host %lld, misses %lld; history reused "
       "%.1f%% (%lld of %lld tokens), prefilled %lld tokens; turn %.2f ms mean (%.2f median), "
       "prefill %.2f ms mean; GPU evictions %lld (dropped %lld), spilled ahead %lld; decode "
-      "step %.3f ms mean (%.3f median)\n",
+      "step %.3f ms mean (%.3f median); cache made in %.2f s\n",
       name, static_cast<long long>(r.turns), static_cast<long long>(s.snapshot_hits),
       static_cast<long long>(s.host_hits), static_cast<long long>(s.snapshot_misses - s.host_hits),
       r.history_tokens ? 100.0 * r.reused_tokens / r.history_tokens : 0.0,
@@ -259,7 +263,8 @@ void Report(const char* name, const TraceResult& r) {
       static_cast<long long>(r.prefill_tokens), Mean(r.turn_s) * 1e3, Median(r.turn_s) * 1e3,
       Mean(r.prefill_s) * 1e3, static_cast<long long>(s.snapshot_evictions),
       static_cast<long long>(s.snapshot_evictions - s.snapshot_spills),
-      static_cast<long long>(s.spills_ahead), Mean(r.step_s) * 1e3, Median(r.step_s) * 1e3);
+      static_cast<long long>(s.spills_ahead), Mean(r.step_s) * 1e3, Median(r.step_s) * 1e3,
+      r.create_s);
 }
 
 int Main(int argc, char** argv) {
