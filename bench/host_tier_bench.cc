@@ -58,7 +58,7 @@ std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t backend, int64
   o.memory_budget_bytes = slots * m.SlotBytes();
   o.track_interval = track_interval;
   o.host_spill_ahead = spill_ahead;
-  o.host_pin_at_start = pin && host_snapshots > 0;
+  o.host_pin_at_start = pin;  // no host tier: nothing to pin
   o.max_prefill_tokens = 1 << 20;
   o.host_snapshot_bytes = host_snapshots * m.LayerStateBytes() * m.num_layers;
   absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);

@@ -14,9 +14,8 @@ namespace internal {
 absl::Status StateCacheImpl::ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
                                         absl::Span<const void* const> checkpoints,
                                         IoMemory memory) {
-  if (static_cast<int32_t>(checkpoints.size()) != model_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", model_.num_layers,
-                                                   " layers, got ", checkpoints.size()));
+  if (absl::Status st = model_.CheckLayerCount(checkpoints.size(), "checkpoints"); !st.ok()) {
+    return st;
   }
   int32_t index = -1;
   {
@@ -48,9 +47,8 @@ absl::Status StateCacheImpl::ImportFrom(SlotId id, absl::Span<const int32_t> tok
 absl::StatusOr<ExportedState> StateCacheImpl::ExportInto(SlotId id,
                                                          absl::Span<void* const> checkpoints,
                                                          IoMemory memory) {
-  if (static_cast<int32_t>(checkpoints.size()) != model_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", model_.num_layers,
-                                                   " layers, got ", checkpoints.size()));
+  if (absl::Status st = model_.CheckLayerCount(checkpoints.size(), "checkpoints"); !st.ok()) {
+    return st;
   }
   int32_t index = -1;
   {
@@ -155,9 +153,8 @@ void StateCacheImpl::DropImport(int32_t index) {
 absl::Status StateCache::Import(SlotId id, absl::Span<const int32_t> tokens,
                                 absl::Span<const absl::Span<const uint8_t>> checkpoints) {
   const ModelSpec& m = model();
-  if (static_cast<int32_t>(checkpoints.size()) != m.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", m.num_layers,
-                                                   " layers, got ", checkpoints.size()));
+  if (absl::Status st = m.CheckLayerCount(checkpoints.size(), "checkpoints"); !st.ok()) {
+    return st;
   }
   const size_t bytes = static_cast<size_t>(m.LayerStateBytes());
   std::vector<const void*> ptrs;

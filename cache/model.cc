@@ -56,6 +56,12 @@ int64_t ModelSpec::ConvRingBytes() const {
   const rssm_conv_shape c = ConvShape();
   return rssm_conv_ring_elems(&c) * static_cast<int64_t>(rssm_dtype_size(shape.act_dtype));
 }
+absl::Status ModelSpec::CheckLayerCount(size_t got, const char* field) const {
+  if (got == static_cast<size_t>(num_layers)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected ", num_layers, " layers, got ", got));
+}
+
 int64_t ModelSpec::LayerStateBytes() const {
   return rssm_checkpoint_elems(&shape) * static_cast<int64_t>(rssm_dtype_size(shape.state_dtype)) +
          ConvWindowBytes();

@@ -583,9 +583,8 @@ absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
 
 absl::Status TpGroup::ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
                                  absl::Span<const void* const> checkpoints, IoMemory memory) {
-  if (static_cast<int32_t>(checkpoints.size()) != full_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", full_.num_layers,
-                                                   " layers, got ", checkpoints.size()));
+  if (absl::Status st = full_.CheckLayerCount(checkpoints.size(), "checkpoints"); !st.ok()) {
+    return st;
   }
   if (memory == IoMemory::kBackend && options_.backend != RSSM_BACKEND_CPU) {
     return absl::InvalidArgumentError(
@@ -608,9 +607,8 @@ absl::Status TpGroup::ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
 
 absl::StatusOr<ExportedState> TpGroup::ExportInto(SlotId id, absl::Span<void* const> checkpoints,
                                                   IoMemory memory) {
-  if (static_cast<int32_t>(checkpoints.size()) != full_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoints: expected ", full_.num_layers,
-                                                   " layers, got ", checkpoints.size()));
+  if (absl::Status st = full_.CheckLayerCount(checkpoints.size(), "checkpoints"); !st.ok()) {
+    return st;
   }
   if (memory == IoMemory::kBackend && options_.backend != RSSM_BACKEND_CPU) {
     return absl::InvalidArgumentError(

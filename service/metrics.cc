@@ -63,6 +63,13 @@ void AddSample(prometheus::MetricFamily& f, double value,
   f.metric.push_back(std::move(m));
 }
 
+// A family of one unlabelled sample, appended to `out`.
+void AddSingle(std::vector<prometheus::MetricFamily>& out, std::string name, std::string help,
+               prometheus::MetricType type, double value) {
+  out.push_back(Family(std::move(name), std::move(help), type));
+  AddSample(out.back(), value);
+}
+
 // The snapshot tiers (docs/operations.md, "Host tier"): lookups, moves and bytes per tier, and
 // the promotion latency histogram (CacheStats counts per bucket; Prometheus wants them
 // cumulative).
@@ -87,16 +94,12 @@ void AddTierFamilies(const cache::CacheStats& s, std::vector<prometheus::MetricF
   AddSample(bytes, s.backend_snapshot_bytes, {{"tier", "gpu"}});
   AddSample(bytes, s.host_bytes, {{"tier", "host"}});
   out.push_back(std::move(bytes));
-  auto capacity = Family("replayssm_host_snapshot_capacity_bytes",
-                         "--host-snapshot-bytes usable (whole snapshots), all ranks",
-                         MetricType::Gauge);
-  AddSample(capacity, s.host_capacity_bytes);
-  out.push_back(std::move(capacity));
-  auto backed = Family("replayssm_host_backed_snapshots",
-                       "GPU snapshots whose state the host tier holds too (evicted at no loss)",
-                       MetricType::Gauge);
-  AddSample(backed, s.host_backed_snapshots);
-  out.push_back(std::move(backed));
+  AddSingle(out, "replayssm_host_snapshot_capacity_bytes",
+            "--host-snapshot-bytes usable (whole snapshots), all ranks", MetricType::Gauge,
+            s.host_capacity_bytes);
+  AddSingle(out, "replayssm_host_backed_snapshots",
+            "GPU snapshots whose state the host tier holds too (evicted at no loss)",
+            MetricType::Gauge, s.host_backed_snapshots);
   auto latency = Family("replayssm_snapshot_promotion_seconds",
                         "Host hits: the copy of the state back to the GPU, seconds",
                         MetricType::Histogram);
@@ -204,9 +207,8 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
   AddSample(slots, s.slots_snapshot, {{"state", "snapshot"}});
   AddSample(slots, s.slots_free, {{"state", "free"}});
   out.push_back(std::move(slots));
-  auto capacity = Family("replayssm_slots_capacity", "Slots the budget holds", MetricType::Gauge);
-  AddSample(capacity, s.slots_total);
-  out.push_back(std::move(capacity));
+  AddSingle(out, "replayssm_slots_capacity", "Slots the budget holds", MetricType::Gauge,
+            s.slots_total);
 
   auto folds = Family("replayssm_folds_total", "Checkpoint folds by reason", MetricType::Counter);
   AddSample(folds, s.folds_ring_full, {{"reason", "ring_full"}});
@@ -231,9 +233,7 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
       {"replayssm_snapshot_spills_ahead_total", s.spills_ahead},
   };
   for (const auto& [name, value] : counters) {
-    auto f = Family(name, "StateCache counter (see docs/api.md)", MetricType::Counter);
-    AddSample(f, value);
-    out.push_back(std::move(f));
+    AddSingle(out, name, "StateCache counter (see docs/api.md)", MetricType::Counter, value);
   }
   AddTierFamilies(s, out);
   auto forwards =
@@ -242,25 +242,19 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
   AddSample(forwards, s.forwards_abandoned, {{"outcome", "abandoned"}});
   out.push_back(std::move(forwards));
 
-  auto open = Family("replayssm_open_forwards", "Forwards in progress", MetricType::Gauge);
-  AddSample(open, g.open_forwards);
-  out.push_back(std::move(open));
-  auto draining = Family("replayssm_draining", "1 while the server drains", MetricType::Gauge);
-  AddSample(draining, g.draining ? 1 : 0);
-  out.push_back(std::move(draining));
-  auto batches = Family("replayssm_cache_event_batches_total",
-                        "Cache event batches numbered (all tenants)", MetricType::Counter);
-  AddSample(batches, g.cache_event_batches);
-  out.push_back(std::move(batches));
-  auto watchers = Family("replayssm_cache_event_watchers",
-                         "Listeners of cache events: WatchCache streams and the ZMQ publisher",
-                         MetricType::Gauge);
-  AddSample(watchers, g.cache_event_watchers);
-  out.push_back(std::move(watchers));
-  auto zmq = Family("replayssm_kv_events_published_total",
-                    "Cache event batches sent on the ZMQ PUB socket", MetricType::Counter);
-  AddSample(zmq, g.kv_events_published);
-  out.push_back(std::move(zmq));
+  AddSingle(out, "replayssm_open_forwards", "Forwards in progress", MetricType::Gauge,
+            g.open_forwards);
+  AddSingle(out, "replayssm_draining", "1 while the server drains", MetricType::Gauge,
+            g.draining ? 1 : 0);
+  AddSingle(out, "replayssm_cache_event_batches_total",
+            "Cache event batches numbered (all tenants)", MetricType::Counter,
+            g.cache_event_batches);
+  AddSingle(out, "replayssm_cache_event_watchers",
+            "Listeners of cache events: WatchCache streams and the ZMQ publisher",
+            MetricType::Gauge, g.cache_event_watchers);
+  AddSingle(out, "replayssm_kv_events_published_total",
+            "Cache event batches sent on the ZMQ PUB socket", MetricType::Counter,
+            g.kv_events_published);
   return out;
 }
 

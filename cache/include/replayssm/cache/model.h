@@ -61,6 +61,8 @@ struct ModelSpec {
   int64_t LayerStateBytes() const;
   // What one slot costs across all layers: checkpoint + conv window + ring (d, k, g, x).
   int64_t SlotBytes() const;
+  // OK, or INVALID_ARGUMENT naming `field` when `got` layer states are given for num_layers.
+  absl::Status CheckLayerCount(size_t got, const char* field) const;
 };
 
 // Built-in presets: "qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "tiny-gdn", "tiny-kda",
