@@ -70,8 +70,7 @@ __device__ __forceinline__ void StoreGlobal8(void* p, uint2 v) {
 
 // N consecutive elements of T kept raw in registers (converted on use). Global loads and
 // stores take 16- or 8-byte pieces when `vec` (p aligned to the piece), else element by
-// element; shared-memory ones always go in pieces (p aligned to them, at most 16 bytes; a
-// 4-byte multiple in words).
+// element; shared-memory ones always go in pieces (p aligned to them, at most 16 bytes).
 template <typename T, int N>
 struct Vec {
   static constexpr int kBytes = N * int(sizeof(T));
@@ -146,9 +145,6 @@ struct Vec {
         const uint2 x = reinterpret_cast<const uint2*>(p)[i];
         w[2 * i] = x.x, w[2 * i + 1] = x.y;
       }
-    } else if constexpr (kBytes % 4 == 0) {
-#pragma unroll
-      for (int i = 0; i < kBytes / 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(p)[i];
     } else {
       T* d = reinterpret_cast<T*>(w);
 #pragma unroll

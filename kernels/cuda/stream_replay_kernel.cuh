@@ -70,9 +70,9 @@ __device__ __forceinline__ float RawToF(uint32_t x, int dt) {
 template <typename R, bool KDA>
 struct StreamCta {
   using T = float;
-  static constexpr int KC = 4, RB = kStreamStageRows, G = 4;
+  static constexpr int KC = 4, RB = kStreamStageRows, NV = 2 * RB, SPREAD = 32 / NV, G = 4;
   static constexpr int NC = kStreamConsumerWarps;
-  static_assert(RB == 8, "the row contraction: 8 lanes a row, two rows a lane");
+  static_assert(NV <= 32, "one butterfly per stage");
 
   const StreamParams& p;
   const LayerDesc& ly;
@@ -476,16 +476,8 @@ struct StreamCta {
       NamedBarrierSync(1, NC * 32);
 
       // The rows: stage s of the item is warp (s mod NC)'s.
-      // The row contraction's lane geometry: its first key group and first row of a stage;
-      // the record dots of the records its groups hold.
-      const int grp0 = lane & 7, row0 = 2 * (lane >> 3);
-      float ur[4], pr[4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int g = grp0 + 8 * m;
-        ur[m] = g < x.w ? x.us()[g] : 0.f;
-        pr[m] = g < x.w ? x.ps()[g] : 0.f;
-      }
+      const float ur = lane < x.w ? x.us()[lane] : 0.f;
+      const float pr = lane < x.w ? x.ps()[lane] : 0.f;
       R* const rdw = RingD(x.slot, x.h) + int64_t{P} * V;
       const int64_t orow = tok * ly.o_stride + int64_t{x.h} * V;
       for (int s = warp; s < nsi; s += NC) {
@@ -495,56 +487,39 @@ struct StreamCta {
           MbarWait(full + b, wphase);
           // The stage is read a row at a time and released once the row is done (its fold
           // reads it again): no stage's rows held in registers, for 3 CTAs per SM.
-          const T* const sb = stages + int64_t{b} * RB * K;
-          // The row contraction, 8 lanes a row: lane l takes rows 2 (l / 8) and 2 (l / 8) + 1
-          // of the stage and the key groups lo, lo + 8, lo + 16, lo + 24 (lo = l % 8; a group is
-          // 4 channels, the one lane l % 32 holds in the bulk kernel). Each group's partial is
-          // the bulk kernel's: its 4 channels' products in order, then record g's ring term
-          // (g < w). The tree over the 32 groups is the bulk kernel's butterfly too: groups g
-          // and g ^ 16, then g ^ 8, in registers; then g ^ 4, g ^ 2, g ^ 1 across the 8 lanes.
-          // Every add the same pair as there, so the same bits, with two of the five levels
-          // out of the shuffles.
-          float pk[2][4], pq[2][4];  // [row][group], for A∘k and A∘q
+          const T* const st = stages + int64_t{b} * RB * K + c0;
+          float acc[NV];
 #pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            const int g = grp0 + 8 * m;
+          for (int i = 0; i < NV; ++i) acc[i] = 0.f;
+          if (has_c) {  // A∘k, A∘q from shared memory per stage (registers: 3 CTAs per SM)
+            Vec<float, KC> ka, qa;
+            ka.LoadShared(x.kas() + c0);
+            qa.LoadShared(x.qas() + c0);
 #pragma unroll
-            for (int t = 0; t < 2; ++t) pk[t][m] = 0.f, pq[t][m] = 0.f;
-            if (4 * g < K) {
-              Vec<float, KC> ka, qa;
-              ka.LoadShared(x.kas() + 4 * g);
-              qa.LoadShared(x.qas() + 4 * g);
+            for (int i = 0; i < RB; ++i) {
+              Vec<T, KC> xr;
+              xr.LoadShared(st + i * K);
 #pragma unroll
-              for (int t = 0; t < 2; ++t) {
-                Vec<T, KC> xr;
-                xr.LoadShared(sb + (row0 + t) * K + 4 * g);
-#pragma unroll
-                for (int e = 0; e < KC; ++e) {
-                  pk[t][m] = fmaf(xr.Get(e), ka.Get(e), pk[t][m]);
-                  pq[t][m] = fmaf(xr.Get(e), qa.Get(e), pq[t][m]);
-                }
-              }
-            }
-            if (g < x.w) {  // the ring terms: group g holds record g
-              Vec<R, 2> dl;
-              dl.LoadShared(x.ds() + g * p.dst + rb0 + row0);
-#pragma unroll
-              for (int t = 0; t < 2; ++t) {
-                pk[t][m] = fmaf(dl.Get(t), ur[m], pk[t][m]);
-                pq[t][m] = fmaf(dl.Get(t), pr[m], pq[t][m]);
+              for (int e = 0; e < KC; ++e) {
+                const float sv = xr.Get(e);
+                acc[i * 2] += sv * ka.Get(e);
+                acc[i * 2 + 1] += sv * qa.Get(e);
               }
             }
           }
-          float acc[4];  // row 0's k, q; row 1's k, q
+          if (lane < x.w) {  // the ring terms: lane j holds record j
+            Vec<R, RB> dl;
+            dl.LoadShared(x.ds() + lane * p.dst + rb0);
 #pragma unroll
-          for (int t = 0; t < 2; ++t) {
-            acc[2 * t] = (pk[t][0] + pk[t][2]) + (pk[t][1] + pk[t][3]);
-            acc[2 * t + 1] = (pq[t][0] + pq[t][2]) + (pq[t][1] + pq[t][3]);
+            for (int i = 0; i < RB; ++i) {
+              const float y = dl.Get(i);
+              acc[i * 2] += y * ur;
+              acc[i * 2 + 1] += y * pr;
+            }
           }
-          TransposeReduce<4, 4>::Run(acc, lane);  // lane l: value (l % 8) / 2 of its rows
-          const int at = 8 * (row_l >> 1) + 4 * (row_l & 1);
-          const float sk = __shfl_sync(0xffffffffu, acc[0], at);
-          const float sq = __shfl_sync(0xffffffffu, acc[0], at + 2);
+          TransposeReduce<NV, 16>::Run(acc, lane);
+          const float sk = __shfl_sync(0xffffffffu, acc[0], (row_l * 2) * SPREAD);
+          const float sq = __shfl_sync(0xffffffffu, acc[0], (row_l * 2 + 1) * SPREAD);
           const float vcur = __shfl_sync(0xffffffffu, vf, (s / NC) * RB + row_l);
           const float d = beta * (vcur - sk);
           const R dr = FromF<R>(d);
@@ -555,7 +530,7 @@ struct StreamCta {
             StoreAct(ly.o, orow + v, dt, o);
             if (!x.fold) rdw[v] = dr;
           }
-          if (x.fold) FoldStage(x, sb + c0, rb0, dcur, has_c);
+          if (x.fold) FoldStage(x, st, rb0, dcur, has_c);
           __syncwarp();
           if (lane == 0) MbarArrive(empty + b);  // every lane is done with the stage
         }
