@@ -14,50 +14,57 @@
 
 namespace replayssm::kernels::cuda {
 
-// T: the checkpoint's storage type; Ring: the ring's d and k (read when a row starts from its
-// slot).
+// One CTA of the kernel: where it sits, its row's slot and tokens, and its phases (the
+// records, tokens and weights are head_ops.cuh's). The fp32 tile lives in the kernel's frame
+// and passes by reference. T: the checkpoint's storage type; Ring: the ring's d and k (read
+// when a row starts from its slot).
 template <typename T, typename Ring, int KMAX>
-__global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant__ PrefillParams p) {
+struct PrefillCta {
   using Cfg = TileCfg<T, KMAX>;
-  constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
-  extern __shared__ float4 smem4[];
-  float* s = reinterpret_cast<float*>(smem4);
-  const LayerDesc& ly = p.ly;
-  const SmemLayout& sm = p.sm;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int64_t bid = blockIdx.x;
-  const int vt = static_cast<int>(bid % p.num_vtiles);
-  bid /= p.num_vtiles;
-  const int h = static_cast<int>(bid % ly.HV);
-  const int r = static_cast<int>(bid / ly.HV);
-  const int v0 = vt * VT;
-  const int K = ly.K, V = ly.V, L = ly.L;
-  const int64_t slot = p.slot_idx[r];
-  int64_t begin = 0, end = 0;
-  if (!p.fold_only) {
-    begin = p.cu_seqlens[r];
-    end = max(int64_t{p.cu_seqlens[r + 1]}, begin);
+  static constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
+  using Tile = float[R][CPL][E];
+
+  const PrefillParams& p;
+  const LayerDesc& ly;
+  const SmemLayout& sm;
+  float* s;
+  int tid, lane, warp, vt, h, r, v0, K, V, L;
+  int64_t slot;
+  int64_t begin, end;  // the row's tokens
+
+  __device__ __forceinline__ PrefillCta(const PrefillParams& params, float* smem)
+      : p(params), ly(params.ly), sm(params.sm), s(smem) {
+    tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int64_t bid = blockIdx.x;
+    vt = static_cast<int>(bid % p.num_vtiles);
+    bid /= p.num_vtiles;
+    h = static_cast<int>(bid % ly.HV);
+    r = static_cast<int>(bid / ly.HV);
+    v0 = vt * VT;
+    K = ly.K, V = ly.V, L = ly.L;
+    slot = p.slot_idx[r];
+    begin = 0, end = 0;
+    if (!p.fold_only) {
+      begin = p.cu_seqlens[r];
+      end = max(int64_t{p.cu_seqlens[r + 1]}, begin);
+    }
   }
-  if (slot < 0 || slot >= ly.num_slots) {
-    if (ly.o != nullptr) {
-      for (int64_t i = tid; i < (end - begin) * VT; i += kThreads) {
-        const int64_t n = begin + i / VT;
-        const int row = static_cast<int>(i % VT);
-        if (v0 + row < V) {
-          StoreAct(ly.o, n * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype, 0.f);
-        }
+
+  // A padding row: zero outputs, touch no state.
+  __device__ __forceinline__ void ZeroOutputs() const {
+    if (ly.o == nullptr) return;
+    for (int64_t i = tid; i < (end - begin) * VT; i += kThreads) {
+      const int64_t n = begin + i / VT;
+      const int row = static_cast<int>(i % VT);
+      if (v0 + row < V) {
+        StoreAct(ly.o, n * ly.o_stride + int64_t{h} * V + v0 + row, ly.act_dtype, 0.f);
       }
     }
-    return;
   }
-  const bool initial = p.fold_only || (p.initial != nullptr && p.initial[r] != 0);
-  const int w = initial && p.write_pos != nullptr ? min(max(p.write_pos[r], 0), L) : 0;
-  if (p.fold_only && w == 0) return;  // nothing to fold: the checkpoint stays bit-identical
 
-  T* s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + (int64_t{h} * V + v0) * K;
-  const bool aligned = (reinterpret_cast<uintptr_t>(s0) & 15) == 0;
-  float st[R][CPL][E];
-  if (initial) {
+  // The slot's logical state into the tile: S0 folded with records 0..w-1 (in place of the
+  // fold's write: S0·A + Σ_j d_j (W_j∘k_j)).
+  __device__ __forceinline__ void FromSlot(Tile& st, const T* s0, bool aligned, int w) const {
     Chunk<T> raw[R][CPL];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -95,16 +102,11 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
       }
     }
     __syncthreads();
-  } else {
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-      for (int ch = 0; ch < CPL; ++ch)
-#pragma unroll
-        for (int e = 0; e < E; ++e) st[i][ch][e] = 0.f;
   }
 
-  for (int64_t n = begin; n < end; ++n) {
+  // Token n, a baseline step on the tile: the contraction with A∘k and A∘q, d and o per row
+  // (thread per row), then S <- S·A + d kᵀ with d and k rounded as the ring holds them.
+  __device__ __forceinline__ void Step(Tile& st, int64_t n) const {
     LoadToken(ly, sm, s, n, h, 0, 0, v0, VT);
     __syncthreads();
     NormalizeTokens<Ring>(ly, sm, s, 1, 0);
@@ -156,20 +158,54 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant_
     __syncthreads();
   }
 
+  // The tile to the checkpoint, rounded to T once.
+  __device__ __forceinline__ void Store(const Tile& st, T* s0, bool aligned) const {
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int row = Cfg::Row(i, warp, lane);
-    if (v0 + row >= V) continue;
+    for (int i = 0; i < R; ++i) {
+      const int row = Cfg::Row(i, warp, lane);
+      if (v0 + row >= V) continue;
 #pragma unroll
-    for (int ch = 0; ch < CPL; ++ch) {
-      const int c = Cfg::Chan(ch, lane);
-      if (c >= K) continue;
-      Chunk<T> out;
+      for (int ch = 0; ch < CPL; ++ch) {
+        const int c = Cfg::Chan(ch, lane);
+        if (c >= K) continue;
+        Chunk<T> out;
 #pragma unroll
-      for (int e = 0; e < E; ++e) out.Set(e, st[i][ch][e]);
-      StoreChunk(s0 + int64_t{row} * K + c, out, aligned);
+        for (int e = 0; e < E; ++e) out.Set(e, st[i][ch][e]);
+        StoreChunk(s0 + int64_t{row} * K + c, out, aligned);
+      }
     }
   }
+};
+
+template <typename T, typename Ring, int KMAX>
+__global__ void __launch_bounds__(kThreads) PrefillKernel(const __grid_constant__ PrefillParams p) {
+  using Cta = PrefillCta<T, Ring, KMAX>;
+  extern __shared__ float4 smem4[];
+  Cta c(p, reinterpret_cast<float*>(smem4));
+  const LayerDesc& ly = p.ly;
+  if (c.slot < 0 || c.slot >= ly.num_slots) {
+    c.ZeroOutputs();
+    return;
+  }
+  const bool initial = p.fold_only || (p.initial != nullptr && p.initial[c.r] != 0);
+  const int w = initial && p.write_pos != nullptr ? min(max(p.write_pos[c.r], 0), c.L) : 0;
+  if (p.fold_only && w == 0) return;  // nothing to fold: the checkpoint stays bit-identical
+
+  T* s0 = static_cast<T*>(ly.ckpt) + c.slot * ly.ckpt_stride + (int64_t{c.h} * c.V + c.v0) * c.K;
+  const bool aligned = (reinterpret_cast<uintptr_t>(s0) & 15) == 0;
+  typename Cta::Tile st;
+  if (initial) {
+    c.FromSlot(st, s0, aligned, w);
+  } else {
+#pragma unroll
+    for (int i = 0; i < Cta::R; ++i)
+#pragma unroll
+      for (int ch = 0; ch < Cta::CPL; ++ch)
+#pragma unroll
+        for (int e = 0; e < Cta::E; ++e) st[i][ch][e] = 0.f;
+  }
+  for (int64_t n = c.begin; n < c.end; ++n) c.Step(st, n);
+  c.Store(st, s0, aligned);
 }
 
 }  // namespace replayssm::kernels::cuda
