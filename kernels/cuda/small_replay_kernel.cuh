@@ -70,85 +70,58 @@ __device__ __forceinline__ void CopyAsyncWaitAll() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// One CTA of the kernel: where it sits, its row's metadata and addresses (the constructor, the
-// metadata loads first: every address waits for them), and its phases in the order the kernel
-// runs them. Arrays live in the kernel's frame and pass by reference (registers).
+// Grid (HV * tiles, B), NW = kSmallReplayWarps warps per CTA, dynamic shared memory
+// SmallReplaySmem::total (d rows: the CTA's NW * RPW; k and g padded to whole record blocks).
 template <typename R, typename A, bool KDA, int KC, int RPW, bool AFTER_CONV>
-struct SmallReplayCta {
+__global__ void __launch_bounds__(kSmallReplayWarps * 32)
+    SmallReplayKernel(const __grid_constant__ SmallReplayParams p) {
   using T = float;
-  static constexpr int NV = 2 * RPW;  // values per row butterfly: ·(A∘k), ·(A∘q) per row
-  static constexpr int SPREAD = 32 / NV;
-  static constexpr int NW = kSmallReplayWarps;
-  static constexpr int RB = kSmallReplayRecordBlock;  // records per block of the chain
-  static constexpr int MO = RB / NW;        // a warp's records per block (u and p: 2 * MO values)
-  static constexpr int GS = 32 / (2 * MO);  // lanes per total after their butterfly
-  static constexpr int CR = NW * RPW;       // the CTA's rows
+  constexpr int NV = 2 * RPW;  // values per row butterfly: ·(A∘k), ·(A∘q) per row
+  constexpr int SPREAD = 32 / NV;
+  constexpr int NW = kSmallReplayWarps;
+  constexpr int RB = kSmallReplayRecordBlock;  // records per block of the chain
+  constexpr int MO = RB / NW;        // a warp's records per block (u and p: 2 * MO values)
+  constexpr int GS = 32 / (2 * MO);  // lanes per total after their butterfly
   static_assert(NV <= 32, "2 * RPW values must fit one butterfly");
   static_assert(RB % NW == 0 && 2 * MO <= 32, "whole record blocks per warp");
-  static constexpr unsigned kAll = 0xffffffffu;
-
-  const SmallReplayParams& p;
-  const LayerDesc& ly;
-  int lane, warp, r, h, tile, K, V, H, L;
-  int vc;        // the CTA's first row
-  int v0;        // the warp's first row
-  bool rows_on;  // a last CTA's warps past V do record dots only
-  bool lead;     // the warp that appends k and g
-  int hq, c0;
-  bool has_c;
-  int row_l;  // the row whose d, o this lane finishes
-  bool pad;
-  int64_t slot;
-  int w;
-  bool fold;
-  R* ring_d;
-  R* ring_k;
-  float* ring_g;
-  R* ks;       // [Lb][K]
-  float* gs;   // [Lb][kg]
-  R* ds;       // [L][CR] the CTA's rows
-  float* kws;  // [L][K] W_j∘k_j (fold)
-  float* us;   // [L]
-  float* ps;   // [L]
-  T* s0;
-
-  __device__ __forceinline__ SmallReplayCta(const SmallReplayParams& params, unsigned char* smem)
-      : p(params), ly(params.ly) {
-    lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    r = blockIdx.y;
-    h = blockIdx.x / p.tiles, tile = blockIdx.x - h * p.tiles;
-    K = ly.K, V = ly.V, H = ly.H, L = ly.L;
-    vc = tile * CR;
-    v0 = vc + warp * RPW;
-    rows_on = v0 < V;
-    lead = tile == 0 && warp == 0;
-    hq = h / ly.group;
-    c0 = lane * KC;
-    has_c = c0 < K;
-    row_l = lane % RPW;
-    // The metadata first (every address waits for it).
-    const int slot_i = p.slot_idx[r];
-    const int wraw = p.write_pos[r];
-    const int ffold = p.force_fold != nullptr ? p.force_fold[r] : 0;
-    pad = slot_i < 0 || slot_i >= ly.num_slots;
-    slot = pad ? 0 : slot_i;
-    w = min(max(wraw, 0), L);
-    fold = w + 1 >= L || ffold != 0;
-    ring_d = static_cast<R*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
-    ring_k = static_cast<R*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
-    ring_g = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * (KDA ? K : 1);
-    ks = reinterpret_cast<R*>(smem + p.o_k);
-    gs = reinterpret_cast<float*>(smem + p.o_g);
-    ds = reinterpret_cast<R*>(smem + p.o_d);
-    kws = reinterpret_cast<float*>(smem + p.o_kw);
-    us = reinterpret_cast<float*>(smem + p.o_u);
-    ps = reinterpret_cast<float*>(smem + p.o_p);
-    s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + (int64_t{h} * V + v0) * K + c0;
-  }
+  constexpr unsigned kAll = 0xffffffffu;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const LayerDesc& ly = p.ly;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = blockIdx.y;
+  const int h = blockIdx.x / p.tiles, tile = blockIdx.x - h * p.tiles;
+  const int K = ly.K, V = ly.V, H = ly.H, L = ly.L;
+  constexpr int CR = NW * RPW;               // the CTA's rows
+  const int vc = tile * CR;                  // the CTA's first row
+  const int v0 = vc + warp * RPW;            // the warp's first row
+  const bool rows_on = v0 < V;               // a last CTA's warps past V do record dots only
+  const bool lead = tile == 0 && warp == 0;  // the warp that appends k and g
+  const int hq = h / ly.group;
+  const int c0 = lane * KC;
+  const bool has_c = c0 < K;
+  const int row_l = lane % RPW;  // the row whose d, o this lane finishes
+  // The metadata first (every address waits for it).
+  const int slot_i = p.slot_idx[r];
+  const int wraw = p.write_pos[r];
+  const int ffold = p.force_fold != nullptr ? p.force_fold[r] : 0;
+  const bool pad = slot_i < 0 || slot_i >= ly.num_slots;
+  const int64_t slot = pad ? 0 : slot_i;
+  const int w = min(max(wraw, 0), L);
+  const bool fold = w + 1 >= L || ffold != 0;
+  R* const ring_d = static_cast<R*>(ly.ring_d) + slot * ly.d_stride + int64_t{h} * L * V;
+  R* const ring_k = static_cast<R*>(ly.ring_k) + slot * ly.k_stride + int64_t{hq} * L * K;
+  float* const ring_g = ly.ring_g + slot * ly.g_stride + int64_t{h} * L * (KDA ? K : 1);
+  R* const ks = reinterpret_cast<R*>(smem + p.o_k);            // [Lb][K]
+  float* const gs = reinterpret_cast<float*>(smem + p.o_g);    // [Lb][kg]
+  R* const ds = reinterpret_cast<R*>(smem + p.o_d);            // [L][CR] the CTA's rows
+  float* const kws = reinterpret_cast<float*>(smem + p.o_kw);  // [L][K] W_j∘k_j (fold)
+  float* const us = reinterpret_cast<float*>(smem + p.o_u);    // [L]
+  float* const ps = reinterpret_cast<float*>(smem + p.o_p);    // [L]
+  T* const s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + (int64_t{h} * V + v0) * K + c0;
 
   // The records and S0 in flight (nothing of the convolution's is read here). Record j is warp
   // (j mod NW)'s: it copies j's k (and KDA's g) and the CTA's d rows of j, and does j's dots.
-  __device__ __forceinline__ void IssueState(Vec<T, KC> (&x)[RPW]) const {
+  auto issue_state = [&](Vec<T, KC>(&x)[RPW]) {
     if (pad) return;
     constexpr int DE = 16 / int(sizeof(R));  // d elements per 16-byte piece
     const bool d_on = lane * DE < min(CR, V - vc);
@@ -180,173 +153,174 @@ struct SmallReplayCta {
         x[i].Zero();
       }
     }
+  };
+  Vec<T, KC> x[RPW];
+  if constexpr (AFTER_CONV) {
+    issue_state(x);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
   }
+  // The token: q, k, gates, beta, v (the baseline kernel's loads).
+  StepToken<A, KC> t;
+  A* const orow = LoadStepToken<A, KDA, KC>(
+      ly, TokenSite{K, H, V, r, h, hq, c0, has_c, rows_on, v0, row_l}, t);
+  if (pad) {  // a padding row (the whole CTA): zero outputs
+    if (rows_on && lane < RPW) orow[lane] = FromF<A>(0.f);
+    return;
+  }
+  if constexpr (!AFTER_CONV) issue_state(x);
 
-  // The token (the baseline kernel's loads); returns the warp's outputs.
-  __device__ __forceinline__ A* LoadToken(StepToken<A, KC>& t) const {
-    return LoadStepToken<A, KDA, KC>(ly, TokenSite{K, H, V, r, h, hq, c0, has_c, rows_on, v0, row_l},
-                                     t);
-  }
-
-  // q and k normalized (q scaled), k·q (NormalizeQk, as the bulk kernel's NormDraft); the
-  // token's gate gt (the records' chain starts from it: acc) and beta.
-  __device__ __forceinline__ void TokenMath(const StepToken<A, KC>& t, float (&q)[KC],
-                                            float (&kk)[KC], float (&gt)[KC], float (&acc)[KC],
-                                            float& kq, float& beta) const {
+  // q and k normalized (q scaled), k·q: NormalizeQk, as the bulk kernel's NormDraft.
+  float q[KC], kk[KC];
 #pragma unroll
-    for (int e = 0; e < KC; ++e) {
-      q[e] = has_c ? ToF(t.qr[e]) : 0.f;
-      kk[e] = has_c ? ToF(t.kr[e]) : 0.f;
-    }
-    kq = NormalizeQk<KC>(ly, q, kk);
-    const float decay = -expf(t.alog);
-    const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(t.ar[0]) + t.db[0]);
-#pragma unroll
-    for (int e = 0; e < KC; ++e) {
-      gt[e] = KDA ? (has_c ? decay * Softplus(ToF(t.ar[e]) + t.db[e]) : 0.f) : g_gdn;
-      acc[e] = gt[e];
-    }
-    beta = Beta(ToF(t.b_raw), ly.act_dtype, ly.round_beta);
+  for (int e = 0; e < KC; ++e) {
+    q[e] = has_c ? ToF(t.qr[e]) : 0.f;
+    kk[e] = has_c ? ToF(t.kr[e]) : 0.f;
   }
+  const float kq = NormalizeQk<KC>(ly, q, kk);
+  // The token's gate (the records' chain starts from it) and beta.
+  const float decay = -expf(t.alog);
+  float acc[KC];
+  const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(t.ar[0]) + t.db[0]);
+  float gt[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    gt[e] = KDA ? (has_c ? decay * Softplus(ToF(t.ar[e]) + t.db[e]) : 0.f) : g_gdn;
+    acc[e] = gt[e];
+  }
+  const float beta = Beta(ToF(t.b_raw), ly.act_dtype, ly.round_beta);
 
   // The record dots, from the top record down: acc = g_P + Σ_{i>j} g_i, W_j = exp(acc). Per
   // block of RB records every warp runs the chain (the adds, no branch: the loads of the whole
   // block are in flight at once) and keeps acc at its own records j ≡ warp (mod NW); then their
-  // weights and dots, independent of each other, and one butterfly. Leaves u_j, p_j (and the
-  // fold's W_j∘k_j) in shared memory and acc at the whole decay's log.
-  __device__ __forceinline__ void RecordDots(const float (&q)[KC], const float (&kk)[KC],
-                                             float (&acc)[KC]) const {
-    CopyAsyncWaitAll();
-    __syncthreads();                // every thread's copies (the gates, k, d) visible to all
-    const int cl = has_c ? c0 : 0;  // a lane past K reads channel 0's (and drops its values)
-    for (int jb = (w - 1) / RB * RB; w > 0 && jb >= 0; jb -= RB) {
-      // The block's gates, loaded before the chain needs them (no load waits on an add); a
-      // record past w adds +0 where the CPU skips it, which changes no bit of any result: the
-      // chain's sums only ever enter exp, and x + 0 differs from x at most in a zero's sign.
-      float gb[RB][KDA ? KC : 1];
+  // weights and dots, independent of each other, and one butterfly.
+  CopyAsyncWaitAll();
+  __syncthreads();                // every thread's copies (the gates, k, d) visible to all
+  const int cl = has_c ? c0 : 0;  // a lane past K reads channel 0's (and drops its values)
+  for (int jb = (w - 1) / RB * RB; w > 0 && jb >= 0; jb -= RB) {
+    // The block's gates, loaded before the chain needs them (no load waits on an add); a
+    // record past w adds +0 where the CPU skips it, which changes no bit of any result: the
+    // chain's sums only ever enter exp, and x + 0 differs from x at most in a zero's sign.
+    float gb[RB][KDA ? KC : 1];
 #pragma unroll
-      for (int jj = 0; jj < RB; ++jj) {
-        if constexpr (KDA) {
-          Vec<float, KC> kg_j;
-          kg_j.LoadShared(gs + (jb + jj) * K + cl);
+    for (int jj = 0; jj < RB; ++jj) {
+      if constexpr (KDA) {
+        Vec<float, KC> kg_j;
+        kg_j.LoadShared(gs + (jb + jj) * K + cl);
 #pragma unroll
-          for (int e = 0; e < KC; ++e) gb[jj][e] = has_c && jb + jj < w ? kg_j.Get(e) : 0.f;
-        } else if (jj % 4 == 0) {
-          const float4 g4 = *reinterpret_cast<const float4*>(gs + jb + jj);
-          gb[jj][0] = jb + jj < w ? g4.x : 0.f;
-          gb[jj + 1][0] = jb + jj + 1 < w ? g4.y : 0.f;
-          gb[jj + 2][0] = jb + jj + 2 < w ? g4.z : 0.f;
-          gb[jj + 3][0] = jb + jj + 3 < w ? g4.w : 0.f;
-        }
+        for (int e = 0; e < KC; ++e) gb[jj][e] = has_c && jb + jj < w ? kg_j.Get(e) : 0.f;
+      } else if (jj % 4 == 0) {
+        const float4 g4 = *reinterpret_cast<const float4*>(gs + jb + jj);
+        gb[jj][0] = jb + jj < w ? g4.x : 0.f;
+        gb[jj + 1][0] = jb + jj + 1 < w ? g4.y : 0.f;
+        gb[jj + 2][0] = jb + jj + 2 < w ? g4.z : 0.f;
+        gb[jj + 3][0] = jb + jj + 3 < w ? g4.w : 0.f;
       }
-      float ao[MO][KC];  // acc at the warp's records of the block
+    }
+    float ao[MO][KC];  // acc at the warp's records of the block
 #pragma unroll
-      for (int jj = RB - 1; jj >= 0; --jj) {
-        if (jj % NW == warp) {
+    for (int jj = RB - 1; jj >= 0; --jj) {
+      if (jj % NW == warp) {
 #pragma unroll
-          for (int e = 0; e < KC; ++e) ao[jj / NW][e] = acc[e];
-        }
-#pragma unroll
-        for (int e = 0; e < KC; ++e) acc[e] += gb[jj][KDA ? e : 0];
+        for (int e = 0; e < KC; ++e) ao[jj / NW][e] = acc[e];
       }
-      // The warp's records: their weights and dots, independent of each other (no branch).
-      float v[2 * MO];
-      Vec<float, KC> kw[MO];
+#pragma unroll
+      for (int e = 0; e < KC; ++e) acc[e] += gb[jj][KDA ? e : 0];
+    }
+    // The warp's records: their weights and dots, independent of each other (no branch).
+    float v[2 * MO];
+    Vec<float, KC> kw[MO];
+#pragma unroll
+    for (int m = 0; m < MO; ++m) {
+      const int j = jb + NW * m + warp;
+      const float wj = KDA ? 0.f : expf(ao[m][0]);  // GDN: one weight per record
+      Vec<R, KC> kr_j;
+      kr_j.LoadShared(ks + j * K + cl);
+      float su = 0.f, sp = 0.f;
+#pragma unroll
+      for (int e = 0; e < KC; ++e) {
+        const float xw = (KDA ? expf(ao[m][e]) : wj) * kr_j.Get(e);
+        su += xw * kk[e];
+        sp += xw * q[e];
+        kw[m].Set(e, xw);
+      }
+      v[m] = has_c ? su : 0.f;
+      v[MO + m] = has_c ? sp : 0.f;
+    }
+    if (fold && has_c) {
 #pragma unroll
       for (int m = 0; m < MO; ++m) {
         const int j = jb + NW * m + warp;
-        const float wj = KDA ? 0.f : expf(ao[m][0]);  // GDN: one weight per record
-        Vec<R, KC> kr_j;
-        kr_j.LoadShared(ks + j * K + cl);
-        float su = 0.f, sp = 0.f;
-#pragma unroll
-        for (int e = 0; e < KC; ++e) {
-          const float xw = (KDA ? expf(ao[m][e]) : wj) * kr_j.Get(e);
-          su += xw * kk[e];
-          sp += xw * q[e];
-          kw[m].Set(e, xw);
-        }
-        v[m] = has_c ? su : 0.f;
-        v[MO + m] = has_c ? sp : 0.f;
+        if (j < w) kw[m].StoreShared(kws + j * K + c0);
       }
-      if (fold && has_c) {
-#pragma unroll
-        for (int m = 0; m < MO; ++m) {
-          const int j = jb + NW * m + warp;
-          if (j < w) kw[m].StoreShared(kws + j * K + c0);
-        }
-      }
-      TransposeReduce<2 * MO, 16>::Run(v, lane);  // lane l: index l / GS
-      const int idx = lane / GS;
-      const int j = jb + NW * (idx % MO) + warp;
-      if (lane % GS == 0 && j < w) (idx < MO ? us : ps)[j] = v[0];
     }
+    TransposeReduce<2 * MO, 16>::Run(v, lane);  // lane l: index l / GS
+    const int idx = lane / GS;
+    const int j = jb + NW * (idx % MO) + warp;
+    if (lane % GS == 0 && j < w) (idx < MO ? us : ps)[j] = v[0];
+  }
+  // A = Π α, A∘k, A∘q, and the new k as the ring holds it (the fold's).
+  float av[KC], ka[KC], qa[KC], kn[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    const float a = expf(acc[e]);
+    av[e] = has_c ? a : 0.f;
+    ka[e] = has_c ? a * kk[e] : 0.f;
+    qa[e] = has_c ? a * q[e] : 0.f;
+    kn[e] = has_c ? RoundTo<R>(kk[e]) : 0.f;
   }
 
-  // S0·(A∘k), S0·(A∘q) per row in the lane's partials (racc), and the lane's record's d rows
-  // loaded for the ring terms (lane j holds record j).
-  __device__ __forceinline__ void ContractRows(const Vec<T, KC> (&x)[RPW], const float (&ka)[KC],
-                                               const float (&qa)[KC], float (&racc)[NV],
-                                               Vec<R, RPW>& dl) const {
+  // The rows: S0·(A∘k), S0·(A∘q) per row in the lane's partials, the ring terms (lane j holds
+  // record j), one butterfly for all rows.
+  const R* const dw = ds + warp * RPW;  // the warp's rows of each record's d
+  float racc[NV];
 #pragma unroll
-    for (int i = 0; i < NV; ++i) racc[i] = 0.f;
-    if (has_c) {
+  for (int i = 0; i < NV; ++i) racc[i] = 0.f;
+  if (has_c) {
 #pragma unroll
-      for (int i = 0; i < RPW; ++i) {
+    for (int i = 0; i < RPW; ++i) {
 #pragma unroll
-        for (int e = 0; e < KC; ++e) {
-          const float s = x[i].Get(e);
-          racc[2 * i] += s * ka[e];
-          racc[2 * i + 1] += s * qa[e];
-        }
-      }
-    }
-    if (rows_on && lane < w) dl.LoadShared(ds + warp * RPW + lane * CR);
-  }
-
-  // The ring terms d_j·u_j, d_j·p_j into the partials (once every u, p is in shared memory).
-  __device__ __forceinline__ void AddRingTerms(float (&racc)[NV], const Vec<R, RPW>& dl) const {
-    const R* const dw = ds + warp * RPW;  // the warp's rows of each record's d
-    if (lane < w) {
-      const float ur = us[lane], pr = ps[lane];
-#pragma unroll
-      for (int i = 0; i < RPW; ++i) {
-        const float xd = dl.Get(i);
-        racc[2 * i] += xd * ur;
-        racc[2 * i + 1] += xd * pr;
-      }
-    }
-    for (int j = lane + 32; j < w; j += 32) {  // rings longer than 32 records
-      Vec<R, RPW> d2;
-      d2.LoadShared(dw + j * CR);
-#pragma unroll
-      for (int i = 0; i < RPW; ++i) {
-        racc[2 * i] += d2.Get(i) * us[j];
-        racc[2 * i + 1] += d2.Get(i) * ps[j];
+      for (int e = 0; e < KC; ++e) {
+        const float s = x[i].Get(e);
+        racc[2 * i] += s * ka[e];
+        racc[2 * i + 1] += s * qa[e];
       }
     }
   }
-
-  // One butterfly for all rows, the per-row finish: o, the new d appended (the fold's d: the
-  // record as the ring would hold it, returned).
-  __device__ __forceinline__ float FinishRows(float (&racc)[NV], float beta, float kq, A v_raw,
-                                              A* orow) const {
-    TransposeReduce<NV, 16>::Run(racc, lane);
-    const float sk = __shfl_sync(kAll, racc[0], (row_l * 2) * SPREAD);
-    const float sq = __shfl_sync(kAll, racc[0], (row_l * 2 + 1) * SPREAD);
-    const float d = beta * (ToF(v_raw) - sk);
-    const R dr = FromF<R>(d);
-    const float dcur = ToF(dr);
-    const float o = sq + d * kq;
-    if (lane < RPW) {
-      orow[lane] = FromF<A>(o);
-      if (!fold) ring_d[int64_t{w} * V + v0 + lane] = dr;
+  Vec<R, RPW> dl;
+  if (rows_on && lane < w) dl.LoadShared(dw + lane * CR);
+  __syncthreads();  // every record's u, p (and the fold's W_j∘k_j) visible to all
+  if (!rows_on) return;
+  if (lane < w) {
+    const float ur = us[lane], pr = ps[lane];
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      const float xd = dl.Get(i);
+      racc[2 * i] += xd * ur;
+      racc[2 * i + 1] += xd * pr;
     }
-    return dcur;
+  }
+  for (int j = lane + 32; j < w; j += 32) {  // rings longer than 32 records
+    Vec<R, RPW> d2;
+    d2.LoadShared(dw + j * CR);
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      racc[2 * i] += d2.Get(i) * us[j];
+      racc[2 * i + 1] += d2.Get(i) * ps[j];
+    }
+  }
+  TransposeReduce<NV, 16>::Run(racc, lane);
+  const float sk = __shfl_sync(kAll, racc[0], (row_l * 2) * SPREAD);
+  const float sq = __shfl_sync(kAll, racc[0], (row_l * 2 + 1) * SPREAD);
+  const float d = beta * (ToF(t.v_raw) - sk);
+  const R dr = FromF<R>(d);
+  const float dcur = ToF(dr);  // the fold adds the record as the ring would hold it
+  const float o = sq + d * kq;
+  if (lane < RPW) {
+    orow[lane] = FromF<A>(o);
+    if (!fold) ring_d[int64_t{w} * V + v0 + lane] = dr;
   }
 
-  // The record's k (once per qk-head group) and g (once per head), when the row does not fold.
-  __device__ __forceinline__ void Append(const float (&kk)[KC], const float (&gt)[KC]) const {
+  if (!fold) {  // the record's k (once per qk-head group) and g (once per head)
     if (lead && has_c) {
       if (h % ly.group == 0) {
 #pragma unroll
@@ -358,90 +332,40 @@ struct SmallReplayCta {
       }
     }
     if (!KDA && lead && lane == 0) ring_g[w] = gt[0];
+    return;
   }
 
   // The fold: S0·A, the records in order, the new d (the CPU's order per element).
-  __device__ __forceinline__ void Fold(const Vec<T, KC> (&x)[RPW], const float (&av)[KC],
-                                       const float (&kn)[KC], float dcur) const {
-    const R* const dw = ds + warp * RPW;
-    float out[RPW][KC];
+  float out[RPW][KC];
 #pragma unroll
-    for (int i = 0; i < RPW; ++i) {
+  for (int i = 0; i < RPW; ++i) {
 #pragma unroll
-      for (int e = 0; e < KC; ++e) out[i][e] = x[i].Get(e) * av[e];
-    }
-    if (has_c) {
+    for (int e = 0; e < KC; ++e) out[i][e] = x[i].Get(e) * av[e];
+  }
+  if (has_c) {
 #pragma unroll 2
-      for (int j = 0; j < w; ++j) {
-        Vec<R, RPW> dj;
-        dj.LoadShared(dw + j * CR);
-        Vec<float, KC> kw;
-        kw.LoadShared(kws + j * K + c0);
+    for (int j = 0; j < w; ++j) {
+      Vec<R, RPW> dj;
+      dj.LoadShared(dw + j * CR);
+      Vec<float, KC> kw;
+      kw.LoadShared(kws + j * K + c0);
 #pragma unroll
-        for (int i = 0; i < RPW; ++i) {
-          const float dd = dj.Get(i);
+      for (int i = 0; i < RPW; ++i) {
+        const float dd = dj.Get(i);
 #pragma unroll
-          for (int e = 0; e < KC; ++e) out[i][e] += dd * kw.Get(e);
-        }
+        for (int e = 0; e < KC; ++e) out[i][e] += dd * kw.Get(e);
       }
     }
+  }
 #pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-      const float di = __shfl_sync(kAll, dcur, i);
-      if (!has_c) continue;
-      Vec<T, KC> y;
+  for (int i = 0; i < RPW; ++i) {
+    const float di = __shfl_sync(kAll, dcur, i);
+    if (!has_c) continue;
+    Vec<T, KC> y;
 #pragma unroll
-      for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
-      y.template Store<kCachePlain>(s0 + int64_t{i} * K, true);
-    }
+    for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
+    y.template Store<kCachePlain>(s0 + int64_t{i} * K, true);
   }
-};
-
-// Grid (HV * tiles, B), NW = kSmallReplayWarps warps per CTA, dynamic shared memory
-// SmallReplaySmem::total (d rows: the CTA's NW * RPW; k and g padded to whole record blocks).
-template <typename R, typename A, bool KDA, int KC, int RPW, bool AFTER_CONV>
-__global__ void __launch_bounds__(kSmallReplayWarps * 32)
-    SmallReplayKernel(const __grid_constant__ SmallReplayParams p) {
-  using Cta = SmallReplayCta<R, A, KDA, KC, RPW, AFTER_CONV>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const Cta c(p, smem);
-  Vec<float, KC> x[RPW];  // the warp's S0 rows
-  if constexpr (AFTER_CONV) {
-    c.IssueState(x);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-  }
-  StepToken<A, KC> t;
-  A* const orow = c.LoadToken(t);
-  if (c.pad) {  // a padding row (the whole CTA): zero outputs
-    if (c.rows_on && c.lane < RPW) orow[c.lane] = FromF<A>(0.f);
-    return;
-  }
-  if constexpr (!AFTER_CONV) c.IssueState(x);
-  float q[KC], kk[KC], gt[KC], acc[KC], kq, beta;
-  c.TokenMath(t, q, kk, gt, acc, kq, beta);
-  c.RecordDots(q, kk, acc);
-  // A = Π α, A∘k, A∘q, and the new k as the ring holds it (the fold's).
-  float av[KC], ka[KC], qa[KC], kn[KC];
-#pragma unroll
-  for (int e = 0; e < KC; ++e) {
-    const float a = expf(acc[e]);
-    av[e] = c.has_c ? a : 0.f;
-    ka[e] = c.has_c ? a * kk[e] : 0.f;
-    qa[e] = c.has_c ? a * q[e] : 0.f;
-    kn[e] = c.has_c ? RoundTo<R>(kk[e]) : 0.f;
-  }
-  float racc[Cta::NV];
-  Vec<R, RPW> dl;
-  c.ContractRows(x, ka, qa, racc, dl);
-  __syncthreads();  // every record's u, p (and the fold's W_j∘k_j) visible to all
-  if (!c.rows_on) return;
-  c.AddRingTerms(racc, dl);
-  const float dcur = c.FinishRows(racc, beta, kq, t.v_raw, orow);
-  if (!c.fold) {
-    c.Append(kk, gt);
-    return;
-  }
-  c.Fold(x, av, kn, dcur);
 }
 
 }  // namespace replayssm::kernels::cuda
