@@ -161,55 +161,6 @@ struct Vec {
   }
 };
 
-// One decode token of a (batch row, v-head) as the per-lane kernels load it, raw (converted
-// on use): lane l's q and k channels [c0, c0 + KC), the gate's a and dt_bias (KDA per channel,
-// GDN in [0]), b, A_log, and v of the row the lane finishes.
-template <typename A, int KC>
-struct StepToken {
-  A qr[KC], kr[KC], ar[KC];
-  float db[KC];
-  A b_raw;
-  float alog;
-  A v_raw;
-};
-
-// Where a lane's token sits: batch row r, v-head h (qk-head hq) of a layer of H qk-heads and
-// K x V heads; the lane's channels from c0 (has_c: any), v of row v0 + row_l where v_on.
-struct TokenSite {
-  int K, H, V, r, h, hq, c0;
-  bool has_c, v_on;
-  int v0, row_l;
-};
-
-// Loads a lane's token into t, in the order the baseline and small-replay kernels issue it
-// (their machine code depends on it). Returns the outputs of rows v0.. of the head.
-template <typename A, bool KDA, int KC, typename Layer>
-__device__ __forceinline__ A* LoadStepToken(const Layer& ly, const TokenSite& at,
-                                            StepToken<A, KC>& t) {
-  const int K = at.K, H = at.H, V = at.V, r = at.r, h = at.h, hq = at.hq, c0 = at.c0;
-  const bool has_c = at.has_c;
-  const A* const qkv = static_cast<const A*>(ly.qkv) + int64_t{r} * ly.qkv_stride;
-  const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
-#pragma unroll
-  for (int e = 0; e < KC; ++e) {
-    t.qr[e] = t.kr[e] = t.ar[e] = A{};
-    t.db[e] = 0.f;
-    if (has_c) {
-      t.qr[e] = qkv[int64_t{hq} * K + c0 + e];
-      t.kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
-      if constexpr (KDA) {
-        t.ar[e] = ga[int64_t{h} * K + c0 + e];
-        t.db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
-      }
-    }
-  }
-  if constexpr (!KDA) t.ar[0] = ga[h], t.db[0] = ly.dt_bias[h];
-  t.b_raw = static_cast<const A*>(ly.b)[int64_t{r} * ly.b_stride + h];
-  t.alog = ly.a_log[h];
-  t.v_raw = at.v_on ? qkv[int64_t{2 * H} * K + int64_t{h} * V + at.v0 + at.row_l] : A{};
-  return static_cast<A*>(ly.o) + int64_t{r} * ly.o_stride + int64_t{h} * V + at.v0;
-}
-
 }  // namespace replayssm::kernels::cuda
 
 #endif  // REPLAYSSM_KERNELS_CUDA_LOADS_CUH_

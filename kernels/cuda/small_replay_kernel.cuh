@@ -160,9 +160,28 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
     asm volatile("griddepcontrol.wait;" ::: "memory");
   }
   // The token: q, k, gates, beta, v (the baseline kernel's loads).
-  StepToken<A, KC> t;
-  A* const orow = LoadStepToken<A, KDA, KC>(
-      ly, TokenSite{K, H, V, r, h, hq, c0, has_c, rows_on, v0, row_l}, t);
+  const A* const qkv = static_cast<const A*>(ly.qkv) + int64_t{r} * ly.qkv_stride;
+  const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
+  A qr[KC], kr[KC], ar[KC];
+  float db[KC];
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    qr[e] = kr[e] = ar[e] = A{};
+    db[e] = 0.f;
+    if (has_c) {
+      qr[e] = qkv[int64_t{hq} * K + c0 + e];
+      kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
+      if constexpr (KDA) {
+        ar[e] = ga[int64_t{h} * K + c0 + e];
+        db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
+      }
+    }
+  }
+  if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
+  const A b_raw = static_cast<const A*>(ly.b)[int64_t{r} * ly.b_stride + h];
+  const float alog = ly.a_log[h];
+  const A v_raw = rows_on ? qkv[int64_t{2 * H} * K + int64_t{h} * V + v0 + row_l] : A{};
+  A* const orow = static_cast<A*>(ly.o) + int64_t{r} * ly.o_stride + int64_t{h} * V + v0;
   if (pad) {  // a padding row (the whole CTA): zero outputs
     if (rows_on && lane < RPW) orow[lane] = FromF<A>(0.f);
     return;
@@ -173,21 +192,21 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   float q[KC], kk[KC];
 #pragma unroll
   for (int e = 0; e < KC; ++e) {
-    q[e] = has_c ? ToF(t.qr[e]) : 0.f;
-    kk[e] = has_c ? ToF(t.kr[e]) : 0.f;
+    q[e] = has_c ? ToF(qr[e]) : 0.f;
+    kk[e] = has_c ? ToF(kr[e]) : 0.f;
   }
   const float kq = NormalizeQk<KC>(ly, q, kk);
   // The token's gate (the records' chain starts from it) and beta.
-  const float decay = -expf(t.alog);
+  const float decay = -expf(alog);
   float acc[KC];
-  const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(t.ar[0]) + t.db[0]);
+  const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(ar[0]) + db[0]);
   float gt[KC];
 #pragma unroll
   for (int e = 0; e < KC; ++e) {
-    gt[e] = KDA ? (has_c ? decay * Softplus(ToF(t.ar[e]) + t.db[e]) : 0.f) : g_gdn;
+    gt[e] = KDA ? (has_c ? decay * Softplus(ToF(ar[e]) + db[e]) : 0.f) : g_gdn;
     acc[e] = gt[e];
   }
-  const float beta = Beta(ToF(t.b_raw), ly.act_dtype, ly.round_beta);
+  const float beta = Beta(ToF(b_raw), ly.act_dtype, ly.round_beta);
 
   // The record dots, from the top record down: acc = g_P + Σ_{i>j} g_i, W_j = exp(acc). Per
   // block of RB records every warp runs the chain (the adds, no branch: the loads of the whole
@@ -311,7 +330,7 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   TransposeReduce<NV, 16>::Run(racc, lane);
   const float sk = __shfl_sync(kAll, racc[0], (row_l * 2) * SPREAD);
   const float sq = __shfl_sync(kAll, racc[0], (row_l * 2 + 1) * SPREAD);
-  const float d = beta * (ToF(t.v_raw) - sk);
+  const float d = beta * (ToF(v_raw) - sk);
   const R dr = FromF<R>(d);
   const float dcur = ToF(dr);  // the fold adds the record as the ring would hold it
   const float o = sq + d * kq;
