@@ -282,7 +282,8 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   void Use(size_t r) const override {
     if (!options_.devices.empty()) rssm_set_device(options_.backend, options_.devices[r]);
   }
-  bool ranks_apart() const override {
+  bool ranks_at_once() const override {
+    if (options_.tp_ranks_at_once == CacheOptions::TpRanksAtOnce::kAlways) return true;
     if (options_.backend == RSSM_BACKEND_CPU || options_.devices.empty()) return false;
     std::vector<int32_t> d = options_.devices;
     std::sort(d.begin(), d.end());

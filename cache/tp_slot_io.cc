@@ -31,7 +31,7 @@ TpLayerMap TpLayerMap::Of(const ModelSpec& full, const std::vector<ModelSpec>& s
 std::vector<absl::Status> OnEachRank(const TpSlotIoHost& host, size_t n,
                                      absl::FunctionRef<absl::Status(size_t)> f) {
   std::vector<absl::Status> out(n);
-  if (!host.ranks_apart()) {
+  if (!host.ranks_at_once()) {
     for (size_t r = 0; r < n; ++r) {
       host.Use(r);
       out[r] = f(r);

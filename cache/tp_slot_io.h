@@ -50,9 +50,10 @@ class TpSlotIoHost {
  public:
   virtual ~TpSlotIoHost() = default;
   virtual void Use(size_t rank) const = 0;  // rank's device current on this thread
-  // The ranks are on distinct devices: their per-rank opens and commits run at once
-  // (OnEachRank). Ranks that share a device (or the CPU backend's threads) take turns.
-  virtual bool ranks_apart() const = 0;
+  // The per-rank opens and commits run at once (OnEachRank): by default when the ranks are on
+  // distinct devices (CacheOptions::tp_ranks_at_once). Ranks that share a device (or the CPU
+  // backend's threads) take turns.
+  virtual bool ranks_at_once() const = 0;
   virtual absl::Mutex& ops_mu() = 0;        // orders the shards' slot decisions
   virtual int32_t backend() const = 0;
   virtual SlotId Bind(std::vector<SlotId> ids) = 0;  // a group id for the ranks' slots
@@ -66,11 +67,11 @@ class TpSlotIoHost {
 };
 
 // Runs f(r) for every rank r < n, each with its device current (host.Use); the statuses, by
-// rank. Ranks apart (host.ranks_apart()) run at once, rank 0 on the calling thread and each
-// other on a thread of its own: a group's per-rank opens and commits (a fold, a reservation,
-// the staged copies' drain) then overlap their device waits. Ranks on one device run in
-// turn: at once they only contend for it (measured on one H200: a 2 -> 2 move's fold 0.6 ->
-// 1.1 ms).
+// rank. With host.ranks_at_once() the ranks run together, rank 0 on the calling thread and
+// each other on a thread of its own: a group's per-rank opens and commits (a fold, a
+// reservation, the staged copies' drain) then overlap their device waits. Otherwise they run
+// in turn, as ranks on one device should: at once they only contend for it (measured on one
+// H200: a 2 -> 2 move's fold 0.6 -> 1.1 ms).
 std::vector<absl::Status> OnEachRank(const TpSlotIoHost& host, size_t n,
                                      absl::FunctionRef<absl::Status(size_t)> f);
 

@@ -89,6 +89,12 @@ struct CacheOptions {
   // The device of each rank (rssm_set_device), [tp_size]; empty: every rank on the device
   // current when the cache is created (and the CPU backend's one).
   std::vector<int32_t> devices;
+  // When a group's per-rank steps of a move (export opens with their folds, import
+  // reservations, commits) run at once, a thread per rank: kWhenApart, when the ranks are on
+  // distinct devices (on one device they only contend for it: docs/cache.md); kAlways, also
+  // on one device or the CPU (for tests and measurements of that path).
+  enum class TpRanksAtOnce { kWhenApart, kAlways };
+  TpRanksAtOnce tp_ranks_at_once = TpRanksAtOnce::kWhenApart;
   // Receives every snapshot stored and removed (events.h); unset: no events. A TP group
   // reports a snapshot once, when every shard holds it, and removed when the first shard drops
   // it.
