@@ -91,8 +91,8 @@ struct CacheOptions {
   std::vector<int32_t> devices;
   // When a group's per-rank steps of a move (export opens with their folds, import
   // reservations, commits) run at once, a thread per rank: kWhenApart, when the ranks are on
-  // distinct devices (on one device they only contend for it: docs/cache.md); kAlways, also
-  // on one device or the CPU (for tests and measurements of that path).
+  // distinct devices (ranks sharing one only contend for it: docs/transfer.md); kAlways, also
+  // on one device or the CPU (tests and measurements of that path).
   enum class TpRanksAtOnce { kWhenApart, kAlways };
   TpRanksAtOnce tp_ranks_at_once = TpRanksAtOnce::kWhenApart;
   // Receives every snapshot stored and removed (events.h); unset: no events. A TP group
