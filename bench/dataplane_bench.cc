@@ -47,6 +47,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/check.h"
 #include "bench/cuda_util.h"
@@ -71,6 +72,7 @@ struct Options {
   std::vector<int64_t> batches = {1, 16, 64, 256};
   int32_t forwards = 30, warmup = 5;
   int32_t tp_size = 1;
+  std::vector<int64_t> devices;  // --tp-size N: rank r's GPU; empty: every rank on this one
   std::string forward_graphs = "true";
 };
 
@@ -79,7 +81,7 @@ Options Parse(int argc, char** argv) {
   Options o;
   Flags flags("replayssm-bench-dataplane",
               "--server PATH [--model NAME] [--batch 1,16,64,256] [--forwards 30] [--warmup 5] "
-              "[--forward-graphs true|false] [--tp-size N] [--json PATH]");
+              "[--forward-graphs true|false] [--tp-size N [--devices 0,1,...]] [--json PATH]");
   flags.String("server", &o.server);
   flags.String("model", &o.model);
   flags.String("json", &o.json);
@@ -88,10 +90,19 @@ Options Parse(int argc, char** argv) {
   flags.Int("warmup", 1, 1 << 20, &o.warmup);
   flags.Choice("forward-graphs", {"true", "false"}, &o.forward_graphs);
   flags.Int("tp-size", 1, 8, &o.tp_size);
+  flags.IntList("devices", 0, 63, &o.devices);
   const int code = flags.ParseOrExitCode(argc, argv);
   if (code >= 0) std::exit(code);
+  if (!o.devices.empty() && static_cast<int32_t>(o.devices.size()) != o.tp_size) {
+    std::fprintf(stderr,
+                 "replayssm-bench-dataplane: --devices: expected %d devices (one per rank "
+                 "of --tp-size), got %zu\n",
+                 o.tp_size, o.devices.size());
+    std::exit(2);
+  }
   if (o.server.empty()) {
-    std::fprintf(stderr, "replayssm-bench-dataplane: --server: expected the replayssm-server binary\n%s",
+    std::fprintf(stderr,
+                 "replayssm-bench-dataplane: --server: expected the replayssm-server binary\n%s",
                  flags.Usage().c_str());
     std::exit(2);
   }
@@ -114,6 +125,7 @@ struct ServerChild {
                                      "--track-interval=0",
                                      "--forward-graphs=" + o.forward_graphs,
                                      absl::StrCat("--tp-size=", o.tp_size),
+                                     "--devices=" + absl::StrJoin(o.devices, ","),
                                      "--max-message-bytes=1G",
                                      "--ready-file=" + ready};
     pid = fork();
@@ -556,20 +568,30 @@ std::pair<Stat, Stat> InProcess(const cache::ModelSpec& m, int64_t B, const Opti
   return {Summarize(t[0]), Summarize(t[1])};
 }
 
-
-// --tp-size N: the server serves a TP group of N ranks, all on this GPU (the one-GPU machine;
-// on N GPUs each rank has its own). The engine is N ranks, each with its own CUDA IPC region
-// (its shard's tensors and doorbells) and its own stream ringing and waiting on its own
-// doorbells; the plan names them in ForwardPlan.ranks. Per B:
-//   (a) rank    one rank's forward in-process (a TP = 1 cache of the shard model)
+// --tp-size N: the server serves a TP group of N ranks, all on this GPU, or with --devices
+// rank r on GPU devices[r] (the server gets the same --devices). The engine is N ranks, each
+// with its own CUDA IPC region (its shard's tensors and doorbells, on its rank's GPU) and its
+// own stream ringing and waiting on its own doorbells; the plan names them in
+// ForwardPlan.ranks. Per B:
+//   (a) rank    a rank's forward in-process (a TP = 1 cache of the shard model; with ranks on
+//               distinct GPUs every rank's, on its GPU, and the slower one counts)
 //   (a) group   the N-rank group's forward in-process on this GPU (what the ranks' kernels
-//               cost together here)
+//               cost together here; not run with ranks on distinct GPUs)
 //   (b'') run ahead through the server, as the TP = 1 form
 // The target compares (b'') with the slower rank's (a) when each rank has its own GPU;
-// on one GPU the ranks' kernels take turns, so (b'') is judged against (a) group here.
+// on one GPU the ranks' kernels take turns, so (b'') is judged against (a) group there.
 void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
   const int32_t n = o.tp_size;
   const int64_t max_b = *std::max_element(o.batches.begin(), o.batches.end());
+  // Rank r's GPU current on this thread (no-op without --devices); ranks apart: all distinct.
+  const auto on = [&](int32_t r) {
+    if (!o.devices.empty())
+      CheckCuda(cudaSetDevice(static_cast<int>(o.devices[r])), "cudaSetDevice");
+  };
+  std::vector<int64_t> sorted = o.devices;
+  std::sort(sorted.begin(), sorted.end());
+  const bool apart =
+      sorted.size() > 1 && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
   ServerChild server(o, (max_b + 10) * m.SlotBytes());
   auto c = client::Client::Connect(server.address, int64_t{1} << 30);
   if (!c->WaitForConnected(absl::Seconds(30))) Die("cannot connect to the server");
@@ -579,6 +601,7 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
   std::vector<std::unique_ptr<EngineRegion>> regions;
   std::vector<cudaStream_t> streams(n);
   for (int32_t r = 0; r < n; ++r) {
+    on(r);
     regions.push_back(std::make_unique<EngineRegion>(shards[r], max_b));
     Register(*c, *regions[r], absl::StrCat("engine-", r));
     CheckCuda(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), "stream");
@@ -598,22 +621,32 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
     }
     return req;
   };
-  std::printf("tp: %d ranks on one GPU, each rank its own region, stream and doorbells\n", n);
-  std::printf("%6s %12s %12s %14s %14s %8s\n", "B", "(a) rank ms", "(a) group ms",
-              "(b'') ahead ms", "(b'')/group", "target");
+  std::printf("tp: %d ranks on %s, each rank its own region, stream and doorbells\n", n,
+              apart ? "their own GPUs" : "one GPU");
+  std::printf("%6s %12s %12s %14s %14s %8s\n", "B", apart ? "(a) slower" : "(a) rank ms",
+              "(a) group ms", "(b'') ahead ms", apart ? "(b'')/slower" : "(b'')/group", "target");
   std::ostringstream json;
   json << "{\"model\": \"" << o.model << "\", \"tp_size\": " << n
-       << ", \"ranks_on_one_gpu\": true, \"mps\": " << (mps ? "true" : "false")
+       << ", \"ranks_on_one_gpu\": " << (apart ? "false" : "true") << ", \"devices\": ["
+       << absl::StrJoin(o.devices, ", ") << "], \"mps\": " << (mps ? "true" : "false")
        << ", \"forwards\": " << o.forwards << ", \"rows\": [";
   uint32_t value = 0;
   for (size_t bi = 0; bi < o.batches.size(); ++bi) {
     const int64_t B = o.batches[bi];
     std::vector<std::vector<std::array<std::vector<uint8_t>, 3>>> in;
     for (int32_t r = 0; r < n; ++r) {
+      on(r);
       in.push_back(RandomInputs(*regions[r], B, 7 + B + r));
       Upload(*regions[r], in.back());
     }
-    const Stat rank = InProcess(shards[0], B, o, in[0]).first;
+    // One rank's in-process forward; with ranks apart each rank's on its GPU, the slower.
+    Stat rank{};
+    for (int32_t r = 0; r < (apart ? n : 1); ++r) {
+      on(r);
+      const Stat s = InProcess(shards[r], B, o, in[r]).first;
+      if (r == 0 || s.mean > rank.mean) rank = s;
+    }
+    on(0);
     // The group's inputs: each layer's tensors rank-major, the ranks' blocks one after another.
     std::vector<std::array<std::vector<uint8_t>, 3>> joined(m.num_layers);
     for (int32_t l = 0; l < m.num_layers; ++l) {
@@ -623,7 +656,9 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
         }
       }
     }
-    const Stat group = InProcess(m, B, o, joined, n).first;
+    // (On distinct GPUs the rank-major buffers of one process-wide group are not the engine's
+    // form: skipped.)
+    const Stat group = apart ? Stat{} : InProcess(m, B, o, joined, n).first;
     const std::vector<uint64_t> slots = AllocSlots(*c, B);
     auto stream = c->OpenStream();
     double ahead = 0;
@@ -633,7 +668,11 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
       for (int f = 0; f < forwards; ++f) {
         const uint32_t v = ++value;
         CheckOk(stream->SendBegin(begin(slots, v)), "tp begin");
-        for (int32_t r = 0; r < n; ++r) QueueChain(*regions[r], streams[r], v);
+        for (int32_t r = 0; r < n; ++r) {
+          on(r);
+          QueueChain(*regions[r], streams[r], v);
+        }
+        on(0);
         CheckOk(stream->AwaitBegun().status(), "tp begin's reply");
       }
       for (int32_t r = 0; r < n; ++r) CheckCuda(cudaStreamSynchronize(streams[r]), "rank stream");
@@ -642,12 +681,13 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
     CheckOk(stream->Commit().status(), "tp commit");
     CheckOk(stream->Finish(), "stream");
     for (uint64_t slot : slots) CheckOk(c->Free(slot), "free");
-    const double ratio = ahead / group.mean;
+    const double ratio = ahead / (apart ? rank.mean : group.mean);
     std::printf("%6ld %12.3f %12.3f %14.3f %14.3f %8s\n", static_cast<long>(B), rank.mean,
                 group.mean, ahead, ratio, B >= 64 ? (ratio <= 1.10 ? "met" : "NOT met") : "-");
     json << (bi ? ", " : "") << "{\"B\": " << B << ", \"a_rank_mean_ms\": " << rank.mean
          << ", \"a_group_mean_ms\": " << group.mean << ", \"run_ahead_mean_ms\": " << ahead
-         << ", \"run_ahead_over_group\": " << ratio << "}";
+         << (apart ? ", \"run_ahead_over_slower_rank\": " : ", \"run_ahead_over_group\": ") << ratio
+         << "}";
   }
   json << "]}\n";
   if (!o.json.empty()) std::ofstream(o.json) << json.str();
