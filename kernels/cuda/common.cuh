@@ -79,47 +79,6 @@ __device__ __forceinline__ void StoreActs(void* base, int64_t i0, int64_t stride
   }
 }
 
-// ---- 16-byte chunks of the state ------------------------------------------------------------
-// A chunk is 16 bytes: E = 16 / sizeof(T) consecutive key channels of one state row.
-template <typename T>
-struct Chunk {
-  static constexpr int kE = 16 / sizeof(T);
-  uint4 raw;
-  __device__ __forceinline__ float Get(int e) const {
-    const T* p = reinterpret_cast<const T*>(&raw);
-    return ToF(p[e]);
-  }
-  __device__ __forceinline__ void Set(int e, float x) {
-    T* p = reinterpret_cast<T*>(&raw);
-    p[e] = FromF<T>(x);
-  }
-};
-
-// Streaming (evict-first) 16-byte load, or E scalar loads where the address is not 16-byte
-// aligned (a caller's slot stride need not be a multiple of 16 bytes).
-template <typename T>
-__device__ __forceinline__ Chunk<T> LoadChunk(const T* p, bool aligned) {
-  Chunk<T> c;
-  if (aligned) {
-    c.raw = __ldcs(reinterpret_cast<const uint4*>(p));
-  } else {
-    T* d = reinterpret_cast<T*>(&c.raw);
-#pragma unroll
-    for (int e = 0; e < Chunk<T>::kE; ++e) d[e] = p[e];
-  }
-  return c;
-}
-template <typename T>
-__device__ __forceinline__ void StoreChunk(T* p, const Chunk<T>& c, bool aligned) {
-  if (aligned) {
-    __stcs(reinterpret_cast<uint4*>(p), c.raw);
-  } else {
-    const T* s = reinterpret_cast<const T*>(&c.raw);
-#pragma unroll
-    for (int e = 0; e < Chunk<T>::kE; ++e) p[e] = s[e];
-  }
-}
-
 // ---- reductions -----------------------------------------------------------------------------
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll

@@ -5,6 +5,7 @@
 #define REPLAYSSM_KERNELS_CUDA_HEAD_OPS_CUH_
 
 #include "common.cuh"
+#include "loads.cuh"
 #include "params.h"
 
 namespace replayssm::kernels::cuda {
@@ -15,6 +16,47 @@ constexpr int kWarps = kThreads / 32;
 // registers; verify 2 x 256: 128): more resident CTAs keep more S0 bytes in flight.
 constexpr int kStepMinBlocks = 3;
 constexpr int kVerifyMinBlocks = 2;
+
+// What the tiled step and prefill kernels' CTAs share: where one sits — one CTA per (batch row
+// r, v-head h, V-tile vt of VT state rows), flattened with the V-tile fastest — and the load of
+// its S0 tile [VT, K] into registers (Vec pieces of 16 bytes, streaming, E key channels each).
+template <typename T, int KMAX>
+struct TileCta {
+  using Cfg = TileCfg<T, KMAX>;
+  static constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
+  using Tile = Vec<T, E>[R][CPL];
+
+  int tid, lane, warp, vt, h, r, v0;
+
+  template <typename Params>
+  __device__ __forceinline__ void Place(const Params& p) {
+    tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int64_t bid = blockIdx.x;
+    vt = static_cast<int>(bid % p.num_vtiles);
+    bid /= p.num_vtiles;
+    h = static_cast<int>(bid % p.ly.HV);
+    r = static_cast<int>(bid / p.ly.HV);
+    v0 = vt * VT;
+  }
+
+  // The tile's rows from s0 (the head's row v0; aligned: 16-byte loads), zero past V and K.
+  __device__ __forceinline__ void ReadTile(Tile& st, const T* s0, bool aligned, int K,
+                                           int V) const {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int row = Cfg::Row(i, warp, lane);
+#pragma unroll
+      for (int ch = 0; ch < CPL; ++ch) {
+        const int c = Cfg::Chan(ch, lane);
+        if (v0 + row < V && c < K) {
+          st[i][ch].template Load<kCacheStream>(s0 + int64_t{row} * K + c, aligned);
+        } else {
+          st[i][ch].Zero();
+        }
+      }
+    }
+  }
+};
 
 // Copies n elements global -> shared (fp32), kLoadBatch loads in flight per thread before the
 // first store: a load cannot pass an earlier shared store through a generic pointer, so a plain

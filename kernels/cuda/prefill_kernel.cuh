@@ -19,28 +19,24 @@ namespace replayssm::kernels::cuda {
 // and passes by reference. T: the checkpoint's storage type; Ring: the ring's d and k (read
 // when a row starts from its slot).
 template <typename T, typename Ring, int KMAX>
-struct PrefillCta {
-  using Cfg = TileCfg<T, KMAX>;
-  static constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
-  using Tile = float[R][CPL][E];
+struct PrefillCta : TileCta<T, KMAX> {
+  using Base = TileCta<T, KMAX>;
+  using typename Base::Cfg;
+  using Base::R, Base::CPL, Base::E, Base::VT;
+  using Base::tid, Base::lane, Base::warp, Base::vt, Base::h, Base::r, Base::v0;
+  using Tile = float[R][CPL][E];  // fp32 for the whole row
 
   const PrefillParams& p;
   const LayerDesc& ly;
   const SmemLayout& sm;
   float* s;
-  int tid, lane, warp, vt, h, r, v0, K, V, L;
+  int K, V, L;
   int64_t slot;
   int64_t begin, end;  // the row's tokens
 
   __device__ __forceinline__ PrefillCta(const PrefillParams& params, float* smem)
       : p(params), ly(params.ly), sm(params.sm), s(smem) {
-    tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int64_t bid = blockIdx.x;
-    vt = static_cast<int>(bid % p.num_vtiles);
-    bid /= p.num_vtiles;
-    h = static_cast<int>(bid % ly.HV);
-    r = static_cast<int>(bid / ly.HV);
-    v0 = vt * VT;
+    this->Place(p);
     K = ly.K, V = ly.V, L = ly.L;
     slot = p.slot_idx[r];
     begin = 0, end = 0;
@@ -65,20 +61,8 @@ struct PrefillCta {
   // The slot's logical state into the tile: S0 folded with records 0..w-1 (in place of the
   // fold's write: S0·A + Σ_j d_j (W_j∘k_j)).
   __device__ __forceinline__ void FromSlot(Tile& st, const T* s0, bool aligned, int w) const {
-    Chunk<T> raw[R][CPL];
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int row = Cfg::Row(i, warp, lane);
-#pragma unroll
-      for (int ch = 0; ch < CPL; ++ch) {
-        const int c = Cfg::Chan(ch, lane);
-        if (v0 + row < V && c < K) {
-          raw[i][ch] = LoadChunk(s0 + int64_t{row} * K + c, aligned);
-        } else {
-          raw[i][ch].raw = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
+    typename Base::Tile raw;
+    this->ReadTile(raw, s0, aligned, K, V);
     if (w > 0) LoadRecords<Ring>(ly, sm, s, slot, h, w, v0, VT);
     __syncthreads();
     if (w > 0) Weights(ly, sm, s, w, 0, true, false);
@@ -168,10 +152,10 @@ struct PrefillCta {
       for (int ch = 0; ch < CPL; ++ch) {
         const int c = Cfg::Chan(ch, lane);
         if (c >= K) continue;
-        Chunk<T> out;
+        Vec<T, E> out;
 #pragma unroll
         for (int e = 0; e < E; ++e) out.Set(e, st[i][ch][e]);
-        StoreChunk(s0 + int64_t{row} * K + c, out, aligned);
+        out.template Store<kCacheStream>(s0 + int64_t{row} * K + c, aligned);
       }
     }
   }

@@ -26,29 +26,24 @@ namespace replayssm::kernels::cuda {
 // partials live in the kernel's frame and pass by reference. T: the checkpoint's storage type;
 // Ring: the ring's d and k (rounded to it where written).
 template <typename T, typename Ring, int KMAX, int TC>
-struct TiledCta {
-  using Cfg = TileCfg<T, KMAX>;
-  static constexpr int R = Cfg::R, CPL = Cfg::CPL, E = Cfg::E, VT = Cfg::VT;
-  using Tile = Chunk<T>[R][CPL];
+struct TiledCta : TileCta<T, KMAX> {
+  using Base = TileCta<T, KMAX>;
+  using typename Base::Cfg, typename Base::Tile;
+  using Base::R, Base::CPL, Base::E, Base::VT;
+  using Base::tid, Base::lane, Base::warp, Base::vt, Base::h, Base::r, Base::v0;
 
   const StepParams& p;
   const LayerDesc& ly;
   const SmemLayout& sm;
   float* s;
-  int tid, lane, warp, vt, h, r, v0, K, V, L, T_;
+  int K, V, L, T_;
   int64_t tok0, slot;
   int w;
   bool fold;
 
   __device__ __forceinline__ TiledCta(const StepParams& params, float* smem)
       : p(params), ly(params.ly), sm(params.sm), s(smem) {
-    tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int64_t bid = blockIdx.x;
-    vt = static_cast<int>(bid % p.num_vtiles);
-    bid /= p.num_vtiles;
-    h = static_cast<int>(bid % ly.HV);
-    r = static_cast<int>(bid / ly.HV);
-    v0 = vt * VT;
+    this->Place(p);
     K = ly.K, V = ly.V, L = ly.L, T_ = p.num_draft;
     tok0 = int64_t{r} * T_;
     slot = p.slot_idx[r];
@@ -83,19 +78,7 @@ struct TiledCta {
   __device__ __forceinline__ T* LoadTile(Tile& st, bool& aligned) const {
     T* s0 = static_cast<T*>(ly.ckpt) + slot * ly.ckpt_stride + (int64_t{h} * V + v0) * K;
     aligned = (reinterpret_cast<uintptr_t>(s0) & 15) == 0;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int row = Cfg::Row(i, warp, lane);
-#pragma unroll
-      for (int ch = 0; ch < CPL; ++ch) {
-        const int c = Cfg::Chan(ch, lane);
-        if (v0 + row < V && c < K) {
-          st[i][ch] = LoadChunk(s0 + int64_t{row} * K + c, aligned);
-        } else {
-          st[i][ch].raw = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
+    this->ReadTile(st, s0, aligned, K, V);
     return s0;
   }
 
@@ -209,10 +192,10 @@ struct TiledCta {
             a[e + 3] += dj * x.w;
           }
         }
-        Chunk<T> out;
+        Vec<T, E> out;
 #pragma unroll
         for (int e = 0; e < E; ++e) out.Set(e, a[e] + dt * s[sm.kext + w * K + c + e]);
-        StoreChunk(s0 + int64_t{row} * K + c, out, aligned);
+        out.template Store<kCacheStream>(s0 + int64_t{row} * K + c, aligned);
       }
     }
   }
