@@ -19,6 +19,11 @@
 // ring depth between calls, B/L rows folding per call. Median of 208 calls.
 //
 // The device copy bandwidth (D2D memcpy, read + write counted) is measured in the same run.
+// So is, per peer-method case, its speed of light: the same calls (flush, spin, events, median)
+// of a kernel that only moves the case's counted bytes — reads them once and writes its
+// written bytes, in one-warp CTAs of 4 KB, with streaming and with plain loads and stores, the
+// faster of the two — so that a figure reads as a share of what the H200 can do for those bytes
+// under this method (bench/results/kernels.md: the best of the pure-transfer kernels tried).
 // Counted bytes per step (state and ring traffic only): baseline = read + write the state;
 // replay = read S0 + the w records read (d, k per qk-head, g) + the record written, or the
 // S0 write when the row folds; verify = read S0 + w records + T records written.
@@ -64,7 +69,9 @@ constexpr char kUsage[] = R"(usage: replayssm-bench kernels [--json PATH] [--met
   --method M        graph: 64 steps in a CUDA graph, median of 7 replays (ours);
                     peer: each call alone between CUDA events, L2 flushed (256 MiB memset)
                     and launch hidden behind a spin kernel, median of 208 calls (the method
-                    of the peer's figures in issue 20); both (default): each case both ways
+                    of the peer's figures in issue 20), with each case's speed of light
+                    (a kernel that only moves its counted bytes, timed the same way: %sol);
+                    both (default): each case both ways
   --help            this text
 
 Cases (each optional):
@@ -298,6 +305,40 @@ __global__ void Spin(uint64_t ns) {
   } while (t - t0 < ns && static_cast<uint64_t>(clock64() - c0) < 8 * ns);
 }
 
+// The speed of light of a step's bytes: CTA b (one warp) reads or writes chunk b of 4 KB, the
+// `nw` write chunks spread evenly among the `nr` read chunks; each lane 8 accesses of 16 bytes,
+// all issued before any is used. STREAM: ld.global.cs / st.global.cs, else plain. The reads
+// feed a sum stored only above 3e38 (never: the buffer is zeroed), so they cannot be dropped.
+constexpr int kSolChunk = 4096;
+template <bool STREAM>
+__global__ void __launch_bounds__(32)
+    SpeedOfLightKernel(const float4* rd, int64_t nr, float4* wr, int64_t nw, float* sink) {
+  const int64_t b = blockIdx.x, n = nr + nw;
+  const int64_t w0 = b * nw / n, w1 = (b + 1) * nw / n;  // write chunks before b, through b
+  constexpr int kPer = kSolChunk / 16 / 32;
+  if (w1 > w0) {
+    float4* const dst = wr + w0 * (kSolChunk / 16) + threadIdx.x;
+    const float4 v = make_float4(1.f, 2.f, 3.f, 4.f);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if constexpr (STREAM) {
+        __stcs(dst + i * 32, v);
+      } else {
+        dst[i * 32] = v;
+      }
+    }
+    return;
+  }
+  const float4* const src = rd + (b - w0) * (kSolChunk / 16) + threadIdx.x;
+  float4 v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) v[i] = STREAM ? __ldcs(src + i * 32) : src[i * 32];
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) acc += v[i].x + v[i].y + v[i].z + v[i].w;
+  if (acc > 3e38f) sink[threadIdx.x] = acc;
+}
+
 // The median of `v` (not empty; sorted here).
 double Median(std::vector<float>& v) {
   std::sort(v.begin(), v.end());
@@ -355,6 +396,9 @@ struct Figure {
   // Peer method only: spread and how the launch was hidden.
   double p10_us = 0, p90_us = 0, spin_us = 0;
   int calls = 0, redone = 0;
+  // Peer method only: the speed of light of the counted bytes (see the top) and its share.
+  double read_bytes = 0, write_bytes = 0;
+  double sol_us = 0, pct_sol = 0;
 };
 
 struct Result {
@@ -367,6 +411,8 @@ struct Result {
 struct PeerMethod {
   void* flush = nullptr;
   uint64_t spin_ns = kSpinStartNs;  // each call's spin to start with
+  void* sol = nullptr;              // the speed-of-light kernel's bytes (grown on need)
+  size_t sol_bytes = 0;
 };
 
 // The cursors and slots of a run of steps, on the host and the device.
@@ -374,7 +420,8 @@ struct Schedule {
   int steps = 0;
   std::vector<int32_t> slot, pos;
   int32_t *dslot = nullptr, *dpos = nullptr;
-  double bytes = 0;  // mean counted bytes per step
+  double bytes = 0;                        // mean counted bytes per step
+  double read_bytes = 0, write_bytes = 0;  // the same, read and written
 };
 
 // The storage of a case: the checkpoint's dtype and the ring's (rssm_ring_dtype code).
@@ -481,6 +528,48 @@ class Bench {
     });
     for (int i = 0; i < 2 * window; ++i) Launch(op, settings, sched, i % window, plan);  // warm-up
     CHECK_CUDA(cudaStreamSynchronize(stream_));
+    PeerCalls(
+        peer, [&](int c) { Launch(op, settings, sched, c % window, nullptr); }, fig);
+    fig->bytes = sched.bytes;
+    fig->read_bytes = sched.read_bytes;
+    fig->write_bytes = sched.write_bytes;
+    // The speed of light of the same bytes, the same way: the faster cache policy.
+    const int64_t nr = static_cast<int64_t>(std::ceil(sched.read_bytes / kSolChunk));
+    const int64_t nw = static_cast<int64_t>(std::ceil(sched.write_bytes / kSolChunk));
+    const size_t need = static_cast<size_t>(nr + nw) * kSolChunk + 1024;
+    if (peer->sol_bytes < need) {
+      if (peer->sol != nullptr) CHECK_CUDA(cudaFree(peer->sol));
+      CHECK_CUDA(cudaMalloc(&peer->sol, need));
+      CHECK_CUDA(cudaMemset(peer->sol, 0, need));
+      peer->sol_bytes = need;
+    }
+    const float4* rd = static_cast<const float4*>(peer->sol);
+    float4* wr = static_cast<float4*>(peer->sol) + nr * (kSolChunk / 16);
+    float* sink = reinterpret_cast<float*>(wr + nw * (kSolChunk / 16));
+    const unsigned grid = static_cast<unsigned>(nr + nw);
+    fig->sol_us = 0;
+    for (const bool stream : {true, false}) {
+      Figure sol;
+      PeerCalls(
+          peer,
+          [&](int) {
+            if (stream) {
+              SpeedOfLightKernel<true><<<grid, 32, 0, stream_>>>(rd, nr, wr, nw, sink);
+            } else {
+              SpeedOfLightKernel<false><<<grid, 32, 0, stream_>>>(rd, nr, wr, nw, sink);
+            }
+          },
+          &sol);
+      if (fig->sol_us == 0 || sol.us < fig->sol_us) fig->sol_us = sol.us;
+    }
+    fig->pct_sol = 100.0 * fig->sol_us / fig->us;
+  }
+
+ private:
+  // kPeerCalls calls of `call(c)`, each alone between events after an L2 flush and behind a
+  // spin; fills the figure's median, spread and spin.
+  template <typename Call>
+  void PeerCalls(PeerMethod* peer, Call call, Figure* fig) {
     cudaEvent_t e0, e1;
     CHECK_CUDA(cudaEventCreate(&e0));
     CHECK_CUDA(cudaEventCreate(&e1));
@@ -493,7 +582,7 @@ class Bench {
       Spin<<<1, 1, 0, stream_>>>(spin_ns);
       CHECK_CUDA(cudaGetLastError());
       CHECK_CUDA(cudaEventRecord(e0, stream_));
-      Launch(op, settings, sched, c % window, nullptr);
+      call(c);
       CHECK_CUDA(cudaEventRecord(e1, stream_));
       // The start event still pending now means the GPU was busy with the spin until the call
       // was queued: its launch is outside the events. A "not ready" answer may linger as the
@@ -532,7 +621,6 @@ class Bench {
     fig->us = Median(ms) * 1e3;
     fig->p10_us = ms[ms.size() / 10] * 1e3;  // sorted by Median
     fig->p90_us = ms[ms.size() * 9 / 10] * 1e3;
-    fig->bytes = sched.bytes;
     fig->calls = kPeerCalls;
     fig->redone = redone;
     fig->spin_us = base_spin_ns / 1e3;
@@ -540,7 +628,6 @@ class Bench {
     CHECK_CUDA(cudaEventDestroy(e1));
   }
 
- private:
   void Alloc(void** p, int64_t bytes) {
     CHECK_CUDA(cudaMalloc(p, static_cast<size_t>(bytes)));
     allocs_.push_back(*p);
@@ -556,7 +643,7 @@ class Bench {
     s.steps = steps;
     s.slot.resize(int64_t{steps} * B_);
     s.pos.resize(s.slot.size());
-    double total = 0;
+    double total = 0, read = 0;
     for (int i = 0; i < steps; ++i) {
       for (int r = 0; r < B_; ++r) {
         const int64_t k = int64_t{i} * B_ + r;
@@ -569,9 +656,12 @@ class Bench {
         s.slot[k] = slot;
         s.pos[k] = pos;
         total += Bytes(op, pos);
+        read += ReadBytes(op, pos);
       }
     }
     s.bytes = total / steps;
+    s.read_bytes = read / steps;
+    s.write_bytes = (total - read) / steps;
     // Each step's rows whose ring is full (they fold) first: the order a scheduler that sees
     // the cursors can choose (measures the folding rows' tail).
     if (settings.fold_first) {
@@ -630,6 +720,12 @@ class Bench {
     if (op == kVerify) return state + w * rec + kDraft * rec;
     const bool fold = w + 1 >= kL;
     return state + w * rec + (fold ? state : rec);
+  }
+  // The read part of Bytes: the state and the w records.
+  double ReadBytes(Op op, int w) const {
+    const double state = double{kHV} * kV * kK * ts_;
+    const double rec = double{kHV} * kV * rs_ + double{kH} * kK * rs_ + double{kHV} * per_g_ * 4;
+    return op == kBaseline ? state : state + w * rec;
   }
 
   rssm_gate gate_;
@@ -692,6 +788,7 @@ void Derive(Figure* f, Op op, double base_us, const PeerRef* peer, bool f32, dou
 struct TargetRow {
   std::string what;
   double value = -1, graph_value = -1;  // -1: not measured in this run
+  double sol_value = -1;  // the case's speed of light in the same unit (peer); -1: none
   double required = 0;
   bool at_least = true;  // value >= required; else value <= required
   std::string unit;      // "x" or "us"
@@ -737,6 +834,7 @@ std::vector<TargetRow> Targets(const std::vector<Result>& rs, const Settings& se
     if (const Result* r = FindResult(rs, rt.gate, "f32", "replay", rt.batch)) {
       t.value = r->peer.ran ? r->peer.vs_packed : -1;
       t.graph_value = r->graph.ran ? r->graph.vs_packed : -1;
+      if (r->peer.ran && r->peer.sol_us > 0) t.sol_value = p->sgl_packed / r->peer.sol_us;
     }
     out.push_back(t);
   }
@@ -755,6 +853,7 @@ std::vector<TargetRow> Targets(const std::vector<Result>& rs, const Settings& se
     if (const Result* r = FindResult(rs, rt.gate, "f32+bf16", "replay", rt.batch)) {
       t.value = r->peer.ran ? r->peer.vs_packed : -1;
       t.graph_value = r->graph.ran ? r->graph.vs_packed : -1;
+      if (r->peer.ran && r->peer.sol_us > 0) t.sol_value = p->sgl_packed / r->peer.sol_us;
     }
     out.push_back(t);
   }
@@ -836,8 +935,11 @@ std::string JsonFigure(const Figure& f, bool peer) {
   if (peer) {
     std::snprintf(buf, sizeof buf,
                   ", \"calls\": %d, \"p10_us\": %.3f, \"p90_us\": %.3f, \"spin_us\": %.1f, "
-                  "\"calls_redone\": %d",
-                  f.calls, f.p10_us, f.p90_us, f.spin_us, f.redone);
+                  "\"calls_redone\": %d, \"read_bytes_per_step\": %.0f, "
+                  "\"written_bytes_per_step\": %.0f, \"speed_of_light_us\": %.3f, "
+                  "\"pct_speed_of_light\": %.1f",
+                  f.calls, f.p10_us, f.p90_us, f.spin_us, f.redone, f.read_bytes, f.write_bytes,
+                  f.sol_us, f.pct_sol);
     s += buf;
   }
   return s + "}";
@@ -879,11 +981,12 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
   PeerMethod pm;
   if (peer) CHECK_CUDA(cudaMalloc(&pm.flush, kFlushBytes));
   std::vector<Result> results;
-  std::printf("%-4s %-8s %-8s %4s %-6s | %-31s | %-39s | %s\n", "", "", "", "", "", "graph method",
+  std::printf("%-4s %-8s %-8s %4s %-6s | %-31s | %-46s | %s\n", "", "", "", "", "", "graph method",
               "peer method", "reference (issue 20, other run)");
-  std::printf("%-4s %-8s %-8s %4s %-6s | %8s %6s %7s %7s | %8s %6s %7s %7s %7s | %-24s %7s %8s\n",
-              "gate", "state", "op", "B", "kernel", "us/step", "%copy", "x base", "x pk", "us/step",
-              "%copy", "x base", "x pk", "x ref", "ref", "us", "ours@ref");
+  std::printf(
+      "%-4s %-8s %-8s %4s %-6s | %8s %6s %7s %7s | %8s %6s %6s %7s %7s %7s | %-24s %7s %8s\n",
+      "gate", "state", "op", "B", "kernel", "us/step", "%copy", "x base", "x pk", "us/step",
+      "%copy", "%sol", "x base", "x pk", "x ref", "ref", "us", "ours@ref");
   for (rssm_gate gate : {RSSM_GATE_GDN, RSSM_GATE_KDA}) {
     const std::string gate_name = gate == RSSM_GATE_GDN ? "GDN" : "KDA";
     if (!settings.gate.empty() && settings.gate != gate_name) continue;
@@ -922,12 +1025,14 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
           const double x_ref = ref.name != nullptr && r.peer.ran ? ref.sgl_us / r.peer.us : -1;
           auto us = [](const Figure& f) { return f.ran ? Num("%.2f", f.us) : "-"; };
           auto pct = [](const Figure& f) { return f.ran ? Num("%.1f%%", f.pct) : "-"; };
+          const std::string sol = r.peer.ran ? Num("%.1f%%", r.peer.pct_sol) : "-";
           auto x = [](double v) { return Num("%.2fx", v); };
           std::printf(
-              "%-4s %-8s %-8s %4d %-6s | %8s %6s %7s %7s | %8s %6s %7s %7s %7s | %-24s %7s %8s\n",
+              "%-4s %-8s %-8s %4d %-6s | %8s %6s %7s %7s | %8s %6s %6s %7s %7s %7s | %-24s %7s "
+              "%8s\n",
               r.gate.c_str(), r.state.c_str(), r.op.c_str(), B, r.kernel.c_str(),
               us(r.graph).c_str(), pct(r.graph).c_str(), x(r.graph.speedup).c_str(),
-              x(r.graph.vs_packed).c_str(), us(r.peer).c_str(), pct(r.peer).c_str(),
+              x(r.graph.vs_packed).c_str(), us(r.peer).c_str(), pct(r.peer).c_str(), sol.c_str(),
               x(r.peer.speedup).c_str(), x(r.peer.vs_packed).c_str(), x(x_ref).c_str(),
               ref.name != nullptr ? ref.name : "-",
               ref.name != nullptr ? Num("%.1f", ref.sgl_us).c_str() : "-",
@@ -936,8 +1041,10 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
             std::printf("  %s\n", Describe(plan).c_str());
             if (r.peer.ran) {
               std::printf(
-                  "  peer method: p10 %.2f us, p90 %.2f us, spin %.0f us, %d calls redone\n",
-                  r.peer.p10_us, r.peer.p90_us, r.peer.spin_us, r.peer.redone);
+                  "  peer method: p10 %.2f us, p90 %.2f us, spin %.0f us, %d calls redone; "
+                  "speed of light %.2f us (%.0f bytes read, %.0f written)\n",
+                  r.peer.p10_us, r.peer.p90_us, r.peer.spin_us, r.peer.redone, r.peer.sol_us,
+                  r.peer.read_bytes, r.peer.write_bytes);
             }
           }
           std::fflush(stdout);
@@ -947,6 +1054,7 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
     }
   }
   if (pm.flush != nullptr) CHECK_CUDA(cudaFree(pm.flush));
+  if (pm.sol != nullptr) CHECK_CUDA(cudaFree(pm.sol));
   CHECK_CUDA(cudaDeviceSynchronize());
 
   std::printf("\nsglang in the peer's run (%s), us per step:\n", kPeerSource);
@@ -964,8 +1072,10 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
       "against the peer's figures of another run:\n");
   for (const TargetRow& t : targets) {
     const char* fmt = t.unit == "us" ? "%.2f us" : "%.2fx";
-    std::printf("  %-66s %10s (%s)  %s\n", t.what.c_str(), Num(fmt, t.value).c_str(),
+    std::printf("  %-66s %10s (%s)  %s", t.what.c_str(), Num(fmt, t.value).c_str(),
                 Num(fmt, t.graph_value).c_str(), Verdict(t).c_str());
+    if (t.sol_value > 0) std::printf("; the bytes' speed of light: %.2fx", t.sol_value);
+    std::printf("\n");
   }
   if (!graph || !peer) std::printf("(--method %s: one method only)\n", args.method.c_str());
 
@@ -1032,11 +1142,12 @@ int Kernels(const replayssm::bench::KernelsArgs& args, const Settings& settings)
                                                        : "false";
       std::fprintf(f,
                    "    {\"target\": \"%s\", \"unit\": \"%s\", \"required\": %.4f, "
-                   "\"at_least\": %s, \"peer\": %s, \"graph\": %s, \"met\": %s, "
-                   "\"verdict\": \"%s\"}%s\n",
+                   "\"at_least\": %s, \"peer\": %s, \"graph\": %s, \"speed_of_light\": %s, "
+                   "\"met\": %s, \"verdict\": \"%s\"}%s\n",
                    t.what.c_str(), t.unit.c_str(), t.required, t.at_least ? "true" : "false",
-                   JsonNum("%.4f", t.value).c_str(), JsonNum("%.4f", t.graph_value).c_str(), met,
-                   Verdict(t).c_str(), i + 1 < targets.size() ? "," : "");
+                   JsonNum("%.4f", t.value).c_str(), JsonNum("%.4f", t.graph_value).c_str(),
+                   JsonNum("%.4f", t.sol_value).c_str(), met, Verdict(t).c_str(),
+                   i + 1 < targets.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     if (std::ferror(f) != 0 || std::fclose(f) != 0) {
