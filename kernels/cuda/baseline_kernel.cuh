@@ -7,6 +7,10 @@
 // arithmetic: many independent CTAs keep the state's bytes in flight (the bulk kernel's one CTA
 // per head was latency-bound on this op: bench/results/kernels.md).
 //
+// Its phases are BaselineWarp's methods (token, rows, gates, contraction, fold), called in that
+// order by the kernel; the arrays they fill live in the kernel's frame (the fold's accumulators
+// too: declared inside the method, they changed every instantiation's machine code).
+//
 // The arithmetic is the bulk kernel's baseline (bulk_step_kernel.cuh at w = 0) operation for
 // operation: the lane's partials in channel order, then a transposed butterfly over the 32
 // lanes, whose sums are the same tree for any number of values; so replay at L = 1 (the bulk
@@ -35,21 +39,130 @@ __device__ __forceinline__ float StepBeta(const LayerDesc& ly, A b) {
   return Beta(ToF(b), ly.act_dtype, ly.round_beta);
 }
 
+// One warp of the kernel: where it sits and the phases of its step — the token, the rows, the
+// gates, the contraction and finish, the fold. Everything held per value (the token's raw
+// loads, the rows, the partials) lives in the kernel's frame and passes by reference.
+template <typename T, typename R, typename A, bool KDA, int KC, int NW, int RPW, int CACHE>
+struct BaselineWarp {
+  static constexpr int NV = 2 * RPW;  // values per transposed butterfly: ·(A∘k), ·(A∘q) per row
+  static constexpr int SPREAD = 32 / NV;
+  static_assert(NV <= 32, "2 * RPW values must fit one butterfly");
+  static constexpr unsigned kAll = 0xffffffffu;
+
+  const LayerDesc& ly;
+  int lane, warp, r, h, tile, K, V, H, v0;
+
+  __device__ __forceinline__ explicit BaselineWarp(const BaselineParams& p) : ly(p.ly) {
+    lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    r = blockIdx.y;
+    h = blockIdx.x / p.tiles, tile = blockIdx.x - h * p.tiles;
+    K = ly.K, V = ly.V, H = ly.H;
+    v0 = (tile * NW + warp) * RPW;  // the warp's first row
+  }
+
+  // The token's raw q, k (and KDA's a, dt_bias per channel; GDN's in [0]) of the lane's key
+  // channels, zero past K (qkv: the row's token).
+  __device__ __forceinline__ void LoadToken(const A* qkv, int hq, int c0, bool has_c, A (&qr)[KC],
+                                            A (&kr)[KC], A (&ar)[KC], float (&db)[KC]) const {
+    const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
+#pragma unroll
+    for (int e = 0; e < KC; ++e) {
+      qr[e] = kr[e] = ar[e] = A{};
+      db[e] = 0.f;
+      if (has_c) {
+        qr[e] = qkv[int64_t{hq} * K + c0 + e];
+        kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
+        if constexpr (KDA) {
+          ar[e] = ga[int64_t{h} * K + c0 + e];
+          db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
+        }
+      }
+    }
+    if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
+  }
+
+  // The warp's nrows state rows from s0 (the lane's channels), zero past them and past K.
+  __device__ __forceinline__ void LoadRows(Vec<T, KC> (&x)[RPW], const T* s0, bool has_c, int nrows,
+                                           bool vec) const {
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      if (has_c && i < nrows) {
+        x[i].template Load<CACHE>(s0 + int64_t{i} * K, vec);
+      } else {
+        x[i].Zero();
+      }
+    }
+  }
+
+  // The decay A = exp(g) from the token's gate, A∘k, A∘q and the new k as the ring would hold
+  // it (the fold's).
+  __device__ __forceinline__ void Gates(float alog, const A (&ar)[KC], const float (&db)[KC],
+                                        const float (&q)[KC], const float (&kk)[KC], bool has_c,
+                                        float (&av)[KC], float (&ka)[KC], float (&qa)[KC],
+                                        float (&kn)[KC]) const {
+    const float decay = -expf(alog);
+    const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(ar[0]) + db[0]);
+#pragma unroll
+    for (int e = 0; e < KC; ++e) {
+      const float g = KDA ? (has_c ? decay * Softplus(ToF(ar[e]) + db[e]) : 0.f) : g_gdn;
+      const float a = expf(g);
+      av[e] = has_c ? a : 0.f;
+      ka[e] = has_c ? a * kk[e] : 0.f;
+      qa[e] = has_c ? a * q[e] : 0.f;
+      kn[e] = has_c ? RoundTo<R>(kk[e]) : 0.f;
+    }
+  }
+
+  // S0·(A∘k), S0·(A∘q) per row: the lane's partials, then one butterfly for all rows.
+  __device__ __forceinline__ void Contract(const Vec<T, KC> (&x)[RPW], const float (&ka)[KC],
+                                           const float (&qa)[KC], float (&acc)[NV]) const {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+      for (int e = 0; e < KC; ++e) {
+        const float s = x[i].Get(e);
+        acc[2 * i] += s * ka[e];
+        acc[2 * i + 1] += s * qa[e];
+      }
+    }
+    TransposeReduce<NV, 16>::Run(acc, lane);
+  }
+
+  // The new rows: S0·A + R(d) R(k)ᵀ, the bulk kernel's FoldBatch at w = 0 (dcur: the lane's
+  // row's d as the ring would hold it).
+  __device__ __forceinline__ void Fold(const Vec<T, KC> (&x)[RPW], const float (&av)[KC],
+                                       const float (&kn)[KC], float dcur, T* s0, bool has_c,
+                                       int nrows, bool vec, float (&out)[RPW][KC]) const {
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+      for (int e = 0; e < KC; ++e) out[i][e] = x[i].Get(e) * av[e];
+    }
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      const float di = __shfl_sync(kAll, dcur, i);
+      if (!has_c || i >= nrows) continue;
+      Vec<T, KC> y;
+#pragma unroll
+      for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
+      y.template Store<CACHE>(s0 + int64_t{i} * K, vec);
+    }
+  }
+};
+
 // Grid (HV * tiles, B), NW warps per CTA. Requirements: K <= 32 * KC, 2 * RPW <= 32.
 template <typename T, typename R, typename A, bool KDA, int KC, int NW, int RPW, int CACHE>
 __global__ void __launch_bounds__(NW * 32)
     BaselineKernel(const __grid_constant__ BaselineParams p) {
-  constexpr int NV = 2 * RPW;  // values per transposed butterfly: ·(A∘k), ·(A∘q) per row
-  constexpr int SPREAD = 32 / NV;
-  static_assert(NV <= 32, "2 * RPW values must fit one butterfly");
-  constexpr unsigned kAll = 0xffffffffu;
+  using Warp = BaselineWarp<T, R, A, KDA, KC, NW, RPW, CACHE>;
+  constexpr int SPREAD = Warp::SPREAD;
+  constexpr unsigned kAll = Warp::kAll;
+  const Warp wp(p);
   const LayerDesc& ly = p.ly;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int r = blockIdx.y;
-  const int h = blockIdx.x / p.tiles, tile = blockIdx.x - h * p.tiles;
-  const int K = ly.K, V = ly.V, H = ly.H;
-  const int v0 = (tile * NW + warp) * RPW;  // the warp's first row
-  if (v0 >= V) return;                      // a last tile's idle warp (no CTA barrier here)
+  const int lane = wp.lane, r = wp.r, h = wp.h, K = wp.K, V = wp.V, H = wp.H, v0 = wp.v0;
+  if (v0 >= V) return;  // a last tile's idle warp (no CTA barrier here)
   const int nrows = min(RPW, V - v0);
   // The slot first (the state's address waits for it), then every token load.
   const int slot_i = p.slot_idx[r];
@@ -58,23 +171,9 @@ __global__ void __launch_bounds__(NW * 32)
   const bool has_c = c0 < K;
   const int row_l = lane % RPW;  // the row whose d, o this lane finishes
   const A* const qkv = static_cast<const A*>(ly.qkv) + int64_t{r} * ly.qkv_stride;
-  const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
   A qr[KC], kr[KC], ar[KC];
   float db[KC];
-#pragma unroll
-  for (int e = 0; e < KC; ++e) {
-    qr[e] = kr[e] = ar[e] = A{};
-    db[e] = 0.f;
-    if (has_c) {
-      qr[e] = qkv[int64_t{hq} * K + c0 + e];
-      kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
-      if constexpr (KDA) {
-        ar[e] = ga[int64_t{h} * K + c0 + e];
-        db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
-      }
-    }
-  }
-  if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
+  wp.LoadToken(qkv, hq, c0, has_c, qr, kr, ar, db);
   const A b_raw = static_cast<const A*>(ly.b)[int64_t{r} * ly.b_stride + h];
   const float alog = ly.a_log[h];
   const bool row_on = row_l < nrows;
@@ -88,14 +187,7 @@ __global__ void __launch_bounds__(NW * 32)
       static_cast<T*>(ly.ckpt) + int64_t{slot_i} * ly.ckpt_stride + (int64_t{h} * V + v0) * K + c0;
   const bool vec = p.vec != 0;
   Vec<T, KC> x[RPW];
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-    if (has_c && i < nrows) {
-      x[i].template Load<CACHE>(s0 + int64_t{i} * K, vec);
-    } else {
-      x[i].Zero();
-    }
-  }
+  wp.LoadRows(x, s0, has_c, nrows, vec);
 
   // q and k normalized (q scaled), k·q: NormalizeQk, as the bulk kernel's NormDraft.
   float q[KC], kk[KC];
@@ -105,35 +197,13 @@ __global__ void __launch_bounds__(NW * 32)
     kk[e] = has_c ? ToF(kr[e]) : 0.f;
   }
   const float kq = NormalizeQk<KC>(ly, q, kk);
-  // The decay A = exp(g), A∘k, A∘q and the new k as the ring would hold it (the fold's).
-  const float decay = -expf(alog);
   float av[KC], ka[KC], qa[KC], kn[KC];
-  const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(ar[0]) + db[0]);
-#pragma unroll
-  for (int e = 0; e < KC; ++e) {
-    const float g = KDA ? (has_c ? decay * Softplus(ToF(ar[e]) + db[e]) : 0.f) : g_gdn;
-    const float a = expf(g);
-    av[e] = has_c ? a : 0.f;
-    ka[e] = has_c ? a * kk[e] : 0.f;
-    qa[e] = has_c ? a * q[e] : 0.f;
-    kn[e] = has_c ? RoundTo<R>(kk[e]) : 0.f;
-  }
+  wp.Gates(alog, ar, db, q, kk, has_c, av, ka, qa, kn);
   const float beta = StepBeta<A>(ly, b_raw);
 
   // S0·(A∘k), S0·(A∘q) per row: the lane's partials, then one butterfly for all rows.
-  float acc[NV];
-#pragma unroll
-  for (int i = 0; i < NV; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-#pragma unroll
-    for (int e = 0; e < KC; ++e) {
-      const float s = x[i].Get(e);
-      acc[2 * i] += s * ka[e];
-      acc[2 * i + 1] += s * qa[e];
-    }
-  }
-  TransposeReduce<NV, 16>::Run(acc, lane);
+  float acc[Warp::NV];
+  wp.Contract(x, ka, qa, acc);
   const float sk = __shfl_sync(kAll, acc[0], (row_l * 2) * SPREAD);
   const float sq = __shfl_sync(kAll, acc[0], (row_l * 2 + 1) * SPREAD);
   const float d = beta * (ToF(v_raw) - sk);
@@ -141,22 +211,8 @@ __global__ void __launch_bounds__(NW * 32)
   const float o = sq + d * kq;
   if (lane < nrows) orow[lane] = FromF<A>(o);
 
-  // The new rows: S0·A + R(d) R(k)ᵀ, the bulk kernel's FoldBatch at w = 0.
   float out[RPW][KC];
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-#pragma unroll
-    for (int e = 0; e < KC; ++e) out[i][e] = x[i].Get(e) * av[e];
-  }
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-    const float di = __shfl_sync(kAll, dcur, i);
-    if (!has_c || i >= nrows) continue;
-    Vec<T, KC> y;
-#pragma unroll
-    for (int e = 0; e < KC; ++e) y.Set(e, out[i][e] + di * kn[e]);
-    y.template Store<CACHE>(s0 + int64_t{i} * K, vec);
-  }
+  wp.Fold(x, av, kn, dcur, s0, has_c, nrows, vec, out);
 }
 
 }  // namespace replayssm::kernels::cuda
