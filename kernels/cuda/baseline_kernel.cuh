@@ -60,27 +60,6 @@ struct BaselineWarp {
     v0 = (tile * NW + warp) * RPW;  // the warp's first row
   }
 
-  // The token's raw q, k (and KDA's a, dt_bias per channel; GDN's in [0]) of the lane's key
-  // channels, zero past K (qkv: the row's token).
-  __device__ __forceinline__ void LoadToken(const A* qkv, int hq, int c0, bool has_c, A (&qr)[KC],
-                                            A (&kr)[KC], A (&ar)[KC], float (&db)[KC]) const {
-    const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
-#pragma unroll
-    for (int e = 0; e < KC; ++e) {
-      qr[e] = kr[e] = ar[e] = A{};
-      db[e] = 0.f;
-      if (has_c) {
-        qr[e] = qkv[int64_t{hq} * K + c0 + e];
-        kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
-        if constexpr (KDA) {
-          ar[e] = ga[int64_t{h} * K + c0 + e];
-          db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
-        }
-      }
-    }
-    if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
-  }
-
   // The warp's nrows state rows from s0 (the lane's channels), zero past them and past K.
   __device__ __forceinline__ void LoadRows(Vec<T, KC> (&x)[RPW], const T* s0, bool has_c, int nrows,
                                            bool vec) const {
@@ -173,7 +152,7 @@ __global__ void __launch_bounds__(NW * 32)
   const A* const qkv = static_cast<const A*>(ly.qkv) + int64_t{r} * ly.qkv_stride;
   A qr[KC], kr[KC], ar[KC];
   float db[KC];
-  wp.LoadToken(qkv, hq, c0, has_c, qr, kr, ar, db);
+  LoadStepToken<A, KDA, KC>(ly, qkv, r, h, hq, K, H, c0, has_c, qr, kr, ar, db);
   const A b_raw = static_cast<const A*>(ly.b)[int64_t{r} * ly.b_stride + h];
   const float alog = ly.a_log[h];
   const bool row_on = row_l < nrows;

@@ -5,6 +5,7 @@
 #define REPLAYSSM_KERNELS_CUDA_LOADS_CUH_
 
 #include "common.cuh"
+#include "params.h"
 
 namespace replayssm::kernels::cuda {
 
@@ -160,6 +161,31 @@ struct Vec {
     }
   }
 };
+
+// A decode token's raw q and k (and KDA's a and dt_bias, per channel; GDN's one each, in [0])
+// for the lane's key channels [c0, c0 + KC), zero past K (has_c false): row r's token qkv,
+// v-head h of qk-head hq; K, H: the layer's (the caller's copies, so that the addresses are
+// the ones it computes for its other loads). The baseline and small-replay kernels' loads.
+template <typename A, bool KDA, int KC>
+__device__ __forceinline__ void LoadStepToken(const LayerDesc& ly, const A* qkv, int r, int h,
+                                              int hq, int K, int H, int c0, bool has_c, A (&qr)[KC],
+                                              A (&kr)[KC], A (&ar)[KC], float (&db)[KC]) {
+  const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    qr[e] = kr[e] = ar[e] = A{};
+    db[e] = 0.f;
+    if (has_c) {
+      qr[e] = qkv[int64_t{hq} * K + c0 + e];
+      kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
+      if constexpr (KDA) {
+        ar[e] = ga[int64_t{h} * K + c0 + e];
+        db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
+      }
+    }
+  }
+  if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
+}
 
 }  // namespace replayssm::kernels::cuda
 

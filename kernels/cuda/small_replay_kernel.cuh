@@ -175,27 +175,6 @@ struct SmallReplayCta {
     }
   }
 
-  // The token's raw q, k (and KDA's a, dt_bias per channel; GDN's in [0]) of the lane's key
-  // channels, zero past K (qkv: the row's token; the baseline kernel's loads).
-  __device__ __forceinline__ void LoadToken(const A* qkv, A (&qr)[KC], A (&kr)[KC], A (&ar)[KC],
-                                            float (&db)[KC]) const {
-    const A* const ga = static_cast<const A*>(ly.a) + int64_t{r} * ly.a_stride;
-#pragma unroll
-    for (int e = 0; e < KC; ++e) {
-      qr[e] = kr[e] = ar[e] = A{};
-      db[e] = 0.f;
-      if (has_c) {
-        qr[e] = qkv[int64_t{hq} * K + c0 + e];
-        kr[e] = qkv[int64_t{H + hq} * K + c0 + e];
-        if constexpr (KDA) {
-          ar[e] = ga[int64_t{h} * K + c0 + e];
-          db[e] = ly.dt_bias[int64_t{h} * K + c0 + e];
-        }
-      }
-    }
-    if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
-  }
-
   // The record dots' per-block values (the kernel's frame holds them, as it holds every array:
   // arrays of an inlined method sit ahead of the kernel's own, which reorders ptxas's input).
   struct DotBlock {
@@ -359,7 +338,7 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   const A* const qkv = static_cast<const A*>(ly.qkv) + int64_t{r} * ly.qkv_stride;
   A qr[KC], kr[KC], ar[KC];
   float db[KC];
-  cta.LoadToken(qkv, qr, kr, ar, db);
+  LoadStepToken<A, KDA, KC>(ly, qkv, r, h, cta.hq, K, H, c0, has_c, qr, kr, ar, db);
   const A b_raw = static_cast<const A*>(ly.b)[int64_t{r} * ly.b_stride + h];
   const float alog = ly.a_log[h];
   const A v_raw = rows_on ? qkv[int64_t{2 * H} * K + int64_t{h} * V + v0 + row_l] : A{};
