@@ -25,13 +25,13 @@ using testing::Batch;
 using testing::Oracle;
 using testing::Tok;
 
-// H = 4, HV = 8: splits 1, 2 and 4 ways; a convolution in bf16 so that windows are sliced in
-// 2-byte channels.
+// H = 8, HV = 16: splits 1, 2, 4 and 8 ways (the degrees the issue names); a convolution in
+// bf16 so that windows are sliced in 2-byte channels.
 ModelSpec TpModel(int32_t gate, int32_t state_dtype) {
   ModelSpec m;
   m.name = "tp-test";
   m.num_layers = 3;
-  m.shape = {gate, 4, 8, 16, 16, 4, state_dtype, RSSM_DTYPE_BF16};
+  m.shape = {gate, 8, 16, 16, 16, 4, state_dtype, RSSM_DTYPE_BF16};
   m.conv_width = 4;
   m.round_beta = DefaultRoundBeta(gate);
   m.layers = SeededParams(m.shape, m.num_layers, 7, m.conv_width);
@@ -98,7 +98,7 @@ void ToRankMajor(const ModelSpec& m, int32_t tp, int64_t n, Batch& b, bool back 
 
 TEST(TpLayout, RefusesDegreesThatSplitAHead) {
   const ModelSpec m = TpModel(RSSM_GATE_GDN, RSSM_DTYPE_F32);
-  for (int32_t tp : {0, 3, 8, 9}) {
+  for (int32_t tp : {0, 3, 6, 16, 17}) {
     const absl::Status st = CheckTpSize(m, tp);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << tp;
     EXPECT_NE(st.message().find("tp_size"), std::string::npos) << st;
@@ -107,7 +107,7 @@ TEST(TpLayout, RefusesDegreesThatSplitAHead) {
   CacheOptions o;
   o.tp_size = 3;
   EXPECT_EQ(StateCache::Create(m, o).status().code(), absl::StatusCode::kInvalidArgument);
-  for (int32_t tp : {1, 2, 4}) EXPECT_TRUE(CheckTpSize(m, tp).ok()) << tp;
+  for (int32_t tp : {1, 2, 4, 8}) EXPECT_TRUE(CheckTpSize(m, tp).ok()) << tp;
 }
 
 TEST(TpLayout, DevicesAreOnePerRank) {
@@ -128,7 +128,7 @@ TEST(TpLayout, DevicesAreOnePerRank) {
 
 // Every byte of a layer's unsharded state belongs to exactly one rank.
 TEST(TpLayout, RanksTileTheLayerStateExactly) {
-  for (int32_t tp : {1, 2, 4}) {
+  for (int32_t tp : {1, 2, 4, 8}) {
     const ModelSpec m = TpModel(RSSM_GATE_KDA, RSSM_DTYPE_BF16);
     std::vector<int> owner(m.LayerStateBytes(), 0);
     for (int32_t r = 0; r < tp; ++r) {
@@ -152,7 +152,7 @@ TEST(TpLayout, ConvChannelsAreSlicedPerSection) {
   const ModelSpec m = TpModel(RSSM_GATE_GDN, RSSM_DTYPE_F32);
   const int64_t k = m.shape.head_k, v = m.shape.head_v, h = m.shape.num_qk_heads;
   const int64_t w = m.conv_width;
-  for (int32_t tp : {2, 4}) {
+  for (int32_t tp : {2, 4, 8}) {
     for (int32_t r = 0; r < tp; ++r) {
       const TpShard s = ShardOf(m, tp, r);
       const ModelSpec sm = ShardModel(m, s);
@@ -248,7 +248,7 @@ void ExpectSameState(StateCache& a, SlotId sa, StateCache& b, SlotId sb, const s
 // (unsharded) states are those of a TP = 1 cache, bit for bit.
 TEST_P(TpGroupTest, ForwardsAreBitIdenticalToOneRank) {
   std::unique_ptr<StateCache> one = MakeCache(m_, 1);
-  for (int32_t tp : {2, 4}) {
+  for (int32_t tp : {2, 4, 8}) {
     std::unique_ptr<StateCache> group = MakeCache(m_, tp);
     ASSERT_NE(group, nullptr);
     EXPECT_EQ(group->model().shape.num_v_heads, m_.shape.num_v_heads);
@@ -283,8 +283,8 @@ TEST_P(TpGroupTest, ForwardsAreBitIdenticalToOneRank) {
 // thread each (as on distinct devices; forced, so that the threaded path runs on one GPU, on
 // the CPU and under the sanitizers).
 TEST_P(TpGroupTest, MovesBetweenEveryPairOfDegreesAreExact) {
-  for (int32_t p : {1, 2, 4}) {
-    for (int32_t d : {1, 2, 4}) {
+  for (int32_t p : {1, 2, 4, 8}) {
+    for (int32_t d : {1, 2, 4, 8}) {
       for (const bool at_once : {false, true}) {
         if (at_once && p == 1 && d == 1) continue;
         const std::string where =
@@ -350,7 +350,7 @@ TEST(TpSlotIo, AGroupMovesTheUnshardedPayloadWithItsChecksum) {
   Oracle oracle(*m);
   const std::vector<int32_t> ids = {1, 2, 3};
   std::vector<uint8_t> want;
-  for (int32_t tp : {1, 2, 4}) {
+  for (int32_t tp : {1, 2, 4, 8}) {
     std::unique_ptr<StateCache> c = MakeCache(*m, tp);
     absl::StatusOr<SlotId> s = c->Allocate();
     ASSERT_TRUE(s.ok());
