@@ -69,7 +69,10 @@ class RouterTest(unittest.TestCase):
         self.donate(1, prompt[:20])
         self.donate(2, prompt[:36])
         self.placed(prompt + [5, 6], want=2, matched=36)
-        self.assertEqual(self.router.place(prompt[:30])[:2], (1, 20), "only a prefix counts")
+        # Only a prefix counts: server 2's 36 tokens cannot serve 30 of them, server 1's 20 can.
+        # Waited for too: server 1's events come on a stream of their own and may still be on
+        # their way when server 2's have arrived.
+        self.placed(prompt[:30], want=1, matched=20)
         self.assertEqual(self.router.place([1, 2, 3])[1], 0, "nobody holds it: by load")
         self.assertEqual(self.router.place(prompt)[2], "GPU")
         # Server 2's pool fills up with live slots: its snapshot is evicted, server 1 wins.
