@@ -168,14 +168,9 @@ __global__ void __launch_bounds__(NW * 32)
   Vec<T, KC> x[RPW];
   wp.LoadRows(x, s0, has_c, nrows, vec);
 
-  // q and k normalized (q scaled), k·q: NormalizeQk, as the bulk kernel's NormDraft.
+  // q and k normalized (q scaled), k·q.
   float q[KC], kk[KC];
-#pragma unroll
-  for (int e = 0; e < KC; ++e) {
-    q[e] = has_c ? ToF(qr[e]) : 0.f;
-    kk[e] = has_c ? ToF(kr[e]) : 0.f;
-  }
-  const float kq = NormalizeQk<KC>(ly, q, kk);
+  const float kq = StepTokenQk<A, KC>(ly, qr, kr, has_c, q, kk);
   float av[KC], ka[KC], qa[KC], kn[KC];
   wp.Gates(alog, ar, db, q, kk, has_c, av, ka, qa, kn);
   const float beta = StepBeta<A>(ly, b_raw);

@@ -187,6 +187,20 @@ __device__ __forceinline__ void LoadStepToken(const LayerDesc& ly, const A* qkv,
   if constexpr (!KDA) ar[0] = ga[h], db[0] = ly.dt_bias[h];
 }
 
+// That token's q and k as floats (zero past K), normalized and q scaled; returns k·q
+// (NormalizeQk, as the bulk kernel's NormDraft).
+template <typename A, int KC>
+__device__ __forceinline__ float StepTokenQk(const LayerDesc& ly, const A (&qr)[KC],
+                                             const A (&kr)[KC], bool has_c, float (&q)[KC],
+                                             float (&kk)[KC]) {
+#pragma unroll
+  for (int e = 0; e < KC; ++e) {
+    q[e] = has_c ? ToF(qr[e]) : 0.f;
+    kk[e] = has_c ? ToF(kr[e]) : 0.f;
+  }
+  return NormalizeQk<KC>(ly, q, kk);
+}
+
 }  // namespace replayssm::kernels::cuda
 
 #endif  // REPLAYSSM_KERNELS_CUDA_LOADS_CUH_

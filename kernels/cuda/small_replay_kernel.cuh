@@ -349,14 +349,9 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   }
   if constexpr (!AFTER_CONV) cta.IssueState(x);
 
-  // q and k normalized (q scaled), k·q: NormalizeQk, as the bulk kernel's NormDraft.
+  // q and k normalized (q scaled), k·q.
   float q[KC], kk[KC];
-#pragma unroll
-  for (int e = 0; e < KC; ++e) {
-    q[e] = has_c ? ToF(qr[e]) : 0.f;
-    kk[e] = has_c ? ToF(kr[e]) : 0.f;
-  }
-  const float kq = NormalizeQk<KC>(ly, q, kk);
+  const float kq = StepTokenQk<A, KC>(ly, qr, kr, has_c, q, kk);
   // The token's gate (the records' chain starts from it) and beta.
   const float decay = -expf(alog);
   float acc[KC];
