@@ -588,10 +588,8 @@ void RunTp(const Options& o, const cache::ModelSpec& m, bool mps) {
     if (!o.devices.empty())
       CheckCuda(cudaSetDevice(static_cast<int>(o.devices[r])), "cudaSetDevice");
   };
-  std::vector<int64_t> sorted = o.devices;
-  std::sort(sorted.begin(), sorted.end());
   const bool apart =
-      sorted.size() > 1 && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+      cache::RanksOnDistinctDevices(std::vector<int32_t>(o.devices.begin(), o.devices.end()));
   ServerChild server(o, (max_b + 10) * m.SlotBytes());
   auto c = client::Client::Connect(server.address, int64_t{1} << 30);
   if (!c->WaitForConnected(absl::Seconds(30))) Die("cannot connect to the server");

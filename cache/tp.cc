@@ -1,5 +1,6 @@
 #include "replayssm/cache/tp.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,12 @@ absl::Status CheckTpSize(const ModelSpec& full, int32_t tp_size, const char* fie
         ") of model ", full.name, " (each rank holds whole heads), got ", tp_size));
   }
   return absl::OkStatus();
+}
+
+bool RanksOnDistinctDevices(const std::vector<int32_t>& devices) {
+  std::vector<int32_t> d = devices;
+  std::sort(d.begin(), d.end());
+  return d.size() > 1 && std::adjacent_find(d.begin(), d.end()) == d.end();
 }
 
 TpShard ShardOf(const ModelSpec& full, int32_t tp_size, int32_t rank) {

@@ -284,10 +284,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   }
   bool ranks_at_once() const override {
     if (options_.tp_ranks_at_once == CacheOptions::TpRanksAtOnce::kAlways) return true;
-    if (options_.backend == RSSM_BACKEND_CPU || options_.devices.empty()) return false;
-    std::vector<int32_t> d = options_.devices;
-    std::sort(d.begin(), d.end());
-    return std::adjacent_find(d.begin(), d.end()) == d.end();
+    return options_.backend != RSSM_BACKEND_CPU && RanksOnDistinctDevices(options_.devices);
   }
 
   // --- for TpForward, the readers and writers ---

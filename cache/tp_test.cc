@@ -126,6 +126,16 @@ TEST(TpLayout, DevicesAreOnePerRank) {
   EXPECT_NE(st.message().find("options.devices[1]"), std::string::npos) << st;
 }
 
+// Ranks overlap their work only on distinct devices: two or more, none shared.
+TEST(TpLayout, RanksAreApartOnlyOnDistinctDevices) {
+  EXPECT_TRUE(RanksOnDistinctDevices({0, 1}));
+  EXPECT_TRUE(RanksOnDistinctDevices({3, 0, 2, 1}));
+  EXPECT_FALSE(RanksOnDistinctDevices({0, 0}));
+  EXPECT_FALSE(RanksOnDistinctDevices({0, 1, 0, 2}));
+  EXPECT_FALSE(RanksOnDistinctDevices({1}));
+  EXPECT_FALSE(RanksOnDistinctDevices({}));
+}
+
 // Every byte of a layer's unsharded state belongs to exactly one rank.
 TEST(TpLayout, RanksTileTheLayerStateExactly) {
   for (int32_t tp : {1, 2, 4, 8}) {

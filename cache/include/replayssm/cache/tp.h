@@ -34,6 +34,9 @@ struct TpShard {
 // OK when `tp_size` ranks can split `full` (1 <= tp_size <= kMaxTpSize, dividing H and HV);
 // else INVALID_ARGUMENT naming `field` with what was expected.
 absl::Status CheckTpSize(const ModelSpec& full, int32_t tp_size, const char* field = "tp_size");
+// Whether a group's ranks sit on distinct devices (two or more, none shared): their work can
+// then overlap, where ranks that share a device only contend for it.
+bool RanksOnDistinctDevices(const std::vector<int32_t>& devices);
 // Rank `rank`'s heads (CheckTpSize must have passed).
 TpShard ShardOf(const ModelSpec& full, int32_t tp_size, int32_t rank);
 // The model rank `s` serves: its heads, its slices of every layer's parameters (a_log,
