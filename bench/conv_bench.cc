@@ -135,7 +135,9 @@ int main(int argc, char** argv) {
       for (int variant = 0; variant < 4; ++variant) {
         const int set = static_cast<int>(i % 2);
         CHECK_CUDA(cudaMemsetAsync(flush, static_cast<int>(i & 0xff), flush_bytes, stream));
-        CHECK_CUDA(LaunchSpin(20000, stream));  // ~10 us at ~1.9 GHz: the launches queue behind it
+        // 20000 SM cycles (~10 us at the H200's 1980 MHz maximum clock): the launches queue
+        // behind it.
+        CHECK_CUDA(LaunchSpin(20000, stream));
         CHECK_CUDA(cudaEventRecord(start, stream));
         if (variant == 2) {
           conv(set);

@@ -17,7 +17,8 @@
 //                per layer
 // Before timing, a check: a planned forward and an inline one on twin slot sets from the same
 // inputs must give bit-identical outputs and states (3 forwards, so the rings move).
-// Run under MPS (nvidia-cuda-mps-control -d): without it each hand-over costs ~280 us.
+// Run under MPS (nvidia-cuda-mps-control -d): without it the two processes time-slice the GPU
+// and each hand-over waits for a slice (docs/data-plane.md, "MPS: co-location needs it").
 //
 //   replayssm-bench-dataplane --server PATH [--model qwen3-next-80b-a3b] [--batch 1,16,64,256]
 //                             [--forwards 30] [--warmup 5] [--forward-graphs true|false]
@@ -703,7 +704,7 @@ int main(int argc, char** argv) {
   const int64_t max_b = *std::max_element(o.batches.begin(), o.batches.end());
   const bool mps = rssm_mps_active() != 0;
   std::printf("dataplane: model %s, %d layers, MPS %s\n", o.model.c_str(), m.num_layers,
-              mps ? "on" : "OFF (each hand-over time-slices: expect ~280 us per layer)");
+              mps ? "on" : "OFF (each hand-over waits for a time slice: slow forwards)");
   if (o.tp_size > 1) {
     RunTp(o, m, mps);
     return 0;

@@ -378,8 +378,9 @@ int Run(int argc, char** argv) {
   const StateFormat format = StateFormat::Of(*m);
   const size_t payload_bytes = cache::SlotPayloadBytes(*m);
   const double bytes = static_cast<double>(payload_bytes);
-  // Each put is one piece: at most --chunk bytes and never across a layer (SplitPayload), so
-  // the message size of our puts is min(chunk, one layer's checkpoint bytes).
+  // Each put is one piece: at most --chunk bytes and never across a layer (SplitRange in
+  // cache/slot_io.cc), so the message size of our puts is min(chunk, one layer's checkpoint
+  // bytes).
   const size_t put_bytes =
       std::min(chunk, payload_bytes / static_cast<size_t>(std::max(format.num_layers, 1)));
   // ucx_perftest first, before any thread, context or buffer of ours exists. Once it is found

@@ -70,8 +70,8 @@ class TpSlotIoHost {
 // rank. With host.ranks_at_once() the ranks run together, rank 0 on the calling thread and
 // each other on a thread of its own: a group's per-rank opens and commits (a fold, a
 // reservation, the staged copies' drain) then overlap their device waits. Otherwise they run
-// in turn, as ranks on one device should: at once they only contend for it (measured on one
-// H200: a 2 -> 2 move's fold 0.6 -> 1.1 ms).
+// in turn, as ranks on one device should: at once they only contend for it (a 2 -> 2 move's
+// fold and reservation measured slower on one H200: bench/results/tp.md, "Tried and not kept").
 std::vector<absl::Status> OnEachRank(const TpSlotIoHost& host, size_t n,
                                      absl::FunctionRef<absl::Status(size_t)> f);
 

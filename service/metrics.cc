@@ -10,8 +10,8 @@ namespace replayssm::service {
 
 namespace {
 
-// Latency buckets from 50 us to ~3 s (a decode forward on a tiny CPU model is ~100 us; a
-// large prefill can take seconds).
+// Latency buckets from 50 us to ~3 s: the low end for a decode forward of a tiny model (the
+// demo's tiny-gdn) on the CPU backend, the high end for a large prefill.
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return {5e-5,   1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
           2.5e-2, 5e-2, 0.1,    0.25, 0.5,  1.0,    2.5};

@@ -106,7 +106,8 @@ class PlanWatch {
 };
 
 // A thread that queues planned forwards' layers, one forward at a time: a stream's forwards
-// reuse it (starting and joining a thread per forward cost ~150-200 us on the H200 host).
+// reuse it (a thread started and joined per forward measured slower on the H200 host:
+// bench/results/dataplane.md, "What made the difference").
 // Queueing may block (CPU backend: each wait polls its doorbell; CUDA: a launch that loads a
 // module), so it never runs on the thread that answers the begin. Thread-safe.
 class QueueWorker {

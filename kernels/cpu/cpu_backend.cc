@@ -1,6 +1,7 @@
 // The CPU backend: every operation of kernels.h, multithreaded over (row, v-head), fp32
-// accumulation, with the O(VK + L(V+K)) output formula of DESIGN §1 (head_math.h). It is the
-// reference the CUDA kernels are tested against, and the embedded default without a GPU.
+// accumulation, with the O(VK + L(V+K)) output formula of docs/math-and-abi.md, "Replay"
+// (head_math.h). It is the reference the CUDA kernels are tested against, and the embedded
+// default without a GPU.
 #include <algorithm>
 #include <cstring>
 

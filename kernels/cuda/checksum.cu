@@ -9,10 +9,11 @@
 // in 8 KiB tiles (coalesced 16-byte loads, double-buffered in shared memory: the next tile is
 // in flight while the current one is hashed), threads 0..7 run the 8 lane chains over each
 // tile from shared memory (8 consecutive words per block: no bank conflict), and thread 0
-// finishes (lanes, the tail of a short last segment, the length). Expected on an H200: a
-// 1 MiB segment's chain is ~16384 dependent rounds of ~25 cycles (64-bit add, rotate,
-// multiply), ~0.2-0.3 ms; all segments of a 75 MB slot (72) run at once, one CTA per SM, so
-// the slot takes about as long as one segment.
+// finishes (lanes, the tail of a short last segment, the length). A 1 MiB segment's chain is
+// 16384 dependent rounds (64-bit add, rotate, multiply); all segments of a 75 MB slot (72)
+// run at once, one CTA per SM, so the slot takes about as long as one segment's chain. The
+// cache's call on a slot (part table up, digests back) is timed in bench/results/transfer.md
+// ("checksum of the slot by the cache, in place on the device").
 //
 // Parts: the 16-byte chunk at payload offset off is at parts[off / part_bytes] +
 // off % part_bytes. The API's rule (every part 16-byte aligned, part_bytes a multiple of 16

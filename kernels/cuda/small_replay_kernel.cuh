@@ -406,7 +406,8 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   // The fold: S0·A, the records in order, the new d (the CPU's order per element). In the
   // kernel's body, not a method: any function boundary around it (a method, even a lambda
   // called in place) changes the block layout of the finish above (where the non-folding
-  // rows' d store goes), which measured +1-2% at B = 1 (bench/results/kernels.md).
+  // rows' d store goes), which measured slower at B = 1, 2 (bench/results/kernels.md, "Phase
+  // methods for the baseline and small-replay kernels, second try").
   float out[RPW][KC];
 #pragma unroll
   for (int i = 0; i < RPW; ++i) {

@@ -1,5 +1,6 @@
-// The fp64 reference of one step of the plain recurrence (DESIGN §1), written independently
-// of the code under test. Shared by the kernel tests and the cache tests.
+// The fp64 reference of one step of the plain recurrence (docs/math-and-abi.md, "One step of
+// the recurrence"), written independently of the code under test. Shared by the kernel tests
+// and the cache tests.
 #ifndef REPLAYSSM_KERNELS_TESTS_REFERENCE_H_
 #define REPLAYSSM_KERNELS_TESTS_REFERENCE_H_
 

@@ -1206,7 +1206,8 @@ TEST(CudaSegmentDigests, BadArgumentsWriteNothingAndAFlipIsSeen) {
 
 // Not a pass/fail check: the time of one call on a 75.5 MB slot (hash + digests copied back +
 // sync), printed for the lead to read, as one buffer and as its 36 layers (parts into the same
-// buffer: what the parts path costs over one part). Expected: ~0.2-0.3 ms (checksum.cu).
+// buffer: what the parts path costs over one part). The cache's call on a slot is timed in
+// bench/results/transfer.md; why the slot takes about one segment's chain: checksum.cu.
 TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
   ASSERT_TRUE(HaveGpu()) << kNoGpu;
   const size_t layer = size_t{32} * 128 * 128 * 4, bytes = 36 * layer;

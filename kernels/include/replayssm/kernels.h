@@ -2,7 +2,7 @@
  *
  * What this is for: the numerics of one linear-attention layer (Gated DeltaNet = GDN, Kimi
  * Delta Attention = KDA) for a batch of requests whose recurrent states live in a pool of
- * slots. The math is ../../../docs/math-and-abi.md (and DESIGN §1); every backend matches it.
+ * slots. The math is ../../../docs/math-and-abi.md; every backend matches it.
  *
  * Ownership: the caller owns every buffer. Nothing here keeps a pointer past the call or
  * synchronizes the stream (but rssm_synchronize). On the CPU backend every pointer is a host
