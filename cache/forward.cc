@@ -1,11 +1,12 @@
 // Forwards: ForwardImpl (layers, recorded sequences, doorbells, commit and abandonment), the
 // cache's Begin*/Continue/Prefill/Verify entry points, and EndForward / AfterAdvance.
 //
-// Fold policy (DESIGN §2, design (b)): decode and verify kernels never fold. A row whose ring
-// cannot take the step's record is folded for all layers by rssm_fold BEFORE the forward's
-// first layer runs; a fold does not change the logical state, so it is committed at once and
-// an abandoned forward leaves nothing half-done (its ring appends sit past the cursor,
-// invisible). Rows that reach a track boundary are folded after Commit advanced the cursors,
+// Fold policy (docs/cache.md, "Forwards and the fold policy"): decode and verify kernels never
+// fold. A row whose ring cannot take the step's record is folded for all layers by rssm_fold
+// BEFORE the forward's first layer runs; a fold does not change the logical state, so it is
+// committed at once and an abandoned forward leaves nothing half-done (its ring appends sit
+// past the cursor, invisible; a verify's rows keep their waiting drafts until its first layer
+// runs). Rows that reach a track boundary are folded after Commit advanced the cursors,
 // then snapshotted. The price: a folding row's checkpoint is read once more than with a fold
 // fused into the decode kernel (about 1/(L-1) more checkpoint reads); that buys abandonment
 // safety without a spare-buffer table.
@@ -122,31 +123,35 @@ absl::Status CheckBell(const void* addr, const std::string& field) {
 
 absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens,
                                      absl::Span<const LayerIo> layers) {
-  const int64_t T = static_cast<int64_t>(tokens.size());
-  if (T > options_.max_prefill_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ",
-                                                   options_.max_prefill_tokens, " tokens, got ", T));
-  }
-  if (T == 0) {  // a no-op, on a slot that could take a prefill
+  if (tokens.empty()) {  // a no-op, on a slot that could take a prefill
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", false);
     if (!i.ok()) return i.status();
     slots_[*i].busy = false;
     return absl::OkStatus();
   }
-  absl::Status st = CheckIo(model_, layers, false);
-  if (!st.ok()) return st;
+  if (absl::Status st = CheckIo(model_, layers, false); !st.ok()) return st;
+  absl::StatusOr<std::unique_ptr<Forward>> f = BeginPrefillInPlace(id, tokens);
+  if (!f.ok()) return f.status();
+  return RunAllLayers(**f, layers);
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginPrefillInPlace(
+    SlotId id, absl::Span<const int32_t> tokens) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  if (T < 1 || T > options_.max_prefill_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens: expected 1 to ", options_.max_prefill_tokens, " tokens, got ", T));
+  }
   ForwardRows rows{ForwardKind::kPrefill};
   rows.cu = {0, static_cast<int32_t>(T)};
   rows.tokens.assign(tokens.begin(), tokens.end());
   const SlotId ids[1] = {id};
-  // No spare slot: every layer runs in this call, so only a device error can stop it halfway
-  // (the slot is then broken, as after any failed launch).
-  absl::StatusOr<std::unique_ptr<Forward>> f = Open(
+  // No spare slot: only a device error, or a caller driving the layers that gives up, can
+  // stop it halfway (the slot is then broken, as after any failed launch).
+  return Open(
       std::move(rows), ids, [](size_t) { return std::string("slot"); },
       /*spares=*/false, /*layer_waits=*/false);
-  if (!f.ok()) return f.status();
-  return RunAllLayers(**f, layers);
 }
 
 absl::Status StateCacheImpl::AcquireRowsLocked(absl::Span<const SlotId> ids,
@@ -181,6 +186,21 @@ absl::Status StateCacheImpl::AcquireRowsLocked(absl::Span<const SlotId> ids,
 absl::Status StateCacheImpl::TakeSparesLocked(const std::vector<int32_t>& index,
                                               std::vector<int32_t>* spare) {
   spare->assign(index.size(), -1);
+  auto exhausted = [](size_t r, absl::string_view why) {
+    constexpr char kWhy[] =
+        "]: a layer-by-layer prefill keeps one spare slot per row until it commits, and none "
+        "is free (";
+    return absl::ResourceExhaustedError(
+        absl::StrCat("rows[", r, kWhy, why, "); prefill fewer rows at once or use Prefill"));
+  };
+  // Counted before any is taken: a refusal evicts no snapshot for rows it then gives up. It
+  // names the first row left without one.
+  size_t rows = 0;
+  for (int32_t i : index) rows += i >= 0 ? 1 : 0;
+  const size_t takable = TakableLocked(rows);
+  for (size_t r = 0, row = 0; takable < rows && r < index.size(); ++r) {
+    if (index[r] >= 0 && row++ == takable) return exhausted(r, NoFreeSlotLocked().message());
+  }
   for (size_t r = 0; r < index.size(); ++r) {
     if (index[r] < 0) continue;
     absl::StatusOr<int32_t> i = TakeFreeLocked();
@@ -189,11 +209,7 @@ absl::Status StateCacheImpl::TakeSparesLocked(const std::vector<int32_t>& index,
         if (s >= 0) ReleaseLocked(s);
         s = -1;
       }
-      constexpr char kWhy[] =
-          "]: a layer-by-layer prefill keeps one spare slot per row until it commits, and none "
-          "is free (";
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "rows[", r, kWhy, i.status().message(), "); prefill fewer rows at once or use Prefill"));
+      return exhausted(r, i.status().message());
     }
     Slot& s = slots_[*i];
     s.kind = Kind::kSpare;
@@ -223,12 +239,7 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::Open(
       }
     }
     if (!st.ok()) return st;
-    for (int32_t i : rows.index) {
-      if (i >= 0 && verify) {  // a new verify replaces drafts not yet accepted
-        slots_[i].pending = 0;
-        slots_[i].drafts.clear();
-      }
-    }
+    // A verify's rows keep their waiting drafts until its first layer runs (RunLayer).
   }
   // From here on the forward owns the rows: destroying it on an error abandons it.
   auto f = std::make_unique<ForwardImpl>(this, std::move(rows), *std::move(lane), layer_waits);
@@ -679,6 +690,10 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   if (!st.ok()) return st;
   absl::StatusOr<rssm_token_inputs> in = StageInputs(*lane_, m, io, tokens());
   if (!in.ok()) return in.status();
+  if (rows_.kind == ForwardKind::kVerify &&
+      !std::any_of(touched_.begin(), touched_.end(), [](bool t) { return t; })) {
+    cache_->DiscardDrafts(rows_.index);  // this layer's records overwrite theirs
+  }
   touched_[layer] = true;
   st = Launch(layer, *in, OutputTarget(*lane_, io));
   if (st.ok()) st = StageOutputs(*lane_, m, io, tokens());

@@ -618,5 +618,93 @@ TEST_F(ForwardRulesTest, RunLayersChecksEverythingFirstAndARefusalChangesNothing
   EXPECT_EQ(cache_->Info(a)->seq_len, 2);
 }
 
+// A verify refused or abandoned before its first layer keeps the drafts waiting from the last
+// one (nothing overwrote their records); once a layer ran they are gone.
+TEST_F(ForwardRulesTest, AVerifyAbandonedBeforeItsFirstLayerKeepsTheWaitingDrafts) {
+  Make(3);
+  const SlotId a = *cache_->Allocate();
+  const std::vector<int32_t> p = {1, 2, 3};
+  ASSERT_TRUE(cache_->Prefill(a, p, oracle_->MakeBatch(Toks(p, 0)).io).ok());
+  const std::vector<int32_t> drafts = {4, 5};
+  Batch d = oracle_->MakeBatch(Toks(drafts, 3));
+  ASSERT_TRUE(cache_->Verify({a}, 2, drafts, d.io).ok());
+  ASSERT_EQ(cache_->Info(a)->pending_drafts, 2);
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginVerify({a}, 2, {6, 7});
+    ASSERT_TRUE(f.ok()) << f.status();
+    LayerIo no_out = d.io[0];
+    no_out.out = nullptr;
+    EXPECT_EQ((*f)->RunLayer(0, no_out).code(), absl::StatusCode::kInvalidArgument);
+  }  // abandoned
+  EXPECT_EQ(cache_->Info(a)->pending_drafts, 2) << "no layer ran";
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginVerify({a}, 2, {6, 7});
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE((*f)->RunLayer(0, d.io[0]).ok());
+    EXPECT_EQ(cache_->Info(a)->pending_drafts, 0) << "layer 0's records overwrote theirs";
+  }
+  EXPECT_EQ(cache_->Info(a)->pending_drafts, 0);
+  EXPECT_EQ(cache_->Accept(a, 1).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(cache_->Verify({a}, 2, drafts, d.io).ok());
+  ASSERT_TRUE(cache_->Accept(a, 2).ok());
+  EXPECT_EQ(cache_->Info(a)->seq_len, 5);
+}
+
+// A prefill whose rows cannot all have a spare slot is refused before it takes any: no
+// snapshot is evicted for the rows it then gives up.
+TEST_F(ForwardRulesTest, ARefusedPrefillEvictsNoSnapshot) {
+  Make(3);
+  const SlotId a = *cache_->Allocate();
+  const std::vector<int32_t> p = {1, 2};
+  ASSERT_TRUE(cache_->Prefill(a, p, oracle_->MakeBatch(Toks(p, 0)).io).ok());
+  ASSERT_TRUE(cache_->Donate(a).ok());
+  const SlotId b = *cache_->Allocate();  // the last free slot; one snapshot could be evicted
+  const std::vector<int32_t> x = {5}, y = {6};
+  const SlotId c = *cache_->Allocate();  // evicted nothing: a slot was free
+  EXPECT_EQ(cache_->stats().slots_free, 0);
+  EXPECT_EQ(cache_->stats().slots_snapshot, 1);
+  const absl::Status st = cache_->BeginPrefill({{b, x}, {c, y}}).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("rows[1]"), std::string::npos) << st;
+  EXPECT_EQ(cache_->stats().snapshot_evictions, 0);
+  EXPECT_EQ(cache_->MatchPrefix(p), 2) << "the donated state is still there";
+  EXPECT_EQ(cache_->stats().slots_free, 0);
+  // One row fits: its spare evicts the snapshot then, as it must.
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefill({{b, x}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(cache_->stats().snapshot_evictions, 1);
+}
+
+// BeginPrefillInPlace, the forward Prefill runs: refused with bad tokens, holds its slot
+// until it ends, changes nothing abandoned before a layer ran, and leaves the slot broken
+// abandoned after one (it kept no copy).
+TEST_F(ForwardRulesTest, APrefillInPlaceHoldsItsSlotAndKeepsNoCopy) {
+  Make(3);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  const std::vector<int32_t> none, nine(9, 1), x = {1, 2};
+  EXPECT_EQ(cache_->BeginPrefillInPlace(a, none).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const absl::Status many = cache_->BeginPrefillInPlace(a, nine).status();
+  EXPECT_NE(many.message().find("tokens: expected 1 to 8 tokens, got 9"), std::string::npos)
+      << many;
+  Batch batch = oracle_->MakeBatch(Toks(x, 0));
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefillInPlace(a, x);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(cache_->stats().slots_free, 1) << "no spare slot";
+    EXPECT_EQ(cache_->Free(a).code(), absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(cache_->Info(a)->seq_len, 0);
+  ASSERT_TRUE(cache_->Prefill(a, x, batch.io).ok()) << "not broken: no layer ran";
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefillInPlace(b, x);
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE((*f)->RunLayer(0, batch.io[0]).ok());
+  }
+  EXPECT_EQ(cache_->Prefill(b, x, batch.io).code(), absl::StatusCode::kDataLoss)
+      << "layer 0's checkpoint was overwritten in place";
+  EXPECT_TRUE(cache_->Free(b).ok());
+}
+
 }  // namespace
 }  // namespace replayssm::cache

@@ -481,6 +481,11 @@ SlotIoPath SelectSlotIoPath(int32_t backend, bool transport_takes_backend_memory
   return transport_takes_backend_memory ? SlotIoPath::kDeviceDirect : SlotIoPath::kStaged;
 }
 
+SlotIoPath SelectCacheSlotIoPath(int32_t backend, int32_t tp_size,
+                                 bool transport_takes_backend_memory) {
+  return SelectSlotIoPath(backend, transport_takes_backend_memory && tp_size <= 1);
+}
+
 absl::StatusOr<SlotIoSpec> ResolveSlotIo(int32_t backend, const SlotIoOptions& options) {
   SlotIoSpec spec;
   spec.path =

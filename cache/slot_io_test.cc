@@ -108,6 +108,11 @@ TEST(SlotIoPaths, FollowTheBackendAndWhatTheTransportTakes) {
   EXPECT_EQ(SelectSlotIoPath(RSSM_BACKEND_CUDA, false), SlotIoPath::kStaged);
   EXPECT_EQ(SelectSlotIoPath(RSSM_BACKEND_CUDA, true), SlotIoPath::kDeviceDirect);
   EXPECT_STREQ(SlotIoPathName(SlotIoPath::kStaged), "staged");
+  // A tensor-parallel group's slot I/O is on the host: a receiver for it stages on CUDA.
+  EXPECT_EQ(SelectCacheSlotIoPath(RSSM_BACKEND_CUDA, 1, true), SlotIoPath::kDeviceDirect);
+  EXPECT_EQ(SelectCacheSlotIoPath(RSSM_BACKEND_CUDA, 2, true), SlotIoPath::kStaged);
+  EXPECT_EQ(SelectCacheSlotIoPath(RSSM_BACKEND_CUDA, 2, false), SlotIoPath::kStaged);
+  EXPECT_EQ(SelectCacheSlotIoPath(RSSM_BACKEND_CPU, 4, true), SlotIoPath::kHostDirect);
 }
 
 TEST_F(SlotIoTest, ReadersOnEveryPathYieldTheFoldedPayloadAndItsChecksum) {

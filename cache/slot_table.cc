@@ -99,15 +99,26 @@ absl::StatusOr<int32_t> StateCacheImpl::TakeFreeLocked() {
         [this](const Slot& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return HostBackedLocked(s); });
   }
   if (free_.empty()) EvictLruLocked([](const Slot&) { return true; });
-  if (free_.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "no free slot: all ", slots_.size(), " slots (", model_.SlotBytes(),
-        " bytes each) are live or pinned snapshots; free slots or raise --memory-budget"));
-  }
+  if (free_.empty()) return NoFreeSlotLocked();
   const int32_t index = free_.back();
   free_.pop_back();
   ++slots_taken_;  // the spiller looks again
   return index;
+}
+
+absl::Status StateCacheImpl::NoFreeSlotLocked() const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "no free slot: all ", slots_.size(), " slots (", model_.SlotBytes(),
+      " bytes each) are live or pinned snapshots; free slots or raise --memory-budget"));
+}
+
+size_t StateCacheImpl::TakableLocked(size_t need) const {
+  size_t n = free_.size();
+  for (auto it = lru_.begin(); it != lru_.end() && n < need; ++it) {
+    const Slot& s = slots_[*it];
+    if (s.refs == 0 && !s.busy) ++n;  // what EvictLruLocked may take
+  }
+  return n;
 }
 
 void StateCacheImpl::StartLiveLocked(int32_t index, std::vector<int32_t> tokens) {
@@ -194,9 +205,20 @@ absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t 
       continue;
     }
     slots_[i].write_pos = 0;
+    slots_[i].pending = 0;  // waiting drafts sat past the cursor the fold resets
+    slots_[i].drafts.clear();
     ++(stats_.*counter);
   }
   return st;
+}
+
+void StateCacheImpl::DiscardDrafts(const std::vector<int32_t>& index) {
+  absl::MutexLock lock(&mu_);
+  for (int32_t i : index) {
+    if (i < 0) continue;
+    slots_[i].pending = 0;
+    slots_[i].drafts.clear();
+  }
 }
 
 absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {

@@ -210,6 +210,8 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
       std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(absl::Span<const PrefillRow> rows) override;
+  absl::StatusOr<std::unique_ptr<Forward>> BeginPrefillInPlace(
+      SlotId id, absl::Span<const int32_t> tokens) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
       absl::Span<const SlotId> ids, int32_t num_draft,
       absl::Span<const int32_t> draft_tokens) override;
@@ -246,10 +248,14 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // boundary, waits for the lane, then releases every row.
   absl::Status AfterAdvance(const std::vector<int32_t>& index, Lane& lane);
   // Folds rows[i] (busy, owned by the caller) whose cursor is past `max_pos`: queued on the
-  // lane and booked at once (cursor 0, `counter`); the caller waits for the lane and on an
-  // error calls MarkBroken(*folded). A fold that cannot be queued marks its rows broken.
+  // lane and booked at once (cursor 0, `counter`; waiting drafts discarded); the caller waits
+  // for the lane and on an error calls MarkBroken(*folded). A fold that cannot be queued marks
+  // its rows broken.
   absl::Status FoldRows(const std::vector<int32_t>& rows, int32_t max_pos,
                         int64_t CacheStats::*counter, Lane& lane, std::vector<int32_t>* folded);
+  // Forgets the waiting drafts of busy rows (a verify's first layer is about to overwrite
+  // their records; index -1 = padding).
+  void DiscardDrafts(const std::vector<int32_t>& index) ABSL_LOCKS_EXCLUDED(mu_);
   // The cursors of busy slots (0 for padding rows, index -1).
   std::vector<int32_t> Cursors(const std::vector<int32_t>& index) const {
     std::vector<int32_t> w(index.size(), 0);
@@ -294,6 +300,11 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // with the host tier, one whose state the host holds first (no loss), then any (dropped:
   // this path never waits for a spill; MakeRoom is the one that spills).
   absl::StatusOr<int32_t> TakeFreeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How many TakeFreeLocked calls would succeed now, counted up to `need` (free slots, then
+  // snapshots it may evict); evicts nothing.
+  size_t TakableLocked(size_t need) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // TakeFreeLocked's refusal.
+  absl::Status NoFreeSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Evicts the least recently used snapshot that `which` accepts and nothing uses; false when
   // there is none.
@@ -390,8 +401,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
 
   // Opens a forward over rows.index's slots `ids` (one per row): takes a lane, marks every
   // non-padding slot busy (field(r) names row r's slot in errors; nothing is taken if any row
-  // fails), takes a prefill's spare slots when `spares`, discards a verify's waiting drafts,
-  // and starts the forward.
+  // fails), takes a prefill's spare slots when `spares`, and starts the forward.
   absl::StatusOr<std::unique_ptr<Forward>> Open(ForwardRows rows, absl::Span<const SlotId> ids,
                                                 absl::FunctionRef<std::string(size_t)> field,
                                                 bool spares, bool layer_waits);

@@ -192,15 +192,25 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
 
   absl::Status Prefill(SlotId id, absl::Span<const int32_t> tokens,
                        absl::Span<const LayerIo> layers) override {
-    const std::vector<SlotId> ids = Members(id);
-    for (size_t r = 0; r < shards_.size(); ++r) {
-      const std::vector<LayerIo> io = ShardLayers(r, layers, static_cast<int64_t>(tokens.size()));
-      Use(r);
-      if (absl::Status st = shards_[r]->Prefill(ids[r], tokens, io); !st.ok()) {
-        return RankStatus(r, st);
-      }
+    if (tokens.empty()) {  // a no-op, on a slot that could take a prefill
+      return Fan(id, [&](size_t r, StateCache& c, SlotId s) {
+        return c.Prefill(s, tokens, ShardLayers(r, layers, 0));
+      });
     }
-    return absl::OkStatus();
+    if (absl::Status st = full_.CheckLayerCount(layers.size(), "layers"); !st.ok()) return st;
+    // Opened on every rank at once under the group's lock, as every forward: no other call
+    // (a Free, an export) can land on one rank between the ranks' prefills.
+    absl::StatusOr<std::unique_ptr<Forward>> f = BeginPrefillInPlace(id, tokens);
+    if (!f.ok()) return f.status();
+    for (int32_t l = 0; l < full_.num_layers; ++l) {
+      if (absl::Status st = (*f)->RunLayer(l, layers[l]); !st.ok()) return st;
+    }
+    return (*f)->Commit();
+  }
+  absl::StatusOr<std::unique_ptr<Forward>> BeginPrefillInPlace(
+      SlotId id, absl::Span<const int32_t> tokens) override {
+    const std::vector<SlotId> ids = Members(id);
+    return Open([&](size_t r, StateCache& c) { return c.BeginPrefillInPlace(ids[r], tokens); });
   }
 
   absl::Status ImportFrom(SlotId id, absl::Span<const int32_t> tokens,
@@ -239,14 +249,11 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   absl::Status Verify(absl::Span<const SlotId> slots, int32_t num_draft,
                       absl::Span<const int32_t> draft_tokens,
                       absl::Span<const LayerIo> layers) override {
+    if (absl::Status st = full_.CheckLayerCount(layers.size(), "layers"); !st.ok()) return st;
     absl::StatusOr<std::unique_ptr<Forward>> f = BeginVerify(slots, num_draft, draft_tokens);
     if (!f.ok()) return f.status();
-    for (int32_t l = 0; l < full_.num_layers && l < static_cast<int32_t>(layers.size()); ++l) {
+    for (int32_t l = 0; l < full_.num_layers; ++l) {
       if (absl::Status st = (*f)->RunLayer(l, layers[l]); !st.ok()) return st;
-    }
-    if (static_cast<int32_t>(layers.size()) != full_.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat("layers: expected ", full_.num_layers,
-                                                     " layers, got ", layers.size()));
     }
     return (*f)->Commit();
   }
@@ -636,7 +643,7 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
   // Host memory (or a test's choice of path): the group re-lays the bytes out on the host.
   mine.path = options.path.has_value() && *options.path != SlotIoPath::kDeviceDirect
                   ? *options.path
-                  : SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+                  : SelectCacheSlotIoPath(options_.backend, options_.tp_size, false);
   mine.checksum = false;  // the group hashes the unsharded payload as it assembles it
   // Staged: enough chunks in flight per rank for the group's copier threads to share.
   mine.staging_buffers = std::max(options.staging_buffers, 8);
@@ -663,7 +670,7 @@ absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
   // Host memory (or a test's choice of path), as OpenExport.
   mine.path = options.path.has_value() && *options.path != SlotIoPath::kDeviceDirect
                   ? *options.path
-                  : SelectSlotIoPath(options_.backend, /*transport_takes_backend_memory=*/false);
+                  : SelectCacheSlotIoPath(options_.backend, options_.tp_size, false);
   mine.checksum = false;  // the group checks the unsharded payload it receives
   absl::MutexLock ops(&ops_mu_);
   std::vector<std::unique_ptr<ShardSlotWriter>> writers(shards_.size());

@@ -533,6 +533,68 @@ TEST_P(TpGroupTest, RefusedMovesLeaveEveryRankAsItWas) {
   }
 }
 
+// A group's prefill holds the slot on every rank from its start to its end: a Free or an
+// export meanwhile is refused by rank 0 and touches no rank (before, the ranks prefilled one
+// after another outside the group's lock, and a Free between them freed rank 0's half only).
+TEST_P(TpGroupTest, APrefillHoldsTheSlotOnEveryRank) {
+  std::unique_ptr<StateCache> c = MakeCache(m_, 2, nullptr, /*slots=*/4);
+  absl::StatusOr<SlotId> s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  const std::vector<int32_t> ids = {1, 2, 3};
+  std::vector<Tok> toks;
+  for (int32_t id : ids) toks.push_back({id, static_cast<int64_t>(toks.size())});
+  Batch b = oracle_.MakeBatch(toks);
+  ToRankMajor(m_, 2, 3, b);
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginPrefillInPlace(*s, ids);
+    ASSERT_TRUE(f.ok()) << f.status();
+    const absl::Status busy = c->Free(*s);
+    EXPECT_EQ(busy.code(), absl::StatusCode::kFailedPrecondition) << busy;
+    EXPECT_EQ(c->Donate(*s).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(c->OpenExport(*s, "m", SlotIoOptions{}).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    for (int32_t l = 0; l < m_.num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, b.io[l]).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+  }
+  EXPECT_EQ(c->Info(*s)->seq_len, 3);
+  // Prefills and Frees from two threads: whichever way each race goes, every rank agrees.
+  std::vector<int32_t> many;
+  std::vector<Tok> many_toks;
+  for (int32_t i = 0; i < 48; ++i) {
+    many.push_back(i % 7 + 1);
+    many_toks.push_back({many.back(), static_cast<int64_t>(i)});
+  }
+  Batch mb = oracle_.MakeBatch(many_toks);
+  ToRankMajor(m_, 2, static_cast<int64_t>(many.size()), mb);
+  std::atomic<bool> freed{false};
+  std::atomic<int> prefilled{0};
+  std::thread prefills([&] {
+    while (!freed.load() && prefilled.load() < 2000) {
+      const absl::Status st = c->Prefill(*s, many, mb.io);
+      if (!st.ok()) {  // only ever refused whole: busy, or freed
+        EXPECT_TRUE(st.code() == absl::StatusCode::kFailedPrecondition ||
+                    st.code() == absl::StatusCode::kNotFound)
+            << st;
+      }
+      ++prefilled;
+    }
+  });
+  while (prefilled.load() < 2) std::this_thread::yield();
+  while (!freed.load() && prefilled.load() < 2000) {
+    if (c->Free(*s).ok()) freed = true;
+  }
+  prefills.join();
+  ASSERT_TRUE(freed.load() || c->Free(*s).ok());
+  EXPECT_EQ(c->Info(*s).status().code(), absl::StatusCode::kNotFound);
+  std::vector<SlotId> all;  // every rank freed its half: the group's every slot allocates
+  for (int64_t i = 0; i < c->capacity(); ++i) {
+    absl::StatusOr<SlotId> a = c->Allocate();
+    ASSERT_TRUE(a.ok()) << "slot " << i << ": " << a.status();
+    all.push_back(*a);
+  }
+  EXPECT_EQ(c->Allocate().status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 // The prefix cache of a group: a donation is found by a later request, at the same length as
 // on one rank, and the new slot continues the donated state.
 TEST_P(TpGroupTest, DonatedPrefixIsFoundByTheGroup) {

@@ -57,6 +57,11 @@ const char* SlotIoPathName(SlotIoPath path);
 // host-direct on the CPU backend; on CUDA device-direct when the transport reads and writes
 // device memory, else staged.
 SlotIoPath SelectSlotIoPath(int32_t backend, bool transport_takes_backend_memory);
+// The path a cache of `tp_size` ranks moves slots on (what a receiver sizes its buffers for):
+// SelectSlotIoPath's, but never device-direct for a tensor-parallel group, which re-lays its
+// ranks' bytes out on the host (staged on CUDA).
+SlotIoPath SelectCacheSlotIoPath(int32_t backend, int32_t tp_size,
+                                 bool transport_takes_backend_memory);
 
 struct SlotIoOptions {
   size_t chunk_bytes = size_t{4} << 20;  // at most; a chunk never crosses a layer

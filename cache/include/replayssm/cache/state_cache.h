@@ -60,7 +60,8 @@ enum class HostPolicy : int32_t {
 };
 
 // Upper bounds (seconds) of the promotion latency histogram's buckets (CacheStats), then +Inf:
-// a Qwen3-Next snapshot (77 MB) takes ~1.5-3 ms over PCIe 5; the low end is the CPU backend.
+// a Qwen3-Next snapshot's promotion lands in the millisecond buckets (bench/results/host_tier.md,
+// "Promotion against a plain host → device copy"); the low end is the CPU backend.
 inline constexpr std::array<double, 11> kPromotionLatencyBounds = {
     1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2, 0.25};
 
@@ -291,6 +292,12 @@ class StateCache {
   // layers.size() == num_layers; each io holds N = tokens.size() tokens (out may be null).
   virtual absl::Status Prefill(SlotId slot, absl::Span<const int32_t> tokens,
                                absl::Span<const LayerIo> layers) = 0;
+  // The forward Prefill runs, for a caller that drives its layers itself (a tensor-parallel
+  // group opens one on every rank under its lock, so that no other call lands between the
+  // ranks): one row of >= 1 tokens, no spare slot. It keeps nothing to restore: abandoned
+  // after a layer ran, it leaves the slot broken (Prefill runs every layer in one call).
+  virtual absl::StatusOr<std::unique_ptr<Forward>> BeginPrefillInPlace(
+      SlotId slot, absl::Span<const int32_t> tokens) = 0;
 
   // Replaces the slot's state: checkpoints[l] is layer l's [HV, V, K] in the state dtype
   // (then its conv window: ModelSpec::LayerStateBytes); the slot's seq_len becomes
@@ -347,9 +354,10 @@ class StateCache {
   virtual absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(
       absl::Span<const PrefillRow> rows) = 0;
   // A layer-by-layer Verify: T drafts per row, N = B*T in (row, draft) order. Rows without
-  // room for T records are folded at begin (their logical state does not change). The rows'
-  // waiting drafts are discarded at begin (the new records overwrite theirs); Commit leaves
-  // the new ones waiting for Accept.
+  // room for T records are folded at begin (their logical state does not change; a row's
+  // waiting drafts go with the fold). The rows' other waiting drafts stay until the first
+  // layer runs (its records overwrite theirs): a verify refused or abandoned before that
+  // leaves them to Accept. Commit leaves the new ones waiting for Accept.
   virtual absl::StatusOr<std::unique_ptr<Forward>> BeginVerify(
       absl::Span<const SlotId> slots, int32_t num_draft,
       absl::Span<const int32_t> draft_tokens) = 0;
