@@ -48,11 +48,22 @@ ServiceContext ServiceContext::ForTenant(TenantId tenant) const {
 absl::Status ServiceContext::CheckSlotQuota(int64_t adding) const {
   const int64_t max = limits.tenant_max_slots;
   if (tokens == nullptr || max <= 0) return absl::OkStatus();
-  const int64_t held = slots.handles()->Count(tenant());
+  const int64_t held = slots.handles()->Held(tenant());
   if (held + adding <= max) return absl::OkStatus();
+  return SlotQuotaError(held);
+}
+
+absl::Status ServiceContext::ReserveIncomingSlot() const {
+  const int64_t max = tokens == nullptr ? 0 : limits.tenant_max_slots;
+  if (slots.handles()->Reserve(tenant(), max)) return absl::OkStatus();
+  return SlotQuotaError(max);
+}
+
+absl::Status ServiceContext::SlotQuotaError(int64_t held) const {
+  const int64_t max = limits.tenant_max_slots;
   return absl::ResourceExhaustedError(absl::StrCat(
       "slots: tenant \"", tokens->Name(tenant()), "\" holds ", std::min(held, max),
-      " live slots, the most one tenant may (--tenant-max-slots ", max,
+      " live slots and incoming transfers, the most one tenant may (--tenant-max-slots ", max,
       "); free one (or let --slot-ttl expire it)"));
 }
 

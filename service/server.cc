@@ -184,12 +184,21 @@ class ServerImpl final : public Server {
     ctx_.forward_timeout = options.forward_timeout;
     ctx_.slot_ttl = options.slot_ttl;
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
-    if (options.slot_ttl > absl::ZeroDuration()) {
-      leases_ = std::make_unique<SlotLeases>(cache_.get(), handles_.get(), options.slot_ttl,
-                                             [this] { metrics_.CountSlotExpiry(); });
-    }
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
     regions_service_ = std::make_unique<RegionsService>(&ctx_);
+  }
+
+  // --slot-ttl: after the transfer service, whose receiver frees an idle slot that a
+  // sender's unacknowledged commit names (transfer/receiver.h, FreeSlot).
+  void StartSlotLeases() {
+    if (options_.slot_ttl <= absl::ZeroDuration()) return;
+    std::function<absl::Status(cache::SlotId)> free;
+    if (transfers_ != nullptr) {
+      free = [t = transfers_.get()](cache::SlotId slot) { return t->FreeIdleSlot(slot); };
+    }
+    leases_ = std::make_unique<SlotLeases>(
+        cache_.get(), handles_.get(), options_.slot_ttl, [this] { metrics_.CountSlotExpiry(); },
+        free);
   }
 
   // --auth-tokens: every client-facing call names its tenant (tenants.h), and each tenant
@@ -345,6 +354,7 @@ class ServerImpl final : public Server {
   }
 
   ~ServerImpl() override {
+    leases_.reset();  // its sweep calls into the transfer service and the cache
     if (transfers_ != nullptr) transfers_->Stop();  // its reactors end before the server
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
   }
@@ -532,6 +542,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (s.ok()) server->StartRegionLeases();
   if (s.ok()) s = server->StartEventPublisher();
   if (s.ok()) s = server->StartTransfers();
+  if (s.ok()) server->StartSlotLeases();
   if (s.ok()) s = server->Listen();
   if (!s.ok()) return s;
   return std::unique_ptr<Server>(std::move(server));

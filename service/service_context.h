@@ -159,7 +159,8 @@ struct ServiceContext {
   CacheEventLog* events = nullptr;  // the cache events (WatchCache)
   StreamLimit* watchers = nullptr;  // open WatchCache streams
   SlotCodec slots;                 // the server's handle table, as the caller's tenant sees it
-  // --auth-tokens; null: every call is kImplicitTenant. ForCaller binds a copy to the caller.
+  // --auth-tokens; null: every call is kImplicitTenant. CallerContext (caller.h) binds a copy
+  // to the caller's tenant (ForTenant).
   TokenStore* tokens = nullptr;
   TenantRegions* tenant_regions = nullptr;  // with tokens: each tenant's regions (caller.h)
   ServiceLimits limits;
@@ -180,9 +181,13 @@ struct ServiceContext {
   // its regions (caller.cc).
   ServiceContext ForTenant(TenantId tenant) const;
   // With tokens and --tenant-max-slots: RESOURCE_EXHAUSTED naming the flag when the caller's
-  // tenant's live slots and `adding` more exceed the bound (1 before making a slot; 0 after,
-  // to catch a race past it) (caller.cc).
+  // tenant's live slots, the incoming transfers reserved for it and `adding` more exceed the
+  // bound (1 before making a slot; 0 after, to catch a race past it) (caller.cc).
   absl::Status CheckSlotQuota(int64_t adding) const;
+  // An incoming transfer's slot for the caller's tenant, counted against the bound at once
+  // (SlotHandles::Reserve; its end is SlotHandles::Settle); RESOURCE_EXHAUSTED as above.
+  absl::Status ReserveIncomingSlot() const;
+  absl::Status SlotQuotaError(int64_t held) const;
   // Whether counters must be the caller's tenant's only (GetStats with tokens).
   bool tenant_view() const { return tokens != nullptr; }
 };

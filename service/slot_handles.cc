@@ -12,6 +12,10 @@ namespace replayssm::service {
 namespace {
 
 uint32_t IndexOf(cache::SlotId id) { return static_cast<uint32_t>(id & 0xffffffffu); }
+// Whether a's generation (the high half) is later than b's, across the 32-bit wrap.
+bool GenerationAfter(cache::SlotId a, cache::SlotId b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a >> 32) - static_cast<uint32_t>(b >> 32)) > 0;
+}
 
 // 64 bits from the kernel's CSPRNG. getrandom(2) of 8 bytes neither blocks after boot nor
 // returns short; a failure here (no such syscall) leaves the server no safe handle to give.
@@ -30,14 +34,26 @@ uint64_t RandomHandle() {
 uint64_t SlotHandles::ToWire(cache::SlotId id, TenantId tenant) {
   if (id == cache::kPaddingSlot) return 0;
   absl::MutexLock lock(&mu_);
+  return ToWireLocked(id, tenant);
+}
+
+uint64_t SlotHandles::ToWireLocked(cache::SlotId id, TenantId tenant) {
+  // A slot freed since (its handle retired): that handle, which now answers NOT_FOUND.
+  if (auto r = retired_ids_.find(id); r != retired_ids_.end()) return r->second;
   Issued& e = by_index_[IndexOf(id)];
   if (e.slot == id && e.handle != 0) {
     e.last_use = absl::Now();
     return e.handle;
   }
-  if (e.handle != 0) RetireLocked(e);  // the index's older slot, freed meanwhile
   uint64_t h = RandomHandle();
   while (h == 0 || by_handle_.contains(h) || retired_.contains(h)) h = RandomHandle();
+  if (e.handle != 0 && GenerationAfter(e.slot, id)) {
+    // The index holds a newer slot: `id` is dead and never had a handle here. A retired one
+    // names it; the newer slot's handle stays as it is.
+    RememberRetiredLocked({h, id, absl::Now(), tenant});
+    return h;
+  }
+  if (e.handle != 0) RetireLocked(e);  // the index's older slot, freed meanwhile
   e = {h, id, absl::Now(), tenant};
   by_handle_[h] = id;
   return h;
@@ -76,6 +92,10 @@ void SlotHandles::Forget(cache::SlotId id) {
 
 void SlotHandles::RetireLocked(const Issued& e) {
   by_handle_.erase(e.handle);
+  RememberRetiredLocked(e);
+}
+
+void SlotHandles::RememberRetiredLocked(const Issued& e) {
   retired_[e.handle] = e;
   retired_ids_[e.slot] = e.handle;
   retired_order_.push_back(e.handle);
@@ -109,9 +129,35 @@ std::vector<SlotHandles::Issued> SlotHandles::List() const {
 
 int64_t SlotHandles::Count(TenantId tenant) const {
   absl::MutexLock lock(&mu_);
+  return CountLocked(tenant);
+}
+
+int64_t SlotHandles::CountLocked(TenantId tenant) const {
   int64_t n = 0;
   for (const auto& [index, e] : by_index_) n += e.handle != 0 && e.tenant == tenant ? 1 : 0;
   return n;
+}
+
+int64_t SlotHandles::Held(TenantId tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto r = reserved_.find(tenant);
+  return CountLocked(tenant) + (r == reserved_.end() ? 0 : r->second);
+}
+
+bool SlotHandles::Reserve(TenantId tenant, int64_t max) {
+  absl::MutexLock lock(&mu_);
+  int64_t& reserved = reserved_[tenant];
+  if (max > 0 && CountLocked(tenant) + reserved >= max) return false;
+  ++reserved;
+  return true;
+}
+
+void SlotHandles::Settle(TenantId tenant, cache::SlotId slot) {
+  absl::MutexLock lock(&mu_);
+  if (auto r = reserved_.find(tenant); r != reserved_.end() && --r->second <= 0) {
+    reserved_.erase(r);
+  }
+  if (slot != cache::kPaddingSlot) ToWireLocked(slot, tenant);
 }
 
 bool SlotHandles::IdleSince(cache::SlotId id, absl::Time cutoff) const {

@@ -65,8 +65,17 @@ class SlotHandles {
   };
   // Every handle issued and not forgotten (its slot may have been freed since). Not a use.
   std::vector<Issued> List() const;
-  // Handles issued to `tenant` and not forgotten: its live slots (--tenant-max-slots).
+  // Handles issued to `tenant` and not forgotten: its live slots.
   int64_t Count(TenantId tenant) const;
+  // What counts against `tenant`'s --tenant-max-slots: its live slots and the incoming
+  // transfers reserved for it (Reserve, until Settle).
+  int64_t Held(TenantId tenant) const;
+  // An incoming transfer's slot for `tenant`: counted in Held from now on; false (nothing
+  // counted) when Held is at `max` already (max <= 0: no bound).
+  bool Reserve(TenantId tenant, int64_t max);
+  // Ends a Reserve: `slot` is the transfer's committed slot, whose handle is issued to
+  // `tenant` in the same step (Held does not dip between the two), or kPaddingSlot (aborted).
+  void Settle(TenantId tenant, cache::SlotId slot);
   // Whether `id` has a handle that no call named since `cutoff` (slot leases).
   bool IdleSince(cache::SlotId id, absl::Time cutoff) const;
 
@@ -77,7 +86,11 @@ class SlotHandles {
   // Retired handles remembered (as many as the transfer manager remembers moves).
   static constexpr size_t kRetired = 4096;
 
+  uint64_t ToWireLocked(cache::SlotId id, TenantId tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t CountLocked(TenantId tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RetireLocked(const Issued& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps `e` among the last kRetired retired handles.
+  void RememberRetiredLocked(const Issued& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An id that Describe names as `handle` and the cache answers NOT_FOUND for.
   cache::SlotId MissLocked(uint64_t handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -89,6 +102,7 @@ class SlotHandles {
   absl::flat_hash_map<uint64_t, Issued> retired_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<cache::SlotId, uint64_t> retired_ids_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> retired_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  absl::flat_hash_map<TenantId, int64_t> reserved_ ABSL_GUARDED_BY(mu_);  // Reserve - Settle
 };
 
 }  // namespace replayssm::service

@@ -84,5 +84,48 @@ TEST(SlotHandles, NamingAHandleRenewsItsLeaseAndListingDoesNot) {
   EXPECT_FALSE(h.IdleSince(kSlot + (uint64_t{1} << 32), absl::Now()));  // no such handle
 }
 
+// A dead slot named again (an abort's answer about a commit whose slot a lease freed since):
+// its old handle, and the index's newer slot keeps its own.
+TEST(SlotHandles, ADeadSlotNamedAgainGetsItsOldHandleAndDisturbsNoNewerSlot) {
+  SlotHandles h;
+  const uint64_t old = h.ToWire(kSlot);
+  h.Forget(kSlot);
+  EXPECT_EQ(h.ToWire(kSlot), old) << "its retired handle";
+  EXPECT_TRUE(h.List().empty()) << "not issued again";
+  const cache::SlotId newer = (uint64_t{2} << 32) | 7;
+  const uint64_t live = h.ToWire(newer);
+  const cache::SlotId older = (uint64_t{0} << 32) | 7;  // never had a handle here
+  const uint64_t dead = h.ToWire(older);
+  EXPECT_NE(dead, live);
+  EXPECT_EQ(h.FromWire(live), newer) << "the newer slot's handle was not retired";
+  EXPECT_EQ(h.FromWire(dead), older) << "names the dead slot (NOT_FOUND in the cache)";
+  ASSERT_EQ(h.List().size(), 1u);
+  EXPECT_EQ(h.List().front().slot, newer);
+}
+
+// Incoming transfers count against a tenant's bound from their reservation; the commit's
+// handle is issued as the reservation settles, so the count never dips between the two.
+TEST(SlotHandles, ReservationsCountUntilTheySettle) {
+  SlotHandles h;
+  h.ToWire(kSlot, /*tenant=*/1);
+  EXPECT_TRUE(h.Reserve(1, /*max=*/2));
+  EXPECT_EQ(h.Held(1), 2);
+  EXPECT_EQ(h.Count(1), 1) << "live slots only";
+  EXPECT_FALSE(h.Reserve(1, 2)) << "at the bound: nothing counted";
+  EXPECT_EQ(h.Held(1), 2);
+  EXPECT_TRUE(h.Reserve(2, 2)) << "another tenant's own bound";
+  h.Settle(2, cache::kPaddingSlot);  // aborted
+  EXPECT_EQ(h.Held(2), 0);
+  const cache::SlotId arrived = (uint64_t{1} << 32) | 9;
+  h.Settle(1, arrived);  // committed: its handle issued in the same step
+  EXPECT_EQ(h.Held(1), 2);
+  EXPECT_EQ(h.Count(1), 2);
+  const uint64_t handle = h.ToWire(arrived, 1);
+  EXPECT_EQ(h.FromWire(handle, 1), arrived);
+  EXPECT_TRUE(h.Reserve(1, 0)) << "no bound";
+  h.Settle(1, cache::kPaddingSlot);
+  EXPECT_EQ(h.Held(1), 2);
+}
+
 }  // namespace
 }  // namespace replayssm::service

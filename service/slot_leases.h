@@ -21,9 +21,12 @@ namespace replayssm::service {
 
 class SlotLeases {
  public:
-  // `cache` and `handles` outlive this; `on_expiry` runs once per slot freed.
+  // `cache` and `handles` outlive this; `on_expiry` runs once per slot freed. `free` frees an
+  // idle slot (the transfer receiver's FreeSlot, which also settles a commit its sender has
+  // not acknowledged); null: the cache's Free.
   SlotLeases(cache::StateCache* cache, SlotHandles* handles, absl::Duration ttl,
-             std::function<void()> on_expiry);
+             std::function<void()> on_expiry,
+             std::function<absl::Status(cache::SlotId)> free = nullptr);
   ~SlotLeases();
   SlotLeases(const SlotLeases&) = delete;
   SlotLeases& operator=(const SlotLeases&) = delete;
@@ -36,6 +39,7 @@ class SlotLeases {
   SlotHandles* handles_;
   const absl::Duration ttl_;
   std::function<void()> on_expiry_;
+  std::function<absl::Status(cache::SlotId)> free_;
   PeriodicSweep sweep_;  // last: stops before the members above go
 };
 

@@ -193,11 +193,23 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
   }
   s->receiver_ = std::make_unique<transfer::Receiver>(
       ctx->cache, s->ucx_.get(),
-      transfer::ReceiverOptions{.lease = o.lease,
-                                .max_open = o.max_open,
-                                .max_open_per_peer = o.max_open_per_peer,
-                                .chunk_bytes = o.chunk_bytes,
-                                .import_threads = o.import_threads});
+      transfer::ReceiverOptions{
+          .lease = o.lease,
+          .max_open = o.max_open,
+          .max_open_per_peer = o.max_open_per_peer,
+          .chunk_bytes = o.chunk_bytes,
+          .import_threads = o.import_threads,
+          // A reservation counts against its tenant's --tenant-max-slots from the moment it is
+          // made, and its committed slot's handle is issued as it ends: the bound holds across
+          // concurrent reservations, allocations and commits.
+          .admit =
+              [ctx](uint64_t owner) {
+                return ctx->ForTenant(static_cast<TenantId>(owner)).ReserveIncomingSlot();
+              },
+          .settle =
+              [ctx](uint64_t owner, cache::SlotId slot) {
+                ctx->slots.handles()->Settle(static_cast<TenantId>(owner), slot);
+              }});
   s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, std::move(lanes));
   prometheus::Registry& r = *ctx->metrics->registry();
   s->failures_ = &prometheus::BuildCounter()
@@ -483,12 +495,12 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
     return Reply(c, "ReserveTransfer", st);
   }
   absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
-  absl::Status quota = tenant.ok() ? ctx_->ForTenant(*tenant).CheckSlotQuota(1) : tenant.status();
-  if (!quota.ok()) {
-    CountFailure(quota);
-    return Reply(c, "ReserveTransfer", quota);
+  if (!tenant.ok()) {
+    CountFailure(tenant.status());
+    return Reply(c, "ReserveTransfer", tenant.status());
   }
-  // The tenant travels with the reservation (its owner) into the decision.
+  // The tenant travels with the reservation (its owner) into the decision; the receiver
+  // counts the reservation against its slot bound (ReceiverOptions::admit, above).
   absl::StatusOr<transfer::Reservation> r = receiver_->Reserve(
       req->transfer_id(), FromProto(req->format()), req->seq_len(), req->checksum_version(),
       absl::Milliseconds(req->budget_ms()), PeerIdentity(*c), *tenant);
@@ -534,7 +546,7 @@ grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerCon
   absl::Status st = AuthenticatePeer(*c, "AbortTransfer");
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (!st.ok()) return Reply(c, "AbortTransfer", st);
-  const transfer::Decision d = receiver_->Abort(req->transfer_id());
+  const transfer::Decision d = receiver_->Abort(req->transfer_id(), PeerIdentity(*c));
   resp->set_committed(d.committed);
   if (d.committed) {  // its handle was issued at the commit, to the reservation's tenant
     resp->set_slot(ctx_->ForTenant(static_cast<TenantId>(d.owner)).slots.ToWire(d.slot));

@@ -523,6 +523,59 @@ TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhil
   EXPECT_TRUE(alice_b->Free(moved->remote_slot()).ok()) << "and its owner can free it";
 }
 
+// --tenant-max-slots counts incoming transfers from their reservation: two reservations (or
+// a reservation and an Allocate) can no longer both pass the bound and both land.
+TEST(TenantTransfers, AReservationCountsAgainstItsTenantsSlotBound) {
+  TokenFile tokens(Tokens());
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag(), "--tenant-max-slots=1"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto proxy = TransferProxy::Start((*b)->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  v1::ReserveTransferRequest seen;
+  proxy->set_hooks({.reserve = [&](v1::ReserveTransferRequest& r) {
+    seen = r;
+    return TransferProxy::Action::kForward;
+  }});
+  auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
+  auto slot = alice_a->Allocate();
+  ASSERT_TRUE(slot.ok());
+  auto moved = alice_a->TransferSlot(slot->slot(), proxy->address(), false);
+  ASSERT_TRUE(moved.ok()) << moved.status();  // alice holds her one slot on b
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel((*b)->grpc_address(), grpc::InsecureChannelCredentials()));
+  auto reserve = [&](const std::string& id) {
+    v1::ReserveTransferRequest r = seen;
+    r.set_transfer_id(id);
+    v1::ReserveTransferResponse resp;
+    grpc::ClientContext c;
+    c.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);
+    return stub->ReserveTransfer(&c, r, &resp);
+  };
+  auto abort = [&](const std::string& id) {
+    v1::AbortTransferRequest r;
+    r.set_transfer_id(id);
+    v1::AbortTransferResponse resp;
+    grpc::ClientContext c;
+    c.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);
+    return stub->AbortTransfer(&c, r, &resp).ok();
+  };
+  const grpc::Status full = reserve("q-0");
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << full.error_message();
+  EXPECT_NE(full.error_message().find("--tenant-max-slots 1"), std::string::npos)
+      << full.error_message();
+  ASSERT_TRUE(alice_b->Free(moved->remote_slot()).ok());
+  const grpc::Status first = reserve("q-1");
+  ASSERT_TRUE(first.ok()) << first.error_message();
+  EXPECT_EQ(reserve("q-2").error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << "the open reservation holds alice's one slot";
+  EXPECT_EQ(alice_b->Allocate().status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(bob_b->Allocate().ok()) << "bob's bound is his own";
+  EXPECT_TRUE(abort("q-1"));
+  EXPECT_TRUE(alice_b->Allocate().ok()) << "the aborted reservation gave it back";
+}
+
 // Issue 31 §3: ReserveTransfer, CommitTransfer and AbortTransfer checked no credential: a
 // tenant's client could create slots in any tenant, and anonymous reservations from the host
 // of a real peer used up that host's share (--transfer-reservations-per-peer) and locked the

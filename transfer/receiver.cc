@@ -70,8 +70,8 @@ Receiver::Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions 
       ucx_(ucx),
       options_(options),
       format_(StateFormat::Of(cache->model())),
-      path_(options.path.value_or(
-          cache::SelectSlotIoPath(cache->options().backend, ucx->takes_device_memory()))),
+      path_(options.path.value_or(cache::SelectCacheSlotIoPath(
+          cache->options().backend, cache->options().tp_size, ucx->takes_device_memory()))),
       depth_(std::max(kImportDepth, options.import_threads + 2)),
       writers_(std::make_unique<TaskPool>(options.import_threads)) {}
 
@@ -113,13 +113,26 @@ void Receiver::Acknowledge(const std::string& transfer_id, const std::string& pe
   if (it != committed_.end() && it->second.peer == peer) ForgetCommitLocked(it);
 }
 
+absl::Status Receiver::FreeSlot(cache::SlotId slot) {
+  absl::MutexLock lock(&mu_);  // a sender's Abort sees the slot and its decision change at once
+  auto it = committed_.begin();
+  while (it != committed_.end() && it->second.decision.slot != slot) ++it;
+  absl::Status st = cache_->Free(slot);
+  if (!st.ok() || it == committed_.end()) return st;
+  const std::string id = it->first, peer = it->second.peer;
+  ForgetCommitLocked(it);
+  DecideLocked(id, Decision{}, peer);
+  return st;
+}
+
 void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
   Pending& p = it->second;
   if (p.importer != nullptr) p.importer->End(/*abort=*/true);
   p.writer.reset();  // uncommitted: the cache frees the slot
-  if (p.buffer != nullptr && static_cast<int32_t>(spare_.size()) < options_.max_open) {
-    spare_.push_back(std::move(p.buffer));
-  }
+  // Not pooled: a sender's lanes may still put into it, and its next reservation would import
+  // their bytes. Releasing it unmaps it, so those puts fail on the sender's side.
+  p.buffer.reset();
+  if (options_.settle) options_.settle(p.owner, cache::kPaddingSlot);
   pending_.erase(it);
 }
 
@@ -231,14 +244,21 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
           " open reservations, the most one peer may (--transfer-reservations-per-peer)"));
     }
   }
+  if (options_.admit) {
+    if (absl::Status admitted = options_.admit(owner); !admitted.ok()) return admitted;
+  }
+  auto refuse = [&](const absl::Status& why) {  // after admit: settled as aborted
+    if (options_.settle) options_.settle(owner, cache::kPaddingSlot);
+    return why;
+  };
   cache::SlotIoOptions io;
   io.chunk_bytes = options_.chunk_bytes;
   io.path = path_;
   io.staging_buffers = depth_;
   absl::StatusOr<std::unique_ptr<cache::SlotWriter>> writer = cache_->OpenImport(seq_len, io);
-  if (!writer.ok()) return writer.status();
+  if (!writer.ok()) return refuse(writer.status());
   absl::StatusOr<std::unique_ptr<Buffer>> buffer = TakeBufferLocked();
-  if (!buffer.ok()) return buffer.status();
+  if (!buffer.ok()) return refuse(buffer.status());
   Pending p;
   p.peer = peer;
   p.owner = owner;
@@ -360,6 +380,7 @@ absl::StatusOr<Decision> Receiver::Commit(const std::string& transfer_id,
       decision = Decision{true, *slot, static_cast<int64_t>(tokens.size()), done.owner};
     }
     DecideLocked(transfer_id, decision, done.peer);
+    if (options_.settle) options_.settle(done.owner, slot.ok() ? *slot : cache::kPaddingSlot);
     if (static_cast<int32_t>(spare_.size()) < options_.max_open) {
       spare_.push_back(std::move(done.buffer));
     }
@@ -381,16 +402,17 @@ void Receiver::AwaitNoCommitLocked(const std::string& transfer_id) {
       &arg));
 }
 
-Decision Receiver::Abort(const std::string& transfer_id) {
+Decision Receiver::Abort(const std::string& transfer_id, const std::string& peer) {
   absl::MutexLock lock(&mu_);
   AwaitNoCommitLocked(transfer_id);
   if (const Decision* d = DecisionLocked(transfer_id)) return *d;
-  std::string peer;
+  std::string holder = peer;
   if (auto it = pending_.find(transfer_id); it != pending_.end()) {
-    peer = it->second.peer;
+    if (!peer.empty() && it->second.peer != peer) return Decision{};  // not the asker's
+    holder = it->second.peer;
     DropLocked(it);
   }
-  DecideLocked(transfer_id, Decision{}, peer);  // the aborts' FIFO: commits are never evicted
+  DecideLocked(transfer_id, Decision{}, holder);  // the aborts' FIFO: commits are never evicted
   return Decision{};
 }
 

@@ -464,6 +464,84 @@ TEST_F(TransferTest, TheReservedSlotKeepsNoStaleByteAndIsFreedOnAbortExpiryAndMi
   EXPECT_EQ(rx.open(), 0);
 }
 
+// The owners' bounds: admit is asked before a reservation is made (its refusal makes none),
+// and every admitted reservation settles exactly once, with its slot when it commits. Only the
+// reserving peer aborts a reservation.
+TEST_F(TransferTest, ReservationsAreAdmittedAndSettleOnceAndOnlyTheirPeerAbortsThem) {
+  const SlotId s = Prepare(0);
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  ASSERT_TRUE(e.ok());
+  const std::vector<uint8_t> payload = testing::Payload(*e);
+  int admitted = 0;
+  std::vector<std::pair<uint64_t, SlotId>> settled;
+  ReceiverOptions o;
+  o.lease = absl::Milliseconds(300);
+  o.admit = [&](uint64_t owner) {
+    if (owner == 9) return absl::ResourceExhaustedError("owner 9 is full");
+    ++admitted;
+    return absl::OkStatus();
+  };
+  o.settle = [&](uint64_t owner, SlotId slot) { settled.emplace_back(owner, slot); };
+  Receiver rx(b_.get(), ucx_b_.get(), o);
+  const StateFormat f = StateFormat::Of(a_->model());
+  auto reserve = [&](const std::string& id, const std::string& peer, uint64_t owner) {
+    return rx.Reserve(id, f, 3, cache::kChecksumVersion, absl::Seconds(30), peer, owner).status();
+  };
+  EXPECT_EQ(reserve("full", "p1", 9).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(rx.open(), 0);
+  EXPECT_EQ(b_->stats().slots_live, 0) << "refused before the slot was opened";
+  ASSERT_TRUE(reserve("r1", "p1", 1).ok());
+  EXPECT_TRUE(reserve("r1", "p1", 1).ok()) << "a retry is no new reservation";
+  EXPECT_FALSE(rx.Abort("r1", "p2").committed);
+  EXPECT_EQ(rx.open(), 1) << "another peer's abort leaves it";
+  rx.Abort("r1", "p1");
+  EXPECT_EQ(rx.open(), 0);
+  ASSERT_TRUE(reserve("late", "p1", 3).ok());
+  absl::SleepFor(absl::Milliseconds(350));
+  EXPECT_EQ(rx.ExpireLeases(), 1);
+  ASSERT_TRUE(ReserveAndPut(rx, "ok", payload, 3, payload.size(), 2).ok());
+  absl::StatusOr<Decision> c = rx.Commit("ok", e->tokens, testing::Checksum(payload));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(rx.Commit("ok", e->tokens, testing::Checksum(payload)).ok());  // a retry
+  ASSERT_TRUE(ReserveAndPut(rx, "bad", payload, 3, payload.size(), 4).ok());
+  EXPECT_EQ(rx.Commit("bad", e->tokens, 12345).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(admitted, 4);
+  const std::vector<std::pair<uint64_t, SlotId>> want = {
+      {1, cache::kPaddingSlot}, {3, cache::kPaddingSlot}, {2, c->slot}, {4, cache::kPaddingSlot}};
+  EXPECT_EQ(settled, want);
+}
+
+// A slot lease that frees a committed slot before its sender acknowledged the commit turns
+// the decision into an abort, so the sender in doubt keeps its source; an acknowledged one's
+// slot is just freed, and a slot in use is neither freed nor changes its decision.
+TEST_F(TransferTest, AnIdleCommittedSlotFreedBeforeItsAcknowledgementBecomesAnAbort) {
+  const SlotId s = Prepare(0);
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  ASSERT_TRUE(e.ok());
+  const std::vector<uint8_t> payload = testing::Payload(*e);
+  const uint64_t sum = testing::Checksum(payload);
+  Receiver rx(b_.get(), ucx_b_.get(), {});
+  ASSERT_TRUE(ReserveAndPut(rx, "doubt", payload, 3, payload.size()).ok());
+  absl::StatusOr<Decision> c = rx.Commit("doubt", e->tokens, sum);
+  ASSERT_TRUE(c.ok()) << c.status();
+  {
+    absl::StatusOr<std::unique_ptr<cache::Forward>> busy = b_->BeginForward({{c->slot, 7}});
+    ASSERT_TRUE(busy.ok()) << busy.status();
+    EXPECT_EQ(rx.FreeSlot(c->slot).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(rx.Abort("doubt").committed) << "in use: the commit stands";
+  }
+  ASSERT_TRUE(rx.FreeSlot(c->slot).ok());
+  EXPECT_FALSE(b_->Info(c->slot).ok());
+  EXPECT_FALSE(rx.Abort("doubt").committed) << "the sender keeps its source";
+  EXPECT_EQ(rx.Commit("doubt", e->tokens, sum).status().code(), absl::StatusCode::kAborted);
+  ASSERT_TRUE(ReserveAndPut(rx, "acked", payload, 3, payload.size()).ok());
+  absl::StatusOr<Decision> d = rx.Commit("acked", e->tokens, sum);
+  ASSERT_TRUE(d.ok()) << d.status();
+  rx.Acknowledge("acked", "");
+  ASSERT_TRUE(rx.FreeSlot(d->slot).ok());
+  EXPECT_FALSE(b_->Info(d->slot).ok());
+}
+
 TEST_F(TransferTest, ALaneFailingMidTransferAbortsAndLeavesNothing) {
   const SlotId s = Prepare(2);
   const absl::StatusOr<cache::ExportedState> before = a_->Export(s);

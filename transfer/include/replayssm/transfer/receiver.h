@@ -8,7 +8,8 @@
 // that retried calls and the sender's question "what did you decide?" (Abort) get the same
 // answer. The two are kept apart:
 //  - a commit is kept until its sender acknowledges it (Acknowledge: it learned the outcome)
-//    or for decision_horizon, far beyond any retry; nothing else evicts it. A peer holds at
+//    or for decision_horizon, far beyond any retry; nothing else evicts it, but a slot freed
+//    for idleness before the acknowledgement turns it into an abort (FreeSlot). A peer holds at
 //    most max_unacknowledged_per_peer of them: past that its Reserve is refused, never an
 //    older commit forgotten. A sender asking about a forgotten commit would hear "aborted"
 //    and release its source while the slot lives here: the state twice.
@@ -33,6 +34,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -69,6 +71,13 @@ struct ReceiverOptions {
   // The slot I/O path (a benchmark, or a test of another path on CPU); default: the cache's
   // choice for this transport.
   std::optional<cache::SlotIoPath> path;
+  // The owners' slot bounds (the service's tenants). `admit(owner)` is asked under the
+  // receiver's lock before a new reservation is made (an error refuses it, as returned), and
+  // every admitted reservation ends in one `settle(owner, slot)`, also under the lock: slot is
+  // the committed slot, or kPaddingSlot (aborted, expired, failed). Neither may call the
+  // receiver. Both or neither.
+  std::function<absl::Status(uint64_t owner)> admit;
+  std::function<void(uint64_t owner, cache::SlotId slot)> settle;
 };
 
 class Receiver {
@@ -94,10 +103,17 @@ class Receiver {
   absl::StatusOr<Decision> Commit(const std::string& transfer_id,
                                   const std::vector<int32_t>& tokens, uint64_t checksum);
   // Aborts an open transfer (waits for a commit in progress); the decision (slot: cache id).
-  Decision Abort(const std::string& transfer_id);
+  // A reservation is aborted only by the peer that made it (`peer` as Reserve's; empty: any,
+  // for a caller in this process): another peer's Abort leaves it open and hears "aborted".
+  Decision Abort(const std::string& transfer_id, const std::string& peer = "");
   // The sender `peer` learned that transfer_id committed: the decision may go. A commit of
   // another peer, an abort or an unknown id is left alone.
   void Acknowledge(const std::string& transfer_id, const std::string& peer);
+  // Frees `slot` for a caller that found it idle (slot leases): the cache's Free, and when the
+  // slot is a commit its sender has not acknowledged, that decision becomes an abort in the
+  // same step. The sender, in doubt, then hears "aborted" and keeps its source (the state
+  // lives there) instead of releasing it for a slot that is gone here.
+  absl::Status FreeSlot(cache::SlotId slot);
   // Drops reservations past their commit-by time or lease, and commits past the decision
   // horizon (also done on every Reserve).
   int ExpireLeases();
@@ -127,7 +143,8 @@ class Receiver {
   // The import thread's work: writes chunks as the doorbell says they landed, until the
   // commit (or the abort) comes.
   absl::Status Import(Buffer& buf, Importer& in, cache::SlotWriter& writer);
-  // Ends a reservation's import (abort) and frees its slot; the buffer goes back to the pool.
+  // Ends a reservation's import (abort) and frees its slot. Its buffer is released, never
+  // pooled: the sender may still be putting into it (it learns of the abort at its commit).
   void DropLocked(std::map<std::string, Pending>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records the decision once (a commit: `peer`'s until acknowledged; an abort: in the FIFO).
   void DecideLocked(const std::string& transfer_id, Decision d, const std::string& peer)
