@@ -348,10 +348,26 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
 }
 
 absl::Status ForwardSession::Committed(v1::DecodeCommitted* committed) {
+  // Applied whatever comes next: the request id is completed either way, so that a retry is
+  // never applied again. A row's state can be gone by now (the rows were released at the
+  // commit, and a Free may have come in between): then no reply is kept, and the error says
+  // the forward committed.
+  absl::Status read = absl::OkStatus();
   for (cache::SlotId slot : slots_) {
     absl::StatusOr<v1::SlotState> state = RowState(slot);
-    if (!state.ok()) return state.status();
+    if (!state.ok()) {
+      read = absl::Status(state.status().code(),
+                          absl::StrCat("the forward committed, but a row's state could not be "
+                                       "read after it: ",
+                                       state.status().message()));
+      break;
+    }
     *committed->add_rows() = *std::move(state);
+  }
+  if (!read.ok()) {
+    ctx_->requests->CompleteWithoutReply(method_, request_id_);
+    request_id_.clear();
+    return read;
   }
   if (retain_) {
     *record_.mutable_rows() = committed->rows();
