@@ -79,11 +79,11 @@ struct BaselineWarp {
                                         const float (&q)[KC], const float (&kk)[KC], bool has_c,
                                         float (&av)[KC], float (&ka)[KC], float (&qa)[KC],
                                         float (&kn)[KC]) const {
-    const float decay = -expf(alog);
-    const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(ar[0]) + db[0]);
+    const float decay = GateDecay(alog);
+    const float g_gdn = KDA ? 0.f : TokenGate(decay, ToF(ar[0]), db[0]);
 #pragma unroll
     for (int e = 0; e < KC; ++e) {
-      const float g = KDA ? (has_c ? decay * Softplus(ToF(ar[e]) + db[e]) : 0.f) : g_gdn;
+      const float g = KDA ? (has_c ? TokenGate(decay, ToF(ar[e]), db[e]) : 0.f) : g_gdn;
       const float a = expf(g);
       av[e] = has_c ? a : 0.f;
       ka[e] = has_c ? a * kk[e] : 0.f;

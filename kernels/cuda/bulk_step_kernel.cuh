@@ -275,7 +275,7 @@ struct BulkCta {
             if (i < nrow) vv[u] = ToF(qr[vofs + i]);
           }
         }
-        decay = -expf(alog);
+        decay = GateDecay(alog);
         if (kRecords && TT == 1 && tid == 0 && i == 0) IssueRecords();
 #pragma unroll
         for (int u = 0; u < TT; ++u) {
@@ -284,21 +284,21 @@ struct BulkCta {
             if (i < K) {
               tq[t * K + i] = qv[u];
               tk[t * K + i] = kv[u];
-              if constexpr (KDA) tg[t * K + i] = decay * Softplus(gv[u] + db);
+              if constexpr (KDA) tg[t * K + i] = TokenGate(decay, gv[u], db);
             }
             if (i < nrow) vsm[t * rows + i] = vv[u];
           }
         }
       }
     }
-    decay = -expf(alog);
+    decay = GateDecay(alog);
     if (tid < T_) {
-      if (!kda) tg[tid] = decay * Softplus(ToF(a_t) + dtb_h);
+      if (!kda) tg[tid] = TokenGate(decay, ToF(a_t), dtb_h);
       betas[tid] = Beta(ToF(b_t), ly.act_dtype, ly.round_beta);
     }
     for (int t = tid + nthr; t < T_; t += nthr) {  // more tokens than threads (not in practice)
       const int64_t n = tok0 + t;
-      if (!kda) tg[t] = decay * Softplus(ToF(ga[n * ly.a_stride + h]) + ly.dt_bias[h]);
+      if (!kda) tg[t] = TokenGate(decay, ToF(ga[n * ly.a_stride + h]), ly.dt_bias[h]);
       betas[t] = Beta(ToF(gb[n * ly.b_stride + h]), ly.act_dtype, ly.round_beta);
     }
   }

@@ -139,6 +139,12 @@ struct TransposeReduce {
 // ---- gates ----------------------------------------------------------------------------------
 __device__ __forceinline__ float Softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// A head's decay rate -exp(A_log), which its gates scale.
+__device__ __forceinline__ float GateDecay(float a_log) { return -expf(a_log); }
+// A token's gate g = -exp(A_log) * softplus(a + dt_bias), from decay = GateDecay(A_log).
+__device__ __forceinline__ float TokenGate(float decay, float a, float dt_bias) {
+  return decay * Softplus(a + dt_bias);
+}
 // beta = sigmoid(b), rounded to the act dtype where the layer asks (rssm_layer_params.round_beta).
 __device__ __forceinline__ float Beta(float b, int act_dtype, int32_t round_beta) {
   const float beta = Sigmoid(b);

@@ -146,19 +146,19 @@ __device__ __forceinline__ void LoadToken(const LayerDesc& ly, const SmemLayout&
     }
     bb = LoadAct(ly.b, n * ly.b_stride + h, ly.act_dtype);
   }
-  const float decay = -expf(alog);
+  const float decay = GateDecay(alog);
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
     const int c = tid + u * kThreads;
     if (c < K) {
       s[sm.qs + t * K + c] = qv[u];
       s[sm.ks + t * K + c] = kv[u];
-      if (kda) s[sm.gext + P * K + c] = decay * Softplus(av[u] + dv[u]);
+      if (kda) s[sm.gext + P * K + c] = TokenGate(decay, av[u], dv[u]);
     }
   }
   if (tid < VT) s[sm.vs + t * VT + tid] = vv;
   if (tid == 0) {
-    if (!kda) s[sm.gext + P] = decay * Softplus(ga + gd);
+    if (!kda) s[sm.gext + P] = TokenGate(decay, ga, gd);
     s[sm.beta + t] = Beta(bb, ly.act_dtype, ly.round_beta);
   }
 }

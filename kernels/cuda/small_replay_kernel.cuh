@@ -353,13 +353,13 @@ __global__ void __launch_bounds__(kSmallReplayWarps * 32)
   float q[KC], kk[KC];
   const float kq = StepTokenQk<A, KC>(ly, qr, kr, has_c, q, kk);
   // The token's gate (the records' chain starts from it) and beta.
-  const float decay = -expf(alog);
+  const float decay = GateDecay(alog);
   float acc[KC];
-  const float g_gdn = KDA ? 0.f : decay * Softplus(ToF(ar[0]) + db[0]);
+  const float g_gdn = KDA ? 0.f : TokenGate(decay, ToF(ar[0]), db[0]);
   float gt[KC];
 #pragma unroll
   for (int e = 0; e < KC; ++e) {
-    gt[e] = KDA ? (has_c ? decay * Softplus(ToF(ar[e]) + db[e]) : 0.f) : g_gdn;
+    gt[e] = KDA ? (has_c ? TokenGate(decay, ToF(ar[e]), db[e]) : 0.f) : g_gdn;
     acc[e] = gt[e];
   }
   const float beta = Beta(ToF(b_raw), ly.act_dtype, ly.round_beta);

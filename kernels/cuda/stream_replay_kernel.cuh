@@ -436,14 +436,14 @@ struct StreamCta {
         kk[e] = has_c ? RawToF(cur.k[e], dt) : 0.f;
       }
       const float kq = NormalizeQk<KC>(ly, q, kk);
-      const float decay = -expf(cur.alog);
+      const float decay = GateDecay(cur.alog);
       if constexpr (KDA) {
 #pragma unroll
         for (int e = 0; e < KC; ++e) {
-          tg[e] = has_c ? decay * Softplus(RawToF(cur.g[e], dt) + cur.dtb[e]) : 0.f;
+          tg[e] = has_c ? TokenGate(decay, RawToF(cur.g[e], dt), cur.dtb[e]) : 0.f;
         }
       } else {
-        tg[0] = decay * Softplus(RawToF(cur.a, dt) + cur.dtb[0]);
+        tg[0] = TokenGate(decay, RawToF(cur.a, dt), cur.dtb[0]);
 #pragma unroll
         for (int e = 1; e < KC; ++e) tg[e] = 0.f;
       }
