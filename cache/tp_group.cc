@@ -352,18 +352,24 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     absl::MutexLock lock(&map_mu_);
     auto it = members_.find(id);
     if (it != members_.end()) return it->second;
-    return std::vector<SlotId>(shards_.size(), id);
+    std::vector<SlotId> ids(shards_.size(), NoSlot(id));
+    ids[0] = id;  // rank 0 refuses it, naming it
+    return ids;
   }
+  // What ranks r > 0 get for an id that is no group's: an index no pool has, so no rank
+  // touches another group's slot that happens to have that id there (ranks run at once).
+  static SlotId NoSlot(SlotId id) { return id == kPaddingSlot ? id : id | 0xffffffffULL; }
   // Each rank's copy of `rows` (slot ids, or rows with a `slot`), its ids in place of the
-  // group's: one lookup per row for all ranks. Padding and unknown ids stay as they are.
+  // group's: one lookup per row for all ranks. Padding stays; unknown ids as Members.
   template <typename Row>
   std::vector<std::vector<Row>> RankRows(absl::Span<const Row> rows) const {
     std::vector<std::vector<Row>> out(shards_.size(), std::vector<Row>(rows.begin(), rows.end()));
     absl::MutexLock lock(&map_mu_);
     for (size_t i = 0; i < rows.size(); ++i) {
       auto it = members_.find(SlotOf(rows[i]));
-      if (it == members_.end()) continue;
-      for (size_t r = 1; r < out.size(); ++r) SlotOf(out[r][i]) = it->second[r];
+      for (size_t r = 1; r < out.size(); ++r) {
+        SlotOf(out[r][i]) = it != members_.end() ? it->second[r] : NoSlot(SlotOf(rows[i]));
+      }
     }
     return out;
   }

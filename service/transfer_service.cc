@@ -491,9 +491,10 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
     CountFailure(st);
     return Reply(c, "ReserveTransfer", st);
   }
-  if (absl::Status st = ctx_->requests->CheckTransferId(req->transfer_id()); !st.ok()) {
-    return Reply(c, "ReserveTransfer", st);
-  }
+  absl::Status checked = ctx_->requests->CheckTransferId(req->transfer_id());
+  // The history its commit will bring: refused now, not after every byte moved.
+  if (checked.ok()) checked = CheckImportTokens(req->seq_len(), ctx_->limits);
+  if (!checked.ok()) return Reply(c, "ReserveTransfer", checked);
   absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
   if (!tenant.ok()) {
     CountFailure(tenant.status());

@@ -8,6 +8,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "replayssm/v1/transfer.grpc.pb.h"
 #include "service_fixture.h"
 
 namespace replayssm::testing {
@@ -103,6 +105,23 @@ TEST_F(LimitsTest, AnImportOfMoreTokensThanTheLimitIsRefusedNamingTheBound) {
   auto imported = client_->Import(imp);
   ASSERT_TRUE(imported.ok()) << imported.status();
   EXPECT_EQ(imported->seq_len(), 1000);
+}
+
+// An incoming transfer's history is bounded at its reservation, not after every byte moved.
+TEST_F(LimitsTest, AReservationOfMoreTokensThanTheLimitIsRefusedNamingTheBound) {
+  auto stub = v1::SlotTransfer::NewStub(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  v1::ReserveTransferRequest r;
+  r.set_transfer_id("too-long");
+  r.set_seq_len(1001);
+  v1::ReserveTransferResponse resp;
+  grpc::ClientContext c;
+  const grpc::Status st = stub->ReserveTransfer(&c, r, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(),
+                                "tokens: expected at most 1000 tokens (--max-import-tokens), got "
+                                "1001"))
+      << st.error_message();
 }
 
 TEST_F(LimitsTest, StreamsBeyondMaxStreamsAreResourceExhaustedUntilOneCloses) {

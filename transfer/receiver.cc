@@ -222,6 +222,11 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
         absl::StrCat("transfer_id: ", transfer_id, " was aborted; a new attempt needs a new id"));
   }
   if (auto it = pending_.find(transfer_id); it != pending_.end()) {  // a retried Reserve
+    if (it->second.seq_len != seq_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("seq_len: expected ", it->second.seq_len, " (transfer_id ", transfer_id,
+                       " is reserved for that many tokens), got ", seq_len));
+    }
     return it->second.buffer->Describe(ucx_->address());
   }
   if (static_cast<int32_t>(pending_.size()) >= options_.max_open) {
@@ -262,6 +267,7 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
   Pending p;
   p.peer = peer;
   p.owner = owner;
+  p.seq_len = seq_len;
   p.writer = *std::move(writer);
   p.buffer = *std::move(buffer);
   // The sender's commit deadline, never later than the lease.

@@ -492,6 +492,10 @@ TEST_F(TransferTest, ReservationsAreAdmittedAndSettleOnceAndOnlyTheirPeerAbortsT
   EXPECT_EQ(b_->stats().slots_live, 0) << "refused before the slot was opened";
   ASSERT_TRUE(reserve("r1", "p1", 1).ok());
   EXPECT_TRUE(reserve("r1", "p1", 1).ok()) << "a retry is no new reservation";
+  const absl::Status other =
+      rx.Reserve("r1", f, 4, cache::kChecksumVersion, absl::Seconds(30), "p1", 1).status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kInvalidArgument) << other;
+  EXPECT_NE(other.message().find("seq_len: expected 3"), std::string::npos) << other;
   EXPECT_FALSE(rx.Abort("r1", "p2").committed);
   EXPECT_EQ(rx.open(), 1) << "another peer's abort leaves it";
   rx.Abort("r1", "p1");

@@ -87,8 +87,8 @@ class Receiver {
 
   // checksum_version must be cache::kChecksumVersion, budget > 0, the format this server's:
   // else FAILED_PRECONDITION / INVALID_ARGUMENT before any byte moves. A retried Reserve of an
-  // open id returns the same reservation; of a decided id: ALREADY_EXISTS (committed) or
-  // ABORTED.
+  // open id returns the same reservation (INVALID_ARGUMENT naming seq_len if it names another
+  // length); of a decided id: ALREADY_EXISTS (committed) or ABORTED.
   // `peer` names the sender (its certificate's identity or its host) for max_open_per_peer
   // and max_unacknowledged_per_peer. RESOURCE_EXHAUSTED past either. `owner` is the caller's
   // (the slot's tenant): kept with the reservation and its decision, never looked up elsewhere.
@@ -132,6 +132,7 @@ class Receiver {
     bool committing = false;  // Commit took it: Abort waits for the decision
     std::string peer;         // who reserved it (max_open_per_peer)
     uint64_t owner = 0;       // Reserve's owner, into the decision
+    int64_t seq_len = 0;      // a retried Reserve must name the same
   };
   struct Committed {
     Decision decision;
