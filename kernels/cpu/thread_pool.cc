@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 
@@ -73,11 +75,24 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   job->done_cv.wait(lock, [&] { return job->running == 0; });
 }
 
+int ThreadsFromEnvironment(const char* value) {
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(value, &end, 10);
+  const bool digits = *value >= '0' && *value <= '9';  // strtol would skip spaces and signs
+  if (digits && errno == 0 && *end == '\0' && n <= kMaxThreads) return static_cast<int>(n);
+  // A library cannot refuse its environment: it says so once and takes the default.
+  std::fprintf(stderr,
+               "replayssm: REPLAYSSM_CPU_THREADS: expected a whole number of threads from 0 to "
+               "%d (0: the hardware threads less one), got \"%s\"; using the default\n",
+               kMaxThreads, value);
+  return 0;
+}
+
 ThreadPool& ThreadPool::Default() {
-  static ThreadPool* pool = [] {
-    const char* env = std::getenv("REPLAYSSM_CPU_THREADS");
-    return new ThreadPool(env != nullptr ? std::atoi(env) : 0);
-  }();
+  static ThreadPool* pool =
+      new ThreadPool(ThreadsFromEnvironment(std::getenv("REPLAYSSM_CPU_THREADS")));
   return *pool;
 }
 

@@ -16,6 +16,11 @@
 
 namespace replayssm::kernels::cpu {
 
+// The workers REPLAYSSM_CPU_THREADS asks for: 0 (the default) when unset, or when it is not
+// a whole number from 0 to kMaxThreads (said on stderr, once).
+inline constexpr int kMaxThreads = 1024;
+int ThreadsFromEnvironment(const char* value);
+
 class ThreadPool {
  public:
   // `num_threads` workers besides the callers (0 = hardware concurrency - 1).
@@ -27,7 +32,7 @@ class ThreadPool {
   // Runs fn(i) for every i in [0, n), spread over the workers and the calling thread.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
-  // The process-wide pool (sized from REPLAYSSM_CPU_THREADS when set).
+  // The process-wide pool (sized from REPLAYSSM_CPU_THREADS when set: ThreadsFromEnvironment).
   static ThreadPool& Default();
 
  private:
