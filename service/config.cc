@@ -20,17 +20,40 @@ namespace {
 
 using Setter = std::function<absl::Status(ServerFlags&, const std::string&)>;
 
+// What a flag sets: how (set), what it holds as the flag would spell it (show; the usage's
+// "[default]" comes from a default ServerOptions), and its bounds when it has any (check, run
+// by Server::Start over the options however they were made: CheckServerBounds).
+struct Value {
+  Setter set;
+  std::function<std::string(const ServerOptions&)> show;
+  std::function<absl::Status(const ServerOptions&)> check;
+  std::string range;  // "min..max" in the usage, when it says more than the type's limits
+};
+
 struct Flag {
   const char* name;
   const char* help;
-  Setter set;
+  Value value;
 };
 
+// "expected min..max, got v": a bound's message (CheckServerBounds names the flag).
 template <typename T>
-Setter Int(T ServerOptions::*field) {
-  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
+std::function<absl::Status(const ServerOptions&)> Within(T ServerOptions::*field, int64_t min,
+                                                         int64_t max) {
+  return [field, min, max](const ServerOptions& o) -> absl::Status {
+    const int64_t v = o.*field;
+    if (v >= min && v <= max) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("expected ", min, "..", max, ", got ", v));
+  };
+}
+
+template <typename T>
+Value Int(T ServerOptions::*field, int64_t min = std::numeric_limits<T>::min(),
+          int64_t max = std::numeric_limits<T>::max()) {
+  Value v;
+  v.set = [field](ServerFlags& f, const std::string& text) -> absl::Status {
     T x = 0;  // SimpleAtoi refuses what T cannot hold: no silent truncation
-    if (!absl::SimpleAtoi(v, &x)) {
+    if (!absl::SimpleAtoi(text, &x)) {
       return absl::InvalidArgumentError(absl::StrCat("expected an integer in ",
                                                      std::numeric_limits<T>::min(), "..",
                                                      std::numeric_limits<T>::max()));
@@ -38,68 +61,100 @@ Setter Int(T ServerOptions::*field) {
     f.options.*field = x;
     return absl::OkStatus();
   };
+  v.show = [field](const ServerOptions& o) { return absl::StrCat(o.*field); };
+  if (min != std::numeric_limits<T>::min() || max != std::numeric_limits<T>::max()) {
+    v.check = Within(field, min, max);
+    if (max < std::numeric_limits<int32_t>::max()) v.range = absl::StrCat(min, "..", max);
+  }
+  return v;
 }
 
-Setter Bytes(int64_t ServerOptions::*field) {
-  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
-    absl::StatusOr<int64_t> x = ParseBytes(v);
+// 1G, 64M, 4M: the largest binary unit that divides it.
+std::string ShowBytes(int64_t bytes) {
+  for (const auto& [shift, unit] : {std::pair{40, "T"}, {30, "G"}, {20, "M"}, {10, "K"}}) {
+    const int64_t u = int64_t{1} << shift;
+    if (bytes != 0 && bytes % u == 0) return absl::StrCat(bytes / u, unit);
+  }
+  return absl::StrCat(bytes);
+}
+
+Value Bytes(int64_t ServerOptions::*field) {
+  Value v;
+  v.set = [field](ServerFlags& f, const std::string& text) -> absl::Status {
+    absl::StatusOr<int64_t> x = ParseBytes(text);
     if (!x.ok()) return x.status();
     f.options.*field = *x;
     return absl::OkStatus();
   };
+  v.show = [field](const ServerOptions& o) { return ShowBytes(o.*field); };
+  return v;
 }
 
-Setter Seconds(absl::Duration ServerOptions::*field) {
-  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
+Value Seconds(absl::Duration ServerOptions::*field) {
+  Value v;
+  v.set = [field](ServerFlags& f, const std::string& text) -> absl::Status {
     double s = 0;
-    if (!absl::SimpleAtod(v, &s) || !(s >= 0)) {  // NaN too
+    if (!absl::SimpleAtod(text, &s) || !(s >= 0)) {  // NaN too
       return absl::InvalidArgumentError("expected seconds >= 0");
     }
     f.options.*field = absl::Seconds(s);
     return absl::OkStatus();
   };
+  v.show = [field](const ServerOptions& o) {
+    return absl::StrCat(absl::ToDoubleSeconds(o.*field));
+  };
+  return v;
 }
 
-Setter Bool(bool ServerOptions::*field) {
-  return [field](ServerFlags& f, const std::string& v) -> absl::Status {
-    if (v != "true" && v != "false") {
+Value Bool(bool ServerOptions::*field) {
+  Value v;
+  v.set = [field](ServerFlags& f, const std::string& text) -> absl::Status {
+    if (text != "true" && text != "false") {
       return absl::InvalidArgumentError("expected true or false");
     }
-    f.options.*field = v == "true";
+    f.options.*field = text == "true";
     return absl::OkStatus();
   };
+  v.show = [field](const ServerOptions& o) { return o.*field ? "true" : "false"; };
+  return v;
 }
 
-Setter Str(std::string ServerOptions::*field) {
-  return [field](ServerFlags& f, const std::string& v) {
-    f.options.*field = v;
+Value Str(std::string ServerOptions::*field) {
+  Value v;
+  v.set = [field](ServerFlags& f, const std::string& text) {
+    f.options.*field = text;
     return absl::OkStatus();
   };
+  v.show = [field](const ServerOptions& o) { return o.*field; };
+  return v;
 }
+
+// A flag with a parser of its own and no default to show.
+Value Custom(Setter set) { return Value{std::move(set), nullptr, nullptr, ""}; }
 
 const std::vector<Flag>& Flags() {
   static const std::vector<Flag> kFlags = {
-      {"grpc-address", "gRPC listen address (port 0 = any free port) [127.0.0.1:50051]",
+      {"grpc-address", "gRPC listen address (port 0 = any free port)",
        Str(&ServerOptions::grpc_address)},
-      {"metrics-address", "Prometheus /metrics listen address, empty = off [127.0.0.1:9400]",
+      {"metrics-address", "Prometheus /metrics listen address, empty = off",
        Str(&ServerOptions::metrics_address)},
       {"model",
        "preset (tiny-gdn, tiny-kda, qwen3-next-80b-a3b, kimi-linear-48b-a3b) or a HF config.json",
        Str(&ServerOptions::model)},
-      {"device", "auto | cpu | cuda | cuda:N [auto]", Str(&ServerOptions::device)},
+      {"device", "auto | cpu | cuda | cuda:N", Str(&ServerOptions::device)},
       {"tp-size",
        "tensor-parallel ranks of the engine served: one cache shard per rank, each with "
-       "HV/tp-size v heads and --memory-budget of its own; activations rank-major [1]",
+       "HV/tp-size v heads and --memory-budget of its own; activations rank-major",
        Int(&ServerOptions::tp_size)},
       {"devices",
        "CUDA devices of the TP ranks, one per rank, e.g. 0,1,2,3 (sets --tp-size when it is 1); "
        "empty: every rank on --device's GPU",
        Str(&ServerOptions::devices)},
-      {"memory-budget", "bytes for slots and snapshots (per TP rank), e.g. 512M, 4G [1G]",
+      {"memory-budget", "bytes for slots and snapshots (per TP rank), e.g. 512M, 4G",
        Bytes(&ServerOptions::memory_budget_bytes)},
       {"ring-length", "replay ring length L, 1..64 (0 = the preset's)",
        Int(&ServerOptions::ring_length)},
-      {"track-interval", "snapshot every N decoded tokens, 0 = never [64]",
+      {"track-interval", "snapshot every N decoded tokens, 0 = never",
        Int(&ServerOptions::track_interval)},
       {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)", Str(&ServerOptions::state_dtype)},
       {"ring-dtype",
@@ -109,106 +164,104 @@ const std::vector<Flag>& Flags() {
        "act | f32: beta = sigmoid(b) rounded to the act dtype or kept fp32 (empty = the "
        "model's: act for Gated DeltaNet, f32 for KDA)",
        Str(&ServerOptions::beta_rounding)},
-      {"max-batch", "rows per decode / verify [256]", Int(&ServerOptions::max_batch)},
+      {"max-batch", "rows per decode / verify", Int(&ServerOptions::max_batch)},
       {"forward-graphs",
-       "true | false: a planned decode forward that repeats runs as one CUDA graph [true]",
+       "true | false: a planned decode forward that repeats runs as one CUDA graph",
        Bool(&ServerOptions::forward_graphs)},
-      {"max-prefill-tokens", "tokens per prefill call [65536]",
-       Int(&ServerOptions::max_prefill_tokens)},
-      {"max-message-bytes", "largest request accepted [64M]",
-       Bytes(&ServerOptions::max_message_bytes)},
-      {"dedup-entries", "request ids remembered for retries [4096]",
-       Int(&ServerOptions::dedup_entries)},
-      {"dedup-bytes", "bytes of remembered replies [256M]", Bytes(&ServerOptions::dedup_bytes)},
-      {"max-request-id-bytes", "longest request id accepted, 1..65536 [128]",
-       Int(&ServerOptions::max_request_id_bytes)},
-      {"max-import-tokens", "tokens an Import (or an incoming transfer) may bring [1048576]",
-       Int(&ServerOptions::max_import_tokens)},
-      {"max-streams", "DecodeStream streams open at once [1024]", Int(&ServerOptions::max_streams)},
+      {"max-prefill-tokens", "tokens per prefill call", Int(&ServerOptions::max_prefill_tokens)},
+      {"max-message-bytes", "largest request accepted", Bytes(&ServerOptions::max_message_bytes)},
+      {"dedup-entries", "request ids remembered for retries", Int(&ServerOptions::dedup_entries)},
+      {"dedup-bytes", "bytes of remembered replies", Bytes(&ServerOptions::dedup_bytes)},
+      {"max-request-id-bytes", "longest request id accepted",
+       Int(&ServerOptions::max_request_id_bytes, 1, 65536)},
+      {"max-import-tokens", "tokens an Import (or an incoming transfer) may bring",
+       Int(&ServerOptions::max_import_tokens, 1, std::numeric_limits<int32_t>::max())},
+      {"max-streams", "DecodeStream streams open at once",
+       Int(&ServerOptions::max_streams, 1, std::numeric_limits<int32_t>::max())},
       {"tenant-max-slots",
        "live slots one tenant may hold (with --auth-tokens; allocations and incoming transfers "
-       "past it: RESOURCE_EXHAUSTED), 0 = no bound [0]",
-       Int(&ServerOptions::tenant_max_slots)},
+       "past it: RESOURCE_EXHAUSTED), 0 = no bound",
+       Int(&ServerOptions::tenant_max_slots, 0, std::numeric_limits<int64_t>::max())},
       {"tenant-max-snapshots",
        "prefix snapshots one tenant (prefix namespace) may hold; a new one past it evicts that "
-       "tenant's own oldest, never another's; 0 = no bound [0]",
-       Int(&ServerOptions::tenant_max_snapshots)},
+       "tenant's own oldest, never another's; 0 = no bound",
+       Int(&ServerOptions::tenant_max_snapshots, 0, std::numeric_limits<int64_t>::max())},
       {"cache-events-retain",
        "cache event batches kept per tenant for a router that reconnects (WatchCache, ZMQ "
-       "replay), 1..1048576 [4096]",
-       Int(&ServerOptions::cache_events_retain)},
-      {"max-watchers", "WatchCache streams open at once [64]", Int(&ServerOptions::max_watchers)},
+       "replay)",
+       Int(&ServerOptions::cache_events_retain, 1, 1 << 20)},
+      {"max-watchers", "WatchCache streams open at once",
+       Int(&ServerOptions::max_watchers, 1, std::numeric_limits<int32_t>::max())},
       {"kv-events-endpoint",
        "ZMQ PUB endpoint of the cache events in vLLM's KV-events format, e.g. "
-       "tcp://127.0.0.1:5557; empty = off (unauthenticated: one tenant, a private interface) []",
+       "tcp://127.0.0.1:5557; empty = off (unauthenticated: one tenant, a private interface)",
        Str(&ServerOptions::kv_events_endpoint)},
       {"kv-events-replay-endpoint",
-       "ZMQ ROUTER endpoint answering replay requests for missed batches; empty = none []",
+       "ZMQ ROUTER endpoint answering replay requests for missed batches; empty = none",
        Str(&ServerOptions::kv_events_replay_endpoint)},
-      {"kv-events-topic", "topic frame of the ZMQ cache events [kv-events]",
+      {"kv-events-topic", "topic frame of the ZMQ cache events",
        Str(&ServerOptions::kv_events_topic)},
       {"kv-events-curve-secret-file",
        "file of the ZMQ sockets' CURVE secret key (Z85, 40 characters): encrypted, and only the "
-       "keys of --kv-events-clients-file admitted; empty = open sockets []",
+       "keys of --kv-events-clients-file admitted; empty = open sockets",
        Str(&ServerOptions::kv_events_curve_secret_file)},
       {"kv-events-clients-file",
        "file of the CURVE public keys (Z85, one per line; # starts a comment line) of the "
-       "routers admitted to the ZMQ sockets; with --kv-events-curve-secret-file []",
+       "routers admitted to the ZMQ sockets; with --kv-events-curve-secret-file",
        Str(&ServerOptions::kv_events_clients_file)},
       {"kv-events-tenant",
-       "tenant (of --auth-tokens) whose cache events ZMQ carries; empty = the implicit one []",
+       "tenant (of --auth-tokens) whose cache events ZMQ carries; empty = the implicit one",
        Str(&ServerOptions::kv_events_tenant)},
       {"host-snapshot-bytes",
        "pinned host memory for snapshots evicted from the GPU (per TP rank), e.g. 64G; a prefix "
-       "hit there is copied back; 0 = off (evicted snapshots are dropped) [0]",
+       "hit there is copied back; 0 = off (evicted snapshots are dropped)",
        Bytes(&ServerOptions::host_snapshot_bytes)},
       {"host-snapshot-policy",
        "lru | value: which host snapshot goes first when the host tier is full: the least "
-       "recently used, or the one saving the fewest tokens per byte (by its hits, aged) [lru]",
+       "recently used, or the one saving the fewest tokens per byte (by its hits, aged)",
        Str(&ServerOptions::host_snapshot_policy)},
       {"host-spill-ahead",
        "with the host tier: GPU slots kept obtainable without loss (free, or snapshots the host "
        "holds too) by copying the least recently used snapshots to the host in the background, "
        "so decode-time evictions move snapshots instead of dropping them; 0 = spill only when a "
-       "slot-taking call needs room [4]",
-       Int(&ServerOptions::host_spill_ahead)},
+       "slot-taking call needs room",
+       Int(&ServerOptions::host_spill_ahead, 0, 1 << 16)},
       {"host-pin-at-start",
        "true | false: pin all of --host-snapshot-bytes when the server starts (seconds per tens "
        "of GiB) instead of each entry at its first spill, where the allocation stalls the "
-       "decode steps beside it [true]",
+       "decode steps beside it",
        Bool(&ServerOptions::host_pin_at_start)},
-      {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never [0]",
+      {"slot-ttl", "seconds a live slot may go unused before it is freed, 0 = never",
        Seconds(&ServerOptions::slot_ttl)},
       {"region-ttl",
        "seconds a registered region may go unused (no forward, no call naming it) before it is "
-       "unregistered: a dead engine's regions, 0 = never [0]",
+       "unregistered: a dead engine's regions, 0 = never",
        Seconds(&ServerOptions::region_ttl)},
-      {"max-regions", "memory regions clients may register at once [64]",
+      {"max-regions", "memory regions clients may register at once",
        Int(&ServerOptions::max_regions)},
-      {"max-region-bytes", "bytes of all registered regions together [64G]",
+      {"max-region-bytes", "bytes of all registered regions together",
        Bytes(&ServerOptions::max_region_bytes)},
       {"forward-timeout",
-       "seconds a doorbell forward may take from begin to commit before it is abandoned [10]",
+       "seconds a doorbell forward may take from begin to commit before it is abandoned",
        Seconds(&ServerOptions::forward_timeout)},
-      {"drain-timeout", "seconds to wait for open forwards on SIGTERM [30]",
+      {"drain-timeout", "seconds to wait for open forwards on SIGTERM",
        Seconds(&ServerOptions::drain_timeout)},
-      {"transfer-chunk-bytes", "UCX put granularity of slot transfers [4M]",
+      {"transfer-chunk-bytes", "UCX put granularity of slot transfers",
        Bytes(&ServerOptions::transfer_chunk_bytes)},
-      {"transfer-lanes", "sender threads putting a slot's chunks at once, 1..16 [4]",
-       Int(&ServerOptions::transfer_lanes)},
+      {"transfer-lanes", "sender threads putting a slot's chunks at once",
+       Int(&ServerOptions::transfer_lanes, 1, 16)},
       {"transfer-import-threads",
-       "receiver threads copying (and hashing) landed chunks into the slot, 1..32 [8]",
-       Int(&ServerOptions::transfer_import_threads)},
-      {"transfer-timeout",
-       "seconds an outgoing slot transfer may take, commit and abort included [30]",
+       "receiver threads copying (and hashing) landed chunks into the slot",
+       Int(&ServerOptions::transfer_import_threads, 1, 32)},
+      {"transfer-timeout", "seconds an outgoing slot transfer may take, commit and abort included",
        Seconds(&ServerOptions::transfer_timeout)},
-      {"transfer-lease", "seconds an incoming transfer's reservation lives uncommitted [30]",
+      {"transfer-lease", "seconds an incoming transfer's reservation lives uncommitted",
        Seconds(&ServerOptions::transfer_lease)},
-      {"transfer-max-concurrent", "outgoing slot transfers running at once, 1..64 [8]",
-       Int(&ServerOptions::transfer_max_concurrent)},
+      {"transfer-max-concurrent", "outgoing slot transfers running at once",
+       Int(&ServerOptions::transfer_max_concurrent, 1, 64)},
       {"transfer-peers",
-       "comma-separated host:port of the servers TransferSlot/PullSlot may dial, empty = any []",
-       [](ServerFlags& f, const std::string& v) {
+       "comma-separated host:port of the servers TransferSlot/PullSlot may dial, empty = any",
+       Custom([](ServerFlags& f, const std::string& v) {
          f.options.transfer_peers.clear();
          for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
            if (p.find(':') == absl::string_view::npos) {
@@ -218,14 +271,14 @@ const std::vector<Flag>& Flags() {
            f.options.transfer_peers.emplace_back(p);
          }
          return absl::OkStatus();
-       }},
+       })},
       {"transfer-reservations-per-peer",
-       "incoming transfer reservations one peer (mTLS identity, else host) may hold, 1..64 [4]",
-       Int(&ServerOptions::transfer_reservations_per_peer)},
+       "incoming transfer reservations one peer (mTLS identity, else host) may hold",
+       Int(&ServerOptions::transfer_reservations_per_peer, 1, 64)},
       {"transfer-interface",
-       "network interface UCX transfers use and listen on (e.g. eth1), empty = all []",
+       "network interface UCX transfers use and listen on (e.g. eth1), empty = all",
        Str(&ServerOptions::transfer_interface)},
-      {"tls-cert", "PEM certificate chain: serve gRPC over TLS (with --tls-key) [off]",
+      {"tls-cert", "PEM certificate chain: serve gRPC over TLS (with --tls-key); empty = off",
        Str(&ServerOptions::tls_cert_file)},
       {"tls-key", "PEM private key of --tls-cert", Str(&ServerOptions::tls_key_file)},
       {"tls-client-ca",
@@ -233,17 +286,17 @@ const std::vector<Flag>& Flags() {
        Str(&ServerOptions::tls_client_ca_file)},
       {"auth-tokens",
        "file of `tenant token` lines: every client call needs `authorization: Bearer <token>` "
-       "and sees its tenant's slots only (re-read when it changes) [off]",
+       "and sees its tenant's slots only (re-read when it changes); empty = off",
        Str(&ServerOptions::auth_tokens_file)},
       {"peer-token",
        "file of the cluster's peer token: transfer peers must present it (a client's token "
-       "or certificate never suffices) and this server presents it [off]",
+       "or certificate never suffices) and this server presents it; empty = off",
        Str(&ServerOptions::peer_token_file)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
-       [](ServerFlags& f, const std::string& v) {
+       Custom([](ServerFlags& f, const std::string& v) {
          f.ready_file = v;
          return absl::OkStatus();
-       }},
+       })},
   };
   return kFlags;
 }
@@ -252,7 +305,7 @@ absl::Status Set(ServerFlags& flags, const std::string& name, const std::string&
                  absl::string_view where) {
   for (const Flag& f : Flags()) {
     if (name != f.name) continue;
-    absl::Status s = f.set(flags, value);
+    absl::Status s = f.value.set(flags, value);
     if (s.ok()) return s;
     return absl::InvalidArgumentError(
         absl::StrCat(where, "--", name, "=", value, ": ", s.message()));
@@ -358,8 +411,24 @@ std::string ServerUsage() {
   std::string usage =
       "usage: replayssm-server [--name=value ...] [--config FILE]\n"
       "  --config FILE  `name = value` lines with the flag names below\n";
-  for (const Flag& f : Flags()) absl::StrAppend(&usage, "  --", f.name, "  ", f.help, "\n");
+  const ServerOptions defaults;
+  for (const Flag& f : Flags()) {
+    absl::StrAppend(&usage, "  --", f.name, "  ", f.help);
+    if (!f.value.range.empty()) absl::StrAppend(&usage, ", ", f.value.range);
+    if (f.value.show) absl::StrAppend(&usage, " [", f.value.show(defaults), "]");
+    absl::StrAppend(&usage, "\n");
+  }
   return usage;
+}
+
+absl::Status CheckServerBounds(const ServerOptions& options) {
+  for (const Flag& f : Flags()) {
+    if (!f.value.check) continue;
+    if (absl::Status s = f.value.check(options); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--", f.name, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace replayssm::service

@@ -21,7 +21,11 @@ struct ServerFlags {
 };
 
 absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv);
+// Every flag, its help, its bounds and its default (from a default ServerOptions).
 std::string ServerUsage();
+// The flags' bounds over `options` however they were made (Server::Start): INVALID_ARGUMENT
+// naming the first flag out of bounds, "expected min..max, got v" as at parse time.
+absl::Status CheckServerBounds(const ServerOptions& options);
 
 // The `name = value` lines of a config file's `text` over `flags` (what --config FILE does
 // after reading FILE); names in `command_line` are skipped, as the command line wins. Errors

@@ -4,9 +4,9 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "service/server.h"
-#include "service/transfer_service.h"
 
 namespace replayssm::service {
 namespace {
@@ -88,30 +88,55 @@ TEST(ServerFlags, AStrayArgumentIsRefusedNamingIt) {
   EXPECT_NE(f.status().message().find("'tiny-kda'"), std::string::npos) << f.status();
 }
 
-TEST(TransferOptions, OutOfRangeLanesAndImportThreadsAreRefusedNamingTheFlag) {
-  // Checked before anything starts (no context, no UCX needed).
+// A flag's bounds live in one table (config.cc), checked by Server::Start over the options
+// whether they came from flags or from code.
+TEST(ServerFlags, OutOfRangeValuesAreRefusedNamingTheFlagWhereverTheyComeFrom) {
   struct Case {
-    int32_t TransferOptions::*field;
+    const char* arg;
+    int32_t ServerOptions::*field;
     int32_t value;
     std::string message;
   };
-  for (const Case& c : {Case{&TransferOptions::lanes, 0, "transfer-lanes: expected 1..16, got 0"},
-                        Case{&TransferOptions::lanes, 17, "transfer-lanes: expected 1..16, got 17"},
-                        Case{&TransferOptions::import_threads, 0,
-                             "transfer-import-threads: expected 1..32, got 0"},
-                        Case{&TransferOptions::import_threads, 33,
-                             "transfer-import-threads: expected 1..32, got 33"}}) {
-    TransferOptions o;
+  for (const Case& c :
+       {Case{"--transfer-lanes=0", &ServerOptions::transfer_lanes, 0,
+             "--transfer-lanes: expected 1..16, got 0"},
+        Case{"--transfer-lanes=17", &ServerOptions::transfer_lanes, 17,
+             "--transfer-lanes: expected 1..16, got 17"},
+        Case{"--transfer-import-threads=0", &ServerOptions::transfer_import_threads, 0,
+             "--transfer-import-threads: expected 1..32, got 0"},
+        Case{"--transfer-import-threads=33", &ServerOptions::transfer_import_threads, 33,
+             "--transfer-import-threads: expected 1..32, got 33"},
+        Case{"--max-request-id-bytes=0", &ServerOptions::max_request_id_bytes, 0,
+             "--max-request-id-bytes: expected 1..65536, got 0"},
+        Case{"--host-spill-ahead=65537", &ServerOptions::host_spill_ahead, 65537,
+             "--host-spill-ahead: expected 0..65536, got 65537"}}) {
+    auto parsed = Parse({c.arg});
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const absl::Status from_flags = CheckServerBounds(parsed->options);
+    EXPECT_EQ(from_flags.code(), absl::StatusCode::kInvalidArgument) << c.arg;
+    EXPECT_EQ(from_flags.message(), c.message);
+    ServerOptions o;
     o.*c.field = c.value;
-    auto s = TransferService::Create(nullptr, o);
-    ASSERT_FALSE(s.ok()) << c.message;
-    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(s.status().message().find(c.message), std::string::npos) << s.status();
+    EXPECT_EQ(CheckServerBounds(o).message(), c.message);
   }
+  EXPECT_TRUE(CheckServerBounds(ServerOptions{}).ok());
   auto f = Parse({"--transfer-import-threads=12"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->options.transfer_import_threads, 12);
-  EXPECT_EQ(ServerOptions{}.transfer_import_threads, 8);
+}
+
+// The usage's defaults come from a default ServerOptions: they cannot drift from it.
+TEST(ServerFlags, TheUsageShowsEachDefaultAndBoundFromTheOptions) {
+  const std::string usage = ServerUsage();
+  for (const char* line :
+       {"  --memory-budget  bytes for slots and snapshots (per TP rank), e.g. 512M, 4G [1G]\n",
+        "  --transfer-lanes  sender threads putting a slot's chunks at once, 1..16 [4]\n",
+        "  --drain-timeout  seconds to wait for open forwards on SIGTERM [30]\n",
+        "  --forward-graphs  true | false: a planned decode forward that repeats runs as one CUDA "
+        "graph [true]\n",
+        "  --device  auto | cpu | cuda | cuda:N [auto]\n"}) {
+    EXPECT_NE(usage.find(line), std::string::npos) << line << usage;
+  }
 }
 
 TEST(ServerFlags, ConfigFileSetsFlagsAndTheCommandLineWins) {

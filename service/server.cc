@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "replayssm/cache/tp.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -22,8 +21,10 @@
 #include "prometheus/exposer.h"
 #include "replayssm/cache/model.h"
 #include "replayssm/cache/state_cache.h"
+#include "replayssm/cache/tp.h"
 #include "service/cache_events.h"
 #include "service/caller.h"
+#include "service/config.h"
 #include "service/hf_config.h"
 #include "service/interfaces.h"
 #include "service/malformed_requests.h"
@@ -462,38 +463,10 @@ class ServerImpl final : public Server {
 
 }  // namespace
 
-namespace {
-
-// The resource bounds (docs/operations.md, "Security and resource bounds"): each must allow
-// some work, and request ids must stay small enough to keep.
-absl::Status CheckBounds(const ServerOptions& o) {
-  const struct {
-    const char* flag;
-    int64_t value, min, max;
-  } bounds[] = {
-      {"--max-request-id-bytes", o.max_request_id_bytes, 1, 65536},
-      {"--max-import-tokens", o.max_import_tokens, 1, std::numeric_limits<int32_t>::max()},
-      {"--max-streams", o.max_streams, 1, std::numeric_limits<int32_t>::max()},
-      {"--tenant-max-slots", o.tenant_max_slots, 0, std::numeric_limits<int64_t>::max()},
-      {"--tenant-max-snapshots", o.tenant_max_snapshots, 0, std::numeric_limits<int64_t>::max()},
-      {"--cache-events-retain", o.cache_events_retain, 1, 1 << 20},
-      {"--max-watchers", o.max_watchers, 1, std::numeric_limits<int32_t>::max()},
-      {"--host-snapshot-bytes", o.host_snapshot_bytes, 0, std::numeric_limits<int64_t>::max()},
-      {"--host-spill-ahead", o.host_spill_ahead, 0, 1 << 16},
-  };
-  for (const auto& b : bounds) {
-    if (b.value < b.min || b.value > b.max) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(b.flag, ": expected ", b.min, "..", b.max, ", got ", b.value));
-    }
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
-  if (absl::Status s = CheckBounds(options); !s.ok()) return s;
+  // The resource bounds (docs/operations.md, "Security and resource bounds"), one table
+  // with the flags' (config.cc): options made in code are held to them too.
+  if (absl::Status s = CheckServerBounds(options); !s.ok()) return s;
   absl::StatusOr<Device> device = ResolveDevice(options.device);
   if (!device.ok()) return device.status();
   absl::StatusOr<cache::ModelSpec> model = LoadModel(options);

@@ -166,18 +166,6 @@ TransferService::TransferService(const ServiceContext* ctx, TransferOptions opti
 
 absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const ServiceContext* ctx,
                                                                          TransferOptions options) {
-  const std::pair<const char*, std::pair<int32_t, std::pair<int32_t, int32_t>>> ranges[] = {
-      {"transfer-lanes", {options.lanes, {1, 16}}},
-      {"transfer-import-threads", {options.import_threads, {1, 32}}},
-      {"transfer-max-concurrent", {options.max_concurrent, {1, 64}}},
-      {"transfer-reservations-per-peer", {options.max_open_per_peer, {1, 64}}},
-  };
-  for (const auto& [flag, v] : ranges) {
-    if (v.first < v.second.first || v.first > v.second.second) {
-      return absl::InvalidArgumentError(absl::StrCat(flag, ": expected ", v.second.first, "..",
-                                                     v.second.second, ", got ", v.first));
-    }
-  }
   std::unique_ptr<TransferService> s(new TransferService(ctx, std::move(options)));
   const TransferOptions& o = s->options_;
   absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> ucx = transfer::UcxTransport::Create();
