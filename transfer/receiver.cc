@@ -44,7 +44,8 @@ struct Receiver::Importer {
   absl::Mutex mu;
   bool commit ABSL_GUARDED_BY(mu) = false;
   bool stop ABSL_GUARDED_BY(mu) = false;
-  std::atomic<bool> ended{false};  // commit or stop: no byte comes after this
+  std::atomic<bool> ended{false};    // commit or stop: no byte comes after this
+  std::atomic<bool> aborted{false};  // stop: the import ends at its next piece
   absl::Status result;             // set by the thread before it ends
   std::thread thread;
 
@@ -52,6 +53,7 @@ struct Receiver::Importer {
     {
       absl::MutexLock lock(&mu);
       (abort ? stop : commit) = true;
+      if (abort) aborted = true;
       ended = true;
     }
     if (thread.joinable()) thread.join();
@@ -305,6 +307,9 @@ absl::Status Receiver::Import(Buffer& buf, Importer& in, cache::SlotWriter& writ
   int idle = 0;
   TaskPool::Batch writes(writers_.get());  // its destructor waits for every write
   while (landed < total || written < pieces.size()) {
+    // An abort (taken under the receiver's lock, which waits for this thread) ends it now,
+    // not after it wrote every piece still landing; the pieces in the writers' hands finish.
+    if (in.aborted.load(std::memory_order_acquire)) return absl::AbortedError("transfer: aborted");
     const size_t now = std::min<size_t>(__atomic_load_n(bell, __ATOMIC_ACQUIRE), total);
     for (size_t off = landed; off < now; off += options_.chunk_bytes) {
       pieces.push_back({off, std::min(options_.chunk_bytes, now - off)});
