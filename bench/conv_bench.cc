@@ -20,6 +20,7 @@
 
 #include "bench/cuda_util.h"
 #include "bench/flags.h"
+#include "bench/stats.h"
 #include "replayssm/kernels.h"
 
 cudaError_t LaunchSpin(long long cycles, cudaStream_t stream);
@@ -27,6 +28,7 @@ cudaError_t LaunchSpin(long long cycles, cudaStream_t stream);
 namespace {
 
 using replayssm::bench::DeviceAlloc;
+using replayssm::bench::Median;
 using replayssm::bench::Upload;
 
 struct Row {
@@ -151,11 +153,7 @@ int main(int argc, char** argv) {
         if (i >= 8) times[variant].push_back(ms * 1000.f);
       }
     }
-    auto median = [](std::vector<float> v) {
-      std::sort(v.begin(), v.end());
-      return static_cast<double>(v[v.size() / 2]);
-    };
-    Row row{B, median(times[0]), median(times[1]), median(times[2]), 0, median(times[3]), 0};
+    Row row{B, Median(times[0]), Median(times[1]), Median(times[2]), 0, Median(times[3]), 0};
     row.ratio = row.conv_decode_us / row.decode_us;
     row.fused_ratio = row.fused_us / row.decode_us;
     rows.push_back(row);
@@ -197,8 +195,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
     if (i >= 4) scan_us.push_back(ms * 1000.f);
   }
-  std::sort(scan_us.begin(), scan_us.end());
-  const double scan = scan_us[scan_us.size() / 2];
+  const double scan = Median(scan_us);
   const double scan_bytes = static_cast<double>(layers * part_elems * 4);
   std::printf("finiteness scan of a 36-layer fp32 slot (%.1f MB): %.1f us (%.0f GB/s)\n",
               scan_bytes / 1e6, scan, scan_bytes / scan / 1e3);

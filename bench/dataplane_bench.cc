@@ -53,6 +53,7 @@
 #include "bench/check.h"
 #include "bench/cuda_util.h"
 #include "bench/flags.h"
+#include "bench/stats.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/cache/tp.h"
 #include "replayssm/client/client.h"
@@ -515,7 +516,7 @@ Stat Summarize(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   double sum = 0;
   for (double x : v) sum += x;
-  return {v[v.size() / 2] * 1e3, v[v.size() * 9 / 10] * 1e3, v.front() * 1e3,
+  return {Median(v) * 1e3, v[v.size() * 9 / 10] * 1e3, v.front() * 1e3,
           sum / static_cast<double>(v.size()) * 1e3};
 }
 

@@ -24,6 +24,7 @@
 #include "bench/check.h"
 #include "bench/device_inputs.h"
 #include "bench/flags.h"
+#include "bench/stats.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
 
@@ -31,6 +32,7 @@ namespace replayssm::cache {
 namespace {
 
 using bench::DeviceInputs;
+using bench::Median;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -43,11 +45,6 @@ absl::Status RunForward(Forward& f, const std::vector<LayerIo>& layers) {
     if (!s.ok()) return s;
   }
   return f.Commit();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 int Main(int argc, char** argv) {

@@ -30,11 +30,13 @@
 
 #include "bench/cuda_util.h"
 #include "bench/flags.h"
+#include "bench/stats.h"
 #include "replayssm/kernels.h"
 
 namespace {
 
 using replayssm::bench::DeviceAlloc;
+using replayssm::bench::Median;
 using replayssm::bench::Upload;
 
 // n bf16 values uniform in [-1, 1].
@@ -54,11 +56,6 @@ void* RandomBf16(size_t n, std::mt19937& rng) {
 
 double Seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 constexpr int kC = 2 * 16 * 128 + 32 * 128;  // mixed_qkv channels

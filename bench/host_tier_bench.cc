@@ -31,6 +31,7 @@
 #include "bench/check.h"
 #include "bench/device_inputs.h"
 #include "bench/flags.h"
+#include "bench/stats.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/kernels.h"
 
@@ -39,15 +40,10 @@ namespace {
 
 using bench::CheckRssm;
 using bench::DeviceInputs;
+using bench::Median;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t backend, int64_t slots,

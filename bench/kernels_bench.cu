@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "bench/kernels_args.h"
+#include "bench/stats.h"
 #include "replayssm/kernels.h"
 #include "src/launch_overrides.h"
 
@@ -57,6 +58,7 @@ extern char** environ;
 
 namespace {
 
+using replayssm::bench::Median;
 using replayssm::kernels::cuda::KernelRoleName;
 using replayssm::kernels::cuda::LaunchOverrides;
 using replayssm::kernels::cuda::LaunchPlan;
@@ -356,12 +358,6 @@ __global__ void __launch_bounds__(32)
 }
 
 // The median of `v` (not empty; sorted here).
-double Median(std::vector<float>& v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (double{v[n / 2 - 1]} + double{v[n / 2]});
-}
-
 // A measured duration in ms: finite and > 0, or the run stops.
 void CheckTime(const char* what, double ms) {
   if (!(std::isfinite(ms) && ms > 0)) {

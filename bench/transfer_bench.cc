@@ -65,11 +65,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "replayssm/cache/slot_io.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "bench/flags.h"
+#include "bench/stats.h"
+#include "replayssm/cache/slot_io.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/cache/tp.h"
 #include "replayssm/transfer/receiver.h"
@@ -238,10 +239,7 @@ void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx, size_t c
   }
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench::Median;
 
 double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -340,7 +338,7 @@ std::string JsonReferences(const std::vector<Reference>& refs, double whole_gbs)
 struct Stat {
   std::vector<double> v;
   void Add(double x) { v.push_back(x); }
-  double Median() const { return transfer::Median(v); }
+  double Median() const { return bench::Median(v); }
   double Min() const { return v.empty() ? 0 : *std::min_element(v.begin(), v.end()); }
   double Max() const { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); }
 };

@@ -426,6 +426,14 @@ TEST(TokenFilePermissions, AFileOthersMayReadIsWarnedAbout) {
 }
 
 // Two servers with the same token file: a slot moved by alice is alice's on the receiver.
+// Keeps the last ReserveTransfer the proxy forwards: a real request, to replay as others.
+void RecordReservations(TransferProxy& proxy, v1::ReserveTransferRequest* seen) {
+  proxy.set_hooks({.reserve = [seen](v1::ReserveTransferRequest& r) {
+    *seen = r;
+    return TransferProxy::Action::kForward;
+  }});
+}
+
 TEST(TenantTransfers, AMovedSlotBelongsToTheSendersTenant) {
   TokenFile tokens(Tokens());
   PeerTokenFile peer;
@@ -534,10 +542,7 @@ TEST(TenantTransfers, AReservationCountsAgainstItsTenantsSlotBound) {
   auto proxy = TransferProxy::Start((*b)->grpc_address());
   ASSERT_NE(proxy, nullptr);
   v1::ReserveTransferRequest seen;
-  proxy->set_hooks({.reserve = [&](v1::ReserveTransferRequest& r) {
-    seen = r;
-    return TransferProxy::Action::kForward;
-  }});
+  RecordReservations(*proxy, &seen);
   auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice), bob_b = As(**b, kBob);
   auto slot = alice_a->Allocate();
   ASSERT_TRUE(slot.ok());
@@ -591,10 +596,7 @@ TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
   auto proxy = TransferProxy::Start((*b)->grpc_address());
   ASSERT_NE(proxy, nullptr);
   v1::ReserveTransferRequest seen;
-  proxy->set_hooks({.reserve = [&](v1::ReserveTransferRequest& r) {
-    seen = r;
-    return TransferProxy::Action::kForward;
-  }});
+  RecordReservations(*proxy, &seen);
   auto alice_a = As(**a, kAlice);
   auto first = alice_a->Allocate();
   ASSERT_TRUE(first.ok());
