@@ -31,7 +31,17 @@ def kernels(path):
     text = open(path).read()
     out = {}
     for m in re.finditer(r"\.entry (\w+)", text):
-        end = text.index("\n}\n", m.start())
+        # The body ends where its braces balance: inline asm opens scopes of its own (a "}"
+        # line of an mbarrier wait is not the kernel's end), vector operands {a, b} balance.
+        at = text.index("{", text.index(")", m.start()))
+        depth = 0
+        for end in range(at, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        else:
+            sys.exit(f"{m.group(1)}: unbalanced braces in {path}")
+        end += 1
         body = re.sub(r"%(rd|rs|fd|f|r|p|h|hh)\d+", r"%\1", text[m.start():end])
         out[m.group(1)] = re.sub(r"\$L__BB\d+_\d+", "$L", body).splitlines()
     return out
