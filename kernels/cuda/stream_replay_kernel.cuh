@@ -388,6 +388,154 @@ struct StreamCta {
     }
   }
 
+  // A padding row's item: its output row zero, then the header released.
+  __device__ __forceinline__ void PadItem(int64_t tok, int h, int hb, int dt) const {
+    for (int v = warp * 32 + lane; v < V; v += NC * 32) {
+      StoreAct(ly.o, tok * ly.o_stride + int64_t{h} * V + v, dt, 0.f);
+    }
+    __syncwarp();
+    if (lane == 0) MbarArrive(hempty + hb);
+  }
+
+  // The token: norms, gates, beta (the bulk kernel's expressions). q, kk, tg: the lane's
+  // channels (GDN's gate in tg[0]); kq = k·q; vf: the lane's row of v (LoadTokens').
+  __device__ __forceinline__ void TokenGates(const StreamTokens& cur, int dt, bool has_c,
+                                             float (&q)[KC], float (&kk)[KC], float (&tg)[KC],
+                                             float& kq, float& beta, float& vf) const {
+#pragma unroll
+    for (int e = 0; e < KC; ++e) {
+      q[e] = has_c ? RawToF(cur.q[e], dt) : 0.f;
+      kk[e] = has_c ? RawToF(cur.k[e], dt) : 0.f;
+    }
+    kq = NormalizeQk<KC>(ly, q, kk);
+    const float decay = GateDecay(cur.alog);
+    if constexpr (KDA) {
+#pragma unroll
+      for (int e = 0; e < KC; ++e) {
+        tg[e] = has_c ? TokenGate(decay, RawToF(cur.g[e], dt), cur.dtb[e]) : 0.f;
+      }
+    } else {
+      tg[0] = TokenGate(decay, RawToF(cur.a, dt), cur.dtb[0]);
+#pragma unroll
+      for (int e = 1; e < KC; ++e) tg[e] = 0.f;
+    }
+    beta = Beta(RawToF(cur.b, dt), dt, ly.round_beta);
+    vf = RawToF(cur.v, dt);
+  }
+
+  // Warp 0's: a folding item's k as the ring holds it (for the fold); otherwise, while the ring
+  // has room, the ring appends of k (once per qk-head group) and g.
+  __device__ __forceinline__ void AppendRings(const Item& x, const float (&kk)[KC],
+                                              const float (&tg)[KC], bool has_c) const {
+    const int c0 = lane * KC;
+    const int P = x.w;
+    if (x.fold && has_c) {
+#pragma unroll
+      for (int e = 0; e < KC; ++e) x.kns()[c0 + e] = RoundTo<R>(kk[e]);  // as the ring holds it
+    }
+    if (!x.fold && P < L) {  // the ring appends of k (once per qk-head group) and g
+      if (has_c) {
+        if (x.h % ly.group == 0) {
+          R* const kd = RingK(x.slot, x.hq) + int64_t{P} * K + c0;
+#pragma unroll
+          for (int e = 0; e < KC; ++e) kd[e] = FromF<R>(kk[e]);
+        }
+        if constexpr (KDA) {
+          float* const gd = RingG(x.slot, x.h) + int64_t{P} * K + c0;
+#pragma unroll
+          for (int e = 0; e < KC; ++e) gd[e] = tg[e];
+        }
+      }
+      if (!KDA && lane == 0) RingG(x.slot, x.h)[P] = tg[0];
+    }
+  }
+
+  // A stage's rows (at st, the lane's channels) contracted with A∘k, A∘q, plus the ring terms
+  // d_j·u_j, d_j·p_j (ur, pr: lane j's record j), reduced: row i's S·(A∘k), S·(A∘q) in acc[0]
+  // of lanes (2i) * SPREAD, (2i + 1) * SPREAD.
+  __device__ __forceinline__ void ContractStage(const Item& x, const T* st, int rb0, float ur,
+                                                float pr, float (&acc)[NV], int c0,
+                                                bool has_c) const {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) acc[i] = 0.f;
+    if (has_c) {  // A∘k, A∘q from shared memory per stage (registers: 3 CTAs per SM)
+      Vec<float, KC> ka, qa;
+      ka.LoadShared(x.kas() + c0);
+      qa.LoadShared(x.qas() + c0);
+#pragma unroll
+      for (int i = 0; i < RB; ++i) {
+        Vec<T, KC> xr;
+        xr.LoadShared(st + i * K);
+#pragma unroll
+        for (int e = 0; e < KC; ++e) {
+          const float sv = xr.Get(e);
+          acc[i * 2] += sv * ka.Get(e);
+          acc[i * 2 + 1] += sv * qa.Get(e);
+        }
+      }
+    }
+    if (lane < x.w) {  // the ring terms: lane j holds record j
+      Vec<R, RB> dl;
+      dl.LoadShared(x.ds() + lane * p.dst + rb0);
+#pragma unroll
+      for (int i = 0; i < RB; ++i) {
+        const float y = dl.Get(i);
+        acc[i * 2] += y * ur;
+        acc[i * 2 + 1] += y * pr;
+      }
+    }
+    TransposeReduce<NV, 16>::Run(acc, lane);
+  }
+
+  // Row row_l of stage s finished from ContractStage's acc: d = beta (v - S·(A∘k)) as the ring
+  // stores it (dr) and as it reads back (dcur); returns o = S·(A∘q) + d k·q.
+  __device__ __forceinline__ float FinishRow(int s, const float (&acc)[NV], float kq, float beta,
+                                             float vf, int row_l, R& dr, float& dcur) const {
+    const float sk = __shfl_sync(0xffffffffu, acc[0], (row_l * 2) * SPREAD);
+    const float sq = __shfl_sync(0xffffffffu, acc[0], (row_l * 2 + 1) * SPREAD);
+    const float vcur = __shfl_sync(0xffffffffu, vf, (s / NC) * RB + row_l);
+    const float d = beta * (vcur - sk);
+    dr = FromF<R>(d);
+    dcur = ToF(dr);
+    return sq + d * kq;
+  }
+
+  // The item's rows, after the record dots: stage s of the item is warp (s mod NC)'s, taken
+  // from the warp's ring at (wslot, wphase). The o and d stores and the fold stay in the loop's
+  // body: a method around them (or one for the whole stage) moved address arithmetic in the PTX.
+  __device__ __forceinline__ void ConsumeRows(const Item& x, int64_t tok, float kq,
+                                              float beta, float vf, int dt, int row_l,
+                                              int& wslot, uint32_t& wphase) const {
+    const int c0 = lane * KC;
+    const bool has_c = c0 < K;
+    const float ur = lane < x.w ? x.us()[lane] : 0.f;
+    const float pr = lane < x.w ? x.ps()[lane] : 0.f;
+    R* const rdw = RingD(x.slot, x.h) + int64_t{x.w} * V;
+    const int64_t orow = tok * ly.o_stride + int64_t{x.h} * V;
+    for (int s = warp; s < nsi; s += NC) {
+      const int rb0 = s * RB;
+      const int b = warp * p.nsw + wslot;
+      MbarWait(full + b, wphase);
+      // The stage is read a row at a time and released once the row is done (its fold
+      // reads it again): no stage's rows held in registers, for 3 CTAs per SM.
+      const T* const st = stages + int64_t{b} * RB * K + c0;
+      float acc[NV];
+      ContractStage(x, st, rb0, ur, pr, acc, c0, has_c);
+      R dr;
+      float dcur;
+      const float o = FinishRow(s, acc, kq, beta, vf, row_l, dr, dcur);
+      if (lane < RB) {
+        const int v = rb0 + row_l;
+        StoreAct(ly.o, orow + v, dt, o);
+        if (!x.fold) rdw[v] = dr;
+      }
+      if (x.fold) FoldStage(x, st, rb0, dcur, has_c);
+      __syncwarp();
+      if (lane == 0) MbarArrive(empty + b);  // every lane is done with the stage
+      if (++wslot == p.nsw) wslot = 0, wphase ^= 1u;
+    }
+  }
+
   __device__ __forceinline__ void Consume() const {
     const int grid = gridDim.x;
     int item = blockIdx.x;
@@ -414,11 +562,7 @@ struct StreamCta {
       x.r = item / HV, x.h = item % HV, x.hq = x.h / ly.group;
       const int64_t tok = x.r;
       if (m.pad) {
-        for (int v = warp * 32 + lane; v < V; v += NC * 32) {
-          StoreAct(ly.o, tok * ly.o_stride + int64_t{x.h} * V + v, dt, 0.f);
-        }
-        __syncwarp();
-        if (lane == 0) MbarArrive(hempty + hb);
+        PadItem(tok, x.h, hb, dt);
         cur = nxt;
         continue;
       }
@@ -428,114 +572,13 @@ struct StreamCta {
       x.pp = &p;
       x.base = smem;
 
-      // The token: norms, gates, beta (the bulk kernel's expressions).
-      float q[KC], kk[KC], tg[KC];
-#pragma unroll
-      for (int e = 0; e < KC; ++e) {
-        q[e] = has_c ? RawToF(cur.q[e], dt) : 0.f;
-        kk[e] = has_c ? RawToF(cur.k[e], dt) : 0.f;
-      }
-      const float kq = NormalizeQk<KC>(ly, q, kk);
-      const float decay = GateDecay(cur.alog);
-      if constexpr (KDA) {
-#pragma unroll
-        for (int e = 0; e < KC; ++e) {
-          tg[e] = has_c ? TokenGate(decay, RawToF(cur.g[e], dt), cur.dtb[e]) : 0.f;
-        }
-      } else {
-        tg[0] = TokenGate(decay, RawToF(cur.a, dt), cur.dtb[0]);
-#pragma unroll
-        for (int e = 1; e < KC; ++e) tg[e] = 0.f;
-      }
-      const float beta = Beta(RawToF(cur.b, dt), dt, ly.round_beta);
-      const float vf = RawToF(cur.v, dt);
-      const int P = x.w;
-      if (warp == 0) {
-        if (x.fold && has_c) {
-#pragma unroll
-          for (int e = 0; e < KC; ++e) x.kns()[c0 + e] = RoundTo<R>(kk[e]);  // as the ring holds it
-        }
-        if (!x.fold && P < L) {  // the ring appends of k (once per qk-head group) and g
-          if (has_c) {
-            if (x.h % ly.group == 0) {
-              R* const kd = RingK(x.slot, x.hq) + int64_t{P} * K + c0;
-#pragma unroll
-              for (int e = 0; e < KC; ++e) kd[e] = FromF<R>(kk[e]);
-            }
-            if constexpr (KDA) {
-              float* const gd = RingG(x.slot, x.h) + int64_t{P} * K + c0;
-#pragma unroll
-              for (int e = 0; e < KC; ++e) gd[e] = tg[e];
-            }
-          }
-          if (!KDA && lane == 0) RingG(x.slot, x.h)[P] = tg[0];
-        }
-      }
+      float q[KC], kk[KC], tg[KC], kq, beta, vf;
+      TokenGates(cur, dt, has_c, q, kk, tg, kq, beta, vf);
+      if (warp == 0) AppendRings(x, kk, tg, has_c);
       const int nblk = max(1, (x.w + G - 1) / G);
       for (int bi = warp; bi < nblk; bi += NC) DotUnit(x, bi, q, kk, tg, has_c);
       NamedBarrierSync(1, NC * 32);
-
-      // The rows: stage s of the item is warp (s mod NC)'s.
-      const float ur = lane < x.w ? x.us()[lane] : 0.f;
-      const float pr = lane < x.w ? x.ps()[lane] : 0.f;
-      R* const rdw = RingD(x.slot, x.h) + int64_t{P} * V;
-      const int64_t orow = tok * ly.o_stride + int64_t{x.h} * V;
-      for (int s = warp; s < nsi; s += NC) {
-        {
-          const int rb0 = s * RB;
-          const int b = warp * p.nsw + wslot;
-          MbarWait(full + b, wphase);
-          // The stage is read a row at a time and released once the row is done (its fold
-          // reads it again): no stage's rows held in registers, for 3 CTAs per SM.
-          const T* const st = stages + int64_t{b} * RB * K + c0;
-          float acc[NV];
-#pragma unroll
-          for (int i = 0; i < NV; ++i) acc[i] = 0.f;
-          if (has_c) {  // A∘k, A∘q from shared memory per stage (registers: 3 CTAs per SM)
-            Vec<float, KC> ka, qa;
-            ka.LoadShared(x.kas() + c0);
-            qa.LoadShared(x.qas() + c0);
-#pragma unroll
-            for (int i = 0; i < RB; ++i) {
-              Vec<T, KC> xr;
-              xr.LoadShared(st + i * K);
-#pragma unroll
-              for (int e = 0; e < KC; ++e) {
-                const float sv = xr.Get(e);
-                acc[i * 2] += sv * ka.Get(e);
-                acc[i * 2 + 1] += sv * qa.Get(e);
-              }
-            }
-          }
-          if (lane < x.w) {  // the ring terms: lane j holds record j
-            Vec<R, RB> dl;
-            dl.LoadShared(x.ds() + lane * p.dst + rb0);
-#pragma unroll
-            for (int i = 0; i < RB; ++i) {
-              const float y = dl.Get(i);
-              acc[i * 2] += y * ur;
-              acc[i * 2 + 1] += y * pr;
-            }
-          }
-          TransposeReduce<NV, 16>::Run(acc, lane);
-          const float sk = __shfl_sync(0xffffffffu, acc[0], (row_l * 2) * SPREAD);
-          const float sq = __shfl_sync(0xffffffffu, acc[0], (row_l * 2 + 1) * SPREAD);
-          const float vcur = __shfl_sync(0xffffffffu, vf, (s / NC) * RB + row_l);
-          const float d = beta * (vcur - sk);
-          const R dr = FromF<R>(d);
-          const float dcur = ToF(dr);
-          const float o = sq + d * kq;
-          if (lane < RB) {
-            const int v = rb0 + row_l;
-            StoreAct(ly.o, orow + v, dt, o);
-            if (!x.fold) rdw[v] = dr;
-          }
-          if (x.fold) FoldStage(x, st, rb0, dcur, has_c);
-          __syncwarp();
-          if (lane == 0) MbarArrive(empty + b);  // every lane is done with the stage
-        }
-        if (++wslot == p.nsw) wslot = 0, wphase ^= 1u;
-      }
+      ConsumeRows(x, tok, kq, beta, vf, dt, row_l, wslot, wphase);
       FenceProxyAsync();  // this warp's header accesses before the copy engine's next writes
       __syncwarp();
       if (lane == 0) MbarArrive(hempty + hb);
