@@ -17,22 +17,31 @@ bool ReadReached(const rssm_launch& launch, const uint32_t* addr, uint32_t value
 }  // namespace
 
 absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
+  bool skip = false;
   {
     absl::MutexLock lock(&mu_);
-    if (released_) return absl::OkStatus();
-    // Recorded before the wait starts, so a Release from now on ends it.
-    awaited_.push_back({const_cast<uint32_t*>(addr), value});
-    if (launch.backend != RSSM_BACKEND_CPU) {  // queued, returns at once
-      return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
+    skip = released_;
+    if (!skip) {
+      // Recorded before the wait starts, so a Release from now on ends it.
+      awaited_.push_back({const_cast<uint32_t*>(addr), value});
+      if (launch.backend != RSSM_BACKEND_CPU) {  // queued, returns at once
+        return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
+      }
     }
   }
-  return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
+  if (!skip) return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
+  // Released before this wait: not queued, but counted, as unrung unless its word has reached
+  // the value (read on the forward's stream, behind the layers queued so far).
+  const bool reached = ReadReached(launch, addr, value);
+  absl::MutexLock lock(&mu_);
+  awaited_.push_back({const_cast<uint32_t*>(addr), value, !reached});
+  return absl::OkStatus();
 }
 
 absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value) {
   {
     absl::MutexLock lock(&mu_);
-    last_signal_ = {addr, value};
+    last_signal_ = {addr, value, false};
   }
   return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
 }
@@ -42,7 +51,7 @@ bool Doorbells::Expect(absl::Span<const uint32_t* const> waits, uint32_t* last_s
   absl::MutexLock lock(&mu_);
   if (released_) return false;
   for (const uint32_t* addr : waits) awaited_.push_back({const_cast<uint32_t*>(addr), value});
-  if (last_signal != nullptr) last_signal_ = {last_signal, value};
+  if (last_signal != nullptr) last_signal_ = {last_signal, value, false};
   return true;
 }
 
@@ -57,22 +66,25 @@ bool Doorbells::LastSignalReached(const rssm_launch& launch) {
 
 int32_t Doorbells::Release(int32_t backend) {
   absl::MutexLock lock(&mu_);
-  released_ = true;
-  if (awaited_.empty()) return -1;
-  // A stream of its own: the forward's is blocked on these very words.
-  void* stream = nullptr;
-  if (rssm_stream_create(backend, &stream) != RSSM_OK) stream = nullptr;
-  const rssm_launch side{backend, stream};
-  int32_t first_unrung = -1;
-  for (size_t i = 0; i < awaited_.size(); ++i) {
-    if (first_unrung < 0 && !ReadReached(side, awaited_[i].addr, awaited_[i].value)) {
-      first_unrung = static_cast<int32_t>(i);
+  if (!released_ && !awaited_.empty()) {
+    // A stream of its own: the forward's is blocked on these very words. Only the words that
+    // have not reached their value are written (one rung further is left as it is).
+    void* stream = nullptr;
+    if (rssm_stream_create(backend, &stream) != RSSM_OK) stream = nullptr;
+    const rssm_launch side{backend, stream};
+    for (Awaited& a : awaited_) {
+      if (ReadReached(side, a.addr, a.value)) continue;
+      a.unrung = true;
+      rssm_stream_write_value32(&side, a.addr, a.value);
     }
-    rssm_stream_write_value32(&side, awaited_[i].addr, awaited_[i].value);
+    rssm_synchronize(&side);
+    rssm_stream_destroy(backend, stream);
   }
-  rssm_synchronize(&side);
-  rssm_stream_destroy(backend, stream);
-  return first_unrung;
+  released_ = true;
+  for (size_t i = 0; i < awaited_.size(); ++i) {
+    if (awaited_[i].unrung) return static_cast<int32_t>(i);
+  }
+  return -1;
 }
 
 }  // namespace replayssm::cache

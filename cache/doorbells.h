@@ -22,7 +22,7 @@ namespace replayssm::cache {
 class Doorbells {
  public:
   // Queues a wait for *addr to reach `value` on `launch` (CPU: blocks until then). After
-  // Release the wait is not queued (its word is written instead).
+  // Release the wait is not queued; it counts as unrung unless its word has reached `value`.
   absl::Status Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value);
@@ -32,8 +32,11 @@ class Doorbells {
   // them one by one through Wait, which skips the waits).
   bool Expect(absl::Span<const uint32_t* const> waits, uint32_t* last_signal, uint32_t value)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Writes every awaited word (past and future) so that no wait blocks any more. Returns the
-  // index (in queue order) of the first wait whose word had not reached its value, or -1.
+  // Writes every awaited word that has not reached its value so that no wait blocks any more,
+  // and skips the waits to come. Returns the index (in queue order) of the first wait whose
+  // word had not reached its value, among those queued or skipped so far, or -1: called again
+  // once every wait was issued, it gives the whole answer (a release can land between two
+  // waits, before the later ones were issued).
   int32_t Release(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether the last Signal's word has reached its value (the work queued before it is done);
   // true when nothing was signalled. Reads the word on `launch` (an idle stream: the copy is
@@ -44,10 +47,11 @@ class Doorbells {
   struct Awaited {
     uint32_t* addr;
     uint32_t value;
+    bool unrung = false;  // found short of its value by Release, or skipped after it
   };
   absl::Mutex mu_;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
-  Awaited last_signal_ ABSL_GUARDED_BY(mu_) = {nullptr, 0};
+  Awaited last_signal_ ABSL_GUARDED_BY(mu_) = {nullptr, 0, false};
   std::vector<Awaited> awaited_ ABSL_GUARDED_BY(mu_);
 };
 

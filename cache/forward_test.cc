@@ -408,6 +408,37 @@ TEST_P(ForwardKindsTest, DecodeForwardsQueuedAtOnceEqualLayerByLayerOnesBitForBi
   EXPECT_EQ(after.forward_recording_failures, 0);
 }
 
+// A release can land before some waits were issued (between two layers' doorbells): those
+// waits are skipped but counted, unrung unless their word was rung by then, so ReleaseWaits
+// asked again once every layer was queued names the first layer whose inputs never came.
+// (Before, a release between waits saw only the ones issued: a forward whose later layers ran
+// on inputs nobody rang was committed.)
+TEST_P(ForwardKindsTest, WaitsIssuedAfterAReleaseCountAsUnrungUnlessRung) {
+  const int32_t backend = cache_->options().backend;
+  const int layers = model().num_layers;
+  ASSERT_GE(layers, 2);
+  const SlotId a = Build({1, 2, 3}, 2);
+  BackendBatch dev(backend, oracle_->MakeBatch({{7, 3}}));
+  BackendWords words(backend, 2 * layers);
+  std::vector<LayerDoorbells> bells(layers);
+  for (int l = 0; l < layers; ++l) bells[l] = {words.at(l), words.at(layers + l)};
+  Observe(a);  // folded by its export: observed again at write_pos 0
+  const std::string before = Observe(a);
+  for (const int rung : {0, 1, layers}) {  // layers whose ready word was rung before the release
+    SCOPED_TRACE(rung);
+    words.Fill(0);
+    words.Fill(3, 0, rung);
+    absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 7}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ((*f)->ReleaseWaits(), -1) << "no wait issued yet";
+    ASSERT_TRUE((*f)->RunLayers(dev.io, bells, 3).ok()) << "released: nothing blocks";
+    EXPECT_EQ((*f)->ReleaseWaits(), rung < layers ? rung : -1);
+    EXPECT_EQ(words.Read()[rung < layers ? rung : 0], rung < layers ? 0u : 3u)
+        << "a skipped word is not written";
+  }  // abandoned
+  EXPECT_TRUE(Observe(a) == before);
+}
+
 // A forward queued at once whose doorbells are never rung (recorded on CUDA: its key ran
 // twice before) drains once ReleaseWaits rings them, names the first unrung wait, and,
 // abandoned, changes nothing.

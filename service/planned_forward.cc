@@ -307,7 +307,7 @@ void PlannedForward::Expire() {
 void PlannedForward::Release() {
   if (released_) return;
   released_ = true;
-  first_unrung_ = forward_->ReleaseWaits();
+  forward_->ReleaseWaits();  // asked again by Commit, once every wait was issued
 }
 
 void PlannedForward::Finish() {
@@ -364,7 +364,9 @@ absl::Status PlannedForward::Commit() {
   {
     absl::MutexLock lock(&mu_);
     // Layers that all ran before a late Release are complete: only an unrung doorbell fails.
-    if (released_) unrung = first_unrung_;
+    // Asked again now that every wait was issued: a release that landed between two waits
+    // counted only the first (the later ones were skipped, each unrung unless rung by now).
+    if (released_) unrung = forward_->ReleaseWaits();
     finishing_ = true;
   }
   Finish();

@@ -175,7 +175,6 @@ class PlannedForward {
   absl::Mutex mu_;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;  // the owner has taken over (commit/abandon)
   bool released_ ABSL_GUARDED_BY(mu_) = false;
-  int32_t first_unrung_ ABSL_GUARDED_BY(mu_) = -1;  // a layer (one wait per layer, in order)
   absl::Status queue_status_ ABSL_GUARDED_BY(mu_);
   absl::Notification queued_;
   std::thread thread_;  // without a worker

@@ -226,8 +226,10 @@ class Forward {
   virtual absl::Status QueueSignal(uint32_t* addr, uint32_t value) = 0;
   // For a client that never rings: writes every awaited value (queued and to come) itself so
   // that the stream drains; the caller then abandons the forward. Returns the queue index of
-  // the first wait whose word had not been rung, or -1. The one method that is thread-safe:
-  // it may run while another thread is blocked in QueueWait.
+  // the first wait whose word had not been rung, or -1; a wait issued after the release counts
+  // as unrung unless its word was rung by then, so call it again once every layer was queued
+  // for the whole answer. The one method that is thread-safe: it may run while another thread
+  // is blocked in QueueWait.
   virtual int32_t ReleaseWaits() = 0;
   // Waits for the queued layers, then applies the forward at once for every row: decode
   // advances each cursor and seq_len by one, prefill by the row's tokens (write_pos -> 0), and
