@@ -241,6 +241,20 @@ TEST_F(HostTierTest, SpillingAheadCopiesTheOldestSnapshotsAndKeepsThem) {
   EXPECT_EQ(c->stats().snapshot_hits, 1) << "still a hit in backend memory";
 }
 
+// A host tier smaller than host_spill_ahead asks for: each copy ahead evicts the copy made
+// before it, so the pass stops there instead of swapping copies for ever (it spun at ~500k
+// copies a second, the cache mutex taken each time, before).
+TEST_F(HostTierTest, SpillingAheadIntoATooSmallTierStops) {
+  std::unique_ptr<StateCache> c = Make(8, 2, HostPolicy::kLru, 0, 0, /*spill_ahead=*/6);
+  for (int32_t i = 0; i < 6; ++i) Donate(*c, {10 * i + 1, 10 * i + 2});
+  absl::SleepFor(absl::Milliseconds(200));
+  const int64_t spilled = c->stats().spills_ahead;
+  EXPECT_LE(spilled, 12) << "bounded by the slots taken, not by time";
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(c->stats().spills_ahead, spilled) << "idle: no copy more";
+  EXPECT_LE(c->stats().host_snapshots, 2);
+}
+
 // The hole spilling ahead closes: a decode forward's track snapshot at a full pool evicts
 // without waiting for a spill. With the spiller every evicted snapshot is on the host and
 // found again; without it the same decode drops them.

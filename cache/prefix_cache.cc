@@ -168,10 +168,14 @@ void StateCacheImpl::MakeRoom(size_t n) {
   }
 }
 
-int32_t StateCacheImpl::StartSpillLocked(int32_t victim) {
+int32_t StateCacheImpl::StartSpillLocked(int32_t victim, bool* displaced) {
   Slot& s = slots_[victim];
   std::vector<HostTier::Entry> evicted;
   const int32_t e = host_->Reserve(s.ns, &evicted);
+  if (displaced != nullptr) {
+    *displaced = std::any_of(evicted.begin(), evicted.end(),
+                             [](const HostTier::Entry& h) { return h.backend_slot >= 0; });
+  }
   HostEvictedLocked(evicted);
   if (e >= 0) s.busy = true;  // no other eviction takes it; prefix hits still copy from it
   return e;
@@ -210,6 +214,7 @@ void StateCacheImpl::SpillAhead() {
   bool look = false;  // a spill just ended: look again before sleeping
   for (;;) {
     int32_t victim = -1, e = -1;
+    bool displaced = false;
     {
       absl::MutexLock lock(&mu_);
       auto wake = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -221,14 +226,17 @@ void StateCacheImpl::SpillAhead() {
       look = false;
       victim = SpillAheadVictimLocked();
       if (victim < 0) continue;
-      e = StartSpillLocked(victim);
+      e = StartSpillLocked(victim, &displaced);
       if (e < 0) continue;  // every host entry in use: retried when the next slot is taken
     }
     const absl::Status st = Spill(victim, e);
     absl::MutexLock lock(&mu_);
     if (EndSpillLocked(victim, e, st)) {
       ++stats_.spills_ahead;
-      look = true;
+      // A copy whose host entry cost another snapshot's host copy gained nothing: the host
+      // tier holds fewer entries than host_spill_ahead asks for. Looking again at once would
+      // swap copies for ever; the next slot taken wakes the pass.
+      look = !displaced;
     }
   }
 }

@@ -339,8 +339,10 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // backend memory until its state is on the host. Nothing without the host tier.
   void MakeRoom(size_t n) ABSL_LOCKS_EXCLUDED(mu_);
   // Spilling `victim` (an unused snapshot without a host copy): a host entry reserved and the
-  // snapshot marked busy, or -1 (every host entry in use).
-  int32_t StartSpillLocked(int32_t victim) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // snapshot marked busy, or -1 (every host entry in use). *displaced (when given): the
+  // reservation evicted a host entry that backed a backend snapshot.
+  int32_t StartSpillLocked(int32_t victim, bool* displaced = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After Spill: the entry holds the snapshot's state (true), or is given back.
   bool EndSpillLocked(int32_t victim, int32_t e, const absl::Status& st)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
