@@ -104,12 +104,13 @@ KvEventBatch CacheEventLog::ResyncLocked(const Tenant& t) const {
 }
 
 std::vector<KvEventBatch> CacheEventLog::Watch(TenantId tenant, uint64_t epoch, uint64_t from_seq,
-                                               KvEventListener* listener) {
+                                               KvEventListener* listener, size_t max_batches) {
   absl::MutexLock lock(&mu_);
   Tenant& t = tenants_[tenant];
   listeners_[listener] = tenant;
   const uint64_t oldest = t.kept.empty() ? t.last_seq + 1 : t.kept.front().seq;
-  if (from_seq == 0 || epoch != epoch_ || from_seq < oldest || from_seq > t.last_seq + 1) {
+  if (from_seq == 0 || epoch != epoch_ || from_seq < oldest || from_seq > t.last_seq + 1 ||
+      t.last_seq + 1 - from_seq > max_batches) {
     return {ResyncLocked(t)};
   }
   std::vector<KvEventBatch> out;

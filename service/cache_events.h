@@ -21,6 +21,7 @@
 #ifndef REPLAYSSM_SERVICE_CACHE_EVENTS_H_
 #define REPLAYSSM_SERVICE_CACHE_EVENTS_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -94,9 +95,11 @@ class CacheEventLog {
   // What a router that saw batches up to `from_seq - 1` of `epoch` needs, and from then on
   // every new batch of `tenant` through `listener` (registered atomically with the answer,
   // so nothing is lost or repeated). from_seq 0, another epoch, a sequence number older than
-  // the kept batches or ahead of the last one: a resync batch (numbered the last one).
+  // the kept batches or ahead of the last one, or more than `max_batches` to catch up on (what
+  // the caller can queue): a resync batch (numbered the last one).
   std::vector<KvEventBatch> Watch(TenantId tenant, uint64_t epoch, uint64_t from_seq,
-                                  KvEventListener* listener) ABSL_LOCKS_EXCLUDED(mu_);
+                                  KvEventListener* listener, size_t max_batches = SIZE_MAX)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The kept batches of `tenant` from `from_seq` on (the ZMQ replay; no resync).
   std::vector<KvEventBatch> Replay(TenantId tenant, uint64_t from_seq) ABSL_LOCKS_EXCLUDED(mu_);
   void Unwatch(KvEventListener* listener) ABSL_LOCKS_EXCLUDED(mu_);

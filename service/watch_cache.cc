@@ -54,8 +54,10 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
       return;
     }
     counted_ = true;
+    // A catch-up longer than the backlog this stream may queue is a resync: queued, it would
+    // end the stream at once, and the reconnect the error asks for would get the same answer.
     const std::vector<KvEventBatch> first =
-        ctx_->events->Watch(caller->tenant(), req.epoch(), req.from_seq(), this);
+        ctx_->events->Watch(caller->tenant(), req.epoch(), req.from_seq(), this, kMaxBacklog / 2);
     watching_ = true;
     // Batches that came meanwhile (OnBatch) are newer: the first ones go before them.
     absl::MutexLock lock(&mu_);
