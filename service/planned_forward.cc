@@ -157,7 +157,16 @@ absl::StatusOr<cache::LayerIo> ResolveLayerRegions(const v1::LayerInput& input,
     }
     memory = lease->memory();
     ptrs[i] = lease->data();
-    leases->emplace(parts[i].ref.region(), *std::move(lease));
+    // One hold per name: a name held already must still be the same mapping, or the held
+    // lease would keep the old one while ptrs[i] points into a new one nobody holds.
+    auto held = leases->find(parts[i].ref.region());
+    if (held == leases->end()) {
+      leases->emplace(parts[i].ref.region(), *std::move(lease));
+    } else if (!held->second.SameMapping(*lease)) {
+      return absl::AbortedError(
+          absl::StrCat(parts[i].name, ": region \"", parts[i].ref.region(),
+                       "\" was unregistered and registered again during this call; send it again"));
+    }
   }
   return cache::LayerIo{ptrs[0], ptrs[1], ptrs[2], ptrs[3], memory};
 }

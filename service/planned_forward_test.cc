@@ -238,6 +238,40 @@ TEST_F(PlannedForwardTest, UnregisteringInUseKeepsTheRegionUntilTheForwardEnds) 
   for (cache::SlotId id : s) EXPECT_EQ(cache_->Info(id)->seq_len, 1);
 }
 
+// A call that holds a region by name and meets it again after it was unregistered and
+// registered anew is refused: the one hold per name would keep the old mapping while the
+// layer's pointers went into the new one, unmapped under the kernel by the next Unregister.
+TEST_F(PlannedForwardTest, ARegionRegisteredAnewMidCallIsRefused) {
+  const cache::ModelSpec& m = cache_->model();
+  v1::LayerInput in;
+  auto ref = [&](v1::RegionRef* r, int i) {
+    r->set_region("engine");
+    r->set_offset(offsets_[0][i]);
+  };
+  ref(in.mutable_mixed_qkv()->mutable_region(), 0);
+  ref(in.mutable_a()->mutable_region(), 1);
+  ref(in.mutable_b()->mutable_region(), 2);
+  ref(in.mutable_out(), 3);
+  std::map<std::string, cache::RegionLease> leases;
+  ASSERT_TRUE(ResolveLayerRegions(in, "layers[0]", *regions_, m, kRows, &leases).ok());
+  ASSERT_EQ(leases.size(), 1u);
+  EXPECT_TRUE(ResolveLayerRegions(in, "layers[1]", *regions_, m, kRows, &leases).ok())
+      << "the same registration: one hold";
+  ASSERT_TRUE(regions_->Unregister("engine").ok());
+  cache::RegionSpec spec;
+  spec.name = "engine";
+  spec.shm_key = key_;
+  spec.bytes = bytes_;
+  ASSERT_TRUE(regions_->Register(spec).ok());
+  const absl::StatusOr<cache::LayerIo> again =
+      ResolveLayerRegions(in, "layers[2]", *regions_, m, kRows, &leases);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAborted) << again.status();
+  EXPECT_NE(again.status().message().find("layers[2].mixed_qkv.region: region \"engine\" was "
+                                          "unregistered and registered again"),
+            std::string::npos)
+      << again.status();
+}
+
 TEST_F(PlannedForwardTest, BadPlansAreRefusedByFieldAndHoldNothing) {
   const cache::ModelSpec& m = cache_->model();
   struct Case {

@@ -74,6 +74,9 @@ class RegionLease {
   // [offset, offset + bytes), checked as RegionTable::Acquire checks them (same errors).
   absl::StatusOr<void*> Within(uint64_t offset, uint64_t bytes, uint64_t alignment,
                                const std::string& field) const;
+  // Whether both hold the same registration's mapping (a name unregistered and registered
+  // again maps anew).
+  bool SameMapping(const RegionLease& other) const { return hold_ == other.hold_; }
   // The same check without an error: the address, or null when Within would refuse.
   void* Contains(uint64_t offset, uint64_t bytes, uint64_t alignment) const {
     const uintptr_t at = reinterpret_cast<uintptr_t>(data_) + offset;
