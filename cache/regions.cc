@@ -5,8 +5,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -15,6 +18,74 @@
 #include "replayssm/kernels.h"
 
 namespace replayssm::cache {
+namespace {
+
+// A client's shared memory can shrink under the server's mapping (its ftruncate): a read past
+// the object's new end raises SIGBUS, which would end the process and every tenant's state
+// with it. Each system region's mapping is listed here; the handler replaces a listed
+// mapping that faults with zero pages (the access then succeeds, on private memory) and marks
+// it, and the region refuses every later use (AcquireWhole). The list is read by the handler
+// without locks: slots are claimed with a compare-and-swap and cleared before the munmap.
+constexpr int kGuardedMappings = 4096;
+struct GuardedMapping {
+  std::atomic<uintptr_t> base{0};
+  std::atomic<size_t> bytes{0};
+  std::atomic<bool> faulted{false};
+};
+GuardedMapping g_guarded[kGuardedMappings];
+struct sigaction g_previous_sigbus;
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (GuardedMapping& g : g_guarded) {
+    const uintptr_t base = g.base.load(std::memory_order_acquire);
+    const size_t bytes = g.bytes.load(std::memory_order_acquire);
+    if (base == 0 || at < base || at - base >= bytes) continue;
+    if (mmap(reinterpret_cast<void*>(base), bytes, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
+      g.faulted.store(true, std::memory_order_release);
+      return;  // the faulting access runs again, on zero pages
+    }
+    break;
+  }
+  // Not a region's: whoever handled it before (a sanitizer), else the default (the end).
+  const struct sigaction& prev = g_previous_sigbus;
+  if ((prev.sa_flags & SA_SIGINFO) != 0 && prev.sa_sigaction != nullptr) {
+    prev.sa_sigaction(sig, info, context);
+    return;
+  }
+  if ((prev.sa_flags & SA_SIGINFO) == 0 && prev.sa_handler != SIG_DFL &&
+      prev.sa_handler != SIG_IGN) {
+    prev.sa_handler(sig);
+    return;
+  }
+  signal(SIGBUS, SIG_DFL);
+  raise(SIGBUS);
+}
+
+// The slot guarding [base, base + bytes), or -1 when every slot is taken.
+int GuardMapping(void* base, size_t bytes) {
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = OnSigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &g_previous_sigbus);
+  });
+  for (int i = 0; i < kGuardedMappings; ++i) {
+    uintptr_t empty = 0;
+    if (g_guarded[i].base.compare_exchange_strong(empty, reinterpret_cast<uintptr_t>(base))) {
+      g_guarded[i].faulted.store(false, std::memory_order_release);
+      g_guarded[i].bytes.store(bytes, std::memory_order_release);
+      return i;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
 namespace internal {
 
 struct Mapping {
@@ -24,13 +95,22 @@ struct Mapping {
   size_t map_bytes = 0;      // kSystem: the length mapped
   uint8_t* data = nullptr;   // the region's first byte
   IoMemory memory = IoMemory::kHost;
+  int guard = -1;  // kSystem: its slot in g_guarded
 
   Mapping() = default;
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
+  // A kSystem mapping whose object shrank under it: zero pages now (OnSigbus).
+  bool faulted() const {
+    return guard >= 0 && g_guarded[guard].faulted.load(std::memory_order_acquire);
+  }
   ~Mapping() {
     if (map_base == nullptr) return;
     if (info.kind == RegionKind::kSystem) {
+      if (guard >= 0) {
+        g_guarded[guard].bytes.store(0, std::memory_order_release);
+        g_guarded[guard].base.store(0, std::memory_order_release);
+      }
       munmap(map_base, map_bytes);
     } else {
       rssm_ipc_close(backend, map_base);
@@ -80,6 +160,13 @@ absl::Status MapSystem(const RegionSpec& spec, int32_t backend, Mapping& m) {
   }
   m.map_base = p;
   m.map_bytes = len;
+  m.guard = GuardMapping(p, len);
+  if (m.guard < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("region: ", kGuardedMappings,
+                     " shared-memory regions are mapped in this server, the most "
+                     "it guards; unregister one"));
+  }
   m.data = static_cast<uint8_t*>(p) + (spec.offset - start);
   // Host memory is the CPU backend's own; the CUDA backend copies it through staging.
   m.memory = backend == RSSM_BACKEND_CPU ? IoMemory::kBackend : IoMemory::kHost;
@@ -239,6 +326,12 @@ absl::StatusOr<RegionLease> RegionTable::AcquireWhole(const std::string& name,
     }
     m = it->second;
     m->info.last_use = absl::Now();  // under mu_: ExpireIdle reads it there
+  }
+  if (m->faulted()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ".region: region \"", name,
+                     "\"'s shm object shrank below its registered size "
+                     "(the server reads zeros there now); unregister it and register a new one"));
   }
   RegionLease lease;
   lease.data_ = m->data;

@@ -65,6 +65,38 @@ TEST(RegionTable, SharedMemoryIsUsedInPlaceOnTheCpuBackend) {
   EXPECT_EQ(shm.data()[4096 + 64], 0x11);
 }
 
+// A client's ftruncate of its shm object under a registered region: the server's next read
+// there raised SIGBUS and ended the process (every tenant's state with it). The region's
+// mapping now turns into zero pages at the fault, and the region is refused from then on.
+TEST(RegionTable, AnObjectShrunkUnderItsRegionEndsNoProcessAndIsRefused) {
+  ShmObject shm(1 << 16), other(4096);
+  RegionTable t(RSSM_BACKEND_CPU, {});
+  ASSERT_TRUE(t.Register(System("shrunk", shm, 0, 1 << 16)).ok());
+  ASSERT_TRUE(t.Register(System("kept", other, 0, 4096)).ok());
+  absl::StatusOr<RegionLease> l = t.Acquire("shrunk", 8192, 4096, 16, "mixed_qkv");
+  ASSERT_TRUE(l.ok()) << l.status();
+  const int fd = shm_open(shm.key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  close(fd);
+  volatile uint8_t* p = static_cast<uint8_t*>(l->data());
+  EXPECT_EQ(p[100], 0) << "zero pages, not SIGBUS";
+  p[100] = 7;
+  EXPECT_EQ(p[100], 7);
+  const absl::Status refused = t.Acquire("shrunk", 0, 4, 4, "layers[0].a").status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find(
+                "layers[0].a.region: region \"shrunk\"'s shm object shrank below its registered"),
+            std::string::npos)
+      << refused;
+  absl::StatusOr<RegionLease> kept = t.Acquire("kept", 0, 4, 4, "x");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  static_cast<uint8_t*>(kept->data())[0] = 3;
+  EXPECT_EQ(other.data()[0], 3) << "another region is still the client's memory";
+  *l = RegionLease();
+  EXPECT_TRUE(t.Unregister("shrunk").ok());
+}
+
 TEST(RegionTable, StatusCountsLeases) {
   ShmObject shm(4096);
   RegionTable t(RSSM_BACKEND_CPU, {});
