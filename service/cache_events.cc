@@ -138,6 +138,10 @@ void CacheEventLog::Unwatch(KvEventListener* listener) {
 
 void CacheEventLog::Flush() {
   absl::MutexLock flush(&flush_mu_);
+  FlushHeld();
+}
+
+void CacheEventLog::FlushHeld() {
   std::vector<cache::CacheEvent> queued;
   {
     absl::MutexLock lock(&queue_mu_);
@@ -192,8 +196,10 @@ void CacheEventLog::PublishLocked(TenantId tenant, KvEventBatch b) {
 }
 
 void CacheEventLog::Clear(TenantId tenant) {
-  Flush();
+  // One hold of flush_mu_ for both: a flush by the log's thread in between would publish
+  // newer batches ahead of the AllBlocksCleared, and routers would drop what they said.
   absl::MutexLock flush(&flush_mu_);
+  FlushHeld();
   absl::MutexLock lock(&mu_);
   KvEventBatch b;
   b.ts = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());

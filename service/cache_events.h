@@ -126,6 +126,8 @@ class CacheEventLog {
   // Numbers `b`, keeps it and hands it to the tenant's listeners.
   void PublishLocked(TenantId tenant, KvEventBatch b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run();
+  // Flush's work, flush_mu_ held by the caller (Flush, Clear).
+  void FlushHeld() ABSL_EXCLUSIVE_LOCKS_REQUIRED(flush_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 
   const CacheEventLogOptions options_;
   const uint64_t epoch_;
