@@ -95,15 +95,6 @@ absl::Status StageOutputs(Lane& lane, const ModelSpec& m, const LayerIo& io, int
   return lane.Download(io.out, lane.scratch.out.data(), bytes);
 }
 
-// Runs every layer of a forward (layers[l] for layer l), then commits it; an error abandons it.
-absl::Status RunAllLayers(Forward& f, absl::Span<const LayerIo> layers) {
-  for (size_t l = 0; l < layers.size(); ++l) {
-    absl::Status st = f.RunLayer(static_cast<int32_t>(l), layers[l]);
-    if (!st.ok()) return st;
-  }
-  return f.Commit();
-}
-
 std::string RowSlotField(size_t r) { return absl::StrCat("rows[", r, "].slot"); }
 
 // A doorbell of RunLayers' `bells` (field names it): a 4-byte aligned word.
@@ -133,7 +124,7 @@ absl::Status StateCacheImpl::Prefill(SlotId id, absl::Span<const int32_t> tokens
   if (absl::Status st = CheckIo(model_, layers, false); !st.ok()) return st;
   absl::StatusOr<std::unique_ptr<Forward>> f = BeginPrefillInPlace(id, tokens);
   if (!f.ok()) return f.status();
-  return RunAllLayers(**f, layers);
+  return (*f)->RunEveryLayer(layers);
 }
 
 absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginPrefillInPlace(
@@ -397,7 +388,7 @@ absl::Status StateCacheImpl::Verify(absl::Span<const SlotId> ids, int32_t num_dr
   absl::StatusOr<std::unique_ptr<Forward>> f =
       OpenVerify(ids, num_draft, draft_tokens, /*layer_waits=*/false);
   if (!f.ok()) return f.status();
-  return RunAllLayers(**f, layers);
+  return (*f)->RunEveryLayer(layers);
 }
 
 void StateCacheImpl::EndForward(const ForwardRows& rows, bool commit, bool broken) {
@@ -690,9 +681,9 @@ absl::Status ForwardImpl::RunLayer(int32_t layer, const LayerIo& io) {
   if (!st.ok()) return st;
   absl::StatusOr<rssm_token_inputs> in = StageInputs(*lane_, m, io, tokens());
   if (!in.ok()) return in.status();
-  if (rows_.kind == ForwardKind::kVerify &&
-      !std::any_of(touched_.begin(), touched_.end(), [](bool t) { return t; })) {
+  if (rows_.kind == ForwardKind::kVerify && !drafts_discarded_) {
     cache_->DiscardDrafts(rows_.index);  // this layer's records overwrite theirs
+    drafts_discarded_ = true;
   }
   touched_[layer] = true;
   st = Launch(layer, *in, OutputTarget(*lane_, io));
@@ -875,3 +866,14 @@ absl::Status ForwardImpl::Commit() {
 }
 
 }  // namespace replayssm::cache::internal
+
+namespace replayssm::cache {
+
+absl::Status Forward::RunEveryLayer(absl::Span<const LayerIo> layers) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (absl::Status st = RunLayer(static_cast<int32_t>(l), layers[l]); !st.ok()) return st;
+  }
+  return Commit();
+}
+
+}  // namespace replayssm::cache

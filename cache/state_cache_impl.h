@@ -158,6 +158,7 @@ class ForwardImpl final : public Forward {
   std::vector<bool> done_;                  // [layers] ran
   const int32_t longest_;                   // rows_.longest(), once
   std::vector<bool> touched_;  // [layers] a kernel was queued (a prefill's checkpoint written)
+  bool drafts_discarded_ = false;  // a verify's: its rows' earlier drafts are gone (RunLayer)
   absl::Status failed_;        // a launch failed: the forward can only be abandoned
   bool finished_ = false;
   Doorbells doorbells_;

@@ -202,10 +202,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     // (a Free, an export) can land on one rank between the ranks' prefills.
     absl::StatusOr<std::unique_ptr<Forward>> f = BeginPrefillInPlace(id, tokens);
     if (!f.ok()) return f.status();
-    for (int32_t l = 0; l < full_.num_layers; ++l) {
-      if (absl::Status st = (*f)->RunLayer(l, layers[l]); !st.ok()) return st;
-    }
-    return (*f)->Commit();
+    return (*f)->RunEveryLayer(layers);
   }
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefillInPlace(
       SlotId id, absl::Span<const int32_t> tokens) override {
@@ -252,10 +249,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     if (absl::Status st = full_.CheckLayerCount(layers.size(), "layers"); !st.ok()) return st;
     absl::StatusOr<std::unique_ptr<Forward>> f = BeginVerify(slots, num_draft, draft_tokens);
     if (!f.ok()) return f.status();
-    for (int32_t l = 0; l < full_.num_layers; ++l) {
-      if (absl::Status st = (*f)->RunLayer(l, layers[l]); !st.ok()) return st;
-    }
-    return (*f)->Commit();
+    return (*f)->RunEveryLayer(layers);
   }
   absl::Status Accept(SlotId id, int32_t n) override {
     return Fan(id, [&](size_t, StateCache& c, SlotId s) { return c.Accept(s, n); });

@@ -50,19 +50,19 @@ absl::Status ServiceContext::CheckSlotQuota(int64_t adding) const {
   if (tokens == nullptr || max <= 0) return absl::OkStatus();
   const int64_t held = slots.handles()->Held(tenant());
   if (held + adding <= max) return absl::OkStatus();
-  return SlotQuotaError(held);
+  return SlotQuotaError(tenant(), held);
 }
 
-absl::Status ServiceContext::ReserveIncomingSlot() const {
+absl::Status ServiceContext::ReserveIncomingSlot(TenantId owner) const {
   const int64_t max = tokens == nullptr ? 0 : limits.tenant_max_slots;
-  if (slots.handles()->Reserve(tenant(), max)) return absl::OkStatus();
-  return SlotQuotaError(max);
+  if (slots.handles()->Reserve(owner, max)) return absl::OkStatus();
+  return SlotQuotaError(owner, max);
 }
 
-absl::Status ServiceContext::SlotQuotaError(int64_t held) const {
+absl::Status ServiceContext::SlotQuotaError(TenantId owner, int64_t held) const {
   const int64_t max = limits.tenant_max_slots;
   return absl::ResourceExhaustedError(absl::StrCat(
-      "slots: tenant \"", tokens->Name(tenant()), "\" holds ", std::min(held, max),
+      "slots: tenant \"", tokens->Name(owner), "\" holds ", std::min(held, max),
       " live slots and incoming transfers, the most one tenant may (--tenant-max-slots ", max,
       "); free one (or let --slot-ttl expire it)"));
 }

@@ -184,10 +184,11 @@ struct ServiceContext {
   // tenant's live slots, the incoming transfers reserved for it and `adding` more exceed the
   // bound (1 before making a slot; 0 after, to catch a race past it) (caller.cc).
   absl::Status CheckSlotQuota(int64_t adding) const;
-  // An incoming transfer's slot for the caller's tenant, counted against the bound at once
+  // An incoming transfer's slot for tenant `owner`, counted against the bound at once
   // (SlotHandles::Reserve; its end is SlotHandles::Settle); RESOURCE_EXHAUSTED as above.
-  absl::Status ReserveIncomingSlot() const;
-  absl::Status SlotQuotaError(int64_t held) const;
+  // Called under the transfer receiver's lock: it takes only the handle table's.
+  absl::Status ReserveIncomingSlot(TenantId owner) const;
+  absl::Status SlotQuotaError(TenantId owner, int64_t held) const;
   // Whether counters must be the caller's tenant's only (GetStats with tokens).
   bool tenant_view() const { return tokens != nullptr; }
 };

@@ -192,7 +192,7 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
           // concurrent reservations, allocations and commits.
           .admit =
               [ctx](uint64_t owner) {
-                return ctx->ForTenant(static_cast<TenantId>(owner)).ReserveIncomingSlot();
+                return ctx->ReserveIncomingSlot(static_cast<TenantId>(owner));
               },
           .settle =
               [ctx](uint64_t owner, cache::SlotId slot) {

@@ -198,6 +198,9 @@ class Forward {
   // written once Synchronize (or Commit) returns, and before any work the caller queues on
   // stream() after this call. A prefill's io.out may be null (no outputs).
   virtual absl::Status RunLayer(int32_t layer, const LayerIo& io) = 0;
+  // RunLayer(l, layers[l]) for every l in order, then Commit: the one-call forms' body. An
+  // error leaves the forward open (destroying it abandons it).
+  absl::Status RunEveryLayer(absl::Span<const LayerIo> layers);
   // Queues every layer at once, in order: what QueueWait(bells[l].ready, value),
   // RunLayer(l, layers[l]), QueueSignal(bells[l].done, value) for each layer l would queue
   // (bells empty: no doorbells), except that every argument is checked before anything is
