@@ -134,8 +134,7 @@ void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
   // Not pooled: a sender's lanes may still put into it, and its next reservation would import
   // their bytes. Releasing it unmaps it, so those puts fail on the sender's side.
   p.buffer.reset();
-  if (options_.settle) options_.settle(p.owner, cache::kPaddingSlot);
-  pending_.erase(it);
+  pending_.erase(it);  // its claim settles as aborted
 }
 
 absl::StatusOr<std::unique_ptr<Receiver::Buffer>> Receiver::TakeBufferLocked() {
@@ -251,25 +250,24 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
           " open reservations, the most one peer may (--transfer-reservations-per-peer)"));
     }
   }
+  Claim claim;  // a refusal from here on settles it as aborted
   if (options_.admit) {
     if (absl::Status admitted = options_.admit(owner); !admitted.ok()) return admitted;
+    claim = Claim(&options_, owner);
   }
-  auto refuse = [&](const absl::Status& why) {  // after admit: settled as aborted
-    if (options_.settle) options_.settle(owner, cache::kPaddingSlot);
-    return why;
-  };
   cache::SlotIoOptions io;
   io.chunk_bytes = options_.chunk_bytes;
   io.path = path_;
   io.staging_buffers = depth_;
   absl::StatusOr<std::unique_ptr<cache::SlotWriter>> writer = cache_->OpenImport(seq_len, io);
-  if (!writer.ok()) return refuse(writer.status());
+  if (!writer.ok()) return writer.status();
   absl::StatusOr<std::unique_ptr<Buffer>> buffer = TakeBufferLocked();
-  if (!buffer.ok()) return refuse(buffer.status());
+  if (!buffer.ok()) return buffer.status();
   Pending p;
   p.peer = peer;
   p.owner = owner;
   p.seq_len = seq_len;
+  p.claim = std::move(claim);
   p.writer = *std::move(writer);
   p.buffer = *std::move(buffer);
   // The sender's commit deadline, never later than the lease.
@@ -391,7 +389,7 @@ absl::StatusOr<Decision> Receiver::Commit(const std::string& transfer_id,
       decision = Decision{true, *slot, static_cast<int64_t>(tokens.size()), done.owner};
     }
     DecideLocked(transfer_id, decision, done.peer);
-    if (options_.settle) options_.settle(done.owner, slot.ok() ? *slot : cache::kPaddingSlot);
+    done.claim.Settle(slot.ok() ? *slot : cache::kPaddingSlot);
     if (static_cast<int32_t>(spare_.size()) < options_.max_open) {
       spare_.push_back(std::move(done.buffer));
     }

@@ -39,6 +39,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -124,6 +125,29 @@ class Receiver {
   using Clock = std::chrono::steady_clock;
   struct Buffer;    // a registered receive buffer (host, UCX-allocated; or backend memory)
   struct Importer;  // one reservation's import thread and its hand-over with Commit
+  // An admitted reservation's hold on its owner's bound (ReceiverOptions::admit): settled once,
+  // by Settle (Commit: the slot, or as aborted) or, never settled, as aborted when it goes.
+  class Claim {
+   public:
+    Claim() = default;
+    Claim(const ReceiverOptions* options, uint64_t owner) : options_(options), owner_(owner) {}
+    Claim(Claim&& other) noexcept { *this = std::move(other); }
+    Claim& operator=(Claim&& other) noexcept {
+      Settle(cache::kPaddingSlot);
+      options_ = std::exchange(other.options_, nullptr);
+      owner_ = other.owner_;
+      return *this;
+    }
+    ~Claim() { Settle(cache::kPaddingSlot); }
+    void Settle(cache::SlotId slot) {
+      if (options_ != nullptr && options_->settle) options_->settle(owner_, slot);
+      options_ = nullptr;
+    }
+
+   private:
+    const ReceiverOptions* options_ = nullptr;
+    uint64_t owner_ = 0;
+  };
   struct Pending {
     std::unique_ptr<cache::SlotWriter> writer;
     std::unique_ptr<Buffer> buffer;
@@ -133,6 +157,7 @@ class Receiver {
     std::string peer;         // who reserved it (max_open_per_peer)
     uint64_t owner = 0;       // Reserve's owner, into the decision
     int64_t seq_len = 0;      // a retried Reserve must name the same
+    Claim claim;              // settled when it commits, else when it goes
   };
   struct Committed {
     Decision decision;
