@@ -78,7 +78,8 @@ std::string ShowBytes(int64_t bytes) {
   return absl::StrCat(bytes);
 }
 
-Value Bytes(int64_t ServerOptions::*field) {
+Value Bytes(int64_t ServerOptions::*field, int64_t min = 0,
+            int64_t max = std::numeric_limits<int64_t>::max()) {
   Value v;
   v.set = [field](ServerFlags& f, const std::string& text) -> absl::Status {
     absl::StatusOr<int64_t> x = ParseBytes(text);
@@ -87,6 +88,12 @@ Value Bytes(int64_t ServerOptions::*field) {
     return absl::OkStatus();
   };
   v.show = [field](const ServerOptions& o) { return ShowBytes(o.*field); };
+  v.check = Within(field, min, max);
+  if (min > 0 || max < std::numeric_limits<int64_t>::max()) {
+    v.range = max < std::numeric_limits<int64_t>::max()
+                  ? absl::StrCat(ShowBytes(min), "..", ShowBytes(max))
+                  : absl::StrCat(">= ", ShowBytes(min));
+  }
   return v;
 }
 
@@ -152,8 +159,8 @@ const std::vector<Flag>& Flags() {
        Str(&ServerOptions::devices)},
       {"memory-budget", "bytes for slots and snapshots (per TP rank), e.g. 512M, 4G",
        Bytes(&ServerOptions::memory_budget_bytes)},
-      {"ring-length", "replay ring length L, 1..64 (0 = the preset's)",
-       Int(&ServerOptions::ring_length)},
+      {"ring-length", "replay ring length L (0 = the preset's)",
+       Int(&ServerOptions::ring_length, 0, 64)},
       {"track-interval", "snapshot every N decoded tokens, 0 = never",
        Int(&ServerOptions::track_interval)},
       {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)", Str(&ServerOptions::state_dtype)},
@@ -164,13 +171,17 @@ const std::vector<Flag>& Flags() {
        "act | f32: beta = sigmoid(b) rounded to the act dtype or kept fp32 (empty = the "
        "model's: act for Gated DeltaNet, f32 for KDA)",
        Str(&ServerOptions::beta_rounding)},
-      {"max-batch", "rows per decode / verify", Int(&ServerOptions::max_batch)},
+      {"max-batch", "rows per decode / verify (a CUDA launch's grid holds 65535)",
+       Int(&ServerOptions::max_batch, 1, 65535)},
       {"forward-graphs",
        "true | false: a planned decode forward that repeats runs as one CUDA graph",
        Bool(&ServerOptions::forward_graphs)},
-      {"max-prefill-tokens", "tokens per prefill call", Int(&ServerOptions::max_prefill_tokens)},
-      {"max-message-bytes", "largest request accepted", Bytes(&ServerOptions::max_message_bytes)},
-      {"dedup-entries", "request ids remembered for retries", Int(&ServerOptions::dedup_entries)},
+      {"max-prefill-tokens", "tokens per prefill call",
+       Int(&ServerOptions::max_prefill_tokens, 1, std::numeric_limits<int32_t>::max())},
+      {"max-message-bytes", "largest request accepted",
+       Bytes(&ServerOptions::max_message_bytes, int64_t{4} << 10)},
+      {"dedup-entries", "request ids remembered for retries",
+       Int(&ServerOptions::dedup_entries, 1, std::numeric_limits<int64_t>::max())},
       {"dedup-bytes", "bytes of remembered replies", Bytes(&ServerOptions::dedup_bytes)},
       {"max-request-id-bytes", "longest request id accepted",
        Int(&ServerOptions::max_request_id_bytes, 1, 65536)},
@@ -237,8 +248,8 @@ const std::vector<Flag>& Flags() {
        "seconds a registered region may go unused (no forward, no call naming it) before it is "
        "unregistered: a dead engine's regions, 0 = never",
        Seconds(&ServerOptions::region_ttl)},
-      {"max-regions", "memory regions clients may register at once",
-       Int(&ServerOptions::max_regions)},
+      {"max-regions", "memory regions clients may register at once (0: none)",
+       Int(&ServerOptions::max_regions, 0, std::numeric_limits<int32_t>::max())},
       {"max-region-bytes", "bytes of all registered regions together",
        Bytes(&ServerOptions::max_region_bytes)},
       {"forward-timeout",
@@ -246,8 +257,13 @@ const std::vector<Flag>& Flags() {
        Seconds(&ServerOptions::forward_timeout)},
       {"drain-timeout", "seconds to wait for open forwards on SIGTERM",
        Seconds(&ServerOptions::drain_timeout)},
+      {"drain-wait-slots",
+       "true | false: after the open forwards, the drain also waits (within --drain-timeout) "
+       "until no live slot is left, so that schedulers can move their requests off "
+       "(TransferSlot) or free them",
+       Bool(&ServerOptions::drain_wait_slots)},
       {"transfer-chunk-bytes", "UCX put granularity of slot transfers",
-       Bytes(&ServerOptions::transfer_chunk_bytes)},
+       Bytes(&ServerOptions::transfer_chunk_bytes, 1, int64_t{1} << 30)},
       {"transfer-lanes", "sender threads putting a slot's chunks at once",
        Int(&ServerOptions::transfer_lanes, 1, 16)},
       {"transfer-import-threads",
@@ -276,7 +292,8 @@ const std::vector<Flag>& Flags() {
        "incoming transfer reservations one peer (mTLS identity, else host) may hold",
        Int(&ServerOptions::transfer_reservations_per_peer, 1, 64)},
       {"transfer-interface",
-       "network interface UCX transfers use and listen on (e.g. eth1), empty = all",
+       "network interface UCX transfers use and listen on (e.g. eth1), empty = the interface of "
+       "--grpc-address",
        Str(&ServerOptions::transfer_interface)},
       {"tls-cert", "PEM certificate chain: serve gRPC over TLS (with --tls-key); empty = off",
        Str(&ServerOptions::tls_cert_file)},

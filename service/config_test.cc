@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -123,6 +125,39 @@ TEST(ServerFlags, OutOfRangeValuesAreRefusedNamingTheFlagWhereverTheyComeFrom) {
   auto f = Parse({"--transfer-import-threads=12"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->options.transfer_import_threads, 12);
+}
+
+// Values that parsed but could only fail later (every incoming transfer, every request) are
+// refused at start, naming the flag and its range.
+TEST(ServerFlags, ValuesThatWouldFailEveryCallAreRefusedAtStart) {
+  for (const auto& [arg, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--ring-length=-3", "--ring-length: expected 0..64, got -3"},
+           {"--ring-length=65", "--ring-length: expected 0..64, got 65"},
+           {"--max-batch=0", "--max-batch: expected 1..65535, got 0"},
+           {"--max-batch=100000", "--max-batch: expected 1..65535, got 100000"},
+           {"--max-prefill-tokens=0", "--max-prefill-tokens: expected 1..2147483647, got 0"},
+           {"--max-message-bytes=0",
+            "--max-message-bytes: expected 4096..9223372036854775807, got 0"},
+           {"--dedup-entries=-1", "--dedup-entries: expected 1..9223372036854775807, got -1"},
+           {"--max-regions=-1", "--max-regions: expected 0..2147483647, got -1"},
+           {"--transfer-chunk-bytes=0", "--transfer-chunk-bytes: expected 1..1073741824, got 0"},
+           {"--transfer-chunk-bytes=2G",
+            "--transfer-chunk-bytes: expected 1..1073741824, got 2147483648"}}) {
+    auto parsed = Parse({arg.c_str()});
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const absl::Status s = CheckServerBounds(parsed->options);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << arg;
+    EXPECT_EQ(s.message(), message);
+  }
+  auto edge = Parse({"--ring-length=64", "--max-batch=65535", "--max-regions=0",
+                     "--transfer-chunk-bytes=4K", "--max-message-bytes=4K"});
+  ASSERT_TRUE(edge.ok()) << edge.status();
+  EXPECT_TRUE(CheckServerBounds(edge->options).ok());
+  const std::string usage = ServerUsage();
+  EXPECT_NE(
+      usage.find("  --transfer-chunk-bytes  UCX put granularity of slot transfers, 1..1G [4M]\n"),
+      std::string::npos)
+      << usage;
 }
 
 // The usage's defaults come from a default ServerOptions: they cannot drift from it.

@@ -17,8 +17,12 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
           2.5e-2, 5e-2, 0.1,    0.25, 0.5,  1.0,    2.5};
 }
 
-prometheus::Histogram::BucketBoundaries BatchBuckets() {
-  return {1, 2, 4, 8, 16, 32, 64, 128, 256};
+// Powers of two up to the first at or past --max-batch: every batch the server takes falls
+// below a bucket's bound, not into +Inf.
+prometheus::Histogram::BucketBoundaries BatchBuckets(int32_t max_batch) {
+  prometheus::Histogram::BucketBoundaries b{1};
+  while (b.back() < max_batch) b.push_back(2 * b.back());
+  return b;
 }
 
 std::string CodeName(grpc::StatusCode code) {
@@ -120,7 +124,7 @@ void AddTierFamilies(const cache::CacheStats& s, std::vector<prometheus::MetricF
 
 }  // namespace
 
-Metrics::Metrics()
+Metrics::Metrics(int32_t max_batch)
     : registry_(std::make_shared<prometheus::Registry>()),
       rpcs_(prometheus::BuildCounter()
                 .Name("replayssm_rpcs_total")
@@ -135,7 +139,7 @@ Metrics::Metrics()
                          .Name("replayssm_forward_batch_size")
                          .Help("Rows per committed decode forward")
                          .Register(*registry_)
-                         .Add({}, BatchBuckets())),
+                         .Add({}, BatchBuckets(max_batch))),
       kernel_seconds_(prometheus::BuildHistogram()
                           .Name("replayssm_kernel_duration_seconds")
                           .Help("Time in cache calls that run kernels (kernel + staging)")

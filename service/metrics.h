@@ -28,7 +28,8 @@ namespace replayssm::service {
 
 class Metrics {
  public:
-  Metrics();
+  // max_batch: --max-batch, the top of the batch-size histogram's buckets.
+  explicit Metrics(int32_t max_batch);
 
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 

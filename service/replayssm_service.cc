@@ -1,5 +1,6 @@
 #include "service/replayssm_service.h"
 
+#include <chrono>
 #include <string>
 
 #include "service/caller.h"
@@ -18,7 +19,7 @@ class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
  public:
   DecodeStreamReactor(const ServiceContext* ctx, const grpc::CallbackServerContext& c)
-      : call_(*ctx), ctx_(&call_), session_(&call_) {
+      : c_(&c), call_(*ctx), ctx_(&call_), session_(&call_) {
     absl::StatusOr<ServiceContext> caller = CallerContext(c, *ctx);
     if (!caller.ok()) {
       Done(caller.status());
@@ -35,7 +36,7 @@ class DecodeStreamReactor final
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) return Done(absl::OkStatus());  // the client closed its side
+    if (!ok) return Done(Ended());
     response_.Clear();
     absl::Status s = Handle();
     if (!s.ok()) return Done(s);
@@ -85,12 +86,22 @@ class DecodeStreamReactor final
   absl::Status CheckId(const std::string& id, absl::string_view field) const {
     return id.empty() ? absl::OkStatus() : ctx_->requests->CheckId(id, field);
   }
+  // Why reading stopped: the client closed its side (OK), or the call was cancelled or ran
+  // past its deadline, which the client sees as that code and the metrics count as such.
+  absl::Status Ended() const {
+    if (!c_->IsCancelled()) return absl::OkStatus();
+    if (std::chrono::system_clock::now() >= c_->deadline()) {
+      return absl::DeadlineExceededError("decode stream: past its deadline");
+    }
+    return absl::CancelledError("decode stream: cancelled");
+  }
   void Done(const absl::Status& status) {
     session_.Abandon();
     ctx_->metrics->CountRpc("DecodeStream", ToGrpcStatus(status).error_code());
     Finish(ToGrpcStatus(status));
   }
 
+  const grpc::CallbackServerContext* c_;
   ServiceContext call_;  // the server's, as the caller's tenant sees it
   const ServiceContext* ctx_;
   bool counted_ = false;  // holds one of --max-streams

@@ -169,7 +169,8 @@ class ServerImpl final : public Server {
         watchers_(options.max_watchers, "WatchCache", "--max-watchers"),
         regions_(device_.backend,
                  cache::RegionLimits{options.max_regions,
-                                     static_cast<uint64_t>(options.max_region_bytes)}) {
+                                     static_cast<uint64_t>(options.max_region_bytes)}),
+        metrics_(options.max_batch) {
     ctx_.cache = cache_.get();
     ctx_.regions = &regions_;
     ctx_.requests = &requests_;
@@ -405,7 +406,12 @@ class ServerImpl final : public Server {
     gate_.Drain();
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+    const absl::Time deadline = absl::Now() + options_.drain_timeout;
     gate_.WaitIdle(options_.drain_timeout);
+    // Outgoing moves and Free still work while draining; incoming states are refused.
+    while (options_.drain_wait_slots && cache_->stats().slots_live > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
     transfers_->Stop();  // waiting transfers are refused, running ones end
     // Open forwards are done; idle streams and calls in flight get a short grace period.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));

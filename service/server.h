@@ -60,6 +60,9 @@ struct ServerOptions {
   int64_t max_region_bytes = int64_t{64} << 30;      // their bytes together (mapped, not owned)
   absl::Duration forward_timeout = absl::Seconds(10);  // a doorbell forward, begin to commit
   absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this
+  // The drain also waits (within drain_timeout) until no live slot is left: time for the
+  // schedulers to move their requests off (TransferSlot) or free them.
+  bool drain_wait_slots = false;
   // Slot transfers to and from peers (replayssm.v1.SlotTransfer over UCX; docs/transfer.md).
   int64_t transfer_chunk_bytes = int64_t{4} << 20;    // UCX put granularity
   int32_t transfer_lanes = 4;                          // sender threads putting at once, 1..16
@@ -101,8 +104,9 @@ class Server {
   // The CURVE public key (Z85) routers use for the ZMQ cache events; "" without CURVE.
   virtual std::string kv_events_public_key() const = 0;
 
-  // Refuse new forwards, report NOT_SERVING, wait for open forwards (up to the drain
-  // timeout), then stop serving. Returns when the gRPC server is shut down.
+  // Refuse new forwards and incoming transfers, report NOT_SERVING, wait for open forwards
+  // (and with drain_wait_slots for the live slots to be moved off or freed; all within the
+  // drain timeout), then stop serving. Returns when the gRPC server is shut down.
   virtual void Drain() = 0;
 };
 

@@ -209,13 +209,13 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
                    .Help("State bytes sent to peers by completed slot transfers.")
                    .Register(r)
                    .Add({});
-  s->seconds_ =
-      &prometheus::BuildHistogram()
-           .Name("replayssm_transfer_duration_seconds")
-           .Help("Wall time of completed outgoing slot transfers.")
-           .Register(r)
-           .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                                            0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+  s->seconds_ = &prometheus::BuildHistogram()
+                     .Name("replayssm_transfer_duration_seconds")
+                     .Help("Wall time of completed outgoing slot transfers.")
+                     .Register(r)
+                     .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.0025, 0.005, 0.01,
+                                                                      0.025, 0.05, 0.1, 0.25, 0.5,
+                                                                      1, 2.5, 5, 10, 20, 30, 60});
   s->open_ = &prometheus::BuildGauge()
                   .Name("replayssm_transfer_reservations")
                   .Help("Incoming transfers reserved and not yet committed, aborted or expired.")
@@ -299,6 +299,14 @@ grpc::ServerUnaryReactor* TransferService::Reply(grpc::CallbackServerContext* c,
   return reactor;
 }
 
+absl::Status TransferService::RefuseWhileDraining(absl::string_view method) const {
+  if (!ctx_->gate->draining()) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat(method,
+                   ": server is draining: no incoming transfers (a state moved here would be lost "
+                   "when it exits)"));
+}
+
 void TransferService::CountFailure(const absl::Status& status) {
   failures_->Add({{"reason", std::string(absl::StatusCodeToString(status.code()))}}).Increment();
 }
@@ -328,13 +336,13 @@ absl::Status TransferService::AuthenticatePeer(const grpc::CallbackServerContext
   const auto& md = c.client_metadata();
   auto it = md.find(kPeerTokenKey);
   if (it == md.end()) {
-    ctx_->metrics->CountAuthFailure("missing");
+    ctx_->metrics->CountAuthFailure("peer_missing");
     return absl::UnauthenticatedError(absl::StrCat(
         kPeerTokenKey, ": expected the cluster's peer token (--peer-token) in the metadata of ",
         method, ", got none"));
   }
   if (!options_.peer_tokens->Accepts(absl::string_view(it->second.data(), it->second.size()))) {
-    ctx_->metrics->CountAuthFailure("unknown");
+    ctx_->metrics->CountAuthFailure("peer_unknown");
     return absl::UnauthenticatedError(absl::StrCat(
         kPeerTokenKey, ": expected the cluster's peer token (--peer-token), got another"));
   }
@@ -475,7 +483,12 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerContext* c,
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
+  // An unauthenticated call is no transfer: counted in replayssm_auth_failures_total alone.
   if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer"); !st.ok()) {
+    return Reply(c, "ReserveTransfer", st);
+  }
+  // A draining server is about to exit: a state moved into it now would go with it.
+  if (absl::Status st = RefuseWhileDraining("ReserveTransfer"); !st.ok()) {
     CountFailure(st);
     return Reply(c, "ReserveTransfer", st);
   }
@@ -512,6 +525,13 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
   if (!st.ok()) return Reply(c, "CommitTransfer", st);
+  // Reserved before the drain began: refused all the same. The sender's abort then learns that
+  // nothing was committed and keeps its source; the reservation goes with that abort (or its
+  // lease).
+  if (absl::Status d = RefuseWhileDraining("CommitTransfer"); !d.ok()) {
+    CountFailure(d);
+    return Reply(c, "CommitTransfer", d);
+  }
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
   absl::StatusOr<transfer::Decision> d =
       receiver_->Commit(req->transfer_id(), tokens, req->checksum());

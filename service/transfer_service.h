@@ -91,7 +91,8 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   // Who is calling, for the per-peer reservation bound: the mTLS identity, else the host.
   static std::string PeerIdentity(const grpc::CallbackServerContext& c);
   // A peer method's caller must be a peer: with --peer-token it presents that token
-  // (UNAUTHENTICATED otherwise, counted as an auth failure); without one, a server that
+  // (UNAUTHENTICATED otherwise, counted as an auth failure of reason peer_missing or
+  // peer_unknown, not as a transfer failure); without one, a server that
   // authenticates its clients takes no peer calls at all (PERMISSION_DENIED).
   absl::Status AuthenticatePeer(const grpc::CallbackServerContext& c,
                                 absl::string_view method) const;
@@ -112,6 +113,8 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, absl::string_view method,
                                   const absl::Status& status);
   void CountFailure(const absl::Status& status);
+  // UNAVAILABLE naming `method` once the server drains: incoming states are refused.
+  absl::Status RefuseWhileDraining(absl::string_view method) const;
   // A channel to `address`, made once and kept (peers are few).
   std::shared_ptr<grpc::Channel> Channel(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
 

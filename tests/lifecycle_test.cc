@@ -2,6 +2,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -258,6 +259,86 @@ TEST_F(LifecycleTest, DrainReportsNotServingRefusesNewForwardsAndFinishesOpenOne
   ASSERT_TRUE(committed.ok()) << committed.status();
   EXPECT_EQ(committed->rows(0).seq_len(), 1);
   stream->Finish().IgnoreError();
+  auto exit = server_->WaitExit(absl::Seconds(20));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, 0);
+}
+
+// A stream that ends by its deadline or a cancellation is counted as such, not as OK: the
+// error-ratio alert sees where forwards fail.
+TEST_F(LifecycleTest, AStreamPastItsDeadlineOrCancelledIsCountedSo) {
+  const uint64_t a = NewSlot();
+  auto stub = v1::ReplaySsm::NewStub(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  v1::DecodeStreamRequest begin;
+  begin.mutable_begin()->add_rows()->set_slot(a);
+  begin.mutable_begin()->set_request_id("deadline-1");
+  {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    auto stream = stub->DecodeStream(&c);
+    ASSERT_TRUE(stream->Write(begin));
+    v1::DecodeStreamResponse begun;
+    ASSERT_TRUE(stream->Read(&begun));  // the forward is open; no layer follows
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  {
+    grpc::ClientContext c;
+    auto stream = stub->DecodeStream(&c);
+    begin.mutable_begin()->set_request_id("cancelled-1");
+    ASSERT_TRUE(stream->Write(begin));
+    v1::DecodeStreamResponse begun;
+    ASSERT_TRUE(stream->Read(&begun));
+    c.TryCancel();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  double deadline = 0, cancelled = 0, ok = 0;
+  for (int i = 0; i < 200; ++i) {  // the server counts once its side of each call ends
+    auto text = HttpGet(server_->metrics_address(), "/metrics");
+    ASSERT_TRUE(text.ok()) << text.status();
+    deadline =
+        Sample(*text, R"(replayssm_rpcs_total{code="DEADLINE_EXCEEDED",method="DecodeStream"})");
+    cancelled = Sample(*text, R"(replayssm_rpcs_total{code="CANCELLED",method="DecodeStream"})");
+    ok = Sample(*text, R"(replayssm_rpcs_total{code="OK",method="DecodeStream"})");
+    if (deadline == 1 && cancelled == 1) break;
+    absl::SleepFor(absl::Milliseconds(25));
+  }
+  EXPECT_EQ(deadline, 1);
+  EXPECT_EQ(cancelled, 1);
+  EXPECT_LE(ok, 0) << "neither is counted as OK";
+  // Both forwards were abandoned: the slot is where it was, free for the next.
+  EXPECT_EQ(client_->GetSlot(a)->seq_len(), 0);
+  EXPECT_TRUE(client_->Decode(DecodeRequest({a}, Layers(1))).ok());
+}
+
+// With --drain-wait-slots the drain lasts until the live slots are moved off or freed (within
+// --drain-timeout): the schedulers' time to take their requests elsewhere.
+class DrainWaitSlotsTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--drain-wait-slots=true", "--drain-timeout=60"};
+  }
+};
+
+TEST_F(DrainWaitSlotsTest, TheDrainWaitsForTheLiveSlotsToGo) {
+  const uint64_t a = NewSlot(), b = NewSlot();
+  server_->Signal(SIGTERM);
+  absl::StatusOr<Health::ServingStatus> health;
+  for (int i = 0; i < 500; ++i) {
+    health = client_->Health();
+    if (health.ok() && *health == Health::NOT_SERVING) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(health.ok() && *health == Health::NOT_SERVING);
+  EXPECT_EQ(client_->Allocate().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(server_->WaitExit(absl::Seconds(1)).status().code(),
+            absl::StatusCode::kDeadlineExceeded)
+      << "two live slots: still draining";
+  ASSERT_TRUE(client_->Free(a).ok()) << "slots can be freed (or moved) while draining";
+  EXPECT_EQ(server_->WaitExit(absl::Milliseconds(500)).status().code(),
+            absl::StatusCode::kDeadlineExceeded)
+      << "one live slot: still draining";
+  ASSERT_TRUE(client_->Free(b).ok());
   auto exit = server_->WaitExit(absl::Seconds(20));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(*exit, 0);

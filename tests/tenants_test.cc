@@ -646,6 +646,13 @@ TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_EQ(Sample(*metrics, "replayssm_slots{state=\"live\"}"), 1)
       << "only the real transfer's slot";
+  // Refused callers are auth failures of their own reasons, never transfer failures (whose
+  // alert points at the data path).
+  EXPECT_EQ(Sample(*metrics, "replayssm_auth_failures_total{reason=\"peer_missing\"}"), 12)
+      << "8 anonymous, a client's token on 4 methods";
+  EXPECT_EQ(Sample(*metrics, "replayssm_auth_failures_total{reason=\"peer_unknown\"}"), 1);
+  EXPECT_EQ(Sample(*metrics, "replayssm_transfer_failures_total{reason=\"UNAUTHENTICATED\"}"), -1)
+      << "no such series";
   // The real peer on the same host is not locked out.
   auto next = alice_a->Allocate();
   ASSERT_TRUE(next.ok());

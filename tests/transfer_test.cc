@@ -17,10 +17,10 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "replayssm/client/demo.h"
-
 #include "service_fixture.h"
 #include "transfer_proxy.h"
 
@@ -88,6 +88,55 @@ TEST_F(TransferTest, DecodeOnTheReceiverContinuesExactlyAsOnTheSender) {
   auto moved = client_->TransferSlot(s, b->grpc_address(), /*keep_source=*/false);
   ASSERT_TRUE(moved.ok()) << moved.status();
   EXPECT_EQ(client_->GetSlot(s).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A draining server is about to exit: it takes no incoming state, neither a new reservation
+// nor the commit of one made before the drain, and each sender keeps its source.
+TEST_F(TransferTest, ADrainingServerTakesNoIncomingStateAndTheSenderKeepsItsSource) {
+  auto b = StartPeer({"--drain-timeout=60", "--transfer-lease=60"});
+  ASSERT_NE(b, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  absl::Notification committing, drained;
+  proxy->set_hooks({.commit = [&](v1::CommitTransferRequest&) {
+    committing.Notify();
+    drained.WaitForNotification();  // reserved and put before the drain, committed during it
+    return Action::kForward;
+  }});
+  const uint64_t s = PreparedSlot(), t = PreparedSlot();
+  const std::string before = client_->Export(s)->SerializeAsString();
+  absl::StatusOr<v1::TransferSlotResponse> late;
+  std::thread mover([&] { late = client_->TransferSlot(s, proxy->address(), false); });
+  ASSERT_TRUE(committing.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  // An open forward on B keeps it draining for the rest of the test.
+  auto held = cb->Allocate();
+  ASSERT_TRUE(held.ok());
+  auto stream = cb->OpenStream();
+  std::vector<v1::DecodeRow> rows(1);
+  rows[0].set_slot(held->slot());
+  ASSERT_TRUE(stream->Begin(rows).ok());
+  b->Signal(SIGTERM);
+  for (int i = 0; i < 500 && !cb->Stats()->draining(); ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(cb->Stats()->draining());
+  drained.Notify();
+  mover.join();
+  ASSERT_FALSE(late.ok()) << "committed into a draining server";
+  auto kept = client_->GetSlot(s);
+  ASSERT_TRUE(kept.ok()) << "the sender kept its source: " << kept.status();
+  EXPECT_EQ(client_->Export(s)->SerializeAsString(), before);
+  // A new move is refused at its reservation, naming the drain.
+  auto refused = client_->TransferSlot(t, b->grpc_address(), false);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "draining")) << refused.status();
+  EXPECT_TRUE(client_->GetSlot(t).ok());
+  EXPECT_TRUE(client_->Decode(DecodeRequest({s, t}, Layers(2))).ok()) << "neither stays locked";
+  auto listed = cb->ListSlots();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->slots_size(), 1) << "B holds only its own slot";
+  stream->Finish().IgnoreError();  // B's drain ends with its last forward
+  auto exit = b->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(exit.ok()) << exit.status();
 }
 
 TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {

@@ -238,7 +238,8 @@ function checkService(manifests, alertsDoc) {
   if (!req.cpu || !req.memory) errs.push('resources.requests must set cpu and memory');
   if (!lim.memory) errs.push('resources.limits must set memory');
 
-  // Drain: preStop present, and the grace period covers preStop + the server's drain timeout.
+  // Drain: preStop present, and the grace period covers preStop + the server's drain timeout +
+  // the outgoing transfers it lets finish after it (each up to transfer-timeout).
   const preStop = c.lifecycle && c.lifecycle.preStop;
   if (!preStop) errs.push('lifecycle.preStop missing');
   let preStopSeconds = 0;
@@ -249,9 +250,10 @@ function checkService(manifests, alertsDoc) {
     preStopSeconds = preStop.sleep.seconds;
   }
   const drain = Number(conf['drain-timeout'] || 30);
+  const transfer = Number(conf['transfer-timeout'] || 30);
   const grace = pod.spec.terminationGracePeriodSeconds ?? 30;
-  if (grace <= preStopSeconds + drain) {
-    errs.push(`terminationGracePeriodSeconds ${grace} <= preStop ${preStopSeconds} s + drain-timeout ${drain} s`);
+  if (grace <= preStopSeconds + drain + transfer) {
+    errs.push(`terminationGracePeriodSeconds ${grace} <= preStop ${preStopSeconds} s + drain-timeout ${drain} s + transfer-timeout ${transfer} s`);
   }
   const live = c.livenessProbe || {};
   const liveBudget = (live.periodSeconds || 10) * (live.failureThreshold || 3);
