@@ -4,6 +4,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/time/clock.h"
 #include "replayssm/client/client.h"
 #include "replayssm/client/tensor.h"
@@ -19,11 +20,17 @@ absl::Status Worker(const std::string& address, const DecodeBenchOptions& option
                     absl::Time stop, std::vector<double>* latencies_us) {
   auto client = Client::Connect(address, int64_t{256} << 20, options.credentials);
   client->set_token(options.token);
-  std::vector<v1::DecodeRow> rows(options.batch);
+  std::vector<v1::DecodeRow> rows;
+  // Every slot allocated goes back, whatever ends the run: the server keeps a live slot until
+  // it is freed (or its lease, when the server has one, expires).
+  absl::Cleanup free_slots = [&] {
+    for (const v1::DecodeRow& row : rows) client->Free(row.slot()).IgnoreError();
+  };
+  rows.reserve(options.batch);
   for (int32_t r = 0; r < options.batch; ++r) {
     auto slot = client->Allocate();
     if (!slot.ok()) return slot.status();
-    rows[r].set_slot(slot->slot());
+    rows.emplace_back().set_slot(slot->slot());
   }
   const std::vector<v1::LayerInput> layers = SyntheticLayers(model, options.batch, worker + 1);
   v1::DecodeRequest unary;
@@ -39,9 +46,7 @@ absl::Status Worker(const std::string& address, const DecodeBenchOptions& option
     if (!s.ok()) return s;
     if (t0 >= measure_from) latencies_us->push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
   }
-  absl::Status s = stream->Finish();
-  for (const v1::DecodeRow& row : rows) client->Free(row.slot()).IgnoreError();
-  return s;
+  return stream->Finish();
 }
 
 double Percentile(std::vector<double>& sorted, double p) {

@@ -1,9 +1,12 @@
 #include "replayssm/client/client.h"
 
+#include <errno.h>
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
-#include <random>
 #include <sstream>
 #include <utility>
 
@@ -20,9 +23,20 @@ absl::Status FromGrpc(const grpc::Status& status) {
 }
 
 std::string NewRequestId() {
-  thread_local std::mt19937_64 rng(std::random_device{}() ^
-                                   static_cast<uint64_t>(absl::GetCurrentTimeNanos()));
-  return absl::StrFormat("%016x%016x", rng(), rng());
+  // 128 bits from the kernel for every id: nothing a forked child could share with its
+  // parent or a sibling (a seeded generator's state is copied by fork, and the copies
+  // repeat each other's ids: two workers' Allocates answered with one slot).
+  uint64_t words[2] = {0, 0};
+  size_t got = 0;
+  while (got < sizeof(words)) {
+    const ssize_t n = getrandom(reinterpret_cast<char*>(words) + got, sizeof(words) - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EINTR) {
+      std::abort();  // no kernel randomness: a repeated id would corrupt another request
+    }
+  }
+  return absl::StrFormat("%016x%016x", words[0], words[1]);
 }
 
 namespace {
@@ -78,6 +92,20 @@ absl::Status ForwardStream::End() {
   return final_;
 }
 
+namespace {
+
+// INTERNAL unless the reply is of the kind the request asks for (a begin given a commit, say,
+// would otherwise read as an empty begun).
+absl::Status ExpectReply(const v1::DecodeStreamResponse& resp,
+                         v1::DecodeStreamResponse::MsgCase want, absl::string_view what) {
+  if (resp.msg_case() == want) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("forward stream: expected a ", what,
+                                          " reply, got message case ",
+                                          static_cast<int>(resp.msg_case())));
+}
+
+}  // namespace
+
 absl::Status ForwardStream::SendBegin(const v1::DecodeStreamRequest& begin) { return Send(begin); }
 
 absl::StatusOr<v1::DecodeBegun> ForwardStream::AwaitBegun() {
@@ -86,12 +114,18 @@ absl::StatusOr<v1::DecodeBegun> ForwardStream::AwaitBegun() {
   }
   absl::StatusOr<v1::DecodeStreamResponse> resp = Receive();
   if (!resp.ok()) return resp.status();
+  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kBegun, "begun"); !s.ok()) {
+    return s;
+  }
   return resp->begun();
 }
 
 absl::StatusOr<v1::DecodeBegun> ForwardStream::BeginWith(const v1::DecodeStreamRequest& begin) {
   absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(begin);
   if (!resp.ok()) return resp.status();
+  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kBegun, "begun"); !s.ok()) {
+    return s;
+  }
   return resp->begun();
 }
 
@@ -156,6 +190,9 @@ absl::StatusOr<v1::LayerOutput> ForwardStream::RunLayer(const v1::LayerInput& in
   *req.mutable_layer() = input;
   absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
+  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kLayer, "layer"); !s.ok()) {
+    return s;
+  }
   return resp->layer();
 }
 
@@ -164,6 +201,10 @@ absl::StatusOr<v1::DecodeCommitted> ForwardStream::Commit() {
   req.mutable_commit();
   absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
+  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kCommitted, "committed");
+      !s.ok()) {
+    return s;
+  }
   return resp->committed();
 }
 

@@ -16,7 +16,8 @@ namespace {
 
 struct Request {
   uint64_t slot = 0;
-  int32_t seq = -1;  // reference sequence
+  Client* holder = nullptr;  // the client of the server holding `slot`; null: none holds it
+  int32_t seq = -1;          // reference sequence
   std::vector<int32_t> tokens;
 };
 
@@ -26,6 +27,9 @@ class Demo {
       : client_(&client), options_(options), log_(log) {}
 
   absl::StatusOr<DemoReport> Run();
+  // After a failed Run: every slot the demo still holds is freed (its stream first closed,
+  // which abandons an open forward), on whichever server holds it.
+  void FreeSlots();
 
  private:
   absl::Status Check(const v1::Tensor& got, const v1::Tensor& want, const std::string& what);
@@ -34,7 +38,7 @@ class Demo {
                        const std::vector<std::vector<int32_t>>& tokens);
   absl::Status DecodeSteps(std::vector<Request*> batch, int32_t steps);
   absl::Status CheckState(const Request& r);
-  absl::Status HandOff(std::vector<Request>& requests);
+  absl::Status HandOff();
   std::vector<int32_t> RandomTokens(int n) {
     std::vector<int32_t> t(n);
     for (int32_t& x : t) x = static_cast<int32_t>(rng_() % 32000);
@@ -48,6 +52,7 @@ class Demo {
   v1::GetInfoResponse info_;
   std::unique_ptr<CpuReference> ref_;
   std::unique_ptr<ForwardStream> stream_;
+  std::vector<Request> requests_;
   std::mt19937_64 rng_;
   double tol_ = 0;
   DemoReport report_;
@@ -175,12 +180,12 @@ absl::Status Demo::CheckState(const Request& r) {
 
 // Disaggregation: every prefilled request moves to the decode server over UCX, which then
 // serves the rest of the demo (its outputs are checked against the same reference).
-absl::Status Demo::HandOff(std::vector<Request>& requests) {
+absl::Status Demo::HandOff() {
   decode_client_ =
       Client::Connect(options_.decode_address, int64_t{256} << 20, options_.credentials);
   decode_client_->set_token(options_.token);
   int64_t bytes = 0;
-  for (Request& r : requests) {
+  for (Request& r : requests_) {
     absl::StatusOr<v1::TransferSlotResponse> t =
         client_->TransferSlot(r.slot, options_.decode_address, /*keep_source=*/false);
     if (!t.ok()) return t.status();
@@ -189,13 +194,14 @@ absl::Status Demo::HandOff(std::vector<Request>& requests) {
                                               r.tokens.size()));
     }
     r.slot = t->remote_slot();
+    r.holder = decode_client_.get();
     bytes += t->bytes();
   }
   absl::Status s = stream_->Finish();
   if (!s.ok()) return s;
   client_ = decode_client_.get();
   stream_ = client_->OpenStream();
-  log_ << "demo: moved " << requests.size() << " prefilled requests (" << bytes
+  log_ << "demo: moved " << requests_.size() << " prefilled requests (" << bytes
        << " state bytes) to the decode server " << options_.decode_address << " over UCX\n";
   return absl::OkStatus();
 }
@@ -206,6 +212,13 @@ absl::StatusOr<DemoReport> Demo::Run() {
   if (!info.ok()) return info.status();
   info_ = *info;
   const v1::ModelInfo& m = info_.model();
+  if (m.tp_size() > 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "demo: the server serves ", m.tp_size(),
+        " tensor-parallel ranks (--tp-size); the "
+        "demo's activations and CPU reference are unsharded: run it against a --tp-size=1 "
+        "server"));
+  }
   tol_ =
       std::max(OutputTolerance(m.act_dtype()),
                OutputTolerance(m.state_dtype() == v1::DTYPE_F32 ? m.act_dtype() : v1::DTYPE_BF16));
@@ -220,7 +233,8 @@ absl::StatusOr<DemoReport> Demo::Run() {
        << " L=" << m.ring_len() << ") on " << info_.backend() << "\n";
 
   // Turn 1: every request's prompt in one layer-by-layer prefill forward (varlen rows).
-  std::vector<Request> requests(options_.requests);
+  std::vector<Request>& requests = requests_;
+  requests.resize(options_.requests);
   std::vector<std::vector<int32_t>> prompts;
   for (int32_t i = 0; i < options_.requests; ++i) {
     prompts.push_back(RandomTokens(8 + 3 * i));
@@ -229,6 +243,7 @@ absl::StatusOr<DemoReport> Demo::Run() {
     absl::StatusOr<int32_t> seq = ref_->NewSequence();
     if (!seq.ok()) return seq.status();
     requests[i].slot = a->slot();
+    requests[i].holder = client_;
     requests[i].seq = *seq;
   }
   std::vector<Request*> batch;
@@ -236,7 +251,7 @@ absl::StatusOr<DemoReport> Demo::Run() {
   absl::Status s = Prefill(batch, prompts);
   if (!s.ok()) return s;
   if (!options_.decode_address.empty()) {
-    absl::Status h = HandOff(requests);
+    absl::Status h = HandOff();
     if (!h.ok()) return h;
   }
   const int32_t steps = options_.steps > 0 ? options_.steps
@@ -254,6 +269,7 @@ absl::StatusOr<DemoReport> Demo::Run() {
   for (Request& r : requests) {
     s = client_->Donate(r.slot);
     if (!s.ok()) return s;
+    r.holder = nullptr;  // the prefix cache's now
   }
   Request& first = requests[0];
   const std::vector<int32_t> followup = RandomTokens(4);
@@ -268,10 +284,12 @@ absl::StatusOr<DemoReport> Demo::Run() {
                                             " tokens, expected ", report_.prefix_expected));
   }
   first.slot = a->slot();
+  first.holder = client_;
   s = Prefill({&first}, {followup});
   if (s.ok()) s = DecodeSteps({&first}, options_.turn2_steps);
   if (s.ok()) s = CheckState(first);
   if (s.ok()) s = client_->Free(first.slot);
+  if (s.ok()) first.holder = nullptr;
   if (s.ok()) s = stream_->Finish();
   if (!s.ok()) return s;
   report_.seconds = absl::ToDoubleSeconds(absl::Now() - start);
@@ -283,8 +301,19 @@ absl::StatusOr<DemoReport> Demo::Run() {
 
 }  // namespace
 
+void Demo::FreeSlots() {
+  if (stream_ != nullptr) stream_->Finish().IgnoreError();
+  for (Request& r : requests_) {
+    if (r.holder != nullptr) r.holder->Free(r.slot).IgnoreError();
+    r.holder = nullptr;
+  }
+}
+
 absl::StatusOr<DemoReport> RunDemo(Client& client, const DemoOptions& options, std::ostream& log) {
-  return Demo(client, options, log).Run();
+  Demo demo(client, options, log);
+  absl::StatusOr<DemoReport> report = demo.Run();
+  if (!report.ok()) demo.FreeSlots();
+  return report;
 }
 
 }  // namespace replayssm::client

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -155,7 +156,41 @@ TEST(CommandLine, CliRefusesMisplacedExtraAndMalformedArguments) {
   ExpectRefused(cli, {"transfer", "1", "h:1", "--keep=yes"}, "--keep takes no value");
   ExpectRefused(cli, {"bench", "--concurrency=0"}, "--concurrency: expected an integer in 1..");
   ExpectRefused(cli, {"bench", "--seconds=-1"}, "--seconds: expected seconds > 0, got '-1'");
-  ExpectRefused(cli, {"health", "--address="}, "--address: expected HOST:PORT, got ''");
+  ExpectRefused(cli, {"health", "--address="}, "--address: expected a value, got an empty one");
+  // An empty value is a mistake, never "off" (`--tls-ca "$CA"` with CA unset would connect in
+  // plaintext and send the token in the clear), and a second use would silently win.
+  for (const char* empty : {"--tls-ca=", "--tls-cert=", "--tls-key=", "--token-file="}) {
+    ExpectRefused(cli, {empty, "info"},
+                  std::string(empty, strlen(empty) - 1) + ": expected a value, got an empty one");
+  }
+  ExpectRefused(cli, {"demo", "--disaggregated="},
+                "--disaggregated: expected a value, got an empty one");
+  ExpectRefused(cli, {"demo", "--requests", "2", "--requests", "3"}, "--requests: given twice");
+  ExpectRefused(cli, {"--address=h:1", "info", "--address=h:2"}, "--address: given twice");
+  ExpectRefused(cli, {"transfer", "1", "h:1", "--keep", "--keep"}, "--keep: given twice");
+}
+
+// A bench or demo that fails leaves no slot behind on the server: live slots stay until freed.
+TEST(CommandLine, AFailedBenchOrDemoFreesEverySlotItTook) {
+  auto small = ServerProcess::Start({"--memory-budget=1M"});
+  ASSERT_TRUE(small.ok()) << small.status();
+  const std::string address = "--address=" + (*small)->grpc_address();
+  const Outcome bench = RunBinary(
+      REPLAYSSM_CLI_BINARY, {address, "bench", "--concurrency=2", "--batch=4096", "--seconds=0.2"});
+  EXPECT_EQ(bench.exit_code, 1) << bench.output;
+  EXPECT_TRUE(absl::StrContains(bench.output, "RESOURCE_EXHAUSTED")) << bench.output;
+  auto tp = ServerProcess::Start({"--tp-size=2"});
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  const Outcome demo =
+      RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + (*tp)->grpc_address(), "demo"});
+  EXPECT_EQ(demo.exit_code, 1) << demo.output;
+  EXPECT_TRUE(absl::StrContains(demo.output, "run it against a --tp-size=1 server")) << demo.output;
+  for (ServerProcess* s : {small->get(), tp->get()}) {
+    const Outcome stats =
+        RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + s->grpc_address(), "stats"});
+    EXPECT_EQ(stats.exit_code, 0) << stats.output;
+    EXPECT_TRUE(absl::StrContains(stats.output, "\"slots_live\": \"0\"")) << stats.output;
+  }
 }
 
 // Cache-event flags the server cannot honour stop it at start, naming the flag.

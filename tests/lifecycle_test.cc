@@ -1,6 +1,9 @@
 // Retries by request id, concurrent clients, graceful drain and the /metrics endpoint.
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -8,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "service_fixture.h"
 
@@ -16,6 +20,36 @@ namespace {
 
 using LifecycleTest = ServiceTest;
 using Health = grpc::health::v1::HealthCheckResponse;
+
+// Ids made by processes forked from one parent (workers of a pre-fork server) are their own:
+// a repeated id would make the server answer a second worker's Allocate with the first's slot.
+TEST(RequestIds, ForkedWorkersNeverRepeatEachOthersIds) {
+  const std::string parent = client::NewRequestId();  // the parent's generator, if any, is warm
+  EXPECT_EQ(parent.size(), 32u);
+  std::vector<std::string> ids = {parent};
+  for (int child = 0; child < 3; ++child) {
+    int fds[2];
+    ASSERT_EQ(pipe(fds), 0);
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const std::string id = client::NewRequestId();
+      const ssize_t n = write(fds[1], id.data(), id.size());
+      _exit(n == static_cast<ssize_t>(id.size()) ? 0 : 1);
+    }
+    close(fds[1]);
+    char buf[64] = {};
+    const ssize_t n = read(fds[0], buf, sizeof(buf));
+    close(fds[0]);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_EQ(n, 32);
+    ids.emplace_back(buf, static_cast<size_t>(n));
+  }
+  ids.push_back(client::NewRequestId());
+  std::sort(ids.begin(), ids.end());
+  EXPECT_EQ(std::adjacent_find(ids.begin(), ids.end()), ids.end()) << absl::StrJoin(ids, " ");
+}
 
 TEST_F(LifecycleTest, RetriedDecodeReturnsTheOriginalOutputsAndAdvancesOnce) {
   const uint64_t a = NewSlot();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -96,6 +97,7 @@ absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentE
 absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::string address) {
   Invocation inv;
   inv.address = std::move(address);
+  absl::flat_hash_set<std::string> seen;  // options and switches given
   for (size_t i = 0; i < argv.size(); ++i) {
     absl::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -137,6 +139,14 @@ absl::StatusOr<Invocation> Parse(const std::vector<std::string>& argv, std::stri
       value = argv[++i];
     } else {
       return Invalid(absl::StrCat("--", name, ": missing value"));
+    }
+    // An empty value is a mistake, never "off": `--tls-ca "$CA"` with CA unset would connect
+    // in plaintext and send the token in the clear. A second use would silently win.
+    if (!is_switch && value.empty()) {
+      return Invalid(absl::StrCat("--", name, ": expected a value, got an empty one"));
+    }
+    if (!seen.insert(name).second) {
+      return Invalid(absl::StrCat("--", name, ": given twice"));
     }
     if (name == "address") {
       inv.address = value;

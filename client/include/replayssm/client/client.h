@@ -3,8 +3,9 @@
 // every mutating call that has none, and a stream helper for layer-by-layer forwards (decode,
 // prefill, verify).
 //
-// Thread safety: a Client may be shared by threads (each call has its own context); a
-// ForwardStream is driven by one thread at a time.
+// Thread safety: a Client may be shared by threads (each call has its own context) once it is
+// configured: set_timeout and set_token are not synchronized with calls, so set them before
+// sharing it. A ForwardStream is driven by one thread at a time.
 #ifndef REPLAYSSM_CLIENT_CLIENT_H_
 #define REPLAYSSM_CLIENT_CLIENT_H_
 
