@@ -23,8 +23,6 @@ import sys
 import threading
 import time
 
-import grpc
-
 import replayssm
 
 TIER_RANK = {"GPU": 2, "CPU": 1, "DISK": 0}
@@ -107,7 +105,7 @@ class Subscription(threading.Thread):
                 self._call = self.client.watch_cache(self.epoch, self.next_seq)
                 for batch in self._call:
                     self._apply(batch)
-            except grpc.RpcError:
+            except replayssm.ReplaySSMError:  # the stream ended: reconnect
                 pass
             if not self._stop.is_set():
                 self.reconnects += 1

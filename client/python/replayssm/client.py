@@ -2,7 +2,8 @@
 services and the client-facing ones of SlotTransfer, numpy/torch tensors inline, typed errors.
 
 Request ids: every mutating call takes `request_id`; when None a fresh one is made once per call
-and reused by its retries (replayssm.retry).
+and reused by its retries (replayssm.retry). A call that still fails raises an error carrying
+the id it sent (`.request_id`): pass it again to retry by hand.
 
 Thread safety: a Client may be shared by threads; a ForwardStream is driven by one at a time.
 """
@@ -61,6 +62,27 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._details(details), requests)
 
 
+class _TypedStream:
+    """A server-streaming call whose failure is raised as its typed error, as unary calls'
+    are; the call's own methods (cancel(), code(), ...) pass through."""
+
+    def __init__(self, call, method):
+        self._call = call
+        self._method = method
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._call)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, self._method) from None
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+
 def read_token_file(path):
     """The bearer token in `path`: the file's text without surrounding whitespace."""
     with open(path, encoding="utf-8") as f:
@@ -75,17 +97,28 @@ class Client:
 
     address: host:port (an insecure channel); or pass `channel` (e.g. with credentials or
     interceptors). timeout: seconds per unary call. retries: extra attempts of a call that
-    failed with a retry.RETRYABLE code, `retry_backoff` seconds apart, doubling.
+    failed with UNAVAILABLE or DEADLINE_EXCEEDED, `retry_backoff` seconds apart, doubling.
+    aborted_wait: seconds a call answered ABORTED (its request id still in flight on the
+    server) keeps retrying, backing off from `retry_backoff` to 1 s (None: `timeout`, the time
+    the attempt in flight may take; 60 s without one). retries=0 turns every retry off
+    (replayssm.retry).
     """
 
     def __init__(self, address=None, *, channel=None, timeout=60.0, retries=2,
-                 retry_backoff=0.05, max_message_bytes=256 << 20, tls_ca=None, tls_cert=None,
-                 tls_key=None, token=None, token_file=None):
+                 retry_backoff=0.05, aborted_wait=None, max_message_bytes=256 << 20,
+                 tls_ca=None, tls_cert=None, tls_key=None, token=None, token_file=None):
         """tls_ca (PEM file of the server's CA; None with TLS on: the system roots),
         tls_cert + tls_key (this client's certificate, for a server that requires one): any
         of them turns TLS on (docs/operations.md, "Security and resource bounds").
         token, or token_file (a file holding it): the bearer token sent with every call, for a
-        server with --auth-tokens; it names the tenant whose slots this client sees."""
+        server with --auth-tokens; it names the tenant whose slots this client sees. An empty
+        string for any of these is refused (ValueError): None is how to leave one out."""
+        # "" would read as "not given" below: a plaintext channel, or calls without a token.
+        for name, value in (("tls_ca", tls_ca), ("tls_cert", tls_cert), ("tls_key", tls_key),
+                            ("token", token), ("token_file", token_file)):
+            if value is not None and not str(value).strip():
+                raise ValueError(f"Client: {name}: expected a non-empty value (or None to leave "
+                                 f"it out), got {value!r}")
         if token is not None and token_file is not None:
             raise ValueError("Client: give token or token_file, not both")
         if token_file is not None:
@@ -116,6 +149,7 @@ class Client:
         self.timeout = timeout
         self.retries = retries
         self.retry_backoff = retry_backoff
+        self.aborted_wait = aborted_wait
         self.stub = pb_grpc.ReplaySsmStub(channel)
         # SlotTransfer's server-to-server methods (Reserve/Commit/AbortTransfer) are used by
         # the sending server over UCX; this stub reaches them where a tool needs to.
@@ -148,24 +182,35 @@ class Client:
     # ---- the call path ----
 
     def _call(self, method, rpc, request, retry=True):
-        """rpc(request) under the retry policy; a failure raises its typed error."""
+        """rpc(request) under the retry policy; a failure raises its typed error, carrying the
+        request's id when it has one."""
+        request_id = getattr(request, "request_id", None)
+
         def attempt():
             try:
                 return rpc(request, timeout=self.timeout)
             except grpc.RpcError as e:
-                raise errors.from_rpc_error(e, method) from None
+                raise errors.from_rpc_error(e, method, request_id) from None
 
-        return with_retries(attempt, self.retries if retry else 0, self.retry_backoff)
+        return with_retries(attempt, self.retries if retry else 0, self.retry_backoff,
+                            aborted_wait=self._aborted_wait())
+
+    def _aborted_wait(self):
+        if self.aborted_wait is not None:
+            return self.aborted_wait
+        return self.timeout if self.timeout is not None else 60.0
 
     def _layers(self, layers):
         act = self.model.act_dtype
-        return [tensors.layer_input(i, x, act, f"layers[{i}]") for i, x in enumerate(layers)]
+        return [tensors.any_layer_input(i, x, act, f"layers[{i}]")
+                for i, x in enumerate(layers)]
 
     @staticmethod
     def _outputs(replies, layers):
-        """Reply LayerOutputs as arrays shaped like their inputs (torch in, torch out)."""
-        return [tensors.like(o.out, tensors.output_template(layers[o.layer]),
-                             f"layers[{o.layer}].out") for o in replies]
+        """Reply LayerOutputs like their inputs: arrays (torch in, torch out), or the output
+        RegionTensor of a layer given in regions."""
+        return [tensors.layer_output(o.out, layers[o.layer], f"layers[{o.layer}].out")
+                for o in replies]
 
     # ---- info ----
 
@@ -244,7 +289,9 @@ class Client:
     # ---- forwards ----
 
     def prefill(self, slot, tokens, layers, *, return_outputs=False, request_id=None):
-        """Runs N tokens into `slot`; `layers` holds every layer's Activations for them."""
+        """Runs N tokens into `slot`; `layers` holds every layer's Activations for them, or
+        its tensors in registered regions (a plan.PlannedLayer, or four RegionTensors with
+        the output last: the server writes the output there, and it is what returns)."""
         request = pb.PrefillRequest(request_id=request_id or new_request_id(), slot=slot,
                                     tokens=_ints(tokens), layers=self._layers(layers),
                                     return_outputs=return_outputs)
@@ -253,7 +300,8 @@ class Client:
 
     def decode(self, rows, layers, *, request_id=None):
         """One decode forward in one call. rows: (slot, token_id) pairs (slot 0 = padding);
-        layers: every layer's Activations for the B rows."""
+        layers: every layer's Activations for the B rows, or its tensors in regions (as
+        prefill takes them)."""
         request = pb.DecodeRequest(request_id=request_id or new_request_id(),
                                    rows=make_rows(rows), layers=self._layers(layers))
         reply = self._call("Decode", self.stub.Decode, request)
@@ -265,8 +313,8 @@ class Client:
 
     def verify(self, slots, drafts, layers, *, request_id=None):
         """Speculative verify: drafts[i] are row i's T draft tokens (the same T for all rows);
-        layers hold the B*T tokens' Activations in (row, draft) order. Returns per layer
-        [B*T, HV, V]; nothing advances until accept()."""
+        layers hold the B*T tokens' Activations (or regions, as prefill takes them) in (row,
+        draft) order. Returns per layer [B*T, HV, V]; nothing advances until accept()."""
         request = pb.VerifyRequest(request_id=request_id or new_request_id(), slots=_ints(slots),
                                    num_draft=draft_count(drafts),
                                    draft_tokens=_ints(t for d in drafts for t in d),
@@ -297,10 +345,12 @@ class Client:
 
     def watch_cache(self, epoch=0, from_seq=0, timeout=None):
         """The caller's cache events (docs/api.md, "Cache events"): an iterator of
-        pb.CacheEventBatch, live until cancelled (the iterator's .cancel()) or the server goes.
-        epoch, from_seq: of the next batch wanted after a reconnect (0, 0: a resync first)."""
+        pb.CacheEventBatch, live until cancelled (the iterator's .cancel()) or the server goes;
+        its end is raised as a ReplaySSMError (Cancelled after cancel(), Unavailable when the
+        server goes, ...). epoch, from_seq: of the next batch wanted after a reconnect (0, 0:
+        a resync first)."""
         request = pb.WatchCacheRequest(epoch=epoch, from_seq=from_seq)
-        return self.stub.WatchCache(request, timeout=timeout)
+        return _TypedStream(self.stub.WatchCache(request, timeout=timeout), "WatchCache")
 
     # ---- transfer between servers ----
 

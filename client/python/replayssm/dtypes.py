@@ -44,7 +44,12 @@ def itemsize(code):
 
 
 def float_to_bf16_bits(x):
-    """float32 values -> bf16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    """float32 values -> bf16 bit patterns (uint16), round to nearest even; NaN stays NaN.
+
+    Other floats are converted to float32 first, so float64 is rounded twice (to float32, then
+    to bf16): a float64 value within half a float32 ulp of a bf16 midpoint rounds as the
+    midpoint does (to even), not always to the nearer bf16. torch's float64 -> bfloat16
+    conversion does the same, so numpy and torch input give the same bits."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     bits = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)

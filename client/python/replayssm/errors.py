@@ -4,23 +4,31 @@ The server's code and message are carried unchanged (`.code`, `.details`); the m
 the offending field with what was expected and what came (docs/api.md, Errors). Input the client
 refuses before sending (a tensor it cannot encode, ragged drafts) raises InvalidArgument in the
 same form.
+
+A failure of a call that sent a request id (every mutating call, a stream's forward) carries
+it as `.request_id`, also at the end of the message: the call may have been applied (its reply
+lost), so a retry by hand passes that id again and is answered from the server's request log
+rather than applied twice (docs/api.md, Request ids).
 """
 
 import grpc
 
 
 class ReplaySSMError(Exception):
-    """A failed call. `code` is a grpc.StatusCode, `details` the server's message."""
+    """A failed call. `code` is a grpc.StatusCode, `details` the server's message,
+    `request_id` the id the failed call sent (None: the call has none, or nothing was sent)."""
 
     code = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, details, *, code=None, method=None):
+    def __init__(self, details, *, code=None, method=None, request_id=None):
         if code is not None:
             self.code = code
         self.details = details
         self.method = method
+        self.request_id = request_id or None
         where = f"{method}: " if method else ""
-        super().__init__(f"{where}{self.code.name}: {details}")
+        sent = f" [request_id {request_id}]" if request_id else ""
+        super().__init__(f"{where}{self.code.name}: {details}{sent}")
 
 
 class Cancelled(ReplaySSMError):
@@ -71,7 +79,8 @@ class FailedPrecondition(ReplaySSMError):
 
 
 class Aborted(ReplaySSMError):
-    """The same request id is still in flight: retry later with the same id."""
+    """The same request id is still in flight: retry later with the same id (the client does,
+    for up to its `aborted_wait` seconds; replayssm.retry)."""
 
     code = grpc.StatusCode.ABORTED
 
@@ -107,14 +116,15 @@ class Unauthenticated(ReplaySSMError):
 _BY_CODE = {cls.code: cls for cls in ReplaySSMError.__subclasses__()}
 
 
-def error_for(code, details, method=None):
+def error_for(code, details, method=None, request_id=None):
     """The typed error of a gRPC status code."""
     cls = _BY_CODE.get(code, ReplaySSMError)
-    return cls(details, code=code, method=method)
+    return cls(details, code=code, method=method, request_id=request_id)
 
 
-def from_rpc_error(error, method=None):
-    """A grpc.RpcError (a failed call, or a stream the server ended) as a typed error."""
+def from_rpc_error(error, method=None, request_id=None):
+    """A grpc.RpcError (a failed call, or a stream the server ended) as a typed error;
+    `request_id`: the id the call sent, if any."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    return error_for(code, details or "", method)
+    return error_for(code, details or "", method, request_id)

@@ -30,7 +30,9 @@ from replayssm.v1 import regions_pb2
 from replayssm.v1 import replayssm_pb2 as pb
 
 DOORBELL_ALIGNMENT = 4  # what the server checks for doorbell arrays
-LAYOUT_ALIGNMENT = 64  # ForwardPlan.layout places each tensor on a cache line
+# ForwardPlan.layout places each tensor at a multiple of this from the plan's offset: on a cache
+# line when the offset is on one. Relative to the offset, so that nbytes() fits from any offset.
+LAYOUT_ALIGNMENT = 64
 _WORD = 0xFFFFFFFF
 
 
@@ -187,27 +189,30 @@ class ForwardPlan:
 
     @staticmethod
     def nbytes(model, max_tokens, rank=False):
-        """Bytes layout() needs for `model` and forwards of up to max_tokens tokens (rank=True:
-        one rank's part of a TP server's RankedForwardPlan)."""
+        """Bytes layout() needs for `model` and forwards of up to max_tokens tokens from its
+        offset, whatever the offset (a region of offset + nbytes holds the plan); rank=True:
+        one rank's part of a TP server's RankedForwardPlan."""
         per_layer = sum(_up(int(np.prod(s)) * _itemsize(model)) for s in
                         layer_shapes(model, max_tokens, rank))
         return _up(8 * model.num_layers) + model.num_layers * per_layer
 
     @classmethod
     def layout(cls, region, model, max_tokens, offset=0, rank=False, field="plan"):
-        """A plan over `region` from `offset`: ready [L], done [L], then per layer mixed_qkv,
-        a, b, out for max_tokens tokens in the model's activation dtype (nbytes() in all). On a
-        TP server the tensors are the group's, [T, max_tokens, width / T]; rank=True: one
-        rank's (RankedForwardPlan.layout)."""
+        """A plan over `region` from `offset` (a multiple of 16, regions.ALIGNMENT; of 64 to
+        put every tensor on a cache line): ready [L], done [L], then per layer mixed_qkv, a, b,
+        out for max_tokens tokens in the model's activation dtype, each at a multiple of
+        LAYOUT_ALIGNMENT bytes from `offset` (nbytes() in all). On a TP server the tensors are
+        the group's, [T, max_tokens, width / T]; rank=True: one rank's
+        (RankedForwardPlan.layout)."""
         num_layers = model.num_layers
         ready = Doorbells(region, offset, num_layers, f"{field}.ready")
         done = Doorbells(region, offset + 4 * num_layers, num_layers, f"{field}.done")
-        at = offset + _up(8 * num_layers)
+        at = _up(8 * num_layers)  # from offset, as nbytes() counts
         layers = []
         for l in range(num_layers):
             tensors = []
             for part, shape in zip(PlannedLayer._fields, layer_shapes(model, max_tokens, rank)):
-                tensors.append(RegionTensor.at(region, at, model.act_dtype, shape,
+                tensors.append(RegionTensor.at(region, offset + at, model.act_dtype, shape,
                                                f"{field}.layers[{l}].{part}"))
                 at = _up(at + int(np.prod(shape)) * _itemsize(model))
             layers.append(PlannedLayer(*tensors))
@@ -261,7 +266,7 @@ class RankedForwardPlan:
 
     @staticmethod
     def nbytes(model, max_tokens):
-        """Bytes each rank's region needs from its offset."""
+        """Bytes each rank's region needs from its offset (whatever the offset)."""
         return ForwardPlan.nbytes(model, max_tokens, rank=True)
 
     @classmethod

@@ -10,14 +10,16 @@ travelling inline.
   ALIGNMENT; ref() is the wire RegionRef that a ForwardPlan (replayssm.plan) or a stream's
   layer message names; write() and read() move values in and out of it.
 
-Client.register_region / unregister_region / region_status talk to the server. The unary
-forward calls carry tensors inline: a RegionTensor given to one is refused with Unimplemented
-before anything is sent (regions are named by ForwardStream layer messages and plans).
+Client.register_region / unregister_region / region_status talk to the server. A forward's
+layer names regions for all four of its tensors or none: in a ForwardStream layer message, in
+the unary prefill / decode / verify (e.g. a plan.PlannedLayer's head(n)), or every layer at once
+in a plan. Other calls carry tensors inline: a RegionTensor given to one is refused with
+Unimplemented before anything is sent.
 """
 
 import abc
 import sys
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
 
 import numpy as np
@@ -43,13 +45,35 @@ class Region(abc.ABC):
         """The RegisterSystemRegionRequest or RegisterCudaRegionRequest of this region."""
 
 
+# The shm names this process created and has not unlinked yet. Python's resource tracker keeps
+# one entry per name for the whole process, so an attachment to one of these must leave it.
+_owned = set()
+
+
+def _attach(shm_name):
+    """The existing shm object `shm_name`, left out of this process's resource tracker: Python
+    (before 3.13's track=False) registers attachments too, and the tracker unlinks whatever its
+    process registered when that process exits; the owner's object would vanish under it."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=shm_name, track=False)
+    shm = shared_memory.SharedMemory(name=shm_name)
+    if shm._name not in _owned:
+        resource_tracker.unregister(shm._name, "shared_memory")
+    return shm
+
+
 class SharedMemoryRegion(Region):
     """A POSIX shm object. create=True makes a new one (named `key`, or a fresh name) that this
-    object owns and unlinks on close(); create=False attaches to the existing `key`."""
+    object owns and unlinks on close(); create=False attaches to the existing `key`, which
+    stays its owner's: neither close() nor this process's exit removes it."""
 
     def __init__(self, name, nbytes, *, key=None, create=True):
         shm_name = key.lstrip("/") if key else None
-        self._shm = shared_memory.SharedMemory(name=shm_name, create=create, size=nbytes)
+        if create:
+            self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=nbytes)
+            _owned.add(self._shm._name)
+        else:
+            self._shm = _attach(shm_name)
         self._owner = create
         self.key = "/" + self._shm.name.lstrip("/")  # the shm_open name
         super().__init__(name, nbytes if create else self._shm.size)
@@ -66,12 +90,18 @@ class SharedMemoryRegion(Region):
         return np.ndarray(shape, dtype=dtype, buffer=self._shm.buf, offset=offset)
 
     def close(self):
-        """Detaches; the owner also removes the object."""
+        """Detaches; the owner also removes the object (one already removed is no error)."""
         if self._shm is None:
             return
         self._shm.close()
         if self._owner:
-            self._shm.unlink()
+            _owned.discard(self._shm._name)
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                # Removed by someone else; unlink() raised before dropping the tracker's entry,
+                # which would otherwise try again at exit and warn of a leak.
+                resource_tracker.unregister(self._shm._name, "shared_memory")
         self._shm = None
 
     def __enter__(self):
@@ -214,7 +244,9 @@ class RegionTensor(NamedTuple):
 
 
 def refuse_inline(x, field):
-    """Raises Unimplemented for a RegionTensor: the calls that take tensors take them inline."""
+    """Raises Unimplemented for a RegionTensor where a tensor travels inline (a forward's layer
+    names regions whole: tensors.any_layer_input)."""
     if isinstance(x, RegionTensor):
         raise errors.Unimplemented(f"{field}: this call carries tensors inline; a region tensor "
-                                   "is named only by a stream's layer message or a plan")
+                                   "is named only by a forward's layer (all four of its tensors "
+                                   "in regions) or a plan")

@@ -10,14 +10,17 @@ regions: no layer messages; the engine rings the plan's doorbells, and commit() 
 forward. Layer messages may also name regions: run_layer(l, x, a, b, out=) with RegionTensors.
 
 An error ends the server's stream and abandons the open forward (no cursor moves, no state
-changes); it is raised as its typed error, and the next begin() opens a new stream.
+changes); it is raised as its typed error, carrying the forward's request id, and the next
+begin() opens a new stream. A layer the client cannot send (input it refuses, e.g. an integer
+array) abandons the forward the same way: left open, it would hold its slots from all other
+work and refuse the stream's next begin.
 """
 
 import queue
 
 import grpc
 
-from replayssm import errors, regions, tensors
+from replayssm import errors, tensors
 from replayssm.results import DecodeResult
 from replayssm.retry import new_request_id, with_retries
 from replayssm.v1 import replayssm_pb2 as pb
@@ -50,6 +53,7 @@ class ForwardStream:
         self._call = None
         self._requests = None
         self.request_id = None  # the id of the last begin
+        self._forward_id = None  # the id of the open forward: its errors carry it
         self.replayed = False  # the last begin's id had been applied: outputs are the stored ones
         self._planned = False  # the open forward is planned: no layer messages
         self._awaiting = False  # a begin was sent with wait=False; its reply is not read yet
@@ -73,19 +77,21 @@ class ForwardStream:
                                             method="DecodeStream")
         if request is not None:
             self._requests.put(request)
+        request_id = self._forward_id
         try:
             reply = next(self._call)
         except grpc.RpcError as e:
             self._drop()
-            raise errors.from_rpc_error(e, "DecodeStream") from None
+            raise errors.from_rpc_error(e, "DecodeStream", request_id) from None
         except StopIteration:
             self._drop()
-            raise errors.Unavailable("decode stream ended by the server",
-                                     method="DecodeStream") from None
+            raise errors.Unavailable("decode stream ended by the server", method="DecodeStream",
+                                     request_id=request_id) from None
         kind = reply.WhichOneof("msg")
         if kind != expect:
             self.close()
-            raise errors.Internal(f"expected a {expect} reply, got {kind}", method="DecodeStream")
+            raise errors.Internal(f"expected a {expect} reply, got {kind}", method="DecodeStream",
+                                  request_id=request_id)
         return getattr(reply, expect)
 
     def _drop(self):
@@ -93,6 +99,7 @@ class ForwardStream:
         self._requests = None
         self._planned = False
         self._awaiting = False
+        self._forward_id = None
 
     def begin(self, rows, *, plan=None, request_id=None, wait=True):
         """Opens a decode forward over rows ((slot, token_id) pairs; slot 0 pads). With `plan`
@@ -141,6 +148,7 @@ class ForwardStream:
         if self._call is None:
             self._open()
         self.request_id = request_id or new_request_id()
+        self._forward_id = self.request_id
         request = message(self.request_id)
         if plan is not None:
             plan.next_value()
@@ -174,19 +182,26 @@ class ForwardStream:
         """Runs one layer for every row of the open forward; returns its output [B, HV, V]
         (numpy, or a torch tensor on mixed_qkv's device when the inputs are torch). With
         RegionTensors for every input and `out` a RegionTensor, only their places travel:
-        the server writes the output there and `out` is returned."""
+        the server writes the output there and `out` is returned. Input refused before
+        sending (InvalidArgument naming the field) abandons the forward, as any error does."""
         if self._planned:
             raise errors.FailedPrecondition(f"layer {layer}: the open forward is planned (its "
                                             "layers run on the doorbells); commit() closes it",
                                             method="DecodeStream")
-        inputs = tensors.Activations(mixed_qkv, a, b)
-        if out is None and not any(isinstance(x, regions.RegionTensor) for x in inputs):
-            request = tensors.layer_input(layer, inputs, self._client.model.act_dtype, "layer")
-            reply = self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
-            return tensors.like(reply.out, mixed_qkv, "layer.out")
-        request = tensors.region_layer_input(layer, inputs, out, "layer")
-        self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
-        return out
+        given = (mixed_qkv, a, b) if out is None else (mixed_qkv, a, b, out)
+        try:
+            request = tensors.any_layer_input(layer, given, self._client.model.act_dtype,
+                                              "layer")
+            return self._send_layer(request, given, "layer.out")
+        except BaseException:
+            # The server's errors have ended the stream already; anything else leaves the
+            # forward open on the server, holding its slots, until the stream closes.
+            self.close()
+            raise
+
+    def _send_layer(self, request, given, field):
+        reply = self._round_trip(pb.DecodeStreamRequest(layer=request), "layer")
+        return tensors.layer_output(reply.out, given, field)
 
     def commit(self):
         """Closes the forward: every row's cursor advances once (verify: none; the drafts
@@ -195,20 +210,33 @@ class ForwardStream:
         committed = self._round_trip(pb.DecodeStreamRequest(commit=pb.DecodeCommit()),
                                      "committed")
         self._planned = False
+        self._forward_id = None
         return list(committed.rows)
 
     def forward(self, rows, layers, *, request_id=None):
         """A whole forward (begin, every layer in order, commit), retried with the same request
-        id on a RETRYABLE failure as the client's unary calls are. Returns DecodeResult."""
+        id on a RETRYABLE failure as the client's unary calls are. Every layer's inputs are
+        checked (and encoded) before the begin, so input the client refuses sends nothing.
+        `layers` as Client.decode takes them. Returns DecodeResult."""
         request_id = request_id or new_request_id()
+        layers = list(layers)
+        act = self._client.model.act_dtype
+        messages = [tensors.any_layer_input(i, x, act, f"layers[{i}]")
+                    for i, x in enumerate(layers)]
 
         def attempt():
             self.begin(rows, request_id=request_id)
-            outputs = [self.run_layer(i, *x) for i, x in enumerate(layers)]
+            try:
+                outputs = [self._send_layer(m, x, f"layers[{i}].out")
+                           for i, (m, x) in enumerate(zip(messages, layers))]
+            except BaseException:
+                self.close()  # as run_layer: no forward left open on the server
+                raise
             return DecodeResult(outputs, self.commit())
 
         client = self._client
-        return with_retries(attempt, client.retries, client.retry_backoff, self.close)
+        return with_retries(attempt, client.retries, client.retry_backoff, self.close,
+                            aborted_wait=client._aborted_wait())
 
     def close(self):
         """Half-closes the stream and waits for the server to end it; a forward still open is

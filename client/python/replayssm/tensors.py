@@ -3,8 +3,9 @@
 A wire tensor is raw little-endian bytes, row-major and dense, with a dtype (f32, bf16, f16)
 and a shape. numpy has no bfloat16, so bf16 data reads back as float32 arrays (exact: every
 bf16 value is a float32) and numpy input is rounded to bf16 (nearest even, as the server and the
-C++ client do). torch tensors keep their dtype, bf16 included; torch is imported only by callers
-that pass torch tensors, so it stays optional.
+C++ client do; float64 input is first rounded to float32, as torch's conversion does, so numpy
+and torch give the same bits). torch tensors keep their dtype, bf16 included; torch is imported
+only by callers that pass torch tensors, so it stays optional.
 """
 
 import sys
@@ -131,6 +132,39 @@ def layer_input(layer, inputs, act_dtype, field):
                          mixed_qkv=to_proto(mixed_qkv, act_dtype, f"{field}.mixed_qkv"),
                          a=to_proto(a, act_dtype, f"{field}.a"),
                          b=to_proto(b, act_dtype, f"{field}.b"))
+
+
+def any_layer_input(layer, inputs, act_dtype, field, out=None):
+    """A wire LayerInput from one layer's inputs in any form a forward takes: a LayerInput (as
+    is); Activations or a 3-tuple of arrays (inline, cast to the activation dtype); or
+    RegionTensors for mixed_qkv, a, b and the output, the output as `out` or as a fourth
+    element (a plan.PlannedLayer): then only their places travel. A mix of the two kinds is
+    refused (InvalidArgument naming the field) before anything is sent."""
+    if isinstance(inputs, pb.LayerInput):
+        return inputs
+    try:
+        parts = tuple(inputs)
+    except TypeError:
+        parts = ()
+    if len(parts) == 4 and out is None:
+        *parts, out = parts
+    if len(parts) != 3:
+        raise InvalidArgument(f"{field}: expected Activations(mixed_qkv, a, b) or a "
+                              f"PlannedLayer, got {type(inputs).__name__}")
+    if out is not None or any(isinstance(x, regions.RegionTensor) for x in parts):
+        return region_layer_input(layer, parts, out, field)
+    return layer_input(layer, parts, act_dtype, field)
+
+
+def layer_output(out, inputs, field="tensor"):
+    """A reply's output tensor for the layer given as `inputs` (what any_layer_input took):
+    its output RegionTensor when the output went to a region, else the bytes in the kind of
+    the inputs (output_template)."""
+    if out.HasField("region"):
+        if not isinstance(inputs, pb.LayerInput) and len(inputs) == 4:
+            return inputs[3]
+        return out  # a caller's own LayerInput: the wire tensor naming its region
+    return like(out, output_template(inputs), field)
 
 
 def region_layer_input(layer, inputs, out, field):

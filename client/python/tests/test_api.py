@@ -234,6 +234,19 @@ class PrefixTest(ServerTest):
         self.assertEqual(self.client.stats().donations, 1)
 
 
+class CacheWatchTest(ServerTest):
+    def test_a_cache_watch_yields_batches_and_ends_in_typed_errors(self):
+        watch = self.client.watch_cache()
+        self.assertTrue(next(watch).resync)  # a watch from (0, 0) starts with a resync
+        watch.cancel()
+        with self.assertRaises(replayssm.Cancelled) as caught:
+            next(watch)
+        self.assertEqual(caught.exception.method, "WatchCache")
+        with self.assertRaises(replayssm.DeadlineExceeded):
+            for _ in self.client.watch_cache(timeout=0.3):
+                pass
+
+
 class TransferTest(ServerTest):
     def test_a_slot_moves_to_a_peer_by_push_and_back_by_pull(self):
         peer = ServerProcess()

@@ -23,10 +23,10 @@ from support import ServerTest, rows_of
 class Engine:
     """The test's engine: a shm region holding a ForwardPlan for up to max_tokens tokens."""
 
-    def __init__(self, model, max_tokens, name="engine"):
-        self.region = regions.SharedMemoryRegion(name, plan.ForwardPlan.nbytes(model,
-                                                                              max_tokens))
-        self.plan = plan.ForwardPlan.layout(self.region, model, max_tokens)
+    def __init__(self, model, max_tokens, name="engine", offset=0):
+        self.region = regions.SharedMemoryRegion(
+            name, offset + plan.ForwardPlan.nbytes(model, max_tokens))
+        self.plan = plan.ForwardPlan.layout(self.region, model, max_tokens, offset)
 
     def write(self, l, inputs):
         """Layer l's inputs into the region (what the engine's previous layer would write)."""
@@ -158,6 +158,57 @@ class DataPlaneTest(EngineTest):
             self.client.accept(i, 1)
             self.assertEqual(self.observe(p), self.observe(i))
 
+    def test_a_plan_at_an_offset_fits_offset_plus_nbytes_and_matches_inline(self):
+        shifted = Engine(self.model, 2, "shifted", offset=16)
+        self.addCleanup(shifted.region.close)
+        self.client.register_region(shifted.region)
+        planned, inline = self.slots(2), self.slots(2)
+        layers = self.layers(2)
+        with self.client.open_stream() as stream:
+            stream.begin([(s, 9) for s in planned], plan=shifted.plan)
+            shifted.drive(layers)
+            self.assertEqual([r.seq_len for r in stream.commit()], [1, 1])
+            want = stream.forward([(s, 9) for s in inline], layers)
+        for l, w in enumerate(want.outputs):
+            np.testing.assert_array_equal(shifted.out(l, 2), w, err_msg=f"layer {l}")
+        for p, i in zip(planned, inline):
+            self.assertEqual(self.observe(p), self.observe(i))
+
+    def test_unary_calls_take_layers_in_regions_as_layer_messages_do(self):
+        [a], [b] = self.slots(1), self.slots(1)
+        prompt = self.layers(3)
+        for l, x in enumerate(prompt):
+            self.engine.write(l, x)
+        named = [self.engine.plan.layers[l].head(3) for l in range(self.model.num_layers)]
+        got = self.client.prefill(a, [1, 2, 3], named, return_outputs=True)
+        want = self.client.prefill(b, [1, 2, 3], prompt, return_outputs=True)
+        self.assertEqual(got.outputs, [layer.out for layer in named])
+        self.assertOutputsEqual(3, want.outputs)
+        self.assertEqual(got.state.seq_len, 3)
+        step = self.layers(1)
+        for l, x in enumerate(step):
+            self.engine.write(l, x)
+        named = [self.engine.plan.layers[l].head(1) for l in range(self.model.num_layers)]
+        got = self.client.decode([(a, 4)], named)
+        want = self.client.decode([(b, 4)], step)
+        self.assertEqual(got.outputs, [layer.out for layer in named])
+        self.assertOutputsEqual(1, want.outputs)
+        drafts = self.layers(2)
+        for l, x in enumerate(drafts):
+            self.engine.write(l, x)
+        named = [self.engine.plan.layers[l].head(2) for l in range(self.model.num_layers)]
+        self.client.verify([a], [[5, 6]], named)
+        self.assertOutputsEqual(2, self.client.verify([b], [[5, 6]], drafts))
+        self.client.accept(a, 1)
+        self.client.accept(b, 1)
+        self.assertEqual(self.observe(a), self.observe(b))
+        self.assertEqual(self.in_use(), 0)
+        mixed = list(named)
+        mixed[1] = replayssm.Activations(*named[1][:3])  # regions without an output
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            self.client.verify([a], [[7, 8]], mixed)
+        self.assertIn("layers[1].out: expected a RegionTensor", caught.exception.details)
+
     def test_layer_messages_naming_regions_match_inline(self):
         [a], [b] = self.slots(1), self.slots(1)
         layers = self.layers(1)
@@ -174,18 +225,20 @@ class DataPlaneTest(EngineTest):
 
     def test_a_layer_message_mixing_regions_and_inline_is_refused_before_sending(self):
         [s] = self.slots(1)
-        x = self.layers(1)[0]
+        layers = self.layers(1)
+        x = layers[0]
         named = self.engine.plan.layers[0].head(1)
         with self.client.open_stream() as stream:
             stream.begin([(s, 9)])
             with self.assertRaises(replayssm.InvalidArgument) as caught:
                 stream.run_layer(0, named.mixed_qkv, x.a, named.b, out=named.out)
             self.assertIn("layer.a: expected a RegionTensor", caught.exception.details)
+            stream.begin([(s, 9)])  # the refusal abandoned the forward, as an error does
             with self.assertRaises(replayssm.InvalidArgument) as caught:
                 stream.run_layer(0, *named[:3])
             self.assertIn("layer.out: expected a RegionTensor", caught.exception.details)
-            stream.run_layer(0, *x)  # the forward is still open: nothing was sent
-        self.assertEqual(self.client.get_slot(s).seq_len, 0)
+            self.assertEqual(self.client.get_slot(s).seq_len, 0)
+            self.assertEqual(stream.forward([(s, 9)], layers).rows[0].seq_len, 1)
 
     def test_a_planned_forward_takes_no_layer_messages(self):
         [s] = self.slots(1)
@@ -340,6 +393,21 @@ class DoorbellTest(unittest.TestCase):
             self.assertLessEqual(ends[-1][1], nbytes)
             with self.assertRaises(replayssm.InvalidArgument):
                 plan.ForwardPlan.layout(region, model, 6)
+
+    def test_nbytes_from_any_aligned_offset_holds_the_whole_layout(self):
+        model = self.model()
+        nbytes = plan.ForwardPlan.nbytes(model, 5)
+        for offset in (16, 48, 64, 4096 + 32):
+            with regions.SharedMemoryRegion("p", offset + nbytes) as region:
+                p = plan.ForwardPlan.layout(region, model, 5, offset)
+                self.assertEqual((p.ready.offset, p.done.offset), (offset, offset + 12))
+                for layer in p.layers:
+                    for t in layer:
+                        self.assertEqual((t.offset - offset) % 64, 0, f"offset {offset}")
+                        self.assertLessEqual(t.offset + 2 * int(np.prod(t.shape)),
+                                             offset + nbytes)
+                with self.assertRaises(replayssm.InvalidArgument):
+                    plan.ForwardPlan.layout(region, model, 5, offset + 16)
 
     def test_a_wait_never_answered_raises_deadline_exceeded_naming_the_word(self):
         model = self.model()

@@ -49,6 +49,32 @@ class ErrorsTest(ServerTest):
             self.assertClose(stream.run_layer(l, *x), self.ref.decode_layer([state], l, *x))
         self.assertEqual(stream.commit()[0].seq_len, 3)
 
+    def test_a_layer_the_client_refuses_abandons_the_forward_and_the_stream_goes_on(self):
+        slot = self.client.allocate().slot
+        state = self.ref.new_state()
+        self.prefill(slot, state, 2)
+        before = self.observe(slot)
+        stream = self.client.open_stream()
+        self.addCleanup(stream.close)
+        layers = self.layers(1)
+        bad = list(layers)
+        bad[2] = replayssm.Activations(layers[2].mixed_qkv.astype(np.int32), *layers[2][1:])
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            stream.forward([(slot, 3)], bad)
+        self.assertIn("layers[2].mixed_qkv.dtype", caught.exception.details)
+        # Checked before the begin: the slot was never held, a unary call takes it at once.
+        self.assertEqual(self.observe(slot), before)
+        stream.begin([(slot, 3)])
+        stream.run_layer(0, *layers[0])
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            stream.run_layer(1, *bad[2])
+        self.assertIn("layer.mixed_qkv.dtype", caught.exception.details)
+        self.assertEqual(self.observe(slot), before)  # abandoned: the slot takes other work
+        got = stream.forward([(slot, 3)], layers)
+        for l, x in enumerate(layers):
+            self.assertClose(got.outputs[l], self.ref.decode_layer([state], l, *x))
+        self.assertEqual(got.rows[0].seq_len, 3)
+
     def test_a_layer_twice_in_one_forward_is_failed_precondition(self):
         slot = self.client.allocate().slot
         layers = self.layers(1)
@@ -129,7 +155,8 @@ class DrainTest(ServerTest):
 
 
 class LoseFirstReply(grpc.UnaryUnaryClientInterceptor):
-    """Lets the first call of `method` reach the server, then reports its reply lost."""
+    """Lets the first `lost` calls of `method` reach the server, then reports their replies
+    lost."""
 
     class Lost(grpc.RpcError):
         def code(self):
@@ -138,27 +165,57 @@ class LoseFirstReply(grpc.UnaryUnaryClientInterceptor):
         def details(self):
             return "reply lost (test)"
 
-    def __init__(self, method):
+    def __init__(self, method, lost=1):
         self.method = method
+        self.lost = lost
         self.request_ids = []
 
     def intercept_unary_unary(self, continuation, details, request):
         call = continuation(details, request)
         if details.method.endswith("/" + self.method):
             self.request_ids.append(request.request_id)
-            if len(self.request_ids) == 1:
+            if len(self.request_ids) <= self.lost:
                 call.result()  # applied on the server
                 raise self.Lost()
         return call
 
 
+class AbortedFor(grpc.UnaryUnaryClientInterceptor):
+    """Answers calls of `method` ABORTED (its id still in flight) for `seconds` after the
+    first, without reaching the server; then lets them through."""
+
+    class InFlight(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.ABORTED
+
+        def details(self):
+            return "request_id: still in flight (test)"
+
+    def __init__(self, method, seconds):
+        self.method = method
+        self.seconds = seconds
+        self.request_ids = []
+        self.first = None
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/" + self.method):
+            self.request_ids.append(request.request_id)
+            self.first = self.first or time.monotonic()
+            if time.monotonic() - self.first < self.seconds:
+                raise self.InFlight()
+        return continuation(details, request)
+
+
 class RequestIdTest(ServerTest):
-    def client_losing_first(self, method):
-        lose = LoseFirstReply(method)
-        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.grpc_address), lose)
-        client = replayssm.Client(channel=channel, timeout=30, retry_backoff=0.01)
+    def client_losing_first(self, method, lost=1):
+        return self.intercepted(LoseFirstReply(method, lost))
+
+    def intercepted(self, interceptor, **kw):
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.grpc_address),
+                                         interceptor)
+        client = replayssm.Client(channel=channel, timeout=30, retry_backoff=0.01, **kw)
         self.addCleanup(client.close)
-        return client, lose
+        return client, interceptor
 
     def test_an_allocate_whose_reply_was_lost_is_retried_with_its_id_and_applied_once(self):
         client, lose = self.client_losing_first("Allocate")
@@ -179,6 +236,59 @@ class RequestIdTest(ServerTest):
             self.assertClose(got.outputs[l], self.ref.decode_layer([state], l, *x))
         self.assertEqual(got.rows[0].seq_len, 1)
         self.assertEqual(self.client.get_slot(slot).seq_len, 1)
+
+    def test_a_call_out_of_retries_names_its_id_and_a_retry_by_hand_applies_it_once(self):
+        client, lose = self.client_losing_first("Prefill", lost=3)
+        slot = self.client.allocate().slot
+        layers = self.layers(3)
+        with self.assertRaises(replayssm.DeadlineExceeded) as caught:
+            client.prefill(slot, [1, 2, 3], layers)
+        error = caught.exception
+        self.assertEqual(len(lose.request_ids), 3)  # retries=2: every attempt's reply lost
+        self.assertEqual(set(lose.request_ids), {error.request_id})
+        self.assertIn(f"request_id {error.request_id}", str(error))
+        again = self.client.prefill(slot, [1, 2, 3], layers, request_id=error.request_id)
+        self.assertEqual(again.state.seq_len, 3)  # the first attempt's reply, not a second run
+        self.assertEqual(self.client.export_state(slot).tokens, [1, 2, 3])
+
+    def test_errors_of_calls_with_an_id_carry_it_and_the_others_none(self):
+        slot = self.client.allocate().slot
+        self.client.free(slot)
+        with self.assertRaises(replayssm.NotFound) as caught:
+            self.client.free(slot, request_id="free-gone")
+        self.assertEqual(caught.exception.request_id, "free-gone")
+        with self.assertRaises(replayssm.NotFound) as caught:
+            self.client.get_slot(slot)
+        self.assertIsNone(caught.exception.request_id)
+        self.assertNotIn("request_id", str(caught.exception))
+        with self.client.open_stream() as stream:
+            with self.assertRaises(replayssm.NotFound) as caught:
+                stream.begin([(slot, 1)], request_id="begin-gone")
+            self.assertEqual(caught.exception.request_id, "begin-gone")
+            with self.assertRaises(replayssm.NotFound) as caught:
+                stream.forward([(slot, 1)], self.layers(1))
+            self.assertEqual(caught.exception.request_id, stream.request_id)
+
+    def test_an_aborted_call_waits_for_its_id_in_flight_with_a_growing_backoff(self):
+        client, aborted = self.intercepted(AbortedFor("Allocate", 0.6))
+        slot = client.allocate().slot
+        self.assertEqual(self.client.get_slot(slot).seq_len, 0)
+        self.assertEqual(len(set(aborted.request_ids)), 1)
+        self.assertLessEqual(len(aborted.request_ids), 12)  # backing off, not spinning
+
+    def test_an_aborted_call_gives_up_after_aborted_wait_naming_its_id(self):
+        client, aborted = self.intercepted(AbortedFor("Allocate", 60), aborted_wait=0.3)
+        start = time.monotonic()
+        with self.assertRaises(replayssm.Aborted) as caught:
+            client.allocate(request_id="alloc-busy")
+        self.assertGreaterEqual(time.monotonic() - start, 0.3)
+        self.assertLess(time.monotonic() - start, 3)
+        self.assertEqual(caught.exception.request_id, "alloc-busy")
+        self.assertEqual(set(aborted.request_ids), {"alloc-busy"})
+        no_retries, aborted = self.intercepted(AbortedFor("Allocate", 60), retries=0)
+        with self.assertRaises(replayssm.Aborted):
+            no_retries.allocate()
+        self.assertEqual(len(aborted.request_ids), 1)
 
     def test_the_same_id_again_returns_the_original_reply(self):
         first = self.client.allocate(request_id="alloc-1")

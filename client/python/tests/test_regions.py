@@ -2,6 +2,9 @@
 against bounds and alignment, and the Regions service of a real server (register, status,
 unregister, and each refusal with its code and field)."""
 
+import os
+import subprocess
+import sys
 import unittest
 
 import numpy as np
@@ -24,6 +27,31 @@ class SharedMemoryTest(unittest.TestCase):
                              regions_pb2.RegisterSystemRegionRequest(
                                  name="acts", key=region.key, offset=0, byte_size=4096))
             self.assertTrue(region.key.startswith("/"))
+
+    def test_an_attachment_by_another_process_leaves_the_object_to_its_owner(self):
+        # Python's resource tracker unlinks what a process registered when it exits; an
+        # attachment must not count as the attaching process's own object.
+        child = ("import sys; from replayssm import regions; "
+                 "r = regions.SharedMemoryRegion('acts', 0, key=sys.argv[1], create=False); "
+                 "print(int(r.ndarray(64, (1,), 'u4')[0])); r.close()")
+        with regions.SharedMemoryRegion("acts", 4096) as region:
+            region.ndarray(64, (1,), "u4")[0] = 1234
+            # capture_output waits for the pipes' EOF, which the child's tracker holds too.
+            done = subprocess.run([sys.executable, "-c", child, region.key], text=True,
+                                  capture_output=True, check=True)
+            self.assertEqual(done.stdout.strip(), "1234")
+            self.assertNotIn("leaked", done.stderr)
+            self.assertTrue(os.path.exists("/dev/shm" + region.key))
+            again = regions.SharedMemoryRegion("acts", 0, key=region.key, create=False)
+            self.assertEqual(int(again.ndarray(64, (1,), "u4")[0]), 1234)
+            again.close()
+        self.assertFalse(os.path.exists("/dev/shm" + region.key))  # the owner unlinked it
+
+    def test_the_owner_closes_an_object_someone_else_removed(self):
+        region = regions.SharedMemoryRegion("acts", 4096)
+        os.unlink("/dev/shm" + region.key)
+        region.close()
+        region.close()
 
     def test_a_region_tensor_is_checked_against_bounds_and_alignment(self):
         with regions.SharedMemoryRegion("acts", 1024) as region:

@@ -23,6 +23,15 @@ class Bf16Test(unittest.TestCase):
         self.assertEqual(list(got[2:4]), [np.inf, -np.inf])
         self.assertEqual(got[4], np.inf)  # above bf16's largest finite value
 
+    def test_float64_is_rounded_to_float32_first_as_torch_does(self):
+        # 1 + 2^-8 + 2^-30 is above the bf16 midpoint 1 + 2^-8, but float32 drops the 2^-30,
+        # and the midpoint rounds to even: 1.0 (nearest from float64 would be 1 + 2^-7).
+        x = np.array([1 + 2 ** -8 + 2 ** -30, -(1 + 2 ** -8 + 2 ** -30)])
+        bits = tensors.float_to_bf16_bits(x)
+        np.testing.assert_array_equal(tensors.bf16_bits_to_float(bits), [1.0, -1.0])
+        np.testing.assert_array_equal(bits, tensors.float_to_bf16_bits(x.astype(np.float32)))
+        self.assertEqual(tensors.to_proto(x, "bf16").data, bits.astype("<u2").tobytes())
+
     def test_a_float32_array_sent_as_bf16_carries_two_bytes_per_value(self):
         t = tensors.to_proto(np.array([[1.0, -2.0], [0.5, 3.0]], np.float32), "bf16")
         self.assertEqual((t.dtype, list(t.shape)), (pb.DTYPE_BF16, [2, 2]))

@@ -75,6 +75,13 @@ class TlsTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             replayssm.Client("127.0.0.1:1", tls_cert=self.path("client.pem"))
 
+    def test_an_empty_tls_or_token_argument_is_refused_naming_it(self):
+        # "" would otherwise read as "not given": a plaintext channel, or no token.
+        for name in ("tls_ca", "tls_cert", "tls_key", "token", "token_file"):
+            with self.assertRaises(ValueError, msg=name) as caught:
+                replayssm.Client("127.0.0.1:1", **{name: ""})
+            self.assertIn(name, str(caught.exception))
+
 
 if __name__ == "__main__":
     unittest.main()
