@@ -220,24 +220,43 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
   AddSample(folds, s.folds_materialize, {{"reason", "materialize"}});
   out.push_back(std::move(folds));
 
-  const std::pair<const char*, int64_t> counters[] = {
-      {"replayssm_snapshot_hits_total", s.snapshot_hits},
-      {"replayssm_snapshot_misses_total", s.snapshot_misses},
-      {"replayssm_snapshot_evictions_total", s.snapshot_evictions},
-      {"replayssm_snapshots_taken_total", s.snapshots_taken},
-      {"replayssm_donations_total", s.donations},
-      {"replayssm_guarded_exits_total", s.guard_calls},
-      {"replayssm_invariant_refusals_total", s.invariant_refusals},
-      {"replayssm_nonfinite_refusals_total", s.nonfinite_refusals},
-      {"replayssm_forwards_graphed_total", s.forwards_graphed},
-      {"replayssm_forward_recordings_total", s.forward_recordings},
-      {"replayssm_forward_recording_failures_total", s.forward_recording_failures},
-      {"replayssm_snapshot_spills_total", s.snapshot_spills},
-      {"replayssm_snapshot_promotions_total", s.host_promotions},
-      {"replayssm_snapshot_spills_ahead_total", s.spills_ahead},
+  struct Counter {
+    const char* name;
+    const char* help;
+    int64_t value;
   };
-  for (const auto& [name, value] : counters) {
-    AddSingle(out, name, "StateCache counter (see docs/api.md)", MetricType::Counter, value);
+  const Counter counters[] = {
+      {"replayssm_snapshot_hits_total", "Prefix lookups that found a GPU snapshot",
+       s.snapshot_hits},
+      {"replayssm_snapshot_misses_total", "Prefix lookups that found no GPU snapshot",
+       s.snapshot_misses},
+      {"replayssm_snapshot_evictions_total", "GPU snapshots evicted (spilled or dropped)",
+       s.snapshot_evictions},
+      {"replayssm_snapshots_taken_total", "Snapshots taken at track-interval boundaries",
+       s.snapshots_taken},
+      {"replayssm_donations_total", "Finished slots donated to the prefix cache", s.donations},
+      {"replayssm_guarded_exits_total", "Calls of the materialize guard (a state leaving a slot)",
+       s.guard_calls},
+      {"replayssm_invariant_refusals_total", "The materialize guard's refusals",
+       s.invariant_refusals},
+      {"replayssm_nonfinite_refusals_total",
+       "States with a NaN or Inf kept from a snapshot, a donation or a move out",
+       s.nonfinite_refusals},
+      {"replayssm_forwards_graphed_total", "Planned decode forwards run as one CUDA graph",
+       s.forwards_graphed},
+      {"replayssm_forward_recordings_total", "CUDA graphs recorded for planned forwards",
+       s.forward_recordings},
+      {"replayssm_forward_recording_failures_total",
+       "Recordings that failed: those streams run call by call", s.forward_recording_failures},
+      {"replayssm_snapshot_spills_total", "GPU snapshots evicted into the host tier",
+       s.snapshot_spills},
+      {"replayssm_snapshot_promotions_total", "Host-tier hits copied back to the GPU",
+       s.host_promotions},
+      {"replayssm_snapshot_spills_ahead_total", "Snapshots copied to the host ahead of need",
+       s.spills_ahead},
+  };
+  for (const Counter& c : counters) {
+    AddSingle(out, c.name, c.help, MetricType::Counter, c.value);
   }
   AddTierFamilies(s, out);
   auto forwards =
