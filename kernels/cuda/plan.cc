@@ -173,8 +173,9 @@ std::optional<LaunchPlan> PlanBaseline(const LaunchProblem& pr, const DeviceLimi
 // At B = 1 it is the cheapest replay kernel measured (the bulk kernel, 4 or 16 rows per warp
 // were slower), yet slower than the baseline kernel: the step is one latency chain, and replay's
 // record dots and CTA barrier sit between the loads' arrival and the rows. No kernel can take a
-// replay call's place here: the planner does not see the cursors, and a row with records must
-// read them (docs/gpu.md, "B = 1").
+// replay call's place here: the planner does not see the cursors, a row with records must read
+// them, and the baseline writes the state in place, which an abandoned forward could not take
+// back (docs/gpu.md, "Why B = 1 does not plan the baseline instead").
 std::optional<LaunchPlan> PlanSmallReplay(const LaunchProblem& pr, const DeviceLimits& dev,
                                           const LaunchOverrides& ov) {
   if (ov.small_replay_max_batch < 0 || pr.batch > kMaxGridY) return std::nullopt;
