@@ -21,6 +21,17 @@ namespace {
 using LifecycleTest = ServiceTest;
 using Health = grpc::health::v1::HealthCheckResponse;
 
+// The server's health once it says NOT_SERVING (a drain began), or its last answer after 5 s.
+absl::StatusOr<Health::ServingStatus> AwaitNotServing(Client& c) {
+  absl::StatusOr<Health::ServingStatus> health;
+  for (int i = 0; i < 500; ++i) {
+    health = c.Health();
+    if (health.ok() && *health == Health::NOT_SERVING) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return health;
+}
+
 // Ids made by processes forked from one parent (workers of a pre-fork server) are their own:
 // a repeated id would make the server answer a second worker's Allocate with the first's slot.
 TEST(RequestIds, ForkedWorkersNeverRepeatEachOthersIds) {
@@ -275,12 +286,7 @@ TEST_F(LifecycleTest, DrainReportsNotServingRefusesNewForwardsAndFinishesOpenOne
   ASSERT_TRUE(stream->RunLayer(layers[0]).ok());
 
   server_->Signal(SIGTERM);
-  absl::StatusOr<Health::ServingStatus> health;
-  for (int i = 0; i < 500; ++i) {
-    health = client_->Health();
-    if (health.ok() && *health == Health::NOT_SERVING) break;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  const absl::StatusOr<Health::ServingStatus> health = AwaitNotServing(*client_);
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, Health::NOT_SERVING);
   EXPECT_EQ(client_->Decode(DecodeRequest({b}, Layers(1))).status().code(),
@@ -357,12 +363,7 @@ class DrainWaitSlotsTest : public ServiceTest {
 TEST_F(DrainWaitSlotsTest, TheDrainWaitsForTheLiveSlotsToGo) {
   const uint64_t a = NewSlot(), b = NewSlot();
   server_->Signal(SIGTERM);
-  absl::StatusOr<Health::ServingStatus> health;
-  for (int i = 0; i < 500; ++i) {
-    health = client_->Health();
-    if (health.ok() && *health == Health::NOT_SERVING) break;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  const absl::StatusOr<Health::ServingStatus> health = AwaitNotServing(*client_);
   ASSERT_TRUE(health.ok() && *health == Health::NOT_SERVING);
   EXPECT_EQ(client_->Allocate().status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(server_->WaitExit(absl::Seconds(1)).status().code(),
