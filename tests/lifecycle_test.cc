@@ -369,11 +369,17 @@ TEST_F(DrainWaitSlotsTest, TheDrainWaitsForTheLiveSlotsToGo) {
   EXPECT_EQ(server_->WaitExit(absl::Seconds(1)).status().code(),
             absl::StatusCode::kDeadlineExceeded)
       << "two live slots: still draining";
-  ASSERT_TRUE(client_->Free(a).ok()) << "slots can be freed (or moved) while draining";
+  ASSERT_TRUE(client_->Free(a).ok()) << "slots can be freed while draining";
   EXPECT_EQ(server_->WaitExit(absl::Milliseconds(500)).status().code(),
             absl::StatusCode::kDeadlineExceeded)
       << "one live slot: still draining";
-  ASSERT_TRUE(client_->Free(b).ok());
+  // ... or moved to a peer, which is what the wait is for.
+  auto peer = ServerProcess::Start({});
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  auto moved = client_->TransferSlot(b, (*peer)->grpc_address(), /*keep_source=*/false);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  auto there = Client::Connect((*peer)->grpc_address())->GetSlot(moved->remote_slot());
+  EXPECT_TRUE(there.ok()) << there.status();
   auto exit = server_->WaitExit(absl::Seconds(20));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(*exit, 0);
