@@ -21,8 +21,6 @@ namespace {
 
 constexpr char kVersion[] = "0.1.0";
 
-absl::Status Draining() { return absl::UnavailableError("server is draining: no new work"); }
-
 v1::Gate ToWireGate(int32_t gate) { return gate == RSSM_GATE_KDA ? v1::GATE_KDA : v1::GATE_GDN; }
 
 std::vector<int32_t> Tokens(const google::protobuf::RepeatedField<int32_t>& tokens) {
@@ -181,7 +179,7 @@ absl::Status Operations::GetStats(v1::GetStatsResponse* resp) const {
 }
 
 absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateResponse* resp) {
-  if (ctx_->gate->draining()) return Draining();
+  if (absl::Status d = ctx_->gate->Refuse("no new work"); !d.ok()) return d;
   if (absl::Status s = CheckAllocateRequest(req); !s.ok()) return s;
   return Once("Allocate", req.request_id(), req, resp, [&]() -> absl::Status {
     // Before the cache makes room (evicting snapshots) for a tenant at its bound.
@@ -247,7 +245,7 @@ absl::Status Operations::ListSlots(v1::ListSlotsResponse* resp) const {
 }
 
 absl::Status Operations::Import(const v1::ImportRequest& req, v1::ImportResponse* resp) {
-  if (ctx_->gate->draining()) return Draining();
+  if (absl::Status d = ctx_->gate->Refuse("no new work"); !d.ok()) return d;
   const cache::ModelSpec& m = ctx_->cache->model();
   if (absl::Status s = CheckImportRequest(req, m, ctx_->limits); !s.ok()) return s;
   std::vector<const void*> checkpoints;

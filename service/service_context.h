@@ -71,10 +71,16 @@ class ForwardGate {
     ForwardGate* gate_ = nullptr;
   };
 
+  // UNAVAILABLE "server is draining: <what>" once draining: every refusal of new work (forwards,
+  // allocations, imports, incoming transfers) says it the same way.
+  absl::Status Refuse(absl::string_view what) const {
+    absl::MutexLock lock(&mutex_);
+    return RefuseLocked(what);
+  }
   // UNAVAILABLE when draining.
   absl::Status Enter(Ticket* ticket) {
     absl::MutexLock lock(&mutex_);
-    if (draining_) return absl::UnavailableError("server is draining: no new forwards");
+    if (absl::Status s = RefuseLocked("no new forwards"); !s.ok()) return s;
     ++open_;
     *ticket = Ticket(this);
     return absl::OkStatus();
@@ -100,6 +106,10 @@ class ForwardGate {
   }
 
  private:
+  absl::Status RefuseLocked(absl::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+    if (!draining_) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("server is draining: ", what));
+  }
   void Leave() {
     absl::MutexLock lock(&mutex_);
     --open_;

@@ -148,6 +148,10 @@ absl::Status RequireSet(const std::string& request_id, uint64_t slot, const std:
                     slot == 0 && missing[0] == 's' ? "0" : "\"\"");
 }
 
+// A draining server takes no state in: it is about to exit, and the state would go with it.
+constexpr char kNoIncoming[] =
+    "no incoming transfers (a state moved here would be lost when it exits)";
+
 // Reconnect backoff of the channels to peers (issue 31 §7): a second at most between
 // attempts, so a restarted peer is reachable again at once; a dead one costs a failed
 // connect per second.
@@ -297,14 +301,6 @@ grpc::ServerUnaryReactor* TransferService::Reply(grpc::CallbackServerContext* c,
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
   Finish(reactor, method, status);
   return reactor;
-}
-
-absl::Status TransferService::RefuseWhileDraining(absl::string_view method) const {
-  if (!ctx_->gate->draining()) return absl::OkStatus();
-  return absl::UnavailableError(
-      absl::StrCat(method,
-                   ": server is draining: no incoming transfers (a state moved here would be lost "
-                   "when it exits)"));
 }
 
 void TransferService::CountFailure(const absl::Status& status) {
@@ -487,8 +483,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer"); !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
-  // A draining server is about to exit: a state moved into it now would go with it.
-  if (absl::Status st = RefuseWhileDraining("ReserveTransfer"); !st.ok()) {
+  if (absl::Status st = ctx_->gate->Refuse(kNoIncoming); !st.ok()) {
     CountFailure(st);
     return Reply(c, "ReserveTransfer", st);
   }
@@ -528,7 +523,7 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
   // Reserved before the drain began: refused all the same. The sender's abort then learns that
   // nothing was committed and keeps its source; the reservation goes with that abort (or its
   // lease).
-  if (absl::Status d = RefuseWhileDraining("CommitTransfer"); !d.ok()) {
+  if (absl::Status d = ctx_->gate->Refuse(kNoIncoming); !d.ok()) {
     CountFailure(d);
     return Reply(c, "CommitTransfer", d);
   }

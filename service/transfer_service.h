@@ -113,8 +113,6 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, absl::string_view method,
                                   const absl::Status& status);
   void CountFailure(const absl::Status& status);
-  // UNAVAILABLE naming `method` once the server drains: incoming states are refused.
-  absl::Status RefuseWhileDraining(absl::string_view method) const;
   // A channel to `address`, made once and kept (peers are few).
   std::shared_ptr<grpc::Channel> Channel(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
 
