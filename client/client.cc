@@ -56,10 +56,10 @@ ForwardStream::ForwardStream(
 ForwardStream::~ForwardStream() { Finish().IgnoreError(); }
 
 absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::RoundTrip(
-    const v1::DecodeStreamRequest& request) {
+    const v1::DecodeStreamRequest& request, v1::DecodeStreamResponse::MsgCase expect) {
   absl::Status s = Send(request);
   if (!s.ok()) return s;
-  return Receive();
+  return Receive(expect);
 }
 
 absl::Status ForwardStream::Send(const v1::DecodeStreamRequest& request) {
@@ -76,12 +76,17 @@ absl::Status ForwardStream::Send(const v1::DecodeStreamRequest& request) {
   return End();
 }
 
-absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::Receive() {
+absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::Receive(
+    v1::DecodeStreamResponse::MsgCase expect) {
   if (finished_) return final_.ok() ? absl::FailedPreconditionError("stream closed") : final_;
   awaiting_ = false;
   v1::DecodeStreamResponse response;
-  if (stream_->Read(&response)) return response;
-  return End();
+  if (!stream_->Read(&response)) return End();
+  if (response.msg_case() != expect) {  // a begin answered by a commit, say, is not an empty begun
+    return absl::InternalError(absl::StrCat("forward stream: expected reply case ", expect,
+                                            ", got ", response.msg_case()));
+  }
+  return response;
 }
 
 absl::Status ForwardStream::End() {
@@ -92,40 +97,21 @@ absl::Status ForwardStream::End() {
   return final_;
 }
 
-namespace {
-
-// INTERNAL unless the reply is of the kind the request asks for (a begin given a commit, say,
-// would otherwise read as an empty begun).
-absl::Status ExpectReply(const v1::DecodeStreamResponse& resp,
-                         v1::DecodeStreamResponse::MsgCase want, absl::string_view what) {
-  if (resp.msg_case() == want) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("forward stream: expected a ", what,
-                                          " reply, got message case ",
-                                          static_cast<int>(resp.msg_case())));
-}
-
-}  // namespace
-
 absl::Status ForwardStream::SendBegin(const v1::DecodeStreamRequest& begin) { return Send(begin); }
 
 absl::StatusOr<v1::DecodeBegun> ForwardStream::AwaitBegun() {
   if (!awaiting_ && !finished_) {
     return absl::FailedPreconditionError("forward stream: no pipelined begin was sent");
   }
-  absl::StatusOr<v1::DecodeStreamResponse> resp = Receive();
+  absl::StatusOr<v1::DecodeStreamResponse> resp = Receive(v1::DecodeStreamResponse::kBegun);
   if (!resp.ok()) return resp.status();
-  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kBegun, "begun"); !s.ok()) {
-    return s;
-  }
   return resp->begun();
 }
 
 absl::StatusOr<v1::DecodeBegun> ForwardStream::BeginWith(const v1::DecodeStreamRequest& begin) {
-  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(begin);
+  absl::StatusOr<v1::DecodeStreamResponse> resp =
+      RoundTrip(begin, v1::DecodeStreamResponse::kBegun);
   if (!resp.ok()) return resp.status();
-  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kBegun, "begun"); !s.ok()) {
-    return s;
-  }
   return resp->begun();
 }
 
@@ -188,23 +174,17 @@ absl::StatusOr<v1::DecodeBegun> ForwardStream::BeginVerify(absl::Span<const uint
 absl::StatusOr<v1::LayerOutput> ForwardStream::RunLayer(const v1::LayerInput& input) {
   v1::DecodeStreamRequest req;
   *req.mutable_layer() = input;
-  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
+  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req, v1::DecodeStreamResponse::kLayer);
   if (!resp.ok()) return resp.status();
-  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kLayer, "layer"); !s.ok()) {
-    return s;
-  }
   return resp->layer();
 }
 
 absl::StatusOr<v1::DecodeCommitted> ForwardStream::Commit() {
   v1::DecodeStreamRequest req;
   req.mutable_commit();
-  absl::StatusOr<v1::DecodeStreamResponse> resp = RoundTrip(req);
+  absl::StatusOr<v1::DecodeStreamResponse> resp =
+      RoundTrip(req, v1::DecodeStreamResponse::kCommitted);
   if (!resp.ok()) return resp.status();
-  if (absl::Status s = ExpectReply(*resp, v1::DecodeStreamResponse::kCommitted, "committed");
-      !s.ok()) {
-    return s;
-  }
   return resp->committed();
 }
 

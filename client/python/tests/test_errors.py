@@ -15,6 +15,17 @@ from support import ServerTest
 
 
 class ErrorsTest(ServerTest):
+    def prefilled_slot_and_stream(self):
+        """A slot with 2 tokens prefilled, its reference state, what observe() sees of it, an
+        open stream (closed at cleanup), and one token's layers."""
+        slot = self.client.allocate().slot
+        state = self.ref.new_state()
+        self.prefill(slot, state, 2)
+        before = self.observe(slot)
+        stream = self.client.open_stream()
+        self.addCleanup(stream.close)
+        return slot, state, before, stream, self.layers(1)
+
     def test_a_bad_shape_is_invalid_argument_naming_the_field_and_changes_nothing(self):
         slot = self.client.allocate().slot
         self.prefill(slot, self.ref.new_state(), 3)
@@ -31,13 +42,7 @@ class ErrorsTest(ServerTest):
         self.assertEqual(self.observe(slot), before)
 
     def test_a_bad_layer_abandons_the_stream_forward_and_the_next_begin_works(self):
-        slot = self.client.allocate().slot
-        state = self.ref.new_state()
-        self.prefill(slot, state, 2)
-        before = self.observe(slot)
-        stream = self.client.open_stream()
-        self.addCleanup(stream.close)
-        layers = self.layers(1)
+        slot, state, before, stream, layers = self.prefilled_slot_and_stream()
         stream.begin([(slot, 3)])
         stream.run_layer(0, *layers[0])
         with self.assertRaises(replayssm.InvalidArgument) as caught:
@@ -50,13 +55,7 @@ class ErrorsTest(ServerTest):
         self.assertEqual(stream.commit()[0].seq_len, 3)
 
     def test_a_layer_the_client_refuses_abandons_the_forward_and_the_stream_goes_on(self):
-        slot = self.client.allocate().slot
-        state = self.ref.new_state()
-        self.prefill(slot, state, 2)
-        before = self.observe(slot)
-        stream = self.client.open_stream()
-        self.addCleanup(stream.close)
-        layers = self.layers(1)
+        slot, state, before, stream, layers = self.prefilled_slot_and_stream()
         bad = list(layers)
         bad[2] = replayssm.Activations(layers[2].mixed_qkv.astype(np.int32), *layers[2][1:])
         with self.assertRaises(replayssm.InvalidArgument) as caught:

@@ -86,9 +86,11 @@ class ForwardStream {
   absl::Status Finish();
 
  private:
-  absl::StatusOr<v1::DecodeStreamResponse> RoundTrip(const v1::DecodeStreamRequest& request);
+  // The reply due, INTERNAL unless it is of the kind `expect` (the request's answer).
+  absl::StatusOr<v1::DecodeStreamResponse> RoundTrip(const v1::DecodeStreamRequest& request,
+                                                     v1::DecodeStreamResponse::MsgCase expect);
   absl::Status Send(const v1::DecodeStreamRequest& request);  // one message; its reply is due
-  absl::StatusOr<v1::DecodeStreamResponse> Receive();         // the reply due
+  absl::StatusOr<v1::DecodeStreamResponse> Receive(v1::DecodeStreamResponse::MsgCase expect);
   absl::Status End();  // the server ended the stream: its status, kept in final_
   // Every layer, then the commit, of the forward `begin` opens.
   absl::StatusOr<v1::DecodeResponse> Run(const v1::DecodeStreamRequest& begin,
