@@ -23,6 +23,7 @@ flags=(grpc-address metrics-address model device tp-size devices memory-budget r
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
        transfer-reservations-per-peer
        region-ttl max-regions max-region-bytes forward-timeout drain-timeout drain-wait-slots
+       device-check-interval
        transfer-chunk-bytes
        transfer-lanes transfer-import-threads transfer-timeout transfer-lease
        transfer-max-concurrent auth-tokens peer-token ready-file)

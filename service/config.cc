@@ -262,6 +262,10 @@ const std::vector<Flag>& Flags() {
        "until no live slot is left, so that schedulers can move their requests off "
        "(TransferSlot) or free them",
        Bool(&ServerOptions::drain_wait_slots)},
+      {"device-check-interval",
+       "seconds between checks that the devices still take work (0: never); once one has "
+       "failed (a sticky CUDA error) the server reports NOT_SERVING and refuses all new work",
+       Seconds(&ServerOptions::device_check_interval)},
       {"transfer-chunk-bytes", "UCX put granularity of slot transfers",
        Bytes(&ServerOptions::transfer_chunk_bytes, 1, int64_t{1} << 30)},
       {"transfer-lanes", "sender threads putting a slot's chunks at once",

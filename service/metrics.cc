@@ -269,6 +269,9 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
             g.open_forwards);
   AddSingle(out, "replayssm_draining", "1 while the server drains", MetricType::Gauge,
             g.draining ? 1 : 0);
+  AddSingle(out, "replayssm_device_failed",
+            "1 once a device failed its check (--device-check-interval): all new work refused",
+            MetricType::Gauge, g.device_failed ? 1 : 0);
   AddSingle(out, "replayssm_cache_event_batches_total",
             "Cache event batches numbered (all tenants)", MetricType::Counter,
             g.cache_event_batches);

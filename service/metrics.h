@@ -64,6 +64,7 @@ struct ServiceGauges {
   int64_t cache_event_batches = 0;  // numbered so far (cache_events.h), all tenants
   int64_t cache_event_watchers = 0;  // open WatchCache streams and ZMQ publishers
   int64_t kv_events_published = 0;   // batches sent on the ZMQ PUB socket
+  bool device_failed = false;        // the device check found a device that takes no work
 };
 
 // Exposes StateCache::stats() and the service gauges on every scrape.

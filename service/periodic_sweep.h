@@ -1,6 +1,7 @@
-// PeriodicSweep: a thread that calls a function every `period` (a quarter of a lease's TTL,
-// within [10 ms, 1 s]) until it is destroyed. The lease sweepers (slot_leases.h,
-// region_leases.h) own one each, declared last so that it stops before their members go.
+// PeriodicSweep: a thread that calls a function every `period` until it is destroyed. The lease
+// sweepers (slot_leases.h, region_leases.h) own one each at LeasePeriod(ttl), and the server's
+// device check one at --device-check-interval; each declared last in its owner, so that it
+// stops before the owner's members go.
 #ifndef REPLAYSSM_SERVICE_PERIODIC_SWEEP_H_
 #define REPLAYSSM_SERVICE_PERIODIC_SWEEP_H_
 
@@ -16,10 +17,13 @@ namespace replayssm::service {
 
 class PeriodicSweep {
  public:
-  // Calls sweep(now) every ttl / 4, at least 10 ms and at most 1 s apart.
-  PeriodicSweep(absl::Duration ttl, std::function<void(absl::Time)> sweep)
-      : thread_([this, period = std::clamp(ttl / 4, absl::Milliseconds(10), absl::Seconds(1)),
-                 sweep = std::move(sweep)] {
+  // A lease sweeper's period: a quarter of the lease's TTL, at least 10 ms and at most 1 s.
+  static absl::Duration LeasePeriod(absl::Duration ttl) {
+    return std::clamp(ttl / 4, absl::Milliseconds(10), absl::Seconds(1));
+  }
+  // Calls sweep(now) every `period` (> 0).
+  PeriodicSweep(absl::Duration period, std::function<void(absl::Time)> sweep)
+      : thread_([this, period, sweep = std::move(sweep)] {
           while (!stop_.WaitForNotificationWithTimeout(period)) sweep(absl::Now());
         }) {}
   ~PeriodicSweep() {

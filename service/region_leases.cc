@@ -6,12 +6,11 @@
 
 namespace replayssm::service {
 
-RegionLeases::RegionLeases(cache::RegionTable* shared, TenantRegions* tenants,
-                           absl::Duration ttl)
+RegionLeases::RegionLeases(cache::RegionTable* shared, TenantRegions* tenants, absl::Duration ttl)
     : shared_(shared),
       tenants_(tenants),
       ttl_(ttl),
-      sweep_(ttl, [this](absl::Time now) { ExpireIdle(now); }) {}
+      sweep_(PeriodicSweep::LeasePeriod(ttl), [this](absl::Time now) { ExpireIdle(now); }) {}
 
 RegionLeases::~RegionLeases() = default;
 

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <limits>
@@ -29,6 +30,7 @@
 #include "service/interfaces.h"
 #include "service/malformed_requests.h"
 #include "service/metrics.h"
+#include "service/periodic_sweep.h"
 #include "service/region_leases.h"
 #include "service/regions_service.h"
 #include "service/replayssm_service.h"
@@ -188,6 +190,33 @@ class ServerImpl final : public Server {
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
     service_ = std::make_unique<ReplaySsmService>(&ctx_);
     regions_service_ = std::make_unique<RegionsService>(&ctx_);
+  }
+
+  // --device-check-interval: after Listen (the health service). On the first failed check the
+  // gate refuses all new work for good, health turns NOT_SERVING (readiness drops, and the
+  // liveness probe restarts the pod: a failed CUDA context never recovers) and the
+  // replayssm_device_failed gauge turns 1.
+  // `devices`: the ranks' (--devices), or empty for device 0.
+  void StartDeviceCheck(std::vector<int32_t> devices) {
+    if (options_.device_check_interval <= absl::ZeroDuration()) return;
+    if (devices.empty()) devices.push_back(0);
+    device_check_ = std::make_unique<PeriodicSweep>(
+        options_.device_check_interval, [this, devices](absl::Time) {
+          if (gate_.failed()) return;
+          for (int32_t d : devices) {
+            if (rssm_device_check(device_.backend, d) == RSSM_OK) continue;
+            const std::string reason =
+                absl::StrCat(device_.name, " device ", d, ": ", rssm_last_error());
+            gate_.Fail(reason);
+            server_->GetHealthCheckService()->SetServingStatus(false);
+            server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+            std::fprintf(stderr,
+                         "replayssm-server: device failed, refusing all new work and reporting "
+                         "NOT_SERVING: %s\n",
+                         reason.c_str());
+            return;
+          }
+        });
   }
 
   // --slot-ttl: after the transfer service, whose receiver frees an idle slot that a
@@ -403,6 +432,7 @@ class ServerImpl final : public Server {
   std::vector<std::string> warnings() const override { return warnings_; }
 
   void Drain() override {
+    device_check_.reset();  // health is NOT_SERVING from here on either way
     gate_.Drain();
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
@@ -427,8 +457,12 @@ class ServerImpl final : public Server {
                                                  ": cannot listen: ", e.what()));
     }
     collector_ = std::make_shared<CacheCollector>(cache_.get(), [this] {
-      return ServiceGauges{gate_.open(), gate_.draining(), events_->batches(),
-                           events_->watchers(), publisher_ ? publisher_->published() : 0};
+      return ServiceGauges{gate_.open(),
+                           gate_.draining(),
+                           events_->batches(),
+                           events_->watchers(),
+                           publisher_ ? publisher_->published() : 0,
+                           gate_.failed()};
     });
     exposer_->RegisterCollectable(metrics_.registry());
     exposer_->RegisterCollectable(collector_);
@@ -462,6 +496,7 @@ class ServerImpl final : public Server {
   std::string kv_events_public_key_;  // the routers' CURVE server key ("" without CURVE)
   std::shared_ptr<CacheCollector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<PeriodicSweep> device_check_;  // after server_ and gate_: stops before them
   std::string grpc_address_;
   std::string metrics_address_;
   std::vector<std::string> warnings_;  // for main to print
@@ -523,6 +558,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (s.ok()) s = server->StartTransfers();
   if (s.ok()) server->StartSlotLeases();
   if (s.ok()) s = server->Listen();
+  if (s.ok()) server->StartDeviceCheck(cache_options.devices);
   if (!s.ok()) return s;
   return std::unique_ptr<Server>(std::move(server));
 }

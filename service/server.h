@@ -63,6 +63,9 @@ struct ServerOptions {
   // The drain also waits (within drain_timeout) until no live slot is left: time for the
   // schedulers to move their requests off (TransferSlot) or free them.
   bool drain_wait_slots = false;
+  // How often the server checks that its devices still take work (rssm_device_check); on the
+  // first failure it reports NOT_SERVING and refuses all new work. 0 = never.
+  absl::Duration device_check_interval = absl::Seconds(5);
   // Slot transfers to and from peers (replayssm.v1.SlotTransfer over UCX; docs/transfer.md).
   int64_t transfer_chunk_bytes = int64_t{4} << 20;    // UCX put granularity
   int32_t transfer_lanes = 4;                          // sender threads putting at once, 1..16

@@ -45,8 +45,8 @@ class SlotCodec {
   TenantId tenant_ = kImplicitTenant;
 };
 
-// Counts open forwards (decode, verify, prefill) and refuses new ones once draining.
-// Thread-safe.
+// Counts open forwards (decode, verify, prefill) and refuses new work once draining, or once the
+// device has failed (Fail: the server's device check). Thread-safe.
 class ForwardGate {
  public:
   // An open forward; leaving its scope closes it.
@@ -71,13 +71,14 @@ class ForwardGate {
     ForwardGate* gate_ = nullptr;
   };
 
-  // UNAVAILABLE "server is draining: <what>" once draining: every refusal of new work (forwards,
-  // allocations, imports, incoming transfers) says it the same way.
+  // UNAVAILABLE "server is draining: <what>" once draining, "device failed (<reason>): <what>"
+  // once the device has failed: every refusal of new work (forwards, allocations, imports,
+  // incoming transfers) says it the same way.
   absl::Status Refuse(absl::string_view what) const {
     absl::MutexLock lock(&mutex_);
     return RefuseLocked(what);
   }
-  // UNAVAILABLE when draining.
+  // UNAVAILABLE when draining or failed.
   absl::Status Enter(Ticket* ticket) {
     absl::MutexLock lock(&mutex_);
     if (absl::Status s = RefuseLocked("no new forwards"); !s.ok()) return s;
@@ -93,6 +94,15 @@ class ForwardGate {
     absl::MutexLock lock(&mutex_);
     return draining_;
   }
+  // The device no longer takes work (the first reason is kept): refuses all new work for good.
+  void Fail(absl::string_view reason) {
+    absl::MutexLock lock(&mutex_);
+    if (failure_.empty()) failure_ = std::string(reason);
+  }
+  bool failed() const {
+    absl::MutexLock lock(&mutex_);
+    return !failure_.empty();
+  }
   int64_t open() const {
     absl::MutexLock lock(&mutex_);
     return open_;
@@ -107,6 +117,9 @@ class ForwardGate {
 
  private:
   absl::Status RefuseLocked(absl::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+    if (!failure_.empty()) {
+      return absl::UnavailableError(absl::StrCat("device failed (", failure_, "): ", what));
+    }
     if (!draining_) return absl::OkStatus();
     return absl::UnavailableError(absl::StrCat("server is draining: ", what));
   }
@@ -116,6 +129,7 @@ class ForwardGate {
   }
   mutable absl::Mutex mutex_;
   bool draining_ ABSL_GUARDED_BY(mutex_) = false;
+  std::string failure_ ABSL_GUARDED_BY(mutex_);  // empty: the device works
   int64_t open_ ABSL_GUARDED_BY(mutex_) = 0;
 };
 

@@ -17,7 +17,7 @@ SlotLeases::SlotLeases(cache::StateCache* cache, SlotHandles* handles, absl::Dur
       on_expiry_(std::move(on_expiry)),
       free_(free != nullptr ? std::move(free)
                             : [cache](cache::SlotId slot) { return cache->Free(slot); }),
-      sweep_(ttl, [this](absl::Time now) { ExpireIdle(now); }) {}
+      sweep_(PeriodicSweep::LeasePeriod(ttl), [this](absl::Time now) { ExpireIdle(now); }) {}
 
 SlotLeases::~SlotLeases() = default;
 

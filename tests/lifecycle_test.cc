@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -302,6 +304,71 @@ TEST_F(LifecycleTest, DrainReportsNotServingRefusesNewForwardsAndFinishesOpenOne
   auto exit = server_->WaitExit(absl::Seconds(20));
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(*exit, 0);
+}
+
+// A server whose device check runs every 50 ms, on a CPU backend that reports its device failed
+// once the file REPLAYSSM_CPU_FAULT_FILE names exists (rssm_device_check, kernels.h).
+class DeviceFailureTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--device-check-interval=0.05"};
+  }
+  void SetUp() override {
+    fault_file_ = ::testing::TempDir() + "/replayssm_device_fault_" + std::to_string(getpid());
+    std::remove(fault_file_.c_str());
+    ASSERT_EQ(setenv("REPLAYSSM_CPU_FAULT_FILE", fault_file_.c_str(), 1), 0);  // the child's
+    ServiceTest::SetUp();
+    unsetenv("REPLAYSSM_CPU_FAULT_FILE");
+  }
+  void TearDown() override { std::remove(fault_file_.c_str()); }
+  void FailDevice() const {
+    std::FILE* f = std::fopen(fault_file_.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fclose(f);
+  }
+  std::string fault_file_;
+};
+
+// A device that stops taking work (a sticky CUDA error, injected here) turns health NOT_SERVING
+// within the check interval — readiness drops, liveness restarts the pod — and every new piece
+// of work is refused UNAVAILABLE with the device's reason; Free still runs, the gauge says it,
+// and SIGTERM still stops the server cleanly.
+TEST_F(DeviceFailureTest, AFailedDeviceTurnsHealthNotServingAndRefusesNewWork) {
+  const uint64_t a = NewSlot();
+  ASSERT_TRUE(client_->Decode(DecodeRequest({a}, Layers(1))).ok());
+  absl::SleepFor(absl::Milliseconds(200));  // a few checks pass while the device works
+  ASSERT_EQ(*client_->Health(), Health::SERVING);
+  FailDevice();
+  const absl::StatusOr<Health::ServingStatus> health = AwaitNotServing(*client_);
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, Health::NOT_SERVING);
+  const absl::Status decode = client_->Decode(DecodeRequest({a}, Layers(1))).status();
+  EXPECT_EQ(decode.code(), absl::StatusCode::kUnavailable) << decode;
+  const std::string reason =
+      "device failed (cpu device 0: rssm_device_check: cpu: a device "
+      "failure injected (" +
+      fault_file_ + " exists))";
+  EXPECT_EQ(decode.message(), reason + ": no new forwards");
+  const absl::Status alloc = client_->Allocate().status();
+  EXPECT_EQ(alloc.code(), absl::StatusCode::kUnavailable) << alloc;
+  EXPECT_EQ(alloc.message(), reason + ": no new work");
+  EXPECT_EQ(client_->GetSlot(a)->seq_len(), 1) << "the refused decode advanced nothing";
+  EXPECT_TRUE(client_->Free(a, "free-after-failure").ok());
+  auto text = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(Sample(*text, "replayssm_device_failed"), 1);
+  std::remove(fault_file_.c_str());  // the failure stays: a failed context never recovers
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(*client_->Health(), Health::NOT_SERVING);
+  EXPECT_EQ(client_->Allocate().status().code(), absl::StatusCode::kUnavailable);
+  server_->Signal(SIGTERM);
+  auto exit = server_->WaitExit(absl::Seconds(20));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, 0);
+  EXPECT_NE(server_->Log().find("replayssm-server: device failed, refusing all new work and "
+                                "reporting NOT_SERVING: cpu device 0: "),
+            std::string::npos)
+      << server_->Log();
 }
 
 // A stream that ends by its deadline or a cancellation is counted as such, not as OK: the

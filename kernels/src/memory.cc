@@ -1,5 +1,7 @@
 // rssm_alloc / free / memcpy / memset / synchronize: the CPU side here, the CUDA side through
 // the CUDA runtime when built with it.
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -17,6 +19,16 @@ bool KnownBackend(int32_t b) { return b == RSSM_BACKEND_CPU || b == RSSM_BACKEND
 rssm_status CheckBackend(const char* fn, int32_t backend) {
   if (KnownBackend(backend)) return RSSM_OK;
   return Invalid(fn, "backend: expected 0 (CPU) or 1 (CUDA), got " + std::to_string(backend));
+}
+
+// RSSM_OK for a known backend and one of its devices (0 .. rssm_device_count - 1), else the
+// error naming the field.
+rssm_status CheckDevice(const char* fn, int32_t backend, int32_t device) {
+  if (const rssm_status st = CheckBackend(fn, backend); st != RSSM_OK) return st;
+  const int count = rssm_device_count(backend);
+  if (device >= 0 && device < count) return RSSM_OK;
+  return Invalid(
+      fn, "device: expected 0.." + std::to_string(count - 1) + ", got " + std::to_string(device));
 }
 
 #ifdef REPLAYSSM_WITH_CUDA
@@ -224,17 +236,53 @@ rssm_status rssm_stream_destroy(int32_t backend, void* stream) {
 }
 
 rssm_status rssm_set_device(int32_t backend, int32_t device) {
-  if (const rssm_status st = CheckBackend("rssm_set_device", backend); st != RSSM_OK) return st;
-  const int count = rssm_device_count(backend);
-  if (device < 0 || device >= count) {
-    return Invalid("rssm_set_device", "device: expected 0.." + std::to_string(count - 1) +
-                                          ", got " + std::to_string(device));
+  if (const rssm_status st = CheckDevice("rssm_set_device", backend, device); st != RSSM_OK) {
+    return st;
   }
   if (backend == RSSM_BACKEND_CPU) return RSSM_OK;
 #ifdef REPLAYSSM_WITH_CUDA
   return CudaCheck(cudaSetDevice(device), "rssm_set_device");
 #else
   return NoCuda("rssm_set_device");
+#endif
+}
+
+rssm_status rssm_device_check(int32_t backend, int32_t device) {
+  if (const rssm_status st = CheckDevice("rssm_device_check", backend, device); st != RSSM_OK) {
+    return st;
+  }
+  if (backend == RSSM_BACKEND_CPU) {
+    const char* fault = std::getenv("REPLAYSSM_CPU_FAULT_FILE");
+    if (fault != nullptr && *fault != '\0' && access(fault, F_OK) == 0) {
+      SetLastError(std::string("rssm_device_check: cpu: a device failure injected (") + fault +
+                   " exists)");
+      return RSSM_ERR_DEVICE;
+    }
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  int before = 0;
+  if (const rssm_status st = CudaCheck(cudaGetDevice(&before), "rssm_device_check");
+      st != RSSM_OK) {
+    return st;
+  }
+  // A sticky error comes back from every call in the context; an event recorded on this
+  // thread's stream and queried needs no other work to finish.
+  rssm_status st = CudaCheck(cudaSetDevice(device), "rssm_device_check");
+  cudaEvent_t ev = nullptr;
+  if (st == RSSM_OK) {
+    st = CudaCheck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "rssm_device_check");
+  }
+  if (st == RSSM_OK) st = CudaCheck(cudaEventRecord(ev, cudaStreamPerThread), "rssm_device_check");
+  if (st == RSSM_OK) {
+    const cudaError_t q = cudaEventQuery(ev);
+    if (q != cudaErrorNotReady) st = CudaCheck(q, "rssm_device_check");
+  }
+  if (ev != nullptr) cudaEventDestroy(ev);
+  if (before != device) cudaSetDevice(before);
+  return st;
+#else
+  return NoCuda("rssm_device_check");
 #endif
 }
 

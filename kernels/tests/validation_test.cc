@@ -1,6 +1,8 @@
 // Bad parameters return a clear error naming the field, and touch nothing.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -293,6 +295,29 @@ TEST(Memory, CpuHostMemoryAndStreams) {
   EXPECT_EQ(rssm_stream_destroy(RSSM_BACKEND_CPU, &placeholder), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("stream"), std::string::npos);
   EXPECT_EQ(rssm_stream_create(7, &s), RSSM_ERR_INVALID_ARGUMENT);
+}
+
+// The CPU device works unless a test injects a failure through REPLAYSSM_CPU_FAULT_FILE (the
+// file's existence, checked on every call); a device out of range or an unknown backend is a
+// bad argument.
+TEST(Memory, DeviceCheckReportsAnInjectedFailure) {
+  EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CPU, 0), RSSM_OK);
+  EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CPU, 1), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(rssm_last_error()), "rssm_device_check: device: expected 0..0, got 1");
+  EXPECT_EQ(rssm_device_check(9, 0), RSSM_ERR_INVALID_ARGUMENT);
+  const std::string file = ::testing::TempDir() + "/replayssm_cpu_fault";
+  std::remove(file.c_str());
+  ASSERT_EQ(setenv("REPLAYSSM_CPU_FAULT_FILE", file.c_str(), 1), 0);
+  EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CPU, 0), RSSM_OK) << "the file does not exist yet";
+  std::FILE* f = std::fopen(file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CPU, 0), RSSM_ERR_DEVICE);
+  EXPECT_EQ(std::string(rssm_last_error()),
+            "rssm_device_check: cpu: a device failure injected (" + file + " exists)");
+  std::remove(file.c_str());
+  EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CPU, 0), RSSM_OK);
+  unsetenv("REPLAYSSM_CPU_FAULT_FILE");
 }
 
 }  // namespace

@@ -1256,5 +1256,38 @@ TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
   EXPECT_EQ(d, e) << "the same bytes as one buffer and as its layers";
 }
 
+// Makes a kernel fault (the digest kernel reads its parts through the device table: one part
+// there points at an address nothing maps, while the host array the call validates is sound),
+// then checks the device; exits 0 when the fault landed and the check reported it.
+[[noreturn]] void FaultAKernelThenCheckTheDevice() {
+  DevBuf data(64), table(sizeof(void*)), digests(sizeof(uint64_t));
+  const void* nowhere = reinterpret_cast<const void*>(uintptr_t{1} << 40);
+  const bool up =
+      cudaMemcpy(table.get(), &nowhere, sizeof nowhere, cudaMemcpyHostToDevice) == cudaSuccess;
+  const void* parts[1] = {data.get()};
+  const rssm_launch l{RSSM_BACKEND_CUDA, nullptr};
+  const rssm_status queued = rssm_segment_digests_parts(
+      &l, parts, static_cast<const void* const*>(table.get()), 1, 64, 64, digests.as<uint64_t>());
+  const cudaError_t landed = cudaDeviceSynchronize();
+  const rssm_status st = rssm_device_check(RSSM_BACKEND_CUDA, 0);
+  std::fprintf(stderr, "up %d, queued %s, landed %s, check %s: %s\n", up ? 1 : 0,
+               rssm_status_name(queued), cudaGetErrorName(landed), rssm_status_name(st),
+               rssm_last_error());
+  std::exit(up && queued == RSSM_OK && landed != cudaSuccess && st == RSSM_ERR_DEVICE ? 0 : 1);
+}
+
+// A kernel that faults (an illegal address) leaves the CUDA context failed for good, a sticky
+// error: rssm_device_check, which finds a working device fine, reports it. The fault runs in a
+// child process (a re-executed death test), since it would fail every later test here.
+TEST(CudaDeviceCheck, ReportsTheContextAKernelFaultLeftFailed) {
+  ASSERT_TRUE(HaveGpu()) << kNoGpu;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  ASSERT_EQ(rssm_device_check(RSSM_BACKEND_CUDA, 0), RSSM_OK) << rssm_last_error();
+  EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CUDA, rssm_device_count(RSSM_BACKEND_CUDA)),
+            RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EXIT(FaultAKernelThenCheckTheDevice(), ::testing::ExitedWithCode(0),
+              "check DEVICE: rssm_device_check: cuda");
+}
+
 }  // namespace
 }  // namespace replayssm::kernels::testing

@@ -372,6 +372,15 @@ rssm_status rssm_stream_destroy(int32_t backend, void* stream);
 rssm_status rssm_set_device(int32_t backend, int32_t device);
 int rssm_device_count(int32_t backend);
 
+/* Whether `device` (0 .. rssm_device_count - 1) still takes work: RSSM_OK, or RSSM_ERR_DEVICE
+ * with the reason in rssm_last_error when its context has failed for good (CUDA: a sticky error
+ * — a kernel faulted, uncorrectable ECC, the GPU fell off the bus — which every later call
+ * returns too). It queues nothing and waits for nothing, so it may be called from any thread
+ * while work runs; the calling thread's current device is left as it was. CPU: RSSM_OK, unless
+ * the environment names a file in REPLAYSSM_CPU_FAULT_FILE and that file exists (a failure
+ * injected for tests of what a server does when its device fails). */
+rssm_status rssm_device_check(int32_t backend, int32_t device);
+
 /* Shared memory of co-located clients (registered regions) and GPU-side doorbells, so that a
  * client's GPU work and ours hand over without a host round trip (docs/data-plane.md).
  *
