@@ -33,7 +33,8 @@ absl::Status ForwardSession::Begin(const v1::DecodeBegin& begin, v1::DecodeBegun
   for (const v1::DecodeRow& r : begin.rows()) {
     rows.push_back({ctx_->slots.FromWire(r.slot()), r.token_id()});
   }
-  Opening o{"Decode", "run_layer", begin.request_id(), key.SerializeAsString(), begin.rows_size()};
+  Opening o{"Decode",         "run_layer", "commit", begin.request_id(), key.SerializeAsString(),
+            begin.rows_size()};
   for (const cache::DecodeRow& r : rows) o.slots.push_back(r.slot);
   o.decode_rows = rows;
   o.open = [this, rows = std::move(rows)] { return ctx_->cache->BeginForward(rows); };
@@ -47,7 +48,8 @@ absl::Status ForwardSession::BeginPrefill(const v1::PrefillBegin& begin, v1::Dec
   if (!s.ok()) return Refuse(begin.has_plan() ? &begin.plan() : nullptr, s);
   v1::PrefillBegin key = begin;
   key.clear_request_id();
-  Opening o{"PrefillForward", "prefill_layer", begin.request_id(), key.SerializeAsString()};
+  Opening o{"PrefillForward", "prefill_layer", "prefill_commit", begin.request_id(),
+            key.SerializeAsString()};
   for (const v1::PrefillRow& r : begin.rows()) {
     o.slots.push_back(ctx_->slots.FromWire(r.slot()));
     o.tokens += r.tokens_size();
@@ -74,8 +76,8 @@ absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::Decod
   if (!s.ok()) return Refuse(begin.has_plan() ? &begin.plan() : nullptr, s);
   v1::VerifyBegin key = begin;
   key.clear_request_id();
-  Opening o{"VerifyForward", "verify_layer", begin.request_id(), key.SerializeAsString(),
-            begin.draft_tokens_size()};
+  Opening o{"VerifyForward",    "verify_layer",          "verify_commit",
+            begin.request_id(), key.SerializeAsString(), begin.draft_tokens_size()};
   for (uint64_t h : begin.slots()) o.slots.push_back(ctx_->slots.FromWire(h));
   o.open = [this, &begin, slots = o.slots] {
     const auto& d = begin.draft_tokens();
@@ -183,6 +185,7 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
 void ForwardSession::Opened(Opening& opening, v1::DecodeBegun* begun) {
   method_ = ctx_->RequestScope(opening.method);
   layer_op_ = opening.layer_op;
+  commit_op_ = opening.commit_op;
   decode_ = absl::string_view(opening.method) == "Decode";
   request_id_ = std::move(opening.request_id);
   tokens_ = opening.tokens;
@@ -334,7 +337,7 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
   }
   const absl::Time t0 = absl::Now();
   absl::Status s = planned_ ? planned_->Commit() : forward_->Commit();
-  ctx_->metrics->ObserveKernel("commit", absl::ToDoubleSeconds(absl::Now() - t0));
+  ctx_->metrics->ObserveKernel(commit_op_, absl::ToDoubleSeconds(absl::Now() - t0));
   if (!s.ok() && planned_) {
     Abandon();  // a planned forward that failed has been abandoned: so is the session's
     return s;

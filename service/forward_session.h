@@ -55,6 +55,7 @@ class ForwardSession {
   struct Opening {
     const char* method;    // the request log's id space
     const char* layer_op;  // the kernel metric's op for this kind's layers
+    const char* commit_op;  // and for its commit
     std::string request_id;
     std::string key;                   // the identifying fields, serialized (not the activations)
     int64_t tokens = 0;                // per layer message
@@ -93,6 +94,7 @@ class ForwardSession {
   bool decode_ = false;  // a decode forward: its latency and batch go to the forward metrics
   std::string method_;   // the request log's id space (ServiceContext::RequestScope)
   const char* layer_op_ = "";
+  const char* commit_op_ = "";
   std::string request_id_;
   int64_t tokens_ = 0;
   std::vector<cache::SlotId> slots_;
