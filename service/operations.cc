@@ -304,6 +304,7 @@ absl::StatusOr<void*> Operations::CheckpointRange(
 }
 
 absl::Status Operations::Export(const v1::ExportRequest& req, v1::ExportResponse* resp) {
+  if (absl::Status d = ctx_->gate->RefuseIfFailed(kNoDeviceWork); !d.ok()) return d;
   const cache::ModelSpec& m = ctx_->cache->model();
   if (req.checkpoints_out_size() > 0) return ExportToRegions(req, resp);
   absl::StatusOr<cache::ExportedState> state =
@@ -478,6 +479,7 @@ absl::Status Operations::Verify(const v1::VerifyRequest& req, v1::VerifyResponse
 }
 
 absl::Status Operations::Accept(const v1::AcceptRequest& req, v1::AcceptResponse* resp) {
+  if (absl::Status d = ctx_->gate->RefuseIfFailed(kNoDeviceWork); !d.ok()) return d;
   if (absl::Status s = CheckAcceptRequest(req, ctx_->cache->model()); !s.ok()) return s;
   return Once("Accept", req.request_id(), req, resp, [&]() -> absl::Status {
     absl::Status s = ctx_->cache->Accept(ctx_->slots.FromWire(req.slot()), req.num_accepted());
@@ -493,6 +495,7 @@ absl::Status Operations::MatchPrefix(const v1::MatchPrefixRequest& req,
 }
 
 absl::Status Operations::Donate(const v1::DonateRequest& req, v1::DonateResponse* resp) {
+  if (absl::Status d = ctx_->gate->RefuseIfFailed(kNoDeviceWork); !d.ok()) return d;
   return Once("Donate", req.request_id(), req, resp, [&] {
     const cache::SlotId slot = ctx_->slots.FromWire(req.slot());
     absl::Status s = ctx_->cache->Donate(slot);

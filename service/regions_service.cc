@@ -39,6 +39,9 @@ grpc::ServerUnaryReactor* RegionsService::RegisterSystemRegion(
 grpc::ServerUnaryReactor* RegionsService::RegisterCudaRegion(
     grpc::CallbackServerContext* c, const v1::RegisterCudaRegionRequest* req,
     v1::RegisterRegionResponse*) {
+  if (absl::Status d = ctx_->gate->RefuseIfFailed(kNoDeviceWork); !d.ok()) {
+    return Reply(c, "RegisterCudaRegion", d);
+  }
   cache::RegionSpec spec;
   spec.name = req->name();
   spec.kind = cache::RegionKind::kCuda;

@@ -432,14 +432,15 @@ class ServerImpl final : public Server {
   std::vector<std::string> warnings() const override { return warnings_; }
 
   void Drain() override {
-    device_check_.reset();  // health is NOT_SERVING from here on either way
     gate_.Drain();
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
     const absl::Time deadline = absl::Now() + options_.drain_timeout;
     gate_.WaitIdle(options_.drain_timeout);
     // Outgoing moves and Free still work while draining; incoming states are refused.
-    while (options_.drain_wait_slots && cache_->stats().slots_live > 0 && absl::Now() < deadline) {
+    // Slots on a failed device cannot be moved off: no wait for them then.
+    while (options_.drain_wait_slots && !gate_.failed() && cache_->stats().slots_live > 0 &&
+           absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(50));
     }
     transfers_->Stop();  // waiting transfers are refused, running ones end

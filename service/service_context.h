@@ -45,6 +45,9 @@ class SlotCodec {
   TenantId tenant_ = kImplicitTenant;
 };
 
+// What the calls that need the device but run while draining say once it has failed.
+inline constexpr char kNoDeviceWork[] = "no device work";
+
 // Counts open forwards (decode, verify, prefill) and refuses new work once draining, or once the
 // device has failed (Fail: the server's device check). Thread-safe.
 class ForwardGate {
@@ -77,6 +80,14 @@ class ForwardGate {
   absl::Status Refuse(absl::string_view what) const {
     absl::MutexLock lock(&mutex_);
     return RefuseLocked(what);
+  }
+  // UNAVAILABLE "device failed (<reason>): <what>" once the device has failed, draining or not:
+  // the calls a drain lets run because they move states out or wind a slot down (Export,
+  // Accept, Donate, outgoing transfers, CUDA regions) still need the device.
+  absl::Status RefuseIfFailed(absl::string_view what) const {
+    absl::MutexLock lock(&mutex_);
+    if (failure_.empty()) return absl::OkStatus();
+    return FailedLocked(what);
   }
   // UNAVAILABLE when draining or failed.
   absl::Status Enter(Ticket* ticket) {
@@ -117,11 +128,12 @@ class ForwardGate {
 
  private:
   absl::Status RefuseLocked(absl::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
-    if (!failure_.empty()) {
-      return absl::UnavailableError(absl::StrCat("device failed (", failure_, "): ", what));
-    }
+    if (!failure_.empty()) return FailedLocked(what);
     if (!draining_) return absl::OkStatus();
     return absl::UnavailableError(absl::StrCat("server is draining: ", what));
+  }
+  absl::Status FailedLocked(absl::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+    return absl::UnavailableError(absl::StrCat("device failed (", failure_, "): ", what));
   }
   void Leave() {
     absl::MutexLock lock(&mutex_);

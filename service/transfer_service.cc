@@ -388,6 +388,7 @@ grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerCont
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
   if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
+  if (st.ok()) st = ctx_->gate->RefuseIfFailed(kNoDeviceWork);
   if (!st.ok()) return Reply(c, "TransferSlot", st);
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
   const cache::SlotId slot = caller->slots.FromWire(req->slot());
@@ -422,6 +423,7 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
   absl::Status st = RequireSet(req->request_id(), req->slot(), req->peer_address());
   if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
+  if (st.ok()) st = ctx_->gate->RefuseIfFailed(kNoDeviceWork);
   if (!st.ok()) return Reply(c, "PullSlot", st);
   std::string self = req->self_address();
   if (self.empty()) {

@@ -353,6 +353,21 @@ TEST_F(DeviceFailureTest, AFailedDeviceTurnsHealthNotServingAndRefusesNewWork) {
   EXPECT_EQ(alloc.code(), absl::StatusCode::kUnavailable) << alloc;
   EXPECT_EQ(alloc.message(), reason + ": no new work");
   EXPECT_EQ(client_->GetSlot(a)->seq_len(), 1) << "the refused decode advanced nothing";
+  // What a drain still runs, since it moves states out or winds a slot down, needs the device.
+  const std::string no_device_work = reason + ": no device work";
+  EXPECT_EQ(client_->Export(a).status().message(), no_device_work);
+  EXPECT_EQ(client_->Accept(a, 0).status().message(), no_device_work);
+  EXPECT_EQ(client_->Donate(a).message(), no_device_work);
+  const absl::Status moved = client_->TransferSlot(a, "127.0.0.1:1", false).status();
+  EXPECT_EQ(moved.code(), absl::StatusCode::kUnavailable) << moved;
+  EXPECT_EQ(moved.message(), no_device_work);
+  EXPECT_EQ(client_->PullSlot(a, "127.0.0.1:1", false).status().message(), no_device_work);
+  v1::RegisterCudaRegionRequest region;
+  region.set_name("engine");
+  EXPECT_EQ(client_->RegisterCudaRegion(region).message(), no_device_work);
+  EXPECT_TRUE(client_->GetSlot(a).ok());  // reads answer
+  EXPECT_TRUE(client_->ListSlots().ok());
+  EXPECT_TRUE(client_->Stats().ok());
   EXPECT_TRUE(client_->Free(a, "free-after-failure").ok());
   auto text = HttpGet(server_->metrics_address(), "/metrics");
   ASSERT_TRUE(text.ok()) << text.status();
@@ -368,6 +383,37 @@ TEST_F(DeviceFailureTest, AFailedDeviceTurnsHealthNotServingAndRefusesNewWork) {
   EXPECT_NE(server_->Log().find("replayssm-server: device failed, refusing all new work and "
                                 "reporting NOT_SERVING: cpu device 0: "),
             std::string::npos)
+      << server_->Log();
+}
+
+// A device that fails while the server drains (and waits for its live slots to be moved off) is
+// still reported, and ends the wait for slots that can no longer move: the drain exits at once.
+class DeviceFailureWhileDrainingTest : public DeviceFailureTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--device-check-interval=0.05", "--drain-wait-slots=true", "--drain-timeout=60"};
+  }
+};
+
+TEST_F(DeviceFailureWhileDrainingTest, IsReportedAndEndsTheWaitForSlots) {
+  const uint64_t a = NewSlot();
+  server_->Signal(SIGTERM);
+  ASSERT_EQ(*AwaitNotServing(*client_), Health::NOT_SERVING);
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_TRUE(client_->Export(a).ok()) << "a draining server still moves states out";
+  FailDevice();
+  absl::Status exported;
+  for (int i = 0; i < 200; ++i) {  // the next check, within 50 ms
+    exported = client_->Export(a).status();
+    if (!exported.ok()) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(exported.code(), absl::StatusCode::kUnavailable) << exported;
+  EXPECT_NE(exported.message().find("device failed ("), absl::string_view::npos) << exported;
+  auto exit = server_->WaitExit(absl::Seconds(20));  // not the 60 s of --drain-timeout
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, 0);
+  EXPECT_NE(server_->Log().find("replayssm-server: device failed"), std::string::npos)
       << server_->Log();
 }
 

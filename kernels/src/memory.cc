@@ -261,13 +261,10 @@ rssm_status rssm_device_check(int32_t backend, int32_t device) {
     return RSSM_OK;
   }
 #ifdef REPLAYSSM_WITH_CUDA
-  int before = 0;
-  if (const rssm_status st = CudaCheck(cudaGetDevice(&before), "rssm_device_check");
-      st != RSSM_OK) {
-    return st;
-  }
   // A sticky error comes back from every call in the context; an event recorded on this
-  // thread's stream and queried needs no other work to finish.
+  // thread's default stream and queried needs no other work to finish. The device stays
+  // current: restoring the one before would create a context there (cudaSetDevice does) on a
+  // thread that never used it.
   rssm_status st = CudaCheck(cudaSetDevice(device), "rssm_device_check");
   cudaEvent_t ev = nullptr;
   if (st == RSSM_OK) {
@@ -279,7 +276,6 @@ rssm_status rssm_device_check(int32_t backend, int32_t device) {
     if (q != cudaErrorNotReady) st = CudaCheck(q, "rssm_device_check");
   }
   if (ev != nullptr) cudaEventDestroy(ev);
-  if (before != device) cudaSetDevice(before);
   return st;
 #else
   return NoCuda("rssm_device_check");

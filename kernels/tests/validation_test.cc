@@ -1,5 +1,6 @@
 // Bad parameters return a clear error naming the field, and touch nothing.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -305,7 +306,8 @@ TEST(Memory, DeviceCheckReportsAnInjectedFailure) {
   EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CPU, 1), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(rssm_last_error()), "rssm_device_check: device: expected 0..0, got 1");
   EXPECT_EQ(rssm_device_check(9, 0), RSSM_ERR_INVALID_ARGUMENT);
-  const std::string file = ::testing::TempDir() + "/replayssm_cpu_fault";
+  const std::string file =
+      ::testing::TempDir() + "/replayssm_cpu_fault_" + std::to_string(getpid());
   std::remove(file.c_str());
   ASSERT_EQ(setenv("REPLAYSSM_CPU_FAULT_FILE", file.c_str(), 1), 0);
   EXPECT_EQ(rssm_device_check(RSSM_BACKEND_CPU, 0), RSSM_OK) << "the file does not exist yet";

@@ -375,10 +375,12 @@ int rssm_device_count(int32_t backend);
 /* Whether `device` (0 .. rssm_device_count - 1) still takes work: RSSM_OK, or RSSM_ERR_DEVICE
  * with the reason in rssm_last_error when its context has failed for good (CUDA: a sticky error
  * — a kernel faulted, uncorrectable ECC, the GPU fell off the bus — which every later call
- * returns too). It queues nothing and waits for nothing, so it may be called from any thread
- * while work runs; the calling thread's current device is left as it was. CPU: RSSM_OK, unless
- * the environment names a file in REPLAYSSM_CPU_FAULT_FILE and that file exists (a failure
- * injected for tests of what a server does when its device fails). */
+ * returns too). It queues nothing on other streams and waits for nothing, so it may be called
+ * from any thread while work runs. Like rssm_set_device it leaves `device` the calling thread's
+ * current one (restoring another would create a context there): call it from a thread of its
+ * own, as the server does. CPU: RSSM_OK, unless the environment names a file in
+ * REPLAYSSM_CPU_FAULT_FILE and that file exists (a failure injected for tests of what a server
+ * does when its device fails). */
 rssm_status rssm_device_check(int32_t backend, int32_t device);
 
 /* Shared memory of co-located clients (registered regions) and GPU-side doorbells, so that a
