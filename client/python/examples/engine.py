@@ -146,6 +146,12 @@ def run(args):
     with replayssm.Client(args.address) as client:
         info = client.info()
         model = info.model
+        if model.tp_size > 1:
+            raise TensorParallelServer(
+                f"the server serves {model.tp_size} tensor-parallel ranks (--tp-size); this "
+                "example's activations, weights and reference are unsharded: run it against a "
+                "--tp-size=1 server (a TP engine writes rank-major tensors: docs/python.md, "
+                "\"Tensor-parallel servers\")")
         prompts = [rng.integers(0, args.vocab, size=args.prompt).tolist()
                    for _ in range(args.requests)]
         max_tokens = max(args.requests * args.prompt, args.requests)
@@ -165,6 +171,10 @@ def run(args):
             if args.device == "cpu":
                 region.close()
     report(info, args, prompts, generated, seconds, engine)
+
+
+class TensorParallelServer(Exception):
+    """The server is a tensor-parallel group's: the example drives a TP = 1 server only."""
 
 
 def decode(client, engine, slots, prompts, states, args):
@@ -223,7 +233,7 @@ def main(argv=None):
     parser.add_argument("--no-check", action="store_true", help="skip the reference check")
     try:
         run(parser.parse_args(argv))
-    except (replayssm.ReplaySSMError, AssertionError) as e:
+    except (replayssm.ReplaySSMError, AssertionError, TensorParallelServer) as e:
         print(f"engine: {e}", file=sys.stderr)
         return 1
     return 0

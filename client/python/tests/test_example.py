@@ -49,6 +49,16 @@ class EngineExampleTest(unittest.TestCase):
     def test_the_example_decodes_with_bf16_activations(self):
         self.check(config_file(self, BF16_CONFIG), 2, 3)
 
+    def test_the_example_refuses_a_tensor_parallel_server_before_touching_it(self):
+        server = ServerProcess("--tp-size=2")
+        self.addCleanup(server.stop)
+        done = subprocess.run([sys.executable, EXAMPLE, "--address", server.grpc_address],
+                              capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("engine: the server serves 2 tensor-parallel ranks (--tp-size)", done.stderr)
+        with replayssm.Client(server.grpc_address) as client:
+            self.assertEqual((client.stats().slots_live, client.region_status()), (0, []))
+
 
 if __name__ == "__main__":
     unittest.main()
