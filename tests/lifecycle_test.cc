@@ -553,18 +553,25 @@ TEST_F(LifecycleTest, MetricsCountWhatWasDone) {
   EXPECT_EQ(Sample(m, R"(replayssm_kernel_duration_seconds_count{op="commit"})"),
             kUnary + kStream);
 
-  // A streamed prefill forward's commit is counted as its own op: the decode commits (and the
-  // dashboard's kernel share of decode forwards) stay decode's.
+  // A streamed prefill or verify forward's commit is counted as its own op: the decode commits
+  // (and the dashboard's kernel share of decode forwards) stay decode's.
   auto prefill = client_->OpenStream();
   ASSERT_TRUE(prefill->BeginPrefill({client::MakePrefillRow(a, std::vector<int32_t>{7, 8})}).ok());
   const std::vector<v1::LayerInput> layers = Layers(2);
   for (int l = 0; l < num_layers(); ++l) ASSERT_TRUE(prefill->RunLayer(layers[l]).ok());
   ASSERT_TRUE(prefill->Commit().ok());
   ASSERT_TRUE(prefill->Finish().ok());
+  const std::vector<uint64_t> verified = {a};
+  auto verify = client_->OpenStream();
+  ASSERT_TRUE(verify->Verify(verified, 2, std::vector<int32_t>{5, 6}, Layers(2)).ok());
+  ASSERT_TRUE(verify->Finish().ok());
   auto after = HttpGet(server_->metrics_address(), "/metrics");
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(Sample(*after, R"(replayssm_kernel_duration_seconds_count{op="prefill_commit"})"), 1);
   EXPECT_EQ(Sample(*after, R"(replayssm_kernel_duration_seconds_count{op="prefill_layer"})"),
+            num_layers());
+  EXPECT_EQ(Sample(*after, R"(replayssm_kernel_duration_seconds_count{op="verify_commit"})"), 1);
+  EXPECT_EQ(Sample(*after, R"(replayssm_kernel_duration_seconds_count{op="verify_layer"})"),
             num_layers());
   EXPECT_EQ(Sample(*after, R"(replayssm_kernel_duration_seconds_count{op="commit"})"),
             kUnary + kStream);
