@@ -62,8 +62,8 @@ class EngineMemory {
     }
 #endif
     key_ = "/replayssm-dp-" + std::to_string(getpid()) + "-" + std::to_string(next_++);
-    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EXPECT_GE(fd, 0);
+    const int fd = CreateOwnShm(key_);
+    EXPECT_GE(fd, 0) << key_;
     EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes_)), 0);
     base_ = static_cast<uint8_t*>(
         mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
@@ -277,6 +277,19 @@ class DataPlaneTest : public ServiceTest {
 
   std::unique_ptr<EngineMemory> mem_;
 };
+
+// The tests' shm objects are named by pid: one left by a dead run whose pid this process now has
+// (it was killed before its unlink) must not fail the test that reuses the name.
+TEST(TestShm, ACreateReplacesAStaleObjectOfItsName) {
+  const std::string key = "/replayssm-dp-stale-" + std::to_string(getpid());
+  const int stale = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(stale, 0);
+  close(stale);
+  const int fd = CreateOwnShm(key);
+  EXPECT_GE(fd, 0) << key;
+  if (fd >= 0) close(fd);
+  shm_unlink(key.c_str());
+}
 
 TEST_F(DataPlaneTest, PlannedDecodeMatchesInlineBitForBitAcrossFolds) {
   ExpectPlannedDecodeMatchesInline(6);  // past a ring fold (L = 4 for tiny-gdn)
@@ -505,8 +518,8 @@ TEST_F(DataPlaneTest, ImportAndExportTakeRegions) {
   const uint64_t stride = EngineMemory::Up(cp);
   // A second shm object for the checkpoints.
   const std::string key = "/replayssm-dp-ckpt-" + std::to_string(getpid());
-  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  ASSERT_GE(fd, 0);
+  const int fd = CreateOwnShm(key);
+  ASSERT_GE(fd, 0) << key;
   const uint64_t bytes = stride * num_layers();
   ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
   auto* base =

@@ -1,14 +1,17 @@
 #include "server_process.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -207,6 +210,15 @@ absl::StatusOr<std::string> HttpGet(const std::string& address, const std::strin
     return absl::DataLossError("not an HTTP response");
   }
   return response.substr(body + 4);
+}
+
+int CreateOwnShm(const std::string& key) {
+  int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 && errno == EEXIST) {  // no live process holds our pid: its creator is gone
+    shm_unlink(key.c_str());
+    fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  }
+  return fd;
 }
 
 double Sample(const std::string& text, const std::string& series) {

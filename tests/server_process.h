@@ -49,6 +49,11 @@ class ServerProcess {
 // GET http://address/path over a plain socket; the body.
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path);
 
+// shm_open(key, O_CREAT | O_EXCL | O_RDWR, 0600) for a test's shm object whose key holds this
+// process's pid: an object of that name left by a dead process that had the same pid (a run
+// killed before its unlink) is unlinked first, so a recycled pid cannot collide. The fd, or -1.
+int CreateOwnShm(const std::string& key);
+
 // The value of the sample `series` (e.g. `replayssm_rpcs_total{code="OK",method="Decode"}`)
 // in Prometheus text; -1 when absent.
 double Sample(const std::string& text, const std::string& series);

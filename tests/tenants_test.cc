@@ -313,7 +313,7 @@ TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
 class Shm {
  public:
   Shm(std::string key, off_t bytes) : key_(std::move(key)) {
-    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    const int fd = CreateOwnShm(key_);
     EXPECT_GE(fd, 0) << key_;
     EXPECT_EQ(ftruncate(fd, bytes), 0);
     close(fd);
