@@ -33,8 +33,7 @@ absl::Status ForwardSession::Begin(const v1::DecodeBegin& begin, v1::DecodeBegun
   for (const v1::DecodeRow& r : begin.rows()) {
     rows.push_back({ctx_->slots.FromWire(r.slot()), r.token_id()});
   }
-  Opening o{"Decode",         "run_layer", "commit", begin.request_id(), key.SerializeAsString(),
-            begin.rows_size()};
+  Opening o{&kDecode, begin.request_id(), key.SerializeAsString(), begin.rows_size()};
   for (const cache::DecodeRow& r : rows) o.slots.push_back(r.slot);
   o.decode_rows = rows;
   o.open = [this, rows = std::move(rows)] { return ctx_->cache->BeginForward(rows); };
@@ -48,8 +47,7 @@ absl::Status ForwardSession::BeginPrefill(const v1::PrefillBegin& begin, v1::Dec
   if (!s.ok()) return Refuse(begin.has_plan() ? &begin.plan() : nullptr, s);
   v1::PrefillBegin key = begin;
   key.clear_request_id();
-  Opening o{"PrefillForward", "prefill_layer", "prefill_commit", begin.request_id(),
-            key.SerializeAsString()};
+  Opening o{&kPrefill, begin.request_id(), key.SerializeAsString()};
   for (const v1::PrefillRow& r : begin.rows()) {
     o.slots.push_back(ctx_->slots.FromWire(r.slot()));
     o.tokens += r.tokens_size();
@@ -76,8 +74,7 @@ absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::Decod
   if (!s.ok()) return Refuse(begin.has_plan() ? &begin.plan() : nullptr, s);
   v1::VerifyBegin key = begin;
   key.clear_request_id();
-  Opening o{"VerifyForward",    "verify_layer",          "verify_commit",
-            begin.request_id(), key.SerializeAsString(), begin.draft_tokens_size()};
+  Opening o{&kVerify, begin.request_id(), key.SerializeAsString(), begin.draft_tokens_size()};
   for (uint64_t h : begin.slots()) o.slots.push_back(ctx_->slots.FromWire(h));
   o.open = [this, &begin, slots = o.slots] {
     const auto& d = begin.draft_tokens();
@@ -104,7 +101,7 @@ absl::Status ForwardSession::Start(Opening opening, v1::DecodeBegun* begun) {
 
 absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begun, bool* chained) {
   *chained = false;
-  if (!decode_ || opening.plan == nullptr || opening.decode_rows.empty() || replay_) {
+  if (!decode() || opening.plan == nullptr || opening.decode_rows.empty() || replay_) {
     return absl::OkStatus();
   }
   // Everything that can refuse the new begin first: on any refusal the general path commits
@@ -118,14 +115,14 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
   absl::StatusOr<std::unique_ptr<cache::Forward>> next =
       planned_->Continue(*ctx_->cache, opening.decode_rows);
   if (next.ok() && *next == nullptr) {  // not continuable: the general path
-    ctx_->requests->Release(ctx_->RequestScope(opening.method), opening.request_id);
+    ctx_->requests->Release(ctx_->RequestScope(opening.kind->method), opening.request_id);
     return absl::OkStatus();
   }
   *chained = true;
   // The open forward is committed (in the cache) either way from here.
   s = Committed(begun->mutable_closed());
   if (!next.ok() || !s.ok()) {
-    ctx_->requests->Release(ctx_->RequestScope(opening.method), opening.request_id);
+    ctx_->requests->Release(ctx_->RequestScope(opening.kind->method), opening.request_id);
     Abandon();
     const absl::Status e = next.ok() ? s : next.status();
     return Refuse(opening.plan,
@@ -174,7 +171,7 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
   if (!replay_) {
     s = Open(opening);
     if (!s.ok()) {
-      ctx_->requests->Release(ctx_->RequestScope(opening.method), opening.request_id);
+      ctx_->requests->Release(ctx_->RequestScope(opening.kind->method), opening.request_id);
       return refuse(s);
     }
   }
@@ -183,10 +180,8 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
 }
 
 void ForwardSession::Opened(Opening& opening, v1::DecodeBegun* begun) {
-  method_ = ctx_->RequestScope(opening.method);
-  layer_op_ = opening.layer_op;
-  commit_op_ = opening.commit_op;
-  decode_ = absl::string_view(opening.method) == "Decode";
+  method_ = ctx_->RequestScope(opening.kind->method);
+  kind_ = opening.kind;
   request_id_ = std::move(opening.request_id);
   tokens_ = opening.tokens;
   slots_ = std::move(opening.slots);
@@ -199,7 +194,7 @@ void ForwardSession::Opened(Opening& opening, v1::DecodeBegun* begun) {
 }
 
 absl::Status ForwardSession::Claim(const Opening& opening) {
-  RequestLog::Claim claim = ctx_->requests->Begin(ctx_->RequestScope(opening.method),
+  RequestLog::Claim claim = ctx_->requests->Begin(ctx_->RequestScope(opening.kind->method),
                                                   opening.request_id, Fingerprint(opening.key));
   switch (claim.outcome) {
     case RequestLog::Outcome::kNew:
@@ -279,7 +274,7 @@ absl::Status ForwardSession::RunLayer(const v1::LayerInput& input, v1::LayerOutp
     } else {
       s = forward_->RunLayer(input.layer(), LayerView(input, model, tokens_, output));
     }
-    ctx_->metrics->ObserveKernel(layer_op_, absl::ToDoubleSeconds(absl::Now() - t0));
+    ctx_->metrics->ObserveKernel(kind_->layer_op, absl::ToDoubleSeconds(absl::Now() - t0));
     if (!s.ok()) return s;
     if (retain_) *record_.mutable_layers(input.layer()) = *output;
   }
@@ -337,7 +332,7 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
   }
   const absl::Time t0 = absl::Now();
   absl::Status s = planned_ ? planned_->Commit() : forward_->Commit();
-  ctx_->metrics->ObserveKernel(commit_op_, absl::ToDoubleSeconds(absl::Now() - t0));
+  ctx_->metrics->ObserveKernel(kind_->commit_op, absl::ToDoubleSeconds(absl::Now() - t0));
   if (!s.ok() && planned_) {
     Abandon();  // a planned forward that failed has been abandoned: so is the session's
     return s;
@@ -378,7 +373,7 @@ absl::Status ForwardSession::Committed(v1::DecodeCommitted* committed) {
   } else {
     ctx_->requests->CompleteWithoutReply(method_, request_id_);
   }
-  if (decode_) {
+  if (decode()) {
     ctx_->metrics->ObserveForward(absl::ToDoubleSeconds(absl::Now() - start_),
                                   static_cast<int32_t>(slots_.size()));
   }

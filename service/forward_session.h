@@ -51,11 +51,18 @@ class ForwardSession {
   void Abandon();
 
  private:
+  // A forward's kind: its request log's id space and the kernel metric's ops of its calls.
+  struct Kind {
+    const char* method;     // the request log's id space
+    const char* layer_op;   // the kernel metric's op for its layers
+    const char* commit_op;  // and for its commit
+  };
+  static constexpr Kind kDecode{"Decode", "run_layer", "commit"};
+  static constexpr Kind kPrefill{"PrefillForward", "prefill_layer", "prefill_commit"};
+  static constexpr Kind kVerify{"VerifyForward", "verify_layer", "verify_commit"};
   // What a begin of each kind hands to Start.
   struct Opening {
-    const char* method;    // the request log's id space
-    const char* layer_op;  // the kernel metric's op for this kind's layers
-    const char* commit_op;  // and for its commit
+    const Kind* kind;
     std::string request_id;
     std::string key;                   // the identifying fields, serialized (not the activations)
     int64_t tokens = 0;                // per layer message
@@ -91,10 +98,10 @@ class ForwardSession {
 
   const ServiceContext* ctx_;
   bool open_ = false;
-  bool decode_ = false;  // a decode forward: its latency and batch go to the forward metrics
-  std::string method_;   // the request log's id space (ServiceContext::RequestScope)
-  const char* layer_op_ = "";
-  const char* commit_op_ = "";
+  std::string method_;          // the request log's id space (ServiceContext::RequestScope)
+  const Kind* kind_ = nullptr;  // the last forward opened
+  // A decode forward: its latency and batch go to the forward metrics.
+  bool decode() const { return kind_ == &kDecode; }
   std::string request_id_;
   int64_t tokens_ = 0;
   std::vector<cache::SlotId> slots_;
