@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "replayssm/client/demo.h"
 #include "service_fixture.h"
+#include "tcp_relay.h"
 #include "transfer_proxy.h"
 
 namespace replayssm::testing {
@@ -380,6 +381,26 @@ TEST_F(TransferTest, APeerThatComesBackIsReachedWithinASecond) {
   ASSERT_TRUE(moved.ok()) << moved.status();
   EXPECT_LT(absl::Now() - t0, absl::Milliseconds(2500))
       << "reconnect backoff: 1 s at most; " << attempts.load() << " attempts in the outage";
+}
+
+// A peer at the far end of a long link (a relay holding each chunk 200 ms each way, a
+// cross-region round trip) is reached on the first try. gRPC gives one connection attempt
+// GRPC_ARG_MIN_RECONNECT_BACKOFF_MS to get the peer's HTTP/2 SETTINGS back, whatever its
+// header says the argument is. The peer channels once set it to their 100 ms reconnect
+// backoff, so every attempt to a peer over ~50 ms of round trip timed out and the transfer
+// failed "connection attempt timed out before receiving SETTINGS frame"; a loaded machine's
+// mTLS handshake on loopback did the same (TlsTest in CI).
+TEST_F(TransferTest, APeerAcrossALongLinkIsReachedOnTheFirstTry) {
+  auto b = StartPeer({});
+  ASSERT_NE(b, nullptr);
+  auto link = TcpRelay::Start(b->grpc_address(), absl::Milliseconds(200));
+  ASSERT_NE(link, nullptr);
+  auto cb = Client::Connect(b->grpc_address());
+  const uint64_t s = PreparedSlot();
+  auto r = client_->TransferSlot(s, link->address(), /*keep_source=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(link->connections(), 1) << "one connection attempt did";
+  ExpectSameStateAndDecode(*cb, s, r->remote_slot());
 }
 
 // A with --transfer-lanes N and chunks small enough that the slot is many of them (their
