@@ -546,6 +546,13 @@ TEST_F(TransferTimeoutTest, AReceiverResumedAfterTheSenderGaveUpKeepsNoOrphan) {
   auto decode = client_->Decode(DecodeRequest({s}, Layers(1)));
   EXPECT_EQ(decode.status().code(), absl::StatusCode::kFailedPrecondition)
       << "in doubt: the source stays locked; " << decode.status();
+  // B's commit-by is its receipt of the reservation + 1 s - AbortReserve (250 ms): later than
+  // the sender's commit deadline by however late B read the reservation. Resumed at once, a B
+  // that read it > 250 ms late (a loaded machine, once; a proxy holding the reserve 600 ms,
+  // always) still took the commit as in time, and the retry found it committed: a correct
+  // move, not the case tested. B read the reservation before the sender returned, so 1 s
+  // later its commit-by has passed.
+  absl::SleepFor(absl::Seconds(1));
   b->Signal(SIGCONT);
   // B reads the queued commit and abort; until the abort is read its reservation's slot counts
   // as live. Waited for up to 10 s (a fixed 1.5 s failed on a loaded 2-core machine).
