@@ -310,8 +310,8 @@ const std::vector<Flag>& Flags() {
        "and sees its tenant's slots only (re-read when it changes); empty = off",
        Str(&ServerOptions::auth_tokens_file)},
       {"peer-token",
-       "file of the cluster's peer token: transfer peers must present it (a client's token "
-       "or certificate never suffices) and this server presents it; empty = off",
+       "file of the cluster's peer token: transfer peers must prove it (a client's token "
+       "or certificate never suffices) and this server proves it; empty = off",
        Str(&ServerOptions::peer_token_file)},
       {"ready-file", "write the bound addresses here once serving (for tests and scripts)",
        Custom([](ServerFlags& f, const std::string& v) {

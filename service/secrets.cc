@@ -1,5 +1,7 @@
 #include "service/secrets.h"
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 #include <sstream>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -94,9 +97,30 @@ absl::StatusOr<std::unique_ptr<PeerTokens>> PeerTokens::Load(const std::string& 
   return std::unique_ptr<PeerTokens>(new PeerTokens(std::move(tokens)));
 }
 
-bool PeerTokens::Accepts(absl::string_view token) const {
+std::string PeerProof(absl::string_view token, absl::string_view method,
+                      absl::string_view transfer_id, absl::string_view tenant) {
+  const std::string message =
+      absl::StrCat("replayssm-peer-proof-v1\n", method.size(), ":", method, transfer_id.size(), ":",
+                   transfer_id, tenant.size(), ":", tenant);
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &n);
+  return absl::StrCat("v1:",
+                      absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(mac), n)));
+}
+
+std::string PeerTokens::Prove(absl::string_view method, absl::string_view transfer_id,
+                              absl::string_view tenant) const {
+  return PeerProof(tokens_.front(), method, transfer_id, tenant);
+}
+
+bool PeerTokens::Accepts(absl::string_view proof, absl::string_view method,
+                         absl::string_view transfer_id, absl::string_view tenant) const {
   bool accepted = false;
-  for (const std::string& t : tokens_) accepted = ConstantTimeEquals(t, token) || accepted;
+  for (const std::string& t : tokens_) {
+    accepted = ConstantTimeEquals(PeerProof(t, method, transfer_id, tenant), proof) || accepted;
+  }
   return accepted;
 }
 

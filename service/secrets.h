@@ -4,11 +4,16 @@
 //
 // The peer token (--peer-token FILE) authenticates servers to each other: SlotTransfer's
 // peer methods (ReserveTransfer, CommitTransfer, AbortTransfer, AcknowledgeTransfer) must
-// carry it as metadata `replayssm-peer-token`; a client's credentials (a tenant's bearer
-// token, a client certificate) are never enough. The file holds one token per line (16..256
-// printable ASCII characters without spaces; `#` comments, blank lines): the first is the one
-// this server presents, every one is accepted (rotation: add the new token as a second line
-// everywhere, then make it the first, then remove the old one).
+// carry a proof of it as metadata `replayssm-peer-proof`; a client's credentials (a tenant's
+// bearer token, a client certificate) are never enough. The token itself never leaves the
+// server: a sender dials whatever peer_address a client names (without --transfer-peers), so
+// whatever it sends there a client may read. The proof is an HMAC-SHA256 keyed with the token
+// over the method, the transfer id and the tenant the call is for: read by a fake peer, it
+// opens only that call for that transfer of the caller's own tenant, which the caller could
+// make anyway. The file holds one token per line (16..256 printable ASCII characters without
+// spaces; `#` comments, blank lines): the first is the one this server proves, every one is
+// accepted (rotation: add the new token as a second line everywhere, then make it the first,
+// then remove the old one).
 //
 // Thread safety: the functions are thread-safe; PeerTokens is immutable.
 #ifndef REPLAYSSM_SERVICE_SECRETS_H_
@@ -24,8 +29,15 @@
 
 namespace replayssm::service {
 
-// The metadata key of the peer token (gRPC keys are lower case).
-inline constexpr char kPeerTokenKey[] = "replayssm-peer-token";
+// The metadata key of the proof of the peer token (gRPC keys are lower case).
+inline constexpr char kPeerProofKey[] = "replayssm-peer-proof";
+
+// The proof of `token` for one peer call: "v1:" and 64 hex digits, the HMAC-SHA256 keyed with
+// the token of "replayssm-peer-proof-v1\n" followed by each of method, transfer_id and
+// tenant as <decimal length>:<bytes>. `tenant` is the one the call names ("" for calls that
+// name none: all but ReserveTransfer).
+std::string PeerProof(absl::string_view token, absl::string_view method,
+                      absl::string_view transfer_id, absl::string_view tenant);
 
 // a == b, in a time that depends on the lengths only, never on the first byte that differs.
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
@@ -40,10 +52,13 @@ class PeerTokens {
  public:
   // Reads --peer-token's file; INVALID_ARGUMENT `<path>:<line>: ...` (never a token).
   static absl::StatusOr<std::unique_ptr<PeerTokens>> Load(const std::string& path);
-  // The token this server presents to its peers (the file's first).
-  const std::string& own() const { return tokens_.front(); }
-  // Whether `token` is one of the file's: every one compared, in constant time.
-  bool Accepts(absl::string_view token) const;
+  // The proof this server sends with a peer call: of its own token, the file's first.
+  std::string Prove(absl::string_view method, absl::string_view transfer_id,
+                    absl::string_view tenant) const;
+  // Whether `proof` is the proof of one of the file's tokens for this call: every one
+  // compared, in constant time.
+  bool Accepts(absl::string_view proof, absl::string_view method, absl::string_view transfer_id,
+               absl::string_view tenant) const;
 
  private:
   explicit PeerTokens(std::vector<std::string> tokens) : tokens_(std::move(tokens)) {}

@@ -50,17 +50,35 @@ TEST(Secrets, AFileOthersOrAForeignGroupMayReadIsReported) {
   EXPECT_EQ(ExposureWarning("auth-tokens", path), std::nullopt) << "gone: nothing to say";
 }
 
-TEST(PeerTokens, TheFirstIsPresentedAndEveryOneAccepted) {
+TEST(PeerTokens, TheFirstIsProvedAndEveryOneAcceptedForItsCallOnly) {
   const std::string path = absl::StrCat(::testing::TempDir(), "/replayssm-peer-", getpid());
   std::ofstream(path) << "# the cluster's peer tokens\nnew-peer-token-0123456789\n\n"
                          "old-peer-token-0123456789  # going\n";
   absl::StatusOr<std::unique_ptr<PeerTokens>> t = PeerTokens::Load(path);
   ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_EQ((*t)->own(), "new-peer-token-0123456789");
-  EXPECT_TRUE((*t)->Accepts("new-peer-token-0123456789"));
-  EXPECT_TRUE((*t)->Accepts("old-peer-token-0123456789"));
-  EXPECT_FALSE((*t)->Accepts("new-peer-token-012345678"));
-  EXPECT_FALSE((*t)->Accepts(""));
+  // The proof of the first token, as `printf 'replayssm-peer-proof-v1\n15:ReserveTransfer7:
+  // move-175:alice' | openssl dgst -sha256 -hmac new-peer-token-0123456789` computes it.
+  const std::string proof = (*t)->Prove("ReserveTransfer", "move-17", "alice");
+  EXPECT_EQ(proof, "v1:18e23146611487346d1c2229821b28a88c9de96971c669e46eb604d7a8b7eac3");
+  EXPECT_EQ(proof.find("peer-token"), std::string::npos) << "never the token";
+  EXPECT_TRUE((*t)->Accepts(proof, "ReserveTransfer", "move-17", "alice"));
+  // Every token of the file is accepted (rotation), for the very call it was made for only.
+  const std::string old_commit =
+      PeerProof("old-peer-token-0123456789", "CommitTransfer", "move-17", "");
+  EXPECT_EQ(old_commit, "v1:81c292e99f4e9f8e72f9e5337cefbe6de783685b34aa198ee19a340275b1e9ce");
+  EXPECT_TRUE((*t)->Accepts(old_commit, "CommitTransfer", "move-17", ""));
+  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer", "move-17", "bob")) << "another tenant";
+  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer", "move-18", "alice")) << "another id";
+  EXPECT_FALSE((*t)->Accepts(proof, "AbortTransfer", "move-17", "alice")) << "another method";
+  EXPECT_FALSE(
+      (*t)->Accepts(PeerProof("new-peer-token-012345678", "ReserveTransfer", "move-17", "alice"),
+                    "ReserveTransfer", "move-17", "alice"))
+      << "another token";
+  EXPECT_FALSE((*t)->Accepts("new-peer-token-0123456789", "ReserveTransfer", "move-17", "alice"))
+      << "the token itself is no proof";
+  EXPECT_FALSE((*t)->Accepts("", "ReserveTransfer", "move-17", "alice"));
+  // The fields are length-prefixed: moving bytes between them changes the proof.
+  EXPECT_NE(PeerProof("new-peer-token-0123456789", "ReserveTransfer", "move-1", "7alice"), proof);
   std::ofstream(path) << "short\n";
   absl::StatusOr<std::unique_ptr<PeerTokens>> bad = PeerTokens::Load(path);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);

@@ -81,8 +81,8 @@ struct ServerOptions {
   // Bearer tokens of tenants (service/tenants.h): every client-facing call needs one; "": off,
   // one implicit tenant (localhost and trusted networks).
   std::string auth_tokens_file;
-  // The cluster's peer token (service/secrets.h): SlotTransfer's peer methods need it, and
-  // this server presents it to its peers. "": with --auth-tokens or --tls-client-ca incoming
+  // The cluster's peer token (service/secrets.h): SlotTransfer's peer methods need a proof of
+  // it, and this server proves it to its peers. "": with --auth-tokens or --tls-client-ca incoming
   // transfers are refused; without either, peers are anyone who can connect (trusted network).
   std::string peer_token_file;
   // The network interface UCX uses and listens on for transfers (UCX_NET_DEVICES); "": all.

@@ -57,12 +57,13 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
 class GrpcPeer final : public transfer::Peer {
  public:
   // `tenant_of` names the tenant that owns a transfer id's slot ("" without tenants);
-  // `peer_token` goes with every call ("": none).
+  // every call carries a proof of `peer_tokens`' own token (none without them).
   GrpcPeer(std::shared_ptr<grpc::Channel> channel,
-           std::function<std::string(const std::string&)> tenant_of, std::string peer_token)
+           std::function<std::string(const std::string&)> tenant_of,
+           std::shared_ptr<const PeerTokens> peer_tokens)
       : stub_(v1::SlotTransfer::NewStub(std::move(channel))),
         tenant_of_(std::move(tenant_of)),
-        peer_token_(std::move(peer_token)) {}
+        peer_tokens_(std::move(peer_tokens)) {}
 
   absl::StatusOr<transfer::Reservation> Reserve(const std::string& id,
                                                 const transfer::StateFormat& format,
@@ -78,7 +79,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_tenant(tenant_of_(id));
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline);
+    Prepare(c, deadline, "ReserveTransfer", id, req.tenant());
     absl::Status st =
         FromGrpcStatus(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
     if (!st.ok()) return st;
@@ -94,7 +95,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_checksum(checksum);
     v1::CommitTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline);
+    Prepare(c, deadline, "CommitTransfer", id);
     absl::Status st = FromGrpcStatus(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
     if (!st.ok()) return st;
     return resp.slot();  // the peer's wire handle
@@ -105,7 +106,7 @@ class GrpcPeer final : public transfer::Peer {
     req.set_transfer_id(id);
     v1::AbortTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline);
+    Prepare(c, deadline, "AbortTransfer", id);
     absl::Status st = FromGrpcStatus(stub_->AbortTransfer(&c, req, &resp), "peer AbortTransfer");
     if (!st.ok()) return st;
     return transfer::Decision{resp.committed(), resp.slot(), resp.seq_len()};
@@ -121,20 +122,23 @@ class GrpcPeer final : public transfer::Peer {
     };
     auto* call = new Call;
     call->req.set_transfer_id(id);
-    Prepare(call->context, absl::Now() + absl::Seconds(10));
+    Prepare(call->context, absl::Now() + absl::Seconds(10), "AcknowledgeTransfer", id);
     stub_->async()->AcknowledgeTransfer(&call->context, &call->req, &call->resp,
                                          [call](grpc::Status) { delete call; });
   }
 
  private:
-  void Prepare(grpc::ClientContext& c, absl::Time deadline) const {
+  void Prepare(grpc::ClientContext& c, absl::Time deadline, absl::string_view method,
+               const std::string& id, absl::string_view tenant = "") const {
     c.set_deadline(absl::ToChronoTime(deadline));
-    if (!peer_token_.empty()) c.AddMetadata(kPeerTokenKey, peer_token_);
+    if (peer_tokens_ != nullptr) {
+      c.AddMetadata(kPeerProofKey, peer_tokens_->Prove(method, id, tenant));
+    }
   }
 
   std::unique_ptr<v1::SlotTransfer::Stub> stub_;
   std::function<std::string(const std::string&)> tenant_of_;
-  const std::string peer_token_;
+  const std::shared_ptr<const PeerTokens> peer_tokens_;
 };
 
 // The fields both transfer forms need: INVALID_ARGUMENT naming the first one missing.
@@ -252,7 +256,7 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
       [self](const std::string& address) -> std::unique_ptr<transfer::Peer> {
         return std::make_unique<GrpcPeer>(
             self->Channel(address), [self](const std::string& id) { return self->TenantOf(id); },
-            self->options_.peer_tokens != nullptr ? self->options_.peer_tokens->own() : "");
+            self->options_.peer_tokens);
       },
       m);
   s->janitor_ = std::thread([self] {
@@ -327,7 +331,9 @@ std::string TransferService::PeerIdentity(const grpc::CallbackServerContext& c) 
 }
 
 absl::Status TransferService::AuthenticatePeer(const grpc::CallbackServerContext& c,
-                                              absl::string_view method) const {
+                                               absl::string_view method,
+                                               const std::string& transfer_id,
+                                               absl::string_view tenant) const {
   if (options_.peer_tokens == nullptr) {
     if (!options_.clients_authenticated) return absl::OkStatus();  // a trusted network
     return absl::PermissionDeniedError(absl::StrCat(
@@ -336,17 +342,21 @@ absl::Status TransferService::AuthenticatePeer(const grpc::CallbackServerContext
         "client's credentials are never a peer's"));
   }
   const auto& md = c.client_metadata();
-  auto it = md.find(kPeerTokenKey);
+  auto it = md.find(kPeerProofKey);
   if (it == md.end()) {
     ctx_->metrics->CountAuthFailure("peer_missing");
-    return absl::UnauthenticatedError(absl::StrCat(
-        kPeerTokenKey, ": expected the cluster's peer token (--peer-token) in the metadata of ",
-        method, ", got none"));
+    return absl::UnauthenticatedError(
+        absl::StrCat(kPeerProofKey,
+                     ": expected a proof of the cluster's peer token (--peer-token) in the "
+                     "metadata of ",
+                     method, ", got none"));
   }
-  if (!options_.peer_tokens->Accepts(absl::string_view(it->second.data(), it->second.size()))) {
+  if (!options_.peer_tokens->Accepts(absl::string_view(it->second.data(), it->second.size()),
+                                     method, transfer_id, tenant)) {
     ctx_->metrics->CountAuthFailure("peer_unknown");
     return absl::UnauthenticatedError(absl::StrCat(
-        kPeerTokenKey, ": expected the cluster's peer token (--peer-token), got another"));
+        kPeerProofKey, ": expected a proof of the cluster's peer token (--peer-token) for ", method,
+        " of this transfer_id and tenant, got another"));
   }
   return absl::OkStatus();
 }
@@ -488,7 +498,8 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
   // An unauthenticated call is no transfer: counted in replayssm_auth_failures_total alone.
-  if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer"); !st.ok()) {
+  if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer", req->transfer_id(), req->tenant());
+      !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
   if (absl::Status st = ctx_->gate->Refuse(kNoIncoming); !st.ok()) {
@@ -524,7 +535,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
 grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
                                                           const v1::CommitTransferRequest* req,
                                                           v1::CommitTransferResponse* resp) {
-  absl::Status st = AuthenticatePeer(*c, "CommitTransfer");
+  absl::Status st = AuthenticatePeer(*c, "CommitTransfer", req->transfer_id());
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
   if (!st.ok()) return Reply(c, "CommitTransfer", st);
@@ -555,7 +566,7 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerContext* c,
                                                          const v1::AbortTransferRequest* req,
                                                          v1::AbortTransferResponse* resp) {
-  absl::Status st = AuthenticatePeer(*c, "AbortTransfer");
+  absl::Status st = AuthenticatePeer(*c, "AbortTransfer", req->transfer_id());
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (!st.ok()) return Reply(c, "AbortTransfer", st);
   const transfer::Decision d = receiver_->Abort(req->transfer_id(), PeerIdentity(*c));
@@ -570,7 +581,7 @@ grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* TransferService::AcknowledgeTransfer(
     grpc::CallbackServerContext* c, const v1::AcknowledgeTransferRequest* req,
     v1::AcknowledgeTransferResponse*) {
-  absl::Status st = AuthenticatePeer(*c, "AcknowledgeTransfer");
+  absl::Status st = AuthenticatePeer(*c, "AcknowledgeTransfer", req->transfer_id());
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (!st.ok()) return Reply(c, "AcknowledgeTransfer", st);
   receiver_->Acknowledge(req->transfer_id(), PeerIdentity(*c));  // only the reserving peer's

@@ -48,8 +48,8 @@ struct TransferOptions {
   // The peers this server may dial (TransferSlot's and PullSlot's peer_address, host:port as
   // given); empty: any (--transfer-peers).
   std::vector<std::string> allowed_peers;
-  // --peer-token: peers present its token, and this server presents it to them. Null: peer
-  // calls carry none; they are then refused when clients_authenticated.
+  // --peer-token: peers prove its token, and this server proves it to them (secrets.h). Null:
+  // peer calls carry no proof; they are then refused when clients_authenticated.
   std::shared_ptr<const PeerTokens> peer_tokens;
   bool clients_authenticated = false;  // --auth-tokens or --tls-client-ca
 };
@@ -90,12 +90,14 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   TransferService(const ServiceContext* ctx, TransferOptions options);
   // Who is calling, for the per-peer reservation bound: the mTLS identity, else the host.
   static std::string PeerIdentity(const grpc::CallbackServerContext& c);
-  // A peer method's caller must be a peer: with --peer-token it presents that token
-  // (UNAUTHENTICATED otherwise, counted as an auth failure of reason peer_missing or
-  // peer_unknown, not as a transfer failure); without one, a server that
-  // authenticates its clients takes no peer calls at all (PERMISSION_DENIED).
-  absl::Status AuthenticatePeer(const grpc::CallbackServerContext& c,
-                                absl::string_view method) const;
+  // A peer method's caller must be a peer: with --peer-token it presents a proof of that
+  // token for this method, transfer id and tenant (secrets.h; UNAUTHENTICATED otherwise,
+  // counted as an auth failure of reason peer_missing or peer_unknown, not as a transfer
+  // failure); without one, a server that authenticates its clients takes no peer calls at all
+  // (PERMISSION_DENIED).
+  absl::Status AuthenticatePeer(const grpc::CallbackServerContext& c, absl::string_view method,
+                                const std::string& transfer_id,
+                                absl::string_view tenant = "") const;
   // The manager's id of a caller's move: request ids are the tenant's own (with tenants,
   // "<tenant id>/<request id>"; another tenant's id never joins or replays its move).
   std::string MoveId(TenantId tenant, const std::string& request_id) const;

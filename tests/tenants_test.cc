@@ -18,8 +18,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "absl/time/clock.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "service/secrets.h"
 #include "service_fixture.h"
 #include "transfer_proxy.h"
 
@@ -60,6 +61,11 @@ class PeerTokenFile {
   ~PeerTokenFile() { std::remove(path_.c_str()); }
   std::string Flag() const { return "--peer-token=" + path_; }
   static constexpr char kPeerToken[] = "peer-token-0123456789abcdef";
+  // What a server holding the token sends with a peer call (`token`: another one's).
+  static void Prove(grpc::ClientContext& c, absl::string_view method, const std::string& id,
+                    absl::string_view tenant = "", absl::string_view token = kPeerToken) {
+    c.AddMetadata(service::kPeerProofKey, service::PeerProof(token, method, id, tenant));
+  }
 
  private:
   std::string path_;
@@ -510,14 +516,14 @@ TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhil
     r.set_tenant("bob");
     v1::ReserveTransferResponse reserved;
     grpc::ClientContext rc;
-    rc.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);  // a peer's calls
+    PeerTokenFile::Prove(rc, "ReserveTransfer", r.transfer_id(), r.tenant());  // a peer's
     const grpc::Status st = stub->ReserveTransfer(&rc, r, &reserved);
     ASSERT_TRUE(st.ok()) << i << ": " << st.error_message();
     v1::AbortTransferRequest abort;
     abort.set_transfer_id(r.transfer_id());
     v1::AbortTransferResponse aborted;
     grpc::ClientContext ac;
-    ac.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);
+    PeerTokenFile::Prove(ac, "AbortTransfer", abort.transfer_id());
     ASSERT_TRUE(stub->AbortTransfer(&ac, abort, &aborted).ok()) << i;
   }
   flooded.Notify();
@@ -555,7 +561,7 @@ TEST(TenantTransfers, AReservationCountsAgainstItsTenantsSlotBound) {
     r.set_transfer_id(id);
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    c.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);
+    PeerTokenFile::Prove(c, "ReserveTransfer", id, r.tenant());
     return stub->ReserveTransfer(&c, r, &resp);
   };
   auto abort = [&](const std::string& id) {
@@ -563,7 +569,7 @@ TEST(TenantTransfers, AReservationCountsAgainstItsTenantsSlotBound) {
     r.set_transfer_id(id);
     v1::AbortTransferResponse resp;
     grpc::ClientContext c;
-    c.AddMetadata("replayssm-peer-token", PeerTokenFile::kPeerToken);
+    PeerTokenFile::Prove(c, "AbortTransfer", id);
     return stub->AbortTransfer(&c, r, &resp).ok();
   };
   const grpc::Status full = reserve("q-0");
@@ -618,8 +624,33 @@ TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
   EXPECT_EQ(reserve("tenant", "authorization", absl::StrCat("Bearer ", kAlice)),
             grpc::StatusCode::UNAUTHENTICATED)
       << "a client's token is no peer's";
-  EXPECT_EQ(reserve("guess", "replayssm-peer-token", "peer-token-0123456789abcdeX"),
+  EXPECT_EQ(reserve("guess", service::kPeerProofKey,
+                    service::PeerProof("peer-token-0123456789abcdeX", "ReserveTransfer", "guess",
+                                       seen.tenant())),
+            grpc::StatusCode::UNAUTHENTICATED)
+      << "a proof of another token";
+  EXPECT_EQ(reserve("raw", service::kPeerProofKey, PeerTokenFile::kPeerToken),
+            grpc::StatusCode::UNAUTHENTICATED)
+      << "the token itself is no proof";
+  // What the sender sent its peer (the proxy here; any address a client names, without
+  // --transfer-peers) opens that one call and nothing else. It used to be the token itself:
+  // a client naming its own address as the peer read the cluster's peer token.
+  std::string proof;
+  for (const auto& [key, value] : proxy->reserve_metadata()) {
+    EXPECT_EQ(value.find(PeerTokenFile::kPeerToken), std::string::npos) << key;
+    if (key == service::kPeerProofKey) proof = value;
+  }
+  ASSERT_FALSE(proof.empty());
+  EXPECT_EQ(reserve("another-id", service::kPeerProofKey, proof),
             grpc::StatusCode::UNAUTHENTICATED);
+  {
+    v1::ReserveTransferRequest r = seen;
+    r.set_tenant("bob");  // the same move's proof, for a slot in another tenant
+    v1::ReserveTransferResponse resp;
+    grpc::ClientContext c;
+    c.AddMetadata(service::kPeerProofKey, proof);
+    EXPECT_EQ(stub->ReserveTransfer(&c, r, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
   for (const char* method : {"commit", "abort", "acknowledge"}) {
     grpc::ClientContext c;
     c.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
@@ -650,7 +681,8 @@ TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
   // alert points at the data path).
   EXPECT_EQ(Sample(*metrics, "replayssm_auth_failures_total{reason=\"peer_missing\"}"), 12)
       << "8 anonymous, a client's token on 4 methods";
-  EXPECT_EQ(Sample(*metrics, "replayssm_auth_failures_total{reason=\"peer_unknown\"}"), 1);
+  EXPECT_EQ(Sample(*metrics, "replayssm_auth_failures_total{reason=\"peer_unknown\"}"), 4)
+      << "another token's proof, the raw token, the proof for another id and tenant";
   EXPECT_EQ(Sample(*metrics, "replayssm_transfer_failures_total{reason=\"UNAUTHENTICATED\"}"), -1)
       << "no such series";
   // The real peer on the same host is not locked out.

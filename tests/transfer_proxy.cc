@@ -32,6 +32,11 @@ void TransferProxy::set_target(const std::string& target) {
   target_ = target;
 }
 
+std::vector<std::pair<std::string, std::string>> TransferProxy::reserve_metadata() const {
+  absl::MutexLock lock(&mu_);
+  return reserve_metadata_;
+}
+
 void TransferProxy::set_hooks(Hooks hooks) {
   absl::MutexLock lock(&mu_);
   hooks_ = std::move(hooks);
@@ -65,9 +70,9 @@ grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp*
   }
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
-  // The sender's peer token (--peer-token) goes on to the receiver.
+  // The sender's proof of the peer token (--peer-token) goes on to the receiver.
   for (const auto& [key, value] : c->client_metadata()) {
-    if (key == "replayssm-peer-token") {
+    if (key == "replayssm-peer-proof") {
       cc.AddMetadata(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
     }
   }
@@ -82,6 +87,14 @@ grpc::Status TransferProxy::ReserveTransfer(grpc::ServerContext* c,
                                             const v1::ReserveTransferRequest* req,
                                             v1::ReserveTransferResponse* resp) {
   ++reserves_;
+  {
+    absl::MutexLock lock(&mu_);
+    reserve_metadata_.clear();
+    for (const auto& [key, value] : c->client_metadata()) {
+      reserve_metadata_.emplace_back(std::string(key.data(), key.size()),
+                                     std::string(value.data(), value.size()));
+    }
+  }
   return Handle(c, *req, resp, &Hooks::reserve, &v1::SlotTransfer::Stub::ReserveTransfer);
 }
 

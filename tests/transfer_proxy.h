@@ -3,8 +3,8 @@
 // AbortTransfer to its target, and a test decides per call what happens first: forward it
 // (after a delay, a SIGSTOP of the receiver, an edit of the request, ...), answer it with an
 // error without forwarding, or never answer it (a hung peer). The bytes themselves go over
-// UCX straight from the sender to the receiver named in the reservation. The sender's peer
-// token (metadata replayssm-peer-token) is passed on.
+// UCX straight from the sender to the receiver named in the reservation. The sender's proof
+// of the peer token (metadata replayssm-peer-proof) is passed on.
 #ifndef REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 #define REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 
@@ -12,6 +12,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
@@ -46,6 +48,9 @@ class TransferProxy final : public v1::SlotTransfer::Service {
   int reserves() const { return reserves_.load(); }
   int commits() const { return commits_.load(); }
   int aborts() const { return aborts_.load(); }
+  // The metadata of the last ReserveTransfer, as the sender sent it.
+  std::vector<std::pair<std::string, std::string>> reserve_metadata() const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   grpc::Status ReserveTransfer(grpc::ServerContext* c, const v1::ReserveTransferRequest* req,
                                v1::ReserveTransferResponse* resp) override;
@@ -72,8 +77,9 @@ class TransferProxy final : public v1::SlotTransfer::Service {
   std::unique_ptr<grpc::Server> server_;
   std::atomic<bool> stopping_{false};
   std::atomic<int> reserves_{0}, commits_{0}, aborts_{0};
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::string target_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::string, std::string>> reserve_metadata_ ABSL_GUARDED_BY(mu_);
   Hooks hooks_ ABSL_GUARDED_BY(mu_);
 };
 
