@@ -98,7 +98,7 @@ class ForwardSession {
 
   const ServiceContext* ctx_;
   bool open_ = false;
-  std::string method_;          // the request log's id space (ServiceContext::RequestScope)
+  RequestLog::Scope method_{""};  // the request log's id space (ServiceContext::RequestScope)
   const Kind* kind_ = nullptr;  // the last forward opened
   // A decode forward: its latency and batch go to the forward metrics.
   bool decode() const { return kind_ == &kDecode; }

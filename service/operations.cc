@@ -42,7 +42,7 @@ absl::Status Operations::Once(absl::string_view method, const std::string& reque
                               const google::protobuf::Message& key, google::protobuf::Message* resp,
                               absl::FunctionRef<absl::Status()> apply) {
   if (absl::Status s = ctx_->requests->CheckId(request_id); !s.ok()) return s;
-  const std::string scope = ctx_->RequestScope(method);
+  const RequestLog::Scope scope = ctx_->RequestScope(method);
   RequestLog::Claim claim =
       ctx_->requests->Begin(scope, request_id, Fingerprint(key.SerializeAsString()));
   switch (claim.outcome) {

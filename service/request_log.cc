@@ -10,8 +10,9 @@ namespace replayssm::service {
 
 namespace {
 
-std::string Key(absl::string_view method, absl::string_view request_id) {
-  return absl::StrCat(method, "/", request_id);
+std::string Key(const RequestLog::Scope& scope, absl::string_view request_id) {
+  if (scope.owner == 0) return absl::StrCat(scope.method, "/", request_id);
+  return absl::StrCat(scope.method, "@", scope.owner, "/", request_id);
 }
 
 absl::Status CheckLength(absl::string_view id, absl::string_view field, int64_t max) {
@@ -36,35 +37,36 @@ absl::Status RequestLog::CheckTransferId(absl::string_view id) const {
   return CheckLength(id, "transfer_id", max_id_bytes_ + kTransferIdSuffix);
 }
 
-RequestLog::Claim RequestLog::Begin(absl::string_view method, absl::string_view request_id,
+RequestLog::Claim RequestLog::Begin(const Scope& scope, absl::string_view request_id,
                                     uint64_t fingerprint) {
-  const std::string key = Key(method, request_id);
+  const std::string key = Key(scope, request_id);
   absl::MutexLock lock(&mutex_);
   auto [it, inserted] = entries_.try_emplace(key);
   Entry& e = it->second;
   if (inserted) {
+    e.owner = scope.owner;
     e.fingerprint = fingerprint;
     return {Outcome::kNew, ""};
   }
   if (e.fingerprint != fingerprint) return {Outcome::kMismatch, ""};
   if (!e.done) return {Outcome::kInFlight, ""};
-  lru_.splice(lru_.begin(), lru_, e.lru);
+  std::list<std::string>& lru = shares_[e.owner].lru;
+  lru.splice(lru.begin(), lru, e.lru);
   if (!e.retained) return {Outcome::kNotRetained, ""};
   return {Outcome::kReplay, e.reply};
 }
 
-void RequestLog::Complete(absl::string_view method, absl::string_view request_id,
-                          std::string reply) {
-  const std::string key = Key(method, request_id);
+void RequestLog::Complete(const Scope& scope, absl::string_view request_id, std::string reply) {
+  const std::string key = Key(scope, request_id);
   const bool retained =
       static_cast<int64_t>(reply.size() + 2 * key.size()) + kEntryOverhead <= max_bytes_;
   absl::MutexLock lock(&mutex_);
   CompleteLocked(key, retained ? std::move(reply) : "", retained);
 }
 
-void RequestLog::CompleteWithoutReply(absl::string_view method, absl::string_view request_id) {
+void RequestLog::CompleteWithoutReply(const Scope& scope, absl::string_view request_id) {
   absl::MutexLock lock(&mutex_);
-  CompleteLocked(Key(method, request_id), "", false);
+  CompleteLocked(Key(scope, request_id), "", false);
 }
 
 void RequestLog::CompleteLocked(const std::string& key, std::string reply, bool retained) {
@@ -74,26 +76,47 @@ void RequestLog::CompleteLocked(const std::string& key, std::string reply, bool 
   e.done = true;
   e.retained = retained;
   e.cost = static_cast<int64_t>(reply.size() + 2 * key.size()) + kEntryOverhead;
-  bytes_ += e.cost;
   e.reply = std::move(reply);
-  lru_.push_front(key);
-  e.lru = lru_.begin();
+  Share& share = shares_[e.owner];
+  share.lru.push_front(key);
+  share.bytes += e.cost;
+  e.lru = share.lru.begin();
+  ++done_;
+  bytes_ += e.cost;
   EvictLocked();
 }
 
-void RequestLog::Release(absl::string_view method, absl::string_view request_id) {
+void RequestLog::Release(const Scope& scope, absl::string_view request_id) {
   absl::MutexLock lock(&mutex_);
-  auto it = entries_.find(Key(method, request_id));
+  auto it = entries_.find(Key(scope, request_id));
   if (it != entries_.end() && !it->second.done) entries_.erase(it);
 }
 
+int64_t RequestLog::entries_of(uint32_t owner) const {
+  absl::MutexLock lock(&mutex_);
+  auto it = shares_.find(owner);
+  return it == shares_.end() ? 0 : static_cast<int64_t>(it->second.lru.size());
+}
+
 void RequestLog::EvictLocked() {
-  while (!lru_.empty() &&
-         (static_cast<int64_t>(lru_.size()) > max_entries_ || bytes_ > max_bytes_)) {
-    auto it = entries_.find(lru_.back());
+  while (done_ > max_entries_ || bytes_ > max_bytes_) {
+    const bool by_entries = done_ > max_entries_;
+    auto victim = shares_.end();
+    for (auto s = shares_.begin(); s != shares_.end(); ++s) {
+      if (victim == shares_.end() || (by_entries ? s->second.lru.size() > victim->second.lru.size()
+                                                 : s->second.bytes > victim->second.bytes)) {
+        victim = s;
+      }
+    }
+    if (victim == shares_.end()) return;  // (bounds are >= 1 entry; not reached)
+    Share& share = victim->second;
+    auto it = entries_.find(share.lru.back());
+    share.bytes -= it->second.cost;
     bytes_ -= it->second.cost;
+    --done_;
     entries_.erase(it);
-    lru_.pop_back();
+    share.lru.pop_back();
+    if (share.lru.empty()) shares_.erase(victim);
   }
 }
 

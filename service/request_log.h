@@ -1,7 +1,13 @@
 // RequestLog: at-most-once application of mutating calls. Each (method, request_id) that was
 // applied keeps its serialized reply, so that a retry after a lost reply gets the original
-// result instead of applying the call twice. Bounded: least recently used ids are forgotten
-// beyond `max_entries` or `max_bytes` of stored replies (the dedup window).
+// result instead of applying the call twice. Bounded: ids are forgotten beyond `max_entries`
+// or `max_bytes` of stored replies (the dedup window).
+//
+// Owners (tenants) share the bounds fairly: each keeps its own ids, and when a bound is
+// exceeded the owner holding the most (entries or bytes, whichever bound it is) forgets its
+// least recently used one. An owner holding no more than its share (the bound over the owners
+// holding ids) keeps every id whatever the others send; one owner alone has the whole window,
+// least recently used first, as without owners.
 //
 // Protocol: Begin() an id before applying; then Complete() with the reply on success or
 // Release() on failure (a failed call changed nothing, so its retry must run again).
@@ -20,6 +26,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -46,6 +53,15 @@ class RequestLog {
   // The host bytes an entry costs besides its key and reply (map slot, list node, strings).
   static constexpr int64_t kEntryOverhead = 128;
 
+  // An id space: one method's ids of one owner (a tenant; 0: the one owner without tenants).
+  // A bare method name is its owner 0's.
+  struct Scope {
+    Scope(const char* m) : method(m) {}  // NOLINT: a method of owner 0
+    Scope(absl::string_view m, uint32_t o = 0) : method(m), owner(o) {}  // NOLINT: likewise
+    std::string method;
+    uint32_t owner = 0;
+  };
+
   RequestLog(int64_t max_entries, int64_t max_bytes, int64_t max_id_bytes = 128);
 
   // INVALID_ARGUMENT naming `field` unless `id` is 1..max_id_bytes() bytes long: the one check
@@ -56,12 +72,12 @@ class RequestLog {
   absl::Status CheckTransferId(absl::string_view id) const;
   static constexpr int64_t kTransferIdSuffix = 64;
 
-  Claim Begin(absl::string_view method, absl::string_view request_id, uint64_t fingerprint);
-  void Complete(absl::string_view method, absl::string_view request_id, std::string reply);
+  Claim Begin(const Scope& scope, absl::string_view request_id, uint64_t fingerprint);
+  void Complete(const Scope& scope, absl::string_view request_id, std::string reply);
   // Applied, but the reply is not kept (the caller knew it would exceed max_bytes()): a
   // retry is answered kNotRetained instead of being applied again.
-  void CompleteWithoutReply(absl::string_view method, absl::string_view request_id);
-  void Release(absl::string_view method, absl::string_view request_id);
+  void CompleteWithoutReply(const Scope& scope, absl::string_view request_id);
+  void Release(const Scope& scope, absl::string_view request_id);
 
   int64_t max_entries() const { return max_entries_; }
   int64_t max_bytes() const { return max_bytes_; }
@@ -71,18 +87,27 @@ class RequestLog {
     absl::MutexLock lock(&mutex_);
     return bytes_;
   }
+  // The ids an owner's retries can replay now (applied ones, kept).
+  int64_t entries_of(uint32_t owner) const;
 
  private:
   struct Entry {
     bool done = false;
     bool retained = true;
+    uint32_t owner = 0;
     uint64_t fingerprint = 0;
     std::string reply;
     int64_t cost = 0;                      // what it counts in bytes_ (done entries)
-    std::list<std::string>::iterator lru;  // position in lru_ (done entries only)
+    std::list<std::string>::iterator lru;  // position in its owner's lru (done entries only)
+  };
+  // An owner's done entries: their keys, most recent first, and what they count.
+  struct Share {
+    std::list<std::string> lru;
+    int64_t bytes = 0;
   };
   void CompleteLocked(const std::string& key, std::string reply, bool retained)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // While a bound is exceeded, the owner holding the most forgets its least recent id.
   void EvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
 
   const int64_t max_entries_;
@@ -90,8 +115,10 @@ class RequestLog {
   const int64_t max_id_bytes_;
   mutable absl::Mutex mutex_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mutex_);
-  std::list<std::string> lru_ ABSL_GUARDED_BY(mutex_);  // done keys, most recent first
-  int64_t bytes_ ABSL_GUARDED_BY(mutex_) = 0;
+  // Node-based: an entry's lru iterator stays valid as owners come and go.
+  absl::node_hash_map<uint32_t, Share> shares_ ABSL_GUARDED_BY(mutex_);
+  int64_t done_ ABSL_GUARDED_BY(mutex_) = 0;   // done entries, all owners
+  int64_t bytes_ ABSL_GUARDED_BY(mutex_) = 0;  // what they count, all owners
 };
 
 }  // namespace replayssm::service

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace replayssm::service {
@@ -75,6 +76,59 @@ TEST(RequestLog, KeptIdsCountAgainstTheByteBound) {
   EXPECT_GT(log.bytes(), 8000);
   EXPECT_EQ(log.Begin("Allocate", id + "0", 1).outcome, Outcome::kNew) << "evicted by bytes";
   EXPECT_EQ(log.Begin("Allocate", id + "19", 1).outcome, Outcome::kReplay);
+}
+
+// Tenants share the window fairly: an outside review applied alice's retried prefill twice
+// after bob's 2048 Allocate+Free pairs had pushed her id out of the one LRU.
+TEST(RequestLog, AnOwnersFloodForgetsItsOwnIdsNotAnothersWithinItsShare) {
+  RequestLog log(8, 1 << 20);
+  const RequestLog::Scope alice("Prefill", 1), bob("Allocate", 2);
+  for (const char* id : {"a1", "a2", "a3"}) {
+    log.Begin(alice, id, 0);
+    log.Complete(alice, id, id);
+  }
+  for (int i = 0; i < 100; ++i) {
+    const std::string id = absl::StrCat("b", i);
+    ASSERT_EQ(log.Begin(bob, id, 0).outcome, Outcome::kNew);
+    log.Complete(bob, id, id);
+  }
+  EXPECT_EQ(log.entries_of(1), 3);
+  EXPECT_EQ(log.entries_of(2), 5) << "the rest of the window, its most recent ids";
+  for (const char* id : {"a1", "a2", "a3"}) {
+    RequestLog::Claim c = log.Begin(alice, id, 0);
+    EXPECT_EQ(c.outcome, Outcome::kReplay) << id;
+    EXPECT_EQ(c.reply, id);
+  }
+  EXPECT_EQ(log.Begin(bob, "b94", 0).outcome, Outcome::kNew) << "bob's own older ones went";
+  log.Release(bob, "b94");
+  EXPECT_EQ(log.Begin(bob, "b95", 0).outcome, Outcome::kReplay);
+  // Past its share an owner gives up its least recent ids until the holders are even.
+  for (int i = 0; i < 4; ++i) {
+    const std::string id = absl::StrCat("a", 10 + i);
+    log.Begin(alice, id, 0);
+    log.Complete(alice, id, id);
+  }
+  EXPECT_EQ(log.entries_of(1), 4);
+  EXPECT_EQ(log.entries_of(2), 4);
+  EXPECT_EQ(log.Begin(RequestLog::Scope("Prefill", 2), "a1", 0).outcome, Outcome::kNew)
+      << "ids are per owner";
+}
+
+// The byte bound is shared the same way: the owner holding the most bytes gives them up.
+TEST(RequestLog, AnOwnersLargeRepliesForgetItsOwnIdsNotAnothers) {
+  const int64_t entry = 6 + 2 * 10 + RequestLog::kEntryOverhead;  // "Decode@1/a" and a reply
+  RequestLog log(1000, 6 * entry);
+  const RequestLog::Scope alice("Decode", 1), bob("Decode", 2);
+  log.Begin(alice, "a", 0);
+  log.Complete(alice, "a", std::string(6, 'x'));
+  for (int i = 0; i < 20; ++i) {
+    const std::string id = absl::StrCat("b", i);
+    log.Begin(bob, id, 0);
+    log.Complete(bob, id, std::string(600, 'y'));
+    EXPECT_LE(log.bytes(), 6 * entry);
+  }
+  EXPECT_EQ(log.Begin(alice, "a", 0).outcome, Outcome::kReplay);
+  EXPECT_EQ(log.entries_of(2), 1) << "bob's replies are large: one fits beside alice's";
 }
 
 TEST(RequestLog, CheckIdRefusesEmptyAndLongIdsNamingTheField) {

@@ -209,9 +209,10 @@ struct ServiceContext {
   // The prefix-cache namespace of the caller's slots: its tenant's (never shared).
   cache::PrefixNamespace prefix_namespace() const { return tenant(); }
   // The request log's id space of `method` for the caller: tenants never see each other's
-  // request ids (a retry of another tenant's id would replay its reply).
-  std::string RequestScope(absl::string_view method) const {
-    return tenant() == kImplicitTenant ? std::string(method) : absl::StrCat(method, "@", tenant());
+  // request ids (a retry of another tenant's id would replay its reply), and share the log's
+  // bounds fairly (one tenant's flood of ids forgets its own, not another's).
+  RequestLog::Scope RequestScope(absl::string_view method) const {
+    return RequestLog::Scope(method, tenant());
   }
   // This context as `tenant` sees it (a copy: handlers keep it for the call): its handles,
   // its regions (caller.cc).

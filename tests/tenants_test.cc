@@ -315,6 +315,35 @@ TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
   EXPECT_TRUE(bob_->GetSlot(b->slot()).ok());
 }
 
+// The dedup window (--dedup-entries) is shared fairly: another tenant's flood of ids forgets
+// its own. It was one LRU: after bob's Allocate+Free pairs pushed alice's id out, her retry
+// of a prefill was applied twice (an outside review); here her retried Allocate would make a
+// second slot.
+class TenantDedupTest : public TenantsTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", tokens_.Flag(), "--dedup-entries=8"};
+  }
+};
+
+TEST_F(TenantDedupTest, AnotherTenantsFloodOfIdsKeepsTheRetriesOfOneWithinItsShare) {
+  auto first = client_->Allocate("alice-1");
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (int i = 0; i < 20; ++i) {
+    const std::string id = absl::StrCat("bob-", i);
+    auto s = bob_->Allocate(id);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_TRUE(bob_->Free(s->slot(), id).ok());
+  }
+  auto retry = client_->Allocate("alice-1");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->slot(), first->slot()) << "the original reply, not a second slot";
+  auto listed = client_->ListSlots();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->slots_size(), 1);
+  EXPECT_EQ(Metric("replayssm_dedup_replays_total"), 1);
+}
+
 // A POSIX shm object of `bytes` named `key`, unlinked when it goes.
 class Shm {
  public:
