@@ -382,6 +382,23 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   return absl::OkStatus();
 }
 
+absl::Status StateCacheImpl::CheckFinite(SlotId id, const char* purpose) {
+  int32_t index = -1;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
+    if (!i.ok()) return i.status();
+    index = *i;
+  }
+  absl::Status st = OnLane([&](Lane& lane) {
+    absl::Status r = Materialize(index, purpose, lane);
+    return r.ok() ? CheckShareable(index, purpose, lane) : r;
+  });
+  absl::MutexLock lock(&mu_);
+  slots_[index].busy = false;
+  return st;
+}
+
 absl::Status StateCacheImpl::Donate(SlotId id) {
   int32_t index = -1;
   {

@@ -228,6 +228,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::Status SetPrefixNamespace(SlotId id, PrefixNamespace ns) override;
 
   absl::Status Donate(SlotId id) override;
+  absl::Status CheckFinite(SlotId id, const char* purpose) override;
 
   // Makes the first lane, so that a cache that cannot get one fails at Create.
   absl::Status WarmLanes() { return lanes_.Take().status(); }

@@ -151,6 +151,9 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     for (size_t r = 1; r < shards_.size(); ++r) {  // the counters agree; bytes and lanes add
       const CacheStats t = shards_[r]->stats();
       s.lanes += t.lanes;
+      // A refusal is made by one rank: the first to find its shard not finite (Fan stops
+      // there), so each is counted once; a track snapshot skipped once per rank skipping it.
+      s.nonfinite_refusals += t.nonfinite_refusals;
       s.backend_snapshot_bytes += t.backend_snapshot_bytes;
       s.host_bytes += t.host_bytes;
       s.host_capacity_bytes += t.host_capacity_bytes;
@@ -272,10 +275,21 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       m = lo;
     }
   }
+  // Every rank's state is checked before any rank donates: a refusal of rank r > 0 after
+  // rank 0 had donated left rank 0's slot a snapshot (the handle dead) and rank r's live with
+  // no handle to free it (an outside review).
+  // Both under one hold of ops_mu_: no forward begins on the slot in between.
   absl::Status Donate(SlotId id) override {
-    absl::Status st = Fan(id, [](size_t, StateCache& c, SlotId s) { return c.Donate(s); });
+    absl::MutexLock ops(&ops_mu_);
+    absl::Status st =
+        FanLocked(id, [](size_t, StateCache& c, SlotId s) { return c.CheckFinite(s, "donate"); });
+    if (st.ok()) st = FanLocked(id, [](size_t, StateCache& c, SlotId s) { return c.Donate(s); });
     if (st.ok()) Unbind(id);
     return st;
+  }
+  absl::Status CheckFinite(SlotId id, const char* purpose) override {
+    return Fan(id,
+               [purpose](size_t, StateCache& c, SlotId s) { return c.CheckFinite(s, purpose); });
   }
 
   // Makes rank r's device the calling thread's current one (before every call into shard r:
@@ -316,7 +330,6 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     if (r == 0 || st.ok()) return st;
     return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
   }
-  // Frees `ids` (one per shard, in order) and returns `why`.
   std::unique_ptr<uint8_t[]> TakePayloadBuffer() override {
     absl::MutexLock lock(&buffers_mu_);
     if (spare_buffers_.empty()) return std::make_unique_for_overwrite<uint8_t[]>(payload_bytes_);
@@ -330,6 +343,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       spare_buffers_.push_back(std::move(buffer));
     }
   }
+  // Frees `ids` (one per shard, in order) and returns `why`.
   absl::Status FreeAll(const std::vector<SlotId>& ids, absl::Status why) override {
     for (size_t r = 0; r < ids.size(); ++r) {
       if (ids[r] == kPaddingSlot) continue;  // that rank has none
@@ -386,6 +400,10 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   template <typename Op>
   absl::Status Fan(SlotId id, Op op) {
     absl::MutexLock ops(&ops_mu_);
+    return FanLocked(id, op);
+  }
+  template <typename Op>
+  absl::Status FanLocked(SlotId id, Op op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_) {
     const std::vector<SlotId> ids = Members(id);
     for (size_t r = 0; r < shards_.size(); ++r) {
       Use(r);

@@ -671,6 +671,49 @@ TEST_P(TpGroupTest, AGroupReportsEachSnapshotOnce) {
   EXPECT_EQ(events[1].tokens, prompt);
 }
 
+// A donation one rank refuses (its heads' state not finite) leaves the slot live on every
+// rank, under its handle, to be freed: before, rank 0 had donated already (its half a
+// snapshot, the handle dead) and rank 1's half stayed live with nothing able to free it.
+TEST_P(TpGroupTest, ADonationOneRankRefusesLeavesTheSlotWhole) {
+  std::unique_ptr<StateCache> c = MakeCache(m_, 2, nullptr, /*slots=*/4);
+  absl::StatusOr<SlotId> s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(Prefill(*c, 2, *s, {1, 2, 3}, 0).ok());
+  // Two tokens whose q, k and v on rank 1 only are +Inf (bf16 0x7f80; the service refuses such
+  // inputs, an overflow gets there through finite ones): rank 1's heads' state is not finite.
+  std::vector<Tok> toks = {{4, 3}, {5, 4}};
+  Batch b = oracle_.MakeBatch(toks);
+  ToRankMajor(m_, 2, 2, b);
+  ASSERT_EQ(rssm_dtype_size(m_.shape.act_dtype), 2);
+  const size_t rank1 = 2 * (m_.QkvWidth() / 2) * 2;  // rank 0's [2, C / 2] block, in bytes
+  for (int32_t l = 0; l < m_.num_layers; ++l) {
+    ASSERT_EQ(b.qkv[l].size(), 2 * rank1);
+    for (size_t i = rank1; i + 1 < b.qkv[l].size(); i += 2) {
+      b.qkv[l][i] = 0x80;
+      b.qkv[l][i + 1] = 0x7f;
+    }
+  }
+  ASSERT_TRUE(c->Prefill(*s, {4, 5}, b.io).ok());
+  const CacheStats before = c->stats();
+  const absl::Status refused = c->Donate(*s);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("tp rank 1: donate: the slot's state is not finite"),
+            std::string::npos)
+      << refused;
+  absl::StatusOr<SlotInfo> info = c->Info(*s);
+  ASSERT_TRUE(info.ok()) << info.status() << ": the handle still names the slot";
+  EXPECT_EQ(info->seq_len, 5);
+  const CacheStats after = c->stats();
+  EXPECT_EQ(after.slots_live, 1);
+  EXPECT_EQ(after.slots_snapshot, 0) << "no rank donated";
+  EXPECT_EQ(after.nonfinite_refusals, before.nonfinite_refusals + 1) << "rank 1's, counted";
+  EXPECT_EQ(c->MatchPrefix({1, 2, 3, 4, 5}), 0);
+  ASSERT_TRUE(c->Free(*s).ok());
+  int64_t allocated = 0;
+  while (c->Allocate().ok()) ++allocated;
+  EXPECT_EQ(allocated, c->capacity()) << "every rank's slot came back";
+}
+
 INSTANTIATE_TEST_SUITE_P(Gates, TpGroupTest,
                          ::testing::Values(Params{RSSM_GATE_GDN, RSSM_DTYPE_F32},
                                            Params{RSSM_GATE_GDN, RSSM_DTYPE_BF16},

@@ -385,6 +385,12 @@ class StateCache {
   // (in the slot's namespace).
   // The slot id is released (it is the caller's no more).
   virtual absl::Status Donate(SlotId slot) = 0;
+  // Folds the slot (its logical state unchanged) and refuses a state holding a NaN or Inf:
+  // FAILED_PRECONDITION "<purpose>: the slot's state is not finite ...", counted in
+  // nonfinite_refusals; the slot stays as it was otherwise. The check Donate and OpenExport
+  // make before a state is shared; a tensor-parallel group makes it on every rank before
+  // any rank donates.
+  virtual absl::Status CheckFinite(SlotId slot, const char* purpose) = 0;
 };
 
 }  // namespace replayssm::cache
