@@ -38,6 +38,21 @@ absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
   return ctx.ForTenant(*tenant);
 }
 
+absl::Status CheckStillAuthorized(const grpc::ServerContextBase& c, const ServiceContext& caller) {
+  if (caller.tokens == nullptr) return absl::OkStatus();
+  const auto& md = c.client_metadata();
+  auto it = md.find(kAuthorizationKey);
+  const std::optional<TenantId> now =
+      it == md.end()
+          ? std::nullopt
+          : caller.tokens->LoadedTenantOf(absl::string_view(it->second.data(), it->second.size()));
+  if (now == caller.tenant()) return absl::OkStatus();
+  caller.metrics->CountAuthFailure("revoked");
+  return absl::UnauthenticatedError(
+      "authorization: this stream's token is no longer in the server's token file (or names "
+      "another tenant now): open a new stream with a current token");
+}
+
 ServiceContext ServiceContext::ForTenant(TenantId tenant) const {
   ServiceContext c = *this;
   c.slots = SlotCodec(slots.handles(), tenant);

@@ -26,6 +26,12 @@ inline constexpr char kAuthorizationKey[] = "authorization";
 absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
                                              const ServiceContext& ctx);
 
+// For a stream opened by `caller` (CallerContext): OK while the call's token still names
+// the caller's tenant among the tokens loaded now; UNAUTHENTICATED (counted as an auth failure
+// of reason "revoked") once the token file no longer holds it, or gives it to another tenant.
+// No I/O: a stream may check under its own lock. Without a token store, always OK.
+absl::Status CheckStillAuthorized(const grpc::ServerContextBase& c, const ServiceContext& caller);
+
 // The registered regions of each tenant: a RegionTable of its own (so names never collide
 // and --max-regions / --max-region-bytes bound each tenant), made on first use and kept. A
 // tenant maps only POSIX shm objects named "/<tenant>:..." (tenant names never hold ':'), so

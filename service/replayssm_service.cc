@@ -54,6 +54,11 @@ class DecodeStreamReactor final
  private:
   absl::Status Handle() {
     if (absl::Status s = CheckRequestId(); !s.ok()) return s;
+    // Each forward's begin: a token removed from the file (or moved to another tenant) since
+    // the stream opened starts nothing more on it.
+    if (request_.has_begin() || request_.has_prefill_begin() || request_.has_verify_begin()) {
+      if (absl::Status s = CheckStillAuthorized(*c_, call_); !s.ok()) return s;
+    }
     switch (request_.msg_case()) {
       case v1::DecodeStreamRequest::kBegin:
         return session_.Begin(request_.begin(), response_.mutable_begun());

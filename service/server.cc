@@ -253,6 +253,10 @@ class ServerImpl final : public Server {
                                              static_cast<uint64_t>(options_.max_region_bytes)});
     ctx_.tokens = tokens_.get();
     ctx_.tenant_regions = tenant_regions_.get();
+    // Calls look at the file at most once a second when they come; streams already open
+    // check the loaded tokens (CheckStillAuthorized), so the server looks for them.
+    token_reload_ = std::make_unique<PeriodicSweep>(
+        absl::Seconds(1), [t = tokens_.get()](absl::Time) { t->Reload(false).IgnoreError(); });
     return absl::OkStatus();
   }
 
@@ -498,6 +502,7 @@ class ServerImpl final : public Server {
   std::shared_ptr<CacheCollector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<PeriodicSweep> device_check_;  // after server_ and gate_: stops before them
+  std::unique_ptr<PeriodicSweep> token_reload_;  // after tokens_: stops before it
   std::string grpc_address_;
   std::string metrics_address_;
   std::vector<std::string> warnings_;  // for main to print

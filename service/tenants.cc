@@ -140,8 +140,13 @@ absl::Status TokenStore::ReloadLocked(bool force) {
 absl::Status TokenStore::Reload(bool force) {
   absl::MutexLock lock(&mu_);
   absl::Status s = ReloadLocked(force);
-  if (!s.ok()) {
-    ++reload_failures_;
+  if (s.ok()) {
+    logged_failure_.clear();
+    return s;
+  }
+  ++reload_failures_;
+  if (s.message() != logged_failure_) {  // once per failure, not once per look (a second)
+    logged_failure_ = std::string(s.message());
     std::cerr << "replayssm-server: token file not reloaded, the loaded tokens stay: "
               << s.message() << std::endl;
   }
@@ -184,6 +189,13 @@ std::optional<TenantId> TokenStore::FindLocked(absl::string_view token) const {
     if (ConstantTimeEquals(known, token)) found = tenant;
   }
   return found;
+}
+
+std::optional<TenantId> TokenStore::LoadedTenantOf(absl::string_view authorization) const {
+  absl::string_view token = authorization;
+  if (!absl::ConsumePrefix(&token, "Bearer ") || token.empty()) return std::nullopt;
+  absl::MutexLock lock(&mu_);
+  return FindLocked(token);
 }
 
 std::optional<TenantId> TokenStore::Find(absl::string_view name) const {

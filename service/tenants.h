@@ -61,6 +61,12 @@ class TokenStore {
   // does not depend on which matches or how much of one.
   absl::StatusOr<TenantId> Authenticate(std::optional<absl::string_view> authorization,
                                         AuthFailure* failure = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  // The tenant of an `authorization` value among the tokens loaded now, the file not looked
+  // at (no I/O: for callers under other locks); nullopt when it names none. Open streams
+  // check their token with it (CheckStillAuthorized, caller.h); the server re-reads a changed
+  // file at least once a second (ReloadIfChanged), so a removed token stops them within it.
+  std::optional<TenantId> LoadedTenantOf(absl::string_view authorization) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The id of the tenant named `name` when the file names it now.
   std::optional<TenantId> Find(absl::string_view name) const ABSL_LOCKS_EXCLUDED(mu_);
   // The name of tenant `id` ("" for kImplicitTenant or an id never given).
@@ -99,6 +105,7 @@ class TokenStore {
   absl::flat_hash_map<std::string, bool> listed_ ABSL_GUARDED_BY(mu_);      // names in the file
   std::vector<std::string> names_ ABSL_GUARDED_BY(mu_) = {""};              // by id
   int64_t reload_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string logged_failure_ ABSL_GUARDED_BY(mu_);  // the last failure logged ("": none since)
 };
 
 }  // namespace replayssm::service

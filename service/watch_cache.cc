@@ -45,7 +45,7 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
  public:
   WatchCacheReactor(const ServiceContext* ctx, grpc::CallbackServerContext* c,
                     const v1::WatchCacheRequest& req)
-      : ctx_(ctx) {
+      : ctx_(ctx), c_(c), caller_(*ctx) {
     absl::StatusOr<ServiceContext> caller = CallerContext(*c, *ctx);
     absl::Status admitted = caller.ok() ? ctx_->watchers->Open() : caller.status();
     if (!admitted.ok()) {
@@ -53,6 +53,7 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
       FinishLocked(admitted);
       return;
     }
+    caller_ = *caller;
     counted_ = true;
     // A catch-up longer than the backlog this stream may queue is a resync: queued, it would
     // end the stream at once, and the reconnect the error asks for would get the same answer.
@@ -112,6 +113,9 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
           " batches behind; reconnect with from_seq = the next batch it needs")));
     }
     if (pending_.empty()) return;
+    // Every batch: a token removed from the file since the stream opened (or moved to another
+    // tenant) gets none of its tenant's events more; the stream ends UNAUTHENTICATED.
+    if (absl::Status s = CheckStillAuthorized(*c_, caller_); !s.ok()) return FinishLocked(s);
     writing_ = true;
     StartWrite(&pending_.front());
   }
@@ -123,6 +127,8 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
   }
   static constexpr int64_t kMaxBacklog = 4096;
   const ServiceContext* ctx_;
+  const grpc::CallbackServerContext* c_;
+  ServiceContext caller_;  // the caller's tenant's view, once admitted
   bool counted_ = false;
   bool watching_ = false;
   absl::Mutex mu_;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -313,6 +314,40 @@ TEST_F(TenantsTest, RequestIdsAreTheTenantsOwn) {
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->slot(), a->slot()) << "alice's retry still replays";
   EXPECT_TRUE(bob_->GetSlot(b->slot()).ok());
+}
+
+// A stream opened with a token ends once the token file no longer holds it: DecodeStream
+// refuses its next begin, WatchCache ends before its next batch (an outside review: both went
+// on, the watcher receiving its tenant's new events, while unary calls were refused within a
+// second). The server looks at the file once a second itself: no call with any token comes
+// between the removal and the refused begin here.
+TEST_F(TenantsTest, ARemovedTokenEndsTheStreamsItOpened) {
+  const uint64_t slot = NewSlot();
+  Prefill(slot, 0, 4);
+  auto second = As(*server_, kAlice2);  // alice's second token, about to be removed
+  auto stream = second->OpenStream();
+  v1::DecodeRow row;
+  row.set_slot(slot);
+  ASSERT_TRUE(stream->Forward({row}, Layers(1)).ok());
+  auto stub = v1::ReplaySsm::NewStub(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext wc;
+  wc.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice2));
+  wc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto watch = stub->WatchCache(&wc, v1::WatchCacheRequest());
+  v1::CacheEventBatch batch;
+  ASSERT_TRUE(watch->Read(&batch)) << "the catch-up";
+  tokens_.Write(absl::StrCat("alice ", kAlice, "\nbob ", kBob, "\n"));
+  absl::SleepFor(absl::Seconds(3));
+  auto refused = stream->Forward({row}, Layers(1));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  EXPECT_NE(refused.status().message().find("no longer in the server's token file"),
+            std::string::npos)
+      << refused.status();
+  ASSERT_TRUE(client_->Donate(slot).ok()) << "alice's other token still works";
+  EXPECT_FALSE(watch->Read(&batch)) << "the removed token's watcher got the donation's event";
+  EXPECT_EQ(watch->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Metric("replayssm_auth_failures_total{reason=\"revoked\"}"), 2);
 }
 
 // The dedup window (--dedup-entries) is shared fairly: another tenant's flood of ids forgets
