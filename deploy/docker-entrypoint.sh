@@ -16,9 +16,10 @@ config=${REPLAYSSM_CONFIG:-/etc/replayssm/replayssm.conf}
 flags=(grpc-address metrics-address model device tp-size devices memory-budget ring-length
        track-interval
        state-dtype ring-dtype beta-rounding max-batch forward-graphs max-prefill-tokens max-message-bytes dedup-entries dedup-bytes
-       max-request-id-bytes max-import-tokens max-streams tenant-max-slots
+       max-request-id-bytes max-import-tokens max-streams tenant-max-streams tenant-max-slots
        tenant-max-snapshots host-snapshot-bytes host-snapshot-policy host-spill-ahead host-pin-at-start slot-ttl
-       cache-events-retain max-watchers kv-events-endpoint kv-events-replay-endpoint
+       cache-events-retain max-watchers tenant-max-watchers kv-events-endpoint
+       kv-events-replay-endpoint
        kv-events-topic kv-events-tenant kv-events-curve-secret-file kv-events-clients-file
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
        transfer-reservations-per-peer

@@ -189,6 +189,14 @@ const std::vector<Flag>& Flags() {
        Int(&ServerOptions::max_import_tokens, 1, std::numeric_limits<int32_t>::max())},
       {"max-streams", "DecodeStream streams open at once",
        Int(&ServerOptions::max_streams, 1, std::numeric_limits<int32_t>::max())},
+      {"tenant-max-streams",
+       "DecodeStream streams one tenant may hold open (with --auth-tokens; past it: "
+       "RESOURCE_EXHAUSTED), 0 = only --max-streams",
+       Int(&ServerOptions::tenant_max_streams, 0, std::numeric_limits<int32_t>::max())},
+      {"tenant-max-watchers",
+       "WatchCache streams one tenant may hold open (with --auth-tokens; past it: "
+       "RESOURCE_EXHAUSTED), 0 = only --max-watchers",
+       Int(&ServerOptions::tenant_max_watchers, 0, std::numeric_limits<int32_t>::max())},
       {"tenant-max-slots",
        "live slots one tenant may hold (with --auth-tokens; allocations and incoming transfers "
        "past it: RESOURCE_EXHAUSTED), 0 = no bound",

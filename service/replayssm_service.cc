@@ -26,7 +26,7 @@ class DecodeStreamReactor final
       return;
     }
     call_ = *std::move(caller);
-    const absl::Status admitted = ctx_->streams->Open();
+    const absl::Status admitted = ctx_->streams->Open(call_.tenant());
     if (!admitted.ok()) {
       Done(admitted);
       return;
@@ -47,7 +47,7 @@ class DecodeStreamReactor final
     StartRead(&request_);
   }
   void OnDone() override {
-    if (counted_) ctx_->streams->Close();
+    if (counted_) ctx_->streams->Close(call_.tenant());
     delete this;
   }
 

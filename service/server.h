@@ -39,6 +39,8 @@ struct ServerOptions {
   int64_t max_import_tokens = int64_t{1} << 20;      // tokens an Import or a transfer brings
   int32_t max_streams = 1024;                        // open DecodeStream streams at once
   int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with --auth-tokens); 0: any
+  int32_t tenant_max_streams = 0;    // DecodeStream streams one tenant may hold open; 0: any
+  int32_t tenant_max_watchers = 0;   // WatchCache streams one tenant may hold open; 0: any
   int64_t tenant_max_snapshots = 0;  // snapshots one tenant's prefix namespace may hold; 0: any
   // The host tier (cache::CacheOptions::host_snapshot_bytes, host_policy), per TP rank.
   int64_t host_snapshot_bytes = 0;              // pinned host bytes for evicted snapshots; 0: off

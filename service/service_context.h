@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -162,27 +163,48 @@ inline absl::Status CheckImportTokens(int64_t tokens, const ServiceLimits& limit
                                                  " tokens (--max-import-tokens), got ", tokens));
 }
 
-// Open streams of one RPC (`method`) against their limit (`flag`, e.g. --max-streams).
-// Thread-safe.
+// Open streams of one RPC (`method`) against their limit (`flag`, e.g. --max-streams) and
+// each tenant's (`tenant_flag`, e.g. --tenant-max-streams; 0: none), so that one tenant
+// cannot hold every stream. Thread-safe.
 class StreamLimit {
  public:
-  explicit StreamLimit(int32_t max, std::string method = "DecodeStream",
-                       std::string flag = "--max-streams")
-      : max_(max), method_(std::move(method)), flag_(std::move(flag)) {}
-  // RESOURCE_EXHAUSTED when `max` streams are open; else counts one more.
-  absl::Status Open() {
-    if (open_.fetch_add(1) < max_) return absl::OkStatus();
-    open_.fetch_sub(1);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        method_, ": ", max_, " streams are open, the limit (", flag_, "); close one"));
+  StreamLimit(int32_t max, int32_t tenant_max, std::string method, std::string flag,
+              std::string tenant_flag)
+      : max_(max),
+        tenant_max_(tenant_max),
+        method_(std::move(method)),
+        flag_(std::move(flag)),
+        tenant_flag_(std::move(tenant_flag)) {}
+  // RESOURCE_EXHAUSTED when `max` streams are open, or `tenant_max` of `tenant`'s; else counts
+  // one more.
+  absl::Status Open(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (open_ >= max_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          method_, ": ", max_, " streams are open, the limit (", flag_, "); close one"));
+    }
+    int32_t& mine = by_tenant_[tenant];
+    if (tenant_max_ > 0 && mine >= tenant_max_) {
+      return absl::ResourceExhaustedError(absl::StrCat(method_, ": the caller's tenant has ", mine,
+                                                       " streams open, the most one may (",
+                                                       tenant_flag_, "); close one"));
+    }
+    ++mine;
+    ++open_;
+    return absl::OkStatus();
   }
-  void Close() { open_.fetch_sub(1); }
-  int32_t open() const { return open_.load(); }
+  void Close(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    --open_;
+    if (--by_tenant_[tenant] == 0) by_tenant_.erase(tenant);
+  }
 
  private:
-  const int32_t max_;
-  const std::string method_, flag_;
-  std::atomic<int32_t> open_{0};
+  const int32_t max_, tenant_max_;
+  const std::string method_, flag_, tenant_flag_;
+  absl::Mutex mu_;
+  int32_t open_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<TenantId, int32_t> by_tenant_ ABSL_GUARDED_BY(mu_);
 };
 
 struct ServiceContext {

@@ -47,7 +47,7 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
                     const v1::WatchCacheRequest& req)
       : ctx_(ctx), c_(c), caller_(*ctx) {
     absl::StatusOr<ServiceContext> caller = CallerContext(*c, *ctx);
-    absl::Status admitted = caller.ok() ? ctx_->watchers->Open() : caller.status();
+    absl::Status admitted = caller.ok() ? ctx_->watchers->Open(caller->tenant()) : caller.status();
     if (!admitted.ok()) {
       absl::MutexLock lock(&mu_);
       FinishLocked(admitted);
@@ -90,7 +90,7 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
   }
   void OnDone() override {
     if (watching_) ctx_->events->Unwatch(this);  // no OnBatch runs once it returns
-    if (counted_) ctx_->watchers->Close();
+    if (counted_) ctx_->watchers->Close(caller_.tenant());
     delete this;
   }
 

@@ -350,6 +350,63 @@ TEST_F(TenantsTest, ARemovedTokenEndsTheStreamsItOpened) {
   EXPECT_EQ(Metric("replayssm_auth_failures_total{reason=\"revoked\"}"), 2);
 }
 
+// --tenant-max-streams and --tenant-max-watchers: one tenant's open streams cannot take every
+// one (an outside review: alice's 64 WatchCache streams locked bob's router out).
+class TenantStreamBoundTest : public TenantsTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", tokens_.Flag(), "--tenant-max-streams=1",
+            "--tenant-max-watchers=1"};
+  }
+};
+
+TEST_F(TenantStreamBoundTest, ATenantsStreamsLeaveOthersTheirs) {
+  auto stub = v1::ReplaySsm::NewStub(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  struct Watcher {
+    grpc::ClientContext c;
+    std::unique_ptr<grpc::ClientReader<v1::CacheEventBatch>> reader;
+  };
+  auto watch = [&](const std::string& token) {
+    auto w = std::make_unique<Watcher>();
+    w->c.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    w->c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    w->reader = stub->WatchCache(&w->c, v1::WatchCacheRequest());
+    return w;
+  };
+  v1::CacheEventBatch batch;
+  auto alices = watch(kAlice);
+  ASSERT_TRUE(alices->reader->Read(&batch));
+  auto again = watch(kAlice2);  // the same tenant, another token
+  EXPECT_FALSE(again->reader->Read(&batch));
+  const grpc::Status refused = again->reader->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("--tenant-max-watchers"), std::string::npos)
+      << refused.error_message();
+  auto bobs = watch(kBob);
+  EXPECT_TRUE(bobs->reader->Read(&batch)) << "bob's router is not locked out";
+  const uint64_t slot = NewSlot();
+  v1::DecodeRow row;
+  row.set_slot(slot);
+  auto first = client_->OpenStream();
+  ASSERT_TRUE(first->Forward({row}, Layers(1)).ok());
+  auto second = client_->OpenStream();
+  auto over = second->Forward({row}, Layers(1));
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("--tenant-max-streams"), std::string::npos)
+      << over.status();
+  auto bob_slot = bob_->Allocate();
+  ASSERT_TRUE(bob_slot.ok());
+  row.set_slot(bob_slot->slot());
+  EXPECT_TRUE(bob_->OpenStream()->Forward({row}, Layers(1)).ok()) << "bob's stream is his own";
+  for (auto* w : {alices.get(), bobs.get()}) w->c.TryCancel();
+  for (auto* w : {alices.get(), bobs.get()}) {
+    while (w->reader->Read(&batch)) {
+    }
+    w->reader->Finish().IgnoreError();
+  }
+}
+
 // The dedup window (--dedup-entries) is shared fairly: another tenant's flood of ids forgets
 // its own. It was one LRU: after bob's Allocate+Free pairs pushed alice's id out, her retry
 // of a prefill was applied twice (an outside review); here her retried Allocate would make a
