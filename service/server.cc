@@ -268,6 +268,15 @@ class ServerImpl final : public Server {
   // --kv-events-endpoint: the ZMQ publisher of one tenant's cache events (after LoadTokens,
   // which knows the tenants).
   absl::Status StartEventPublisher() {
+    std::optional<TenantId> tenant;
+    if (!options_.kv_events_tenant.empty()) {  // an unknown name stops the start, ZMQ on or not
+      tenant = tokens_ ? tokens_->Find(options_.kv_events_tenant) : std::nullopt;
+      if (!tenant.has_value()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--kv-events-tenant: expected a tenant of the --auth-tokens file, got \"",
+                         options_.kv_events_tenant, "\""));
+      }
+    }
     if (options_.kv_events_endpoint.empty()) {
       if (!options_.kv_events_replay_endpoint.empty()) {
         return absl::InvalidArgumentError(
@@ -281,15 +290,7 @@ class ServerImpl final : public Server {
     z.topic = options_.kv_events_topic;
     z.curve_secret_file = options_.kv_events_curve_secret_file;
     z.clients_file = options_.kv_events_clients_file;
-    if (!options_.kv_events_tenant.empty()) {
-      std::optional<TenantId> t = tokens_ ? tokens_->Find(options_.kv_events_tenant) : std::nullopt;
-      if (!t.has_value()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--kv-events-tenant: expected a tenant of the --auth-tokens file, got \"",
-            options_.kv_events_tenant, "\""));
-      }
-      z.tenant = *t;
-    }
+    if (tenant.has_value()) z.tenant = *tenant;
     absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> p =
         ZmqEventPublisher::Start(events_.get(), std::move(z));
     if (!p.ok()) return p.status();

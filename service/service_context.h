@@ -154,11 +154,12 @@ struct ServiceLimits {
   int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with tokens); 0: no bound
 };
 
-// INVALID_ARGUMENT naming `tokens` when an imported history is longer than the limit: the
+// INVALID_ARGUMENT naming `field` when an imported history is longer than the limit: the
 // cache keeps every slot's tokens in host memory.
-inline absl::Status CheckImportTokens(int64_t tokens, const ServiceLimits& limits) {
+inline absl::Status CheckImportTokens(int64_t tokens, const ServiceLimits& limits,
+                                      absl::string_view field = "tokens") {
   if (tokens <= limits.max_import_tokens) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("tokens: expected at most ",
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected at most ",
                                                  limits.max_import_tokens,
                                                  " tokens (--max-import-tokens), got ", tokens));
 }

@@ -450,8 +450,11 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
     return Reply(
         c, "PullSlot",
         FieldError("self_address", "this server's address as the peer reaches it (host:port)",
-                   absl::StrCat("\"", req->self_address(), "\" and this server listens on \"", self,
-                                "\"")));
+                   req->self_address().empty()
+                       ? absl::StrCat("none, and this server listens on \"", self,
+                                      "\" (no address a peer can dial)")
+                       : absl::StrCat("\"", req->self_address(),
+                                      "\" (a wildcard host: no address a peer can dial)")));
   }
   // The peer calls back into this server (Reserve, Commit) while this call waits: the call to
   // it is asynchronous, so no gRPC thread waits.
@@ -508,7 +511,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   }
   absl::Status checked = ctx_->requests->CheckTransferId(req->transfer_id());
   // The history its commit will bring: refused now, not after every byte moved.
-  if (checked.ok()) checked = CheckImportTokens(req->seq_len(), ctx_->limits);
+  if (checked.ok()) checked = CheckImportTokens(req->seq_len(), ctx_->limits, "seq_len");
   if (!checked.ok()) return Reply(c, "ReserveTransfer", checked);
   absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
   if (!tenant.ok()) {
@@ -548,7 +551,7 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
   }
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
   absl::StatusOr<transfer::Decision> d =
-      receiver_->Commit(req->transfer_id(), tokens, req->checksum());
+      receiver_->Commit(req->transfer_id(), tokens, req->checksum(), PeerIdentity(*c));
   if (!d.ok()) {
     CountFailure(d.status());
     return Reply(c, "CommitTransfer", d.status());

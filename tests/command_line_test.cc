@@ -224,6 +224,13 @@ TEST(CommandLine, ServerRefusesCacheEventFlagsItCannotHonour) {
   EXPECT_EQ(tenant.exit_code, 1) << tenant.output;
   EXPECT_TRUE(absl::StrContains(tenant.output, "--kv-events-tenant: expected a tenant"))
       << tenant.output;
+  // Without the publisher too (it was ignored: the server started with a name it never knew).
+  const Outcome no_zmq =
+      RunBinary(REPLAYSSM_SERVER_BINARY, {"--device=cpu", "--grpc-address=127.0.0.1:0",
+                                          "--metrics-address=", "--kv-events-tenant=nobody"});
+  EXPECT_EQ(no_zmq.exit_code, 1) << no_zmq.output;
+  EXPECT_TRUE(absl::StrContains(no_zmq.output, "--kv-events-tenant: expected a tenant"))
+      << no_zmq.output;
 }
 
 TEST(CommandLine, CliSendsTheTokenOfItsTokenFileOrEnvironment) {

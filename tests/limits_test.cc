@@ -119,9 +119,9 @@ TEST_F(LimitsTest, AReservationOfMoreTokensThanTheLimitIsRefusedNamingTheBound) 
   const grpc::Status st = stub->ReserveTransfer(&c, r, &resp);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   EXPECT_TRUE(absl::StrContains(st.error_message(),
-                                "tokens: expected at most 1000 tokens (--max-import-tokens), got "
+                                "seq_len: expected at most 1000 tokens (--max-import-tokens), got "
                                 "1001"))
-      << st.error_message();
+      << st.error_message() << ": the request's field is seq_len";
 }
 
 TEST_F(LimitsTest, StreamsBeyondMaxStreamsAreResourceExhaustedUntilOneCloses) {

@@ -275,6 +275,8 @@ TEST_F(TransferTest, PullFormBringsThePeersSlotHere) {
   auto bad = cb->PullSlot(s, server_->grpc_address(), false, "0.0.0.0:5");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
   EXPECT_NE(bad.status().message().find("self_address"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("got \"0.0.0.0:5\" (a wildcard host"), std::string::npos)
+      << bad.status() << ": not echoed as this server's listen address";
   EXPECT_EQ(cb->Stats()->slots_live(), 1) << "only the pulled slot";
   EXPECT_TRUE(client_->GetSlot(s).ok()) << "the source is still there";
   // Without keep_source the sender's slot is released.

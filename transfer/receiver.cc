@@ -223,6 +223,10 @@ absl::StatusOr<Reservation> Receiver::Reserve(const std::string& transfer_id,
         absl::StrCat("transfer_id: ", transfer_id, " was aborted; a new attempt needs a new id"));
   }
   if (auto it = pending_.find(transfer_id); it != pending_.end()) {  // a retried Reserve
+    if (!peer.empty() && it->second.peer != peer) {  // never another peer's buffer and key
+      return absl::AlreadyExistsError(
+          absl::StrCat("transfer_id: ", transfer_id, " is reserved by another peer"));
+    }
     if (it->second.seq_len != seq_len) {
       return absl::InvalidArgumentError(
           absl::StrCat("seq_len: expected ", it->second.seq_len, " (transfer_id ", transfer_id,
@@ -347,8 +351,8 @@ absl::Status Receiver::Import(Buffer& buf, Importer& in, cache::SlotWriter& writ
 }
 
 absl::StatusOr<Decision> Receiver::Commit(const std::string& transfer_id,
-                                          const std::vector<int32_t>& tokens,
-                                          uint64_t checksum) {
+                                          const std::vector<int32_t>& tokens, uint64_t checksum,
+                                          const std::string& peer) {
   Importer* in = nullptr;
   cache::SlotWriter* writer = nullptr;
   {
@@ -359,6 +363,8 @@ absl::StatusOr<Decision> Receiver::Commit(const std::string& transfer_id,
       return absl::AbortedError(absl::StrCat("transfer_id: ", transfer_id, " was aborted"));
     }
     auto it = pending_.find(transfer_id);
+    // Another peer's reservation is as unknown to this caller: it neither commits nor aborts it.
+    if (it != pending_.end() && !peer.empty() && it->second.peer != peer) it = pending_.end();
     if (it == pending_.end()) {  // nothing to remember: an unknown id can never commit
       return absl::NotFoundError(absl::StrCat("transfer_id: ", transfer_id,
                                               " has no open reservation (expired or never made)"));

@@ -312,6 +312,12 @@ TEST_F(TransferTest, OnePeerHoldsAtMostItsShareOfReservations) {
   EXPECT_NE(third.message().find("peer-x"), std::string::npos) << third;
   EXPECT_TRUE(reserve("y1", "peer-y").ok()) << "another peer is not locked out";
   EXPECT_TRUE(reserve("x1", "peer-x").ok()) << "a retried Reserve of an open id is no new one";
+  // Another peer neither gets an open reservation's buffer nor commits it (an outside review:
+  // a peer's garbage commit of another's id aborted that transfer, DATA_LOSS).
+  EXPECT_EQ(reserve("x1", "peer-y").code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(rx.Commit("x1", {1, 2, 3}, 12345, "peer-y").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(rx.open(), 3) << "x1 stays open for its own peer";
   rx.Abort("x1");
   EXPECT_TRUE(reserve("x4", "peer-x").ok()) << "an abort gives the share back";
   for (const char* id : {"x2", "x4", "y1"}) rx.Abort(id);

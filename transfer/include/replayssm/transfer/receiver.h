@@ -89,7 +89,8 @@ class Receiver {
   // checksum_version must be cache::kChecksumVersion, budget > 0, the format this server's:
   // else FAILED_PRECONDITION / INVALID_ARGUMENT before any byte moves. A retried Reserve of an
   // open id returns the same reservation (INVALID_ARGUMENT naming seq_len if it names another
-  // length); of a decided id: ALREADY_EXISTS (committed) or ABORTED.
+  // length; ALREADY_EXISTS if another peer made it); of a decided id: ALREADY_EXISTS
+  // (committed) or ABORTED.
   // `peer` names the sender (its certificate's identity or its host) for max_open_per_peer
   // and max_unacknowledged_per_peer. RESOURCE_EXHAUSTED past either. `owner` is the caller's
   // (the slot's tenant): kept with the reservation and its decision, never looked up elsewhere.
@@ -100,9 +101,11 @@ class Receiver {
   // Waits for the last bytes, checks and makes the slot live; the decision (slot: its cache
   // id, owner: the reservation's). A retry of a committed id returns the same decision. Any
   // failure aborts the transfer (ABORTED for a commit past its commit-by time or of an
-  // aborted id; NOT_FOUND for an id never reserved, which is not remembered).
+  // aborted id; NOT_FOUND for an id never reserved, which is not remembered, or reserved by
+  // another peer than `peer`, which stays open; empty: any, for a caller in this process).
   absl::StatusOr<Decision> Commit(const std::string& transfer_id,
-                                  const std::vector<int32_t>& tokens, uint64_t checksum);
+                                  const std::vector<int32_t>& tokens, uint64_t checksum,
+                                  const std::string& peer = "");
   // Aborts an open transfer (waits for a commit in progress); the decision (slot: cache id).
   // A reservation is aborted only by the peer that made it (`peer` as Reserve's; empty: any,
   // for a caller in this process): another peer's Abort leaves it open and hears "aborted".
