@@ -275,6 +275,10 @@ int32_t RegionTable::ExpireIdle(absl::Time cutoff) {
   int32_t n = 0;
   for (auto it = regions_.begin(); it != regions_.end();) {
     const bool leased = it->second.use_count() > 1;  // the table's own reference is not one
+    // A region a forward holds is in use now: its idle time starts when the lease ends (give
+    // or take a sweep). It used to count from the lease's start, so a forward longer than the
+    // TTL left its region to be reaped just after the commit (an outside review).
+    if (leased) it->second->info.last_use = absl::Now();
     if (leased || it->second->info.last_use > cutoff) {
       ++it;
       continue;

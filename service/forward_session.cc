@@ -85,7 +85,15 @@ absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::Decod
   return Start(std::move(o), begun);
 }
 
-absl::Status ForwardSession::Refuse(const v1::ForwardPlan* plan, absl::Status status) const {
+absl::Status ForwardSession::Refuse(const v1::ForwardPlan* plan, absl::Status status) {
+  if (planned_ != nullptr) {  // refused before this begin closed it (an outside review: the
+    // refusal's ring came first and the open forward's later layers rang over it, older)
+    Abandon();
+    status =
+        absl::Status(status.code(), absl::StrCat(status.message(),
+                                                 " (the planned forward open before this begin was "
+                                                 "abandoned: nothing of it committed)"));
+  }
   if (plan != nullptr) {
     RingRefused(*plan, *ctx_->regions, ctx_->cache->model().num_layers);
   }
@@ -167,6 +175,14 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
                                                       "begin was committed)")));
   };
   absl::Status s = Claim(opening);
+  if (s.ok() && replay_ && opening.plan != nullptr) {
+    // Applied before (inline or planned): a planned begin's layers would run from the regions
+    // and nothing would write them; the engine's retry must know it was applied.
+    replay_.reset();
+    s = absl::AlreadyExistsError(
+        "request_id: applied; a planned begin is not replayed (its outputs went to the "
+        "client's region): use a new id");
+  }
   if (!s.ok()) return refuse(s);
   if (!replay_) {
     s = Open(opening);
@@ -301,7 +317,9 @@ absl::Status ForwardSession::RunRegionLayer(const v1::LayerInput& input,
   out->set_dtype(ToWireDtype(m.shape.act_dtype));
   for (int64_t d : OutShape(m, tokens_)) out->add_shape(d);
   *out->mutable_region() = input.out();
-  retain_ = false;  // a retry cannot rewrite the client's region: the log keeps rows only
+  // The reply names the region (a few bytes): a retry gets it back and the region is not
+  // written again, as for the unary calls with regions (it used to keep the rows only, and a
+  // retried Decode was told its outputs were too large to keep).
   return absl::OkStatus();
 }
 

@@ -49,6 +49,12 @@ class ForwardSession {
   absl::Status Commit(v1::DecodeCommitted* committed);
   // Drops an open forward (no state changes). Idempotent.
   void Abandon();
+  // A refused begin (`plan`: its plan, or null): a planned forward still open is abandoned
+  // first, its remaining layers ringing their done doorbells, and then `plan`'s done doorbells
+  // ring (RingRefused), so that neither overwrites the other's and an engine that did not wait
+  // for the reply does not hang. Returns `status`, saying so when a forward was abandoned.
+  // The stream's own checks of a begin (its request id, its token) refuse through it too.
+  absl::Status Refuse(const v1::ForwardPlan* plan, absl::Status status);
 
  private:
   // A forward's kind: its request log's id space and the kernel metric's ops of its calls.
@@ -84,8 +90,6 @@ class ForwardSession {
   // Claims the request id (or finds its replay), enters the drain gate and opens the forward.
   absl::Status Start(Opening opening, v1::DecodeBegun* begun);  // timed: op "begin"
   absl::Status StartTimed(Opening opening, v1::DecodeBegun* begun);
-  // Returns `status` after ringing `plan`'s done doorbells (plan may be null).
-  absl::Status Refuse(const v1::ForwardPlan* plan, absl::Status status) const;
   // The session's state for the forward `opening` opened (or replays), and begun's fields.
   void Opened(Opening& opening, v1::DecodeBegun* begun);
   // Claims opening.request_id in the request log, or sets replay_ for an applied one.

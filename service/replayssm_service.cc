@@ -1,6 +1,7 @@
 #include "service/replayssm_service.h"
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 #include "service/caller.h"
@@ -53,12 +54,13 @@ class DecodeStreamReactor final
 
  private:
   absl::Status Handle() {
-    if (absl::Status s = CheckRequestId(); !s.ok()) return s;
+    absl::Status s = CheckRequestId();
     // Each forward's begin: a token removed from the file (or moved to another tenant) since
     // the stream opened starts nothing more on it.
-    if (request_.has_begin() || request_.has_prefill_begin() || request_.has_verify_begin()) {
-      if (absl::Status s = CheckStillAuthorized(*c_, call_); !s.ok()) return s;
-    }
+    if (s.ok() && BeginPlan() != std::nullopt) s = CheckStillAuthorized(*c_, call_);
+    // A begin refused here is refused as the session refuses one: its plan's done doorbells
+    // ring (an engine that queued the forward does not hang), after an open one's.
+    if (!s.ok()) return session_.Refuse(BeginPlan().value_or(nullptr), s);
     switch (request_.msg_case()) {
       case v1::DecodeStreamRequest::kBegin:
         return session_.Begin(request_.begin(), response_.mutable_begun());
@@ -73,6 +75,18 @@ class DecodeStreamReactor final
       default:
         return absl::InvalidArgumentError(
             "msg: expected begin, prefill_begin, verify_begin, layer or commit, got none");
+    }
+  }
+  // For a begin: its plan (null: none); nullopt for other messages.
+  std::optional<const v1::ForwardPlan*> BeginPlan() const {
+    switch (request_.msg_case()) {
+      case v1::DecodeStreamRequest::kBegin:
+        return request_.begin().has_plan() ? &request_.begin().plan() : nullptr;
+      case v1::DecodeStreamRequest::kPrefillBegin:
+        return request_.prefill_begin().has_plan() ? &request_.prefill_begin().plan() : nullptr;
+      case v1::DecodeStreamRequest::kVerifyBegin:
+        return request_.verify_begin().has_plan() ? &request_.verify_begin().plan() : nullptr;
+      default: return std::nullopt;
     }
   }
   // A begin's request id, checked for length before the session keeps it

@@ -471,11 +471,19 @@ TEST_F(DataPlaneTest, UnaryFormsTakeRegionsAndMatchInline) {
   dec.mutable_rows(1)->set_slot(pb);
   const std::vector<v1::LayerInput> dec_regions = to_regions(layers);
   *dec.mutable_layers() = {dec_regions.begin(), dec_regions.end()};
+  dec.set_request_id("decode-into-regions");
   auto got_dec = client_->Decode(dec);
   ASSERT_TRUE(got_dec.ok()) << got_dec.status();
   same_outputs(*want_dec, 2, *got_dec);
   EXPECT_EQ(Observe(pa), Observe(ia));
   EXPECT_EQ(Observe(pb), Observe(ib));
+  // A retry gets the original reply, naming the regions, and applies nothing again (it was
+  // ALREADY_EXISTS "its outputs were too large to keep": an outside review).
+  auto retried = client_->Decode(dec);
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_EQ(retried->SerializeAsString(), got_dec->SerializeAsString());
+  EXPECT_EQ(Observe(pa), Observe(ia)) << "not applied twice";
+  dec.clear_request_id();
   // Verify, 2 drafts per row.
   layers = Layers(4);
   v1::VerifyRequest ver;
@@ -792,6 +800,8 @@ TEST_F(DataPlaneTest, ARefusedPlannedBeginRingsItsDoneDoorbellsAndChangesNothing
   uint32_t v = 40;
   const std::vector<std::function<void(v1::DecodeStreamRequest&)>> mutations = {
       [](v1::DecodeStreamRequest& r) { r.mutable_begin()->clear_request_id(); },
+      // The stream's own check, before the session (it did not ring: an outside review).
+      [](v1::DecodeStreamRequest& r) { r.mutable_begin()->set_request_id(std::string(200, 'x')); },
       [](v1::DecodeStreamRequest& r) {
         r.mutable_begin()->mutable_plan()->mutable_layers(1)->mutable_a()->set_region("nope");
       },
@@ -814,6 +824,50 @@ TEST_F(DataPlaneTest, ARefusedPlannedBeginRingsItsDoneDoorbellsAndChangesNothing
   }
   EXPECT_EQ(Observe(s[0]), before);
   EXPECT_EQ(InUse("engine"), 0);
+}
+
+// A pipelined begin refused before it closed the planned forward open before it abandons that
+// forward first, then rings its own refusal: the words end at the refused begin's value. Its
+// ring used to come first and the open forward's remaining layers rang over it with their
+// older value, so an engine waiting for the refusal hung (an outside review).
+TEST_F(DataPlaneTest, ARefusedPipelinedBeginRingsAfterTheForwardItAbandons) {
+  const std::vector<uint64_t> s = {NewSlot()};
+  const std::string before = Observe(s[0]);
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->BeginWith(PlannedDecode(s, 31)).ok());
+  const std::vector<v1::LayerInput> layers = Layers(1);
+  mem_->Write(layers[0], 0);
+  mem_->Ring(0, 31);  // layer 0 runs; the others wait
+  ASSERT_TRUE(mem_->WaitDone(0, 31, absl::Seconds(10)));
+  v1::DecodeStreamRequest bad = PlannedDecode(s, 32);
+  bad.mutable_begin()->clear_request_id();  // refused by the begin's own check
+  ASSERT_TRUE(stream->SendBegin(bad).ok());
+  auto begun = stream->AwaitBegun();
+  EXPECT_EQ(begun.status().code(), absl::StatusCode::kInvalidArgument) << begun.status();
+  EXPECT_NE(begun.status().message().find("was abandoned"), std::string::npos) << begun.status();
+  stream->Finish().IgnoreError();
+  for (int l = 0; l < num_layers(); ++l) {
+    EXPECT_EQ(mem_->DoneWord(l), 32u) << "layer " << l << ": the refusal's value, last";
+  }
+  EXPECT_EQ(Observe(s[0]), before) << "the abandoned forward committed nothing";
+  EXPECT_EQ(InUse("engine"), 0);
+}
+
+// An id an inline forward used is no replay for a planned begin: its layers would run from the
+// regions and nothing would write them (the commit then failed "layer 0 has not run").
+TEST_F(DataPlaneTest, APlannedBeginOfAnAppliedIdIsRefusedNotReplayed) {
+  const std::vector<uint64_t> s = {NewSlot()};
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->Forward(Rows(s), Layers(1), "applied-1").ok());
+  const std::string before = Observe(s[0]);
+  v1::DecodeStreamRequest again = PlannedDecode(s, 41);
+  again.mutable_begin()->set_request_id("applied-1");
+  auto planned = client_->OpenStream();
+  ASSERT_TRUE(planned->SendBegin(again).ok());
+  auto begun = planned->AwaitBegun();
+  EXPECT_EQ(begun.status().code(), absl::StatusCode::kAlreadyExists) << begun.status();
+  for (int l = 0; l < num_layers(); ++l) EXPECT_EQ(mem_->DoneWord(l), 41u) << "rung: refused";
+  EXPECT_EQ(Observe(s[0]), before);
 }
 
 TEST_F(DataPlaneTest, ABeginClosesOnlyAPlannedForward) {
@@ -950,6 +1004,11 @@ TEST_F(RegionTtlTest, ADeadEnginesRegionsAreReclaimedButNeverMidForward) {
   std::thread engine([&] { mem_->Drive(Layers(1), 1); });
   EXPECT_TRUE(stream->Commit().ok());
   engine.join();
+  // Its idle time starts when the forward lets go of it, not when it took it: it was reaped
+  // within a sweep (250 ms) of the commit, the 2.5 s forward counted as idle (an outside
+  // review); now it has the TTL from about the commit.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(Registered(), std::vector<std::string>{"engine"}) << "just after its forward";
   const absl::Time end = absl::Now() + absl::Seconds(10);
   while (!Registered().empty() && absl::Now() < end) absl::SleepFor(absl::Milliseconds(100));
   EXPECT_TRUE(Registered().empty()) << "idle after the forward: reclaimed";
