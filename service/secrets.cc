@@ -104,8 +104,12 @@ std::string PeerProof(absl::string_view token, absl::string_view method,
                    transfer_id, tenant.size(), ":", tenant);
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
-  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
-       reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &n);
+  if (HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+           reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac,
+           &n) == nullptr ||
+      n != 32) {
+    return "";  // no proof: Accepts takes none, and "v1:" alone is never one
+  }
   return absl::StrCat("v1:",
                       absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(mac), n)));
 }
@@ -119,7 +123,8 @@ bool PeerTokens::Accepts(absl::string_view proof, absl::string_view method,
                          absl::string_view transfer_id, absl::string_view tenant) const {
   bool accepted = false;
   for (const std::string& t : tokens_) {
-    accepted = ConstantTimeEquals(PeerProof(t, method, transfer_id, tenant), proof) || accepted;
+    const std::string mine = PeerProof(t, method, transfer_id, tenant);
+    accepted = (!mine.empty() && ConstantTimeEquals(mine, proof)) || accepted;
   }
   return accepted;
 }

@@ -32,10 +32,10 @@ namespace replayssm::service {
 // The metadata key of the proof of the peer token (gRPC keys are lower case).
 inline constexpr char kPeerProofKey[] = "replayssm-peer-proof";
 
-// The proof of `token` for one peer call: "v1:" and 64 hex digits, the HMAC-SHA256 keyed with
-// the token of "replayssm-peer-proof-v1\n" followed by each of method, transfer_id and
-// tenant as <decimal length>:<bytes>. `tenant` is the one the call names ("" for calls that
-// name none: all but ReserveTransfer).
+// The proof of `token` for one peer call ("" if HMAC failed: no proof at all): "v1:" and 64 hex
+// digits, the HMAC-SHA256 keyed with the token of "replayssm-peer-proof-v1\n" followed by each of
+// method, transfer_id and tenant as <decimal length>:<bytes>. `tenant` is the one the call names
+// ("" for calls that name none: all but ReserveTransfer).
 std::string PeerProof(absl::string_view token, absl::string_view method,
                       absl::string_view transfer_id, absl::string_view tenant);
 

@@ -106,15 +106,16 @@ TenantId TokenStore::IdLocked(const std::string& name) {
   return it->second;
 }
 
-absl::Status TokenStore::ReloadLocked(bool force) {
-  checked_ = absl::Now();
+absl::StatusOr<TokenStore::FileId> TokenStore::Identity() const {
   struct stat st {};
   if (stat(path_.c_str(), &st) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--auth-tokens: expected a readable token file, got \"", path_, "\""));
   }
-  const FileId id{st.st_ino, st.st_size, st.st_mtim};
-  if (!force && (id == file_ || id == failed_)) return absl::OkStatus();  // nothing new
+  return FileId{st.st_ino, st.st_size, st.st_mtim};
+}
+
+absl::StatusOr<std::string> TokenStore::Read() const {
   std::ifstream in(path_);
   std::stringstream text;
   text << in.rdbuf();
@@ -122,7 +123,21 @@ absl::Status TokenStore::ReloadLocked(bool force) {
     return absl::InvalidArgumentError(
         absl::StrCat("--auth-tokens: expected a readable token file, got \"", path_, "\""));
   }
-  absl::StatusOr<std::vector<std::pair<std::string, std::string>>> pairs = Parse(text.str(), path_);
+  return text.str();
+}
+
+absl::Status TokenStore::ReloadLocked(bool force) {
+  checked_ = absl::Now();
+  absl::StatusOr<FileId> id = Identity();
+  if (!id.ok()) return id.status();
+  if (!force && (*id == file_ || *id == failed_)) return absl::OkStatus();  // nothing new
+  absl::StatusOr<std::string> text = Read();
+  if (!text.ok()) return text.status();
+  return ApplyLocked(*id, *text);
+}
+
+absl::Status TokenStore::ApplyLocked(const FileId& id, const std::string& text) {
+  absl::StatusOr<std::vector<std::pair<std::string, std::string>>> pairs = Parse(text, path_);
   if (!pairs.ok()) {
     failed_ = id;
     return pairs.status();
@@ -138,8 +153,23 @@ absl::Status TokenStore::ReloadLocked(bool force) {
 }
 
 absl::Status TokenStore::Reload(bool force) {
+  // The file is looked at and read outside mu_: a slow file system (a hung mount) must not
+  // hold up the calls and streams that check tokens meanwhile (LoadedTenantOf runs under the
+  // cache event log's lock).
+  absl::StatusOr<FileId> id = Identity();
+  bool changed = id.ok();
+  if (id.ok() && !force) {
+    absl::MutexLock lock(&mu_);
+    changed = !(*id == file_ || *id == failed_);
+    if (!changed) checked_ = absl::Now();
+  }
+  absl::StatusOr<std::string> text = changed ? Read() : absl::StatusOr<std::string>(std::string());
   absl::MutexLock lock(&mu_);
-  absl::Status s = ReloadLocked(force);
+  checked_ = absl::Now();
+  absl::Status s = !id.ok()     ? id.status()
+                   : !changed   ? absl::OkStatus()
+                   : !text.ok() ? text.status()
+                                : ApplyLocked(*id, *text);
   if (s.ok()) {
     logged_failure_.clear();
     return s;

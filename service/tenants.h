@@ -10,7 +10,7 @@
 // file is read again when its identity (inode, size, modification time) changes: looked at
 // on an unknown token at once, else at most once a second, so a new token works at its first
 // use and a removed one stops within a second. A file that no longer parses keeps the tokens
-// that were loaded (logged on stderr, counted in replayssm_auth_reload_failures_total).
+// that were loaded (logged once on stderr).
 //
 // Tenant ids are small integers given in order of first appearance and kept for the process's
 // life (a tenant removed from the file keeps its id; its slots are reachable again if it comes
@@ -88,6 +88,13 @@ class TokenStore {
   };
   explicit TokenStore(std::string path) : path_(std::move(path)) {}
   absl::Status ReloadLocked(bool force) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The file's identity and text (no lock: file system calls).
+  absl::StatusOr<FileId> Identity() const;
+  absl::StatusOr<std::string> Read() const;
+  // Parses `text` (of the file `id`) and takes its tokens; a text that does not parse leaves
+  // the loaded ones and marks `id` failed (not read again until it changes).
+  absl::Status ApplyLocked(const FileId& id, const std::string& text)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   TenantId IdLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The tenant of `token`, every known token compared (constant time).
   std::optional<TenantId> FindLocked(absl::string_view token) const

@@ -164,9 +164,10 @@ constexpr int kPeerReconnectMaxMs = 1000;
 // The least time one connection attempt gets for TCP, TLS and the peer's HTTP/2 SETTINGS.
 // gRPC reads GRPC_ARG_MIN_RECONNECT_BACKOFF_MS as this, not as a backoff. It was once set to
 // the 100 ms above, and a peer ~50 ms of round trip away (or an mTLS handshake on a loaded
-// machine) was never reached. This is gRPC's default; the call's deadline still bounds the
-// wait, and a refused connect fails at once whatever it is.
-constexpr int kPeerConnectAttemptMs = 20000;
+// machine) was never reached. A move to a peer that drops connections (a dead node) waits for
+// the attempt to fail, so it is not gRPC's 20 s: 5 s is many round trips on any network a
+// cluster spans, and a refused connect fails at once whatever it is.
+constexpr int kPeerConnectAttemptMs = 5000;
 
 bool WildcardHost(absl::string_view address) {
   return absl::StartsWith(address, "0.0.0.0:") || absl::StartsWith(address, "[::]:") ||
