@@ -4,6 +4,8 @@
 // regions (its valid handle is NOT_FOUND exactly as an unknown one); a changed token file is
 // read again; a moved slot belongs to its sender's tenant on the receiver.
 #include <fcntl.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,11 +19,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "service/secrets.h"
 #include "service_fixture.h"
 #include "transfer_proxy.h"
 
@@ -52,6 +54,23 @@ class TokenFile {
   std::string path_;
 };
 
+// The metadata key of a peer call's proof of the peer token.
+constexpr char kPeerProofKey[] = "replayssm-peer-proof";
+
+// The proof of `token` for one peer call, computed here as docs/transfer.md specifies it (not
+// with the server's code): "v1:" and the hex HMAC-SHA256, keyed with the token, of
+// "replayssm-peer-proof-v1\n" and the method, transfer id and tenant, each <length>:<bytes>.
+std::string PeerProof(const std::string& token, const std::string& method, const std::string& id,
+                      const std::string& tenant) {
+  const std::string message = absl::StrCat("replayssm-peer-proof-v1\n", method.size(), ":", method,
+                                           id.size(), ":", id, tenant.size(), ":", tenant);
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &n);
+  return absl::StrCat("v1:", absl::BytesToHexString(std::string(reinterpret_cast<char*>(mac), n)));
+}
+
 // The cluster's peer token (--peer-token), owner-readable only.
 class PeerTokenFile {
  public:
@@ -63,9 +82,9 @@ class PeerTokenFile {
   std::string Flag() const { return "--peer-token=" + path_; }
   static constexpr char kPeerToken[] = "peer-token-0123456789abcdef";
   // What a server holding the token sends with a peer call (`token`: another one's).
-  static void Prove(grpc::ClientContext& c, absl::string_view method, const std::string& id,
-                    absl::string_view tenant = "", absl::string_view token = kPeerToken) {
-    c.AddMetadata(service::kPeerProofKey, service::PeerProof(token, method, id, tenant));
+  static void Prove(grpc::ClientContext& c, const std::string& method, const std::string& id,
+                    const std::string& tenant = "") {
+    c.AddMetadata(kPeerProofKey, PeerProof(kPeerToken, method, id, tenant));
   }
 
  private:
@@ -745,12 +764,12 @@ TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
   EXPECT_EQ(reserve("tenant", "authorization", absl::StrCat("Bearer ", kAlice)),
             grpc::StatusCode::UNAUTHENTICATED)
       << "a client's token is no peer's";
-  EXPECT_EQ(reserve("guess", service::kPeerProofKey,
-                    service::PeerProof("peer-token-0123456789abcdeX", "ReserveTransfer", "guess",
-                                       seen.tenant())),
-            grpc::StatusCode::UNAUTHENTICATED)
+  EXPECT_EQ(
+      reserve("guess", kPeerProofKey,
+              PeerProof("peer-token-0123456789abcdeX", "ReserveTransfer", "guess", seen.tenant())),
+      grpc::StatusCode::UNAUTHENTICATED)
       << "a proof of another token";
-  EXPECT_EQ(reserve("raw", service::kPeerProofKey, PeerTokenFile::kPeerToken),
+  EXPECT_EQ(reserve("raw", kPeerProofKey, PeerTokenFile::kPeerToken),
             grpc::StatusCode::UNAUTHENTICATED)
       << "the token itself is no proof";
   // What the sender sent its peer (the proxy here; any address a client names, without
@@ -759,17 +778,16 @@ TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
   std::string proof;
   for (const auto& [key, value] : proxy->reserve_metadata()) {
     EXPECT_EQ(value.find(PeerTokenFile::kPeerToken), std::string::npos) << key;
-    if (key == service::kPeerProofKey) proof = value;
+    if (key == kPeerProofKey) proof = value;
   }
   ASSERT_FALSE(proof.empty());
-  EXPECT_EQ(reserve("another-id", service::kPeerProofKey, proof),
-            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(reserve("another-id", kPeerProofKey, proof), grpc::StatusCode::UNAUTHENTICATED);
   {
     v1::ReserveTransferRequest r = seen;
     r.set_tenant("bob");  // the same move's proof, for a slot in another tenant
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    c.AddMetadata(service::kPeerProofKey, proof);
+    c.AddMetadata(kPeerProofKey, proof);
     EXPECT_EQ(stub->ReserveTransfer(&c, r, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   }
   for (const char* method : {"commit", "abort", "acknowledge"}) {
