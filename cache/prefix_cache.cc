@@ -382,7 +382,7 @@ absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {
   return absl::OkStatus();
 }
 
-absl::Status StateCacheImpl::CheckFinite(SlotId id, const char* purpose) {
+absl::StatusOr<int32_t> StateCacheImpl::AcquireShareable(SlotId id, const char* purpose) {
   int32_t index = -1;
   {
     absl::MutexLock lock(&mu_);
@@ -394,29 +394,26 @@ absl::Status StateCacheImpl::CheckFinite(SlotId id, const char* purpose) {
     absl::Status r = Materialize(index, purpose, lane);
     return r.ok() ? CheckShareable(index, purpose, lane) : r;
   });
+  if (st.ok()) return index;
   absl::MutexLock lock(&mu_);
   slots_[index].busy = false;
   return st;
 }
 
+absl::Status StateCacheImpl::CheckFinite(SlotId id, const char* purpose) {
+  absl::StatusOr<int32_t> index = AcquireShareable(id, purpose);
+  if (!index.ok()) return index.status();
+  absl::MutexLock lock(&mu_);
+  slots_[*index].busy = false;
+  return absl::OkStatus();
+}
+
 absl::Status StateCacheImpl::Donate(SlotId id) {
-  int32_t index = -1;
-  {
-    absl::MutexLock lock(&mu_);
-    absl::StatusOr<int32_t> i = AcquireLocked(id, "slot", /*allow_pending=*/true);
-    if (!i.ok()) return i.status();
-    index = *i;
-  }
-  absl::Status st = OnLane([&](Lane& lane) {
-    absl::Status r = Materialize(index, "donate", lane);
-    return r.ok() ? CheckShareable(index, "donate", lane) : r;
-  });
+  absl::StatusOr<int32_t> acquired = AcquireShareable(id, "donate");
+  if (!acquired.ok()) return acquired.status();
+  const int32_t index = *acquired;
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
-  if (!st.ok()) {
-    s.busy = false;
-    return st;
-  }
   ++stats_.donations;
   if (s.seq_len == 0 || radix_.Find(s.ns, s.tokens) >= 0) {  // nothing new to keep
     if (s.seq_len > 0) TouchLocked(radix_.Find(s.ns, s.tokens));

@@ -434,6 +434,9 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // FAILED_PRECONDITION naming `purpose` (counted). Run on every state about to be shared
   // with another request (a snapshot, a donation, a move out), after Materialize.
   absl::Status CheckShareable(int32_t index, const char* purpose, Lane& lane);
+  // Acquires `id` (busy), folds it and checks that its state is finite (CheckShareable): its
+  // index, still busy; on a refusal the slot is left as it was (not busy) and the status given.
+  absl::StatusOr<int32_t> AcquireShareable(SlotId id, const char* purpose);
   // OK for counts[] (CountNonfinite's) of zero, else the refusal (counted).
   absl::Status ShareRefusal(const char* purpose, const uint32_t counts[2]);
 
