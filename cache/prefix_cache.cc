@@ -152,6 +152,17 @@ void StateCacheImpl::MakeRoom(size_t n) {
       absl::MutexLock lock(&mu_);
       if (free_.size() >= n) return;
       victim = LruVictimLocked();
+      if (victim < 0 && spills_in_flight_ > 0) {
+        // The evictable snapshots are being copied to the host (the spiller's, or another
+        // call's MakeRoom): wait for the copies, a moment, then evict them without loss. It
+        // used to give up, and the allocation failed RESOURCE_EXHAUSTED beside a snapshot
+        // about to be host-backed (seen under ASan, where copies are slow).
+        mu_.Await(absl::Condition(
+            +[](StateCacheImpl* c)
+                 ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) { return c->spills_in_flight_ == 0; },
+            this));
+        continue;
+      }
       if (victim < 0) return;
       if (HostBackedLocked(slots_[victim])) {  // on the host already: no copy
         DropBackendLocked(victim);
@@ -177,13 +188,17 @@ int32_t StateCacheImpl::StartSpillLocked(int32_t victim, bool* displaced) {
                              [](const HostTier::Entry& h) { return h.backend_slot >= 0; });
   }
   HostEvictedLocked(evicted);
-  if (e >= 0) s.busy = true;  // no other eviction takes it; prefix hits still copy from it
+  if (e >= 0) {
+    s.busy = true;  // no other eviction takes it; prefix hits still copy from it
+    ++spills_in_flight_;
+  }
   return e;
 }
 
 bool StateCacheImpl::EndSpillLocked(int32_t victim, int32_t e, const absl::Status& st) {
   Slot& s = slots_[victim];
   s.busy = false;
+  --spills_in_flight_;
   if (!st.ok()) {  // the snapshot stays in backend memory
     host_->Unreserve(e);
     return false;

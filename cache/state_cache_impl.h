@@ -473,6 +473,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   LanePool lanes_;  // one lane per operation in flight
   StagingPool staging_;  // slot I/O's staged path
   uint64_t slots_taken_ ABSL_GUARDED_BY(mu_) = 0;  // wakes the spiller
+  int32_t spills_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // their snapshots busy: MakeRoom waits
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread spiller_;  // last: started once everything else is
 
