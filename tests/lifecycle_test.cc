@@ -408,8 +408,11 @@ TEST_F(DeviceFailureWhileDrainingTest, IsReportedAndEndsTheWaitForSlots) {
     if (!exported.ok()) break;
     absl::SleepFor(absl::Milliseconds(10));
   }
+  // Refused "device failed (...)" if the call came in the ~50 ms between the check and the
+  // drain's shutdown, else the shutdown's own UNAVAILABLE (a loaded machine: it failed once
+  // asking for the first). DeviceFailureTest checks the refusals; the log line and the exit
+  // below say that the check ran mid-drain and ended the wait.
   EXPECT_EQ(exported.code(), absl::StatusCode::kUnavailable) << exported;
-  EXPECT_NE(exported.message().find("device failed ("), absl::string_view::npos) << exported;
   auto exit = server_->WaitExit(absl::Seconds(20));  // not the 60 s of --drain-timeout
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(*exit, 0);
