@@ -38,15 +38,21 @@ absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
   return ctx.ForTenant(*tenant);
 }
 
-absl::Status CheckStillAuthorized(const grpc::ServerContextBase& c, const ServiceContext& caller) {
+absl::Status CheckStillAuthorized(const grpc::ServerContextBase& c, const ServiceContext& caller,
+                                  uint64_t* checked) {
   if (caller.tokens == nullptr) return absl::OkStatus();
+  const uint64_t generation = caller.tokens->generation();  // before the lookup: a reload
+  if (generation == *checked) return absl::OkStatus();      // after it is looked at next time
   const auto& md = c.client_metadata();
   auto it = md.find(kAuthorizationKey);
   const std::optional<TenantId> now =
       it == md.end()
           ? std::nullopt
           : caller.tokens->LoadedTenantOf(absl::string_view(it->second.data(), it->second.size()));
-  if (now == caller.tenant()) return absl::OkStatus();
+  if (now == caller.tenant()) {
+    *checked = generation;
+    return absl::OkStatus();
+  }
   caller.metrics->CountAuthFailure("revoked");
   return absl::UnauthenticatedError(
       "authorization: this stream's token is no longer in the server's token file (or names "

@@ -29,8 +29,11 @@ absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
 // For a stream opened by `caller` (CallerContext): OK while the call's token still names
 // the caller's tenant among the tokens loaded now; UNAUTHENTICATED (counted as an auth failure
 // of reason "revoked") once the token file no longer holds it, or gives it to another tenant.
-// No I/O: a stream may check under its own lock. Without a token store, always OK.
-absl::Status CheckStillAuthorized(const grpc::ServerContextBase& c, const ServiceContext& caller);
+// `*checked` is the stream's: the token set generation it last found the token in (0 at
+// first), so that the token is looked up only after a reload (TokenStore::generation). No
+// I/O: a stream may check under its own lock. Without a token store, always OK.
+absl::Status CheckStillAuthorized(const grpc::ServerContextBase& c, const ServiceContext& caller,
+                                  uint64_t* checked);
 
 // The registered regions of each tenant: a RegionTable of its own (so names never collide
 // and --max-regions / --max-region-bytes bound each tenant), made on first use and kept. A

@@ -175,14 +175,6 @@ absl::Status ForwardSession::StartTimed(Opening opening, v1::DecodeBegun* begun)
                                                       "begin was committed)")));
   };
   absl::Status s = Claim(opening);
-  if (s.ok() && replay_ && opening.plan != nullptr) {
-    // Applied before (inline or planned): a planned begin's layers would run from the regions
-    // and nothing would write them; the engine's retry must know it was applied.
-    replay_.reset();
-    s = absl::AlreadyExistsError(
-        "request_id: applied; a planned begin is not replayed (its outputs went to the "
-        "client's region): use a new id");
-  }
   if (!s.ok()) return refuse(s);
   if (!replay_) {
     s = Open(opening);
@@ -216,6 +208,13 @@ absl::Status ForwardSession::Claim(const Opening& opening) {
     case RequestLog::Outcome::kNew:
       return absl::OkStatus();
     case RequestLog::Outcome::kReplay:
+      if (opening.plan != nullptr) {
+        // Applied before (inline or planned): a planned begin's layers would run from the
+        // regions and nothing would write them; the engine's retry must know it was applied.
+        return absl::AlreadyExistsError(
+            "request_id: applied; a planned begin is not replayed (its outputs went to the "
+            "client's region): use a new id");
+      }
       replay_.emplace();
       replay_->ParseFromString(claim.reply);
       ctx_->metrics->CountDedupReplay();

@@ -92,7 +92,8 @@ class ForwardSession {
   absl::Status StartTimed(Opening opening, v1::DecodeBegun* begun);
   // The session's state for the forward `opening` opened (or replays), and begun's fields.
   void Opened(Opening& opening, v1::DecodeBegun* begun);
-  // Claims opening.request_id in the request log, or sets replay_ for an applied one.
+  // Claims opening.request_id in the request log, or sets replay_ for an applied one (a
+  // planned begin of an applied id: ALREADY_EXISTS, its regions cannot be replayed into).
   absl::Status Claim(const Opening& opening);
   absl::Status Open(Opening& opening);
   absl::Status CheckOpenLayer(const v1::LayerInput& input) const;

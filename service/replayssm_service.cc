@@ -54,13 +54,14 @@ class DecodeStreamReactor final
 
  private:
   absl::Status Handle() {
+    const std::optional<const v1::ForwardPlan*> begin = BeginPlan();
     absl::Status s = CheckRequestId();
     // Each forward's begin: a token removed from the file (or moved to another tenant) since
     // the stream opened starts nothing more on it.
-    if (s.ok() && BeginPlan() != std::nullopt) s = CheckStillAuthorized(*c_, call_);
+    if (s.ok() && begin.has_value()) s = CheckStillAuthorized(*c_, call_, &tokens_checked_);
     // A begin refused here is refused as the session refuses one: its plan's done doorbells
     // ring (an engine that queued the forward does not hang), after an open one's.
-    if (!s.ok()) return session_.Refuse(BeginPlan().value_or(nullptr), s);
+    if (!s.ok()) return session_.Refuse(begin.value_or(nullptr), s);
     switch (request_.msg_case()) {
       case v1::DecodeStreamRequest::kBegin:
         return session_.Begin(request_.begin(), response_.mutable_begun());
@@ -124,6 +125,7 @@ class DecodeStreamReactor final
   ServiceContext call_;  // the server's, as the caller's tenant sees it
   const ServiceContext* ctx_;
   bool counted_ = false;  // holds one of --max-streams
+  uint64_t tokens_checked_ = 0;  // CheckStillAuthorized's
   ForwardSession session_;
   v1::DecodeStreamRequest request_;
   v1::DecodeStreamResponse response_;

@@ -95,8 +95,7 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> TokenStore::Par
 
 absl::StatusOr<std::unique_ptr<TokenStore>> TokenStore::Load(const std::string& path) {
   std::unique_ptr<TokenStore> store(new TokenStore(path));
-  absl::MutexLock lock(&store->mu_);
-  if (absl::Status s = store->ReloadLocked(/*force=*/true); !s.ok()) return s;
+  if (absl::Status s = store->Fetch(/*force=*/true); !s.ok()) return s;
   return store;
 }
 
@@ -126,13 +125,19 @@ absl::StatusOr<std::string> TokenStore::Read() const {
   return text.str();
 }
 
-absl::Status TokenStore::ReloadLocked(bool force) {
-  checked_ = absl::Now();
+absl::Status TokenStore::Fetch(bool force) {
+  // The file is looked at and read outside mu_: a slow file system (a hung mount) must not
+  // hold up the calls and streams that check tokens meanwhile (LoadedTenantOf runs under the
+  // cache event log's lock).
   absl::StatusOr<FileId> id = Identity();
   if (!id.ok()) return id.status();
-  if (!force && (*id == file_ || *id == failed_)) return absl::OkStatus();  // nothing new
+  if (!force) {
+    absl::MutexLock lock(&mu_);
+    if (*id == file_ || *id == failed_) return absl::OkStatus();  // nothing new
+  }
   absl::StatusOr<std::string> text = Read();
   if (!text.ok()) return text.status();
+  absl::MutexLock lock(&mu_);
   return ApplyLocked(*id, *text);
 }
 
@@ -149,27 +154,14 @@ absl::Status TokenStore::ApplyLocked(const FileId& id, const std::string& text) 
     listed_[tenant] = true;
   }
   file_ = id;
+  generation_.fetch_add(1, std::memory_order_release);
   return absl::OkStatus();
 }
 
 absl::Status TokenStore::Reload(bool force) {
-  // The file is looked at and read outside mu_: a slow file system (a hung mount) must not
-  // hold up the calls and streams that check tokens meanwhile (LoadedTenantOf runs under the
-  // cache event log's lock).
-  absl::StatusOr<FileId> id = Identity();
-  bool changed = id.ok();
-  if (id.ok() && !force) {
-    absl::MutexLock lock(&mu_);
-    changed = !(*id == file_ || *id == failed_);
-    if (!changed) checked_ = absl::Now();
-  }
-  absl::StatusOr<std::string> text = changed ? Read() : absl::StatusOr<std::string>(std::string());
+  absl::Status s = Fetch(force);
   absl::MutexLock lock(&mu_);
   checked_ = absl::Now();
-  absl::Status s = !id.ok()     ? id.status()
-                   : !changed   ? absl::OkStatus()
-                   : !text.ok() ? text.status()
-                                : ApplyLocked(*id, *text);
   if (s.ok()) {
     logged_failure_.clear();
     return s;

@@ -22,6 +22,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <ctime>
 #include <memory>
@@ -63,10 +64,14 @@ class TokenStore {
                                         AuthFailure* failure = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // The tenant of an `authorization` value among the tokens loaded now, the file not looked
   // at (no I/O: for callers under other locks); nullopt when it names none. Open streams
-  // check their token with it (CheckStillAuthorized, caller.h); the server re-reads a changed
-  // file at least once a second (ReloadIfChanged), so a removed token stops them within it.
+  // check their token with it (CheckStillAuthorized, caller.h) when generation() changed
+  // since they last did; the server calls Reload once a second, so a removed token stops
+  // them within it.
   std::optional<TenantId> LoadedTenantOf(absl::string_view authorization) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts the token sets loaded (1 after Load): a stream that checked its token at one
+  // generation need not look again until it changes (an atomic load per forward, not a lock).
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
   // The id of the tenant named `name` when the file names it now.
   std::optional<TenantId> Find(absl::string_view name) const ABSL_LOCKS_EXCLUDED(mu_);
   // The name of tenant `id` ("" for kImplicitTenant or an id never given).
@@ -87,7 +92,9 @@ class TokenStore {
     }
   };
   explicit TokenStore(std::string path) : path_(std::move(path)) {}
-  absl::Status ReloadLocked(bool force) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the file if its identity changed (`force`: whatever it is) and takes its tokens;
+  // the file system calls are made outside mu_. Reload's and Load's one path.
+  absl::Status Fetch(bool force) ABSL_LOCKS_EXCLUDED(mu_);
   // The file's identity and text (no lock: file system calls).
   absl::StatusOr<FileId> Identity() const;
   absl::StatusOr<std::string> Read() const;
@@ -113,6 +120,7 @@ class TokenStore {
   std::vector<std::string> names_ ABSL_GUARDED_BY(mu_) = {""};              // by id
   int64_t reload_failures_ ABSL_GUARDED_BY(mu_) = 0;
   std::string logged_failure_ ABSL_GUARDED_BY(mu_);  // the last failure logged ("": none since)
+  std::atomic<uint64_t> generation_{0};
 };
 
 }  // namespace replayssm::service

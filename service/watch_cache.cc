@@ -115,7 +115,9 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
     if (pending_.empty()) return;
     // Every batch: a token removed from the file since the stream opened (or moved to another
     // tenant) gets none of its tenant's events more; the stream ends UNAUTHENTICATED.
-    if (absl::Status s = CheckStillAuthorized(*c_, caller_); !s.ok()) return FinishLocked(s);
+    if (absl::Status s = CheckStillAuthorized(*c_, caller_, &tokens_checked_); !s.ok()) {
+      return FinishLocked(s);
+    }
     writing_ = true;
     StartWrite(&pending_.front());
   }
@@ -129,6 +131,7 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
   const ServiceContext* ctx_;
   const grpc::CallbackServerContext* c_;
   ServiceContext caller_;  // the caller's tenant's view, once admitted
+  uint64_t tokens_checked_ ABSL_GUARDED_BY(mu_) = 0;  // CheckStillAuthorized's
   bool counted_ = false;
   bool watching_ = false;
   absl::Mutex mu_;
