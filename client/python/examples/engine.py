@@ -21,8 +21,9 @@ Reference) on the very inputs the engine wrote.
 """
 
 import argparse
+import os
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 import time
 
 import numpy as np
@@ -126,14 +127,17 @@ def _host(x):
 
 
 def make_region(model, max_tokens, device):
-    """The engine's region: shared memory, or a zeroed CUDA buffer registered by IPC handle."""
+    """The engine's region: shared memory, or a zeroed CUDA buffer registered by IPC handle.
+    Its name is the process's own: region names are server-wide, and two engines may share
+    a server."""
     nbytes = plan.ForwardPlan.nbytes(model, max_tokens)
+    name = f"engine-example-{os.getpid()}"
     if device == "cpu":
-        return regions.SharedMemoryRegion("engine-example", nbytes)
+        return regions.SharedMemoryRegion(name, nbytes)
     import torch
     buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     torch.cuda.synchronize(device)  # the zeroed doorbells before any stream reads them
-    return regions.CudaRegion.from_tensor("engine-example", buffer)
+    return regions.CudaRegion.from_tensor(name, buffer)
 
 
 def run(args):
@@ -156,20 +160,22 @@ def run(args):
                    for _ in range(args.requests)]
         max_tokens = max(args.requests * args.prompt, args.requests)
         weights = Weights(model, args.hidden, args.vocab, rng, torch, args.device)
-        region = make_region(model, max_tokens, args.device)
-        client.register_region(region)
-        slots = [client.allocate().slot for _ in prompts]
-        states = [replayssm.Reference(model).new_state() for _ in prompts]
-        try:
+        # Whatever was set up is undone, last first, however the run ends: a failed
+        # Allocate must not leave the slots before it live, nor the region registered.
+        with ExitStack() as undo:
+            region = make_region(model, max_tokens, args.device)
+            if args.device == "cpu":
+                undo.callback(region.close)
+            client.register_region(region)
+            undo.callback(client.unregister_region, region)
+            slots = []
+            undo.callback(lambda: [client.free(slot) for slot in slots])
+            for _ in prompts:
+                slots.append(client.allocate().slot)
+            states = [replayssm.Reference(model).new_state() for _ in prompts]
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 engine = Engine(client, region, weights, max_tokens, xp, stream)
                 generated, seconds = decode(client, engine, slots, prompts, states, args)
-        finally:
-            for slot in slots:
-                client.free(slot)
-            client.unregister_region(region)
-            if args.device == "cpu":
-                region.close()
     report(info, args, prompts, generated, seconds, engine)
 
 

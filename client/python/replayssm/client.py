@@ -17,7 +17,7 @@ from replayssm import _health_pb2 as health_pb2
 from replayssm import errors, tensors
 from replayssm.results import Allocation, DecodeResult, ExportedState, PrefillResult
 from replayssm.retry import new_request_id, with_retries
-from replayssm.stream import ForwardStream, draft_count, make_rows
+from replayssm.stream import ForwardStream, _Deadlines, draft_count, make_rows
 from replayssm.v1 import replayssm_pb2 as pb
 from replayssm.v1 import regions_pb2
 from replayssm.v1 import regions_pb2_grpc
@@ -96,8 +96,9 @@ class Client:
     """A connection to one replayssm-server.
 
     address: host:port (an insecure channel); or pass `channel` (e.g. with credentials or
-    interceptors). timeout: seconds per unary call. retries: extra attempts of a call that
-    failed with UNAVAILABLE or DEADLINE_EXCEEDED, `retry_backoff` seconds apart, doubling.
+    interceptors). timeout: seconds per unary call and per stream reply. retries: extra
+    attempts of a call that failed with UNAVAILABLE or DEADLINE_EXCEEDED, `retry_backoff`
+    seconds apart, doubling.
     aborted_wait: seconds a call answered ABORTED (its request id still in flight on the
     server) keeps retrying, backing off from `retry_backoff` to 1 s (None: `timeout`, the time
     the attempt in flight may take; 60 s without one). retries=0 turns every retry off
@@ -147,6 +148,7 @@ class Client:
         if token:
             channel = grpc.intercept_channel(channel, _BearerToken(token))
         self.timeout = timeout
+        self._deadlines = _Deadlines()  # streams' per-reply deadlines
         self.retries = retries
         self.retry_backoff = retry_backoff
         self.aborted_wait = aborted_wait
@@ -292,6 +294,7 @@ class Client:
         """Runs N tokens into `slot`; `layers` holds every layer's Activations for them, or
         its tensors in registered regions (a plan.PlannedLayer, or four RegionTensors with
         the output last: the server writes the output there, and it is what returns)."""
+        layers = list(layers)  # read twice: the request, then the reply's outputs
         request = pb.PrefillRequest(request_id=request_id or new_request_id(), slot=slot,
                                     tokens=_ints(tokens), layers=self._layers(layers),
                                     return_outputs=return_outputs)
@@ -302,19 +305,22 @@ class Client:
         """One decode forward in one call. rows: (slot, token_id) pairs (slot 0 = padding);
         layers: every layer's Activations for the B rows, or its tensors in regions (as
         prefill takes them)."""
+        layers = list(layers)  # read twice: the request, then the reply's outputs
         request = pb.DecodeRequest(request_id=request_id or new_request_id(),
                                    rows=make_rows(rows), layers=self._layers(layers))
         reply = self._call("Decode", self.stub.Decode, request)
         return DecodeResult(self._outputs(reply.layers, layers), list(reply.rows))
 
     def open_stream(self, timeout=None):
-        """A DecodeStream for layer-by-layer forwards (see ForwardStream)."""
+        """A DecodeStream for layer-by-layer forwards (see ForwardStream). timeout: seconds
+        each reply may take (None: the client's `timeout`), not the stream's whole life."""
         return ForwardStream(self, timeout)
 
     def verify(self, slots, drafts, layers, *, request_id=None):
         """Speculative verify: drafts[i] are row i's T draft tokens (the same T for all rows);
         layers hold the B*T tokens' Activations (or regions, as prefill takes them) in (row,
         draft) order. Returns per layer [B*T, HV, V]; nothing advances until accept()."""
+        layers, drafts = list(layers), [list(d) for d in drafts]  # each read twice
         request = pb.VerifyRequest(request_id=request_id or new_request_id(), slots=_ints(slots),
                                    num_draft=draft_count(drafts),
                                    draft_tokens=_ints(t for d in drafts for t in d),

@@ -223,7 +223,9 @@ class RegionTensor(NamedTuple):
                                          f"{list(self.shape)}, got {list(x.shape)}")
         dst = self.view()
         if isinstance(self.region, CudaRegion):
-            dst.copy_(x)
+            if isinstance(x, np.ndarray):  # copy_ takes tensors only
+                x = sys.modules["torch"].from_numpy(np.ascontiguousarray(x))
+            dst.copy_(x)  # casts to the wire dtype (round to nearest even for bf16)
             return
         if not isinstance(x, np.ndarray) and hasattr(x, "detach"):  # a torch tensor
             x = x.detach().float().cpu().numpy()

@@ -16,7 +16,12 @@ array) abandons the forward the same way: left open, it would hold its slots fro
 work and refuse the stream's next begin.
 """
 
+import heapq
+import itertools
 import queue
+import threading
+import time
+import weakref
 
 import grpc
 
@@ -43,15 +48,73 @@ def make_rows(rows):
             for r in rows]
 
 
+class _Deadlines:
+    """Cancels a stream call whose reply is later than its deadline: one daemon thread for
+    all of a client's streams, started at the first deadline. gRPC bounds a stream's whole
+    life, not one reply, so a per-reply bound is kept here."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._heap = []  # (deadline, seq): the earliest first
+        self._armed = {}  # seq -> (call, expired list)
+        self._seq = itertools.count()
+        self._thread = None
+
+    def arm(self, seconds, call):
+        """Cancels `call` in `seconds` unless disarmed first; returns (token, expired), where
+        expired turns [True] once it fired."""
+        expired = []
+        if seconds is None:
+            return None, expired
+        with self._cv:
+            token = next(self._seq)
+            heapq.heappush(self._heap, (time.monotonic() + seconds, token))
+            self._armed[token] = (call, expired)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="replayssm-deadlines",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return token, expired
+
+    def disarm(self, token):
+        with self._cv:
+            self._armed.pop(token, None)
+
+    def _run(self):
+        with self._cv:
+            while True:
+                while self._heap and self._heap[0][1] not in self._armed:
+                    heapq.heappop(self._heap)  # disarmed
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                deadline, token = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                call, expired = self._armed.pop(token)
+                expired.append(True)
+                call.cancel()  # non-blocking: the waiting next() raises CANCELLED
+
+
 class ForwardStream:
     """One DecodeStream. Use as a context manager, or close() it: closing abandons an open
-    forward. Not thread-safe: drive it from one thread."""
+    forward. Not thread-safe: drive it from one thread.
+
+    `timeout`: seconds each reply may take (a begin's, a layer's, a commit's; None: the
+    client's `timeout`). Past it the stream is cancelled, its open forward abandoned, and
+    DeadlineExceeded raised; forward() retries it as any DEADLINE_EXCEEDED. A planned commit
+    waits for the engine's doorbells, so give it longer than the server's --forward-timeout."""
 
     def __init__(self, client, timeout=None):
         self._client = client
-        self._timeout = timeout
+        self._timeout = client.timeout if timeout is None else timeout
         self._call = None
         self._requests = None
+        self._end_requests = None  # ends the gRPC thread reading _requests (also at GC)
         self.request_id = None  # the id of the last begin
         self._forward_id = None  # the id of the open forward: its errors carry it
         self.replayed = False  # the last begin's id had been applied: outputs are the stored ones
@@ -66,8 +129,10 @@ class ForwardStream:
 
     def _open(self):
         self._requests = queue.Queue()
-        self._call = self._client.stub.DecodeStream(iter(self._requests.get, _END),
-                                                    timeout=self._timeout)
+        # gRPC reads the requests on a thread of its own until _END: a stream dropped or
+        # collected without close() must still end it, or the thread waits for good.
+        self._end_requests = weakref.finalize(self, self._requests.put, _END)
+        self._call = self._client.stub.DecodeStream(iter(self._requests.get, _END))
 
     def _round_trip(self, request, expect):
         if request is not None:
@@ -78,15 +143,23 @@ class ForwardStream:
         if request is not None:
             self._requests.put(request)
         request_id = self._forward_id
+        token, expired = self._client._deadlines.arm(self._timeout, self._call)
         try:
             reply = next(self._call)
         except grpc.RpcError as e:
             self._drop()
+            if expired:
+                raise errors.DeadlineExceeded(
+                    f"no {expect} reply within {self._timeout} s (the stream's timeout): the "
+                    "stream was cancelled and its open forward abandoned",
+                    method="DecodeStream", request_id=request_id) from None
             raise errors.from_rpc_error(e, "DecodeStream", request_id) from None
         except StopIteration:
             self._drop()
             raise errors.Unavailable("decode stream ended by the server", method="DecodeStream",
                                      request_id=request_id) from None
+        finally:
+            self._client._deadlines.disarm(token)
         kind = reply.WhichOneof("msg")
         if kind != expect:
             self.close()
@@ -95,6 +168,9 @@ class ForwardStream:
         return getattr(reply, expect)
 
     def _drop(self):
+        if self._end_requests is not None:
+            self._end_requests()  # once: later calls do nothing
+        self._end_requests = None
         self._call = None
         self._requests = None
         self._planned = False
@@ -120,6 +196,8 @@ class ForwardStream:
     def begin_prefill(self, rows, *, plan=None, request_id=None, wait=True):
         """Opens a prefill forward: rows are (slot, tokens) pairs; every layer then carries
         N = all rows' tokens, packed in row order. Commit advances each slot by its tokens."""
+        rows = [(slot, list(tokens)) for slot, tokens in rows]
+
         def message(rid):
             return pb.PrefillBegin(request_id=rid, rows=[
                 pb.PrefillRow(slot=int(slot), tokens=[int(t) for t in tokens])
@@ -130,6 +208,7 @@ class ForwardStream:
     def begin_verify(self, slots, drafts, *, plan=None, request_id=None, wait=True):
         """Opens a verify forward: drafts[i] are row i's T draft tokens; every layer carries
         B*T tokens in (row, draft) order. Commit moves no cursor: accept() decides."""
+        slots, drafts = list(slots), [list(d) for d in drafts]  # read again by a retry
         num_draft = draft_count(drafts)
 
         def message(rid):
@@ -219,7 +298,7 @@ class ForwardStream:
         checked (and encoded) before the begin, so input the client refuses sends nothing.
         `layers` as Client.decode takes them. Returns DecodeResult."""
         request_id = request_id or new_request_id()
-        layers = list(layers)
+        rows, layers = list(rows), list(layers)  # a retry reads them again
         act = self._client.model.act_dtype
         messages = [tensors.any_layer_input(i, x, act, f"layers[{i}]")
                     for i, x in enumerate(layers)]
@@ -244,8 +323,7 @@ class ForwardStream:
         if self._call is None:
             return
         call = self._call
-        self._requests.put(_END)
-        self._drop()
+        self._drop()  # half-closes: the request iterator ends
         try:
             for _ in call:
                 pass

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import unittest
 
+import numpy as np
 import torch
 
 import replayssm
@@ -97,6 +98,14 @@ class CudaDoorbellTest(unittest.TestCase):
         self.assertTrue(torch.equal(got, want))
         self.assertEqual(server.wait(timeout=30), 0)
         self.assertEqual(self.plan.done.words()[0], value)
+
+    def test_a_cuda_region_takes_numpy_as_torch(self):
+        layer = self.plan.layers[1]
+        x = np.random.default_rng(1).uniform(-1, 1, layer.a.shape).astype(np.float32)
+        layer.a.write(x)
+        torch.cuda.synchronize()
+        want = torch.from_numpy(x).to(torch.bfloat16)
+        self.assertTrue(torch.equal(layer.a.view().cpu(), want))
 
     def test_without_the_driver_symbols_the_ring_is_a_kernel_and_the_wait_a_poll(self):
         saved = dict(cuda_memops._symbols)

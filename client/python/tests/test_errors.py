@@ -2,7 +2,9 @@
 server's code and message, a failed call changes nothing, and a retry reuses its request id so
 that a call whose reply was lost is not applied twice."""
 
+import gc
 import signal
+import threading
 import time
 import unittest
 
@@ -316,6 +318,83 @@ class RequestIdTest(ServerTest):
         for a, b in zip(first.outputs, again.outputs):
             np.testing.assert_array_equal(a, b)
         self.assertEqual(self.client.get_slot(slot).seq_len, 1)
+
+
+class StreamResourcesTest(ServerTest):
+    def settled_thread_count(self, at_most):
+        """The process's thread count once it is at most `at_most` (gRPC threads end a moment
+        after their stream), or what it is after 5 s."""
+        deadline = time.monotonic() + 5
+        while threading.active_count() > at_most and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return threading.active_count()
+
+    def test_failed_and_dropped_streams_leave_no_thread_behind(self):
+        slot = self.client.allocate().slot
+        with self.client.open_stream() as stream:  # the client's own threads started once
+            stream.forward([(slot, 1)], self.layers(1))
+        baseline = threading.active_count()
+        stream = self.client.open_stream()
+        for _ in range(20):  # NOT_FOUND: each failure ends the server's stream
+            with self.assertRaises(replayssm.NotFound):
+                stream.forward([(123456789, 1)], self.layers(1))
+        for _ in range(20):  # streams a caller forgets to close
+            forgotten = self.client.open_stream()
+            forgotten.forward([(slot, 1)], self.layers(1))
+            del forgotten
+        gc.collect()
+        self.assertLessEqual(self.settled_thread_count(baseline), baseline)
+        self.assertEqual(self.client.get_slot(slot).seq_len, 21)
+
+    def test_layers_drafts_and_rows_may_be_generators(self):
+        slot = self.client.allocate().slot
+        state = self.ref.new_state()
+        layers = self.layers(1)
+        got = self.client.decode(((s, 7) for s in [slot]), (x for x in layers))
+        for l, x in enumerate(layers):
+            self.assertClose(got.outputs[l], self.ref.decode_layer([state], l, *x), f"layer {l}")
+        outputs = self.client.verify([slot], ([t] for t in [9]), (x for x in self.layers(1)))
+        self.assertEqual(len(outputs), self.model.num_layers)
+        self.assertEqual(self.client.get_slot(slot).pending_drafts, 1)
+        self.client.accept(slot, 0)
+        with self.client.open_stream() as stream:
+            stream.forward(((s, 8) for s in [slot]), (x for x in self.layers(1)))
+            stream.begin_verify((s for s in [slot]), ([t] for t in [3]))
+            for l, x in enumerate(self.layers(1)):
+                stream.run_layer(l, *x)
+            stream.commit()
+        self.assertEqual(self.client.get_slot(slot).seq_len, 2)
+        self.assertEqual(self.client.get_slot(slot).pending_drafts, 1)
+
+    def test_a_stream_bounds_each_reply_not_its_whole_life(self):
+        slot = self.client.allocate().slot
+        stream = self.client.open_stream(timeout=1.0)
+        self.addCleanup(stream.close)
+        stream.forward([(slot, 1)], self.layers(1))
+        time.sleep(1.5)  # an idle stream outlives its timeout: only a reply is bounded
+        stream.forward([(slot, 2)], self.layers(1))
+        before = self.observe(slot)
+        self.server.signal(signal.SIGSTOP)
+        self.addCleanup(self.server.signal, signal.SIGCONT)
+        started = time.monotonic()
+        with self.assertRaises(replayssm.DeadlineExceeded) as raised:
+            stream.begin([(slot, 3)], request_id="stuck-1")
+        waited = time.monotonic() - started
+        self.assertLess(waited, 10)
+        self.assertIn("within 1.0 s", raised.exception.details)
+        self.assertEqual(raised.exception.request_id, "stuck-1")
+        self.server.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:  # the resumed server runs the begin, then sees the stream cancelled
+            try:
+                seen = self.observe(slot)
+                break
+            except replayssm.FailedPrecondition:  # "in another open operation" until then
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.05)
+        self.assertEqual(seen, before)  # the cancelled begin changed nothing
+        stream.forward([(slot, 3)], self.layers(1))
+        self.assertEqual(self.client.get_slot(slot).seq_len, 3)
 
 
 class ErrorTypesTest(unittest.TestCase):

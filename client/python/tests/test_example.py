@@ -59,6 +59,21 @@ class EngineExampleTest(unittest.TestCase):
         with replayssm.Client(server.grpc_address) as client:
             self.assertEqual((client.stats().slots_live, client.region_status()), (0, []))
 
+    def test_a_run_that_fails_to_set_up_leaves_nothing_on_the_server(self):
+        server = ServerProcess("--memory-budget=300K")  # room for 2 slots; 3 are asked
+        self.addCleanup(server.stop)
+        with replayssm.Client(server.grpc_address) as client:
+            capacity = client.stats().slots_free
+        self.assertLess(capacity, 3)
+        for _ in range(2):  # the second run meets no region or slot the first left
+            done = subprocess.run([sys.executable, EXAMPLE, "--address", server.grpc_address,
+                                   "--requests", "3"], capture_output=True, text=True,
+                                  timeout=60)
+            self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+            self.assertIn("engine: Allocate: RESOURCE_EXHAUSTED", done.stderr)
+            with replayssm.Client(server.grpc_address) as client:
+                self.assertEqual((client.stats().slots_live, client.region_status()), (0, []))
+
 
 if __name__ == "__main__":
     unittest.main()
