@@ -101,7 +101,7 @@ int64_t FirstNonFinite(const void* data, int64_t count, int32_t rssm_dtype) {
 }
 
 absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field, int32_t rssm_dtype,
-                         bool rows) {
+                         RowDim rows) {
   if (tensor.has_region()) return absl::OkStatus();
   const int64_t size = static_cast<int64_t>(rssm_dtype_size(rssm_dtype));
   if (size == 0) return absl::OkStatus();
@@ -110,11 +110,14 @@ absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field, int3
       FirstNonFinite(p, static_cast<int64_t>(tensor.data().size()) / size, rssm_dtype);
   if (bad < 0) return absl::OkStatus();
   const std::vector<int64_t> index = Unflatten(bad, tensor.shape());
-  const std::string at = absl::StrCat("index [", absl::StrJoin(index, ", "), "]");
-  return FieldError(
-      field, "finite values",
-      absl::StrCat(Describe(p, bad, rssm_dtype), " at ",
-                   rows && !index.empty() ? absl::StrCat("row ", index[0], ", ") : "", at));
+  std::string where;
+  if (rows == RowDim::kFirst && !index.empty()) where = absl::StrCat("row ", index[0], ", ");
+  if (rows == RowDim::kAfterRank && index.size() >= 2) {
+    where = absl::StrCat("rank ", index[0], ", row ", index[1], ", ");
+  }
+  return FieldError(field, "finite values",
+                    absl::StrCat(Describe(p, bad, rssm_dtype), " at ", where, "index [",
+                                 absl::StrJoin(index, ", "), "]"));
 }
 
 }  // namespace replayssm::service

@@ -22,12 +22,16 @@ namespace replayssm::service {
 // not one of these.
 int64_t FirstNonFinite(const void* data, int64_t count, int32_t rssm_dtype);
 
+// Where a tensor's token rows are: not at all, its first dimension ([N, ...]), or its second
+// behind the tensor-parallel ranks' ([tp, N, ...]).
+enum class RowDim { kNone, kFirst, kAfterRank };
+
 // OK when `tensor`'s inline bytes (already checked against its dtype and shape) are finite;
-// else "<field>: expected finite values, got NaN at row R, index [R, ...]" (`rows`: the first
-// dimension is the token row) or "... got +Inf at index [...]". A tensor naming a region
-// passes (its bytes are not here).
+// else "<field>: expected finite values, got NaN at row R, index [R, ...]" (kFirst), "... at
+// rank K, row R, index [K, R, ...]" (kAfterRank) or "... got +Inf at index [...]" (kNone). A
+// tensor naming a region passes (its bytes are not here).
 absl::Status CheckFinite(const v1::Tensor& tensor, absl::string_view field, int32_t rssm_dtype,
-                         bool rows);
+                         RowDim rows);
 
 }  // namespace replayssm::service
 

@@ -91,27 +91,34 @@ TEST(CheckFinite, NamesTheFieldTheRowAndTheIndex) {
   std::vector<float> v(24, 0.25f);
   v[2 * 8 + 1 * 2 + 1] = -std::numeric_limits<float>::infinity();
   t.set_data(Bytes(v, RSSM_DTYPE_BF16));
-  const absl::Status rows = CheckFinite(t, "layers[1].a", RSSM_DTYPE_BF16, true);
+  const absl::Status rows = CheckFinite(t, "layers[1].a", RSSM_DTYPE_BF16, RowDim::kFirst);
   EXPECT_EQ(rows.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(rows.message(),
             "layers[1].a: expected finite values, got -Inf at row 2, index [2, 1, 1]");
-  EXPECT_EQ(CheckFinite(t, "checkpoints[0]", RSSM_DTYPE_BF16, false).message(),
+  EXPECT_EQ(CheckFinite(t, "checkpoints[0]", RSSM_DTYPE_BF16, RowDim::kNone).message(),
             "checkpoints[0]: expected finite values, got -Inf at index [2, 1, 1]");
   v[0] = std::numeric_limits<float>::quiet_NaN();
   t.set_data(Bytes(v, RSSM_DTYPE_BF16));
-  EXPECT_EQ(CheckFinite(t, "b", RSSM_DTYPE_BF16, true).message(),
+  EXPECT_EQ(CheckFinite(t, "b", RSSM_DTYPE_BF16, RowDim::kFirst).message(),
             "b: expected finite values, got NaN at row 0, index [0, 0, 0]");
+  // A tensor-parallel server's [tp, N, ...]: the rank first, then the row (an outside review
+  // found the rank reported as the row).
+  v[0] = 0.25f;
+  v[1 * 8 + 0 * 2 + 1] = std::numeric_limits<float>::quiet_NaN();
+  t.set_data(Bytes(v, RSSM_DTYPE_BF16));
+  EXPECT_EQ(CheckFinite(t, "layers[1].b", RSSM_DTYPE_BF16, RowDim::kAfterRank).message(),
+            "layers[1].b: expected finite values, got NaN at rank 1, row 0, index [1, 0, 1]");
 }
 
 TEST(CheckFinite, PassesFiniteTensorsAndRegions) {
   v1::Tensor t;
   t.add_shape(2);
   t.set_data(Bytes({1.f, -2.f}, RSSM_DTYPE_F32));
-  EXPECT_TRUE(CheckFinite(t, "x", RSSM_DTYPE_F32, true).ok());
+  EXPECT_TRUE(CheckFinite(t, "x", RSSM_DTYPE_F32, RowDim::kFirst).ok());
   t.set_data(Bytes({1.f, std::numeric_limits<float>::quiet_NaN()}, RSSM_DTYPE_F32));
-  EXPECT_FALSE(CheckFinite(t, "x", RSSM_DTYPE_F32, true).ok());
+  EXPECT_FALSE(CheckFinite(t, "x", RSSM_DTYPE_F32, RowDim::kFirst).ok());
   t.mutable_region()->set_region("engine");  // device-resident bytes are not read here
-  EXPECT_TRUE(CheckFinite(t, "x", RSSM_DTYPE_F32, true).ok());
+  EXPECT_TRUE(CheckFinite(t, "x", RSSM_DTYPE_F32, RowDim::kFirst).ok());
 }
 
 }  // namespace

@@ -86,13 +86,21 @@ absl::Status ForwardSession::BeginVerify(const v1::VerifyBegin& begin, v1::Decod
 }
 
 absl::Status ForwardSession::Refuse(const v1::ForwardPlan* plan, absl::Status status) {
-  if (planned_ != nullptr) {  // refused before this begin closed it (an outside review: the
-    // refusal's ring came first and the open forward's later layers rang over it, older)
-    Abandon();
-    status =
-        absl::Status(status.code(), absl::StrCat(status.message(),
-                                                 " (the planned forward open before this begin was "
-                                                 "abandoned: nothing of it committed)"));
+  if (planned_ != nullptr) {
+    // Refused before this begin closed the planned forward open before it. A begin closes
+    // that forward whatever the begin turns out to be: its layers ran on the engine's
+    // doorbells, and the engine may have used its outputs, so it is committed here as a
+    // valid begin would commit it (it used to be abandoned, or committed, by which check
+    // refused). Its commit waits for its last layer, so this refusal's ring comes after it.
+    v1::DecodeCommitted closed;  // a refusal carries no reply: the rows are lost
+    const absl::Status c = Commit(&closed);
+    status = absl::Status(
+        status.code(),
+        absl::StrCat(status.message(),
+                     c.ok() ? " (the planned forward open before this begin was committed)"
+                            : absl::StrCat(" (the planned forward open before this begin "
+                                           "could not be committed: ",
+                                           c.message(), ")")));
   }
   if (plan != nullptr) {
     RingRefused(*plan, *ctx_->regions, ctx_->cache->model().num_layers);

@@ -49,11 +49,15 @@ class ForwardSession {
   absl::Status Commit(v1::DecodeCommitted* committed);
   // Drops an open forward (no state changes). Idempotent.
   void Abandon();
-  // A refused begin (`plan`: its plan, or null): a planned forward still open is abandoned
-  // first, its remaining layers ringing their done doorbells, and then `plan`'s done doorbells
-  // ring (RingRefused), so that neither overwrites the other's and an engine that did not wait
-  // for the reply does not hang. Returns `status`, saying so when a forward was abandoned.
-  // The stream's own checks of a begin (its request id, its token) refuse through it too.
+  // A forward is open that waits for layer messages (not a planned one, whose layers run on
+  // the engine's doorbells under --forward-timeout).
+  bool AwaitsLayers() const { return open_ && planned_ == nullptr; }
+  // A refused begin (`plan`: its plan, or null): a planned forward still open is committed
+  // first, as any begin commits it (its commit waits for its last layer), and then `plan`'s
+  // done doorbells ring (RingRefused), so that neither overwrites the other's and an engine
+  // that did not wait for the reply does not hang. Returns `status`, saying what became of
+  // the open forward. The stream's own checks of a begin (its request id, its token) refuse
+  // through it too.
   absl::Status Refuse(const v1::ForwardPlan* plan, absl::Status status);
 
  private:

@@ -269,6 +269,13 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
             g.open_forwards);
   AddSingle(out, "replayssm_draining", "1 while the server drains", MetricType::Gauge,
             g.draining ? 1 : 0);
+  auto streams = Family("replayssm_open_streams",
+                        "Open streams by method, against --max-streams (DecodeStream) and "
+                        "--max-watchers (WatchCache)",
+                        MetricType::Gauge);
+  AddSample(streams, g.open_decode_streams, {{"method", "DecodeStream"}});
+  AddSample(streams, g.open_watch_streams, {{"method", "WatchCache"}});
+  out.push_back(std::move(streams));
   AddSingle(out, "replayssm_device_failed",
             "1 once a device failed its check (--device-check-interval): all new work refused",
             MetricType::Gauge, g.device_failed ? 1 : 0);

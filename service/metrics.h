@@ -65,6 +65,8 @@ struct ServiceGauges {
   int64_t cache_event_watchers = 0;  // open WatchCache streams and ZMQ publishers
   int64_t kv_events_published = 0;   // batches sent on the ZMQ PUB socket
   bool device_failed = false;        // the device check found a device that takes no work
+  int64_t open_decode_streams = 0;   // against --max-streams
+  int64_t open_watch_streams = 0;    // against --max-watchers
 };
 
 // Exposes StateCache::stats() and the service gauges on every scrape.

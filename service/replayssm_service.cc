@@ -3,7 +3,10 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "service/caller.h"
 #include "service/forward_session.h"
 #include "service/status_map.h"
@@ -16,41 +19,78 @@ namespace {
 // One forward stream: reads a message, lets the session handle it, writes the answer, reads
 // the next. A closed or cancelled stream or an error before a commit abandons the open
 // forward (Done).
+// The reactor's callbacks and the idle sweep (ClaimIfIdle) take mu_, so that the sweep never
+// ends a stream in the middle of a message; Finish is called outside it, since a finished
+// stream may be deleted at once.
 class DecodeStreamReactor final
-    : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
+    : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>,
+      public IdleWatched {
  public:
-  DecodeStreamReactor(const ServiceContext* ctx, const grpc::CallbackServerContext& c)
-      : c_(&c), call_(*ctx), ctx_(&call_), session_(&call_) {
-    absl::StatusOr<ServiceContext> caller = CallerContext(c, *ctx);
-    if (!caller.ok()) {
-      Done(caller.status());
-      return;
+  DecodeStreamReactor(const ServiceContext* ctx, const grpc::CallbackServerContext& c,
+                      OpenStreams* streams)
+      : c_(&c), call_(*ctx), ctx_(&call_), session_(&call_), streams_(streams) {
+    const absl::Status admitted = Admit(c, *ctx);
+    grpc::Status end;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!admitted.ok()) end = End(admitted);
+      last_message_ = absl::Now();
     }
-    call_ = *std::move(caller);
-    const absl::Status admitted = ctx_->streams->Open(call_.tenant());
     if (!admitted.ok()) {
-      Done(admitted);
+      Finish(end);
       return;
     }
-    counted_ = true;
+    streams_->Add(this);
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) return Done(Ended());
-    response_.Clear();
-    absl::Status s = Handle();
-    if (!s.ok()) return Done(s);
+    std::optional<grpc::Status> end;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;  // the idle sweep ended the stream while this read waited
+      if (!ok) {
+        end = End(Ended());
+      } else {
+        last_message_ = absl::Now();
+        response_.Clear();
+        const absl::Status s = Handle();
+        if (!s.ok()) end = End(s);
+      }
+    }
+    if (end.has_value()) return Finish(*end);
     StartWrite(&response_);
   }
   void OnWriteDone(bool ok) override {
-    if (!ok) return Done(absl::CancelledError("decode stream: write failed"));
+    std::optional<grpc::Status> end;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      if (!ok) end = End(absl::CancelledError("decode stream: write failed"));
+    }
+    if (end.has_value()) return Finish(*end);
     StartRead(&request_);
   }
   void OnDone() override {
+    streams_->Remove(this);  // first: the sweep holds no pointer to this after it
     if (counted_) ctx_->streams->Close(call_.tenant());
     delete this;
   }
+
+  bool ClaimIfIdle(absl::Time now, absl::Duration limit) override {
+    if (!mu_.TryLock()) return false;  // handling a message: not idle
+    bool claimed = false;
+    if (!finished_ && session_.AwaitsLayers() && now - last_message_ > limit) {
+      claimed_end_ = End(absl::DeadlineExceededError(absl::StrCat(
+          "decode stream: the open forward had no message for ",
+          absl::FormatDuration(now - last_message_), ", longer than --forward-timeout (",
+          absl::FormatDuration(limit), "): it was abandoned, nothing of it committed")));
+      claimed = true;
+    }
+    mu_.Unlock();
+    return claimed;
+  }
+  void FinishClaimed() override { Finish(claimed_end_); }
 
  private:
   absl::Status Handle() {
@@ -115,10 +155,23 @@ class DecodeStreamReactor final
     }
     return absl::CancelledError("decode stream: cancelled");
   }
-  void Done(const absl::Status& status) {
+  // The caller's tenant and its room under --max-streams (and the tenant's bound).
+  absl::Status Admit(const grpc::CallbackServerContext& c, const ServiceContext& ctx) {
+    absl::StatusOr<ServiceContext> caller = CallerContext(c, ctx);
+    if (!caller.ok()) return caller.status();
+    call_ = *std::move(caller);
+    absl::Status admitted = ctx_->streams->Open(call_.tenant());
+    counted_ = admitted.ok();
+    return admitted;
+  }
+  // The stream's end: its open forward abandoned, the RPC counted. Finish (the returned status)
+  // follows, outside mu_; finished_ keeps anything else from finishing it again.
+  grpc::Status End(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
     session_.Abandon();
-    ctx_->metrics->CountRpc("DecodeStream", ToGrpcStatus(status).error_code());
-    Finish(ToGrpcStatus(status));
+    const grpc::Status g = ToGrpcStatus(status);
+    ctx_->metrics->CountRpc("DecodeStream", g.error_code());
+    return g;
   }
 
   const grpc::CallbackServerContext* c_;
@@ -127,11 +180,42 @@ class DecodeStreamReactor final
   bool counted_ = false;  // holds one of --max-streams
   uint64_t tokens_checked_ = 0;  // CheckStillAuthorized's
   ForwardSession session_;
+  OpenStreams* const streams_;
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // End called: a late read is ignored
+  absl::Time last_message_ ABSL_GUARDED_BY(mu_);
+  grpc::Status claimed_end_;  // set by ClaimIfIdle, before FinishClaimed
   v1::DecodeStreamRequest request_;
   v1::DecodeStreamResponse response_;
 };
 
 }  // namespace
+
+OpenStreams::OpenStreams(absl::Duration limit)
+    : limit_(limit),
+      sweep_(PeriodicSweep::LeasePeriod(limit), [this](absl::Time now) { Sweep(now); }) {}
+
+void OpenStreams::Add(IdleWatched* s) {
+  absl::MutexLock lock(&mu_);
+  streams_.insert(s);
+}
+
+void OpenStreams::Remove(IdleWatched* s) {
+  absl::MutexLock lock(&mu_);
+  streams_.erase(s);
+}
+
+void OpenStreams::Sweep(absl::Time now) {
+  std::vector<IdleWatched*> claimed;
+  {
+    absl::MutexLock lock(&mu_);  // a stream's OnDone waits here before it is deleted
+    for (IdleWatched* s : streams_) {
+      if (s->ClaimIfIdle(now, limit_)) claimed.push_back(s);
+    }
+  }
+  // A claimed stream is not finished by anything else, so it lives until its Finish.
+  for (IdleWatched* s : claimed) s->FinishClaimed();
+}
 
 grpc::ServerUnaryReactor* ReplaySsmService::Reply(grpc::CallbackServerContext* c,
                                                   absl::string_view method,
@@ -214,7 +298,7 @@ grpc::ServerUnaryReactor* ReplaySsmService::Decode(grpc::CallbackServerContext* 
 
 grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>*
 ReplaySsmService::DecodeStream(grpc::CallbackServerContext* c) {
-  return new DecodeStreamReactor(ctx_, *c);
+  return new DecodeStreamReactor(ctx_, *c, &streams_);
 }
 
 grpc::ServerUnaryReactor* ReplaySsmService::Verify(grpc::CallbackServerContext* c,

@@ -4,18 +4,58 @@
 #ifndef REPLAYSSM_SERVICE_REPLAYSSM_SERVICE_H_
 #define REPLAYSSM_SERVICE_REPLAYSSM_SERVICE_H_
 
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "replayssm/v1/replayssm.grpc.pb.h"
 #include "service/operations.h"
+#include "service/periodic_sweep.h"
 #include "service/service_context.h"
 
 namespace replayssm::service {
 
+// A DecodeStream as the idle sweep sees it (replayssm_service.cc).
+class IdleWatched {
+ public:
+  virtual ~IdleWatched() = default;
+  // True when a forward waiting for layer messages has had none for longer than `limit`: the
+  // forward is then abandoned and the stream claimed for FinishClaimed, which must follow,
+  // outside the sweep's lock (finishing may end the stream at once). A stream busy handling a
+  // message is left alone.
+  virtual bool ClaimIfIdle(absl::Time now, absl::Duration limit) = 0;
+  // Ends a claimed stream with DEADLINE_EXCEEDED.
+  virtual void FinishClaimed() = 0;
+};
+
+// The open DecodeStreams, swept for forwards whose client went quiet: such a forward holds its
+// slots from every other call, Free and drain included, for as long as the stream stays open,
+// and a client host gone without closing its connection keeps it open until the transport
+// notices (the server's keepalive pings, server.cc).
+class OpenStreams {
+ public:
+  explicit OpenStreams(absl::Duration limit);
+  void Add(IdleWatched* s) ABSL_LOCKS_EXCLUDED(mu_);
+  void Remove(IdleWatched* s) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Sweep(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const absl::Duration limit_;
+  absl::Mutex mu_;
+  absl::flat_hash_set<IdleWatched*> streams_ ABSL_GUARDED_BY(mu_);
+  PeriodicSweep sweep_;  // last: stops before the set goes
+};
+
 class ReplaySsmService final : public v1::ReplaySsm::CallbackService {
  public:
-  explicit ReplaySsmService(const ServiceContext* ctx) : ctx_(ctx) {}
+  explicit ReplaySsmService(const ServiceContext* ctx)
+      : ctx_(ctx), streams_(ctx->forward_timeout) {}
 
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* c, const v1::GetInfoRequest*,
                                     v1::GetInfoResponse* resp) override;
@@ -61,6 +101,7 @@ class ReplaySsmService final : public v1::ReplaySsm::CallbackService {
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* c, absl::string_view method, F&& op);
 
   const ServiceContext* ctx_;
+  OpenStreams streams_;  // every stream ends before the service goes (server shutdown)
 };
 
 }  // namespace replayssm::service

@@ -101,7 +101,7 @@ absl::Status CheckImportRequest(const v1::ImportRequest& req, const cache::Model
           regions ? "a region, as checkpoints[0]" : "unset, as checkpoints[0] (inline bytes)",
           t.has_region() ? "a region" : "inline bytes");
     }
-    if (s.ok()) s = CheckFinite(t, field, model.shape.state_dtype, false);
+    if (s.ok()) s = CheckFinite(t, field, model.shape.state_dtype, RowDim::kNone);
     if (!s.ok()) return s;
   }
   // The short convolution's windows: inline beside inline checkpoints (a region range holds
@@ -124,7 +124,7 @@ absl::Status CheckImportRequest(const v1::ImportRequest& req, const cache::Model
     const std::string field = absl::StrCat("conv_windows[", l, "]");
     const v1::Tensor& w = req.conv_windows(l);
     absl::Status s = CheckTensor(w, field, model.shape.act_dtype, ConvWindowShape(model));
-    if (s.ok()) s = CheckFinite(w, field, model.shape.act_dtype, false);
+    if (s.ok()) s = CheckFinite(w, field, model.shape.act_dtype, RowDim::kNone);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();

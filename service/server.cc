@@ -49,6 +49,10 @@ namespace replayssm::service {
 namespace {
 
 constexpr char kServiceName[] = "replayssm.v1.ReplaySsm";
+// The server's keepalive pings (Listen): after this long without traffic on a connection, and
+// how long the ack may take before the connection, and every stream on it, is dropped.
+constexpr int kKeepaliveTimeMs = 30'000;
+constexpr int kKeepaliveTimeoutMs = 10'000;
 
 struct Device {
   int32_t backend = RSSM_BACKEND_CPU;
@@ -415,6 +419,15 @@ class ServerImpl final : public Server {
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
     builder.SetMaxSendMessageSize(-1);
+    // Keepalive: a client host gone without closing its connection (power, partition) would
+    // keep its streams, and the forwards and slots they hold, open until TCP gave up (hours).
+    // The server pings every connection after 30 s without traffic and drops it when 10 s
+    // pass without the ack; gRPC clients answer pings without any setting of theirs. Clients
+    // may ping too (their own keepalive), as often as every 10 s, with or without calls.
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10'000);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> hooks;
     hooks.push_back(MalformedRequestsFactory(&metrics_));
     builder.experimental().SetInterceptorCreators(std::move(hooks));
@@ -473,7 +486,9 @@ class ServerImpl final : public Server {
                            events_->batches(),
                            events_->watchers(),
                            publisher_ ? publisher_->published() : 0,
-                           gate_.failed()};
+                           gate_.failed(),
+                           streams_.open(),
+                           watchers_.open()};
     });
     exposer_->RegisterCollectable(metrics_.registry());
     exposer_->RegisterCollectable(collector_);

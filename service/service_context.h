@@ -194,6 +194,11 @@ class StreamLimit {
     ++open_;
     return absl::OkStatus();
   }
+  // Streams open now (the replayssm_open_streams gauge).
+  int32_t open() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return open_;
+  }
   void Close(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     --open_;
@@ -203,7 +208,7 @@ class StreamLimit {
  private:
   const int32_t max_, tenant_max_;
   const std::string method_, flag_, tenant_flag_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   int32_t open_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<TenantId, int32_t> by_tenant_ ABSL_GUARDED_BY(mu_);
 };

@@ -107,6 +107,9 @@ void SlotHandles::RememberRetiredLocked(const Issued& e) {
 }
 
 std::string SlotHandles::Describe(cache::SlotId id) const {
+  // Handle 0 pads a batch and never names a slot (an outside review: "got (a slot without a
+  // handle)" for slot 0 named nothing the caller sent).
+  if (id == cache::kPaddingSlot) return "0, the padding handle";
   absl::MutexLock lock(&mu_);
   if (IndexOf(id) == kMissIndex) {
     const Issued& m = misses_[static_cast<uint32_t>(id >> 32) % kMisses];

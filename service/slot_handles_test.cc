@@ -70,6 +70,7 @@ TEST(SlotHandles, TheNextGenerationOfAnIndexReplacesTheOldHandle) {
   EXPECT_EQ(h.Describe(next), absl::StrCat(new_handle));
   EXPECT_EQ(h.Describe(kSlot), absl::StrCat(old_handle));
   EXPECT_EQ(h.Describe(kSlot + 5), "(a slot without a handle)");  // never the id
+  EXPECT_EQ(h.Describe(h.FromWire(0)), "0, the padding handle");
 }
 
 TEST(SlotHandles, NamingAHandleRenewsItsLeaseAndListingDoesNot) {

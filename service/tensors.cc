@@ -141,9 +141,10 @@ absl::Status CheckLayerInput(const v1::LayerInput& input, absl::string_view fiel
   }
   // Inline activations hold no NaN or infinity (finite.h); regions are not read here.
   if (regions) return absl::OkStatus();
-  s = CheckFinite(input.mixed_qkv(), absl::StrCat(field, ".mixed_qkv"), act, true);
-  if (s.ok()) s = CheckFinite(input.a(), absl::StrCat(field, ".a"), act, true);
-  if (s.ok()) s = CheckFinite(input.b(), absl::StrCat(field, ".b"), act, true);
+  const RowDim rows = model.tp_size > 1 ? RowDim::kAfterRank : RowDim::kFirst;  // RankMajor
+  s = CheckFinite(input.mixed_qkv(), absl::StrCat(field, ".mixed_qkv"), act, rows);
+  if (s.ok()) s = CheckFinite(input.a(), absl::StrCat(field, ".a"), act, rows);
+  if (s.ok()) s = CheckFinite(input.b(), absl::StrCat(field, ".b"), act, rows);
   return s;
 }
 

@@ -162,6 +162,14 @@ TEST_F(ErrorsTest, NeighbouringAndFreedHandlesAreNotFoundAndErrorsEchoTheCallers
   }
   for (uint64_t h : live) EXPECT_TRUE(client_->GetSlot(h).ok()) << "a guess freed " << h;
   EXPECT_EQ(Observe(slot_), before);
+  // Handle 0 (padding) names no slot; the error says it got 0 (an outside review: it said
+  // "got (a slot without a handle)", nothing the caller sent).
+  for (const absl::Status& zero : {client_->Free(0), client_->GetSlot(0).status()}) {
+    EXPECT_EQ(zero.code(), absl::StatusCode::kNotFound) << zero;
+    EXPECT_NE(zero.message().find("slot: expected a live slot id, got 0, the padding handle"),
+              std::string::npos)
+        << zero;
+  }
   // A busy slot's error names its handle too.
   v1::DecodeRequest twice = Valid({slot_, slot_});
   const grpc::Status dup = RawDecode(twice);

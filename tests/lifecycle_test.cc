@@ -478,6 +478,52 @@ TEST_F(LifecycleTest, AStreamPastItsDeadlineOrCancelledIsCountedSo) {
   }
 }
 
+// A streamed forward whose client goes quiet is abandoned after --forward-timeout without a
+// message: it held its slots from every other call (Free, Export, the drain's wait) for as long
+// as the stream stayed open, and a client host gone without closing its connection kept it open
+// for hours (an outside review). A stream idle between forwards holds nothing and stays open.
+class IdleForwardTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override { return {"--forward-timeout=1"}; }
+};
+
+TEST_F(IdleForwardTest, AForwardWithoutMessagesIsAbandonedAndItsStreamEnds) {
+  const uint64_t a = NewSlot();
+  const auto row = [a](int32_t token) {
+    v1::DecodeRow r;
+    r.set_slot(a);
+    r.set_token_id(token);
+    return std::vector<v1::DecodeRow>{r};
+  };
+  auto idle = client_->OpenStream();
+  ASSERT_TRUE(idle->Forward(row(1), Layers(1)).ok());
+  const std::string before = Observe(a);
+  absl::SleepFor(absl::Milliseconds(2500));  // between forwards: nothing is held, nothing ends
+  ASSERT_TRUE(idle->Begin(row(2)).ok()) << "a stream idle between forwards stays open";
+  ASSERT_TRUE(idle->RunLayer(Layers(1)[0]).ok());  // then the client goes quiet
+  EXPECT_EQ(client_->Free(a).code(), absl::StatusCode::kFailedPrecondition) << "held";
+  const auto open_streams = [&] {
+    auto text = HttpGet(server_->metrics_address(), "/metrics");
+    return text.ok() ? Sample(*text, R"(replayssm_open_streams{method="DecodeStream"})") : -2;
+  };
+  EXPECT_EQ(open_streams(), 1);
+  for (int i = 0; i < 100 && client_->Stats()->open_forwards() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));  // --forward-timeout (1 s) and the sweep's period
+  }
+  EXPECT_EQ(client_->Stats()->open_forwards(), 0) << "abandoned";
+  EXPECT_EQ(Observe(a), before) << "nothing of it committed";
+  const absl::Status ended = idle->Finish();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kDeadlineExceeded) << ended;
+  EXPECT_NE(ended.message().find("--forward-timeout"), std::string::npos) << ended;
+  auto text = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(Sample(*text, R"(replayssm_forwards_total{outcome="abandoned"})"), 1);
+  EXPECT_EQ(Sample(*text, R"(replayssm_open_streams{method="WatchCache"})"), 0);
+  for (int i = 0; i < 100 && open_streams() != 0; ++i) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(open_streams(), 0) << "the ended stream is no longer counted";
+  EXPECT_TRUE(client_->Free(a).ok());
+}
+
 // With --drain-wait-slots the drain lasts until the live slots are moved off or freed (within
 // --drain-timeout): the schedulers' time to take their requests elsewhere.
 class DrainWaitSlotsTest : public ServiceTest {
