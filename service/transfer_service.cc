@@ -15,6 +15,11 @@
 namespace replayssm::service {
 namespace {
 
+// replayssm_transfer_failures_total's `role` label.
+const char* RoleName(TransferRole role) {
+  return role == TransferRole::kInitiator ? "initiator" : "peer";
+}
+
 v1::StateFormat ToProto(const transfer::StateFormat& f) {
   v1::StateFormat p;
   p.set_num_layers(f.num_layers);
@@ -217,8 +222,21 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
   prometheus::Registry& r = *ctx->metrics->registry();
   s->failures_ = &prometheus::BuildCounter()
                       .Name("replayssm_transfer_failures_total")
-                      .Help("Slot transfers that failed, by reason (the gRPC code name).")
+                      .Help(
+                          "Slot transfers that failed, by reason (the gRPC code name) and "
+                          "role (initiator: a move this server was asked for; peer: a "
+                          "peer's reserve or commit it refused).")
                       .Register(r);
+  // Every series exists from the start at 0: a series born at its first failure (already at
+  // 3 after a burst) has no earlier sample, and Prometheus's increase() counts nothing of it
+  // (an outside review: the transfer alert missed a peer outage's first failures).
+  for (int code = 1; code <= static_cast<int>(absl::StatusCode::kUnauthenticated); ++code) {
+    for (TransferRole role : {TransferRole::kInitiator, TransferRole::kPeer}) {
+      s->failures_->Add(
+          {{"reason", std::string(absl::StatusCodeToString(static_cast<absl::StatusCode>(code)))},
+           {"role", RoleName(role)}});
+    }
+  }
   s->bytes_ = &prometheus::BuildCounter()
                    .Name("replayssm_transfer_bytes_total")
                    .Help("State bytes sent to peers by completed slot transfers.")
@@ -314,8 +332,11 @@ grpc::ServerUnaryReactor* TransferService::Reply(grpc::CallbackServerContext* c,
   return reactor;
 }
 
-void TransferService::CountFailure(const absl::Status& status) {
-  failures_->Add({{"reason", std::string(absl::StatusCodeToString(status.code()))}}).Increment();
+void TransferService::CountFailure(TransferRole role, const absl::Status& status) {
+  failures_
+      ->Add({{"reason", std::string(absl::StatusCodeToString(status.code()))},
+             {"role", RoleName(role)}})
+      .Increment();
 }
 
 std::string TransferService::PeerIdentity(const grpc::CallbackServerContext& c) {
@@ -420,7 +441,7 @@ grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerCont
           resp->set_bytes(r->bytes);
           resp->set_seconds(r->seconds);
         } else {
-          CountFailure(r.status());
+          CountFailure(TransferRole::kInitiator, r.status());
         }
         Finish(reactor, "TransferSlot", r.status());
       });
@@ -490,7 +511,7 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
           resp->set_bytes(pull->pushed.bytes());
           resp->set_seconds(pull->pushed.seconds());
         } else {
-          CountFailure(st);
+          CountFailure(TransferRole::kInitiator, st);
         }
         Finish(reactor, "PullSlot", st);
         pulls_.fetch_sub(1);
@@ -507,7 +528,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
     return Reply(c, "ReserveTransfer", st);
   }
   if (absl::Status st = ctx_->gate->Refuse(kNoIncoming); !st.ok()) {
-    CountFailure(st);
+    CountFailure(TransferRole::kPeer, st);
     return Reply(c, "ReserveTransfer", st);
   }
   absl::Status checked = ctx_->requests->CheckTransferId(req->transfer_id());
@@ -516,7 +537,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   if (!checked.ok()) return Reply(c, "ReserveTransfer", checked);
   absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
   if (!tenant.ok()) {
-    CountFailure(tenant.status());
+    CountFailure(TransferRole::kPeer, tenant.status());
     return Reply(c, "ReserveTransfer", tenant.status());
   }
   // The tenant travels with the reservation (its owner) into the decision; the receiver
@@ -525,7 +546,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
       req->transfer_id(), FromProto(req->format()), req->seq_len(), req->checksum_version(),
       absl::Milliseconds(req->budget_ms()), PeerIdentity(*c), *tenant);
   if (!r.ok()) {
-    CountFailure(r.status());
+    CountFailure(TransferRole::kPeer, r.status());
     return Reply(c, "ReserveTransfer", r.status());
   }
   resp->set_worker_address(r->worker_address);
@@ -547,14 +568,14 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
   // nothing was committed and keeps its source; the reservation goes with that abort (or its
   // lease).
   if (absl::Status d = ctx_->gate->Refuse(kNoIncoming); !d.ok()) {
-    CountFailure(d);
+    CountFailure(TransferRole::kPeer, d);
     return Reply(c, "CommitTransfer", d);
   }
   const std::vector<int32_t> tokens(req->tokens().begin(), req->tokens().end());
   absl::StatusOr<transfer::Decision> d =
       receiver_->Commit(req->transfer_id(), tokens, req->checksum(), PeerIdentity(*c));
   if (!d.ok()) {
-    CountFailure(d.status());
+    CountFailure(TransferRole::kPeer, d.status());
     return Reply(c, "CommitTransfer", d.status());
   }
   // Nobody has its handle yet: the slot joins its reservation's tenant's prefix cache and

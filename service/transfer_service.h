@@ -54,6 +54,11 @@ struct TransferOptions {
   bool clients_authenticated = false;  // --auth-tokens or --tls-client-ca
 };
 
+// Whose move failed, in replayssm_transfer_failures_total's `role`: a TransferSlot or PullSlot
+// this server was asked for (kInitiator: a scheduler's move failed), or a peer's
+// ReserveTransfer / CommitTransfer it refused (kPeer: the initiator counts the move too).
+enum class TransferRole { kInitiator, kPeer };
+
 class TransferService final : public v1::SlotTransfer::CallbackService {
  public:
   static absl::StatusOr<std::unique_ptr<TransferService>> Create(const ServiceContext* ctx,
@@ -114,7 +119,7 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
               const absl::Status& status);
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, absl::string_view method,
                                   const absl::Status& status);
-  void CountFailure(const absl::Status& status);
+  void CountFailure(TransferRole role, const absl::Status& status);
   // A channel to `address`, made once and kept (peers are few).
   std::shared_ptr<grpc::Channel> Channel(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
 

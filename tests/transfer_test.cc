@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "replayssm/client/demo.h"
@@ -68,6 +69,20 @@ class TransferTest : public ServiceTest {
     return text.ok() ? Sample(*text, series) : -1;
   }
 };
+
+// Every failure series exists from the start at 0: one born at its first failure (already at
+// 3 after a burst) has no earlier sample, so Prometheus's increase() counted nothing of it and
+// the transfer alert missed a peer outage (an outside review, with promtool).
+TEST_F(TransferTest, FailureSeriesExistAtZeroBeforeAnyFailure) {
+  for (const char* reason : {"UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "UNAUTHENTICATED"}) {
+    for (const char* role : {"initiator", "peer"}) {
+      EXPECT_EQ(Metric(*server_, absl::StrCat("replayssm_transfer_failures_total{reason=\"", reason,
+                                              "\",role=\"", role, "\"}")),
+                0)
+          << reason << " " << role;
+    }
+  }
+}
 
 TEST_F(TransferTest, DecodeOnTheReceiverContinuesExactlyAsOnTheSender) {
   auto b = StartPeer({});
@@ -185,7 +200,9 @@ TEST_F(TransferTest, AReceiverDyingBeforeTheCommitLeavesTheSourceLockedUntilAske
   EXPECT_NE(r.status().message().find("retry with request_id dying-1"), std::string::npos)
       << "whether B committed is unknown: " << r.status();
   EXPECT_EQ(client_->GetSlot(s)->seq_len(), 7) << "the source is still here";
-  EXPECT_EQ(Metric(*server_, "replayssm_transfer_failures_total{reason=\"UNAVAILABLE\"}"), 1);
+  EXPECT_EQ(Metric(*server_,
+                   "replayssm_transfer_failures_total{reason=\"UNAVAILABLE\",role=\"initiator\"}"),
+            1);
   // B restarts at the proxy's address with nothing: asked, it decides "aborted"; the retry
   // releases the source and moves it afresh.
   ASSERT_TRUE(b->WaitExit(absl::Seconds(10)).ok());
@@ -247,7 +264,12 @@ TEST_F(TransferTest, APayloadThatDoesNotMatchItsChecksumIsRefused) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
   EXPECT_EQ(Observe(s), before);
   EXPECT_EQ(Client::Connect(b->grpc_address())->Stats()->slots_live(), 0);
-  EXPECT_EQ(Metric(*b, "replayssm_transfer_failures_total{reason=\"DATA_LOSS\"}"), 1);
+  EXPECT_EQ(Metric(*b, "replayssm_transfer_failures_total{reason=\"DATA_LOSS\",role=\"peer\"}"), 1)
+      << "the receiver refused the commit";
+  EXPECT_EQ(Metric(*server_,
+                   "replayssm_transfer_failures_total{reason=\"DATA_LOSS\",role=\"initiator\"}"),
+            1)
+      << "the sender's move failed";
   auto retry = client_->TransferSlot(s, proxy->address(), true);  // the next one is clean
   EXPECT_TRUE(retry.ok()) << retry.status();
 }
