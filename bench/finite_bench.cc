@@ -46,9 +46,9 @@ void BM_CheckFinite(benchmark::State& state) {
   const int32_t dtype = static_cast<int32_t>(state.range(1));
   const v1::LayerInput in = Layer(state.range(0), dtype);
   for (auto _ : state) {
-    absl::Status s = CheckFinite(in.mixed_qkv(), "mixed_qkv", dtype, true);
-    if (s.ok()) s = CheckFinite(in.a(), "a", dtype, true);
-    if (s.ok()) s = CheckFinite(in.b(), "b", dtype, true);
+    absl::Status s = CheckFinite(in.mixed_qkv(), "mixed_qkv", dtype, RowDim::kFirst);
+    if (s.ok()) s = CheckFinite(in.a(), "a", dtype, RowDim::kFirst);
+    if (s.ok()) s = CheckFinite(in.b(), "b", dtype, RowDim::kFirst);
     benchmark::DoNotOptimize(s);
   }
   state.SetBytesProcessed(state.iterations() * LayerBytes(in));
