@@ -17,11 +17,11 @@ namespace replayssm::service {
 namespace {
 
 // One forward stream: reads a message, lets the session handle it, writes the answer, reads
-// the next. A closed or cancelled stream or an error before a commit abandons the open
-// forward (Done).
-// The reactor's callbacks and the idle sweep (ClaimIfIdle) take mu_, so that the sweep never
-// ends a stream in the middle of a message; Finish is called outside it, since a finished
-// stream may be deleted at once.
+// the next. A closed or cancelled stream, an error before a commit, or a forward that waited
+// for layer messages past --forward-timeout (OpenStreams' sweep) abandons the open forward
+// (End). The callbacks and the sweep's ClaimIfIdle take mu_, so that the sweep never ends a
+// stream in the middle of a message; Finish is called outside it, since a finished stream
+// may be deleted at once.
 class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>,
       public IdleWatched {
