@@ -97,13 +97,16 @@ Value Bytes(int64_t ServerOptions::*field, int64_t min = 0,
   return v;
 }
 
-Value Seconds(absl::Duration ServerOptions::*field) {
+// `positive`: 0 is refused too (a bound that every forward would pass at once).
+Value Seconds(absl::Duration ServerOptions::*field, bool positive = false) {
   Value v;
-  v.set = [field](ServerFlags& f, const std::string& text) -> absl::Status {
+  v.set = [field, positive](ServerFlags& f, const std::string& text) -> absl::Status {
     double s = 0;
     if (!absl::SimpleAtod(text, &s) || !(s >= 0)) {  // NaN too
-      return absl::InvalidArgumentError("expected seconds >= 0");
+      return absl::InvalidArgumentError(positive ? "expected seconds > 0"
+                                                 : "expected seconds >= 0");
     }
+    if (positive && s == 0) return absl::InvalidArgumentError("expected seconds > 0");
     f.options.*field = absl::Seconds(s);
     return absl::OkStatus();
   };
@@ -261,8 +264,9 @@ const std::vector<Flag>& Flags() {
       {"max-region-bytes", "bytes of all registered regions together",
        Bytes(&ServerOptions::max_region_bytes)},
       {"forward-timeout",
-       "seconds a doorbell forward may take from begin to commit before it is abandoned",
-       Seconds(&ServerOptions::forward_timeout)},
+       "seconds a doorbell forward may take from begin to commit, and a streamed forward may "
+       "wait for its next layer message, before it is abandoned (> 0)",
+       Seconds(&ServerOptions::forward_timeout, /*positive=*/true)},
       {"drain-timeout", "seconds to wait for open forwards on SIGTERM",
        Seconds(&ServerOptions::drain_timeout)},
       {"drain-wait-slots",

@@ -206,6 +206,12 @@ TEST(ServerFlags, ConfigTextParsesLikeAFileAndNaNSecondsAreRefused) {
   EXPECT_NE(nan.message().find("x.conf:2: --slot-ttl=nan: expected seconds >= 0"),
             std::string::npos)
       << nan;
+  // 0 would abandon every streamed forward at the idle sweep's first look (an outside review).
+  const absl::Status zero = ApplyConfig("forward-timeout = 0\n", "x.conf", {}, &flags);
+  EXPECT_EQ(zero.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(zero.message().find("--forward-timeout=0: expected seconds > 0"), std::string::npos)
+      << zero;
+  EXPECT_TRUE(ApplyConfig("forward-timeout = 0.5\n", "x.conf", {}, &flags).ok());
 }
 
 TEST(ParseBytes, AcceptsPlainAndBinaryUnitsOnly) {

@@ -30,29 +30,28 @@ class DecodeStreamReactor final
                       OpenStreams* streams)
       : c_(&c), call_(*ctx), ctx_(&call_), session_(&call_), streams_(streams) {
     const absl::Status admitted = Admit(c, *ctx);
-    grpc::Status end;
-    {
-      absl::MutexLock lock(&mu_);
-      if (!admitted.ok()) end = End(admitted);
-      last_message_ = absl::Now();
-    }
     if (!admitted.ok()) {
+      grpc::Status end;
+      {
+        absl::MutexLock lock(&mu_);
+        end = End(admitted);
+      }
       Finish(end);
       return;
     }
     streams_->Add(this);
-    StartRead(&request_);
+    Read();
   }
 
   void OnReadDone(bool ok) override {
     std::optional<grpc::Status> end;
     {
       absl::MutexLock lock(&mu_);
+      ++reads_done_;
       if (finished_) return;  // the idle sweep ended the stream while this read waited
       if (!ok) {
         end = End(Ended());
       } else {
-        last_message_ = absl::Now();
         response_.Clear();
         const absl::Status s = Handle();
         if (!s.ok()) end = End(s);
@@ -69,7 +68,7 @@ class DecodeStreamReactor final
       if (!ok) end = End(absl::CancelledError("decode stream: write failed"));
     }
     if (end.has_value()) return Finish(*end);
-    StartRead(&request_);
+    Read();
   }
   void OnDone() override {
     streams_->Remove(this);  // first: the sweep holds no pointer to this after it
@@ -80,10 +79,14 @@ class DecodeStreamReactor final
   bool ClaimIfIdle(absl::Time now, absl::Duration limit) override {
     if (!mu_.TryLock()) return false;  // handling a message: not idle
     bool claimed = false;
-    if (!finished_ && session_.AwaitsLayers() && now - last_message_ > limit) {
+    // Idle only while a read is outstanding: not while a message is handled or its reply is
+    // written (Finish must not land on a pending write), and from when that read was started,
+    // not from when the last message came (a layer that ran long is no silence).
+    const bool waiting = reads_started_ == reads_done_ + 1;
+    if (!finished_ && waiting && session_.AwaitsLayers() && now - waiting_since_ > limit) {
       claimed_end_ = End(absl::DeadlineExceededError(absl::StrCat(
           "decode stream: the open forward had no message for ",
-          absl::FormatDuration(now - last_message_), ", longer than --forward-timeout (",
+          absl::FormatDuration(now - waiting_since_), ", longer than --forward-timeout (",
           absl::FormatDuration(limit), "): it was abandoned, nothing of it committed")));
       claimed = true;
     }
@@ -155,6 +158,15 @@ class DecodeStreamReactor final
     }
     return absl::CancelledError("decode stream: cancelled");
   }
+  // Starts the next read, then counts it. The count follows the start, so that the sweep sees
+  // a read outstanding only once it is (and never finishes a stream before its read starts);
+  // a read done before the count (OnReadDone on another thread) leaves started == done.
+  void Read() {
+    StartRead(&request_);
+    absl::MutexLock lock(&mu_);
+    ++reads_started_;
+    waiting_since_ = absl::Now();
+  }
   // The caller's tenant and its room under --max-streams (and the tenant's bound).
   absl::Status Admit(const grpc::CallbackServerContext& c, const ServiceContext& ctx) {
     absl::StatusOr<ServiceContext> caller = CallerContext(c, ctx);
@@ -183,7 +195,10 @@ class DecodeStreamReactor final
   OpenStreams* const streams_;
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // End called: a late read is ignored
-  absl::Time last_message_ ABSL_GUARDED_BY(mu_);
+  // Reads started and done (ClaimIfIdle: one outstanding), and when the last one started.
+  int64_t reads_started_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t reads_done_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
   grpc::Status claimed_end_;  // set by ClaimIfIdle, before FinishClaimed
   v1::DecodeStreamRequest request_;
   v1::DecodeStreamResponse response_;

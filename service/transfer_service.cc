@@ -15,6 +15,10 @@
 namespace replayssm::service {
 namespace {
 
+// Metadata of the TransferSlot a PullSlot asks its source for (any value): the source counts
+// a failure of that push under role "peer", since the puller counts it as the initiator.
+constexpr char kPullKey[] = "replayssm-pull";
+
 // replayssm_transfer_failures_total's `role` label.
 const char* RoleName(TransferRole role) {
   return role == TransferRole::kInitiator ? "initiator" : "peer";
@@ -431,9 +435,12 @@ grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerCont
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
   const cache::SlotId slot = caller->slots.FromWire(req->slot());
   const bool keep = req->keep_source();
+  // A peer's PullSlot asks for this push: the puller counts the move as its initiator.
+  const TransferRole role =
+      c->client_metadata().count(kPullKey) > 0 ? TransferRole::kPeer : TransferRole::kInitiator;
   manager_->Transfer(
       {MoveId(caller->tenant(), req->request_id()), slot, req->peer_address(), keep},
-      [this, reactor, resp, slot, keep](const absl::StatusOr<transfer::SendResult>& r) {
+      [this, reactor, resp, slot, keep, role](const absl::StatusOr<transfer::SendResult>& r) {
         if (r.ok()) {
           if (!keep) ctx_->slots.Forget(slot);  // the source slot was freed
           resp->set_remote_slot(r->remote_slot);
@@ -441,7 +448,7 @@ grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerCont
           resp->set_bytes(r->bytes);
           resp->set_seconds(r->seconds);
         } else {
-          CountFailure(TransferRole::kInitiator, r.status());
+          CountFailure(role, r.status());
         }
         Finish(reactor, "TransferSlot", r.status());
       });
@@ -500,6 +507,7 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
   if (auto it = md.find(kAuthorizationKey); it != md.end()) {
     pull->context.AddMetadata(kAuthorizationKey, std::string(it->second.data(), it->second.size()));
   }
+  pull->context.AddMetadata(kPullKey, "1");  // the failure metric's role there
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
   pulls_.fetch_add(1);
   pull->stub->async()->TransferSlot(

@@ -56,7 +56,8 @@ struct TransferOptions {
 
 // Whose move failed, in replayssm_transfer_failures_total's `role`: a TransferSlot or PullSlot
 // this server was asked for (kInitiator: a scheduler's move failed), or a peer's
-// ReserveTransfer / CommitTransfer it refused (kPeer: the initiator counts the move too).
+// ReserveTransfer / CommitTransfer it refused, or the push a peer's PullSlot asked it for
+// (kPeer: the initiator counts the move too).
 enum class TransferRole { kInitiator, kPeer };
 
 class TransferService final : public v1::SlotTransfer::CallbackService {

@@ -524,6 +524,31 @@ TEST_F(IdleForwardTest, AForwardWithoutMessagesIsAbandonedAndItsStreamEnds) {
   EXPECT_TRUE(client_->Free(a).ok());
 }
 
+// The bound counts only the time the server waits for the client's next message, from when it
+// started reading: a layer that runs longer than --forward-timeout is no silence (an outside
+// review: the clock ran from the message's arrival, so a long prefill layer ended its stream
+// the moment it returned). Here every layer takes longer than the bound on the server; the
+// client sends each next message at once.
+class SlowLayerTest : public ServiceTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override { return {"--forward-timeout=0.25"}; }
+};
+
+TEST_F(SlowLayerTest, ALayerLongerThanTheBoundIsNoSilence) {
+  const uint64_t a = NewSlot();
+  constexpr int kTokens = 16384;  // a layer of them takes well over 0.25 s on the CPU backend
+  std::vector<int32_t> tokens(kTokens);
+  for (int i = 0; i < kTokens; ++i) tokens[i] = i % 1000;
+  const std::vector<v1::LayerInput> layers = Layers(kTokens);
+  auto stream = client_->OpenStream();
+  const absl::Time start = absl::Now();
+  auto done = stream->Prefill({client::MakePrefillRow(a, tokens)}, layers);
+  ASSERT_TRUE(done.ok()) << done.status() << " after " << absl::Now() - start;
+  EXPECT_EQ(client_->GetSlot(a)->seq_len(), kTokens);
+  EXPECT_GT(absl::Now() - start, absl::Milliseconds(250) * num_layers()) << "a fast machine: "
+                                                                            "no layer was slow";
+}
+
 // With --drain-wait-slots the drain lasts until the live slots are moved off or freed (within
 // --drain-timeout): the schedulers' time to take their requests elsewhere.
 class DrainWaitSlotsTest : public ServiceTest {

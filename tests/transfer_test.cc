@@ -292,6 +292,11 @@ TEST_F(TransferTest, PullFormBringsThePeersSlotHere) {
   // Failures change nothing: a slot A does not have, a sender that is not there.
   auto missing = cb->PullSlot(s ^ 0x1234, server_->grpc_address(), false);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  // The failed move is B's (the puller's) to page for: A counts its push as the peer's.
+  const std::string not_found = "replayssm_transfer_failures_total{reason=\"NOT_FOUND\",role=";
+  EXPECT_EQ(Metric(*b, not_found + "\"initiator\"}"), 1);
+  EXPECT_EQ(Metric(*server_, not_found + "\"initiator\"}"), 0);
+  EXPECT_EQ(Metric(*server_, not_found + "\"peer\"}"), 1);
   auto dead = cb->PullSlot(s, "127.0.0.1:1", false);
   EXPECT_EQ(dead.status().code(), absl::StatusCode::kUnavailable) << dead.status();
   auto bad = cb->PullSlot(s, server_->grpc_address(), false, "0.0.0.0:5");

@@ -166,6 +166,7 @@ class Client:
 
     def close(self):
         self._channel.close()
+        self._deadlines.close()
 
     def __enter__(self):
         return self
@@ -313,7 +314,8 @@ class Client:
 
     def open_stream(self, timeout=None):
         """A DecodeStream for layer-by-layer forwards (see ForwardStream). timeout: seconds
-        each reply may take (None: the client's `timeout`), not the stream's whole life."""
+        each reply may take (None: the client's `timeout`; math.inf: no bound), not the
+        stream's whole life."""
         return ForwardStream(self, timeout)
 
     def verify(self, slots, drafts, layers, *, request_id=None):

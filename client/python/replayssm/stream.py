@@ -18,6 +18,7 @@ work and refuse the stream's next begin.
 
 import heapq
 import itertools
+import math
 import queue
 import threading
 import time
@@ -59,14 +60,18 @@ class _Deadlines:
         self._armed = {}  # seq -> (call, expired list)
         self._seq = itertools.count()
         self._thread = None
+        self._closed = False
 
     def arm(self, seconds, call):
         """Cancels `call` in `seconds` unless disarmed first; returns (token, expired), where
-        expired turns [True] once it fired."""
+        expired turns [True] once it fired (disarm reads it reliably: it fires under the lock).
+        None or math.inf: no bound."""
         expired = []
-        if seconds is None:
+        if seconds is None or math.isinf(seconds):
             return None, expired
         with self._cv:
+            if self._closed:
+                return None, expired
             token = next(self._seq)
             heapq.heappush(self._heap, (time.monotonic() + seconds, token))
             self._armed[token] = (call, expired)
@@ -81,9 +86,18 @@ class _Deadlines:
         with self._cv:
             self._armed.pop(token, None)
 
+    def close(self):
+        """Ends the thread (Client.close): no deadline fires after it."""
+        with self._cv:
+            self._closed = True
+            self._armed.clear()
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+
     def _run(self):
         with self._cv:
-            while True:
+            while not self._closed:
                 while self._heap and self._heap[0][1] not in self._armed:
                     heapq.heappop(self._heap)  # disarmed
                 if not self._heap:
@@ -97,17 +111,21 @@ class _Deadlines:
                 heapq.heappop(self._heap)
                 call, expired = self._armed.pop(token)
                 expired.append(True)
-                call.cancel()  # non-blocking: the waiting next() raises CANCELLED
+                try:
+                    call.cancel()  # non-blocking: the waiting next() raises CANCELLED
+                except Exception:  # noqa: BLE001 - one call's failure must not stop the rest
+                    pass
 
 
 class ForwardStream:
     """One DecodeStream. Use as a context manager, or close() it: closing abandons an open
     forward. Not thread-safe: drive it from one thread.
 
-    `timeout`: seconds each reply may take (a begin's, a layer's, a commit's; None: the
-    client's `timeout`). Past it the stream is cancelled, its open forward abandoned, and
-    DeadlineExceeded raised; forward() retries it as any DEADLINE_EXCEEDED. A planned commit
-    waits for the engine's doorbells, so give it longer than the server's --forward-timeout."""
+    `timeout`: seconds each reply may take (a begin's, a layer's, a commit's, close()'s wait
+    for the stream's end; None: the client's `timeout`; math.inf: no bound). Past it the
+    stream is cancelled, its open forward abandoned, and DeadlineExceeded raised; forward()
+    retries it as any DEADLINE_EXCEEDED. A planned commit waits for the engine's doorbells,
+    so give it longer than the server's --forward-timeout."""
 
     def __init__(self, client, timeout=None):
         self._client = client
@@ -144,15 +162,19 @@ class ForwardStream:
             self._requests.put(request)
         request_id = self._forward_id
         token, expired = self._client._deadlines.arm(self._timeout, self._call)
+
+        def late():
+            return errors.DeadlineExceeded(
+                f"no {expect} reply within {self._timeout} s (the stream's timeout): the "
+                "stream was cancelled and its open forward abandoned", method="DecodeStream",
+                request_id=request_id)
+
         try:
             reply = next(self._call)
         except grpc.RpcError as e:
             self._drop()
             if expired:
-                raise errors.DeadlineExceeded(
-                    f"no {expect} reply within {self._timeout} s (the stream's timeout): the "
-                    "stream was cancelled and its open forward abandoned",
-                    method="DecodeStream", request_id=request_id) from None
+                raise late() from None
             raise errors.from_rpc_error(e, "DecodeStream", request_id) from None
         except StopIteration:
             self._drop()
@@ -160,6 +182,9 @@ class ForwardStream:
                                      request_id=request_id) from None
         finally:
             self._client._deadlines.disarm(token)
+        if expired:  # fired as the reply came: the call is cancelled all the same
+            self._drop()
+            raise late()
         kind = reply.WhichOneof("msg")
         if kind != expect:
             self.close()
@@ -324,8 +349,12 @@ class ForwardStream:
             return
         call = self._call
         self._drop()  # half-closes: the request iterator ends
+        # Bounded as a reply is: a server that stopped answering is cancelled, not waited for.
+        token, _ = self._client._deadlines.arm(self._timeout, call)
         try:
             for _ in call:
                 pass
         except grpc.RpcError:
             pass  # the stream's end status; the forward, if open, is abandoned either way
+        finally:
+            self._client._deadlines.disarm(token)

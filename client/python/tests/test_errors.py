@@ -397,6 +397,55 @@ class StreamResourcesTest(ServerTest):
         self.assertEqual(self.client.get_slot(slot).seq_len, 3)
 
 
+    def test_a_deadline_firing_as_the_reply_comes_fails_that_reply(self):
+        class SlowReply:  # the reply arrives, and the deadline fires before it is taken
+            def __init__(self, call):
+                self.call = call
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                reply = next(self.call)
+                time.sleep(0.6)
+                return reply
+
+            def cancel(self):
+                return self.call.cancel()
+
+        slot = self.client.allocate().slot
+        stream = self.client.open_stream(timeout=0.3)
+        self.addCleanup(stream.close)
+        stream.forward([(slot, 1)], self.layers(1))
+        stream._call = SlowReply(stream._call)
+        with self.assertRaises(replayssm.DeadlineExceeded):  # it used to return, cancelled
+            stream.begin([(slot, 2)])
+        deadline = time.monotonic() + 10
+        while self.client.stats().open_forwards and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stream.forward([(slot, 2)], self.layers(1))  # a new stream; the slot took one token
+        self.assertEqual(self.client.get_slot(slot).seq_len, 2)
+
+    def test_closing_is_bounded_and_closed_clients_leave_no_thread(self):
+        baseline = threading.active_count()
+        for _ in range(5):
+            with replayssm.Client(self.server.grpc_address, timeout=1) as client:
+                slot = client.allocate().slot
+                with client.open_stream() as stream:
+                    stream.forward([(slot, 1)], self.layers(1))
+        self.assertLessEqual(self.settled_thread_count(baseline), baseline)
+        self.assertNotIn("replayssm-deadlines", [t.name for t in threading.enumerate()])
+        client = replayssm.Client(self.server.grpc_address, timeout=1, retries=0)
+        self.addCleanup(client.close)
+        stream = client.open_stream()
+        stream.forward([(client.allocate().slot, 1)], self.layers(1))
+        self.server.signal(signal.SIGSTOP)
+        self.addCleanup(self.server.signal, signal.SIGCONT)
+        started = time.monotonic()
+        stream.close()  # it waited for the stopped server's end of the stream
+        self.assertLess(time.monotonic() - started, 5)
+
+
 class ErrorTypesTest(unittest.TestCase):
     def test_every_code_maps_to_its_subclass_carrying_code_and_details(self):
         from replayssm import errors
