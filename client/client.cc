@@ -83,8 +83,17 @@ absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::Receive(
   v1::DecodeStreamResponse response;
   if (!stream_->Read(&response)) return End();
   if (response.msg_case() != expect) {  // a begin answered by a commit, say, is not an empty begun
-    return absl::InternalError(absl::StrCat("forward stream: expected reply case ", expect,
-                                            ", got ", response.msg_case()));
+    // Out of step with the server from here: the stream is dead, as after any error (the
+    // cancel ends the server's side, abandoning an open forward).
+    context_->TryCancel();
+    v1::DecodeStreamResponse ignored;
+    while (stream_->Read(&ignored)) {
+    }
+    (void)stream_->Finish();  // CANCELLED: the mismatch is what the caller learns
+    finished_ = true;
+    final_ = absl::InternalError(absl::StrCat("forward stream: expected reply case ", expect,
+                                              ", got ", response.msg_case()));
+    return final_;
   }
   return response;
 }
@@ -286,6 +295,11 @@ std::unique_ptr<Client> Client::Connect(const std::string& address, int64_t max_
       static_cast<int>(std::min<int64_t>(max_message_bytes, std::numeric_limits<int>::max()));
   args.SetMaxReceiveMessageSize(limit);
   args.SetMaxSendMessageSize(limit);
+  // Keepalive: a stream (no deadline: it lives as long as its engine) against a server that
+  // stopped answering fails within ~40 s instead of waiting for ever. The server permits
+  // pings every 10 s.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30'000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10'000);
   if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
   return std::make_unique<Client>(grpc::CreateCustomChannel(address, credentials, args));
 }
@@ -317,11 +331,30 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::st
     return absl::InvalidArgumentError(
         absl::StrCat(option, ": expected a readable file holding a token, got \"", path, "\""));
   }
+  if (absl::Status s = CheckToken(token, option); !s.ok()) return s;
   return token;
+}
+
+absl::Status CheckToken(absl::string_view token, absl::string_view field) {
+  for (size_t i = 0; i < token.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(token[i]);
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": expected a token of printable ASCII without spaces, got byte 0x",
+                       absl::Hex(c, absl::kZeroPad2), " at offset ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Client::set_token(std::string token) {
+  token_error_ = CheckToken(token, "token");
+  token_ = token_error_.ok() ? std::move(token) : std::string();
 }
 
 template <typename Resp, typename F>
 absl::StatusOr<Resp> Client::Call(F&& rpc) {
+  if (!token_error_.ok()) return token_error_;
   std::unique_ptr<grpc::ClientContext> context = NewContext();
   Resp resp;
   absl::Status s = FromGrpc(rpc(context.get(), &resp));

@@ -125,6 +125,9 @@ absl::Status Demo::Prefill(const std::vector<Request*>& batch,
 
 absl::Status Demo::DecodeSteps(std::vector<Request*> batch, int32_t steps) {
   for (int32_t step = 0; step < steps; ++step) {
+    if (options_.interrupted != nullptr && options_.interrupted->load()) {
+      return absl::CancelledError("demo: interrupted; its slots are freed");
+    }
     std::vector<v1::DecodeRow> rows;
     std::vector<int32_t> seqs;
     for (Request* r : batch) {
@@ -222,15 +225,17 @@ absl::StatusOr<DemoReport> Demo::Run() {
   tol_ =
       std::max(OutputTolerance(m.act_dtype()),
                OutputTolerance(m.state_dtype() == v1::DTYPE_F32 ? m.act_dtype() : v1::DTYPE_BF16));
-  rng_.seed(options_.seed != 0 ? options_.seed
-                               : static_cast<uint64_t>(absl::GetCurrentTimeNanos()));
+  const uint64_t seed =
+      options_.seed != 0 ? options_.seed : static_cast<uint64_t>(absl::GetCurrentTimeNanos());
+  rng_.seed(seed);
   auto ref = CpuReference::Create(m, options_.requests + 1);
   if (!ref.ok()) return ref.status();
   ref_ = *std::move(ref);
   stream_ = client_->OpenStream();
   log_ << "demo: model " << m.name() << " (" << m.num_layers() << " layers, H=" << m.num_qk_heads()
        << " HV=" << m.num_v_heads() << " K=" << m.head_k() << " V=" << m.head_v()
-       << " L=" << m.ring_len() << ") on " << info_.backend() << "\n";
+       << " L=" << m.ring_len() << ") on " << info_.backend() << ", seed " << seed
+       << " (--seed reruns it)\n";
 
   // Turn 1: every request's prompt in one layer-by-layer prefill forward (varlen rows).
   std::vector<Request>& requests = requests_;

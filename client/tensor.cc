@@ -6,6 +6,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace replayssm::client {
 
@@ -146,10 +147,18 @@ v1::Tensor ConcatTokens(absl::Span<const v1::Tensor> parts) {
 
 bool AllClose(const v1::Tensor& got, const v1::Tensor& want, double atol, double rtol,
               std::string* why) {
+  if (!std::equal(got.shape().begin(), got.shape().end(), want.shape().begin(),
+                  want.shape().end())) {  // the same count of values in another shape is not
+    if (why) {
+      *why = absl::StrCat("shape [", absl::StrJoin(got.shape(), ", "), "] vs [",
+                          absl::StrJoin(want.shape(), ", "), "]");
+    }
+    return false;
+  }
   const std::vector<float> g = ToFloats(got), w = ToFloats(want);
-  if (g.size() != w.size() || g.empty()) {
+  if (g.size() != w.size() || g.empty()) {  // empty: nothing was compared, which is no match
     if (why) *why = absl::StrCat("size ", g.size(), " vs ", w.size());
-    return g.size() == w.size();
+    return false;
   }
   for (size_t i = 0; i < g.size(); ++i) {
     const double err = std::fabs(static_cast<double>(g[i]) - w[i]);

@@ -2,6 +2,9 @@
 //   replayssm-cli [--address HOST:PORT] COMMAND [ARGS] [OPTIONS]
 // --address may stand before or after the command; every other option belongs to its command.
 // An unknown option, a missing or malformed value and a stray argument are errors (exit 2).
+#include <signal.h>
+
+#include <atomic>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -40,10 +43,14 @@ constexpr char kUsage[] =
     "  demo [--requests N] [--steps N] [--seed N] [--disaggregated DECODE_HOST:PORT]\n"
     "                       batched layer-by-layer prefill, batched decode, prefix hit;\n"
     "                       checked against the CPU reference; exits 1 on a mismatch.\n"
+    "                       --requests: at most the server's --max-batch; --seed 0 (the\n"
+    "                       default) seeds from the clock, and the demo prints the seed\n"
     "                       --disaggregated: prefill here, move the requests to\n"
     "                       DECODE_HOST:PORT over UCX, decode there\n"
     "  bench [--concurrency N] [--batch N] [--seconds S] [--unary]\n"
-    "                       closed-loop decode forwards: forwards/s, p50/p99 latency\n"
+    "                       closed-loop decode forwards: forwards/s, p50/p99 latency,\n"
+    "                       timed once every worker holds its slots. Ctrl-C stops a demo\n"
+    "                       or bench at its next step and frees its slots\n"
     "Options are --name VALUE or --name=VALUE. --address may come before or after the\n"
     "command; it defaults to $REPLAYSSM_ADDRESS, else 127.0.0.1:50051. So may the TLS\n"
     "options: --tls-ca PEM (the server's CA; TLS on), --tls-cert PEM --tls-key PEM (this\n"
@@ -281,7 +288,10 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
     if (!token.ok()) return token.status();
     r.token = *std::move(token);
   } else if (const char* env = std::getenv("REPLAYSSM_TOKEN"); env != nullptr) {
-    r.token = env;
+    r.token = std::string(absl::StripAsciiWhitespace(env));  // as a token file's
+    if (absl::Status s = replayssm::client::CheckToken(r.token, "REPLAYSSM_TOKEN"); !s.ok()) {
+      return s;
+    }
   }
   const std::vector<std::string>& args = inv.args;
   if (r.command == "alloc") {
@@ -314,7 +324,23 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
   return r;
 }
 
-int Demo(Client& c, const replayssm::client::DemoOptions& options) {
+// SIGINT or SIGTERM during demo or bench: the run stops at its next step and frees the slots
+// it took (the server keeps a live slot until it is freed). The handler is reset by the first
+// signal, so a second one ends the process at once.
+std::atomic<bool> g_interrupted{false};
+
+void StopOnSignals() {
+  struct sigaction sa = {};
+  sa.sa_handler = [](int) { g_interrupted.store(true); };
+  sa.sa_flags = SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+int Demo(Client& c, replayssm::client::DemoOptions options) {
+  StopOnSignals();
+  options.interrupted = &g_interrupted;
   auto report = replayssm::client::RunDemo(c, options, std::cout);
   if (!report.ok()) return Fail(report.status());
   std::printf("demo: OK: %lld forwards, %lld outputs checked, %.2f s\n",
@@ -323,7 +349,9 @@ int Demo(Client& c, const replayssm::client::DemoOptions& options) {
   return 0;
 }
 
-int Bench(const std::string& address, const replayssm::client::DecodeBenchOptions& options) {
+int Bench(const std::string& address, replayssm::client::DecodeBenchOptions options) {
+  StopOnSignals();
+  options.interrupted = &g_interrupted;
   auto r = replayssm::client::RunDecodeBench(address, options);
   if (!r.ok()) return Fail(r.status());
   if (r->forwards == 0) {  // the percentiles of nothing would read as 0 us

@@ -5,6 +5,7 @@
 #ifndef REPLAYSSM_CLIENT_BENCH_H_
 #define REPLAYSSM_CLIENT_BENCH_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -23,6 +24,9 @@ struct DecodeBenchOptions {
   bool unary = false;  // Decode (all layers in one call) instead of the stream
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string token;  // the bearer token (--auth-tokens servers); "" = none
+  // Set (say by SIGINT) while the bench runs: every worker stops after its forward in flight,
+  // frees its slots, and the run fails CANCELLED. Null: never.
+  const std::atomic<bool>* interrupted = nullptr;
 };
 
 struct DecodeBenchResult {

@@ -1,7 +1,11 @@
 // The C++ client of replayssm.v1: typed wrappers over the gRPC stubs that return
 // absl::Status / StatusOr (the server's gRPC code carried over), fill a fresh request id into
-// every mutating call that has none, and a stream helper for layer-by-layer forwards (decode,
-// prefill, verify).
+// every mutating call that has none (each call: a request retried by hand must carry its own
+// id to be applied once), and a stream helper for layer-by-layer forwards (decode, prefill,
+// verify). Begins the caller builds (BeginWith, SendBegin) go as built, their ids too.
+//
+// Streams have no deadline of their own (set_timeout bounds unary calls); the channel's
+// keepalive pings (Connect) end them when the server stops answering.
 //
 // Thread safety: a Client may be shared by threads (each call has its own context) once it is
 // configured: set_timeout and set_token are not synchronized with calls, so set them before
@@ -121,9 +125,15 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
     const ChannelSecurity& security);
 
 // The bearer token in a token file (--token-file): the file's text without surrounding
-// whitespace; INVALID_ARGUMENT naming `option` for an unreadable or empty file.
+// whitespace; INVALID_ARGUMENT naming `option` for an unreadable or empty file, or one whose
+// token is not a valid header value (CheckToken).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path,
                                           const std::string& option = "token_file");
+
+// OK when `token` can travel as `authorization: Bearer <token>`: printable ASCII without
+// spaces. Else INVALID_ARGUMENT naming `field` and the first bad byte (gRPC aborts the process
+// on a header value with a newline or another control character).
+absl::Status CheckToken(absl::string_view token, absl::string_view field);
 
 class Client {
  public:
@@ -136,8 +146,9 @@ class Client {
 
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
   // Sends `authorization: Bearer <token>` with every call (a server with --auth-tokens
-  // requires it; the token names the tenant whose slots this client sees). "": none.
-  void set_token(std::string token) { token_ = std::move(token); }
+  // requires it; the token names the tenant whose slots this client sees). "": none. A token
+  // CheckToken refuses is not sent: unary calls return its error, and streams go without it.
+  void set_token(std::string token);
   // Waits until the channel is connected (true) or the deadline passes.
   bool WaitForConnected(absl::Duration timeout);
 
@@ -198,6 +209,7 @@ class Client {
   std::unique_ptr<v1::Regions::Stub> regions_;
   absl::Duration timeout_ = absl::Seconds(60);
   std::string token_;
+  absl::Status token_error_;  // set_token's CheckToken
 };
 
 }  // namespace replayssm::client

@@ -6,6 +6,7 @@
 #ifndef REPLAYSSM_CLIENT_DEMO_H_
 #define REPLAYSSM_CLIENT_DEMO_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <ostream>
@@ -26,6 +27,9 @@ struct DemoOptions {
   std::string decode_address;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // for decode_address; null: insecure
   std::string token;  // the bearer token (--auth-tokens servers); "" = none
+  // Set (say by SIGINT) while the demo runs: it stops before its next decode step, frees its
+  // slots and fails CANCELLED. Null: never.
+  const std::atomic<bool>* interrupted = nullptr;
 };
 
 struct DemoReport {
