@@ -32,7 +32,8 @@ echo "gpus=$gpus $(date -u +%FT%TZ)" | tee "$out/summary.txt"
 for step in "${steps[@]}"; do
   case $step in
     tests)
-      run kernel_tests 400 replayssm_cuda_kernel_tests
+      # By its path: the death test re-executes argv[0], which a bare name on PATH is not.
+      run kernel_tests 400 "$(command -v replayssm_cuda_kernel_tests)"
       run cache_tests 400 env REPLAYSSM_TEST_BACKEND=cuda replayssm_cache_tests
       mps_on
       run service_tests 400 env REPLAYSSM_TEST_DEVICE=cuda replayssm_service_tests \

@@ -1258,14 +1258,17 @@ TEST(CudaSegmentDigests, TimeOfA75MBSlot) {
 }
 
 // Makes a kernel fault (the digest kernel reads its parts through the device table: one part
-// there points at an address nothing maps, while the host array the call validates is sound),
-// then checks the device from a thread that never used CUDA (as the server's check thread);
-// exits 0 when the fault landed and the check reported it.
+// there points at device memory already freed, while the host array the call validates is
+// sound), then checks the device from a thread that never used CUDA (as the server's check
+// thread); exits 0 when the fault landed and the check reported it. A fixed address (1 << 40)
+// did not fault on an H100 (2026-12-05: "landed cudaSuccess"): what is mapped there is the
+// driver's business, a freed allocation's range is not mapped.
 [[noreturn]] void FaultAKernelThenCheckTheDevice() {
   DevBuf data(64), table(sizeof(void*)), digests(sizeof(uint64_t));
-  const void* nowhere = reinterpret_cast<const void*>(uintptr_t{1} << 40);
-  const bool up =
-      cudaMemcpy(table.get(), &nowhere, sizeof nowhere, cudaMemcpyHostToDevice) == cudaSuccess;
+  void* nowhere = nullptr;
+  bool up = cudaMalloc(&nowhere, size_t{64} << 20) == cudaSuccess && cudaFree(nowhere) == cudaSuccess;
+  up = up &&
+       cudaMemcpy(table.get(), &nowhere, sizeof nowhere, cudaMemcpyHostToDevice) == cudaSuccess;
   const void* parts[1] = {data.get()};
   const rssm_launch l{RSSM_BACKEND_CUDA, nullptr};
   const rssm_status queued = rssm_segment_digests_parts(
