@@ -248,8 +248,13 @@ TEST(CommandLine, AnInterruptedDemoOrBenchFreesItsSlots) {
   EXPECT_EQ(bench.exit_code, 1) << bench.output;
   EXPECT_TRUE(absl::StrContains(bench.output, "interrupted")) << bench.output;
   EXPECT_TRUE(absl::StrContains(live(), "\"slots_live\": \"0\"")) << live();
-  const Outcome wide = RunBinary(
-      REPLAYSSM_CLI_BINARY, {address, "bench", "--concurrency=4", "--batch=300", "--seconds=0.2"});
+  // 16 workers allocating 300 slots each took longer than the 0.2 s window they were timed in.
+  // (A server of its own: --max-streams=1 would refuse 15 of the streams first.)
+  auto roomy = ServerProcess::Start({});
+  ASSERT_TRUE(roomy.ok()) << roomy.status();
+  const Outcome wide =
+      RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + (*roomy)->grpc_address(), "bench",
+                                       "--concurrency=16", "--batch=300", "--seconds=0.2"});
   EXPECT_EQ(wide.exit_code, 1) << wide.output;
   EXPECT_TRUE(absl::StrContains(wide.output, "rows: expected 1..256 rows, got 300")) << wide.output;
   const Outcome unary = RunBinary(
