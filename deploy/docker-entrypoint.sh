@@ -23,7 +23,8 @@ flags=(grpc-address metrics-address model device tp-size devices memory-budget r
        kv-events-topic kv-events-tenant kv-events-curve-secret-file kv-events-clients-file
        tls-cert tls-key tls-client-ca transfer-peers transfer-interface
        transfer-reservations-per-peer
-       region-ttl max-regions max-region-bytes forward-timeout drain-timeout drain-wait-slots
+       region-ttl max-regions max-region-bytes forward-timeout stream-idle-timeout drain-timeout
+       drain-wait-slots
        device-check-interval
        transfer-chunk-bytes
        transfer-lanes transfer-import-threads transfer-timeout transfer-lease

@@ -264,9 +264,12 @@ const std::vector<Flag>& Flags() {
       {"max-region-bytes", "bytes of all registered regions together",
        Bytes(&ServerOptions::max_region_bytes)},
       {"forward-timeout",
-       "seconds a doorbell forward may take from begin to commit, and a streamed forward may "
-       "wait for its next layer message, before it is abandoned (> 0)",
+       "seconds a doorbell forward may take from begin to commit before it is abandoned (> 0)",
        Seconds(&ServerOptions::forward_timeout, /*positive=*/true)},
+      {"stream-idle-timeout",
+       "seconds a streamed forward may wait for its next layer message before it is "
+       "abandoned (> 0; the time a large message takes to arrive counts)",
+       Seconds(&ServerOptions::stream_idle_timeout, /*positive=*/true)},
       {"drain-timeout", "seconds to wait for open forwards on SIGTERM",
        Seconds(&ServerOptions::drain_timeout)},
       {"drain-wait-slots",

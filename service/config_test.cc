@@ -206,12 +206,17 @@ TEST(ServerFlags, ConfigTextParsesLikeAFileAndNaNSecondsAreRefused) {
   EXPECT_NE(nan.message().find("x.conf:2: --slot-ttl=nan: expected seconds >= 0"),
             std::string::npos)
       << nan;
-  // 0 would abandon every streamed forward at the idle sweep's first look (an outside review).
+  // 0 would abandon every forward at once (an outside review, for the stream's idle bound).
   const absl::Status zero = ApplyConfig("forward-timeout = 0\n", "x.conf", {}, &flags);
   EXPECT_EQ(zero.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(zero.message().find("--forward-timeout=0: expected seconds > 0"), std::string::npos)
       << zero;
   EXPECT_TRUE(ApplyConfig("forward-timeout = 0.5\n", "x.conf", {}, &flags).ok());
+  const absl::Status idle = ApplyConfig("stream-idle-timeout = 0\n", "x.conf", {}, &flags);
+  EXPECT_NE(idle.message().find("--stream-idle-timeout=0: expected seconds > 0"), std::string::npos)
+      << idle;
+  ASSERT_TRUE(ApplyConfig("stream-idle-timeout = 2.5\n", "x.conf", {}, &flags).ok());
+  EXPECT_EQ(flags.options.stream_idle_timeout, absl::Milliseconds(2500));
 }
 
 TEST(ParseBytes, AcceptsPlainAndBinaryUnitsOnly) {

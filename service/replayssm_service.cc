@@ -18,7 +18,7 @@ namespace {
 
 // One forward stream: reads a message, lets the session handle it, writes the answer, reads
 // the next. A closed or cancelled stream, an error before a commit, or a forward that waited
-// for layer messages past --forward-timeout (OpenStreams' sweep) abandons the open forward
+// for layer messages past --stream-idle-timeout (OpenStreams' sweep) abandons the open forward
 // (End). The callbacks and the sweep's ClaimIfIdle take mu_, so that the sweep never ends a
 // stream in the middle of a message; Finish is called outside it, since a finished stream
 // may be deleted at once.
@@ -86,7 +86,7 @@ class DecodeStreamReactor final
     if (!finished_ && waiting && session_.AwaitsLayers() && now - waiting_since_ > limit) {
       claimed_end_ = End(absl::DeadlineExceededError(absl::StrCat(
           "decode stream: the open forward had no message for ",
-          absl::FormatDuration(now - waiting_since_), ", longer than --forward-timeout (",
+          absl::FormatDuration(now - waiting_since_), ", longer than --stream-idle-timeout (",
           absl::FormatDuration(limit), "): it was abandoned, nothing of it committed")));
       claimed = true;
     }

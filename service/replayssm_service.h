@@ -55,7 +55,7 @@ class OpenStreams {
 class ReplaySsmService final : public v1::ReplaySsm::CallbackService {
  public:
   explicit ReplaySsmService(const ServiceContext* ctx)
-      : ctx_(ctx), streams_(ctx->forward_timeout) {}
+      : ctx_(ctx), streams_(ctx->stream_idle_timeout) {}
 
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* c, const v1::GetInfoRequest*,
                                     v1::GetInfoResponse* resp) override;

@@ -195,6 +195,7 @@ class ServerImpl final : public Server {
                    options.max_import_tokens, options.tenant_max_slots};
     ctx_.backend_name = device_.name;
     ctx_.forward_timeout = options.forward_timeout;
+    ctx_.stream_idle_timeout = options.stream_idle_timeout;
     ctx_.slot_ttl = options.slot_ttl;
     ctx_.mps = device_.backend == RSSM_BACKEND_CUDA && rssm_mps_active() != 0;
     service_ = std::make_unique<ReplaySsmService>(&ctx_);

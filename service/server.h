@@ -61,6 +61,8 @@ struct ServerOptions {
   absl::Duration region_ttl = absl::ZeroDuration();  // idle registered regions go; 0 = never
   int64_t max_region_bytes = int64_t{64} << 30;      // their bytes together (mapped, not owned)
   absl::Duration forward_timeout = absl::Seconds(10);  // a doorbell forward, begin to commit
+  // A streamed forward's wait for its next layer message (the stream's idle sweep).
+  absl::Duration stream_idle_timeout = absl::Seconds(60);
   absl::Duration drain_timeout = absl::Seconds(30);  // wait for open forwards at most this
   // The drain also waits (within drain_timeout) until no live slot is left: time for the
   // schedulers to move their requests off (TransferSlot) or free them.

@@ -231,6 +231,7 @@ struct ServiceContext {
   std::string backend_name;  // "cpu", "cuda:0"
   bool mps = false;          // CUDA work goes through MPS (docs/data-plane.md)
   absl::Duration forward_timeout = absl::Seconds(10);  // a planned forward, begin to commit
+  absl::Duration stream_idle_timeout = absl::Seconds(60);  // --stream-idle-timeout
   absl::Duration slot_ttl = absl::ZeroDuration();      // leases (slot_leases.h); 0 = off
 
   TenantId tenant() const { return slots.tenant(); }
