@@ -28,9 +28,11 @@ struct Outcome {
   std::string output;  // stdout and stderr together
 };
 
-// Runs `binary` with `args`, `env` ("NAME=VALUE") added to the environment.
+// Runs `binary` with `args`, `env` ("NAME=VALUE") added to the environment; with `sig`, sends
+// it that signal `after` the process started.
 Outcome RunBinary(const std::string& binary, std::vector<std::string> args,
-                  const std::vector<std::string>& env = {}) {
+                  const std::vector<std::string>& env = {}, int sig = 0,
+                  absl::Duration after = absl::ZeroDuration()) {
   int out[2];
   if (pipe(out) != 0) return {};
   args.insert(args.begin(), binary);
@@ -47,36 +49,10 @@ Outcome RunBinary(const std::string& binary, std::vector<std::string> args,
     _exit(127);
   }
   close(out[1]);
-  Outcome o;
-  char buf[4096];
-  for (ssize_t n; (n = read(out[0], buf, sizeof(buf))) > 0;) o.output.append(buf, n);
-  close(out[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return o;
-}
-
-// RunBinary, with `sig` sent to the process `after` it started.
-Outcome RunBinarySignalled(const std::string& binary, std::vector<std::string> args, int sig,
-                           absl::Duration after) {
-  int out[2];
-  if (pipe(out) != 0) return {};
-  args.insert(args.begin(), binary);
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    dup2(out[1], 1);
-    dup2(out[1], 2);
-    close(out[0]);
-    execv(argv[0], argv.data());
-    _exit(127);
+  if (sig != 0) {
+    absl::SleepFor(after);
+    kill(pid, sig);
   }
-  close(out[1]);
-  absl::SleepFor(after);
-  kill(pid, sig);
   Outcome o;
   char buf[4096];
   for (ssize_t n; (n = read(out[0], buf, sizeof(buf))) > 0;) o.output.append(buf, n);
@@ -237,14 +213,14 @@ TEST(CommandLine, AnInterruptedDemoOrBenchFreesItsSlots) {
     const Outcome stats = RunBinary(REPLAYSSM_CLI_BINARY, {address, "stats"});
     return stats.output;
   };
-  const Outcome demo = RunBinarySignalled(REPLAYSSM_CLI_BINARY, {address, "demo", "--steps=100000"},
-                                          SIGINT, absl::Milliseconds(1500));
+  const Outcome demo = RunBinary(REPLAYSSM_CLI_BINARY, {address, "demo", "--steps=100000"}, {},
+                                 SIGINT, absl::Milliseconds(1500));
   EXPECT_EQ(demo.exit_code, 1) << demo.output;
   EXPECT_TRUE(absl::StrContains(demo.output, "interrupted")) << demo.output;
   EXPECT_TRUE(absl::StrContains(live(), "\"slots_live\": \"0\"")) << live();
   const Outcome bench =
-      RunBinarySignalled(REPLAYSSM_CLI_BINARY, {address, "bench", "--batch=8", "--seconds=30"},
-                         SIGTERM, absl::Milliseconds(1500));
+      RunBinary(REPLAYSSM_CLI_BINARY, {address, "bench", "--batch=8", "--seconds=30"}, {}, SIGTERM,
+                absl::Milliseconds(1500));
   EXPECT_EQ(bench.exit_code, 1) << bench.output;
   EXPECT_TRUE(absl::StrContains(bench.output, "interrupted")) << bench.output;
   EXPECT_TRUE(absl::StrContains(live(), "\"slots_live\": \"0\"")) << live();
