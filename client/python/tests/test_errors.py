@@ -407,14 +407,14 @@ class StreamResourcesTest(ServerTest):
 
             def __next__(self):
                 reply = next(self.call)
-                time.sleep(0.6)
+                time.sleep(2.0)
                 return reply
 
             def cancel(self):
                 return self.call.cancel()
 
         slot = self.client.allocate().slot
-        stream = self.client.open_stream(timeout=0.3)
+        stream = self.client.open_stream(timeout=1.0)  # ample for a reply, even under ASan
         self.addCleanup(stream.close)
         stream.forward([(slot, 1)], self.layers(1))
         stream._call = SlowReply(stream._call)
