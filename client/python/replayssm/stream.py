@@ -16,7 +16,6 @@ array) abandons the forward the same way: left open, it would hold its slots fro
 work and refuse the stream's next begin.
 """
 
-import heapq
 import itertools
 import math
 import queue
@@ -52,14 +51,16 @@ def make_rows(rows):
 class _Deadlines:
     """Cancels a stream call whose reply is later than its deadline: one daemon thread for
     all of a client's streams, started at the first deadline. gRPC bounds a stream's whole
-    life, not one reply, so a per-reply bound is kept here."""
+    life, not one reply, so a per-reply bound is kept here. At most one deadline is armed per
+    stream, so the thread scans them all when it wakes; it wakes at the earliest deadline, and
+    an arm notifies it only when the new deadline is earlier still (not on every message)."""
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._heap = []  # (deadline, seq): the earliest first
-        self._armed = {}  # seq -> (call, expired list)
+        self._armed = {}  # token -> (deadline, call, expired list)
         self._seq = itertools.count()
         self._thread = None
+        self._target = None  # the deadline the thread waits for (None: none)
         self._closed = False
 
     def arm(self, seconds, call):
@@ -73,13 +74,14 @@ class _Deadlines:
             if self._closed:
                 return None, expired
             token = next(self._seq)
-            heapq.heappush(self._heap, (time.monotonic() + seconds, token))
-            self._armed[token] = (call, expired)
+            deadline = time.monotonic() + seconds
+            self._armed[token] = (deadline, call, expired)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="replayssm-deadlines",
                                                 daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if self._target is None or deadline < self._target:
+                self._cv.notify()
         return token, expired
 
     def disarm(self, token):
@@ -98,23 +100,18 @@ class _Deadlines:
     def _run(self):
         with self._cv:
             while not self._closed:
-                while self._heap and self._heap[0][1] not in self._armed:
-                    heapq.heappop(self._heap)  # disarmed
-                if not self._heap:
-                    self._cv.wait()
-                    continue
-                deadline, token = self._heap[0]
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cv.wait(left)
-                    continue
-                heapq.heappop(self._heap)
-                call, expired = self._armed.pop(token)
-                expired.append(True)
-                try:
-                    call.cancel()  # non-blocking: the waiting next() raises CANCELLED
-                except Exception:  # noqa: BLE001 - one call's failure must not stop the rest
-                    pass
+                now = time.monotonic()
+                for token, (deadline, call, expired) in list(self._armed.items()):
+                    if deadline > now:
+                        continue
+                    del self._armed[token]
+                    expired.append(True)
+                    try:
+                        call.cancel()  # non-blocking: the waiting next() raises CANCELLED
+                    except Exception:  # noqa: BLE001 - one call's failure must not stop the rest
+                        pass
+                self._target = min((d for d, _, _ in self._armed.values()), default=None)
+                self._cv.wait(None if self._target is None else self._target - now)
 
 
 class ForwardStream:
