@@ -102,11 +102,10 @@ Value Seconds(absl::Duration ServerOptions::*field, bool positive = false) {
   Value v;
   v.set = [field, positive](ServerFlags& f, const std::string& text) -> absl::Status {
     double s = 0;
-    if (!absl::SimpleAtod(text, &s) || !(s >= 0)) {  // NaN too
+    if (!absl::SimpleAtod(text, &s) || !(positive ? s > 0 : s >= 0)) {  // NaN too
       return absl::InvalidArgumentError(positive ? "expected seconds > 0"
                                                  : "expected seconds >= 0");
     }
-    if (positive && s == 0) return absl::InvalidArgumentError("expected seconds > 0");
     f.options.*field = absl::Seconds(s);
     return absl::OkStatus();
   };

@@ -4,8 +4,6 @@
 #ifndef REPLAYSSM_SERVICE_REPLAYSSM_SERVICE_H_
 #define REPLAYSSM_SERVICE_REPLAYSSM_SERVICE_H_
 
-#include <memory>
-
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
