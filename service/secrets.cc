@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/rand.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -97,33 +98,45 @@ absl::StatusOr<std::unique_ptr<PeerTokens>> PeerTokens::Load(const std::string& 
   return std::unique_ptr<PeerTokens>(new PeerTokens(std::move(tokens)));
 }
 
+std::string PeerProofField(absl::string_view bytes) {
+  return absl::StrCat(bytes.size(), ":", bytes);
+}
+
 std::string PeerProof(absl::string_view token, absl::string_view method,
-                      absl::string_view transfer_id, absl::string_view tenant) {
+                      absl::string_view transfer_id, absl::string_view tenant,
+                      absl::string_view content) {
   const std::string message =
-      absl::StrCat("replayssm-peer-proof-v1\n", method.size(), ":", method, transfer_id.size(), ":",
-                   transfer_id, tenant.size(), ":", tenant);
+      absl::StrCat("replayssm-peer-proof-v2\n", PeerProofField(method), PeerProofField(transfer_id),
+                   PeerProofField(tenant), PeerProofField(content));
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
   if (HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
            reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac,
            &n) == nullptr ||
       n != 32) {
-    return "";  // no proof: Accepts takes none, and "v1:" alone is never one
+    return "";  // no proof: Accepts takes none, and "v2:" alone is never one
   }
-  return absl::StrCat("v1:",
+  return absl::StrCat("v2:",
                       absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(mac), n)));
 }
 
+std::string PeerNonce() {
+  unsigned char bytes[16];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) return "";
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(bytes), sizeof(bytes)));
+}
+
 std::string PeerTokens::Prove(absl::string_view method, absl::string_view transfer_id,
-                              absl::string_view tenant) const {
-  return PeerProof(tokens_.front(), method, transfer_id, tenant);
+                              absl::string_view tenant, absl::string_view content) const {
+  return PeerProof(tokens_.front(), method, transfer_id, tenant, content);
 }
 
 bool PeerTokens::Accepts(absl::string_view proof, absl::string_view method,
-                         absl::string_view transfer_id, absl::string_view tenant) const {
+                         absl::string_view transfer_id, absl::string_view tenant,
+                         absl::string_view content) const {
   bool accepted = false;
   for (const std::string& t : tokens_) {
-    const std::string mine = PeerProof(t, method, transfer_id, tenant);
+    const std::string mine = PeerProof(t, method, transfer_id, tenant, content);
     accepted = (!mine.empty() && ConstantTimeEquals(mine, proof)) || accepted;
   }
   return accepted;

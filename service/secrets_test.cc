@@ -56,29 +56,48 @@ TEST(PeerTokens, TheFirstIsProvedAndEveryOneAcceptedForItsCallOnly) {
                          "old-peer-token-0123456789  # going\n";
   absl::StatusOr<std::unique_ptr<PeerTokens>> t = PeerTokens::Load(path);
   ASSERT_TRUE(t.ok()) << t.status();
-  // The proof of the first token, as `printf 'replayssm-peer-proof-v1\n15:ReserveTransfer7:
-  // move-175:alice' | openssl dgst -sha256 -hmac new-peer-token-0123456789` computes it.
-  const std::string proof = (*t)->Prove("ReserveTransfer", "move-17", "alice");
-  EXPECT_EQ(proof, "v1:18e23146611487346d1c2229821b28a88c9de96971c669e46eb604d7a8b7eac3");
+  // The proof of the first token, as `printf 'replayssm-peer-proof-v2\n15:ReserveTransfer7:
+  // move-175:alice5:3:abc' | openssl dgst -sha256 -hmac new-peer-token-0123456789` computes it
+  // (the content "3:abc": one field).
+  const std::string content = PeerProofField("abc");
+  EXPECT_EQ(content, "3:abc");
+  const std::string proof = (*t)->Prove("ReserveTransfer", "move-17", "alice", content);
+  EXPECT_EQ(proof, "v2:161c4c1c44928875287d729b26e3d87c4549c322648994ee2c1e598d868009ad");
   EXPECT_EQ(proof.find("peer-token"), std::string::npos) << "never the token";
-  EXPECT_TRUE((*t)->Accepts(proof, "ReserveTransfer", "move-17", "alice"));
-  // Every token of the file is accepted (rotation), for the very call it was made for only.
+  EXPECT_TRUE((*t)->Accepts(proof, "ReserveTransfer", "move-17", "alice", content));
+  // Every token of the file is accepted (rotation), for the very message it was made for only.
   const std::string old_commit =
-      PeerProof("old-peer-token-0123456789", "CommitTransfer", "move-17", "");
-  EXPECT_EQ(old_commit, "v1:81c292e99f4e9f8e72f9e5337cefbe6de783685b34aa198ee19a340275b1e9ce");
-  EXPECT_TRUE((*t)->Accepts(old_commit, "CommitTransfer", "move-17", ""));
-  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer", "move-17", "bob")) << "another tenant";
-  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer", "move-18", "alice")) << "another id";
-  EXPECT_FALSE((*t)->Accepts(proof, "AbortTransfer", "move-17", "alice")) << "another method";
-  EXPECT_FALSE(
-      (*t)->Accepts(PeerProof("new-peer-token-012345678", "ReserveTransfer", "move-17", "alice"),
-                    "ReserveTransfer", "move-17", "alice"))
+      PeerProof("old-peer-token-0123456789", "CommitTransfer", "move-17", "", "");
+  EXPECT_EQ(old_commit, "v2:f6977eae8255edc01ca1bfabf7f15771bcf0bab8509356c74d3bd5e197443cb4");
+  EXPECT_TRUE((*t)->Accepts(old_commit, "CommitTransfer", "move-17", "", ""));
+  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer", "move-17", "bob", content))
+      << "another tenant";
+  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer", "move-18", "alice", content))
+      << "another id";
+  EXPECT_FALSE((*t)->Accepts(proof, "AbortTransfer", "move-17", "alice", content))
+      << "another method";
+  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer/reply", "move-17", "alice", content))
+      << "a request's proof is no reply's";
+  EXPECT_FALSE((*t)->Accepts(proof, "ReserveTransfer", "move-17", "alice", PeerProofField("abd")))
+      << "another content";
+  EXPECT_FALSE((*t)->Accepts(
+      PeerProof("new-peer-token-012345678", "ReserveTransfer", "move-17", "alice", content),
+      "ReserveTransfer", "move-17", "alice", content))
       << "another token";
-  EXPECT_FALSE((*t)->Accepts("new-peer-token-0123456789", "ReserveTransfer", "move-17", "alice"))
+  EXPECT_FALSE(
+      (*t)->Accepts("new-peer-token-0123456789", "ReserveTransfer", "move-17", "alice", content))
       << "the token itself is no proof";
-  EXPECT_FALSE((*t)->Accepts("", "ReserveTransfer", "move-17", "alice"));
+  EXPECT_FALSE((*t)->Accepts("", "ReserveTransfer", "move-17", "alice", content));
   // The fields are length-prefixed: moving bytes between them changes the proof.
-  EXPECT_NE(PeerProof("new-peer-token-0123456789", "ReserveTransfer", "move-1", "7alice"), proof);
+  EXPECT_NE(PeerProof("new-peer-token-0123456789", "ReserveTransfer", "move-1", "7alice", content),
+            proof);
+  EXPECT_NE(
+      PeerProof("new-peer-token-0123456789", "ReserveTransfer", "move-17", "alice5:3:abc", ""),
+      proof);
+  // Nonces: 32 hex digits, never the same twice.
+  const std::string n1 = PeerNonce(), n2 = PeerNonce();
+  EXPECT_EQ(n1.size(), 32u);
+  EXPECT_NE(n1, n2);
   std::ofstream(path) << "short\n";
   absl::StatusOr<std::unique_ptr<PeerTokens>> bad = PeerTokens::Load(path);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);

@@ -386,9 +386,12 @@ class ServerImpl final : public Server {
         !options_.auth_tokens_file.empty() || !options_.tls_client_ca_file.empty();
     if (options_.peer_token_file.empty()) {
       if (t.clients_authenticated) {
-        warnings_.push_back(
-            "incoming slot transfers are refused: clients are authenticated (--auth-tokens, "
-            "--tls-client-ca) and peers cannot be without --peer-token");
+        warnings_.push_back(absl::StrCat(
+            "incoming slot transfers are refused, and ",
+            t.allowed_peers.empty() ? "outgoing ones too (no --transfer-peers)"
+                                    : "outgoing ones go to --transfer-peers only",
+            ": clients are authenticated (--auth-tokens, --tls-client-ca) and peers cannot be "
+            "without --peer-token"));
       }
       return absl::OkStatus();
     }

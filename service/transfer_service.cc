@@ -1,9 +1,12 @@
 #include "service/transfer_service.h"
 
+#include <openssl/evp.h>
+
 #include <functional>
 #include <optional>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -62,6 +65,66 @@ transfer::StateFormat FromProto(const v1::StateFormat& p) {
   return f;
 }
 
+// ---- What each peer message's proof covers (docs/transfer.md, "Peer proofs") ----------------
+// Each a sequence of PeerProofField()s; numbers in decimal, booleans 0 or 1.
+
+template <typename... V>
+std::string Fields(const V&... v) {
+  return absl::StrCat(PeerProofField(absl::StrCat(v))...);
+}
+
+// The request: the format's fields in their proto order, then seq_len, checksum_version,
+// budget_ms, nonce.
+std::string ReserveContent(const v1::ReserveTransferRequest& r) {
+  const v1::StateFormat& f = r.format();
+  return Fields(f.num_layers(), f.gate(), f.num_qk_heads(), f.num_v_heads(), f.head_k(), f.head_v(),
+                f.state_dtype(), f.params_hash(), f.conv_width(), f.conv_dtype(), f.ring_dtype(),
+                f.round_beta() ? 1 : 0, static_cast<int32_t>(f.head_layout()), f.tp_size(),
+                r.seq_len(), r.checksum_version(), r.budget_ms(), r.nonce());
+}
+
+// The reply: the request's nonce, then every field the sender acts on.
+std::string ReserveReplyContent(absl::string_view nonce, const v1::ReserveTransferResponse& r) {
+  return Fields(nonce, r.worker_address(), r.remote_addr(), r.rkey(), r.bytes(), r.doorbell_addr());
+}
+
+// The tokens as SHA-256 (hex) of their little-endian int32 bytes, their count, the checksum
+// and the nonce.
+std::string CommitContent(const v1::CommitTransferRequest& r) {
+  std::string le;
+  le.reserve(static_cast<size_t>(r.tokens_size()) * 4);
+  for (int32_t t : r.tokens()) {
+    const uint32_t u = static_cast<uint32_t>(t);
+    for (int b = 0; b < 4; ++b) le.push_back(static_cast<char>((u >> (8 * b)) & 0xff));
+  }
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  EVP_Digest(le.data(), le.size(), md, &n, EVP_sha256(), nullptr);
+  return Fields(r.tokens_size(),
+                absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(md), n)),
+                r.checksum(), r.nonce());
+}
+
+std::string CommitReplyContent(absl::string_view nonce, const v1::CommitTransferResponse& r) {
+  return Fields(nonce, r.slot());
+}
+
+std::string AbortReplyContent(absl::string_view nonce, const v1::AbortTransferResponse& r) {
+  return Fields(nonce, r.committed() ? 1 : 0, r.slot(), r.seq_len());
+}
+
+// A reply the sender cannot act on: its proof is missing or is not the receiver's over it.
+absl::Status UnprovenReply(absl::string_view method, absl::string_view proof) {
+  return absl::UnauthenticatedError(absl::StrCat(
+      "peer ", method,
+      ": expected its reply to carry the receiver's proof of the cluster's "
+      "peer token (--peer-token) over the reply, got ",
+      proof.empty() ? "none (a server without the peer token, an older replayssm, or no "
+                      "replayssm at all)"
+                    : "one that does not match it (another token, or a reply changed on its "
+                      "way)"));
+}
+
 // The sender's view of the receiving server, over its SlotTransfer service.
 class GrpcPeer final : public transfer::Peer {
  public:
@@ -86,12 +149,20 @@ class GrpcPeer final : public transfer::Peer {
     req.set_checksum_version(checksum_version);
     req.set_budget_ms(absl::ToInt64Milliseconds(budget));
     req.set_tenant(tenant_of_(id));
+    req.set_nonce(PeerNonce());
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline, "ReserveTransfer", id, req.tenant());
+    Prepare(c, deadline, "ReserveTransfer", id, req.tenant(), ReserveContent(req));
     absl::Status st =
         FromGrpcStatus(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
     if (!st.ok()) return st;
+    // Its addresses are where this process writes: only the receiver's own (an outside
+    // review: a fake peer's shifted remote_addr made the put a write into this server).
+    if (peer_tokens_ != nullptr &&
+        !peer_tokens_->Accepts(resp.proof(), "ReserveTransfer/reply", id, req.tenant(),
+                               ReserveReplyContent(req.nonce(), resp))) {
+      return UnprovenReply("ReserveTransfer", resp.proof());
+    }
     return transfer::Reservation{resp.worker_address(), resp.remote_addr(), resp.rkey(),
                                  resp.bytes(), resp.doorbell_addr()};
   }
@@ -102,22 +173,37 @@ class GrpcPeer final : public transfer::Peer {
     req.set_transfer_id(id);
     req.mutable_tokens()->Add(tokens.begin(), tokens.end());
     req.set_checksum(checksum);
+    req.set_nonce(PeerNonce());
     v1::CommitTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline, "CommitTransfer", id);
+    Prepare(c, deadline, "CommitTransfer", id, "", CommitContent(req));
     absl::Status st = FromGrpcStatus(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
     if (!st.ok()) return st;
+    // An unproven "committed" would free the source of a state nobody holds: the outcome is
+    // then unknown, and the sender asks AbortTransfer.
+    if (peer_tokens_ != nullptr &&
+        !peer_tokens_->Accepts(resp.proof(), "CommitTransfer/reply", id, "",
+                               CommitReplyContent(req.nonce(), resp))) {
+      return UnprovenReply("CommitTransfer", resp.proof());
+    }
     return resp.slot();  // the peer's wire handle
   }
 
   absl::StatusOr<transfer::Decision> Abort(const std::string& id, absl::Time deadline) override {
     v1::AbortTransferRequest req;
     req.set_transfer_id(id);
+    req.set_nonce(PeerNonce());
     v1::AbortTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline, "AbortTransfer", id);
+    Prepare(c, deadline, "AbortTransfer", id, "", Fields(req.nonce()));
     absl::Status st = FromGrpcStatus(stub_->AbortTransfer(&c, req, &resp), "peer AbortTransfer");
     if (!st.ok()) return st;
+    // An unproven decision is none: either way it would lose or duplicate the state.
+    if (peer_tokens_ != nullptr &&
+        !peer_tokens_->Accepts(resp.proof(), "AbortTransfer/reply", id, "",
+                               AbortReplyContent(req.nonce(), resp))) {
+      return UnprovenReply("AbortTransfer", resp.proof());
+    }
     return transfer::Decision{resp.committed(), resp.slot(), resp.seq_len()};
   }
 
@@ -131,17 +217,17 @@ class GrpcPeer final : public transfer::Peer {
     };
     auto* call = new Call;
     call->req.set_transfer_id(id);
-    Prepare(call->context, absl::Now() + absl::Seconds(10), "AcknowledgeTransfer", id);
+    Prepare(call->context, absl::Now() + absl::Seconds(10), "AcknowledgeTransfer", id, "", "");
     stub_->async()->AcknowledgeTransfer(&call->context, &call->req, &call->resp,
                                          [call](grpc::Status) { delete call; });
   }
 
  private:
   void Prepare(grpc::ClientContext& c, absl::Time deadline, absl::string_view method,
-               const std::string& id, absl::string_view tenant = "") const {
+               const std::string& id, absl::string_view tenant, absl::string_view content) const {
     c.set_deadline(absl::ToChronoTime(deadline));
     if (peer_tokens_ != nullptr) {
-      c.AddMetadata(kPeerProofKey, peer_tokens_->Prove(method, id, tenant));
+      c.AddMetadata(kPeerProofKey, peer_tokens_->Prove(method, id, tenant, content));
     }
   }
 
@@ -359,7 +445,8 @@ std::string TransferService::PeerIdentity(const grpc::CallbackServerContext& c) 
 absl::Status TransferService::AuthenticatePeer(const grpc::CallbackServerContext& c,
                                                absl::string_view method,
                                                const std::string& transfer_id,
-                                               absl::string_view tenant) const {
+                                               absl::string_view tenant, absl::string_view content,
+                                               const std::string* nonce) const {
   if (options_.peer_tokens == nullptr) {
     if (!options_.clients_authenticated) return absl::OkStatus();  // a trusted network
     return absl::PermissionDeniedError(absl::StrCat(
@@ -377,12 +464,22 @@ absl::Status TransferService::AuthenticatePeer(const grpc::CallbackServerContext
                      "metadata of ",
                      method, ", got none"));
   }
-  if (!options_.peer_tokens->Accepts(absl::string_view(it->second.data(), it->second.size()),
-                                     method, transfer_id, tenant)) {
+  const absl::string_view proof(it->second.data(), it->second.size());
+  if (!options_.peer_tokens->Accepts(proof, method, transfer_id, tenant, content)) {
     ctx_->metrics->CountAuthFailure("peer_unknown");
     return absl::UnauthenticatedError(absl::StrCat(
         kPeerProofKey, ": expected a proof of the cluster's peer token (--peer-token) for ", method,
-        " of this transfer_id and tenant, got another"));
+        " of this transfer_id, tenant and content (v2), got ",
+        absl::StartsWith(proof, "v1:")
+            ? "a v1 proof (a peer running an older replayssm: a cluster upgrades its peers "
+              "together)"
+            : "another"));
+  }
+  // Proven: the nonce is the sender's (its reply's proof covers it, so that a recorded reply
+  // never passes for a new one).
+  if (nonce != nullptr && (nonce->size() < 16 || nonce->size() > 128)) {
+    return FieldError("nonce", "16..128 bytes drawn at random by the sender",
+                      absl::StrCat(nonce->size(), " bytes"));
   }
   return absl::OkStatus();
 }
@@ -413,7 +510,17 @@ absl::StatusOr<TenantId> TransferService::ReceivingTenant(const std::string& nam
 }
 
 absl::Status TransferService::CheckPeer(const std::string& address) const {
-  if (options_.allowed_peers.empty()) return absl::OkStatus();
+  if (options_.allowed_peers.empty()) {
+    // Any address a client names: only where its replies are proven, or its clients trusted.
+    // A client-named fake peer's reservation was a write wherever it said, in this process.
+    if (options_.peer_tokens != nullptr || !options_.clients_authenticated) {
+      return absl::OkStatus();
+    }
+    return absl::PermissionDeniedError(absl::StrCat(
+        "peer_address: this server dials no peer a client names (got \"", address,
+        "\"): it authenticates its clients (--auth-tokens, --tls-client-ca) but has neither "
+        "--peer-token (peers prove their replies) nor --transfer-peers (the peers it trusts)"));
+  }
   for (const std::string& p : options_.allowed_peers) {
     if (p == address) return absl::OkStatus();
   }
@@ -531,7 +638,8 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
   // An unauthenticated call is no transfer: counted in replayssm_auth_failures_total alone.
-  if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer", req->transfer_id(), req->tenant());
+  if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer", req->transfer_id(), req->tenant(),
+                                         ReserveContent(*req), &req->nonce());
       !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
@@ -562,13 +670,19 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   resp->set_rkey(r->rkey);
   resp->set_bytes(r->bytes);
   resp->set_doorbell_addr(r->doorbell_addr);
+  if (options_.peer_tokens != nullptr) {
+    resp->set_proof(options_.peer_tokens->Prove("ReserveTransfer/reply", req->transfer_id(),
+                                                req->tenant(),
+                                                ReserveReplyContent(req->nonce(), *resp)));
+  }
   return Reply(c, "ReserveTransfer", absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
                                                           const v1::CommitTransferRequest* req,
                                                           v1::CommitTransferResponse* resp) {
-  absl::Status st = AuthenticatePeer(*c, "CommitTransfer", req->transfer_id());
+  absl::Status st = AuthenticatePeer(*c, "CommitTransfer", req->transfer_id(), "",
+                                     CommitContent(*req), &req->nonce());
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
   if (!st.ok()) return Reply(c, "CommitTransfer", st);
@@ -593,13 +707,18 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
     ctx_->cache->SetPrefixNamespace(d->slot, owner.prefix_namespace()).IgnoreError();
   }
   resp->set_slot(owner.slots.ToWire(d->slot));
+  if (options_.peer_tokens != nullptr) {
+    resp->set_proof(options_.peer_tokens->Prove("CommitTransfer/reply", req->transfer_id(), "",
+                                                CommitReplyContent(req->nonce(), *resp)));
+  }
   return Reply(c, "CommitTransfer", absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerContext* c,
                                                          const v1::AbortTransferRequest* req,
                                                          v1::AbortTransferResponse* resp) {
-  absl::Status st = AuthenticatePeer(*c, "AbortTransfer", req->transfer_id());
+  absl::Status st = AuthenticatePeer(*c, "AbortTransfer", req->transfer_id(), "",
+                                     Fields(req->nonce()), &req->nonce());
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (!st.ok()) return Reply(c, "AbortTransfer", st);
   const transfer::Decision d = receiver_->Abort(req->transfer_id(), PeerIdentity(*c));
@@ -608,13 +727,17 @@ grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerCon
     resp->set_slot(ctx_->ForTenant(static_cast<TenantId>(d.owner)).slots.ToWire(d.slot));
     resp->set_seq_len(d.seq_len);
   }
+  if (options_.peer_tokens != nullptr) {
+    resp->set_proof(options_.peer_tokens->Prove("AbortTransfer/reply", req->transfer_id(), "",
+                                                AbortReplyContent(req->nonce(), *resp)));
+  }
   return Reply(c, "AbortTransfer", absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* TransferService::AcknowledgeTransfer(
     grpc::CallbackServerContext* c, const v1::AcknowledgeTransferRequest* req,
     v1::AcknowledgeTransferResponse*) {
-  absl::Status st = AuthenticatePeer(*c, "AcknowledgeTransfer", req->transfer_id());
+  absl::Status st = AuthenticatePeer(*c, "AcknowledgeTransfer", req->transfer_id(), "", "");
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (!st.ok()) return Reply(c, "AcknowledgeTransfer", st);
   receiver_->Acknowledge(req->transfer_id(), PeerIdentity(*c));  // only the reserving peer's

@@ -97,13 +97,15 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   // Who is calling, for the per-peer reservation bound: the mTLS identity, else the host.
   static std::string PeerIdentity(const grpc::CallbackServerContext& c);
   // A peer method's caller must be a peer: with --peer-token it presents a proof of that
-  // token for this method, transfer id and tenant (secrets.h; UNAUTHENTICATED otherwise,
-  // counted as an auth failure of reason peer_missing or peer_unknown, not as a transfer
-  // failure); without one, a server that authenticates its clients takes no peer calls at all
-  // (PERMISSION_DENIED).
+  // token for this method, transfer id, tenant and the request's `content` (secrets.h;
+  // UNAUTHENTICATED otherwise, counted as an auth failure of reason peer_missing or
+  // peer_unknown, not as a transfer failure), and its `nonce` (when the method has one) is
+  // 16..128 bytes (INVALID_ARGUMENT); without one, a server that authenticates its clients
+  // takes no peer calls at all (PERMISSION_DENIED).
   absl::Status AuthenticatePeer(const grpc::CallbackServerContext& c, absl::string_view method,
-                                const std::string& transfer_id,
-                                absl::string_view tenant = "") const;
+                                const std::string& transfer_id, absl::string_view tenant,
+                                absl::string_view content,
+                                const std::string* nonce = nullptr) const;
   // The manager's id of a caller's move: request ids are the tenant's own (with tenants,
   // "<tenant id>/<request id>"; another tenant's id never joins or replays its move).
   std::string MoveId(TenantId tenant, const std::string& request_id) const;
@@ -113,7 +115,9 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   // Receiver side: the tenant that gets an incoming slot, by the sender's tenant name: the
   // implicit tenant without --auth-tokens, else the tenant of that name or PERMISSION_DENIED.
   absl::StatusOr<TenantId> ReceivingTenant(const std::string& name) const;
-  // PERMISSION_DENIED naming peer_address unless `address` is an allowed peer.
+  // PERMISSION_DENIED naming peer_address unless `address` is an allowed peer: one of
+  // --transfer-peers, or without them any address, except on a server that authenticates its
+  // clients without --peer-token (nothing then proves a client-named peer's replies).
   absl::Status CheckPeer(const std::string& address) const;
   // Finishes `reactor` with `status` and counts the call.
   void Finish(grpc::ServerUnaryReactor* reactor, absl::string_view method,

@@ -4,8 +4,6 @@
 // regions (its valid handle is NOT_FOUND exactly as an unknown one); a changed token file is
 // read again; a moved slot belongs to its sender's tenant on the receiver.
 #include <fcntl.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -19,11 +17,11 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "peer_proofs.h"
 #include "service_fixture.h"
 #include "transfer_proxy.h"
 
@@ -54,43 +52,6 @@ class TokenFile {
   std::string path_;
 };
 
-// The metadata key of a peer call's proof of the peer token.
-constexpr char kPeerProofKey[] = "replayssm-peer-proof";
-
-// The proof of `token` for one peer call, computed here as docs/transfer.md specifies it (not
-// with the server's code): "v1:" and the hex HMAC-SHA256, keyed with the token, of
-// "replayssm-peer-proof-v1\n" and the method, transfer id and tenant, each <length>:<bytes>.
-std::string PeerProof(const std::string& token, const std::string& method, const std::string& id,
-                      const std::string& tenant) {
-  const std::string message = absl::StrCat("replayssm-peer-proof-v1\n", method.size(), ":", method,
-                                           id.size(), ":", id, tenant.size(), ":", tenant);
-  unsigned char mac[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
-       reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &n);
-  return absl::StrCat("v1:", absl::BytesToHexString(std::string(reinterpret_cast<char*>(mac), n)));
-}
-
-// The cluster's peer token (--peer-token), owner-readable only.
-class PeerTokenFile {
- public:
-  PeerTokenFile() : path_(absl::StrCat(::testing::TempDir(), "/replayssm-peer-", getpid())) {
-    std::ofstream(path_) << kPeerToken << "\n";
-    chmod(path_.c_str(), 0600);
-  }
-  ~PeerTokenFile() { std::remove(path_.c_str()); }
-  std::string Flag() const { return "--peer-token=" + path_; }
-  static constexpr char kPeerToken[] = "peer-token-0123456789abcdef";
-  // What a server holding the token sends with a peer call (`token`: another one's).
-  static void Prove(grpc::ClientContext& c, const std::string& method, const std::string& id,
-                    const std::string& tenant = "") {
-    c.AddMetadata(kPeerProofKey, PeerProof(kPeerToken, method, id, tenant));
-  }
-
- private:
-  std::string path_;
-};
-
 std::string Tokens() {
   return absl::StrCat("# tenant token\nalice ", kAlice, "\nalice ", kAlice2, "\nbob ", kBob, "\n");
 }
@@ -103,8 +64,9 @@ std::unique_ptr<Client> As(const ServerProcess& server, const std::string& token
 
 class TenantsTest : public ServiceTest {
  protected:
+  // --transfer-peers: without a peer token, a server with tenants dials only listed peers.
   std::vector<std::string> ServerFlags() const override {
-    return {"--track-interval=16", tokens_.Flag()};
+    return {"--track-interval=16", tokens_.Flag(), "--transfer-peers=127.0.0.1:1"};
   }
   void SetUp() override {
     // The fixture's own client speaks as alice.
@@ -656,14 +618,15 @@ TEST(TenantTransfers, AMovedSlotLandsInItsTenantWhateverReservationsComeMeanwhil
     r.set_tenant("bob");
     v1::ReserveTransferResponse reserved;
     grpc::ClientContext rc;
-    PeerTokenFile::Prove(rc, "ReserveTransfer", r.transfer_id(), r.tenant());  // a peer's
+    r.clear_nonce();
+    PeerTokenFile::Prove(rc, r);  // a peer's
     const grpc::Status st = stub->ReserveTransfer(&rc, r, &reserved);
     ASSERT_TRUE(st.ok()) << i << ": " << st.error_message();
     v1::AbortTransferRequest abort;
     abort.set_transfer_id(r.transfer_id());
     v1::AbortTransferResponse aborted;
     grpc::ClientContext ac;
-    PeerTokenFile::Prove(ac, "AbortTransfer", abort.transfer_id());
+    PeerTokenFile::Prove(ac, abort);
     ASSERT_TRUE(stub->AbortTransfer(&ac, abort, &aborted).ok()) << i;
   }
   flooded.Notify();
@@ -701,7 +664,8 @@ TEST(TenantTransfers, AReservationCountsAgainstItsTenantsSlotBound) {
     r.set_transfer_id(id);
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    PeerTokenFile::Prove(c, "ReserveTransfer", id, r.tenant());
+    r.clear_nonce();
+    PeerTokenFile::Prove(c, r);
     return stub->ReserveTransfer(&c, r, &resp);
   };
   auto abort = [&](const std::string& id) {
@@ -709,7 +673,7 @@ TEST(TenantTransfers, AReservationCountsAgainstItsTenantsSlotBound) {
     r.set_transfer_id(id);
     v1::AbortTransferResponse resp;
     grpc::ClientContext c;
-    PeerTokenFile::Prove(c, "AbortTransfer", id);
+    PeerTokenFile::Prove(c, r);
     return stub->AbortTransfer(&c, r, &resp).ok();
   };
   const grpc::Status full = reserve("q-0");
@@ -764,10 +728,10 @@ TEST(PeerCredentials, OnlyThePeerTokenOpensThePeerMethods) {
   EXPECT_EQ(reserve("tenant", "authorization", absl::StrCat("Bearer ", kAlice)),
             grpc::StatusCode::UNAUTHENTICATED)
       << "a client's token is no peer's";
-  EXPECT_EQ(
-      reserve("guess", kPeerProofKey,
-              PeerProof("peer-token-0123456789abcdeX", "ReserveTransfer", "guess", seen.tenant())),
-      grpc::StatusCode::UNAUTHENTICATED)
+  EXPECT_EQ(reserve("guess", kPeerProofKey,
+                    PeerProof("peer-token-0123456789abcdeX", "ReserveTransfer", "guess",
+                              seen.tenant(), ReserveContent(seen))),
+            grpc::StatusCode::UNAUTHENTICATED)
       << "a proof of another token";
   EXPECT_EQ(reserve("raw", kPeerProofKey, PeerTokenFile::kPeerToken),
             grpc::StatusCode::UNAUTHENTICATED)

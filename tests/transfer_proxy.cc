@@ -51,11 +51,14 @@ std::unique_ptr<v1::SlotTransfer::Stub> TransferProxy::Stub() {
 template <typename Req, typename Resp>
 grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp* resp,
                                    std::function<Action(Req&)> Hooks::*hook,
-                                   Forwarder<Req, Resp> call) {
+                                   Forwarder<Req, Resp> call,
+                                   std::function<void(Resp&)> Hooks::*reply) {
   std::function<Action(Req&)> before;
+  std::function<void(Resp&)> after;
   {
     absl::MutexLock lock(&mu_);
     before = hooks_.*hook;
+    if (reply != nullptr) after = hooks_.*reply;
   }
   Req forwarded = req;
   const Action action = before ? before(forwarded) : Action::kForward;
@@ -67,6 +70,10 @@ grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp*
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     return grpc::Status(grpc::StatusCode::CANCELLED, "proxy: held until the caller gave up");
+  }
+  if (action == Action::kAnswer) {
+    if (after) after(*resp);
+    return grpc::Status::OK;
   }
   grpc::ClientContext cc;
   cc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
@@ -80,6 +87,7 @@ grpc::Status TransferProxy::Handle(grpc::ServerContext* c, const Req& req, Resp*
   if (action == Action::kForwardLoseReply) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "proxy: the peer's reply was lost");
   }
+  if (forwarded_status.ok() && after) after(*resp);
   return forwarded_status;
 }
 
@@ -95,21 +103,24 @@ grpc::Status TransferProxy::ReserveTransfer(grpc::ServerContext* c,
                                      std::string(value.data(), value.size()));
     }
   }
-  return Handle(c, *req, resp, &Hooks::reserve, &v1::SlotTransfer::Stub::ReserveTransfer);
+  return Handle(c, *req, resp, &Hooks::reserve, &v1::SlotTransfer::Stub::ReserveTransfer,
+                &Hooks::reserve_reply);
 }
 
 grpc::Status TransferProxy::CommitTransfer(grpc::ServerContext* c,
                                            const v1::CommitTransferRequest* req,
                                            v1::CommitTransferResponse* resp) {
   ++commits_;
-  return Handle(c, *req, resp, &Hooks::commit, &v1::SlotTransfer::Stub::CommitTransfer);
+  return Handle(c, *req, resp, &Hooks::commit, &v1::SlotTransfer::Stub::CommitTransfer,
+                &Hooks::commit_reply);
 }
 
 grpc::Status TransferProxy::AbortTransfer(grpc::ServerContext* c,
                                           const v1::AbortTransferRequest* req,
                                           v1::AbortTransferResponse* resp) {
   ++aborts_;
-  return Handle(c, *req, resp, &Hooks::abort, &v1::SlotTransfer::Stub::AbortTransfer);
+  return Handle(c, *req, resp, &Hooks::abort, &v1::SlotTransfer::Stub::AbortTransfer,
+                &Hooks::abort_reply);
 }
 
 grpc::Status TransferProxy::AcknowledgeTransfer(grpc::ServerContext* c,

@@ -4,7 +4,8 @@
 // (after a delay, a SIGSTOP of the receiver, an edit of the request, ...), answer it with an
 // error without forwarding, or never answer it (a hung peer). The bytes themselves go over
 // UCX straight from the sender to the receiver named in the reservation. The sender's proof
-// of the peer token (metadata replayssm-peer-proof) is passed on.
+// of the peer token (metadata replayssm-peer-proof) is passed on. A test may also edit a reply
+// on its way back, or make one up (a fake peer).
 #ifndef REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 #define REPLAYSSM_TESTS_TRANSFER_PROXY_H_
 
@@ -24,10 +25,11 @@ namespace replayssm::testing {
 class TransferProxy final : public v1::SlotTransfer::Service {
  public:
   enum class Action {
-    kForward,  // pass the (possibly edited) request to the target and its answer back
-    kRefuse,   // answer UNAVAILABLE without forwarding, as a peer that went away would
-    kHang,     // never answer (until the proxy stops or the caller gives up)
+    kForward,           // pass the (possibly edited) request to the target and its answer back
+    kRefuse,            // answer UNAVAILABLE without forwarding, as a peer that went away would
+    kHang,              // never answer (until the proxy stops or the caller gives up)
     kForwardLoseReply,  // forward it, then answer UNAVAILABLE: the target's reply was lost
+    kAnswer,            // answer OK without forwarding: an empty reply, edited by the reply hook
   };
   // Called on the proxy's gRPC thread before a call is forwarded; may block, edit the request.
   struct Hooks {
@@ -35,6 +37,10 @@ class TransferProxy final : public v1::SlotTransfer::Service {
     std::function<Action(v1::CommitTransferRequest&)> commit;
     std::function<Action(v1::AbortTransferRequest&)> abort;
     std::function<Action(v1::AcknowledgeTransferRequest&)> acknowledge;
+    // Called on a reply before it goes back (a forwarded OK one, or kAnswer's empty one).
+    std::function<void(v1::ReserveTransferResponse&)> reserve_reply;
+    std::function<void(v1::CommitTransferResponse&)> commit_reply;
+    std::function<void(v1::AbortTransferResponse&)> abort_reply;
   };
 
   // Listens on a loopback port (0: a free one) and forwards to `target` (host:port).
@@ -70,7 +76,8 @@ class TransferProxy final : public v1::SlotTransfer::Service {
   // Runs the hook on a copy of the request, then forwards it (`call`), refuses or hangs.
   template <typename Req, typename Resp>
   grpc::Status Handle(grpc::ServerContext* c, const Req& req, Resp* resp,
-                      std::function<Action(Req&)> Hooks::*hook, Forwarder<Req, Resp> call);
+                      std::function<Action(Req&)> Hooks::*hook, Forwarder<Req, Resp> call,
+                      std::function<void(Resp&)> Hooks::*reply = nullptr);
   std::unique_ptr<v1::SlotTransfer::Stub> Stub() ABSL_LOCKS_EXCLUDED(mu_);
 
   std::string address_;
