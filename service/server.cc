@@ -469,6 +469,13 @@ class ServerImpl final : public Server {
     while (options_.drain_wait_slots && !gate_.failed() && cache_->stats().slots_live > 0 &&
            absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(50));
+    // Incoming transfers reserved before the drain: their commits are refused, and each sender
+    // then asks AbortTransfer to learn that nothing was committed. A server gone before that
+    // answer left the sender in doubt, its source locked for good (an outside review): the
+    // drain waits (within --drain-timeout) until every reservation is decided.
+    while (transfers_->incoming_open() > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
     }
     transfers_->Stop();  // waiting transfers are refused, running ones end
     // Open forwards are done; idle streams and calls in flight get a short grace period.

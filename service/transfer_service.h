@@ -69,6 +69,8 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   void set_self_address(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   // Refuses new outgoing transfers, answers the waiting ones and waits for the running ones.
   void Stop();
+  // Incoming transfers reserved and not yet decided (committed, aborted or expired).
+  int incoming_open() const { return receiver_->open(); }
   // Frees an idle slot (slot leases) through the receiver: a commit its sender has not
   // acknowledged becomes an abort with it (transfer::Receiver::FreeSlot).
   absl::Status FreeIdleSlot(cache::SlotId slot) { return receiver_->FreeSlot(slot); }

@@ -155,6 +155,41 @@ TEST_F(TransferTest, ADrainingServerTakesNoIncomingStateAndTheSenderKeepsItsSour
   ASSERT_TRUE(exit.ok()) << exit.status();
 }
 
+// The same with nothing else open on the receiver: its drain found no forward and shut down
+// about half a second after SIGTERM, while a sender's commit was still on its way. The commit
+// and then the abort that asks for the decision met a closed port, and the sender stayed in
+// doubt with its source locked for good (an outside review). The drain now waits until every
+// reservation is decided: the commit is refused, the abort answered, the source released.
+TEST_F(TransferTest, ADrainWaitsForItsReservationsToBeDecided) {
+  auto b = StartPeer({"--drain-timeout=60", "--transfer-lease=60"});
+  ASSERT_NE(b, nullptr);
+  auto proxy = TransferProxy::Start(b->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  absl::Notification committing, signalled;
+  proxy->set_hooks({.commit = [&](v1::CommitTransferRequest&) {
+    committing.Notify();
+    signalled.WaitForNotification();  // the commit is on its way while the drain begins
+    return Action::kForward;
+  }});
+  const uint64_t s = PreparedSlot();
+  const std::string before = client_->Export(s)->SerializeAsString();
+  absl::StatusOr<v1::TransferSlotResponse> late;
+  std::thread mover([&] { late = client_->TransferSlot(s, proxy->address(), false); });
+  ASSERT_TRUE(committing.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  b->Signal(SIGTERM);
+  absl::SleepFor(absl::Seconds(1.5));  // the old drain had shut down by now
+  signalled.Notify();
+  mover.join();
+  ASSERT_FALSE(late.ok()) << "committed into a draining server";
+  EXPECT_TRUE(absl::StrContains(late.status().message(), "draining")) << late.status();
+  EXPECT_EQ(Metric(*server_, "replayssm_transfer_in_doubt"), 0) << late.status();
+  EXPECT_EQ(client_->Export(s)->SerializeAsString(), before) << "the source, released";
+  EXPECT_TRUE(client_->Decode(DecodeRequest({s}, Layers(1))).ok());
+  auto exit = b->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, 0);
+}
+
 TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
   auto b = StartPeer({"--model=tiny-kda"});
   ASSERT_NE(b, nullptr);
