@@ -136,6 +136,11 @@ void CacheEventLog::Unwatch(KvEventListener* listener) {
   listeners_.erase(listener);
 }
 
+void CacheEventLog::TokensChanged() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [listener, tenant] : listeners_) listener->OnTokensChanged();
+}
+
 void CacheEventLog::Flush() {
   absl::MutexLock flush(&flush_mu_);
   FlushHeld();

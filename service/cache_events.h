@@ -72,6 +72,9 @@ class KvEventListener {
  public:
   virtual ~KvEventListener() = default;
   virtual void OnBatch(TenantId tenant, const KvEventBatch& batch) = 0;
+  // The token file changed (--auth-tokens): a listener that acts for a tenant's token checks
+  // it is still there (on the reloading thread, under the log's lock).
+  virtual void OnTokensChanged() {}
 };
 
 struct CacheEventLogOptions {
@@ -103,6 +106,8 @@ class CacheEventLog {
   // The kept batches of `tenant` from `from_seq` on (the ZMQ replay; no resync).
   std::vector<KvEventBatch> Replay(TenantId tenant, uint64_t from_seq) ABSL_LOCKS_EXCLUDED(mu_);
   void Unwatch(KvEventListener* listener) ABSL_LOCKS_EXCLUDED(mu_);
+  // Tells every listener that the token file changed (KvEventListener::OnTokensChanged).
+  void TokensChanged() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Numbers and hands out a batch of one AllBlocksCleared for `tenant` (after what is queued):
   // a publisher's start, which tells routers to drop what they knew of this server.

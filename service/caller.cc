@@ -26,6 +26,12 @@ absl::StatusOr<ServiceContext> CallerContext(const grpc::ServerContextBase& c,
   if (ctx.tokens == nullptr) return ctx.ForTenant(kImplicitTenant);
   std::optional<absl::string_view> authorization;
   const auto& md = c.client_metadata();
+  // Two headers: which one a proxy in front checked is unknown, so neither is taken.
+  if (const size_t n = md.count(kAuthorizationKey); n > 1) {
+    ctx.metrics->CountAuthFailure(Reason(AuthFailure::kMalformed));
+    return absl::UnauthenticatedError(absl::StrCat(
+        "authorization: expected one `authorization: Bearer <token>` header, got ", n));
+  }
   if (auto it = md.find(kAuthorizationKey); it != md.end()) {
     authorization = absl::string_view(it->second.data(), it->second.size());
   }

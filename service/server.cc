@@ -265,8 +265,13 @@ class ServerImpl final : public Server {
     ctx_.tenant_regions = tenant_regions_.get();
     // Calls look at the file at most once a second when they come; streams already open
     // check the loaded tokens (CheckStillAuthorized), so the server looks for them.
+    // WatchCache streams wait for events: they are told when the file changed.
     token_reload_ = std::make_unique<PeriodicSweep>(
-        absl::Seconds(1), [t = tokens_.get()](absl::Time) { t->Reload(false).IgnoreError(); });
+        absl::Seconds(1), [t = tokens_.get(), events = events_.get()](absl::Time) {
+          const uint64_t before = t->generation();
+          t->Reload(false).IgnoreError();
+          if (t->generation() != before) events->TokensChanged();
+        });
     return absl::OkStatus();
   }
 
@@ -464,11 +469,6 @@ class ServerImpl final : public Server {
     server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
     const absl::Time deadline = absl::Now() + options_.drain_timeout;
     gate_.WaitIdle(options_.drain_timeout);
-    // Outgoing moves and Free still work while draining; incoming states are refused.
-    // Slots on a failed device cannot be moved off: no wait for them then.
-    while (options_.drain_wait_slots && !gate_.failed() && cache_->stats().slots_live > 0 &&
-           absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(50));
     // Incoming transfers reserved before the drain: their commits are refused, and each sender
     // then asks AbortTransfer to learn that nothing was committed. A server gone before that
     // answer left the sender in doubt, its source locked for good (an outside review): the
@@ -476,6 +476,11 @@ class ServerImpl final : public Server {
     while (transfers_->incoming_open() > 0 && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(20));
     }
+    // Outgoing moves and Free still work while draining; incoming states are refused.
+    // Slots on a failed device cannot be moved off: no wait for them then.
+    while (options_.drain_wait_slots && !gate_.failed() && cache_->stats().slots_live > 0 &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(50));
     }
     transfers_->Stop();  // waiting transfers are refused, running ones end
     // Open forwards are done; idle streams and calls in flight get a short grace period.

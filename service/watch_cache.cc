@@ -77,6 +77,16 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
     NextLocked();
   }
 
+  // A revoked token's stream ends now, not at its next batch (an outside review: a quiet
+  // tenant's stream stayed open, holding --max-watchers room, until its next event).
+  void OnTokensChanged() override {
+    absl::MutexLock lock(&mu_);
+    if (finished_ || writing_ || !started_) return;  // the next write checks it
+    if (absl::Status s = CheckStillAuthorized(*c_, caller_, &tokens_checked_); !s.ok()) {
+      FinishLocked(s);
+    }
+  }
+
   void OnWriteDone(bool ok) override {
     absl::MutexLock lock(&mu_);
     writing_ = false;

@@ -331,6 +331,43 @@ TEST_F(TenantsTest, ARemovedTokenEndsTheStreamsItOpened) {
   EXPECT_EQ(Metric("replayssm_auth_failures_total{reason=\"revoked\"}"), 2);
 }
 
+// A watcher of a quiet tenant: its stream checked the token only before a batch went out, so
+// with no event to send a removed token's stream stayed open (holding --max-watchers room)
+// until its client's deadline (an outside review). It ends when the file's change is read.
+TEST_F(TenantsTest, ARemovedTokensQuietWatcherEndsWithoutAnEvent) {
+  auto stub = v1::ReplaySsm::NewStub(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext wc;
+  wc.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice2));
+  wc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto watch = stub->WatchCache(&wc, v1::WatchCacheRequest());
+  v1::CacheEventBatch batch;
+  ASSERT_TRUE(watch->Read(&batch)) << "the catch-up";
+  const absl::Time removed = absl::Now();
+  tokens_.Write(absl::StrCat("alice ", kAlice, "\nbob ", kBob, "\n"));
+  EXPECT_FALSE(watch->Read(&batch));
+  const grpc::Status ended = watch->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAUTHENTICATED) << ended.error_message();
+  EXPECT_LT(absl::Now() - removed, absl::Seconds(10)) << "ended by the reload, not the deadline";
+}
+
+// Two authorization headers: a proxy in front may have checked the other one, so neither is
+// taken (the server used the first).
+TEST_F(TenantsTest, TwoAuthorizationHeadersAreRefused) {
+  auto stub = v1::ReplaySsm::NewStub(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext c;
+  c.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
+  c.AddMetadata("authorization", absl::StrCat("Bearer ", kBob));
+  v1::GetInfoResponse info;
+  const grpc::Status st = stub->GetInfo(&c, v1::GetInfoRequest(), &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_NE(st.error_message().find("expected one `authorization: Bearer <token>` header, got 2"),
+            std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(Metric("replayssm_auth_failures_total{reason=\"malformed\"}"), 1);
+}
+
 // --tenant-max-streams and --tenant-max-watchers: one tenant's open streams cannot take every
 // one (an outside review: alice's 64 WatchCache streams locked bob's router out).
 class TenantStreamBoundTest : public TenantsTest {
