@@ -8,6 +8,7 @@ The server binary comes from $REPLAYSSM_SERVER (ctest sets it to the built repla
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -57,6 +58,17 @@ class ServerProcess:
 
     def signal(self, sig):
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:  # stopped once this returns, not when the kernel gets to it
+            deadline = time.monotonic() + 10
+            while self._state() not in ("T", "t") and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    def _state(self):
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return ""
 
     def wait_exit(self, timeout):
         return self.proc.wait(timeout=timeout)
