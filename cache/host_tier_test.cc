@@ -357,6 +357,74 @@ TEST_F(HostTierTest, NamespacesAndTheirBoundHoldOnTheHost) {
   EXPECT_EQ(q->matched, 3);
 }
 
+// A namespace at its bound with a pool that has room: the bound's eviction dropped its oldest
+// snapshot, host tier or not (an outside review: a capped tenant's host tier stayed empty and
+// its prompts were gone). A donation now moves the oldest to the host first; a forward's track
+// snapshot does not wait, and the spiller copies a full namespace's oldest ahead of it.
+TEST_F(HostTierTest, ANamespaceAtItsBoundMovesItsOldestToTheHost) {
+  {
+    SCOPED_TRACE("donations, no spiller");
+    std::unique_ptr<StateCache> c = Make(16, 8, HostPolicy::kLru, /*ns_bound=*/2);
+    for (int32_t i = 0; i < 4; ++i) Donate(*c, {10 * i + 1, 10 * i + 2, 10 * i + 3}, 1);
+    const CacheStats s = c->stats();
+    EXPECT_EQ(s.snapshot_evictions, 2);
+    EXPECT_EQ(s.snapshot_spills, 2) << "every eviction went to the host";
+    EXPECT_EQ(s.host_snapshots, 2);
+    for (int32_t i = 0; i < 4; ++i) {
+      EXPECT_EQ(c->MatchPrefixIn(1, {10 * i + 1, 10 * i + 2, 10 * i + 3, 0}), 3) << i;
+    }
+    // A hit on the host at the bound is promoted into a slot, and no snapshot of the
+    // namespace is evicted for it (a promotion never evicts).
+    const int64_t evictions = c->stats().snapshot_evictions;
+    absl::StatusOr<StateCache::PrefixAllocation> p = c->AllocateFromPrefixIn(1, {1, 2, 3, 0});
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->matched, 3);
+    EXPECT_EQ(c->stats().snapshot_evictions, evictions);
+    EXPECT_EQ(c->MatchPrefixIn(1, {31, 32, 33, 0}), 3);
+  }
+  {
+    SCOPED_TRACE("track snapshots, the spiller on");
+    std::unique_ptr<StateCache> c =
+        Make(16, 16, HostPolicy::kLru, /*ns_bound=*/2, /*track=*/4, /*spill_ahead=*/1);
+    absl::StatusOr<StateCache::PrefixAllocation> a = c->AllocateFromPrefixIn(1, {});
+    ASSERT_TRUE(a.ok()) << a.status();
+    std::vector<int32_t> history;
+    for (int32_t i = 0; i < 24; ++i) {  // 6 track snapshots into a share of 2
+      const int32_t t = 200 + i;
+      Batch one = oracle_->MakeBatch({{t, i}});
+      absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{a->slot, t}});
+      ASSERT_TRUE(f.ok()) << f.status();
+      for (int l = 0; l < c->model().num_layers; ++l) {
+        ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+      }
+      ASSERT_TRUE((*f)->Commit().ok());
+      history.push_back(t);
+      // The share full: the spiller copies its oldest (the next to go) to the host.
+      const absl::Time deadline = absl::Now() + absl::Seconds(10);
+      for (CacheStats s = c->stats(); s.slots_snapshot >= 2 && s.host_backed_snapshots < 1;
+           s = c->stats()) {
+        ASSERT_LT(absl::Now(), deadline) << "at token " << i;
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+    }
+    const CacheStats s = c->stats();
+    EXPECT_EQ(s.snapshots_taken, 6);
+    EXPECT_EQ(s.snapshot_evictions, 4);
+    EXPECT_EQ(s.snapshot_spills, s.snapshot_evictions) << "every eviction went to the host";
+    // The share bounds each tier: the newest 2 in backend memory, and on the host the 2 spilled
+    // last (it replaced its own older entries): the one before them, and the older of the two in
+    // backend memory, copied ahead of its eviction (the price of copying ahead: one entry of the
+    // share holds a state backend memory holds too).
+    for (size_t k = 4; k <= history.size(); k += 4) {
+      std::vector<int32_t> probe(history.begin(), history.begin() + k);
+      probe.push_back(0);
+      const int64_t found = c->MatchPrefixIn(1, probe);
+      EXPECT_EQ(found, k >= 16 ? static_cast<int64_t>(k) : 0) << "the snapshot at " << k;
+    }
+    EXPECT_EQ(c->stats().host_snapshots, 2);
+  }
+}
+
 // A state with a NaN never becomes a snapshot, so no pressure can move it to the host.
 TEST_F(HostTierTest, ANonFiniteStateNeverReachesTheHost) {
   std::unique_ptr<StateCache> c = Make(3, 4);

@@ -1,8 +1,10 @@
 // The prefix cache: snapshots (taken, donated, found by prefix, evicted), their namespaces,
 // and the host tier's spills and promotions.
 #include <algorithm>
+#include <functional>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -100,10 +102,10 @@ void StateCacheImpl::DropBackendLocked(int32_t victim) {
   free_.push_back(victim);
 }
 
-int32_t StateCacheImpl::LruVictimLocked() const {
+int32_t StateCacheImpl::LruVictimLocked(const std::function<bool(const Slot&)>& which) const {
   for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
     const Slot& s = slots_[*it];
-    if (s.refs == 0 && !s.busy) return *it;
+    if (s.refs == 0 && !s.busy && which(s)) return *it;
   }
   return -1;
 }
@@ -123,9 +125,18 @@ void StateCacheImpl::LinkHostLocked(int32_t index) {
   if (s.host >= 0) host_->entry(s.host).backend_slot = index;
 }
 
-bool StateCacheImpl::ReserveSnapshotLocked(PrefixNamespace ns) {
+bool StateCacheImpl::NamespaceFullLocked(PrefixNamespace ns) const {
   const int64_t bound = options_.max_snapshots_per_namespace;
-  if (bound > 0 && ns_snapshots_[ns] >= bound &&
+  if (bound <= 0) return false;
+  const auto it = ns_snapshots_.find(ns);
+  return it != ns_snapshots_.end() && it->second >= bound;
+}
+
+bool StateCacheImpl::ReserveSnapshotLocked(PrefixNamespace ns) {
+  // At the bound its own oldest goes: one the host holds first (nothing is lost), else any.
+  if (NamespaceFullLocked(ns) && !(host_ != nullptr && EvictLruLocked([&](const Slot& s) {
+                                     return s.ns == ns && HostBackedLocked(s);
+                                   })) &&
       !EvictLruLocked([ns](const Slot& s) { return s.ns == ns; })) {
     return false;
   }
@@ -145,13 +156,25 @@ void StateCacheImpl::EmitLocked(CacheEvent::Type type, PrefixNamespace ns,
 }
 
 void StateCacheImpl::MakeRoom(size_t n) {
+  SpillUntil([this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return free_.size() >= n; },
+             [](const Slot&) { return true; });
+}
+
+void StateCacheImpl::MakeNamespaceRoom(PrefixNamespace ns) {
+  if (options_.max_snapshots_per_namespace <= 0) return;
+  SpillUntil([this, ns]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !NamespaceFullLocked(ns); },
+             [ns](const Slot& s) { return s.ns == ns; });
+}
+
+void StateCacheImpl::SpillUntil(const std::function<bool()>& done,
+                                const std::function<bool(const Slot&)>& which) {
   if (host_ == nullptr) return;
   for (;;) {
     int32_t victim = -1, e = -1;
     {
       absl::MutexLock lock(&mu_);
-      if (free_.size() >= n) return;
-      victim = LruVictimLocked();
+      if (done()) return;
+      victim = LruVictimLocked(which);
       if (victim < 0 && spills_in_flight_ > 0) {
         // The evictable snapshots are being copied to the host (the spiller's, or another
         // call's MakeRoom): wait for the copies, a moment, then evict them without loss. It
@@ -220,6 +243,18 @@ int32_t StateCacheImpl::SpillAheadVictimLocked() const {
       continue;
     }
     return *it;
+  }
+  // A namespace at its bound (max_snapshots_per_namespace) evicts its own oldest at its next
+  // snapshot, in the forward that takes it: that one goes to the host first, so that the
+  // eviction loses nothing (an outside review: a capped tenant's evictions were all drops).
+  if (options_.max_snapshots_per_namespace <= 0) return -1;
+  absl::flat_hash_set<PrefixNamespace> looked;
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    const Slot& s = slots_[*it];
+    if (s.refs > 0 || s.busy || !NamespaceFullLocked(s.ns) || !looked.insert(s.ns).second) {
+      continue;
+    }
+    if (!HostBackedLocked(s)) return *it;  // its oldest: the next to go
   }
   return -1;
 }
@@ -290,8 +325,11 @@ absl::Status StateCacheImpl::StartPromotionLocked(PrefixNamespace ns,
   StartLiveLocked(p->slot, std::vector<int32_t>(prefix.begin(), prefix.end()));
   slots_[p->slot].ns = ns;
   host_->Hit(e);
-  // A promotion never evicts: it takes a free slot, within the namespace's bound.
-  if (free_.empty() || !ReserveSnapshotLocked(ns)) return absl::OkStatus();
+  // A promotion never evicts: it takes a free slot, within the namespace's bound (at the bound
+  // the entry stays on the host alone).
+  if (free_.empty() || NamespaceFullLocked(ns) || !ReserveSnapshotLocked(ns)) {
+    return absl::OkStatus();
+  }
   p->snapshot = free_.back();
   free_.pop_back();
   Slot& d = slots_[p->snapshot];
@@ -427,6 +465,18 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
   absl::StatusOr<int32_t> acquired = AcquireShareable(id, "donate");
   if (!acquired.ok()) return acquired.status();
   const int32_t index = *acquired;
+  if (host_ != nullptr) {
+    // At the namespace's bound its oldest snapshot makes way: copied to the host first (a unary
+    // call may wait for that; a forward's snapshot does not, and relies on the spiller).
+    PrefixNamespace ns;
+    bool adds = false;
+    {
+      absl::MutexLock lock(&mu_);
+      ns = slots_[index].ns;
+      adds = slots_[index].seq_len > 0 && radix_.Find(ns, slots_[index].tokens) < 0;
+    }
+    if (adds) MakeNamespaceRoom(ns);
+  }
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
   ++stats_.donations;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <string>
@@ -325,8 +326,9 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // holds its state it stays findable there (reported stored in kHost if it was not), else it
   // is gone.
   void DropBackendLocked(int32_t victim) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The least recently used snapshot nothing uses, or -1.
-  int32_t LruVictimLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The least recently used snapshot nothing uses that `which` accepts, or -1.
+  int32_t LruVictimLocked(const std::function<bool(const Slot&)>& which) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Books host entries that HostTier::Reserve evicted: reported removed from kHost, unlinked
   // from a backend snapshot holding the same state.
   void HostEvictedLocked(const std::vector<HostTier::Entry>& evicted)
@@ -340,6 +342,14 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // Each copy runs on a lane of its own without the lock; the snapshot stays findable in
   // backend memory until its state is on the host. Nothing without the host tier.
   void MakeRoom(size_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same until namespace `ns` is under its bound (max_snapshots_per_namespace), spilling
+  // its own snapshots: Donate's, so that the bound's eviction moves a snapshot to the host
+  // instead of dropping it.
+  void MakeNamespaceRoom(PrefixNamespace ns) ABSL_LOCKS_EXCLUDED(mu_);
+  // Both: spills the least recently used unused snapshots `which` accepts until `done()`
+  // (called under the lock) or none can be spilled.
+  void SpillUntil(const std::function<bool()>& done, const std::function<bool(const Slot&)>& which)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Spilling `victim` (an unused snapshot without a host copy): a host entry reserved and the
   // snapshot marked busy, or -1 (every host entry in use). *displaced (when given): the
   // reservation evicted a host entry that backed a backend snapshot.
@@ -378,8 +388,11 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   // the caller's, the snapshot findable in backend memory beside its host copy.
   absl::StatusOr<PrefixAllocation> FinishPromotion(const Promotion& p) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Whether namespace `ns` holds max_snapshots_per_namespace backend snapshots (or more).
+  bool NamespaceFullLocked(PrefixNamespace ns) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Room for one more snapshot in namespace `ns` (CacheOptions::max_snapshots_per_namespace):
-  // true when it is under its bound, or once its own least recently used snapshot is evicted.
+  // true when it is under its bound, or once its own least recently used snapshot is evicted
+  // (one the host tier holds first: nothing lost).
   // A true answer counts the new snapshot; SnapshotDroppedLocked takes it back.
   bool ReserveSnapshotLocked(PrefixNamespace ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SnapshotDroppedLocked(PrefixNamespace ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
