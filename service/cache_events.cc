@@ -122,10 +122,15 @@ std::vector<KvEventBatch> CacheEventLog::Watch(TenantId tenant, uint64_t epoch, 
 
 std::vector<KvEventBatch> CacheEventLog::Replay(TenantId tenant, uint64_t from_seq) {
   absl::MutexLock lock(&mu_);
+  const Tenant& t = tenants_[tenant];
+  const uint64_t oldest = t.kept.empty() ? t.last_seq + 1 : t.kept.front().seq;
+  // What the router asks for is gone (older than the kept batches: it aged out, the start's
+  // AllBlocksCleared among them) or never was (ahead of the last: a router that missed this
+  // server's restart, ZMQ carrying no epoch): it would rebuild a wrong picture from the rest.
+  // It gets what WatchCache gives then, a resync numbered the last batch.
+  if (from_seq < oldest || from_seq > t.last_seq + 1) return {ResyncLocked(t)};
   std::vector<KvEventBatch> out;
-  auto it = tenants_.find(tenant);
-  if (it == tenants_.end()) return out;
-  for (const KvEventBatch& b : it->second.kept) {
+  for (const KvEventBatch& b : t.kept) {
     if (b.seq >= from_seq) out.push_back(b);
   }
   return out;

@@ -103,7 +103,8 @@ class CacheEventLog {
   std::vector<KvEventBatch> Watch(TenantId tenant, uint64_t epoch, uint64_t from_seq,
                                   KvEventListener* listener, size_t max_batches = SIZE_MAX)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The kept batches of `tenant` from `from_seq` on (the ZMQ replay; no resync).
+  // The kept batches of `tenant` from `from_seq` on (the ZMQ replay), or, when `from_seq` is
+  // older than the kept batches or ahead of the last one, a resync batch (numbered the last).
   std::vector<KvEventBatch> Replay(TenantId tenant, uint64_t from_seq) ABSL_LOCKS_EXCLUDED(mu_);
   void Unwatch(KvEventListener* listener) ABSL_LOCKS_EXCLUDED(mu_);
   // Tells every listener that the token file changed (KvEventListener::OnTokensChanged).

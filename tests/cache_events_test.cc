@@ -301,6 +301,71 @@ TEST_F(ZmqEventsTest, BatchesAreVllmKvEventsWithReplay) {
   zmq_ctx_term(ctx);
 }
 
+// A replay from a batch no longer kept (--cache-events-retain), or from one ahead of the last
+// (a router that missed a restart: ZMQ carries no epoch), answered with the kept batches from
+// there: no mark that anything was missed, and the router rebuilt a wrong picture (an outside
+// review). Those get a resync, as WatchCache gives: AllBlocksCleared, then what is stored now.
+class ZmqEventsRetainTest : public ZmqEventsTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    std::vector<std::string> f = ZmqEventsTest::ServerFlags();
+    f.push_back("--cache-events-retain=2");
+    return f;
+  }
+};
+
+TEST_F(ZmqEventsRetainTest, AReplayOfWhatIsGoneIsAResync) {
+  for (int32_t i = 0; i < 3; ++i) {  // batches 2, 3, 4 (1: the start's AllBlocksCleared)
+    const uint64_t slot = NewSlot();
+    Prefill(slot, i, 17 + i);  // three keys
+    ASSERT_TRUE(client_->Donate(slot).ok());
+    absl::SleepFor(absl::Milliseconds(100));  // a batch each
+  }
+  void* ctx = zmq_ctx_new();
+  void* dealer = zmq_socket(ctx, ZMQ_DEALER);
+  const int timeout_ms = 10000;
+  zmq_setsockopt(dealer, ZMQ_RCVTIMEO, &timeout_ms, sizeof(timeout_ms));
+  ASSERT_EQ(zmq_connect(dealer, absl::StrCat("tcp://127.0.0.1:", port_ + 1).c_str()), 0);
+  // (seq, first event's tag, events) of each reply up to the end marker.
+  struct Reply {
+    int64_t seq;
+    std::string first;
+    size_t events;
+  };
+  auto replay = [&](uint64_t from) {
+    std::string start(8, '\0');
+    for (int b = 0; b < 8; ++b) start[7 - b] = static_cast<char>((from >> (8 * b)) & 0xff);
+    EXPECT_EQ(zmq_send(dealer, start.data(), 8, 0), 8);
+    std::vector<Reply> out;
+    for (;;) {
+      const std::vector<std::string> f = Frames(dealer);
+      if (f.size() != 2) {
+        ADD_FAILURE() << "a reply of " << f.size() << " frames";
+        return out;
+      }
+      if (Seq(f[0]) == -1) return out;
+      msgpack::object_handle h = msgpack::unpack(f[1].data(), f[1].size());
+      const msgpack::object& events = h.get().via.array.ptr[1];
+      out.push_back({Seq(f[0]), events.via.array.ptr[0].via.array.ptr[0].as<std::string>(),
+                     events.via.array.size});
+    }
+  };
+  const std::vector<Reply> kept = replay(3);
+  ASSERT_EQ(kept.size(), 2u);
+  EXPECT_EQ(kept[0].seq, 3);
+  EXPECT_EQ(kept[1].seq, 4);
+  EXPECT_EQ(kept[1].first, "BlockStored");
+  for (const uint64_t from : {uint64_t{1}, uint64_t{2}, uint64_t{9}}) {
+    const std::vector<Reply> got = replay(from);
+    ASSERT_EQ(got.size(), 1u) << "from " << from;
+    EXPECT_EQ(got[0].seq, 4) << "numbered the last batch";
+    EXPECT_EQ(got[0].first, "AllBlocksCleared") << "from " << from;
+    EXPECT_EQ(got[0].events, 4u) << "then the 3 snapshots stored now";
+  }
+  EXPECT_TRUE(replay(5).empty()) << "up to date: the end marker alone";
+  zmq_close(dealer);
+  zmq_ctx_term(ctx);
+}
 
 // --kv-events-curve-secret-file + --kv-events-clients-file: only a router holding an admitted
 // key hears the events; one with another key, or without CURVE, hears nothing.
