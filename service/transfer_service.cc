@@ -113,6 +113,17 @@ std::string AbortReplyContent(absl::string_view nonce, const v1::AbortTransferRe
   return Fields(nonce, r.committed() ? 1 : 0, r.slot(), r.seq_len());
 }
 
+// A peer call's outcome, as the sender's caller hears it. INVALID_ARGUMENT from the peer is a
+// bound of the peer's (--max-import-tokens, --max-request-id-bytes) that this move does not
+// meet, not a field of the caller's: FAILED_PRECONDITION (the message names the field).
+absl::Status FromPeer(const grpc::Status& g, absl::string_view what) {
+  absl::Status st = FromGrpcStatus(g, what);
+  if (st.code() == absl::StatusCode::kInvalidArgument) {
+    st = absl::FailedPreconditionError(st.message());
+  }
+  return st;
+}
+
 // A reply the sender cannot act on: its proof is missing or is not the receiver's over it.
 absl::Status UnprovenReply(absl::string_view method, absl::string_view proof) {
   return absl::UnauthenticatedError(absl::StrCat(
@@ -153,8 +164,7 @@ class GrpcPeer final : public transfer::Peer {
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
     Prepare(c, deadline, "ReserveTransfer", id, req.tenant(), ReserveContent(req));
-    absl::Status st =
-        FromGrpcStatus(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
+    absl::Status st = FromPeer(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
     if (!st.ok()) return st;
     // Its addresses are where this process writes: only the receiver's own (an outside
     // review: a fake peer's shifted remote_addr made the put a write into this server).
@@ -177,7 +187,7 @@ class GrpcPeer final : public transfer::Peer {
     v1::CommitTransferResponse resp;
     grpc::ClientContext c;
     Prepare(c, deadline, "CommitTransfer", id, "", CommitContent(req));
-    absl::Status st = FromGrpcStatus(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
+    absl::Status st = FromPeer(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
     if (!st.ok()) return st;
     // An unproven "committed" would free the source of a state nobody holds: the outcome is
     // then unknown, and the sender asks AbortTransfer.
@@ -650,7 +660,10 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   absl::Status checked = ctx_->requests->CheckTransferId(req->transfer_id());
   // The history its commit will bring: refused now, not after every byte moved.
   if (checked.ok()) checked = CheckImportTokens(req->seq_len(), ctx_->limits, "seq_len");
-  if (!checked.ok()) return Reply(c, "ReserveTransfer", checked);
+  if (!checked.ok()) {
+    CountFailure(TransferRole::kPeer, checked);  // a move the sender counts failed too
+    return Reply(c, "ReserveTransfer", checked);
+  }
   absl::StatusOr<TenantId> tenant = ReceivingTenant(req->tenant());
   if (!tenant.ok()) {
     CountFailure(TransferRole::kPeer, tenant.status());
@@ -683,9 +696,13 @@ grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerCo
                                                           v1::CommitTransferResponse* resp) {
   absl::Status st = AuthenticatePeer(*c, "CommitTransfer", req->transfer_id(), "",
                                      CommitContent(*req), &req->nonce());
-  if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
+  if (!st.ok()) return Reply(c, "CommitTransfer", st);  // no peer's: no transfer failure
+  st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);
-  if (!st.ok()) return Reply(c, "CommitTransfer", st);
+  if (!st.ok()) {
+    CountFailure(TransferRole::kPeer, st);
+    return Reply(c, "CommitTransfer", st);
+  }
   // Reserved before the drain began: refused all the same. The sender's abort then learns that
   // nothing was committed and keeps its source; the reservation goes with that abort (or its
   // lease).

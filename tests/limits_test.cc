@@ -124,6 +124,37 @@ TEST_F(LimitsTest, AReservationOfMoreTokensThanTheLimitIsRefusedNamingTheBound) 
       << st.error_message() << ": the request's field is seq_len";
 }
 
+// The same bound met by a real move: the sender's caller hears FAILED_PRECONDITION (a bound of
+// the peer's, not a field of its own: it was INVALID_ARGUMENT), and the receiver counts the
+// refusal as a peer-role transfer failure (it counted nothing).
+TEST_F(LimitsTest, AMoveOverThePeersTokenBoundIsAFailedPreconditionBothCount) {
+  auto a = ServerProcess::Start({});
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto ca = Client::Connect((*a)->grpc_address());
+  auto slot = ca->Allocate();
+  ASSERT_TRUE(slot.ok());
+  auto exported = ca->Export(slot->slot());
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  v1::ImportRequest imp;
+  imp.set_slot(slot->slot());
+  for (const v1::Tensor& c : exported->checkpoints()) *imp.add_checkpoints() = c;
+  *imp.mutable_conv_windows() = exported->conv_windows();
+  for (int32_t t = 0; t < 1001; ++t) imp.add_tokens(t);
+  auto imported = ca->Import(imp);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  auto moved = ca->TransferSlot(slot->slot(), server_->grpc_address(), false, "long");
+  EXPECT_EQ(moved.status().code(), absl::StatusCode::kFailedPrecondition) << moved.status();
+  EXPECT_TRUE(absl::StrContains(moved.status().message(),
+                                "seq_len: expected at most 1000 tokens (--max-import-tokens)"))
+      << moved.status();
+  EXPECT_TRUE(ca->GetSlot(slot->slot()).ok()) << "the source stays";
+  auto text = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(
+      Sample(*text, "replayssm_transfer_failures_total{reason=\"INVALID_ARGUMENT\",role=\"peer\"}"),
+      1);
+}
+
 TEST_F(LimitsTest, StreamsBeyondMaxStreamsAreResourceExhaustedUntilOneCloses) {
   const uint64_t a = NewSlot(), b = NewSlot(), c = NewSlot();
   auto s1 = client_->OpenStream();
