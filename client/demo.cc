@@ -184,9 +184,6 @@ absl::Status Demo::CheckState(const Request& r) {
 // Disaggregation: every prefilled request moves to the decode server over UCX, which then
 // serves the rest of the demo (its outputs are checked against the same reference).
 absl::Status Demo::HandOff() {
-  decode_client_ =
-      Client::Connect(options_.decode_address, int64_t{256} << 20, options_.credentials);
-  decode_client_->set_token(options_.token);
   int64_t bytes = 0;
   for (Request& r : requests_) {
     absl::StatusOr<v1::TransferSlotResponse> t =
@@ -215,12 +212,26 @@ absl::StatusOr<DemoReport> Demo::Run() {
   if (!info.ok()) return info.status();
   info_ = *info;
   const v1::ModelInfo& m = info_.model();
-  if (m.tp_size() > 1) {
+  const auto unsharded = [](const v1::ModelInfo& model, absl::string_view which) {
+    if (model.tp_size() <= 1) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
-        "demo: the server serves ", m.tp_size(),
-        " tensor-parallel ranks (--tp-size); the "
-        "demo's activations and CPU reference are unsharded: run it against a --tp-size=1 "
-        "server"));
+        "demo: the ", which, " serves ", model.tp_size(),
+        " tensor-parallel ranks (--tp-size); the demo's activations and CPU reference are "
+        "unsharded: run it against a --tp-size=1 server"));
+  };
+  if (absl::Status s = unsharded(m, "server"); !s.ok()) return s;
+  // The decode server too, before anything is prefilled (its first decode failed on the
+  // activations' shape, after every request had moved: an outside review).
+  if (!options_.decode_address.empty()) {
+    decode_client_ =
+        Client::Connect(options_.decode_address, int64_t{256} << 20, options_.credentials);
+    decode_client_->set_token(options_.token);
+    absl::StatusOr<v1::GetInfoResponse> d = decode_client_->Info();
+    if (!d.ok()) {
+      return absl::Status(d.status().code(),
+                          absl::StrCat("demo: the decode server: ", d.status().message()));
+    }
+    if (absl::Status s = unsharded(d->model(), "decode server"); !s.ok()) return s;
   }
   tol_ =
       std::max(OutputTolerance(m.act_dtype()),

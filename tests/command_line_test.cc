@@ -193,7 +193,18 @@ TEST(CommandLine, AFailedBenchOrDemoFreesEverySlotItTook) {
       RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + (*tp)->grpc_address(), "demo"});
   EXPECT_EQ(demo.exit_code, 1) << demo.output;
   EXPECT_TRUE(absl::StrContains(demo.output, "run it against a --tp-size=1 server")) << demo.output;
-  for (ServerProcess* s : {small->get(), tp->get()}) {
+  // A TP decode server is refused before anything is prefilled (it failed at its first decode,
+  // every request moved there).
+  auto one = ServerProcess::Start({});
+  ASSERT_TRUE(one.ok()) << one.status();
+  const Outcome split = RunBinary(
+      REPLAYSSM_CLI_BINARY,
+      {"--address=" + (*one)->grpc_address(), "demo", "--disaggregated=" + (*tp)->grpc_address()});
+  EXPECT_EQ(split.exit_code, 1) << split.output;
+  EXPECT_TRUE(absl::StrContains(split.output, "the decode server serves 2 tensor-parallel ranks"))
+      << split.output;
+  EXPECT_FALSE(absl::StrContains(split.output, "moved")) << split.output;
+  for (ServerProcess* s : {small->get(), tp->get(), one->get()}) {
     const Outcome stats =
         RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + s->grpc_address(), "stats"});
     EXPECT_EQ(stats.exit_code, 0) << stats.output;
