@@ -374,8 +374,10 @@ class TpWriter final : public SlotWriter {
     return RankStatus(r, ranks_[r]->Write(static_cast<size_t>(l * map_.shard_bytes[r] + ckpt),
                                           w.bytes.data(), w.bytes.size()));
   }
+  // As TpGroup's: rank 0's refusals are the group's (every rank checks the same fields, and
+  // rank 0 answers first), so they name no rank.
   static absl::Status RankStatus(size_t r, const absl::Status& st) {
-    if (st.ok()) return st;
+    if (r == 0 || st.ok()) return st;
     return absl::Status(st.code(), absl::StrCat("tp rank ", r, ": ", st.message()));
   }
 

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "replayssm/cache/state_cache.h"
 #include "test_model.h"
@@ -424,6 +425,17 @@ TEST_P(TpGroupTest, AMoveWithABadChecksumLeavesNothing) {
   EXPECT_EQ((*w)->Commit(tokens, PayloadChecksum(bytes.data(), bytes.size()) ^ 1).status().code(),
             absl::StatusCode::kDataLoss);
   w->reset();
+  EXPECT_EQ(dst->stats().slots_live, live);
+  // A commit's fields are the group's: rank 0 answers first and names no rank (it said "tp rank
+  // 0: tokens: ..." for a count every rank refuses alike).
+  absl::StatusOr<std::unique_ptr<SlotWriter>> w2 = dst->OpenImport(2, SlotIoOptions{});
+  ASSERT_TRUE(w2.ok());
+  ASSERT_TRUE((*w2)->Write(0, bytes.data(), bytes.size()).ok());
+  const absl::Status short_history =
+      (*w2)->Commit(tokens, PayloadChecksum(bytes.data(), bytes.size())).status();
+  EXPECT_EQ(short_history.code(), absl::StatusCode::kFailedPrecondition) << short_history;
+  EXPECT_TRUE(absl::StartsWith(short_history.message(), "tokens: expected 2")) << short_history;
+  w2->reset();
   EXPECT_EQ(dst->stats().slots_live, live);
 }
 

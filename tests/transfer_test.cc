@@ -208,8 +208,13 @@ TEST_F(TransferTest, AServerWithOtherNumericsRefusesTheStateNamingTheOption) {
   const uint64_t s = PreparedSlot();
   const std::string before = Observe(s);
   for (const auto& [flag, field] :
-       {std::pair<std::string, std::string>{"--ring-dtype=bf16", "format.ring_dtype"},
-        {"--beta-rounding=f32", "format.round_beta"}}) {
+       {std::pair<std::string, std::string>{
+            "--ring-dtype=bf16",
+            "format.ring_dtype: expected 1 (bf16) (this server's model), "
+            "got 0 (f32)"},
+        {"--beta-rounding=f32",
+         "format.round_beta: expected false (this server's model), got "
+         "true"}}) {
     auto b = StartPeer({flag});
     ASSERT_NE(b, nullptr);
     auto r = client_->TransferSlot(s, b->grpc_address(), false);

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "replayssm/transfer/peer.h"
 
@@ -78,10 +79,27 @@ absl::Status StateFormat::CheckCompatible(const StateFormat& s) const {
       {"ring_dtype", {ring_dtype, s.ring_dtype}},
       {"round_beta", {round_beta, s.round_beta}},
   };
+  // A value as an operator reads it: the number on the wire and, for a code, its name.
+  const auto describe = [](absl::string_view name, int64_t v) -> std::string {
+    if (absl::EndsWith(name, "_dtype")) {
+      return absl::StrCat(v, " (", rssm_dtype_name(static_cast<int32_t>(v)), ")");
+    }
+    if (name == "gate") {
+      return absl::StrCat(v, v == RSSM_GATE_GDN   ? " (Gated DeltaNet)"
+                             : v == RSSM_GATE_KDA ? " (Kimi Delta Attention)"
+                                                  : " (unknown)");
+    }
+    if (name == "head_layout") {
+      return absl::StrCat(v, v == kUnshardedHeads ? " (unsharded heads)" : " (unknown)");
+    }
+    if (name == "round_beta") return v != 0 ? "true" : "false";
+    return absl::StrCat(v);
+  };
   for (const auto& [name, v] : fields) {
     if (v.first != v.second) {
-      return absl::FailedPreconditionError(absl::StrCat("format.", name, ": expected ", v.first,
-                                                        " (this server's model), got ", v.second));
+      return absl::FailedPreconditionError(
+          absl::StrCat("format.", name, ": expected ", describe(name, v.first),
+                       " (this server's model), got ", describe(name, v.second)));
     }
   }
   if (params_hash != s.params_hash) {

@@ -159,7 +159,10 @@ TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
   const SlotId s = Prepare(2);
   absl::StatusOr<SendResult> r = Send(sender, peer, s, "t3");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(r.status().message().find("format.gate"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("format.gate: expected 1 (Kimi Delta Attention) (this "
+                                      "server's model), got 0 (Gated DeltaNet)"),
+            std::string::npos)
+      << r.status() << ": codes named";
   EXPECT_EQ(kda->stats().slots_live, 0);
   EXPECT_TRUE(a_->Info(s).ok()) << "the source is released, unchanged";
   auto other = MakeCache("tiny-gdn", 3);
