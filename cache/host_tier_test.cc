@@ -152,11 +152,11 @@ TEST_F(HostTierTest, EventsFollowTheSnapshotAcrossTiers) {
   Flush(*c);  // b spills: the one host entry is a's, which goes
   using T = CacheEvent::Type;
   const std::vector<std::tuple<T, Medium, std::vector<int32_t>>> want = {
-      {T::kStored, Medium::kBackend, a},  {T::kRemoved, Medium::kBackend, a},
-      {T::kStored, Medium::kHost, a},     {T::kStored, Medium::kBackend, a},
+      {T::kStored, Medium::kBackend, a},  {T::kStored, Medium::kHost, a},
+      {T::kRemoved, Medium::kBackend, a}, {T::kStored, Medium::kBackend, a},
       {T::kRemoved, Medium::kBackend, a}, {T::kStored, Medium::kBackend, b},
-      {T::kRemoved, Medium::kHost, a},    {T::kRemoved, Medium::kBackend, b},
-      {T::kStored, Medium::kHost, b}};
+      {T::kRemoved, Medium::kHost, a},    {T::kStored, Medium::kHost, b},
+      {T::kRemoved, Medium::kBackend, b}};
   ASSERT_EQ(events_.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_EQ(events_[i].type, std::get<0>(want[i])) << i;

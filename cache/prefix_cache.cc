@@ -86,7 +86,8 @@ absl::Status StateCacheImpl::SetPrefixNamespace(SlotId id, PrefixNamespace ns) {
 void StateCacheImpl::DropBackendLocked(int32_t victim) {
   Slot& s = slots_[victim];
   radix_.Erase(s.ns, s.tokens);
-  EmitLocked(CacheEvent::Type::kRemoved, s.ns, s.tokens, Medium::kBackend);
+  // Stored on the host before removed from backend memory: a router following the events never
+  // sees a moment where the snapshot is nowhere (nor does a TP group merging its shards').
   const int32_t e = s.host >= 0 ? s.host : host_ != nullptr ? host_->Find(s.ns, s.tokens) : -1;
   if (e >= 0) {
     HostTier::Entry& h = host_->entry(e);
@@ -95,6 +96,7 @@ void StateCacheImpl::DropBackendLocked(int32_t victim) {
     h.reported = true;
     ++stats_.snapshot_spills;
   }
+  EmitLocked(CacheEvent::Type::kRemoved, s.ns, s.tokens, Medium::kBackend);
   lru_.erase(s.lru);
   --ns_snapshots_[s.ns];
   ++stats_.snapshot_evictions;

@@ -103,13 +103,16 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       state_runs_.push_back(LayerStateRuns(full_, layouts_.back()));
     }
     map_ = TpLayerMap::Of(full_, models_, state_runs_);
+    if (options_.event_sink) {
+      events_ = std::make_unique<TpEventMerger>(options_.tp_size, options_.event_sink);
+    }
     for (int32_t r = 0; r < options_.tp_size; ++r) {
       CacheOptions o = options_;
       o.tp_size = 1;
       o.slot_name = [this, r](SlotId id) { return ShardSlotName(r, id); };
       o.devices.clear();
       if (options_.event_sink) {
-        o.event_sink = [this](const CacheEvent& e) { OnShardEvent(e); };
+        o.event_sink = [this, r](const CacheEvent& e) { events_->OnShardEvent(r, e); };
       }
       if (!options_.devices.empty()) {
         if (rssm_status st = rssm_set_device(options_.backend, options_.devices[r]); st != RSSM_OK) {
@@ -125,22 +128,6 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       shards_.push_back(*std::move(c));
     }
     return absl::OkStatus();
-  }
-
-  // A shard's event (under that shard's lock): the group reports a snapshot stored once all
-  // shards hold it, and removed when the first one drops it (CacheOptions::event_sink).
-  void OnShardEvent(const CacheEvent& e) {
-    absl::MutexLock lock(&events_mu_);
-    const std::tuple<PrefixNamespace, Medium, std::vector<int32_t>> key{e.ns, e.medium, e.tokens};
-    const int32_t n = options_.tp_size;
-    if (e.type == CacheEvent::Type::kStored) {
-      if (++held_[key] == n) options_.event_sink(e);
-      return;
-    }
-    auto it = held_.find(key);
-    if (it == held_.end()) return;
-    if (it->second-- == n) options_.event_sink(e);
-    if (it->second == 0) held_.erase(it);
   }
 
   const ModelSpec& model() const override { return full_; }
@@ -436,15 +423,14 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   const size_t payload_bytes_ = SlotPayloadBytes(full_);
   absl::Mutex buffers_mu_;
   std::vector<std::unique_ptr<uint8_t[]>> spare_buffers_ ABSL_GUARDED_BY(buffers_mu_);
+  // The shards' events merged (called under a shard's lock; its own lock after it, never
+  // before one). Created before the shards, gone after them.
+  std::unique_ptr<TpEventMerger> events_;
   std::vector<std::unique_ptr<StateCache>> shards_;
   absl::Mutex ops_mu_;  // orders the shards' slot decisions the same way on every shard
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
   absl::flat_hash_map<SlotId, std::vector<SlotId>> members_ ABSL_GUARDED_BY(map_mu_);
   absl::flat_hash_map<SlotId, SlotId> group_of_[kMaxTpSize] ABSL_GUARDED_BY(map_mu_);
-  // Shards holding each snapshot (OnShardEvent); after a shard's lock, never before one.
-  absl::Mutex events_mu_;
-  absl::flat_hash_map<std::tuple<PrefixNamespace, Medium, std::vector<int32_t>>, int32_t> held_
-      ABSL_GUARDED_BY(events_mu_);
 };
 
 // ---- forwards ----
@@ -712,6 +698,30 @@ absl::StatusOr<std::unique_ptr<SlotWriter>> TpGroup::OpenImport(int64_t seq_len,
 }
 
 }  // namespace
+
+void TpEventMerger::OnShardEvent(int32_t rank, const CacheEvent& e) {
+  absl::MutexLock lock(&mu_);
+  const uint32_t all = (uint32_t{1} << ranks_) - 1, bit = uint32_t{1} << rank;
+  auto it = held_.try_emplace({e.ns, e.tokens}).first;
+  Held& h = it->second;
+  uint32_t& mask = e.medium == Medium::kHost ? h.host : h.backend;
+  mask = e.type == CacheEvent::Type::kStored ? (mask | bit) : (mask & ~bit);
+  const bool backend = h.backend == all;
+  const bool host = h.host == all || (!backend && (h.backend | h.host) == all);
+  auto tell = [&](CacheEvent::Type type, Medium medium) {
+    CacheEvent out = e;
+    out.type = type;
+    out.medium = medium;
+    sink_(out);
+  };
+  if (backend && !h.told_backend) tell(CacheEvent::Type::kStored, Medium::kBackend);
+  if (host && !h.told_host) tell(CacheEvent::Type::kStored, Medium::kHost);
+  if (!backend && h.told_backend) tell(CacheEvent::Type::kRemoved, Medium::kBackend);
+  if (!host && h.told_host) tell(CacheEvent::Type::kRemoved, Medium::kHost);
+  h.told_backend = backend;
+  h.told_host = host;
+  if (h.backend == 0 && h.host == 0) held_.erase(it);
+}
 
 absl::StatusOr<std::unique_ptr<StateCache>> CreateTpGroup(ModelSpec full, CacheOptions options) {
   if (absl::Status st = CheckTpSize(full, options.tp_size, "options.tp_size"); !st.ok()) {

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "replayssm/cache/state_cache.h"
 #include "test_model.h"
+#include "tp_group.h"
 #include "tp_slot_io.h"
 
 namespace replayssm::cache {
@@ -734,6 +735,64 @@ INSTANTIATE_TEST_SUITE_P(Gates, TpGroupTest,
                            return absl::StrCat(i.param.gate == RSSM_GATE_GDN ? "gdn_" : "kda_",
                                                rssm_dtype_name(i.param.state_dtype));
                          });
+
+// TpEventMerger: what a group reports from its shards' events, fed by hand (the shards' own
+// spillers make the diverging cases below at random: an outside review saw one in ~100 runs).
+class TpEventMergerTest : public ::testing::Test {
+ protected:
+  void Shard(int32_t rank, CacheEvent::Type type, Medium medium) {
+    merger_.OnShardEvent(rank, CacheEvent{type, 7, medium, key_});
+  }
+  // The events reported since the last call, as "+gpu", "-host", ...
+  std::vector<std::string> Told() {
+    std::vector<std::string> out;
+    for (const CacheEvent& e : told_) {
+      EXPECT_EQ(e.ns, 7);
+      EXPECT_EQ(e.tokens, key_);
+      out.push_back(absl::StrCat(e.type == CacheEvent::Type::kStored ? "+" : "-",
+                                 e.medium == Medium::kHost ? "host" : "gpu"));
+    }
+    told_.clear();
+    return out;
+  }
+  using T = CacheEvent::Type;
+  using V = std::vector<std::string>;
+  const std::vector<int32_t> key_ = {1, 2, 3};
+  std::vector<CacheEvent> told_;
+  TpEventMerger merger_{2, [this](const CacheEvent& e) { told_.push_back(e); }};
+};
+
+TEST_F(TpEventMergerTest, AKeyIsHeldWhereEveryShardHoldsItInSomeTier) {
+  Shard(0, T::kStored, Medium::kBackend);
+  EXPECT_EQ(Told(), V{}) << "one shard of two";
+  Shard(1, T::kStored, Medium::kBackend);
+  EXPECT_EQ(Told(), V{"+gpu"});
+  // Rank 0's spiller moves it to the host, rank 1's keeps it: the group still serves it (a hit
+  // promotes rank 0's copy), on the host. It was reported removed, and never stored.
+  Shard(0, T::kStored, Medium::kHost);
+  EXPECT_EQ(Told(), V{});
+  Shard(0, T::kRemoved, Medium::kBackend);
+  EXPECT_EQ(Told(), (V{"+host", "-gpu"}));
+  Shard(1, T::kStored, Medium::kHost);  // rank 1 follows: on the host everywhere
+  Shard(1, T::kRemoved, Medium::kBackend);
+  EXPECT_EQ(Told(), V{});
+  // A promotion on both ranks: stored on the GPU, the host copies stay.
+  Shard(0, T::kStored, Medium::kBackend);
+  Shard(1, T::kStored, Medium::kBackend);
+  EXPECT_EQ(Told(), V{"+gpu"});
+  // Rank 1's host copy goes: on the GPU everywhere, on the host no more.
+  Shard(1, T::kRemoved, Medium::kHost);
+  EXPECT_EQ(Told(), V{"-host"});
+  Shard(0, T::kRemoved, Medium::kBackend);  // rank 0 holds it on the host, rank 1 on the GPU
+  EXPECT_EQ(Told(), (V{"+host", "-gpu"}));
+  Shard(0, T::kRemoved, Medium::kHost);  // rank 0 holds it nowhere: the group neither
+  EXPECT_EQ(Told(), V{"-host"});
+  Shard(1, T::kRemoved, Medium::kBackend);
+  EXPECT_EQ(Told(), V{});
+  Shard(0, T::kStored, Medium::kBackend);  // forgotten, then told afresh
+  Shard(1, T::kStored, Medium::kBackend);
+  EXPECT_EQ(Told(), V{"+gpu"});
+}
 
 }  // namespace
 }  // namespace replayssm::cache
