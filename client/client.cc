@@ -53,6 +53,8 @@ ForwardStream::ForwardStream(
         stream)
     : context_(std::move(context)), stream_(std::move(stream)) {}
 
+ForwardStream::ForwardStream(absl::Status failed) : finished_(true), final_(std::move(failed)) {}
+
 ForwardStream::~ForwardStream() { Finish().IgnoreError(); }
 
 absl::StatusOr<v1::DecodeStreamResponse> ForwardStream::RoundTrip(
@@ -233,7 +235,9 @@ absl::StatusOr<v1::DecodeResponse> ForwardStream::Verify(absl::Span<const uint64
   return Run(VerifyBeginOf(slots, num_draft, draft_tokens, std::move(request_id)), layers);
 }
 
-void ForwardStream::Cancel() { context_->TryCancel(); }
+void ForwardStream::Cancel() {
+  if (context_ != nullptr) context_->TryCancel();
+}
 
 absl::Status ForwardStream::Finish() {
   if (finished_) return final_;
@@ -537,6 +541,9 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Hea
 }
 
 std::unique_ptr<ForwardStream> Client::OpenStream() {
+  // A token set_token refused: the stream's calls fail with its error, as unary calls do (it
+  // used to open the stream without a token, UNAUTHENTICATED on a server with tokens).
+  if (!token_error_.ok()) return std::make_unique<ForwardStream>(token_error_);
   auto context = std::make_unique<grpc::ClientContext>();
   if (!token_.empty()) context->AddMetadata("authorization", "Bearer " + token_);
   auto stream = stub_->DecodeStream(context.get());

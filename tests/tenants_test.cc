@@ -351,6 +351,23 @@ TEST_F(TenantsTest, ARemovedTokensQuietWatcherEndsWithoutAnEvent) {
   EXPECT_LT(absl::Now() - removed, absl::Seconds(10)) << "ended by the reload, not the deadline";
 }
 
+// A token set_token refuses (it cannot travel as a header value) fails a stream's calls with
+// that error, as it fails unary calls: the stream went without any token before.
+TEST_F(TenantsTest, AStreamOfARefusedTokenFailsWithItsError) {
+  auto bad = Client::Connect(server_->grpc_address());
+  bad->set_token(std::string(kAlice) + "\n");
+  const absl::Status unary = bad->Allocate().status();
+  EXPECT_EQ(unary.code(), absl::StatusCode::kInvalidArgument) << unary;
+  auto stream = bad->OpenStream();
+  v1::DecodeRow row;
+  row.set_slot(NewSlot());
+  const absl::Status begun = stream->Begin({row}).status();
+  EXPECT_EQ(begun, unary) << "the same error, naming the token's byte";
+  EXPECT_NE(begun.message().find("got byte 0x0a"), std::string::npos) << begun;
+  EXPECT_EQ(stream->Finish(), unary);
+  stream->Cancel();  // nothing to cancel
+}
+
 // Two authorization headers: a proxy in front may have checked the other one, so neither is
 // taken (the server used the first).
 TEST_F(TenantsTest, TwoAuthorizationHeadersAreRefused) {

@@ -45,6 +45,9 @@ class ForwardStream {
       std::unique_ptr<grpc::ClientContext> context,
       std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
           stream);
+  // A stream that could not be opened (Client::OpenStream with a token set_token refused):
+  // every call returns `failed`.
+  explicit ForwardStream(absl::Status failed);
   ~ForwardStream();
 
   // A decode forward: one token per row; layer messages carry B tokens.
