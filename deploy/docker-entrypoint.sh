@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Container entrypoint of replayssm-server. Turns REPLAYSSM_<FLAG> environment variables into
 # --<flag>=value (REPLAYSSM_MEMORY_BUDGET=80G -> --memory-budget=80G), adds
-# --config $REPLAYSSM_CONFIG (default /etc/replayssm/replayssm.conf) when that file exists,
-# and execs the server so that it is PID 1 and receives SIGTERM itself (graceful drain).
+# --config $REPLAYSSM_CONFIG (default /etc/replayssm/replayssm.conf) when that file exists (a
+# REPLAYSSM_CONFIG set to a missing file stops it, exit 2), warns of REPLAYSSM_* variables that
+# name no flag, and execs the server so that it is PID 1 and receives SIGTERM itself (graceful drain).
 #
 # Precedence (the server lets command-line flags win over the config file, and the last of
 # two equal flags win): arguments given to the container > REPLAYSSM_* environment > config
@@ -33,12 +34,26 @@ flags=(grpc-address metrics-address model device tp-size devices memory-budget r
 args=()
 if [[ -f "$config" ]]; then
   args+=(--config "$config")
+elif [[ -n "${REPLAYSSM_CONFIG:-}" ]]; then
+  # Named, and not there: the server would start on its defaults (loopback, no TLS, no tokens).
+  echo "replayssm-entrypoint: REPLAYSSM_CONFIG=$REPLAYSSM_CONFIG: no such file" >&2
+  exit 2
 fi
+declare -A known=()
 for flag in "${flags[@]}"; do
   var="REPLAYSSM_${flag//-/_}"
   var=${var^^}
-  if [[ -n "${!var:-}" ]]; then
+  known[$var]=1
+  if [[ -n "${!var+set}" ]]; then  # set, even empty: REPLAYSSM_METRICS_ADDRESS= turns it off
     args+=("--${flag}=${!var}")
   fi
 done
+# A misspelled variable (REPLAYSSM_MEMORY_BUDGE) was dropped without a word. The server and
+# the tools in its image read a few that are no flags; any other is named.
+for var in SERVER_BIN CONFIG CPU_THREADS CPU_FAULT_FILE TOKEN ADDRESS; do known[REPLAYSSM_$var]=1; done
+while IFS='=' read -r var _; do
+  if [[ "$var" == REPLAYSSM_* && -z "${known[$var]:-}" ]]; then
+    echo "replayssm-entrypoint: warning: $var names no flag of replayssm-server: ignored" >&2
+  fi
+done < <(env)
 exec "$server" "${args[@]}" "$@"

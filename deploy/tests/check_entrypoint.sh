@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The container entrypoint's environment handling, against a stand-in server that prints its
+# arguments: REPLAYSSM_<FLAG> becomes --<flag>=value (an empty value too), a REPLAYSSM_CONFIG
+# naming a missing file stops it, and a variable that names no flag is warned about.
+set -uo pipefail
+entrypoint=$1
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+printf '#!/bin/sh\nprintf "%%s\\n" "$@"\n' > "$dir/server"
+chmod +x "$dir/server"
+fail=0
+check() {  # name, condition
+  if ! eval "$2"; then echo "FAIL: $1"; fail=1; fi
+}
+run() {
+  env -i PATH="$PATH" REPLAYSSM_SERVER_BIN="$dir/server" REPLAYSSM_CONFIG="${CONFIG-}" "$@" \
+    bash "$entrypoint" --extra=1 >"$dir/out" 2>"$dir/err"
+}
+
+CONFIG=$dir/missing.conf run; rc=$?
+check "a missing REPLAYSSM_CONFIG stops it" '[[ $rc == 2 ]] && grep -q "REPLAYSSM_CONFIG=.*: no such file" "$dir/err"'
+
+touch "$dir/x.conf"
+CONFIG=$dir/x.conf run REPLAYSSM_MEMORY_BUDGET=80G REPLAYSSM_METRICS_ADDRESS= REPLAYSSM_MEMORY_BUDGE=1G
+rc=$?
+check "it runs" '[[ $rc == 0 ]]'
+check "the config file" 'grep -qx -- "--config" "$dir/out" && grep -qx -- "$dir/x.conf" "$dir/out"'
+check "a flag from the environment" 'grep -qx -- "--memory-budget=80G" "$dir/out"'
+check "an empty value passes" 'grep -qx -- "--metrics-address=" "$dir/out"'
+check "arguments last" '[[ $(tail -n 1 "$dir/out") == "--extra=1" ]]'
+check "a misspelled variable is named" 'grep -q "warning: REPLAYSSM_MEMORY_BUDGE names no flag" "$dir/err"'
+check "and not passed" '! grep -q "memory-budge=" "$dir/out"'
+check "known non-flag variables are not named" '! grep -q "SERVER_BIN\|REPLAYSSM_CONFIG" "$dir/err"'
+exit $fail
