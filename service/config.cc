@@ -1,5 +1,9 @@
 #include "service/config.h"
 
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -102,9 +106,14 @@ Value Seconds(absl::Duration ServerOptions::*field, bool positive = false) {
   Value v;
   v.set = [field, positive](ServerFlags& f, const std::string& text) -> absl::Status {
     double s = 0;
-    if (!absl::SimpleAtod(text, &s) || !(positive ? s > 0 : s >= 0)) {  // NaN too
-      return absl::InvalidArgumentError(positive ? "expected seconds > 0"
-                                                 : "expected seconds >= 0");
+    // Decimal seconds only (SimpleAtod also reads 0x10, inf, nan); a bound > 0 must stay one
+    // once made a duration (1e-300 s is zero), and none may be infinite (1e400).
+    const bool decimal =
+        !text.empty() && text.find_first_not_of("0123456789.eE+-") == std::string::npos;
+    if (!decimal || !absl::SimpleAtod(text, &s) || !std::isfinite(s) || s > 1e9 ||
+        !(positive ? absl::Seconds(s) > absl::ZeroDuration() : s >= 0)) {
+      return absl::InvalidArgumentError(positive ? "expected decimal seconds > 0 (at most 1e9)"
+                                                 : "expected decimal seconds >= 0 (at most 1e9)");
     }
     f.options.*field = absl::Seconds(s);
     return absl::OkStatus();
@@ -164,7 +173,7 @@ const std::vector<Flag>& Flags() {
       {"ring-length", "replay ring length L (0 = the preset's)",
        Int(&ServerOptions::ring_length, 0, 64)},
       {"track-interval", "snapshot every N decoded tokens, 0 = never",
-       Int(&ServerOptions::track_interval)},
+       Int(&ServerOptions::track_interval, 0, std::numeric_limits<int32_t>::max())},
       {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)", Str(&ServerOptions::state_dtype)},
       {"ring-dtype",
        "ring d, k: f32 | bf16 | f16 (empty = the state dtype; a 16-bit state takes only its own)",
@@ -180,11 +189,14 @@ const std::vector<Flag>& Flags() {
        Bool(&ServerOptions::forward_graphs)},
       {"max-prefill-tokens", "tokens per prefill call",
        Int(&ServerOptions::max_prefill_tokens, 1, std::numeric_limits<int32_t>::max())},
-      {"max-message-bytes", "largest request accepted",
-       Bytes(&ServerOptions::max_message_bytes, int64_t{4} << 10)},
+      {"max-message-bytes", "largest request accepted (gRPC's limit is an int)",
+       Bytes(&ServerOptions::max_message_bytes, int64_t{4} << 10,
+             std::numeric_limits<int32_t>::max())},
       {"dedup-entries", "request ids remembered for retries",
        Int(&ServerOptions::dedup_entries, 1, std::numeric_limits<int64_t>::max())},
-      {"dedup-bytes", "bytes of remembered replies", Bytes(&ServerOptions::dedup_bytes)},
+      {"dedup-bytes",
+       "bytes of remembered replies (0 would remember none: retries not deduplicated)",
+       Bytes(&ServerOptions::dedup_bytes, 1)},
       {"max-request-id-bytes", "longest request id accepted",
        Int(&ServerOptions::max_request_id_bytes, 1, 65536)},
       {"max-import-tokens", "tokens an Import (or an incoming transfer) may bring",
@@ -287,10 +299,11 @@ const std::vector<Flag>& Flags() {
       {"transfer-import-threads",
        "receiver threads copying (and hashing) landed chunks into the slot",
        Int(&ServerOptions::transfer_import_threads, 1, 32)},
-      {"transfer-timeout", "seconds an outgoing slot transfer may take, commit and abort included",
-       Seconds(&ServerOptions::transfer_timeout)},
-      {"transfer-lease", "seconds an incoming transfer's reservation lives uncommitted",
-       Seconds(&ServerOptions::transfer_lease)},
+      {"transfer-timeout",
+       "seconds an outgoing slot transfer may take, commit and abort included (> 0)",
+       Seconds(&ServerOptions::transfer_timeout, /*positive=*/true)},
+      {"transfer-lease", "seconds an incoming transfer's reservation lives uncommitted (> 0)",
+       Seconds(&ServerOptions::transfer_lease, /*positive=*/true)},
       {"transfer-max-concurrent", "outgoing slot transfers running at once",
        Int(&ServerOptions::transfer_max_concurrent, 1, 64)},
       {"transfer-peers",
@@ -350,6 +363,15 @@ absl::Status Set(ServerFlags& flags, const std::string& name, const std::string&
 
 absl::Status ApplyConfigFile(ServerFlags& flags, const std::string& path,
                              const std::map<std::string, std::string>& command_line) {
+  // A directory opens and reads as nothing (a Kubernetes ConfigMap is mounted as one): the
+  // server started on defaults, its TLS and tokens with them (an outside review).
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--config ", path, ": expected a file of `name = value` lines, got ",
+                     S_ISDIR(st.st_mode) ? "a directory (a ConfigMap's mount: name its file in it)"
+                                         : "something else"));
+  }
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("--config ", path, ": cannot open"));
   std::stringstream text;
@@ -366,7 +388,15 @@ absl::Status ApplyConfig(absl::string_view text, const std::string& path,
   std::istringstream in{std::string(text)};
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
-    const std::string uncommented = line.substr(0, line.find('#'));
+    if (n == 1 && absl::StartsWith(line, "\xEF\xBB\xBF")) line.erase(0, 3);  // a UTF-8 BOM
+    // A comment: # at the line's start or after a space, so that values may hold one (a
+    // topic "a#b", a path).
+    size_t hash = 0;
+    while ((hash = line.find('#', hash)) != std::string::npos &&
+           !(hash == 0 || line[hash - 1] == ' ' || line[hash - 1] == '\t')) {
+      ++hash;
+    }
+    const std::string uncommented = line.substr(0, hash);
     const absl::string_view text = absl::StripAsciiWhitespace(uncommented);
     if (text.empty()) continue;
     const size_t eq = text.find('=');
@@ -375,8 +405,11 @@ absl::Status ApplyConfig(absl::string_view text, const std::string& path,
     }
     const std::string name(absl::StripAsciiWhitespace(text.substr(0, eq)));
     const std::string value(absl::StripAsciiWhitespace(text.substr(eq + 1)));
-    if (command_line.contains(name)) continue;
-    absl::Status s = Set(flags, name, value, absl::StrCat(path, ":", n, ": "));
+    // The command line wins, but a bad line is refused all the same: it would be the value the
+    // day the command line no longer sets it.
+    ServerFlags scratch;
+    ServerFlags& into = command_line.contains(name) ? scratch : flags;
+    absl::Status s = Set(into, name, value, absl::StrCat(path, ":", n, ": "));
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
@@ -419,8 +452,12 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv) 
     }
     std::string name(arg), value;
     const size_t eq = arg.find('=');
+    if (eq != absl::string_view::npos) name = std::string(arg.substr(0, eq));
+    const bool known =
+        name == "config" ||
+        std::any_of(Flags().begin(), Flags().end(), [&](const Flag& f) { return name == f.name; });
+    if (!known) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
     if (eq != absl::string_view::npos) {
-      name = std::string(arg.substr(0, eq));
       value = std::string(arg.substr(eq + 1));
     } else if (i + 1 < argc && !absl::StartsWith(argv[i + 1], "--")) {
       value = argv[++i];
@@ -428,6 +465,14 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv) 
       return absl::InvalidArgumentError(absl::StrCat("--", name, ": missing value"));
     }
     if (name == "config") {
+      // One file: a second one silently replaced the first, and an empty one was no file.
+      if (value.empty()) {
+        return absl::InvalidArgumentError("--config: expected a file, got an empty value");
+      }
+      if (!config.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--config: expected one file, got \"", config, "\" and \"", value, "\""));
+      }
       config = value;
       continue;
     }

@@ -136,8 +136,11 @@ TEST(ServerFlags, ValuesThatWouldFailEveryCallAreRefusedAtStart) {
            {"--max-batch=0", "--max-batch: expected 1..65535, got 0"},
            {"--max-batch=100000", "--max-batch: expected 1..65535, got 100000"},
            {"--max-prefill-tokens=0", "--max-prefill-tokens: expected 1..2147483647, got 0"},
-           {"--max-message-bytes=0",
-            "--max-message-bytes: expected 4096..9223372036854775807, got 0"},
+           {"--max-message-bytes=0", "--max-message-bytes: expected 4096..2147483647, got 0"},
+           {"--max-message-bytes=3G",
+            "--max-message-bytes: expected 4096..2147483647, got 3221225472"},
+           {"--dedup-bytes=0", "--dedup-bytes: expected 1..9223372036854775807, got 0"},
+           {"--track-interval=-1", "--track-interval: expected 0..2147483647, got -1"},
            {"--dedup-entries=-1", "--dedup-entries: expected 1..9223372036854775807, got -1"},
            {"--max-regions=-1", "--max-regions: expected 0..2147483647, got -1"},
            {"--transfer-chunk-bytes=0", "--transfer-chunk-bytes: expected 1..1073741824, got 0"},
@@ -203,20 +206,69 @@ TEST(ServerFlags, ConfigTextParsesLikeAFileAndNaNSecondsAreRefused) {
   EXPECT_EQ(flags.options.slot_ttl, absl::Milliseconds(2500));
   const absl::Status nan = ApplyConfig("\nslot-ttl = nan\n", "x.conf", {}, &flags);
   EXPECT_EQ(nan.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(nan.message().find("x.conf:2: --slot-ttl=nan: expected seconds >= 0"),
+  EXPECT_NE(nan.message().find("x.conf:2: --slot-ttl=nan: expected decimal seconds >= 0"),
             std::string::npos)
       << nan;
   // 0 would abandon every forward at once (an outside review, for the stream's idle bound).
   const absl::Status zero = ApplyConfig("forward-timeout = 0\n", "x.conf", {}, &flags);
   EXPECT_EQ(zero.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(zero.message().find("--forward-timeout=0: expected seconds > 0"), std::string::npos)
+  EXPECT_NE(zero.message().find("--forward-timeout=0: expected decimal seconds > 0"),
+            std::string::npos)
       << zero;
   EXPECT_TRUE(ApplyConfig("forward-timeout = 0.5\n", "x.conf", {}, &flags).ok());
   const absl::Status idle = ApplyConfig("stream-idle-timeout = 0\n", "x.conf", {}, &flags);
-  EXPECT_NE(idle.message().find("--stream-idle-timeout=0: expected seconds > 0"), std::string::npos)
+  EXPECT_NE(idle.message().find("--stream-idle-timeout=0: expected decimal seconds > 0"),
+            std::string::npos)
       << idle;
   ASSERT_TRUE(ApplyConfig("stream-idle-timeout = 2.5\n", "x.conf", {}, &flags).ok());
   EXPECT_EQ(flags.options.stream_idle_timeout, absl::Milliseconds(2500));
+  // An outside review's durations: 0 for the transfer bounds (every move, every reservation
+  // over at once), 1e-300 (> 0, yet a zero duration), hex, infinite ones.
+  for (const char* line :
+       {"transfer-timeout = 0", "transfer-lease = 0", "forward-timeout = 1e-300", "slot-ttl = 0x10",
+        "slot-ttl = inf", "slot-ttl = 1e400", "drain-timeout = -1", "slot-ttl = 2e9"}) {
+    const absl::Status refused = ApplyConfig(line, "x.conf", {}, &flags);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << line;
+    EXPECT_NE(refused.message().find("expected decimal seconds"), std::string::npos) << refused;
+  }
+  ASSERT_TRUE(ApplyConfig("transfer-timeout = 1e1\nslot-ttl=.5", "x.conf", {}, &flags).ok());
+  EXPECT_EQ(flags.options.transfer_timeout, absl::Seconds(10));
+  EXPECT_EQ(flags.options.slot_ttl, absl::Milliseconds(500));
+}
+
+// The file's syntax, after an outside review: # starts a comment only at a line's start or
+// after a blank (values may hold one), a BOM is no part of the first name, and a bad line is
+// refused even where the command line sets its flag.
+TEST(ServerFlags, ConfigCommentsValuesWithHashesAndLinesTheCommandLineOverrides) {
+  ServerFlags flags;
+  ASSERT_TRUE(ApplyConfig("\xEF\xBB\xBFkv-events-topic = a#b  # the topic\n# all of it\n"
+                          "   # indented\nmax-batch = 9 #nine\n",
+                          "x.conf", {}, &flags)
+                  .ok());
+  EXPECT_EQ(flags.options.kv_events_topic, "a#b");
+  EXPECT_EQ(flags.options.max_batch, 9);
+  const absl::Status bad = ApplyConfig("max-batch = abc\n", "x.conf", {{"max-batch", "5"}}, &flags);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("x.conf:1: --max-batch=abc"), std::string::npos) << bad;
+  ASSERT_TRUE(ApplyConfig("max-batch = 7\n", "x.conf", {{"max-batch", "5"}}, &flags).ok());
+  EXPECT_EQ(flags.options.max_batch, 9) << "the command line's (applied by the caller) wins";
+}
+
+// --config names one regular file: a directory (a ConfigMap's mount) read as nothing and the
+// server started on defaults; an empty value, or a second --config, dropped a file silently.
+TEST(ServerFlags, ConfigMustBeOneFile) {
+  const std::string dir = ::testing::TempDir();
+  for (const auto& [args, message] : std::vector<std::pair<std::vector<const char*>, std::string>>{
+           {{"--config", dir.c_str()}, "expected a file of `name = value` lines, got a directory"},
+           {{"--config="}, "--config: expected a file, got an empty value"},
+           {{"--config=a.conf", "--config=b.conf"},
+            "--config: expected one file, got \"a.conf\" and \"b.conf\""},
+           {{"--bogus"}, "unknown flag --bogus"},
+           {{"--bogus", "1"}, "unknown flag --bogus"}}) {
+    auto parsed = Parse(args);
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_NE(parsed.status().message().find(message), std::string::npos) << parsed.status();
+  }
 }
 
 TEST(ParseBytes, AcceptsPlainAndBinaryUnitsOnly) {

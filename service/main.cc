@@ -1,6 +1,7 @@
 // replayssm-server: serves replayssm.v1 over gRPC for one model. SIGTERM/SIGINT drain: new
 // forwards are refused with UNAVAILABLE (health NOT_SERVING), open ones finish, then exit 0.
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <cstdio>
 #include <fstream>
@@ -25,12 +26,28 @@ sigset_t BlockStopSignals() {
 
 bool WriteReadyFile(const std::string& path, const replayssm::service::Server& server) {
   const std::string tmp = path + ".tmp";
+  bool written = false;
   {
     std::ofstream out(tmp);
     out << "grpc=" << server.grpc_address() << "\nmetrics=" << server.metrics_address() << "\n";
-    if (!out) return false;
+    written = static_cast<bool>(out);
   }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
+  if (written && std::rename(tmp.c_str(), path.c_str()) == 0) return true;
+  std::remove(tmp.c_str());
+  return false;
+}
+
+// Whether the ready file can be written where it goes: checked before the server starts (it
+// used to be found out once serving, the port already announced).
+bool CanWriteReadyFile(const std::string& path) {
+  const std::string tmp = path + ".tmp";
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return false;
+  std::ofstream probe(tmp);
+  const bool ok = static_cast<bool>(probe);
+  probe.close();
+  std::remove(tmp.c_str());
+  return ok;
 }
 
 }  // namespace
@@ -40,13 +57,24 @@ int main(int argc, char** argv) {
   absl::StatusOr<replayssm::service::ServerFlags> flags =
       replayssm::service::ParseServerFlags(argc, argv);
   if (!flags.ok()) {
-    std::fprintf(stderr, "replayssm-server: %s\n%s", flags.status().ToString().c_str(),
-                 replayssm::service::ServerUsage().c_str());
+    std::fprintf(stderr, "replayssm-server: %s\n(--help lists the flags)\n",
+                 flags.status().ToString().c_str());
     return 2;
   }
   if (flags->help) {
     std::printf("%s", replayssm::service::ServerUsage().c_str());
     return 0;
+  }
+  // A flag's bound is a usage error like its syntax (exit 2; Start checks again for options
+  // made in code).
+  if (absl::Status s = replayssm::service::CheckServerBounds(flags->options); !s.ok()) {
+    std::fprintf(stderr, "replayssm-server: %s\n", s.ToString().c_str());
+    return 2;
+  }
+  if (!flags->ready_file.empty() && !CanWriteReadyFile(flags->ready_file)) {
+    std::fprintf(stderr, "replayssm-server: --ready-file %s: cannot write it (or %s.tmp)\n",
+                 flags->ready_file.c_str(), flags->ready_file.c_str());
+    return 2;
   }
   auto server = replayssm::service::Server::Start(flags->options);
   if (!server.ok()) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -159,6 +160,48 @@ absl::StatusOr<cache::ModelSpec> LoadModel(const ServerOptions& o) {
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
   return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+// A listen address is a host and a port 0..65535 (0: any free one). gRPC took anything:
+// 127.0.0.1:99999 listened on 34463, a missing port on 443 (an outside review).
+absl::Status CheckListenAddress(absl::string_view flag, const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = -1;
+  const bool ok = colon != std::string::npos && colon > 0 && colon + 1 < address.size() &&
+                  address.size() - colon - 1 <= 5 &&
+                  address.find_first_not_of("0123456789", colon + 1) == std::string::npos &&
+                  absl::SimpleAtoi(address.substr(colon + 1), &port) && port <= 65535;
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", flag, ": expected host:port with a port in 0..65535 (0: any free one), got \"", address,
+      "\""));
+}
+
+// The memory this process may use: the container's bound (cgroup v2 memory.max, v1
+// memory.limit_in_bytes) when it has one, else the machine's (MemTotal); 0 when unknown.
+int64_t UsableMemoryBytes() {
+  int64_t bytes = 0;
+  if (std::ifstream meminfo("/proc/meminfo"); meminfo) {
+    std::string key;
+    int64_t kb = 0;
+    while (meminfo >> key >> kb) {
+      if (key == "MemTotal:") {
+        bytes = kb * 1024;
+        break;
+      }
+      meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+    }
+  }
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    std::string text;
+    int64_t limit = 0;
+    if (f >> text && absl::SimpleAtoi(text, &limit) && limit > 0 && (bytes == 0 || limit < bytes)) {
+      bytes = limit;
+    }
+  }
+  return bytes;
 }
 
 class ServerImpl final : public Server {
@@ -370,6 +413,15 @@ class ServerImpl final : public Server {
 
   // Settings that run but expose more than the operator may think.
   void SecurityWarnings() {
+    // A config.json without weights beside it serves seeded parameters: fine for a test, not
+    // what a deployment that mounted the config and forgot the weights means (GetInfo says
+    // params_from_seed; the start says it too).
+    if (cache_->model().params_from_seed && absl::EndsWith(options_.model, ".json")) {
+      warnings_.push_back(absl::StrCat(
+          "--model ", options_.model,
+          ": no safetensors weights beside it: serving seeded parameters, not the model's "
+          "(GetInfo's params_from_seed)"));
+    }
     const bool tls = !options_.tls_cert_file.empty();
     if (!options_.auth_tokens_file.empty() && !tls) {
       warnings_.push_back(
@@ -425,6 +477,10 @@ class ServerImpl final : public Server {
     absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = ServerCredentialsFor(Tls());
     if (!creds.ok()) return creds.status();
     builder.AddListeningPort(options_.grpc_address, *creds, &port);
+    // A port another process listens on is refused, not shared: gRPC sets SO_REUSEPORT, and
+    // two servers given one port both started, the kernel splitting clients between their
+    // caches (an outside review).
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.SetMaxReceiveMessageSize(static_cast<int>(
         std::min<int64_t>(options_.max_message_bytes, std::numeric_limits<int>::max())));
     builder.SetMaxSendMessageSize(-1);
@@ -551,6 +607,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // The resource bounds (docs/operations.md, "Security and resource bounds"), one table
   // with the flags' (config.cc): options made in code are held to them too.
   if (absl::Status s = CheckServerBounds(options); !s.ok()) return s;
+  if (absl::Status s = CheckListenAddress("grpc-address", options.grpc_address); !s.ok()) return s;
+  if (!options.metrics_address.empty()) {
+    if (absl::Status s = CheckListenAddress("metrics-address", options.metrics_address); !s.ok()) {
+      return s;
+    }
+  }
   absl::StatusOr<Device> device = ResolveDevice(options.device);
   if (!device.ok()) return device.status();
   absl::StatusOr<cache::ModelSpec> model = LoadModel(options);
@@ -575,6 +637,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   auto events = std::make_unique<CacheEventLog>(event_options);
   cache_options.event_sink = events->Sink();
   cache_options.host_snapshot_bytes = options.host_snapshot_bytes;
+  // Pinned host memory past what the process may use gets it killed, with no word, after
+  // minutes of pinning (an outside review: 300G on a 128 GiB host, SIGKILL).
+  if (const int64_t usable = UsableMemoryBytes(); options.host_snapshot_bytes > 0 && usable > 0) {
+    const int64_t ranks = std::max<int64_t>(cache_options.tp_size, 1);
+    const int64_t total = options.host_snapshot_bytes > usable / ranks
+                              ? usable + 1
+                              : options.host_snapshot_bytes * ranks;
+    if (total > usable) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--host-snapshot-bytes: expected at most the memory this process may use (",
+                       usable >> 20, " MiB: the container's limit or MemTotal) over ", ranks,
+                       " TP rank(s), got ", options.host_snapshot_bytes >> 20, " MiB per rank"));
+    }
+  }
   cache_options.host_spill_ahead = options.host_spill_ahead;
   cache_options.host_pin_at_start = options.host_pin_at_start;
   if (options.host_snapshot_policy != "lru" && options.host_snapshot_policy != "value") {

@@ -1,6 +1,10 @@
 #include "service/tls.h"
 
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +28,31 @@ struct Pems {
   std::string cert, key, client_ca;
 };
 
+absl::Status CheckKeyMatchesCert(const std::string& cert_pem, const std::string& key_pem,
+                                 const TlsOptions& tls) {
+  using Bio = std::unique_ptr<BIO, decltype(&BIO_free)>;
+  Bio cb(BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())), &BIO_free);
+  Bio kb(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())), &BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> cert(
+      cb ? PEM_read_bio_X509(cb.get(), nullptr, nullptr, nullptr) : nullptr, &X509_free);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls-cert: expected a PEM certificate first in \"", tls.cert_file, "\", got none"));
+  }
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      kb ? PEM_read_bio_PrivateKey(kb.get(), nullptr, nullptr, nullptr) : nullptr, &EVP_PKEY_free);
+  if (key == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls-key: expected an unencrypted PEM private key in \"", tls.key_file, "\", got none"));
+  }
+  if (X509_check_private_key(cert.get(), key.get()) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls-key: expected the private key of --tls-cert's certificate, got another (\"",
+        tls.key_file, "\" does not match \"", tls.cert_file, "\")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Pems> Load(const TlsOptions& tls) {
   if (tls.cert_file.empty() != tls.key_file.empty()) {
     return absl::InvalidArgumentError(
@@ -46,6 +75,9 @@ absl::StatusOr<Pems> Load(const TlsOptions& tls) {
   s = ReadPem(tls.key_file, "tls-key");
   if (!s.ok()) return s.status();
   p.key = *std::move(s);
+  // The pair must match: gRPC's own refusal said "--grpc-address ...: cannot listen" after
+  // three lines of its log (an outside review).
+  if (absl::Status m = CheckKeyMatchesCert(p.cert, p.key, tls); !m.ok()) return m;
   if (!tls.client_ca_file.empty()) {
     s = ReadPem(tls.client_ca_file, "tls-client-ca");
     if (!s.ok()) return s.status();

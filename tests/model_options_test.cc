@@ -87,6 +87,13 @@ class BetaRoundingTest : public ModelOptionsTest {
 };
 
 TEST_F(BetaRoundingTest, GatedDeltaNetRoundsBetaToBf16ByDefaultAsHuggingFaceDoes) {
+  // No weights beside the config: seeded parameters, said at start (an outside review: a
+  // deployment that mounted the config and forgot the weights was told nothing).
+  EXPECT_TRUE(model().params_from_seed());
+  EXPECT_NE(server_->Log().find("warning: --model " + Bf16GdnConfig() +
+                                ": no safetensors weights beside it: serving seeded parameters"),
+            std::string::npos)
+      << server_->Log();
   EXPECT_EQ(model().act_dtype(), v1::DTYPE_BF16);
   EXPECT_EQ(model().ring_dtype(), v1::DTYPE_F32);
   EXPECT_TRUE(model().round_beta());

@@ -3,7 +3,9 @@
 // client without a certificate (or with one another CA signed) is refused; two servers move
 // a slot over mTLS (bad TLS flags: command_line_test.cc).
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -204,6 +206,32 @@ TEST_F(TlsTest, TokensOverMtlsNameTenantsEndToEnd) {
   auto bob_b = Connect((*b)->grpc_address(), ClientTls());
   bob_b->set_token("bob-token-0123456789abcdef");
   EXPECT_EQ(bob_b->GetSlot(moved->remote_slot()).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A certificate with another pair's key (or the two swapped) stopped the server with "--grpc-
+// address ...: cannot listen" after three lines of gRPC's log: the TLS flags are named now.
+TEST_F(TlsTest, AKeyThatIsNotTheCertificatesIsRefusedNamingTheFlag) {
+  for (const auto& [cert, key] : std::vector<std::pair<std::string, std::string>>{
+           {"server.pem", "client.key"}, {"server.key", "server.pem"}}) {
+    const char* bin = std::getenv("REPLAYSSM_SERVER_BINARY");
+    const std::string cmd = absl::StrCat(
+        bin != nullptr ? bin : REPLAYSSM_SERVER_BINARY,
+        " --device=cpu --grpc-address=127.0.0.1:0 --metrics-address= --tls-cert=", pki_.Path(cert),
+        " --tls-key=", pki_.Path(key), " 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string output;
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) output.append(buf, n);
+    const int status = pclose(p);
+    EXPECT_EQ(WEXITSTATUS(status), 1) << output;
+    EXPECT_TRUE(absl::StrContains(output, cert == "server.pem"
+                                              ? "--tls-key: expected the private key of "
+                                                "--tls-cert's certificate, got another"
+                                              : "--tls-cert: expected a PEM certificate"))
+        << output;
+    EXPECT_FALSE(absl::StrContains(output, "cannot listen")) << output;
+  }
 }
 
 TEST(PeerAllowListTest, OnlyAllowedPeersAreDialled) {
