@@ -354,6 +354,13 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
                   .Help("Incoming transfers reserved and not yet committed, aborted or expired.")
                   .Register(r)
                   .Add({});
+  s->channels_gauge_ = &prometheus::BuildGauge()
+                            .Name("replayssm_transfer_peer_channels")
+                            .Help(
+                                "gRPC channels to transfer peers kept open (at most 64: the "
+                                "least recently used goes).")
+                            .Register(r)
+                            .Add({});
   s->in_doubt_ = &prometheus::BuildGauge()
                       .Name("replayssm_transfer_in_doubt")
                       .Help(
@@ -383,6 +390,7 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
       self->receiver_->ExpireLeases();
       self->open_->Set(self->receiver_->open());
       self->in_doubt_->Set(self->manager_->in_doubt());
+      self->channels_gauge_->Set(static_cast<double>(self->cached_channels()));
     }
   });
   return s;
@@ -397,9 +405,23 @@ TransferService::~TransferService() {
 
 void TransferService::Stop() { manager_->Stop(); }
 
+size_t TransferService::cached_channels() {
+  absl::MutexLock lock(&mu_);
+  return channels_.size();
+}
+
 std::shared_ptr<grpc::Channel> TransferService::Channel(const std::string& address) {
   absl::MutexLock lock(&mu_);
-  std::shared_ptr<grpc::Channel>& c = channels_[address];
+  if (!channels_.contains(address) && channels_.size() >= kMaxChannels) {
+    auto lru = channels_.begin();
+    for (auto it = channels_.begin(); it != channels_.end(); ++it) {
+      if (it->second.used < lru->second.used) lru = it;
+    }
+    channels_.erase(lru);  // a call running on it holds it still
+  }
+  PeerChannel& entry = channels_[address];
+  entry.used = ++channel_clock_;
+  std::shared_ptr<grpc::Channel>& c = entry.channel;
   if (c == nullptr) {
     // A peer that was down is dialled again within a second of coming back (gRPC's default
     // backoff grows to 120 s, and every transfer to it fails fast meanwhile).

@@ -190,6 +190,22 @@ TEST_F(TransferTest, ADrainWaitsForItsReservationsToBeDecided) {
   EXPECT_EQ(*exit, 0);
 }
 
+// A channel per peer address named, kept for good: an outside review's soak grew the server
+// ~30 KB (and a thread every few) per distinct address. The least recently used goes past 64.
+TEST_F(TransferTest, PeerChannelsAreBounded) {
+  const uint64_t s = NewSlot();
+  for (int i = 0; i < 70; ++i) {  // ports nothing listens on: each move fails at its connect
+    auto r = client_->TransferSlot(s, absl::StrCat("127.0.0.1:", 1 + i), false,
+                                   absl::StrCat("dead-", i));
+    EXPECT_FALSE(r.ok());
+  }
+  EXPECT_TRUE(client_->GetSlot(s).ok());
+  for (int i = 0; i < 100 && Metric(*server_, "replayssm_transfer_peer_channels") < 64; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));  // the gauge's 200 ms update
+  }
+  EXPECT_EQ(Metric(*server_, "replayssm_transfer_peer_channels"), 64);
+}
+
 TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
   auto b = StartPeer({"--model=tiny-kda"});
   ASSERT_NE(b, nullptr);

@@ -60,12 +60,13 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(bool progress
 UcxTransport::~UcxTransport() {
   stop_ = true;
   if (progress_.joinable()) progress_.join();
-  for (auto& [key, rkey] : rkeys_) ucp_rkey_destroy(static_cast<ucp_rkey_h>(rkey));
+  for (auto& [key, rkey] : rkeys_) ucp_rkey_destroy(static_cast<ucp_rkey_h>(rkey.handle));
   for (auto& [addr, ep] : eps_) {
     ucp_request_param_t cp{};
     cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    Wait(ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep), &cp), "close", absl::Now() + absl::Seconds(1))
+    Wait(ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep.handle), &cp), "close",
+         absl::Now() + absl::Seconds(1))
         .IgnoreError();
   }
   if (worker_ != nullptr) ucp_worker_destroy(Worker(worker_));
@@ -171,7 +172,19 @@ absl::StatusOr<std::pair<void*, void*>> UcxTransport::EndpointAndKeyLocked(
     const std::string& peer_address, const std::string& rkey) {
   auto ep_it = eps_.find(peer_address);
   if (ep_it == eps_.end()) {
-    if (eps_.size() >= 64) return absl::ResourceExhaustedError("ucx: 64 peers are cached");
+    if (eps_.size() >= kMaxPeers) {  // the least recently used idle peer goes
+      auto lru = eps_.end();
+      for (auto it = eps_.begin(); it != eps_.end(); ++it) {
+        if (it->second.streams == 0 && (lru == eps_.end() || it->second.used < lru->second.used)) {
+          lru = it;
+        }
+      }
+      if (lru == eps_.end()) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("ucx: ", kMaxPeers, " peers have transfers running"));
+      }
+      ForgetPeerLocked(std::string(lru->first));
+    }
     // No peer error-handling mode: in UCX 1.13 it rules out the shared-memory transports
     // (the transfer then crawls over TCP loopback). A dead peer is caught by the deadline.
     ucp_ep_params_t ep_params{};
@@ -180,24 +193,61 @@ absl::StatusOr<std::pair<void*, void*>> UcxTransport::EndpointAndKeyLocked(
     ucp_ep_h ep = nullptr;
     const ucs_status_t s = ucp_ep_create(Worker(worker_), &ep_params, &ep);
     if (s != UCS_OK) return UcsError(s, "ep_create");
-    ep_it = eps_.emplace(peer_address, ep).first;
+    ep_it = eps_.emplace(peer_address, Cached{ep}).first;
   }
   const auto key = std::make_pair(peer_address, rkey);
   auto rk_it = rkeys_.find(key);
   if (rk_it == rkeys_.end()) {
+    // A receiver hands out a new buffer (a new rkey) when it drops one: the peer's least
+    // recently used idle rkeys go past kMaxKeysPerPeer.
+    size_t held = 0;
+    auto lru = rkeys_.end();
+    for (auto it = rkeys_.lower_bound({peer_address, ""});
+         it != rkeys_.end() && it->first.first == peer_address; ++it) {
+      ++held;
+      if (it->second.streams == 0 && (lru == rkeys_.end() || it->second.used < lru->second.used)) {
+        lru = it;
+      }
+    }
+    if (held >= kMaxKeysPerPeer && lru != rkeys_.end()) {
+      ucp_rkey_destroy(static_cast<ucp_rkey_h>(lru->second.handle));
+      rkeys_.erase(lru);
+    }
     ucp_rkey_h remote_key = nullptr;
     const ucs_status_t s =
-        ucp_ep_rkey_unpack(static_cast<ucp_ep_h>(ep_it->second), rkey.data(), &remote_key);
+        ucp_ep_rkey_unpack(static_cast<ucp_ep_h>(ep_it->second.handle), rkey.data(), &remote_key);
     if (s != UCS_OK) return UcsError(s, "rkey_unpack");
-    rk_it = rkeys_.emplace(key, remote_key).first;
+    rk_it = rkeys_.emplace(key, Cached{remote_key}).first;
   }
-  return std::make_pair(ep_it->second, rk_it->second);
+  ++ep_it->second.streams;
+  ++rk_it->second.streams;
+  ep_it->second.used = rk_it->second.used = ++clock_;
+  return std::make_pair(ep_it->second.handle, rk_it->second.handle);
+}
+
+void UcxTransport::ReleaseLocked(const std::string& peer_address, const std::string& rkey) {
+  if (auto it = eps_.find(peer_address); it != eps_.end() && it->second.streams > 0) {
+    --it->second.streams;
+  }
+  if (auto it = rkeys_.find({peer_address, rkey}); it != rkeys_.end() && it->second.streams > 0) {
+    --it->second.streams;
+  }
+}
+
+size_t UcxTransport::cached_peers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return eps_.size();
+}
+
+size_t UcxTransport::cached_keys() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rkeys_.size();
 }
 
 void UcxTransport::ForgetPeerLocked(const std::string& peer_address) {
   for (auto it = rkeys_.begin(); it != rkeys_.end();) {
     if (it->first.first == peer_address) {
-      ucp_rkey_destroy(static_cast<ucp_rkey_h>(it->second));
+      ucp_rkey_destroy(static_cast<ucp_rkey_h>(it->second.handle));
       it = rkeys_.erase(it);
     } else {
       ++it;
@@ -208,7 +258,7 @@ void UcxTransport::ForgetPeerLocked(const std::string& peer_address) {
   ucp_request_param_t cp{};
   cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t req = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep->second), &cp);
+  ucs_status_ptr_t req = ucp_ep_close_nbx(static_cast<ucp_ep_h>(ep->second.handle), &cp);
   if (req != nullptr && !UCS_PTR_IS_ERR(req)) ucp_request_free(req);  // completes on its own
   eps_.erase(ep);
 }
@@ -218,8 +268,14 @@ void UcxTransport::ForgetPeerLocked(const std::string& peer_address) {
 // afresh.
 class UcxTransport::Stream final : public PutStream {
  public:
-  Stream(UcxTransport* ucx, std::string peer, void* ep, void* rkey, absl::Time deadline)
-      : ucx_(ucx), peer_(std::move(peer)), ep_(ep), rkey_(rkey), deadline_(deadline) {}
+  Stream(UcxTransport* ucx, std::string peer, std::string packed_rkey, void* ep, void* rkey,
+         absl::Time deadline)
+      : ucx_(ucx),
+        peer_(std::move(peer)),
+        packed_rkey_(std::move(packed_rkey)),
+        ep_(ep),
+        rkey_(rkey),
+        deadline_(deadline) {}
   ~Stream() override;
   absl::StatusOr<uint64_t> Write(const void* local, size_t size, uint64_t remote_addr) override;
   absl::Status WaitFor(uint64_t ticket) override;
@@ -231,6 +287,7 @@ class UcxTransport::Stream final : public PutStream {
   absl::Status WaitOldest();
   UcxTransport* const ucx_;
   const std::string peer_;
+  const std::string packed_rkey_;  // the cache's key of rkey_
   void* const ep_;    // ucp_ep_h
   void* const rkey_;  // ucp_rkey_h
   const absl::Time deadline_;
@@ -248,12 +305,15 @@ absl::StatusOr<std::unique_ptr<PutStream>> UcxTransport::OpenPutStream(
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<std::pair<void*, void*>> er = EndpointAndKeyLocked(peer_address, rkey);
   if (!er.ok()) return er.status();
-  return std::make_unique<Stream>(this, peer_address, er->first, er->second, deadline);
+  return std::make_unique<Stream>(this, peer_address, rkey, er->first, er->second, deadline);
 }
 
 UcxTransport::Stream::~Stream() {
-  if (finished_) return;
   std::lock_guard<std::mutex> lock(ucx_->mu_);
+  if (finished_) {  // the endpoint and rkey stay cached, idle
+    ucx_->ReleaseLocked(peer_, packed_rkey_);
+    return;
+  }
   for (auto& [ticket, req] : pending_) {
     ucp_request_cancel(Worker(ucx_->worker_), req);
     ucp_request_free(req);

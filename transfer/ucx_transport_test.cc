@@ -41,6 +41,41 @@ TEST(UcxTransport, PutIntoTheMiddleOfARegionLeavesTheRestAlone) {
   EXPECT_EQ(dst[1100], 7);
 }
 
+// A peer that restarts comes back with a new worker address: the sender cached each old
+// endpoint (and its shared-memory attachment) for good, and past 64 of them refused every new
+// peer (an outside review's soak: after 64 receiver restarts, transfers failed for ever). The
+// least recently used idle endpoint now makes way, and a peer's rkeys are bounded too.
+TEST(UcxTransport, RestartedPeersAndNewBuffersDoNotFillTheCache) {
+  auto a = UcxTransport::Create();
+  ASSERT_TRUE(a.ok());
+  std::vector<uint8_t> src(4096, 5);
+  for (size_t i = 0; i < UcxTransport::kMaxPeers + 6; ++i) {
+    auto b = UcxTransport::Create();  // a receiver's new process
+    ASSERT_TRUE(b.ok()) << i;
+    std::vector<uint8_t> dst(src.size(), 0);
+    auto region = (*b)->Register(dst.data(), dst.size());
+    ASSERT_TRUE(region.ok());
+    const absl::Status s = (*a)->Put((*b)->address(), src.data(), src.size(), (*region)->addr(),
+                                     (*region)->rkey(), 1024, absl::Seconds(30));
+    ASSERT_TRUE(s.ok()) << "peer " << i << ": " << s;
+    EXPECT_EQ(dst, src) << i;
+    EXPECT_LE((*a)->cached_peers(), UcxTransport::kMaxPeers);
+  }
+  auto b = UcxTransport::Create();
+  ASSERT_TRUE(b.ok());
+  for (size_t i = 0; i < UcxTransport::kMaxKeysPerPeer + 4; ++i) {  // a new buffer each time
+    std::vector<uint8_t> dst(src.size(), 0);
+    auto region = (*b)->Register(dst.data(), dst.size());
+    ASSERT_TRUE(region.ok());
+    ASSERT_TRUE((*a)->Put((*b)->address(), src.data(), src.size(), (*region)->addr(),
+                          (*region)->rkey(), 1024, absl::Seconds(30))
+                    .ok())
+        << i;
+    EXPECT_EQ(dst, src) << i;
+  }
+  EXPECT_LE((*a)->cached_keys(), UcxTransport::kMaxPeers - 1 + UcxTransport::kMaxKeysPerPeer);
+}
+
 TEST(UcxTransport, BadArgumentsAreRefused) {
   auto a = UcxTransport::Create();
   ASSERT_TRUE(a.ok());

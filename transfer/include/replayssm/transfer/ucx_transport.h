@@ -86,9 +86,15 @@ class UcxTransport final : public PutLane {
   absl::Status Wait(void* request, const char* what, absl::Time deadline);
   // A cached endpoint to `peer_address` and the rkey unpacked on it: mapping a peer's region
   // (shared memory: attach and first-touch faults) costs more than a put, so both are kept
-  // for the next transfer to the same buffer. Requires mu_.
+  // for the next transfer to the same buffer, and held (not evictable) until the stream that
+  // asked releases them (ReleaseLocked). Bounded: kMaxPeers endpoints and kMaxKeysPerPeer
+  // rkeys a peer, the least recently used idle one evicted for a new one. A peer that
+  // restarts has a new worker address, so its old endpoint is never asked for again: without
+  // the bound they piled up (with their shared-memory attachments) until the 65th peer was
+  // refused for good (an outside review's soak). Requires mu_.
   absl::StatusOr<std::pair<void*, void*>> EndpointAndKeyLocked(const std::string& peer_address,
                                                                const std::string& rkey);
+  void ReleaseLocked(const std::string& peer_address, const std::string& rkey);
   void ForgetPeerLocked(const std::string& peer_address);
 
   void* context_ = nullptr;  // ucp_context_h
@@ -98,8 +104,21 @@ class UcxTransport final : public PutLane {
   std::atomic<bool> stop_{false};
   std::thread progress_;  // not started for a lane (Create(false)): Wait progresses instead
   std::mutex mu_;         // every call on worker_ after Create
-  std::map<std::string, void*> eps_;                            // peer address -> ucp_ep_h
-  std::map<std::pair<std::string, std::string>, void*> rkeys_;  // (peer, packed) -> ucp_rkey_h
+  struct Cached {
+    void* handle = nullptr;  // ucp_ep_h or ucp_rkey_h
+    int streams = 0;         // open streams using it: not evictable
+    uint64_t used = 0;       // clock_ at its last use (LRU)
+  };
+  std::map<std::string, Cached> eps_;                            // peer address -> endpoint
+  std::map<std::pair<std::string, std::string>, Cached> rkeys_;  // (peer, packed) -> rkey
+  uint64_t clock_ = 0;
+
+ public:
+  static constexpr size_t kMaxPeers = 64;
+  static constexpr size_t kMaxKeysPerPeer = 16;
+  // Cached endpoints and rkeys now (tests).
+  size_t cached_peers();
+  size_t cached_keys();
 };
 
 }  // namespace replayssm::transfer
