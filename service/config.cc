@@ -311,9 +311,13 @@ const std::vector<Flag>& Flags() {
        Custom([](ServerFlags& f, const std::string& v) {
          f.options.transfer_peers.clear();
          for (absl::string_view p : absl::StrSplit(v, ',', absl::SkipEmpty())) {
-           if (p.find(':') == absl::string_view::npos) {
-             return absl::InvalidArgumentError(
-                 absl::StrCat("--transfer-peers: expected host:port entries, got \"", p, "\""));
+           const size_t colon = p.rfind(':');
+           int port = 0;
+           if (colon == absl::string_view::npos || colon == 0 ||
+               !absl::SimpleAtoi(p.substr(colon + 1), &port) || port < 1 || port > 65535 ||
+               p.substr(colon + 1).find_first_not_of("0123456789") != absl::string_view::npos) {
+             return absl::InvalidArgumentError(absl::StrCat(
+                 "expected host:port entries with a port in 1..65535, got \"", p, "\""));
            }
            f.options.transfer_peers.emplace_back(p);
          }

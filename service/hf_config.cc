@@ -92,12 +92,18 @@ struct Object {
   }
 };
 
+// The activations' dtype: the first of torch_dtype, dtype that is set; bf16 when neither is.
+// Another name is refused (an outside review: "float64" became bf16 without a word).
 absl::StatusOr<int32_t> ActDtype(const Object& o) {
   for (const char* key : {"torch_dtype", "dtype"}) {
     absl::StatusOr<std::string> name = o.OptionalString(key);
     if (!name.ok()) return name.status();
+    if (name->empty()) continue;
+    if (*name == "bfloat16") return RSSM_DTYPE_BF16;
     if (*name == "float16") return RSSM_DTYPE_F16;
     if (*name == "float32") return RSSM_DTYPE_F32;
+    return FieldError(absl::StrCat(o.file, ": ", o.prefix, key), "bfloat16, float16 or float32",
+                      absl::StrCat("\"", *name, "\""));
   }
   return RSSM_DTYPE_BF16;
 }
@@ -114,6 +120,12 @@ absl::StatusOr<int32_t> GdnLayers(const Object& o) {
       if (t.kind_case() != Value::kStringValue) {
         return FieldError(absl::StrCat(o.file, ": ", o.prefix, "layer_types[", i, "]"), "a string",
                           Describe(&t));
+      }
+      // Any other name was counted as full attention, and the layer count came out wrong.
+      if (t.string_value() != "linear_attention" && t.string_value() != "full_attention") {
+        return FieldError(absl::StrCat(o.file, ": ", o.prefix, "layer_types[", i, "]"),
+                          "\"linear_attention\" or \"full_attention\"",
+                          absl::StrCat("\"", t.string_value(), "\""));
       }
       layers += t.string_value() == "linear_attention" ? 1 : 0;
     }

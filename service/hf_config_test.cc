@@ -159,6 +159,12 @@ TEST(HfConfig, EveryWrongTypeIsAnErrorNamingTheKey) {
        "text_config.linear_num_key_heads: expected an integer in 1..2147483647, got an object"},
       {"{" + gdn + R"(, "num_hidden_layers": 8, "torch_dtype": 16})",
        "torch_dtype: expected a string, got the number 16"},
+      // An outside review: both became something else without a word (bf16; full attention).
+      {"{" + gdn + R"(, "num_hidden_layers": 8, "torch_dtype": "float64"})",
+       "c.json: torch_dtype: expected bfloat16, float16 or float32, got \"float64\""},
+      {"{" + gdn + R"(, "layer_types": ["linear_attention", "linear_atention"]})",
+       "layer_types[1]: expected \"linear_attention\" or \"full_attention\", got "
+       "\"linear_atention\""},
   };
   for (const auto& c : cases) {
     auto m = ModelFromHfConfigJson(c.json, "c.json", -1, 0);

@@ -321,6 +321,21 @@ class ServerImpl final : public Server {
   // --kv-events-endpoint: the ZMQ publisher of one tenant's cache events (after LoadTokens,
   // which knows the tenants).
   absl::Status StartEventPublisher() {
+    // Keys for sockets that will not exist: the operator meant the events on (or the keys
+    // elsewhere); they were neither read nor mentioned.
+    if (options_.kv_events_endpoint.empty()) {
+      for (const auto& [flag, value] :
+           {std::pair<const char*, const std::string*>{"kv-events-curve-secret-file",
+                                                       &options_.kv_events_curve_secret_file},
+            {"kv-events-clients-file", &options_.kv_events_clients_file}}) {
+        if (!value->empty()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--", flag,
+                           ": expected it with --kv-events-endpoint (the ZMQ events it secures), "
+                           "got it alone"));
+        }
+      }
+    }
     std::optional<TenantId> tenant;
     if (!options_.kv_events_tenant.empty()) {  // an unknown name stops the start, ZMQ on or not
       tenant = tokens_ ? tokens_->Find(options_.kv_events_tenant) : std::nullopt;

@@ -94,8 +94,26 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> TokenStore::Par
 }
 
 absl::StatusOr<std::unique_ptr<TokenStore>> TokenStore::Load(const std::string& path) {
+  // A directory reads as nothing, as an empty file does: a server that took either refused
+  // every call (an outside review). At start a token file must hold a token; a reload that
+  // finds none keeps the loaded ones, as for any file that does not parse.
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth-tokens: expected a token file, got ",
+                     S_ISDIR(st.st_mode) ? "a directory" : "something else", " \"", path, "\""));
+  }
   std::unique_ptr<TokenStore> store(new TokenStore(path));
   if (absl::Status s = store->Fetch(/*force=*/true); !s.ok()) return s;
+  bool none = false;
+  {
+    absl::MutexLock lock(&store->mu_);
+    none = store->tokens_.empty();
+  }
+  if (none) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--auth-tokens: expected at least one `tenant token` line in \"", path, "\", got none"));
+  }
   return store;
 }
 

@@ -525,7 +525,17 @@ TEST(CommandLine, BadSecurityFlagsStopTheServerNamingTheFlag) {
       {{"--transfer-interface=nonexistent0"}, "--transfer-interface: expected a network"},
       {{"--auth-tokens=/nonexistent/tokens"}, "--auth-tokens: expected a readable token file"},
       {{"--auth-tokens=" + dir + "/not-a.pem"}, "/not-a.pem:1: expected `tenant token`, got 1"},
+      // An outside review: each of these started a server (one refusing every call, one with
+      // keys it never read, one with peers it could never dial).
+      {{"--auth-tokens=" + dir}, "--auth-tokens: expected a token file, got a directory"},
+      {{"--auth-tokens=" + dir + "/no-tokens"},
+       "--auth-tokens: expected at least one `tenant token` line"},
+      {{"--kv-events-curve-secret-file=" + dir + "/x.key"},
+       "--kv-events-curve-secret-file: expected it with --kv-events-endpoint"},
+      {{"--transfer-peers=:"}, "expected host:port entries with a port in 1..65535, got \":\""},
+      {{"--transfer-peers=a:1,host:notaport"}, "got \"host:notaport\""},
   };
+  std::ofstream(dir + "/no-tokens") << "# nobody yet\n";
   ExpectServerStops(cases);
 }
 

@@ -81,8 +81,11 @@ absl::Status StateFormat::CheckCompatible(const StateFormat& s) const {
   };
   // A value as an operator reads it: the number on the wire and, for a code, its name.
   const auto describe = [](absl::string_view name, int64_t v) -> std::string {
-    if (absl::EndsWith(name, "_dtype")) {
-      return absl::StrCat(v, " (", rssm_dtype_name(static_cast<int32_t>(v)), ")");
+    if (absl::EndsWith(name, "_dtype")) {  // rssm_dtype's codes
+      return absl::StrCat(v, v == RSSM_DTYPE_F32    ? " (f32)"
+                             : v == RSSM_DTYPE_BF16 ? " (bf16)"
+                             : v == RSSM_DTYPE_F16  ? " (f16)"
+                                                    : " (unknown)");
     }
     if (name == "gate") {
       return absl::StrCat(v, v == RSSM_GATE_GDN   ? " (Gated DeltaNet)"
