@@ -39,20 +39,28 @@ elif [[ -n "${REPLAYSSM_CONFIG:-}" ]]; then
   echo "replayssm-entrypoint: REPLAYSSM_CONFIG=$REPLAYSSM_CONFIG: no such file" >&2
   exit 2
 fi
+# Flags whose empty value means something (off, none, the default): a set but empty variable
+# passes it (REPLAYSSM_METRICS_ADDRESS= turns metrics off). For the others an empty variable
+# is a template's placeholder and is skipped, as before.
+empty_ok=" metrics-address devices state-dtype ring-dtype beta-rounding kv-events-endpoint
+  kv-events-replay-endpoint kv-events-tenant kv-events-curve-secret-file kv-events-clients-file
+  tls-cert tls-key tls-client-ca auth-tokens peer-token transfer-peers transfer-interface "
 declare -A known=()
 for flag in "${flags[@]}"; do
   var="REPLAYSSM_${flag//-/_}"
   var=${var^^}
   known[$var]=1
-  if [[ -n "${!var+set}" ]]; then  # set, even empty: REPLAYSSM_METRICS_ADDRESS= turns it off
+  if [[ -n "${!var:-}" ]] || [[ -n "${!var+set}" && "$empty_ok" == *[[:space:]]"$flag"[[:space:]]* ]]; then
     args+=("--${flag}=${!var}")
   fi
 done
 # A misspelled variable (REPLAYSSM_MEMORY_BUDGE) was dropped without a word. The server and
 # the tools in its image read a few that are no flags; any other is named.
 for var in SERVER_BIN CONFIG CPU_THREADS CPU_FAULT_FILE TOKEN ADDRESS; do known[REPLAYSSM_$var]=1; done
+# Kubernetes adds REPLAYSSM_SERVICE_HOST, REPLAYSSM_PORT_... for a Service named replayssm.
 while IFS='=' read -r var _; do
-  if [[ "$var" == REPLAYSSM_* && -z "${known[$var]:-}" ]]; then
+  if [[ "$var" == REPLAYSSM_* && -z "${known[$var]:-}" && "$var" != REPLAYSSM_SERVICE_* &&
+        "$var" != REPLAYSSM_PORT* ]]; then
     echo "replayssm-entrypoint: warning: $var names no flag of replayssm-server: ignored" >&2
   fi
 done < <(env)

@@ -165,6 +165,24 @@ std::string HostOf(const std::string& address) {
 // A listen address is a host and a port 0..65535 (0: any free one). gRPC took anything:
 // 127.0.0.1:99999 listened on 34463, a missing port on 443 (an outside review).
 absl::Status CheckListenAddress(absl::string_view flag, const std::string& address) {
+  // gRPC's Unix-domain forms name no port.
+  if (flag == "grpc-address" &&
+      (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:"))) {
+    return absl::OkStatus();
+  }
+  // The metrics server (civetweb) also takes a bare port and comma-separated lists.
+  if (flag == "metrics-address" && address.find(',') != std::string::npos) {
+    for (absl::string_view part : absl::StrSplit(address, ',')) {
+      if (absl::Status s = CheckListenAddress(flag, std::string(part)); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  int bare = -1;
+  if (flag == "metrics-address" && address.size() <= 5 &&
+      address.find_first_not_of("0123456789") == std::string::npos &&
+      absl::SimpleAtoi(address, &bare) && bare <= 65535) {
+    return absl::OkStatus();
+  }
   const size_t colon = address.rfind(':');
   int port = -1;
   const bool ok = colon != std::string::npos && colon > 0 && colon + 1 < address.size() &&
@@ -309,11 +327,17 @@ class ServerImpl final : public Server {
     // Calls look at the file at most once a second when they come; streams already open
     // check the loaded tokens (CheckStillAuthorized), so the server looks for them.
     // WatchCache streams wait for events: they are told when the file changed.
+    // Against the generation last told, not the one before this sweep's own reload: a call
+    // with a token the server does not know reloads the file too, and a rotation whose new
+    // token came first left the old token's watchers untold (an outside review).
     token_reload_ = std::make_unique<PeriodicSweep>(
-        absl::Seconds(1), [t = tokens_.get(), events = events_.get()](absl::Time) {
-          const uint64_t before = t->generation();
+        absl::Seconds(1), [t = tokens_.get(), events = events_.get(),
+                           told = tokens_->generation()](absl::Time) mutable {
           t->Reload(false).IgnoreError();
-          if (t->generation() != before) events->TokensChanged();
+          if (const uint64_t now = t->generation(); now != told) {
+            told = now;
+            events->TokensChanged();
+          }
         });
     return absl::OkStatus();
   }

@@ -163,7 +163,8 @@ class GrpcPeer final : public transfer::Peer {
     req.set_nonce(PeerNonce());
     v1::ReserveTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline, "ReserveTransfer", id, req.tenant(), ReserveContent(req));
+    Prepare(c, deadline, "ReserveTransfer", id, req.tenant(),
+            peer_tokens_ != nullptr ? ReserveContent(req) : "");
     absl::Status st = FromPeer(stub_->ReserveTransfer(&c, req, &resp), "peer ReserveTransfer");
     if (!st.ok()) return st;
     // Its addresses are where this process writes: only the receiver's own (an outside
@@ -186,7 +187,8 @@ class GrpcPeer final : public transfer::Peer {
     req.set_nonce(PeerNonce());
     v1::CommitTransferResponse resp;
     grpc::ClientContext c;
-    Prepare(c, deadline, "CommitTransfer", id, "", CommitContent(req));
+    Prepare(c, deadline, "CommitTransfer", id, "",
+            peer_tokens_ != nullptr ? CommitContent(req) : "");
     absl::Status st = FromPeer(stub_->CommitTransfer(&c, req, &resp), "peer CommitTransfer");
     if (!st.ok()) return st;
     // An unproven "committed" would free the source of a state nobody holds: the outcome is
@@ -670,8 +672,9 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
                                                            const v1::ReserveTransferRequest* req,
                                                            v1::ReserveTransferResponse* resp) {
   // An unauthenticated call is no transfer: counted in replayssm_auth_failures_total alone.
+  const bool proven = options_.peer_tokens != nullptr;  // contents hashed only to prove them
   if (absl::Status st = AuthenticatePeer(*c, "ReserveTransfer", req->transfer_id(), req->tenant(),
-                                         ReserveContent(*req), &req->nonce());
+                                         proven ? ReserveContent(*req) : "", &req->nonce());
       !st.ok()) {
     return Reply(c, "ReserveTransfer", st);
   }
@@ -700,6 +703,14 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
     CountFailure(TransferRole::kPeer, r.status());
     return Reply(c, "ReserveTransfer", r.status());
   }
+  // A drain that began after the check above may have looked for open reservations before
+  // this one was made: it would shut down under it, the sender left in doubt. Now made, the
+  // reservation is visible to the drain's wait; seen draining here, it is given back.
+  if (absl::Status d = ctx_->gate->Refuse(kNoIncoming); !d.ok()) {
+    receiver_->Abort(req->transfer_id(), PeerIdentity(*c));
+    CountFailure(TransferRole::kPeer, d);
+    return Reply(c, "ReserveTransfer", d);
+  }
   resp->set_worker_address(r->worker_address);
   resp->set_remote_addr(r->remote_addr);
   resp->set_rkey(r->rkey);
@@ -716,8 +727,9 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
 grpc::ServerUnaryReactor* TransferService::CommitTransfer(grpc::CallbackServerContext* c,
                                                           const v1::CommitTransferRequest* req,
                                                           v1::CommitTransferResponse* resp) {
-  absl::Status st = AuthenticatePeer(*c, "CommitTransfer", req->transfer_id(), "",
-                                     CommitContent(*req), &req->nonce());
+  absl::Status st =
+      AuthenticatePeer(*c, "CommitTransfer", req->transfer_id(), "",
+                       options_.peer_tokens != nullptr ? CommitContent(*req) : "", &req->nonce());
   if (!st.ok()) return Reply(c, "CommitTransfer", st);  // no peer's: no transfer failure
   st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (st.ok()) st = CheckImportTokens(req->tokens_size(), ctx_->limits);

@@ -122,12 +122,15 @@ class WatchCacheReactor final : public grpc::ServerWriteReactor<v1::CacheEventBa
           "WatchCache: the client fell ", kMaxBacklog,
           " batches behind; reconnect with from_seq = the next batch it needs")));
     }
-    if (pending_.empty()) return;
-    // Every batch: a token removed from the file since the stream opened (or moved to another
-    // tenant) gets none of its tenant's events more; the stream ends UNAUTHENTICATED.
+    // Every batch, and every time the stream goes idle: a token removed from the file since
+    // the stream opened (or moved to another tenant) gets none of its tenant's events more;
+    // the stream ends UNAUTHENTICATED. Checked before the idle return too, so that a reload
+    // told while a write was in flight (OnTokensChanged waits for it) is not lost (an outside
+    // review). Cheap when the file did not change: one generation compared.
     if (absl::Status s = CheckStillAuthorized(*c_, caller_, &tokens_checked_); !s.ok()) {
       return FinishLocked(s);
     }
+    if (pending_.empty()) return;
     writing_ = true;
     StartWrite(&pending_.front());
   }

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -63,9 +64,14 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   const std::string log = p->dir_ + "/server.log";
+  const pid_t parent = getpid();
   p->pid_ = fork();
   if (p->pid_ < 0) return absl::InternalError("fork failed");
   if (p->pid_ == 0) {
+    // The server dies with the test process: a test that aborts (a failed CHECK, a crash)
+    // left its servers running for good (seen after a StatusOr fetched on an error).
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
     FILE* f = std::freopen(log.c_str(), "w", stdout);
     if (f != nullptr) dup2(fileno(f), STDERR_FILENO);
     execv(argv[0], argv.data());

@@ -368,6 +368,28 @@ TEST_F(TenantsTest, AStreamOfARefusedTokenFailsWithItsError) {
   stream->Cancel();  // nothing to cancel
 }
 
+// The same when a call reloads the file first: a rotation's new token, used before the sweep,
+// reloaded it, and the sweep (comparing with the generation before its own reload) told no
+// watcher (an outside review of the fix above).
+TEST_F(TenantsTest, ARemovedTokensWatcherEndsWhenACallReloadedTheFile) {
+  auto stub = v1::ReplaySsm::NewStub(
+      grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext wc;
+  wc.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice2));
+  wc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto watch = stub->WatchCache(&wc, v1::WatchCacheRequest());
+  v1::CacheEventBatch batch;
+  ASSERT_TRUE(watch->Read(&batch)) << "the catch-up";
+  const absl::Time removed = absl::Now();
+  const std::string carol = "carol-token-0123456789abcdef";
+  tokens_.Write(absl::StrCat("alice ", kAlice, "\nbob ", kBob, "\ncarol ", carol, "\n"));
+  EXPECT_TRUE(As(*server_, carol)->Allocate().ok()) << "the new token reloads the file";
+  EXPECT_FALSE(watch->Read(&batch));
+  const grpc::Status ended = watch->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAUTHENTICATED) << ended.error_message();
+  EXPECT_LT(absl::Now() - removed, absl::Seconds(10)) << "ended by the reload, not the deadline";
+}
+
 // Two authorization headers: a proxy in front may have checked the other one, so neither is
 // taken (the server used the first).
 TEST_F(TenantsTest, TwoAuthorizationHeadersAreRefused) {

@@ -211,8 +211,16 @@ TEST_F(TlsTest, TokensOverMtlsNameTenantsEndToEnd) {
 // A certificate with another pair's key (or the two swapped) stopped the server with "--grpc-
 // address ...: cannot listen" after three lines of gRPC's log: the TLS flags are named now.
 TEST_F(TlsTest, AKeyThatIsNotTheCertificatesIsRefusedNamingTheFlag) {
-  for (const auto& [cert, key] : std::vector<std::pair<std::string, std::string>>{
-           {"server.pem", "client.key"}, {"server.key", "server.pem"}}) {
+  // An encrypted key: refused at once, never a passphrase asked on the terminal (a server
+  // started with a tty hung there).
+  ASSERT_EQ(std::system(("openssl pkey -in " + pki_.Path("server.key") + " -aes256 -passout " +
+                         "pass:secret -out " + pki_.Path("encrypted.key") + " 2>/dev/null")
+                            .c_str()),
+            0);
+  for (const auto& [cert, key] :
+       std::vector<std::pair<std::string, std::string>>{{"server.pem", "client.key"},
+                                                        {"server.key", "server.pem"},
+                                                        {"server.pem", "encrypted.key"}}) {
     const char* bin = std::getenv("REPLAYSSM_SERVER_BINARY");
     const std::string cmd = absl::StrCat(
         bin != nullptr ? bin : REPLAYSSM_SERVER_BINARY,
@@ -225,10 +233,12 @@ TEST_F(TlsTest, AKeyThatIsNotTheCertificatesIsRefusedNamingTheFlag) {
     for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) output.append(buf, n);
     const int status = pclose(p);
     EXPECT_EQ(WEXITSTATUS(status), 1) << output;
-    EXPECT_TRUE(absl::StrContains(output, cert == "server.pem"
-                                              ? "--tls-key: expected the private key of "
-                                                "--tls-cert's certificate, got another"
-                                              : "--tls-cert: expected a PEM certificate"))
+    EXPECT_TRUE(
+        absl::StrContains(output, cert != "server.pem"  ? "--tls-cert: expected a PEM certificate"
+                                  : key == "client.key" ? "--tls-key: expected the private key of "
+                                                          "--tls-cert's certificate, got another"
+                                                        : "--tls-key: expected an unencrypted PEM "
+                                                          "private key"))
         << output;
     EXPECT_FALSE(absl::StrContains(output, "cannot listen")) << output;
   }

@@ -21,12 +21,15 @@ CONFIG=$dir/missing.conf run; rc=$?
 check "a missing REPLAYSSM_CONFIG stops it" '[[ $rc == 2 ]] && grep -q "REPLAYSSM_CONFIG=.*: no such file" "$dir/err"'
 
 touch "$dir/x.conf"
-CONFIG=$dir/x.conf run REPLAYSSM_MEMORY_BUDGET=80G REPLAYSSM_METRICS_ADDRESS= REPLAYSSM_MEMORY_BUDGE=1G
+CONFIG=$dir/x.conf run REPLAYSSM_MEMORY_BUDGET=80G REPLAYSSM_METRICS_ADDRESS= REPLAYSSM_MEMORY_BUDGE=1G \
+  REPLAYSSM_TP_SIZE= REPLAYSSM_SERVICE_HOST=10.0.0.1 REPLAYSSM_PORT_50051_TCP=tcp://10.0.0.1:50051
 rc=$?
 check "it runs" '[[ $rc == 0 ]]'
 check "the config file" 'grep -qx -- "--config" "$dir/out" && grep -qx -- "$dir/x.conf" "$dir/out"'
 check "a flag from the environment" 'grep -qx -- "--memory-budget=80G" "$dir/out"'
-check "an empty value passes" 'grep -qx -- "--metrics-address=" "$dir/out"'
+check "an empty value passes where it means off" 'grep -qx -- "--metrics-address=" "$dir/out"'
+check "an empty placeholder is skipped" '! grep -q -- "--tp-size" "$dir/out"'
+check "Kubernetes service variables are not named" '! grep -q "SERVICE_HOST\|PORT_50051" "$dir/err"'
 check "arguments last" '[[ $(tail -n 1 "$dir/out") == "--extra=1" ]]'
 check "a misspelled variable is named" 'grep -q "warning: REPLAYSSM_MEMORY_BUDGE names no flag" "$dir/err"'
 check "and not passed" '! grep -q "memory-budge=" "$dir/out"'

@@ -30,7 +30,9 @@ struct CacheEvent {
 
 // Called for each event in the order the cache's state changed, under the cache's lock: it
 // must be quick (queue the event) and must not call back into the cache. A snapshot that moves
-// between tiers is reported removed from one medium and stored in the other, in that order.
+// between tiers is reported stored in the new medium, then removed from the old one (never a
+// moment held nowhere). A consumer keeps each (key, medium) apart: one keyed by the key alone
+// would take that removal for the snapshot's end.
 using CacheEventSink = std::function<void(const CacheEvent&)>;
 
 }  // namespace replayssm::cache
