@@ -471,6 +471,7 @@ TEST(CommandLine, BadModelOptionsStopTheServerNamingTheFlag) {
        "--ring-dtype f32 with a bf16 state: rssm_check_shape: shape.ring_dtype: expected a ring "
        "of the state dtype"},
       {{"--beta-rounding=yes"}, "--beta-rounding: expected act or f32, got yes"},
+      {{"--device=cuda:-1"}, "--device: expected auto, cpu, cuda or cuda:N (N >= 0), got cuda:-1"},
   };
   ExpectServerStops(cases);
 }
