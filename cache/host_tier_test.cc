@@ -67,6 +67,14 @@ class HostTierTest : public ::testing::Test {
     }
     return a->slot;
   }
+  // One decode step of `slot`: token t at position pos.
+  void Step(StateCache& c, SlotId slot, int32_t t, int64_t pos) {
+    Batch one = oracle_->MakeBatch({{t, pos}});
+    absl::StatusOr<std::unique_ptr<Forward>> f = c.BeginForward({{slot, t}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (int l = 0; l < c.model().num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
+    ASSERT_TRUE((*f)->Commit().ok());
+  }
   void Donate(StateCache& c, const std::vector<int32_t>& tokens, PrefixNamespace ns = 0) {
     ASSERT_TRUE(c.Donate(Run(c, tokens, ns)).ok());
   }
@@ -267,13 +275,8 @@ TEST_F(HostTierTest, DecodeTimeEvictionsMoveSnapshotsToTheHost) {
     std::vector<int32_t> history;
     for (int32_t i = 0; i < 40; ++i) {  // a track snapshot every 4 tokens: 10, 3 slots for them
       const int32_t t = 100 + i;
-      Batch one = oracle_->MakeBatch({{t, i}});
-      absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{a->slot, t}});
-      ASSERT_TRUE(f.ok()) << f.status();
-      for (int l = 0; l < c->model().num_layers; ++l) {
-        ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
-      }
-      ASSERT_TRUE((*f)->Commit().ok());
+      Step(*c, a->slot, t, i);
+      ASSERT_FALSE(HasFatalFailure());
       history.push_back(t);
       if (ahead > 0) AwaitSpills(*c, ahead);
     }
@@ -391,13 +394,8 @@ TEST_F(HostTierTest, ANamespaceAtItsBoundMovesItsOldestToTheHost) {
     std::vector<int32_t> history;
     for (int32_t i = 0; i < 24; ++i) {  // 6 track snapshots into a share of 2
       const int32_t t = 200 + i;
-      Batch one = oracle_->MakeBatch({{t, i}});
-      absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{a->slot, t}});
-      ASSERT_TRUE(f.ok()) << f.status();
-      for (int l = 0; l < c->model().num_layers; ++l) {
-        ASSERT_TRUE((*f)->RunLayer(l, one.io[l]).ok());
-      }
-      ASSERT_TRUE((*f)->Commit().ok());
+      Step(*c, a->slot, t, i);
+      ASSERT_FALSE(HasFatalFailure());
       history.push_back(t);
       // The share full: the spiller copies its oldest (the next to go) to the host.
       const absl::Time deadline = absl::Now() + absl::Seconds(10);
