@@ -722,6 +722,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         absl::StrCat("--host-snapshot-bytes (per TP rank): ", cache.status().message()));
   }
+  // The cache's fields name the flags that set them (an outside review: "ring_len: expected
+  // >= 2", "memory_budget: ..." named no flag).
+  for (const auto& [field, flag] : {std::pair<absl::string_view, absl::string_view>{
+                                        "memory_budget: ", "--memory-budget (per TP rank): "},
+                                    {"ring_len: ", "--ring-length: "}}) {
+    if (!cache.ok() && absl::StartsWith(cache.status().message(), field)) {
+      return absl::Status(cache.status().code(),
+                          absl::StrCat(flag, cache.status().message().substr(field.size())));
+    }
+  }
+  // The pool's allocation failed: more than the device (or the host, on the CPU) has.
+  if (!cache.ok() && cache.status().code() == absl::StatusCode::kInternal &&
+      absl::StrContains(cache.status().message(), "out of")) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("--memory-budget (per TP rank): ", options.memory_budget_bytes >> 20,
+                     " MiB cannot be allocated: ", cache.status().message()));
+  }
   if (!cache.ok()) return cache.status();
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              std::move(events), *std::move(cache));

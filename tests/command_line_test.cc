@@ -472,6 +472,9 @@ TEST(CommandLine, BadModelOptionsStopTheServerNamingTheFlag) {
        "of the state dtype"},
       {{"--beta-rounding=yes"}, "--beta-rounding: expected act or f32, got yes"},
       {{"--device=cuda:-1"}, "--device: expected auto, cpu, cuda or cuda:N (N >= 0), got cuda:-1"},
+      {{"--ring-length=1"}, "--ring-length: expected >= 2"},
+      {{"--memory-budget=1K"}, "--memory-budget (per TP rank): expected at least one slot"},
+      {{"--memory-budget=1T"}, "--memory-budget (per TP rank): 1048576 MiB cannot be allocated"},
   };
   ExpectServerStops(cases);
 }
