@@ -694,6 +694,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.host_snapshot_bytes = options.host_snapshot_bytes;
   // Pinned host memory past what the process may use gets it killed, with no word, after
   // minutes of pinning (an outside review: 300G on a 128 GiB host, SIGKILL).
+  // On the CPU backend the pool itself is host memory: a budget past what the process may use
+  // is refused the same way (its allocation would fail, or get the process killed).
+  if (const int64_t usable = UsableMemoryBytes();
+      device->backend == RSSM_BACKEND_CPU && usable > 0 &&
+      options.memory_budget_bytes > usable / std::max<int64_t>(cache_options.tp_size, 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--memory-budget: expected at most the memory this process may use on the CPU backend (",
+        usable >> 20, " MiB: the container's limit or MemTotal) over ",
+        std::max<int64_t>(cache_options.tp_size, 1), " TP rank(s), got ",
+        options.memory_budget_bytes >> 20, " MiB per rank"));
+  }
   if (const int64_t usable = UsableMemoryBytes(); options.host_snapshot_bytes > 0 && usable > 0) {
     const int64_t ranks = std::max<int64_t>(cache_options.tp_size, 1);
     const int64_t total = options.host_snapshot_bytes > usable / ranks
