@@ -9,6 +9,7 @@
 #include <exception>
 #include <fstream>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -692,29 +693,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   auto events = std::make_unique<CacheEventLog>(event_options);
   cache_options.event_sink = events->Sink();
   cache_options.host_snapshot_bytes = options.host_snapshot_bytes;
-  // Pinned host memory past what the process may use gets it killed, with no word, after
-  // minutes of pinning (an outside review: 300G on a 128 GiB host, SIGKILL).
-  // On the CPU backend the pool itself is host memory: a budget past what the process may use
-  // is refused the same way (its allocation would fail, or get the process killed).
-  if (const int64_t usable = UsableMemoryBytes();
-      device->backend == RSSM_BACKEND_CPU && usable > 0 &&
-      options.memory_budget_bytes > usable / std::max<int64_t>(cache_options.tp_size, 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--memory-budget: expected at most the memory this process may use on the CPU backend (",
-        usable >> 20, " MiB: the container's limit or MemTotal) over ",
-        std::max<int64_t>(cache_options.tp_size, 1), " TP rank(s), got ",
-        options.memory_budget_bytes >> 20, " MiB per rank"));
-  }
-  if (const int64_t usable = UsableMemoryBytes(); options.host_snapshot_bytes > 0 && usable > 0) {
-    const int64_t ranks = std::max<int64_t>(cache_options.tp_size, 1);
-    const int64_t total = options.host_snapshot_bytes > usable / ranks
-                              ? usable + 1
-                              : options.host_snapshot_bytes * ranks;
-    if (total > usable) {
+  // Host memory past what the process may use gets it killed, with no word, after minutes of
+  // pinning (an outside review: 300G on a 128 GiB host, SIGKILL): the host tier, and on the
+  // CPU backend the pool itself, are refused past it (per rank, over the TP ranks).
+  const int64_t usable = UsableMemoryBytes();
+  const int64_t ranks = std::max<int64_t>(cache_options.tp_size, 1);
+  for (const auto& [flag, bytes, where] :
+       {std::tuple<const char*, int64_t, const char*>{"host-snapshot-bytes",
+                                                      options.host_snapshot_bytes, ""},
+        {"memory-budget", device->backend == RSSM_BACKEND_CPU ? options.memory_budget_bytes : 0,
+         " on the CPU backend"}}) {
+    if (usable > 0 && bytes > usable / ranks) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--host-snapshot-bytes: expected at most the memory this process may use (",
-                       usable >> 20, " MiB: the container's limit or MemTotal) over ", ranks,
-                       " TP rank(s), got ", options.host_snapshot_bytes >> 20, " MiB per rank"));
+          absl::StrCat("--", flag, ": expected at most the memory this process may use", where,
+                       " (", usable >> 20, " MiB: the container's limit or MemTotal) over ", ranks,
+                       " TP rank(s), got ", bytes >> 20, " MiB per rank"));
     }
   }
   cache_options.host_spill_ahead = options.host_spill_ahead;
