@@ -292,4 +292,22 @@ rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, 
   return Report(LaunchSegmentDigests(p, StreamOf(launch)), "segment digests launch");
 }
 
+namespace {
+// The cyclic comparison of CU_STREAM_WAIT_VALUE_GEQ. One thread: a word the owner rings
+// further between the read and the swap fails the swap and is read again.
+__global__ void RaiseValue32Kernel(uint32_t* addr, uint32_t value) {
+  uint32_t old = atomicAdd(addr, 0u);
+  while (static_cast<int32_t>(old - value) < 0) {
+    const uint32_t seen = atomicCAS(addr, old, value);
+    if (seen == old) break;
+    old = seen;
+  }
+}
+}  // namespace
+
+rssm_status RaiseValue32(const rssm_launch& launch, uint32_t* addr, uint32_t value) {
+  RaiseValue32Kernel<<<1, 1, 0, StreamOf(launch)>>>(addr, value);
+  return Report(cudaGetLastError(), "rssm_stream_raise_value32 launch");
+}
+
 }  // namespace replayssm::kernels::cuda

@@ -60,6 +60,9 @@ rssm_status CountNonfinite(const rssm_launch& launch, const void* const* parts_d
 // digests are written into device memory (kernels/cuda/backend.cu).
 rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, size_t count,
                            size_t part_bytes, size_t segment_bytes, uint64_t* digests);
+// rssm_stream_raise_value32's kernel, queued on launch.stream (kernels/cuda/backend.cu; called
+// only where the library is built with CUDA, so no stub).
+rssm_status RaiseValue32(const rssm_launch& launch, uint32_t* addr, uint32_t value);
 }  // namespace cuda
 
 }  // namespace replayssm::kernels

@@ -195,6 +195,28 @@ rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr,
 #endif
 }
 
+rssm_status rssm_stream_raise_value32(const rssm_launch* launch, uint32_t* addr, uint32_t value) {
+  const char* fn = "rssm_stream_raise_value32";
+  if (const rssm_status st = CheckLaunch(fn, launch); st != RSSM_OK) return st;
+  if (const rssm_status st = CheckWord(fn, addr); st != RSSM_OK) return st;
+  if (launch->backend == RSSM_BACKEND_CPU) {
+    std::atomic_ref<uint32_t> word(*addr);
+    uint32_t old = word.load(std::memory_order_acquire);
+    // A failed exchange reloads `old`: a ring that got there first is judged again.
+    while (!Reached(old, value) &&
+           !word.compare_exchange_weak(old, value, std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+    }
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
+  return cuda::RaiseValue32(*launch, addr, value);
+#else
+  return NoCuda(fn);
+#endif
+}
+
 int rssm_mps_active(void) {
   const char* dir = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
   const std::string control = std::string(dir != nullptr && *dir ? dir : "/tmp/nvidia-mps") +

@@ -61,6 +61,77 @@ TEST(Doorbell, RefusesNullOrMisalignedWordsByName) {
   EXPECT_EQ(words[0], 0u);
 }
 
+TEST(Doorbell, RaiseWritesOnlyAWordShortOfItsValue) {
+  struct Case {
+    uint32_t word, value, want;
+  } cases[] = {
+      {3, 7, 7},            // short: raised
+      {7, 7, 7},            // there
+      {9, 7, 9},            // rung further: kept (a plain write sets it back to 7)
+      {2, 0xFFFFFFF0u, 2},  // past the wrap, so later: kept
+      {0xFFFFFFF0u, 2, 2},  // short across the wrap: raised
+      {0x80000001u, 1, 1},  // half the cycle behind: short
+  };
+  for (const Case& c : cases) {
+    alignas(4) uint32_t word = c.word;
+    ASSERT_EQ(rssm_stream_raise_value32(&kCpu, &word, c.value), RSSM_OK) << rssm_last_error();
+    EXPECT_EQ(word, c.want) << "word " << c.word << ", value " << c.value;
+  }
+}
+
+TEST(Doorbell, RaiseEndsAWaitOnAnotherThread) {
+  alignas(4) uint32_t bell = 0;
+  std::thread waiter([&] { ASSERT_EQ(rssm_stream_wait_value32(&kCpu, &bell, 5), RSSM_OK); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(rssm_stream_raise_value32(&kCpu, &bell, 5), RSSM_OK);
+  waiter.join();
+  EXPECT_EQ(bell, 5u);
+}
+
+TEST(Doorbell, RaiseNeverLosesARingThatRacesIt) {
+  // Another thread rings value + 1 while this one raises to value: the word ends at value + 1
+  // whichever lands first (a load-then-store raise loses it when the ring falls between).
+  constexpr int kRounds = 20000;
+  alignas(4) uint32_t word = 0;
+  std::atomic<int> round{-1}, rung{-1};
+  std::thread ringer([&] {
+    for (int r = 0; r < kRounds; ++r) {
+      while (round.load(std::memory_order_acquire) != r) {
+      }
+      std::atomic_ref<uint32_t>(word).store(static_cast<uint32_t>(r) * 4 + 2,
+                                            std::memory_order_release);
+      rung.store(r, std::memory_order_release);
+    }
+  });
+  int lost = 0;
+  for (int r = 0; r < kRounds; ++r) {
+    const uint32_t value = static_cast<uint32_t>(r) * 4 + 1;
+    std::atomic_ref<uint32_t>(word).store(value - 1, std::memory_order_release);
+    round.store(r, std::memory_order_release);
+    ASSERT_EQ(rssm_stream_raise_value32(&kCpu, &word, value), RSSM_OK);
+    while (rung.load(std::memory_order_acquire) != r) {
+    }
+    if (std::atomic_ref<uint32_t>(word).load(std::memory_order_acquire) != value + 1) ++lost;
+  }
+  ringer.join();
+  EXPECT_EQ(lost, 0) << "rounds whose later ring the raise set back, of " << kRounds;
+}
+
+TEST(Doorbell, RaiseRefusesBadArgumentsByName) {
+  alignas(8) uint32_t words[2] = {0, 0};
+  auto* odd = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(words) + 2);
+  EXPECT_EQ(rssm_stream_raise_value32(&kCpu, nullptr, 1), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("rssm_stream_raise_value32: addr: expected"),
+            std::string::npos)
+      << rssm_last_error();
+  EXPECT_EQ(rssm_stream_raise_value32(&kCpu, odd, 1), RSSM_ERR_INVALID_ARGUMENT);
+  const rssm_launch bad{7, nullptr};
+  EXPECT_EQ(rssm_stream_raise_value32(&bad, words, 1), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("launch"), std::string::npos);
+  EXPECT_EQ(words[0], 0u);
+  EXPECT_EQ(words[1], 0u);
+}
+
 TEST(SharedMemory, CudaIpcIsRefusedOnTheCpuBackendWithWhatToUseInstead) {
   unsigned char handle[RSSM_IPC_HANDLE_BYTES] = {};
   void* out = reinterpret_cast<void*>(1);

@@ -96,4 +96,31 @@ TEST(CudaRecordedSequence, EachLaunchCarriesItsDoorbellValue) {
   ASSERT_RSSM(rssm_stream_destroy(RSSM_BACKEND_CUDA, l.stream));
 }
 
+TEST(CudaDoorbell, RaiseWritesOnlyAWordShortOfItsValueAndEndsAWait) {
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
+  DeviceWords w(6);
+  const uint32_t start[6] = {3, 7, 9, 2, 0xFFFFFFF0u, 0};
+  const uint32_t value[6] = {7, 7, 7, 0xFFFFFFF0u, 2, 5};
+  for (size_t i = 0; i < 6; ++i) w.Set(i, start[i]);
+  rssm_launch waiting{RSSM_BACKEND_CUDA, nullptr}, side{RSSM_BACKEND_CUDA, nullptr};
+  ASSERT_RSSM(rssm_stream_create(RSSM_BACKEND_CUDA, &waiting.stream));
+  ASSERT_RSSM(rssm_stream_create(RSSM_BACKEND_CUDA, &side.stream));
+  // A wait on word 5 for 5, then a copy behind it: held until the raise on another stream.
+  ASSERT_RSSM(rssm_stream_wait_value32(&waiting, w.at(5), 5));
+  ASSERT_RSSM(rssm_stream_write_value32(&waiting, w.at(4), 77));
+  for (size_t i = 0; i < 5; ++i) ASSERT_RSSM(rssm_stream_raise_value32(&side, w.at(i), value[i]));
+  ASSERT_RSSM(rssm_synchronize(&side));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::vector<uint32_t> now = w.Read();
+  EXPECT_EQ(now, (std::vector<uint32_t>{7, 7, 9, 2, 2, 0}))
+      << "short words raised, words rung further (9; 2 past the wrap) kept";
+  ASSERT_RSSM(rssm_stream_raise_value32(&side, w.at(5), 5));
+  ASSERT_RSSM(rssm_synchronize(&waiting));
+  now = w.Read();
+  EXPECT_EQ(now[5], 5u);
+  EXPECT_EQ(now[4], 77u) << "the work behind the wait ran once the raise rang it";
+  rssm_stream_destroy(RSSM_BACKEND_CUDA, waiting.stream);
+  rssm_stream_destroy(RSSM_BACKEND_CUDA, side.stream);
+}
+
 }  // namespace

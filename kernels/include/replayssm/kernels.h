@@ -408,10 +408,17 @@ rssm_status rssm_ipc_close(int32_t backend, void* ptr);
  *   doorbell writes its value itself, which releases the wait on both backends).
  * rssm_stream_write_value32: writes `value` once the work queued before it on the stream has
  *   finished and its writes are visible (CUDA: cuStreamWriteValue32 with its memory barrier;
- *   CPU: a release store, at once). */
+ *   CPU: a release store, at once).
+ * rssm_stream_raise_value32: as rssm_stream_write_value32, but never sets a word back: the word
+ *   becomes `value` only if it has not reached it yet, checked and written as one atomic step,
+ *   so a ring further than `value` that lands before or while it runs is kept (CUDA: a
+ *   one-thread kernel's compare-and-swap loop on device memory; CPU: the same, at once). For
+ *   whoever rings a word on another's behalf (a wait given up on) while its owner may ring it
+ *   on for its next use. */
 rssm_status rssm_stream_wait_value32(const rssm_launch* launch, const uint32_t* addr,
                                      uint32_t value);
 rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr, uint32_t value);
+rssm_status rssm_stream_raise_value32(const rssm_launch* launch, uint32_t* addr, uint32_t value);
 /* 1 when this process's CUDA work goes through an MPS server (its control pipe is where
  * CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps, says), else 0. Without MPS, two processes
  * on one GPU time-slice and every cross-process doorbell costs ~280 us instead of ~5 us. */
