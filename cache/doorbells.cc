@@ -1,5 +1,9 @@
 #include "doorbells.h"
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "device_buffer.h"
 
 namespace replayssm::cache {
@@ -29,7 +33,7 @@ absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, ui
       }
     }
   }
-  if (!skip) return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
+  if (!skip) return WaitOnHost(addr, value);
   // Released before this wait: not queued, but counted, as unrung unless its word has reached
   // the value (read on the forward's stream, behind the layers queued so far).
   const bool reached = ReadReached(launch, addr, value);
@@ -44,6 +48,27 @@ absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32
     last_signal_ = {addr, value, false};
   }
   return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
+}
+
+absl::Status Doorbells::WaitOnHost(const uint32_t* addr, uint32_t value) {
+  if (addr == nullptr || reinterpret_cast<uintptr_t>(addr) % 4 != 0) {
+    return absl::InvalidArgumentError(
+        "doorbell wait: addr: expected a 4-byte aligned pointer to the word");
+  }
+  // The word or the release, whichever comes first: a client that sets its word back after
+  // Release rang it would otherwise hold this thread (and the forward's owner waiting for
+  // it) for good. Polled as rssm_stream_wait_value32 polls: a short spin, yields, then sleeps.
+  std::atomic_ref<const uint32_t> word(*addr);
+  for (int64_t i = 0; !Reached(word.load(std::memory_order_acquire), value); ++i) {
+    if (releasing_.load(std::memory_order_acquire)) break;
+    if (i < 1000) continue;
+    if (i < 2000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  return absl::OkStatus();
 }
 
 bool Doorbells::Expect(absl::Span<const uint32_t* const> waits, uint32_t* last_signal,
@@ -65,6 +90,7 @@ bool Doorbells::LastSignalReached(const rssm_launch& launch) {
 }
 
 int32_t Doorbells::Release(int32_t backend) {
+  releasing_.store(true, std::memory_order_release);  // ends a CPU wait whatever its word does
   absl::MutexLock lock(&mu_);
   if (!released_ && !awaited_.empty()) {
     // A stream of its own: the forward's is blocked on these very words. Only the words that

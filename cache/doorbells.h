@@ -8,6 +8,7 @@
 #ifndef REPLAYSSM_CACHE_DOORBELLS_H_
 #define REPLAYSSM_CACHE_DOORBELLS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -21,8 +22,9 @@ namespace replayssm::cache {
 
 class Doorbells {
  public:
-  // Queues a wait for *addr to reach `value` on `launch` (CPU: blocks until then). After
-  // Release the wait is not queued; it counts as unrung unless its word has reached `value`.
+  // Queues a wait for *addr to reach `value` on `launch` (CPU: blocks until then, or until
+  // Release, whatever the word does after it). After Release the wait is not queued; it
+  // counts as unrung unless its word has reached `value`.
   absl::Status Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value);
@@ -49,6 +51,11 @@ class Doorbells {
     uint32_t value;
     bool unrung = false;  // found short of its value by Release, or skipped after it
   };
+  // The CPU backend's wait: polls the word and releasing_ (a word the client sets back after
+  // the release must not hold it).
+  absl::Status WaitOnHost(const uint32_t* addr, uint32_t value);
+
+  std::atomic<bool> releasing_{false};  // set by Release before it takes mu_
   absl::Mutex mu_;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
   Awaited last_signal_ ABSL_GUARDED_BY(mu_) = {nullptr, 0, false};

@@ -1,11 +1,13 @@
 // Doorbells::Release on the CPU backend: a wait given up on is rung by the server, but a word
 // its client rings further meanwhile (the next forward's value) is never set back, even when
-// the client's ring lands between Release's read and its write.
+// the client's ring lands between Release's read and its write; and a wait ends at the
+// release even when its client sets the word back.
 #include "doorbells.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <thread>
 
@@ -54,6 +56,34 @@ TEST(Doorbells, ReleaseNeverSetsBackARingThatRacesIt) {
   }
   client.join();
   EXPECT_EQ(set_back, 0) << "rounds whose later ring Release set back, of " << kRounds;
+}
+
+TEST(Doorbells, ACpuWaitEndsAtReleaseEvenIfItsWordIsSetBack) {
+  // A client that writes its word back to 0 again and again: Release's ring is overwritten
+  // before the wait's poll sees it. The wait must end anyway (it used to spin for good).
+  alignas(4) uint32_t word = 0;
+  std::atomic<bool> stop{false}, woke{false};
+  std::thread client([&] {
+    while (!stop.load(std::memory_order_acquire)) {
+      std::atomic_ref<uint32_t>(word).store(0, std::memory_order_release);
+    }
+  });
+  Doorbells d;
+  std::thread waiter([&] {
+    EXPECT_TRUE(d.Wait(rssm_launch{RSSM_BACKEND_CPU, nullptr}, &word, 5).ok());
+    woke.store(true, std::memory_order_release);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(woke.load());
+  EXPECT_EQ(d.Release(RSSM_BACKEND_CPU), 0) << "the wait's word had not reached its value";
+  for (int i = 0; i < 300 && !woke.load(std::memory_order_acquire); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(woke.load()) << "the wait outlived its release by 3 s";
+  stop.store(true, std::memory_order_release);
+  client.join();
+  std::atomic_ref<uint32_t>(word).store(5, std::memory_order_release);  // else it never ends
+  waiter.join();
 }
 
 }  // namespace

@@ -49,9 +49,13 @@ class ForwardSession {
   absl::Status Commit(v1::DecodeCommitted* committed);
   // Drops an open forward (no state changes). Idempotent.
   void Abandon();
-  // A forward is open that waits for layer messages (not a planned one, whose layers run on
-  // the engine's doorbells under --forward-timeout).
-  bool AwaitsLayers() const { return open_ && planned_ == nullptr; }
+  // A forward is open that the client owes a message to, so --stream-idle-timeout applies: one
+  // that waits for layer messages, or a planned one past its --forward-timeout (abandoned
+  // then, but it holds its rows and region leases until the commit, or the stream ends: a
+  // client that never commits used to hold them for good; an outside review).
+  bool AwaitsMessage(absl::Time now) const {
+    return open_ && (planned_ == nullptr || planned_->PastDeadline(now));
+  }
   // A refused begin (`plan`: its plan, or null): a planned forward still open is committed
   // first, as any begin commits it (its commit waits for its last layer), and then `plan`'s
   // done doorbells ring (RingRefused), so that neither overwrites the other's and an engine

@@ -158,6 +158,9 @@ class PlannedForward {
   absl::StatusOr<std::unique_ptr<cache::Forward>> Continue(cache::StateCache& cache,
                                                            absl::Span<const cache::DecodeRow> rows);
   uint32_t value() const { return plan_.value; }
+  // Past --forward-timeout: its doorbells are rung (or being rung) and nothing of it can
+  // count any more, so a stream that then goes quiet is ended (ForwardSession::AwaitsMessage).
+  bool PastDeadline(absl::Time now) const { return now >= deadline_; }
 
  private:
   friend class PlanWatch;

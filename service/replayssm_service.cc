@@ -83,7 +83,7 @@ class DecodeStreamReactor final
     // written (Finish must not land on a pending write), and from when that read was started,
     // not from when the last message came (a layer that ran long is no silence).
     const bool waiting = reads_started_ == reads_done_ + 1;
-    if (!finished_ && waiting && session_.AwaitsLayers() && now - waiting_since_ > limit) {
+    if (!finished_ && waiting && session_.AwaitsMessage(now) && now - waiting_since_ > limit) {
       claimed_end_ = End(absl::DeadlineExceededError(absl::StrCat(
           "decode stream: the open forward had no message for ",
           absl::FormatDuration(now - waiting_since_), ", longer than --stream-idle-timeout (",

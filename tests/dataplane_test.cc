@@ -377,6 +377,38 @@ TEST_F(TpDataPlaneTest, APlanOfEachRanksOwnTensorsAndDoorbellsMatchesInline) {
       << refused.status();
 }
 
+// A planned forward whose engine neither rings nor commits, its stream left open: past
+// --forward-timeout its doorbells are rung and it is abandoned, and once the stream has then
+// been quiet for --stream-idle-timeout the stream ends and the rows and the region's lease go.
+// They used to stay held for as long as the client kept the stream open (an outside review):
+// Free refused, the region never reclaimed.
+class PlannedIdleTest : public DataPlaneTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--forward-timeout=1", "--stream-idle-timeout=1"};
+  }
+};
+
+TEST_F(PlannedIdleTest, APlannedForwardNeverCommittedIsEndedOnceQuietPastItsDeadline) {
+  const uint64_t a = NewSlot();
+  const std::string before = Observe(a);
+  auto stream = client_->OpenStream();
+  auto begun = stream->BeginWith(PlannedDecode({a}, 1));  // no doorbell is ever rung
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  EXPECT_EQ(InUse("engine"), 1);
+  EXPECT_EQ(client_->Free(a).code(), absl::StatusCode::kFailedPrecondition) << "held";
+  for (int i = 0; i < 200 && client_->Stats()->open_forwards() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));  // 1 s deadline, then 1 s quiet, the sweep's period
+  }
+  EXPECT_EQ(client_->Stats()->open_forwards(), 0) << "still held";
+  EXPECT_EQ(InUse("engine"), 0);
+  EXPECT_EQ(Observe(a), before) << "nothing of it committed";
+  const absl::Status ended = stream->Finish();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kDeadlineExceeded) << ended;
+  EXPECT_NE(ended.message().find("--stream-idle-timeout"), std::string::npos) << ended;
+  EXPECT_TRUE(client_->Free(a).ok());
+}
+
 TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
   const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();
