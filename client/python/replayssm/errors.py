@@ -80,7 +80,9 @@ class FailedPrecondition(ReplaySSMError):
 
 class Aborted(ReplaySSMError):
     """The same request id is still in flight: retry later with the same id (the client does,
-    for up to its `aborted_wait` seconds; replayssm.retry)."""
+    for up to its `aborted_wait` seconds; replayssm.retry). Or, from TransferSlot / PullSlot,
+    the move was aborted (by the peer, or the receiver's abort passed on): final, the state
+    stayed at the source; not retried."""
 
     code = grpc.StatusCode.ABORTED
 

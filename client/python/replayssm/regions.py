@@ -18,8 +18,12 @@ Unimplemented before anything is sent.
 """
 
 import abc
+import atexit
+import contextlib
 import sys
 from multiprocessing import resource_tracker, shared_memory
+
+import _posixshmem
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +53,56 @@ class Region(abc.ABC):
 # one entry per name for the whole process, so an attachment to one of these must leave it.
 _owned = set()
 
+# Owned names the resource tracker cannot hold (below), unlinked by this process at its exit.
+_owned_untracked = set()
+
+
+def _untrackable(shm_name):
+    """Whether Python's resource tracker cannot hold `shm_name`: before 3.13 its messages are
+    split at ':', so a tenant's key ("/search:engine0", docs/python.md) makes every register
+    and unregister print a ValueError traceback from the tracker, and the object is never
+    tracked (one left by a process that did not close() it stayed in /dev/shm)."""
+    return shm_name is not None and ":" in shm_name
+
+
+@contextlib.contextmanager
+def _tracker_off():
+    """SharedMemory's calls to the resource tracker do nothing meanwhile (Python < 3.13 has no
+    track=False)."""
+    register, unregister = resource_tracker.register, resource_tracker.unregister
+    resource_tracker.register = resource_tracker.unregister = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        resource_tracker.register, resource_tracker.unregister = register, unregister
+
+
+@atexit.register
+def _unlink_untracked():
+    """What the resource tracker would have done for the names it cannot hold: the objects this
+    process created and did not close() are removed when it exits (not when it is killed)."""
+    for name in list(_owned_untracked):
+        try:
+            _posixshmem.shm_unlink("/" + name.lstrip("/"))
+        except OSError:
+            pass
+    _owned_untracked.clear()
+
+
+def _create(shm_name, nbytes):
+    if not _untrackable(shm_name):
+        shm = shared_memory.SharedMemory(name=shm_name, create=True, size=nbytes)
+        _owned.add(shm._name)
+        return shm
+    if sys.version_info >= (3, 13):
+        shm = shared_memory.SharedMemory(name=shm_name, create=True, size=nbytes, track=False)
+    else:
+        with _tracker_off():
+            shm = shared_memory.SharedMemory(name=shm_name, create=True, size=nbytes)
+    _owned.add(shm._name)
+    _owned_untracked.add(shm._name)
+    return shm
+
 
 def _attach(shm_name):
     """The existing shm object `shm_name`, left out of this process's resource tracker: Python
@@ -56,6 +110,9 @@ def _attach(shm_name):
     process registered when that process exits; the owner's object would vanish under it."""
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=shm_name, track=False)
+    if _untrackable(shm_name):
+        with _tracker_off():
+            return shared_memory.SharedMemory(name=shm_name)
     shm = shared_memory.SharedMemory(name=shm_name)
     if shm._name not in _owned:
         resource_tracker.unregister(shm._name, "shared_memory")
@@ -70,8 +127,7 @@ class SharedMemoryRegion(Region):
     def __init__(self, name, nbytes, *, key=None, create=True):
         shm_name = key.lstrip("/") if key else None
         if create:
-            self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=nbytes)
-            _owned.add(self._shm._name)
+            self._shm = _create(shm_name, nbytes)
         else:
             self._shm = _attach(shm_name)
         self._owner = create
@@ -95,13 +151,21 @@ class SharedMemoryRegion(Region):
             return
         self._shm.close()
         if self._owner:
-            _owned.discard(self._shm._name)
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                # Removed by someone else; unlink() raised before dropping the tracker's entry,
-                # which would otherwise try again at exit and warn of a leak.
-                resource_tracker.unregister(self._shm._name, "shared_memory")
+            name = self._shm._name
+            _owned.discard(name)
+            if name in _owned_untracked:
+                _owned_untracked.discard(name)
+                try:
+                    _posixshmem.shm_unlink("/" + name.lstrip("/"))
+                except FileNotFoundError:
+                    pass  # removed by someone else
+            else:
+                try:
+                    self._shm.unlink()
+                except FileNotFoundError:
+                    # Removed by someone else; unlink() raised before dropping the tracker's
+                    # entry, which would otherwise try again at exit and warn of a leak.
+                    resource_tracker.unregister(name, "shared_memory")
         self._shm = None
 
     def __enter__(self):

@@ -11,7 +11,9 @@ server (e.g. one whose deadline passed while it waited for its slots), and that 
 long as the call itself can; a few short retries would give up while it is still at work. So
 ABORTED is retried, without using up `retries`, for up to `aborted_wait` seconds (the client's
 default: its call timeout), the backoff doubling from `backoff` to at most
-ABORTED_MAX_BACKOFF.
+ABORTED_MAX_BACKOFF. Only that ABORTED: a transfer whose move was decided and aborted (by the
+peer, or the receiver's abort passed on) is answered ABORTED too, and is final: retried with
+the same id it would run anew, a new move after a failed one.
 """
 
 import time
@@ -25,6 +27,10 @@ from replayssm import errors
 # the same id still in flight (ABORTED): safe to retry with the same request id.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.ABORTED})
+
+# What the server's request log says of an id whose earlier attempt is still running
+# (service/operations.cc, forward_session.cc): the one ABORTED that is retried.
+IN_FLIGHT = "still in flight"
 
 # The longest pause between two attempts of a call answered ABORTED: the attempt in flight is
 # noticed finished within this.
@@ -51,6 +57,8 @@ def with_retries(attempt, retries, backoff, before_retry=None, aborted_wait=0.0)
             if e.code not in RETRYABLE or retries == 0:
                 raise
             if e.code == grpc.StatusCode.ABORTED:
+                if IN_FLIGHT not in (e.details or ""):
+                    raise  # a decided abort (a transfer's), not an attempt still running
                 now = time.monotonic()
                 if aborted_until is None:
                     aborted_until = now + aborted_wait

@@ -121,8 +121,10 @@ class ForwardStream:
     `timeout`: seconds each reply may take (a begin's, a layer's, a commit's, close()'s wait
     for the stream's end; None: the client's `timeout`; math.inf: no bound). Past it the
     stream is cancelled, its open forward abandoned, and DeadlineExceeded raised; forward()
-    retries it as any DEADLINE_EXCEEDED. A planned commit waits for the engine's doorbells,
-    so give it longer than the server's --forward-timeout."""
+    retries it as any DEADLINE_EXCEEDED. A commit whose reply is late may still have been
+    applied: retry it with the same request_id (forward() does) to learn which. A planned
+    commit waits for the engine's doorbells, so give it longer than the server's
+    --forward-timeout."""
 
     def __init__(self, client, timeout=None):
         self._client = client
@@ -161,10 +163,24 @@ class ForwardStream:
         token, expired = self._client._deadlines.arm(self._timeout, self._call)
 
         def late():
+            # Which outcome the server reached is known only for a layer (its forward is
+            # abandoned: nothing changes). A commit may have been applied before the cancel
+            # reached the server, and a begin may have committed the planned forward before it:
+            # a retry with the same request_id tells (the server answers a commit that applied
+            # with its stored reply, `replayed`).
+            if expect == "committed":
+                outcome = ("the stream was cancelled; the commit may have been applied or not: "
+                           "retry the forward with the same request_id (e.request_id) to learn "
+                           "which")
+            elif expect == "begun":
+                outcome = ("the stream was cancelled and its open forward abandoned (a planned "
+                           "forward open before this begin may have been committed by it)")
+            else:
+                outcome = ("the stream was cancelled and its open forward abandoned (nothing "
+                           "changes)")
             return errors.DeadlineExceeded(
-                f"no {expect} reply within {self._timeout} s (the stream's timeout): the "
-                "stream was cancelled and its open forward abandoned", method="DecodeStream",
-                request_id=request_id)
+                f"no {expect} reply within {self._timeout} s (the stream's timeout): {outcome}",
+                method="DecodeStream", request_id=request_id)
 
         try:
             reply = next(self._call)
@@ -181,7 +197,11 @@ class ForwardStream:
             self._client._deadlines.disarm(token)
         if expired:  # fired as the reply came: the call is cancelled all the same
             self._drop()
-            raise late()
+            # A begin's or a layer's forward is abandoned by the cancel, so their reply is
+            # void; a commit's reply in hand is the server's answer that it applied (or not):
+            # returned, never reported as lost.
+            if expect != "committed" or reply.WhichOneof("msg") != expect:
+                raise late()
         kind = reply.WhichOneof("msg")
         if kind != expect:
             self.close()

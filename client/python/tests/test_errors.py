@@ -207,6 +207,27 @@ class AbortedFor(grpc.UnaryUnaryClientInterceptor):
         return continuation(details, request)
 
 
+class TransferAbortedBy(grpc.UnaryUnaryClientInterceptor):
+    """Answers TransferSlot ABORTED as a sender does when the peer aborted the move (decided:
+    the state stays), without reaching the server."""
+
+    class PeerAborted(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.ABORTED
+
+        def details(self):
+            return "transfer 7: the peer aborted it"
+
+    def __init__(self):
+        self.request_ids = []
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/TransferSlot"):
+            self.request_ids.append(request.request_id)
+            raise self.PeerAborted()
+        return continuation(details, request)
+
+
 class RequestIdTest(ServerTest):
     def client_losing_first(self, method, lost=1):
         return self.intercepted(LoseFirstReply(method, lost))
@@ -290,6 +311,18 @@ class RequestIdTest(ServerTest):
         with self.assertRaises(replayssm.Aborted):
             no_retries.allocate()
         self.assertEqual(len(aborted.request_ids), 1)
+
+    def test_a_transfer_the_peer_aborted_is_final_and_not_retried(self):
+        # A decided abort is ABORTED too; retried with the same id it would run a new move.
+        # It was retried for the whole aborted_wait (10 moves in 5 s; an outside review).
+        client, aborted = self.intercepted(TransferAbortedBy(), aborted_wait=5)
+        slot = self.client.allocate().slot
+        start = time.monotonic()
+        with self.assertRaises(replayssm.Aborted) as caught:
+            client.transfer_slot(slot, "127.0.0.1:1", request_id="move-1")
+        self.assertLess(time.monotonic() - start, 1)
+        self.assertEqual(aborted.request_ids, ["move-1"])
+        self.assertIn("the peer aborted it", caught.exception.details)
 
     def test_the_same_id_again_returns_the_original_reply(self):
         first = self.client.allocate(request_id="alloc-1")
@@ -425,6 +458,64 @@ class StreamResourcesTest(ServerTest):
             time.sleep(0.05)
         stream.forward([(slot, 2)], self.layers(1))  # a new stream; the slot took one token
         self.assertEqual(self.client.get_slot(slot).seq_len, 2)
+
+    def test_a_commit_reply_in_hand_as_the_deadline_fires_is_returned(self):
+        class SlowReply:  # the committed reply arrives, and the deadline fires before it is taken
+            def __init__(self, call):
+                self.call = call
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                reply = next(self.call)
+                time.sleep(2.0)
+                return reply
+
+            def cancel(self):
+                return self.call.cancel()
+
+        slot = self.client.allocate().slot
+        stream = self.client.open_stream(timeout=1.0)
+        self.addCleanup(stream.close)
+        stream.begin([(slot, 1)])
+        for l, x in enumerate(self.layers(1)):
+            stream.run_layer(l, *x)
+        stream._call = SlowReply(stream._call)
+        committed = stream.commit()  # it used to raise "abandoned" for a commit that applied
+        self.assertEqual(committed[0].seq_len, 1)
+        self.assertEqual(self.client.get_slot(slot).seq_len, 1)
+        stream.forward([(slot, 2)], self.layers(1))  # the cancelled stream was replaced
+        self.assertEqual(self.client.get_slot(slot).seq_len, 2)
+
+    def test_a_late_commit_reply_says_its_outcome_is_unknown_and_a_retry_applies_it_once(self):
+        slot = self.client.allocate().slot
+        stream = self.client.open_stream(timeout=1.0)
+        self.addCleanup(stream.close)
+        stream.begin([(slot, 1)], request_id="late-commit")
+        for l, x in enumerate(self.layers(1)):
+            stream.run_layer(l, *x)
+        self.server.signal(signal.SIGSTOP)
+        self.addCleanup(self.server.signal, signal.SIGCONT)
+        with self.assertRaises(replayssm.DeadlineExceeded) as raised:
+            stream.commit()
+        self.server.signal(signal.SIGCONT)
+        # It used to say the forward was abandoned and nothing changed, which a caller driving
+        # the stream by hand took as leave to run the token again under a new id.
+        self.assertIn("may have been applied", raised.exception.details)
+        self.assertNotIn("nothing changes", raised.exception.details)
+        self.assertEqual(raised.exception.request_id, "late-commit")
+        retry = self.client.open_stream(timeout=30)
+        self.addCleanup(retry.close)
+        deadline = time.monotonic() + 10
+        while True:  # the resumed server decides the first commit, then answers the retry
+            try:
+                retry.forward([(slot, 1)], self.layers(1), request_id="late-commit")
+                break
+            except replayssm.FailedPrecondition:  # "in another open operation" until then
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.05)
+        self.assertEqual(self.client.get_slot(slot).seq_len, 1)  # applied once, either way
 
     def test_closing_is_bounded_and_closed_clients_leave_no_thread(self):
         baseline = threading.active_count()

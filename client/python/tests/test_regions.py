@@ -47,6 +47,27 @@ class SharedMemoryTest(unittest.TestCase):
             again.close()
         self.assertFalse(os.path.exists("/dev/shm" + region.key))  # the owner unlinked it
 
+    def test_a_tenant_key_with_a_colon_is_created_attached_and_removed_at_exit(self):
+        # Python 3.11's resource tracker splits its messages at ':': a tenant's key printed
+        # a traceback from the tracker on every create and close, and an object whose process
+        # exited without close() stayed in /dev/shm (an outside review).
+        key = f"/rssm-test:{os.getpid()}-colon"
+        child = ("import sys; from replayssm import regions; "
+                 "r = regions.SharedMemoryRegion('acts', 4096, key=sys.argv[1]); "
+                 "r.ndarray(0, (1,), 'u4')[0] = 77; "
+                 "a = regions.SharedMemoryRegion('acts', 0, key=sys.argv[1], create=False); "
+                 "print(int(a.ndarray(0, (1,), 'u4')[0])); a.close(); "
+                 "print(int(__import__('os').path.exists('/dev/shm' + sys.argv[1])))")
+        done = subprocess.run([sys.executable, "-c", child, key], text=True,
+                              capture_output=True, check=True)  # exits without close()
+        self.assertEqual(done.stdout.split(), ["77", "1"])
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertFalse(os.path.exists("/dev/shm" + key), "left behind by its exit")
+        with regions.SharedMemoryRegion("acts", 4096, key=key) as region:
+            self.assertEqual(region.key, key)
+            self.assertTrue(os.path.exists("/dev/shm" + key))
+        self.assertFalse(os.path.exists("/dev/shm" + key), "close() removed it")
+
     def test_the_owner_closes_an_object_someone_else_removed(self):
         region = regions.SharedMemoryRegion("acts", 4096)
         os.unlink("/dev/shm" + region.key)

@@ -150,7 +150,8 @@ class Client {
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
   // Sends `authorization: Bearer <token>` with every call (a server with --auth-tokens
   // requires it; the token names the tenant whose slots this client sees). "": none. A token
-  // CheckToken refuses is not sent: unary calls return its error, and streams go without it.
+  // CheckToken refuses is not sent: unary calls return its error, and a stream opened with it
+  // fails at once with that error.
   void set_token(std::string token);
   // Waits until the channel is connected (true) or the deadline passes.
   bool WaitForConnected(absl::Duration timeout);
