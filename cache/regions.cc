@@ -228,16 +228,8 @@ absl::Status RegionTable::Register(const RegionSpec& spec) {
       return absl::AlreadyExistsError(
           absl::StrCat("name: region \"", spec.name, "\" is already registered"));
     }
-    if (static_cast<int32_t>(regions_.size()) >= limits_.max_regions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "regions: ", regions_.size(), " registered, the limit (--max-regions) is ",
-          limits_.max_regions));
-    }
-    if (spec.bytes > limits_.max_bytes - bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "bytes: ", spec.bytes, " more would exceed the registered-bytes limit (",
-          limits_.max_bytes, ", ", bytes_, " in use)"));
-    }
+    PruneRetiredLocked();
+    if (absl::Status st = CheckLimitsLocked(spec.bytes); !st.ok()) return st;
   }
   auto m = std::make_shared<Mapping>();
   m->backend = backend_;
@@ -250,13 +242,49 @@ absl::Status RegionTable::Register(const RegionSpec& spec) {
     return absl::AlreadyExistsError(
         absl::StrCat("name: region \"", spec.name, "\" is already registered"));
   }
-  if (static_cast<int32_t>(regions_.size()) >= limits_.max_regions ||
-      spec.bytes > limits_.max_bytes - bytes_) {
-    return absl::ResourceExhaustedError("regions: the limits were reached meanwhile");
-  }
+  PruneRetiredLocked();
+  if (absl::Status st = CheckLimitsLocked(spec.bytes); !st.ok()) return st;  // reached meanwhile
   bytes_ += spec.bytes;
   regions_.emplace(spec.name, std::move(m));
   return absl::OkStatus();
+}
+
+absl::Status RegionTable::CheckLimitsLocked(uint64_t bytes) const {
+  const size_t held = retired_.size();
+  const std::string retired =
+      held == 0 ? ""
+                : absl::StrCat(" (and ", held,
+                               " unregistered that forwards still hold, counted until they end)");
+  if (static_cast<int64_t>(regions_.size() + held) >= limits_.max_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat("regions: ", regions_.size(), " registered",
+                                                     retired, ", the limit (--max-regions) is ",
+                                                     limits_.max_regions));
+  }
+  if (bytes > limits_.max_bytes - bytes_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("bytes: ", bytes, " more would exceed the registered-bytes limit (",
+                     limits_.max_bytes, ", ", bytes_, " in use", retired, ")"));
+  }
+  return absl::OkStatus();
+}
+
+void RegionTable::PruneRetiredLocked() {
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (!it->hold.expired()) {
+      ++it;
+      continue;
+    }
+    bytes_ -= it->bytes;
+    it = retired_.erase(it);
+  }
+}
+
+void RegionTable::RetireLocked(std::shared_ptr<internal::Mapping> m) {
+  if (m.use_count() > 1) {  // leased: the mapping lives on, and counts, until the leases end
+    retired_.push_back({m, m->info.bytes});
+  } else {
+    bytes_ -= m->info.bytes;
+  }
 }
 
 absl::Status RegionTable::Unregister(const std::string& name) {
@@ -265,8 +293,10 @@ absl::Status RegionTable::Unregister(const std::string& name) {
   if (it == regions_.end()) {
     return absl::NotFoundError(absl::StrCat("name: no region \"", name, "\" is registered"));
   }
-  bytes_ -= it->second->info.bytes;
+  std::shared_ptr<internal::Mapping> m = std::move(it->second);
   regions_.erase(it);  // leases keep the mapping until they end
+  RetireLocked(std::move(m));
+  PruneRetiredLocked();
   return absl::OkStatus();
 }
 
@@ -283,10 +313,12 @@ int32_t RegionTable::ExpireIdle(absl::Time cutoff) {
       ++it;
       continue;
     }
-    bytes_ -= it->second->info.bytes;
+    std::shared_ptr<internal::Mapping> m = std::move(it->second);  // not leased: unmapped
     it = regions_.erase(it);
+    RetireLocked(std::move(m));
     ++n;
   }
+  PruneRetiredLocked();
   return n;
 }
 

@@ -130,6 +130,44 @@ TEST(RegionTable, UnregisterWhileLeasedKeepsTheMemoryUntilTheLeaseEnds) {
   EXPECT_TRUE(t.Register(System("r", shm, 0, 4096)).ok());
 }
 
+TEST(RegionTable, ARegionUnregisteredWhileLeasedCountsAgainstTheLimitsUntilItsLeaseEnds) {
+  // Register, lease, unregister, again and again: the mappings piled up past --max-regions
+  // (4096 of one object in an outside review, which then filled the process's table of
+  // guarded mappings and refused every other tenant's regions).
+  ShmObject shm(4096);
+  RegionLimits limits;
+  limits.max_regions = 2;
+  limits.max_bytes = 8192;
+  RegionTable t(RSSM_BACKEND_CPU, limits);
+  ASSERT_TRUE(t.Register(System("a", shm, 0, 4096)).ok());
+  absl::StatusOr<RegionLease> held = t.Acquire("a", 0, 4, 4, "x");
+  ASSERT_TRUE(held.ok());
+  ASSERT_TRUE(t.Unregister("a").ok());
+  ASSERT_TRUE(t.Register(System("b", shm, 0, 4096)).ok());
+  const absl::Status third = t.Register(System("c", shm, 0, 64));
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_NE(third.message().find("1 unregistered that forwards still hold"), std::string::npos)
+      << third;
+  ASSERT_TRUE(t.Unregister("b").ok());  // not leased: gone at once
+  const absl::Status bytes = t.Register(System("c", shm, 0, 4097));
+  EXPECT_EQ(bytes.code(), absl::StatusCode::kResourceExhausted) << bytes;
+  EXPECT_NE(bytes.message().find("4096 in use"), std::string::npos) << bytes;
+  *held = RegionLease();  // the last lease ends: its mapping and its count go
+  EXPECT_TRUE(t.Register(System("c", shm, 0, 4096)).ok());
+  EXPECT_TRUE(t.Register(System("d", shm, 0, 4096)).ok());
+  // A leased region is never expired; unregistered, it counts until its lease ends.
+  absl::StatusOr<RegionLease> lease = t.Acquire("c", 0, 4, 4, "x");
+  ASSERT_TRUE(lease.ok());
+  ASSERT_TRUE(t.Unregister("d").ok());
+  EXPECT_EQ(t.ExpireIdle(absl::InfiniteFuture()), 0) << "a leased region is in use";
+  ASSERT_TRUE(t.Unregister("c").ok());
+  EXPECT_FALSE(t.Register(System("e", shm, 0, 4096)).ok() &&
+               t.Register(System("f", shm, 0, 4096)).ok())
+      << "c's mapping still counts";
+  *lease = RegionLease();
+  EXPECT_TRUE(t.Register(System("g", shm, 0, 64)).ok());
+}
+
 TEST(RegionTable, AcquireRefusesOutOfBoundsMisalignedAndEmptyRangesByField) {
   ShmObject shm(8192);
   RegionTable t(RSSM_BACKEND_CPU, {});

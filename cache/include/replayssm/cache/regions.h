@@ -108,7 +108,8 @@ class RegionTable {
   // object that is missing, not openable or too short gets one message that names only what
   // the caller sent: errors never tell whether an object exists or how large it is.
   absl::Status Register(const RegionSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
-  // NOT_FOUND for an unknown name. The memory stays mapped while leases hold it.
+  // NOT_FOUND for an unknown name. The memory stays mapped while leases hold it, and counts
+  // against the limits until then.
   absl::Status Unregister(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   // One region (NOT_FOUND when unknown) or, with an empty name, all of them.
   absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const
@@ -141,9 +142,25 @@ class RegionTable {
  private:
   const int32_t backend_;
   const RegionLimits limits_;
+  // A region unregistered (or expired) while leases held it: its mapping lives until the last
+  // lease ends, and until then it still counts against --max-regions and --max-region-bytes
+  // (else register, lease, unregister again and again piled up mappings past both limits and
+  // filled the process's table of guarded mappings for every tenant; an outside review).
+  struct Retired {
+    std::weak_ptr<internal::Mapping> hold;
+    uint64_t bytes;
+  };
+  // Drops the retired mappings whose leases have all ended (they are unmapped by then).
+  void PruneRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes a registered region: its bytes go now unless leases hold its mapping.
+  void RetireLocked(std::shared_ptr<internal::Mapping> m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when one more region of `bytes` would pass a limit.
+  absl::Status CheckLimitsLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<internal::Mapping>> regions_ ABSL_GUARDED_BY(mu_);
-  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // registered and retired regions' bytes
 };
 
 }  // namespace replayssm::cache
