@@ -352,6 +352,36 @@ TEST_F(CacheTest, SnapshotsAreEvictedBeforeLiveSlotsAreRefused) {
   EXPECT_TRUE(cache_->Info(c).ok());
 }
 
+TEST_F(CacheTest, APrefixWhoseSnapshotHoldsTheLastSlotStillAllocates) {
+  // Every slot live but one, which holds the snapshot the prompt matches: the snapshot cannot
+  // be both copied and evicted, so the allocation takes it as a plain one would (matched 0,
+  // counted a miss). It was refused RESOURCE_EXHAUSTED while Allocate() without the prompt
+  // succeeded (an outside review).
+  Make(3, 0, 4);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate(), c = *cache_->Allocate();
+  std::vector<int32_t> h;
+  Oracle::State r = oracle_->Zero();
+  Prefill(a, h, r, {1, 2, 3, 4});
+  ASSERT_TRUE(cache_->Donate(a).ok());
+  std::vector<int32_t> prompt = h;
+  prompt.push_back(5);
+  EXPECT_EQ(cache_->MatchPrefix(prompt), 4);
+  const CacheStats before = cache_->stats();
+  absl::StatusOr<StateCache::PrefixAllocation> p = cache_->AllocateFromPrefix(prompt);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->matched, 0);
+  EXPECT_EQ(cache_->Info(p->slot)->seq_len, 0);
+  const CacheStats after = cache_->stats();
+  EXPECT_EQ(after.snapshot_misses, before.snapshot_misses + 1) << "hits + misses = lookups";
+  EXPECT_EQ(after.snapshot_hits, before.snapshot_hits);
+  EXPECT_EQ(after.snapshot_evictions, before.snapshot_evictions + 1);
+  EXPECT_EQ(cache_->AllocateFromPrefix(prompt).status().code(),
+            absl::StatusCode::kResourceExhausted)
+      << "now every slot is live";
+  EXPECT_TRUE(cache_->Info(b).ok());
+  EXPECT_TRUE(cache_->Info(c).ok());
+}
+
 TEST_F(CacheTest, EveryPathOutOfASlotGoesThroughTheGuard) {
   Make(6, /*track=*/3, /*ring=*/4);
   const SlotId a = *cache_->Allocate();
