@@ -73,6 +73,22 @@ Value Int(T ServerOptions::*field, int64_t min = std::numeric_limits<T>::min(),
   return v;
 }
 
+// --ring-length: 0 (the preset's) or 2..64, checked with the other bounds (exit 2). L = 1 used
+// to pass here and be refused by the cache later (exit 1, naming ring_len).
+Value RingLength() {
+  Value v = Int(&ServerOptions::ring_length, 0, 64);
+  v.check = [](const ServerOptions& o) -> absl::Status {
+    if (o.ring_length == 0 || (o.ring_length >= 2 && o.ring_length <= 64)) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected 0 (the preset's) or 2..64 (a ring holds L-1 decode records), got ",
+                     o.ring_length));
+  };
+  v.range = "0, 2..64";
+  return v;
+}
+
 // 1G, 64M, 4M: the largest binary unit that divides it.
 std::string ShowBytes(int64_t bytes) {
   for (const auto& [shift, unit] : {std::pair{40, "T"}, {30, "G"}, {20, "M"}, {10, "K"}}) {
@@ -170,8 +186,7 @@ const std::vector<Flag>& Flags() {
        Str(&ServerOptions::devices)},
       {"memory-budget", "bytes for slots and snapshots (per TP rank), e.g. 512M, 4G",
        Bytes(&ServerOptions::memory_budget_bytes)},
-      {"ring-length", "replay ring length L (0 = the preset's)",
-       Int(&ServerOptions::ring_length, 0, 64)},
+      {"ring-length", "replay ring length L (0 = the preset's)", RingLength()},
       {"track-interval", "snapshot every N decoded tokens, 0 = never",
        Int(&ServerOptions::track_interval, 0, std::numeric_limits<int32_t>::max())},
       {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)", Str(&ServerOptions::state_dtype)},

@@ -131,8 +131,15 @@ TEST(ServerFlags, OutOfRangeValuesAreRefusedNamingTheFlagWhereverTheyComeFrom) {
 // refused at start, naming the flag and its range.
 TEST(ServerFlags, ValuesThatWouldFailEveryCallAreRefusedAtStart) {
   for (const auto& [arg, message] : std::vector<std::pair<std::string, std::string>>{
-           {"--ring-length=-3", "--ring-length: expected 0..64, got -3"},
-           {"--ring-length=65", "--ring-length: expected 0..64, got 65"},
+           {"--ring-length=-3",
+            "--ring-length: expected 0 (the preset's) or 2..64 (a ring holds L-1 decode records), "
+            "got -3"},
+           {"--ring-length=1",
+            "--ring-length: expected 0 (the preset's) or 2..64 (a ring holds L-1 decode records), "
+            "got 1"},
+           {"--ring-length=65",
+            "--ring-length: expected 0 (the preset's) or 2..64 (a ring holds L-1 decode records), "
+            "got 65"},
            {"--max-batch=0", "--max-batch: expected 1..65535, got 0"},
            {"--max-batch=100000", "--max-batch: expected 1..65535, got 100000"},
            {"--max-prefill-tokens=0", "--max-prefill-tokens: expected 1..2147483647, got 0"},

@@ -235,7 +235,11 @@ absl::Status ForwardSession::Claim(const Opening& opening) {
     case RequestLog::Outcome::kNotRetained:
       break;
   }
-  return absl::AlreadyExistsError("request_id: applied; its outputs were too large to keep");
+  // Applied and its outputs not kept: a planned forward's went to the client's region (never
+  // kept), an inline one's were past the request log's bound.
+  return absl::AlreadyExistsError(
+      "request_id: applied; its outputs were not kept (a planned forward's went to the "
+      "client's region, an inline forward's were too large to keep)");
 }
 
 absl::Status ForwardSession::Open(Opening& opening) {

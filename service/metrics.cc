@@ -166,8 +166,9 @@ Metrics::Metrics(int32_t max_batch)
                          .Add({})),
       auth_failures_(prometheus::BuildCounter()
                          .Name("replayssm_auth_failures_total")
-                         .Help("Calls refused UNAUTHENTICATED (--auth-tokens), by reason: "
-                               "missing, malformed or unknown token")
+                         .Help("Calls refused UNAUTHENTICATED, by reason: a client's token "
+                               "missing, malformed, unknown or revoked (--auth-tokens), a peer's "
+                               "proof missing or unknown (--peer-token)")
                          .Register(*registry_)) {}
 
 void Metrics::CountRpc(absl::string_view method, grpc::StatusCode code) {

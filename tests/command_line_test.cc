@@ -151,7 +151,7 @@ TEST(CommandLine, CliRefusesMisplacedExtraAndMalformedArguments) {
                 "--token-file go there)");
   ExpectRefused(cli, {"demo", "--keep"}, "demo: unknown option --keep");
   ExpectRefused(cli, {"--tls-cert", "/nonexistent.pem", "info"},
-                "--tls-key: expected the private key of tls_cert");
+                "--tls-key: expected the private key of --tls-cert, got none");
   ExpectRefused(cli, {"info", "--tls-ca=/nonexistent.pem"},
                 "--tls-ca: expected a readable PEM file");
   ExpectRefused(cli, {"demo", "--requests"}, "--requests: missing value");
@@ -472,12 +472,24 @@ TEST(CommandLine, BadModelOptionsStopTheServerNamingTheFlag) {
        "of the state dtype"},
       {{"--beta-rounding=yes"}, "--beta-rounding: expected act or f32, got yes"},
       {{"--device=cuda:-1"}, "--device: expected auto, cpu, cuda or cuda:N (N >= 0), got cuda:-1"},
-      {{"--ring-length=1"}, "--ring-length: expected >= 2"},
+      {{"--ring-length=1"}, "--ring-length: expected 0 (the preset's) or 2..64"},
       {{"--memory-budget=1K"}, "--memory-budget (per TP rank): expected at least one slot"},
       {{"--memory-budget=1T"},
        "--memory-budget: expected at most the memory this process may use on the CPU backend"},
   };
   ExpectServerStops(cases);
+}
+
+// A ring length of 1 is out of the flag's range, so it stops the server as a bound does
+// (exit 2, before anything starts); the cache used to refuse it later (exit 1).
+TEST(CommandLine, ARingLengthOfOneIsABoundExit2) {
+  const Outcome o = RunBinary(
+      REPLAYSSM_SERVER_BINARY,
+      {"--device=cpu", "--grpc-address=127.0.0.1:0", "--metrics-address=", "--ring-length=1"});
+  EXPECT_EQ(o.exit_code, 2) << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "--ring-length: expected 0 (the preset's) or 2..64"))
+      << o.output;
+  EXPECT_TRUE(absl::StrContains(o.output, "got 1")) << o.output;
 }
 
 TEST(CommandLine, BadHostTierFlagsStopTheServerNamingTheFlag) {

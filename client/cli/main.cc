@@ -4,6 +4,7 @@
 // An unknown option, a missing or malformed value and a stray argument are errors (exit 2).
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <iostream>
@@ -16,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "replayssm/client/bench.h"
@@ -46,7 +48,8 @@ constexpr char kUsage[] =
     "                       --requests: at most the server's --max-batch; --seed 0 (the\n"
     "                       default) seeds from the clock, and the demo prints the seed\n"
     "                       --disaggregated: prefill here, move the requests to\n"
-    "                       DECODE_HOST:PORT over UCX, decode there\n"
+    "                       DECODE_HOST:PORT over UCX, decode there. A TP server\n"
+    "                       (--tp-size > 1) is refused: its activations are rank-major\n"
     "  bench [--concurrency N] [--batch N] [--seconds S] [--unary]\n"
     "                       closed-loop decode forwards: forwards/s, p50/p99 latency,\n"
     "                       timed once every worker holds its slots. Ctrl-C stops a demo\n"
@@ -274,10 +277,15 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
   if (r.address.empty()) return Invalid("--address: expected HOST:PORT, got ''");
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
       replayssm::client::ChannelCredentialsFor(inv.security);
-  if (!creds.ok()) {  // "tls_ca: ..." -> "--tls-ca: ..."
+  if (!creds.ok()) {  // "tls_key: ... of tls_cert, ..." -> "--tls-key: ... of --tls-cert, ..."
     std::string m(creds.status().message());
     for (size_t i = 0; i < m.size() && m[i] != ':'; ++i) {
       if (m[i] == '_') m[i] = '-';
+    }
+    for (const char* field : {"tls_ca", "tls_cert", "tls_key"}) {
+      std::string flag = std::string("--") + field;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      m = absl::StrReplaceAll(m, {{std::string(" ") + field, " " + flag}});
     }
     return Invalid("--" + m);
   }

@@ -83,13 +83,25 @@ class _TypedStream:
         return getattr(self._call, name)
 
 
+def check_token(token, field="token"):
+    """A bearer token gRPC can send: printable ASCII without spaces (as the C++ client's
+    CheckToken). Anything else raised an untyped error from gRPC on every call, and gRPC
+    logged the token's bytes."""
+    for i, c in enumerate(token):
+        if not 0x21 <= ord(c) <= 0x7e:
+            raise ValueError(f"Client: {field}: expected a token of printable ASCII without "
+                             f"spaces, got character 0x{ord(c):02x} at offset {i}")
+    return token
+
+
 def read_token_file(path):
-    """The bearer token in `path`: the file's text without surrounding whitespace."""
+    """The bearer token in `path`: the file's text without surrounding whitespace (one line:
+    a token is printable ASCII without spaces)."""
     with open(path, encoding="utf-8") as f:
         token = f.read().strip()
     if not token:
         raise ValueError(f"token_file: expected a file holding a token, got an empty {path!r}")
-    return token
+    return check_token(token, "token_file")
 
 
 class Client:
@@ -124,6 +136,8 @@ class Client:
             raise ValueError("Client: give token or token_file, not both")
         if token_file is not None:
             token = read_token_file(token_file)
+        elif token is not None:
+            check_token(token)
         if channel is None:
             if address is None:
                 raise ValueError("Client: give an address or a channel")

@@ -314,5 +314,7 @@ def refuse_inline(x, field):
     names regions whole: tensors.any_layer_input)."""
     if isinstance(x, RegionTensor):
         raise errors.Unimplemented(f"{field}: this call carries tensors inline; a region tensor "
-                                   "is named only by a forward's layer (all four of its tensors "
-                                   "in regions) or a plan")
+                                   "goes in a forward's layer (all four of its tensors in "
+                                   "regions) or a plan (the server takes Import and Export "
+                                   "checkpoints in regions too: build the request with "
+                                   "replayssm.pb and call client.stub)")

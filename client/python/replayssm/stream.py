@@ -155,7 +155,8 @@ class ForwardStream:
         if request is not None:
             self._check_not_awaiting()
         if self._call is None:
-            raise errors.FailedPrecondition(f"{expect}: no open forward (begin first)",
+            call = {"committed": "commit", "layer": "run_layer"}.get(expect, expect)
+            raise errors.FailedPrecondition(f"{call}: no open forward (begin first)",
                                             method="DecodeStream")
         if request is not None:
             self._requests.put(request)

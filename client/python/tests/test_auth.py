@@ -67,6 +67,20 @@ class AuthTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             replayssm.Client(self.server.grpc_address, token=ALICE, token_file=self.tokens)
 
+    def test_a_token_grpc_cannot_send_is_refused_before_any_call(self):
+        # A newline or a space made every call fail with an untyped error from gRPC, which
+        # also logged the token's bytes; the C++ client refused it already.
+        for bad in (ALICE + "\n", "al ice", "t\u00e9"):
+            with self.assertRaises(ValueError) as caught:
+                replayssm.Client(self.server.grpc_address, token=bad)
+            self.assertIn("printable ASCII", str(caught.exception))
+        two_lines = os.path.join(self.dir, "two-lines")
+        with open(two_lines, "w", encoding="utf-8") as f:
+            f.write(ALICE + "\n" + ALICE + "\n")
+        with self.assertRaises(ValueError) as caught:
+            replayssm.Client(self.server.grpc_address, token_file=two_lines)
+        self.assertIn("token_file", str(caught.exception))
+
 
 if __name__ == "__main__":
     unittest.main()
