@@ -296,6 +296,7 @@ namespace {
 // The cyclic comparison of CU_STREAM_WAIT_VALUE_GEQ. One thread: a word the owner rings
 // further between the read and the swap fails the swap and is read again.
 __global__ void RaiseValue32Kernel(uint32_t* addr, uint32_t value) {
+  if (addr == nullptr) return;  // PreloadRaiseValue32's launch
   uint32_t old = atomicAdd(addr, 0u);
   while (static_cast<int32_t>(old - value) < 0) {
     const uint32_t seen = atomicCAS(addr, old, value);
@@ -304,6 +305,11 @@ __global__ void RaiseValue32Kernel(uint32_t* addr, uint32_t value) {
   }
 }
 }  // namespace
+
+rssm_status PreloadRaiseValue32(void* stream) {
+  RaiseValue32Kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(nullptr, 0u);
+  return Report(cudaGetLastError(), "rssm_stream_create: loading the doorbell raise kernel");
+}
 
 rssm_status RaiseValue32(const rssm_launch& launch, uint32_t* addr, uint32_t value) {
   RaiseValue32Kernel<<<1, 1, 0, StreamOf(launch)>>>(addr, value);

@@ -63,6 +63,11 @@ rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, 
 // rssm_stream_raise_value32's kernel, queued on launch.stream (kernels/cuda/backend.cu; called
 // only where the library is built with CUDA, so no stub).
 rssm_status RaiseValue32(const rssm_launch& launch, uint32_t* addr, uint32_t value);
+// Launches that kernel once, doing nothing, on `stream`: its module is loaded now. Loaded
+// lazily (CUDA_MODULE_LOADING=LAZY, the default), the first raise would wait for the device's
+// work, which a doorbell wait that only the raise can end holds for ever (it hung the release
+// path on the H200). rssm_stream_create calls it once per device.
+rssm_status PreloadRaiseValue32(void* stream);
 }  // namespace cuda
 
 }  // namespace replayssm::kernels

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "calls.h"
 
@@ -208,6 +209,16 @@ rssm_status rssm_stream_create(int32_t backend, void** out) {
   }
   if (st != RSSM_OK) return st;
   std::lock_guard<std::mutex> lock(stream_devices_mu);
+  // The doorbell raise kernel is loaded with the device's first stream, before any doorbell
+  // wait can be queued (cuda::PreloadRaiseValue32 says why).
+  static auto* preloaded = new std::unordered_set<int>();
+  if (preloaded->count(device) == 0) {
+    if (const rssm_status p = cuda::PreloadRaiseValue32(s); p != RSSM_OK) {
+      cudaStreamDestroy(s);
+      return p;
+    }
+    preloaded->insert(device);
+  }
   StreamDevices()[s] = device;
   *out = s;
   return RSSM_OK;
