@@ -207,6 +207,25 @@ class AbortedFor(grpc.UnaryUnaryClientInterceptor):
         return continuation(details, request)
 
 
+class SlowReply:
+    """A stream call whose replies arrive, then are taken 2 s later: a stream's deadline fires
+    while a reply is already in hand."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        reply = next(self.call)
+        time.sleep(2.0)
+        return reply
+
+    def cancel(self):
+        return self.call.cancel()
+
+
 class TransferAbortedBy(grpc.UnaryUnaryClientInterceptor):
     """Answers TransferSlot ABORTED as a sender does when the peer aborted the move (decided:
     the state stays), without reaching the server."""
@@ -429,23 +448,7 @@ class StreamResourcesTest(ServerTest):
         stream.forward([(slot, 3)], self.layers(1))
         self.assertEqual(self.client.get_slot(slot).seq_len, 3)
 
-
     def test_a_deadline_firing_as_the_reply_comes_fails_that_reply(self):
-        class SlowReply:  # the reply arrives, and the deadline fires before it is taken
-            def __init__(self, call):
-                self.call = call
-
-            def __iter__(self):
-                return self
-
-            def __next__(self):
-                reply = next(self.call)
-                time.sleep(2.0)
-                return reply
-
-            def cancel(self):
-                return self.call.cancel()
-
         slot = self.client.allocate().slot
         stream = self.client.open_stream(timeout=1.0)  # ample for a reply, even under ASan
         self.addCleanup(stream.close)
@@ -460,21 +463,6 @@ class StreamResourcesTest(ServerTest):
         self.assertEqual(self.client.get_slot(slot).seq_len, 2)
 
     def test_a_commit_reply_in_hand_as_the_deadline_fires_is_returned(self):
-        class SlowReply:  # the committed reply arrives, and the deadline fires before it is taken
-            def __init__(self, call):
-                self.call = call
-
-            def __iter__(self):
-                return self
-
-            def __next__(self):
-                reply = next(self.call)
-                time.sleep(2.0)
-                return reply
-
-            def cancel(self):
-                return self.call.cancel()
-
         slot = self.client.allocate().slot
         stream = self.client.open_stream(timeout=1.0)
         self.addCleanup(stream.close)
