@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "device_buffer.h"
+#include "doorbells.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::cache {
@@ -409,7 +410,7 @@ absl::Status RegionTable::RingAll(const RegionLease& lease, uint32_t value) cons
   uint32_t* words = static_cast<uint32_t*>(lease.data());
   rssm_status st = RSSM_OK;
   for (uint64_t i = 0; st == RSSM_OK && i < lease.bytes() / 4; ++i) {
-    st = rssm_stream_raise_value32(&side, words + i, value);  // never sets a later ring back
+    st = RingOnBehalf(side, words + i, value);  // CPU: never sets a later ring back
   }
   if (st == RSSM_OK) st = rssm_synchronize(&side);
   const absl::Status out =

@@ -412,9 +412,10 @@ rssm_status rssm_ipc_close(int32_t backend, void* ptr);
  * rssm_stream_raise_value32: as rssm_stream_write_value32, but never sets a word back: the word
  *   becomes `value` only if it has not reached it yet, checked and written as one atomic step,
  *   so a ring further than `value` that lands before or while it runs is kept (CUDA: a
- *   one-thread kernel's compare-and-swap loop on device memory; CPU: the same, at once). For
- *   whoever rings a word on another's behalf (a wait given up on) while its owner may ring it
- *   on for its next use. */
+ *   one-thread kernel's compare-and-swap loop on device memory, loaded with the device's
+ *   first rssm_stream_create so that a raise behind a blocked wait need not load it; CPU: the
+ *   same, at once). For whoever rings a word on another's behalf (a wait given up on) while
+ *   its owner may ring it on for its next use. */
 rssm_status rssm_stream_wait_value32(const rssm_launch* launch, const uint32_t* addr,
                                      uint32_t value);
 rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr, uint32_t value);
