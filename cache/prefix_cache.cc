@@ -35,36 +35,31 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::AllocateFromPrefixI
     }
   }
   if (entry >= 0) return PromoteFromHost(ns, tokens.subspan(0, m.length), entry);
-  if (m.length == 0) {
+  // A miss: a plain allocation in the namespace, from nothing.
+  auto fresh = [&]() -> absl::StatusOr<PrefixAllocation> {
     absl::StatusOr<SlotId> id = Allocate();
     if (!id.ok()) return id.status();
     if (absl::Status s = SetPrefixNamespace(*id, ns); !s.ok()) return s;
     return PrefixAllocation{*id, 0};
-  }
+  };
+  if (m.length == 0) return fresh();
   MakeRoom(1);  // the pinned snapshot is no victim
-  bool unused = false;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<int32_t> i = TakeFreeLocked();
-    if (!i.ok()) {
+    if (i.ok()) {
+      index = *i;
+      StartLiveLocked(index, std::vector<int32_t>(tokens.begin(), tokens.begin() + m.length));
+      slots_[index].ns = ns;
+    } else {
       // No slot but what the snapshot itself could give: unpinned, a plain allocation takes
       // it (or another victim) and the request starts from nothing. It used to be refused
       // where Allocate() without the prompt succeeded (an outside review). A miss.
       --slots_[src].refs;
       ++stats_.snapshot_misses;
-      unused = true;
-    } else {
-      index = *i;
-      StartLiveLocked(index, std::vector<int32_t>(tokens.begin(), tokens.begin() + m.length));
-      slots_[index].ns = ns;
     }
   }
-  if (unused) {
-    absl::StatusOr<SlotId> id = Allocate();
-    if (!id.ok()) return id.status();
-    if (absl::Status s = SetPrefixNamespace(*id, ns); !s.ok()) return s;
-    return PrefixAllocation{*id, 0};
-  }
+  if (index < 0) return fresh();
   absl::Status s = OnLane([&](Lane& lane) {
     absl::Status st = Materialize(src, "copy-on-write from a snapshot", lane);
     return st.ok() ? pool_->CopyCheckpoints(index, src, lane) : st;

@@ -280,24 +280,18 @@ void RegionTable::PruneRetiredLocked() {
   }
 }
 
-void RegionTable::RetireLocked(std::shared_ptr<internal::Mapping> m) {
-  if (m.use_count() > 1) {  // leased: the mapping lives on, and counts, until the leases end
-    retired_.push_back({m, m->info.bytes});
-  } else {
-    bytes_ -= m->info.bytes;
-  }
-}
-
 absl::Status RegionTable::Unregister(const std::string& name) {
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(name);
   if (it == regions_.end()) {
     return absl::NotFoundError(absl::StrCat("name: no region \"", name, "\" is registered"));
   }
-  std::shared_ptr<internal::Mapping> m = std::move(it->second);
-  regions_.erase(it);  // leases keep the mapping until they end
-  RetireLocked(std::move(m));
-  PruneRetiredLocked();
+  if (it->second.use_count() > 1) {  // leased: the mapping lives on, and counts, until they end
+    retired_.push_back({it->second, it->second->info.bytes});
+  } else {
+    bytes_ -= it->second->info.bytes;
+  }
+  regions_.erase(it);
   return absl::OkStatus();
 }
 
@@ -314,12 +308,10 @@ int32_t RegionTable::ExpireIdle(absl::Time cutoff) {
       ++it;
       continue;
     }
-    std::shared_ptr<internal::Mapping> m = std::move(it->second);  // not leased: unmapped
+    bytes_ -= it->second->info.bytes;  // not leased (checked above, under mu_): unmapped now
     it = regions_.erase(it);
-    RetireLocked(std::move(m));
     ++n;
   }
-  PruneRetiredLocked();
   return n;
 }
 

@@ -4,7 +4,6 @@
 // An unknown option, a missing or malformed value and a stray argument are errors (exit 2).
 #include <signal.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <iostream>
@@ -282,11 +281,9 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
     for (size_t i = 0; i < m.size() && m[i] != ':'; ++i) {
       if (m[i] == '_') m[i] = '-';
     }
-    for (const char* field : {"tls_ca", "tls_cert", "tls_key"}) {
-      std::string flag = std::string("--") + field;
-      std::replace(flag.begin(), flag.end(), '_', '-');
-      m = absl::StrReplaceAll(m, {{std::string(" ") + field, " " + flag}});
-    }
+    // A field named again inside the message (after a blank: never a path, which is quoted).
+    m = absl::StrReplaceAll(
+        m, {{" tls_ca", " --tls-ca"}, {" tls_cert", " --tls-cert"}, {" tls_key", " --tls-key"}});
     return Invalid("--" + m);
   }
   r.credentials = *std::move(creds);

@@ -17,13 +17,12 @@ in a plan. Other calls carry tensors inline: a RegionTensor given to one is refu
 Unimplemented before anything is sent.
 """
 
+import _posixshmem
 import abc
 import atexit
 import contextlib
 import sys
 from multiprocessing import resource_tracker, shared_memory
-
-import _posixshmem
 from typing import NamedTuple
 
 import numpy as np
@@ -153,13 +152,9 @@ class SharedMemoryRegion(Region):
         if self._owner:
             name = self._shm._name
             _owned.discard(name)
-            if name in _owned_untracked:
-                _owned_untracked.discard(name)
-                try:
-                    _posixshmem.shm_unlink("/" + name.lstrip("/"))
-                except FileNotFoundError:
-                    pass  # removed by someone else
-            else:
+            tracked = name not in _owned_untracked
+            _owned_untracked.discard(name)
+            with contextlib.nullcontext() if tracked else _tracker_off():
                 try:
                     self._shm.unlink()
                 except FileNotFoundError:

@@ -142,18 +142,18 @@ class RegionTable {
  private:
   const int32_t backend_;
   const RegionLimits limits_;
-  // A region unregistered (or expired) while leases held it: its mapping lives until the last
-  // lease ends, and until then it still counts against --max-regions and --max-region-bytes
-  // (else register, lease, unregister again and again piled up mappings past both limits and
-  // filled the process's table of guarded mappings for every tenant; an outside review).
+  // A region unregistered while leases held it (ExpireIdle takes no leased one): its mapping
+  // lives until the last lease ends, and until then it still counts against --max-regions and
+  // --max-region-bytes (else register, lease, unregister again and again piled up mappings
+  // past both limits and filled the process's table of guarded mappings for every tenant; an
+  // outside review).
   struct Retired {
     std::weak_ptr<internal::Mapping> hold;
     uint64_t bytes;
   };
-  // Drops the retired mappings whose leases have all ended (they are unmapped by then).
+  // Drops the retired mappings whose leases have all ended (they are unmapped by then); the
+  // limits are checked only by Register, which calls it first.
   void PruneRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes a registered region: its bytes go now unless leases hold its mapping.
-  void RetireLocked(std::shared_ptr<internal::Mapping> m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when one more region of `bytes` would pass a limit.
   absl::Status CheckLimitsLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
