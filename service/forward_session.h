@@ -49,6 +49,9 @@ class ForwardSession {
   absl::Status Commit(v1::DecodeCommitted* committed);
   // Drops an open forward (no state changes). Idempotent.
   void Abandon();
+  // A planned forward is open: the next message (its commit, or a begin that closes it) waits
+  // for its layers, on the engine's doorbells (up to --forward-timeout).
+  bool PlannedOpen() const { return planned_ != nullptr; }
   // A forward is open that the client owes a message to, so --stream-idle-timeout applies: one
   // that waits for layer messages, or a planned one past its --forward-timeout (abandoned
   // then, but it holds its rows and region leases until the commit, or the stream ends: a

@@ -22,6 +22,15 @@ namespace {
 // (End). The callbacks and the sweep's ClaimIfIdle take mu_, so that the sweep never ends a
 // stream in the middle of a message; Finish is called outside it, since a finished stream
 // may be deleted at once.
+//
+// A message that comes while a planned forward is open (its commit, or the begin that closes
+// it) waits for that forward's layers, and so for the engine's doorbells, up to
+// --forward-timeout: it is answered from the stream's own thread (answerer_), not from the
+// gRPC callback thread that read it. gRPC's callback threads are shared by every call of the
+// server; a few engines whose commits waited on them used to hold them all, and every other
+// client's calls waited meanwhile (an outside review: GetInfo answered after 9.5 s behind four
+// such streams). Other messages (inline layers, the first begin) run kernels whose time the
+// server bounds, and stay on the callback thread (no thread hop).
 class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>,
       public IdleWatched {
@@ -51,14 +60,18 @@ class DecodeStreamReactor final
       if (finished_) return;  // the idle sweep ended the stream while this read waited
       if (!ok) {
         end = End(Ended());
+      } else if (session_.PlannedOpen()) {
+        // Answered (written or finished) by the job; no read is outstanding meanwhile, so
+        // nothing else ends the stream before it.
+        if (answerer_ == nullptr) answerer_ = std::make_unique<QueueWorker>();
+        answerer_->WaitIdle();  // the last answer's job has returned from its write
+        answerer_->Post([this] { Answer(); });
+        return;
       } else {
-        response_.Clear();
-        const absl::Status s = Handle();
-        if (!s.ok()) end = End(s);
+        end = HandleMessage();
       }
     }
-    if (end.has_value()) return Finish(*end);
-    StartWrite(&response_);
+    Reply(end);
   }
   void OnWriteDone(bool ok) override {
     std::optional<grpc::Status> end;
@@ -96,7 +109,28 @@ class DecodeStreamReactor final
   void FinishClaimed() override { Finish(claimed_end_); }
 
  private:
-  absl::Status Handle() {
+  // The answerer's job: the message read last, handled and answered off gRPC's threads.
+  void Answer() {
+    std::optional<grpc::Status> end;
+    {
+      absl::MutexLock lock(&mu_);
+      end = HandleMessage();
+    }
+    Reply(end);
+  }
+  // Handles the message read last into response_; the stream's end if it failed.
+  std::optional<grpc::Status> HandleMessage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    response_.Clear();
+    const absl::Status s = Handle();
+    if (!s.ok()) return End(s);
+    return std::nullopt;
+  }
+  // Outside mu_: the stream may be deleted once finished.
+  void Reply(const std::optional<grpc::Status>& end) {
+    if (end.has_value()) return Finish(*end);
+    StartWrite(&response_);
+  }
+  absl::Status Handle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const std::optional<const v1::ForwardPlan*> begin = BeginPlan();
     absl::Status s = CheckRequestId();
     // Each forward's begin: a token removed from the file (or moved to another tenant) since
@@ -202,6 +236,10 @@ class DecodeStreamReactor final
   grpc::Status claimed_end_;  // set by ClaimIfIdle, before FinishClaimed
   v1::DecodeStreamRequest request_;
   v1::DecodeStreamResponse response_;
+  // Answers the messages that wait for a planned forward (made at the first); declared last so
+  // that it is joined first, before the session its job used goes. OnDone, which deletes the
+  // stream, never runs on it: gRPC runs OnDone on its own threads after Finish returns.
+  std::unique_ptr<QueueWorker> answerer_;
 };
 
 }  // namespace

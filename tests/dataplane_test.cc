@@ -409,6 +409,55 @@ TEST_F(PlannedIdleTest, APlannedForwardNeverCommittedIsEndedOnceQuietPastItsDead
   EXPECT_TRUE(client_->Free(a).ok());
 }
 
+// Commits of planned forwards whose doorbells the engines never ring: each waits out
+// --forward-timeout on its stream's own thread. They used to wait on gRPC's callback threads,
+// which every call of the server shares, and a few of them held every one: other clients'
+// calls waited until the forwards' deadlines (an outside review: GetInfo answered after 9.5 s
+// behind four such streams).
+class PlannedWaitTest : public DataPlaneTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--forward-timeout=6"};
+  }
+};
+
+TEST_F(PlannedWaitTest, CommitsWaitingOnDoorbellsDoNotHoldOtherClientsCalls) {
+  constexpr int kStreams = 8;
+  std::vector<uint64_t> slots;
+  std::vector<std::string> before;
+  std::vector<std::unique_ptr<EngineMemory>> engines;  // doorbells of its own each
+  std::vector<std::unique_ptr<client::ForwardStream>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    slots.push_back(NewSlot());
+    before.push_back(Observe(slots.back()));
+    engines.push_back(std::make_unique<EngineMemory>(model(), 1));
+    const std::string region = absl::StrCat("engine", i);
+    ASSERT_TRUE(engines.back()->Register(*client_, region).ok());
+    v1::DecodeStreamRequest begin = PlannedDecode({slots.back()}, 1);
+    *begin.mutable_begin()->mutable_plan() = engines.back()->Plan(region, 1);
+    streams.push_back(client_->OpenStream());
+    auto begun = streams.back()->BeginWith(begin);
+    ASSERT_TRUE(begun.ok()) << begun.status();
+  }
+  std::vector<absl::Status> committed(kStreams);
+  std::vector<std::thread> committers;
+  for (int i = 0; i < kStreams; ++i) {
+    committers.emplace_back([&, i] { committed[i] = streams[i]->Commit().status(); });
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // every commit read and waiting on its doorbells
+  const absl::Time t0 = absl::Now();
+  auto info = client_->Info();
+  const absl::Duration took = absl::Now() - t0;
+  for (std::thread& t : committers) t.join();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_LT(took, absl::Seconds(2)) << "GetInfo waited behind the commits";
+  for (int i = 0; i < kStreams; ++i) {
+    EXPECT_EQ(committed[i].code(), absl::StatusCode::kDeadlineExceeded) << committed[i];
+    EXPECT_TRUE(Observe(slots[i]) == before[i]) << "nothing of forward " << i << " committed";
+    EXPECT_EQ(InUse(absl::StrCat("engine", i)), 0);
+  }
+}
+
 TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
   const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();
