@@ -48,11 +48,25 @@ absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, ui
 }
 
 absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value) {
-  {
-    absl::MutexLock lock(&mu_);
-    last_signal_ = {addr, value, false};
-  }
   return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
+}
+
+Doorbells::~Doorbells() {
+  if (end_backend_ >= 0) rssm_event_destroy(end_backend_, end_);
+}
+
+absl::Status Doorbells::MarkEnd(const rssm_launch& launch) {
+  if (end_backend_ >= 0) rssm_event_destroy(end_backend_, end_);
+  end_backend_ = -1;
+  end_ = nullptr;
+  absl::Status st = KernelStatus(rssm_event_record(&launch, &end_), "forward end event");
+  if (st.ok()) end_backend_ = launch.backend;
+  return st;
+}
+
+bool Doorbells::WorkDone() const {
+  int done = 0;
+  return end_backend_ >= 0 && rssm_event_query(end_backend_, end_, &done) == RSSM_OK && done == 1;
 }
 
 absl::Status Doorbells::WaitOnHost(const uint32_t* addr, uint32_t value) {
@@ -76,22 +90,11 @@ absl::Status Doorbells::WaitOnHost(const uint32_t* addr, uint32_t value) {
   return absl::OkStatus();
 }
 
-bool Doorbells::Expect(absl::Span<const uint32_t* const> waits, uint32_t* last_signal,
-                       uint32_t value) {
+bool Doorbells::Expect(absl::Span<const uint32_t* const> waits, uint32_t value) {
   absl::MutexLock lock(&mu_);
   if (released_) return false;
   for (const uint32_t* addr : waits) awaited_.push_back({const_cast<uint32_t*>(addr), value});
-  if (last_signal != nullptr) last_signal_ = {last_signal, value, false};
   return true;
-}
-
-bool Doorbells::LastSignalReached(const rssm_launch& launch) {
-  Awaited last;
-  {
-    absl::MutexLock lock(&mu_);
-    last = last_signal_;
-  }
-  return last.addr == nullptr || ReadReached(launch, last.addr, last.value);
 }
 
 int32_t Doorbells::Release(int32_t backend) {

@@ -37,22 +37,24 @@ class Doorbells {
   absl::Status Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value);
-  // For waits and signals queued inside a recorded sequence (rssm_graph_launch) rather than
-  // through Wait and Signal: records `waits` (in queue order) and the last signal as those
-  // would, all with `value`. False, recording nothing, once released (the caller then queues
-  // them one by one through Wait, which skips the waits).
-  bool Expect(absl::Span<const uint32_t* const> waits, uint32_t* last_signal, uint32_t value)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // For waits queued inside a recorded sequence (rssm_graph_launch) rather than through Wait:
+  // records `waits` (in queue order) as those would, with `value`. False, recording nothing,
+  // once released (the caller then queues them one by one through Wait, which skips them).
+  bool Expect(absl::Span<const uint32_t* const> waits, uint32_t value) ABSL_LOCKS_EXCLUDED(mu_);
   // Writes every awaited word that has not reached its value so that no wait blocks any more,
   // and skips the waits to come. Returns the index (in queue order) of the first wait whose
   // word had not reached its value, among those queued or skipped so far, or -1: called again
   // once every wait was issued, it gives the whole answer (a release can land between two
   // waits, before the later ones were issued).
   int32_t Release(int32_t backend) ABSL_LOCKS_EXCLUDED(mu_);
-  // Whether the last Signal's word has reached its value (the work queued before it is done);
-  // true when nothing was signalled. Reads the word on `launch` (an idle stream: the copy is
-  // waited for).
-  bool LastSignalReached(const rssm_launch& launch) ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks the end of the work queued on `launch` so far (a forward's last layer, its last
+  // signal): WorkDone then tells, without waiting, whether that work has run. The server's own
+  // proof: the last signal's word is in the client's memory, and the client can write it.
+  absl::Status MarkEnd(const rssm_launch& launch);
+  // Whether the work before MarkEnd has finished; false when MarkEnd was not called or
+  // failed. Not thread-safe against MarkEnd (the forward's driver calls both).
+  bool WorkDone() const;
+  ~Doorbells();
 
  private:
   struct Awaited {
@@ -67,7 +69,8 @@ class Doorbells {
   std::atomic<bool> releasing_{false};  // set by Release before it takes mu_
   absl::Mutex mu_;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
-  Awaited last_signal_ ABSL_GUARDED_BY(mu_) = {nullptr, 0, false};
+  int32_t end_backend_ = -1;  // MarkEnd's launch's backend; -1: not marked
+  void* end_ = nullptr;       // its event (NULL on the CPU: done at once)
   std::vector<Awaited> awaited_ ABSL_GUARDED_BY(mu_);
 };
 

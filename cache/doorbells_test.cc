@@ -18,7 +18,7 @@ TEST(Doorbells, ReleaseRingsAWordShortOfItsValueAndCountsItUnrung) {
   alignas(4) uint32_t ready[2] = {7, 4};  // the first rung, the second not
   Doorbells d;
   const uint32_t* waits[] = {&ready[0], &ready[1]};
-  ASSERT_TRUE(d.Expect(waits, nullptr, 7));
+  ASSERT_TRUE(d.Expect(waits, 7));
   EXPECT_EQ(d.Release(RSSM_BACKEND_CPU), 1);
   EXPECT_EQ(ready[0], 7u);
   EXPECT_EQ(ready[1], 7u);
@@ -47,7 +47,7 @@ TEST(Doorbells, ReleaseNeverSetsBackARingThatRacesIt) {
     std::atomic_ref<uint32_t>(word).store(value - 1, std::memory_order_release);  // not rung
     Doorbells d;
     const uint32_t* waits[] = {&word};
-    ASSERT_TRUE(d.Expect(waits, nullptr, value));
+    ASSERT_TRUE(d.Expect(waits, value));
     round.store(r, std::memory_order_release);
     d.Release(RSSM_BACKEND_CPU);
     while (rung.load(std::memory_order_acquire) != r) {

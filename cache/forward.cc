@@ -271,15 +271,14 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
   }
   // A chain holds one forward behind the open one: previous's own predecessor must be done
   // (with a one-forward lead it is: previous's first layer waited for the engine's doorbell,
-  // rung after that forward's last output), else previous is committed the usual way.
+  // rung after that forward's last output), else previous is committed the usual way. Done
+  // by the event recorded when previous took it over, not by its last done word: that word is
+  // in the engine's memory, and an engine that wrote it itself would have the predecessor's
+  // regions let go (the caller's leases) under its work still queued.
   if (prev->predecessor_ != nullptr) {
-    // Read on an idle lane's stream (previous's own stream is behind previous's waits).
-    bool done = false;
-    OnLane([&](Lane& lane) {
-      done = prev->predecessor_->doorbells_.LastSignalReached(lane.Launch());
-      return absl::OkStatus();
-    }).IgnoreError();
-    if (prev->predecessor_incomplete_ || !done) return nullptr;
+    if (prev->predecessor_incomplete_ || !prev->predecessor_->doorbells_.WorkDone()) {
+      return nullptr;
+    }
     prev->predecessor_.reset();  // confirmed: its work is done
   }
   {
@@ -298,6 +297,8 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
       }
     }
   }
+  // The end of previous's work on the lane, for the forward after the new one to confirm.
+  if (!prev->doorbells_.MarkEnd(prev->lane_->Launch()).ok()) return nullptr;
   // Committed from here on, as by its Commit but for the wait and the release of the rows.
   prev->finished_ = true;
   EndForward(prev->rows_, /*commit=*/true, /*broken=*/false);
@@ -774,7 +775,7 @@ absl::Status ForwardImpl::RunGraphed(absl::Span<const LayerIo> layers,
     std::vector<const uint32_t*> waits(bells.size());
     for (size_t l = 0; l < bells.size(); ++l) waits[l] = bells[l].ready;
     // Released already: call by call, which skips the waits.
-    if (!doorbells_.Expect(waits, bells.back().done, value)) return absl::OkStatus();
+    if (!doorbells_.Expect(waits, value)) return absl::OkStatus();
   }
   std::fill(touched_.begin(), touched_.end(), true);
   const rssm_launch launch = lane_->Launch();

@@ -483,6 +483,40 @@ TEST_P(ForwardKindsTest, AnUnrungForwardQueuedAtOnceIsReleasedAndChangesNothing)
   for (int l = 0; l < layers; ++l) EXPECT_EQ(Outputs(oa, l, 0, 1), Outputs(ot, l, 0, 1));
 }
 
+// A chain confirms the forward two back done by the event the cache recorded at its end, not
+// by its last done word: that word is in the engine's memory, and an engine that writes it
+// itself while the forward's work still waits on its doorbells must not have that work
+// confirmed (the server would let the forward's regions go under it). CUDA only: on the CPU a
+// forward's layers have run when RunLayers returns, so no work can be left waiting.
+TEST_P(ForwardKindsTest, AChainConfirmsItsPredecessorByItsOwnEventNotByTheDoneWord) {
+  const int32_t backend = cache_->options().backend;
+  if (backend != RSSM_BACKEND_CUDA) GTEST_SKIP() << "CPU layers run when they are queued";
+  const int layers = model().num_layers;
+  const SlotId a = Build({1, 2, 3}, 2);
+  BackendBatch dev(backend, oracle_->MakeBatch({{7, 3}}));
+  BackendWords words(backend, 2 * layers);
+  std::vector<LayerDoorbells> bells(layers);
+  for (int l = 0; l < layers; ++l) bells[l] = {words.at(l), words.at(layers + l)};
+  absl::StatusOr<std::unique_ptr<Forward>> first = cache_->BeginForward({{a, 7}});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->RunLayers(dev.io, bells, 1).ok());  // queued behind layer 0's wait
+  words.Fill(1, 2 * layers - 1, 2 * layers);  // the engine writes the last done word itself
+  absl::StatusOr<std::unique_ptr<Forward>> second = cache_->ContinueForward(*first, {{a, 8}});
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_NE(*second, nullptr) << "the first forward has no predecessor to confirm";
+  ASSERT_TRUE((*second)->RunLayers(dev.io, bells, 2).ok());
+  absl::StatusOr<std::unique_ptr<Forward>> third = cache_->ContinueForward(*second, {{a, 9}});
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(*third, nullptr);  // continued past a forward whose work has not run
+  words.Fill(2, 0, layers);    // every ready doorbell rung: the chain drains
+  std::unique_ptr<Forward>& open = *third != nullptr ? *third : *second;
+  if (*third != nullptr) {
+    ASSERT_TRUE(open->RunLayers(dev.io, bells, 2).ok());
+  }
+  EXPECT_TRUE(open->Commit().ok());
+  EXPECT_EQ(cache_->Info(a)->seq_len, *third != nullptr ? 6 : 5) << "3 tokens, then the chain";
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardKindsTest,
                          ::testing::Values(KindParams{"tiny-gdn", RSSM_DTYPE_F32},
                                            KindParams{"tiny-gdn", RSSM_DTYPE_BF16},

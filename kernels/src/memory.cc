@@ -246,6 +246,69 @@ rssm_status rssm_stream_destroy(int32_t backend, void* stream) {
 #endif
 }
 
+rssm_status rssm_event_record(const rssm_launch* launch, void** out) {
+  const char* fn = "rssm_event_record";
+  if (out == nullptr) return Invalid(fn, "out: expected a non-null pointer, got NULL");
+  *out = nullptr;
+  if (launch == nullptr) return Invalid(fn, "launch: expected a non-null pointer, got NULL");
+  if (const rssm_status st = CheckBackend(fn, launch->backend); st != RSSM_OK) return st;
+  if (launch->backend == RSSM_BACKEND_CPU) return RSSM_OK;
+#ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
+  cudaEvent_t e = nullptr;
+  rssm_status st = CudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), fn);
+  if (st != RSSM_OK) return st;
+  st = CudaCheck(cudaEventRecord(e, static_cast<cudaStream_t>(launch->stream)), fn);
+  if (st != RSSM_OK) {
+    cudaEventDestroy(e);
+    return st;
+  }
+  *out = e;
+  return RSSM_OK;
+#else
+  return NoCuda(fn);
+#endif
+}
+
+rssm_status rssm_event_query(int32_t backend, void* event, int* done) {
+  const char* fn = "rssm_event_query";
+  if (done == nullptr) return Invalid(fn, "done: expected a non-null pointer, got NULL");
+  *done = 0;
+  if (const rssm_status st = CheckBackend(fn, backend); st != RSSM_OK) return st;
+  if (event == nullptr) {
+    *done = 1;
+    return RSSM_OK;
+  }
+  if (backend == RSSM_BACKEND_CPU) {
+    return Invalid(fn, "event: expected NULL on the CPU backend, got a pointer");
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (e == cudaErrorNotReady) {
+    cudaGetLastError();  // not an error: kept from the next launch's check
+    return RSSM_OK;
+  }
+  if (e == cudaSuccess) *done = 1;
+  return CudaCheck(e, fn);
+#else
+  return NoCuda(fn);
+#endif
+}
+
+rssm_status rssm_event_destroy(int32_t backend, void* event) {
+  const char* fn = "rssm_event_destroy";
+  if (const rssm_status st = CheckBackend(fn, backend); st != RSSM_OK) return st;
+  if (event == nullptr) return RSSM_OK;
+  if (backend == RSSM_BACKEND_CPU) {
+    return Invalid(fn, "event: expected NULL on the CPU backend, got a pointer");
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  return CudaCheck(cudaEventDestroy(static_cast<cudaEvent_t>(event)), fn);
+#else
+  return NoCuda(fn);
+#endif
+}
+
 rssm_status rssm_set_device(int32_t backend, int32_t device) {
   if (const rssm_status st = CheckDevice("rssm_set_device", backend, device); st != RSSM_OK) {
     return st;

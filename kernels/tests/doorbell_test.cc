@@ -1,6 +1,7 @@
-// Doorbells and shared memory on the CPU backend: waits end when the word reaches the value
-// (cyclically), writes are visible to a waiter on another thread, bad arguments are refused
-// by name, and CUDA IPC is refused on the CPU with a message that says what to use instead.
+// Doorbells, events and shared memory on the CPU backend: waits end when the word reaches the
+// value (cyclically), writes are visible to a waiter on another thread, an event is done at
+// once, bad arguments are refused by name, and CUDA IPC is refused on the CPU with a message that
+// says what to use instead.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -130,6 +131,35 @@ TEST(Doorbell, RaiseRefusesBadArgumentsByName) {
   EXPECT_NE(std::string(rssm_last_error()).find("launch"), std::string::npos);
   EXPECT_EQ(words[0], 0u);
   EXPECT_EQ(words[1], 0u);
+}
+
+// CPU work has run when the call that queued it returns: its event is NULL, and done.
+TEST(Event, ACpuEventIsNullAndDone) {
+  void* e = &e;
+  ASSERT_EQ(rssm_event_record(&kCpu, &e), RSSM_OK) << rssm_last_error();
+  EXPECT_EQ(e, nullptr);
+  int done = 0;
+  ASSERT_EQ(rssm_event_query(RSSM_BACKEND_CPU, e, &done), RSSM_OK);
+  EXPECT_EQ(done, 1);
+  EXPECT_EQ(rssm_event_destroy(RSSM_BACKEND_CPU, e), RSSM_OK);
+}
+
+TEST(Event, BadArgumentsAreRefusedByName) {
+  void* e = nullptr;
+  EXPECT_EQ(rssm_event_record(&kCpu, nullptr), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("rssm_event_record: out"), std::string::npos);
+  EXPECT_EQ(rssm_event_record(nullptr, &e), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("launch"), std::string::npos);
+  const rssm_launch bad{7, nullptr};
+  EXPECT_EQ(rssm_event_record(&bad, &e), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("backend"), std::string::npos);
+  EXPECT_EQ(rssm_event_query(RSSM_BACKEND_CPU, nullptr, nullptr), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("rssm_event_query: done"), std::string::npos);
+  int done = 1;
+  EXPECT_EQ(rssm_event_query(RSSM_BACKEND_CPU, &e, &done), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(done, 0);
+  EXPECT_EQ(rssm_event_destroy(RSSM_BACKEND_CPU, &e), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("rssm_event_destroy: event"), std::string::npos);
 }
 
 TEST(SharedMemory, CudaIpcIsRefusedOnTheCpuBackendWithWhatToUseInstead) {

@@ -123,4 +123,36 @@ TEST(CudaDoorbell, RaiseWritesOnlyAWordShortOfItsValueAndEndsAWait) {
   rssm_stream_destroy(RSSM_BACKEND_CUDA, side.stream);
 }
 
+// An event recorded behind a wait that nobody rang is not done, whatever else happens to the
+// memory the wait reads elsewhere; the ring finishes it. Querying never waits, and a query
+// that finds it not done leaves no error for the next launch's check.
+TEST(CudaEvent, IsDoneOnlyOnceTheWorkBeforeItHasRun) {
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
+  DeviceWords w(2);
+  w.Set(0, 0);
+  w.Set(1, 0);
+  rssm_launch waiting{RSSM_BACKEND_CUDA, nullptr};
+  ASSERT_RSSM(rssm_stream_create(RSSM_BACKEND_CUDA, &waiting.stream));
+  ASSERT_RSSM(rssm_stream_wait_value32(&waiting, w.at(0), 1));
+  ASSERT_RSSM(rssm_stream_write_value32(&waiting, w.at(1), 9));
+  void* e = nullptr;
+  ASSERT_RSSM(rssm_event_record(&waiting, &e));
+  ASSERT_NE(e, nullptr);
+  w.Set(1, 9);  // the word the work would write, written by someone else: proves nothing
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  int done = 1;
+  ASSERT_RSSM(rssm_event_query(RSSM_BACKEND_CUDA, e, &done));
+  EXPECT_EQ(done, 0) << "the wait is not rung";
+  // Rung by a kernel: its launch check would fail on an error the query left behind.
+  rssm_launch side{RSSM_BACKEND_CUDA, nullptr};
+  ASSERT_RSSM(rssm_stream_create(RSSM_BACKEND_CUDA, &side.stream));
+  ASSERT_RSSM(rssm_stream_raise_value32(&side, w.at(0), 1));
+  ASSERT_RSSM(rssm_synchronize(&waiting));
+  ASSERT_RSSM(rssm_stream_destroy(RSSM_BACKEND_CUDA, side.stream));
+  ASSERT_RSSM(rssm_event_query(RSSM_BACKEND_CUDA, e, &done));
+  EXPECT_EQ(done, 1);
+  ASSERT_RSSM(rssm_event_destroy(RSSM_BACKEND_CUDA, e));
+  ASSERT_RSSM(rssm_stream_destroy(RSSM_BACKEND_CUDA, waiting.stream));
+}
+
 }  // namespace

@@ -364,6 +364,17 @@ rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
 rssm_status rssm_stream_create(int32_t backend, void** out);
 rssm_status rssm_stream_destroy(int32_t backend, void* stream);
 
+/* Events: a point on a stream, to learn later without waiting whether the work queued on it
+ * before that point has finished -- the server's own proof, where a doorbell word in a
+ * client's memory could have been written by the client.
+ * rssm_event_record: *out = a new event at the end of what launch->stream holds now (CUDA: an
+ *   event without timing; CPU: NULL, since CPU work has run when the call queueing it returns).
+ * rssm_event_query: *done = 1 once that work has finished, else 0; never waits. NULL is done.
+ * rssm_event_destroy: NULL is a no-op; an event whose work still runs may be destroyed. */
+rssm_status rssm_event_record(const rssm_launch* launch, void** out);
+rssm_status rssm_event_query(int32_t backend, void* event, int* done);
+rssm_status rssm_event_destroy(int32_t backend, void* event);
+
 /* Devices, for one process over several GPUs (a tensor-parallel group: one cache shard per
  * GPU). rssm_set_device makes `device` (0 .. rssm_device_count - 1) the calling thread's current
  * device: where rssm_alloc and rssm_stream_create allocate from then on. Work on a stream
