@@ -17,6 +17,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/types/span.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -28,6 +30,7 @@ struct TensorRef {
   std::string name;
   std::string dtype;
   int64_t numel = 0;
+  std::vector<int64_t> dims;    // the header's shape
   uint64_t begin = 0, end = 0;  // absolute file offsets
 };
 
@@ -97,9 +100,10 @@ std::optional<double> Whole(const google::protobuf::Value& value, double max) {
   return x;
 }
 
-// The element count of `shape` (non-negative integer dimensions, at most 2^40 elements).
-absl::StatusOr<int64_t> Elements(const google::protobuf::Value& shape, const std::string& path,
-                                 const std::string& name) {
+// `shape`'s dimensions into t->dims and their product into t->numel (non-negative integer
+// dimensions, at most 2^40 elements).
+absl::Status Dims(const google::protobuf::Value& shape, const std::string& path,
+                  const std::string& name, TensorRef* t) {
   if (shape.kind_case() != google::protobuf::Value::kListValue) {
     return EntryError(path, name, "shape", "a list", "another JSON type");
   }
@@ -112,8 +116,10 @@ absl::StatusOr<int64_t> Elements(const google::protobuf::Value& shape, const std
       return EntryError(path, name, "shape", "at most 2^40 elements", "more");
     }
     numel *= dim;
+    t->dims.push_back(dim);
   }
-  return numel;
+  t->numel = numel;
+  return absl::OkStatus();
 }
 
 // One entry of the header: `data_offsets` within the `data_bytes` after the header.
@@ -128,9 +134,7 @@ absl::StatusOr<TensorRef> Entry(const std::string& path, const std::string& name
   t.file = path;
   t.name = name;
   t.dtype = f.at("dtype").string_value();
-  absl::StatusOr<int64_t> numel = Elements(f.at("shape"), path, name);
-  if (!numel.ok()) return numel.status();
-  t.numel = *numel;
+  if (absl::Status s = Dims(f.at("shape"), path, name, &t); !s.ok()) return s;
   const auto& off = f.at("data_offsets").list_value().values();
   const std::optional<double> begin = off.size() == 2 ? Whole(off[0], kMaxOffset) : std::nullopt;
   const std::optional<double> end = off.size() == 2 ? Whole(off[1], kMaxOffset) : std::nullopt;
@@ -205,11 +209,32 @@ float HalfToFloat(uint16_t h, bool bf16) {
   return f;
 }
 
-absl::StatusOr<std::vector<float>> Read(const TensorRef& t, int64_t want, const std::string& what,
-                                        Opener open) {
+// `dims` without its dimensions of 1.
+std::vector<int64_t> Squeezed(absl::Span<const int64_t> dims) {
+  std::vector<int64_t> out;
+  for (int64_t d : dims) {
+    if (d != 1) out.push_back(d);
+  }
+  return out;
+}
+
+// The tensor's values as floats. Its shape must be `want` (`what` names its dimensions), up
+// to dimensions of 1, or a flat vector of as many elements: both are `want` in row-major
+// order. Any other shape of the same count (a [W, C] convolution weight for [C, 1, W]) would
+// be read in the wrong order, and is refused.
+absl::StatusOr<std::vector<float>> Read(const TensorRef& t, std::vector<int64_t> want_dims,
+                                        const std::string& what, Opener open) {
+  int64_t want = 1;
+  for (int64_t d : want_dims) want *= d;
   if (t.numel != want) {
     return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": expected ", want,
                                                    " elements (", what, "), got ", t.numel));
+  }
+  const std::vector<int64_t> got = Squeezed(t.dims);
+  if (got != Squeezed(want_dims) && got.size() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(t.file, ": ", t.name, ": expected shape ", what,
+                                                   " (or ", want, " elements flat), got [",
+                                                   absl::StrJoin(t.dims, ", "), "]"));
   }
   const size_t es = t.dtype == "F32" ? 4 : (t.dtype == "BF16" || t.dtype == "F16") ? 2 : 0;
   if (es == 0) {
@@ -260,7 +285,6 @@ absl::StatusOr<bool> LoadFrom(const std::vector<std::string>& files, Opener open
         " linear-attention layers, got ", a_log.size(), " A_log and ", dt_bias.size(), " dt_bias"));
   }
   const int64_t hv = m->shape.num_v_heads;
-  const int64_t dt = m->shape.gate == RSSM_GATE_KDA ? hv * m->shape.head_k : hv;
   const bool kda = m->shape.gate == RSSM_GATE_KDA;
   const int64_t qk = int64_t{m->shape.num_qk_heads} * m->shape.head_k;
   const int64_t vw = hv * m->shape.head_v;
@@ -273,9 +297,11 @@ absl::StatusOr<bool> LoadFrom(const std::vector<std::string>& files, Opener open
       return absl::InvalidArgumentError(absl::StrCat(dir, ": layer ", a->first,
                                                      " has A_log but its dt_bias is missing"));
     }
-    absl::StatusOr<std::vector<float>> av = Read(a->second, hv, "HV", open);
+    absl::StatusOr<std::vector<float>> av = Read(a->second, {hv}, "[HV]", open);
     if (!av.ok()) return av.status();
-    absl::StatusOr<std::vector<float>> dv = Read(d->second, dt, dt == hv ? "HV" : "HV*K", open);
+    absl::StatusOr<std::vector<float>> dv =
+        Read(d->second, kda ? std::vector<int64_t>{hv, m->shape.head_k} : std::vector<int64_t>{hv},
+             kda ? "[HV, K]" : "[HV]", open);
     if (!dv.ok()) return dv.status();
     layers[l].a_log = *std::move(av);
     layers[l].dt_bias = *std::move(dv);
@@ -306,7 +332,7 @@ absl::StatusOr<bool> LoadFrom(const std::vector<std::string>& files, Opener open
             W, "]) beside its A_log (", a->second.name, "), got none"));
       }
       absl::StatusOr<std::vector<float>> wv =
-          Read(w->second, p.channels * W, absl::StrCat("[", p.channels, ", 1, ", W, "]"), open);
+          Read(w->second, {p.channels, 1, W}, absl::StrCat("[", p.channels, ", 1, ", W, "]"), open);
       if (!wv.ok()) return wv.status();
       weight.insert(weight.end(), wv->begin(), wv->end());
       auto b = found[p.bias].find(a->first);
@@ -314,7 +340,8 @@ absl::StatusOr<bool> LoadFrom(const std::vector<std::string>& files, Opener open
         bias.insert(bias.end(), p.channels, 0.f);
         continue;
       }
-      absl::StatusOr<std::vector<float>> bv = Read(b->second, p.channels, "C", open);
+      absl::StatusOr<std::vector<float>> bv =
+          Read(b->second, {p.channels}, absl::StrCat("[", p.channels, "]"), open);
       if (!bv.ok()) return bv.status();
       bias.insert(bias.end(), bv->begin(), bv->end());
       ++biases;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -17,8 +18,11 @@ namespace {
 namespace fs = std::filesystem;
 
 // Writes a safetensors file with the given fp32 tensors (and one bf16 tensor when asked).
-void WriteSafetensors(const fs::path& path, const std::vector<std::pair<std::string, std::vector<float>>>& t,
-                      bool bf16_first = false) {
+// Each tensor flat ([n]) unless `shapes` gives its shape (JSON, e.g. "[64,1,4]").
+void WriteSafetensors(const fs::path& path,
+                      const std::vector<std::pair<std::string, std::vector<float>>>& t,
+                      bool bf16_first = false,
+                      const std::map<std::string, std::string>& shapes = {}) {
   std::string header = "{";
   std::string data;
   for (size_t i = 0; i < t.size(); ++i) {
@@ -34,9 +38,12 @@ void WriteSafetensors(const fs::path& path, const std::vector<std::pair<std::str
         data.append(reinterpret_cast<const char*>(&v), 4);
       }
     }
-    absl::StrAppend(&header, i ? "," : "", "\"", t[i].first, "\":{\"dtype\":\"", bf16 ? "BF16" : "F32",
-                    "\",\"shape\":[", t[i].second.size(), "],\"data_offsets\":[", begin, ",",
-                    data.size(), "]}");
+    const auto shape = shapes.find(t[i].first);
+    absl::StrAppend(
+        &header, i ? "," : "", "\"", t[i].first, "\":{\"dtype\":\"", bf16 ? "BF16" : "F32",
+        "\",\"shape\":",
+        shape != shapes.end() ? shape->second : absl::StrCat("[", t[i].second.size(), "]"),
+        ",\"data_offsets\":[", begin, ",", data.size(), "]}");
   }
   header += "}";
   std::ofstream out(path, std::ios::binary);
@@ -75,7 +82,9 @@ TEST_F(Safetensors, ParametersComeFromTheCheckpointBesideConfigJson) {
                     {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}},
                     {"model.layers.0.linear_attn.conv1d.weight", ConvWeight(kConvValues, 1.f)},
                     {"model.layers.0.mlp.weight", {9, 9, 9}}},
-                   /*bf16_first=*/true);
+                   /*bf16_first=*/true,
+                   {{"model.layers.0.linear_attn.conv1d.weight", "[64,1,4]"},  // as HF has it
+                    {"model.layers.0.linear_attn.A_log", "[1,2]"}});
   WriteSafetensors(dir_ / "model-00002.safetensors",
                    {{"model.layers.2.linear_attn.A_log", {1.5f, 3.0f}},
                     {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}},
@@ -104,7 +113,10 @@ TEST_F(Safetensors, KimiLinearConvolutionsAreConcatenatedInQkvOrder) {
                     {"model.layers.0.self_attn.dt_bias", std::vector<float>(32, 0.25f)},
                     {"model.layers.0.self_attn.q_conv1d.weight", ConvWeight(32 * 3, 1.f)},
                     {"model.layers.0.self_attn.k_conv1d.weight", ConvWeight(32 * 3, 2.f)},
-                    {"model.layers.0.self_attn.v_conv1d.weight", ConvWeight(32 * 3, 3.f)}});
+                    {"model.layers.0.self_attn.v_conv1d.weight", ConvWeight(32 * 3, 3.f)}},
+                   false,  // dt_bias per head and channel, [HV, K]: row-major as the flat form
+                   {{"model.layers.0.self_attn.dt_bias", "[2,16]"},
+                    {"model.layers.0.self_attn.k_conv1d.weight", "[32,1,3]"}});
   auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->conv_width, 3);
@@ -141,6 +153,28 @@ TEST_F(Safetensors, ACheckpointWithoutTheConvolutionIsRefusedByName) {
        {"model.layers.2.linear_attn.conv1d.weight", ConvWeight(kConvValues - 1, 1.f)}});
   m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
   EXPECT_NE(m.status().message().find("model.layers.2.linear_attn.conv1d.weight: expected 256"),
+            std::string::npos)
+      << m.status();
+}
+
+// A convolution weight of the right size in another order ([W, C] for [C, 1, W]) would be read
+// scrambled: refused by its name, with the shape expected. (It used to be read: only the
+// element count was checked.)
+TEST_F(Safetensors, AWeightOfTheRightSizeInAnotherShapeIsRefused) {
+  WriteSafetensors(dir_ / "model.safetensors",
+                   {{"model.layers.0.linear_attn.A_log", {0.5f, -1.0f}},
+                    {"model.layers.0.linear_attn.dt_bias", {0.25f, 2.0f}},
+                    {"model.layers.0.linear_attn.conv1d.weight", ConvWeight(kConvValues, 1.f)},
+                    {"model.layers.2.linear_attn.A_log", {1.5f, 3.0f}},
+                    {"model.layers.2.linear_attn.dt_bias", {-0.5f, 0.125f}},
+                    {"model.layers.2.linear_attn.conv1d.weight", ConvWeight(kConvValues, 1.f)}},
+                   false, {{"model.layers.2.linear_attn.conv1d.weight", "[4,64]"}});
+  auto m = ModelFromHfConfigFile((dir_ / "config.json").string(), -1, 0);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find(
+                "model.layers.2.linear_attn.conv1d.weight: expected shape [64, 1, 4] (or 256 "
+                "elements flat), got [4, 64]"),
             std::string::npos)
       << m.status();
 }
