@@ -262,12 +262,11 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginForward(
   return Open(std::move(f), ids, RowSlotField, /*spares=*/false, /*layer_waits=*/true);
 }
 
-absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
-    std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) {
-  auto* prev = dynamic_cast<ForwardImpl*>(previous.get());
+bool StateCacheImpl::CanContinueForward(Forward& previous, absl::Span<const DecodeRow> rows) {
+  auto* prev = dynamic_cast<ForwardImpl*>(&previous);
   if (prev == nullptr || prev->cache_ != this || !prev->Continuable() ||
       rows.size() != prev->rows_.index.size()) {
-    return nullptr;
+    return false;
   }
   // A chain holds one forward behind the open one: previous's own predecessor must be done
   // (with a one-forward lead it is: previous's first layer waited for the engine's doorbell,
@@ -277,26 +276,35 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
   // regions let go (the caller's leases) under its work still queued.
   if (prev->predecessor_ != nullptr) {
     if (prev->predecessor_incomplete_ || !prev->predecessor_->doorbells_.WorkDone()) {
-      return nullptr;
+      return false;
     }
-    prev->predecessor_.reset();  // confirmed: its work is done
+    prev->predecessor_.reset();  // confirmed: its work is done (already committed: no effect)
   }
-  {
-    absl::MutexLock lock(&mu_);
-    for (size_t r = 0; r < rows.size(); ++r) {
-      const int32_t held = prev->rows_.index[r];
-      if (rows[r].slot == kPaddingSlot || held < 0) {
-        if (rows[r].slot != kPaddingSlot || held >= 0) return nullptr;
-        continue;
-      }
-      absl::StatusOr<int32_t> i = LookupLocked(rows[r].slot, RowSlotField(r));
-      if (!i.ok() || *i != held) return nullptr;
-      if (options_.track_interval > 0 &&
-          (slots_[held].seq_len + 1) % options_.track_interval == 0) {
-        return nullptr;  // AfterAdvance must snapshot it: that needs the state
-      }
+  // The new forward's uploads (its rows' slots and cursors, and a fold's) must not wait for
+  // the pinned buffer: that wait would be for previous's work, so for the engine's doorbells,
+  // on the thread that hands the forward over (a chain never synchronizes its lane, so the
+  // buffer fills after some thousands of forwards; then previous is committed the usual way).
+  if (!prev->lane_->FitsWithoutWait(4, rows.size() * sizeof(int32_t))) return false;
+  absl::MutexLock lock(&mu_);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int32_t held = prev->rows_.index[r];
+    if (rows[r].slot == kPaddingSlot || held < 0) {
+      if (rows[r].slot != kPaddingSlot || held >= 0) return false;
+      continue;
+    }
+    absl::StatusOr<int32_t> i = LookupLocked(rows[r].slot, RowSlotField(r));
+    if (!i.ok() || *i != held) return false;
+    if (options_.track_interval > 0 && (slots_[held].seq_len + 1) % options_.track_interval == 0) {
+      return false;  // AfterAdvance must snapshot it: that needs the state
     }
   }
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
+    std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) {
+  if (previous == nullptr || !CanContinueForward(*previous, rows)) return nullptr;
+  auto* prev = static_cast<ForwardImpl*>(previous.get());
   // The end of previous's work on the lane, for the forward after the new one to confirm.
   if (!prev->doorbells_.MarkEnd(prev->lane_->Launch()).ok()) return nullptr;
   // Committed from here on, as by its Commit but for the wait and the release of the rows.

@@ -483,6 +483,45 @@ TEST_P(ForwardKindsTest, AnUnrungForwardQueuedAtOnceIsReleasedAndChangesNothing)
   for (int l = 0; l < layers; ++l) EXPECT_EQ(Outputs(oa, l, 0, 1), Outputs(ot, l, 0, 1));
 }
 
+// A chain never synchronizes its lane, so the lane's pinned staging buffer fills up; a forward
+// whose uploads would have to wait for the buffer (so for the forward before it, so for the
+// engine's doorbells, on the thread handing the forward over) is not continued: the caller
+// commits previous the usual way, and the chain goes on from there.
+TEST_P(ForwardKindsTest, AChainWhoseStagingIsFullIsCommittedTheUsualWay) {
+  const int32_t backend = cache_->options().backend;
+  const SlotId a = Build({1, 2, 3}, 2);
+  BackendBatch dev(backend, oracle_->MakeBatch({{7, 3}}));
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 7}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  std::unique_ptr<Forward> chain = *std::move(f);
+  int64_t tokens = 3, refused_at = -1;
+  for (int step = 0; step < 100000 && refused_at < 0; ++step) {
+    ASSERT_TRUE(RunLayers(*chain, dev.io).ok());
+    absl::StatusOr<std::unique_ptr<Forward>> next = cache_->ContinueForward(chain, {{a, 7}});
+    ASSERT_TRUE(next.ok()) << next.status();
+    if (*next == nullptr) {
+      refused_at = step;
+      break;
+    }
+    chain = *std::move(next);
+    ++tokens;
+  }
+  ASSERT_GT(refused_at, 0) << "the staging buffer never filled";
+  ASSERT_TRUE(chain->Commit().ok());
+  ++tokens;
+  chain.reset();
+  EXPECT_EQ(cache_->Info(a)->seq_len, tokens);
+  f = cache_->BeginForward({{a, 7}});  // the lane synchronized: a chain continues again
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_TRUE(RunLayers(**f, dev.io).ok());
+  absl::StatusOr<std::unique_ptr<Forward>> next = cache_->ContinueForward(*f, {{a, 7}});
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_NE(*next, nullptr);
+  ASSERT_TRUE(RunLayers(**next, dev.io).ok());
+  EXPECT_TRUE((*next)->Commit().ok());
+  EXPECT_EQ(cache_->Info(a)->seq_len, tokens + 2);
+}
+
 // A chain confirms the forward two back done by the event the cache recorded at its end, not
 // by its last done word: that word is in the engine's memory, and an engine that writes it
 // itself while the forward's work still waits on its doorbells must not have that work

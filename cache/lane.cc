@@ -91,6 +91,10 @@ absl::StatusOr<char*> Lane::Take(size_t want, size_t* got) {
   return p;
 }
 
+bool Lane::FitsWithoutWait(int count, size_t bytes) const {
+  return host_used_ + count * AlignUp(bytes) <= host_bytes_;
+}
+
 absl::Status Lane::Upload(void* dst, const void* src, size_t bytes) {
   size_t done = 0;
   while (done < bytes) {

@@ -74,6 +74,9 @@ class Lane {
   // completes the downloads. On an error the downloads' destinations are undefined.
   absl::Status Synchronize();
   bool idle() const { return !queued_ && downloads_.empty(); }
+  // Whether `count` uploads of `bytes` each fit the pinned buffer now, so that queueing them
+  // waits for nothing queued before (Take waits once the buffer is full).
+  bool FitsWithoutWait(int count, size_t bytes) const;
 
   Scratch scratch;
   ForwardGraphs graphs;  // the decode forwards recorded on this lane's stream

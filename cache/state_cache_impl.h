@@ -211,6 +211,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::StatusOr<std::unique_ptr<Forward>> BeginForward(absl::Span<const DecodeRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
       std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) override;
+  bool CanContinueForward(Forward& previous, absl::Span<const DecodeRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(absl::Span<const PrefillRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefillInPlace(
       SlotId id, absl::Span<const int32_t> tokens) override;

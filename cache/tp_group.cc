@@ -220,6 +220,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   }
   absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
       std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) override;
+  bool CanContinueForward(Forward& previous, absl::Span<const DecodeRow> rows) override;
   absl::StatusOr<std::unique_ptr<Forward>> BeginPrefill(
       absl::Span<const PrefillRow> rows) override {
     const std::vector<std::vector<PrefillRow>> mine = RankRows(rows);
@@ -534,6 +535,17 @@ absl::Status TpForward::Commit() {
   return Each([](Forward& f) { return f.Commit(); });
 }
 
+bool TpGroup::CanContinueForward(Forward& previous, absl::Span<const DecodeRow> rows) {
+  auto* prev = dynamic_cast<TpForward*>(&previous);
+  if (prev == nullptr) return false;
+  const std::vector<std::vector<DecodeRow>> rank_rows = RankRows(rows);
+  for (size_t r = 0; r < shards_.size(); ++r) {
+    Use(r);
+    if (!shards_[r]->CanContinueForward(*prev->shards()[r], rank_rows[r])) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
     std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) {
   auto* prev = dynamic_cast<TpForward*>(previous.get());
@@ -542,25 +554,33 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
   }
   const std::vector<std::vector<DecodeRow>> rank_rows = RankRows(rows);
   absl::ReleasableMutexLock ops(&ops_mu_);
+  // Every rank or none: a rank that cannot continue (its part of the forward before previous
+  // not done on its GPU yet, ranks run at their own pace) leaves every rank's part as it was,
+  // and the caller commits previous the usual way -- waiting, with its deadline, outside any
+  // lock. (Rank 0 used to continue alone and the others' parts were committed here, waiting
+  // on the engine's doorbells under the caller's locks: an engine gone then hung them.)
+  if (!CanContinueForward(*prev, rows)) return std::unique_ptr<Forward>();
   std::vector<std::unique_ptr<Forward>> next;
   for (size_t r = 0; r < shards_.size(); ++r) {
-    const std::vector<DecodeRow>& mine = rank_rows[r];
-    std::unique_ptr<Forward>& p = prev->shards()[r];
     Use(r);
-    absl::StatusOr<std::unique_ptr<Forward>> f = shards_[r]->ContinueForward(p, mine);
-    if (!f.ok()) return RankStatus(r, f.status());
-    if (*f == nullptr) {
-      if (r == 0) return std::unique_ptr<Forward>();  // previous untouched
-      // Rank 0 continued, so this rank must go on too: commit and begin as the caller would.
-      absl::Status st = p->Commit();
-      if (st.ok()) {
-        p.reset();
-        f = shards_[r]->BeginForward(mine);
-        st = f.status();
-      }
-      if (!st.ok()) return RankStatus(r, st);
+    absl::StatusOr<std::unique_ptr<Forward>> f =
+        shards_[r]->ContinueForward(prev->shards()[r], rank_rows[r]);
+    if (f.ok() && *f != nullptr) {
+      next.push_back(*std::move(f));
+      continue;
     }
-    next.push_back(*std::move(f));
+    if (r == 0 && f.ok()) return std::unique_ptr<Forward>();  // nothing consumed
+    // Checked above, so only a device error comes here, after some ranks took their part
+    // over: previous counts as consumed (as a single cache's failed continuation). What is
+    // left of it is abandoned and the continued parts with it: each rings its doorbells
+    // first, so none waits for the engine. The ranks' rows may then disagree; a device error
+    // refuses the device anyway.
+    ops.Release();
+    previous.reset();
+    TpForward(this, std::move(next));  // the continued parts, abandoned on their ranks' devices
+    return RankStatus(r, f.ok() ? absl::InternalError("forward: could not continue after its "
+                                                      "check (a device error)")
+                                : f.status());
   }
   ops.Release();
   previous.reset();  // every rank's part is owned by the new forward now

@@ -352,6 +352,9 @@ class StateCache {
   // The caller then commits previous and begins as usual.
   virtual absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
       std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) = 0;
+  // Whether ContinueForward(previous, rows) would continue, answered without waiting for the
+  // device and changing nothing; a tensor-parallel group asks every rank before any continues.
+  virtual bool CanContinueForward(Forward& previous, absl::Span<const DecodeRow> rows) = 0;
   // A layer-by-layer Prefill of several slots at once: N = the sum of the rows' lengths (at
   // most max_prefill_tokens). Until Commit every layer keeps a copy of each row's checkpoint
   // it overwrites in a spare slot per row, taken from the pool (snapshots are evicted for it;
