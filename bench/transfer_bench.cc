@@ -226,7 +226,7 @@ void ServeReceiver(int fd, cache::StateCache& cache, UcxTransport& ucx, size_t c
       if (!s.ok()) reply = absl::StrCat("E", s.status().ToString());
       else Put(reply, s->slot);
     } else if (m[0] == 'A') {
-      const Decision d = rx.Abort(TakeStr(m, off));
+      const Decision d = *rx.Abort(TakeStr(m, off));  // no peer named: always decided
       Put(reply, d.committed);
       Put(reply, d.slot);
       Put(reply, d.seq_len);

@@ -319,7 +319,11 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
           .settle =
               [ctx](uint64_t owner, cache::SlotId slot) {
                 ctx->slots.handles()->Settle(static_cast<TenantId>(owner), slot);
-              }});
+              },
+          // A commit is decided against the drain under the receiver's lock: one that ends
+          // after the drain began is aborted (its check at the commit's start is not enough:
+          // a commit takes ~1 s for a large state; an outside review lost states that way).
+          .accepting = [ctx] { return ctx->gate->Refuse(kNoIncoming).ok(); }});
   s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, std::move(lanes));
   prometheus::Registry& r = *ctx->metrics->registry();
   s->failures_ = &prometheus::BuildCounter()
@@ -707,7 +711,7 @@ grpc::ServerUnaryReactor* TransferService::ReserveTransfer(grpc::CallbackServerC
   // this one was made: it would shut down under it, the sender left in doubt. Now made, the
   // reservation is visible to the drain's wait; seen draining here, it is given back.
   if (absl::Status d = ctx_->gate->Refuse(kNoIncoming); !d.ok()) {
-    receiver_->Abort(req->transfer_id(), PeerIdentity(*c));
+    receiver_->Abort(req->transfer_id(), PeerIdentity(*c)).IgnoreError();  // its own: decided
     CountFailure(TransferRole::kPeer, d);
     return Reply(c, "ReserveTransfer", d);
   }
@@ -772,7 +776,10 @@ grpc::ServerUnaryReactor* TransferService::AbortTransfer(grpc::CallbackServerCon
                                      Fields(req->nonce()), &req->nonce());
   if (st.ok()) st = ctx_->requests->CheckTransferId(req->transfer_id());
   if (!st.ok()) return Reply(c, "AbortTransfer", st);
-  const transfer::Decision d = receiver_->Abort(req->transfer_id(), PeerIdentity(*c));
+  absl::StatusOr<transfer::Decision> decided =
+      receiver_->Abort(req->transfer_id(), PeerIdentity(*c));
+  if (!decided.ok()) return Reply(c, "AbortTransfer", decided.status());
+  const transfer::Decision& d = *decided;
   resp->set_committed(d.committed);
   if (d.committed) {  // its handle was issued at the commit, to the reservation's tenant
     resp->set_slot(ctx_->ForTenant(static_cast<TenantId>(d.owner)).slots.ToWire(d.slot));

@@ -386,11 +386,20 @@ absl::StatusOr<Decision> Receiver::Commit(const std::string& transfer_id,
                                                        : absl::StatusOr<cache::SlotId>(in->result);
   Pending done;
   Decision decision;  // aborted unless the slot committed
+  cache::SlotId refused = cache::kPaddingSlot;
   {
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(transfer_id);
     done = std::move(it->second);
     pending_.erase(it);
+    // Decided now: a commit that ends after the service began draining is aborted (its slot
+    // given back below), or the server would stop holding the state its sender let go.
+    if (slot.ok() && options_.accepting && !options_.accepting()) {
+      refused = *slot;
+      slot = absl::UnavailableError(absl::StrCat(
+          "transfer_id: ", transfer_id,
+          ": the server began draining while it committed: aborted, the sender keeps its source"));
+    }
     if (slot.ok()) {
       decision = Decision{true, *slot, static_cast<int64_t>(tokens.size()), done.owner};
     }
@@ -400,6 +409,7 @@ absl::StatusOr<Decision> Receiver::Commit(const std::string& transfer_id,
       spare_.push_back(std::move(done.buffer));
     }
   }
+  if (refused != cache::kPaddingSlot) cache_->Free(refused).IgnoreError();  // nobody's handle
   if (!slot.ok()) return slot.status();  // `done` goes: an uncommitted writer frees its slot
   return decision;
 }
@@ -417,13 +427,18 @@ void Receiver::AwaitNoCommitLocked(const std::string& transfer_id) {
       &arg));
 }
 
-Decision Receiver::Abort(const std::string& transfer_id, const std::string& peer) {
+absl::StatusOr<Decision> Receiver::Abort(const std::string& transfer_id, const std::string& peer) {
   absl::MutexLock lock(&mu_);
   AwaitNoCommitLocked(transfer_id);
   if (const Decision* d = DecisionLocked(transfer_id)) return *d;
   std::string holder = peer;
   if (auto it = pending_.find(transfer_id); it != pending_.end()) {
-    if (!peer.empty() && it->second.peer != peer) return Decision{};  // not the asker's
+    if (!peer.empty() && it->second.peer != peer) {  // not the asker's: undecided, left open
+      return absl::NotFoundError(absl::StrCat(
+          "transfer_id: ", transfer_id,
+          " has no open reservation of this peer (undecided: ask again from the address that "
+          "reserved it, or after its lease)"));
+    }
     holder = it->second.peer;
     DropLocked(it);
   }

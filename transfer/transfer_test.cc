@@ -321,9 +321,9 @@ TEST_F(TransferTest, OnePeerHoldsAtMostItsShareOfReservations) {
   EXPECT_EQ(rx.Commit("x1", {1, 2, 3}, 12345, "peer-y").status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(rx.open(), 3) << "x1 stays open for its own peer";
-  rx.Abort("x1");
+  rx.Abort("x1").IgnoreError();
   EXPECT_TRUE(reserve("x4", "peer-x").ok()) << "an abort gives the share back";
-  for (const char* id : {"x2", "x4", "y1"}) rx.Abort(id);
+  for (const char* id : {"x2", "x4", "y1"}) rx.Abort(id).IgnoreError();
 }
 
 TEST_F(TransferTest, EachTransferIsDecidedOnce) {
@@ -344,7 +344,7 @@ TEST_F(TransferTest, EachTransferIsDecidedOnce) {
                            c2 = rx.Commit("t6", e->tokens, sum);
   ASSERT_TRUE(c1.ok() && c2.ok()) << c1.status() << c2.status();
   EXPECT_EQ(c1->slot, c2->slot);
-  const Decision d = rx.Abort("t6");
+  const Decision d = *rx.Abort("t6");
   EXPECT_TRUE(d.committed) << "an abort after the commit learns the commit";
   EXPECT_EQ(d.slot, c1->slot);
   EXPECT_EQ(d.seq_len, 3);
@@ -352,9 +352,9 @@ TEST_F(TransferTest, EachTransferIsDecidedOnce) {
             absl::StatusCode::kAlreadyExists);
   // An abort first: the commit that follows is refused, and so is a late reservation.
   ASSERT_TRUE(ReserveAndPut(rx, "t7", payload, 3, payload.size()).ok());
-  EXPECT_FALSE(rx.Abort("t7").committed);
+  EXPECT_FALSE(rx.Abort("t7")->committed);
   EXPECT_EQ(rx.Commit("t7", e->tokens, sum).status().code(), absl::StatusCode::kAborted);
-  EXPECT_FALSE(rx.Abort("never-seen").committed);
+  EXPECT_FALSE(rx.Abort("never-seen")->committed);
   EXPECT_EQ(
       rx.Reserve("never-seen", f, 3, cache::kChecksumVersion, absl::Seconds(30)).status().code(),
       absl::StatusCode::kAborted);
@@ -412,24 +412,24 @@ TEST_F(TransferTest, ACommitIsRememberedUntilAcknowledgedWhateverOtherIdsCome) {
   absl::StatusOr<Decision> c = rx.Commit("kept", e->tokens, sum);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->owner, 7u) << "the owner travels with the reservation (issue 31 §2)";
-  for (int i = 0; i < 100; ++i) EXPECT_FALSE(rx.Abort(absl::StrCat("junk-", i)).committed);
-  EXPECT_TRUE(rx.Abort("kept").committed) << "100 unknown ids evicted nothing";
-  EXPECT_EQ(rx.Abort("kept").owner, 7u);
+  for (int i = 0; i < 100; ++i) EXPECT_FALSE(rx.Abort(absl::StrCat("junk-", i))->committed);
+  EXPECT_TRUE(rx.Abort("kept")->committed) << "100 unknown ids evicted nothing";
+  EXPECT_EQ(rx.Abort("kept")->owner, 7u);
   EXPECT_EQ(rx.Reserve("next", f, 3, cache::kChecksumVersion, absl::Seconds(30)).status().code(),
             absl::StatusCode::kResourceExhausted)
       << "one unacknowledged commit is this peer's most";
   rx.Acknowledge("kept", "another-peer");
-  EXPECT_TRUE(rx.Abort("kept").committed) << "only the peer that reserved it may acknowledge";
+  EXPECT_TRUE(rx.Abort("kept")->committed) << "only the peer that reserved it may acknowledge";
   rx.Acknowledge("kept", "");
-  EXPECT_FALSE(rx.Abort("kept").committed) << "acknowledged: forgotten";
+  EXPECT_FALSE(rx.Abort("kept")->committed) << "acknowledged: forgotten";
   ASSERT_TRUE(ReserveAndPut(rx, "next", payload, 3, payload.size()).ok());
   ASSERT_TRUE(rx.Commit("next", e->tokens, sum).ok());
   absl::SleepFor(absl::Milliseconds(50));
   rx.ExpireLeases();
-  EXPECT_TRUE(rx.Abort("next").committed) << "within the horizon";
+  EXPECT_TRUE(rx.Abort("next")->committed) << "within the horizon";
   absl::SleepFor(absl::Milliseconds(300));
   rx.ExpireLeases();
-  EXPECT_FALSE(rx.Abort("next").committed) << "past the horizon";
+  EXPECT_FALSE(rx.Abort("next")->committed) << "past the horizon";
   EXPECT_EQ(b_->stats().slots_live, 2) << "forgetting a decision frees nothing";
 }
 
@@ -456,7 +456,7 @@ TEST_F(TransferTest, TheReservedSlotKeepsNoStaleByteAndIsFreedOnAbortExpiryAndMi
               {.lease = absl::Milliseconds(50), .chunk_bytes = 512, .import_threads = 2});
   ASSERT_TRUE(ReserveAndPut(rx, "abort", payload, 3, payload.size()).ok());
   EXPECT_EQ(b_->stats().slots_live, 1) << "reserved: in use, but nobody's";
-  rx.Abort("abort");
+  rx.Abort("abort").IgnoreError();
   EXPECT_EQ(b_->stats().slots_live, 0);
   ASSERT_TRUE(ReserveAndPut(rx, "expire", payload, 3, payload.size()).ok());
   absl::SleepFor(absl::Milliseconds(80));
@@ -505,9 +505,12 @@ TEST_F(TransferTest, ReservationsAreAdmittedAndSettleOnceAndOnlyTheirPeerAbortsT
       rx.Reserve("r1", f, 4, cache::kChecksumVersion, absl::Seconds(30), "p1", 1).status();
   EXPECT_EQ(other.code(), absl::StatusCode::kInvalidArgument) << other;
   EXPECT_NE(other.message().find("seq_len: expected 3"), std::string::npos) << other;
-  EXPECT_FALSE(rx.Abort("r1", "p2").committed);
+  // Another peer's abort leaves it open, and says so: "aborted" would be a decision its
+  // sender acts on (frees its source) while the reservation can still commit.
+  const absl::StatusOr<Decision> foreign = rx.Abort("r1", "p2");
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kNotFound) << foreign.status();
   EXPECT_EQ(rx.open(), 1) << "another peer's abort leaves it";
-  rx.Abort("r1", "p1");
+  rx.Abort("r1", "p1").IgnoreError();
   EXPECT_EQ(rx.open(), 0);
   ASSERT_TRUE(reserve("late", "p1", 3).ok());
   absl::SleepFor(absl::Milliseconds(350));
@@ -522,6 +525,39 @@ TEST_F(TransferTest, ReservationsAreAdmittedAndSettleOnceAndOnlyTheirPeerAbortsT
   const std::vector<std::pair<uint64_t, SlotId>> want = {
       {1, cache::kPaddingSlot}, {3, cache::kPaddingSlot}, {2, c->slot}, {4, cache::kPaddingSlot}};
   EXPECT_EQ(settled, want);
+}
+
+// A commit decided after the service began draining (ReceiverOptions::accepting) is aborted:
+// the slot it made goes, the owner's bound settles empty, and the sender's abort learns that
+// nothing was committed, so it keeps its source. The service checked the drain only as the
+// commit began, and a drain that began during a commit (~1 s for a large state) exited with
+// the state its sender had let go (an outside review).
+TEST_F(TransferTest, ACommitDecidedAfterTheDrainBeganIsAborted) {
+  const SlotId s = Prepare(0);
+  absl::StatusOr<cache::ExportedState> e = a_->Export(s);
+  ASSERT_TRUE(e.ok());
+  const std::vector<uint8_t> payload = testing::Payload(*e);
+  const uint64_t sum = testing::Checksum(payload);
+  std::atomic<bool> draining{false};
+  std::vector<SlotId> settled;
+  ReceiverOptions o;
+  o.admit = [](uint64_t) { return absl::OkStatus(); };
+  o.settle = [&](uint64_t, SlotId slot) { settled.push_back(slot); };
+  o.accepting = [&] { return !draining.load(); };
+  Receiver rx(b_.get(), ucx_b_.get(), o);
+  const int64_t live = b_->stats().slots_live;
+  ASSERT_TRUE(ReserveAndPut(rx, "late", payload, 3, payload.size(), 1).ok());
+  draining = true;  // after the commit's start, before its decision
+  const absl::StatusOr<Decision> c = rx.Commit("late", e->tokens, sum);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
+  EXPECT_NE(c.status().message().find("draining"), std::string::npos) << c.status();
+  EXPECT_EQ(rx.open(), 0) << "decided: the drain's wait ends";
+  EXPECT_EQ(b_->stats().slots_live, live) << "the slot the commit made is gone";
+  EXPECT_EQ(settled, std::vector<SlotId>{cache::kPaddingSlot});
+  const absl::StatusOr<Decision> asked = rx.Abort("late");
+  ASSERT_TRUE(asked.ok()) << asked.status();
+  EXPECT_FALSE(asked->committed) << "the sender keeps its source";
+  EXPECT_EQ(rx.Commit("late", e->tokens, sum).status().code(), absl::StatusCode::kAborted);
 }
 
 // A slot lease that frees a committed slot before its sender acknowledged the commit turns
@@ -541,11 +577,11 @@ TEST_F(TransferTest, AnIdleCommittedSlotFreedBeforeItsAcknowledgementBecomesAnAb
     absl::StatusOr<std::unique_ptr<cache::Forward>> busy = b_->BeginForward({{c->slot, 7}});
     ASSERT_TRUE(busy.ok()) << busy.status();
     EXPECT_EQ(rx.FreeSlot(c->slot).code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_TRUE(rx.Abort("doubt").committed) << "in use: the commit stands";
+    EXPECT_TRUE(rx.Abort("doubt")->committed) << "in use: the commit stands";
   }
   ASSERT_TRUE(rx.FreeSlot(c->slot).ok());
   EXPECT_FALSE(b_->Info(c->slot).ok());
-  EXPECT_FALSE(rx.Abort("doubt").committed) << "the sender keeps its source";
+  EXPECT_FALSE(rx.Abort("doubt")->committed) << "the sender keeps its source";
   EXPECT_EQ(rx.Commit("doubt", e->tokens, sum).status().code(), absl::StatusCode::kAborted);
   ASSERT_TRUE(ReserveAndPut(rx, "acked", payload, 3, payload.size()).ok());
   absl::StatusOr<Decision> d = rx.Commit("acked", e->tokens, sum);
@@ -595,7 +631,7 @@ TEST_F(TransferTest, AnAbortWhileLanesAreInFlightLeavesNothingLive) {
   FaultyLane watched(lanes[2]);
   std::atomic<bool> aborted{false};
   watched.on_write = [&](int k) {
-    if (k >= 2 && !aborted.exchange(true)) rx.Abort("mid-abort");
+    if (k >= 2 && !aborted.exchange(true)) rx.Abort("mid-abort").IgnoreError();
   };
   lanes[2] = &watched;
   Sender sender(a_.get(), lanes);

@@ -79,6 +79,10 @@ struct ReceiverOptions {
   // receiver. Both or neither.
   std::function<absl::Status(uint64_t owner)> admit;
   std::function<void(uint64_t owner, cache::SlotId slot)> settle;
+  // Whether a commit may still be decided "committed" (the service: false once it drains),
+  // asked under the receiver's lock as the decision is made; false: the slot the commit made
+  // is given back and the transfer aborted, so the sender keeps its source. Null: always.
+  std::function<bool()> accepting;
 };
 
 class Receiver {
@@ -108,8 +112,11 @@ class Receiver {
                                   const std::string& peer = "");
   // Aborts an open transfer (waits for a commit in progress); the decision (slot: cache id).
   // A reservation is aborted only by the peer that made it (`peer` as Reserve's; empty: any,
-  // for a caller in this process): another peer's Abort leaves it open and hears "aborted".
-  Decision Abort(const std::string& transfer_id, const std::string& peer = "");
+  // for a caller in this process): another peer's Abort leaves it open and is answered
+  // NOT_FOUND, not "aborted" -- a decision the sender would act on while the reservation
+  // can still commit (a sender whose address changed between its commit and its abort freed
+  // its source and the late commit landed: the state twice; an outside review).
+  absl::StatusOr<Decision> Abort(const std::string& transfer_id, const std::string& peer = "");
   // The sender `peer` learned that transfer_id committed: the decision may go. A commit of
   // another peer, an abort or an unknown id is left alone.
   void Acknowledge(const std::string& transfer_id, const std::string& peer);
