@@ -146,9 +146,9 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
                                                       " (the planned forward open before this "
                                                       "begin was committed)")));
   }
-  planned_ = std::make_unique<PlannedForward>(*std::move(next), **std::move(opening.resolved),
+  SetPlanned(std::make_unique<PlannedForward>(*std::move(next), **std::move(opening.resolved),
                                               ctx_->forward_timeout, worker_.get(),
-                                              PlanWatch::Default(), std::move(planned_));
+                                              PlanWatch::Default(), std::move(planned_)));
   retain_ = false;  // the outputs are in the client's region: the log keeps the rows only
   Opened(opening, begun);
   return absl::OkStatus();
@@ -258,8 +258,8 @@ absl::Status ForwardSession::Open(Opening& opening) {
   if (plan) {
     // The outputs are in the client's region: the request log keeps the rows only.
     if (!worker_) worker_ = std::make_unique<QueueWorker>();  // the stream's, from now on
-    planned_ = std::make_unique<PlannedForward>(*std::move(forward), *std::move(plan),
-                                                ctx_->forward_timeout, worker_.get());
+    SetPlanned(std::make_unique<PlannedForward>(*std::move(forward), *std::move(plan),
+                                                ctx_->forward_timeout, worker_.get()));
     retain_ = false;
     return absl::OkStatus();
   }
@@ -368,7 +368,7 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
   }
   if (!s.ok()) return s;  // the forward stays open until abandoned: nothing committed
   forward_.reset();
-  planned_.reset();
+  SetPlanned(nullptr);
   s = Committed(committed);
   Abandon();
   return s;
@@ -410,8 +410,12 @@ absl::Status ForwardSession::Committed(v1::DecodeCommitted* committed) {
   return absl::OkStatus();
 }
 
+void ForwardSession::CancelWaits() const {
+  if (const uint64_t id = planned_id_.load(); id != 0) PlanWatch::Default().ExpireNow(id);
+}
+
 void ForwardSession::Abandon() {
-  planned_.reset();  // rings its doorbells if they are still awaited, then abandons
+  SetPlanned(nullptr);  // rings its doorbells if they are still awaited, then abandons
   forward_.reset();
   if (open_ && !replay_ && !request_id_.empty()) {
     ctx_->requests->Release(method_, request_id_);

@@ -12,6 +12,7 @@
 #ifndef REPLAYSSM_SERVICE_FORWARD_SESSION_H_
 #define REPLAYSSM_SERVICE_FORWARD_SESSION_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -52,6 +53,11 @@ class ForwardSession {
   // A planned forward is open: the next message (its commit, or a begin that closes it) waits
   // for its layers, on the engine's doorbells (up to --forward-timeout).
   bool PlannedOpen() const { return planned_ != nullptr; }
+  // The client went away (its call was cancelled): a planned forward open is expired now, as
+  // its deadline would (its doorbells rung, abandoned), so that a commit or a begin waiting on
+  // it ends at once instead of at --forward-timeout. Thread-safe, unlike everything else here:
+  // for the stream's OnCancel while its answering thread runs a message.
+  void CancelWaits() const;
   // A forward is open that the client owes a message to, so --stream-idle-timeout applies: one
   // that waits for layer messages, or a planned one past its --forward-timeout (abandoned
   // then, but it holds its rows and region leases until the commit, or the stream ends: a
@@ -125,6 +131,11 @@ class ForwardSession {
   std::unique_ptr<cache::Forward> forward_;
   std::unique_ptr<QueueWorker> worker_;      // queues planned forwards' layers (lazily made)
   std::unique_ptr<PlannedForward> planned_;  // instead of forward_ for a planned forward
+  std::atomic<uint64_t> planned_id_{0};      // planned_'s id, 0: none (CancelWaits)
+  void SetPlanned(std::unique_ptr<PlannedForward> p) {
+    planned_ = std::move(p);
+    planned_id_.store(planned_ ? planned_->id() : 0);
+  }
   ForwardGate::Ticket ticket_;
   std::optional<v1::DecodeResponse> replay_;  // set when replaying an applied request
   v1::DecodeResponse record_;                 // what the request log keeps on commit ...

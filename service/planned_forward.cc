@@ -1,5 +1,6 @@
 #include "service/planned_forward.h"
 
+#include <atomic>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
@@ -204,12 +205,26 @@ void PlanWatch::Add(PlannedForward* forward, absl::Time deadline) {
   // the thread needs waking only when it would otherwise sleep past this one.
   if (deadlines_.empty() || deadline < deadlines_.begin()->first) changed_ = true;
   at_[forward] = deadlines_.emplace(deadline, forward);
+  ids_[forward->id()] = forward;
+}
+
+void PlanWatch::ExpireNow(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto f = ids_.find(id);
+  if (f == ids_.end()) return;
+  PlannedForward* forward = f->second;
+  ids_.erase(f);
+  auto it = at_.find(forward);
+  deadlines_.erase(it->second);
+  at_.erase(it);
+  forward->Expire();  // under mu_, as Run's: Remove(forward) waits for it
 }
 
 void PlanWatch::Remove(PlannedForward* forward) {
   absl::MutexLock lock(&mu_);  // an Expire in progress holds it: we return after it
   auto it = at_.find(forward);
   if (it == at_.end()) return;
+  ids_.erase(forward->id());
   deadlines_.erase(it->second);
   at_.erase(it);
 }
@@ -228,6 +243,7 @@ void PlanWatch::Run() {
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       PlannedForward* f = deadlines_.begin()->second;
       at_.erase(f);
+      ids_.erase(f->id());
       deadlines_.erase(deadlines_.begin());
       f->Expire();  // under mu_: Remove(f) waits for it
     }
@@ -269,10 +285,18 @@ void QueueWorker::Run() {
   }
 }
 
+namespace {
+uint64_t NextId() {
+  static std::atomic<uint64_t> next{0};
+  return ++next;
+}
+}  // namespace
+
 PlannedForward::PlannedForward(std::unique_ptr<cache::Forward> forward, ResolvedPlan plan,
                                absl::Duration timeout, QueueWorker* worker, PlanWatch& watch,
                                std::unique_ptr<PlannedForward> predecessor)
-    : forward_(std::move(forward)),
+    : id_(NextId()),
+      forward_(std::move(forward)),
       plan_(std::move(plan)),
       deadline_(absl::Now() + timeout),
       worker_(worker),

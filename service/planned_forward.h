@@ -92,6 +92,10 @@ class PlanWatch {
   void Add(PlannedForward* forward, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
   // Once it returns, `forward` is not touched any more (an Expire in progress has ended).
   void Remove(PlannedForward* forward) ABSL_LOCKS_EXCLUDED(mu_);
+  // Expires the forward of this id now, as its deadline would (its client went away): a no-op
+  // once it is gone or expired. By id, not pointer: any thread may ask, with an id read
+  // while the forward was alive (a pointer could name another stream's forward by then).
+  void ExpireNow(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   void Run();
@@ -102,6 +106,7 @@ class PlanWatch {
   std::multimap<absl::Time, PlannedForward*> deadlines_ ABSL_GUARDED_BY(mu_);
   std::map<PlannedForward*, std::multimap<absl::Time, PlannedForward*>::iterator> at_
       ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, PlannedForward*> ids_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 
@@ -158,6 +163,7 @@ class PlannedForward {
   absl::StatusOr<std::unique_ptr<cache::Forward>> Continue(cache::StateCache& cache,
                                                            absl::Span<const cache::DecodeRow> rows);
   uint32_t value() const { return plan_.value; }
+  uint64_t id() const { return id_; }  // unique in the process (PlanWatch::ExpireNow)
   // Past --forward-timeout: its doorbells are rung (or being rung) and nothing of it can
   // count any more, so a stream that then goes quiet is ended (ForwardSession::AwaitsMessage).
   bool PastDeadline(absl::Time now) const { return now >= deadline_; }
@@ -169,6 +175,7 @@ class PlannedForward {
   void Release() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Finish();  // stops the watch and the thread (ringing the doorbells if not done)
 
+  const uint64_t id_;
   std::unique_ptr<cache::Forward> forward_;
   const ResolvedPlan plan_;
   const absl::Time deadline_;

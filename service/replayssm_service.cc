@@ -83,6 +83,10 @@ class DecodeStreamReactor final
     if (end.has_value()) return Finish(*end);
     Read();
   }
+  // The client cancelled or went away: a commit or begin waiting on a planned forward's
+  // doorbells ends now (the forward is expired: rung and abandoned), not at --forward-timeout;
+  // its reply's write then fails and ends the stream. Without mu_, which that wait holds.
+  void OnCancel() override { session_.CancelWaits(); }
   void OnDone() override {
     streams_->Remove(this);  // first: the sweep holds no pointer to this after it
     if (counted_) ctx_->streams->Close(call_.tenant());

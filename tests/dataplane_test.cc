@@ -458,6 +458,34 @@ TEST_F(PlannedWaitTest, CommitsWaitingOnDoorbellsDoNotHoldOtherClientsCalls) {
   }
 }
 
+// A client that cancels while its commit waits on doorbells it never rang: the forward is
+// expired at once (rung, abandoned, nothing committed) and its rows go, not at
+// --forward-timeout (an outside review: the slot could be freed only 7.8 s later with an 8 s
+// timeout, and a drain waited as long).
+TEST_F(PlannedWaitTest, ACancelledCommitEndsItsForwardAtOnce) {
+  const uint64_t a = NewSlot();
+  auto stream = client_->OpenStream();
+  auto begun = stream->BeginWith(PlannedDecode({a}, 1));  // no doorbell is ever rung
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  absl::Status committed;
+  std::thread engine([&] { committed = stream->Commit().status(); });
+  absl::SleepFor(absl::Milliseconds(300));  // the commit is read and waits
+  const absl::Time t0 = absl::Now();
+  stream->Cancel();
+  absl::Status freed = client_->Free(a);
+  for (int i = 0; i < 100 && !freed.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+    freed = client_->Free(a);
+  }
+  const absl::Duration took = absl::Now() - t0;
+  engine.join();
+  EXPECT_TRUE(freed.ok()) << freed;
+  EXPECT_LT(took, absl::Seconds(2)) << "the forward waited for --forward-timeout (6 s)";
+  EXPECT_FALSE(committed.ok());
+  EXPECT_EQ(InUse("engine"), 0);
+  EXPECT_EQ(client_->Stats()->open_forwards(), 0);
+}
+
 TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
   const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();
