@@ -222,7 +222,7 @@ std::vector<int64_t> Squeezed(absl::Span<const int64_t> dims) {
 // to dimensions of 1, or a flat vector of as many elements: both are `want` in row-major
 // order. Any other shape of the same count (a [W, C] convolution weight for [C, 1, W]) would
 // be read in the wrong order, and is refused.
-absl::StatusOr<std::vector<float>> Read(const TensorRef& t, std::vector<int64_t> want_dims,
+absl::StatusOr<std::vector<float>> Read(const TensorRef& t, absl::Span<const int64_t> want_dims,
                                         const std::string& what, Opener open) {
   int64_t want = 1;
   for (int64_t d : want_dims) want *= d;
@@ -286,7 +286,8 @@ absl::StatusOr<bool> LoadFrom(const std::vector<std::string>& files, Opener open
   }
   const int64_t hv = m->shape.num_v_heads;
   const bool kda = m->shape.gate == RSSM_GATE_KDA;
-  const int64_t qk = int64_t{m->shape.num_qk_heads} * m->shape.head_k;
+  const int64_t head_k = m->shape.head_k;
+  const int64_t qk = int64_t{m->shape.num_qk_heads} * head_k;
   const int64_t vw = hv * m->shape.head_v;
   const int64_t W = m->conv_width;
   std::vector<cache::LayerParams> layers = m->layers;
@@ -299,9 +300,8 @@ absl::StatusOr<bool> LoadFrom(const std::vector<std::string>& files, Opener open
     }
     absl::StatusOr<std::vector<float>> av = Read(a->second, {hv}, "[HV]", open);
     if (!av.ok()) return av.status();
-    absl::StatusOr<std::vector<float>> dv =
-        Read(d->second, kda ? std::vector<int64_t>{hv, m->shape.head_k} : std::vector<int64_t>{hv},
-             kda ? "[HV, K]" : "[HV]", open);
+    absl::StatusOr<std::vector<float>> dv = kda ? Read(d->second, {hv, head_k}, "[HV, K]", open)
+                                                : Read(d->second, {hv}, "[HV]", open);
     if (!dv.ok()) return dv.status();
     layers[l].a_log = *std::move(av);
     layers[l].dt_bias = *std::move(dv);
