@@ -379,7 +379,12 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
   m.timeout = o.timeout;
   m.chunk_bytes = o.chunk_bytes;
   m.max_concurrent = o.max_concurrent;
-  m.on_moved = [self](const transfer::SendResult& moved) {
+  m.on_moved = [self](const transfer::TransferRequest& request, const transfer::SendResult& moved) {
+    // Here, not in TransferSlot's answer: a move in doubt that the resolver learns was
+    // committed frees its source with no caller waiting, and its handle counted as a live slot
+    // (slots_live, --tenant-max-slots) until a retry came. Forget keys on the slot's
+    // generation, so an index reused since the free keeps its new handle.
+    if (!request.keep_source) self->ctx_->slots.Forget(request.slot);
     self->bytes_->Increment(static_cast<double>(moved.bytes));
     self->seconds_->Observe(moved.seconds);
   };
@@ -579,15 +584,13 @@ grpc::ServerUnaryReactor* TransferService::TransferSlot(grpc::CallbackServerCont
   if (!st.ok()) return Reply(c, "TransferSlot", st);
   grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
   const cache::SlotId slot = caller->slots.FromWire(req->slot());
-  const bool keep = req->keep_source();
   // A peer's PullSlot asks for this push: the puller counts the move as its initiator.
   const TransferRole role =
       c->client_metadata().count(kPullKey) > 0 ? TransferRole::kPeer : TransferRole::kInitiator;
   manager_->Transfer(
-      {MoveId(caller->tenant(), req->request_id()), slot, req->peer_address(), keep},
-      [this, reactor, resp, slot, keep, role](const absl::StatusOr<transfer::SendResult>& r) {
+      {MoveId(caller->tenant(), req->request_id()), slot, req->peer_address(), req->keep_source()},
+      [this, reactor, resp, role](const absl::StatusOr<transfer::SendResult>& r) {
         if (r.ok()) {
-          if (!keep) ctx_->slots.Forget(slot);  // the source slot was freed
           resp->set_remote_slot(r->remote_slot);
           resp->set_seq_len(r->seq_len);
           resp->set_bytes(r->bytes);

@@ -756,6 +756,51 @@ TEST(TenantTransfers, AReservationCountsAgainstItsTenantsSlotBound) {
   EXPECT_TRUE(alice_b->Allocate().ok()) << "the aborted reservation gave it back";
 }
 
+// A move whose commit reply was lost is in doubt; the sender's resolver then asks the peer
+// on its own, learns "committed" and frees the source. Its handle was retired only in the
+// answer to a TransferSlot call, so with nobody retrying it still counted against the
+// tenant's --tenant-max-slots (and in ListSlots) for good: the outside review's LOW.
+TEST(TenantTransfers, AMoveTheResolverSettlesGivesBackItsPlaceUnderTheBound) {
+  TokenFile tokens(Tokens());
+  PeerTokenFile peer;
+  auto a = ServerProcess::Start({tokens.Flag(), peer.Flag(), "--tenant-max-slots=1"});
+  auto b = ServerProcess::Start({tokens.Flag(), peer.Flag()});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto proxy = TransferProxy::Start((*b)->grpc_address());
+  ASSERT_NE(proxy, nullptr);
+  proxy->set_hooks(
+      {.commit =
+           [](v1::CommitTransferRequest&) { return TransferProxy::Action::kForwardLoseReply; },
+       .abort = [](v1::AbortTransferRequest&) { return TransferProxy::Action::kRefuse; }});
+  auto alice_a = As(**a, kAlice), alice_b = As(**b, kAlice);
+  auto slot = alice_a->Allocate();
+  ASSERT_TRUE(slot.ok()) << slot.status();
+  auto r = alice_a->TransferSlot(slot->slot(), proxy->address(), false, "settled-1");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << "in doubt: " << r.status();
+  EXPECT_EQ(alice_a->Allocate().status().code(), absl::StatusCode::kResourceExhausted)
+      << "the source is locked while in doubt, and counts";
+  proxy->set_hooks({});  // the resolver (once a second) now hears B's decision
+  absl::StatusOr<v1::AllocateResponse> next;
+  for (absl::Time end = absl::Now() + absl::Seconds(20); absl::Now() < end;) {
+    next = alice_a->Allocate();
+    if (next.ok()) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(next.ok()) << "the moved slot still counts: " << next.status();
+  auto listed = alice_a->ListSlots();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->slots_size(), 1) << "only the new slot";
+  EXPECT_EQ(listed->slots(0).state().slot(), next->slot());
+  EXPECT_EQ(alice_a->GetSlot(slot->slot()).status().code(), absl::StatusCode::kNotFound);
+  auto on_b = alice_b->ListSlots();
+  ASSERT_TRUE(on_b.ok());
+  EXPECT_EQ(on_b->slots_size(), 1) << "the state lives on B, once";
+  // A late retry still gets the move's answer (the handle is retired, not unknown).
+  auto retry = alice_a->TransferSlot(slot->slot(), proxy->address(), false, "settled-1");
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->remote_slot(), on_b->slots(0).state().slot());
+}
+
 // Issue 31 §3: ReserveTransfer, CommitTransfer and AbortTransfer checked no credential: a
 // tenant's client could create slots in any tenant, and anonymous reservations from the host
 // of a real peer used up that host's share (--transfer-reservations-per-peer) and locked the

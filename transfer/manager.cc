@@ -171,10 +171,12 @@ SendOutcome TransferManager::Run(const std::string& id) {
 
 void TransferManager::Finish(const std::string& id, SendOutcome outcome) {
   std::vector<Done> waiters;
+  TransferRequest request;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(id);
     Entry& e = *it->second;
+    request = e.request;
     waiters = std::move(e.waiters);
     e.waiters.clear();
     e.resolving = false;
@@ -204,7 +206,7 @@ void TransferManager::Finish(const std::string& id, SendOutcome outcome) {
       entries_.erase(it);  // a failed move changed nothing: a retry runs anew
     }
   }
-  if (outcome.result.ok() && options_.on_moved) options_.on_moved(*outcome.result);
+  if (outcome.result.ok() && options_.on_moved) options_.on_moved(request, *outcome.result);
   for (Done& d : waiters) d(outcome.result);
 }
 
