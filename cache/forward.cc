@@ -274,11 +274,12 @@ bool StateCacheImpl::CanContinueForward(Forward& previous, absl::Span<const Deco
   // by the event recorded when previous took it over, not by its last done word: that word is
   // in the engine's memory, and an engine that wrote it itself would have the predecessor's
   // regions let go (the caller's leases) under its work still queued.
-  if (prev->predecessor_ != nullptr) {
-    if (prev->predecessor_incomplete_ || !prev->predecessor_->doorbells_.WorkDone()) {
-      return false;
-    }
-    prev->predecessor_.reset();  // confirmed: its work is done (already committed: no effect)
+  // Only checked here: a check that fails later must leave previous as it was (its
+  // ReleaseWaits counts the predecessor's waits first, and the caller reads the index that
+  // way), so the predecessor is let go by ContinueForward, once every check passed.
+  if (prev->predecessor_ != nullptr &&
+      (prev->predecessor_incomplete_ || !prev->predecessor_->doorbells_.WorkDone())) {
+    return false;
   }
   // The new forward's uploads (its rows' slots and cursors, and a fold's) must not wait for
   // the pinned buffer: that wait would be for previous's work, so for the engine's doorbells,
@@ -305,6 +306,7 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::ContinueForward(
     std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) {
   if (previous == nullptr || !CanContinueForward(*previous, rows)) return nullptr;
   auto* prev = static_cast<ForwardImpl*>(previous.get());
+  prev->predecessor_.reset();  // confirmed done above (already committed: no effect)
   // The end of previous's work on the lane, for the forward after the new one to confirm.
   if (!prev->doorbells_.MarkEnd(prev->lane_->Launch()).ok()) return nullptr;
   // Committed from here on, as by its Commit but for the wait and the release of the rows.

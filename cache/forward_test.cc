@@ -21,6 +21,7 @@ namespace replayssm::cache {
 namespace {
 
 using testing::BackendBatch;
+using testing::BackendWords;
 using testing::Batch;
 using testing::Oracle;
 using testing::Tok;
@@ -56,37 +57,6 @@ absl::Status RunLayers(Forward& f, const std::vector<LayerIo>& io, int layers = 
   }
   return absl::OkStatus();
 }
-
-// `n` doorbell words in backend memory, set and read from the host (the legacy stream, waited
-// for).
-class BackendWords {
- public:
-  BackendWords(int32_t backend, size_t n) : backend_(backend), n_(n) {
-    EXPECT_EQ(rssm_alloc(backend, n * 4, &p_), RSSM_OK);
-    Fill(0);
-  }
-  ~BackendWords() { rssm_free(backend_, p_); }
-  uint32_t* at(size_t i) const { return static_cast<uint32_t*>(p_) + i; }
-  void Fill(uint32_t v, size_t from = 0, size_t to = SIZE_MAX) {
-    std::vector<uint32_t> w = Read();
-    for (size_t i = from; i < std::min(to, n_); ++i) w[i] = v;
-    const rssm_launch l{backend_, nullptr};
-    EXPECT_EQ(rssm_memcpy(&l, p_, w.data(), n_ * 4, RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);
-    EXPECT_EQ(rssm_synchronize(&l), RSSM_OK);
-  }
-  std::vector<uint32_t> Read() const {
-    std::vector<uint32_t> w(n_);
-    const rssm_launch l{backend_, nullptr};
-    EXPECT_EQ(rssm_memcpy(&l, w.data(), p_, n_ * 4, RSSM_COPY_DEVICE_TO_HOST), RSSM_OK);
-    EXPECT_EQ(rssm_synchronize(&l), RSSM_OK);
-    return w;
-  }
-
- private:
-  int32_t backend_;
-  size_t n_;
-  void* p_ = nullptr;
-};
 
 class ForwardKindsTest : public ::testing::TestWithParam<KindParams> {
  protected:
@@ -520,6 +490,44 @@ TEST_P(ForwardKindsTest, AChainWhoseStagingIsFullIsCommittedTheUsualWay) {
   ASSERT_TRUE(RunLayers(**next, dev.io).ok());
   EXPECT_TRUE((*next)->Commit().ok());
   EXPECT_EQ(cache_->Info(a)->seq_len, tokens + 2);
+}
+
+// A continuation refused by a check after the predecessor's (here: other rows) leaves the
+// forward as it was: its ReleaseWaits still counts the predecessor's waits first, so its own
+// layer 0 is wait L. The predecessor used to be let go by the check that confirmed it, before
+// the row checks: the index then dropped to 0 and the service, reading it as the
+// predecessor's layer, answered DATA_LOSS "rows are broken" for a forward it had abandoned.
+TEST_P(ForwardKindsTest, ARefusedContinuationLeavesThePredecessorCounted) {
+  const int32_t backend = cache_->options().backend;
+  const int layers = model().num_layers;
+  const SlotId a = Build({1, 2, 3}, 2), b = Build({4, 5}, 1);
+  BackendBatch dev(backend, oracle_->MakeBatch({{7, 3}}));
+  BackendWords words(backend, 2 * layers);
+  std::vector<LayerDoorbells> bells(layers);
+  for (int l = 0; l < layers; ++l) bells[l] = {words.at(l), words.at(layers + l)};
+  words.Fill(1, 0, layers);  // the first forward's ready doorbells: rung
+  absl::StatusOr<std::unique_ptr<Forward>> first = cache_->BeginForward({{a, 7}});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->RunLayers(dev.io, bells, 1).ok());
+  absl::StatusOr<std::unique_ptr<Forward>> second = cache_->ContinueForward(*first, {{a, 8}});
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_NE(*second, nullptr);
+  absl::Status queued;
+  // The second forward's doorbells (value 2) never ring; CPU: RunLayers blocks on layer 0.
+  std::thread driver([&] { queued = (*second)->RunLayers(dev.io, bells, 2); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ((*second)->ReleaseWaits(), layers) << "its own layer 0, after the first's waits";
+  driver.join();
+  ASSERT_TRUE(queued.ok()) << queued;
+  ASSERT_TRUE((*second)->Synchronize().ok());  // the first's work is done: confirmable
+  EXPECT_FALSE(cache_->CanContinueForward(**second, {{b, 8}}));
+  absl::StatusOr<std::unique_ptr<Forward>> third = cache_->ContinueForward(*second, {{b, 8}});
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(*third, nullptr) << "other rows";
+  EXPECT_EQ((*second)->ReleaseWaits(), layers) << "the first's waits still come first";
+  second->reset();  // abandoned: the first stays committed, the second changes nothing
+  EXPECT_EQ(cache_->Info(a)->seq_len, 4);
+  EXPECT_EQ(cache_->Info(b)->seq_len, 2);
 }
 
 // A chain confirms the forward two back done by the event the cache recorded at its end, not

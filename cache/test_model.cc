@@ -1,12 +1,13 @@
 #include "test_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <limits>
 #include <random>
+#include <string>
 
 #include "../kernels/src/dtype.h"
 #include "reference.h"
@@ -159,6 +160,37 @@ BackendBatch::BackendBatch(int32_t b, const Batch& host) : backend(b) {
     this->io.push_back(io);
   }
   rssm_synchronize(&l);
+}
+
+namespace {
+void CheckedCall(rssm_status s, const char* what) {
+  if (s == RSSM_OK) return;
+  std::fprintf(stderr, "BackendWords: %s: %s\n", what, rssm_last_error());
+  std::abort();
+}
+}  // namespace
+
+BackendWords::BackendWords(int32_t backend, size_t n) : backend_(backend), n_(n) {
+  CheckedCall(rssm_alloc(backend, n * 4, &p_), "alloc");
+  Fill(0);
+}
+
+BackendWords::~BackendWords() { rssm_free(backend_, p_); }
+
+void BackendWords::Fill(uint32_t v, size_t from, size_t to) {
+  std::vector<uint32_t> w = Read();
+  for (size_t i = from; i < std::min(to, n_); ++i) w[i] = v;
+  const rssm_launch l{backend_, nullptr};
+  CheckedCall(rssm_memcpy(&l, p_, w.data(), n_ * 4, RSSM_COPY_HOST_TO_DEVICE), "copy in");
+  CheckedCall(rssm_synchronize(&l), "synchronize");
+}
+
+std::vector<uint32_t> BackendWords::Read() const {
+  std::vector<uint32_t> w(n_);
+  const rssm_launch l{backend_, nullptr};
+  CheckedCall(rssm_memcpy(&l, w.data(), p_, n_ * 4, RSSM_COPY_DEVICE_TO_HOST), "copy out");
+  CheckedCall(rssm_synchronize(&l), "synchronize");
+  return w;
 }
 
 BackendBatch::~BackendBatch() {

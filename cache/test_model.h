@@ -4,6 +4,7 @@
 #ifndef REPLAYSSM_CACHE_TEST_MODEL_H_
 #define REPLAYSSM_CACHE_TEST_MODEL_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -41,6 +42,25 @@ struct BackendBatch {
   int32_t backend;
   std::vector<void*> buffers;  // every allocation, freed by the destructor
   std::vector<LayerIo> io;     // [layers]
+};
+
+// `n` doorbell words in backend memory, zero at first, set and read from the host (the legacy
+// stream, waited for). A failed backend call aborts, naming it.
+class BackendWords {
+ public:
+  BackendWords(int32_t backend, size_t n);
+  ~BackendWords();
+  BackendWords(const BackendWords&) = delete;
+  BackendWords& operator=(const BackendWords&) = delete;
+  uint32_t* at(size_t i) const { return static_cast<uint32_t*>(p_) + i; }
+  // Words [from, to) <- v.
+  void Fill(uint32_t v, size_t from = 0, size_t to = SIZE_MAX);
+  std::vector<uint32_t> Read() const;
+
+ private:
+  int32_t backend_;
+  size_t n_;
+  void* p_ = nullptr;
 };
 
 class Oracle {

@@ -55,11 +55,14 @@ class TpForward final : public Forward {
   // The word means "every rank's work before it is done": the other ranks' streams are
   // waited for on the host, then the last rank's stream writes it.
   absl::Status QueueSignal(uint32_t* addr, uint32_t value) override;
+  // The earliest unrung wait of any rank (each rank counts its predecessor's waits first, so
+  // a predecessor's on any rank comes before every rank's own), not rank 0's: a wait rank 0
+  // had rung would otherwise hide another rank's earlier unrung one.
   int32_t ReleaseWaits() override {
     int32_t first = -1;
     Each([&](Forward& f) {
       const int32_t i = f.ReleaseWaits();
-      if (first < 0) first = i;
+      if (i >= 0 && (first < 0 || i < first)) first = i;
       return absl::OkStatus();
     }).IgnoreError();
     return first;
@@ -553,7 +556,23 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
     return absl::InvalidArgumentError("previous: expected a forward of this cache");
   }
   const std::vector<std::vector<DecodeRow>> rank_rows = RankRows(rows);
-  absl::ReleasableMutexLock ops(&ops_mu_);
+  // ops_mu_ is tried, never waited for: the caller holds its planned forward's lock, which
+  // that forward's deadline needs to ring its doorbells, and a holder of ops_mu_ may wait for
+  // the device (a begin that makes a lane or grows a scratch buffer: freeing device memory
+  // waits for every stream), so for those very doorbells -- a cycle that hung every planned
+  // forward of the server (an outside review). Busy: not continued; the caller commits
+  // previous the usual way, outside its lock.
+  if (!ops_mu_.TryLock()) return std::unique_ptr<Forward>();
+  struct Held {
+    absl::Mutex* mu;
+    ~Held() {
+      if (mu != nullptr) mu->Unlock();
+    }
+    void Release() {
+      mu->Unlock();
+      mu = nullptr;
+    }
+  } ops{&ops_mu_};
   // Every rank or none: a rank that cannot continue (its part of the forward before previous
   // not done on its GPU yet, ranks run at their own pace) leaves every rank's part as it was,
   // and the caller commits previous the usual way -- waiting, with its deadline, outside any

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -15,6 +16,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "replayssm/cache/state_cache.h"
 #include "test_model.h"
 #include "tp_group.h"
@@ -23,6 +26,8 @@
 namespace replayssm::cache {
 namespace {
 
+using testing::BackendBatch;
+using testing::BackendWords;
 using testing::Batch;
 using testing::Oracle;
 using testing::Tok;
@@ -549,6 +554,104 @@ TEST_P(TpGroupTest, RefusedMovesLeaveEveryRankAsItWas) {
 // A group's prefill holds the slot on every rank from its start to its end: a Free or an
 // export meanwhile is refused by rank 0 and touches no rank (before, the ranks prefilled one
 // after another outside the group's lock, and a Free between them freed rank 0's half only).
+// A decode forward over `slot` whose every layer is queued (no doorbells), on `group`.
+std::unique_ptr<Forward> QueuedDecode(StateCache& group, SlotId slot, const BackendBatch& dev,
+                                      int32_t token) {
+  absl::StatusOr<std::unique_ptr<Forward>> f = group.BeginForward({{slot, token}});
+  EXPECT_TRUE(f.ok()) << f.status();
+  if (!f.ok()) return nullptr;
+  for (int32_t l = 0; l < static_cast<int32_t>(dev.io.size()); ++l) {
+    EXPECT_TRUE((*f)->RunLayer(l, dev.io[l]).ok());
+  }
+  return *std::move(f);
+}
+
+// A continuation tries the group's lock and never waits for it: its caller holds the planned
+// forward's lock, which that forward's deadline needs to ring its doorbells, and the lock's
+// holder may be waiting for the device (a begin that frees device memory waits for every
+// stream), so for those doorbells: an outside review's cycle that hung every planned forward.
+// Busy, it is not continued (the caller commits previous the usual way).
+TEST_P(TpGroupTest, AContinuationNeverWaitsForTheGroupsLock) {
+  std::unique_ptr<StateCache> group = MakeCache(m_, 2);
+  ASSERT_NE(group, nullptr);
+  const SlotId s = *group->Allocate();
+  ASSERT_TRUE(Prefill(*group, 2, s, {5, 9}, 0).ok());
+  Batch host = oracle_.MakeBatch({{7, 2}});
+  ToRankMajor(m_, 2, 1, host);
+  BackendBatch dev(group->options().backend, host);
+  std::unique_ptr<Forward> f = QueuedDecode(*group, s, dev, 7);
+  ASSERT_NE(f, nullptr);
+  absl::Mutex& ops = dynamic_cast<TpSlotIoHost&>(*group).ops_mu();
+  absl::Notification held, release;
+  std::thread holder([&] {
+    absl::MutexLock lock(&ops);
+    held.Notify();
+    release.WaitForNotification();
+  });
+  held.WaitForNotification();
+  std::atomic<bool> returned{false};
+  absl::StatusOr<std::unique_ptr<Forward>> next;
+  std::thread caller([&] {
+    next = group->ContinueForward(f, {{s, 8}});
+    returned = true;
+  });
+  for (int i = 0; i < 200 && !returned; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_TRUE(returned) << "waited for the group's lock";
+  release.Notify();
+  holder.join();
+  caller.join();
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*next, nullptr) << "the lock was busy: not continued";
+  ASSERT_NE(f, nullptr) << "previous untouched";
+  next = group->ContinueForward(f, {{s, 8}});  // free now: continued
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_NE(*next, nullptr);
+  for (int32_t l = 0; l < m_.num_layers; ++l) ASSERT_TRUE((*next)->RunLayer(l, dev.io[l]).ok());
+  ASSERT_TRUE((*next)->Commit().ok());
+  EXPECT_EQ(group->Info(s)->seq_len, 4);
+}
+
+// A group's ReleaseWaits names the earliest unrung wait of any rank, not rank 0's: rank 0's
+// engine rang layers 0 and 1, rank 1's layer 0 only. Once every wait was issued (CPU: the
+// queue goes on past the release, layer 2 unrung on both ranks), rank 0's first unrung wait
+// is layer 2 and rank 1's layer 1: the group's is 1 (it was 2, the error naming a layer whose
+// doorbell had rung).
+TEST_P(TpGroupTest, ReleaseWaitsNamesTheEarliestUnrungWaitOfAnyRank) {
+  std::unique_ptr<StateCache> group = MakeCache(m_, 2);
+  ASSERT_NE(group, nullptr);
+  const int32_t backend = group->options().backend;
+  const int layers = m_.num_layers;
+  ASSERT_EQ(layers, 3);
+  const SlotId s = *group->Allocate();
+  ASSERT_TRUE(Prefill(*group, 2, s, {5, 9}, 0).ok());
+  Batch host = oracle_.MakeBatch({{7, 2}});
+  ToRankMajor(m_, 2, 1, host);
+  BackendBatch dev(backend, host);
+  // Each rank's own bells, rank-major: ready[r][l] at r * 2L + l, done[r][l] after it.
+  BackendWords words(backend, 4 * layers);
+  std::vector<LayerDoorbells> bells;
+  for (int r = 0; r < 2; ++r) {
+    for (int l = 0; l < layers; ++l) {
+      bells.push_back({words.at(r * 2 * layers + l), words.at(r * 2 * layers + layers + l)});
+    }
+  }
+  words.Fill(3, 0, 2);                        // rank 0: layers 0 and 1
+  words.Fill(3, 2 * layers, 2 * layers + 1);  // rank 1: layer 0
+  absl::StatusOr<std::unique_ptr<Forward>> f = group->BeginForward({{s, 7}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  absl::Status queued;
+  std::thread driver([&] { queued = (*f)->RunLayers(dev.io, bells, 3); });  // CPU: blocks
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  (*f)->ReleaseWaits();
+  driver.join();
+  ASSERT_TRUE(queued.ok()) << queued;
+  ASSERT_TRUE((*f)->Synchronize().ok());
+  EXPECT_EQ((*f)->ReleaseWaits(), 1) << "rank 1's layer 1";
+  f->reset();  // abandoned: nothing moved
+  EXPECT_EQ(group->Info(s)->seq_len, 2);
+}
+
 TEST_P(TpGroupTest, APrefillHoldsTheSlotOnEveryRank) {
   std::unique_ptr<StateCache> c = MakeCache(m_, 2, nullptr, /*slots=*/4);
   absl::StatusOr<SlotId> s = c->Allocate();

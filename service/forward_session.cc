@@ -123,6 +123,10 @@ absl::Status ForwardSession::TryContinue(Opening& opening, v1::DecodeBegun* begu
   // Everything that can refuse the new begin first: on any refusal the general path commits
   // the open forward, then refuses the same way.
   if (!opening.resolved->ok()) return absl::OkStatus();
+  // A continued forward is a new one: not once the server drains or its device failed (the
+  // general path commits the open forward, then Open's gate refuses the begin). Else an engine
+  // that keeps sending begins would keep a drain waiting its whole --drain-timeout.
+  if (!ctx_->gate->Refuse("no new forwards").ok()) return absl::OkStatus();
   absl::Status s = Claim(opening);
   if (!s.ok() || replay_) {
     replay_.reset();

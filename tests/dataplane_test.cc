@@ -4,6 +4,7 @@
 // messages whose tensors name regions; a doorbell never rung; a client gone mid-forward; a
 // region unregistered while a forward uses it.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -811,6 +812,35 @@ TEST_F(DataPlaneTest, PipelinedBeginsCloseThePlannedForwardBeforeThem) {
   EXPECT_EQ(committed->rows(0).seq_len(), 6);
   for (int i = 0; i < 2; ++i) EXPECT_EQ(Observe(planned[i]), Observe(inl[i]));
   EXPECT_EQ(InUse("engine"), 0);
+}
+
+// A begin that would continue the open planned forward is a new forward: once a drain began
+// it is refused like any other (the open forward committed first), and the server exits at once. It
+// used to continue the chain, skipping the gate: an engine that kept sending begins kept the
+// drain waiting its whole --drain-timeout (an outside review).
+TEST_F(DataPlaneTest, APipelinedBeginAfterTheDrainBeganIsRefused) {
+  const std::vector<uint64_t> s = {NewSlot(), NewSlot()};
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->SendBegin(PlannedDecode(s, 1)).ok());
+  mem_->Drive(Layers(2), 1);
+  ASSERT_TRUE(stream->AwaitBegun().ok());
+  server_->Signal(SIGTERM);
+  for (int i = 0; i < 500; ++i) {
+    auto stats = client_->Stats();
+    if (stats.ok() && stats->draining()) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(stream->SendBegin(PlannedDecode(s, 2)).ok());  // would continue forward 1
+  auto begun = stream->AwaitBegun();
+  EXPECT_EQ(begun.status().code(), absl::StatusCode::kUnavailable) << begun.status();
+  EXPECT_NE(begun.status().message().find("draining"), std::string::npos) << begun.status();
+  EXPECT_NE(begun.status().message().find("open before this begin was committed"),
+            std::string::npos)
+      << begun.status();
+  stream->Finish().IgnoreError();  // nothing is open: the drain ends at once
+  auto exit = server_->WaitExit(absl::Seconds(10));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, 0);
 }
 
 // Issue 31 §8 (docs/data-plane.md, "Continued forwards"): the engine is lost mid-way through

@@ -353,8 +353,8 @@ class StateCache {
   virtual absl::StatusOr<std::unique_ptr<Forward>> ContinueForward(
       std::unique_ptr<Forward>& previous, absl::Span<const DecodeRow> rows) = 0;
   // Whether ContinueForward(previous, rows) would continue, answered without waiting for the
-  // device and leaving previous as it was (a predecessor it confirms done is let go); a
-  // tensor-parallel group asks every rank before any continues.
+  // device and changing nothing (previous keeps its predecessor: its ReleaseWaits still counts
+  // that one's waits first); a tensor-parallel group asks every rank before any continues.
   virtual bool CanContinueForward(Forward& previous, absl::Span<const DecodeRow> rows) = 0;
   // A layer-by-layer Prefill of several slots at once: N = the sum of the rows' lengths (at
   // most max_prefill_tokens). Until Commit every layer keeps a copy of each row's checkpoint
