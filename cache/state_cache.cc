@@ -26,7 +26,18 @@ StateCacheImpl::StateCacheImpl(ModelSpec model, CacheOptions options,
     host_ = std::make_unique<HostTier>(options_.backend, pool_->StateBytes(), host_entries,
                                        options_.host_policy,
                                        options_.max_snapshots_per_namespace);
-    if (options_.host_spill_ahead > 0) spiller_ = std::thread([this] { SpillAhead(); });
+    if (options_.host_spill_ahead > 0) {
+      // The spiller makes lanes (streams) when none is idle, and a new thread starts on device
+      // 0: it takes the device this cache was created on (a TP group's rank on its own GPU),
+      // else its lanes, given back to this cache's pool, would run rank r's forwards on GPU 0
+      // (an outside review). Not knowing it, no spill runs ahead (spills on demand still do).
+      int32_t device = 0;
+      if (rssm_get_device(options_.backend, &device) == RSSM_OK) {
+        spiller_ = std::thread([this, device] {
+          if (rssm_set_device(options_.backend, device) == RSSM_OK) SpillAhead();
+        });
+      }
+    }
   }
 }
 

@@ -116,6 +116,13 @@ absl::Status ResolveRanks(const ServerOptions& o, const Device& device, cache::C
     }
     c.devices.push_back(index);
   }
+  // One device would be a cache of one rank, which takes no device from --devices: it ran on
+  // the GPU --device chose whatever this flag said (while the device check watched this one).
+  if (c.devices.size() == 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--devices: expected 2 or more devices (one per rank of a TP group), got 1 (",
+                     o.devices, "); a one-GPU server takes its GPU from --device (cuda:N)"));
+  }
   if (device.backend != RSSM_BACKEND_CUDA) {
     return absl::InvalidArgumentError(
         absl::StrCat("--devices: expected a CUDA backend (--device auto or cuda), got ", device.name));

@@ -476,6 +476,10 @@ TEST(CommandLine, BadModelOptionsStopTheServerNamingTheFlag) {
       {{"--memory-budget=1K"}, "--memory-budget (per TP rank): expected at least one slot"},
       {{"--memory-budget=1T"},
        "--memory-budget: expected at most the memory this process may use on the CPU backend"},
+      {{"--devices=3"},
+       "--devices: expected 2 or more devices (one per rank of a TP group), got 1 (3); a "
+       "one-GPU server takes its GPU from --device (cuda:N)"},
+      {{"--devices=0,x"}, "--devices: expected device indices like 0,1,2,3, got 0,x"},
   };
   ExpectServerStops(cases);
 }

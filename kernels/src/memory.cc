@@ -321,6 +321,23 @@ rssm_status rssm_set_device(int32_t backend, int32_t device) {
 #endif
 }
 
+rssm_status rssm_get_device(int32_t backend, int32_t* device) {
+  if (const rssm_status st = CheckBackend("rssm_get_device", backend); st != RSSM_OK) return st;
+  if (device == nullptr) return Invalid("rssm_get_device", "device: expected a pointer, got NULL");
+  if (backend == RSSM_BACKEND_CPU) {
+    *device = 0;
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  int current = 0;
+  const rssm_status st = CudaCheck(cudaGetDevice(&current), "rssm_get_device");
+  if (st == RSSM_OK) *device = current;
+  return st;
+#else
+  return NoCuda("rssm_get_device");
+#endif
+}
+
 rssm_status rssm_device_check(int32_t backend, int32_t device) {
   if (const rssm_status st = CheckDevice("rssm_device_check", backend, device); st != RSSM_OK) {
     return st;

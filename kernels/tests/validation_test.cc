@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 
 #include "harness.h"
 
@@ -296,6 +297,23 @@ TEST(Memory, CpuHostMemoryAndStreams) {
   EXPECT_EQ(rssm_stream_destroy(RSSM_BACKEND_CPU, &placeholder), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("stream"), std::string::npos);
   EXPECT_EQ(rssm_stream_create(7, &s), RSSM_ERR_INVALID_ARGUMENT);
+}
+
+// The calling thread's device: 0 on the CPU, on any thread; a null out or an unknown backend
+// is a bad argument, named.
+TEST(Memory, GetDeviceNamesTheCallingThreadsDevice) {
+  int32_t device = -1;
+  EXPECT_EQ(rssm_get_device(RSSM_BACKEND_CPU, &device), RSSM_OK);
+  EXPECT_EQ(device, 0);
+  std::thread([] {
+    int32_t other = -1;
+    EXPECT_EQ(rssm_get_device(RSSM_BACKEND_CPU, &other), RSSM_OK);
+    EXPECT_EQ(other, 0);
+  }).join();
+  EXPECT_EQ(rssm_get_device(RSSM_BACKEND_CPU, nullptr), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(rssm_last_error()),
+            "rssm_get_device: device: expected a pointer, got NULL");
+  EXPECT_EQ(rssm_get_device(9, &device), RSSM_ERR_INVALID_ARGUMENT);
 }
 
 // The CPU device works unless a test injects a failure through REPLAYSSM_CPU_FAULT_FILE (the

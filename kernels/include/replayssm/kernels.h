@@ -379,8 +379,11 @@ rssm_status rssm_event_destroy(int32_t backend, void* event);
  * GPU). rssm_set_device makes `device` (0 .. rssm_device_count - 1) the calling thread's current
  * device: where rssm_alloc and rssm_stream_create allocate from then on. Work on a stream
  * created by rssm_stream_create runs on the stream's device whatever the calling thread's is:
- * every call that takes a launch makes that device current first. CPU: one device, 0. */
+ * every call that takes a launch makes that device current first. rssm_get_device: the calling
+ * thread's current device (a new thread starts on device 0: a thread that allocates or makes
+ * streams for a cache on another device sets it first). CPU: one device, 0. */
 rssm_status rssm_set_device(int32_t backend, int32_t device);
+rssm_status rssm_get_device(int32_t backend, int32_t* device);
 int rssm_device_count(int32_t backend);
 
 /* Whether `device` (0 .. rssm_device_count - 1) still takes work: RSSM_OK, or RSSM_ERR_DEVICE
