@@ -717,6 +717,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                        " TP rank(s), got ", bytes >> 20, " MiB per rank"));
     }
   }
+  // On the CPU backend both are host memory: bounded together (each alone passed at 3/4 of
+  // the machine, and with --host-pin-at-start both were taken at start: killed without a word).
+  if (const int64_t pool = device->backend == RSSM_BACKEND_CPU ? options.memory_budget_bytes : 0;
+      usable > 0 && pool > 0 && options.host_snapshot_bytes > 0 &&
+      pool + options.host_snapshot_bytes > usable / ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--host-snapshot-bytes + --memory-budget: expected at most the memory this process may "
+        "use on the CPU backend (",
+        usable >> 20, " MiB: the container's limit or MemTotal) over ", ranks, " TP rank(s), got ",
+        options.host_snapshot_bytes >> 20, " + ", pool >> 20, " MiB per rank"));
+  }
   cache_options.host_spill_ahead = options.host_spill_ahead;
   cache_options.host_pin_at_start = options.host_pin_at_start;
   if (options.host_snapshot_policy != "lru" && options.host_snapshot_policy != "value") {

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -482,6 +484,25 @@ TEST(CommandLine, BadModelOptionsStopTheServerNamingTheFlag) {
       {{"--devices=0,x"}, "--devices: expected device indices like 0,1,2,3, got 0,x"},
   };
   ExpectServerStops(cases);
+}
+
+// On the CPU backend the pool (--memory-budget) and the host tier are both host memory: their
+// sum is bounded, not each alone (an outside review: two flags at 3/4 of the machine each
+// passed, and with --host-pin-at-start the process was killed without a word).
+TEST(CommandLine, HostMemoryFlagsAreBoundedTogetherOnTheCpu) {
+  const Outcome probe =
+      RunBinary(REPLAYSSM_SERVER_BINARY, {"--device=cpu", "--grpc-address=127.0.0.1:0",
+                                          "--metrics-address=", "--host-snapshot-bytes=1T"});
+  const size_t at = probe.output.find(" MiB: the container's limit or MemTotal");
+  ASSERT_NE(at, std::string::npos) << probe.output;
+  const size_t open = probe.output.rfind('(', at);
+  int64_t usable_mib = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(probe.output.substr(open + 1, at - open - 1), &usable_mib))
+      << probe.output;
+  const std::string each = absl::StrCat(usable_mib * 3 / 5, "M");
+  ExpectServerStops({{{"--memory-budget=" + each, "--host-snapshot-bytes=" + each},
+                      "--host-snapshot-bytes + --memory-budget: expected at most the memory "
+                      "this process may use on the CPU backend"}});
 }
 
 // A ring length of 1 is out of the flag's range, so it stops the server as a bound does
