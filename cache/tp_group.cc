@@ -690,8 +690,11 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
   mine.checksum = false;  // the group hashes the unsharded payload as it assembles it
   // Staged: enough chunks in flight per rank for the group's copier threads to share.
   mine.staging_buffers = std::max(options.staging_buffers, 8);
-  std::vector<std::unique_ptr<SlotReader>> readers(shards_.size());
   absl::MutexLock ops(&ops_mu_);
+  // After the lock: on a refusal the ranks that opened are released (their MOVING ended)
+  // before it is let go, so no Free comes between and frees the other ranks alone (an outside
+  // review: a rank's slot left live with no handle, the group's capacity one short for good).
+  std::vector<std::unique_ptr<SlotReader>> readers(shards_.size());
   const std::vector<SlotId> ids = Members(id);
   // The ranks fold and open together; if one refuses, the opened ones are released (a fold
   // keeps the logical state) and the first refusal by rank is returned.
@@ -702,7 +705,13 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
     return absl::OkStatus();
   });
   for (size_t r = 0; r < st.size(); ++r) {
-    if (!st[r].ok()) return RankStatus(r, st[r]);
+    if (!st[r].ok()) {
+      for (size_t k = 0; k < readers.size(); ++k) {
+        Use(k);
+        readers[k].reset();
+      }
+      return RankStatus(r, st[r]);
+    }
   }
   return NewTpReader(this, id, std::move(readers), &map_, options.chunk_bytes);
 }

@@ -290,6 +290,7 @@ class TpWriter final : public SlotWriter {
   SlotIoPath path() const override { return SlotIoPath::kHostDirect; }
 
   absl::Status Write(size_t offset, const void* src, size_t size, bool backend_memory) override {
+    if (ended_.load()) return absl::FailedPreconditionError("slot writer: already committed");
     if (offset > bytes_ || size > bytes_ - offset) {
       return absl::InvalidArgumentError(absl::StrCat("offset: expected a range inside the ",
                                                      bytes_, "-byte payload, got [", offset, ", ",
@@ -319,17 +320,28 @@ class TpWriter final : public SlotWriter {
     return st;
   }
 
+  // Final, as a rank's: the first Commit ends the writer; a failed one frees every rank's
+  // reserved slot at once (it used to leave them reserved, and a second Commit could still
+  // make the slot live: an outside review).
   absl::StatusOr<SlotId> Commit(absl::Span<const int32_t> tokens, uint64_t checksum) override {
+    if (ended_.exchange(true))
+      return absl::FailedPreconditionError("slot writer: already committed");
+    absl::Status refused;
     if (written_.load() != bytes_) {
-      return absl::DataLossError(
+      refused = absl::DataLossError(
           absl::StrCat("payload: expected ", bytes_, " bytes written, got ", written_.load()));
-    }
-    const uint64_t got = sum_.Digest();
-    if (got != checksum) {
-      return absl::DataLossError(absl::StrCat("checksum: expected 0x", absl::Hex(checksum),
-                                              " (the sender's), got 0x", absl::Hex(got)));
+    } else if (const uint64_t got = sum_.Digest(); got != checksum) {
+      refused = absl::DataLossError(absl::StrCat("checksum: expected 0x", absl::Hex(checksum),
+                                                 " (the sender's), got 0x", absl::Hex(got)));
     }
     absl::MutexLock ops(&host_->ops_mu());
+    if (!refused.ok()) {
+      for (size_t r = 0; r < ranks_.size(); ++r) {
+        host_->Use(r);
+        ranks_[r].reset();
+      }
+      return refused;
+    }
     // The ranks drain their copies and commit together; if one fails, the others' slots are
     // freed (an uncommitted rank's writer frees its own).
     std::vector<SlotId> ids(ranks_.size(), 0);
@@ -383,6 +395,7 @@ class TpWriter final : public SlotWriter {
 
   TpSlotIoHost* const host_;
   std::vector<std::unique_ptr<ShardSlotWriter>> ranks_;
+  std::atomic<bool> ended_{false};  // the first Commit ends the writer
   const TpLayerMap& map_;
   const size_t bytes_;
   SegmentedChecksum sum_;  // of the unsharded payload (the sender's checksum): rank writers add

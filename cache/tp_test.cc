@@ -422,14 +422,22 @@ TEST(TpSlotIo, AGroupMovesTheUnshardedPayloadWithItsChecksum) {
 // A corrupted payload is refused at the commit and nothing becomes live.
 TEST_P(TpGroupTest, AMoveWithABadChecksumLeavesNothing) {
   std::unique_ptr<StateCache> dst = MakeCache(m_, 2);
-  const int64_t live = dst->stats().slots_live;
+  const int64_t live = dst->stats().slots_live, free = dst->stats().slots_free;
   absl::StatusOr<std::unique_ptr<SlotWriter>> w = dst->OpenImport(1, SlotIoOptions{});
   ASSERT_TRUE(w.ok());
+  ASSERT_LT(dst->stats().slots_free, free) << "the import reserved its slots";
   std::vector<uint8_t> bytes((*w)->bytes(), 0);
   ASSERT_TRUE((*w)->Write(0, bytes.data(), bytes.size()).ok());
   const int32_t tokens[] = {1};
-  EXPECT_EQ((*w)->Commit(tokens, PayloadChecksum(bytes.data(), bytes.size()) ^ 1).status().code(),
-            absl::StatusCode::kDataLoss);
+  const uint64_t sum = PayloadChecksum(bytes.data(), bytes.size());
+  EXPECT_EQ((*w)->Commit(tokens, sum ^ 1).status().code(), absl::StatusCode::kDataLoss);
+  // The failed commit ends the writer, as a rank's does: its reserved slots are back at once,
+  // and neither a write nor a second commit with the right checksum makes anything live.
+  EXPECT_EQ(dst->stats().slots_free, free);
+  EXPECT_EQ((*w)->Write(0, bytes.data(), bytes.size()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  const absl::StatusOr<SlotId> again = (*w)->Commit(tokens, sum);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
   w->reset();
   EXPECT_EQ(dst->stats().slots_live, live);
   // A commit's fields are the group's: rank 0 answers first and names no rank (it said "tp rank
