@@ -293,14 +293,14 @@ absl::StatusOr<DemoReport> Demo::Run() {
   all.insert(all.end(), followup.begin(), followup.end());
   absl::StatusOr<v1::AllocateResponse> a = client_->AllocateFromPrefix(all);
   if (!a.ok()) return a.status();
+  first.slot = a->slot();  // held from here, whatever it matched: FreeSlots frees it
+  first.holder = client_;
   report_.prefix_matched = a->matched();
   report_.prefix_expected = static_cast<int64_t>(first.tokens.size());
   if (a->matched() != report_.prefix_expected) {
     return absl::DataLossError(absl::StrCat("turn 2: prefix hit of ", a->matched(),
                                             " tokens, expected ", report_.prefix_expected));
   }
-  first.slot = a->slot();
-  first.holder = client_;
   s = Prefill({&first}, {followup});
   if (s.ok()) s = DecodeSteps({&first}, options_.turn2_steps);
   if (s.ok()) s = CheckState(first);

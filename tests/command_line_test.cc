@@ -206,7 +206,15 @@ TEST(CommandLine, AFailedBenchOrDemoFreesEverySlotItTook) {
   EXPECT_TRUE(absl::StrContains(split.output, "the decode server serves 2 tensor-parallel ranks"))
       << split.output;
   EXPECT_FALSE(absl::StrContains(split.output, "moved")) << split.output;
-  for (ServerProcess* s : {small->get(), tp->get(), one->get()}) {
+  // A second turn whose prefix hit falls short (one snapshot kept: the later requests' evict
+  // the first's) fails the demo; the slot that hit took was left live (an outside review).
+  auto few = ServerProcess::Start({"--tenant-max-snapshots=1"});
+  ASSERT_TRUE(few.ok()) << few.status();
+  const Outcome short_hit =
+      RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + (*few)->grpc_address(), "demo"});
+  EXPECT_EQ(short_hit.exit_code, 1) << short_hit.output;
+  EXPECT_TRUE(absl::StrContains(short_hit.output, "turn 2: prefix hit of")) << short_hit.output;
+  for (ServerProcess* s : {small->get(), tp->get(), one->get(), few->get()}) {
     const Outcome stats =
         RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + s->grpc_address(), "stats"});
     EXPECT_EQ(stats.exit_code, 0) << stats.output;

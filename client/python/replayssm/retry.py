@@ -64,7 +64,10 @@ def with_retries(attempt, retries, backoff, before_retry=None, aborted_wait=0.0)
                     aborted_until = now + aborted_wait
                 if now >= aborted_until:
                     raise
-                pause = min(backoff * (2 ** aborts), ABORTED_MAX_BACKOFF, aborted_until - now)
+                # The exponent stops growing once past the cap: 2 ** 1024 as a float overflows
+                # (after ~17 min of waiting at the cap, an OverflowError lost the request id).
+                pause = min(backoff * (2 ** min(aborts, 32)), ABORTED_MAX_BACKOFF,
+                            aborted_until - now)
                 aborts += 1
             else:
                 if failures == retries:

@@ -541,5 +541,34 @@ class ErrorTypesTest(unittest.TestCase):
         self.assertEqual(pb.DTYPE_BF16, replayssm.BF16)
 
 
+class RetryPolicyTest(unittest.TestCase):
+    def test_a_long_aborted_wait_ends_in_aborted_not_an_overflow(self):
+        """An attempt in flight for longer than ~17 min at the 1 s cap: the backoff's exponent
+        reached 1024 and the float overflowed (OverflowError, the request id lost)."""
+        from replayssm import errors, retry
+
+        clock = [0.0]
+        real_sleep, real_monotonic = retry.time.sleep, retry.time.monotonic
+
+        def sleep(seconds):
+            clock[0] += seconds
+
+        retry.time.sleep, retry.time.monotonic = sleep, lambda: clock[0]
+        self.addCleanup(setattr, retry.time, "sleep", real_sleep)
+        self.addCleanup(setattr, retry.time, "monotonic", real_monotonic)
+        calls = [0]
+
+        def attempt():
+            calls[0] += 1
+            raise errors.Aborted("request_id: the same request is still in flight",
+                                 request_id="r-1")
+
+        with self.assertRaises(errors.Aborted) as caught:
+            retry.with_retries(attempt, retries=3, backoff=0.05, aborted_wait=3600.0)
+        self.assertEqual(caught.exception.request_id, "r-1")
+        self.assertGreater(calls[0], 1100)
+        self.assertGreaterEqual(clock[0], 3600.0)
+
+
 if __name__ == "__main__":
     unittest.main()
