@@ -115,11 +115,17 @@ class Client:
     server) keeps retrying, backing off from `retry_backoff` to 1 s (None: `timeout`, the time
     the attempt in flight may take; 60 s without one). retries=0 turns every retry off
     (replayssm.retry).
+    keepalive: seconds without traffic after which the channel pings the server (None: never);
+    a ping unanswered for 10 s ends every call on the channel with Unavailable. Without it a
+    server gone without closing the connection (power, a partition) left watch_cache and
+    streams waiting for ever. The server accepts pings every 10 s at most; a `channel` passed
+    in keeps its own settings.
     """
 
     def __init__(self, address=None, *, channel=None, timeout=60.0, retries=2,
                  retry_backoff=0.05, aborted_wait=None, max_message_bytes=256 << 20,
-                 tls_ca=None, tls_cert=None, tls_key=None, token=None, token_file=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, token=None, token_file=None,
+                 keepalive=30.0):
         """tls_ca (PEM file of the server's CA; None with TLS on: the system roots),
         tls_cert + tls_key (this client's certificate, for a server that requires one): any
         of them turns TLS on (docs/operations.md, "Security and resource bounds").
@@ -143,6 +149,12 @@ class Client:
                 raise ValueError("Client: give an address or a channel")
             options = [("grpc.max_send_message_length", max_message_bytes),
                        ("grpc.max_receive_message_length", max_message_bytes)]
+            if keepalive is not None:
+                if not keepalive >= 10:
+                    raise ValueError(f"Client: keepalive: expected None or at least 10 seconds "
+                                     f"(the server's least ping interval), got {keepalive!r}")
+                options += [("grpc.keepalive_time_ms", int(keepalive * 1000)),
+                            ("grpc.keepalive_timeout_ms", 10000)]
             if tls_ca or tls_cert or tls_key:
                 if bool(tls_cert) != bool(tls_key):
                     raise ValueError("Client: tls_cert and tls_key go together")

@@ -4,8 +4,10 @@ gets exactly the batches it missed, and a restarted server's old states are forg
 resync). Also the ZMQ publisher's vLLM wire format as a Python consumer decodes it."""
 
 import os
+import select
 import socket
 import sys
+import threading
 import time
 import unittest
 
@@ -104,6 +106,88 @@ class RouterTest(unittest.TestCase):
         self.assertGreaterEqual(self.router.subscriptions[1].resyncs, 2)
         self.donate(1, prompt[:33])
         self.placed(prompt, want=1, matched=33)
+
+
+class FrozenRelay:
+    """A TCP relay to `target` (host:port) that forwards both ways until freeze(): from then on
+    it forwards nothing and closes nothing, as a server host that lost its power or its
+    network would look (no FIN, no RST)."""
+
+    def __init__(self, target):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(4)
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.frozen = threading.Event()
+        self.stopped = threading.Event()
+        self.sockets = [self.listener]
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        peers = {}
+        while not self.stopped.is_set():
+            readable, _, _ = select.select(list(peers) + [self.listener], [], [], 0.1)
+            for s in readable:
+                if s is self.listener:
+                    client, _ = s.accept()
+                    server = socket.create_connection(self.target)
+                    peers[client], peers[server] = server, client
+                    self.sockets += [client, server]
+                elif not self.frozen.is_set():
+                    data = s.recv(65536)
+                    if data:
+                        peers[s].sendall(data)
+            if self.frozen.is_set():
+                time.sleep(0.1)  # nothing moves; the sockets stay open
+
+    def freeze(self):
+        self.frozen.set()
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join()
+        for s in self.sockets:
+            s.close()
+
+
+class KeepaliveTest(unittest.TestCase):
+    def test_a_watch_on_a_server_that_went_silent_ends_unavailable(self):
+        """The channel pings after `keepalive` seconds without traffic: a server that stopped
+        answering without closing the connection ends the watch with Unavailable (it used to
+        wait for ever: the Python channel sent no pings)."""
+        server = ServerProcess(*FLAGS)
+        self.addCleanup(server.stop)
+        relay = FrozenRelay(server.grpc_address)
+        self.addCleanup(relay.close)
+        with replayssm.Client(relay.address, keepalive=10) as client:
+            watch = client.watch_cache()
+            self.assertTrue(next(watch).resync)
+            relay.freeze()
+            outcome = []
+
+            def read():
+                try:
+                    next(watch)
+                    outcome.append("a batch")
+                except replayssm.ReplaySSMError as e:
+                    outcome.append(e)
+
+            reader = threading.Thread(target=read, daemon=True)
+            started = time.monotonic()
+            reader.start()
+            reader.join(60)
+            self.assertFalse(reader.is_alive(), "the watch still waits after 60 s")
+            self.assertIsInstance(outcome[0], replayssm.Unavailable, outcome)
+            self.assertLess(time.monotonic() - started, 45)
+            watch.cancel()
+
+    def test_a_keepalive_below_the_servers_least_interval_is_refused(self):
+        with self.assertRaises(ValueError) as caught:
+            replayssm.Client("127.0.0.1:1", keepalive=1)
+        self.assertIn("keepalive: expected None or at least 10 seconds", str(caught.exception))
 
 
 class ZmqWireFormatTest(unittest.TestCase):
