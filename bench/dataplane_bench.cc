@@ -95,6 +95,14 @@ Options Parse(int argc, char** argv) {
   flags.IntList("devices", 0, 63, &o.devices);
   const int code = flags.ParseOrExitCode(argc, argv);
   if (code >= 0) std::exit(code);
+  if (o.devices.size() == 1) {
+    std::fprintf(
+        stderr,
+        "replayssm-bench-dataplane: --devices: expected 2 or more devices (one per rank "
+        "of a TP group), got 1 (the server refuses one too); a one-GPU run takes the first "
+        "GPU that CUDA_VISIBLE_DEVICES shows\n");
+    std::exit(2);
+  }
   if (!o.devices.empty() && static_cast<int32_t>(o.devices.size()) != o.tp_size) {
     std::fprintf(stderr,
                  "replayssm-bench-dataplane: --devices: expected %d devices (one per rank "

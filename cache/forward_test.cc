@@ -516,10 +516,11 @@ TEST_P(ForwardKindsTest, ARefusedContinuationLeavesThePredecessorCounted) {
   // The second forward's doorbells (value 2) never ring; CPU: RunLayers blocks on layer 0.
   std::thread driver([&] { queued = (*second)->RunLayers(dev.io, bells, 2); });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_EQ((*second)->ReleaseWaits(), layers) << "its own layer 0, after the first's waits";
+  (*second)->ReleaseWaits();  // what it names depends on how far the driver got; asked below
   driver.join();
   ASSERT_TRUE(queued.ok()) << queued;
   ASSERT_TRUE((*second)->Synchronize().ok());  // the first's work is done: confirmable
+  EXPECT_EQ((*second)->ReleaseWaits(), layers) << "its own layer 0, after the first's waits";
   EXPECT_FALSE(cache_->CanContinueForward(**second, {{b, 8}}));
   absl::StatusOr<std::unique_ptr<Forward>> third = cache_->ContinueForward(*second, {{b, 8}});
   ASSERT_TRUE(third.ok()) << third.status();

@@ -70,6 +70,8 @@ class TpForward final : public Forward {
   absl::Status Commit() override;
 
   std::vector<std::unique_ptr<Forward>>& shards() { return shards_; }
+  // Abandons what is left of every rank's part, each on its device; the caller holds ops_mu.
+  void DropLocked();
 
  private:
   // Runs `op` on every rank's forward in order, each on its rank's device; the first error.
@@ -440,7 +442,16 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
 // ---- forwards ----
 
 TpForward::~TpForward() {
+  // Parts taken over by a continuation leave nothing to abandon: no lock then (a continuation
+  // must never wait for it: TpGroup::ContinueForward).
+  if (std::all_of(shards_.begin(), shards_.end(), [](const auto& f) { return f == nullptr; })) {
+    return;
+  }
   absl::MutexLock ops(&group_->ops_mu());  // abandonment returns spares: in order
+  DropLocked();
+}
+
+void TpForward::DropLocked() {
   for (size_t r = 0; r < shards_.size(); ++r) {
     group_->Use(r);
     shards_[r].reset();
@@ -594,9 +605,10 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
     // left of it is abandoned and the continued parts with it: each rings its doorbells
     // first, so none waits for the engine. The ranks' rows may then disagree; a device error
     // refuses the device anyway.
+    prev->DropLocked();  // under the lock it holds, which is never waited for here
+    TpForward(this, std::move(next)).DropLocked();  // the continued parts, on their devices
     ops.Release();
-    previous.reset();
-    TpForward(this, std::move(next));  // the continued parts, abandoned on their ranks' devices
+    previous.reset();  // nothing left in it: takes no lock
     return RankStatus(r, f.ok() ? absl::InternalError("forward: could not continue after its "
                                                       "check (a device error)")
                                 : f.status());

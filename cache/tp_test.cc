@@ -559,9 +559,6 @@ TEST_P(TpGroupTest, RefusedMovesLeaveEveryRankAsItWas) {
   }
 }
 
-// A group's prefill holds the slot on every rank from its start to its end: a Free or an
-// export meanwhile is refused by rank 0 and touches no rank (before, the ranks prefilled one
-// after another outside the group's lock, and a Free between them freed rank 0's half only).
 // A decode forward over `slot` whose every layer is queued (no doorbells), on `group`.
 std::unique_ptr<Forward> QueuedDecode(StateCache& group, SlotId slot, const BackendBatch& dev,
                                       int32_t token) {
@@ -660,6 +657,9 @@ TEST_P(TpGroupTest, ReleaseWaitsNamesTheEarliestUnrungWaitOfAnyRank) {
   EXPECT_EQ(group->Info(s)->seq_len, 2);
 }
 
+// A group's prefill holds the slot on every rank from its start to its end: a Free or an
+// export meanwhile is refused by rank 0 and touches no rank (before, the ranks prefilled one
+// after another outside the group's lock, and a Free between them freed rank 0's half only).
 TEST_P(TpGroupTest, APrefillHoldsTheSlotOnEveryRank) {
   std::unique_ptr<StateCache> c = MakeCache(m_, 2, nullptr, /*slots=*/4);
   absl::StatusOr<SlotId> s = c->Allocate();

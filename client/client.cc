@@ -304,6 +304,9 @@ std::unique_ptr<Client> Client::Connect(const std::string& address, int64_t max_
   // pings every 10 s.
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30'000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10'000);
+  // On, also while the client sends nothing (a watch only receives): gRPC stops pinging after
+  // two pings without data of its own unless told otherwise.
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
   return std::make_unique<Client>(grpc::CreateCustomChannel(address, credentials, args));
 }

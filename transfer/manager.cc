@@ -170,13 +170,21 @@ SendOutcome TransferManager::Run(const std::string& id) {
 }
 
 void TransferManager::Finish(const std::string& id, SendOutcome outcome) {
+  if (outcome.result.ok() && options_.on_moved) {
+    // Before the entry says succeeded: a retry answered from it finds the move's effects
+    // (the source's handle retired) in place.
+    TransferRequest request;
+    {
+      absl::MutexLock lock(&mu_);
+      request = entries_.at(id)->request;
+    }
+    options_.on_moved(request, *outcome.result);
+  }
   std::vector<Done> waiters;
-  TransferRequest request;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(id);
     Entry& e = *it->second;
-    request = e.request;
     waiters = std::move(e.waiters);
     e.waiters.clear();
     e.resolving = false;
@@ -206,7 +214,6 @@ void TransferManager::Finish(const std::string& id, SendOutcome outcome) {
       entries_.erase(it);  // a failed move changed nothing: a retry runs anew
     }
   }
-  if (outcome.result.ok() && options_.on_moved) options_.on_moved(request, *outcome.result);
   for (Done& d : waiters) d(outcome.result);
 }
 

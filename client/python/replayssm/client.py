@@ -153,8 +153,11 @@ class Client:
                 if not keepalive >= 10:
                     raise ValueError(f"Client: keepalive: expected None or at least 10 seconds "
                                      f"(the server's least ping interval), got {keepalive!r}")
+                # Pings go on while the client sends nothing (a watch only receives): gRPC
+                # stops after two pings without data of its own unless told otherwise.
                 options += [("grpc.keepalive_time_ms", int(keepalive * 1000)),
-                            ("grpc.keepalive_timeout_ms", 10000)]
+                            ("grpc.keepalive_timeout_ms", 10000),
+                            ("grpc.http2.max_pings_without_data", 0)]
             if tls_ca or tls_cert or tls_key:
                 if bool(tls_cert) != bool(tls_key):
                     raise ValueError("Client: tls_cert and tls_key go together")

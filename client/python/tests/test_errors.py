@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 import unittest
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -548,14 +549,19 @@ class RetryPolicyTest(unittest.TestCase):
         from replayssm import errors, retry
 
         clock = [0.0]
-        real_sleep, real_monotonic = retry.time.sleep, retry.time.monotonic
 
-        def sleep(seconds):
-            clock[0] += seconds
+        class FakeTime:  # retry's clock only: the process's time module stays as it is
+            @staticmethod
+            def sleep(seconds):
+                clock[0] += seconds
 
-        retry.time.sleep, retry.time.monotonic = sleep, lambda: clock[0]
-        self.addCleanup(setattr, retry.time, "sleep", real_sleep)
-        self.addCleanup(setattr, retry.time, "monotonic", real_monotonic)
+            @staticmethod
+            def monotonic():
+                return clock[0]
+
+        patch = mock.patch.object(retry, "time", FakeTime)
+        patch.start()
+        self.addCleanup(patch.stop)
         calls = [0]
 
         def attempt():

@@ -54,8 +54,9 @@ struct ManagerOptions {
   absl::Duration resolve_interval = absl::Seconds(1);  // asking again about moves in doubt
   int32_t remembered = 4096;                           // successes kept for retries
   // Called once per completed move (not for the replies to its retries), on a transfer
-  // thread, before any caller hears of it: metrics, and the source's handle retired when it
-  // was freed — also for a move the resolver settled with nobody waiting.
+  // thread, before the move counts as succeeded (so before any caller, a retry included,
+  // hears of it): metrics, and the source's handle retired when it was freed — also for a
+  // move the resolver settled with nobody waiting.
   std::function<void(const TransferRequest&, const SendResult&)> on_moved;
 };
 
