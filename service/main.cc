@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -53,6 +54,13 @@ bool CanWriteReadyFile(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Every kernel's module is loaded when CUDA starts, not at the kernel's first launch (CUDA's
+  // default, LAZY): a first launch queued behind a doorbell wait (a fresh server's first
+  // planned forward) loads its module by waiting for the device, so for that doorbell, and
+  // the deadline's release of the doorbell then waited behind the load (the H200 runs of
+  // PlannedIdle/PlannedWait, bench/results/gpu_tests.md). Before anything touches CUDA; an
+  // operator's own setting is kept.
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   const sigset_t stop_signals = BlockStopSignals();
   absl::StatusOr<replayssm::service::ServerFlags> flags =
       replayssm::service::ParseServerFlags(argc, argv);
