@@ -187,7 +187,10 @@ class ForwardStream:
             reply = next(self._call)
         except grpc.RpcError as e:
             self._drop()
-            if expired:
+            # Only the cancel the deadline made is "late": a server's own error that came as
+            # the deadline fired is its answer (a refusal: retried as a timeout, it was
+            # reported as one in the end).
+            if expired and e.code() == grpc.StatusCode.CANCELLED:
                 raise late() from None
             raise errors.from_rpc_error(e, "DecodeStream", request_id) from None
         except StopIteration:

@@ -227,6 +227,31 @@ class SlowReply:
         return self.call.cancel()
 
 
+class SlowRefusal:
+    """A stream call whose next reply is the server's refusal, taken 2 s later: the stream's
+    deadline fires (cancelling the call) while the server's own error is already in hand."""
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self):
+            return "rows[0].slot: no slot 7 (a test's refusal)"
+
+    def __init__(self, call):
+        self.call = call
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        time.sleep(2.0)
+        raise self.Refused()
+
+    def cancel(self):
+        return self.call.cancel()
+
+
 class TransferAbortedBy(grpc.UnaryUnaryClientInterceptor):
     """Answers TransferSlot ABORTED as a sender does when the peer aborted the move (decided:
     the state stays), without reaching the server."""
@@ -462,6 +487,18 @@ class StreamResourcesTest(ServerTest):
             time.sleep(0.05)
         stream.forward([(slot, 2)], self.layers(1))  # a new stream; the slot took one token
         self.assertEqual(self.client.get_slot(slot).seq_len, 2)
+
+    def test_a_refusal_in_hand_as_the_deadline_fires_is_raised_as_itself(self):
+        """It was raised as DeadlineExceeded ("no begun reply within ..."), and forward()
+        retried a refusal as a timeout."""
+        slot = self.client.allocate().slot
+        stream = self.client.open_stream(timeout=1.0)
+        self.addCleanup(stream.close)
+        stream.forward([(slot, 1)], self.layers(1))
+        stream._call = SlowRefusal(stream._call)
+        with self.assertRaises(replayssm.NotFound) as caught:
+            stream.begin([(slot, 2)])
+        self.assertIn("a test's refusal", caught.exception.details)
 
     def test_a_commit_reply_in_hand_as_the_deadline_fires_is_returned(self):
         slot = self.client.allocate().slot
