@@ -498,6 +498,48 @@ TEST_F(HostTierTest, PromotionsDoNotBlockAnUnrelatedForward) {
             kStateTol);
 }
 
+// Every prefix lookup counts once on the backend tier and, when that misses, once on the host
+// tier: snapshot_hits + snapshot_misses = lookups and host_hits + host_misses =
+// snapshot_misses, also when the pool has no slot for a hit (a backend hit without a slot
+// counted no host miss; a host hit without one counted nowhere: an outside review).
+TEST_F(HostTierTest, EveryLookupCountsOnceOnEachTierItAsks) {
+  std::unique_ptr<StateCache> c = Make(2, 4);
+  ASSERT_NE(c, nullptr);
+  const std::vector<int32_t> a = {11, 12, 13, 14, 15}, b = {31, 32, 33, 34};
+  auto lookups = [&] { return c->stats().snapshot_hits + c->stats().snapshot_misses; };
+  auto expect_identities = [&](int64_t want_lookups, const char* where) {
+    const CacheStats s = c->stats();
+    EXPECT_EQ(s.snapshot_hits + s.snapshot_misses, want_lookups) << where;
+    EXPECT_EQ(s.host_hits + s.host_misses, s.snapshot_misses) << where;
+  };
+  Donate(*c, a);  // Run's own lookups (empty prompts) count too
+  const int64_t base = lookups();
+  expect_identities(base, "after a donation");
+  // A backend hit, but the pool's other slot is live and the hit's snapshot is pinned: a miss
+  // (the request starts from nothing, the snapshot spilled to make its slot).
+  const SlotId live = *c->Allocate();
+  std::vector<int32_t> more = a;
+  more.push_back(16);
+  absl::StatusOr<StateCache::PrefixAllocation> hit = c->AllocateFromPrefixIn(0, more);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->matched, 0);
+  expect_identities(base + 1, "a backend hit without a slot");
+  ASSERT_TRUE(c->Free(hit->slot).ok());
+  // A host hit (only the host holds b now) while every slot is live: refused, and a lookup.
+  Donate(*c, b);
+  ASSERT_TRUE(c->Free(live).ok());
+  Flush(*c);
+  const SlotId x = *c->Allocate(), y = *c->Allocate();
+  std::vector<int32_t> more_b = b;
+  more_b.push_back(35);
+  const int64_t before = lookups();
+  EXPECT_EQ(c->AllocateFromPrefixIn(0, more_b).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  expect_identities(before + 1, "a host hit without a slot");
+  ASSERT_TRUE(c->Free(x).ok());
+  ASSERT_TRUE(c->Free(y).ok());
+}
+
 TEST_F(HostTierTest, BadOptionsAreRefused) {
   absl::StatusOr<ModelSpec> m = ModelPreset("tiny-gdn", RSSM_DTYPE_F32, 4);
   ASSERT_TRUE(m.ok());

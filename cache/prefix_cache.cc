@@ -57,6 +57,7 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::AllocateFromPrefixI
       // where Allocate() without the prompt succeeded (an outside review). A miss.
       --slots_[src].refs;
       ++stats_.snapshot_misses;
+      if (host_ != nullptr) ++stats_.host_misses;  // host_hits + host_misses = snapshot_misses
     }
   }
   if (index < 0) return fresh();
@@ -325,7 +326,11 @@ absl::Status StateCacheImpl::StartPromotionLocked(PrefixNamespace ns,
                                                   absl::Span<const int32_t> prefix, int32_t e,
                                                   Promotion* p) {
   absl::StatusOr<int32_t> i = TakeFreeLocked();
-  if (!i.ok()) return i.status();
+  if (!i.ok()) {  // a lookup all the same: a miss on both tiers (it used to count nowhere)
+    ++stats_.snapshot_misses;
+    ++stats_.host_misses;
+    return i.status();
+  }
   ++stats_.snapshot_misses;  // the backend's
   ++stats_.host_hits;
   p->entry = e;
