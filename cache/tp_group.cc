@@ -574,16 +574,10 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
   // forward of the server (an outside review). Busy: not continued; the caller commits
   // previous the usual way, outside its lock.
   if (!ops_mu_.TryLock()) return std::unique_ptr<Forward>();
-  struct Held {
+  struct Unlocks {  // at every return, once its value is made
     absl::Mutex* mu;
-    ~Held() {
-      if (mu != nullptr) mu->Unlock();
-    }
-    void Release() {
-      mu->Unlock();
-      mu = nullptr;
-    }
-  } ops{&ops_mu_};
+    ~Unlocks() { mu->Unlock(); }
+  } held{&ops_mu_};
   // Every rank or none: a rank that cannot continue (its part of the forward before previous
   // not done on its GPU yet, ranks run at their own pace) leaves every rank's part as it was,
   // and the caller commits previous the usual way -- waiting, with its deadline, outside any
@@ -605,16 +599,14 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
     // left of it is abandoned and the continued parts with it: each rings its doorbells
     // first, so none waits for the engine. The ranks' rows may then disagree; a device error
     // refuses the device anyway.
-    prev->DropLocked();  // under the lock it holds, which is never waited for here
+    prev->DropLocked();  // under the lock held here, which is never waited for
     TpForward(this, std::move(next)).DropLocked();  // the continued parts, on their devices
-    ops.Release();
     previous.reset();  // nothing left in it: takes no lock
     return RankStatus(r, f.ok() ? absl::InternalError("forward: could not continue after its "
                                                       "check (a device error)")
                                 : f.status());
   }
-  ops.Release();
-  previous.reset();  // every rank's part is owned by the new forward now
+  previous.reset();  // every rank's part is owned by the new forward now: takes no lock
   return std::unique_ptr<Forward>(std::make_unique<TpForward>(this, std::move(next)));
 }
 

@@ -280,10 +280,7 @@ class TpWriter final : public SlotWriter {
   }
   ~TpWriter() override {
     absl::MutexLock ops(&host_->ops_mu());  // uncommitted ranks free their slots: in order
-    for (size_t r = 0; r < ranks_.size(); ++r) {
-      host_->Use(r);
-      ranks_[r].reset();
-    }
+    DropRanksLocked();
   }
 
   size_t bytes() const override { return bytes_; }
@@ -336,10 +333,7 @@ class TpWriter final : public SlotWriter {
     }
     absl::MutexLock ops(&host_->ops_mu());
     if (!refused.ok()) {
-      for (size_t r = 0; r < ranks_.size(); ++r) {
-        host_->Use(r);
-        ranks_[r].reset();
-      }
+      DropRanksLocked();
       return refused;
     }
     // The ranks drain their copies and commit together; if one fails, the others' slots are
@@ -359,6 +353,15 @@ class TpWriter final : public SlotWriter {
   }
 
  private:
+  // Each rank's writer dropped on its device (an uncommitted one frees its reserved slot);
+  // the caller holds ops_mu.
+  void DropRanksLocked() {
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      host_->Use(r);
+      ranks_[r].reset();
+    }
+  }
+
   // A rank's conv window of one layer, gathered until whole, then written as one piece.
   struct Window {
     explicit Window(int64_t n) : bytes(n) {}

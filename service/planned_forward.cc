@@ -213,15 +213,16 @@ void PlanWatch::ExpireNow(uint64_t id) {
   auto f = ids_.find(id);
   if (f == ids_.end()) return;
   PlannedForward* forward = f->second;
-  ids_.erase(f);
-  auto it = at_.find(forward);
-  deadlines_.erase(it->second);
-  at_.erase(it);
+  ForgetLocked(forward);
   forward->Expire();  // under mu_, as Run's: Remove(forward) waits for it
 }
 
 void PlanWatch::Remove(PlannedForward* forward) {
   absl::MutexLock lock(&mu_);  // an Expire in progress holds it: we return after it
+  ForgetLocked(forward);
+}
+
+void PlanWatch::ForgetLocked(PlannedForward* forward) {
   auto it = at_.find(forward);
   if (it == at_.end()) return;
   ids_.erase(forward->id());
@@ -242,9 +243,7 @@ void PlanWatch::Run() {
     const absl::Time now = absl::Now();
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       PlannedForward* f = deadlines_.begin()->second;
-      at_.erase(f);
-      ids_.erase(f->id());
-      deadlines_.erase(deadlines_.begin());
+      ForgetLocked(f);
       f->Expire();  // under mu_: Remove(f) waits for it
     }
   }

@@ -99,6 +99,8 @@ class PlanWatch {
 
  private:
   void Run();
+  // Drops `forward` from every map (a no-op once it is gone).
+  void ForgetLocked(PlannedForward* forward) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
