@@ -410,9 +410,12 @@ TEST_F(DeviceFailureWhileDrainingTest, IsReportedAndEndsTheWaitForSlots) {
   }
   // Refused "device failed (...)" if the call came in the ~50 ms between the check and the
   // drain's shutdown, else the shutdown's own UNAVAILABLE (a loaded machine: it failed once
-  // asking for the first). DeviceFailureTest checks the refusals; the log line and the exit
-  // below say that the check ran mid-drain and ended the wait.
-  EXPECT_EQ(exported.code(), absl::StatusCode::kUnavailable) << exported;
+  // asking for the first), or CANCELLED for an export still running when the shutdown's
+  // 500 ms grace ended (CI under ASan, once). DeviceFailureTest checks the refusals; the log
+  // line and the exit below say that the check ran mid-drain and ended the wait.
+  EXPECT_TRUE(exported.code() == absl::StatusCode::kUnavailable ||
+              exported.code() == absl::StatusCode::kCancelled)
+      << exported;
   auto exit = server_->WaitExit(absl::Seconds(20));  // not the 60 s of --drain-timeout
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_EQ(*exit, 0);
