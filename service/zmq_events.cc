@@ -2,10 +2,11 @@
 
 #include <zmq.h>
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <optional>
 #include <msgpack.hpp>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -22,11 +23,12 @@ std::string SeqBytes(int64_t seq) {
   return b;
 }
 
-// Sends the frames as one multipart message; false when the socket refused one.
-bool SendFrames(void* socket, const std::vector<std::string>& frames) {
+// Sends the frames as one multipart message; false when the socket refused one. `flags`:
+// ZMQ_DONTWAIT or 0.
+bool SendFrames(void* socket, const std::vector<std::string>& frames, int flags = 0) {
   for (size_t i = 0; i < frames.size(); ++i) {
     const int more = i + 1 < frames.size() ? ZMQ_SNDMORE : 0;
-    if (zmq_send(socket, frames[i].data(), frames[i].size(), more) < 0) return false;
+    if (zmq_send(socket, frames[i].data(), frames[i].size(), more | flags) < 0) return false;
   }
   return true;
 }
@@ -201,6 +203,12 @@ absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(
     z->replay_ = zmq_socket(z->context_, ZMQ_ROUTER);
     zmq_setsockopt(z->replay_, ZMQ_LINGER, &linger, sizeof(linger));
     curve(z->replay_);
+    // A reply that finds the router's queue full fails (EAGAIN, retried) instead of being
+    // dropped silently, and one for a router gone fails too (EHOSTUNREACH, dropped): a replay
+    // longer than the queue (1000 messages past what the TCP buffers hold) lost batches and
+    // its end marker, and the router waited for them.
+    const int mandatory = 1;
+    zmq_setsockopt(z->replay_, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof(mandatory));
     if (zmq_bind(z->replay_, z->options_.replay_endpoint.c_str()) != 0) {
       return absl::UnavailableError(absl::StrCat("--kv-events-replay-endpoint ",
                                                  z->options_.replay_endpoint, ": cannot bind: ",
@@ -241,6 +249,7 @@ void ZmqEventPublisher::Run() {
         ++published_;
       }
     }
+    SendReplays();
     zmq_pollitem_t items[2];
     int n = 0;
     if (replay_ != nullptr) items[n++] = {replay_, 0, ZMQ_POLLIN, 0};
@@ -249,7 +258,8 @@ void ZmqEventPublisher::Run() {
       absl::SleepFor(absl::Milliseconds(5));
       continue;
     }
-    if (zmq_poll(items, n, 5) <= 0) continue;
+    // A replay waiting for its router to read: back soon to send more.
+    if (zmq_poll(items, n, replays_.empty() ? 5 : 1) <= 0) continue;
     for (int i = 0; i < n; ++i) {
       if ((items[i].revents & ZMQ_POLLIN) == 0) continue;
       if (items[i].socket == replay_) Replay(replay_);
@@ -275,24 +285,49 @@ void ZmqEventPublisher::Authenticate(void* zap) {
 void ZmqEventPublisher::Replay(void* socket) {
   std::vector<std::string> f = ReceiveFrames(socket);
   if (f.size() < 2) return;
-  const std::string id = f.front();
+  PendingReplay r;
+  r.id = f.front();
+  r.delimited = f.size() >= 3;
   const std::string& start = f.back();
-  const bool delimited = f.size() >= 3;
-  auto reply = [&](std::vector<std::string> frames) {
-    frames.insert(frames.begin(), id);
-    if (delimited) frames.insert(frames.begin() + 1, std::string());
-    SendFrames(socket, frames);
-  };
-  if (start.size() != 8) {
-    reply({SeqBytes(-1), std::string()});  // not a sequence number: only the end marker
-    return;
+  if (start.size() == 8) {  // else not a sequence number: only the end marker
+    uint64_t from = 0;
+    for (unsigned char c : start) from = (from << 8) | c;
+    r.batches = log_->Replay(options_.tenant, from);
   }
-  uint64_t from = 0;
-  for (unsigned char c : start) from = (from << 8) | c;
-  for (const KvEventBatch& b : log_->Replay(options_.tenant, from)) {
-    reply({SeqBytes(static_cast<int64_t>(b.seq)), EncodeKvEventBatch(b, log_->block_size())});
+  // A router asking again gave up on its earlier answer; past the bound the oldest goes.
+  for (auto it = replays_.begin(); it != replays_.end();) {
+    it = it->id == r.id ? replays_.erase(it) : it + 1;
   }
-  reply({SeqBytes(-1), std::string()});
+  if (replays_.size() >= kMaxReplays) replays_.pop_front();
+  replays_.push_back(std::move(r));
+  SendReplays();
+}
+
+void ZmqEventPublisher::SendReplays() {
+  for (auto it = replays_.begin(); it != replays_.end();) {
+    PendingReplay& r = *it;
+    bool gone = false;
+    while (r.next <= r.batches.size()) {
+      std::vector<std::string> frames;
+      frames.push_back(r.id);
+      if (r.delimited) frames.emplace_back();
+      if (r.next < r.batches.size()) {
+        const KvEventBatch& b = r.batches[r.next];
+        frames.push_back(SeqBytes(static_cast<int64_t>(b.seq)));
+        frames.push_back(EncodeKvEventBatch(b, log_->block_size()));
+      } else {
+        frames.push_back(SeqBytes(-1));
+        frames.emplace_back();
+      }
+      if (!SendFrames(replay_, frames, ZMQ_DONTWAIT)) {
+        // EAGAIN: the router's queue is full, the rest waits. Else (EHOSTUNREACH) it is gone.
+        gone = zmq_errno() != EAGAIN;
+        break;
+      }
+      ++r.next;
+    }
+    it = gone || r.next > r.batches.size() ? replays_.erase(it) : it + 1;
+  }
 }
 
 }  // namespace replayssm::service

@@ -7,7 +7,10 @@
 //    ["AllBlocksCleared"] (msgspec's array_like tagged structs);
 //  - a ROUTER socket (--kv-events-replay-endpoint) answers a request of one frame, the first
 //    sequence number wanted (8 bytes, big-endian), with a message [seq, batch] per kept batch
-//    from there and an end marker [-1 (8 bytes), empty] (REQ or DEALER clients).
+//    from there and an end marker [-1 (8 bytes), empty] (REQ or DEALER clients). A replay is
+//    sent at the pace the router reads it (ZMQ_ROUTER_MANDATORY: a full queue is retried,
+//    never dropped), at most kMaxReplays at once; a request beyond that, or one from a router
+//    already being answered, replaces the oldest / its earlier answer.
 // The endpoint carries one tenant's events (--kv-events-tenant). Authentication
 // (--kv-events-curve-secret-file, --kv-events-clients-file): both sockets are CURVE servers
 // (ZMQ's encryption and key authentication) and a ZAP handler admits only the client public
@@ -20,6 +23,7 @@
 #define REPLAYSSM_SERVICE_ZMQ_EVENTS_H_
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <string>
 #include <thread>
@@ -54,6 +58,8 @@ absl::StatusOr<std::string> CurvePublicKey(const std::string& secret_file);
 
 class ZmqEventPublisher final : public KvEventListener {
  public:
+  // Replays sent at once (each holds a copy of the kept batches it still has to send).
+  static constexpr size_t kMaxReplays = 8;
   // Binds both sockets; UNAVAILABLE naming the flag when one cannot bind.
   static absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> Start(CacheEventLog* log,
                                                                   ZmqEventsOptions options);
@@ -65,8 +71,19 @@ class ZmqEventPublisher final : public KvEventListener {
  private:
   ZmqEventPublisher(CacheEventLog* log, ZmqEventsOptions options)
       : log_(log), options_(std::move(options)) {}
+  // A replay being sent: the router's identity, whether it sent a REQ's empty delimiter, the
+  // batches still to send, then the end marker.
+  struct PendingReplay {
+    std::string id;
+    bool delimited = false;
+    std::vector<KvEventBatch> batches;
+    size_t next = 0;  // batches.size(): the end marker is next
+  };
+
   void Run();
-  void Replay(void* socket);
+  void Replay(void* socket);  // takes one request and queues its answer
+  // Sends what each pending replay's router takes now; drops the routers gone.
+  void SendReplays();
   void Authenticate(void* zap);  // one ZAP request: admits the clients file's keys only
 
   CacheEventLog* const log_;
@@ -76,6 +93,7 @@ class ZmqEventPublisher final : public KvEventListener {
   void* replay_ = nullptr;
   void* zap_ = nullptr;                  // the ZAP handler (CURVE only)
   std::vector<std::string> clients_;     // admitted client public keys, 32 bytes each
+  std::deque<PendingReplay> replays_;    // the thread's
   absl::Mutex mu_;
   std::vector<std::pair<uint64_t, std::string>> outbox_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> stop_{false};
