@@ -4,11 +4,21 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "state_cache_impl.h"
 
-namespace replayssm::cache::internal {
+namespace replayssm::cache {
+namespace {
+constexpr absl::string_view kNonfiniteRefusalUrl = "type.replayssm/cache.NonfiniteRefusal";
+}  // namespace
+
+bool IsNonfiniteRefusal(const absl::Status& st) {
+  return st.GetPayload(kNonfiniteRefusalUrl).has_value();
+}
+
+namespace internal {
 
 absl::StatusOr<SlotId> StateCacheImpl::Allocate() {
   MakeRoom(1);
@@ -176,10 +186,12 @@ absl::Status StateCacheImpl::ShareRefusal(const char* purpose, const uint32_t co
   if (counts[0] == 0 && counts[1] == 0) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   ++stats_.nonfinite_refusals;
-  return absl::FailedPreconditionError(absl::StrCat(
-      purpose, ": the slot's state is not finite (", counts[0],
-      " NaN or Inf values in its checkpoints, ", counts[1],
-      " in its conv windows); it is never shared with another request (free it)"));
+  absl::Status refused = absl::FailedPreconditionError(
+      absl::StrCat(purpose, ": the slot's state is not finite (", counts[0],
+                   " NaN or Inf values in its checkpoints, ", counts[1],
+                   " in its conv windows); it is never shared with another request (free it)"));
+  refused.SetPayload(kNonfiniteRefusalUrl, absl::Cord("1"));
+  return refused;
 }
 
 absl::Status StateCacheImpl::FoldRows(const std::vector<int32_t>& rows, int32_t max_pos,
@@ -249,4 +261,5 @@ absl::Status StateCacheImpl::Accept(SlotId id, int32_t n) {
   return AfterAdvance({index}, **lane);
 }
 
-}  // namespace replayssm::cache::internal
+}  // namespace internal
+}  // namespace replayssm::cache

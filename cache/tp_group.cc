@@ -143,8 +143,9 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
     for (size_t r = 1; r < shards_.size(); ++r) {  // the counters agree; bytes and lanes add
       const CacheStats t = shards_[r]->stats();
       s.lanes += t.lanes;
-      // A refusal is made by one rank: the first to find its shard not finite (Fan stops
-      // there), so each is counted once; a track snapshot skipped once per rank skipping it.
+      // A donation is refused by one rank: the first to find its shard not finite (Fan stops
+      // there); a move out by every rank that does (they check together: the repeats are
+      // taken off below); a track snapshot skipped once per rank skipping it.
       s.nonfinite_refusals += t.nonfinite_refusals;
       s.backend_snapshot_bytes += t.backend_snapshot_bytes;
       s.host_bytes += t.host_bytes;
@@ -153,6 +154,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       // every shard's are.
       s.host_backed_snapshots = std::min(s.host_backed_snapshots, t.host_backed_snapshots);
     }
+    s.nonfinite_refusals -= repeated_refusals_.load();
     return s;
   }
 
@@ -434,6 +436,8 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   std::unique_ptr<TpEventMerger> events_;
   std::vector<std::unique_ptr<StateCache>> shards_;
   absl::Mutex ops_mu_;  // orders the shards' slot decisions the same way on every shard
+  // Refusals of a move out counted by more than one rank, beyond the first (stats()).
+  std::atomic<int64_t> repeated_refusals_{0};
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
   absl::flat_hash_map<SlotId, std::vector<SlotId>> members_ ABSL_GUARDED_BY(map_mu_);
   absl::flat_hash_map<SlotId, SlotId> group_of_[kMaxTpSize] ABSL_GUARDED_BY(map_mu_);
@@ -714,6 +718,10 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
         Use(k);
         readers[k].reset();
       }
+      // The ranks check together: each that found its shard not finite counted a refusal of
+      // this one move. The group's count is of moves (stats() takes the extra ones off).
+      const auto nonfinite = std::count_if(st.begin(), st.end(), IsNonfiniteRefusal);
+      if (nonfinite > 1) repeated_refusals_.fetch_add(nonfinite - 1);
       return RankStatus(r, st[r]);
     }
   }

@@ -795,6 +795,34 @@ TEST_P(TpGroupTest, AGroupReportsEachSnapshotOnce) {
   EXPECT_EQ(events[1].tokens, prompt);
 }
 
+// A move out of a slot not finite on every rank is one refusal: the ranks check together and
+// each counted its own (the group's count said 2 for one refused move).
+TEST_P(TpGroupTest, AMoveEveryRankRefusesIsCountedOnce) {
+  std::unique_ptr<StateCache> c = MakeCache(m_, 2, nullptr, /*slots=*/4);
+  absl::StatusOr<SlotId> s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(Prefill(*c, 2, *s, {1, 2, 3}, 0).ok());
+  std::vector<Tok> toks = {{4, 3}, {5, 4}};
+  Batch b = oracle_.MakeBatch(toks);
+  ToRankMajor(m_, 2, 2, b);
+  ASSERT_EQ(rssm_dtype_size(m_.shape.act_dtype), 2);
+  for (int32_t l = 0; l < m_.num_layers; ++l) {  // q, k and v +Inf (bf16 0x7f80) on both ranks
+    for (size_t i = 0; i + 1 < b.qkv[l].size(); i += 2) {
+      b.qkv[l][i] = 0x80;
+      b.qkv[l][i + 1] = 0x7f;
+    }
+  }
+  ASSERT_TRUE(c->Prefill(*s, {4, 5}, b.io).ok());
+  const CacheStats before = c->stats();
+  const absl::Status refused = c->OpenExport(*s, "move", SlotIoOptions{}).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("move out: the slot's state is not finite"), std::string::npos)
+      << refused;
+  EXPECT_EQ(c->stats().nonfinite_refusals, before.nonfinite_refusals + 1);
+  EXPECT_EQ(c->stats().slots_live, 1) << "the slot stays, to be freed";
+  ASSERT_TRUE(c->Free(*s).ok());
+}
+
 // A donation one rank refuses (its heads' state not finite) leaves the slot live on every
 // rank, under its handle, to be freed: before, rank 0 had donated already (its half a
 // snapshot, the handle dead) and rank 1's half stayed live with nothing able to free it.

@@ -140,6 +140,10 @@ struct SlotInfo {
   int32_t pending_drafts = 0;  // drafts verified and not yet accepted/rejected
 };
 
+// Whether `st` is a refusal to share a slot whose state holds a NaN or Inf (a donation, a move
+// out), one that CacheStats::nonfinite_refusals counted.
+bool IsNonfiniteRefusal(const absl::Status& st);
+
 struct CacheStats {
   int64_t slots_total = 0, slots_live = 0, slots_snapshot = 0, slots_free = 0;
   int64_t folds_ring_full = 0, folds_track = 0, folds_materialize = 0;
