@@ -73,7 +73,8 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::AllocateFromPrefixI
   }
   ++stats_.snapshot_hits;
   slots_[index].busy = false;
-  return PrefixAllocation{MakeId(index, slots_[index].generation), m.length};
+  return PrefixAllocation{MakeId(index, slots_[index].generation), m.length,
+                          PrefixAllocation::Source::kBackend};
 }
 
 int64_t StateCacheImpl::MatchPrefixIn(PrefixNamespace ns,
@@ -395,7 +396,8 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::FinishPromotion(con
   ++stats_.promotion_latency_counts[bucket - kPromotionLatencyBounds.begin()];
   stats_.promotion_seconds += seconds;
   slots_[p.slot].busy = false;
-  return PrefixAllocation{MakeId(p.slot, slots_[p.slot].generation), p.matched};
+  return PrefixAllocation{MakeId(p.slot, slots_[p.slot].generation), p.matched,
+                          PrefixAllocation::Source::kHost};
 }
 
 absl::Status StateCacheImpl::TakeSnapshot(int32_t index, Lane& lane) {

@@ -155,6 +155,11 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       s.host_backed_snapshots = std::min(s.host_backed_snapshots, t.host_backed_snapshots);
     }
     s.nonfinite_refusals -= repeated_refusals_.load();
+    absl::MutexLock lock(&uncounted_mu_);
+    s.snapshot_hits -= uncounted_.snapshot_hits;
+    s.snapshot_misses -= uncounted_.snapshot_misses;
+    s.host_hits -= uncounted_.host_hits;
+    s.host_misses -= uncounted_.host_misses;
     return s;
   }
 
@@ -438,6 +443,11 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   absl::Mutex ops_mu_;  // orders the shards' slot decisions the same way on every shard
   // Refusals of a move out counted by more than one rank, beyond the first (stats()).
   std::atomic<int64_t> repeated_refusals_{0};
+  // Rank 0's lookups asked again shorter (the ranks held different prefixes): taken off the
+  // lookup counters it reports for the group.
+  void UncountLookup(PrefixAllocation::Source source) ABSL_LOCKS_EXCLUDED(uncounted_mu_);
+  mutable absl::Mutex uncounted_mu_;
+  CacheStats uncounted_ ABSL_GUARDED_BY(uncounted_mu_);
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
   absl::flat_hash_map<SlotId, std::vector<SlotId>> members_ ABSL_GUARDED_BY(map_mu_);
   absl::flat_hash_map<SlotId, SlotId> group_of_[kMaxTpSize] ABSL_GUARDED_BY(map_mu_);
@@ -621,6 +631,7 @@ absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
   for (;;) {  // the longest prefix every shard holds: m only shrinks
     std::vector<SlotId> ids;
     int64_t lo = m, hi = 0;
+    PrefixAllocation::Source source = PrefixAllocation::Source::kNone;  // rank 0's
     for (size_t r = 0; r < shards_.size(); ++r) {
       Use(r);
       absl::StatusOr<PrefixAllocation> a = shards_[r]->AllocateFromPrefixIn(ns, tokens.subspan(0, m));
@@ -628,10 +639,29 @@ absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
       ids.push_back(a->slot);
       lo = std::min(lo, a->matched);
       hi = std::max(hi, a->matched);
+      if (r == 0) source = a->source;
     }
-    if (lo == hi) return PrefixAllocation{Bind(std::move(ids)), lo};
+    if (lo == hi) return PrefixAllocation{Bind(std::move(ids)), lo, source};
     FreeAll(ids, absl::OkStatus()).IgnoreError();
+    // The group reports rank 0's lookup counters: this attempt is asked again shorter, and
+    // the group's lookup is counted once, by the last attempt.
+    UncountLookup(source);
     m = lo;
+  }
+}
+
+void TpGroup::UncountLookup(PrefixAllocation::Source source) {
+  absl::MutexLock lock(&uncounted_mu_);
+  switch (source) {
+    case PrefixAllocation::Source::kBackend: ++uncounted_.snapshot_hits; break;
+    case PrefixAllocation::Source::kHost:
+      ++uncounted_.snapshot_misses;
+      ++uncounted_.host_hits;
+      break;
+    case PrefixAllocation::Source::kNone:
+      ++uncounted_.snapshot_misses;
+      if (options_.host_snapshot_bytes != 0) ++uncounted_.host_misses;
+      break;
   }
 }
 

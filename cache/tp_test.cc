@@ -53,14 +53,14 @@ ModelSpec TpModel(int32_t gate, int32_t state_dtype) {
 // on both GPUs; on the CPU: all on device 0, through the same per-rank device calls).
 std::unique_ptr<StateCache> MakeCache(const ModelSpec& m, int32_t tp, CacheEventSink sink = nullptr,
                                       int64_t slots = 64, int64_t host_bytes = 0,
-                                      bool ranks_at_once = false) {
+                                      bool ranks_at_once = false, int32_t track_interval = 0) {
   CacheOptions o;
   if (ranks_at_once) o.tp_ranks_at_once = CacheOptions::TpRanksAtOnce::kAlways;
   o.host_snapshot_bytes = host_bytes;
   o.event_sink = std::move(sink);
   o.backend = testing::TestBackend();
   o.memory_budget_bytes = slots * m.SlotBytes();
-  o.track_interval = 0;
+  o.track_interval = track_interval;
   o.tp_size = tp;
   if (tp > 1) {
     const int count = rssm_device_count(o.backend);
@@ -793,6 +793,41 @@ TEST_P(TpGroupTest, AGroupReportsEachSnapshotOnce) {
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[1].type, CacheEvent::Type::kRemoved);
   EXPECT_EQ(events[1].tokens, prompt);
+}
+
+// A prefix the ranks hold to different lengths (a track snapshot one rank skipped: its state
+// was not finite) is asked again at the shorter one; the group counts one lookup. It reported
+// rank 0's counters, which counted both attempts (a hit and a miss for one lookup).
+TEST_P(TpGroupTest, ALookupTheRanksAnswerDifferentlyIsCountedOnce) {
+  std::unique_ptr<StateCache> c = MakeCache(m_, 2, nullptr, /*slots=*/8, /*host_bytes=*/0,
+                                            /*ranks_at_once=*/false, /*track_interval=*/4);
+  absl::StatusOr<SlotId> s = c->Allocate();
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(Prefill(*c, 2, *s, {1, 2, 3}, 0).ok());
+  Batch b = oracle_.MakeBatch({{4, 3}});  // the fourth token: a track boundary
+  ToRankMajor(m_, 2, 1, b);
+  ASSERT_EQ(rssm_dtype_size(m_.shape.act_dtype), 2);
+  const size_t rank1 = (m_.QkvWidth() / 2) * 2;  // rank 0's [1, C / 2] block, in bytes
+  for (int32_t l = 0; l < m_.num_layers; ++l) {  // rank 1's q, k and v +Inf (bf16 0x7f80)
+    for (size_t i = rank1; i + 1 < b.qkv[l].size(); i += 2) {
+      b.qkv[l][i] = 0x80;
+      b.qkv[l][i + 1] = 0x7f;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{*s, 4}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  for (int32_t l = 0; l < m_.num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, b.io[l]).ok());
+  ASSERT_TRUE((*f)->Commit().ok());
+  const CacheStats before = c->stats();
+  absl::StatusOr<StateCache::PrefixAllocation> a = c->AllocateFromPrefix({1, 2, 3, 4, 5});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->matched, 0) << "rank 1 holds no prefix";
+  EXPECT_EQ(a->source, StateCache::PrefixAllocation::Source::kNone);
+  const CacheStats after = c->stats();
+  EXPECT_EQ(after.snapshot_hits, before.snapshot_hits) << "rank 0's first attempt, not counted";
+  EXPECT_EQ(after.snapshot_misses, before.snapshot_misses + 1);
+  ASSERT_TRUE(c->Free(a->slot).ok());
+  ASSERT_TRUE(c->Free(*s).ok());
 }
 
 // A move out of a slot not finite on every rank is one refusal: the ranks check together and

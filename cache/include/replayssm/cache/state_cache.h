@@ -284,6 +284,11 @@ class StateCache {
   struct PrefixAllocation {
     SlotId slot = kPaddingSlot;
     int64_t matched = 0;
+    // Where the prefix was found, as CacheStats counted the lookup: in backend memory (a
+    // snapshot hit), on the host tier (a snapshot miss and a host hit), or nowhere (a snapshot
+    // miss, and a host miss with the host tier on).
+    enum class Source : int8_t { kNone, kBackend, kHost };
+    Source source = Source::kNone;
   };
   virtual absl::StatusOr<PrefixAllocation> AllocateFromPrefix(
       absl::Span<const int32_t> tokens) = 0;
