@@ -174,24 +174,34 @@ absl::Status StateCacheImpl::AcquireRowsLocked(absl::Span<const SlotId> ids,
   return st;
 }
 
-absl::Status StateCacheImpl::TakeSparesLocked(const std::vector<int32_t>& index,
-                                              std::vector<int32_t>* spare) {
-  spare->assign(index.size(), -1);
-  auto exhausted = [](size_t r, absl::string_view why) {
-    constexpr char kWhy[] =
-        "]: a layer-by-layer prefill keeps one spare slot per row until it commits, and none "
-        "is free (";
-    return absl::ResourceExhaustedError(
-        absl::StrCat("rows[", r, kWhy, why, "); prefill fewer rows at once or use Prefill"));
-  };
-  // Counted before any is taken: a refusal evicts no snapshot for rows it then gives up. It
-  // names the first row left without one.
+namespace {
+
+absl::Status NoSpareFor(size_t r, absl::string_view why) {
+  constexpr char kWhy[] =
+      "]: a layer-by-layer prefill keeps one spare slot per row until it commits, and none "
+      "is free (";
+  return absl::ResourceExhaustedError(
+      absl::StrCat("rows[", r, kWhy, why, "); prefill fewer rows at once or use Prefill"));
+}
+
+}  // namespace
+
+absl::Status StateCacheImpl::SparesRefusalLocked(const std::vector<int32_t>& index) const {
   size_t rows = 0;
   for (int32_t i : index) rows += i >= 0 ? 1 : 0;
   const size_t takable = TakableLocked(rows);
-  for (size_t r = 0, row = 0; takable < rows && r < index.size(); ++r) {
-    if (index[r] >= 0 && row++ == takable) return exhausted(r, NoFreeSlotLocked().message());
+  for (size_t r = 0, row = 0; takable < rows && r < index.size(); ++r) {  // the first left out
+    if (index[r] >= 0 && row++ == takable) return NoSpareFor(r, NoFreeSlotLocked().message());
   }
+  return absl::OkStatus();
+}
+
+absl::Status StateCacheImpl::TakeSparesLocked(const std::vector<int32_t>& index,
+                                              std::vector<int32_t>* spare) {
+  spare->assign(index.size(), -1);
+  const auto exhausted = NoSpareFor;
+  // Counted before any is taken: a refusal evicts no snapshot for rows it then gives up.
+  if (absl::Status st = SparesRefusalLocked(index); !st.ok()) return st;
   for (size_t r = 0; r < index.size(); ++r) {
     if (index[r] < 0) continue;
     absl::StatusOr<int32_t> i = TakeFreeLocked();
@@ -217,20 +227,35 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::Open(
   if (!lane.ok()) return lane.status();
   rows.index.assign(ids.size(), -1);
   rows.spare.assign(ids.size(), -1);
+  const auto release_rows = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (int32_t i : rows.index) {
+      if (i >= 0) slots_[i].busy = false;
+    }
+  };
   {
     absl::MutexLock lock(&mu_);
     const bool verify = rows.kind == ForwardKind::kVerify;
     absl::Status st = AcquireRowsLocked(ids, field, /*allow_pending=*/verify, &rows.index);
+    // The rows are checked (and the spares counted) before room is made for the spares: with
+    // the host tier, making room spills snapshots to the host (a host eviction can drop one
+    // for good), which a begin refused for its rows used to do all the same (an outside
+    // review).
     if (st.ok() && spares) {
-      st = TakeSparesLocked(rows.index, &rows.spare);
-      if (!st.ok()) {
-        for (int32_t i : rows.index) {
-          if (i >= 0) slots_[i].busy = false;
-        }
-      }
+      st = SparesRefusalLocked(rows.index);
+      if (!st.ok()) release_rows();
     }
     if (!st.ok()) return st;
     // A verify's rows keep their waiting drafts until its first layer runs (RunLayer).
+  }
+  if (spares) {
+    size_t n = 0;
+    for (int32_t i : rows.index) n += i >= 0 ? 1 : 0;
+    MakeRoom(n);
+    absl::MutexLock lock(&mu_);
+    if (absl::Status st = TakeSparesLocked(rows.index, &rows.spare); !st.ok()) {
+      release_rows();
+      return st;
+    }
   }
   // From here on the forward owns the rows: destroying it on an error abandons it.
   auto f = std::make_unique<ForwardImpl>(this, std::move(rows), *std::move(lane), layer_waits);
@@ -350,7 +375,6 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::BeginPrefill(
     ids.push_back(rows[r].slot);
   }
   f.cu.push_back(static_cast<int32_t>(f.tokens.size()));
-  MakeRoom(ids.size());  // the spare slots
   return Open(std::move(f), ids, RowSlotField, /*spares=*/true, /*layer_waits=*/true);
 }
 

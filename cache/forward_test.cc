@@ -576,10 +576,11 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardKindsTest,
 
 class ForwardRulesTest : public ::testing::Test {
  protected:
-  void Make(int64_t slots, int32_t track = 0) {
+  void Make(int64_t slots, int32_t track = 0, int64_t host_snapshots = 0) {
     const ModelSpec m = testing::TwoLayerTinyGdn();
     CacheOptions o = testing::TestOptions(m, slots);
     o.track_interval = track;
+    o.host_snapshot_bytes = host_snapshots * m.SlotBytes();
     o.max_prefill_tokens = 8;
     cache_ = std::move(*StateCache::Create(m, o));
     oracle_ = std::make_unique<Oracle>(cache_->model());
@@ -786,6 +787,35 @@ TEST_F(ForwardRulesTest, ARefusedPrefillEvictsNoSnapshot) {
   absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefill({{b, x}});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(cache_->stats().snapshot_evictions, 1);
+}
+
+// With the host tier a begin makes room for its spares by spilling snapshots to the host; a
+// begin refused for its rows (no spare for each, a row not found) did so all the same before
+// its refusal (an outside review): the snapshot left backend memory, a host eviction could
+// have dropped another for good.
+TEST_F(ForwardRulesTest, ARefusedPrefillSpillsNothingToTheHost) {
+  Make(4, /*track=*/0, /*host_snapshots=*/1);
+  const SlotId a = *cache_->Allocate();
+  const std::vector<int32_t> p = {1, 2};
+  ASSERT_TRUE(cache_->Prefill(a, p, oracle_->MakeBatch(Toks(p, 0)).io).ok());
+  ASSERT_TRUE(cache_->Donate(a).ok());
+  const SlotId b = *cache_->Allocate(), c = *cache_->Allocate(), d = *cache_->Allocate();
+  const CacheStats before = cache_->stats();
+  ASSERT_EQ(before.slots_snapshot, 1);
+  ASSERT_EQ(before.slots_free, 0);
+  const std::vector<int32_t> x = {5}, y = {6};
+  const absl::Status none = cache_->BeginPrefill({{b, x}, {c, y}}).status();  // room for one
+  EXPECT_EQ(none.code(), absl::StatusCode::kResourceExhausted) << none;
+  ASSERT_TRUE(cache_->Free(d).ok());
+  const absl::Status missing = cache_->BeginPrefill({{b, x}, {d, y}}).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  const CacheStats after = cache_->stats();
+  EXPECT_EQ(after.snapshot_spills, before.snapshot_spills);
+  EXPECT_EQ(after.snapshot_evictions, before.snapshot_evictions);
+  EXPECT_EQ(after.slots_snapshot, 1) << "the snapshot stays in backend memory";
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginPrefill({{b, x}, {c, y}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(cache_->stats().snapshot_spills, before.snapshot_spills + 1) << "room made then";
 }
 
 // BeginPrefillInPlace, the forward Prefill runs: refused with bad tokens, holds its slot

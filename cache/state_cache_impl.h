@@ -427,6 +427,10 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::Status AcquireRowsLocked(absl::Span<const SlotId> ids,
                                  absl::FunctionRef<std::string(size_t)> field, bool allow_pending,
                                  std::vector<int32_t>* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED naming the first row of `index` (-1: none) no spare slot is left for,
+  // counting the free slots and the snapshots a take may evict; nothing is taken.
+  absl::Status SparesRefusalLocked(const std::vector<int32_t>& index) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One spare slot per non-padding row, or RESOURCE_EXHAUSTED (none taken).
   absl::Status TakeSparesLocked(const std::vector<int32_t>& index, std::vector<int32_t>* spare)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
