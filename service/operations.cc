@@ -27,6 +27,15 @@ std::vector<int32_t> Tokens(const google::protobuf::RepeatedField<int32_t>& toke
   return std::vector<int32_t>(tokens.begin(), tokens.end());
 }
 
+// The tokens a prefix match may cover: all but the last. The engine must run a prompt's last
+// token through every layer for the logits of the first token it generates; a state that
+// already folded it left nothing to prefill (a prefill of no tokens is refused, and decoding
+// that token again would fold it twice) — an outside review. vLLM's and sglang's prefix
+// caches leave the last token to compute the same way.
+std::vector<int32_t> MatchableTokens(const google::protobuf::RepeatedField<int32_t>& tokens) {
+  return std::vector<int32_t>(tokens.begin(), tokens.empty() ? tokens.end() : tokens.end() - 1);
+}
+
 // Times a cache call that runs kernels.
 template <typename F>
 absl::Status Timed(Metrics* metrics, absl::string_view op, F&& f) {
@@ -193,8 +202,8 @@ absl::Status Operations::Allocate(const v1::AllocateRequest& req, v1::AllocateRe
       }
       return IssueWithinQuota(*slot, resp);
     }
-    absl::StatusOr<cache::StateCache::PrefixAllocation> a =
-        ctx_->cache->AllocateFromPrefixIn(ctx_->prefix_namespace(), Tokens(req.prefix_tokens()));
+    absl::StatusOr<cache::StateCache::PrefixAllocation> a = ctx_->cache->AllocateFromPrefixIn(
+        ctx_->prefix_namespace(), MatchableTokens(req.prefix_tokens()));
     if (!a.ok()) return a.status();
     resp->set_matched(a->matched);
     return IssueWithinQuota(a->slot, resp);
@@ -490,7 +499,8 @@ absl::Status Operations::Accept(const v1::AcceptRequest& req, v1::AcceptResponse
 
 absl::Status Operations::MatchPrefix(const v1::MatchPrefixRequest& req,
                                      v1::MatchPrefixResponse* resp) const {
-  resp->set_matched(ctx_->cache->MatchPrefixIn(ctx_->prefix_namespace(), Tokens(req.tokens())));
+  resp->set_matched(
+      ctx_->cache->MatchPrefixIn(ctx_->prefix_namespace(), MatchableTokens(req.tokens())));
   return absl::OkStatus();
 }
 

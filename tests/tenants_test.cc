@@ -215,6 +215,7 @@ TEST_F(TenantQuotaTest, ATenantHoldsAtMostItsSlotsAndSeesItsOwnCountersOnly) {
   ASSERT_TRUE(client_->Donate(slot).ok());  // alice's prefix snapshot
   std::vector<int32_t> prompt;
   for (int i = 0; i < 20; ++i) prompt.push_back(100 + i);
+  prompt.push_back(7);  // a match leaves the prompt's last token to prefill
   ASSERT_EQ(*client_->MatchPrefix(prompt), 20);
   std::vector<uint64_t> bobs;
   for (int i = 0; i < 3; ++i) {
@@ -265,6 +266,7 @@ TEST_F(TenantSnapshotBoundTest, ATenantsDonationsEvictOnlyItsOwnSnapshots) {
   ASSERT_TRUE(client_->Donate(slot).ok());  // alice's prefix snapshot
   std::vector<int32_t> alice_prompt;
   for (int i = 0; i < 10; ++i) alice_prompt.push_back(100 + i);
+  alice_prompt.push_back(7);  // a match leaves the prompt's last token to prefill
   ASSERT_EQ(*client_->MatchPrefix(alice_prompt), 10);
   std::vector<std::vector<int32_t>> bobs;
   for (int d = 0; d < 10; ++d) {  // more donations than the pool has slots
@@ -278,6 +280,7 @@ TEST_F(TenantSnapshotBoundTest, ATenantsDonationsEvictOnlyItsOwnSnapshots) {
     for (const auto& l : Layers(4)) *req.add_layers() = l;
     ASSERT_TRUE(bob_->Prefill(req).ok());
     ASSERT_TRUE(bob_->Donate(s->slot()).ok());
+    tokens.push_back(7);  // the prompt that finds it: one token more
     bobs.push_back(tokens);
   }
   EXPECT_EQ(*client_->MatchPrefix(alice_prompt), 10) << "alice's snapshot outlived bob's ten";

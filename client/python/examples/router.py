@@ -73,7 +73,9 @@ class PrefixIndex:
 
     def longest(self, tokens, block_size):
         """(tokens matched, best tier's rank) of the longest snapshot whose key is a prefix
-        of `tokens`; (0, -1) when none is."""
+        of `tokens` without its last token (the server's Allocate leaves that one to
+        prefill); (0, -1) when none is."""
+        tokens = tokens[:-1]
         best = (0, -1)
         parent, start = None, 0
         while True:
