@@ -818,6 +818,27 @@ TEST_F(ForwardRulesTest, ARefusedPrefillSpillsNothingToTheHost) {
   EXPECT_EQ(cache_->stats().snapshot_spills, before.snapshot_spills + 1) << "room made then";
 }
 
+// A forward's commit moves its rows' cursors, then snapshots the rows on a track boundary. A
+// snapshot that failed (its scan, its copy) failed the commit after the cursors had moved: the
+// service released the request id and a retry applied the step twice. The commit stands now;
+// the snapshot is dropped.
+TEST_F(ForwardRulesTest, ACommitWhoseSnapshotFailsStands) {
+  Make(3, /*track=*/2);
+  const SlotId a = *cache_->Allocate();
+  const std::vector<int32_t> p = {1, 2};
+  ASSERT_EQ(setenv("REPLAYSSM_CPU_FAIL_CALLS", "rssm_none,rssm_count_nonfinite", 1), 0);
+  const absl::Status st = cache_->Prefill(a, p, oracle_->MakeBatch(Toks(p, 0)).io);
+  unsetenv("REPLAYSSM_CPU_FAIL_CALLS");
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(cache_->Info(a)->seq_len, 2);
+  EXPECT_EQ(cache_->stats().slots_snapshot, 0) << "the boundary's snapshot dropped";
+  EXPECT_EQ(cache_->stats().slots_free, 2) << "its slot given back";
+  const std::vector<int32_t> q = {3, 4};
+  ASSERT_TRUE(cache_->Prefill(a, q, oracle_->MakeBatch(Toks(q, 2)).io).ok());
+  EXPECT_EQ(cache_->stats().slots_snapshot, 1) << "the next boundary's, taken";
+  EXPECT_EQ(cache_->MatchPrefix({1, 2, 3, 4, 5}), 4);
+}
+
 // BeginPrefillInPlace, the forward Prefill runs: refused with bad tokens, holds its slot
 // until it ends, changes nothing abandoned before a layer ran, and leaves the slot broken
 // abandoned after one (it kept no copy).

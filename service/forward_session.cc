@@ -370,7 +370,9 @@ absl::Status ForwardSession::Commit(v1::DecodeCommitted* committed) {
     Abandon();  // a planned forward that failed has been abandoned: so is the session's
     return s;
   }
-  if (!s.ok()) return s;  // the forward stays open until abandoned: nothing committed
+  // The forward stays open until abandoned: nothing committed, or (a track fold that failed
+  // after the cursors moved) the rows are broken, and a retry is refused, never applied twice.
+  if (!s.ok()) return s;
   forward_.reset();
   SetPlanned(nullptr);
   s = Committed(committed);

@@ -3,7 +3,9 @@
 // got <value>".
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 #include <utility>
 
@@ -284,6 +286,19 @@ void CheckDecodeConv(Check& c, const rssm_decode_args& a, bool baseline, rssm_de
 }
 
 bool IsCpu(const rssm_launch& l) { return l.backend == RSSM_BACKEND_CPU; }
+
+// A failure injected on the CPU: REPLAYSSM_CPU_FAIL_CALLS names `function` (kernels.h).
+bool CpuFailureInjected(const char* function) {
+  const char* calls = std::getenv("REPLAYSSM_CPU_FAIL_CALLS");
+  if (calls == nullptr) return false;
+  const std::string_view name(function);
+  for (std::string_view rest(calls); !rest.empty();) {
+    const size_t comma = rest.find(',');
+    if (rest.substr(0, comma) == name) return true;
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+  return false;
+}
 
 rssm_status Finish(const Check& c) {
   if (c.ok()) g_last_error.clear();
@@ -633,7 +648,13 @@ rssm_status rssm_count_nonfinite(const rssm_launch* launch, const void* const* p
   }
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
-  if (IsCpu(*launch)) return cpu::CountNonfinite(parts, count, part_elems, dtype, result);
+  if (IsCpu(*launch)) {
+    if (CpuFailureInjected("rssm_count_nonfinite")) {
+      SetLastError("rssm_count_nonfinite: cpu: a failure injected (REPLAYSSM_CPU_FAIL_CALLS)");
+      return RSSM_ERR_DEVICE;
+    }
+    return cpu::CountNonfinite(parts, count, part_elems, dtype, result);
+  }
   if (const rssm_status st = UseStreamDevice(launch, "rssm_count_nonfinite"); st != RSSM_OK) {
     return st;
   }
