@@ -337,7 +337,24 @@ class ServerImpl final : public Server {
   }
 
   absl::Status LoadTokens() {
-    if (options_.auth_tokens_file.empty()) return absl::OkStatus();
+    if (options_.auth_tokens_file.empty()) {
+      // Without tokens every call is one tenant: a tenant's bound would never apply (it was
+      // taken and ignored).
+      const std::pair<const char*, int64_t> bounds[] = {
+          {"tenant-max-streams", options_.tenant_max_streams},
+          {"tenant-max-watchers", options_.tenant_max_watchers},
+          {"tenant-max-slots", options_.tenant_max_slots}};
+      for (const auto& [flag, value] : bounds) {
+        if (value != 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--", flag,
+                           ": expected it with --auth-tokens (without tokens there is one tenant, "
+                           "bounded by the server's own limits), got ",
+                           value, " alone"));
+        }
+      }
+      return absl::OkStatus();
+    }
     absl::StatusOr<std::unique_ptr<TokenStore>> tokens =
         TokenStore::Load(options_.auth_tokens_file);
     if (!tokens.ok()) return tokens.status();
@@ -399,6 +416,14 @@ class ServerImpl final : public Server {
             "--kv-events-replay-endpoint: expected --kv-events-endpoint too, got none");
       }
       return absl::OkStatus();
+    }
+    if (tokens_ != nullptr && !tenant.has_value()) {
+      // With tokens every caller is a named tenant: the implicit one has no events, and the
+      // publisher sent routers nothing after its start (an outside review).
+      return absl::InvalidArgumentError(
+          "--kv-events-tenant: expected a tenant of the --auth-tokens file with "
+          "--kv-events-endpoint (with tokens every caller is a named tenant, and ZMQ carries "
+          "one tenant's events), got none");
     }
     ZmqEventsOptions z;
     z.endpoint = options_.kv_events_endpoint;

@@ -292,6 +292,30 @@ TEST(CommandLine, ServerRefusesCacheEventFlagsItCannotHonour) {
   EXPECT_EQ(tenant.exit_code, 1) << tenant.output;
   EXPECT_TRUE(absl::StrContains(tenant.output, "--kv-events-tenant: expected a tenant"))
       << tenant.output;
+  // With tokens every caller is a named tenant: ZMQ on the implicit one published nothing.
+  const std::string tokens = ::testing::TempDir() + "/zmq_tokens_" + std::to_string(getpid());
+  {
+    std::ofstream f(tokens);
+    f << "alice alice-token-0123456789abcdef\n";
+  }
+  chmod(tokens.c_str(), 0600);
+  const Outcome unnamed = RunBinary(
+      REPLAYSSM_SERVER_BINARY,
+      {"--device=cpu", "--grpc-address=127.0.0.1:0",
+       "--metrics-address=", "--kv-events-endpoint=tcp://127.0.0.1:0", "--auth-tokens=" + tokens});
+  EXPECT_EQ(unnamed.exit_code, 1) << unnamed.output;
+  EXPECT_TRUE(absl::StrContains(unnamed.output,
+                                "--kv-events-tenant: expected a tenant of the --auth-tokens file "
+                                "with --kv-events-endpoint"))
+      << unnamed.output;
+  // A tenant's bound without tokens (one tenant) was taken and never applied.
+  const Outcome bound = RunBinary(
+      REPLAYSSM_SERVER_BINARY,
+      {"--device=cpu", "--grpc-address=127.0.0.1:0", "--metrics-address=", "--tenant-max-slots=3"});
+  EXPECT_EQ(bound.exit_code, 1) << bound.output;
+  EXPECT_TRUE(absl::StrContains(bound.output, "--tenant-max-slots: expected it with --auth-tokens"))
+      << bound.output;
+  std::remove(tokens.c_str());
   // Without the publisher too (it was ignored: the server started with a name it never knew).
   const Outcome no_zmq =
       RunBinary(REPLAYSSM_SERVER_BINARY, {"--device=cpu", "--grpc-address=127.0.0.1:0",
