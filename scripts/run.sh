@@ -6,9 +6,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-# The CUDA backend is built only where a GPU can run it; elsewhere the CPU backend serves.
+# The CUDA backend is built only where it can be built (nvcc: the CUDA toolkit, which this
+# script does not install) and run (a GPU of compute capability 9.0 or later: the kernels are
+# sm_90's); elsewhere the CPU backend serves. A driver alone brings nvidia-smi, not nvcc.
 preset=cpu
-if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then preset=cuda; fi
+nvcc=$(command -v nvcc || true)
+[[ -z "$nvcc" && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
+if [[ -n "$nvcc" ]] && command -v nvidia-smi >/dev/null; then
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 || true)
+  if [[ "${cap%%.*}" =~ ^[0-9]+$ ]] && ((${cap%%.*} >= 9)); then
+    preset=cuda
+    export CUDACXX="$nvcc"
+  else
+    echo "run.sh: no GPU of compute capability 9.0+ (${cap:-none}): the CPU backend serves" >&2
+  fi
+fi
 cmake --preset "$preset" -DREPLAYSSM_SERVICE=ON >/dev/null
 cmake --build --preset "$preset" --target replayssm-server replayssm-cli
 
@@ -19,10 +31,12 @@ pidfile="$build/replayssm-server.pid"
 log="$build/replayssm-server.log"
 ready="$build/replayssm-server.ready"
 
-# A server this script started before is stopped (gracefully) first.
-if [[ -f "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+# A server this script started before is stopped (gracefully) first: its drain may take
+# --drain-timeout (30 s). A pid reused since by another program is left alone.
+if [[ -f "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null &&
+  grep -qa replayssm-server "/proc/$(cat "$pidfile")/cmdline" 2>/dev/null; then
   kill -TERM "$(cat "$pidfile")"
-  for _ in $(seq 100); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
+  for _ in $(seq 400); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
 fi
 rm -f "$ready"
 nohup "./$build/service/replayssm-server" --model tiny-gdn --device auto \
