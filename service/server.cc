@@ -181,6 +181,10 @@ absl::StatusOr<cache::ModelSpec> LoadModel(const ServerOptions& o) {
   return m;
 }
 
+bool IsUnixAddress(absl::string_view address) {
+  return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
+}
+
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
   return colon == std::string::npos ? address : address.substr(0, colon);
@@ -190,10 +194,7 @@ std::string HostOf(const std::string& address) {
 // 127.0.0.1:99999 listened on 34463, a missing port on 443 (an outside review).
 absl::Status CheckListenAddress(absl::string_view flag, const std::string& address) {
   // gRPC's Unix-domain forms name no port.
-  if (flag == "grpc-address" &&
-      (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:"))) {
-    return absl::OkStatus();
-  }
+  if (flag == "grpc-address" && IsUnixAddress(address)) return absl::OkStatus();
   // The metrics server (civetweb) also takes a bare port and comma-separated lists.
   if (flag == "metrics-address" && address.find(',') != std::string::npos) {
     for (absl::string_view part : absl::StrSplit(address, ',')) {
@@ -488,7 +489,10 @@ class ServerImpl final : public Server {
   // gRPC does: on the interface of --grpc-address (loopback by default), on every one for a
   // wildcard address.
   void DefaultTransferInterface() {
-    const std::string host = HostOfAddress(options_.grpc_address);
+    // A Unix-domain gRPC socket is reached from this host only: so is UCX then (loopback).
+    const std::string host = IsUnixAddress(options_.grpc_address)
+                                 ? std::string("127.0.0.1")
+                                 : HostOfAddress(options_.grpc_address);
     if (std::optional<std::string> i = InterfaceHolding(host); i.has_value()) {
       setenv("UCX_NET_DEVICES", i->c_str(), /*overwrite=*/1);
       return;
@@ -592,7 +596,10 @@ class ServerImpl final : public Server {
       return absl::UnavailableError(
           absl::StrCat("--grpc-address ", options_.grpc_address, ": cannot listen"));
     }
-    grpc_address_ = absl::StrCat(HostOf(options_.grpc_address), ":", port);
+    // A Unix-domain socket has no port (gRPC reports 1): its address is the flag's own.
+    grpc_address_ = IsUnixAddress(options_.grpc_address)
+                        ? options_.grpc_address
+                        : absl::StrCat(HostOf(options_.grpc_address), ":", port);
     transfers_->set_self_address(grpc_address_);  // PullSlot's default self_address
     server_->GetHealthCheckService()->SetServingStatus(true);
     server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);

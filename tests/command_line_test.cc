@@ -260,6 +260,20 @@ TEST(CommandLine, AnInterruptedDemoOrBenchFreesItsSlots) {
   EXPECT_TRUE(absl::StrContains(live(), "\"slots_live\": \"0\"")) << live();
 }
 
+// A server on a Unix-domain socket reported its address as "unix:1" (gRPC's port for one) in
+// its log line and ready file, and PullSlot's default self address with it.
+TEST(CommandLine, AUnixSocketServerReportsItsOwnAddress) {
+  const std::string socket =
+      absl::StrCat("unix:", ::testing::TempDir(), "/replayssm-", getpid(), ".sock");
+  auto server = ServerProcess::Start({"--grpc-address=" + socket});
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->grpc_address(), socket);
+  const Outcome info =
+      RunBinary(REPLAYSSM_CLI_BINARY, {"--address=" + (*server)->grpc_address(), "info"});
+  EXPECT_EQ(info.exit_code, 0) << info.output;
+  EXPECT_TRUE(absl::StrContains(info.output, "tiny-gdn")) << info.output;
+}
+
 // Cache-event flags the server cannot honour stop it at start, naming the flag.
 TEST(CommandLine, ServerRefusesCacheEventFlagsItCannotHonour) {
   const std::vector<std::string> base = {"--device=cpu", "--grpc-address=127.0.0.1:0",
