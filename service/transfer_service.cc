@@ -617,6 +617,9 @@ grpc::ServerUnaryReactor* TransferService::PullSlot(grpc::CallbackServerContext*
   if (st.ok()) st = CheckPeer(req->peer_address());
   if (st.ok()) st = ctx_->requests->CheckId(req->request_id());
   if (st.ok()) st = ctx_->gate->RefuseIfFailed(kNoDeviceWork);
+  // A pull brings a state in: a draining server refuses it here, before the source is asked
+  // to push (its reservation here would be refused, each side counting a failed move).
+  if (st.ok()) st = ctx_->gate->Refuse(kNoIncoming);
   if (!st.ok()) return Reply(c, "PullSlot", st);
   std::string self = req->self_address();
   if (self.empty()) {

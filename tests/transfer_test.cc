@@ -146,6 +146,24 @@ TEST_F(TransferTest, ADrainingServerTakesNoIncomingStateAndTheSenderKeepsItsSour
   ASSERT_FALSE(refused.ok());
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "draining")) << refused.status();
   EXPECT_TRUE(client_->GetSlot(t).ok());
+  // A pull into B is refused by B at once. It used to ask A to push, A's reservation on B was
+  // refused, and the one doomed pull counted failures on both servers (an outside review).
+  const auto peer_failures = [&] {
+    double n = 0;
+    for (const char* reason :
+         {"UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "UNAUTHENTICATED"}) {
+      n += Metric(*server_, absl::StrCat("replayssm_transfer_failures_total{reason=\"", reason,
+                                         "\",role=\"peer\"}"));
+    }
+    return n;
+  };
+  const double asked = peer_failures();
+  auto pulled = cb->PullSlot(t, server_->grpc_address(), false);
+  ASSERT_FALSE(pulled.ok());
+  EXPECT_EQ(pulled.status().code(), absl::StatusCode::kUnavailable) << pulled.status();
+  EXPECT_TRUE(absl::StrContains(pulled.status().message(), "draining")) << pulled.status();
+  EXPECT_EQ(peer_failures(), asked) << "A was never asked to push";
+  EXPECT_TRUE(client_->GetSlot(t).ok());
   EXPECT_TRUE(client_->Decode(DecodeRequest({s, t}, Layers(2))).ok()) << "neither stays locked";
   auto listed = cb->ListSlots();
   ASSERT_TRUE(listed.ok());
