@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "replayssm/cache/tp.h"
 
 namespace replayssm::service {
 
@@ -179,7 +180,7 @@ const std::vector<Flag>& Flags() {
       {"tp-size",
        "tensor-parallel ranks of the engine served: one cache shard per rank, each with "
        "HV/tp-size v heads and --memory-budget of its own; activations rank-major",
-       Int(&ServerOptions::tp_size)},
+       Int(&ServerOptions::tp_size, 1, cache::kMaxTpSize)},
       {"devices",
        "CUDA devices of the TP ranks, one per rank, e.g. 0,1,2,3 (sets --tp-size when it is 1); "
        "empty: every rank on --device's GPU",

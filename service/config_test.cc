@@ -111,7 +111,9 @@ TEST(ServerFlags, OutOfRangeValuesAreRefusedNamingTheFlagWhereverTheyComeFrom) {
         Case{"--max-request-id-bytes=0", &ServerOptions::max_request_id_bytes, 0,
              "--max-request-id-bytes: expected 1..65536, got 0"},
         Case{"--host-spill-ahead=65537", &ServerOptions::host_spill_ahead, 65537,
-             "--host-spill-ahead: expected 0..65536, got 65537"}}) {
+             "--host-spill-ahead: expected 0..65536, got 65537"},
+        Case{"--tp-size=0", &ServerOptions::tp_size, 0, "--tp-size: expected 1..8, got 0"},
+        Case{"--tp-size=9", &ServerOptions::tp_size, 9, "--tp-size: expected 1..8, got 9"}}) {
     auto parsed = Parse({c.arg});
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     const absl::Status from_flags = CheckServerBounds(parsed->options);
