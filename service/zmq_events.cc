@@ -308,22 +308,25 @@ void ZmqEventPublisher::SendReplays() {
     PendingReplay& r = *it;
     bool gone = false;
     while (r.next <= r.batches.size()) {
-      std::vector<std::string> frames;
-      frames.push_back(r.id);
-      if (r.delimited) frames.emplace_back();
-      if (r.next < r.batches.size()) {
-        const KvEventBatch& b = r.batches[r.next];
-        frames.push_back(SeqBytes(static_cast<int64_t>(b.seq)));
-        frames.push_back(EncodeKvEventBatch(b, log_->block_size()));
-      } else {
-        frames.push_back(SeqBytes(-1));
-        frames.emplace_back();
+      if (r.frames.empty()) {
+        r.frames.push_back(r.id);
+        if (r.delimited) r.frames.emplace_back();
+        if (r.next < r.batches.size()) {
+          KvEventBatch& b = r.batches[r.next];
+          r.frames.push_back(SeqBytes(static_cast<int64_t>(b.seq)));
+          r.frames.push_back(EncodeKvEventBatch(b, log_->block_size()));
+          b = KvEventBatch();  // encoded: its memory goes
+        } else {
+          r.frames.push_back(SeqBytes(-1));
+          r.frames.emplace_back();
+        }
       }
-      if (!SendFrames(replay_, frames, ZMQ_DONTWAIT)) {
+      if (!SendFrames(replay_, r.frames, ZMQ_DONTWAIT)) {
         // EAGAIN: the router's queue is full, the rest waits. Else (EHOSTUNREACH) it is gone.
         gone = zmq_errno() != EAGAIN;
         break;
       }
+      r.frames.clear();
       ++r.next;
     }
     it = gone || r.next > r.batches.size() ? replays_.erase(it) : it + 1;

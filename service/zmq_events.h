@@ -10,7 +10,9 @@
 //    from there and an end marker [-1 (8 bytes), empty] (REQ or DEALER clients). A replay is
 //    sent at the pace the router reads it (ZMQ_ROUTER_MANDATORY: a full queue is retried,
 //    never dropped), at most kMaxReplays at once; a request beyond that, or one from a router
-//    already being answered, replaces the oldest / its earlier answer.
+//    already being answered, replaces the oldest / its earlier answer (whose messages queued
+//    for that router already still arrive first: a router asking again reads up to its
+//    earlier answer's end marker or the sequence number it asked from).
 // The endpoint carries one tenant's events (--kv-events-tenant). Authentication
 // (--kv-events-curve-secret-file, --kv-events-clients-file): both sockets are CURVE servers
 // (ZMQ's encryption and key authentication) and a ZAP handler admits only the client public
@@ -78,6 +80,8 @@ class ZmqEventPublisher final : public KvEventListener {
     bool delimited = false;
     std::vector<KvEventBatch> batches;
     size_t next = 0;  // batches.size(): the end marker is next
+    // The next message's frames, kept while the router's queue is full (encoded once).
+    std::vector<std::string> frames;
   };
 
   void Run();
