@@ -1,5 +1,7 @@
-// Every bad-input class gets its gRPC code, names the field, and changes nothing (the slot's
-// exported state and seq_len are compared before and after).
+// Every bad-input class gets its gRPC code, names the field, and changes nothing: the test
+// slot's cursors (seq_len, write_pos 2, drafts waiting) are compared before and after without
+// folding it (an export would: the bad calls used to meet a folded slot, an outside review),
+// and its next decode still matches the CPU reference (its checkpoint and ring intact).
 #include <algorithm>
 #include <functional>
 #include <future>
@@ -100,7 +102,7 @@ TEST_F(ErrorsTest, EveryBadDecodeFieldReturnsItsCodeAndChangesNothing) {
       {"freed slot", [freed](auto& r, auto) { r.mutable_rows(0)->set_slot(freed); },
        grpc::StatusCode::NOT_FOUND, "slot"},
   };
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   for (const BadDecode& c : cases) {
     v1::DecodeRequest req = Valid(std::vector<uint64_t>(c.rows, slot_));
     c.mutate(req, slot_);
@@ -108,7 +110,7 @@ TEST_F(ErrorsTest, EveryBadDecodeFieldReturnsItsCodeAndChangesNothing) {
     EXPECT_EQ(s.error_code(), c.code) << c.name << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(c.field), std::string::npos)
         << c.name << ": " << s.error_message();
-    EXPECT_EQ(Observe(slot_), before) << c.name << " changed the slot";
+    EXPECT_EQ(Cursors(slot_), before) << c.name << " changed the slot";
   }
   DecodeStep({slot_}, {seq_});  // the slot still works and still matches the reference
 }
@@ -119,11 +121,12 @@ TEST_F(ErrorsTest, AForeignSlotFromAnotherServerIsNotFound) {
   auto other_client = Client::Connect((*other)->grpc_address());
   auto foreign = other_client->Allocate();
   ASSERT_TRUE(foreign.ok());
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   v1::DecodeRequest req = Valid({slot_, foreign->slot()});
   EXPECT_EQ(RawDecode(req).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(client_->Free(foreign->slot()).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
+  DecodeStep({slot_}, {seq_});  // the state intact: the next decode matches the reference
 }
 
 // Handles carry 64 random bits: one slot's handle says nothing of another's (the generation-1
@@ -145,7 +148,7 @@ TEST_F(ErrorsTest, NeighbouringAndFreedHandlesAreNotFoundAndErrorsEchoTheCallers
   for (uint64_t index = 0; index < 16; ++index) {  // slot_'s high half, every low index
     guesses.push_back((slot_ & ~uint64_t{0xffffffff}) | index);
   }
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   for (uint64_t guess : guesses) {
     if (std::find(live.begin(), live.end(), guess) != live.end()) continue;
     const std::string handle = std::to_string(guess);
@@ -161,7 +164,7 @@ TEST_F(ErrorsTest, NeighbouringAndFreedHandlesAreNotFoundAndErrorsEchoTheCallers
         << decode.error_message();
   }
   for (uint64_t h : live) EXPECT_TRUE(client_->GetSlot(h).ok()) << "a guess freed " << h;
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
   // Handle 0 (padding) names no slot; the error says it got 0 (an outside review: it said
   // "got (a slot without a handle)", nothing the caller sent).
   for (const absl::Status& zero : {client_->Free(0), client_->GetSlot(0).status()}) {
@@ -174,6 +177,7 @@ TEST_F(ErrorsTest, NeighbouringAndFreedHandlesAreNotFoundAndErrorsEchoTheCallers
   v1::DecodeRequest twice = Valid({slot_, slot_});
   const grpc::Status dup = RawDecode(twice);
   EXPECT_EQ(dup.error_message().find("0x"), std::string::npos) << dup.error_message();
+  DecodeStep({slot_}, {seq_});  // the state intact: the next decode matches the reference
 }
 
 // gRPC answers a unary request that does not parse with UNIMPLEMENTED and no text, before any
@@ -194,7 +198,7 @@ TEST_F(ErrorsTest, AnUnparseableRequestIsInvalidArgumentWithTextAndCounted) {
       "\x0a\x10"
       "abc",
       5);  // field 1: 16 bytes announced, 3 sent
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   const grpc::Status allocate = call("/replayssm.v1.ReplaySsm/Allocate", truncated);
   EXPECT_EQ(allocate.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(allocate.error_message(),
@@ -207,16 +211,17 @@ TEST_F(ErrorsTest, AnUnparseableRequestIsInvalidArgumentWithTextAndCounted) {
   // A method that does not exist stays UNIMPLEMENTED.
   EXPECT_EQ(call("/replayssm.v1.ReplaySsm/NoSuchMethod", "").error_code(),
             grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
   auto metrics = HttpGet(server_->metrics_address(), "/metrics");
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_EQ(Sample(*metrics, R"(replayssm_rpcs_total{code="INVALID_ARGUMENT",method="Allocate"})"),
             1);
   EXPECT_EQ(Sample(*metrics, R"(replayssm_rpcs_total{code="INVALID_ARGUMENT",method="Free"})"), 1);
+  DecodeStep({slot_}, {seq_});  // the state intact: the next decode matches the reference
 }
 
 TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   v1::PrefillRequest prefill;
   prefill.set_slot(slot_);
   prefill.add_tokens(1);
@@ -229,7 +234,7 @@ TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
   prefill.clear_tokens();
   EXPECT_EQ(client_->Prefill(prefill).status().code(), absl::StatusCode::kInvalidArgument);
 
-  auto exported = client_->Export(slot_);
+  auto exported = client_->Export(NewSlot());  // the shapes of a state; slot_ stays unfolded
   ASSERT_TRUE(exported.ok());
   v1::ImportRequest imp;
   imp.set_slot(slot_);
@@ -256,7 +261,8 @@ TEST_F(ErrorsTest, BadPrefillImportVerifyAndAcceptChangeNothing) {
   // Issue 31 §7: the error names the request's field (it said `n`).
   EXPECT_TRUE(absl::StartsWith(accept.status().message(), "num_accepted: expected 0 to 0"))
       << accept.status();
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
+  DecodeStep({slot_}, {seq_});  // the state intact: the next decode matches the reference
 }
 
 TEST_F(ErrorsTest, ExportWithUnacceptedDraftsIsRefusedAsAnInvariant) {
@@ -276,7 +282,7 @@ TEST_F(ErrorsTest, ExportWithUnacceptedDraftsIsRefusedAsAnInvariant) {
 }
 
 TEST_F(ErrorsTest, ASlotInAnOpenForwardIsRefusedAndAnAbandonedForwardChangesNothing) {
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   auto stream = client_->OpenStream();
   std::vector<v1::DecodeRow> rows(1);
   rows[0].set_slot(slot_);
@@ -288,12 +294,12 @@ TEST_F(ErrorsTest, ASlotInAnOpenForwardIsRefusedAndAnAbandonedForwardChangesNoth
   auto early = stream->Commit();  // not every layer ran
   EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
   stream->Finish().IgnoreError();  // the server abandoned the forward
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
   DecodeStep({slot_}, {seq_});
 }
 
 TEST_F(ErrorsTest, ClosingAStreamMidForwardAbandonsItAndChangesNothing) {
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   const int64_t abandoned = client_->Stats()->forwards_abandoned();
   auto stream = client_->OpenStream();
   std::vector<v1::DecodeRow> rows(1);
@@ -302,7 +308,7 @@ TEST_F(ErrorsTest, ClosingAStreamMidForwardAbandonsItAndChangesNothing) {
   auto layers = Layers(1);
   for (int l = 0; l < num_layers(); ++l) ASSERT_TRUE(stream->RunLayer(layers[l]).ok());
   EXPECT_TRUE(stream->Finish().ok());  // every layer ran, but no commit
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
   EXPECT_EQ(client_->Stats()->forwards_abandoned(), abandoned + 1);
   DecodeStep({slot_}, {seq_});
 }
@@ -350,7 +356,7 @@ TEST_F(ErrorsTest, BadLayerMessagesOfPrefillAndVerifyForwardsChangeNothing) {
       {"a second begin", [this](auto& r) { r.mutable_verify_begin()->add_slots(slot_); },
        grpc::StatusCode::FAILED_PRECONDITION, "begin"},
   };
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   const int64_t free_before = client_->Stats()->slots_free();
   for (bool prefill : {true, false}) {
     for (const BadLayerMessage& c : cases) {
@@ -384,7 +390,7 @@ TEST_F(ErrorsTest, BadLayerMessagesOfPrefillAndVerifyForwardsChangeNothing) {
       const grpc::Status s = stream->Finish();
       EXPECT_EQ(s.error_code(), c.code) << s.error_message();
       EXPECT_NE(s.error_message().find(c.field), std::string::npos) << s.error_message();
-      EXPECT_EQ(Observe(slot_), before);
+      EXPECT_EQ(Cursors(slot_), before);
       EXPECT_EQ(client_->Stats()->slots_free(), free_before) << "the spare slot came back";
     }
   }
@@ -394,7 +400,7 @@ TEST_F(ErrorsTest, BadLayerMessagesOfPrefillAndVerifyForwardsChangeNothing) {
 TEST_F(ErrorsTest, BadPrefillAndVerifyBeginsNameTheirFieldAndChangeNothing) {
   const uint64_t freed = NewSlot();
   ASSERT_TRUE(client_->Free(freed).ok());
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   auto prefill = [&](const std::vector<std::pair<uint64_t, int>>& rows) {
     std::vector<v1::PrefillRow> r;
     for (auto [slot, n] : rows)
@@ -432,8 +438,9 @@ TEST_F(ErrorsTest, BadPrefillAndVerifyBeginsNameTheirFieldAndChangeNothing) {
     EXPECT_EQ(c.status.code(), c.code) << c.name << ": " << c.status;
     EXPECT_NE(c.status.message().find(c.field), std::string::npos) << c.name << ": " << c.status;
   }
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
   EXPECT_EQ(client_->Stats()->open_forwards(), 0);
+  DecodeStep({slot_}, {seq_});  // the state intact: the next decode matches the reference
 }
 
 TEST_F(ErrorsTest, AllocationBeyondCapacityIsResourceExhaustedAndFreeingMakesRoom) {
@@ -455,7 +462,7 @@ TEST_F(ErrorsTest, AllocationBeyondCapacityIsResourceExhaustedAndFreeingMakesRoo
 }
 
 TEST_F(ErrorsTest, AMessageOverTheLimitIsResourceExhausted) {
-  const std::string before = Observe(slot_);
+  const std::string before = Cursors(slot_);
   v1::PrefillRequest prefill;
   prefill.set_slot(slot_);
   const int n = 400;  // ~4 KiB per token over all layers of tiny-gdn: > 1 MiB
@@ -463,7 +470,8 @@ TEST_F(ErrorsTest, AMessageOverTheLimitIsResourceExhausted) {
   for (const auto& l : Layers(n)) *prefill.add_layers() = l;
   ASSERT_GT(prefill.ByteSizeLong(), size_t{1} << 20);
   EXPECT_EQ(client_->Prefill(prefill).status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(Observe(slot_), before);
+  EXPECT_EQ(Cursors(slot_), before);
+  DecodeStep({slot_}, {seq_});  // the state intact: the next decode matches the reference
 }
 
 }  // namespace

@@ -114,6 +114,14 @@ class ServiceTest : public ::testing::Test {
     return slot;
   }
 
+  // A slot's cursors (seq_len, write_pos, drafts waiting), read without folding it as an
+  // export does: a bad call compared by these runs on the ring as it was.
+  std::string Cursors(uint64_t slot) {
+    auto info = client_->GetSlot(slot);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->SerializeAsString() : "";
+  }
+
   // Everything observable about a slot: its exported state and its cursors.
   std::string Observe(uint64_t slot) {
     auto state = client_->Export(slot);
