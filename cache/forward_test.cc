@@ -764,6 +764,29 @@ TEST_F(ForwardRulesTest, AVerifyAbandonedBeforeItsFirstLayerKeepsTheWaitingDraft
   EXPECT_EQ(cache_->Info(a)->seq_len, 5);
 }
 
+// Accepted drafts that land exactly on a track boundary snapshot it; ones that jump over one do
+// not (that state never existed folded): docs/cache.md's rule, untested until an outside review.
+TEST_F(ForwardRulesTest, AnAcceptOnATrackBoundarySnapshotsItAndOneOverItDoesNot) {
+  Make(4, /*track=*/4);
+  const SlotId a = *cache_->Allocate(), b = *cache_->Allocate();
+  const std::vector<int32_t> p = {1, 2};
+  for (SlotId s : {a, b}) {
+    ASSERT_TRUE(cache_->Prefill(s, p, oracle_->MakeBatch(Toks(p, 0)).io).ok());
+  }
+  const std::vector<int32_t> drafts = {3, 4, 5};
+  Batch d = oracle_->MakeBatch(Toks(drafts, 2));
+  ASSERT_TRUE(cache_->Verify({a}, 3, drafts, d.io).ok());
+  ASSERT_TRUE(cache_->Accept(a, 2).ok());  // seq_len 4: on the boundary
+  EXPECT_EQ(cache_->Info(a)->seq_len, 4);
+  EXPECT_EQ(cache_->stats().slots_snapshot, 1);
+  EXPECT_EQ(cache_->MatchPrefix({1, 2, 3, 4, 9}), 4);
+  ASSERT_TRUE(cache_->Verify({b}, 3, {6, 7, 8}, d.io).ok());
+  ASSERT_TRUE(cache_->Accept(b, 3).ok());  // seq_len 5: over the boundary at 4
+  EXPECT_EQ(cache_->Info(b)->seq_len, 5);
+  EXPECT_EQ(cache_->stats().slots_snapshot, 1) << "no snapshot of a state never folded";
+  EXPECT_EQ(cache_->MatchPrefix({1, 2, 6, 7, 8, 9}), 0);
+}
+
 // A prefill whose rows cannot all have a spare slot is refused before it takes any: no
 // snapshot is evicted for the rows it then gives up.
 TEST_F(ForwardRulesTest, ARefusedPrefillEvictsNoSnapshot) {
