@@ -416,9 +416,34 @@ TEST_F(CacheTest, EveryPathOutOfASlotGoesThroughTheGuard) {
   const int64_t refusals = cache_->stats().invariant_refusals;
   EXPECT_EQ(cache_->Export(a).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(cache_->Donate(a).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(cache_->stats().invariant_refusals, refusals + 2);
+  EXPECT_EQ(cache_->OpenExport(a, "move", SlotIoOptions{}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache_->stats().invariant_refusals, refusals + 3);
   EXPECT_EQ(cache_->Info(a)->pending_drafts, 2);
   ASSERT_TRUE(cache_->Accept(a, 0).ok());
+  // The other ways out (an outside review: the test named every public path and skipped
+  // these): an export into backend memory (a client's registered region) and a move out.
+  Step({a}, {&h}, {&r}, 5);  // w = 1
+  guarded("export into backend memory", [&] {
+    const ModelSpec& m = cache_->model();
+    std::vector<std::vector<uint8_t>> layers(m.num_layers,
+                                             std::vector<uint8_t>(m.LayerStateBytes()));
+    std::vector<void*> ptrs;
+    for (std::vector<uint8_t>& l : layers) ptrs.push_back(l.data());
+    absl::StatusOr<ExportedState> e = cache_->ExportInto(a, ptrs, IoMemory::kBackend);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ(e->seq_len, 5);
+  });
+  EXPECT_EQ(cache_->Info(a)->write_pos, 0) << "export materialized";
+  Step({a}, {&h}, {&r}, 7);  // seq_len 6: a boundary (folded and snapshotted)
+  Step({a}, {&h}, {&r}, 8);  // w = 1
+  ASSERT_EQ(cache_->Info(a)->write_pos, 1);
+  guarded("a move out", [&] {
+    absl::StatusOr<std::unique_ptr<SlotReader>> reader =
+        cache_->OpenExport(a, "move", SlotIoOptions{});
+    ASSERT_TRUE(reader.ok()) << reader.status();
+  });  // the reader dropped unfinished: the slot stays
+  EXPECT_EQ(cache_->Info(a)->write_pos, 0) << "the move folded it first";
   guarded("donation", [&] { ASSERT_TRUE(cache_->Donate(a).ok()); });
 }
 
