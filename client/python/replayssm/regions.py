@@ -22,6 +22,7 @@ import abc
 import atexit
 import contextlib
 import sys
+import threading
 from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
 
@@ -64,16 +65,24 @@ def _untrackable(shm_name):
     return shm_name is not None and ":" in shm_name
 
 
+# Held while this module creates, attaches or removes shared memory and while the tracker is
+# off: two threads switching it off at once left it off for good (the second saved the first's
+# stand-ins and restored them last), and another thread's tracked region made meanwhile was
+# never registered.
+_shm_lock = threading.RLock()
+
+
 @contextlib.contextmanager
 def _tracker_off():
     """SharedMemory's calls to the resource tracker do nothing meanwhile (Python < 3.13 has no
     track=False)."""
-    register, unregister = resource_tracker.register, resource_tracker.unregister
-    resource_tracker.register = resource_tracker.unregister = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        resource_tracker.register, resource_tracker.unregister = register, unregister
+    with _shm_lock:
+        register, unregister = resource_tracker.register, resource_tracker.unregister
+        resource_tracker.register = resource_tracker.unregister = lambda *args, **kwargs: None
+        try:
+            yield
+        finally:
+            resource_tracker.register, resource_tracker.unregister = register, unregister
 
 
 @atexit.register
@@ -89,6 +98,11 @@ def _unlink_untracked():
 
 
 def _create(shm_name, nbytes):
+    with _shm_lock:
+        return _create_locked(shm_name, nbytes)
+
+
+def _create_locked(shm_name, nbytes):
     if not _untrackable(shm_name):
         shm = shared_memory.SharedMemory(name=shm_name, create=True, size=nbytes)
         _owned.add(shm._name)
@@ -107,6 +121,11 @@ def _attach(shm_name):
     """The existing shm object `shm_name`, left out of this process's resource tracker: Python
     (before 3.13's track=False) registers attachments too, and the tracker unlinks whatever its
     process registered when that process exits; the owner's object would vanish under it."""
+    with _shm_lock:
+        return _attach_locked(shm_name)
+
+
+def _attach_locked(shm_name):
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=shm_name, track=False)
     if _untrackable(shm_name):
@@ -154,7 +173,7 @@ class SharedMemoryRegion(Region):
             _owned.discard(name)
             tracked = name not in _owned_untracked
             _owned_untracked.discard(name)
-            with contextlib.nullcontext() if tracked else _tracker_off():
+            with _shm_lock, contextlib.nullcontext() if tracked else _tracker_off():
                 try:
                     self._shm.unlink()
                 except FileNotFoundError:

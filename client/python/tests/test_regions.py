@@ -5,6 +5,7 @@ unregister, and each refusal with its code and field)."""
 import os
 import subprocess
 import sys
+import threading
 import unittest
 
 import numpy as np
@@ -67,6 +68,25 @@ class SharedMemoryTest(unittest.TestCase):
             self.assertEqual(region.key, key)
             self.assertTrue(os.path.exists("/dev/shm" + key))
         self.assertFalse(os.path.exists("/dev/shm" + key), "close() removed it")
+
+    def test_regions_made_on_several_threads_leave_the_tracker_on(self):
+        # Switching the resource tracker off (a key with ':' before Python 3.13) was not
+        # thread-safe: two threads at once left it off for good (an outside review).
+        from multiprocessing import resource_tracker
+        register, unregister = resource_tracker.register, resource_tracker.unregister
+
+        def churn(t):
+            for i in range(40):
+                key = f"/rssm-test:{os.getpid()}-{t}-{i}" if i % 2 else None
+                regions.SharedMemoryRegion("acts", 4096, key=key).close()
+
+        threads = [threading.Thread(target=churn, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertIs(resource_tracker.register, register)
+        self.assertIs(resource_tracker.unregister, unregister)
 
     def test_the_owner_closes_an_object_someone_else_removed(self):
         region = regions.SharedMemoryRegion("acts", 4096)
