@@ -78,6 +78,7 @@ absl::Status Worker(const std::string& address, const DecodeBenchOptions& option
       return absl::CancelledError("bench: interrupted; its slots are freed");
     }
     for (v1::DecodeRow& row : rows) row.set_token_id(step);
+    for (v1::DecodeRow& row : *unary.mutable_rows()) row.set_token_id(step);  // it decoded 0s
     absl::Status s =
         options.unary ? client->Decode(unary).status() : stream->Forward(rows, layers).status();
     if (!s.ok()) return s;

@@ -260,6 +260,26 @@ TEST(CommandLine, AnInterruptedDemoOrBenchFreesItsSlots) {
   EXPECT_TRUE(absl::StrContains(live(), "\"slots_live\": \"0\"")) << live();
 }
 
+// The CLI's changing commands take --request-id, so that a script retrying one (its answer
+// lost) is answered once: it had none, and each run was a new request (a second slot).
+TEST(CommandLine, TheCliRetriesACallUnderItsRequestId) {
+  auto server = ServerProcess::Start({});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = "--address=" + (*server)->grpc_address();
+  const Outcome first = RunBinary(REPLAYSSM_CLI_BINARY, {address, "alloc", "--request-id=r1"});
+  const Outcome again = RunBinary(REPLAYSSM_CLI_BINARY, {address, "alloc", "--request-id=r1"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_TRUE(absl::StrContains(first.output, "\"slot\"")) << first.output;
+  EXPECT_EQ(again.output, first.output) << "the same answer: the same slot";
+  const Outcome stats = RunBinary(REPLAYSSM_CLI_BINARY, {address, "stats"});
+  EXPECT_TRUE(absl::StrContains(stats.output, "\"slots_live\": \"1\"")) << stats.output;
+  const Outcome empty = RunBinary(REPLAYSSM_CLI_BINARY, {address, "alloc", "--request-id="});
+  EXPECT_EQ(empty.exit_code, 2) << empty.output;
+  EXPECT_TRUE(absl::StrContains(empty.output, "--request-id: expected a value, got an empty one"))
+      << empty.output;
+}
+
 // A server on a Unix-domain socket reported its address as "unix:1" (gRPC's port for one) in
 // its log line and ready file, and PullSlot's default self address with it.
 TEST(CommandLine, AUnixSocketServerReportsItsOwnAddress) {

@@ -34,6 +34,8 @@ constexpr char kUsage[] =
     "  health               grpc.health.v1 status of the server\n"
     "  alloc [TOKEN...]     allocate a slot (from the longest matching prefix when tokens)\n"
     "  free SLOT            free a slot\n"
+    "                       alloc, free, transfer and pull take --request-id ID: a retry\n"
+    "                       with the same ID is answered once (default: a new ID each run)\n"
     "  transfer SLOT PEER [--keep]\n"
     "                       move a slot to the server at PEER (host:port) over UCX; prints\n"
     "                       its handle there; --keep leaves the source slot in place\n"
@@ -73,10 +75,10 @@ const std::vector<Command>& Commands() {
       {"info", 0, 0, "", {}, {}},
       {"stats", 0, 0, "", {}, {}},
       {"health", 0, 0, "", {}, {}},
-      {"alloc", 0, -1, "", {}, {}},
-      {"free", 1, 1, "SLOT", {}, {}},
-      {"transfer", 2, 2, "SLOT PEER", {}, {"keep"}},
-      {"pull", 2, 2, "SLOT PEER", {"self"}, {"keep"}},
+      {"alloc", 0, -1, "", {"request-id"}, {}},
+      {"free", 1, 1, "SLOT", {"request-id"}, {}},
+      {"transfer", 2, 2, "SLOT PEER", {"request-id"}, {"keep"}},
+      {"pull", 2, 2, "SLOT PEER", {"self", "request-id"}, {"keep"}},
       {"demo", 0, 0, "", {"requests", "steps", "seed", "disaggregated"}, {}},
       {"bench", 0, 0, "", {"concurrency", "batch", "seconds"}, {"unary"}},
   };
@@ -230,6 +232,7 @@ struct Request {
   uint64_t slot = 0;            // free, transfer, pull
   std::string peer, self;       // transfer, pull
   bool keep = false;
+  std::string request_id;  // alloc, free, transfer, pull ("" = a new one)
   replayssm::client::DemoOptions demo;
   replayssm::client::DecodeBenchOptions bench;
 };
@@ -316,6 +319,7 @@ absl::StatusOr<Request> Prepare(const Invocation& inv) {
   if (args.size() > 1) r.peer = args[1];
   r.keep = inv.options.contains("keep");
   if (auto it = inv.options.find("self"); it != inv.options.end()) r.self = it->second;
+  if (auto it = inv.options.find("request-id"); it != inv.options.end()) r.request_id = it->second;
   if (r.command == "demo") {
     if (absl::Status s = SetDemoOptions(inv, r.demo); !s.ok()) return s;
   }
@@ -388,19 +392,20 @@ int Run(const Request& r) {
     return *h == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
   }
   if (r.command == "alloc") {
-    auto a = r.tokens.empty() ? c.Allocate() : c.AllocateFromPrefix(r.tokens);
+    auto a =
+        r.tokens.empty() ? c.Allocate(r.request_id) : c.AllocateFromPrefix(r.tokens, r.request_id);
     return a.ok() ? PrintJson(*a) : Fail(a.status());
   }
   if (r.command == "free") {
-    absl::Status s = c.Free(r.slot);
+    absl::Status s = c.Free(r.slot, r.request_id);
     return s.ok() ? 0 : Fail(s);
   }
   if (r.command == "transfer") {
-    auto t = c.TransferSlot(r.slot, r.peer, r.keep);
+    auto t = c.TransferSlot(r.slot, r.peer, r.keep, r.request_id);
     return t.ok() ? PrintJson(*t) : Fail(t.status());
   }
   if (r.command == "pull") {
-    auto p = c.PullSlot(r.slot, r.peer, r.keep, r.self);
+    auto p = c.PullSlot(r.slot, r.peer, r.keep, r.self, r.request_id);
     return p.ok() ? PrintJson(*p) : Fail(p.status());
   }
   return Demo(c, r.demo);
