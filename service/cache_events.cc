@@ -108,32 +108,34 @@ std::vector<KvEventBatch> CacheEventLog::Watch(TenantId tenant, uint64_t epoch, 
   absl::MutexLock lock(&mu_);
   Tenant& t = tenants_[tenant];
   listeners_[listener] = tenant;
-  const uint64_t oldest = t.kept.empty() ? t.last_seq + 1 : t.kept.front().seq;
+  const uint64_t oldest = t.kept.empty() ? t.last_seq + 1 : t.kept.front()->seq;
   if (from_seq == 0 || epoch != epoch_ || from_seq < oldest || from_seq > t.last_seq + 1 ||
       t.last_seq + 1 - from_seq > max_batches) {
     return {ResyncLocked(t)};
   }
   std::vector<KvEventBatch> out;
-  for (const KvEventBatch& b : t.kept) {
-    if (b.seq >= from_seq) out.push_back(b);
+  for (auto b = t.kept.begin() + static_cast<ptrdiff_t>(from_seq - oldest); b != t.kept.end();
+       ++b) {
+    out.push_back(**b);
   }
   return out;
 }
 
-std::vector<KvEventBatch> CacheEventLog::Replay(TenantId tenant, uint64_t from_seq) {
+std::vector<std::shared_ptr<const KvEventBatch>> CacheEventLog::Replay(TenantId tenant,
+                                                                       uint64_t from_seq) {
   absl::MutexLock lock(&mu_);
   const Tenant& t = tenants_[tenant];
-  const uint64_t oldest = t.kept.empty() ? t.last_seq + 1 : t.kept.front().seq;
+  const uint64_t oldest = t.kept.empty() ? t.last_seq + 1 : t.kept.front()->seq;
   // What the router asks for is gone (older than the kept batches: it aged out, the start's
   // AllBlocksCleared among them) or never was (ahead of the last: a router that missed this
   // server's restart, ZMQ carrying no epoch): it would rebuild a wrong picture from the rest.
   // It gets what WatchCache gives then, a resync numbered the last batch.
-  if (from_seq < oldest || from_seq > t.last_seq + 1) return {ResyncLocked(t)};
-  std::vector<KvEventBatch> out;
-  for (const KvEventBatch& b : t.kept) {
-    if (b.seq >= from_seq) out.push_back(b);
+  if (from_seq < oldest || from_seq > t.last_seq + 1) {
+    return {std::make_shared<const KvEventBatch>(ResyncLocked(t))};
   }
-  return out;
+  // The kept batches themselves, shared: a replay copies no event (there may be 8 at once,
+  // each as long as the log).
+  return {t.kept.begin() + static_cast<ptrdiff_t>(from_seq - oldest), t.kept.end()};
 }
 
 void CacheEventLog::Unwatch(KvEventListener* listener) {
@@ -197,11 +199,11 @@ void CacheEventLog::FlushHeld() {
 void CacheEventLog::PublishLocked(TenantId tenant, KvEventBatch b) {
   Tenant& t = tenants_[tenant];
   b.seq = ++t.last_seq;
-  t.kept.push_back(std::move(b));
+  t.kept.push_back(std::make_shared<const KvEventBatch>(std::move(b)));
   while (static_cast<int64_t>(t.kept.size()) > options_.retain) t.kept.pop_front();
   ++batches_;
   for (const auto& [listener, watched] : listeners_) {
-    if (watched == tenant) listener->OnBatch(tenant, t.kept.back());
+    if (watched == tenant) listener->OnBatch(tenant, *t.kept.back());
   }
 }
 

@@ -105,7 +105,9 @@ class CacheEventLog {
       ABSL_LOCKS_EXCLUDED(mu_);
   // The kept batches of `tenant` from `from_seq` on (the ZMQ replay), or, when `from_seq` is
   // older than the kept batches or ahead of the last one, a resync batch (numbered the last).
-  std::vector<KvEventBatch> Replay(TenantId tenant, uint64_t from_seq) ABSL_LOCKS_EXCLUDED(mu_);
+  // The batches are the log's own, shared (never changed once numbered).
+  std::vector<std::shared_ptr<const KvEventBatch>> Replay(TenantId tenant, uint64_t from_seq)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void Unwatch(KvEventListener* listener) ABSL_LOCKS_EXCLUDED(mu_);
   // Tells every listener that the token file changed (KvEventListener::OnTokensChanged).
   void TokensChanged() ABSL_LOCKS_EXCLUDED(mu_);
@@ -123,7 +125,7 @@ class CacheEventLog {
  private:
   struct Tenant {
     uint64_t last_seq = 0;
-    std::deque<KvEventBatch> kept;
+    std::deque<std::shared_ptr<const KvEventBatch>> kept;  // consecutive sequence numbers
     // Every snapshot stored now, by (key hash, medium): the resync.
     absl::flat_hash_map<std::pair<uint64_t, int32_t>, KvEvent> stored;
   };

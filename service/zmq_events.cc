@@ -312,10 +312,10 @@ void ZmqEventPublisher::SendReplays() {
         r.frames.push_back(r.id);
         if (r.delimited) r.frames.emplace_back();
         if (r.next < r.batches.size()) {
-          KvEventBatch& b = r.batches[r.next];
-          r.frames.push_back(SeqBytes(static_cast<int64_t>(b.seq)));
-          r.frames.push_back(EncodeKvEventBatch(b, log_->block_size()));
-          b = KvEventBatch();  // encoded: its memory goes
+          std::shared_ptr<const KvEventBatch>& b = r.batches[r.next];
+          r.frames.push_back(SeqBytes(static_cast<int64_t>(b->seq)));
+          r.frames.push_back(EncodeKvEventBatch(*b, log_->block_size()));
+          b.reset();  // encoded: the log may let it go
         } else {
           r.frames.push_back(SeqBytes(-1));
           r.frames.emplace_back();

@@ -60,7 +60,8 @@ absl::StatusOr<std::string> CurvePublicKey(const std::string& secret_file);
 
 class ZmqEventPublisher final : public KvEventListener {
  public:
-  // Replays sent at once (each holds a copy of the kept batches it still has to send).
+  // Replays sent at once (each holds the log's batches it still has to send, shared: a batch
+  // the log has let go of lives on until every reply holding it has sent it).
   static constexpr size_t kMaxReplays = 8;
   // Binds both sockets; UNAVAILABLE naming the flag when one cannot bind.
   static absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> Start(CacheEventLog* log,
@@ -78,7 +79,7 @@ class ZmqEventPublisher final : public KvEventListener {
   struct PendingReplay {
     std::string id;
     bool delimited = false;
-    std::vector<KvEventBatch> batches;
+    std::vector<std::shared_ptr<const KvEventBatch>> batches;  // the log's own
     size_t next = 0;  // batches.size(): the end marker is next
     // The next message's frames, kept while the router's queue is full (encoded once).
     std::vector<std::string> frames;
