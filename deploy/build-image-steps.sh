@@ -61,7 +61,22 @@ if [[ $bundle == 1 ]]; then
     awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
     grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libnvidia[^/]*)\.so' |
     while read -r lib; do cp -L "$lib" "$libdir/"; done
-  say "bundled $(ls "$libdir" | wc -l) shared libraries into $libdir"
+  # UCX loads its transports but tcp and shared memory (cma, ib, rdmacm: RDMA and RoCE) as
+  # modules from <libucs's directory>/ucx at run time: ldd lists none of them, and the image
+  # could only move states over TCP (UCX_TLS=rc found nothing). They go beside libucs here,
+  # with the libraries they need (libibverbs, librdmacm, ...).
+  ucs=$(ldd "$prefix/bin/replayssm-server" | awk '$1 ~ /^libucs\.so/ {print $3}')
+  if [[ -n "$ucs" && -d "$(dirname "$ucs")/ucx" ]]; then
+    mkdir -p "$libdir/ucx"
+    cp -L "$(dirname "$ucs")"/ucx/*.so.0 "$libdir/ucx/"
+    ldd "$libdir"/ucx/*.so.0 | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+      grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libnvidia[^/]*)\.so' |
+      while read -r lib; do
+        [[ -e "$libdir/$(basename "$lib")" ]] || cp -L "$lib" "$libdir/"
+      done
+  fi
+  say "bundled $(ls "$libdir" | wc -l) shared libraries (and $(ls "$libdir/ucx" 2>/dev/null |
+    wc -l) UCX modules) into $libdir"
 fi
 
 say "5/5 check the staged binaries"
@@ -72,6 +87,14 @@ for bin in replayssm-server replayssm-cli; do
     say "FAIL: $bin has unresolved shared libraries"; exit 1
   fi
 done
+if [[ $bundle == 1 && -d "$libdir/ucx" ]]; then
+  for m in "$libdir"/ucx/*.so.0; do
+    if LD_LIBRARY_PATH="$libdir" ldd "$m" | grep -q 'not found'; then
+      LD_LIBRARY_PATH="$libdir" ldd "$m" | grep 'not found'
+      say "FAIL: UCX module $m has unresolved shared libraries"; exit 1
+    fi
+  done
+fi
 help=$("$prefix/bin/replayssm-server" --help)
 for flag in --grpc-address --metrics-address --model --device --memory-budget --config; do
   grep -q -- "$flag" <<<"$help" || { say "FAIL: replayssm-server --help lacks $flag"; exit 1; }

@@ -32,7 +32,13 @@ flags=(grpc-address metrics-address model device tp-size devices memory-budget r
        transfer-max-concurrent auth-tokens peer-token ready-file)
 
 args=()
-if [[ -f "$config" ]]; then
+# The container's own --config (the shipped Deployment names the file in its args) wins: two
+# are refused by the server ("expected one file"), which left every pod crash-looping.
+config_in_args=0
+for a in "$@"; do [[ "$a" == --config || "$a" == --config=* ]] && config_in_args=1; done
+if ((config_in_args)); then
+  :
+elif [[ -f "$config" ]]; then
   args+=(--config "$config")
 elif [[ -n "${REPLAYSSM_CONFIG:-}" ]]; then
   # Named, and not there: the server would start on its defaults (loopback, no TLS, no tokens).
@@ -56,7 +62,7 @@ for flag in "${flags[@]}"; do
 done
 # A misspelled variable (REPLAYSSM_MEMORY_BUDGE) was dropped without a word. The server and
 # the tools in its image read a few that are no flags; any other is named.
-for var in SERVER_BIN CONFIG CPU_THREADS CPU_FAULT_FILE TOKEN ADDRESS; do known[REPLAYSSM_$var]=1; done
+for var in SERVER_BIN CONFIG CPU_THREADS CPU_FAULT_FILE CPU_FAIL_CALLS TOKEN ADDRESS; do known[REPLAYSSM_$var]=1; done
 # Kubernetes adds REPLAYSSM_SERVICE_HOST, REPLAYSSM_PORT_... for a Service named replayssm.
 while IFS='=' read -r var _; do
   if [[ "$var" == REPLAYSSM_* && -z "${known[$var]:-}" && "$var" != REPLAYSSM_SERVICE_* &&

@@ -34,4 +34,12 @@ check "arguments last" '[[ $(tail -n 1 "$dir/out") == "--extra=1" ]]'
 check "a misspelled variable is named" 'grep -q "warning: REPLAYSSM_MEMORY_BUDGE names no flag" "$dir/err"'
 check "and not passed" '! grep -q "memory-budge=" "$dir/out"'
 check "known non-flag variables are not named" '! grep -q "SERVER_BIN\|REPLAYSSM_CONFIG" "$dir/err"'
+# The Deployment's args name the config file too: one --config reaches the server (two were
+# refused, and every pod crash-looped).
+env -i PATH="$PATH" REPLAYSSM_SERVER_BIN="$dir/server" REPLAYSSM_CONFIG="$dir/x.conf" \
+  bash "$entrypoint" --config "$dir/x.conf" >"$dir/out" 2>"$dir/err"
+check "one --config when the arguments name it" '[[ $(grep -cx -- --config "$dir/out") == 1 ]]'
+env -i PATH="$PATH" REPLAYSSM_SERVER_BIN="$dir/server" REPLAYSSM_CONFIG="$dir/x.conf" \
+  bash "$entrypoint" --config="$dir/x.conf" >"$dir/out" 2>"$dir/err"
+check "or --config=FILE" '! grep -qx -- --config "$dir/out" && [[ $(grep -c -- --config "$dir/out") == 1 ]]'
 exit $fail

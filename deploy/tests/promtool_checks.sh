@@ -31,7 +31,7 @@ case "$what" in
     ;;
   rules)
     "$promtool" check rules "$dir/alerts.yml"
-    sed -i '0,/for: 1m/s//for: one minute/' "$tmp/alerts.yml"
+    sed -i '0,/for: 3m/s//for: three minutes/' "$tmp/alerts.yml"
     must_fail "a bad 'for' duration" "$promtool" check rules "$tmp/alerts.yml"
     cp "$dir/alerts.yml" "$tmp/alerts.yml"
     sed -i '0,/- alert: ReplaySSMHighErrorRatio/s//- alert: ReplaySSMDown/' "$tmp/alerts.yml"
