@@ -553,9 +553,13 @@ absl::Status ForwardImpl::Start() {
 }
 
 absl::Status ForwardImpl::Synchronize() {
+  if (!sync_error_.ok()) return sync_error_;
   if (!lane_) return absl::OkStatus();
   absl::Status st = lane_->Synchronize();
-  if (!st.ok()) cache_->MarkBroken(unconfirmed_folds_);
+  if (!st.ok()) {
+    cache_->MarkBroken(unconfirmed_folds_);
+    sync_error_ = st;
+  }
   unconfirmed_folds_.clear();
   return st;
 }
@@ -889,7 +893,10 @@ absl::Status ForwardImpl::Commit() {
     }
   }
   absl::Status st = Synchronize();  // the layers' device work is done before cursors move
-  if (!st.ok()) return st;
+  if (!st.ok()) {
+    failed_ = st;  // it can only be abandoned now
+    return st;
+  }
   if (predecessor_incomplete_) {
     failed_ = absl::DataLossError(
         "forward: the forward before this one (committed when this one began) never got all "

@@ -862,6 +862,36 @@ TEST_F(ForwardRulesTest, ACommitWhoseSnapshotFailsStands) {
   EXPECT_EQ(cache_->MatchPrefix({1, 2, 3, 4, 5}), 4);
 }
 
+// A forward whose wait for its device work failed stays failed: the lane forgot the error once
+// it had waited (it is idle again), and a second Commit took that for success and moved the
+// cursors over work that had failed (an outside review).
+TEST_F(ForwardRulesTest, ACommitWhoseDeviceWaitFailedStaysFailed) {
+  Make(3);
+  const SlotId a = *cache_->Allocate();
+  const std::vector<int32_t> p = {1, 2};
+  ASSERT_TRUE(cache_->Prefill(a, p, oracle_->MakeBatch(Toks(p, 0)).io).ok());
+  Batch b = oracle_->MakeBatch(Toks({3}, 2));
+  absl::StatusOr<std::unique_ptr<Forward>> f = cache_->BeginForward({{a, 3}});
+  ASSERT_TRUE(f.ok()) << f.status();
+  for (int32_t l = 0; l < cache_->model().num_layers; ++l) {
+    LayerIo io = b.io[l];
+    io.memory = IoMemory::kBackend;  // (host memory on the CPU) nothing waited for till Commit
+    ASSERT_TRUE((*f)->RunLayer(l, io).ok());
+  }
+  ASSERT_EQ(setenv("REPLAYSSM_CPU_FAIL_CALLS", "rssm_synchronize", 1), 0);
+  const absl::Status first = (*f)->Commit();
+  unsetenv("REPLAYSSM_CPU_FAIL_CALLS");
+  EXPECT_FALSE(first.ok());
+  EXPECT_NE(first.message().find("rssm_synchronize: cpu: a failure injected"), std::string::npos)
+      << first;
+  EXPECT_EQ((*f)->Commit().code(), first.code()) << "the same failure, not a commit";
+  EXPECT_EQ(cache_->Info(a)->seq_len, 2);
+  f->reset();  // abandoned
+  EXPECT_EQ(cache_->Info(a)->seq_len, 2);
+  EXPECT_EQ(cache_->Info(a)->write_pos, 0);
+  ASSERT_TRUE(cache_->Prefill(a, {3}, oracle_->MakeBatch(Toks({3}, 2)).io).ok()) << "usable";
+}
+
 // BeginPrefillInPlace, the forward Prefill runs: refused with bad tokens, holds its slot
 // until it ends, changes nothing abandoned before a layer ran, and leaves the slot broken
 // abandoned after one (it kept no copy).

@@ -161,6 +161,10 @@ class ForwardImpl final : public Forward {
   std::vector<bool> touched_;  // [layers] a kernel was queued (a prefill's checkpoint written)
   bool drafts_discarded_ = false;  // a verify's: its rows' earlier drafts are gone (RunLayer)
   absl::Status failed_;        // a launch failed: the forward can only be abandoned
+  // The lane's wait failed once (a device error): every later wait of this forward says so.
+  // The lane forgets it (it is idle again after the failed wait), and a second Commit took
+  // that for success and moved the cursors over failed work (an outside review).
+  absl::Status sync_error_;
   bool finished_ = false;
   Doorbells doorbells_;
   // ContinueForward: the forward committed when this one began, its work queued before ours

@@ -287,19 +287,6 @@ void CheckDecodeConv(Check& c, const rssm_decode_args& a, bool baseline, rssm_de
 
 bool IsCpu(const rssm_launch& l) { return l.backend == RSSM_BACKEND_CPU; }
 
-// A failure injected on the CPU: REPLAYSSM_CPU_FAIL_CALLS names `function` (kernels.h).
-bool CpuFailureInjected(const char* function) {
-  const char* calls = std::getenv("REPLAYSSM_CPU_FAIL_CALLS");
-  if (calls == nullptr) return false;
-  const std::string_view name(function);
-  for (std::string_view rest(calls); !rest.empty();) {
-    const size_t comma = rest.find(',');
-    if (rest.substr(0, comma) == name) return true;
-    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
-  }
-  return false;
-}
-
 rssm_status Finish(const Check& c) {
   if (c.ok()) g_last_error.clear();
   return c.status();

@@ -17,6 +17,10 @@ namespace replayssm::kernels {
 // Sets the thread-local message returned by rssm_last_error().
 void SetLastError(std::string message);
 
+// A failure injected on the CPU for tests: the environment's REPLAYSSM_CPU_FAIL_CALLS (a
+// comma-separated list) names `function` (kernels.h says which calls take it). memory.cc.
+bool CpuFailureInjected(const char* function);
+
 // The rssm_short_conv (APPEND, one token per row) that a decode call's joined convolution
 // (args.conv, checked) stands for: in.mixed_qkv into conv->y (dense), the same rows (api.cc).
 rssm_conv_args JoinedConvArgs(const rssm_decode_args& args);

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -64,6 +65,18 @@ rssm_status UseStreamDevice(const rssm_launch* launch, const char* fn) {
   (void)fn;
   return RSSM_OK;
 #endif
+}
+
+bool CpuFailureInjected(const char* function) {
+  const char* calls = std::getenv("REPLAYSSM_CPU_FAIL_CALLS");
+  if (calls == nullptr) return false;
+  const std::string_view name(function);
+  for (std::string_view rest(calls); !rest.empty();) {
+    const size_t comma = rest.find(',');
+    if (rest.substr(0, comma) == name) return true;
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+  return false;
 }
 
 }  // namespace replayssm::kernels
@@ -157,7 +170,13 @@ rssm_status rssm_synchronize(const rssm_launch* launch) {
   if (launch == nullptr || !KnownBackend(launch->backend)) {
     return Invalid("rssm_synchronize", "launch: expected a CPU or CUDA launch");
   }
-  if (launch->backend == RSSM_BACKEND_CPU) return RSSM_OK;
+  if (launch->backend == RSSM_BACKEND_CPU) {
+    if (CpuFailureInjected("rssm_synchronize")) {
+      SetLastError("rssm_synchronize: cpu: a failure injected (REPLAYSSM_CPU_FAIL_CALLS)");
+      return RSSM_ERR_DEVICE;
+    }
+    return RSSM_OK;
+  }
 #ifdef REPLAYSSM_WITH_CUDA
   if (const rssm_status st = UseStreamDevice(launch, "rssm_synchronize"); st != RSSM_OK) return st;
   return CudaCheck(cudaStreamSynchronize(static_cast<cudaStream_t>(launch->stream)),
