@@ -50,7 +50,8 @@ std::string Config::Name() const {
          (ring_dtype >= 0 ? std::string("_r") + rssm_dtype_name(ring_dtype) : "") + "_a" +
          rssm_dtype_name(act_dtype) + "_H" + std::to_string(h) + "_HV" + std::to_string(hv) + "_K" +
          std::to_string(k) + "_V" + std::to_string(v) + "_L" + std::to_string(l) +
-         (l2norm ? "" : "_nonorm") + (round_beta ? "_rbeta" : "") + (slot_pad ? "_strided" : "");
+         (l2norm ? "" : "_nonorm") + (round_beta ? "_rbeta" : "") + (long_memory ? "_long" : "") +
+         (slot_pad ? "_strided" : "");
 }
 
 Layer::Layer(const Config& c, int slots, std::mt19937_64& rng) : cfg(c), num_slots(slots) {
@@ -59,8 +60,13 @@ Layer::Layer(const Config& c, int slots, std::mt19937_64& rng) : cfg(c), num_slo
   shape = rssm_layer_shape{c.gate, c.h, c.hv, c.k, c.v, c.l, c.state_dtype, c.act_dtype, ring_code};
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   const int per_g = c.gate == RSSM_GATE_KDA ? c.k : 1;
-  for (int h = 0; h < c.hv; ++h) a_log.push_back(-0.25f + 0.75f * u(rng));  // exp: 0.47..1.65
-  for (int i = 0; i < c.hv * per_g; ++i) dt_bias.push_back(u(rng));
+  if (c.long_memory) {  // exp(a_log) 0.0025..0.05, softplus(a + dt_bias) ~0.02..0.3
+    for (int h = 0; h < c.hv; ++h) a_log.push_back(-4.5f + 1.5f * u(rng));
+    for (int i = 0; i < c.hv * per_g; ++i) dt_bias.push_back(-3.f + u(rng));
+  } else {
+    for (int h = 0; h < c.hv; ++h) a_log.push_back(-0.25f + 0.75f * u(rng));  // exp: 0.47..1.65
+    for (int i = 0; i < c.hv * per_g; ++i) dt_bias.push_back(u(rng));
+  }
   scale = 1.f / std::sqrt(static_cast<float>(c.k));
   cp_stride = int64_t{c.hv} * c.v * c.k + c.slot_pad;
   d_stride = int64_t{c.hv} * c.l * c.v + c.slot_pad;
@@ -204,6 +210,9 @@ Tokens::Tokens(const Layer& layer, int count, std::mt19937_64& rng) : n(count) {
     }
     for (int64_t i = 0; i < a_w; ++i) a.Set(t * a_w + i, nd(rng));
     for (int i = 0; i < c.hv; ++i) b.Set(int64_t{t} * c.hv + i, nd(rng));
+    // Now and then v-head 0's gate input past softplus's cut (x > 20: softplus(x) = x): that
+    // head forgets nearly all it held at that token.
+    if (c.long_memory && t % 9 == 4) a.Set(t * a_w, 24.f + nd(rng));
   }
 }
 

@@ -67,6 +67,12 @@ struct Config {
   int h = 2, hv = 4, k = 64, v = 64, l = 8;
   bool l2norm = true;
   bool round_beta = false;  // rssm_layer_params.round_beta
+  // Gates that forget slowly (decay 0.985..0.99995 per token, as trained heads have): the
+  // checkpoint and records many steps back stay visible in every output. The default gates
+  // (decay ~0.5) hid them under the tolerances within a few dozen steps: a replay that dropped
+  // the checkpoint from w >= 40 on passed most seeds (an outside review). Some tokens also
+  // carry a gate input past softplus's linear cut (x > 20).
+  bool long_memory = false;
   int64_t slot_pad = 0;  // extra elements between slots, to exercise strides
   std::string Name() const;
   rssm_dtype Ring() const {
