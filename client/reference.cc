@@ -26,6 +26,32 @@ absl::Status KernelError(rssm_status s) {
       absl::StrCat("reference kernel: ", rssm_status_name(s), ": ", rssm_last_error()));
 }
 
+// A layer's inputs for `n` tokens as the model has them (inline tensors of its activation
+// dtype and sizes), or INVALID_ARGUMENT naming `field`: the reference reads raw bytes, and a
+// short or mistyped tensor was read past its end.
+absl::Status CheckInputs(const v1::ModelInfo& m, const v1::LayerInput& in, int64_t n,
+                         const std::string& field) {
+  const int64_t es = rssm_dtype_size(RssmDtype(m.act_dtype()));
+  const int64_t hv = m.num_v_heads();
+  const int64_t qkv = 2LL * m.num_qk_heads() * m.head_k() + hv * m.head_v();
+  const int64_t a = m.gate() == v1::GATE_KDA ? hv * m.head_k() : hv;
+  const struct {
+    const char* name;
+    const v1::Tensor& t;
+    int64_t width;
+  } parts[] = {{"mixed_qkv", in.mixed_qkv(), qkv}, {"a", in.a(), a}, {"b", in.b(), hv}};
+  for (const auto& p : parts) {
+    const int64_t want = n * p.width * es;
+    if (p.t.dtype() != m.act_dtype() || static_cast<int64_t>(p.t.data().size()) != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reference: ", field, ".", p.name, ": expected ", want, " bytes of ",
+                       v1::DType_Name(m.act_dtype()), " ([", n, ", ", p.width, "]), got ",
+                       p.t.data().size(), " bytes of ", v1::DType_Name(p.t.dtype())));
+    }
+  }
+  return absl::OkStatus();
+}
+
 rssm_token_inputs Inputs(const v1::LayerInput& in) {
   rssm_token_inputs t{};
   t.mixed_qkv = in.mixed_qkv().data().data();
@@ -177,7 +203,10 @@ absl::StatusOr<v1::Tensor> CpuReference::PrefillLayer(int32_t seq, const v1::Lay
   if (l < 0 || l >= model_.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat("reference: layer ", l, " out of range"));
   }
-  const int64_t n = input.mixed_qkv().shape(0);
+  const int64_t n = input.mixed_qkv().shape_size() > 0 ? input.mixed_qkv().shape(0) : 0;
+  if (absl::Status c = CheckInputs(model_, input, n, absl::StrCat("layers[", l, "]")); !c.ok()) {
+    return c;
+  }
   const int32_t cu[2] = {0, static_cast<int32_t>(n)};
   const uint8_t initial = 1;
   const int32_t write_pos = 0;
@@ -218,6 +247,17 @@ absl::StatusOr<std::vector<v1::Tensor>> CpuReference::Prefill(
 
 absl::StatusOr<std::vector<v1::Tensor>> CpuReference::Decode(
     absl::Span<const int32_t> seqs, absl::Span<const v1::LayerInput> layers) {
+  if (static_cast<int64_t>(layers.size()) != model_.num_layers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reference: layers: expected ", model_.num_layers(), ", got ", layers.size()));
+  }
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  for (int32_t l = 0; l < model_.num_layers(); ++l) {
+    if (absl::Status c = CheckInputs(model_, layers[l], n, absl::StrCat("layers[", l, "]"));
+        !c.ok()) {
+      return c;
+    }
+  }
   std::vector<v1::Tensor> outs;
   for (int32_t l = 0; l < model_.num_layers(); ++l) {
     outs.push_back(OutputTensor(model_, static_cast<int64_t>(seqs.size())));

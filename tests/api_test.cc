@@ -304,6 +304,24 @@ TEST_F(ApiTest, StreamVerifyEqualsUnaryVerifyBitForBitAndAcceptContinuesIt) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// The CPU reference checks what it is given: it read a short layer list or a short tensor past
+// its end (an outside review), where a test would compare with garbage.
+TEST_F(ApiTest, TheReferenceRefusesInputsTheModelDoesNotHave) {
+  const int32_t s = *ref_->NewSequence();
+  std::vector<v1::LayerInput> layers = Layers(1);
+  const absl::Status few =
+      ref_->Decode({s}, absl::MakeConstSpan(layers).subspan(0, layers.size() - 1)).status();
+  EXPECT_EQ(few.code(), absl::StatusCode::kInvalidArgument) << few;
+  EXPECT_NE(few.message().find("reference: layers: expected"), std::string::npos) << few;
+  layers[1].mutable_a()->mutable_data()->resize(1);
+  const absl::Status short_a = ref_->Decode({s}, layers).status();
+  EXPECT_NE(short_a.message().find("reference: layers[1].a: expected"), std::string::npos)
+      << short_a;
+  const absl::Status two_rows = ref_->Decode({s, s}, Layers(1)).status();
+  EXPECT_NE(two_rows.message().find("layers[0].mixed_qkv: expected"), std::string::npos)
+      << two_rows;
+}
+
 TEST_F(ApiTest, DonatedRequestIsAPrefixHitForItsNextTurn) {
   const uint64_t a = NewSlot();
   const int32_t sa = *ref_->NewSequence();
