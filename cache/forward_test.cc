@@ -173,11 +173,14 @@ TEST_P(ForwardKindsTest, LayerByLayerPrefillEqualsUnaryPrefillBitForBit) {
     EXPECT_EQ(Observe(a2), Observe(a1));
     EXPECT_EQ(Observe(b2), Observe(b1));
     // ... and the outputs are the recurrence's.
+    // Measured: < 1e-5 with an fp32 state, 2.6e-4 at worst with a 16-bit one. The bound was
+    // 3e-2 for every dtype, loose enough to pass an fp32 regression of 1e-2 (an outside review).
+    const double tol = GetParam().state_dtype == RSSM_DTYPE_F32 ? 1e-4 : 2e-3;
     Oracle::State ref = oracle_->Run(ha, 5);
     for (size_t i = 0; i < x.size(); ++i) {
       const Oracle::Outputs want = oracle_->Step(ref, {x[i], 5 + static_cast<int64_t>(i)});
       for (int l = 0; l < model().num_layers; ++l) {
-        EXPECT_LE(testing::RelErr(s.Output(model(), l, i), want[l]), 3e-2) << "layer " << l;
+        EXPECT_LE(testing::RelErr(s.Output(model(), l, i), want[l]), tol) << "layer " << l;
       }
     }
     for (SlotId id : {a1, a2, b1, b2}) ASSERT_TRUE(cache_->Free(id).ok());

@@ -191,10 +191,13 @@ void StateCacheImpl::SpillUntil(const std::function<bool()>& done,
         // call's MakeRoom): wait for the copies, a moment, then evict them without loss. It
         // used to give up, and the allocation failed RESOURCE_EXHAUSTED beside a snapshot
         // about to be host-backed (seen under ASan, where copies are slow).
-        mu_.Await(absl::Condition(
-            +[](StateCacheImpl* c)
-                 ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) { return c->spills_in_flight_ == 0; },
-            this));
+        // Until this call's need is met or a victim appears (one copy done) — not until every
+        // copy is done: under steady allocation some spill is always in flight, and the wait
+        // went on after the room it needed was there (an outside review).
+        const auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return spills_in_flight_ == 0 || done() || LruVictimLocked(which) >= 0;
+        };
+        mu_.Await(absl::Condition(&ready));
         continue;
       }
       if (victim < 0) return;
