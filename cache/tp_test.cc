@@ -227,6 +227,24 @@ class TpGroupTest : public ::testing::TestWithParam<Params> {
     ToRankMajor(m_, tp, static_cast<int64_t>(toks.size()), b);
     return c.Prefill(slot, ids, b.io);
   }
+  // A TP = 2 batch of `toks` whose q, k and v are +Inf (bf16 0x7f80) on rank 1, or on both
+  // ranks: those heads' state turns not finite (the service refuses such inputs; an overflow
+  // gets there through finite ones).
+  Batch InfBatch(const std::vector<Tok>& toks, bool both_ranks) {
+    const int64_t n = static_cast<int64_t>(toks.size());
+    Batch b = oracle_.MakeBatch(toks);
+    ToRankMajor(m_, 2, n, b);
+    EXPECT_EQ(rssm_dtype_size(m_.shape.act_dtype), 2);
+    const size_t rank1 = n * (m_.QkvWidth() / 2) * 2;  // rank 0's [n, C / 2] block, in bytes
+    for (int32_t l = 0; l < m_.num_layers; ++l) {
+      EXPECT_EQ(b.qkv[l].size(), 2 * rank1);
+      for (size_t i = both_ranks ? 0 : rank1; i + 1 < b.qkv[l].size(); i += 2) {
+        b.qkv[l][i] = 0x80;
+        b.qkv[l][i + 1] = 0x7f;
+      }
+    }
+    return b;
+  }
   // Verify of drafts then Accept(n); the drafts' outputs, unsharded.
   Batch VerifyAccept(StateCache& c, int32_t tp, SlotId slot, const std::vector<Tok>& drafts,
                      int32_t n) {
@@ -804,16 +822,7 @@ TEST_P(TpGroupTest, ALookupTheRanksAnswerDifferentlyIsCountedOnce) {
   absl::StatusOr<SlotId> s = c->Allocate();
   ASSERT_TRUE(s.ok());
   ASSERT_TRUE(Prefill(*c, 2, *s, {1, 2, 3}, 0).ok());
-  Batch b = oracle_.MakeBatch({{4, 3}});  // the fourth token: a track boundary
-  ToRankMajor(m_, 2, 1, b);
-  ASSERT_EQ(rssm_dtype_size(m_.shape.act_dtype), 2);
-  const size_t rank1 = (m_.QkvWidth() / 2) * 2;  // rank 0's [1, C / 2] block, in bytes
-  for (int32_t l = 0; l < m_.num_layers; ++l) {  // rank 1's q, k and v +Inf (bf16 0x7f80)
-    for (size_t i = rank1; i + 1 < b.qkv[l].size(); i += 2) {
-      b.qkv[l][i] = 0x80;
-      b.qkv[l][i + 1] = 0x7f;
-    }
-  }
+  Batch b = InfBatch({{4, 3}}, /*both_ranks=*/false);  // the fourth token: a track boundary
   absl::StatusOr<std::unique_ptr<Forward>> f = c->BeginForward({{*s, 4}});
   ASSERT_TRUE(f.ok()) << f.status();
   for (int32_t l = 0; l < m_.num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, b.io[l]).ok());
@@ -837,16 +846,7 @@ TEST_P(TpGroupTest, AMoveEveryRankRefusesIsCountedOnce) {
   absl::StatusOr<SlotId> s = c->Allocate();
   ASSERT_TRUE(s.ok());
   ASSERT_TRUE(Prefill(*c, 2, *s, {1, 2, 3}, 0).ok());
-  std::vector<Tok> toks = {{4, 3}, {5, 4}};
-  Batch b = oracle_.MakeBatch(toks);
-  ToRankMajor(m_, 2, 2, b);
-  ASSERT_EQ(rssm_dtype_size(m_.shape.act_dtype), 2);
-  for (int32_t l = 0; l < m_.num_layers; ++l) {  // q, k and v +Inf (bf16 0x7f80) on both ranks
-    for (size_t i = 0; i + 1 < b.qkv[l].size(); i += 2) {
-      b.qkv[l][i] = 0x80;
-      b.qkv[l][i + 1] = 0x7f;
-    }
-  }
+  Batch b = InfBatch({{4, 3}, {5, 4}}, /*both_ranks=*/true);
   ASSERT_TRUE(c->Prefill(*s, {4, 5}, b.io).ok());
   const CacheStats before = c->stats();
   const absl::Status refused = c->OpenExport(*s, "move", SlotIoOptions{}).status();
@@ -866,20 +866,8 @@ TEST_P(TpGroupTest, ADonationOneRankRefusesLeavesTheSlotWhole) {
   absl::StatusOr<SlotId> s = c->Allocate();
   ASSERT_TRUE(s.ok());
   ASSERT_TRUE(Prefill(*c, 2, *s, {1, 2, 3}, 0).ok());
-  // Two tokens whose q, k and v on rank 1 only are +Inf (bf16 0x7f80; the service refuses such
-  // inputs, an overflow gets there through finite ones): rank 1's heads' state is not finite.
-  std::vector<Tok> toks = {{4, 3}, {5, 4}};
-  Batch b = oracle_.MakeBatch(toks);
-  ToRankMajor(m_, 2, 2, b);
-  ASSERT_EQ(rssm_dtype_size(m_.shape.act_dtype), 2);
-  const size_t rank1 = 2 * (m_.QkvWidth() / 2) * 2;  // rank 0's [2, C / 2] block, in bytes
-  for (int32_t l = 0; l < m_.num_layers; ++l) {
-    ASSERT_EQ(b.qkv[l].size(), 2 * rank1);
-    for (size_t i = rank1; i + 1 < b.qkv[l].size(); i += 2) {
-      b.qkv[l][i] = 0x80;
-      b.qkv[l][i + 1] = 0x7f;
-    }
-  }
+  // Two tokens whose q, k and v are +Inf on rank 1 only: rank 1's heads' state is not finite.
+  Batch b = InfBatch({{4, 3}, {5, 4}}, /*both_ranks=*/false);
   ASSERT_TRUE(c->Prefill(*s, {4, 5}, b.io).ok());
   const CacheStats before = c->stats();
   const absl::Status refused = c->Donate(*s);

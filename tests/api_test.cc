@@ -333,7 +333,17 @@ TEST_F(ApiTest, DonatedRequestIsAPrefixHitForItsNextTurn) {
   ASSERT_EQ(tokens.size(), 12u);
   ASSERT_TRUE(client_->Donate(a).ok());
   EXPECT_EQ(client_->GetSlot(a).status().code(), absl::StatusCode::kNotFound);
-  tokens.push_back(42);
+  // The same 12 tokens again (the same prompt, n samples, a recompute after preemption) matched
+  // all of them: nothing was left to prefill, and the engine needs the last token's outputs for
+  // its first generated token (a prefill of none is refused, decoding it again folds it twice)
+  // — an outside review. A match leaves the prompt's last token.
+  EXPECT_EQ(*client_->MatchPrefix(tokens), 0) << "the only snapshot holds all 12";
+  auto whole = client_->AllocateFromPrefix(tokens);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->matched(), 0);
+  EXPECT_EQ(client_->GetSlot(whole->slot())->seq_len(), 0);
+  ASSERT_TRUE(client_->Free(whole->slot()).ok());
+  tokens.push_back(42);  // one token more: the whole snapshot
   auto matched = client_->MatchPrefix(tokens);
   ASSERT_TRUE(matched.ok());
   EXPECT_EQ(*matched, 12);
@@ -349,33 +359,6 @@ TEST_F(ApiTest, DonatedRequestIsAPrefixHitForItsNextTurn) {
   auto miss = client_->AllocateFromPrefix(std::vector<int32_t>{9, 9, 9});
   ASSERT_TRUE(miss.ok());
   EXPECT_EQ(miss->matched(), 0);
-}
-
-// A prompt whose every token a snapshot holds (the same prompt again, n samples, a recompute
-// after preemption) matched all of them: nothing was left to prefill, and the engine needs the
-// last token's outputs for its first generated token (a prefill of none is refused, decoding
-// it again folds it twice) — an outside review. A match leaves the last token.
-TEST_F(ApiTest, APrefixMatchLeavesThePromptsLastTokenToPrefill) {
-  const uint64_t a = NewSlot();
-  const int32_t sa = *ref_->NewSequence();
-  Prefill(a, sa, 7);
-  for (int i = 0; i < 5; ++i) DecodeStep({a}, {sa});
-  auto exported = client_->Export(a);
-  ASSERT_TRUE(exported.ok());
-  const std::vector<int32_t> tokens(exported->tokens().begin(), exported->tokens().end());
-  ASSERT_EQ(tokens.size(), 12u);
-  ASSERT_TRUE(client_->Donate(a).ok());
-  auto matched = client_->MatchPrefix(tokens);
-  ASSERT_TRUE(matched.ok());
-  EXPECT_EQ(*matched, 0) << "the only snapshot holds all 12";
-  auto b = client_->AllocateFromPrefix(tokens);
-  ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(b->matched(), 0);
-  EXPECT_EQ(client_->GetSlot(b->slot())->seq_len(), 0);
-  ASSERT_TRUE(client_->Free(b->slot()).ok());
-  std::vector<int32_t> longer = tokens;
-  longer.push_back(42);
-  EXPECT_EQ(*client_->MatchPrefix(longer), 12) << "one token more: the whole snapshot";
 }
 
 TEST_F(ApiTest, DemoSchedulerRunsCleanAgainstTheServer) {
