@@ -186,10 +186,11 @@ absl::Status NoSpareFor(size_t r, absl::string_view why) {
 
 }  // namespace
 
-absl::Status StateCacheImpl::SparesRefusalLocked(const std::vector<int32_t>& index) const {
+absl::Status StateCacheImpl::SparesRefusalLocked(const std::vector<int32_t>& index,
+                                                 size_t coming) const {
   size_t rows = 0;
   for (int32_t i : index) rows += i >= 0 ? 1 : 0;
-  const size_t takable = TakableLocked(rows);
+  const size_t takable = TakableLocked(rows) + coming;
   for (size_t r = 0, row = 0; takable < rows && r < index.size(); ++r) {  // the first left out
     if (index[r] >= 0 && row++ == takable) return NoSpareFor(r, NoFreeSlotLocked().message());
   }
@@ -199,9 +200,8 @@ absl::Status StateCacheImpl::SparesRefusalLocked(const std::vector<int32_t>& ind
 absl::Status StateCacheImpl::TakeSparesLocked(const std::vector<int32_t>& index,
                                               std::vector<int32_t>* spare) {
   spare->assign(index.size(), -1);
-  const auto exhausted = NoSpareFor;
   // Counted before any is taken: a refusal evicts no snapshot for rows it then gives up.
-  if (absl::Status st = SparesRefusalLocked(index); !st.ok()) return st;
+  if (absl::Status st = SparesRefusalLocked(index, 0); !st.ok()) return st;
   for (size_t r = 0; r < index.size(); ++r) {
     if (index[r] < 0) continue;
     absl::StatusOr<int32_t> i = TakeFreeLocked();
@@ -210,7 +210,7 @@ absl::Status StateCacheImpl::TakeSparesLocked(const std::vector<int32_t>& index,
         if (s >= 0) ReleaseLocked(s);
         s = -1;
       }
-      return exhausted(r, i.status().message());
+      return NoSpareFor(r, i.status().message());
     }
     Slot& s = slots_[*i];
     s.kind = Kind::kSpare;
@@ -241,7 +241,9 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::Open(
     // for good), which a begin refused for its rows used to do all the same (an outside
     // review).
     if (st.ok() && spares) {
-      st = SparesRefusalLocked(rows.index);
+      // Snapshots being copied to the host are busy, not gone: making room waits for them
+      // and evicts them without loss (counted out here, a begin beside a spill was refused).
+      st = SparesRefusalLocked(rows.index, static_cast<size_t>(spills_in_flight_));
       if (!st.ok()) release_rows();
     }
     if (!st.ok()) return st;

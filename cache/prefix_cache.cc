@@ -191,11 +191,13 @@ void StateCacheImpl::SpillUntil(const std::function<bool()>& done,
         // call's MakeRoom): wait for the copies, a moment, then evict them without loss. It
         // used to give up, and the allocation failed RESOURCE_EXHAUSTED beside a snapshot
         // about to be host-backed (seen under ASan, where copies are slow).
-        // Until this call's need is met or a victim appears (one copy done) — not until every
-        // copy is done: under steady allocation some spill is always in flight, and the wait
-        // went on after the room it needed was there (an outside review).
+        // Until one of the copies ends (then look again) — not until every copy is done:
+        // under steady allocation some spill is always in flight, and the wait went on after
+        // the room it needed was there (an outside review). The condition is re-checked at
+        // every release of mu_: it scans nothing.
+        const int64_t ended = spills_ended_;
         const auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return spills_in_flight_ == 0 || done() || LruVictimLocked(which) >= 0;
+          return spills_ended_ != ended || spills_in_flight_ == 0;
         };
         mu_.Await(absl::Condition(&ready));
         continue;
@@ -236,6 +238,7 @@ bool StateCacheImpl::EndSpillLocked(int32_t victim, int32_t e, const absl::Statu
   Slot& s = slots_[victim];
   s.busy = false;
   --spills_in_flight_;
+  ++spills_ended_;
   if (!st.ok()) {  // the snapshot stays in backend memory
     host_->Unreserve(e);
     return false;

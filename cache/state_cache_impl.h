@@ -432,8 +432,9 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
                                  absl::FunctionRef<std::string(size_t)> field, bool allow_pending,
                                  std::vector<int32_t>* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED naming the first row of `index` (-1: none) no spare slot is left for,
-  // counting the free slots and the snapshots a take may evict; nothing is taken.
-  absl::Status SparesRefusalLocked(const std::vector<int32_t>& index) const
+  // counting the free slots, the snapshots a take may evict and `coming` more (snapshots whose
+  // spill to the host is in flight); nothing is taken.
+  absl::Status SparesRefusalLocked(const std::vector<int32_t>& index, size_t coming) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One spare slot per non-padding row, or RESOURCE_EXHAUSTED (none taken).
   absl::Status TakeSparesLocked(const std::vector<int32_t>& index, std::vector<int32_t>* spare)
@@ -496,6 +497,7 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   StagingPool staging_;  // slot I/O's staged path
   uint64_t slots_taken_ ABSL_GUARDED_BY(mu_) = 0;  // wakes the spiller
   int32_t spills_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // their snapshots busy: MakeRoom waits
+  int64_t spills_ended_ ABSL_GUARDED_BY(mu_) = 0;      // SpillUntil's wait: one more ended
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread spiller_;  // last: started once everything else is
 

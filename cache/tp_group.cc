@@ -139,6 +139,10 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   const CacheOptions& options() const override { return options_; }
   int64_t capacity() const override { return shards_[0]->capacity(); }
   CacheStats stats() const override {
+    // The shards' counters and the group's corrections are read together: between a rank's
+    // count and the group's correction a scrape saw a counter that then went down (read as a
+    // reset by Prometheus).
+    absl::MutexLock counting(&counting_mu_);
     CacheStats s = shards_[0]->stats();
     for (size_t r = 1; r < shards_.size(); ++r) {  // the counters agree; bytes and lanes add
       const CacheStats t = shards_[r]->stats();
@@ -154,8 +158,7 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
       // every shard's are.
       s.host_backed_snapshots = std::min(s.host_backed_snapshots, t.host_backed_snapshots);
     }
-    s.nonfinite_refusals -= repeated_refusals_.load();
-    absl::MutexLock lock(&uncounted_mu_);
+    s.nonfinite_refusals -= repeated_refusals_;
     s.snapshot_hits -= uncounted_.snapshot_hits;
     s.snapshot_misses -= uncounted_.snapshot_misses;
     s.host_hits -= uncounted_.host_hits;
@@ -441,13 +444,17 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   std::unique_ptr<TpEventMerger> events_;
   std::vector<std::unique_ptr<StateCache>> shards_;
   absl::Mutex ops_mu_;  // orders the shards' slot decisions the same way on every shard
+  // Held by stats() and around every operation whose shard counts the group corrects (a
+  // lookup asked again, a move out refused by several ranks): a scrape never sees a count
+  // before its correction. After ops_mu_; before a shard's lock.
+  mutable absl::Mutex counting_mu_;
   // Refusals of a move out counted by more than one rank, beyond the first (stats()).
-  std::atomic<int64_t> repeated_refusals_{0};
+  int64_t repeated_refusals_ ABSL_GUARDED_BY(counting_mu_) = 0;
   // Rank 0's lookups asked again shorter (the ranks held different prefixes): taken off the
   // lookup counters it reports for the group.
-  void UncountLookup(PrefixAllocation::Source source) ABSL_LOCKS_EXCLUDED(uncounted_mu_);
-  mutable absl::Mutex uncounted_mu_;
-  CacheStats uncounted_ ABSL_GUARDED_BY(uncounted_mu_);
+  void UncountLookupLocked(PrefixAllocation::Source source)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(counting_mu_);
+  CacheStats uncounted_ ABSL_GUARDED_BY(counting_mu_);
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
   absl::flat_hash_map<SlotId, std::vector<SlotId>> members_ ABSL_GUARDED_BY(map_mu_);
   absl::flat_hash_map<SlotId, SlotId> group_of_[kMaxTpSize] ABSL_GUARDED_BY(map_mu_);
@@ -627,6 +634,7 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
 absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
     PrefixNamespace ns, absl::Span<const int32_t> tokens) {
   absl::MutexLock ops(&ops_mu_);
+  absl::MutexLock counting(&counting_mu_);  // rank 0's count and its correction together
   int64_t m = static_cast<int64_t>(tokens.size());
   for (;;) {  // the longest prefix every shard holds: m only shrinks
     std::vector<SlotId> ids;
@@ -645,13 +653,12 @@ absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
     FreeAll(ids, absl::OkStatus()).IgnoreError();
     // The group reports rank 0's lookup counters: this attempt is asked again shorter, and
     // the group's lookup is counted once, by the last attempt.
-    UncountLookup(source);
+    UncountLookupLocked(source);
     m = lo;
   }
 }
 
-void TpGroup::UncountLookup(PrefixAllocation::Source source) {
-  absl::MutexLock lock(&uncounted_mu_);
+void TpGroup::UncountLookupLocked(PrefixAllocation::Source source) {
   switch (source) {
     case PrefixAllocation::Source::kBackend: ++uncounted_.snapshot_hits; break;
     case PrefixAllocation::Source::kHost:
@@ -729,6 +736,7 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
   // Staged: enough chunks in flight per rank for the group's copier threads to share.
   mine.staging_buffers = std::max(options.staging_buffers, 8);
   absl::MutexLock ops(&ops_mu_);
+  absl::MutexLock counting(&counting_mu_);  // the ranks' refusals and the group's correction
   // After the lock: on a refusal the ranks that opened are released (their MOVING ended)
   // before it is let go, so no Free comes between and frees the other ranks alone (an outside
   // review: a rank's slot left live with no handle, the group's capacity one short for good).
@@ -751,7 +759,7 @@ absl::StatusOr<std::unique_ptr<SlotReader>> TpGroup::OpenExport(SlotId id,
       // The ranks check together: each that found its shard not finite counted a refusal of
       // this one move. The group's count is of moves (stats() takes the extra ones off).
       const auto nonfinite = std::count_if(st.begin(), st.end(), IsNonfiniteRefusal);
-      if (nonfinite > 1) repeated_refusals_.fetch_add(nonfinite - 1);
+      if (nonfinite > 1) repeated_refusals_ += nonfinite - 1;
       return RankStatus(r, st[r]);
     }
   }

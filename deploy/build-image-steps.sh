@@ -54,12 +54,15 @@ for bin in replayssm-server replayssm-cli; do
   [[ -x "$prefix/bin/$bin" ]] || { say "FAIL: $prefix/bin/$bin was not installed"; exit 1; }
 done
 libdir="$prefix/lib/replayssm"
+# The shared libraries `ldd` lists for the files given, but the C runtime and the driver (the
+# runtime image has them, in the versions of its own).
+bundled_deps() {
+  ldd "$@" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libnvidia[^/]*)\.so'
+}
 if [[ $bundle == 1 ]]; then
   mkdir -p "$libdir"
-  # Everything but the C runtime, which the runtime image has in the same version.
-  ldd "$prefix/bin/replayssm-server" "$prefix/bin/replayssm-cli" |
-    awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
-    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libnvidia[^/]*)\.so' |
+  bundled_deps "$prefix/bin/replayssm-server" "$prefix/bin/replayssm-cli" |
     while read -r lib; do cp -L "$lib" "$libdir/"; done
   # UCX loads its transports but tcp and shared memory (cma, ib, rdmacm: RDMA and RoCE) as
   # modules from <libucs's directory>/ucx at run time: ldd lists none of them, and the image
@@ -69,11 +72,9 @@ if [[ $bundle == 1 ]]; then
   if [[ -n "$ucs" && -d "$(dirname "$ucs")/ucx" ]]; then
     mkdir -p "$libdir/ucx"
     cp -L "$(dirname "$ucs")"/ucx/*.so.0 "$libdir/ucx/"
-    ldd "$libdir"/ucx/*.so.0 | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
-      grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libnvidia[^/]*)\.so' |
-      while read -r lib; do
-        [[ -e "$libdir/$(basename "$lib")" ]] || cp -L "$lib" "$libdir/"
-      done
+    bundled_deps "$libdir"/ucx/*.so.0 | while read -r lib; do
+      [[ -e "$libdir/$(basename "$lib")" ]] || cp -L "$lib" "$libdir/"
+    done
   fi
   say "bundled $(ls "$libdir" | wc -l) shared libraries (and $(ls "$libdir/ucx" 2>/dev/null |
     wc -l) UCX modules) into $libdir"

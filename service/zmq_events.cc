@@ -12,6 +12,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 
 namespace replayssm::service {
 
@@ -299,6 +300,7 @@ void ZmqEventPublisher::Replay(void* socket) {
     it = it->id == r.id ? replays_.erase(it) : it + 1;
   }
   if (replays_.size() >= kMaxReplays) replays_.pop_front();
+  r.progressed = absl::Now();
   replays_.push_back(std::move(r));
   SendReplays();
 }
@@ -328,7 +330,9 @@ void ZmqEventPublisher::SendReplays() {
       }
       r.frames.clear();
       ++r.next;
+      r.progressed = absl::Now();
     }
+    gone = gone || absl::Now() - r.progressed > kReplayIdle;
     it = gone || r.next > r.batches.size() ? replays_.erase(it) : it + 1;
   }
 }

@@ -35,6 +35,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "service/cache_events.h"
 
 namespace replayssm::service {
@@ -60,6 +61,10 @@ absl::StatusOr<std::string> CurvePublicKey(const std::string& secret_file);
 
 class ZmqEventPublisher final : public KvEventListener {
  public:
+  // A reply whose router's queue took nothing for this long is dropped: a REQ router reads one
+  // message per request, and its reply would wait (holding batches the log let go) till the
+  // router asked again or eight newer requests pushed it out.
+  static constexpr absl::Duration kReplayIdle = absl::Seconds(30);
   // Replays sent at once (each holds the log's batches it still has to send, shared: a batch
   // the log has let go of lives on until every reply holding it has sent it).
   static constexpr size_t kMaxReplays = 8;
@@ -83,6 +88,7 @@ class ZmqEventPublisher final : public KvEventListener {
     size_t next = 0;  // batches.size(): the end marker is next
     // The next message's frames, kept while the router's queue is full (encoded once).
     std::vector<std::string> frames;
+    absl::Time progressed;  // the request, or the last message the router's queue took
   };
 
   void Run();
