@@ -93,6 +93,8 @@ struct SlotChunk {
 // receiver gets, and no token is applied to a state that is leaving.
 //
 // Thread safety: Next from one thread at a time; Done, Checksum and the accessors from any.
+// Finish (and the destructor) only once every thread that calls Next or Done has stopped: it
+// releases the staging buffers that Done hands back (the callers join their movers first).
 class SlotReader {
  public:
   virtual ~SlotReader() = default;  // not finished: as Finish(/*moved=*/false)
