@@ -165,13 +165,15 @@ absl::Status StateCacheImpl::AcquireRowsLocked(absl::Span<const SlotId> ids,
     }
     (*index)[r] = *i;
   }
-  if (!st.ok()) {  // nothing happened: release what was taken
-    for (int32_t& i : *index) {
-      if (i >= 0) slots_[i].busy = false;
-      i = -1;
-    }
-  }
+  if (!st.ok()) ReleaseRowsLocked(*index);  // nothing happened: release what was taken
   return st;
+}
+
+void StateCacheImpl::ReleaseRowsLocked(std::vector<int32_t>& index) {
+  for (int32_t& i : index) {
+    if (i >= 0) slots_[i].busy = false;
+    i = -1;
+  }
 }
 
 namespace {
@@ -227,11 +229,6 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::Open(
   if (!lane.ok()) return lane.status();
   rows.index.assign(ids.size(), -1);
   rows.spare.assign(ids.size(), -1);
-  const auto release_rows = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (int32_t i : rows.index) {
-      if (i >= 0) slots_[i].busy = false;
-    }
-  };
   {
     absl::MutexLock lock(&mu_);
     const bool verify = rows.kind == ForwardKind::kVerify;
@@ -244,7 +241,7 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::Open(
       // Snapshots being copied to the host are busy, not gone: making room waits for them
       // and evicts them without loss (counted out here, a begin beside a spill was refused).
       st = SparesRefusalLocked(rows.index, static_cast<size_t>(spills_in_flight_));
-      if (!st.ok()) release_rows();
+      if (!st.ok()) ReleaseRowsLocked(rows.index);
     }
     if (!st.ok()) return st;
     // A verify's rows keep their waiting drafts until its first layer runs (RunLayer).
@@ -255,7 +252,7 @@ absl::StatusOr<std::unique_ptr<Forward>> StateCacheImpl::Open(
     MakeRoom(n);
     absl::MutexLock lock(&mu_);
     if (absl::Status st = TakeSparesLocked(rows.index, &rows.spare); !st.ok()) {
-      release_rows();
+      ReleaseRowsLocked(rows.index);
       return st;
     }
   }

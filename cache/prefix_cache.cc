@@ -10,7 +10,8 @@
 #include "absl/time/time.h"
 #include "state_cache_impl.h"
 
-namespace replayssm::cache::internal {
+namespace replayssm::cache {
+namespace internal {
 
 absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::AllocateFromPrefixIn(
     PrefixNamespace ns, absl::Span<const int32_t> tokens) {
@@ -26,8 +27,7 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::AllocateFromPrefixI
       entry = h.value;
       ++host_->entry(entry).refs;  // pins it: no host eviction takes it
     } else if (m.length == 0) {
-      ++stats_.snapshot_misses;
-      if (host_ != nullptr) ++stats_.host_misses;
+      CountLookup(PrefixAllocation::Source::kNone, host_ != nullptr, stats_);
     } else {
       src = m.value;
       ++slots_[src].refs;  // pins the snapshot while it is copied
@@ -56,8 +56,7 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::AllocateFromPrefixI
       // it (or another victim) and the request starts from nothing. It used to be refused
       // where Allocate() without the prompt succeeded (an outside review). A miss.
       --slots_[src].refs;
-      ++stats_.snapshot_misses;
-      if (host_ != nullptr) ++stats_.host_misses;  // host_hits + host_misses = snapshot_misses
+      CountLookup(PrefixAllocation::Source::kNone, host_ != nullptr, stats_);
     }
   }
   if (index < 0) return fresh();
@@ -71,7 +70,7 @@ absl::StatusOr<StateCache::PrefixAllocation> StateCacheImpl::AllocateFromPrefixI
     ReleaseLocked(index);
     return s;
   }
-  ++stats_.snapshot_hits;
+  CountLookup(PrefixAllocation::Source::kBackend, host_ != nullptr, stats_);
   slots_[index].busy = false;
   return PrefixAllocation{MakeId(index, slots_[index].generation), m.length,
                           PrefixAllocation::Source::kBackend};
@@ -334,12 +333,10 @@ absl::Status StateCacheImpl::StartPromotionLocked(PrefixNamespace ns,
                                                   Promotion* p) {
   absl::StatusOr<int32_t> i = TakeFreeLocked();
   if (!i.ok()) {  // a lookup all the same: a miss on both tiers (it used to count nowhere)
-    ++stats_.snapshot_misses;
-    ++stats_.host_misses;
+    CountLookup(PrefixAllocation::Source::kNone, /*host_tier=*/true, stats_);
     return i.status();
   }
-  ++stats_.snapshot_misses;  // the backend's
-  ++stats_.host_hits;
+  CountLookup(PrefixAllocation::Source::kHost, /*host_tier=*/true, stats_);
   p->entry = e;
   p->slot = *i;
   p->matched = static_cast<int64_t>(prefix.size());
@@ -522,4 +519,20 @@ absl::Status StateCacheImpl::Donate(SlotId id) {
   return absl::OkStatus();
 }
 
-}  // namespace replayssm::cache::internal
+}  // namespace internal
+
+void CountLookup(StateCache::PrefixAllocation::Source source, bool host_tier, CacheStats& s) {
+  using Source = StateCache::PrefixAllocation::Source;
+  if (source == Source::kBackend) {
+    ++s.snapshot_hits;
+    return;
+  }
+  ++s.snapshot_misses;  // the backend's
+  if (source == Source::kHost) {
+    ++s.host_hits;
+  } else if (host_tier) {
+    ++s.host_misses;
+  }
+}
+
+}  // namespace replayssm::cache

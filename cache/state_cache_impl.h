@@ -427,6 +427,8 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::StatusOr<std::unique_ptr<Forward>> Open(ForwardRows rows, absl::Span<const SlotId> ids,
                                                 absl::FunctionRef<std::string(size_t)> field,
                                                 bool spares, bool layer_waits);
+  // Releases the rows `index` names (busy no more) and sets every entry to -1.
+  void ReleaseRowsLocked(std::vector<int32_t>& index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks rows busy as Open does; on an error releases what it took.
   absl::Status AcquireRowsLocked(absl::Span<const SlotId> ids,
                                  absl::FunctionRef<std::string(size_t)> field, bool allow_pending,

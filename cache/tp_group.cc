@@ -452,8 +452,6 @@ class TpGroup final : public StateCache, public TpSlotIoHost {
   int64_t repeated_refusals_ ABSL_GUARDED_BY(counting_mu_) = 0;
   // Rank 0's lookups asked again shorter (the ranks held different prefixes): taken off the
   // lookup counters it reports for the group.
-  void UncountLookupLocked(PrefixAllocation::Source source)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(counting_mu_);
   CacheStats uncounted_ ABSL_GUARDED_BY(counting_mu_);
   mutable absl::Mutex map_mu_;  // after a shard's lock (slot names), never before one
   absl::flat_hash_map<SlotId, std::vector<SlotId>> members_ ABSL_GUARDED_BY(map_mu_);
@@ -653,22 +651,8 @@ absl::StatusOr<StateCache::PrefixAllocation> TpGroup::AllocateFromPrefixIn(
     FreeAll(ids, absl::OkStatus()).IgnoreError();
     // The group reports rank 0's lookup counters: this attempt is asked again shorter, and
     // the group's lookup is counted once, by the last attempt.
-    UncountLookupLocked(source);
+    CountLookup(source, options_.host_snapshot_bytes != 0, uncounted_);
     m = lo;
-  }
-}
-
-void TpGroup::UncountLookupLocked(PrefixAllocation::Source source) {
-  switch (source) {
-    case PrefixAllocation::Source::kBackend: ++uncounted_.snapshot_hits; break;
-    case PrefixAllocation::Source::kHost:
-      ++uncounted_.snapshot_misses;
-      ++uncounted_.host_hits;
-      break;
-    case PrefixAllocation::Source::kNone:
-      ++uncounted_.snapshot_misses;
-      if (options_.host_snapshot_bytes != 0) ++uncounted_.host_misses;
-      break;
   }
 }
 

@@ -406,6 +406,11 @@ class StateCache {
   virtual absl::Status CheckFinite(SlotId slot, const char* purpose) = 0;
 };
 
+// Books one prefix lookup answered from `source` in `s`'s lookup counters, the identities of
+// CacheStats by construction: backend memory a snapshot hit; the host tier a snapshot miss and
+// a host hit; nowhere a snapshot miss, and a host miss when the cache has a host tier.
+void CountLookup(StateCache::PrefixAllocation::Source source, bool host_tier, CacheStats& s);
+
 }  // namespace replayssm::cache
 
 #endif  // REPLAYSSM_CACHE_STATE_CACHE_H_
