@@ -11,32 +11,13 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "replayssm/cache/events.h"
+#include "tests/zmq_testing.h"
 
 namespace replayssm::service {
 namespace {
 
-int64_t Seq(const std::string& bytes) {
-  uint64_t v = 0;
-  for (unsigned char c : bytes) v = (v << 8) | c;
-  return static_cast<int64_t>(v);
-}
-
-// One message's frames; empty when none came within the socket's receive timeout.
-std::vector<std::string> Frames(void* socket) {
-  std::vector<std::string> out;
-  for (;;) {
-    zmq_msg_t m;
-    zmq_msg_init(&m);
-    if (zmq_msg_recv(&m, socket, 0) < 0) {
-      zmq_msg_close(&m);
-      return {};
-    }
-    out.emplace_back(static_cast<const char*>(zmq_msg_data(&m)), zmq_msg_size(&m));
-    const bool more = zmq_msg_more(&m) != 0;
-    zmq_msg_close(&m);
-    if (!more) return out;
-  }
-}
+using zmq_testing::Frames;
+using zmq_testing::Seq;
 
 // A replay longer than the ROUTER socket's queue (1000 messages past what the socket buffers
 // hold) lost batches and its end marker silently (an outside review): the router waited for

@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "replayssm/v1/replayssm.grpc.pb.h"
 #include "service_fixture.h"
+#include "zmq_testing.h"
 
 namespace replayssm::testing {
 namespace {
@@ -228,27 +229,8 @@ class ZmqEventsTest : public CacheEventsTest {
   int port_ = 0;
 };
 
-std::vector<std::string> Frames(void* socket) {
-  std::vector<std::string> out;
-  for (;;) {
-    zmq_msg_t m;
-    zmq_msg_init(&m);
-    if (zmq_msg_recv(&m, socket, 0) < 0) {
-      zmq_msg_close(&m);
-      return out;
-    }
-    out.emplace_back(static_cast<const char*>(zmq_msg_data(&m)), zmq_msg_size(&m));
-    const bool more = zmq_msg_more(&m) != 0;
-    zmq_msg_close(&m);
-    if (!more) return out;
-  }
-}
-
-int64_t Seq(const std::string& bytes) {
-  uint64_t v = 0;
-  for (unsigned char c : bytes) v = (v << 8) | c;
-  return static_cast<int64_t>(v);
-}
+using zmq_testing::Frames;
+using zmq_testing::Seq;
 
 TEST_F(ZmqEventsTest, BatchesAreVllmKvEventsWithReplay) {
   void* ctx = zmq_ctx_new();
