@@ -849,6 +849,9 @@ TEST_F(ForwardRulesTest, ARefusedPrefillSpillsNothingToTheHost) {
 // service released the request id and a retry applied the step twice. The commit stands now;
 // the snapshot is dropped.
 TEST_F(ForwardRulesTest, ACommitWhoseSnapshotFailsStands) {
+  if (testing::TestBackend() != RSSM_BACKEND_CPU) {
+    GTEST_SKIP() << "the CPU backend's fault seam (REPLAYSSM_CPU_FAIL_CALLS)";
+  }
   Make(3, /*track=*/2);
   const SlotId a = *cache_->Allocate();
   const std::vector<int32_t> p = {1, 2};
@@ -869,6 +872,9 @@ TEST_F(ForwardRulesTest, ACommitWhoseSnapshotFailsStands) {
 // it had waited (it is idle again), and a second Commit took that for success and moved the
 // cursors over work that had failed (an outside review).
 TEST_F(ForwardRulesTest, ACommitWhoseDeviceWaitFailedStaysFailed) {
+  if (testing::TestBackend() != RSSM_BACKEND_CPU) {
+    GTEST_SKIP() << "the CPU backend's fault seam (REPLAYSSM_CPU_FAIL_CALLS)";
+  }
   Make(3);
   const SlotId a = *cache_->Allocate();
   const std::vector<int32_t> p = {1, 2};
@@ -878,7 +884,7 @@ TEST_F(ForwardRulesTest, ACommitWhoseDeviceWaitFailedStaysFailed) {
   ASSERT_TRUE(f.ok()) << f.status();
   for (int32_t l = 0; l < cache_->model().num_layers; ++l) {
     LayerIo io = b.io[l];
-    io.memory = IoMemory::kBackend;  // (host memory on the CPU) nothing waited for till Commit
+    io.memory = IoMemory::kBackend;  // (the CPU's is host memory) nothing waited for till Commit
     ASSERT_TRUE((*f)->RunLayer(l, io).ok());
   }
   ASSERT_EQ(setenv("REPLAYSSM_CPU_FAIL_CALLS", "rssm_synchronize", 1), 0);

@@ -10,6 +10,7 @@
 #include <limits>
 #include <thread>
 
+#include "device_buffer.h"
 #include "test_model.h"
 
 namespace replayssm::cache {
@@ -426,10 +427,15 @@ TEST_F(CacheTest, EveryPathOutOfASlotGoesThroughTheGuard) {
   Step({a}, {&h}, {&r}, 5);  // w = 1
   guarded("export into backend memory", [&] {
     const ModelSpec& m = cache_->model();
-    std::vector<std::vector<uint8_t>> layers(m.num_layers,
-                                             std::vector<uint8_t>(m.LayerStateBytes()));
+    std::vector<DeviceBuffer> layers;  // backend memory: device memory on CUDA
     std::vector<void*> ptrs;
-    for (std::vector<uint8_t>& l : layers) ptrs.push_back(l.data());
+    for (int32_t l = 0; l < m.num_layers; ++l) {
+      absl::StatusOr<DeviceBuffer> b =
+          DeviceBuffer::Allocate(cache_->options().backend, m.LayerStateBytes());
+      ASSERT_TRUE(b.ok()) << b.status();
+      ptrs.push_back(b->data());
+      layers.push_back(*std::move(b));
+    }
     absl::StatusOr<ExportedState> e = cache_->ExportInto(a, ptrs, IoMemory::kBackend);
     ASSERT_TRUE(e.ok()) << e.status();
     EXPECT_EQ(e->seq_len, 5);

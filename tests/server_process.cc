@@ -83,7 +83,10 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     int status = 0;
     if (waitpid(p->pid_, &status, WNOHANG) == p->pid_) {
       p->pid_ = -1;
-      return absl::InternalError(absl::StrCat("replayssm-server exited early: status ", status));
+      const std::string log = p->Log();  // what it said: the last lines
+      const size_t tail = log.size() > 2000 ? log.size() - 2000 : 0;
+      return absl::InternalError(absl::StrCat("replayssm-server exited early: status ", status,
+                                              "; its log ends:\n", log.substr(tail)));
     }
     absl::SleepFor(absl::Milliseconds(10));
   }
