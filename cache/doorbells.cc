@@ -20,11 +20,6 @@ bool ReadReached(const rssm_launch& launch, const uint32_t* addr, uint32_t value
 
 }  // namespace
 
-rssm_status RingOnBehalf(const rssm_launch& side, uint32_t* addr, uint32_t value) {
-  return side.backend == RSSM_BACKEND_CPU ? rssm_stream_raise_value32(&side, addr, value)
-                                          : rssm_stream_write_value32(&side, addr, value);
-}
-
 absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
   bool skip = false;
   {
@@ -102,15 +97,15 @@ int32_t Doorbells::Release(int32_t backend) {
   absl::MutexLock lock(&mu_);
   if (!released_ && !awaited_.empty()) {
     // A stream of its own: the forward's is blocked on these very words. Only the words that
-    // have not reached their value are rung (RingOnBehalf: on the CPU a ring further by the
-    // client, even between the read and the ring, is never set back).
+    // have not reached their value are rung, and raised, not written: a ring further by the
+    // client (its next forward), even between the read and the ring, is never set back.
     void* stream = nullptr;
     if (rssm_stream_create(backend, &stream) != RSSM_OK) stream = nullptr;
     const rssm_launch side{backend, stream};
     for (Awaited& a : awaited_) {
       if (ReadReached(side, a.addr, a.value)) continue;
       a.unrung = true;
-      RingOnBehalf(side, a.addr, a.value);
+      rssm_stream_raise_value32(&side, a.addr, a.value);
     }
     rssm_synchronize(&side);
     rssm_stream_destroy(backend, stream);

@@ -20,15 +20,6 @@
 
 namespace replayssm::cache {
 
-// Rings `addr` with `value` for a client that did not (a wait given up on, the done words of a
-// refused begin), queued on `side`. CPU: rssm_stream_raise_value32, so that a ring further
-// (the client's next forward) that lands meanwhile is never set back. CUDA: still the plain
-// stream write, which can set such a ring back (that forward's wait then holds until its own
-// deadline): the raise kernel hung there on the H200 in its first form (a lazily loaded
-// module waits for the very stream it was to free), and its fix (loaded up front by
-// rssm_stream_create) has not run on a device yet (bench/results/gpu_tests.md).
-rssm_status RingOnBehalf(const rssm_launch& side, uint32_t* addr, uint32_t value);
-
 class Doorbells {
  public:
   // Queues a wait for *addr to reach `value` on `launch` (CPU: blocks until then, or until

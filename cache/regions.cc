@@ -402,7 +402,7 @@ absl::Status RegionTable::RingAll(const RegionLease& lease, uint32_t value) cons
   uint32_t* words = static_cast<uint32_t*>(lease.data());
   rssm_status st = RSSM_OK;
   for (uint64_t i = 0; st == RSSM_OK && i < lease.bytes() / 4; ++i) {
-    st = RingOnBehalf(side, words + i, value);  // CPU: never sets a later ring back
+    st = rssm_stream_raise_value32(&side, words + i, value);  // never sets a later ring back
   }
   if (st == RSSM_OK) st = rssm_synchronize(&side);
   const absl::Status out =

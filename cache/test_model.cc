@@ -235,7 +235,13 @@ CacheOptions TestOptions(const ModelSpec& m, int64_t slots) {
 
 int32_t TestBackend() {
   const char* env = std::getenv("REPLAYSSM_TEST_BACKEND");
-  return env != nullptr && std::string(env) == "cuda" ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
+  const bool cuda = env != nullptr && std::string(env) == "cuda";
+  // The server's 32 work queues (service/main.cc), set before CUDA starts (the tests ask for
+  // the backend first). With CUDA's 8, TpGroupTest's ReleaseWaitsNamesTheEarliestUnrungWait-
+  // OfAnyRank never ended in two H100 runs of 2026-12-06 (its release's ring stopped behind
+  // the unrung waits); at 32 it passed.
+  if (cuda) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+  return cuda ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
 }
 
 double RelErr(const std::vector<double>& x, const std::vector<double>& ref) {

@@ -219,6 +219,10 @@ const std::vector<Flag>& Flags() {
        Int(&ServerOptions::max_import_tokens, 1, std::numeric_limits<int32_t>::max())},
       {"max-streams", "DecodeStream streams open at once",
        Int(&ServerOptions::max_streams, 1, std::numeric_limits<int32_t>::max())},
+      {"max-planned-forwards",
+       "planned forwards open at once; 0 = 3/4 of the GPU's work queues (24) over the TP ranks "
+       "per GPU on CUDA, none on the CPU",
+       Int(&ServerOptions::max_planned_forwards, 0, std::numeric_limits<int32_t>::max())},
       {"tenant-max-streams",
        "DecodeStream streams one tenant may hold open (with --auth-tokens; past it: "
        "RESOURCE_EXHAUSTED), 0 = only --max-streams",

@@ -254,7 +254,7 @@ absl::Status ForwardSession::Open(Opening& opening) {
     plan = **std::move(opening.resolved);
   }
   ForwardGate::Ticket ticket;
-  absl::Status s = ctx_->gate->Enter(&ticket);
+  absl::Status s = ctx_->gate->Enter(&ticket, plan.has_value());
   if (!s.ok()) return s;
   absl::StatusOr<std::unique_ptr<cache::Forward>> forward = opening.open();
   if (!forward.ok()) return forward.status();

@@ -143,6 +143,31 @@ absl::Status ResolveRanks(const ServerOptions& o, const Device& device, cache::C
   return absl::OkStatus();
 }
 
+// --max-planned-forwards, 0 resolved. On CUDA each open planned forward queues a doorbell wait
+// on a stream per rank, and a wait not yet rung stops the GPU work queue under its stream, with
+// every stream the driver put on that queue: past the queues the server has (it asks for 32,
+// main.cc), its own work — and the deadline's ring that releases a wait — can stop behind an
+// engine that never rings (the H100 probe of 2026-12-06: 8 waits on 8 queues stopped a ring
+// from any new stream; 31 on 32 did not). So three quarters of the queues (24 of 32), over the
+// most ranks sharing one GPU, leaving room for the lanes of other calls and the ring. The CPU
+// backend waits on host threads.
+int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache::CacheOptions& c) {
+  if (o.max_planned_forwards > 0 || backend != RSSM_BACKEND_CUDA) return o.max_planned_forwards;
+  int32_t queues = 32;  // main.cc's, unless the environment set its own
+  if (const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"); env != nullptr) {
+    if (!absl::SimpleAtoi(env, &queues) || queues < 1) queues = 8;  // CUDA's default
+  }
+  int32_t per_gpu = std::max<int32_t>(c.tp_size, 1);  // every rank on --device's GPU
+  if (!c.devices.empty()) {
+    per_gpu = 1;
+    for (int32_t d : c.devices) {
+      per_gpu = std::max<int32_t>(
+          per_gpu, static_cast<int32_t>(std::count(c.devices.begin(), c.devices.end(), d)));
+    }
+  }
+  return std::max<int32_t>(1, queues * 3 / 4 / per_gpu);
+}
+
 // An rssm_dtype by name; -1 for "" (the default).
 absl::StatusOr<int32_t> ParseDtype(const std::string& flag, const std::string& name) {
   if (name.empty()) return -1;
@@ -292,6 +317,8 @@ class ServerImpl final : public Server {
   // gate refuses all new work for good, health turns NOT_SERVING (readiness drops, and the
   // liveness probe restarts the pod: a failed CUDA context never recovers) and the
   // replayssm_device_failed gauge turns 1.
+  void BoundPlannedForwards(int32_t n) { gate_.set_max_planned(n); }
+
   // `devices`: the ranks' (--devices), or empty for device 0.
   void StartDeviceCheck(std::vector<int32_t> devices) {
     if (options_.device_check_interval <= absl::ZeroDuration()) return;
@@ -794,8 +821,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                      " MiB cannot be allocated: ", cache.status().message()));
   }
   if (!cache.ok()) return cache.status();
+  const int32_t planned_bound = PlannedForwardBound(options, device->backend, cache_options);
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              std::move(events), *std::move(cache));
+  server->BoundPlannedForwards(planned_bound);
   server->SecurityWarnings();
   s = server->LoadTokens();
   if (s.ok()) server->StartRegionLeases();

@@ -38,6 +38,10 @@ struct ServerOptions {
   int32_t max_request_id_bytes = 128;                // longer request ids: INVALID_ARGUMENT
   int64_t max_import_tokens = int64_t{1} << 20;      // tokens an Import or a transfer brings
   int32_t max_streams = 1024;                        // open DecodeStream streams at once
+  // Planned forwards open at once (docs/data-plane.md); 0: chosen by the device — on CUDA
+  // three quarters of the GPU's work queues (24 of the 32 the server asks for) over the most
+  // TP ranks sharing one GPU, no bound on the CPU.
+  int32_t max_planned_forwards = 0;
   int64_t tenant_max_slots = 0;  // live slots one tenant may hold (with --auth-tokens); 0: any
   int32_t tenant_max_streams = 0;    // DecodeStream streams one tenant may hold open; 0: any
   int32_t tenant_max_watchers = 0;   // WatchCache streams one tenant may hold open; 0: any

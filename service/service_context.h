@@ -57,23 +57,36 @@ class ForwardGate {
   class Ticket {
    public:
     Ticket() = default;
-    explicit Ticket(ForwardGate* gate) : gate_(gate) {}
-    Ticket(Ticket&& o) noexcept : gate_(o.gate_) { o.gate_ = nullptr; }
+    Ticket(ForwardGate* gate, bool planned) : gate_(gate), planned_(planned) {}
+    Ticket(Ticket&& o) noexcept : gate_(o.gate_), planned_(o.planned_) { o.gate_ = nullptr; }
     Ticket& operator=(Ticket&& o) noexcept {
       Reset();
       gate_ = o.gate_;
+      planned_ = o.planned_;
       o.gate_ = nullptr;
       return *this;
     }
     ~Ticket() { Reset(); }
     void Reset() {
-      if (gate_ != nullptr) gate_->Leave();
+      if (gate_ != nullptr) gate_->Leave(planned_);
       gate_ = nullptr;
     }
 
    private:
     ForwardGate* gate_ = nullptr;
+    bool planned_ = false;
   };
+
+  // Planned forwards open at once (a stream's chain of continued ones counts once); 0: no
+  // bound. Set before the server serves (--max-planned-forwards).
+  void set_max_planned(int64_t n) {
+    absl::MutexLock lock(&mutex_);
+    max_planned_ = n;
+  }
+  int64_t max_planned() const {
+    absl::MutexLock lock(&mutex_);
+    return max_planned_;
+  }
 
   // UNAVAILABLE "server is draining: <what>" once draining, "device failed (<reason>): <what>"
   // once the device has failed: every refusal of new work (forwards, allocations, imports,
@@ -90,12 +103,20 @@ class ForwardGate {
     if (failure_.empty()) return absl::OkStatus();
     return FailedLocked(what);
   }
-  // UNAVAILABLE when draining or failed.
-  absl::Status Enter(Ticket* ticket) {
+  // UNAVAILABLE when draining or failed; RESOURCE_EXHAUSTED naming --max-planned-forwards for a
+  // planned forward past that bound.
+  absl::Status Enter(Ticket* ticket, bool planned = false) {
     absl::MutexLock lock(&mutex_);
     if (absl::Status s = RefuseLocked("no new forwards"); !s.ok()) return s;
+    if (planned && max_planned_ > 0 && open_planned_ >= max_planned_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "--max-planned-forwards: expected at most ", max_planned_,
+          " planned forwards open at once, got one more (each holds a GPU work queue until its "
+          "doorbells ring): commit one first, or begin this one inline"));
+    }
     ++open_;
-    *ticket = Ticket(this);
+    if (planned) ++open_planned_;
+    *ticket = Ticket(this, planned);
     return absl::OkStatus();
   }
   void Drain() {
@@ -136,14 +157,17 @@ class ForwardGate {
   absl::Status FailedLocked(absl::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
     return absl::UnavailableError(absl::StrCat("device failed (", failure_, "): ", what));
   }
-  void Leave() {
+  void Leave(bool planned) {
     absl::MutexLock lock(&mutex_);
     --open_;
+    if (planned) --open_planned_;
   }
   mutable absl::Mutex mutex_;
   bool draining_ ABSL_GUARDED_BY(mutex_) = false;
   std::string failure_ ABSL_GUARDED_BY(mutex_);  // empty: the device works
   int64_t open_ ABSL_GUARDED_BY(mutex_) = 0;
+  int64_t open_planned_ ABSL_GUARDED_BY(mutex_) = 0;
+  int64_t max_planned_ ABSL_GUARDED_BY(mutex_) = 0;
 };
 
 struct ServiceLimits {

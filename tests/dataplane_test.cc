@@ -487,6 +487,45 @@ TEST_F(PlannedWaitTest, ACancelledCommitEndsItsForwardAtOnce) {
   EXPECT_EQ(client_->Stats()->open_forwards(), 0);
 }
 
+// --max-planned-forwards: a planned begin past the bound is refused naming the flag and
+// changes nothing; inline forwards are not bounded, and once the open planned forward ends the
+// next one begins. (On CUDA an open planned forward can hold one of the GPU's work queues until
+// its doorbells ring: past the queues the server's own work stopped behind an engine that never
+// rang, docs/data-plane.md.)
+class PlannedBoundTest : public DataPlaneTest {
+ protected:
+  std::vector<std::string> ServerFlags() const override {
+    return {"--track-interval=16", "--max-planned-forwards=1"};
+  }
+};
+
+TEST_F(PlannedBoundTest, APlannedBeginPastTheBoundIsRefusedAndChangesNothing) {
+  const uint64_t a = NewSlot(), b = NewSlot();
+  const std::string before = Observe(b);
+  auto first = client_->OpenStream();
+  ASSERT_TRUE(first->BeginWith(PlannedDecode({a}, 1)).ok());
+  EngineMemory other(model(), 1);
+  ASSERT_TRUE(other.Register(*client_, "other").ok());
+  v1::DecodeStreamRequest past = PlannedDecode({b}, 1);
+  *past.mutable_begin()->mutable_plan() = other.Plan("other", 1);
+  auto refused = client_->OpenStream()->BeginWith(past);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("--max-planned-forwards: expected at most 1"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ(Observe(b), before);
+  EXPECT_EQ(InUse("other"), 0);
+  EXPECT_EQ(client_->Stats()->open_forwards(), 1);
+  EXPECT_TRUE(client_->OpenStream()->Forward(Rows({b}), Layers(1)).ok()) << "inline: no bound";
+  const std::vector<v1::LayerInput> layers = Layers(1);
+  std::thread engine([&] { mem_->Drive(layers, 1); });
+  const absl::Status committed = first->Commit().status();
+  engine.join();
+  ASSERT_TRUE(committed.ok()) << committed;
+  auto next = client_->OpenStream();
+  EXPECT_TRUE(RunPlanned(*next, PlannedDecode({b}, 2), Layers(1), 2).ok()) << "the bound freed";
+}
+
 TEST_F(DataPlaneTest, PlannedPrefillAndVerifyMatchTheInlineForms) {
   const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();

@@ -2,8 +2,11 @@
 // activations, and slots moved between servers of every pair of TP degrees in {1, 2, 4} —
 // by TransferSlot and by PullSlot — decoding on bit for bit as on a TP = 1 server that never
 // moved (folded at the same token, as a move folds).
+#include "replayssm/cache/tp.h"
+
 #include <sys/stat.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -12,7 +15,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "replayssm/cache/tp.h"
 #include "replayssm/client/client.h"
 #include "replayssm/client/tensor.h"
 #include "server_process.h"
@@ -31,8 +33,15 @@ struct Node {
 Node StartNode(int32_t tp, const std::string& model = "tiny-gdn-tp") {
   Node n;
   n.tp = tp;
+  // Up to six servers share one GPU here: under MPS its clients share one pool of work queues
+  // and each holds its own, so at the server's 32 the fifth could not allocate (the H100 run
+  // of 2026-12-06). CUDA's own 8 each, for these servers only.
+  const bool shared_gpu =
+      ServerProcess::Device() != "cpu" && std::getenv("CUDA_DEVICE_MAX_CONNECTIONS") == nullptr;
+  if (shared_gpu) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8", 1);
   auto p = ServerProcess::Start({"--model=" + model, absl::StrCat("--tp-size=", tp),
                                  "--memory-budget=64M", "--track-interval=0"});
+  if (shared_gpu) unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
   EXPECT_TRUE(p.ok()) << p.status();
   if (!p.ok()) return n;
   n.proc = *std::move(p);

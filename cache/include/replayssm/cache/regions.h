@@ -133,10 +133,10 @@ class RegionTable {
 
   int32_t backend() const { return backend_; }
 
-  // Rings every 32-bit word of `lease` (memory the backend uses in place) with `value` (on the
-  // CPU only where it has not reached it: a later ring is never set back; doorbells.h,
-  // RingOnBehalf) and returns once they are written: doorbells the server rings outside any
-  // forward (the done words of a refused planned begin, docs/data-plane.md).
+  // Rings every 32-bit word of `lease` (memory the backend uses in place) with `value` where it
+  // has not reached it (rssm_stream_raise_value32: a later ring is never set back) and returns
+  // once they are written: doorbells the server rings outside any forward (the done words of a
+  // refused planned begin, docs/data-plane.md).
   absl::Status RingAll(const RegionLease& lease, uint32_t value) const;
 
  private:
