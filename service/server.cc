@@ -156,6 +156,7 @@ int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache
   int32_t queues = 32;  // main.cc's, unless the environment set its own
   if (const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"); env != nullptr) {
     if (!absl::SimpleAtoi(env, &queues) || queues < 1) queues = 8;  // CUDA's default
+    queues = std::min(queues, 32);                                    // CUDA's most
   }
   int32_t per_gpu = std::max<int32_t>(c.tp_size, 1);  // every rank on --device's GPU
   if (!c.devices.empty()) {
