@@ -17,7 +17,8 @@ config=${REPLAYSSM_CONFIG:-/etc/replayssm/replayssm.conf}
 flags=(grpc-address metrics-address model device tp-size devices memory-budget ring-length
        track-interval
        state-dtype ring-dtype beta-rounding max-batch forward-graphs max-prefill-tokens max-message-bytes dedup-entries dedup-bytes
-       max-request-id-bytes max-import-tokens max-streams tenant-max-streams tenant-max-slots
+       max-request-id-bytes max-import-tokens max-streams max-planned-forwards tenant-max-streams
+       tenant-max-slots
        tenant-max-snapshots host-snapshot-bytes host-snapshot-policy host-spill-ahead host-pin-at-start slot-ttl
        cache-events-retain max-watchers tenant-max-watchers kv-events-endpoint
        kv-events-replay-endpoint
