@@ -239,8 +239,9 @@ int32_t TestBackend() {
   // The server's 32 work queues (service/main.cc), set before CUDA starts (the tests ask for
   // the backend first). With CUDA's 8, TpGroupTest's ReleaseWaitsNamesTheEarliestUnrungWait-
   // OfAnyRank never ended in two H100 runs of 2026-12-06 (its release's ring stopped behind
-  // the unrung waits); at 32 it passed.
-  if (cuda) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+  // the unrung waits); at 32 it passed. Once: other threads read the environment meanwhile.
+  static const bool queues_set = cuda && setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
+  (void)queues_set;
   return cuda ? RSSM_BACKEND_CUDA : RSSM_BACKEND_CPU;
 }
 

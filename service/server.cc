@@ -153,18 +153,19 @@ absl::Status ResolveRanks(const ServerOptions& o, const Device& device, cache::C
 // backend waits on host threads.
 int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache::CacheOptions& c) {
   if (o.max_planned_forwards > 0 || backend != RSSM_BACKEND_CUDA) return o.max_planned_forwards;
-  int32_t queues = 32;  // main.cc's, unless the environment set its own
-  if (const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"); env != nullptr) {
-    if (!absl::SimpleAtoi(env, &queues) || queues < 1) queues = 8;  // CUDA's default
-    queues = std::min(queues, 32);                                    // CUDA's most
+  // What CUDA gives this process: main.cc's 32 or the operator's value; unset (a server started
+  // without main.cc), or unreadable, CUDA's default of 8; never more than 32.
+  int32_t queues = 8;
+  if (const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+      env != nullptr && (!absl::SimpleAtoi(env, &queues) || queues < 1)) {
+    queues = 8;
   }
-  int32_t per_gpu = std::max<int32_t>(c.tp_size, 1);  // every rank on --device's GPU
-  if (!c.devices.empty()) {
-    per_gpu = 1;
-    for (int32_t d : c.devices) {
-      per_gpu = std::max<int32_t>(
-          per_gpu, static_cast<int32_t>(std::count(c.devices.begin(), c.devices.end(), d)));
-    }
+  queues = std::min(queues, 32);
+  // Without --devices every rank is on --device's GPU.
+  int32_t per_gpu = c.devices.empty() ? std::max<int32_t>(c.tp_size, 1) : 1;
+  for (int32_t d : c.devices) {
+    per_gpu = std::max<int32_t>(
+        per_gpu, static_cast<int32_t>(std::count(c.devices.begin(), c.devices.end(), d)));
   }
   return std::max<int32_t>(1, queues * 3 / 4 / per_gpu);
 }

@@ -83,10 +83,6 @@ class ForwardGate {
     absl::MutexLock lock(&mutex_);
     max_planned_ = n;
   }
-  int64_t max_planned() const {
-    absl::MutexLock lock(&mutex_);
-    return max_planned_;
-  }
 
   // UNAVAILABLE "server is draining: <what>" once draining, "device failed (<reason>): <what>"
   // once the device has failed: every refusal of new work (forwards, allocations, imports,
