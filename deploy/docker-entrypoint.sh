@@ -2,8 +2,8 @@
 # Container entrypoint of replayssm-server. Turns REPLAYSSM_<FLAG> environment variables into
 # --<flag>=value (REPLAYSSM_MEMORY_BUDGET=80G -> --memory-budget=80G), adds
 # --config $REPLAYSSM_CONFIG (default /etc/replayssm/replayssm.conf) when that file exists (a
-# REPLAYSSM_CONFIG set to a missing file stops it, exit 2), warns of REPLAYSSM_* variables that
-# name no flag, and execs the server so that it is PID 1 and receives SIGTERM itself (graceful drain).
+# REPLAYSSM_CONFIG set to a missing file stops it, exit 2), skips (and names) the empty ones,
+# warns of REPLAYSSM_* variables that name no flag, and execs the server so that it is PID 1 and receives SIGTERM itself (graceful drain).
 #
 # Precedence (the server lets command-line flags win over the config file, and the last of
 # two equal flags win): arguments given to the container > REPLAYSSM_* environment > config
@@ -46,21 +46,28 @@ elif [[ -n "${REPLAYSSM_CONFIG:-}" ]]; then
   echo "replayssm-entrypoint: REPLAYSSM_CONFIG=$REPLAYSSM_CONFIG: no such file" >&2
   exit 2
 fi
-# Flags whose empty value means something (off, none, the default): a set but empty variable
-# passes it (REPLAYSSM_METRICS_ADDRESS= turns metrics off). For the others an empty variable
-# is a template's placeholder and is skipped, as before.
-empty_ok=" metrics-address devices state-dtype ring-dtype beta-rounding kv-events-endpoint
-  kv-events-replay-endpoint kv-events-tenant kv-events-curve-secret-file kv-events-clients-file
-  tls-cert tls-key tls-client-ca auth-tokens peer-token transfer-peers transfer-interface "
+# A set but empty variable is unset: the flag is not passed, and the config file's value (or
+# the default) holds. Passing it gave the flag an empty value, which for --auth-tokens,
+# --tls-cert, --tls-client-ca, --peer-token, --transfer-peers and the CURVE files means
+# off (or any peer): a template's empty placeholder (REPLAYSSM_AUTH_TOKENS: "") silently
+# undid the config file's security. An empty value on purpose goes in the arguments
+# (--metrics-address=), where nothing is a placeholder.
 declare -A known=()
+empty=()
 for flag in "${flags[@]}"; do
   var="REPLAYSSM_${flag//-/_}"
   var=${var^^}
   known[$var]=1
-  if [[ -n "${!var:-}" ]] || [[ -n "${!var+set}" && "$empty_ok" == *[[:space:]]"$flag"[[:space:]]* ]]; then
+  if [[ -n "${!var:-}" ]]; then
     args+=("--${flag}=${!var}")
+  elif [[ -n "${!var+set}" ]]; then
+    empty+=("$var")
   fi
 done
+if ((${#empty[@]})); then
+  echo "replayssm-entrypoint: ${empty[*]}: empty, so unset (not passed); to give a flag an" \
+    "empty value, pass --<flag>= as an argument" >&2
+fi
 # A misspelled variable (REPLAYSSM_MEMORY_BUDGE) was dropped without a word. The server and
 # the tools in its image read a few that are no flags; any other is named.
 for var in SERVER_BIN CONFIG CPU_THREADS CPU_FAULT_FILE CPU_FAIL_CALLS TOKEN ADDRESS; do known[REPLAYSSM_$var]=1; done
