@@ -55,10 +55,12 @@ for bin in replayssm-server replayssm-cli; do
 done
 libdir="$prefix/lib/replayssm"
 # The shared libraries `ldd` lists for the files given, but the C runtime and the driver (the
-# runtime image has them, in the versions of its own).
+# runtime image has them, in the versions of its own), and libibverbs and librdmacm: the
+# runtime stage installs them with the NIC's verbs providers (ibverbs-providers), which must
+# be of their very version.
 bundled_deps() {
   ldd "$@" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
-    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libnvidia[^/]*)\.so'
+    grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*|libcuda|libnvidia[^/]*|libibverbs|librdmacm)\.so'
 }
 if [[ $bundle == 1 ]]; then
   mkdir -p "$libdir"
@@ -67,7 +69,7 @@ if [[ $bundle == 1 ]]; then
   # UCX loads its transports but tcp and shared memory (cma, ib, rdmacm: RDMA and RoCE) as
   # modules from <libucs's directory>/ucx at run time: ldd lists none of them, and the image
   # could only move states over TCP (UCX_TLS=rc found nothing). They go beside libucs here,
-  # with the libraries they need (libibverbs, librdmacm, ...).
+  # with the libraries they need (libibverbs and librdmacm come from the runtime stage).
   ucs=$(ldd "$prefix/bin/replayssm-server" | awk '$1 ~ /^libucs\.so/ {print $3}')
   if [[ -n "$ucs" && -d "$(dirname "$ucs")/ucx" ]]; then
     mkdir -p "$libdir/ucx"

@@ -10,7 +10,8 @@
 //   node validate.js alerts     every alert has firing and not-firing promtool tests, a runbook
 //                               section in docs/operations.md, and names only known metrics
 //   node validate.js dockerfile the Dockerfile's must-haves (multi-stage CUDA devel -> runtime,
-//                               non-root USER, HEALTHCHECK, ENTRYPOINT, build script)
+//                               non-root USER, HEALTHCHECK, ENTRYPOINT, build script, the
+//                               verbs providers RDMA needs)
 //   node validate.js selftest   breaks the real files in memory, one fault at a time, and
 //                               checks that each fault is reported (every check can fail)
 // Module lookup: NODE_PATH may point at an `npm ci` of deploy/tools/package.json elsewhere.
@@ -431,6 +432,8 @@ function dockerfileErrors(text) {
   if (!final.some((l) => /^HEALTHCHECK\s+.*CMD\s+.*health/i.test(l))) errs.push('no HEALTHCHECK running a grpc.health.v1 probe');
   if (!final.some((l) => /^ENTRYPOINT\s+.*docker-entrypoint\.sh/.test(l))) errs.push('ENTRYPOINT must be deploy/docker-entrypoint.sh');
   if (!final.some((l) => /^EXPOSE\s+.*\b50051\b.*\b9400\b/.test(l))) errs.push('EXPOSE must list 50051 and 9400');
+  // UCX's RDMA transports find no device without the NIC's verbs provider (libibverbs loads it).
+  if (!final.some((l) => /^RUN\s+.*apt-get install\b.*\bibverbs-providers\b/.test(l))) errs.push('the final stage must install ibverbs-providers (UCX RDMA finds no NIC without it)');
   if (!final.some((l) => /^COPY\s+.*replayssm\.conf/.test(l))) errs.push('the config file is not copied into the image');
   if (!lines.some((l) => /^RUN\s+.*deploy\/build-image-steps\.sh/.test(l))) errs.push('the build stage must run deploy/build-image-steps.sh (the steps CI runs)');
   if (!lines.some((l) => /^RUN\s+.*scripts\/install-deps\.sh/.test(l))) errs.push('the build stage must install packages with scripts/install-deps.sh');
@@ -499,6 +502,7 @@ function selftest(ctx) {
   } });
   df('Dockerfile runs as root', 'USER replayssm:replayssm', 'USER root', /final USER is root/);
   df('Dockerfile without HEALTHCHECK', 'HEALTHCHECK', '# HEALTHCHECK', /no HEALTHCHECK/);
+  df('Dockerfile without the verbs providers', 'ibverbs-providers librdmacm1', 'librdmacm1', /ibverbs-providers/);
   df('Dockerfile single stage', 'FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime', '', /multi-stage|runtime-/);
 
   let failed = 0;
