@@ -15,8 +15,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "replayssm/cache/model.h"
 #include "replayssm/cache/tp.h"
 
 namespace replayssm::service {
@@ -26,8 +28,8 @@ namespace {
 using Setter = std::function<absl::Status(ServerFlags&, const std::string&)>;
 
 // What a flag sets: how (set), what it holds as the flag would spell it (show; the usage's
-// "[default]" comes from a default ServerOptions), and its bounds when it has any (check, run
-// by Server::Start over the options however they were made: CheckServerBounds).
+// "[default]" comes from a default ServerOptions), and its bounds or words when it has any
+// (check, run by Server::Start over the options however they were made: CheckServerBounds).
 struct Value {
   Setter set;
   std::function<std::string(const ServerOptions&)> show;
@@ -164,6 +166,69 @@ Value Str(std::string ServerOptions::*field) {
   return v;
 }
 
+// "a, b or c".
+std::string OneOf(const std::vector<std::string>& words) {
+  if (words.size() < 2) return absl::StrJoin(words, "");
+  return absl::StrCat(absl::StrJoin(words.begin(), words.end() - 1, ", "), " or ", words.back());
+}
+
+// A string flag of a few words, refused like a bound (exit 2) naming them and what came;
+// `also` are taken too, unnamed (spellings of the same, and "" where it means a default).
+// Start used to refuse them (exit 1) while --forward-graphs=yes was a usage error.
+Value Words(std::string ServerOptions::*field, std::vector<std::string> words,
+            std::vector<std::string> also = {}) {
+  Value v = Str(field);
+  v.check = [field, words, also](const ServerOptions& o) -> absl::Status {
+    const std::string& x = o.*field;
+    if (std::find(words.begin(), words.end(), x) != words.end() ||
+        std::find(also.begin(), also.end(), x) != also.end()) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat("expected ", OneOf(words), ", got ", x));
+  };
+  return v;
+}
+
+// --device: auto, cpu, cuda or cuda:N; whether that device exists is Start's to find.
+Value Device() {
+  Value v = Str(&ServerOptions::device);
+  v.check = [](const ServerOptions& o) -> absl::Status {
+    absl::string_view d = o.device;
+    if (d == "auto" || d == "cpu" || d == "cuda") return absl::OkStatus();
+    int index = -1;
+    if (absl::ConsumePrefix(&d, "cuda:") && !d.empty() &&
+        d.find_first_not_of("0123456789") == absl::string_view::npos &&
+        absl::SimpleAtoi(d, &index)) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected auto, cpu, cuda or cuda:N (N >= 0), got ", o.device));
+  };
+  return v;
+}
+
+// --model: a preset's name or a HF config.json (read by Start).
+Value Model() {
+  Value v = Str(&ServerOptions::model);
+  v.check = [](const ServerOptions& o) -> absl::Status {
+    const std::vector<std::string> presets = cache::ModelPresetNames();
+    if (absl::EndsWith(o.model, ".json") ||
+        std::find(presets.begin(), presets.end(), o.model) != presets.end()) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat("expected a preset (",
+                                                   absl::StrJoin(presets, ", "),
+                                                   ") or a HF config.json, got ", o.model));
+  };
+  return v;
+}
+
+// The dtype words of ParseDtype (server.cc); "" is the preset's (or the state's) dtype.
+Value Dtype(std::string ServerOptions::*field) {
+  return Words(field, {"f32", "bf16", "f16"},
+               {"", "fp32", "float32", "bfloat16", "fp16", "float16"});
+}
+
 // A flag with a parser of its own and no default to show.
 Value Custom(Setter set) { return Value{std::move(set), nullptr, nullptr, ""}; }
 
@@ -175,8 +240,8 @@ const std::vector<Flag>& Flags() {
        Str(&ServerOptions::metrics_address)},
       {"model",
        "preset (tiny-gdn, tiny-kda, qwen3-next-80b-a3b, kimi-linear-48b-a3b) or a HF config.json",
-       Str(&ServerOptions::model)},
-      {"device", "auto | cpu | cuda | cuda:N", Str(&ServerOptions::device)},
+       Model()},
+      {"device", "auto | cpu | cuda | cuda:N", Device()},
       {"tp-size",
        "tensor-parallel ranks of the engine served: one cache shard per rank, each with "
        "HV/tp-size v heads and --memory-budget of its own; activations rank-major",
@@ -190,14 +255,15 @@ const std::vector<Flag>& Flags() {
       {"ring-length", "replay ring length L (0 = the preset's)", RingLength()},
       {"track-interval", "snapshot every N decoded tokens, 0 = never",
        Int(&ServerOptions::track_interval, 0, std::numeric_limits<int32_t>::max())},
-      {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)", Str(&ServerOptions::state_dtype)},
+      {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)",
+       Dtype(&ServerOptions::state_dtype)},
       {"ring-dtype",
        "ring d, k: f32 | bf16 | f16 (empty = the state dtype; a 16-bit state takes only its own)",
-       Str(&ServerOptions::ring_dtype)},
+       Dtype(&ServerOptions::ring_dtype)},
       {"beta-rounding",
        "act | f32: beta = sigmoid(b) rounded to the act dtype or kept fp32 (empty = the "
        "model's: act for Gated DeltaNet, f32 for KDA)",
-       Str(&ServerOptions::beta_rounding)},
+       Words(&ServerOptions::beta_rounding, {"act", "f32"}, {"", "fp32"})},
       {"max-batch", "rows per decode / verify (a CUDA launch's grid holds 65535)",
        Int(&ServerOptions::max_batch, 1, 65535)},
       {"forward-graphs",
@@ -272,7 +338,7 @@ const std::vector<Flag>& Flags() {
       {"host-snapshot-policy",
        "lru | value: which host snapshot goes first when the host tier is full: the least "
        "recently used, or the one saving the fewest tokens per byte (by its hits, aged)",
-       Str(&ServerOptions::host_snapshot_policy)},
+       Words(&ServerOptions::host_snapshot_policy, {"lru", "value"})},
       {"host-spill-ahead",
        "with the host tier: GPU slots kept obtainable without loss (free, or snapshots the host "
        "holds too) by copying the least recently used snapshots to the host in the background, "

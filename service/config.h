@@ -24,7 +24,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv);
 // Every flag, its help, its bounds and its default (from a default ServerOptions).
 std::string ServerUsage();
 // The flags' bounds over `options` however they were made (Server::Start): INVALID_ARGUMENT
-// naming the first flag out of bounds, "expected min..max, got v" as at parse time.
+// naming the first flag out of bounds ("expected min..max, got v" as at parse time) or given a
+// word outside its few ("--host-snapshot-policy: expected lru or value, got mru").
 absl::Status CheckServerBounds(const ServerOptions& options);
 
 // The `name = value` lines of a config file's `text` over `flags` (what --config FILE does

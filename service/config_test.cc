@@ -129,6 +129,33 @@ TEST(ServerFlags, OutOfRangeValuesAreRefusedNamingTheFlagWhereverTheyComeFrom) {
   EXPECT_EQ(f->options.transfer_import_threads, 12);
 }
 
+// A flag that takes one of a few words is refused like a bound (exit 2), naming the flag, its
+// words and what came; before, each stopped the start (exit 1).
+TEST(ServerFlags, AWordOutsideAFlagsWordsIsRefusedNamingTheWords) {
+  for (const auto& [arg, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--device=gpu", "--device: expected auto, cpu, cuda or cuda:N (N >= 0), got gpu"},
+           {"--device=cuda:-1",
+            "--device: expected auto, cpu, cuda or cuda:N (N >= 0), got cuda:-1"},
+           {"--state-dtype=f8", "--state-dtype: expected f32, bf16 or f16, got f8"},
+           {"--ring-dtype=int8", "--ring-dtype: expected f32, bf16 or f16, got int8"},
+           {"--beta-rounding=yes", "--beta-rounding: expected act or f32, got yes"},
+           {"--host-snapshot-policy=mru", "--host-snapshot-policy: expected lru or value, got mru"},
+           {"--model=qwen4",
+            "--model: expected a preset (qwen3-next-80b-a3b, kimi-linear-48b-a3b, tiny-gdn, "
+            "tiny-kda, tiny-gdn-tp) or a HF config.json, got qwen4"}}) {
+    auto parsed = Parse({arg.c_str()});
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const absl::Status s = CheckServerBounds(parsed->options);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << arg;
+    EXPECT_EQ(s.message(), message);
+  }
+  auto words =
+      Parse({"--device=cuda:1", "--state-dtype=bf16", "--ring-dtype=", "--beta-rounding=fp32",
+             "--host-snapshot-policy=value", "--model=/models/qwen/config.json"});
+  ASSERT_TRUE(words.ok()) << words.status();
+  EXPECT_TRUE(CheckServerBounds(words->options).ok()) << CheckServerBounds(words->options);
+}
+
 // Values that parsed but could only fail later (every incoming transfer, every request) are
 // refused at start, naming the flag and its range.
 TEST(ServerFlags, ValuesThatWouldFailEveryCallAreRefusedAtStart) {

@@ -791,10 +791,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
   cache_options.host_spill_ahead = options.host_spill_ahead;
   cache_options.host_pin_at_start = options.host_pin_at_start;
-  if (options.host_snapshot_policy != "lru" && options.host_snapshot_policy != "value") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--host-snapshot-policy: expected lru or value, got ", options.host_snapshot_policy));
-  }
   cache_options.host_policy = options.host_snapshot_policy == "value" ? cache::HostPolicy::kValue
                                                                       : cache::HostPolicy::kLru;
   auto handles = std::make_unique<SlotHandles>();

@@ -585,6 +585,25 @@ TEST(CommandLine, ARingLengthOfOneIsABoundExit2) {
   EXPECT_TRUE(absl::StrContains(o.output, "got 1")) << o.output;
 }
 
+// A word outside a flag's few is a usage error, as a bound is (exit 2, before anything starts):
+// each used to stop the start (exit 1) while --forward-graphs=yes was already exit 2.
+TEST(CommandLine, AWordOutsideAFlagsWordsIsAUsageErrorExit2) {
+  const std::vector<std::string> base = {"--grpc-address=127.0.0.1:0", "--metrics-address="};
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--device=gpu", "--device: expected auto, cpu, cuda or cuda:N (N >= 0), got gpu"},
+           {"--state-dtype=f8", "--state-dtype: expected f32, bf16 or f16, got f8"},
+           {"--ring-dtype=f8", "--ring-dtype: expected f32, bf16 or f16, got f8"},
+           {"--beta-rounding=yes", "--beta-rounding: expected act or f32, got yes"},
+           {"--host-snapshot-policy=mru", "--host-snapshot-policy: expected lru or value, got mru"},
+           {"--model=qwen4", "--model: expected a preset (qwen3-next-80b-a3b, "},
+           {"--forward-graphs=yes", "--forward-graphs=yes: expected true or false"}}) {
+    std::vector<std::string> args = base;
+    if (!absl::StartsWith(flag, "--device")) args.push_back("--device=cpu");
+    args.push_back(flag);
+    ExpectRefused(REPLAYSSM_SERVER_BINARY, args, message);
+  }
+}
+
 TEST(CommandLine, BadHostTierFlagsStopTheServerNamingTheFlag) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--host-snapshot-policy=mru"}, "--host-snapshot-policy: expected lru or value, got mru"},
