@@ -25,7 +25,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, const char* const* argv);
 std::string ServerUsage();
 // The flags' bounds over `options` however they were made (Server::Start): INVALID_ARGUMENT
 // naming the first flag out of bounds ("expected min..max, got v" as at parse time) or given a
-// word outside its few ("--host-snapshot-policy: expected lru or value, got mru").
+// word outside its few ("--host-snapshot-policy: expected lru or value, got mru"), or given
+// without the flag it needs ("--kv-events-topic: expected it with --kv-events-endpoint (...),
+// got vllm alone").
 absl::Status CheckServerBounds(const ServerOptions& options);
 
 // The `name = value` lines of a config file's `text` over `flags` (what --config FILE does

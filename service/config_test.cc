@@ -156,6 +156,51 @@ TEST(ServerFlags, AWordOutsideAFlagsWordsIsRefusedNamingTheWords) {
   EXPECT_TRUE(CheckServerBounds(words->options).ok()) << CheckServerBounds(words->options);
 }
 
+// A flag that means nothing without another is refused naming both, like a bound (exit 2):
+// --kv-events-topic alone was taken and never used.
+TEST(ServerFlags, AFlagWithoutTheFlagItNeedsIsRefusedNamingBoth) {
+  for (const auto& [args, message] : std::vector<std::pair<std::vector<const char*>, std::string>>{
+           {{"--kv-events-topic=vllm"},
+            "--kv-events-topic: expected it with --kv-events-endpoint (the ZMQ publisher whose "
+            "topic it names), got vllm alone"},
+           {{"--kv-events-replay-endpoint=tcp://127.0.0.1:5558"},
+            "--kv-events-replay-endpoint: expected it with --kv-events-endpoint (the ZMQ "
+            "publisher whose batches it replays), got tcp://127.0.0.1:5558 alone"},
+           {{"--kv-events-tenant=alice"},
+            "--kv-events-tenant: expected it with --kv-events-endpoint (the ZMQ publisher of that "
+            "tenant's events), got alice alone"},
+           {{"--kv-events-curve-secret-file=/k"},
+            "--kv-events-curve-secret-file: expected it with --kv-events-endpoint (the ZMQ events "
+            "it secures), got /k alone"},
+           {{"--kv-events-endpoint=tcp://127.0.0.1:5557", "--kv-events-clients-file=/c"},
+            "--kv-events-clients-file: expected it with --kv-events-curve-secret-file (CURVE needs "
+            "the server's key and the routers' keys), got /c alone"},
+           {{"--tenant-max-slots=3"},
+            "--tenant-max-slots: expected it with --auth-tokens (without tokens there is one "
+            "tenant, bounded by the server's own limits), got 3 alone"},
+           {{"--tls-cert=/c.pem"},
+            "--tls-cert: expected it with --tls-key (the certificate's private key), got "
+            "/c.pem alone"},
+           {{"--tls-key=/k.pem"},
+            "--tls-key: expected it with --tls-cert (the certificate of the key), got /k.pem "
+            "alone"},
+           {{"--tls-client-ca=/ca.pem"},
+            "--tls-client-ca: expected it with --tls-cert (mTLS is TLS with client certificates), "
+            "got /ca.pem alone"}}) {
+    auto parsed = Parse(args);
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const absl::Status s = CheckServerBounds(parsed->options);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << args[0];
+    EXPECT_EQ(s.message(), message);
+  }
+  // Its default is no mistake, and each with its partner passes.
+  auto pairs = Parse({"--kv-events-topic=kv-events", "--kv-events-endpoint=tcp://127.0.0.1:5557",
+                      "--kv-events-replay-endpoint=tcp://127.0.0.1:5558"});
+  ASSERT_TRUE(pairs.ok()) << pairs.status();
+  EXPECT_TRUE(CheckServerBounds(pairs->options).ok()) << CheckServerBounds(pairs->options);
+  EXPECT_TRUE(CheckServerBounds(Parse({"--kv-events-topic=kv-events"})->options).ok());
+}
+
 // Values that parsed but could only fail later (every incoming transfer, every request) are
 // refused at start, naming the flag and its range.
 TEST(ServerFlags, ValuesThatWouldFailEveryCallAreRefusedAtStart) {

@@ -367,24 +367,8 @@ class ServerImpl final : public Server {
   }
 
   absl::Status LoadTokens() {
-    if (options_.auth_tokens_file.empty()) {
-      // Without tokens every call is one tenant: a tenant's bound would never apply (it was
-      // taken and ignored).
-      const std::pair<const char*, int64_t> bounds[] = {
-          {"tenant-max-streams", options_.tenant_max_streams},
-          {"tenant-max-watchers", options_.tenant_max_watchers},
-          {"tenant-max-slots", options_.tenant_max_slots}};
-      for (const auto& [flag, value] : bounds) {
-        if (value != 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("--", flag,
-                           ": expected it with --auth-tokens (without tokens there is one tenant, "
-                           "bounded by the server's own limits), got ",
-                           value, " alone"));
-        }
-      }
-      return absl::OkStatus();
-    }
+    // Without tokens a tenant's bound is refused before (config.cc, Companions).
+    if (options_.auth_tokens_file.empty()) return absl::OkStatus();
     absl::StatusOr<std::unique_ptr<TokenStore>> tokens =
         TokenStore::Load(options_.auth_tokens_file);
     if (!tokens.ok()) return tokens.status();
@@ -414,38 +398,17 @@ class ServerImpl final : public Server {
   }
 
   // --kv-events-endpoint: the ZMQ publisher of one tenant's cache events (after LoadTokens,
-  // which knows the tenants).
+  // which knows the tenants). Its flags without it were refused before (config.cc, Companions).
   absl::Status StartEventPublisher() {
-    // Keys for sockets that will not exist: the operator meant the events on (or the keys
-    // elsewhere); they were neither read nor mentioned.
-    if (options_.kv_events_endpoint.empty()) {
-      for (const auto& [flag, value] :
-           {std::pair<const char*, const std::string*>{"kv-events-curve-secret-file",
-                                                       &options_.kv_events_curve_secret_file},
-            {"kv-events-clients-file", &options_.kv_events_clients_file}}) {
-        if (!value->empty()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("--", flag,
-                           ": expected it with --kv-events-endpoint (the ZMQ events it secures), "
-                           "got it alone"));
-        }
-      }
-    }
+    if (options_.kv_events_endpoint.empty()) return absl::OkStatus();
     std::optional<TenantId> tenant;
-    if (!options_.kv_events_tenant.empty()) {  // an unknown name stops the start, ZMQ on or not
+    if (!options_.kv_events_tenant.empty()) {
       tenant = tokens_ ? tokens_->Find(options_.kv_events_tenant) : std::nullopt;
       if (!tenant.has_value()) {
         return absl::InvalidArgumentError(
             absl::StrCat("--kv-events-tenant: expected a tenant of the --auth-tokens file, got \"",
                          options_.kv_events_tenant, "\""));
       }
-    }
-    if (options_.kv_events_endpoint.empty()) {
-      if (!options_.kv_events_replay_endpoint.empty()) {
-        return absl::InvalidArgumentError(
-            "--kv-events-replay-endpoint: expected --kv-events-endpoint too, got none");
-      }
-      return absl::OkStatus();
     }
     if (tokens_ != nullptr && !tenant.has_value()) {
       // With tokens every caller is a named tenant: the implicit one has no events, and the

@@ -302,11 +302,11 @@ TEST(CommandLine, ServerRefusesCacheEventFlagsItCannotHonour) {
     std::string flag, message;
   } cases[] = {
       {"--kv-events-replay-endpoint=tcp://127.0.0.1:5999",
-       "--kv-events-replay-endpoint: expected --kv-events-endpoint too"},
+       "--kv-events-replay-endpoint: expected it with --kv-events-endpoint"},
       {"--kv-events-endpoint=bogus", "--kv-events-endpoint bogus: cannot bind"},
       {"--cache-events-retain=0", "--cache-events-retain: expected 1..1048576, got 0"},
       {"--kv-events-endpoint=tcp://127.0.0.1:0 --kv-events-clients-file=/dev/null",
-       "--kv-events-curve-secret-file: expected it with --kv-events-clients-file"},
+       "--kv-events-clients-file: expected it with --kv-events-curve-secret-file"},
       {"--kv-events-endpoint=tcp://127.0.0.1:0 --kv-events-curve-secret-file=/dev/null "
        "--kv-events-clients-file=/dev/null",
        "--kv-events-curve-secret-file: expected a CURVE secret key (40 Z85 characters), got 0"},
@@ -346,16 +346,18 @@ TEST(CommandLine, ServerRefusesCacheEventFlagsItCannotHonour) {
   const Outcome bound = RunBinary(
       REPLAYSSM_SERVER_BINARY,
       {"--device=cpu", "--grpc-address=127.0.0.1:0", "--metrics-address=", "--tenant-max-slots=3"});
-  EXPECT_EQ(bound.exit_code, 1) << bound.output;
+  EXPECT_EQ(bound.exit_code, 2) << bound.output;
   EXPECT_TRUE(absl::StrContains(bound.output, "--tenant-max-slots: expected it with --auth-tokens"))
       << bound.output;
   std::remove(tokens.c_str());
-  // Without the publisher too (it was ignored: the server started with a name it never knew).
+  // Without the publisher too (it was ignored: the server started with a name it never knew);
+  // a usage error now, naming the flag it needs.
   const Outcome no_zmq =
       RunBinary(REPLAYSSM_SERVER_BINARY, {"--device=cpu", "--grpc-address=127.0.0.1:0",
                                           "--metrics-address=", "--kv-events-tenant=nobody"});
-  EXPECT_EQ(no_zmq.exit_code, 1) << no_zmq.output;
-  EXPECT_TRUE(absl::StrContains(no_zmq.output, "--kv-events-tenant: expected a tenant"))
+  EXPECT_EQ(no_zmq.exit_code, 2) << no_zmq.output;
+  EXPECT_TRUE(
+      absl::StrContains(no_zmq.output, "--kv-events-tenant: expected it with --kv-events-endpoint"))
       << no_zmq.output;
 }
 
@@ -604,6 +606,24 @@ TEST(CommandLine, AWordOutsideAFlagsWordsIsAUsageErrorExit2) {
   }
 }
 
+// A flag that means nothing without another is a usage error naming both (exit 2): the topic
+// alone started a server that published nothing (bounded by timeout(1): it served).
+TEST(CommandLine, AFlagWithoutTheFlagItNeedsIsAUsageErrorExit2) {
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--kv-events-topic=vllm", "--kv-events-topic: expected it with --kv-events-endpoint"},
+           {"--kv-events-tenant=alice",
+            "--kv-events-tenant: expected it with --kv-events-endpoint"},
+           {"--tenant-max-slots=3", "--tenant-max-slots: expected it with --auth-tokens"},
+           {"--tls-key=/k.pem", "--tls-key: expected it with --tls-cert"}}) {
+    const Outcome o =
+        RunBinary("/usr/bin/timeout", {"20", REPLAYSSM_SERVER_BINARY, "--device=cpu",
+                                       "--grpc-address=127.0.0.1:0", "--metrics-address=", flag});
+    EXPECT_EQ(o.exit_code, 2) << flag << "\n" << o.output;
+    EXPECT_TRUE(absl::StrContains(o.output, message)) << "expected: " << message << "\n"
+                                                      << o.output;
+  }
+}
+
 TEST(CommandLine, BadHostTierFlagsStopTheServerNamingTheFlag) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--host-snapshot-policy=mru"}, "--host-snapshot-policy: expected lru or value, got mru"},
@@ -645,9 +665,9 @@ TEST(CommandLine, BadSecurityFlagsStopTheServerNamingTheFlag) {
   const std::string dir = ::testing::TempDir();
   std::ofstream(dir + "/not-a.pem") << "hello\n";
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--tls-cert=" + dir + "/x.pem"}, "--tls-key: expected the private key"},
-      {{"--tls-key=" + dir + "/x.key"}, "--tls-cert: expected the certificate"},
-      {{"--tls-client-ca=" + dir + "/ca.pem"}, "--tls-client-ca: expected --tls-cert"},
+      {{"--tls-cert=" + dir + "/x.pem"}, "--tls-cert: expected it with --tls-key"},
+      {{"--tls-key=" + dir + "/x.key"}, "--tls-key: expected it with --tls-cert"},
+      {{"--tls-client-ca=" + dir + "/ca.pem"}, "--tls-client-ca: expected it with --tls-cert"},
       {{"--tls-cert=/nonexistent.pem", "--tls-key=" + dir + "/x.key"},
        "--tls-cert: expected a readable PEM file"},
       {{"--tls-cert=" + dir + "/not-a.pem", "--tls-key=" + dir + "/x.key"}, "no PEM block"},
