@@ -172,6 +172,26 @@ TEST_F(HostTierTest, EventsFollowTheSnapshotAcrossTiers) {
     EXPECT_EQ(events_[i].tokens, std::get<2>(want[i])) << i;
   }
   EXPECT_EQ(c->stats().host_evictions, 1);
+  EXPECT_EQ(c->stats().host_evictions_kept, 0) << "a was in no other tier: lost";
+}
+
+// A host eviction of a snapshot that backend memory holds too loses nothing: it is counted
+// apart (host_evictions_kept), so that an alert on lost snapshots can leave it out.
+TEST_F(HostTierTest, AHostEvictionOfASnapshotTheBackendHoldsIsCountedKept) {
+  std::unique_ptr<StateCache> c = Make(2, 1);
+  const std::vector<int32_t> a = {1, 2, 3}, b = {4, 5, 6}, probe = {1, 2, 3, 9};
+  Donate(*c, a);
+  Flush(*c);  // a spills: the host holds it, the backend not
+  absl::StatusOr<StateCache::PrefixAllocation> r = c->AllocateFromPrefix(probe);
+  ASSERT_TRUE(r.ok()) << r.status();  // a promoted: in both tiers
+  ASSERT_TRUE(c->Free(r->slot).ok());
+  Donate(*c, b);
+  r = c->AllocateFromPrefix(probe);  // a backend hit: b, older, spills; the host drops a's copy
+  ASSERT_TRUE(r.ok()) << r.status();
+  const CacheStats s = c->stats();
+  EXPECT_EQ(s.host_evictions, 1);
+  EXPECT_EQ(s.host_evictions_kept, 1);
+  EXPECT_EQ(c->MatchPrefix(probe), 3) << "a is still in backend memory";
 }
 
 // A decode forward's track snapshot never waits for a spill: with the pool full it evicts a

@@ -123,7 +123,10 @@ int32_t StateCacheImpl::LruVictimLocked(const std::function<bool(const Slot&)>& 
 void StateCacheImpl::HostEvictedLocked(const std::vector<HostTier::Entry>& evicted) {
   for (const HostTier::Entry& h : evicted) {
     if (h.reported) EmitLocked(CacheEvent::Type::kRemoved, h.ns, h.tokens, Medium::kHost);
-    if (h.backend_slot >= 0) slots_[h.backend_slot].host = -1;
+    if (h.backend_slot >= 0) {  // backend memory holds it still: nothing lost
+      slots_[h.backend_slot].host = -1;
+      ++stats_.host_evictions_kept;
+    }
     ++stats_.host_evictions;
   }
 }

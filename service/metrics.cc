@@ -87,11 +87,18 @@ void AddTierFamilies(const cache::CacheStats& s, std::vector<prometheus::MetricF
   AddSample(lookups, s.host_hits, {{"tier", "host"}, {"result", "hit"}});
   AddSample(lookups, s.host_misses, {{"tier", "host"}, {"result", "miss"}});
   out.push_back(std::move(lookups));
+  // result: kept (another tier holds the snapshot: a spill to the host, or a host copy dropped
+  // while the GPU holds it) or lost (no tier does: its prefix hits are gone).
   auto evictions = Family("replayssm_snapshot_tier_evictions_total",
-                          "Snapshots that left a tier: gpu (to host or dropped), host (dropped)",
+                          "Snapshots that left a tier, by result: kept (another tier holds it) or "
+                          "lost (none does)",
                           MetricType::Counter);
-  AddSample(evictions, s.snapshot_evictions, {{"tier", "gpu"}});
-  AddSample(evictions, s.host_evictions, {{"tier", "host"}});
+  AddSample(evictions, s.snapshot_spills, {{"tier", "gpu"}, {"result", "kept"}});
+  AddSample(evictions, s.snapshot_evictions - s.snapshot_spills,
+            {{"tier", "gpu"}, {"result", "lost"}});
+  AddSample(evictions, s.host_evictions_kept, {{"tier", "host"}, {"result", "kept"}});
+  AddSample(evictions, s.host_evictions - s.host_evictions_kept,
+            {{"tier", "host"}, {"result", "lost"}});
   out.push_back(std::move(evictions));
   auto bytes = Family("replayssm_snapshot_bytes", "Bytes of snapshots held, by tier",
                       MetricType::Gauge);

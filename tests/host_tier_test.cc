@@ -48,5 +48,23 @@ TEST_F(HostTierTest, TheSecondTurnHitsAfterTheFirstWasPushedToHost) {
   DecodeStep({b->slot()}, {sa});  // continues turn 1 exactly as the reference does
 }
 
+// A snapshot spilled to the host is no loss: /metrics counts it kept, and only what no tier
+// holds lost (ReplaySSMSnapshotEvictionsHigh alerts on lost; it counted every spill).
+TEST_F(HostTierTest, MetricsCountASpillKeptAndADropLost) {
+  const uint64_t a = NewSlot();
+  const int32_t sa = *ref_->NewSequence();
+  Prefill(a, sa, 7);
+  ASSERT_TRUE(client_->Donate(a).ok());
+  std::vector<uint64_t> others;  // the whole pool: the donation goes to the host
+  for (int i = 0; i < 3; ++i) others.push_back(NewSlot());
+  auto text = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::string family = "replayssm_snapshot_tier_evictions_total";
+  EXPECT_EQ(Sample(*text, family + R"({tier="gpu",result="kept"})"), 1) << *text;
+  EXPECT_EQ(Sample(*text, family + R"({tier="gpu",result="lost"})"), 0) << *text;
+  EXPECT_EQ(Sample(*text, family + R"({tier="host",result="lost"})"), 0) << *text;
+  EXPECT_EQ(Sample(*text, "replayssm_snapshot_evictions_total"), 1) << "all of them, as before";
+}
+
 }  // namespace
 }  // namespace replayssm::testing

@@ -171,6 +171,10 @@ struct CacheStats {
   // snapshots whose state the host tier holds now (evicting one loses nothing).
   int64_t spills_ahead = 0, host_backed_snapshots = 0;
   int64_t host_evictions = 0;   // host snapshots dropped (policy, namespace bound)
+  // Of host_evictions, those whose snapshot backend memory holds too: nothing was lost.
+  // Snapshots lost (in no tier any more) = snapshot_evictions - snapshot_spills +
+  // host_evictions - host_evictions_kept.
+  int64_t host_evictions_kept = 0;
   int64_t backend_snapshot_bytes = 0;  // slots_snapshot x ModelSpec::SlotBytes()
   int64_t host_snapshots = 0, host_bytes = 0, host_capacity_bytes = 0;
   // The host -> backend copy of each host hit, seconds: counts per bucket of
