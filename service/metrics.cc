@@ -277,6 +277,9 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
             g.open_forwards);
   AddSingle(out, "replayssm_draining", "1 while the server drains", MetricType::Gauge,
             g.draining ? 1 : 0);
+  AddSingle(out, "replayssm_drain_overdue",
+            "1 once a drain has run past --drain-timeout + --transfer-timeout + 1 s: stuck",
+            MetricType::Gauge, g.drain_overdue ? 1 : 0);
   auto streams = Family("replayssm_open_streams",
                         "Open streams by method, against --max-streams (DecodeStream) and "
                         "--max-watchers (WatchCache)",

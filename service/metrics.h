@@ -61,6 +61,7 @@ class Metrics {
 struct ServiceGauges {
   int64_t open_forwards = 0;
   bool draining = false;
+  bool drain_overdue = false;       // draining past DrainBound (server.h): stuck
   int64_t cache_event_batches = 0;  // numbered so far (cache_events.h), all tenants
   int64_t cache_event_watchers = 0;  // open WatchCache streams and ZMQ publishers
   int64_t kv_events_published = 0;   // batches sent on the ZMQ PUB socket

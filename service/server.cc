@@ -55,6 +55,11 @@ constexpr char kServiceName[] = "replayssm.v1.ReplaySsm";
 // how long the ack may take before the connection, and every stream on it, is dropped.
 constexpr int kKeepaliveTimeMs = 30'000;
 constexpr int kKeepaliveTimeoutMs = 10'000;
+// The end of a drain: idle streams and calls in flight get kShutdownGrace once the open
+// forwards are done (Drain); with kDrainSlack, a drain may run a second past its waits and
+// transfers before it is stuck (DrainBound).
+constexpr absl::Duration kShutdownGrace = absl::Milliseconds(500);
+constexpr absl::Duration kDrainSlack = absl::Milliseconds(500);
 
 struct Device {
   int32_t backend = RSSM_BACKEND_CPU;
@@ -627,7 +632,8 @@ class ServerImpl final : public Server {
     }
     transfers_->Stop();  // waiting transfers are refused, running ones end
     // Open forwards are done; idle streams and calls in flight get a short grace period.
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      absl::ToChronoMilliseconds(kShutdownGrace));
     server_->Wait();
   }
 
@@ -642,6 +648,7 @@ class ServerImpl final : public Server {
     collector_ = std::make_shared<CacheCollector>(cache_.get(), [this] {
       return ServiceGauges{gate_.open(),
                            gate_.draining(),
+                           gate_.draining_for(absl::Now()) > DrainBound(options_),
                            events_->batches(),
                            events_->watchers(),
                            publisher_ ? publisher_->published() : 0,
@@ -689,6 +696,10 @@ class ServerImpl final : public Server {
 };
 
 }  // namespace
+
+absl::Duration DrainBound(const ServerOptions& options) {
+  return options.drain_timeout + options.transfer_timeout + kShutdownGrace + kDrainSlack;
+}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   // The resource bounds (docs/operations.md, "Security and resource bounds"), one table

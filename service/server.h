@@ -121,6 +121,12 @@ class Server {
   virtual void Drain() = 0;
 };
 
+// The longest a drain of `options` runs: its waits (drain_timeout), then the outgoing transfers
+// it lets finish (each within transfer_timeout) and gRPC's half second of shutdown, and a
+// second to spare. Past it the drain is stuck: /metrics says replayssm_drain_overdue 1 (the
+// alert ReplaySSMDrainStuck).
+absl::Duration DrainBound(const ServerOptions& options);
+
 }  // namespace replayssm::service
 
 #endif  // REPLAYSSM_SERVICE_SERVER_H_

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/regions.h"
 #include "replayssm/cache/state_cache.h"
@@ -115,13 +116,19 @@ class ForwardGate {
     *ticket = Ticket(this, planned);
     return absl::OkStatus();
   }
-  void Drain() {
+  void Drain(absl::Time now = absl::Now()) {
     absl::MutexLock lock(&mutex_);
+    if (!draining_) drain_started_ = now;
     draining_ = true;
   }
   bool draining() const {
     absl::MutexLock lock(&mutex_);
     return draining_;
+  }
+  // How long the drain has run at `now`; zero when not draining.
+  absl::Duration draining_for(absl::Time now) const {
+    absl::MutexLock lock(&mutex_);
+    return draining_ ? now - drain_started_ : absl::ZeroDuration();
   }
   // The device no longer takes work (the first reason is kept): refuses all new work for good.
   void Fail(absl::string_view reason) {
@@ -160,6 +167,7 @@ class ForwardGate {
   }
   mutable absl::Mutex mutex_;
   bool draining_ ABSL_GUARDED_BY(mutex_) = false;
+  absl::Time drain_started_ ABSL_GUARDED_BY(mutex_);
   std::string failure_ ABSL_GUARDED_BY(mutex_);  // empty: the device works
   int64_t open_ ABSL_GUARDED_BY(mutex_) = 0;
   int64_t open_planned_ ABSL_GUARDED_BY(mutex_) = 0;

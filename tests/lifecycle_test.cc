@@ -546,6 +546,12 @@ TEST_F(DrainWaitSlotsTest, TheDrainWaitsForTheLiveSlotsToGo) {
   EXPECT_EQ(server_->WaitExit(absl::Seconds(1)).status().code(),
             absl::StatusCode::kDeadlineExceeded)
       << "two live slots: still draining";
+  // Within its bound (--drain-timeout + --transfer-timeout + 1 s) a drain is not overdue,
+  // however long it waits (ReplaySSMDrainStuck fires on replayssm_drain_overdue).
+  auto text = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(Sample(*text, "replayssm_draining"), 1);
+  EXPECT_EQ(Sample(*text, "replayssm_drain_overdue"), 0) << *text;
   ASSERT_TRUE(client_->Free(a).ok()) << "slots can be freed while draining";
   EXPECT_EQ(server_->WaitExit(absl::Milliseconds(500)).status().code(),
             absl::StatusCode::kDeadlineExceeded)

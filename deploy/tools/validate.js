@@ -256,6 +256,18 @@ function checkService(manifests, alertsDoc) {
   if (grace <= preStopSeconds + drain + transfer) {
     errs.push(`terminationGracePeriodSeconds ${grace} <= preStop ${preStopSeconds} s + drain-timeout ${drain} s + transfer-timeout ${transfer} s`);
   }
+  // A drain past its bound (drain + transfer + 1 s, DrainBound in service/server.h) is stuck:
+  // the server says so (replayssm_drain_overdue), and a scrape must fall between that and the
+  // kubelet's SIGKILL, or ReplaySSMDrainStuck can never fire.
+  const mon = (monitors[0] || { spec: {} }).spec;
+  const ep = (mon.podMetricsEndpoints || mon.endpoints || [])[0] || {};
+  const every = /^(\d+)(s|m)$/.exec(String(ep.interval || '30s')) || [null, 'NaN', 's'];
+  const scrape = Number(every[1]) * (every[2] === 'm' ? 60 : 1);
+  if (!(scrape > 0)) errs.push(`the monitor's scrape interval ${ep.interval} is not like 15s or 1m`);
+  const overdue = preStopSeconds + drain + transfer + 1;
+  if (grace < overdue + scrape) {
+    errs.push(`terminationGracePeriodSeconds ${grace} < preStop ${preStopSeconds} s + drain-timeout ${drain} s + transfer-timeout ${transfer} s + 1 s + a scrape (${scrape} s): no scrape sees a stuck drain (ReplaySSMDrainStuck)`);
+  }
   const live = c.livenessProbe || {};
   const liveBudget = (live.periodSeconds || 10) * (live.failureThreshold || 3);
   if (liveBudget <= grace) {
@@ -478,6 +490,7 @@ function selftest(ctx) {
   k8s('missing required field', (g) => { delete g('Deployment').spec.selector; }, /must have required property '?selector/);
   k8s('bad PodMonitor field type', (g) => { g('PodMonitor').spec.podMetricsEndpoints = 'metrics'; }, /podMetricsEndpoints must be array/);
   k8s('PrometheusRule drifted', (g) => { g('PrometheusRule').spec.groups[0].rules[0].for = '5m'; }, /PrometheusRule groups differ/);
+  k8s('grace period that no scrape of a stuck drain fits in', (g) => { g('Deployment').spec.template.spec.terminationGracePeriodSeconds = 75; }, /terminationGracePeriodSeconds 75 < .*ReplaySSMDrainStuck/);
   k8s('liveness kills draining pods', (g) => { ctr(g).livenessProbe.failureThreshold = 2; }, /would kill draining pods/);
 
   const dash = JSON.parse(ctx.grafanaText);
