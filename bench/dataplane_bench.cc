@@ -242,10 +242,11 @@ struct EngineRegion {
       }
       layer.push_back(off);
     }
-    // Room for a whole slot's checkpoints too (the Export/Import check writes them here).
+    // Room for a whole slot's checkpoints and conv windows too (the Export/Import check writes
+    // each layer's checkpoint, then its window, here).
     const uint64_t checkpoint = static_cast<uint64_t>(m.shape.num_v_heads) * m.shape.head_v *
                                 m.shape.head_k * rssm_dtype_size(m.shape.state_dtype);
-    bytes = std::max<uint64_t>(at, checkpoint * m.num_layers);
+    bytes = std::max<uint64_t>(at, (checkpoint + m.ConvWindowBytes()) * m.num_layers);
     CheckCuda(cudaMalloc(reinterpret_cast<void**>(&dev), bytes), "cudaMalloc region");
     CheckCuda(cudaMemset(dev, 0, bytes), "cudaMemset region");
   }
