@@ -172,18 +172,13 @@ std::string OneOf(const std::vector<std::string>& words) {
   return absl::StrCat(absl::StrJoin(words.begin(), words.end() - 1, ", "), " or ", words.back());
 }
 
-// A string flag of a few words, refused like a bound (exit 2) naming them and what came;
-// `also` are taken too, unnamed (spellings of the same, and "" where it means a default).
+// A string flag of a few words, refused like a bound (exit 2) naming them and what came.
 // Start used to refuse them (exit 1) while --forward-graphs=yes was a usage error.
-Value Words(std::string ServerOptions::*field, std::vector<std::string> words,
-            std::vector<std::string> also = {}) {
+Value Words(std::string ServerOptions::*field, std::vector<std::string> words) {
   Value v = Str(field);
-  v.check = [field, words, also](const ServerOptions& o) -> absl::Status {
+  v.check = [field, words](const ServerOptions& o) -> absl::Status {
     const std::string& x = o.*field;
-    if (std::find(words.begin(), words.end(), x) != words.end() ||
-        std::find(also.begin(), also.end(), x) != also.end()) {
-      return absl::OkStatus();
-    }
+    if (std::find(words.begin(), words.end(), x) != words.end()) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat("expected ", OneOf(words), ", got ", x));
   };
   return v;
@@ -223,10 +218,12 @@ Value Model() {
   return v;
 }
 
-// The dtype words of ParseDtype (server.cc); "" is the preset's (or the state's) dtype.
-Value Dtype(std::string ServerOptions::*field) {
-  return Words(field, {"f32", "bf16", "f16"},
-               {"", "fp32", "float32", "bfloat16", "fp16", "float16"});
+// A string flag whose words are those of `parse` (DtypeWord, BetaRoundingWord).
+Value ParsedWords(std::string ServerOptions::*field,
+                  absl::StatusOr<int32_t> (*parse)(absl::string_view)) {
+  Value v = Str(field);
+  v.check = [field, parse](const ServerOptions& o) { return parse(o.*field).status(); };
+  return v;
 }
 
 // A flag with a parser of its own and no default to show.
@@ -256,14 +253,14 @@ const std::vector<Flag>& Flags() {
       {"track-interval", "snapshot every N decoded tokens, 0 = never",
        Int(&ServerOptions::track_interval, 0, std::numeric_limits<int32_t>::max())},
       {"state-dtype", "f32 | bf16 | f16 (empty = the preset's)",
-       Dtype(&ServerOptions::state_dtype)},
+       ParsedWords(&ServerOptions::state_dtype, DtypeWord)},
       {"ring-dtype",
        "ring d, k: f32 | bf16 | f16 (empty = the state dtype; a 16-bit state takes only its own)",
-       Dtype(&ServerOptions::ring_dtype)},
+       ParsedWords(&ServerOptions::ring_dtype, DtypeWord)},
       {"beta-rounding",
        "act | f32: beta = sigmoid(b) rounded to the act dtype or kept fp32 (empty = the "
        "model's: act for Gated DeltaNet, f32 for KDA)",
-       Words(&ServerOptions::beta_rounding, {"act", "f32"}, {"", "fp32"})},
+       ParsedWords(&ServerOptions::beta_rounding, BetaRoundingWord)},
       {"max-batch", "rows per decode / verify (a CUDA launch's grid holds 65535)",
        Int(&ServerOptions::max_batch, 1, 65535)},
       {"forward-graphs",
@@ -641,6 +638,21 @@ std::string ServerUsage() {
     absl::StrAppend(&usage, "\n");
   }
   return usage;
+}
+
+absl::StatusOr<int32_t> DtypeWord(absl::string_view name) {
+  if (name.empty()) return -1;
+  if (name == "f32" || name == "fp32" || name == "float32") return RSSM_DTYPE_F32;
+  if (name == "bf16" || name == "bfloat16") return RSSM_DTYPE_BF16;
+  if (name == "f16" || name == "fp16" || name == "float16") return RSSM_DTYPE_F16;
+  return absl::InvalidArgumentError(absl::StrCat("expected f32, bf16 or f16, got ", name));
+}
+
+absl::StatusOr<int32_t> BetaRoundingWord(absl::string_view name) {
+  if (name.empty()) return -1;
+  if (name == "act") return 1;
+  if (name == "f32" || name == "fp32") return 0;
+  return absl::InvalidArgumentError(absl::StrCat("expected act or f32, got ", name));
 }
 
 absl::Status CheckServerBounds(const ServerOptions& options) {

@@ -29,6 +29,12 @@ std::string ServerUsage();
 // without the flag it needs ("--kv-events-topic: expected it with --kv-events-endpoint (...),
 // got vllm alone").
 absl::Status CheckServerBounds(const ServerOptions& options);
+// The words of --state-dtype / --ring-dtype (an rssm_dtype; -1 for "", the preset's or the
+// state's) and of --beta-rounding (1 act, 0 f32; -1 for "", the model's): one table for the
+// flags' check above and for the server's reading of them. INVALID_ARGUMENT names the words and
+// what came ("expected f32, bf16 or f16, got f8"), without the flag: the caller prefixes it.
+absl::StatusOr<int32_t> DtypeWord(absl::string_view name);
+absl::StatusOr<int32_t> BetaRoundingWord(absl::string_view name);
 
 // The `name = value` lines of a config file's `text` over `flags` (what --config FILE does
 // after reading FILE); names in `command_line` are skipped, as the command line wins. Errors

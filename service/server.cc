@@ -175,36 +175,25 @@ int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache
   return std::max<int32_t>(1, queues * 3 / 4 / per_gpu);
 }
 
-// An rssm_dtype by name; -1 for "" (the default).
-absl::StatusOr<int32_t> ParseDtype(const std::string& flag, const std::string& name) {
-  if (name.empty()) return -1;
-  if (name == "f32" || name == "fp32" || name == "float32") return RSSM_DTYPE_F32;
-  if (name == "bf16" || name == "bfloat16") return RSSM_DTYPE_BF16;
-  if (name == "f16" || name == "fp16" || name == "float16") return RSSM_DTYPE_F16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", flag, ": expected f32, bf16 or f16, got ", name));
-}
-
 absl::StatusOr<cache::ModelSpec> LoadModel(const ServerOptions& o) {
-  absl::StatusOr<int32_t> dtype = ParseDtype("state-dtype", o.state_dtype);
-  if (!dtype.ok()) return dtype.status();
-  absl::StatusOr<int32_t> ring = ParseDtype("ring-dtype", o.ring_dtype);
-  if (!ring.ok()) return ring.status();
-  int32_t round_beta = -1;
-  if (o.beta_rounding == "act") {
-    round_beta = 1;
-  } else if (o.beta_rounding == "f32" || o.beta_rounding == "fp32") {
-    round_beta = 0;
-  } else if (!o.beta_rounding.empty()) {
+  // Checked by CheckServerBounds already (Start's first step); read here.
+  const absl::StatusOr<int32_t> dtype = DtypeWord(o.state_dtype);
+  if (!dtype.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--state-dtype: ", dtype.status().message()));
+  const absl::StatusOr<int32_t> ring = DtypeWord(o.ring_dtype);
+  if (!ring.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--ring-dtype: ", ring.status().message()));
+  const absl::StatusOr<int32_t> round_beta = BetaRoundingWord(o.beta_rounding);
+  if (!round_beta.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--beta-rounding: expected act or f32, got ", o.beta_rounding));
+        absl::StrCat("--beta-rounding: ", round_beta.status().message()));
   }
   absl::StatusOr<cache::ModelSpec> m = absl::EndsWith(o.model, ".json")
                                            ? ModelFromHfConfigFile(o.model, *dtype, o.ring_length)
                                            : cache::ModelPreset(o.model, *dtype, o.ring_length);
   if (!m.ok()) return m;
   absl::Status st = cache::ApplyModelOptions(
-      *m, *ring < 0 ? RSSM_RING_DTYPE_STATE : RSSM_RING_DTYPE_F32 + *ring, round_beta);
+      *m, *ring < 0 ? RSSM_RING_DTYPE_STATE : RSSM_RING_DTYPE_F32 + *ring, *round_beta);
   if (!st.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--ring-dtype ", o.ring_dtype, " with a ",
                                                    rssm_dtype_name(m->shape.state_dtype),
