@@ -184,21 +184,11 @@ Value Words(std::string ServerOptions::*field, std::vector<std::string> words) {
   return v;
 }
 
-// --device: auto, cpu, cuda or cuda:N; whether that device exists is Start's to find.
+// --device: auto, cpu, cuda or cuda:N (DeviceWord); whether that device exists is Start's to
+// find.
 Value Device() {
   Value v = Str(&ServerOptions::device);
-  v.check = [](const ServerOptions& o) -> absl::Status {
-    absl::string_view d = o.device;
-    if (d == "auto" || d == "cpu" || d == "cuda") return absl::OkStatus();
-    int index = -1;
-    if (absl::ConsumePrefix(&d, "cuda:") && !d.empty() &&
-        d.find_first_not_of("0123456789") == absl::string_view::npos &&
-        absl::SimpleAtoi(d, &index)) {
-      return absl::OkStatus();
-    }
-    return absl::InvalidArgumentError(
-        absl::StrCat("expected auto, cpu, cuda or cuda:N (N >= 0), got ", o.device));
-  };
+  v.check = [](const ServerOptions& o) { return DeviceWord(o.device).status(); };
   return v;
 }
 
@@ -638,6 +628,20 @@ std::string ServerUsage() {
     absl::StrAppend(&usage, "\n");
   }
   return usage;
+}
+
+absl::StatusOr<int32_t> DeviceWord(absl::string_view name) {
+  if (name == "auto") return kDeviceAuto;
+  if (name == "cpu") return kDeviceCpu;
+  if (name == "cuda") return 0;
+  absl::string_view d = name;
+  int32_t index = -1;
+  if (absl::ConsumePrefix(&d, "cuda:") && !d.empty() &&
+      d.find_first_not_of("0123456789") == absl::string_view::npos && absl::SimpleAtoi(d, &index)) {
+    return index;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("expected auto, cpu, cuda or cuda:N (N >= 0), got ", name));
 }
 
 absl::StatusOr<int32_t> DtypeWord(absl::string_view name) {

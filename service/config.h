@@ -34,6 +34,9 @@ absl::Status CheckServerBounds(const ServerOptions& options);
 // flags' check above and for the server's reading of them. INVALID_ARGUMENT names the words and
 // what came ("expected f32, bf16 or f16, got f8"), without the flag: the caller prefixes it.
 absl::StatusOr<int32_t> DtypeWord(absl::string_view name);
+// --device's words: kDeviceAuto, kDeviceCpu, or a CUDA device's index (cuda is cuda:0).
+inline constexpr int32_t kDeviceAuto = -2, kDeviceCpu = -1;
+absl::StatusOr<int32_t> DeviceWord(absl::string_view name);
 absl::StatusOr<int32_t> BetaRoundingWord(absl::string_view name);
 
 // The `name = value` lines of a config file's `text` over `flags` (what --config FILE does

@@ -70,42 +70,37 @@ struct Device {
 // restricting CUDA_VISIBLE_DEVICES before the backend initializes (the kernel ABI has no
 // device argument; the service knows nothing of CUDA).
 absl::StatusOr<Device> ResolveDevice(const std::string& device) {
-  if (device == "cpu") return Device{};
-  if (device == "auto") {
+  const absl::StatusOr<int32_t> word = DeviceWord(device);  // checked by CheckServerBounds too
+  if (!word.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--device: ", word.status().message()));
+  if (*word == kDeviceCpu) return Device{};
+  if (*word == kDeviceAuto) {
     if (rssm_backend_available(RSSM_BACKEND_CUDA)) return Device{RSSM_BACKEND_CUDA, "cuda:0"};
     return Device{};
   }
-  if (device == "cuda" || absl::StartsWith(device, "cuda:")) {
-    int index = 0;
-    if (device != "cuda" && (!absl::SimpleAtoi(device.substr(5), &index) || index < 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--device: expected auto, cpu, cuda or cuda:N (N >= 0), got ", device));
-    }
-    // cuda:N is the N-th device this process sees: of CUDA_VISIBLE_DEVICES when it is set (a
-    // container's GPUs), as for N = 0. It was the N-th of the machine for N > 0 and the first
-    // visible one for 0 (an outside review).
-    if (index != 0) {
-      std::string chosen = absl::StrCat(index);
-      if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-          visible != nullptr && *visible != '\0') {
-        const std::vector<std::string> listed = absl::StrSplit(visible, ',');
-        if (static_cast<size_t>(index) >= listed.size()) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("--device ", device, ": CUDA_VISIBLE_DEVICES=", visible, " shows ",
-                           listed.size(), " device(s): expected cuda:0..cuda:", listed.size() - 1));
-        }
-        chosen = listed[index];
+  const int32_t index = *word;
+  // cuda:N is the N-th device this process sees: of CUDA_VISIBLE_DEVICES when it is set (a
+  // container's GPUs), as for N = 0. It was the N-th of the machine for N > 0 and the first
+  // visible one for 0 (an outside review).
+  if (index != 0) {
+    std::string chosen = absl::StrCat(index);
+    if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+        visible != nullptr && *visible != '\0') {
+      const std::vector<std::string> listed = absl::StrSplit(visible, ',');
+      if (static_cast<size_t>(index) >= listed.size()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("--device ", device, ": CUDA_VISIBLE_DEVICES=", visible, " shows ",
+                         listed.size(), " device(s): expected cuda:0..cuda:", listed.size() - 1));
       }
-      setenv("CUDA_VISIBLE_DEVICES", chosen.c_str(), 1);
+      chosen = listed[index];
     }
-    if (!rssm_backend_available(RSSM_BACKEND_CUDA)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("--device ", device, ": the CUDA backend is not built or no GPU"));
-    }
-    return Device{RSSM_BACKEND_CUDA, absl::StrCat("cuda:", index)};
+    setenv("CUDA_VISIBLE_DEVICES", chosen.c_str(), 1);
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--device: expected auto, cpu, cuda or cuda:N, got ", device));
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--device ", device, ": the CUDA backend is not built or no GPU"));
+  }
+  return Device{RSSM_BACKEND_CUDA, absl::StrCat("cuda:", index)};
 }
 
 // --tp-size and --devices into the cache's options: one device per rank, and --tp-size taken
