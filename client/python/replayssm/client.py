@@ -418,7 +418,10 @@ class Client:
         request = region.register_request()
         if isinstance(request, regions_pb2.RegisterCudaRegionRequest):
             self._call("RegisterCudaRegion", self.regions_stub.RegisterCudaRegion, request, False)
-            self._warn_without_mps()
+            try:
+                self._warn_without_mps()
+            except errors.ReplaySSMError:
+                pass  # advice only: the region is registered, and a raise would say it is not
         else:
             self._call("RegisterSystemRegion", self.regions_stub.RegisterSystemRegion, request,
                        False)

@@ -48,6 +48,12 @@ class Region(abc.ABC):
     def register_request(self):
         """The RegisterSystemRegionRequest or RegisterCudaRegionRequest of this region."""
 
+    def start(self):
+        """Where the region starts past an aligned boundary, in bytes: the server checks a
+        tensor's alignment on its address, so offset 0 of a region that starts 4 bytes into its
+        allocation is not 16-byte aligned. Shared memory is mapped at a page: 0."""
+        return 0
+
 
 # The shm names this process created and has not unlinked yet. Python's resource tracker keeps
 # one entry per name for the whole process, so an attachment to one of these must leave it.
@@ -227,6 +233,9 @@ class CudaRegion(Region):
         raw = self._owner.reshape(-1).view(torch.uint8)
         return raw[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
+    def start(self):
+        return self.offset  # cudaMalloc allocations start at 256-byte boundaries
+
     def register_request(self):
         return regions_pb2.RegisterCudaRegionRequest(name=self.name, raw_handle=self.raw_handle,
                                                      device_id=self.device_id,
@@ -246,9 +255,13 @@ def _cuda_ipc_handle(handle, name):
 
 
 def _check_fits(region, offset, nbytes, field, alignment=ALIGNMENT):
-    if offset < 0 or offset % alignment:
-        raise errors.InvalidArgument(f"{field}.offset: expected a multiple of {alignment} "
-                                     f">= 0, got {offset}")
+    start = region.start() % alignment
+    if offset < 0 or (start + offset) % alignment:
+        past = (f" (region {region.name!r} starts {start} bytes past a {alignment}-byte boundary:"
+                f" offsets {(alignment - start) % alignment} + k * {alignment} are)"
+                if start else "")
+        raise errors.InvalidArgument(f"{field}.offset: expected a {alignment}-byte aligned "
+                                     f"offset >= 0{past}, got {offset}")
     if offset + nbytes > region.nbytes:
         raise errors.InvalidArgument(f"{field}: expected at most {region.nbytes - offset} bytes "
                                      f"at offset {offset} of region {region.name!r}, "

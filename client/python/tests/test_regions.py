@@ -8,6 +8,7 @@ import sys
 import threading
 import unittest
 
+import grpc
 import numpy as np
 
 import replayssm
@@ -104,7 +105,24 @@ class SharedMemoryTest(unittest.TestCase):
             self.assertIn("layers[0].a: expected at most 496 bytes", caught.exception.details)
             with self.assertRaises(replayssm.InvalidArgument) as caught:
                 regions.RegionTensor.at(region, 8, "f32", (4,), "layers[0].b")
-            self.assertIn("layers[0].b.offset: expected a multiple of 16", str(caught.exception))
+            self.assertIn("layers[0].b.offset: expected a 16-byte aligned offset >= 0, got 8",
+                          str(caught.exception))
+
+    def test_alignment_is_checked_where_the_server_checks_it_on_the_address(self):
+        # A CUDA region made from a tensor may start anywhere in its allocation (cudaMalloc's
+        # are 256-byte aligned). The server checks a tensor's address, so offset 0 of a region
+        # 4 bytes in is misaligned and offset 12 is aligned; checking offsets alone passed the
+        # first (the server refused it later) and refused the second.
+        region = regions.CudaRegion("acts", b"\0" * 64, 0, 4, 4096)
+        with self.assertRaises(replayssm.InvalidArgument) as caught:
+            regions.RegionTensor.at(region, 0, "f32", (4,), "layers[0].a")
+        self.assertIn("layers[0].a.offset: expected a 16-byte aligned offset >= 0 (region 'acts' "
+                      "starts 4 bytes past a 16-byte boundary: offsets 12 + k * 16 are), got 0",
+                      caught.exception.details)
+        t = regions.RegionTensor.at(region, 12, "f32", (4,))
+        self.assertEqual(t.ref(), regions_pb2.RegionRef(region="acts", offset=12))
+        aligned = regions.CudaRegion("acts", b"\0" * 64, 0, 256, 4096)
+        regions.RegionTensor.at(aligned, 16, "f32", (4,))
 
     def test_a_region_tensor_is_refused_by_the_inline_calls(self):
         with regions.SharedMemoryRegion("acts", 1024) as region:
@@ -112,6 +130,41 @@ class SharedMemoryTest(unittest.TestCase):
             with self.assertRaises(replayssm.Unimplemented) as caught:
                 tensors.to_proto(t, field="layers[0].b")
             self.assertIn("layers[0].b: this call carries tensors inline", caught.exception.details)
+
+
+class RegisterRegionTest(unittest.TestCase):
+    def test_a_cuda_region_registered_stays_registered_when_the_mps_advice_fails(self):
+        # After registering a CUDA region the client asks GetInfo, only to warn about a server
+        # without MPS. That call failing raised from register_region, so the caller took a
+        # registered region for one that was not (and registered it again: ALREADY_EXISTS).
+        class Unavailable(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self):
+                return "connection reset"
+
+        registered = []
+
+        class Regions:
+            def RegisterCudaRegion(self, request, timeout=None):
+                registered.append(request.name)
+                return regions_pb2.RegisterRegionResponse()
+
+        class Service:
+            def GetInfo(self, request, timeout=None):
+                raise Unavailable()
+
+        client = replayssm.Client("127.0.0.1:1")
+        try:
+            client.regions_stub, client.stub = Regions(), Service()
+            region = regions.CudaRegion("acts", b"\0" * 64, 0, 0, 4096)
+            client.register_region(region)  # no raise
+            self.assertEqual(registered, ["acts"])
+            with self.assertRaises(replayssm.errors.Unavailable):
+                client.info()  # the failure itself still reaches whoever asks for it
+        finally:
+            client.close()
 
 
 class RegionServiceTest(ServerTest):
