@@ -184,14 +184,6 @@ Value Words(std::string ServerOptions::*field, std::vector<std::string> words) {
   return v;
 }
 
-// --device: auto, cpu, cuda or cuda:N (DeviceWord); whether that device exists is Start's to
-// find.
-Value Device() {
-  Value v = Str(&ServerOptions::device);
-  v.check = [](const ServerOptions& o) { return DeviceWord(o.device).status(); };
-  return v;
-}
-
 // --model: a preset's name or a HF config.json (read by Start).
 Value Model() {
   Value v = Str(&ServerOptions::model);
@@ -208,7 +200,9 @@ Value Model() {
   return v;
 }
 
-// A string flag whose words are those of `parse` (DtypeWord, BetaRoundingWord).
+// A string flag whose words are those of `parse` (DeviceWord, DtypeWord, BetaRoundingWord: the
+// server reads the flag through the same function). Whether a --device exists is Start's to
+// find.
 Value ParsedWords(std::string ServerOptions::*field,
                   absl::StatusOr<int32_t> (*parse)(absl::string_view)) {
   Value v = Str(field);
@@ -228,7 +222,7 @@ const std::vector<Flag>& Flags() {
       {"model",
        "preset (tiny-gdn, tiny-kda, qwen3-next-80b-a3b, kimi-linear-48b-a3b) or a HF config.json",
        Model()},
-      {"device", "auto | cpu | cuda | cuda:N", Device()},
+      {"device", "auto | cpu | cuda | cuda:N", ParsedWords(&ServerOptions::device, DeviceWord)},
       {"tp-size",
        "tensor-parallel ranks of the engine served: one cache shard per rank, each with "
        "HV/tp-size v heads and --memory-budget of its own; activations rank-major",

@@ -66,13 +66,24 @@ struct Device {
   std::string name = "cpu";
 };
 
+// A word flag's value read through `parse` (config.h), the error naming the flag. Checked by
+// CheckServerBounds already (Start's first step).
+absl::StatusOr<int32_t> ReadWord(const char* flag,
+                                 absl::StatusOr<int32_t> (*parse)(absl::string_view),
+                                 const std::string& value) {
+  absl::StatusOr<int32_t> word = parse(value);
+  if (!word.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", word.status().message()));
+  }
+  return word;
+}
+
 // auto: CUDA when a device is visible, else the CPU backend. cuda:N selects device N by
 // restricting CUDA_VISIBLE_DEVICES before the backend initializes (the kernel ABI has no
 // device argument; the service knows nothing of CUDA).
 absl::StatusOr<Device> ResolveDevice(const std::string& device) {
-  const absl::StatusOr<int32_t> word = DeviceWord(device);  // checked by CheckServerBounds too
-  if (!word.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--device: ", word.status().message()));
+  const absl::StatusOr<int32_t> word = ReadWord("device", DeviceWord, device);
+  if (!word.ok()) return word.status();
   if (*word == kDeviceCpu) return Device{};
   if (*word == kDeviceAuto) {
     if (rssm_backend_available(RSSM_BACKEND_CUDA)) return Device{RSSM_BACKEND_CUDA, "cuda:0"};
@@ -171,18 +182,13 @@ int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache
 }
 
 absl::StatusOr<cache::ModelSpec> LoadModel(const ServerOptions& o) {
-  // Checked by CheckServerBounds already (Start's first step); read here.
-  const absl::StatusOr<int32_t> dtype = DtypeWord(o.state_dtype);
-  if (!dtype.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--state-dtype: ", dtype.status().message()));
-  const absl::StatusOr<int32_t> ring = DtypeWord(o.ring_dtype);
-  if (!ring.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--ring-dtype: ", ring.status().message()));
-  const absl::StatusOr<int32_t> round_beta = BetaRoundingWord(o.beta_rounding);
-  if (!round_beta.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--beta-rounding: ", round_beta.status().message()));
-  }
+  const absl::StatusOr<int32_t> dtype = ReadWord("state-dtype", DtypeWord, o.state_dtype);
+  if (!dtype.ok()) return dtype.status();
+  const absl::StatusOr<int32_t> ring = ReadWord("ring-dtype", DtypeWord, o.ring_dtype);
+  if (!ring.ok()) return ring.status();
+  const absl::StatusOr<int32_t> round_beta =
+      ReadWord("beta-rounding", BetaRoundingWord, o.beta_rounding);
+  if (!round_beta.ok()) return round_beta.status();
   absl::StatusOr<cache::ModelSpec> m = absl::EndsWith(o.model, ".json")
                                            ? ModelFromHfConfigFile(o.model, *dtype, o.ring_length)
                                            : cache::ModelPreset(o.model, *dtype, o.ring_length);
