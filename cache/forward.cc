@@ -884,6 +884,11 @@ int32_t ForwardImpl::ReleaseWaits() {
 }
 
 absl::Status ForwardImpl::Commit() {
+  if (absl::Status st = CheckCommit(); !st.ok()) return st;
+  return ApplyCommit();
+}
+
+absl::Status ForwardImpl::CheckCommit() {
   if (finished_) return absl::FailedPreconditionError("forward: already committed");
   if (!failed_.ok()) return failed_;
   for (size_t l = 0; l < done_.size(); ++l) {
@@ -902,9 +907,14 @@ absl::Status ForwardImpl::Commit() {
         "its inputs: its rows are broken");
     return failed_;  // destroying it abandons it and marks the rows broken
   }
+  return absl::OkStatus();
+}
+
+absl::Status ForwardImpl::ApplyCommit() {
   predecessor_.reset();  // its work is confirmed
   finished_ = true;
   cache_->EndForward(rows_, true, false);
+  absl::Status st = absl::OkStatus();
   if (rows_.kind != ForwardKind::kVerify) st = cache_->AfterAdvance(rows_.index, *lane_);
   lane_.reset();
   return st;

@@ -121,6 +121,13 @@ class ForwardImpl final : public Forward {
   }
   int32_t ReleaseWaits() override;
   absl::Status Commit() override;
+  // Commit in two steps, for a TP group that must commit every rank or none: CheckCommit waits
+  // for the device work and refuses (every layer ran, no failure, the predecessor complete)
+  // while nothing has moved; ApplyCommit, after an OK check, moves the cursors (it cannot be
+  // refused any more: an error from it is a fold's or a snapshot's after the move, the rows it
+  // broke marked so).
+  absl::Status CheckCommit();
+  absl::Status ApplyCommit();
 
  private:
   // Grows the lane's activation scratch to tokens() for a host-memory layer. Growing replaces

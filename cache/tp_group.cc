@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "replayssm/cache/tp.h"
+#include "state_cache_impl.h"
 #include "tp_slot_io.h"
 
 namespace replayssm::cache {
@@ -562,10 +563,33 @@ absl::Status TpForward::RunLayers(absl::Span<const LayerIo> layers,
 }
 
 absl::Status TpForward::Commit() {
-  // Every rank's device work is confirmed before any cursor moves.
+  // Every rank's device work is confirmed (outside the group's lock: it waits for the device)
+  // and every rank's part checked before any rank's cursors move: a refusal on rank r used to
+  // come after the ranks before it had committed, and one after the move (a fold that failed
+  // on rank r) kept the ranks after it from committing, so a row could stand a token further
+  // on some ranks than on others, usable and wrong.
   if (absl::Status st = Synchronize(); !st.ok()) return st;
   absl::MutexLock ops(&group_->ops_mu());
-  return Each([](Forward& f) { return f.Commit(); });
+  std::vector<internal::ForwardImpl*> parts;
+  for (std::unique_ptr<Forward>& f : shards_) {
+    parts.push_back(dynamic_cast<internal::ForwardImpl*>(f.get()));
+    if (parts.back() == nullptr) {
+      return absl::InternalError("forward: a rank's part is not a rank cache's forward");
+    }
+  }
+  for (size_t r = 0; r < parts.size(); ++r) {
+    group_->Use(r);
+    if (absl::Status st = parts[r]->CheckCommit(); !st.ok()) return TpGroup::RankStatus(r, st);
+  }
+  // Every rank applies, whatever another's apply said: it cannot refuse any more.
+  absl::Status first = absl::OkStatus();
+  for (size_t r = 0; r < parts.size(); ++r) {
+    group_->Use(r);
+    if (absl::Status st = parts[r]->ApplyCommit(); !st.ok() && first.ok()) {
+      first = TpGroup::RankStatus(r, st);
+    }
+  }
+  return first;
 }
 
 bool TpGroup::CanContinueForward(Forward& previous, absl::Span<const DecodeRow> rows) {

@@ -889,6 +889,40 @@ TEST_P(TpGroupTest, ADonationOneRankRefusesLeavesTheSlotWhole) {
   EXPECT_EQ(allocated, c->capacity()) << "every rank's slot came back";
 }
 
+// A group's commit checks every rank's part before any rank's cursors move, then moves every
+// rank's. A fold that failed after the move (rank 0's, of a row reaching a track boundary) kept
+// the ranks after it from committing: the batch's other row stood a token further on rank 0
+// than on rank 1, usable, and its next outputs were wrong.
+TEST_P(TpGroupTest, ACommitThatFailsAfterItsMoveMovesEveryRank) {
+  if (testing::TestBackend() != RSSM_BACKEND_CPU) {
+    GTEST_SKIP() << "the CPU backend's fault seam (REPLAYSSM_CPU_FAIL_CALLS)";
+  }
+  std::unique_ptr<StateCache> one = MakeCache(m_, 1, nullptr, 8, 0, false, /*track_interval=*/4);
+  std::unique_ptr<StateCache> group = MakeCache(m_, 2, nullptr, 8, 0, false, 4);
+  ASSERT_TRUE(one != nullptr && group != nullptr);
+  const SlotId ga = *group->Allocate(), gb = *group->Allocate(), ob = *one->Allocate();
+  ASSERT_TRUE(Prefill(*group, 2, ga, {1, 2, 3}, 0).ok());
+  ASSERT_TRUE(Prefill(*group, 2, gb, {4, 5}, 0).ok());
+  ASSERT_TRUE(Prefill(*one, 1, ob, {4, 5}, 0).ok());
+  // One step of both rows: ga reaches the boundary (4 tokens) and folds; gb does not.
+  Batch x = oracle_.MakeBatch({{7, 3}, {8, 2}});
+  ToRankMajor(m_, 2, 2, x);
+  {
+    absl::StatusOr<std::unique_ptr<Forward>> f = group->BeginForward({{ga, 7}, {gb, 8}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (int32_t l = 0; l < m_.num_layers; ++l) ASSERT_TRUE((*f)->RunLayer(l, x.io[l]).ok());
+    ASSERT_EQ(setenv("REPLAYSSM_CPU_FAIL_CALLS", "rssm_fold", 1), 0);
+    const absl::Status st = (*f)->Commit();
+    unsetenv("REPLAYSSM_CPU_FAIL_CALLS");
+    EXPECT_NE(st.message().find("rssm_fold: cpu: a failure injected"), std::string::npos) << st;
+  }
+  Decode(*one, 1, ob, {8, 2});
+  ExpectSameState(*group, gb, *one, ob, "the row beside the failed fold");
+  ExpectSameOutputs(Decode(*group, 2, gb, {9, 3}), Decode(*one, 1, ob, {9, 3}), "its next step");
+  EXPECT_FALSE(group->BeginForward({{ga, 9}}).ok()) << "the row whose fold failed is broken";
+  EXPECT_TRUE(group->Free(ga).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Gates, TpGroupTest,
                          ::testing::Values(Params{RSSM_GATE_GDN, RSSM_DTYPE_F32},
                                            Params{RSSM_GATE_GDN, RSSM_DTYPE_BF16},

@@ -465,7 +465,13 @@ rssm_status rssm_fold(const rssm_fold_args* in) {
   }
   if (!c.ok()) return Finish(c);
   g_last_error.clear();
-  if (IsCpu(a.launch)) return cpu::Fold(a);
+  if (IsCpu(a.launch)) {
+    if (CpuFailureInjected("rssm_fold")) {
+      SetLastError("rssm_fold: cpu: a failure injected (REPLAYSSM_CPU_FAIL_CALLS)");
+      return RSSM_ERR_DEVICE;
+    }
+    return cpu::Fold(a);
+  }
   if (const rssm_status st = UseStreamDevice(&a.launch, "rssm_fold"); st != RSSM_OK) return st;
   return cuda::Fold(a);
 }

@@ -502,7 +502,8 @@ rssm_status rssm_segment_digests_parts(const rssm_launch* launch, const void* co
  * a donation, a transfer) so that one request's NaN never reaches another's prefix. CPU: a
  * failure (RSSM_ERR_DEVICE) is injected while the environment's REPLAYSSM_CPU_FAIL_CALLS, a
  * comma-separated list of function names, holds "rssm_count_nonfinite" (tests of what the
- * cache does when a device call fails mid-operation; rssm_synchronize takes it too). */
+ * cache does when a device call fails mid-operation; rssm_synchronize and rssm_fold take it
+ * too). */
 rssm_status rssm_count_nonfinite(const rssm_launch* launch, const void* const* parts,
                                  const void* const* parts_device, size_t count,
                                  size_t part_elems, int32_t dtype, uint32_t* result);
