@@ -1,49 +1,69 @@
 #include "doorbells.h"
 
 #include <atomic>
-#include <chrono>
-#include <thread>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "device_buffer.h"
 
 namespace replayssm::cache {
-namespace {
 
-bool Reached(uint32_t word, uint32_t value) { return static_cast<int32_t>(word - value) >= 0; }
-
-// Whether the word at `addr` has reached `value`, read on `launch` and waited for.
-bool ReadReached(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
-  uint32_t word = 0;
-  return rssm_memcpy(&launch, &word, addr, 4, RSSM_COPY_DEVICE_TO_HOST) == RSSM_OK &&
-         rssm_synchronize(&launch) == RSSM_OK && Reached(word, value);
+void Doorbells::Bind(uint32_t* word, uint32_t ticket, uint32_t* outcomes, int32_t max_waits) {
+  word_ = word;
+  ticket_ = ticket;
+  outcomes_ = outcomes;
+  max_waits_ = max_waits;
 }
 
-}  // namespace
+rssm_release Doorbells::ReleaseOf(int32_t index) const {
+  return rssm_release{word_, ticket_, outcomes_ + 2 * static_cast<size_t>(index)};
+}
 
 absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
-  bool skip = false;
-  {
-    absl::MutexLock lock(&mu_);
-    skip = released_;
-    if (!skip) {
-      // Recorded before the wait starts, so a Release from now on ends it.
-      awaited_.push_back({const_cast<uint32_t*>(addr), value});
-      if (launch.backend != RSSM_BACKEND_CPU) {  // queued, returns at once
-        return KernelStatus(rssm_stream_wait_value32(&launch, addr, value), "doorbell wait");
-      }
-    }
+  const int32_t index = waits_.load(std::memory_order_relaxed);
+  if (word_ == nullptr || index >= max_waits_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "doorbell wait: a forward waits on at most ", max_waits_, " doorbells (one a layer)"));
   }
-  if (!skip) return WaitOnHost(addr, value);
-  // Released before this wait: not queued, but counted, as unrung unless its word has reached
-  // the value (read on the forward's stream, behind the layers queued so far).
-  const bool reached = ReadReached(launch, addr, value);
-  absl::MutexLock lock(&mu_);
-  awaited_.push_back({const_cast<uint32_t*>(addr), value, !reached});
-  return absl::OkStatus();
+  const rssm_release release = ReleaseOf(index);
+  // Counted before it is queued, so that a Release from now on looks at its outcome.
+  waits_.store(index + 1, std::memory_order_release);
+  return KernelStatus(rssm_stream_wait_value32_or(&launch, addr, value, &release),
+                      "doorbell wait");
 }
 
 absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value) {
   return KernelStatus(rssm_stream_write_value32(&launch, addr, value), "doorbell signal");
+}
+
+bool Doorbells::Expect(int32_t count) {
+  if (word_ == nullptr || count > max_waits_ || waits_.load(std::memory_order_relaxed) != 0) {
+    return false;
+  }
+  waits_.store(count, std::memory_order_release);
+  return true;
+}
+
+int32_t Doorbells::Release() {
+  if (word_ == nullptr) return -1;  // never bound: nothing was queued
+  // Raised, not written: a later forward's release (its ticket is further) is never set back.
+  std::atomic_ref<uint32_t> word(*word_);
+  uint32_t old = word.load(std::memory_order_acquire);
+  while (static_cast<int32_t>(old - ticket_) < 0 &&
+         !word.compare_exchange_weak(old, ticket_, std::memory_order_acq_rel,
+                                     std::memory_order_acquire)) {
+  }
+  return FirstUnrung();
+}
+
+int32_t Doorbells::FirstUnrung() const {
+  if (outcomes_ == nullptr) return -1;
+  const int32_t n = waits_.load(std::memory_order_acquire);
+  for (int32_t i = 0; i < n; ++i) {
+    std::atomic_ref<uint32_t> outcome(outcomes_[2 * static_cast<size_t>(i) + (ticket_ & 1u)]);
+    if (outcome.load(std::memory_order_acquire) == ticket_) return i;
+  }
+  return -1;
 }
 
 Doorbells::~Doorbells() {
@@ -62,59 +82,6 @@ absl::Status Doorbells::MarkEnd(const rssm_launch& launch) {
 bool Doorbells::WorkDone() const {
   int done = 0;
   return end_backend_ >= 0 && rssm_event_query(end_backend_, end_, &done) == RSSM_OK && done == 1;
-}
-
-absl::Status Doorbells::WaitOnHost(const uint32_t* addr, uint32_t value) {
-  if (addr == nullptr || reinterpret_cast<uintptr_t>(addr) % 4 != 0) {
-    return absl::InvalidArgumentError(
-        "doorbell wait: addr: expected a 4-byte aligned pointer to the word");
-  }
-  // The word or the release, whichever comes first: a client that sets its word back after
-  // Release rang it would otherwise hold this thread (and the forward's owner waiting for
-  // it) for good. Polled as rssm_stream_wait_value32 polls: a short spin, yields, then sleeps.
-  std::atomic_ref<const uint32_t> word(*addr);
-  for (int64_t i = 0; !Reached(word.load(std::memory_order_acquire), value); ++i) {
-    if (releasing_.load(std::memory_order_acquire)) break;
-    if (i < 1000) continue;
-    if (i < 2000) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-  }
-  return absl::OkStatus();
-}
-
-bool Doorbells::Expect(absl::Span<const uint32_t* const> waits, uint32_t value) {
-  absl::MutexLock lock(&mu_);
-  if (released_) return false;
-  for (const uint32_t* addr : waits) awaited_.push_back({const_cast<uint32_t*>(addr), value});
-  return true;
-}
-
-int32_t Doorbells::Release(int32_t backend) {
-  releasing_.store(true, std::memory_order_release);  // ends a CPU wait whatever its word does
-  absl::MutexLock lock(&mu_);
-  if (!released_ && !awaited_.empty()) {
-    // A stream of its own: the forward's is blocked on these very words. Only the words that
-    // have not reached their value are rung, and raised, not written: a ring further by the
-    // client (its next forward), even between the read and the ring, is never set back.
-    void* stream = nullptr;
-    if (rssm_stream_create(backend, &stream) != RSSM_OK) stream = nullptr;
-    const rssm_launch side{backend, stream};
-    for (Awaited& a : awaited_) {
-      if (ReadReached(side, a.addr, a.value)) continue;
-      a.unrung = true;
-      rssm_stream_raise_value32(&side, a.addr, a.value);
-    }
-    rssm_synchronize(&side);
-    rssm_stream_destroy(backend, stream);
-  }
-  released_ = true;
-  for (size_t i = 0; i < awaited_.size(); ++i) {
-    if (awaited_[i].unrung) return static_cast<int32_t>(i);
-  }
-  return -1;
 }
 
 }  // namespace replayssm::cache

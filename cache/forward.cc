@@ -302,7 +302,8 @@ bool StateCacheImpl::CanContinueForward(Forward& previous, absl::Span<const Deco
   // ReleaseWaits counts the predecessor's waits first, and the caller reads the index that
   // way), so the predecessor is let go by ContinueForward, once every check passed.
   if (prev->predecessor_ != nullptr &&
-      (prev->predecessor_incomplete_ || !prev->predecessor_->doorbells_.WorkDone())) {
+      (prev->predecessor_incomplete_ || !prev->predecessor_->doorbells_.WorkDone() ||
+       prev->predecessor_->doorbells_.FirstUnrung() >= 0)) {
     return false;
   }
   // The new forward's uploads (its rows' slots and cursors, and a fold's) must not wait for
@@ -500,17 +501,21 @@ ForwardImpl::ForwardImpl(StateCacheImpl* cache, ForwardRows rows, LanePool::Leas
       layer_waits_(layer_waits),
       done_(cache->model().num_layers, false),
       longest_(rows_.longest()),
-      touched_(cache->model().num_layers, false) {}
+      touched_(cache->model().num_layers, false) {
+  doorbells_.Bind(lane_->release_word(), lane_->NextTicket(), lane_->outcomes(),
+                  lane_->max_waits());
+}
 
 ForwardImpl::~ForwardImpl() {
   if (finished_) return;
-  // Abandoned: ring the doorbells nobody will ring any more (or the stream would never
-  // drain), put back what a prefill overwrote, then wait for everything queued (ring appends
+  // Abandoned: release the doorbell waits nobody will ring any more (or the stream would
+  // never drain), put back what a prefill overwrote, then wait for everything queued (ring appends
   // past the cursors, the copies, and the scratch the lane is about to lend out again) before
   // the rows are released.
   ReleaseWaits();
   const bool restored = Restore();
   const bool done = Synchronize().ok();
+  ReleaseWaits();  // again, now that every wait has run: whether the predecessor's all rang
   lane_.reset();
   // A committed predecessor that did not complete left records past its rows' cursors that
   // are not what they say.
@@ -812,15 +817,14 @@ absl::Status ForwardImpl::RunGraphed(absl::Span<const LayerIo> layers,
     graphs.Add(std::move(key), graph);
     cache_->Count(&CacheStats::forward_recordings);
   }
-  if (!bells.empty()) {
-    std::vector<const uint32_t*> waits(bells.size());
-    for (size_t l = 0; l < bells.size(); ++l) waits[l] = bells[l].ready;
-    // Released already: call by call, which skips the waits.
-    if (!doorbells_.Expect(waits, value)) return absl::OkStatus();
+  // Its waits are the forward's first (else call by call).
+  if (!bells.empty() && !doorbells_.Expect(static_cast<int32_t>(bells.size()))) {
+    return absl::OkStatus();
   }
   std::fill(touched_.begin(), touched_.end(), true);
   const rssm_launch launch = lane_->Launch();
-  absl::Status st = KernelStatus(rssm_graph_launch(&launch, graph, value), "recorded forward");
+  absl::Status st = KernelStatus(rssm_graph_launch(&launch, graph, value, doorbells_.ticket()),
+                                 "recorded forward");
   if (!st.ok()) {
     failed_ = absl::FailedPreconditionError(
         absl::StrCat("forward: its recorded layers failed (", st.message(), "); abandon it"));
@@ -842,8 +846,10 @@ rssm_graph* ForwardImpl::Record(absl::Span<const LayerIo> layers,
   absl::Status st;
   for (size_t l = 0; l < layers.size() && st.ok(); ++l) {
     const LayerIo& io = layers[l];
-    if (!bells.empty()) {
-      st = KernelStatus(rssm_stream_wait_value32(&launch, bells[l].ready, value), "doorbell wait");
+    if (!bells.empty()) {  // recorded with this forward's release; launched with each one's
+      const rssm_release release = doorbells_.ReleaseOf(static_cast<int32_t>(l));
+      st = KernelStatus(rssm_stream_wait_value32_or(&launch, bells[l].ready, value, &release),
+                        "doorbell wait");
     }
     if (st.ok()) {
       st = Launch(static_cast<int32_t>(l), rssm_token_inputs{io.mixed_qkv, io.a, io.b, 0, 0, 0},
@@ -870,15 +876,14 @@ rssm_graph* ForwardImpl::Record(absl::Span<const LayerIo> layers,
 }
 
 int32_t ForwardImpl::ReleaseWaits() {
-  const int32_t backend = cache_->options().backend;
   int32_t first = -1;
   int32_t before = 0;  // the predecessor's waits come first in queue order
   if (predecessor_) {
-    first = predecessor_->doorbells_.Release(backend);
+    first = predecessor_->doorbells_.Release();
     if (first >= 0) predecessor_incomplete_ = true;
     before = cache_->model().num_layers;
   }
-  const int32_t own = doorbells_.Release(backend);
+  const int32_t own = doorbells_.Release();
   if (first < 0 && own >= 0) first = before + own;
   return first;
 }
@@ -901,6 +906,8 @@ absl::Status ForwardImpl::CheckCommit() {
     failed_ = st;  // it can only be abandoned now
     return st;
   }
+  // The predecessor's waits have all run now: one that ended on a release never got its input.
+  if (predecessor_ && predecessor_->doorbells_.FirstUnrung() >= 0) predecessor_incomplete_ = true;
   if (predecessor_incomplete_) {
     failed_ = absl::DataLossError(
         "forward: the forward before this one (committed when this one began) never got all "

@@ -405,6 +405,7 @@ TEST_P(ForwardKindsTest, WaitsIssuedAfterAReleaseCountAsUnrungUnlessRung) {
     ASSERT_TRUE(f.ok()) << f.status();
     EXPECT_EQ((*f)->ReleaseWaits(), -1) << "no wait issued yet";
     ASSERT_TRUE((*f)->RunLayers(dev.io, bells, 3).ok()) << "released: nothing blocks";
+    ASSERT_TRUE((*f)->Synchronize().ok()) << "released: the stream drains";
     EXPECT_EQ((*f)->ReleaseWaits(), rung < layers ? rung : -1);
     EXPECT_EQ(words.Read()[rung < layers ? rung : 0], rung < layers ? 0u : 3u)
         << "a skipped word is not written";
@@ -443,10 +444,11 @@ TEST_P(ForwardKindsTest, AnUnrungForwardQueuedAtOnceIsReleasedAndChangesNothing)
     // CPU: RunLayers blocks on layer 0's doorbell until released.
     std::thread driver([&] { queued = (*f)->RunLayers(dev.io, bells, 9); });
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    EXPECT_EQ((*f)->ReleaseWaits(), 0) << "layer 0's doorbell was never rung";
+    (*f)->ReleaseWaits();  // its answer so far: the waits decide as they end
     driver.join();
     EXPECT_TRUE(queued.ok()) << queued;
     EXPECT_TRUE((*f)->Synchronize().ok()) << "the stream drained";
+    EXPECT_EQ((*f)->ReleaseWaits(), 0) << "layer 0's doorbell was never rung";
   }  // abandoned
   EXPECT_EQ(cache_->stats().forwards_graphed - graphed, backend == RSSM_BACKEND_CUDA ? 1 : 0);
   EXPECT_TRUE(Observe(a) == before);

@@ -1,6 +1,7 @@
 #include "lane.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <utility>
 
@@ -60,24 +61,40 @@ size_t LaneHostBytes(const ModelSpec& m, int64_t max_batch) {
   return AlignUp(static_cast<size_t>(acts)) + 10 * kAlign + static_cast<size_t>(index);
 }
 
-absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(int32_t backend, size_t host_bytes) {
+absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(int32_t backend, size_t host_bytes,
+                                                   int32_t max_waits) {
   host_bytes = std::max(AlignUp(host_bytes), kAlign);
+  max_waits = std::max(max_waits, 0);
   void* stream = nullptr;
   absl::Status s = KernelStatus(rssm_stream_create(backend, &stream), "lane stream");
   if (!s.ok()) return s;
   void* host = nullptr;
+  void* bells = nullptr;
   s = KernelStatus(rssm_alloc_host(backend, host_bytes, &host), "lane staging");
+  if (s.ok()) {
+    s = KernelStatus(rssm_alloc_host(backend, (1 + 2 * size_t{static_cast<uint32_t>(max_waits)}) * 4,
+                                     &bells),
+                     "lane doorbell release words");
+  }
   if (!s.ok()) {
+    rssm_free_host(backend, host);
     rssm_stream_destroy(backend, stream);
     return s;
   }
-  return std::unique_ptr<Lane>(new Lane(backend, stream, host, host_bytes));
+  std::memset(bells, 0, (1 + 2 * size_t{static_cast<uint32_t>(max_waits)}) * 4);
+  return std::unique_ptr<Lane>(new Lane(backend, stream, host, host_bytes,
+                                        static_cast<uint32_t*>(bells), max_waits));
 }
 
 Lane::~Lane() {
   (void)Synchronize();  // nothing may still use the stream or the staging
   rssm_stream_destroy(backend_, stream_);
   rssm_free_host(backend_, host_);
+  rssm_free_host(backend_, bells_);
+}
+
+void Lane::SettleRelease() {
+  std::atomic_ref<uint32_t>(*bells_).store(ticket_, std::memory_order_release);
 }
 
 absl::StatusOr<char*> Lane::Take(size_t want, size_t* got) {
@@ -147,6 +164,7 @@ absl::Status Lane::Synchronize() {
 void LanePool::Lease::reset() {
   if (lane_ == nullptr) return;
   (void)lane_->Synchronize();  // the next user must find it idle
+  lane_->SettleRelease();
   absl::MutexLock lock(&pool_->mu_);
   pool_->free_.push_back(std::move(lane_));
   pool_ = nullptr;
@@ -163,7 +181,7 @@ absl::StatusOr<LanePool::Lease> LanePool::Take() {
       return lease;
     }
   }
-  absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend_, host_bytes_);
+  absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend_, host_bytes_, max_waits_);
   if (!lane.ok()) return lane.status();
   lease.lane_ = std::move(*lane);
   absl::MutexLock lock(&mu_);

@@ -52,7 +52,9 @@ struct Scratch {
 class Lane {
  public:
   // A lane whose pinned staging holds `host_bytes` (copies larger than that are chunked).
-  static absl::StatusOr<std::unique_ptr<Lane>> Create(int32_t backend, size_t host_bytes);
+  // Waits of up to `max_waits` a forward can be released.
+  static absl::StatusOr<std::unique_ptr<Lane>> Create(int32_t backend, size_t host_bytes,
+                                                      int32_t max_waits);
   ~Lane();  // waits for queued work, then releases the stream and the pinned memory
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
@@ -78,12 +80,33 @@ class Lane {
   // waits for nothing queued before (Take waits once the buffer is full).
   bool FitsWithoutWait(int count, size_t bytes) const;
 
+  // Doorbell releases (Doorbells, rssm_stream_wait_value32_or): each forward on the lane takes
+  // the next ticket; the lane's release word, raised to a ticket, ends the waits of that forward
+  // and of those before it on the lane, never a later one's; each wait index has two outcome
+  // words (by the ticket's parity: a forward and the one continued behind it never share one).
+  // All host memory the backend reads (pinned on CUDA).
+  uint32_t NextTicket() { return ++ticket_; }
+  uint32_t* release_word() const { return bells_; }
+  uint32_t* outcomes() const { return bells_ + 1; }  // [max_waits][2]
+  int32_t max_waits() const { return max_waits_; }
+  // Called when the lane is idle (nothing queued can still wait): every ticket so far counts as
+  // released, so that the word stays within a chain's length of the next ticket (the
+  // comparison is cyclic).
+  void SettleRelease();
+
   Scratch scratch;
   ForwardGraphs graphs;  // the decode forwards recorded on this lane's stream
 
  private:
-  Lane(int32_t backend, void* stream, void* host, size_t host_bytes)
-      : backend_(backend), stream_(stream), host_(host), host_bytes_(host_bytes) {}
+  Lane(int32_t backend, void* stream, void* host, size_t host_bytes, uint32_t* bells,
+       int32_t max_waits)
+      : backend_(backend),
+        stream_(stream),
+        host_(host),
+        host_bytes_(host_bytes),
+        bells_(bells),
+        max_waits_(max_waits) {}
+
   // A free region of the pinned buffer of up to `want` bytes (at least 1), waiting for the
   // queued copies when the buffer is full. *got is its size.
   absl::StatusOr<char*> Take(size_t want, size_t* got);
@@ -97,6 +120,9 @@ class Lane {
   void* const stream_;
   void* const host_;  // pinned (rssm_alloc_host)
   const size_t host_bytes_;
+  uint32_t* const bells_;  // pinned: the release word, then max_waits_ pairs of outcome words
+  const int32_t max_waits_;
+  uint32_t ticket_ = 0;   // the last ticket taken
   size_t host_used_ = 0;  // bytes of host_ taken since the last Synchronize
   bool queued_ = false;   // work queued since the last Synchronize
   std::vector<PendingDownload> downloads_;
@@ -132,13 +158,15 @@ class LanePool {
     std::unique_ptr<Lane> lane_;
   };
 
-  LanePool(int32_t backend, size_t host_bytes) : backend_(backend), host_bytes_(host_bytes) {}
+  LanePool(int32_t backend, size_t host_bytes, int32_t max_waits)
+      : backend_(backend), host_bytes_(host_bytes), max_waits_(max_waits) {}
   absl::StatusOr<Lease> Take();
   int64_t size() const;  // lanes made so far
 
  private:
   const int32_t backend_;
   const size_t host_bytes_;
+  const int32_t max_waits_;
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Lane>> free_ ABSL_GUARDED_BY(mu_);
   int64_t made_ ABSL_GUARDED_BY(mu_) = 0;

@@ -14,7 +14,7 @@ namespace {
 
 TEST(Lane, CopiesLargerThanItsStagingRoundTrip) {
   const int32_t backend = testing::TestBackend();
-  absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend, /*host_bytes=*/512);
+  absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend, /*host_bytes=*/512, /*max_waits=*/0);
   ASSERT_TRUE(lane.ok()) << lane.status();
   std::vector<int32_t> src(10000), back(src.size(), -1);
   std::iota(src.begin(), src.end(), 1);
@@ -30,7 +30,7 @@ TEST(Lane, CopiesLargerThanItsStagingRoundTrip) {
 
 TEST(Lane, ADownloadLandsAtSynchronize) {
   const int32_t backend = testing::TestBackend();
-  absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend, 4096);
+  absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend, 4096, /*max_waits=*/0);
   ASSERT_TRUE(lane.ok());
   const std::vector<int32_t> src(64, 7);
   std::vector<int32_t> back(64, 0);
@@ -45,7 +45,7 @@ TEST(Lane, ADownloadLandsAtSynchronize) {
 }
 
 TEST(LanePool, ReusesIdleLanesAndMakesOneMorePerConcurrentUser) {
-  LanePool pool(testing::TestBackend(), 1024);
+  LanePool pool(testing::TestBackend(), 1024, /*max_waits=*/0);
   const Lane* first = nullptr;
   {
     absl::StatusOr<LanePool::Lease> a = pool.Take();

@@ -16,7 +16,7 @@ StateCacheImpl::StateCacheImpl(ModelSpec model, CacheOptions options,
     : model_(std::move(model)),
       options_(options),
       pool_(std::move(pool)),
-      lanes_(options_.backend, LaneHostBytes(model_, options_.max_batch)),
+      lanes_(options_.backend, LaneHostBytes(model_, options_.max_batch), model_.num_layers),
       staging_(options_.backend, kIdleStagingRings) {
   slots_.resize(pool_->num_slots());
   for (int64_t i = pool_->num_slots() - 1; i >= 0; --i) free_.push_back(static_cast<int32_t>(i));
@@ -114,6 +114,10 @@ absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
   if (options.max_batch < 1 || options.track_interval < 0 || options.max_prefill_tokens < 1) {
     return absl::InvalidArgumentError("options: max_batch and max_prefill_tokens must be >= 1 and track_interval >= 0");
   }
+  if (options.lanes_at_start < 1 || options.lanes_at_start > kMaxLanesAtStart) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lanes_at_start: expected 1 to ", kMaxLanesAtStart, ", got ", options.lanes_at_start));
+  }
   const int64_t slot_bytes = model.SlotBytes();
   const int64_t state_bytes = model.LayerStateBytes() * model.num_layers;
   if (options.host_snapshot_bytes != 0 && options.host_snapshot_bytes < state_bytes) {
@@ -139,7 +143,7 @@ absl::StatusOr<std::unique_ptr<StateCache>> StateCache::Create(ModelSpec model,
   if (!pool.ok()) return pool.status();
   auto cache =
       std::make_unique<internal::StateCacheImpl>(std::move(model), options, std::move(*pool));
-  absl::Status st = cache->WarmLanes();
+  absl::Status st = cache->WarmLanes(options.lanes_at_start);
   if (st.ok() && options.host_pin_at_start) st = cache->PinHostTier();
   if (!st.ok()) return st;
   return std::unique_ptr<StateCache>(std::move(cache));

@@ -244,7 +244,16 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   absl::Status CheckFinite(SlotId id, const char* purpose) override;
 
   // Makes the first lane, so that a cache that cannot get one fails at Create.
-  absl::Status WarmLanes() { return lanes_.Take().status(); }
+  // Makes `count` lanes (at least one): as many taken at once, then given back idle.
+  absl::Status WarmLanes(int32_t count) {
+    std::vector<LanePool::Lease> held;
+    for (int32_t i = 0; i < std::max(count, 1); ++i) {
+      absl::StatusOr<LanePool::Lease> lane = lanes_.Take();
+      if (!lane.ok()) return lane.status();
+      held.push_back(*std::move(lane));
+    }
+    return absl::OkStatus();
+  }
   // Every host entry's pinned buffer allocated now (CacheOptions::host_pin_at_start).
   absl::Status PinHostTier() ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);

@@ -225,6 +225,37 @@ TEST_F(CacheTest, ASlotInTwoForwardsIsRefused) {
       << "a slot in an open forward cannot be freed";
 }
 
+// Lanes made at Create (CacheOptions::lanes_at_start): that many forwards at once make none
+// (on CUDA a stream made while doorbell waits run can wait until they end); out of range,
+// refused naming the field.
+TEST_F(CacheTest, LanesMadeAtStartServeThatManyForwardsAtOnce) {
+  const ModelSpec m = testing::TwoLayerTinyGdn(4);
+  CacheOptions o = testing::TestOptions(m, 4);
+  o.lanes_at_start = 3;
+  absl::StatusOr<std::unique_ptr<StateCache>> c = StateCache::Create(m, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->stats().lanes, 3) << "made at Create";
+  std::vector<std::unique_ptr<Forward>> open;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<std::unique_ptr<Forward>> f = (*c)->BeginForward({{*(*c)->Allocate(), 1}});
+    ASSERT_TRUE(f.ok()) << f.status();
+    open.push_back(*std::move(f));
+  }
+  EXPECT_EQ((*c)->stats().lanes, 3) << "three forwards at once, none made";
+  absl::StatusOr<std::unique_ptr<Forward>> fourth = (*c)->BeginForward({{*(*c)->Allocate(), 1}});
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  EXPECT_EQ((*c)->stats().lanes, 4) << "a fourth makes one";
+  for (int32_t bad : {0, kMaxLanesAtStart + 1}) {
+    o.lanes_at_start = bad;
+    const absl::Status st = StateCache::Create(m, o).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find(
+                  absl::StrCat("lanes_at_start: expected 1 to ", kMaxLanesAtStart, ", got ", bad)),
+              std::string::npos)
+        << st;
+  }
+}
+
 TEST_F(CacheTest, PrefixNamespacesNeverShareSnapshots) {
   Make(6, /*track=*/4, /*ring=*/4);
   absl::StatusOr<StateCache::PrefixAllocation> a = cache_->AllocateFromPrefixIn(7, {});

@@ -267,8 +267,8 @@ const std::vector<Flag>& Flags() {
       {"max-streams", "DecodeStream streams open at once",
        Int(&ServerOptions::max_streams, 1, std::numeric_limits<int32_t>::max())},
       {"max-planned-forwards",
-       "planned forwards open at once; 0 = 3/4 of the GPU's work queues (24) over the TP ranks "
-       "per GPU on CUDA, none on the CPU",
+       "planned forwards open at once; 0 = 24 per GPU over the TP ranks sharing it on CUDA, "
+       "none on the CPU",
        Int(&ServerOptions::max_planned_forwards, 0, std::numeric_limits<int32_t>::max())},
       {"tenant-max-streams",
        "DecodeStream streams one tenant may hold open (with --auth-tokens; past it: "

@@ -61,12 +61,9 @@ int main(int argc, char** argv) {
   // PlannedIdle/PlannedWait, bench/results/gpu_tests.md). Before anything touches CUDA; an
   // operator's own setting is kept.
   setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
-  // 32 hardware work queues (CUDA's default is 8). The driver puts every stream on one, and a
-  // doorbell wait not yet rung stops its queue with every stream on it: with 8, eight planned
-  // forwards whose engines had not rung held every other stream's work — an Allocate waited
-  // past its deadline, and a probe's ring from a new stream never ran (the H200/H100 runs of
-  // 2026-12-06, bench/results/gpu_tests.md; with 32 both passed). --max-planned-forwards keeps
-  // the unrung waits below the queues (server.cc, PlannedForwardBound).
+  // 32 hardware work queues (CUDA's default is 8), so that the lanes' streams share fewer of
+  // them (the driver puts every stream on one; work on a queue runs in order). Doorbell waits
+  // are kernels a host store releases, so no wait holds a queue for good (docs/data-plane.md).
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   const sigset_t stop_signals = BlockStopSignals();
   absl::StatusOr<replayssm::service::ServerFlags> flags =

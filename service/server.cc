@@ -154,31 +154,23 @@ absl::Status ResolveRanks(const ServerOptions& o, const Device& device, cache::C
   return absl::OkStatus();
 }
 
-// --max-planned-forwards, 0 resolved. On CUDA each open planned forward queues a doorbell wait
-// on a stream per rank, and a wait not yet rung stops the GPU work queue under its stream, with
-// every stream the driver put on that queue: past the queues the server has (it asks for 32,
-// main.cc), its own work — and the deadline's ring that releases a wait — can stop behind an
-// engine that never rings (the H100 probe of 2026-12-06: 8 waits on 8 queues stopped a ring
-// from any new stream; 31 on 32 did not). So three quarters of the queues (24 of 32), over the
-// most ranks sharing one GPU, leaving room for the lanes of other calls and the ring. The CPU
-// backend waits on host threads.
+// --max-planned-forwards, 0 resolved. On CUDA each open planned forward holds a lane (a
+// stream) per rank whose doorbell wait, a running one-thread kernel, lasts until its engine
+// rings or its deadline releases it, and a stream made while many such kernels ran did not
+// return until they ended (the 35th made while 34 ran, an H100 run of 2026-12-06): the lanes
+// for the bound are made at start (Start), and the bound keeps the running waits below where a
+// stream made later would wait — 24 per GPU, over the most ranks sharing one. The CPU backend
+// waits on host threads: no bound.
 int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache::CacheOptions& c) {
   if (o.max_planned_forwards > 0 || backend != RSSM_BACKEND_CUDA) return o.max_planned_forwards;
-  // What CUDA gives this process: main.cc's 32 or the operator's value; unset (a server started
-  // without main.cc), or unreadable, CUDA's default of 8; never more than 32.
-  int32_t queues = 8;
-  if (const char* env = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-      env != nullptr && (!absl::SimpleAtoi(env, &queues) || queues < 1)) {
-    queues = 8;
-  }
-  queues = std::min(queues, 32);
+  constexpr int32_t kPerGpu = 24;
   // Without --devices every rank is on --device's GPU.
   int32_t per_gpu = c.devices.empty() ? std::max<int32_t>(c.tp_size, 1) : 1;
   for (int32_t d : c.devices) {
     per_gpu = std::max<int32_t>(
         per_gpu, static_cast<int32_t>(std::count(c.devices.begin(), c.devices.end(), d)));
   }
-  return std::max<int32_t>(1, queues * 3 / 4 / per_gpu);
+  return std::max<int32_t>(1, kPerGpu / per_gpu);
 }
 
 absl::StatusOr<cache::ModelSpec> LoadModel(const ServerOptions& o) {
@@ -757,6 +749,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.host_pin_at_start = options.host_pin_at_start;
   cache_options.host_policy = options.host_snapshot_policy == "value" ? cache::HostPolicy::kValue
                                                                       : cache::HostPolicy::kLru;
+  // On CUDA every planned forward the server admits holds a lane (a stream) while its engine
+  // has not rung, and a stream made while that many doorbell waits run can wait until they end
+  // (docs/data-plane.md): their lanes are made now, with a few for the other calls beside them
+  // (past 64 planned forwards, the rest on demand: each lane pins its staging buffer).
+  const int32_t planned_bound = PlannedForwardBound(options, device->backend, cache_options);
+  if (device->backend == RSSM_BACKEND_CUDA) {
+    cache_options.lanes_at_start = std::min(planned_bound, 64) + 4;
+  }
   auto handles = std::make_unique<SlotHandles>();
   cache_options.slot_name = [h = handles.get()](cache::SlotId id) { return h->Describe(id); };
   absl::StatusOr<std::unique_ptr<cache::StateCache>> cache =
@@ -783,7 +783,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                      " MiB cannot be allocated: ", cache.status().message()));
   }
   if (!cache.ok()) return cache.status();
-  const int32_t planned_bound = PlannedForwardBound(options, device->backend, cache_options);
   auto server = std::make_unique<ServerImpl>(options, *std::move(device), std::move(handles),
                                              std::move(events), *std::move(cache));
   server->BoundPlannedForwards(planned_bound);

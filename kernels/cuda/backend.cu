@@ -306,9 +306,56 @@ __global__ void RaiseValue32Kernel(uint32_t* addr, uint32_t value) {
 }
 }  // namespace
 
-rssm_status PreloadRaiseValue32(void* stream) {
+// rssm_stream_wait_value32_or. One thread: its own word first (a wait whose word was rung is
+// never counted unrung, even after the release), then the release word, which is host memory
+// (a read crosses the bus: ~1 us, so it is read once per 16 polls of the word). Polls back off
+// to a sleep of ~0.5 us once the wait has lasted a few microseconds.
+__device__ __forceinline__ uint32_t LoadSys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__global__ void WaitValue32OrKernel(WaitArgs a) {
+  if (a.addr == nullptr) return;  // PreloadDoorbellKernels' launch
+  for (uint32_t i = 0;; ++i) {
+    if (static_cast<int32_t>(LoadSys(a.addr) - a.value) >= 0) break;
+    if (i % 16 == 0 && static_cast<int32_t>(LoadSys(a.release) - a.ticket) >= 0) {
+      if (static_cast<int32_t>(LoadSys(a.addr) - a.value) >= 0) break;
+      if (a.outcome != nullptr) {
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(a.outcome + (a.ticket & 1u)),
+                     "r"(a.ticket)
+                     : "memory");
+      }
+      break;
+    }
+    if (i >= 64) __nanosleep(i < 4096 ? 100 : 500);
+  }
+  // The work after the wait reads what its ringer wrote before the ring.
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+rssm_status PreloadDoorbellKernels(void* stream) {
   RaiseValue32Kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(nullptr, 0u);
-  return Report(cudaGetLastError(), "rssm_stream_create: loading the doorbell raise kernel");
+  WaitValue32OrKernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(WaitArgs{});
+  return Report(cudaGetLastError(), "rssm_stream_create: loading the doorbell kernels");
+}
+
+rssm_status WaitValue32Or(const rssm_launch& launch, const WaitArgs& args) {
+  WaitValue32OrKernel<<<1, 1, 0, StreamOf(launch)>>>(args);
+  return Report(cudaGetLastError(), "rssm_stream_wait_value32_or launch");
+}
+
+rssm_status SetWaitNode(void* exec, void* node, const WaitArgs& args) {
+  WaitArgs copy = args;
+  void* params[] = {&copy};
+  cudaKernelNodeParams p{};
+  p.func = reinterpret_cast<void*>(&WaitValue32OrKernel);
+  p.gridDim = dim3(1);
+  p.blockDim = dim3(1);
+  p.kernelParams = params;
+  return Report(cudaGraphExecKernelNodeSetParams(static_cast<cudaGraphExec_t>(exec),
+                                                 static_cast<cudaGraphNode_t>(node), &p),
+                "rssm_graph_launch: setting a release wait");
 }
 
 rssm_status RaiseValue32(const rssm_launch& launch, uint32_t* addr, uint32_t value) {

@@ -67,11 +67,25 @@ rssm_status SegmentDigests(const rssm_launch& launch, const void* const* parts, 
 // rssm_stream_raise_value32's kernel, queued on launch.stream (kernels/cuda/backend.cu; called
 // only where the library is built with CUDA, so no stub).
 rssm_status RaiseValue32(const rssm_launch& launch, uint32_t* addr, uint32_t value);
-// Launches that kernel once, doing nothing, on `stream`: its module is loaded now. Loaded
-// lazily (CUDA_MODULE_LOADING=LAZY, the default), the first raise would wait for the device's
-// work, which a doorbell wait that only the raise can end holds for ever (it hung the release
+// rssm_stream_wait_value32_or's kernel: its arguments, as one (a recorded sequence's node
+// has them rewritten per launch by SetWaitNode).
+struct WaitArgs {
+  const uint32_t* addr;
+  const uint32_t* release;  // host memory the device reads
+  uint32_t* outcome;        // host memory, 2 words, or null
+  uint32_t value;
+  uint32_t ticket;
+};
+// Queues it on launch.stream (kernels/cuda/backend.cu).
+rssm_status WaitValue32Or(const rssm_launch& launch, const WaitArgs& args);
+// Gives the instantiated sequence `exec`'s node `node` (a WaitValue32Or kernel as recorded)
+// the arguments `args` (cudaGraphExecKernelNodeSetParams; both are the runtime's handles).
+rssm_status SetWaitNode(void* exec, void* node, const WaitArgs& args);
+// Launches the raise and wait kernels once each, doing nothing, on `stream`: their module is
+// loaded now. Loaded lazily (CUDA_MODULE_LOADING=LAZY, the default), the first raise or wait
+// would wait for the device's work, which a doorbell wait holds for ever (it hung the release
 // path on the H200). rssm_stream_create calls it once per device.
-rssm_status PreloadRaiseValue32(void* stream);
+rssm_status PreloadDoorbellKernels(void* stream);
 }  // namespace cuda
 
 }  // namespace replayssm::kernels

@@ -40,6 +40,11 @@ inline rssm_status DriverCheck(CUresult r, const char* fn) {
   return RSSM_ERR_DEVICE;
 }
 
+// Notes a rssm_stream_wait_value32_or kernel just queued on `stream` while it records
+// (kernels/src/graph.cc): rssm_capture_end hands the recording its node, so that each launch
+// sets the node's value and ticket. RSSM_OK when the stream is not recording.
+rssm_status NoteRecordedWait(cudaStream_t stream, const cuda::WaitArgs& args, const char* fn);
+
 // A driver function of CUDA 12.0's signature, or null when the driver has none.
 template <typename Fn>
 Fn LookupDriver(const char* symbol) {

@@ -1,9 +1,13 @@
 // rssm_capture_begin / end and rssm_graph_*: recorded sequences, as CUDA graphs (stream
 // capture). The doorbell operations a recording holds are the driver's batch memory-operation
-// nodes; a launch with another doorbell value rewrites their values in the instantiated graph
-// (cuGraphExecBatchMemOpNodeSetParams) before cudaGraphLaunch. CPU: unsupported.
+// nodes (rssm_stream_wait_value32, the writes) and the kernel nodes of
+// rssm_stream_wait_value32_or, noted as they were queued; a launch with another doorbell value
+// or ticket rewrites them in the instantiated graph (cuGraphExecBatchMemOpNodeSetParams,
+// cudaGraphExecKernelNodeSetParams) before cudaGraphLaunch. CPU: unsupported.
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "calls.h"
@@ -16,9 +20,15 @@ struct rssm_graph {
     std::vector<CUstreamBatchMemOpParams> ops;
     CUDA_BATCH_MEM_OP_NODE_PARAMS params{};
   };
+  // One rssm_stream_wait_value32_or kernel node, its arguments as last set.
+  struct Wait {
+    cudaGraphNode_t node = nullptr;
+    replayssm::kernels::cuda::WaitArgs args{};
+  };
   cudaGraph_t graph = nullptr;  // kept: the memop nodes are named by its nodes
   cudaGraphExec_t exec = nullptr;
   std::vector<MemOp> memops;
+  std::vector<Wait> waits;
   int64_t doorbells = 0;
   bool value_set = false;  // the memops carry `value` (else the values they were recorded with)
   uint32_t value = 0;
@@ -124,6 +134,33 @@ rssm_status SetDoorbells(rssm_graph& g, uint32_t value, const char* fn) {
   return RSSM_OK;
 }
 
+// The release waits queued while a stream records, by the recording's id (capture is
+// thread-local: rssm_capture_end runs on the recording thread).
+thread_local std::map<unsigned long long, std::vector<rssm_graph::Wait>> recorded_waits;
+
+// The id of the recording `stream` is making, 0 when none.
+unsigned long long RecordingId(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  if (cudaStreamGetCaptureInfo(stream, &status, &id) != cudaSuccess ||
+      status != cudaStreamCaptureStatusActive) {
+    cudaGetLastError();
+    return 0;
+  }
+  return id;
+}
+
+// Gives every release wait of the recording `value` and `ticket`.
+rssm_status SetWaits(rssm_graph& g, uint32_t value, uint32_t ticket) {
+  for (rssm_graph::Wait& w : g.waits) {
+    if (w.args.value == value && w.args.ticket == ticket) continue;
+    w.args.value = value;
+    w.args.ticket = ticket;
+    if (const rssm_status st = cuda::SetWaitNode(g.exec, w.node, w.args); st != RSSM_OK) return st;
+  }
+  return RSSM_OK;
+}
+
 void Free(rssm_graph* g) {
   if (g->exec != nullptr) cudaGraphExecDestroy(g->exec);
   if (g->graph != nullptr) cudaGraphDestroy(g->graph);
@@ -132,6 +169,28 @@ void Free(rssm_graph* g) {
 #endif
 
 }  // namespace
+
+#ifdef REPLAYSSM_WITH_CUDA
+rssm_status NoteRecordedWait(cudaStream_t stream, const cuda::WaitArgs& args, const char* fn) {
+  const unsigned long long id = RecordingId(stream);
+  if (id == 0) return RSSM_OK;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaGraphNode_t* deps = nullptr;
+  size_t count = 0;
+  if (const rssm_status st = CudaCheck(
+          cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &count), fn);
+      st != RSSM_OK) {
+    return st;
+  }
+  if (count != 1) {  // the kernel just queued is the one node the next depends on
+    SetLastError(std::string(fn) + ": the recording's last node is not the wait just queued");
+    return RSSM_ERR_DEVICE;
+  }
+  recorded_waits[id].push_back(rssm_graph::Wait{deps[0], args});
+  return RSSM_OK;
+}
+#endif
+
 }  // namespace replayssm::kernels
 
 using namespace replayssm::kernels;  // NOLINT: the C ABI below is a thin shell
@@ -161,6 +220,14 @@ rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph
   if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
 #ifdef REPLAYSSM_WITH_CUDA
   if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
+  std::vector<rssm_graph::Wait> waits;
+  if (const unsigned long long id = RecordingId(static_cast<cudaStream_t>(launch->stream));
+      id != 0) {
+    if (auto it = recorded_waits.find(id); it != recorded_waits.end()) {
+      waits = std::move(it->second);
+      recorded_waits.erase(it);
+    }
+  }
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(static_cast<cudaStream_t>(launch->stream), &graph);
   cudaGetLastError();  // a call that spoiled the recording must not fail the next launch's check
@@ -171,6 +238,8 @@ rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph
   if (const rssm_status st = CudaCheck(ended, fn); st != RSSM_OK) return st;
   auto* g = new rssm_graph;
   g->graph = graph;
+  g->waits = std::move(waits);
+  g->doorbells = static_cast<int64_t>(g->waits.size());
   rssm_status st = CudaCheck(cudaGraphInstantiate(&g->exec, graph, 0), fn);
   if (st == RSSM_OK) st = CollectMemOps(*g, fn);
   if (st != RSSM_OK) {
@@ -194,7 +263,7 @@ int64_t rssm_graph_doorbells(const rssm_graph* graph) {
 }
 
 rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
-                              uint32_t doorbell_value) {
+                              uint32_t doorbell_value, uint32_t release_ticket) {
   const char* fn = "rssm_graph_launch";
   if (graph == nullptr) return Invalid(fn, "graph: expected a recording, got NULL");
   if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
@@ -203,9 +272,13 @@ rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
   if (graph->doorbells > 0 && (!graph->value_set || graph->value != doorbell_value)) {
     if (const rssm_status st = SetDoorbells(*graph, doorbell_value, fn); st != RSSM_OK) return st;
   }
+  if (const rssm_status st = SetWaits(*graph, doorbell_value, release_ticket); st != RSSM_OK) {
+    return st;
+  }
   return CudaCheck(cudaGraphLaunch(graph->exec, static_cast<cudaStream_t>(launch->stream)), fn);
 #else
   (void)doorbell_value;
+  (void)release_ticket;
   return RSSM_ERR_UNSUPPORTED;
 #endif
 }

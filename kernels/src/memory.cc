@@ -195,7 +195,7 @@ rssm_status rssm_alloc_host(int32_t backend, size_t bytes, void** out) {
   if (bytes == 0) return RSSM_OK;
   if (backend == RSSM_BACKEND_CPU) return rssm_alloc(backend, bytes, out);
 #ifdef REPLAYSSM_WITH_CUDA
-  return CudaCheck(cudaHostAlloc(out, bytes, cudaHostAllocPortable), "rssm_alloc_host");
+  return CudaCheck(cudaHostAlloc(out, bytes, cudaHostAllocPortable | cudaHostAllocMapped), "rssm_alloc_host");
 #else
   return NoCuda("rssm_alloc_host");
 #endif
@@ -229,10 +229,10 @@ rssm_status rssm_stream_create(int32_t backend, void** out) {
   if (st != RSSM_OK) return st;
   std::lock_guard<std::mutex> lock(stream_devices_mu);
   // The doorbell raise kernel is loaded with the device's first stream, before any doorbell
-  // wait can be queued (cuda::PreloadRaiseValue32 says why).
+  // wait can be queued (cuda::PreloadDoorbellKernels says why).
   static auto* preloaded = new std::unordered_set<int>();
   if (preloaded->count(device) == 0) {
-    if (const rssm_status p = cuda::PreloadRaiseValue32(s); p != RSSM_OK) {
+    if (const rssm_status p = cuda::PreloadDoorbellKernels(s); p != RSSM_OK) {
       cudaStreamDestroy(s);
       return p;
     }

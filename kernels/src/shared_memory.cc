@@ -38,9 +38,20 @@ bool Reached(uint32_t word, uint32_t value) {
 }
 
 // CPU: polls with a short spin, then yields, then sleeps (a doorbell may take milliseconds).
-void WaitOnHost(const uint32_t* addr, uint32_t value) {
+// With a release, also until its word reaches the ticket (then the wait's own word is read once
+// more, and the outcome written if it is still short).
+void WaitOnHost(const uint32_t* addr, uint32_t value, const rssm_release* release = nullptr) {
   std::atomic_ref<const uint32_t> word(*addr);
   for (int64_t i = 0; !Reached(word.load(std::memory_order_acquire), value); ++i) {
+    if (release != nullptr &&
+        Reached(std::atomic_ref<const uint32_t>(*release->word).load(std::memory_order_acquire),
+                release->ticket)) {
+      if (!Reached(word.load(std::memory_order_acquire), value) && release->outcome != nullptr) {
+        std::atomic_ref<uint32_t>(release->outcome[release->ticket & 1u])
+            .store(release->ticket, std::memory_order_release);
+      }
+      return;
+    }
     if (i < 1000) continue;
     if (i < 2000) {
       std::this_thread::yield();
@@ -166,6 +177,34 @@ rssm_status rssm_stream_wait_value32(const rssm_launch* launch, const uint32_t* 
                                    reinterpret_cast<CUdeviceptr>(addr), value,
                                    CU_STREAM_WAIT_VALUE_GEQ),
                      fn);
+#else
+  return NoCuda(fn);
+#endif
+}
+
+rssm_status rssm_stream_wait_value32_or(const rssm_launch* launch, const uint32_t* addr,
+                                        uint32_t value, const rssm_release* release) {
+  const char* fn = "rssm_stream_wait_value32_or";
+  if (const rssm_status st = CheckLaunch(fn, launch); st != RSSM_OK) return st;
+  if (const rssm_status st = CheckWord(fn, addr); st != RSSM_OK) return st;
+  if (release == nullptr) return Invalid(fn, "release: expected a pointer, got NULL");
+  if (release->word == nullptr || reinterpret_cast<uintptr_t>(release->word) % 4 != 0) {
+    return Invalid(fn, "release.word: expected a 4-byte aligned pointer to host memory, got " +
+                           std::string(release->word == nullptr ? "NULL" : "a misaligned one"));
+  }
+  if (reinterpret_cast<uintptr_t>(release->outcome) % 4 != 0) {
+    return Invalid(fn, "release.outcome: expected NULL or a 4-byte aligned pointer, got a "
+                       "misaligned one");
+  }
+  if (launch->backend == RSSM_BACKEND_CPU) {
+    WaitOnHost(addr, value, release);
+    return RSSM_OK;
+  }
+#ifdef REPLAYSSM_WITH_CUDA
+  if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
+  const cuda::WaitArgs args{addr, release->word, release->outcome, value, release->ticket};
+  if (const rssm_status st = cuda::WaitValue32Or(*launch, args); st != RSSM_OK) return st;
+  return NoteRecordedWait(static_cast<cudaStream_t>(launch->stream), args, fn);
 #else
   return NoCuda(fn);
 #endif

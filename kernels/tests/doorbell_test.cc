@@ -1,5 +1,6 @@
 // Doorbells, events and shared memory on the CPU backend: waits end when the word reaches the
-// value (cyclically), writes are visible to a waiter on another thread, an event is done at
+// value (cyclically), or, with a release, when the release word reaches the ticket (recording
+// the wait unrung if its word fell short), writes are visible to a waiter on another thread, an event is done at
 // once, bad arguments are refused by name, and CUDA IPC is refused on the CPU with a message that
 // says what to use instead.
 #include <gtest/gtest.h>
@@ -192,6 +193,88 @@ TEST(RecordedSequence, IsRefusedOnTheCpuBackendWithWhatToDoInstead) {
   EXPECT_EQ(graph, nullptr) << "out is cleared whatever the outcome";
 }
 
+TEST(ReleaseWait, EndsWhenItsWordArrivesAndRecordsNothing) {
+  alignas(4) uint32_t word = 0, release = 0, outcome[2] = {0, 0};
+  const rssm_release r{&release, 5, outcome};
+  std::thread ringer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::atomic_ref<uint32_t>(word).store(3, std::memory_order_release);
+  });
+  EXPECT_EQ(rssm_stream_wait_value32_or(&kCpu, &word, 3, &r), RSSM_OK);
+  ringer.join();
+  EXPECT_EQ(outcome[0], 0u);
+  EXPECT_EQ(outcome[1], 0u);
+}
+
+TEST(ReleaseWait, EndsOnItsTicketWhateverItsWordDoesAndRecordsItUnrung) {
+  // The word is set back again and again; an earlier ticket's release does not end the wait,
+  // its own does, and the ticket lands in the outcome word of its parity.
+  alignas(4) uint32_t word = 0, release = 6, outcome[2] = {0, 0};
+  const rssm_release r{&release, 7, outcome};
+  std::atomic<bool> stop{false}, woke{false};
+  std::thread client([&] {
+    while (!stop.load(std::memory_order_acquire)) {
+      std::atomic_ref<uint32_t>(word).store(0, std::memory_order_release);
+    }
+  });
+  std::thread waiter([&] {
+    EXPECT_EQ(rssm_stream_wait_value32_or(&kCpu, &word, 5, &r), RSSM_OK);
+    woke.store(true, std::memory_order_release);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_FALSE(woke.load()) << "ended on ticket 6, which is not its own";
+  std::atomic_ref<uint32_t>(release).store(7, std::memory_order_release);
+  for (int i = 0; i < 300 && !woke.load(std::memory_order_acquire); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(woke.load()) << "the wait outlived its release by 3 s";
+  stop.store(true, std::memory_order_release);
+  client.join();
+  if (!woke.load()) std::atomic_ref<uint32_t>(word).store(5, std::memory_order_release);
+  waiter.join();
+  EXPECT_EQ(outcome[1], 7u) << "ticket 7 is odd: its outcome is the second word";
+  EXPECT_EQ(outcome[0], 0u);
+  EXPECT_EQ(word, 0u) << "the release never writes the client's word";
+}
+
+TEST(ReleaseWait, AWaitWhoseWordWasRungBeforeItsReleaseIsNotUnrung) {
+  alignas(4) uint32_t word = 9, release = 4, outcome[2] = {0, 0};
+  const rssm_release r{&release, 4, outcome};  // released already, and rung already
+  EXPECT_EQ(rssm_stream_wait_value32_or(&kCpu, &word, 9, &r), RSSM_OK);
+  EXPECT_EQ(outcome[0], 0u);
+  const rssm_release no_outcome{&release, 4, nullptr};  // released, short, nowhere to record
+  EXPECT_EQ(rssm_stream_wait_value32_or(&kCpu, &word, 10, &no_outcome), RSSM_OK);
+}
+
+TEST(ReleaseWait, BadArgumentsAreRefusedByNameAndWriteNothing) {
+  alignas(4) uint32_t words[3] = {0, 1, 0};
+  alignas(4) uint32_t outcome[3] = {0, 0, 0};
+  const auto* odd = reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(words) + 2);
+  auto* odd_out = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(outcome) + 2);
+  const rssm_release ok{&words[1], 1, outcome};
+  struct Case {
+    const rssm_release* release;
+    const char* what;
+  };
+  const rssm_release no_word{nullptr, 1, outcome};
+  const rssm_release odd_word{odd, 1, outcome};
+  const rssm_release odd_outcome{&words[1], 1, odd_out};
+  for (const Case& c : {Case{nullptr, "release: expected a pointer, got NULL"},
+                        Case{&no_word, "release.word: expected a 4-byte aligned pointer"},
+                        Case{&odd_word, "release.word: expected a 4-byte aligned pointer"},
+                        Case{&odd_outcome, "release.outcome: expected NULL or a 4-byte aligned"}}) {
+    EXPECT_EQ(rssm_stream_wait_value32_or(&kCpu, &words[0], 1, c.release),
+              RSSM_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(rssm_last_error()).find(c.what), std::string::npos) << rssm_last_error();
+  }
+  EXPECT_EQ(rssm_stream_wait_value32_or(&kCpu, odd, 1, &ok), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(rssm_last_error()).find("addr: expected a 4-byte aligned pointer"),
+            std::string::npos);
+  EXPECT_EQ(rssm_stream_wait_value32_or(nullptr, &words[0], 1, &ok), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(outcome[0] | outcome[1] | outcome[2], 0u);
+  EXPECT_EQ(words[0], 0u);
+}
+
 TEST(RecordedSequence, BadArgumentsAreRefusedByName) {
   const rssm_launch bad{7, nullptr};
   EXPECT_EQ(rssm_capture_begin(nullptr), RSSM_ERR_INVALID_ARGUMENT);
@@ -206,7 +289,7 @@ TEST(RecordedSequence, BadArgumentsAreRefusedByName) {
   EXPECT_EQ(rssm_capture_end(&kCpu, 2, &graph), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("keep: expected 0 or 1, got 2"), std::string::npos)
       << rssm_last_error();
-  EXPECT_EQ(rssm_graph_launch(&kCpu, nullptr, 1), RSSM_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(rssm_graph_launch(&kCpu, nullptr, 1, 1), RSSM_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(rssm_last_error()).find("graph: expected a recording, got NULL"),
             std::string::npos);
   EXPECT_EQ(rssm_graph_doorbells(nullptr), 0);

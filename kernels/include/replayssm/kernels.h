@@ -350,9 +350,11 @@ rssm_status rssm_memcpy(const rssm_launch* launch, void* dst, const void* src, s
 rssm_status rssm_memset(const rssm_launch* launch, void* dst, int32_t value, size_t bytes);
 rssm_status rssm_synchronize(const rssm_launch* launch);
 
-/* Host staging memory for copies to and from a backend: page-locked (cudaHostAlloc, portable)
- * on CUDA, so that rssm_memcpy from or to it is a true asynchronous DMA on the stream; plain
- * 64-byte aligned host memory on CPU. Allocation is slow (pins pages): keep and reuse it. */
+/* Host staging memory for copies to and from a backend: page-locked (cudaHostAlloc, portable
+ * and mapped) on CUDA, so that rssm_memcpy from or to it is a true asynchronous DMA on the
+ * stream, and kernels read and write it at the same address (rssm_stream_wait_value32_or's
+ * release words); plain 64-byte aligned host memory on CPU. Allocation is slow (pins pages):
+ * keep and reuse it. */
 rssm_status rssm_alloc_host(int32_t backend, size_t bytes, void** out);
 rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
 
@@ -432,6 +434,27 @@ rssm_status rssm_ipc_close(int32_t backend, void* ptr);
  *   its owner may ring it on for its next use. */
 rssm_status rssm_stream_wait_value32(const rssm_launch* launch, const uint32_t* addr,
                                      uint32_t value);
+/* rssm_stream_wait_value32_or: as rssm_stream_wait_value32, but the wait also ends once the
+ *   word at release->word reaches release->ticket, whatever its own word does; a wait that
+ *   ends that way with its own word still short of `value` writes the ticket into
+ *   release->outcome[ticket % 2] (two words; NULL: not recorded), so that whoever released it
+ *   learns, once the stream has run past it, which waits were never rung. release->word and
+ *   release->outcome are host memory (on CUDA from rssm_alloc_host, which the device reads and
+ *   writes), so that a release is a store on the host: no stream, no device work. CUDA: a
+ *   one-thread kernel that polls both words (never a stream memory operation: an unrung one of
+ *   those holds its hardware queue until the device sees the word, however the host gives up);
+ *   loaded with the device's first rssm_stream_create, like the raise's; recorded in a sequence
+ *   it is one whose value and ticket rssm_graph_launch sets. CPU: blocks the calling thread,
+ *   polling both. Giving each use of a release word a later ticket (cyclically, within 2^31 of
+ *   the word) makes one release end the waits of that use and of those before it, never of a
+ *   later one. */
+typedef struct rssm_release {
+  const uint32_t* word; /* 4-byte aligned host memory */
+  uint32_t ticket;
+  uint32_t* outcome; /* 2 words of 4-byte aligned host memory, or NULL */
+} rssm_release;
+rssm_status rssm_stream_wait_value32_or(const rssm_launch* launch, const uint32_t* addr,
+                                        uint32_t value, const rssm_release* release);
 rssm_status rssm_stream_write_value32(const rssm_launch* launch, uint32_t* addr, uint32_t value);
 rssm_status rssm_stream_raise_value32(const rssm_launch* launch, uint32_t* addr, uint32_t value);
 /* 1 when this process's CUDA work goes through an MPS server (its control pipe is where
@@ -450,11 +473,14 @@ int rssm_mps_active(void);
  * rssm_capture_end: ends the recording; the stream runs calls again and nothing recorded has
  *   run. keep = 1: *out is the recording, ready to launch (RSSM_ERR_DEVICE, *out = NULL, when
  *   a call in between spoiled it); keep = 0 (a call in between failed): discarded, *out = NULL.
- * rssm_graph_doorbells: how many doorbell operations (waits and writes) the recording holds.
+ * rssm_graph_doorbells: how many doorbell operations (waits of either kind, and writes) the
+ *   recording holds.
  * rssm_graph_launch: queues the recording on launch->stream (any stream of its backend;
  *   launches of one recording run one after the other). Every doorbell operation in it waits
- *   for, or writes, `doorbell_value`, whatever value it was recorded with: one recording
- *   serves forwards whose doorbells ring with different values.
+ *   for, or writes, `doorbell_value`, whatever value it was recorded with, and every
+ *   rssm_stream_wait_value32_or in it compares its release word with `release_ticket` (its
+ *   release word and outcome words stay those it was recorded with): one recording serves
+ *   forwards whose doorbells ring with different values.
  * rssm_graph_destroy: frees it (launches already queued still run). NULL is a no-op.
  * A recording is used by one thread at a time. */
 typedef struct rssm_graph rssm_graph;
@@ -462,7 +488,7 @@ rssm_status rssm_capture_begin(const rssm_launch* launch);
 rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph** out);
 int64_t rssm_graph_doorbells(const rssm_graph* graph);
 rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
-                              uint32_t doorbell_value);
+                              uint32_t doorbell_value, uint32_t release_ticket);
 rssm_status rssm_graph_destroy(rssm_graph* graph);
 
 /* Slot checksums (docs/transfer.md): the segment hash (replayssm/segment_hash.h; bit-identical

@@ -117,7 +117,13 @@ struct CacheOptions {
   // Pin every host entry's buffer at Create (seconds per tens of GiB) instead of at its first
   // use, where the allocation (cudaHostAlloc of a snapshot's bytes) falls inside that spill.
   bool host_pin_at_start = false;
+  // Lanes (a stream, pinned staging and scratch each; one per operation in flight) made at
+  // Create, so that the first that many operations at once make none. On CUDA a stream made
+  // while doorbell waits run can wait until they end (docs/data-plane.md): a server makes one
+  // lane per planned forward it admits, and a few more. 1 to kMaxLanesAtStart.
+  int32_t lanes_at_start = 1;
 };
+inline constexpr int32_t kMaxLanesAtStart = 1024;
 
 // One layer's activations and outputs for N tokens, dense, act dtype.
 struct LayerIo {
@@ -235,12 +241,14 @@ class Forward {
   // work queued before it is done and visible.
   virtual absl::Status QueueWait(const uint32_t* addr, uint32_t value) = 0;
   virtual absl::Status QueueSignal(uint32_t* addr, uint32_t value) = 0;
-  // For a client that never rings: writes every awaited value (queued and to come) itself so
-  // that the stream drains; the caller then abandons the forward. Returns the queue index of
-  // the first wait whose word had not been rung, or -1; a wait issued after the release counts
-  // as unrung unless its word was rung by then, so call it again once every layer was queued
-  // for the whole answer. The one method that is thread-safe: it may run while another thread
-  // is blocked in QueueWait.
+  // For a client that never rings: ends every wait of the forward (queued and to come) at
+  // once, whatever its word does, so that the stream drains; the caller then abandons the
+  // forward. Never waits for the device, and never writes the client's words. Returns the
+  // queue index of the first wait that ended on the release with its word short of its value,
+  // or -1; a wait decides when it runs (one still queued, or issued after the release, counts
+  // as unrung unless its word was rung by then), so call it again once every layer was queued
+  // and the stream has run (after Synchronize) for the whole answer. The one method that is
+  // thread-safe: it may run while another thread is blocked in QueueWait.
   virtual int32_t ReleaseWaits() = 0;
   // Waits for the queued layers, then applies the forward at once for every row: decode
   // advances each cursor and seq_len by one, prefill by the row's tokens (write_pos -> 0), and
