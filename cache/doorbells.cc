@@ -47,12 +47,9 @@ bool Doorbells::Expect(int32_t count) {
 int32_t Doorbells::Release() {
   if (word_ == nullptr) return -1;  // never bound: nothing was queued
   // Raised, not written: a later forward's release (its ticket is further) is never set back.
-  std::atomic_ref<uint32_t> word(*word_);
-  uint32_t old = word.load(std::memory_order_acquire);
-  while (static_cast<int32_t>(old - ticket_) < 0 &&
-         !word.compare_exchange_weak(old, ticket_, std::memory_order_acq_rel,
-                                     std::memory_order_acquire)) {
-  }
+  // The word is host memory on every backend, so the CPU backend's raise (at once, no stream).
+  const rssm_launch host{RSSM_BACKEND_CPU, nullptr};
+  rssm_stream_raise_value32(&host, word_, ticket_);  // a bound word is aligned: cannot fail
   return FirstUnrung();
 }
 

@@ -12,7 +12,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "replayssm/kernels.h"

@@ -65,6 +65,8 @@ absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(int32_t backend, size_t host_
                                                    int32_t max_waits) {
   host_bytes = std::max(AlignUp(host_bytes), kAlign);
   max_waits = std::max(max_waits, 0);
+  // The release word, then two outcome words per wait.
+  const size_t bell_bytes = (1 + 2 * static_cast<size_t>(max_waits)) * 4;
   void* stream = nullptr;
   absl::Status s = KernelStatus(rssm_stream_create(backend, &stream), "lane stream");
   if (!s.ok()) return s;
@@ -72,16 +74,14 @@ absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(int32_t backend, size_t host_
   void* bells = nullptr;
   s = KernelStatus(rssm_alloc_host(backend, host_bytes, &host), "lane staging");
   if (s.ok()) {
-    s = KernelStatus(rssm_alloc_host(backend, (1 + 2 * size_t{static_cast<uint32_t>(max_waits)}) * 4,
-                                     &bells),
-                     "lane doorbell release words");
+    s = KernelStatus(rssm_alloc_host(backend, bell_bytes, &bells), "lane doorbell release words");
   }
   if (!s.ok()) {
     rssm_free_host(backend, host);
     rssm_stream_destroy(backend, stream);
     return s;
   }
-  std::memset(bells, 0, (1 + 2 * size_t{static_cast<uint32_t>(max_waits)}) * 4);
+  std::memset(bells, 0, bell_bytes);
   return std::unique_ptr<Lane>(new Lane(backend, stream, host, host_bytes,
                                         static_cast<uint32_t*>(bells), max_waits));
 }
