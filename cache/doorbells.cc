@@ -22,14 +22,13 @@ rssm_release Doorbells::ReleaseOf(int32_t index) const {
 absl::Status Doorbells::Wait(const rssm_launch& launch, const uint32_t* addr, uint32_t value) {
   const int32_t index = waits_.load(std::memory_order_relaxed);
   if (word_ == nullptr || index >= max_waits_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "doorbell wait: a forward waits on at most ", max_waits_, " doorbells (one a layer)"));
+    return absl::FailedPreconditionError(absl::StrCat("doorbell wait: a forward waits on at most ",
+                                                      max_waits_, " doorbells (one a layer)"));
   }
   const rssm_release release = ReleaseOf(index);
   // Counted before it is queued, so that a Release from now on looks at its outcome.
   waits_.store(index + 1, std::memory_order_release);
-  return KernelStatus(rssm_stream_wait_value32_or(&launch, addr, value, &release),
-                      "doorbell wait");
+  return KernelStatus(rssm_stream_wait_value32_or(&launch, addr, value, &release), "doorbell wait");
 }
 
 absl::Status Doorbells::Signal(const rssm_launch& launch, uint32_t* addr, uint32_t value) {

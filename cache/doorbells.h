@@ -56,7 +56,7 @@ class Doorbells {
   ~Doorbells();
 
  private:
-  uint32_t* word_ = nullptr;      // the lane's release word (host memory)
+  uint32_t* word_ = nullptr;  // the lane's release word (host memory)
   uint32_t ticket_ = 0;
   uint32_t* outcomes_ = nullptr;  // [max_waits_][2] (host memory)
   int32_t max_waits_ = 0;

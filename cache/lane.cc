@@ -82,8 +82,8 @@ absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(int32_t backend, size_t host_
     return s;
   }
   std::memset(bells, 0, bell_bytes);
-  return std::unique_ptr<Lane>(new Lane(backend, stream, host, host_bytes,
-                                        static_cast<uint32_t*>(bells), max_waits));
+  return std::unique_ptr<Lane>(
+      new Lane(backend, stream, host, host_bytes, static_cast<uint32_t*>(bells), max_waits));
 }
 
 Lane::~Lane() {

@@ -14,7 +14,8 @@ namespace {
 
 TEST(Lane, CopiesLargerThanItsStagingRoundTrip) {
   const int32_t backend = testing::TestBackend();
-  absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend, /*host_bytes=*/512, /*max_waits=*/0);
+  absl::StatusOr<std::unique_ptr<Lane>> lane =
+      Lane::Create(backend, /*host_bytes=*/512, /*max_waits=*/0);
   ASSERT_TRUE(lane.ok()) << lane.status();
   std::vector<int32_t> src(10000), back(src.size(), -1);
   std::iota(src.begin(), src.end(), 1);

@@ -262,8 +262,8 @@ int64_t rssm_graph_doorbells(const rssm_graph* graph) {
 #endif
 }
 
-rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
-                              uint32_t doorbell_value, uint32_t release_ticket) {
+rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph, uint32_t doorbell_value,
+                              uint32_t release_ticket) {
   const char* fn = "rssm_graph_launch";
   if (graph == nullptr) return Invalid(fn, "graph: expected a recording, got NULL");
   if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;

@@ -195,7 +195,8 @@ rssm_status rssm_alloc_host(int32_t backend, size_t bytes, void** out) {
   if (bytes == 0) return RSSM_OK;
   if (backend == RSSM_BACKEND_CPU) return rssm_alloc(backend, bytes, out);
 #ifdef REPLAYSSM_WITH_CUDA
-  return CudaCheck(cudaHostAlloc(out, bytes, cudaHostAllocPortable | cudaHostAllocMapped), "rssm_alloc_host");
+  return CudaCheck(cudaHostAlloc(out, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+                   "rssm_alloc_host");
 #else
   return NoCuda("rssm_alloc_host");
 #endif

@@ -193,8 +193,9 @@ rssm_status rssm_stream_wait_value32_or(const rssm_launch* launch, const uint32_
                            std::string(release->word == nullptr ? "NULL" : "a misaligned one"));
   }
   if (reinterpret_cast<uintptr_t>(release->outcome) % 4 != 0) {
-    return Invalid(fn, "release.outcome: expected NULL or a 4-byte aligned pointer, got a "
-                       "misaligned one");
+    return Invalid(fn,
+                   "release.outcome: expected NULL or a 4-byte aligned pointer, got a "
+                   "misaligned one");
   }
   if (launch->backend == RSSM_BACKEND_CPU) {
     WaitOnHost(addr, value, release);

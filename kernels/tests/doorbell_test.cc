@@ -1,8 +1,8 @@
 // Doorbells, events and shared memory on the CPU backend: waits end when the word reaches the
 // value (cyclically), or, with a release, when the release word reaches the ticket (recording
-// the wait unrung if its word fell short), writes are visible to a waiter on another thread, an event is done at
-// once, bad arguments are refused by name, and CUDA IPC is refused on the CPU with a message that
-// says what to use instead.
+// the wait unrung if its word fell short), writes are visible to a waiter on another thread, an
+// event is done at once, bad arguments are refused by name, and CUDA IPC is refused on the CPU with
+// a message that says what to use instead.
 #include <gtest/gtest.h>
 
 #include <atomic>

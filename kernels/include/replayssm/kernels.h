@@ -490,8 +490,8 @@ typedef struct rssm_graph rssm_graph;
 rssm_status rssm_capture_begin(const rssm_launch* launch);
 rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph** out);
 int64_t rssm_graph_doorbells(const rssm_graph* graph);
-rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph,
-                              uint32_t doorbell_value, uint32_t release_ticket);
+rssm_status rssm_graph_launch(const rssm_launch* launch, rssm_graph* graph, uint32_t doorbell_value,
+                              uint32_t release_ticket);
 rssm_status rssm_graph_destroy(rssm_graph* graph);
 
 /* Slot checksums (docs/transfer.md): the segment hash (replayssm/segment_hash.h; bit-identical
