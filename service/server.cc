@@ -156,11 +156,10 @@ absl::Status ResolveRanks(const ServerOptions& o, const Device& device, cache::C
 
 // --max-planned-forwards, 0 resolved. On CUDA each open planned forward holds a lane (a
 // stream) per rank whose doorbell wait, a running one-thread kernel, lasts until its engine
-// rings or its deadline releases it, and a stream made while many such kernels ran did not
-// return until they ended (the 35th made while 34 ran, an H100 run of 2026-12-06): the lanes
-// for the bound are made at start (Start), and the bound keeps the running waits below where a
-// stream made later would wait — 24 per GPU, over the most ranks sharing one. The CPU backend
-// waits on host threads: no bound.
+// rings or its deadline releases it, and a stream made while such kernels run can wait until
+// they end (the process's 36th, made after 33 waits, on an H100 on 2026-12-06): the lanes for
+// the bound are made at start (Start) — 24 per GPU, over the most ranks sharing one. The CPU
+// backend waits on host threads: no bound.
 int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache::CacheOptions& c) {
   if (o.max_planned_forwards > 0 || backend != RSSM_BACKEND_CUDA) return o.max_planned_forwards;
   constexpr int32_t kPerGpu = 24;
@@ -750,7 +749,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.host_policy = options.host_snapshot_policy == "value" ? cache::HostPolicy::kValue
                                                                       : cache::HostPolicy::kLru;
   // On CUDA every planned forward the server admits holds a lane (a stream) while its engine
-  // has not rung, and a stream made while that many doorbell waits run can wait until they end
+  // has not rung, and a stream made while doorbell waits run can wait until they end
   // (docs/data-plane.md): their lanes are made now, with a few for the other calls beside them
   // (past 64 planned forwards, the rest on demand: each lane pins its staging buffer).
   const int32_t planned_bound = PlannedForwardBound(options, device->backend, cache_options);
