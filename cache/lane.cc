@@ -13,10 +13,14 @@ constexpr size_t kAlign = 256;
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-absl::Status Grow(DeviceBuffer& buf, int32_t backend, size_t bytes) {
+// At least `bytes` in buf, at least twice its old size when it grows; the outgrown buffer goes
+// to `retired` (Scratch says why), so the retired total stays below the live buffer's size.
+absl::Status Grow(DeviceBuffer& buf, int32_t backend, size_t bytes,
+                  std::vector<DeviceBuffer>& retired) {
   if (buf.size() >= bytes) return absl::OkStatus();
-  absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(backend, bytes);
+  absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(backend, std::max(bytes, 2 * buf.size()));
   if (!b.ok()) return b.status();
+  if (buf.data() != nullptr) retired.push_back(std::move(buf));
   buf = std::move(*b);
   return absl::OkStatus();
 }
@@ -36,7 +40,7 @@ absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t token
                             {&fold_idx, rows * 4},
                             {&fold_pos, rows * 4},
                             {&flags, rows}}) {
-    absl::Status s = Grow(*buf, backend, static_cast<size_t>(bytes));
+    absl::Status s = Grow(*buf, backend, static_cast<size_t>(bytes), retired);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
@@ -45,12 +49,12 @@ absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t token
 absl::Status Scratch::ReserveConv(int32_t backend, const ModelSpec& m, int64_t tokens) {
   if (m.conv_width == 0) return absl::OkStatus();
   const size_t es = rssm_dtype_size(m.shape.act_dtype);
-  return Grow(conv, backend, static_cast<size_t>(tokens * m.QkvWidth()) * es);
+  return Grow(conv, backend, static_cast<size_t>(tokens * m.QkvWidth()) * es, retired);
 }
 
 absl::Status Scratch::ReserveDigests(int32_t backend, size_t segments, size_t parts) {
-  absl::Status s = Grow(digests, backend, segments * sizeof(uint64_t));
-  if (s.ok()) s = Grow(digest_parts, backend, parts * sizeof(void*));
+  absl::Status s = Grow(digests, backend, segments * sizeof(uint64_t), retired);
+  if (s.ok()) s = Grow(digest_parts, backend, parts * sizeof(void*), retired);
   return s;
 }
 
@@ -70,20 +74,15 @@ absl::StatusOr<std::unique_ptr<Lane>> Lane::Create(int32_t backend, size_t host_
   void* stream = nullptr;
   absl::Status s = KernelStatus(rssm_stream_create(backend, &stream), "lane stream");
   if (!s.ok()) return s;
-  void* host = nullptr;
   void* bells = nullptr;
-  s = KernelStatus(rssm_alloc_host(backend, host_bytes, &host), "lane staging");
-  if (s.ok()) {
-    s = KernelStatus(rssm_alloc_host(backend, bell_bytes, &bells), "lane doorbell release words");
-  }
+  s = KernelStatus(rssm_alloc_host(backend, bell_bytes, &bells), "lane doorbell release words");
   if (!s.ok()) {
-    rssm_free_host(backend, host);
     rssm_stream_destroy(backend, stream);
     return s;
   }
   std::memset(bells, 0, bell_bytes);
   return std::unique_ptr<Lane>(
-      new Lane(backend, stream, host, host_bytes, static_cast<uint32_t*>(bells), max_waits));
+      new Lane(backend, stream, host_bytes, static_cast<uint32_t*>(bells), max_waits));
 }
 
 Lane::~Lane() {
@@ -98,6 +97,10 @@ void Lane::SettleRelease() {
 }
 
 absl::StatusOr<char*> Lane::Take(size_t want, size_t* got) {
+  if (host_ == nullptr) {
+    absl::Status s = KernelStatus(rssm_alloc_host(backend_, host_bytes_, &host_), "lane staging");
+    if (!s.ok()) return s;
+  }
   if (host_used_ >= host_bytes_) {
     absl::Status s = Synchronize();  // the queued copies still read or fill the buffer
     if (!s.ok()) return s;
@@ -236,10 +239,12 @@ void StagingPool::Lease::reset() {
   if (ring_ == nullptr) return;
   for (int32_t i = 0; i < ring_->count(); ++i) ring_->Sync(i).IgnoreError();
   absl::MutexLock lock(&pool_->mu_);
-  if (static_cast<int32_t>(pool_->idle_.size()) < pool_->keep_) {
-    pool_->idle_.push_back(std::move(ring_));
-  }
-  ring_.reset();
+  pool_->idle_.push_back(std::move(ring_));
+}
+
+int64_t StagingPool::made() const {
+  absl::MutexLock lock(&mu_);
+  return made_;
 }
 
 absl::StatusOr<StagingPool::Lease> StagingPool::Take(int32_t count, size_t bytes) {
@@ -255,6 +260,8 @@ absl::StatusOr<StagingPool::Lease> StagingPool::Take(int32_t count, size_t bytes
   }
   absl::StatusOr<std::unique_ptr<StagingRing>> r = StagingRing::Create(backend_, count, bytes);
   if (!r.ok()) return r.status();
+  absl::MutexLock lock(&mu_);
+  ++made_;
   return Lease(this, *std::move(r));
 }
 

@@ -33,7 +33,10 @@
 
 namespace replayssm::cache {
 
-// Backend-side scratch of one operation: inputs, outputs and index arrays, grown on demand.
+// Backend-side scratch of one operation: inputs, outputs and index arrays, grown on demand
+// (to at least twice the old size). A buffer outgrown is kept in `retired` until the lane is
+// destroyed, not freed: on CUDA freeing device memory waits for every kernel running on the
+// device, and a doorbell wait on another lane runs until its engine rings.
 struct Scratch {
   DeviceBuffer qkv, a, b, out;          // act dtype, [tokens, width]
   DeviceBuffer conv;                    // act dtype, [tokens, qkv width]: conv outputs
@@ -41,6 +44,7 @@ struct Scratch {
   DeviceBuffer fold_idx, fold_pos;       // int32: the rows a fold before it acts on
   DeviceBuffer flags;                    // uint8
   DeviceBuffer digests, digest_parts;    // a slot checksum: its segment digests, part table
+  std::vector<DeviceBuffer> retired;     // outgrown buffers (their total < the live ones')
   absl::Status Reserve(int32_t backend, const ModelSpec& m, int64_t tokens, int64_t rows);
   // Room for the convolution's outputs of `tokens` tokens (conv only: a forward on backend
   // memory stages nothing else).
@@ -51,8 +55,9 @@ struct Scratch {
 
 class Lane {
  public:
-  // A lane whose pinned staging holds `host_bytes` (copies larger than that are chunked).
-  // Waits of up to `max_waits` a forward can be released.
+  // A lane whose pinned staging holds `host_bytes` (copies larger than that are chunked),
+  // pinned at the lane's first staged copy (a planned forward, whose activations are in backend
+  // memory, stages nothing). Waits of up to `max_waits` a forward can be released.
   static absl::StatusOr<std::unique_ptr<Lane>> Create(int32_t backend, size_t host_bytes,
                                                       int32_t max_waits);
   ~Lane();  // waits for queued work, then releases the stream and the pinned memory
@@ -79,6 +84,8 @@ class Lane {
   // Whether `count` uploads of `bytes` each fit the pinned buffer now, so that queueing them
   // waits for nothing queued before (Take waits once the buffer is full).
   bool FitsWithoutWait(int count, size_t bytes) const;
+  // Pinned staging bytes the lane holds: 0 until its first staged copy, then host_bytes.
+  size_t pinned_staging_bytes() const { return host_ == nullptr ? 0 : host_bytes_; }
 
   // Doorbell releases (Doorbells, rssm_stream_wait_value32_or): each forward on the lane takes
   // the next ticket; the lane's release word, raised to a ticket, ends the waits of that forward
@@ -98,17 +105,15 @@ class Lane {
   ForwardGraphs graphs;  // the decode forwards recorded on this lane's stream
 
  private:
-  Lane(int32_t backend, void* stream, void* host, size_t host_bytes, uint32_t* bells,
-       int32_t max_waits)
+  Lane(int32_t backend, void* stream, size_t host_bytes, uint32_t* bells, int32_t max_waits)
       : backend_(backend),
         stream_(stream),
-        host_(host),
         host_bytes_(host_bytes),
         bells_(bells),
         max_waits_(max_waits) {}
 
-  // A free region of the pinned buffer of up to `want` bytes (at least 1), waiting for the
-  // queued copies when the buffer is full. *got is its size.
+  // A free region of the pinned buffer of up to `want` bytes (at least 1), pinning the buffer
+  // first if needed, waiting for the queued copies when it is full. *got is its size.
   absl::StatusOr<char*> Take(size_t want, size_t* got);
 
   struct PendingDownload {
@@ -118,7 +123,7 @@ class Lane {
   };
   const int32_t backend_;
   void* const stream_;
-  void* const host_;  // pinned (rssm_alloc_host)
+  void* host_ = nullptr;  // pinned (rssm_alloc_host) at the first Take
   const size_t host_bytes_;
   uint32_t* const bells_;  // pinned: the release word, then max_waits_ pairs of outcome words
   const int32_t max_waits_;
@@ -199,7 +204,9 @@ class StagingRing {
 
 // Idle staging rings, so that a move does not allocate pinned memory (which costs more than
 // the move's copies). Take gives an idle ring of that shape, or a new one; a returned ring is
-// kept unless `keep` idle ones are held already.
+// kept until the pool is destroyed (so their number is the most moves that ever ran at once):
+// on CUDA freeing pinned memory waits for every kernel running on the device, and a doorbell
+// wait runs until its engine rings.
 // Thread safety: Take and the leases' destruction are thread-safe.
 class StagingPool {
  public:
@@ -227,14 +234,15 @@ class StagingPool {
     std::unique_ptr<StagingRing> ring_;
   };
 
-  StagingPool(int32_t backend, int32_t keep) : backend_(backend), keep_(keep) {}
+  explicit StagingPool(int32_t backend) : backend_(backend) {}
   absl::StatusOr<Lease> Take(int32_t count, size_t bytes);
+  int64_t made() const;  // rings made so far
 
  private:
   const int32_t backend_;
-  const int32_t keep_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<StagingRing>> idle_ ABSL_GUARDED_BY(mu_);
+  int64_t made_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Pinned staging a lane of `model` needs so that one decode layer of `max_batch` rows and its

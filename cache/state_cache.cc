@@ -17,7 +17,7 @@ StateCacheImpl::StateCacheImpl(ModelSpec model, CacheOptions options,
       options_(options),
       pool_(std::move(pool)),
       lanes_(options_.backend, LaneHostBytes(model_, options_.max_batch), model_.num_layers),
-      staging_(options_.backend, kIdleStagingRings) {
+      staging_(options_.backend) {
   slots_.resize(pool_->num_slots());
   for (int64_t i = pool_->num_slots() - 1; i >= 0; --i) free_.push_back(static_cast<int32_t>(i));
   const int64_t host_entries =

@@ -493,9 +493,6 @@ class StateCacheImpl final : public StateCache, private SlotIoOwner {
   SlotId CommitImport(int32_t index, absl::Span<const int32_t> tokens) override;
   void DropImport(int32_t index) override;
 
-  // Idle staging rings kept for the next move (pinned memory is costly to allocate).
-  static constexpr int32_t kIdleStagingRings = 8;
-
   const ModelSpec model_;
   const CacheOptions options_;
   std::unique_ptr<SlotPool> pool_;

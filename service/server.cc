@@ -156,10 +156,11 @@ absl::Status ResolveRanks(const ServerOptions& o, const Device& device, cache::C
 
 // --max-planned-forwards, 0 resolved. On CUDA each open planned forward holds a lane (a
 // stream) per rank whose doorbell wait, a running one-thread kernel, lasts until its engine
-// rings or its deadline releases it, and a stream made while such kernels run can wait until
-// they end (the process's 36th, made after 33 waits, on an H100 on 2026-12-06): the lanes for
-// the bound are made at start (Start) — 24 per GPU, over the most ranks sharing one. The CPU
-// backend waits on host threads: no bound.
+// rings or its deadline releases it, and the CUDA runtime making a stream while such kernels
+// run can wait until they end (the process's 36th, made after 33 waits, on an H100 on
+// 2026-12-06; rssm_stream_create now hands out streams made at the device's first): the lanes
+// for the bound are made at start (Start) — 24 per GPU, over the most ranks sharing one. The
+// CPU backend waits on host threads: no bound.
 int32_t PlannedForwardBound(const ServerOptions& o, int32_t backend, const cache::CacheOptions& c) {
   if (o.max_planned_forwards > 0 || backend != RSSM_BACKEND_CUDA) return o.max_planned_forwards;
   constexpr int32_t kPerGpu = 24;

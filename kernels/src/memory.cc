@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
-#include <unordered_set>
+#include <vector>
 
 #include "calls.h"
 
@@ -39,6 +39,57 @@ std::mutex stream_devices_mu;
 std::unordered_map<void*, int>& StreamDevices() {
   static auto* m = new std::unordered_map<void*, int>();
   return *m;
+}
+
+// A stream the CUDA runtime makes while doorbell waits run can wait until they end: on an H100
+// the process's 36th did, made after 33 waits, while one made past 42 kept streams returned at
+// once (bench/results/gpu_tests.md). So a device's first rssm_stream_create makes
+// kStreamReserve streams before any wait can be queued on it, rssm_stream_create hands out an
+// idle one of those, and rssm_stream_destroy gives an idle stream back: the runtime makes a
+// stream after start only while more than kStreamReserve are out at once on that device.
+constexpr size_t kStreamReserve = 128;
+struct DeviceStreams {
+  bool prepared = false;
+  std::vector<cudaStream_t> idle;
+};
+std::unordered_map<int, DeviceStreams>& Devices() {  // under stream_devices_mu
+  static auto* m = new std::unordered_map<int, DeviceStreams>();
+  return *m;
+}
+
+// Once per device, the calling thread's current one: the reserve, and the doorbell kernels
+// loaded on its first stream (cuda::PreloadDoorbellKernels says why). Nothing is kept on a
+// failure: the next rssm_stream_create tries again.
+rssm_status PrepareDevice(DeviceStreams& d) {
+  if (d.prepared) return RSSM_OK;
+  std::vector<cudaStream_t> made;
+  rssm_status st = RSSM_OK;
+  while (st == RSSM_OK && made.size() < kStreamReserve) {
+    cudaStream_t s = nullptr;
+    st = CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rssm_stream_create");
+    if (st == RSSM_OK) made.push_back(s);
+    if (st == RSSM_OK && made.size() == 1) st = cuda::PreloadDoorbellKernels(s);
+  }
+  if (st != RSSM_OK) {
+    for (cudaStream_t s : made) cudaStreamDestroy(s);
+    return st;
+  }
+  d.idle = std::move(made);
+  d.prepared = true;
+  return RSSM_OK;
+}
+
+// Whether `s` can go back to the reserve: nothing queued on it (the ABI asks callers to
+// synchronize first; a stream that still has work is destroyed instead) and not recording.
+bool ReusableStream(cudaStream_t s) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    return false;  // (a query would end the recording)
+  }
+  const cudaError_t q = cudaStreamQuery(s);
+  if (q == cudaErrorNotReady) cudaGetLastError();  // not an error: kept from the next check
+  return q == cudaSuccess;
 }
 #endif
 
@@ -221,23 +272,19 @@ rssm_status rssm_stream_create(int32_t backend, void** out) {
   if (const rssm_status st = CheckBackend("rssm_stream_create", backend); st != RSSM_OK) return st;
   if (backend == RSSM_BACKEND_CPU) return RSSM_OK;
 #ifdef REPLAYSSM_WITH_CUDA
-  cudaStream_t s = nullptr;
   int device = 0;
   rssm_status st = CudaCheck(cudaGetDevice(&device), "rssm_stream_create");
-  if (st == RSSM_OK) {
-    st = CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rssm_stream_create");
-  }
   if (st != RSSM_OK) return st;
   std::lock_guard<std::mutex> lock(stream_devices_mu);
-  // The doorbell raise kernel is loaded with the device's first stream, before any doorbell
-  // wait can be queued (cuda::PreloadDoorbellKernels says why).
-  static auto* preloaded = new std::unordered_set<int>();
-  if (preloaded->count(device) == 0) {
-    if (const rssm_status p = cuda::PreloadDoorbellKernels(s); p != RSSM_OK) {
-      cudaStreamDestroy(s);
-      return p;
-    }
-    preloaded->insert(device);
+  DeviceStreams& d = Devices()[device];
+  if (st = PrepareDevice(d); st != RSSM_OK) return st;
+  cudaStream_t s = nullptr;
+  if (!d.idle.empty()) {
+    s = d.idle.back();
+    d.idle.pop_back();
+  } else {
+    st = CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "rssm_stream_create");
+    if (st != RSSM_OK) return st;
   }
   StreamDevices()[s] = device;
   *out = s;
@@ -256,11 +303,20 @@ rssm_status rssm_stream_destroy(int32_t backend, void* stream) {
 #ifdef REPLAYSSM_WITH_CUDA
   const rssm_launch on{backend, stream};
   if (const rssm_status st = UseStreamDevice(&on, "rssm_stream_destroy"); st != RSSM_OK) return st;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
   {
     std::lock_guard<std::mutex> lock(stream_devices_mu);
-    StreamDevices().erase(stream);
+    auto it = StreamDevices().find(stream);
+    if (it != StreamDevices().end()) {
+      DeviceStreams& d = Devices()[it->second];
+      StreamDevices().erase(it);
+      if (d.idle.size() < kStreamReserve && ReusableStream(s)) {
+        d.idle.push_back(s);
+        return RSSM_OK;
+      }
+    }
   }
-  return CudaCheck(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "rssm_stream_destroy");
+  return CudaCheck(cudaStreamDestroy(s), "rssm_stream_destroy");
 #else
   return NoCuda("rssm_stream_destroy");
 #endif

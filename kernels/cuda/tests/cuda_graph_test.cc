@@ -173,8 +173,8 @@ TEST(CudaReleaseWait, AHostStoreEndsAWaitWhoseWordNeverArrives) {
 // found no queue (an H100 probe, 2026-12-06: nothing from a new stream ran). Release waits end
 // on a host store: everything drains, the new stream's work too (H100, 2026-12-06: 40 and 100).
 // Every stream is made before the first wait: made after them, the process's 36th stream did
-// not return while the waits ran (so the cache makes its lanes at start,
-// CacheOptions::lanes_at_start). RW_STREAMS: another count.
+// not return while the waits ran, before rssm_stream_create kept a reserve of streams made at
+// the device's first (the test below). RW_STREAMS: another count.
 TEST(CudaReleaseWait, EveryQueueHeldByAnUnrungWaitStillDrainsOnTheHostsStore) {
   if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
   const size_t kStreams = std::getenv("RW_STREAMS") ? std::atoi(std::getenv("RW_STREAMS")) : 40;
@@ -205,6 +205,71 @@ TEST(CudaReleaseWait, EveryQueueHeldByAnUnrungWaitStillDrainsOnTheHostsStore) {
   EXPECT_EQ(now[2 * kStreams], 9u);
   for (rssm_launch& l : ls) rssm_stream_destroy(RSSM_BACKEND_CUDA, l.stream);
   rssm_stream_destroy(RSSM_BACKEND_CUDA, fresh.stream);
+}
+
+// Streams made one by one while release waits run, as a server makes a staging stream or a
+// late lane: each returns at once (H100, 2026-12-06, before the device's stream reserve: the
+// process's 36th, made after 33 waits, did not return until they ended). Each creation runs on
+// a thread of its own; one that has not returned in 10 s fails the test, and the release then
+// ends the waits so that it does.
+TEST(CudaReleaseWait, StreamsMadeWhileWaitsRunReturnAtOnce) {
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
+  constexpr size_t kStreams = 64;
+  DeviceWords w(kStreams);
+  for (size_t i = 0; i < kStreams; ++i) w.Set(i, 0);
+  HostWords h(1 + 2 * kStreams);
+  std::vector<rssm_launch> ls;
+  for (size_t i = 0; i < kStreams; ++i) {
+    std::atomic<bool> made{false};
+    rssm_launch l{RSSM_BACKEND_CUDA, nullptr};
+    rssm_status st = RSSM_OK;
+    std::thread maker([&] {
+      st = rssm_stream_create(RSSM_BACKEND_CUDA, &l.stream);
+      made.store(true);
+    });
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!made.load() && std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const bool in_time = made.load();
+    if (!in_time) h.Set(0, 1);  // end the waits, so that the creation returns
+    maker.join();
+    ASSERT_RSSM(st);
+    ls.push_back(l);
+    ASSERT_TRUE(in_time) << "stream " << i << " (" << i << " waits running) waited for them";
+    const rssm_release rel{h.at(0), 1, h.at(1 + 2 * i)};
+    ASSERT_RSSM(rssm_stream_wait_value32_or(&ls[i], w.at(i), 1, &rel));
+  }
+  h.Set(0, 1);
+  for (size_t i = 0; i < kStreams; ++i) EXPECT_TRUE(DrainsWithin(ls[i], 5.0)) << i;
+  for (rssm_launch& l : ls) rssm_stream_destroy(RSSM_BACKEND_CUDA, l.stream);
+}
+
+// A destroyed stream goes back to the device's reserve only when nothing is queued on it: one
+// destroyed behind an unrung wait is not handed out again, so the next stream's work runs.
+TEST(CudaReleaseWait, AStreamDestroyedBehindAWaitIsNotHandedOutAgain) {
+  if (!rssm_backend_available(RSSM_BACKEND_CUDA)) GTEST_SKIP() << "no CUDA device";
+  DeviceWords w(2);
+  w.Set(0, 0);
+  w.Set(1, 0);
+  HostWords h(3);
+  rssm_launch held{RSSM_BACKEND_CUDA, nullptr};
+  ASSERT_RSSM(rssm_stream_create(RSSM_BACKEND_CUDA, &held.stream));
+  const rssm_release rel{h.at(0), 1, h.at(1)};
+  ASSERT_RSSM(rssm_stream_wait_value32_or(&held, w.at(0), 1, &rel));
+  ASSERT_RSSM(rssm_stream_destroy(RSSM_BACKEND_CUDA, held.stream));
+  std::vector<rssm_launch> next(4, rssm_launch{RSSM_BACKEND_CUDA, nullptr});
+  for (rssm_launch& l : next) {
+    ASSERT_RSSM(rssm_stream_create(RSSM_BACKEND_CUDA, &l.stream));
+    ASSERT_RSSM(rssm_stream_write_value32(&l, w.at(1), 5));
+    EXPECT_TRUE(DrainsWithin(l, 5.0)) << "a new stream's work waited behind the old wait";
+  }
+  EXPECT_EQ(w.Read()[1], 5u);
+  h.Set(0, 1);
+  for (rssm_launch& l : next) {
+    ASSERT_RSSM(rssm_synchronize(&l));
+    ASSERT_RSSM(rssm_stream_destroy(RSSM_BACKEND_CUDA, l.stream));
+  }
 }
 
 TEST(CudaRecordedSequence, EachLaunchCarriesItsTicketToItsReleaseWaits) {

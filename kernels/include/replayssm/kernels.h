@@ -362,10 +362,13 @@ rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
  * without touching a device runtime. CUDA: a non-blocking stream (does not synchronize with
  * the legacy default stream). CPU: *out = NULL (CPU work runs at once; NULL is the only
  * CPU stream). Destroying NULL is a no-op. A stream is destroyed only when nothing is queued
- * on it any more (synchronize first). CUDA: a stream made while doorbell waits run (either
- * kind) can wait until they end (on an H100 the process's 36th did, made after 33 waits; a
- * 43rd after 42 made before the waits did not): make the streams that work beside such waits
- * needs before queueing any. */
+ * on it any more (synchronize first). CUDA: the runtime making a stream while doorbell waits
+ * run (either kind) can wait until they end (on an H100 the process's 36th did, made after 33
+ * waits; a 43rd after 42 made before the waits did not). So a device's first
+ * rssm_stream_create makes 128 streams at once, before any wait can run on that device, and
+ * hands them out; rssm_stream_destroy gives an idle stream back to them (one with work still
+ * queued, or recording, is destroyed). Only more than 128 streams out at once on a device make
+ * the runtime make another. */
 rssm_status rssm_stream_create(int32_t backend, void** out);
 rssm_status rssm_stream_destroy(int32_t backend, void* stream);
 
