@@ -137,6 +137,10 @@ rssm_status SetDoorbells(rssm_graph& g, uint32_t value, const char* fn) {
 // The release waits queued while a stream records, by the recording's id (capture is
 // thread-local: rssm_capture_end runs on the recording thread).
 thread_local std::map<unsigned long long, std::vector<rssm_graph::Wait>> recorded_waits;
+// Recordings this thread began and has not ended: while there are none, a release wait queued
+// on it is not recorded, and NoteRecordedWait asks the runtime nothing (a forward run call by
+// call queues one such wait per layer).
+thread_local int recordings_open = 0;
 
 // The id of the recording `stream` is making, 0 when none.
 unsigned long long RecordingId(cudaStream_t stream) {
@@ -172,6 +176,7 @@ void Free(rssm_graph* g) {
 
 #ifdef REPLAYSSM_WITH_CUDA
 rssm_status NoteRecordedWait(cudaStream_t stream, const cuda::WaitArgs& args, const char* fn) {
+  if (recordings_open == 0) return RSSM_OK;
   const unsigned long long id = RecordingId(stream);
   if (id == 0) return RSSM_OK;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -202,9 +207,11 @@ rssm_status rssm_capture_begin(const rssm_launch* launch) {
   if (const rssm_status st = CheckCudaLaunch(fn, launch); st != RSSM_OK) return st;
 #ifdef REPLAYSSM_WITH_CUDA
   if (const rssm_status st = UseStreamDevice(launch, fn); st != RSSM_OK) return st;
-  return CudaCheck(cudaStreamBeginCapture(static_cast<cudaStream_t>(launch->stream),
-                                          cudaStreamCaptureModeThreadLocal),
-                   fn);
+  const rssm_status st = CudaCheck(cudaStreamBeginCapture(static_cast<cudaStream_t>(launch->stream),
+                                                          cudaStreamCaptureModeThreadLocal),
+                                   fn);
+  if (st == RSSM_OK) ++recordings_open;
+  return st;
 #else
   return RSSM_ERR_UNSUPPORTED;
 #endif
@@ -230,6 +237,7 @@ rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph
   }
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(static_cast<cudaStream_t>(launch->stream), &graph);
+  if (recordings_open > 0) --recordings_open;
   cudaGetLastError();  // a call that spoiled the recording must not fail the next launch's check
   if (keep == 0) {
     if (graph != nullptr) cudaGraphDestroy(graph);
