@@ -36,7 +36,8 @@ namespace replayssm::cache {
 // Backend-side scratch of one operation: inputs, outputs and index arrays, grown on demand
 // (to at least twice the old size). A buffer outgrown is kept in `retired` until the lane is
 // destroyed, not freed: on CUDA freeing device memory waits for every kernel running on the
-// device, and a doorbell wait on another lane runs until its engine rings.
+// device, and a doorbell wait on another lane runs until its engine rings. So a lane holds at
+// most 4x the scratch its largest operation needed (live <= 2x, retired < live).
 struct Scratch {
   DeviceBuffer qkv, a, b, out;          // act dtype, [tokens, width]
   DeviceBuffer conv;                    // act dtype, [tokens, qkv width]: conv outputs

@@ -41,9 +41,10 @@ std::unordered_map<void*, int>& StreamDevices() {
   return *m;
 }
 
-// A stream the CUDA runtime makes while doorbell waits run can wait until they end: on an H100
-// the process's 36th did, made after 33 waits, while one made past 42 kept streams returned at
-// once (bench/results/gpu_tests.md). So a device's first rssm_stream_create makes
+// A stream the CUDA runtime makes while doorbell waits run can wait until they end: the runtime
+// grows its streams about 43 at a time, and a growth waits for the running kernels (on an H100
+// the process's 36th, 164th, 207th and 250th did; the others returned at once:
+// bench/results/gpu_tests.md). So a device's first rssm_stream_create makes
 // kStreamReserve streams before any wait can be queued on it, rssm_stream_create hands out an
 // idle one of those, and rssm_stream_destroy gives an idle stream back: the runtime makes a
 // stream after start only while more than kStreamReserve are out at once on that device.

@@ -363,8 +363,9 @@ rssm_status rssm_free_host(int32_t backend, void* ptr); /* NULL is a no-op */
  * the legacy default stream). CPU: *out = NULL (CPU work runs at once; NULL is the only
  * CPU stream). Destroying NULL is a no-op. A stream is destroyed only when nothing is queued
  * on it any more (synchronize first). CUDA: the runtime making a stream while doorbell waits
- * run (either kind) can wait until they end (on an H100 the process's 36th did, made after 33
- * waits; a 43rd after 42 made before the waits did not). So a device's first
+ * run (either kind) can wait until they end: it grows its streams about 43 at a time, and a
+ * growth waits for the running kernels (on an H100 the process's 36th, 164th, 207th and 250th
+ * did; the others did not). So a device's first
  * rssm_stream_create makes 128 streams at once, before any wait can run on that device, and
  * hands them out; rssm_stream_destroy gives an idle stream back to them (one with work still
  * queued, or recording, is destroyed). Only more than 128 streams out at once on a device make
