@@ -612,9 +612,10 @@ absl::StatusOr<std::unique_ptr<Forward>> TpGroup::ContinueForward(
   const std::vector<std::vector<DecodeRow>> rank_rows = RankRows(rows);
   // ops_mu_ is tried, never waited for: the caller holds its planned forward's lock, which
   // that forward's deadline needs to ring its doorbells, and a holder of ops_mu_ may wait for
-  // the device (a begin that makes a lane or grows a scratch buffer: freeing device memory
-  // waits for every stream), so for those very doorbells -- a cycle that hung every planned
-  // forward of the server (an outside review). Busy: not continued; the caller commits
+  // the device (a begin that made a lane or grew a scratch buffer freed memory then, and
+  // freeing device memory waits for every stream; neither frees now, but a holder may still
+  // synchronize), so for those very doorbells -- a cycle that hung every planned forward of
+  // the server (an outside review). Busy: not continued; the caller commits
   // previous the usual way, outside its lock.
   if (!ops_mu_.TryLock()) return std::unique_ptr<Forward>();
   struct Unlocks {  // at every return, once its value is made
