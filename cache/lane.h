@@ -57,8 +57,9 @@ struct Scratch {
 class Lane {
  public:
   // A lane whose pinned staging holds `host_bytes` (copies larger than that are chunked),
-  // pinned at the lane's first staged copy (a planned forward, whose activations are in backend
-  // memory, stages nothing). Waits of up to `max_waits` a forward can be released.
+  // pinned at the lane's first staged copy (every forward stages its index arrays, so a lane
+  // pins at its first operation; lanes made at start and never used pin nothing). Waits of up
+  // to `max_waits` a forward can be released.
   static absl::StatusOr<std::unique_ptr<Lane>> Create(int32_t backend, size_t host_bytes,
                                                       int32_t max_waits);
   ~Lane();  // waits for queued work, then releases the stream and the pinned memory

@@ -79,7 +79,7 @@ TEST(Lane, ItsStagingIsPinnedAtItsFirstStagedCopy) {
   const int32_t backend = testing::TestBackend();
   absl::StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(backend, 4096, /*max_waits=*/2);
   ASSERT_TRUE(lane.ok()) << lane.status();
-  EXPECT_EQ((*lane)->pinned_staging_bytes(), 0u) << "a planned forward's lane stages nothing";
+  EXPECT_EQ((*lane)->pinned_staging_bytes(), 0u) << "a lane never used pins nothing";
   absl::StatusOr<DeviceBuffer> dev = DeviceBuffer::Allocate(backend, 64);
   ASSERT_TRUE(dev.ok());
   const std::vector<int32_t> src(16, 3);
