@@ -134,13 +134,11 @@ rssm_status SetDoorbells(rssm_graph& g, uint32_t value, const char* fn) {
   return RSSM_OK;
 }
 
-// The release waits queued while a stream records, by the recording's id (capture is
-// thread-local: rssm_capture_end runs on the recording thread).
+// The release waits queued while a stream records, by the recording's id: an entry from
+// rssm_capture_begin to rssm_capture_end (capture is thread-local: both run on the recording
+// thread). While it is empty NoteRecordedWait asks the runtime nothing (a forward run call by
+// call queues one release wait per layer).
 thread_local std::map<unsigned long long, std::vector<rssm_graph::Wait>> recorded_waits;
-// Recordings this thread began and has not ended: while there are none, a release wait queued
-// on it is not recorded, and NoteRecordedWait asks the runtime nothing (a forward run call by
-// call queues one such wait per layer).
-thread_local int recordings_open = 0;
 
 // The id of the recording `stream` is making, 0 when none.
 unsigned long long RecordingId(cudaStream_t stream) {
@@ -176,7 +174,7 @@ void Free(rssm_graph* g) {
 
 #ifdef REPLAYSSM_WITH_CUDA
 rssm_status NoteRecordedWait(cudaStream_t stream, const cuda::WaitArgs& args, const char* fn) {
-  if (recordings_open == 0) return RSSM_OK;
+  if (recorded_waits.empty()) return RSSM_OK;
   const unsigned long long id = RecordingId(stream);
   if (id == 0) return RSSM_OK;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -210,7 +208,10 @@ rssm_status rssm_capture_begin(const rssm_launch* launch) {
   const rssm_status st = CudaCheck(cudaStreamBeginCapture(static_cast<cudaStream_t>(launch->stream),
                                                           cudaStreamCaptureModeThreadLocal),
                                    fn);
-  if (st == RSSM_OK) ++recordings_open;
+  if (st == RSSM_OK) {
+    const unsigned long long id = RecordingId(static_cast<cudaStream_t>(launch->stream));
+    if (id != 0) recorded_waits.try_emplace(id);  // NoteRecordedWait looks from now on
+  }
   return st;
 #else
   return RSSM_ERR_UNSUPPORTED;
@@ -237,7 +238,6 @@ rssm_status rssm_capture_end(const rssm_launch* launch, int32_t keep, rssm_graph
   }
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(static_cast<cudaStream_t>(launch->stream), &graph);
-  if (recordings_open > 0) --recordings_open;
   cudaGetLastError();  // a call that spoiled the recording must not fail the next launch's check
   if (keep == 0) {
     if (graph != nullptr) cudaGraphDestroy(graph);
