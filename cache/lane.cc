@@ -13,10 +13,9 @@ constexpr size_t kAlign = 256;
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// At least `bytes` in buf, at least twice its old size when it grows; the outgrown buffer goes
-// to `retired` (Scratch says why), so the retired total stays below the live buffer's size.
-absl::Status Grow(DeviceBuffer& buf, int32_t backend, size_t bytes,
-                  std::vector<DeviceBuffer>& retired) {
+}  // namespace
+
+absl::Status Scratch::Grow(DeviceBuffer& buf, int32_t backend, size_t bytes) {
   if (buf.size() >= bytes) return absl::OkStatus();
   absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(backend, std::max(bytes, 2 * buf.size()));
   if (!b.ok()) return b.status();
@@ -24,8 +23,6 @@ absl::Status Grow(DeviceBuffer& buf, int32_t backend, size_t bytes,
   buf = std::move(*b);
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t tokens, int64_t rows) {
   const size_t es = rssm_dtype_size(m.shape.act_dtype);
@@ -40,7 +37,7 @@ absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t token
                             {&fold_idx, rows * 4},
                             {&fold_pos, rows * 4},
                             {&flags, rows}}) {
-    absl::Status s = Grow(*buf, backend, static_cast<size_t>(bytes), retired);
+    absl::Status s = Grow(*buf, backend, static_cast<size_t>(bytes));
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
@@ -49,12 +46,12 @@ absl::Status Scratch::Reserve(int32_t backend, const ModelSpec& m, int64_t token
 absl::Status Scratch::ReserveConv(int32_t backend, const ModelSpec& m, int64_t tokens) {
   if (m.conv_width == 0) return absl::OkStatus();
   const size_t es = rssm_dtype_size(m.shape.act_dtype);
-  return Grow(conv, backend, static_cast<size_t>(tokens * m.QkvWidth()) * es, retired);
+  return Grow(conv, backend, static_cast<size_t>(tokens * m.QkvWidth()) * es);
 }
 
 absl::Status Scratch::ReserveDigests(int32_t backend, size_t segments, size_t parts) {
-  absl::Status s = Grow(digests, backend, segments * sizeof(uint64_t), retired);
-  if (s.ok()) s = Grow(digest_parts, backend, parts * sizeof(void*), retired);
+  absl::Status s = Grow(digests, backend, segments * sizeof(uint64_t));
+  if (s.ok()) s = Grow(digest_parts, backend, parts * sizeof(void*));
   return s;
 }
 

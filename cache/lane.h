@@ -52,6 +52,11 @@ struct Scratch {
   absl::Status ReserveConv(int32_t backend, const ModelSpec& m, int64_t tokens);
   // Room for the digests of `segments` segments and a table of `parts` part pointers.
   absl::Status ReserveDigests(int32_t backend, size_t segments, size_t parts);
+
+ private:
+  // At least `bytes` in buf, at least twice its old size when it grows; the outgrown buffer
+  // goes to `retired`.
+  absl::Status Grow(DeviceBuffer& buf, int32_t backend, size_t bytes);
 };
 
 class Lane {

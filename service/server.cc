@@ -750,9 +750,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   cache_options.host_policy = options.host_snapshot_policy == "value" ? cache::HostPolicy::kValue
                                                                       : cache::HostPolicy::kLru;
   // On CUDA every planned forward the server admits holds a lane (a stream) while its engine
-  // has not rung, and a stream made while doorbell waits run can wait until they end
-  // (docs/data-plane.md): their lanes are made now, with a few for the other calls beside them
-  // (past 64 planned forwards, the rest on demand: each lane pins its staging buffer).
+  // has not rung; their lanes are made now, before any doorbell wait runs, with a few for the
+  // other calls beside them (past 64 planned forwards, the rest on demand). Their streams come
+  // from rssm_stream_create's reserve, and a lane pins its staging only at its first operation
+  // (docs/data-plane.md).
   const int32_t planned_bound = PlannedForwardBound(options, device->backend, cache_options);
   if (device->backend == RSSM_BACKEND_CUDA) {
     cache_options.lanes_at_start = std::min(planned_bound, 64) + 4;
