@@ -143,6 +143,10 @@ class ForwardGate {
     absl::MutexLock lock(&mutex_);
     return open_;
   }
+  int64_t open_planned() const {
+    absl::MutexLock lock(&mutex_);
+    return open_planned_;
+  }
   // True when no forward is open (before the timeout).
   bool WaitIdle(absl::Duration timeout) {
     absl::MutexLock lock(&mutex_);

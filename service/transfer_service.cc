@@ -323,7 +323,14 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
           // A commit is decided against the drain under the receiver's lock: one that ends
           // after the drain began is aborted (its check at the commit's start is not enough:
           // a commit takes ~1 s for a large state; an outside review lost states that way).
-          .accepting = [ctx] { return ctx->gate->Refuse(kNoIncoming).ok(); }});
+          .accepting = [ctx] { return ctx->gate->Refuse(kNoIncoming).ok(); },
+          // On CUDA a free waits for the running doorbell waits, and every other CUDA call of
+          // the process with it: a dropped device-direct buffer waits for a moment with no
+          // planned forward open (docs/transfer.md).
+          .device_quiet =
+              ctx->cache->options().backend == RSSM_BACKEND_CUDA
+                  ? std::function<bool()>([ctx] { return ctx->gate->open_planned() == 0; })
+                  : nullptr});
   s->sender_ = std::make_unique<transfer::Sender>(ctx->cache, std::move(lanes));
   prometheus::Registry& r = *ctx->metrics->registry();
   s->failures_ = &prometheus::BuildCounter()

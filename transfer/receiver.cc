@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -37,6 +39,66 @@ struct Receiver::Buffer {
     return Reservation{worker, region->addr(), region->rkey(), static_cast<int64_t>(payload),
                        bell == nullptr ? 0 : reinterpret_cast<uint64_t>(bell)};
   }
+};
+
+// Dropped device-direct memory, held until the device is quiet (or past `bound` held, the
+// oldest at once), then freed on its thread.
+class Receiver::Reaper {
+ public:
+  Reaper(std::function<bool()> quiet, size_t bound)
+      : quiet_(std::move(quiet)), bound_(bound), thread_([this] { Run(); }) {}
+  ~Reaper() {  // frees what it holds, quiet or not
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Add(std::unique_ptr<cache::BackendBuffer> b) {
+    absl::MutexLock lock(&mu_);
+    held_.push_back(std::move(b));
+  }
+
+ private:
+  // How often a held buffer asks again whether the device is quiet.
+  static constexpr absl::Duration kPoll = absl::Milliseconds(10);
+
+  void Run() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // unlocks around the calls out
+    absl::MutexLock lock(&mu_);
+    for (;;) {
+      mu_.Await(absl::Condition(
+          +[](Reaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || !r->held_.empty(); },
+          this));
+      if (held_.empty()) return;  // stopping, nothing held
+      bool now = stop_ || held_.size() > bound_ || !quiet_;
+      if (!now) {
+        mu_.Unlock();  // quiet_ takes the service's locks
+        now = quiet_();
+        mu_.Lock();
+      }
+      if (!now) {
+        mu_.AwaitWithTimeout(absl::Condition(
+                                 +[](Reaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                   return r->stop_ || r->held_.size() > r->bound_;
+                                 },
+                                 this),
+                             kPoll);
+        continue;
+      }
+      std::unique_ptr<cache::BackendBuffer> oldest = std::move(held_.front());
+      held_.pop_front();
+      mu_.Unlock();
+      oldest.reset();  // on CUDA: may wait for the running kernels
+      mu_.Lock();
+    }
+  }
+
+  const std::function<bool()> quiet_;
+  const size_t bound_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<std::unique_ptr<cache::BackendBuffer>> held_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::thread thread_;
 };
 
 // The hand-over between a reservation's import thread and Commit / Abort.
@@ -75,12 +137,14 @@ Receiver::Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions 
       path_(options.path.value_or(cache::SelectCacheSlotIoPath(
           cache->options().backend, cache->options().tp_size, ucx->takes_device_memory()))),
       depth_(std::max(kImportDepth, options.import_threads + 2)),
-      writers_(std::make_unique<TaskPool>(options.import_threads)) {}
+      writers_(std::make_unique<TaskPool>(options.import_threads)),
+      reaper_(std::make_unique<Reaper>(options.device_quiet,
+                                       static_cast<size_t>(std::max(options.max_open, 1)))) {}
 
 Receiver::~Receiver() {
   absl::MutexLock lock(&mu_);
   while (!pending_.empty()) DropLocked(pending_.begin());
-}
+}  // reaper_ then frees what they held, quiet or not
 
 const Decision* Receiver::DecisionLocked(const std::string& transfer_id) const {
   if (auto it = committed_.find(transfer_id); it != committed_.end()) return &it->second.decision;
@@ -132,8 +196,13 @@ void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
   if (p.importer != nullptr) p.importer->End(/*abort=*/true);
   p.writer.reset();  // uncommitted: the cache frees the slot
   // Not pooled: a sender's lanes may still put into it, and its next reservation would import
-  // their bytes. Releasing it unmaps it, so those puts fail on the sender's side.
-  p.buffer.reset();
+  // their bytes. Releasing its registration unmaps it, so those puts fail on the sender's
+  // side; device memory then goes to the reaper, to be freed off the lock (see reaper_).
+  if (p.buffer != nullptr) {
+    p.buffer->region.reset();
+    if (p.buffer->device != nullptr) reaper_->Add(std::move(p.buffer->device));
+    p.buffer.reset();
+  }
   pending_.erase(it);  // its claim settles as aborted
 }
 
@@ -148,7 +217,8 @@ absl::StatusOr<std::unique_ptr<Receiver::Buffer>> Receiver::TakeBufferLocked() {
   absl::StatusOr<std::unique_ptr<UcxTransport::Region>> r;
   if (path_ == cache::SlotIoPath::kDeviceDirect) {
     absl::StatusOr<std::unique_ptr<cache::BackendBuffer>> d =
-        cache_->AllocateBackendBuffer(b->payload);
+        options_.allocate_device ? options_.allocate_device(b->payload)
+                                 : cache_->AllocateBackendBuffer(b->payload);
     if (!d.ok()) return d.status();
     b->device = *std::move(d);
     r = ucx_->Register(b->device->data(), b->payload);

@@ -473,6 +473,183 @@ TEST_F(TransferTest, TheReservedSlotKeepsNoStaleByteAndIsFreedOnAbortExpiryAndMi
   EXPECT_EQ(rx.open(), 0);
 }
 
+// A device-direct buffer dropped by an abort or an expired lease is freed off the receiver's
+// lock. On CUDA a free waits for every kernel running on the device, and a planned forward's
+// doorbell wait runs until its engine rings: freed under the lock, it held every transfer of
+// the server that long. Here each buffer's free blocks until the test opens a gate; the
+// abort, the next reservation and the lease expiry return meanwhile, the slots are freed at
+// once, and every buffer is freed once the gate opens and the receiver goes.
+TEST_F(TransferTest, ADroppedDeviceBufferIsFreedOffTheReceiversLock) {
+  struct Gate {
+    absl::Mutex mu;
+    bool open ABSL_GUARDED_BY(mu) = false;
+    int made ABSL_GUARDED_BY(mu) = 0;
+    int entered ABSL_GUARDED_BY(mu) = 0;  // frees begun
+    int freed ABSL_GUARDED_BY(mu) = 0;
+    void Open() {
+      absl::MutexLock lock(&mu);
+      open = true;
+    }
+    bool AwaitEntered(int n) {
+      absl::MutexLock lock(&mu);
+      struct Arg {
+        Gate* g;
+        int n;
+      } arg{this, n};
+      return mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->g->entered >= a->n; }, &arg),
+          absl::Seconds(10));
+    }
+  } gate;
+  class GatedBuffer final : public cache::BackendBuffer {
+   public:
+    GatedBuffer(size_t n, Gate* g) : bytes_(n), gate_(g) {}
+    ~GatedBuffer() override {
+      absl::MutexLock lock(&gate_->mu);
+      ++gate_->entered;
+      gate_->mu.Await(absl::Condition(&gate_->open));
+      ++gate_->freed;
+    }
+    void* data() const override { return bytes_.data(); }
+    size_t size() const override { return bytes_.size(); }
+
+   private:
+    mutable std::vector<uint8_t> bytes_;
+    Gate* gate_;
+  };
+  ReceiverOptions o{.lease = absl::Milliseconds(300), .path = SlotIoPath::kDeviceDirect};
+  o.allocate_device = [&](size_t n) -> absl::StatusOr<std::unique_ptr<cache::BackendBuffer>> {
+    absl::MutexLock lock(&gate.mu);
+    ++gate.made;
+    return std::make_unique<GatedBuffer>(n, &gate);
+  };
+  {
+    Receiver rx(b_.get(), ucx_b_.get(), o);
+    struct OpenOnExit {  // before rx goes: its destructor waits for the frees
+      Gate* g;
+      ~OpenOnExit() { g->Open(); }
+    } open_on_exit{&gate};
+    const StateFormat f = StateFormat::Of(a_->model());
+    auto reserve = [&](const std::string& id) {
+      return rx.Reserve(id, f, 3, cache::kChecksumVersion, absl::Seconds(30)).status();
+    };
+    // Runs fn on a thread of its own; false if it has not returned in 10 s (the gate then
+    // opens, so that it does).
+    auto returns = [&](const std::function<void()>& fn) {
+      std::atomic<bool> done{false};
+      std::thread t([&] {
+        fn();
+        done = true;
+      });
+      for (int i = 0; i < 10000 && !done.load(); ++i) absl::SleepFor(absl::Milliseconds(1));
+      const bool in_time = done.load();
+      if (!in_time) gate.Open();
+      t.join();
+      return in_time;
+    };
+    ASSERT_TRUE(reserve("aborted").ok());
+    absl::Status aborted;
+    ASSERT_TRUE(returns([&] { aborted = rx.Abort("aborted").status(); }))
+        << "the abort waited for its buffer's free";
+    EXPECT_TRUE(aborted.ok()) << aborted;
+    ASSERT_TRUE(gate.AwaitEntered(1));
+    EXPECT_EQ(b_->stats().slots_live, 0) << "the slot is freed at once";
+    absl::Status next;
+    EXPECT_TRUE(returns([&] { next = reserve("expires"); }))
+        << "a reservation waited for another's buffer to be freed";
+    EXPECT_TRUE(next.ok()) << next;
+    absl::SleepFor(absl::Milliseconds(350));
+    int expired = 0;
+    EXPECT_TRUE(returns([&] { expired = rx.ExpireLeases(); }))
+        << "the lease expiry waited for the buffer's free";
+    EXPECT_EQ(expired, 1);
+    EXPECT_EQ(rx.open(), 0);
+    EXPECT_EQ(b_->stats().slots_live, 0);
+    absl::MutexLock lock(&gate.mu);
+    EXPECT_EQ(gate.entered, 1) << "the second free waits behind the first, on the reaper";
+    EXPECT_EQ(gate.freed, 0) << "nothing was freed past the gate";
+  }
+  absl::MutexLock lock(&gate.mu);
+  EXPECT_EQ(gate.made, 2);
+  EXPECT_EQ(gate.freed, gate.made) << "every buffer freed, once, by the time the receiver went";
+}
+
+// On CUDA the free itself waits while a doorbell wait runs, and every other CUDA call of the
+// process with it (H100, 2026-12-07): a dropped device-direct buffer waits for a quiet device
+// (ReceiverOptions::device_quiet). None is freed while it says no; past max_open held, the
+// oldest is freed all the same; the rest once it says yes; and whatever is held when the
+// receiver goes, with it.
+TEST_F(TransferTest, ADroppedDeviceBufferWaitsForAQuietDevice) {
+  struct Counts {
+    absl::Mutex mu;
+    int made ABSL_GUARDED_BY(mu) = 0;
+    std::vector<int> freed ABSL_GUARDED_BY(mu);  // buffers by the order they were made
+    // Waits up to 5 s for `n` frees; the buffers freed so far.
+    std::vector<int> Await(size_t n) {
+      absl::MutexLock lock(&mu);
+      struct Arg {
+        Counts* c;
+        size_t n;
+      } arg{this, n};
+      mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->c->freed.size() >= a->n; },
+              &arg),
+          absl::Seconds(5));
+      return freed;
+    }
+  } counts;
+  class CountedBuffer final : public cache::BackendBuffer {
+   public:
+    CountedBuffer(size_t n, Counts* c, int index) : bytes_(n), counts_(c), index_(index) {}
+    ~CountedBuffer() override {
+      absl::MutexLock lock(&counts_->mu);
+      counts_->freed.push_back(index_);
+    }
+    void* data() const override { return bytes_.data(); }
+    size_t size() const override { return bytes_.size(); }
+
+   private:
+    mutable std::vector<uint8_t> bytes_;
+    Counts* counts_;
+    int index_;
+  };
+  std::atomic<bool> quiet{false};
+  ReceiverOptions o{.max_open = 2, .path = SlotIoPath::kDeviceDirect};
+  o.allocate_device = [&](size_t n) -> absl::StatusOr<std::unique_ptr<cache::BackendBuffer>> {
+    absl::MutexLock lock(&counts.mu);
+    return std::make_unique<CountedBuffer>(n, &counts, counts.made++);
+  };
+  o.device_quiet = [&] { return quiet.load(); };
+  {
+    Receiver rx(b_.get(), ucx_b_.get(), o);
+    const StateFormat f = StateFormat::Of(a_->model());
+    auto drop = [&](const std::string& id) {
+      ASSERT_TRUE(rx.Reserve(id, f, 3, cache::kChecksumVersion, absl::Seconds(30)).ok()) << id;
+      ASSERT_TRUE(rx.Abort(id).ok()) << id;
+    };
+    drop("a");
+    drop("b");
+    absl::SleepFor(absl::Milliseconds(100));
+    EXPECT_EQ(counts.Await(0), std::vector<int>{}) << "two held, the device busy: none freed";
+    EXPECT_EQ(b_->stats().slots_live, 0) << "the slots go at once";
+    drop("c");
+    EXPECT_EQ(counts.Await(1), std::vector<int>{0}) << "past max_open held, the oldest goes";
+    absl::SleepFor(absl::Milliseconds(50));
+    EXPECT_EQ(counts.Await(1), std::vector<int>{0}) << "and no other";
+    quiet = true;
+    EXPECT_EQ(counts.Await(3), (std::vector<int>{0, 1, 2})) << "quiet: the rest, in order";
+    quiet = false;
+    drop("d");
+    absl::SleepFor(absl::Milliseconds(50));
+    EXPECT_EQ(counts.Await(3).size(), 3u) << "busy again: held";
+  }
+  EXPECT_EQ(counts.Await(4), (std::vector<int>{0, 1, 2, 3})) << "held ones go with the receiver";
+  absl::MutexLock lock(&counts.mu);
+  EXPECT_EQ(counts.made, 4);
+}
+
 // The owners' bounds: admit is asked before a reservation is made (its refusal makes none),
 // and every admitted reservation settles exactly once, with its slot when it commits. Only the
 // reserving peer aborts a reservation.

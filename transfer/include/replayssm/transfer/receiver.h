@@ -83,6 +83,15 @@ struct ReceiverOptions {
   // asked under the receiver's lock as the decision is made; false: the slot the commit made
   // is given back and the transfer aborted, so the sender keeps its source. Null: always.
   std::function<bool()> accepting;
+  // Where device-direct receive buffers come from (a test's, to watch when they are freed);
+  // null: the cache's backend memory.
+  std::function<absl::StatusOr<std::unique_ptr<cache::BackendBuffer>>(size_t bytes)>
+      allocate_device;
+  // Whether freeing device memory now would wait for nothing long (the service on CUDA: no
+  // planned forward open, so no doorbell wait running). A dropped device-direct buffer is held
+  // until then, off the lock, and freed on a thread of the receiver's own; past max_open held
+  // the oldest is freed at once all the same. Null: each is freed at once on that thread.
+  std::function<bool()> device_quiet;
 };
 
 class Receiver {
@@ -135,6 +144,7 @@ class Receiver {
   using Clock = std::chrono::steady_clock;
   struct Buffer;    // a registered receive buffer (host, UCX-allocated; or backend memory)
   struct Importer;  // one reservation's import thread and its hand-over with Commit
+  class Reaper;     // frees dropped device-direct memory (ReceiverOptions::device_quiet)
   // An admitted reservation's hold on its owner's bound (ReceiverOptions::admit): settled once,
   // by Settle (Commit: the slot, or as aborted) or, never settled, as aborted when it goes.
   class Claim {
@@ -181,6 +191,7 @@ class Receiver {
   absl::Status Import(Buffer& buf, Importer& in, cache::SlotWriter& writer);
   // Ends a reservation's import (abort) and frees its slot. Its buffer is released, never
   // pooled: the sender may still be putting into it (it learns of the abort at its commit).
+  // Its registration goes at once; device memory goes to reaper_.
   void DropLocked(std::map<std::string, Pending>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records the decision once (a commit: `peer`'s until acknowledged; an abort: in the FIFO).
   void DecideLocked(const std::string& transfer_id, Decision d, const std::string& peer)
@@ -199,6 +210,11 @@ class Receiver {
   const cache::SlotIoPath path_;
   const int32_t depth_;  // landed chunks between the start and the end of their write, at most
   std::unique_ptr<TaskPool> writers_;  // options_.import_threads; idle between imports
+  // Frees dropped device-direct buffers off mu_, when the device is quiet: on CUDA a free waits
+  // for every kernel running on the device, a planned forward's doorbell wait included (it
+  // runs until its engine rings), and every other thread's CUDA calls wait with it (H100,
+  // 2026-12-07). Freed under mu_, it held every transfer of the server that long.
+  std::unique_ptr<Reaper> reaper_;
   mutable absl::Mutex mu_;
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Committed> committed_ ABSL_GUARDED_BY(mu_);  // until acknowledged
