@@ -452,14 +452,16 @@ TEST_F(TransferTest, TheReservedSlotKeepsNoStaleByteAndIsFreedOnAbortExpiryAndMi
   absl::StatusOr<cache::ExportedState> e = a_->Export(s);
   ASSERT_TRUE(e.ok());
   const std::vector<uint8_t> payload = testing::Payload(*e);
+  // A lease long enough for each reservation's steps on a loaded machine: with 50 ms the test
+  // failed once beside a parallel build (a commit past its commit-by is refused as ABORTED).
   Receiver rx(b_.get(), ucx_b_.get(),
-              {.lease = absl::Milliseconds(50), .chunk_bytes = 512, .import_threads = 2});
+              {.lease = absl::Milliseconds(400), .chunk_bytes = 512, .import_threads = 2});
   ASSERT_TRUE(ReserveAndPut(rx, "abort", payload, 3, payload.size()).ok());
   EXPECT_EQ(b_->stats().slots_live, 1) << "reserved: in use, but nobody's";
   rx.Abort("abort").IgnoreError();
   EXPECT_EQ(b_->stats().slots_live, 0);
   ASSERT_TRUE(ReserveAndPut(rx, "expire", payload, 3, payload.size()).ok());
-  absl::SleepFor(absl::Milliseconds(80));
+  absl::SleepFor(absl::Milliseconds(450));
   EXPECT_EQ(rx.ExpireLeases(), 1);
   EXPECT_EQ(b_->stats().slots_live, 0);
   ASSERT_TRUE(ReserveAndPut(rx, "mismatch", payload, 3, payload.size()).ok());
