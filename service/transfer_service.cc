@@ -381,6 +381,22 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
                           "source slots stay locked).")
                       .Register(r)
                       .Add({});
+  s->held_buffers_ = &prometheus::BuildGauge()
+                          .Name("replayssm_transfer_dropped_buffers_held")
+                          .Help(
+                              "Device-direct receive buffers of aborted or expired transfers "
+                              "held until no planned forward is open (a free on CUDA waits for "
+                              "the running doorbell waits, with every CUDA call of the server).")
+                          .Register(r)
+                          .Add({});
+  s->forced_frees_ = &prometheus::BuildCounter()
+                          .Name("replayssm_transfer_dropped_buffers_forced_total")
+                          .Help(
+                              "Dropped device-direct receive buffers freed while planned "
+                              "forwards were open, past 16 held: each such free held every CUDA "
+                              "call of the server until the running doorbell waits ended.")
+                          .Register(r)
+                          .Add({});
   TransferService* self = s.get();
   transfer::ManagerOptions m;
   m.timeout = o.timeout;
@@ -409,6 +425,9 @@ absl::StatusOr<std::unique_ptr<TransferService>> TransferService::Create(const S
       self->open_->Set(self->receiver_->open());
       self->in_doubt_->Set(self->manager_->in_doubt());
       self->channels_gauge_->Set(static_cast<double>(self->cached_channels()));
+      self->held_buffers_->Set(self->receiver_->held_device_buffers());
+      const double forced = static_cast<double>(self->receiver_->forced_device_frees());
+      self->forced_frees_->Increment(forced - self->forced_frees_->Value());
     }
   });
   return s;

@@ -143,6 +143,8 @@ class TransferService final : public v1::SlotTransfer::CallbackService {
   prometheus::Gauge* open_ = nullptr;
   prometheus::Gauge* in_doubt_ = nullptr;
   prometheus::Gauge* channels_gauge_ = nullptr;
+  prometheus::Gauge* held_buffers_ = nullptr;    // the receiver's dropped device-direct buffers
+  prometheus::Counter* forced_frees_ = nullptr;  // of them freed while planned forwards ran
   mutable absl::Mutex mu_;
   std::string self_address_ ABSL_GUARDED_BY(mu_);
   // One channel a peer address, the least recently used dropped past kMaxChannels (a call

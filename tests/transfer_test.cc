@@ -82,6 +82,9 @@ TEST_F(TransferTest, FailureSeriesExistAtZeroBeforeAnyFailure) {
           << reason << " " << role;
     }
   }
+  // The receiver's dropped device-direct buffers (none on a CPU server, but the series exist).
+  EXPECT_EQ(Metric(*server_, "replayssm_transfer_dropped_buffers_held"), 0);
+  EXPECT_EQ(Metric(*server_, "replayssm_transfer_dropped_buffers_forced_total"), 0);
 }
 
 TEST_F(TransferTest, DecodeOnTheReceiverContinuesExactlyAsOnTheSender) {

@@ -58,6 +58,14 @@ class Receiver::Reaper {
     absl::MutexLock lock(&mu_);
     held_.push_back(std::move(b));
   }
+  int held() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(held_.size());
+  }
+  int64_t forced() const {
+    absl::MutexLock lock(&mu_);
+    return forced_;
+  }
 
  private:
   // How often a held buffer asks again whether the device is quiet.
@@ -70,7 +78,8 @@ class Receiver::Reaper {
           +[](Reaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || !r->held_.empty(); },
           this));
       if (held_.empty()) return;  // stopping, nothing held
-      bool now = stop_ || held_.size() > bound_ || !quiet_;
+      const bool forced = !stop_ && quiet_ && held_.size() > bound_;
+      bool now = stop_ || forced || !quiet_;
       if (!now) {
         mu_.Unlock();  // quiet_ takes the service's locks
         now = quiet_();
@@ -87,6 +96,7 @@ class Receiver::Reaper {
       }
       std::unique_ptr<cache::BackendBuffer> oldest = std::move(held_.front());
       held_.pop_front();
+      if (forced) ++forced_;
       mu_.Unlock();
       oldest.reset();  // on CUDA: may wait for the running kernels
       mu_.Lock();
@@ -95,9 +105,10 @@ class Receiver::Reaper {
 
   const std::function<bool()> quiet_;
   const size_t bound_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<std::unique_ptr<cache::BackendBuffer>> held_ ABSL_GUARDED_BY(mu_);  // oldest first
+  int64_t forced_ ABSL_GUARDED_BY(mu_) = 0;  // freed past bound_, the device busy
   std::thread thread_;
 };
 
@@ -254,6 +265,9 @@ int Receiver::ExpireLeases() {
   }
   return n;
 }
+
+int Receiver::held_device_buffers() const { return reaper_->held(); }
+int64_t Receiver::forced_device_frees() const { return reaper_->forced(); }
 
 int Receiver::open() const {
   absl::MutexLock lock(&mu_);

@@ -635,13 +635,18 @@ TEST_F(TransferTest, ADroppedDeviceBufferWaitsForAQuietDevice) {
     drop("b");
     absl::SleepFor(absl::Milliseconds(100));
     EXPECT_EQ(counts.Await(0), std::vector<int>{}) << "two held, the device busy: none freed";
+    EXPECT_EQ(rx.held_device_buffers(), 2);
     EXPECT_EQ(b_->stats().slots_live, 0) << "the slots go at once";
     drop("c");
     EXPECT_EQ(counts.Await(1), std::vector<int>{0}) << "past max_open held, the oldest goes";
     absl::SleepFor(absl::Milliseconds(50));
     EXPECT_EQ(counts.Await(1), std::vector<int>{0}) << "and no other";
+    EXPECT_EQ(rx.held_device_buffers(), 2);
+    EXPECT_EQ(rx.forced_device_frees(), 1);
     quiet = true;
     EXPECT_EQ(counts.Await(3), (std::vector<int>{0, 1, 2})) << "quiet: the rest, in order";
+    EXPECT_EQ(rx.held_device_buffers(), 0);
+    EXPECT_EQ(rx.forced_device_frees(), 1) << "a quiet free is not forced";
     quiet = false;
     drop("d");
     absl::SleepFor(absl::Milliseconds(50));

@@ -138,6 +138,10 @@ class Receiver {
   // horizon (also done on every Reserve).
   int ExpireLeases();
   int open() const;
+  // Dropped device-direct buffers waiting for a quiet device (ReceiverOptions::device_quiet),
+  // and those freed all the same, past max_open held, while it was busy.
+  int held_device_buffers() const;
+  int64_t forced_device_frees() const;
   cache::SlotIoPath path() const { return path_; }
 
  private:
