@@ -48,7 +48,8 @@ case "$what" in
                   '/TransferFailures/,/labels:/ s/>= 3$/>= 30/' \
                   '/InvariantRefusals/,/labels:/ s/> 0$/> 5/' \
                   '/ReplaySSMDown/,/for:/ s/== 0$/== 2/' \
-                  '/alert: ReplaySSMDrainStuck/,/labels:/ s/\[5m\]/[1m]/'; do
+                  '/alert: ReplaySSMDrainStuck/,/labels:/ s/\[5m\]/[1m]/' \
+                  '/TransferBufferStalls/,/labels:/ s/) > 0$/) > 1/'; do
       cp "$dir/alerts.yml" "$tmp/alerts.yml"
       sed -i "$change" "$tmp/alerts.yml"
       if cmp -s "$dir/alerts.yml" "$tmp/alerts.yml"; then
