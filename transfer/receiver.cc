@@ -78,12 +78,13 @@ class Receiver::Reaper {
           +[](Reaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || !r->held_.empty(); },
           this));
       if (held_.empty()) return;  // stopping, nothing held
-      const bool forced = !stop_ && quiet_ && held_.size() > bound_;
-      bool now = stop_ || forced || !quiet_;
+      bool now = stop_ || !quiet_;
+      bool forced = false;
       if (!now) {
         mu_.Unlock();  // quiet_ takes the service's locks
         now = quiet_();
         mu_.Lock();
+        if (!now && held_.size() > bound_) now = forced = true;
       }
       if (!now) {
         mu_.AwaitWithTimeout(absl::Condition(

@@ -475,6 +475,75 @@ TEST_F(TransferTest, TheReservedSlotKeepsNoStaleByteAndIsFreedOnAbortExpiryAndMi
   EXPECT_EQ(rx.open(), 0);
 }
 
+// Device-direct receive buffers for ReceiverOptions::allocate_device (host memory, as the CPU
+// backend's) that record their frees, each by the order it was made in; while the gate is
+// closed a free waits in its destructor.
+class WatchedBuffers {
+ public:
+  ReceiverOptions::AllocateDevice Allocator() {
+    return [this](size_t n) -> absl::StatusOr<std::unique_ptr<cache::BackendBuffer>> {
+      absl::MutexLock lock(&mu_);
+      return std::make_unique<Buffer>(n, this, made_++);
+    };
+  }
+  void SetOpen(bool open) {
+    absl::MutexLock lock(&mu_);
+    open_ = open;
+  }
+  int made() {
+    absl::MutexLock lock(&mu_);
+    return made_;
+  }
+  int entered() {  // frees begun
+    absl::MutexLock lock(&mu_);
+    return entered_;
+  }
+  // Waits up to `timeout` for `n` frees to have begun (AwaitEntered) or ended (AwaitFreed).
+  bool AwaitEntered(int n, absl::Duration timeout) { return Await(&entered_, n, timeout); }
+  std::vector<int> AwaitFreed(int n, absl::Duration timeout) {
+    Await(&freed_count_, n, timeout);
+    absl::MutexLock lock(&mu_);
+    return freed_;
+  }
+
+ private:
+  class Buffer final : public cache::BackendBuffer {
+   public:
+    Buffer(size_t n, WatchedBuffers* w, int index) : bytes_(n), w_(w), index_(index) {}
+    ~Buffer() override {
+      absl::MutexLock lock(&w_->mu_);
+      ++w_->entered_;
+      w_->mu_.Await(absl::Condition(&w_->open_));
+      w_->freed_.push_back(index_);
+      ++w_->freed_count_;
+    }
+    void* data() const override { return bytes_.data(); }
+    size_t size() const override { return bytes_.size(); }
+
+   private:
+    mutable std::vector<uint8_t> bytes_;
+    WatchedBuffers* w_;
+    int index_;
+  };
+  bool Await(const int* count, int n, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    struct Arg {
+      const int* count;
+      int n;
+    } arg{count, n};
+    return mu_.AwaitWithTimeout(absl::Condition(
+                                    +[](Arg* a) { return *a->count >= a->n; }, &arg),
+                                timeout);
+  }
+
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+  int made_ ABSL_GUARDED_BY(mu_) = 0;
+  int entered_ ABSL_GUARDED_BY(mu_) = 0;
+  int freed_count_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int> freed_ ABSL_GUARDED_BY(mu_);  // by the order they were made
+};
+
 // A device-direct buffer dropped by an abort or an expired lease is freed off the receiver's
 // lock. On CUDA a free waits for every kernel running on the device, and a planned forward's
 // doorbell wait runs until its engine rings: freed under the lock, it held every transfer of
@@ -482,56 +551,16 @@ TEST_F(TransferTest, TheReservedSlotKeepsNoStaleByteAndIsFreedOnAbortExpiryAndMi
 // abort, the next reservation and the lease expiry return meanwhile, the slots are freed at
 // once, and every buffer is freed once the gate opens and the receiver goes.
 TEST_F(TransferTest, ADroppedDeviceBufferIsFreedOffTheReceiversLock) {
-  struct Gate {
-    absl::Mutex mu;
-    bool open ABSL_GUARDED_BY(mu) = false;
-    int made ABSL_GUARDED_BY(mu) = 0;
-    int entered ABSL_GUARDED_BY(mu) = 0;  // frees begun
-    int freed ABSL_GUARDED_BY(mu) = 0;
-    void Open() {
-      absl::MutexLock lock(&mu);
-      open = true;
-    }
-    bool AwaitEntered(int n) {
-      absl::MutexLock lock(&mu);
-      struct Arg {
-        Gate* g;
-        int n;
-      } arg{this, n};
-      return mu.AwaitWithTimeout(
-          absl::Condition(
-              +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->g->entered >= a->n; }, &arg),
-          absl::Seconds(10));
-    }
-  } gate;
-  class GatedBuffer final : public cache::BackendBuffer {
-   public:
-    GatedBuffer(size_t n, Gate* g) : bytes_(n), gate_(g) {}
-    ~GatedBuffer() override {
-      absl::MutexLock lock(&gate_->mu);
-      ++gate_->entered;
-      gate_->mu.Await(absl::Condition(&gate_->open));
-      ++gate_->freed;
-    }
-    void* data() const override { return bytes_.data(); }
-    size_t size() const override { return bytes_.size(); }
-
-   private:
-    mutable std::vector<uint8_t> bytes_;
-    Gate* gate_;
-  };
+  WatchedBuffers buffers;
+  buffers.SetOpen(false);
   ReceiverOptions o{.lease = absl::Milliseconds(300), .path = SlotIoPath::kDeviceDirect};
-  o.allocate_device = [&](size_t n) -> absl::StatusOr<std::unique_ptr<cache::BackendBuffer>> {
-    absl::MutexLock lock(&gate.mu);
-    ++gate.made;
-    return std::make_unique<GatedBuffer>(n, &gate);
-  };
+  o.allocate_device = buffers.Allocator();
   {
     Receiver rx(b_.get(), ucx_b_.get(), o);
     struct OpenOnExit {  // before rx goes: its destructor waits for the frees
-      Gate* g;
-      ~OpenOnExit() { g->Open(); }
-    } open_on_exit{&gate};
+      WatchedBuffers* w;
+      ~OpenOnExit() { w->SetOpen(true); }
+    } open_on_exit{&buffers};
     const StateFormat f = StateFormat::Of(a_->model());
     auto reserve = [&](const std::string& id) {
       return rx.Reserve(id, f, 3, cache::kChecksumVersion, absl::Seconds(30)).status();
@@ -546,7 +575,7 @@ TEST_F(TransferTest, ADroppedDeviceBufferIsFreedOffTheReceiversLock) {
       });
       for (int i = 0; i < 10000 && !done.load(); ++i) absl::SleepFor(absl::Milliseconds(1));
       const bool in_time = done.load();
-      if (!in_time) gate.Open();
+      if (!in_time) buffers.SetOpen(true);
       t.join();
       return in_time;
     };
@@ -555,7 +584,7 @@ TEST_F(TransferTest, ADroppedDeviceBufferIsFreedOffTheReceiversLock) {
     ASSERT_TRUE(returns([&] { aborted = rx.Abort("aborted").status(); }))
         << "the abort waited for its buffer's free";
     EXPECT_TRUE(aborted.ok()) << aborted;
-    ASSERT_TRUE(gate.AwaitEntered(1));
+    ASSERT_TRUE(buffers.AwaitEntered(1, absl::Seconds(10)));
     EXPECT_EQ(b_->stats().slots_live, 0) << "the slot is freed at once";
     absl::Status next;
     EXPECT_TRUE(returns([&] { next = reserve("expires"); }))
@@ -568,13 +597,13 @@ TEST_F(TransferTest, ADroppedDeviceBufferIsFreedOffTheReceiversLock) {
     EXPECT_EQ(expired, 1);
     EXPECT_EQ(rx.open(), 0);
     EXPECT_EQ(b_->stats().slots_live, 0);
-    absl::MutexLock lock(&gate.mu);
-    EXPECT_EQ(gate.entered, 1) << "the second free waits behind the first, on the reaper";
-    EXPECT_EQ(gate.freed, 0) << "nothing was freed past the gate";
+    EXPECT_EQ(buffers.entered(), 1) << "the second free waits behind the first, on the reaper";
+    EXPECT_EQ(buffers.AwaitFreed(0, absl::ZeroDuration()).size(), 0u)
+        << "nothing was freed past the gate";
   }
-  absl::MutexLock lock(&gate.mu);
-  EXPECT_EQ(gate.made, 2);
-  EXPECT_EQ(gate.freed, gate.made) << "every buffer freed, once, by the time the receiver went";
+  EXPECT_EQ(buffers.made(), 2);
+  EXPECT_EQ(buffers.AwaitFreed(0, absl::ZeroDuration()).size(), 2u)
+      << "every buffer freed, once, by the time the receiver went";
 }
 
 // On CUDA the free itself waits while a doorbell wait runs, and every other CUDA call of the
@@ -583,47 +612,13 @@ TEST_F(TransferTest, ADroppedDeviceBufferIsFreedOffTheReceiversLock) {
 // oldest is freed all the same; the rest once it says yes; and whatever is held when the
 // receiver goes, with it.
 TEST_F(TransferTest, ADroppedDeviceBufferWaitsForAQuietDevice) {
-  struct Counts {
-    absl::Mutex mu;
-    int made ABSL_GUARDED_BY(mu) = 0;
-    std::vector<int> freed ABSL_GUARDED_BY(mu);  // buffers by the order they were made
-    // Waits up to 5 s for `n` frees; the buffers freed so far.
-    std::vector<int> Await(size_t n) {
-      absl::MutexLock lock(&mu);
-      struct Arg {
-        Counts* c;
-        size_t n;
-      } arg{this, n};
-      mu.AwaitWithTimeout(
-          absl::Condition(
-              +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->c->freed.size() >= a->n; },
-              &arg),
-          absl::Seconds(5));
-      return freed;
-    }
-  } counts;
-  class CountedBuffer final : public cache::BackendBuffer {
-   public:
-    CountedBuffer(size_t n, Counts* c, int index) : bytes_(n), counts_(c), index_(index) {}
-    ~CountedBuffer() override {
-      absl::MutexLock lock(&counts_->mu);
-      counts_->freed.push_back(index_);
-    }
-    void* data() const override { return bytes_.data(); }
-    size_t size() const override { return bytes_.size(); }
-
-   private:
-    mutable std::vector<uint8_t> bytes_;
-    Counts* counts_;
-    int index_;
-  };
+  WatchedBuffers buffers;
   std::atomic<bool> quiet{false};
   ReceiverOptions o{.max_open = 2, .path = SlotIoPath::kDeviceDirect};
-  o.allocate_device = [&](size_t n) -> absl::StatusOr<std::unique_ptr<cache::BackendBuffer>> {
-    absl::MutexLock lock(&counts.mu);
-    return std::make_unique<CountedBuffer>(n, &counts, counts.made++);
-  };
+  o.allocate_device = buffers.Allocator();
   o.device_quiet = [&] { return quiet.load(); };
+  // The buffers freed once `n` were, or 5 s passed.
+  auto freed = [&](int n) { return buffers.AwaitFreed(n, absl::Seconds(5)); };
   {
     Receiver rx(b_.get(), ucx_b_.get(), o);
     const StateFormat f = StateFormat::Of(a_->model());
@@ -634,27 +629,26 @@ TEST_F(TransferTest, ADroppedDeviceBufferWaitsForAQuietDevice) {
     drop("a");
     drop("b");
     absl::SleepFor(absl::Milliseconds(100));
-    EXPECT_EQ(counts.Await(0), std::vector<int>{}) << "two held, the device busy: none freed";
+    EXPECT_EQ(freed(0), std::vector<int>{}) << "two held, the device busy: none freed";
     EXPECT_EQ(rx.held_device_buffers(), 2);
     EXPECT_EQ(b_->stats().slots_live, 0) << "the slots go at once";
     drop("c");
-    EXPECT_EQ(counts.Await(1), std::vector<int>{0}) << "past max_open held, the oldest goes";
+    EXPECT_EQ(freed(1), std::vector<int>{0}) << "past max_open held, the oldest goes";
     absl::SleepFor(absl::Milliseconds(50));
-    EXPECT_EQ(counts.Await(1), std::vector<int>{0}) << "and no other";
+    EXPECT_EQ(freed(1), std::vector<int>{0}) << "and no other";
     EXPECT_EQ(rx.held_device_buffers(), 2);
     EXPECT_EQ(rx.forced_device_frees(), 1);
     quiet = true;
-    EXPECT_EQ(counts.Await(3), (std::vector<int>{0, 1, 2})) << "quiet: the rest, in order";
+    EXPECT_EQ(freed(3), (std::vector<int>{0, 1, 2})) << "quiet: the rest, in order";
     EXPECT_EQ(rx.held_device_buffers(), 0);
     EXPECT_EQ(rx.forced_device_frees(), 1) << "a quiet free is not forced";
     quiet = false;
     drop("d");
     absl::SleepFor(absl::Milliseconds(50));
-    EXPECT_EQ(counts.Await(3).size(), 3u) << "busy again: held";
+    EXPECT_EQ(freed(3).size(), 3u) << "busy again: held";
   }
-  EXPECT_EQ(counts.Await(4), (std::vector<int>{0, 1, 2, 3})) << "held ones go with the receiver";
-  absl::MutexLock lock(&counts.mu);
-  EXPECT_EQ(counts.made, 4);
+  EXPECT_EQ(freed(4), (std::vector<int>{0, 1, 2, 3})) << "held ones go with the receiver";
+  EXPECT_EQ(buffers.made(), 4);
 }
 
 // The owners' bounds: admit is asked before a reservation is made (its refusal makes none),

@@ -85,8 +85,9 @@ struct ReceiverOptions {
   std::function<bool()> accepting;
   // Where device-direct receive buffers come from (a test's, to watch when they are freed);
   // null: the cache's backend memory.
-  std::function<absl::StatusOr<std::unique_ptr<cache::BackendBuffer>>(size_t bytes)>
-      allocate_device;
+  using AllocateDevice =
+      std::function<absl::StatusOr<std::unique_ptr<cache::BackendBuffer>>(size_t bytes)>;
+  AllocateDevice allocate_device;
   // Whether freeing device memory now would wait for nothing long (the service on CUDA: no
   // planned forward open, so no doorbell wait running). A dropped device-direct buffer is held
   // until then, off the lock, and freed on a thread of the receiver's own; past max_open held
