@@ -15,6 +15,7 @@
 // Mapping another process's memory needs another process: the test binary runs itself again
 // as the exporter (the DISABLED_ test below, which only that child runs).
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <spawn.h>
@@ -70,8 +71,15 @@ TEST(CudaIpcPeer, DISABLED_ExportsMemoryUntilItsInputCloses) {
 class IpcExporter {
  public:
   IpcExporter() {
+    // Close-on-exec: the child keeps only fds 3 and 4 (dup2 clears the flag there), so that the
+    // hold pipe's write end is the parent's alone and closing it ends the child.
     int out[2], hold[2];
-    if (pipe(out) != 0 || pipe(hold) != 0) return;
+    if (pipe2(out, O_CLOEXEC) != 0) return;
+    if (pipe2(hold, O_CLOEXEC) != 0) {
+      close(out[0]);
+      close(out[1]);
+      return;
+    }
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, out[1], kHandleFd);
@@ -156,8 +164,6 @@ class RunningWait {
   }
   const rssm_launch& launch() const { return l_; }
   uint32_t* Host(int i) const { return static_cast<uint32_t*>(host_) + i; }
-  uint32_t* Word() const { return static_cast<uint32_t*>(word_); }
-  uint32_t ticket() const { return ticket_; }
 
  private:
   void* word_ = nullptr;
