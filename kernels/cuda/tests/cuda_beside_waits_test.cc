@@ -33,13 +33,15 @@
 #include <thread>
 #include <vector>
 
+#include "device_words.h"
 #include "replayssm/kernels.h"
 
 extern char** environ;
 
 namespace {
 
-#define ASSERT_RSSM(call) ASSERT_EQ((call), RSSM_OK) << rssm_last_error()
+using replayssm::kernels::cuda::testing::DeviceWords;
+using replayssm::kernels::cuda::testing::HostWords;
 
 constexpr char kExporterEnv[] = "REPLAYSSM_TEST_IPC_EXPORTER";
 constexpr int kHandleFd = 3, kHoldFd = 4;  // the exporter's: handle out, hold in
@@ -132,42 +134,31 @@ class IpcExporter {
 // A release wait on its own stream, running (its word never rung) until Release.
 class RunningWait {
  public:
-  RunningWait() {
-    EXPECT_EQ(rssm_alloc(RSSM_BACKEND_CUDA, 4, &word_), RSSM_OK);
-    EXPECT_EQ(rssm_alloc_host(RSSM_BACKEND_CUDA, 12, &host_), RSSM_OK);
-    std::memset(host_, 0, 12);
+  RunningWait() : word_(1), host_(3) {
+    word_.Set(0, 0);
     EXPECT_EQ(rssm_stream_create(RSSM_BACKEND_CUDA, &l_.stream), RSSM_OK);
-    const uint32_t zero = 0;
-    EXPECT_EQ(rssm_memcpy(&l_, word_, &zero, 4, RSSM_COPY_HOST_TO_DEVICE), RSSM_OK);
-    EXPECT_EQ(rssm_synchronize(&l_), RSSM_OK);
   }
   ~RunningWait() {
     Release();
     rssm_stream_destroy(RSSM_BACKEND_CUDA, l_.stream);
-    rssm_free_host(RSSM_BACKEND_CUDA, host_);
-    rssm_free(RSSM_BACKEND_CUDA, word_);
   }
   void Start() {
-    const rssm_release rel{Host(0), ++ticket_, Host(1)};
-    EXPECT_EQ(rssm_stream_wait_value32_or(&l_, static_cast<uint32_t*>(word_), 1, &rel), RSSM_OK);
+    const rssm_release rel{host_.at(0), ++ticket_, host_.at(1)};
+    EXPECT_EQ(rssm_stream_wait_value32_or(&l_, word_.at(0), 1, &rel), RSSM_OK);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // running, not just queued
   }
   void Release() {
-    std::atomic_ref<uint32_t>(*Host(0)).store(ticket_, std::memory_order_release);
+    host_.Set(0, ticket_);
     EXPECT_EQ(rssm_synchronize(&l_), RSSM_OK);
   }
   // Whether the last Start's wait ran until its Release (its word is never rung: it records
   // its ticket as ended unrung).
-  bool EndedByItsRelease() const {
-    return std::atomic_ref<uint32_t>(*Host(1 + ticket_ % 2)).load(std::memory_order_acquire) ==
-           ticket_;
-  }
+  bool EndedByItsRelease() const { return host_.Get(1 + ticket_ % 2) == ticket_; }
   const rssm_launch& launch() const { return l_; }
-  uint32_t* Host(int i) const { return static_cast<uint32_t*>(host_) + i; }
 
  private:
-  void* word_ = nullptr;
-  void* host_ = nullptr;
+  DeviceWords word_;
+  HostWords host_;  // the release word, the outcome pair
   uint32_t ticket_ = 0;
   rssm_launch l_{RSSM_BACKEND_CUDA, nullptr};
 };
@@ -271,38 +262,33 @@ TEST_F(CudaBesideAWait, DestroyingAnEventHoldsNothing) {
   ASSERT_RSSM(rssm_stream_destroy(RSSM_BACKEND_CUDA, idle.stream));
 }
 
-// Recordings on a stream of their own, each a release wait on a device word then a write; the
-// release word and outcome pair in host memory.
+// Recordings on a stream of their own, each a release wait on device word 0 then a write of
+// word 1; the release word and outcome pair in host memory.
 class Recordings {
  public:
-  Recordings() {
-    EXPECT_EQ(rssm_alloc(RSSM_BACKEND_CUDA, 16, &words_), RSSM_OK);
+  Recordings() : words_(2), host_(3) {
+    words_.Set(0, 0);
+    words_.Set(1, 0);
     EXPECT_EQ(rssm_stream_create(RSSM_BACKEND_CUDA, &l_.stream), RSSM_OK);
-    EXPECT_EQ(rssm_memset(&l_, words_, 0, 16), RSSM_OK);
-    EXPECT_EQ(rssm_synchronize(&l_), RSSM_OK);
-    EXPECT_EQ(rssm_alloc_host(RSSM_BACKEND_CUDA, 12, &host_), RSSM_OK);
-    std::memset(host_, 0, 12);
   }
   ~Recordings() {
     Release(0x7fffffffu);
     rssm_synchronize(&l_);
     rssm_stream_destroy(RSSM_BACKEND_CUDA, l_.stream);
-    rssm_free_host(RSSM_BACKEND_CUDA, host_);
-    rssm_free(RSSM_BACKEND_CUDA, words_);
   }
   rssm_graph* Record() {
     rssm_graph* g = nullptr;
-    const rssm_release rel{hw(), 1, hw() + 1};
+    const rssm_release rel{host_.at(0), 1, host_.at(1)};
     EXPECT_EQ(rssm_capture_begin(&l_), RSSM_OK);
-    EXPECT_EQ(rssm_stream_wait_value32_or(&l_, wd(), 5, &rel), RSSM_OK);
-    EXPECT_EQ(rssm_stream_write_value32(&l_, wd() + 1, 5), RSSM_OK);
+    EXPECT_EQ(rssm_stream_wait_value32_or(&l_, words_.at(0), 5, &rel), RSSM_OK);
+    EXPECT_EQ(rssm_stream_write_value32(&l_, words_.at(1), 5), RSSM_OK);
     EXPECT_EQ(rssm_capture_end(&l_, 1, &g), RSSM_OK);
     EXPECT_NE(g, nullptr);
     return g;
   }
   // A launch that runs through (its word rung first) and is waited for.
   void RunThrough(rssm_graph* g) {
-    EXPECT_EQ(rssm_stream_raise_value32(&l_, wd(), 5), RSSM_OK);
+    EXPECT_EQ(rssm_stream_raise_value32(&l_, words_.at(0), 5), RSSM_OK);
     EXPECT_EQ(rssm_graph_launch(&l_, g, 5, 1), RSSM_OK);
     EXPECT_EQ(rssm_synchronize(&l_), RSSM_OK);
   }
@@ -311,15 +297,11 @@ class Recordings {
     EXPECT_EQ(rssm_graph_launch(&l_, g, 6, 2), RSSM_OK);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  void Release(uint32_t ticket) {
-    std::atomic_ref<uint32_t>(*hw()).store(ticket, std::memory_order_release);
-  }
+  void Release(uint32_t ticket) { host_.Set(0, ticket); }
 
  private:
-  uint32_t* wd() const { return static_cast<uint32_t*>(words_); }
-  uint32_t* hw() const { return static_cast<uint32_t*>(host_); }
-  void* words_ = nullptr;
-  void* host_ = nullptr;
+  DeviceWords words_;
+  HostWords host_;
   rssm_launch l_{RSSM_BACKEND_CUDA, nullptr};
 };
 
