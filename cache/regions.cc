@@ -209,12 +209,31 @@ absl::Status CheckSpec(const RegionSpec& spec) {
   return absl::OkStatus();
 }
 
+// How many CUDA regions' unmappings wait for a quiet device at most (then the oldest goes all
+// the same): a client registering and unregistering in a loop while forwards stay open.
+constexpr size_t kMaxHeldUnmaps = 16;
+
 }  // namespace
 
-RegionTable::RegionTable(int32_t backend, RegionLimits limits)
-    : backend_(backend), limits_(limits) {}
+RegionTable::RegionTable(int32_t backend, RegionLimits limits,
+                         std::function<bool()> device_quiet)
+    : backend_(backend),
+      limits_(limits),
+      unmaps_(device_quiet != nullptr
+                  ? std::make_shared<QuietRelease>(std::move(device_quiet), kMaxHeldUnmaps)
+                  : nullptr) {}
 
-RegionTable::~RegionTable() = default;
+// device_quiet may read state its owner destroys after the table: the unmaps still held go now,
+// and those of leases that outlive the table go as their last lease does.
+RegionTable::~RegionTable() {
+  if (unmaps_ != nullptr) unmaps_->Stop();
+}
+
+int RegionTable::held_unmaps() const { return unmaps_ != nullptr ? unmaps_->held() : 0; }
+
+int64_t RegionTable::forced_unmaps() const {
+  return unmaps_ != nullptr ? unmaps_->forced() : 0;
+}
 
 absl::Status RegionTable::Register(const RegionSpec& spec) {
   if (absl::Status st = CheckSpec(spec); !st.ok()) return st;
@@ -232,7 +251,14 @@ absl::Status RegionTable::Register(const RegionSpec& spec) {
     PruneRetiredLocked();
     if (absl::Status st = CheckLimitsLocked(spec.bytes); !st.ok()) return st;
   }
-  auto m = std::make_shared<Mapping>();
+  // The last holder unmaps it: a CUDA region through unmaps_ (when the device is quiet).
+  std::shared_ptr<Mapping> m(new Mapping, [unmaps = unmaps_](Mapping* p) {
+    if (unmaps != nullptr && p->info.kind == RegionKind::kCuda && p->map_base != nullptr) {
+      unmaps->Add([p] { delete p; });
+    } else {
+      delete p;
+    }
+  });
   m->backend = backend_;
   m->info = RegionInfo{spec.name, spec.kind, spec.bytes, spec.device, 0, absl::Now()};
   absl::Status st = spec.kind == RegionKind::kSystem ? MapSystem(spec, backend_, *m)

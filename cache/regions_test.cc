@@ -5,7 +5,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_replace.h"
@@ -128,6 +132,49 @@ TEST(RegionTable, UnregisterWhileLeasedKeepsTheMemoryUntilTheLeaseEnds) {
   EXPECT_EQ(t.Unregister("r").code(), absl::StatusCode::kNotFound);
   // The name is free again.
   EXPECT_TRUE(t.Register(System("r", shm, 0, 4096)).ok());
+}
+
+// Whether `base` is mapped in this process (its line in /proc/self/maps).
+bool Mapped(const void* base) {
+  std::ifstream maps("/proc/self/maps");
+  const uintptr_t at = reinterpret_cast<uintptr_t>(base);
+  std::string line;
+  while (std::getline(maps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) == 2 && at >= lo && at < hi) return true;
+  }
+  return false;
+}
+
+// Only a CUDA region's unmapping waits for a quiet device (cache/regions.h): a table given
+// device_quiet, the device never quiet, unmaps a shm region as its last lease goes and never
+// asks; a lease that outlives the table still unmaps it.
+TEST(RegionTable, AQuietCheckHoldsNoSharedMemoryRegion) {
+  ShmObject shm(4096);
+  int asked = 0;
+  auto t = std::make_unique<RegionTable>(RSSM_BACKEND_CPU, RegionLimits{}, [&] {
+    ++asked;
+    return false;
+  });
+  ASSERT_TRUE(t->Register(System("r", shm, 0, 4096)).ok());
+  absl::StatusOr<RegionLease> l = t->Acquire("r", 0, 4096, 64, "out");
+  ASSERT_TRUE(l.ok());
+  void* const mapped = l->data();
+  EXPECT_TRUE(Mapped(mapped));
+  ASSERT_TRUE(t->Unregister("r").ok());
+  *l = RegionLease();
+  EXPECT_FALSE(Mapped(mapped)) << "unmapped as its last lease went";
+  EXPECT_EQ(t->held_unmaps(), 0);
+  EXPECT_EQ(t->forced_unmaps(), 0);
+  ASSERT_TRUE(t->Register(System("s", shm, 0, 4096)).ok());
+  absl::StatusOr<RegionLease> outlives = t->Acquire("s", 0, 4096, 64, "out");
+  ASSERT_TRUE(outlives.ok());
+  void* const second = outlives->data();
+  t.reset();
+  EXPECT_TRUE(Mapped(second));
+  *outlives = RegionLease();
+  EXPECT_FALSE(Mapped(second));
+  EXPECT_EQ(asked, 0);
 }
 
 TEST(RegionTable, ARegionUnregisteredWhileLeasedCountsAgainstTheLimitsUntilItsLeaseEnds) {

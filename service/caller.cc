@@ -101,13 +101,27 @@ int32_t TenantRegions::ExpireIdle(absl::Time cutoff) {
   return n;
 }
 
+int64_t TenantRegions::held_unmaps() {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (auto& [tenant, table] : tables_) n += table->held_unmaps();
+  return n;
+}
+
+int64_t TenantRegions::forced_unmaps() {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (auto& [tenant, table] : tables_) n += table->forced_unmaps();
+  return n;
+}
+
 cache::RegionTable* TenantRegions::For(TenantId tenant, const std::string& name) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<cache::RegionTable>& t = tables_[tenant];
   if (t == nullptr) {
     cache::RegionLimits limits = limits_;
     limits.key_prefix = absl::StrCat("/", name, ":");
-    t = std::make_unique<cache::RegionTable>(backend_, limits);
+    t = std::make_unique<cache::RegionTable>(backend_, limits, device_quiet_);
   }
   return t.get();
 }

@@ -5,8 +5,10 @@
 #ifndef REPLAYSSM_SERVICE_CALLER_H_
 #define REPLAYSSM_SERVICE_CALLER_H_
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -42,15 +44,21 @@ absl::Status CheckStillAuthorized(const grpc::ServerContextBase& c, const Servic
 // object exists. Thread-safe.
 class TenantRegions {
  public:
-  TenantRegions(int32_t backend, cache::RegionLimits limits) : backend_(backend), limits_(limits) {}
+  // device_quiet: each table's (cache/regions.h).
+  TenantRegions(int32_t backend, cache::RegionLimits limits, std::function<bool()> device_quiet)
+      : backend_(backend), limits_(limits), device_quiet_(std::move(device_quiet)) {}
   // `name`: the tenant's name (its shm key prefix).
   cache::RegionTable* For(TenantId tenant, const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   // RegionTable::ExpireIdle over every tenant's table (--region-ttl).
   int32_t ExpireIdle(absl::Time cutoff) ABSL_LOCKS_EXCLUDED(mu_);
+  // RegionTable::held_unmaps and forced_unmaps over every tenant's table.
+  int64_t held_unmaps() ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t forced_unmaps() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const int32_t backend_;
   const cache::RegionLimits limits_;
+  const std::function<bool()> device_quiet_;
   absl::Mutex mu_;
   absl::flat_hash_map<TenantId, std::unique_ptr<cache::RegionTable>> tables_ ABSL_GUARDED_BY(mu_);
 };

@@ -287,6 +287,16 @@ std::vector<prometheus::MetricFamily> CacheCollector::Collect() const {
   AddSample(streams, g.open_decode_streams, {{"method", "DecodeStream"}});
   AddSample(streams, g.open_watch_streams, {{"method", "WatchCache"}});
   out.push_back(std::move(streams));
+  AddSingle(out, "replayssm_region_unmaps_held",
+            "Unregistered CUDA IPC regions whose unmapping waits for no planned forward to be "
+            "open (on CUDA an unmapping waits for the running doorbell waits, with every CUDA "
+            "call of the server)",
+            MetricType::Gauge, g.region_unmaps_held);
+  AddSingle(out, "replayssm_region_unmaps_forced_total",
+            "CUDA IPC regions unmapped while planned forwards were open, past 16 held: each "
+            "such unmapping held every CUDA call of the server until the running doorbell "
+            "waits ended",
+            MetricType::Counter, g.region_unmaps_forced);
   AddSingle(out, "replayssm_device_failed",
             "1 once a device failed its check (--device-check-interval): all new work refused",
             MetricType::Gauge, g.device_failed ? 1 : 0);

@@ -68,6 +68,10 @@ struct ServiceGauges {
   bool device_failed = false;        // the device check found a device that takes no work
   int64_t open_decode_streams = 0;   // against --max-streams
   int64_t open_watch_streams = 0;    // against --max-watchers
+  // CUDA regions whose unmapping waits for no planned forward to be open, and those unmapped
+  // all the same past 16 held (cache/regions.h), every table.
+  int64_t region_unmaps_held = 0;
+  int64_t region_unmaps_forced = 0;
 };
 
 // Exposes StateCache::stats() and the service gauges on every scrape.

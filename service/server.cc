@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -280,7 +281,8 @@ class ServerImpl final : public Server {
                   "--max-watchers", "--tenant-max-watchers"),
         regions_(device_.backend,
                  cache::RegionLimits{options.max_regions,
-                                     static_cast<uint64_t>(options.max_region_bytes)}),
+                                     static_cast<uint64_t>(options.max_region_bytes)},
+                 DeviceQuiet()),
         metrics_(options.max_batch) {
     ctx_.cache = cache_.get();
     ctx_.regions = &regions_;
@@ -362,8 +364,9 @@ class ServerImpl final : public Server {
     tokens_ = *std::move(tokens);
     if (auto w = ExposureWarning("auth-tokens", options_.auth_tokens_file)) warnings_.push_back(*w);
     tenant_regions_ = std::make_unique<TenantRegions>(
-        device_.backend, cache::RegionLimits{options_.max_regions,
-                                             static_cast<uint64_t>(options_.max_region_bytes)});
+        device_.backend,
+        cache::RegionLimits{options_.max_regions, static_cast<uint64_t>(options_.max_region_bytes)},
+        DeviceQuiet());
     ctx_.tokens = tokens_.get();
     ctx_.tenant_regions = tenant_regions_.get();
     // Calls look at the file at most once a second when they come; streams already open
@@ -636,7 +639,11 @@ class ServerImpl final : public Server {
                            publisher_ ? publisher_->published() : 0,
                            gate_.failed(),
                            streams_.open(),
-                           watchers_.open()};
+                           watchers_.open(),
+                           regions_.held_unmaps() +
+                               (tenant_regions_ ? tenant_regions_->held_unmaps() : 0),
+                           regions_.forced_unmaps() +
+                               (tenant_regions_ ? tenant_regions_->forced_unmaps() : 0)};
     });
     exposer_->RegisterCollectable(metrics_.registry());
     exposer_->RegisterCollectable(collector_);
@@ -644,6 +651,13 @@ class ServerImpl final : public Server {
     metrics_address_ =
         absl::StrCat(HostOf(options_.metrics_address), ":", ports.empty() ? 0 : ports.front());
     return absl::OkStatus();
+  }
+
+  // On CUDA, whether no planned forward is open, so that no doorbell wait runs: a CUDA region's
+  // unmapping waits for that (cache/regions.h). Null on the CPU.
+  std::function<bool()> DeviceQuiet() {
+    if (device_.backend != RSSM_BACKEND_CUDA) return nullptr;
+    return [this] { return gate_.open_planned() == 0; };
   }
 
   const ServerOptions options_;
@@ -654,9 +668,9 @@ class ServerImpl final : public Server {
   RequestLog requests_;
   StreamLimit streams_;
   StreamLimit watchers_;
+  ForwardGate gate_;  // before the region tables: their unmaps ask it until they stop
   cache::RegionTable regions_;  // leases held by open forwards keep their mappings alive
   Metrics metrics_;
-  ForwardGate gate_;
   ServiceContext ctx_;
   std::unique_ptr<SlotLeases> leases_;  // --slot-ttl; stopped before the cache goes
   std::unique_ptr<TokenStore> tokens_;  // --auth-tokens; null: one tenant

@@ -524,6 +524,12 @@ TEST_F(TenantsTest, RegionsAreTheTenantsOwn) {
   auto alice_all = client_->RegionStatus();
   ASSERT_TRUE(alice_all.ok());
   EXPECT_EQ(alice_all->regions_size(), 1);
+  // Unmapped at once (shm; only a CUDA region's unmapping waits for no planned forward open,
+  // on a CUDA server), and the held and forced series over every tenant's table exist at 0.
+  EXPECT_TRUE(client_->UnregisterRegion("engine").ok());
+  EXPECT_TRUE(bob_->UnregisterRegion("engine").ok());
+  EXPECT_EQ(Metric("replayssm_region_unmaps_held"), 0);
+  EXPECT_EQ(Metric("replayssm_region_unmaps_forced_total"), 0);
 }
 
 // Issue 31 §4: any tenant could register any shm object of the host (another engine's

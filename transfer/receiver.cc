@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <deque>
 #include <functional>
 #include <thread>
 
@@ -39,78 +38,6 @@ struct Receiver::Buffer {
     return Reservation{worker, region->addr(), region->rkey(), static_cast<int64_t>(payload),
                        bell == nullptr ? 0 : reinterpret_cast<uint64_t>(bell)};
   }
-};
-
-// Dropped device-direct memory, held until the device is quiet (or past `bound` held, the
-// oldest at once), then freed on its thread.
-class Receiver::Reaper {
- public:
-  Reaper(std::function<bool()> quiet, size_t bound)
-      : quiet_(std::move(quiet)), bound_(bound), thread_([this] { Run(); }) {}
-  ~Reaper() {  // frees what it holds, quiet or not
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    thread_.join();
-  }
-  void Add(std::unique_ptr<cache::BackendBuffer> b) {
-    absl::MutexLock lock(&mu_);
-    held_.push_back(std::move(b));
-  }
-  int held() const {
-    absl::MutexLock lock(&mu_);
-    return static_cast<int>(held_.size());
-  }
-  int64_t forced() const {
-    absl::MutexLock lock(&mu_);
-    return forced_;
-  }
-
- private:
-  // How often a held buffer asks again whether the device is quiet.
-  static constexpr absl::Duration kPoll = absl::Milliseconds(10);
-
-  void Run() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // unlocks around the calls out
-    absl::MutexLock lock(&mu_);
-    for (;;) {
-      mu_.Await(absl::Condition(
-          +[](Reaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || !r->held_.empty(); },
-          this));
-      if (held_.empty()) return;  // stopping, nothing held
-      bool now = stop_ || !quiet_;
-      bool forced = false;
-      if (!now) {
-        mu_.Unlock();  // quiet_ takes the service's locks
-        now = quiet_();
-        mu_.Lock();
-        if (!now && held_.size() > bound_) now = forced = true;
-      }
-      if (!now) {
-        mu_.AwaitWithTimeout(absl::Condition(
-                                 +[](Reaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                   return r->stop_ || r->held_.size() > r->bound_;
-                                 },
-                                 this),
-                             kPoll);
-        continue;
-      }
-      std::unique_ptr<cache::BackendBuffer> oldest = std::move(held_.front());
-      held_.pop_front();
-      if (forced) ++forced_;
-      mu_.Unlock();
-      oldest.reset();  // on CUDA: may wait for the running kernels
-      mu_.Lock();
-    }
-  }
-
-  const std::function<bool()> quiet_;
-  const size_t bound_;
-  mutable absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<std::unique_ptr<cache::BackendBuffer>> held_ ABSL_GUARDED_BY(mu_);  // oldest first
-  int64_t forced_ ABSL_GUARDED_BY(mu_) = 0;  // freed past bound_, the device busy
-  std::thread thread_;
 };
 
 // The hand-over between a reservation's import thread and Commit / Abort.
@@ -150,8 +77,8 @@ Receiver::Receiver(cache::StateCache* cache, UcxTransport* ucx, ReceiverOptions 
           cache->options().backend, cache->options().tp_size, ucx->takes_device_memory()))),
       depth_(std::max(kImportDepth, options.import_threads + 2)),
       writers_(std::make_unique<TaskPool>(options.import_threads)),
-      reaper_(std::make_unique<Reaper>(options.device_quiet,
-                                       static_cast<size_t>(std::max(options.max_open, 1)))) {}
+      reaper_(std::make_unique<cache::QuietRelease>(
+          options.device_quiet, static_cast<size_t>(std::max(options.max_open, 1)))) {}
 
 Receiver::~Receiver() {
   absl::MutexLock lock(&mu_);
@@ -212,7 +139,10 @@ void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
   // side; device memory then goes to the reaper, to be freed off the lock (see reaper_).
   if (p.buffer != nullptr) {
     p.buffer->region.reset();
-    if (p.buffer->device != nullptr) reaper_->Add(std::move(p.buffer->device));
+    if (p.buffer->device != nullptr) {
+      std::shared_ptr<cache::BackendBuffer> dev = std::move(p.buffer->device);
+      reaper_->Add([dev]() mutable { dev.reset(); });
+    }
     p.buffer.reset();
   }
   pending_.erase(it);  // its claim settles as aborted

@@ -49,7 +49,8 @@ case "$what" in
                   '/InvariantRefusals/,/labels:/ s/> 0$/> 5/' \
                   '/ReplaySSMDown/,/for:/ s/== 0$/== 2/' \
                   '/alert: ReplaySSMDrainStuck/,/labels:/ s/\[5m\]/[1m]/' \
-                  '/TransferBufferStalls/,/labels:/ s/) > 0$/) > 1/'; do
+                  '/TransferBufferStalls/,/labels:/ s/) > 0$/) > 1/' \
+                  '/RegionUnmapStalls/,/labels:/ s/) > 0$/) > 1/'; do
       cp "$dir/alerts.yml" "$tmp/alerts.yml"
       sed -i "$change" "$tmp/alerts.yml"
       if cmp -s "$dir/alerts.yml" "$tmp/alerts.yml"; then

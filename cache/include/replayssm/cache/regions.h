@@ -7,13 +7,19 @@
 // Ownership: the table maps a region once at Register and keeps the mapping while it is
 // registered; every RegionLease (a checked range, held by a forward while it may touch it)
 // keeps it too, so Unregister while a forward uses the region takes the name away at once
-// (new uses: NOT_FOUND) and unmaps only when the last lease has gone.
+// (new uses: NOT_FOUND) and unmaps only when the last lease has gone. On CUDA, unmapping a
+// client's IPC region waits for every running kernel and holds every other CUDA call of the
+// process meanwhile (an H100, 2026-12-07: bench/results/gpu_tests.md), a planned forward's
+// doorbell waits among them: a table given `device_quiet` (the service on CUDA: no planned
+// forward open) holds a CUDA region's unmapping until then, on a thread of its own
+// (QuietRelease, past 16 held the oldest at once).
 //
 // Thread safety: every method is thread-safe.
 #ifndef REPLAYSSM_CACHE_REGIONS_H_
 #define REPLAYSSM_CACHE_REGIONS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -26,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/io_memory.h"
+#include "replayssm/cache/quiet_release.h"
 
 namespace replayssm::cache {
 
@@ -95,8 +102,10 @@ class RegionLease {
 
 class RegionTable {
  public:
-  // backend: the cache's (a kCuda region needs RSSM_BACKEND_CUDA).
-  RegionTable(int32_t backend, RegionLimits limits);
+  // backend: the cache's (a kCuda region needs RSSM_BACKEND_CUDA). device_quiet: as above;
+  // null: every mapping is unmapped at once by whoever drops it last.
+  RegionTable(int32_t backend, RegionLimits limits,
+              std::function<bool()> device_quiet = nullptr);
   ~RegionTable();
   RegionTable(const RegionTable&) = delete;
   RegionTable& operator=(const RegionTable&) = delete;
@@ -132,6 +141,10 @@ class RegionTable {
   int32_t ExpireIdle(absl::Time cutoff) ABSL_LOCKS_EXCLUDED(mu_);
 
   int32_t backend() const { return backend_; }
+  // CUDA regions whose unmapping waits for a quiet device now, and those unmapped all the same
+  // past the bound (0 without device_quiet).
+  int held_unmaps() const;
+  int64_t forced_unmaps() const;
 
   // Rings every 32-bit word of `lease` (memory the backend uses in place) with `value` where it
   // has not reached it (rssm_stream_raise_value32: a later ring is never set back) and returns
@@ -142,6 +155,9 @@ class RegionTable {
  private:
   const int32_t backend_;
   const RegionLimits limits_;
+  // Unmaps CUDA regions when the device is quiet; shared with the mappings (a lease may outlive
+  // the table), stopped by the table's destructor.
+  const std::shared_ptr<QuietRelease> unmaps_;
   // A region unregistered while leases held it (ExpireIdle takes no leased one): its mapping
   // lives until the last lease ends, and until then it still counts against --max-regions and
   // --max-region-bytes (else register, lease, unregister again and again piled up mappings

@@ -46,6 +46,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "replayssm/cache/quiet_release.h"
 #include "replayssm/cache/slot_io.h"
 #include "replayssm/cache/state_cache.h"
 #include "replayssm/transfer/peer.h"
@@ -149,7 +150,6 @@ class Receiver {
   using Clock = std::chrono::steady_clock;
   struct Buffer;    // a registered receive buffer (host, UCX-allocated; or backend memory)
   struct Importer;  // one reservation's import thread and its hand-over with Commit
-  class Reaper;     // frees dropped device-direct memory (ReceiverOptions::device_quiet)
   // An admitted reservation's hold on its owner's bound (ReceiverOptions::admit): settled once,
   // by Settle (Commit: the slot, or as aborted) or, never settled, as aborted when it goes.
   class Claim {
@@ -219,7 +219,7 @@ class Receiver {
   // for every kernel running on the device, a planned forward's doorbell wait included (it
   // runs until its engine rings), and every other thread's CUDA calls wait with it (H100,
   // 2026-12-07). Freed under mu_, it held every transfer of the server that long.
-  std::unique_ptr<Reaper> reaper_;
+  std::unique_ptr<cache::QuietRelease> reaper_;
   mutable absl::Mutex mu_;
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Committed> committed_ ABSL_GUARDED_BY(mu_);  // until acknowledged
