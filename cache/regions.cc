@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "device_buffer.h"
 #include "doorbells.h"
+#include "replayssm/cache/quiet_release.h"
 #include "replayssm/kernels.h"
 
 namespace replayssm::cache {

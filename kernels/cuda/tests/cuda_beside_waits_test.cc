@@ -223,6 +223,13 @@ Beside RunBeside(RunningWait& wait, const std::function<void()>& call,
   return r;
 }
 
+// A "Reported" case's measurement: printed, not asserted.
+void Report(const char* what, const Beside& b) {
+  std::printf("[ reported ] %s: call %.3f, copies %.3f ms (-1: held until the release)\n", what,
+              b.call_ms, b.copies_ms);
+  std::fflush(stdout);
+}
+
 void ExpectNeitherHeld(const Beside& b, const char* what) {
   EXPECT_GE(b.call_ms, 0) << what << " did not return while the wait ran";
   EXPECT_GE(b.copies_ms, 0) << "another thread's copies did not return while " << what
@@ -328,13 +335,9 @@ TEST_F(CudaBesideAWait, DestroyingARecordingWhoseLaunchWaitsIsReported) {
   rssm_graph* waiting = r.Record();
   r.LeaveWaiting(waiting);
   RunningWait w;
-  const Beside b = RunBeside(
-      w, [&] { EXPECT_EQ(rssm_graph_destroy(waiting), RSSM_OK); }, [&] { r.Release(2); });
-  std::printf(
-      "[ recording ] destroyed while its launch waited: call %.3f, copies %.3f ms "
-      "(-1: held until the release)\n",
-      b.call_ms, b.copies_ms);
-  std::fflush(stdout);
+  Report("destroying a recording while its launch waits",
+         RunBeside(
+             w, [&] { EXPECT_EQ(rssm_graph_destroy(waiting), RSSM_OK); }, [&] { r.Release(2); }));
 }
 
 // A client's region: registered (mapped) and deregistered (its last lease gone) while other
@@ -360,12 +363,8 @@ TEST_F(CudaBesideAWait, MappingAClientsMemoryHoldsNothingAndItsUnmappingIsReport
                     "mapping a client's memory");
   ASSERT_NE(mapped, nullptr);
   EXPECT_GE(bytes, size_t{1} << 20);
-  const Beside unmap =
-      RunBeside(w, [&] { EXPECT_EQ(rssm_ipc_close(RSSM_BACKEND_CUDA, mapped), RSSM_OK); });
-  std::printf(
-      "[ client memory ] unmapping: call %.3f, copies %.3f ms (-1: held until the release)\n",
-      unmap.call_ms, unmap.copies_ms);
-  std::fflush(stdout);
+  Report("unmapping a client's memory",
+         RunBeside(w, [&] { EXPECT_EQ(rssm_ipc_close(RSSM_BACKEND_CUDA, mapped), RSSM_OK); }));
 }
 
 // Pinned host memory: a lane's staging at its first operation, host snapshot buffers. On an
@@ -379,11 +378,8 @@ TEST_F(CudaBesideAWait, PinningHostMemoryHoldsNothingAndUnpinningIsReported) {
                 [&] { EXPECT_EQ(rssm_alloc_host(RSSM_BACKEND_CUDA, 64 << 20, &pinned), RSSM_OK); }),
       "pinning 64 MiB of host memory");
   ASSERT_NE(pinned, nullptr);
-  const Beside unpin =
-      RunBeside(w, [&] { EXPECT_EQ(rssm_free_host(RSSM_BACKEND_CUDA, pinned), RSSM_OK); });
-  std::printf("[ pinned memory ] unpinning: call %.3f, copies %.3f ms (-1: held until the release)\n",
-              unpin.call_ms, unpin.copies_ms);
-  std::fflush(stdout);
+  Report("unpinning it",
+         RunBeside(w, [&] { EXPECT_EQ(rssm_free_host(RSSM_BACKEND_CUDA, pinned), RSSM_OK); }));
 }
 
 // Device memory: recorded, not asserted (a free is known to wait; the server defers its frees
@@ -391,14 +387,9 @@ TEST_F(CudaBesideAWait, PinningHostMemoryHoldsNothingAndUnpinningIsReported) {
 TEST_F(CudaBesideAWait, DeviceAllocationAndFreeAreReported) {
   RunningWait w;
   void* p = nullptr;
-  const Beside a =
-      RunBeside(w, [&] { EXPECT_EQ(rssm_alloc(RSSM_BACKEND_CUDA, 64 << 20, &p), RSSM_OK); });
-  const Beside f = RunBeside(w, [&] { EXPECT_EQ(rssm_free(RSSM_BACKEND_CUDA, p), RSSM_OK); });
-  std::printf(
-      "[ device memory ] alloc: call %.3f, copies %.3f; free: call %.3f, copies %.3f "
-      "(-1: held until the release)\n",
-      a.call_ms, a.copies_ms, f.call_ms, f.copies_ms);
-  std::fflush(stdout);
+  Report("allocating 64 MiB of device memory",
+         RunBeside(w, [&] { EXPECT_EQ(rssm_alloc(RSSM_BACKEND_CUDA, 64 << 20, &p), RSSM_OK); }));
+  Report("freeing it", RunBeside(w, [&] { EXPECT_EQ(rssm_free(RSSM_BACKEND_CUDA, p), RSSM_OK); }));
 }
 
 }  // namespace

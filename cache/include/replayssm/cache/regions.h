@@ -32,7 +32,6 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "replayssm/cache/io_memory.h"
-#include "replayssm/cache/quiet_release.h"
 
 namespace replayssm::cache {
 
@@ -63,6 +62,8 @@ struct RegionInfo {
   int64_t leases = 0;  // forwards (and other users) holding a range of it now
   absl::Time last_use = absl::InfinitePast();  // registered, or a lease taken (Acquire*)
 };
+
+class QuietRelease;  // quiet_release.h
 
 namespace internal {
 struct Mapping;  // one mapped region; unmapped by its destructor
