@@ -819,6 +819,63 @@ TEST_F(DataPlaneTest, UnregisteringARegionInUseWaitsForTheForward) {
       << refused.status();
 }
 
+// Unmapping a client's CUDA region waits for every running kernel (a planned forward's doorbell
+// wait among them) and holds every other CUDA call of the server meanwhile (H100, 2026-12-07).
+// So an unregistered CUDA region is unmapped once no planned forward is open; past 16 held, the
+// oldest at once all the same (counted as forced). Shared memory is unmapped at once. Either
+// way the open forward commits and the server serves on.
+TEST_F(DataPlaneTest, UnregisteredRegionsAreUnmappedOnceNoPlannedForwardIsOpen) {
+#ifdef REPLAYSSM_TEST_CUDA
+  const bool cuda = EngineOnGpu();
+#else
+  const bool cuda = false;
+#endif
+  constexpr int kRegions = 20;  // the server holds 16 at most
+  std::vector<std::unique_ptr<EngineMemory>> others;
+  for (int i = 0; i < kRegions; ++i) {
+    others.push_back(std::make_unique<EngineMemory>(model(), 1));
+    ASSERT_TRUE(others.back()->Register(*client_, absl::StrCat("other", i)).ok()) << i;
+  }
+  const std::vector<uint64_t> s = {NewSlot()};
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->BeginWith(PlannedDecode(s, 5)).ok());  // its doorbell wait runs
+  for (int i = 0; i < kRegions; ++i) {
+    ASSERT_TRUE(client_->UnregisterRegion(absl::StrCat("other", i)).ok()) << i;
+  }
+  const double held = Scrape(*server_, "replayssm_region_unmaps_held");
+  auto forced = [&] { return Scrape(*server_, "replayssm_region_unmaps_forced_total"); };
+  if (cuda) {
+    // The first past the bound unmaps at once and waits in the unmapping for the doorbell wait.
+    EXPECT_GE(held, 16);
+    EXPECT_LE(held, kRegions);
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (forced() < 1 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(forced(), 1) << "one forced, waiting for the forward";
+  } else {
+    EXPECT_EQ(held, 0) << "shared memory is unmapped at once";
+    EXPECT_EQ(forced(), 0);
+  }
+  std::thread engine([&] { mem_->Drive(Layers(1), 5); });
+  EXPECT_TRUE(stream->Commit().ok());
+  engine.join();
+  EXPECT_EQ(client_->GetSlot(s[0])->seq_len(), 1);
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (Scrape(*server_, "replayssm_region_unmaps_held") != 0 && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(Scrape(*server_, "replayssm_region_unmaps_held"), 0) << "quiet: every held one goes";
+  if (cuda) {
+    // Those past the bound after the first went as the forward ended: forced while it was
+    // still open, not once it was closed.
+    EXPECT_GE(forced(), 1);
+    EXPECT_LE(forced(), kRegions - 16);
+  } else {
+    EXPECT_EQ(forced(), 0);
+  }
+  EXPECT_TRUE(RunPlanned(*stream, PlannedDecode(s, 6), Layers(1), 6).ok());
+  EXPECT_EQ(client_->GetSlot(s[0])->seq_len(), 2);
+}
+
 TEST_F(DataPlaneTest, PipelinedBeginsCloseThePlannedForwardBeforeThem) {
   const std::vector<uint64_t> planned = {NewSlot(), NewSlot()}, inl = {NewSlot(), NewSlot()};
   auto stream = client_->OpenStream();

@@ -242,4 +242,9 @@ double Sample(const std::string& text, const std::string& series) {
   return -1;
 }
 
+double Scrape(const ServerProcess& p, const std::string& series) {
+  absl::StatusOr<std::string> text = HttpGet(p.metrics_address(), "/metrics");
+  return text.ok() ? Sample(*text, series) : -2;
+}
+
 }  // namespace replayssm::testing

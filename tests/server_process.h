@@ -58,6 +58,10 @@ int CreateOwnShm(const std::string& key);
 // in Prometheus text; -1 when absent.
 double Sample(const std::string& text, const std::string& series);
 
+// The value of the sample `series` on p's /metrics now; -1 when absent, -2 when /metrics could
+// not be read.
+double Scrape(const ServerProcess& p, const std::string& series);
+
 }  // namespace replayssm::testing
 
 #endif  // REPLAYSSM_TESTS_SERVER_PROCESS_H_

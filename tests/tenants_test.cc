@@ -82,11 +82,6 @@ class TenantsTest : public ServiceTest {
     ASSERT_TRUE(ref.ok()) << ref.status();
     ref_ = *std::move(ref);
   }
-  double Metric(const std::string& series) {
-    auto text = HttpGet(server_->metrics_address(), "/metrics");
-    EXPECT_TRUE(text.ok()) << text.status();
-    return text.ok() ? Sample(*text, series) : -1;
-  }
 
   TokenFile tokens_{Tokens()};
   std::unique_ptr<Client> bob_;
@@ -100,8 +95,10 @@ TEST_F(TenantsTest, ACallWithoutATokenIsUnauthenticatedAndCounted) {
                                 anonymous->OpenStream()->Begin({}).status()}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
   }
-  EXPECT_GE(Metric("replayssm_auth_failures_total{reason=\"missing\"}"), 6);
-  EXPECT_GE(Metric("replayssm_rpcs_total{code=\"UNAUTHENTICATED\",method=\"Allocate\"}"), 1);
+  EXPECT_GE(Scrape(*server_, "replayssm_auth_failures_total{reason=\"missing\"}"), 6);
+  EXPECT_GE(
+      Scrape(*server_, "replayssm_rpcs_total{code=\"UNAUTHENTICATED\",method=\"Allocate\"}"),
+      1);
   auto health = anonymous->Health();  // probes need no token
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
@@ -112,7 +109,7 @@ TEST_F(TenantsTest, AWrongTokenIsUnauthenticatedAndNeverEchoed) {
   auto a = wrong->Allocate();
   EXPECT_EQ(a.status().code(), absl::StatusCode::kUnauthenticated) << a.status();
   EXPECT_EQ(a.status().message().find("not-a-token"), std::string::npos) << a.status();
-  EXPECT_GE(Metric("replayssm_auth_failures_total{reason=\"unknown\"}"), 1);
+  EXPECT_GE(Scrape(*server_, "replayssm_auth_failures_total{reason=\"unknown\"}"), 1);
   EXPECT_TRUE(client_->Allocate().ok()) << "alice's token works";
   EXPECT_TRUE(As(*server_, kAlice2)->Allocate().ok()) << "so does her second one";
 }
@@ -331,7 +328,7 @@ TEST_F(TenantsTest, ARemovedTokenEndsTheStreamsItOpened) {
   ASSERT_TRUE(client_->Donate(slot).ok()) << "alice's other token still works";
   EXPECT_FALSE(watch->Read(&batch)) << "the removed token's watcher got the donation's event";
   EXPECT_EQ(watch->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_EQ(Metric("replayssm_auth_failures_total{reason=\"revoked\"}"), 2);
+  EXPECT_EQ(Scrape(*server_, "replayssm_auth_failures_total{reason=\"revoked\"}"), 2);
 }
 
 // A watcher of a quiet tenant: its stream checked the token only before a batch went out, so
@@ -396,7 +393,7 @@ TEST_F(TenantsTest, TwoAuthorizationHeadersAreRefused) {
   EXPECT_NE(st.error_message().find("expected one `authorization: Bearer <token>` header, got 2"),
             std::string::npos)
       << st.error_message();
-  EXPECT_EQ(Metric("replayssm_auth_failures_total{reason=\"malformed\"}"), 1);
+  EXPECT_EQ(Scrape(*server_, "replayssm_auth_failures_total{reason=\"malformed\"}"), 1);
 }
 
 // --tenant-max-streams and --tenant-max-watchers: one tenant's open streams cannot take every
@@ -482,7 +479,7 @@ TEST_F(TenantDedupTest, AnotherTenantsFloodOfIdsKeepsTheRetriesOfOneWithinItsSha
   auto listed = client_->ListSlots();
   ASSERT_TRUE(listed.ok());
   EXPECT_EQ(listed->slots_size(), 1);
-  EXPECT_EQ(Metric("replayssm_dedup_replays_total"), 1);
+  EXPECT_EQ(Scrape(*server_, "replayssm_dedup_replays_total"), 1);
 }
 
 // A POSIX shm object of `bytes` named `key`, unlinked when it goes.
@@ -528,8 +525,8 @@ TEST_F(TenantsTest, RegionsAreTheTenantsOwn) {
   // on a CUDA server), and the held and forced series over every tenant's table exist at 0.
   EXPECT_TRUE(client_->UnregisterRegion("engine").ok());
   EXPECT_TRUE(bob_->UnregisterRegion("engine").ok());
-  EXPECT_EQ(Metric("replayssm_region_unmaps_held"), 0);
-  EXPECT_EQ(Metric("replayssm_region_unmaps_forced_total"), 0);
+  EXPECT_EQ(Scrape(*server_, "replayssm_region_unmaps_held"), 0);
+  EXPECT_EQ(Scrape(*server_, "replayssm_region_unmaps_forced_total"), 0);
 }
 
 // Issue 31 §4: any tenant could register any shm object of the host (another engine's

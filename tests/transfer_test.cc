@@ -63,11 +63,6 @@ class TransferTest : public ServiceTest {
       EXPECT_EQ(da->layers(l).out().data(), db->layers(l).out().data()) << "layer " << l;
     }
   }
-  double Metric(const ServerProcess& p, const std::string& series) {
-    auto text = HttpGet(p.metrics_address(), "/metrics");
-    EXPECT_TRUE(text.ok()) << text.status();
-    return text.ok() ? Sample(*text, series) : -1;
-  }
 };
 
 // Every failure series exists from the start at 0: one born at its first failure (already at
@@ -76,15 +71,15 @@ class TransferTest : public ServiceTest {
 TEST_F(TransferTest, FailureSeriesExistAtZeroBeforeAnyFailure) {
   for (const char* reason : {"UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "UNAUTHENTICATED"}) {
     for (const char* role : {"initiator", "peer"}) {
-      EXPECT_EQ(Metric(*server_, absl::StrCat("replayssm_transfer_failures_total{reason=\"", reason,
+      EXPECT_EQ(Scrape(*server_, absl::StrCat("replayssm_transfer_failures_total{reason=\"", reason,
                                               "\",role=\"", role, "\"}")),
                 0)
           << reason << " " << role;
     }
   }
   // The receiver's dropped device-direct buffers (none on a CPU server, but the series exist).
-  EXPECT_EQ(Metric(*server_, "replayssm_transfer_dropped_buffers_held"), 0);
-  EXPECT_EQ(Metric(*server_, "replayssm_transfer_dropped_buffers_forced_total"), 0);
+  EXPECT_EQ(Scrape(*server_, "replayssm_transfer_dropped_buffers_held"), 0);
+  EXPECT_EQ(Scrape(*server_, "replayssm_transfer_dropped_buffers_forced_total"), 0);
 }
 
 TEST_F(TransferTest, DecodeOnTheReceiverContinuesExactlyAsOnTheSender) {
@@ -101,7 +96,7 @@ TEST_F(TransferTest, DecodeOnTheReceiverContinuesExactlyAsOnTheSender) {
   EXPECT_EQ(on_b->seq_len(), 7);
   EXPECT_EQ(on_b->write_pos(), 0);
   ExpectSameStateAndDecode(*cb, s, r->remote_slot());
-  EXPECT_EQ(Metric(*server_, "replayssm_transfer_bytes_total"),
+  EXPECT_EQ(Scrape(*server_, "replayssm_transfer_bytes_total"),
             static_cast<double>(r->bytes()));
   // Without keep_source the sender's slot is released.
   auto moved = client_->TransferSlot(s, b->grpc_address(), /*keep_source=*/false);
@@ -155,7 +150,7 @@ TEST_F(TransferTest, ADrainingServerTakesNoIncomingStateAndTheSenderKeepsItsSour
     double n = 0;
     for (const char* reason :
          {"UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED", "UNAUTHENTICATED"}) {
-      n += Metric(*server_, absl::StrCat("replayssm_transfer_failures_total{reason=\"", reason,
+      n += Scrape(*server_, absl::StrCat("replayssm_transfer_failures_total{reason=\"", reason,
                                          "\",role=\"peer\"}"));
     }
     return n;
@@ -203,7 +198,7 @@ TEST_F(TransferTest, ADrainWaitsForItsReservationsToBeDecided) {
   mover.join();
   ASSERT_FALSE(late.ok()) << "committed into a draining server";
   EXPECT_TRUE(absl::StrContains(late.status().message(), "draining")) << late.status();
-  EXPECT_EQ(Metric(*server_, "replayssm_transfer_in_doubt"), 0) << late.status();
+  EXPECT_EQ(Scrape(*server_, "replayssm_transfer_in_doubt"), 0) << late.status();
   EXPECT_EQ(client_->Export(s)->SerializeAsString(), before) << "the source, released";
   EXPECT_TRUE(client_->Decode(DecodeRequest({s}, Layers(1))).ok());
   auto exit = b->WaitExit(absl::Seconds(30));
@@ -221,10 +216,10 @@ TEST_F(TransferTest, PeerChannelsAreBounded) {
     EXPECT_FALSE(r.ok());
   }
   EXPECT_TRUE(client_->GetSlot(s).ok());
-  for (int i = 0; i < 100 && Metric(*server_, "replayssm_transfer_peer_channels") < 64; ++i) {
+  for (int i = 0; i < 100 && Scrape(*server_, "replayssm_transfer_peer_channels") < 64; ++i) {
     absl::SleepFor(absl::Milliseconds(50));  // the gauge's 200 ms update
   }
-  EXPECT_EQ(Metric(*server_, "replayssm_transfer_peer_channels"), 64);
+  EXPECT_EQ(Scrape(*server_, "replayssm_transfer_peer_channels"), 64);
 }
 
 TEST_F(TransferTest, ShapeMismatchIsRefusedBeforeAnyByteMoves) {
@@ -277,7 +272,7 @@ TEST_F(TransferTest, AReceiverDyingBeforeTheCommitLeavesTheSourceLockedUntilAske
   EXPECT_NE(r.status().message().find("retry with request_id dying-1"), std::string::npos)
       << "whether B committed is unknown: " << r.status();
   EXPECT_EQ(client_->GetSlot(s)->seq_len(), 7) << "the source is still here";
-  EXPECT_EQ(Metric(*server_,
+  EXPECT_EQ(Scrape(*server_,
                    "replayssm_transfer_failures_total{reason=\"UNAVAILABLE\",role=\"initiator\"}"),
             1);
   // B restarts at the proxy's address with nothing: asked, it decides "aborted"; the retry
@@ -311,12 +306,12 @@ TEST_F(TransferTest, SenderDyingAfterThePutIsCleanedUpByTheLease) {
   ASSERT_TRUE(slot.ok());
   auto r = ca->TransferSlot(slot->slot(), proxy->address(), false);
   EXPECT_FALSE(r.ok()) << "the sender died";
-  EXPECT_EQ(Metric(*b, "replayssm_transfer_reservations"), 1);
+  EXPECT_EQ(Scrape(*b, "replayssm_transfer_reservations"), 1);
   auto cb = Client::Connect(b->grpc_address());
   EXPECT_EQ(cb->Stats()->slots_live(), 1) << "reserved";
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   EXPECT_EQ(cb->Stats()->slots_live(), 0) << "the lease released the reservation";
-  EXPECT_EQ(Metric(*b, "replayssm_transfer_reservations"), 0);
+  EXPECT_EQ(Scrape(*b, "replayssm_transfer_reservations"), 0);
 }
 
 // The receiver sees a checksum that is not the payload's (the proxy flips a bit of the
@@ -341,9 +336,9 @@ TEST_F(TransferTest, APayloadThatDoesNotMatchItsChecksumIsRefused) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
   EXPECT_EQ(Observe(s), before);
   EXPECT_EQ(Client::Connect(b->grpc_address())->Stats()->slots_live(), 0);
-  EXPECT_EQ(Metric(*b, "replayssm_transfer_failures_total{reason=\"DATA_LOSS\",role=\"peer\"}"), 1)
+  EXPECT_EQ(Scrape(*b, "replayssm_transfer_failures_total{reason=\"DATA_LOSS\",role=\"peer\"}"), 1)
       << "the receiver refused the commit";
-  EXPECT_EQ(Metric(*server_,
+  EXPECT_EQ(Scrape(*server_,
                    "replayssm_transfer_failures_total{reason=\"DATA_LOSS\",role=\"initiator\"}"),
             1)
       << "the sender's move failed";
@@ -371,9 +366,9 @@ TEST_F(TransferTest, PullFormBringsThePeersSlotHere) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
   // The failed move is B's (the puller's) to page for: A counts its push as the peer's.
   const std::string not_found = "replayssm_transfer_failures_total{reason=\"NOT_FOUND\",role=";
-  EXPECT_EQ(Metric(*b, not_found + "\"initiator\"}"), 1);
-  EXPECT_EQ(Metric(*server_, not_found + "\"initiator\"}"), 0);
-  EXPECT_EQ(Metric(*server_, not_found + "\"peer\"}"), 1);
+  EXPECT_EQ(Scrape(*b, not_found + "\"initiator\"}"), 1);
+  EXPECT_EQ(Scrape(*server_, not_found + "\"initiator\"}"), 0);
+  EXPECT_EQ(Scrape(*server_, not_found + "\"peer\"}"), 1);
   auto dead = cb->PullSlot(s, "127.0.0.1:1", false);
   EXPECT_EQ(dead.status().code(), absl::StatusCode::kUnavailable) << dead.status();
   auto bad = cb->PullSlot(s, server_->grpc_address(), false, "0.0.0.0:5");
