@@ -15,7 +15,7 @@ constexpr absl::Duration kPoll = absl::Milliseconds(10);
 QuietRelease::QuietRelease(std::function<bool()> quiet, size_t bound)
     : quiet_(std::move(quiet)), bound_(bound), thread_([this] { Run(); }) {}
 
-void QuietRelease::Add(std::function<void()> release) {
+void QuietRelease::Add(absl::AnyInvocable<void()> release) {
   {
     absl::MutexLock lock(&mu_);
     if (!stop_) {
@@ -71,7 +71,7 @@ void QuietRelease::Run() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // unlocks around the
                            kPoll);
       continue;
     }
-    std::function<void()> oldest = std::move(held_.front());
+    absl::AnyInvocable<void()> oldest = std::move(held_.front());
     held_.pop_front();
     if (forced) ++forced_;
     mu_.Unlock();

@@ -140,10 +140,8 @@ void Receiver::DropLocked(std::map<std::string, Pending>::iterator it) {
   if (p.buffer != nullptr) {
     p.buffer->region.reset();
     if (p.buffer->device != nullptr) {
-      // Moved into the release, not copied: a copy left here could be the last owner when
-      // the reaper runs first, and free the buffer on this thread, under the lock.
-      reaper_->Add([dev = std::shared_ptr<cache::BackendBuffer>(std::move(p.buffer->device))]()
-                       mutable { dev.reset(); });
+      // Moved into the release: the reaper is its only owner, so it is freed there.
+      reaper_->Add([dev = std::move(p.buffer->device)]() mutable { dev.reset(); });
     }
     p.buffer.reset();
   }

@@ -10,6 +10,9 @@
 // later Add run its release at once on the caller's thread: an owner whose `quiet` reads
 // state it is about to destroy stops its releaser first.
 //
+// A release is move-only and owns what it releases (a buffer moved into it, not a copy of a
+// shared pointer: a copy left with the caller could be the last owner and release it there).
+//
 // Thread safety: every method is thread-safe; Stop must not be called from a release.
 #ifndef REPLAYSSM_CACHE_QUIET_RELEASE_H_
 #define REPLAYSSM_CACHE_QUIET_RELEASE_H_
@@ -21,6 +24,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/synchronization/mutex.h"
 
 namespace replayssm::cache {
@@ -32,7 +36,7 @@ class QuietRelease {
   QuietRelease(const QuietRelease&) = delete;
   QuietRelease& operator=(const QuietRelease&) = delete;
 
-  void Add(std::function<void()> release) ABSL_LOCKS_EXCLUDED(mu_);
+  void Add(absl::AnyInvocable<void()> release) ABSL_LOCKS_EXCLUDED(mu_);
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
   int held() const ABSL_LOCKS_EXCLUDED(mu_);
   int64_t forced() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -44,7 +48,7 @@ class QuietRelease {
   const size_t bound_;
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<std::function<void()>> held_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::deque<absl::AnyInvocable<void()>> held_ ABSL_GUARDED_BY(mu_);  // oldest first
   int64_t forced_ ABSL_GUARDED_BY(mu_) = 0;  // run past bound_, the device busy
   absl::Mutex join_mu_;  // one Stop joins the thread
   std::thread thread_;
